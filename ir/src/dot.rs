@@ -1,0 +1,71 @@
+//! Graphviz export: one box per node, coloured by the dtype it writes; casts are diamonds.
+
+use crate::{DType, Graph, Op};
+use std::fmt::Write;
+
+/// Fill colour for each dtype, so a glance shows where low precision runs.
+pub fn dtype_colour(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "#9ecae1",
+        DType::BF16 => "#fdae6b",
+        DType::F16 => "#fb6a4a",
+        DType::I32 | DType::I64 => "#d9d9d9",
+        DType::Bool => "#f0f0f0",
+    }
+}
+
+/// The graph in DOT, with a legend of the dtypes it uses.
+pub fn to_dot(g: &Graph) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "digraph \"{}\" {{", escape(&g.name));
+    out.push_str("  rankdir=TB;\n  node [style=filled, fontname=\"Helvetica\", fontsize=10];\n");
+    let mut used = Vec::new();
+    for (n, data) in g.nodes() {
+        let first = data.outputs[0];
+        let ty = g.ty(first);
+        if !used.contains(&ty.dtype) {
+            used.push(ty.dtype);
+        }
+        let shape = match data.op {
+            Op::Cast { .. } => "diamond",
+            Op::Input => "invhouse",
+            Op::Param => "note",
+            _ => "box",
+        };
+        let mut label = format!("{}\\n{}", escape(g.name(first)), data.op.mnemonic());
+        for &v in &data.outputs {
+            let _ = write!(label, "\\n{}", g.ty(v));
+        }
+        let _ = writeln!(
+            out,
+            "  {n} [label=\"{label}\", shape={shape}, fillcolor=\"{}\"];",
+            dtype_colour(ty.dtype)
+        );
+        for &v in &data.inputs {
+            let _ = writeln!(out, "  {} -> {n};", g.value(v).producer);
+        }
+    }
+    for (i, &v) in g.outputs().iter().enumerate() {
+        let _ = writeln!(
+            out,
+            "  out{i} [label=\"return {}\", shape=house, fillcolor=white];",
+            escape(g.name(v))
+        );
+        let _ = writeln!(out, "  {} -> out{i};", g.value(v).producer);
+    }
+    used.sort();
+    out.push_str("  subgraph cluster_legend {\n    label=\"dtype\";\n");
+    for d in used {
+        let _ = writeln!(
+            out,
+            "    legend_{d} [label=\"{d}\", shape=box, fillcolor=\"{}\"];",
+            dtype_colour(d)
+        );
+    }
+    out.push_str("  }\n}\n");
+    out
+}
+
+fn escape(s: &str) -> String {
+    s.replace('\\', "\\\\").replace('"', "\\\"")
+}

@@ -1,0 +1,109 @@
+//! Element types and tensor types.
+//!
+//! Floating-point values of every float dtype are *computed* in F32 by the executors; the
+//! dtype of a value says where the result is rounded when it is stored.
+
+use std::fmt;
+use std::str::FromStr;
+
+/// The element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DType {
+    F32,
+    F16,
+    BF16,
+    I32,
+    I64,
+    Bool,
+}
+
+impl DType {
+    pub const ALL: [DType; 6] = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::I32,
+        DType::I64,
+        DType::Bool,
+    ];
+
+    /// The name used in the IR text (`f32`, `bf16`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::Bool => "bool",
+        }
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    pub fn is_int(self) -> bool {
+        matches!(self, DType::I32 | DType::I64)
+    }
+
+    /// True for the 16-bit float types that mixed precision stores.
+    pub fn is_low_precision(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16)
+    }
+
+    /// Bytes one element occupies on a device.
+    pub fn size_bytes(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::I64 => 8,
+            DType::Bool => 1,
+        }
+    }
+}
+
+impl fmt::Display for DType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for DType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        DType::ALL
+            .into_iter()
+            .find(|d| d.name() == s)
+            .ok_or_else(|| {
+                format!("unknown dtype `{s}` (expected one of f32, f16, bf16, i32, i64, bool)")
+            })
+    }
+}
+
+/// A tensor's static type: element type and shape.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorType {
+    pub dtype: DType,
+    pub shape: crate::Shape,
+}
+
+impl TensorType {
+    pub fn new(dtype: DType, shape: impl Into<crate::Shape>) -> Self {
+        TensorType {
+            dtype,
+            shape: shape.into(),
+        }
+    }
+
+    /// Bytes the tensor occupies, or `None` if the element count overflows.
+    pub fn size_bytes(&self) -> Option<usize> {
+        self.shape.numel()?.checked_mul(self.dtype.size_bytes())
+    }
+}
+
+impl fmt::Display for TensorType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}{}", self.dtype, self.shape)
+    }
+}

@@ -1,0 +1,208 @@
+//! The dataflow graph: nodes and values in arenas, in definition order.
+
+use crate::{IrError, Node, Op, OpClass, TensorType, Value};
+use std::collections::HashMap;
+
+/// Where a node was written, for graphs parsed from text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Location {
+    pub line: usize,
+    pub column: usize,
+}
+
+/// One operation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeData {
+    pub op: Op,
+    /// Operands, each defined by an earlier node.
+    pub inputs: Vec<Value>,
+    /// Results, in order; every node has at least one.
+    pub outputs: Vec<Value>,
+    /// A free-text note printed as a trailing `# comment` (passes record reasons here).
+    pub note: Option<String>,
+}
+
+/// One tensor.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValueData {
+    /// Unique within the graph; traces back to the model (`h.3.attn.qkv`). For sources it is
+    /// the binding name: the input's name or the parameter's checkpoint tensor name.
+    pub name: String,
+    pub ty: TensorType,
+    pub producer: Node,
+    /// Position among the producer's outputs.
+    pub index: usize,
+}
+
+/// A tensor program.
+///
+/// Invariants (checked by [`crate::verify`]): every operand of node `n` is produced by a node
+/// before `n`, so `nodes` is a topological order; value names are unique; every node's result
+/// types agree with its op's typing rule.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Graph {
+    pub name: String,
+    nodes: Vec<NodeData>,
+    values: Vec<ValueData>,
+    outputs: Vec<Value>,
+    by_name: HashMap<String, Value>,
+    /// Source positions, parallel to `nodes`, when the graph was parsed from text.
+    locations: Vec<Option<Location>>,
+}
+
+impl Graph {
+    pub fn new(name: impl Into<String>) -> Self {
+        Graph {
+            name: name.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Appends a node whose results have the given names and types. Names must be new; the
+    /// operands are not checked here (the verifier does that), so passes and the parser can
+    /// build first and verify once.
+    pub fn push_node(
+        &mut self,
+        op: Op,
+        inputs: Vec<Value>,
+        outputs: Vec<(String, TensorType)>,
+    ) -> Result<Node, IrError> {
+        let node = Node(self.nodes.len() as u32);
+        let mut out_ids = Vec::with_capacity(outputs.len());
+        for (index, (name, ty)) in outputs.into_iter().enumerate() {
+            if self.by_name.contains_key(&name) {
+                return Err(IrError::DuplicateName { name });
+            }
+            let v = Value(self.values.len() as u32);
+            self.by_name.insert(name.clone(), v);
+            self.values.push(ValueData {
+                name,
+                ty,
+                producer: node,
+                index,
+            });
+            out_ids.push(v);
+        }
+        self.nodes.push(NodeData {
+            op,
+            inputs,
+            outputs: out_ids,
+            note: None,
+        });
+        self.locations.push(None);
+        Ok(node)
+    }
+
+    pub fn set_location(&mut self, node: Node, loc: Location) {
+        self.locations[node.index()] = Some(loc);
+    }
+
+    pub fn location(&self, node: Node) -> Option<Location> {
+        self.locations[node.index()]
+    }
+
+    pub fn set_note(&mut self, node: Node, note: Option<String>) {
+        self.nodes[node.index()].note = note;
+    }
+
+    /// Changes a value's dtype (for passes that assign precision; the verifier checks it).
+    pub fn retype(&mut self, v: Value, dtype: crate::DType) {
+        self.values[v.index()].ty.dtype = dtype;
+    }
+
+    pub fn set_outputs(&mut self, outputs: Vec<Value>) {
+        self.outputs = outputs;
+    }
+
+    pub fn outputs(&self) -> &[Value] {
+        &self.outputs
+    }
+
+    pub fn node(&self, n: Node) -> &NodeData {
+        &self.nodes[n.index()]
+    }
+
+    pub fn value(&self, v: Value) -> &ValueData {
+        &self.values[v.index()]
+    }
+
+    pub fn ty(&self, v: Value) -> &TensorType {
+        &self.values[v.index()].ty
+    }
+
+    pub fn name(&self, v: Value) -> &str {
+        &self.values[v.index()].name
+    }
+
+    pub fn lookup(&self, name: &str) -> Option<Value> {
+        self.by_name.get(name).copied()
+    }
+
+    pub fn num_nodes(&self) -> usize {
+        self.nodes.len()
+    }
+
+    pub fn num_values(&self) -> usize {
+        self.values.len()
+    }
+
+    /// Nodes in definition (topological) order.
+    pub fn nodes(&self) -> impl ExactSizeIterator<Item = (Node, &NodeData)> {
+        self.nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (Node(i as u32), n))
+    }
+
+    pub fn values(&self) -> impl ExactSizeIterator<Item = (Value, &ValueData)> {
+        self.values
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (Value(i as u32), v))
+    }
+
+    /// Graph inputs (`input` nodes), in order.
+    pub fn inputs(&self) -> impl Iterator<Item = Value> + '_ {
+        self.sources(Op::Input)
+    }
+
+    /// Parameters (`param` nodes), in order.
+    pub fn params(&self) -> impl Iterator<Item = Value> + '_ {
+        self.sources(Op::Param)
+    }
+
+    fn sources(&self, kind: Op) -> impl Iterator<Item = Value> + '_ {
+        self.nodes
+            .iter()
+            .filter(move |n| n.op == kind)
+            .map(|n| n.outputs[0])
+    }
+
+    /// For each value, the nodes that use it (in order, once per use).
+    pub fn users(&self) -> Vec<Vec<Node>> {
+        let mut users = vec![Vec::new(); self.values.len()];
+        for (n, data) in self.nodes() {
+            for &v in &data.inputs {
+                if let Some(u) = users.get_mut(v.index()) {
+                    u.push(n);
+                }
+            }
+        }
+        users
+    }
+
+    /// Number of nodes of each class, sources excluded.
+    pub fn class_counts(&self) -> Vec<(OpClass, usize)> {
+        OpClass::ALL
+            .iter()
+            .map(|&c| {
+                let count = self
+                    .nodes
+                    .iter()
+                    .filter(|n| !n.op.is_source() && n.op.class() == c)
+                    .count();
+                (c, count)
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,32 @@
+//! castor's tensor IR.
+//!
+//! A [`Graph`] holds nodes and values in arenas addressed by typed `u32` ids ([`Node`],
+//! [`Value`]); both are stored in definition order, which is a topological order. Each node
+//! applies one [`Op`]; each op has one [`OpClass`]. The text format ([`text::print`],
+//! [`text::parse`]) round-trips exactly; [`verify`] checks every invariant; [`to_dot`] draws a
+//! graph.
+//!
+//! This crate knows nothing of files, devices or passes.
+
+mod builder;
+mod dot;
+mod dtype;
+mod entities;
+mod error;
+mod graph;
+mod op;
+mod shape;
+mod tensor;
+pub mod text;
+mod verify;
+
+pub use builder::{is_name_char, sanitize_name, GraphBuilder};
+pub use dot::{dtype_colour, to_dot};
+pub use dtype::{DType, TensorType};
+pub use entities::{Node, Value};
+pub use error::{IrError, Site};
+pub use graph::{Graph, Location, NodeData, ValueData};
+pub use op::{Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
+pub use shape::Shape;
+pub use tensor::{relative_error, round_to, Tensor, TensorData};
+pub use verify::verify;

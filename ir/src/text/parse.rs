@@ -1,0 +1,429 @@
+use crate::builder::is_name_char;
+use crate::{Attr, DType, Graph, IrError, Location, Op, Shape, TensorType, Value};
+use std::collections::HashMap;
+
+/// Parses the text format. Names may be used before their definition line (the verifier then
+/// reports the cycle or the use-before-definition); every error carries a line and column.
+pub fn parse(text: &str) -> Result<Graph, IrError> {
+    let mut lines = text.lines().enumerate().map(|(i, l)| (i + 1, l));
+    let mut header = None;
+    for (no, line) in lines.by_ref() {
+        let t = line.trim();
+        if t.is_empty() || t.starts_with('#') {
+            continue;
+        }
+        header = Some((no, line));
+        break;
+    }
+    let (hno, hline) = header.ok_or_else(|| err(1, 1, "empty input: expected `graph NAME {`"))?;
+    let mut c = Cursor::new(hno, hline);
+    c.keyword("graph")?;
+    let name = c.name("a graph name")?;
+    c.punct('{')?;
+    c.end()?;
+
+    let mut stmts = Vec::new();
+    let mut ret: Option<(usize, Vec<(String, Location)>)> = None;
+    let mut closed = false;
+    for (no, line) in lines.by_ref() {
+        let t = line.trim();
+        if t.is_empty() || t.starts_with('#') {
+            continue;
+        }
+        let mut c = Cursor::new(no, line);
+        if t == "}" {
+            closed = true;
+            break;
+        }
+        if ret.is_some() {
+            return Err(c.error("expected `}` after `return`"));
+        }
+        if t.starts_with("return") && !t[6..].starts_with(|ch: char| is_name_char(ch)) {
+            c.keyword("return")?;
+            let mut outs = Vec::new();
+            if !c.at_end() {
+                loop {
+                    outs.push(c.value_ref()?);
+                    if !c.eat(',') {
+                        break;
+                    }
+                }
+            }
+            c.end()?;
+            ret = Some((no, outs));
+        } else {
+            stmts.push(statement(&mut c)?);
+        }
+    }
+    if !closed {
+        let last = text.lines().count().max(1);
+        return Err(err(last, 1, "missing closing `}`"));
+    }
+    for (no, line) in lines {
+        if !line.trim().is_empty() && !line.trim().starts_with('#') {
+            return Err(err(no, 1, "unexpected text after the closing `}`"));
+        }
+    }
+    let (_, outs) =
+        ret.ok_or_else(|| err(text.lines().count().max(1), 1, "missing `return` line"))?;
+
+    // Value ids follow definition order, so names can be resolved before nodes are pushed.
+    let mut ids: HashMap<&str, Value> = HashMap::new();
+    let mut next = 0u32;
+    for s in &stmts {
+        for (n, loc, _) in &s.results {
+            if ids.insert(n.as_str(), Value(next)).is_some() {
+                return Err(err(
+                    loc.line,
+                    loc.column,
+                    &format!("value `%{n}` is defined twice"),
+                ));
+            }
+            next += 1;
+        }
+    }
+    let resolve = |(n, loc): &(String, Location)| {
+        ids.get(n.as_str())
+            .copied()
+            .ok_or_else(|| err(loc.line, loc.column, &format!("unknown value `%{n}`")))
+    };
+
+    let mut g = Graph::new(name);
+    for s in &stmts {
+        let inputs = s
+            .operands
+            .iter()
+            .map(resolve)
+            .collect::<Result<Vec<_>, _>>()?;
+        let results = s
+            .results
+            .iter()
+            .map(|(n, _, t)| (n.clone(), t.clone()))
+            .collect();
+        let node = g
+            .push_node(s.op.clone(), inputs, results)
+            .map_err(|e| err(s.loc.line, s.loc.column, &e.to_string()))?;
+        g.set_location(node, s.loc);
+        g.set_note(node, s.note.clone());
+    }
+    let outputs = outs.iter().map(resolve).collect::<Result<Vec<_>, _>>()?;
+    g.set_outputs(outputs);
+    Ok(g)
+}
+
+struct Stmt {
+    results: Vec<(String, Location, TensorType)>,
+    op: Op,
+    operands: Vec<(String, Location)>,
+    note: Option<String>,
+    loc: Location,
+}
+
+fn statement(c: &mut Cursor) -> Result<Stmt, IrError> {
+    c.skip_ws();
+    let loc = c.loc();
+    let mut results = Vec::new();
+    loop {
+        let (name, nloc) = c.value_ref()?;
+        c.punct(':')?;
+        let ty = c.tensor_type()?;
+        results.push((name, nloc, ty));
+        if !c.eat(',') {
+            break;
+        }
+    }
+    c.punct('=')?;
+    c.skip_ws();
+    let op_loc = c.loc();
+    let mnemonic = c.word("an op name")?;
+    let mut operands = Vec::new();
+    if c.eat('(') {
+        if !c.eat(')') {
+            loop {
+                operands.push(c.value_ref()?);
+                if c.eat(')') {
+                    break;
+                }
+                c.punct(',')?;
+            }
+        }
+    }
+    let mut attrs = Vec::new();
+    if c.eat('{') && !c.eat('}') {
+        loop {
+            let key = c.word("an attribute name")?;
+            c.punct('=')?;
+            let value = c.attr()?;
+            attrs.push((key, value));
+            if c.eat('}') {
+                break;
+            }
+            c.punct(',')?;
+        }
+    }
+    let op = Op::from_parts(&mnemonic, attrs).map_err(|m| err(op_loc.line, op_loc.column, &m))?;
+    if op.is_source() && !operands.is_empty() {
+        return Err(err(
+            op_loc.line,
+            op_loc.column,
+            &format!("`{mnemonic}` takes no operands"),
+        ));
+    }
+    c.skip_ws();
+    let note = if c.eat('#') {
+        let rest = c.rest().trim().to_string();
+        c.pos = c.chars.len();
+        Some(rest)
+    } else {
+        None
+    };
+    c.end()?;
+    Ok(Stmt {
+        results,
+        op,
+        operands,
+        note,
+        loc,
+    })
+}
+
+fn err(line: usize, column: usize, message: &str) -> IrError {
+    IrError::Parse {
+        line,
+        column,
+        message: message.to_string(),
+    }
+}
+
+/// A position within one line.
+struct Cursor {
+    line: usize,
+    chars: Vec<char>,
+    pos: usize,
+}
+
+impl Cursor {
+    fn new(line: usize, text: &str) -> Self {
+        Cursor {
+            line,
+            chars: text.chars().collect(),
+            pos: 0,
+        }
+    }
+
+    fn loc(&self) -> Location {
+        Location {
+            line: self.line,
+            column: self.pos + 1,
+        }
+    }
+
+    /// "expected X, found Y" at the next non-blank character.
+    fn expected(&mut self, what: &str) -> IrError {
+        self.skip_ws();
+        let m = format!("expected {what}, found {}", self.found());
+        self.error(&m)
+    }
+
+    fn error(&self, message: &str) -> IrError {
+        err(self.line, self.pos + 1, message)
+    }
+
+    fn skip_ws(&mut self) {
+        while self.chars.get(self.pos).is_some_and(|c| c.is_whitespace()) {
+            self.pos += 1;
+        }
+    }
+
+    fn at_end(&mut self) -> bool {
+        self.skip_ws();
+        self.pos >= self.chars.len()
+    }
+
+    fn rest(&self) -> String {
+        self.chars[self.pos..].iter().collect()
+    }
+
+    fn peek(&mut self) -> Option<char> {
+        self.skip_ws();
+        self.chars.get(self.pos).copied()
+    }
+
+    fn eat(&mut self, ch: char) -> bool {
+        if self.peek() == Some(ch) {
+            self.pos += 1;
+            true
+        } else {
+            false
+        }
+    }
+
+    fn punct(&mut self, ch: char) -> Result<(), IrError> {
+        if self.eat(ch) {
+            Ok(())
+        } else {
+            Err(self.expected(&format!("`{ch}`")))
+        }
+    }
+
+    /// The next non-blank character, described for an error message.
+    fn found(&self) -> String {
+        match self.chars[self.pos..].iter().find(|c| !c.is_whitespace()) {
+            None => "end of line".into(),
+            Some(c) => format!("`{c}`"),
+        }
+    }
+
+    fn end(&mut self) -> Result<(), IrError> {
+        if self.at_end() {
+            Ok(())
+        } else {
+            let m = format!("unexpected {}", self.found());
+            Err(self.error(&m))
+        }
+    }
+
+    fn take_while(&mut self, f: impl Fn(char) -> bool) -> String {
+        let start = self.pos;
+        while self.chars.get(self.pos).is_some_and(|&c| f(c)) {
+            self.pos += 1;
+        }
+        self.chars[start..self.pos].iter().collect()
+    }
+
+    fn word(&mut self, what: &str) -> Result<String, IrError> {
+        self.skip_ws();
+        let w = self.take_while(|c| c.is_ascii_alphanumeric() || c == '_');
+        if w.is_empty() {
+            Err(self.expected(what))
+        } else {
+            Ok(w)
+        }
+    }
+
+    fn name(&mut self, what: &str) -> Result<String, IrError> {
+        self.skip_ws();
+        let w = self.take_while(is_name_char);
+        if w.is_empty() {
+            Err(self.expected(what))
+        } else {
+            Ok(w)
+        }
+    }
+
+    fn keyword(&mut self, kw: &str) -> Result<(), IrError> {
+        self.skip_ws();
+        let loc = self.loc();
+        let w = self.take_while(|c| c.is_ascii_alphanumeric() || c == '_');
+        if w == kw {
+            Ok(())
+        } else {
+            Err(err(
+                loc.line,
+                loc.column,
+                &format!("expected `{kw}`, found `{w}`"),
+            ))
+        }
+    }
+
+    fn value_ref(&mut self) -> Result<(String, Location), IrError> {
+        self.skip_ws();
+        let loc = self.loc();
+        if !self.eat('%') {
+            return Err(self.expected("a value like `%name`"));
+        }
+        let n = self.take_while(is_name_char);
+        if n.is_empty() {
+            return Err(self.error("expected a value name after `%`"));
+        }
+        Ok((n, loc))
+    }
+
+    fn tensor_type(&mut self) -> Result<TensorType, IrError> {
+        self.skip_ws();
+        let loc = self.loc();
+        let d = self.word("a dtype")?;
+        let dtype: DType = d
+            .parse()
+            .map_err(|m: String| err(loc.line, loc.column, &m))?;
+        self.punct('[')?;
+        let mut dims = Vec::new();
+        if !self.eat(']') {
+            loop {
+                dims.push(self.unsigned()?);
+                if self.eat(']') {
+                    break;
+                }
+                self.punct(',')?;
+            }
+        }
+        Ok(TensorType::new(dtype, Shape(dims)))
+    }
+
+    fn unsigned(&mut self) -> Result<usize, IrError> {
+        self.skip_ws();
+        let loc = self.loc();
+        let s = self.take_while(|c| c.is_ascii_digit());
+        s.parse().map_err(|_| {
+            err(
+                loc.line,
+                loc.column,
+                &format!("expected a dimension, found {}", self.found_or(&s)),
+            )
+        })
+    }
+
+    fn found_or(&self, s: &str) -> String {
+        if s.is_empty() {
+            self.found()
+        } else {
+            format!("`{s}`")
+        }
+    }
+
+    fn attr(&mut self) -> Result<Attr, IrError> {
+        self.skip_ws();
+        let loc = self.loc();
+        if self.eat('[') {
+            let mut v = Vec::new();
+            if !self.eat(']') {
+                loop {
+                    match self.attr()? {
+                        Attr::Int(i) => v.push(i),
+                        _ => {
+                            return Err(err(loc.line, loc.column, "list attributes hold integers"))
+                        }
+                    }
+                    if self.eat(']') {
+                        break;
+                    }
+                    self.punct(',')?;
+                }
+            }
+            return Ok(Attr::Ints(v));
+        }
+        let tok =
+            self.take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-' | '+'));
+        if tok.is_empty() {
+            return Err(self.expected("an attribute value"));
+        }
+        let bad = || {
+            err(
+                loc.line,
+                loc.column,
+                &format!("bad attribute value `{tok}`"),
+            )
+        };
+        let starts_numeric = tok.starts_with(|c: char| c.is_ascii_digit() || c == '-' || c == '+');
+        Ok(match tok.as_str() {
+            "true" => Attr::Bool(true),
+            "false" => Attr::Bool(false),
+            "inf" | "-inf" | "NaN" => Attr::Float(tok.parse().map_err(|_| bad())?),
+            _ if starts_numeric && tok.contains(['.', 'e', 'E']) => {
+                Attr::Float(tok.parse().map_err(|_| bad())?)
+            }
+            _ if starts_numeric => Attr::Int(tok.parse().map_err(|_| bad())?),
+            _ => Attr::Ident(tok),
+        })
+    }
+}

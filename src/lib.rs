@@ -1,0 +1,1 @@
+pub use castor_ir as ir;
