@@ -1,0 +1,129 @@
+//! The text format's error reporting and the verifier's rules, on small inline graphs.
+//! (Round trips of the hand-written files and model graphs live in the workspace tests.)
+
+use castor_ir::{text, verify, BinaryOp, DType, GraphBuilder, IrError, Op, TensorType};
+
+fn parse_err(src: &str) -> (usize, usize, String) {
+    match text::parse(src) {
+        Err(IrError::Parse { line, column, message }) => (line, column, message),
+        other => panic!("expected a parse error, got {other:?}"),
+    }
+}
+
+fn verify_err(src: &str) -> String {
+    let g = text::parse(src).expect("parses");
+    verify(&g).expect_err("verifier should reject").to_string()
+}
+
+#[test]
+fn builder_graph_round_trips_and_verifies() {
+    let mut b = GraphBuilder::new("t");
+    let x = b.input("x", TensorType::new(DType::F32, [2, 3])).unwrap();
+    let w = b.param("w", TensorType::new(DType::F32, [4, 3])).unwrap();
+    let y = b
+        .scoped("layer", |b| {
+            b.op("proj", Op::MatMul { transpose_a: false, transpose_b: true }, &[x, w])
+        })
+        .unwrap();
+    let z = b.op("proj", Op::Scale { factor: 1e-5 }, &[y]).unwrap();
+    let parts = b.op_multi("parts", Op::Split { axis: 1, sizes: vec![1, 3] }, &[z]).unwrap();
+    b.set_outputs(parts.clone());
+    let g = b.finish();
+    verify(&g).unwrap();
+    assert_eq!(g.name(y), "layer.proj");
+    assert_eq!(g.name(parts[1]), "parts.1");
+    let printed = text::print(&g);
+    let again = text::parse(&printed).unwrap();
+    verify(&again).unwrap();
+    assert_eq!(text::print(&again), printed);
+    assert!(printed.contains("%layer.proj: f32[2,4] = matmul(%x, %w) {transpose_a=false, transpose_b=true}"));
+}
+
+#[test]
+fn notes_round_trip() {
+    let src = "graph n {\n  %x: f32[2] = input  # the input\n  %y: f32[2] = neg(%x)  # follow: input %x is f32\n  return %y\n}\n";
+    let g = text::parse(src).unwrap();
+    assert_eq!(text::print(&g), src);
+}
+
+#[test]
+fn parse_errors_have_line_and_column() {
+    let (l, c, m) = parse_err("graph g {\n  %x: f32[2] = input\n  %y: f32[2] = frobnicate(%x)\n  return %y\n}\n");
+    assert_eq!((l, c), (3, 16));
+    assert!(m.contains("unknown op `frobnicate`"), "{m}");
+
+    let (l, c, m) = parse_err("graph g {\n  %x: f33[2] = input\n  return %x\n}\n");
+    assert_eq!((l, c), (2, 7));
+    assert!(m.contains("unknown dtype `f33`"), "{m}");
+
+    let (l, _, m) = parse_err("graph g {\n  %x: f32[2] = input\n  %y: f32[2] = neg(%z)\n  return %y\n}\n");
+    assert_eq!(l, 3);
+    assert!(m.contains("unknown value `%z`"), "{m}");
+
+    let (l, c, m) = parse_err("graph g {\n  %x: f32[2] = input\n  %x: f32[2] = neg(%x)\n  return %x\n}\n");
+    assert_eq!((l, c), (3, 3));
+    assert!(m.contains("defined twice"), "{m}");
+
+    let (_, _, m) = parse_err("graph g {\n  %x: f32[2] = input\n  %y: f32[2] = scale(%x)\n  return %y\n}\n");
+    assert!(m.contains("needs attribute `factor`"), "{m}");
+
+    let (_, _, m) = parse_err("graph g {\n  %x: f32[2] = input\n  %y: f32[2] = scale(%x) {factor=2.0, axis=1}\n  return %y\n}\n");
+    assert!(m.contains("has no attribute `axis`"), "{m}");
+
+    let (l, _, m) = parse_err("graph g {\n  %x: f32[2] = input\n  return %x\n");
+    assert_eq!(l, 3);
+    assert!(m.contains("missing closing `}`"), "{m}");
+
+    let (_, _, m) = parse_err("graph g {\n  %x: f32[2 = input\n  return %x\n}\n");
+    assert!(m.contains("expected `,`"), "{m}");
+
+    let (_, _, m) = parse_err("");
+    assert!(m.contains("expected `graph NAME {`"), "{m}");
+}
+
+#[test]
+fn verifier_rejects_type_errors_with_location() {
+    let m = verify_err("graph g {\n  %a: f32[2,3] = input\n  %b: f32[4,5] = input\n  %c: f32[2,5] = matmul(%a, %b) {transpose_a=false, transpose_b=false}\n  return %c\n}\n");
+    assert!(m.contains("node `%c` at line 4, column 3"), "{m}");
+    assert!(m.contains("inner dimensions differ: 3 (lhs) vs 4 (rhs)"), "{m}");
+
+    let m = verify_err("graph g {\n  %a: f32[2,3] = input\n  %c: f32[2,4] = neg(%a)\n  return %c\n}\n");
+    assert!(m.contains("should be f32[2,3], found f32[2,4]"), "{m}");
+
+    let m = verify_err("graph g {\n  %a: f32[2,3] = input\n  %c: f16[2,3] = neg(%a)\n  return %c\n}\n");
+    assert!(m.contains("should be f32[2,3], found f16[2,3]"), "{m}");
+
+    let m = verify_err("graph g {\n  %a: i64[2,3] = input\n  %c: i64[2,3] = exp(%a)\n  return %c\n}\n");
+    assert!(m.contains("must be a float tensor"), "{m}");
+
+    let m = verify_err("graph g {\n  %a: f32[2,3] = input\n  %b: f32[3,2] = input\n  %c: f32[2,3] = add(%a, %b)\n  return %c\n}\n");
+    assert!(m.contains("do not broadcast"), "{m}");
+}
+
+#[test]
+fn contractions_may_write_another_float_dtype() {
+    let ok = "graph g {\n  %a: bf16[2,3] = input\n  %b: bf16[3,4] = input\n  %c: f32[2,4] = matmul(%a, %b) {transpose_a=false, transpose_b=false}\n  return %c\n}\n";
+    verify(&text::parse(ok).unwrap()).unwrap();
+    let bad = ok.replace("%c: f32[2,4]", "%c: i32[2,4]");
+    assert!(verify(&text::parse(&bad).unwrap()).is_err());
+}
+
+#[test]
+fn verifier_rejects_use_before_definition_and_cycles() {
+    let m = verify_err("graph g {\n  %a: f32[2] = input\n  %c: f32[2] = neg(%b)\n  %b: f32[2] = neg(%a)\n  return %c\n}\n");
+    assert!(m.contains("`%b` is used before it is defined"), "{m}");
+    assert!(m.contains("line 3"), "{m}");
+
+    let m = verify_err("graph g {\n  %a: f32[2] = input\n  %b: f32[2] = add(%a, %c)\n  %c: f32[2] = neg(%b)\n  return %c\n}\n");
+    assert!(m.contains("cycle"), "{m}");
+}
+
+#[test]
+fn builder_reports_typing_errors_by_name() {
+    let mut b = GraphBuilder::new("t");
+    let x = b.input("x", TensorType::new(DType::F32, [2, 3])).unwrap();
+    let y = b.input("y", TensorType::new(DType::F16, [2, 3])).unwrap();
+    let e = b.op("sum", Op::Binary(BinaryOp::Add), &[x, y]).unwrap_err();
+    assert_eq!(e.to_string(), "node `%sum`: operands differ in dtype: f32 and f16");
+    assert!(b.input("x", TensorType::new(DType::F32, [1])).is_err());
+}
