@@ -572,7 +572,7 @@ impl Op {
             Op::Rope { .. } => {
                 let x = inputs[0];
                 require_float("input", x)?;
-                if x.shape.rank() < 2 || x.shape.last() % 2 != 0 {
+                if x.shape.rank() < 2 || !x.shape.last().is_multiple_of(2) {
                     return Err(format!(
                         "rope needs [.., T, D] with even D, found {}",
                         x.shape

@@ -49,10 +49,10 @@ impl Shape {
     pub fn broadcast(a: &Shape, b: &Shape) -> Option<Shape> {
         let rank = a.rank().max(b.rank());
         let mut out = vec![0; rank];
-        for i in 0..rank {
+        for (i, o) in out.iter_mut().enumerate() {
             let da = dim_from_right(a, rank - 1 - i);
             let db = dim_from_right(b, rank - 1 - i);
-            out[i] = match (da, db) {
+            *o = match (da, db) {
                 (x, y) if x == y => x,
                 (1, y) => y,
                 (x, 1) => x,

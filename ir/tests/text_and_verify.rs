@@ -5,7 +5,11 @@ use castor_ir::{text, verify, BinaryOp, DType, GraphBuilder, IrError, Op, Tensor
 
 fn parse_err(src: &str) -> (usize, usize, String) {
     match text::parse(src) {
-        Err(IrError::Parse { line, column, message }) => (line, column, message),
+        Err(IrError::Parse {
+            line,
+            column,
+            message,
+        }) => (line, column, message),
         other => panic!("expected a parse error, got {other:?}"),
     }
 }
@@ -22,11 +26,27 @@ fn builder_graph_round_trips_and_verifies() {
     let w = b.param("w", TensorType::new(DType::F32, [4, 3])).unwrap();
     let y = b
         .scoped("layer", |b| {
-            b.op("proj", Op::MatMul { transpose_a: false, transpose_b: true }, &[x, w])
+            b.op(
+                "proj",
+                Op::MatMul {
+                    transpose_a: false,
+                    transpose_b: true,
+                },
+                &[x, w],
+            )
         })
         .unwrap();
     let z = b.op("proj", Op::Scale { factor: 1e-5 }, &[y]).unwrap();
-    let parts = b.op_multi("parts", Op::Split { axis: 1, sizes: vec![1, 3] }, &[z]).unwrap();
+    let parts = b
+        .op_multi(
+            "parts",
+            Op::Split {
+                axis: 1,
+                sizes: vec![1, 3],
+            },
+            &[z],
+        )
+        .unwrap();
     b.set_outputs(parts.clone());
     let g = b.finish();
     verify(&g).unwrap();
@@ -36,7 +56,8 @@ fn builder_graph_round_trips_and_verifies() {
     let again = text::parse(&printed).unwrap();
     verify(&again).unwrap();
     assert_eq!(text::print(&again), printed);
-    assert!(printed.contains("%layer.proj: f32[2,4] = matmul(%x, %w) {transpose_a=false, transpose_b=true}"));
+    assert!(printed
+        .contains("%layer.proj: f32[2,4] = matmul(%x, %w) {transpose_a=false, transpose_b=true}"));
 }
 
 #[test]
@@ -48,7 +69,9 @@ fn notes_round_trip() {
 
 #[test]
 fn parse_errors_have_line_and_column() {
-    let (l, c, m) = parse_err("graph g {\n  %x: f32[2] = input\n  %y: f32[2] = frobnicate(%x)\n  return %y\n}\n");
+    let (l, c, m) = parse_err(
+        "graph g {\n  %x: f32[2] = input\n  %y: f32[2] = frobnicate(%x)\n  return %y\n}\n",
+    );
     assert_eq!((l, c), (3, 16));
     assert!(m.contains("unknown op `frobnicate`"), "{m}");
 
@@ -56,15 +79,18 @@ fn parse_errors_have_line_and_column() {
     assert_eq!((l, c), (2, 7));
     assert!(m.contains("unknown dtype `f33`"), "{m}");
 
-    let (l, _, m) = parse_err("graph g {\n  %x: f32[2] = input\n  %y: f32[2] = neg(%z)\n  return %y\n}\n");
+    let (l, _, m) =
+        parse_err("graph g {\n  %x: f32[2] = input\n  %y: f32[2] = neg(%z)\n  return %y\n}\n");
     assert_eq!(l, 3);
     assert!(m.contains("unknown value `%z`"), "{m}");
 
-    let (l, c, m) = parse_err("graph g {\n  %x: f32[2] = input\n  %x: f32[2] = neg(%x)\n  return %x\n}\n");
+    let (l, c, m) =
+        parse_err("graph g {\n  %x: f32[2] = input\n  %x: f32[2] = neg(%x)\n  return %x\n}\n");
     assert_eq!((l, c), (3, 3));
     assert!(m.contains("defined twice"), "{m}");
 
-    let (_, _, m) = parse_err("graph g {\n  %x: f32[2] = input\n  %y: f32[2] = scale(%x)\n  return %y\n}\n");
+    let (_, _, m) =
+        parse_err("graph g {\n  %x: f32[2] = input\n  %y: f32[2] = scale(%x)\n  return %y\n}\n");
     assert!(m.contains("needs attribute `factor`"), "{m}");
 
     let (_, _, m) = parse_err("graph g {\n  %x: f32[2] = input\n  %y: f32[2] = scale(%x) {factor=2.0, axis=1}\n  return %y\n}\n");
@@ -85,15 +111,21 @@ fn parse_errors_have_line_and_column() {
 fn verifier_rejects_type_errors_with_location() {
     let m = verify_err("graph g {\n  %a: f32[2,3] = input\n  %b: f32[4,5] = input\n  %c: f32[2,5] = matmul(%a, %b) {transpose_a=false, transpose_b=false}\n  return %c\n}\n");
     assert!(m.contains("node `%c` at line 4, column 3"), "{m}");
-    assert!(m.contains("inner dimensions differ: 3 (lhs) vs 4 (rhs)"), "{m}");
+    assert!(
+        m.contains("inner dimensions differ: 3 (lhs) vs 4 (rhs)"),
+        "{m}"
+    );
 
-    let m = verify_err("graph g {\n  %a: f32[2,3] = input\n  %c: f32[2,4] = neg(%a)\n  return %c\n}\n");
+    let m =
+        verify_err("graph g {\n  %a: f32[2,3] = input\n  %c: f32[2,4] = neg(%a)\n  return %c\n}\n");
     assert!(m.contains("should be f32[2,3], found f32[2,4]"), "{m}");
 
-    let m = verify_err("graph g {\n  %a: f32[2,3] = input\n  %c: f16[2,3] = neg(%a)\n  return %c\n}\n");
+    let m =
+        verify_err("graph g {\n  %a: f32[2,3] = input\n  %c: f16[2,3] = neg(%a)\n  return %c\n}\n");
     assert!(m.contains("should be f32[2,3], found f16[2,3]"), "{m}");
 
-    let m = verify_err("graph g {\n  %a: i64[2,3] = input\n  %c: i64[2,3] = exp(%a)\n  return %c\n}\n");
+    let m =
+        verify_err("graph g {\n  %a: i64[2,3] = input\n  %c: i64[2,3] = exp(%a)\n  return %c\n}\n");
     assert!(m.contains("must be a float tensor"), "{m}");
 
     let m = verify_err("graph g {\n  %a: f32[2,3] = input\n  %b: f32[3,2] = input\n  %c: f32[2,3] = add(%a, %b)\n  return %c\n}\n");
@@ -124,6 +156,9 @@ fn builder_reports_typing_errors_by_name() {
     let x = b.input("x", TensorType::new(DType::F32, [2, 3])).unwrap();
     let y = b.input("y", TensorType::new(DType::F16, [2, 3])).unwrap();
     let e = b.op("sum", Op::Binary(BinaryOp::Add), &[x, y]).unwrap_err();
-    assert_eq!(e.to_string(), "node `%sum`: operands differ in dtype: f32 and f16");
+    assert_eq!(
+        e.to_string(),
+        "node `%sum`: operands differ in dtype: f32 and f16"
+    );
     assert!(b.input("x", TensorType::new(DType::F32, [1])).is_err());
 }

@@ -1,1 +1,42 @@
-pub fn _todo() {}
+//! castor's Hugging Face front end: a checkpoint folder (config.json + safetensors, single or
+//! sharded) or a bare config.json becomes a [`Model`], which lists its parameters, checks them
+//! against the checkpoint, loads them as F32 master tensors and builds the forward graph in
+//! castor's IR, for the GPT-2, BERT and LLaMA families.
+//!
+//! Layers, bottom up:
+//! * [`safetensors`]: one memory-mapped file, header validated before any tensor is read;
+//! * [`checkpoint`]: the folder, the shard index and cross-file checks;
+//! * [`config`]: config.json into a validated family config;
+//! * [`Model`] (`model.rs`): head and naming-prefix detection, the parameter contract, loading;
+//! * `gpt2.rs`, `bert.rs`, `llama.rs`: each family's parameters and graph, on the shared
+//!   pieces in `build.rs`;
+//! * [`init`] (deterministic initial weights for config-only models) and [`writer`] (atomic
+//!   safetensors output).
+//!
+//! ```no_run
+//! let model = castor_models::Model::load("checkpoints/gpt2")?;
+//! let graph = model.build_graph(2, 16)?;
+//! castor_ir::verify(&graph).expect("front-end graphs verify");
+//! let weights = model.load_params()?;
+//! # Ok::<(), castor_models::ModelError>(())
+//! ```
+
+mod bert;
+mod build;
+pub mod checkpoint;
+pub mod config;
+mod error;
+mod gpt2;
+pub mod init;
+mod llama;
+mod model;
+pub mod safetensors;
+pub mod writer;
+
+pub use checkpoint::Checkpoint;
+pub use config::{Activation, BertConfig, Config, Family, Gpt2Config, LlamaConfig, ModelConfig};
+pub use error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
+pub use init::init_param;
+pub use model::{Head, LoadReport, Model};
+pub use safetensors::{SafetensorsFile, TensorInfo};
+pub use writer::{write_atomically, write_safetensors};

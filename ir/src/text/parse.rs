@@ -137,15 +137,13 @@ fn statement(c: &mut Cursor) -> Result<Stmt, IrError> {
     let op_loc = c.loc();
     let mnemonic = c.word("an op name")?;
     let mut operands = Vec::new();
-    if c.eat('(') {
-        if !c.eat(')') {
-            loop {
-                operands.push(c.value_ref()?);
-                if c.eat(')') {
-                    break;
-                }
-                c.punct(',')?;
+    if c.eat('(') && !c.eat(')') {
+        loop {
+            operands.push(c.value_ref()?);
+            if c.eat(')') {
+                break;
             }
+            c.punct(',')?;
         }
     }
     let mut attrs = Vec::new();

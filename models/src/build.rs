@@ -1,0 +1,248 @@
+//! Shared graph-building pieces: parameter binding, scoped value names, linear layers, head
+//! splitting and the attention core, so the three families differ only where the models do.
+//!
+//! Parameters are declared on first use, F32 (the master precision; the precision passes
+//! choose storage dtypes later), under their checkpoint tensor names; a tied weight used twice
+//! is one parameter value. Every other value is named `scope.role`, where the scope is the HF
+//! module path without the model prefix (`h.3`, `encoder.layer.1`, `layers.0`). Names never
+//! end in `.weight` or `.bias`, so they cannot collide with parameter names.
+
+use crate::error::ModelError;
+use castor_ir::{BinaryOp, DType, Graph, GraphBuilder, IrError, Op, TensorType, Value};
+use std::collections::HashMap;
+
+pub(crate) struct Ctx<'m> {
+    b: GraphBuilder,
+    /// Canonical parameter name -> (checkpoint tensor name, shape).
+    params: HashMap<&'m str, (&'m str, &'m [usize])>,
+    declared: HashMap<String, Value>,
+    scope: Vec<String>,
+    architecture: &'static str,
+    pub batch: usize,
+    pub seq: usize,
+}
+
+impl<'m> Ctx<'m> {
+    pub fn new(
+        architecture: &'static str,
+        params: HashMap<&'m str, (&'m str, &'m [usize])>,
+        batch: usize,
+        seq: usize,
+    ) -> Self {
+        Ctx {
+            b: GraphBuilder::new(architecture),
+            params,
+            declared: HashMap::new(),
+            scope: Vec::new(),
+            architecture,
+            batch,
+            seq,
+        }
+    }
+
+    pub fn finish(mut self, outputs: Vec<Value>) -> Graph {
+        self.b.set_outputs(outputs);
+        self.b.finish()
+    }
+
+    pub fn ty(&self, v: Value) -> &TensorType {
+        self.b.ty(v)
+    }
+
+    fn ir(&self, source: IrError) -> ModelError {
+        ModelError::Graph {
+            architecture: self.architecture.to_string(),
+            source,
+        }
+    }
+
+    /// The parameter with this canonical name (declared once, then reused).
+    pub fn param(&mut self, canonical: &str) -> Result<Value, ModelError> {
+        if let Some(&v) = self.declared.get(canonical) {
+            return Ok(v);
+        }
+        let &(name, shape) =
+            self.params
+                .get(canonical)
+                .ok_or_else(|| ModelError::NotAParameter {
+                    architecture: self.architecture.to_string(),
+                    tensor: canonical.to_string(),
+                })?;
+        let v = self
+            .b
+            .param(name, TensorType::new(DType::F32, shape.to_vec()))
+            .map_err(|e| self.ir(e))?;
+        self.declared.insert(canonical.to_string(), v);
+        Ok(v)
+    }
+
+    /// A graph input with an exact name.
+    pub fn input(&mut self, name: &str, ty: TensorType) -> Result<Value, ModelError> {
+        self.b.input(name, ty).map_err(|e| self.ir(e))
+    }
+
+    /// Runs `f` with `scope` appended to the name prefix.
+    pub fn scoped<T>(&mut self, scope: &str, f: impl FnOnce(&mut Self) -> T) -> T {
+        self.scope.push(scope.to_string());
+        let out = f(self);
+        self.scope.pop();
+        out
+    }
+
+    fn full_name(&self, name: &str) -> String {
+        let mut s = self.scope.join(".");
+        if !s.is_empty() {
+            s.push('.');
+        }
+        s.push_str(name);
+        s
+    }
+
+    /// A single-result op named `scope.name`.
+    pub fn op(&mut self, name: &str, op: Op, inputs: &[Value]) -> Result<Value, ModelError> {
+        let full = self.full_name(name);
+        self.b.op(&full, op, inputs).map_err(|e| self.ir(e))
+    }
+
+    /// A multi-result op; result `i > 0` is named `scope.name.i`.
+    pub fn op_multi(
+        &mut self,
+        name: &str,
+        op: Op,
+        inputs: &[Value],
+    ) -> Result<Vec<Value>, ModelError> {
+        let full = self.full_name(name);
+        self.b.op_multi(&full, op, inputs).map_err(|e| self.ir(e))
+    }
+
+    /// An op named exactly `name`, ignoring the scope (graph outputs).
+    pub fn op_exact(&mut self, name: &str, op: Op, inputs: &[Value]) -> Result<Value, ModelError> {
+        let saved = std::mem::take(&mut self.scope);
+        let out = self.op(name, op, inputs);
+        self.scope = saved;
+        out
+    }
+
+    pub fn add(&mut self, name: &str, a: Value, b: Value) -> Result<Value, ModelError> {
+        self.op(name, Op::Binary(BinaryOp::Add), &[a, b])
+    }
+
+    /// `x @ w (+ bias)`. `w_is_out_in`: a `torch.nn.Linear` weight `[out, in]` (multiplied
+    /// transposed); otherwise a GPT-2 `Conv1D` weight `[in, out]`. With a bias, the product is
+    /// `name.matmul` and the sum is `name`.
+    pub fn linear(
+        &mut self,
+        name: &str,
+        x: Value,
+        w: &str,
+        bias: Option<&str>,
+        w_is_out_in: bool,
+    ) -> Result<Value, ModelError> {
+        let w = self.param(w)?;
+        let mm = Op::MatMul {
+            transpose_a: false,
+            transpose_b: w_is_out_in,
+        };
+        match bias {
+            None => self.op(name, mm, &[x, w]),
+            Some(b) => {
+                let b = self.param(b)?;
+                let y = self.op(&format!("{name}.matmul"), mm, &[x, w])?;
+                self.add(name, y, b)
+            }
+        }
+    }
+
+    /// `attention_mask` (int `[B, T]`, 1 = attend) as a bool key mask of rank `rank`:
+    /// `[B, 1, .., 1, T]`, which broadcasts to every score tensor.
+    pub fn key_mask(&mut self, mask: Value, rank: usize) -> Result<Value, ModelError> {
+        let (b, t) = (self.batch, self.seq);
+        let m = self.op_exact("attention_mask.bool", Op::Cast { to: DType::Bool }, &[mask])?;
+        let mut shape = vec![1; rank];
+        shape[0] = b;
+        shape[rank - 1] = t;
+        self.op_exact("attention_mask.keys", Op::Reshape { shape }, &[m])
+    }
+
+    /// `[B, T, heads*d]` -> `[B, heads, T, d]` as `role.heads` (reshape) and `role`
+    /// (transpose).
+    pub fn split_heads(
+        &mut self,
+        role: &str,
+        x: Value,
+        heads: usize,
+        d: usize,
+    ) -> Result<Value, ModelError> {
+        let (b, t) = (self.batch, self.seq);
+        let r = self.op(
+            &format!("{role}.heads"),
+            Op::Reshape {
+                shape: vec![b, t, heads, d],
+            },
+            &[x],
+        )?;
+        self.op(
+            role,
+            Op::Transpose {
+                perm: vec![0, 2, 1, 3],
+            },
+            &[r],
+        )
+    }
+
+    /// `[B, heads, T, d]` -> `[B, T, heads*d]` as `role.t` (transpose) and `role.merged`
+    /// (reshape), where `role` names `x`.
+    pub fn merge_heads(&mut self, role: &str, x: Value) -> Result<Value, ModelError> {
+        let dims = self.ty(x).shape.0.clone();
+        let (b, t) = (self.batch, self.seq);
+        let width = dims[1] * dims[3];
+        let tr = self.op(
+            &format!("{role}.t"),
+            Op::Transpose {
+                perm: vec![0, 2, 1, 3],
+            },
+            &[x],
+        )?;
+        self.op(
+            &format!("{role}.merged"),
+            Op::Reshape {
+                shape: vec![b, t, width],
+            },
+            &[tr],
+        )
+    }
+
+    /// The attention core: `scores = q k^T`, each factor of `scales` applied in turn
+    /// (`scores.scaled`, `scores.scaled.1`, ...), `probs = softmax(scores, causal, mask)`,
+    /// `context = probs v`. Works for any matching batch dims (4-D heads, 5-D GQA groups).
+    pub fn attention(
+        &mut self,
+        q: Value,
+        k: Value,
+        v: Value,
+        mask: Value,
+        scales: &[f64],
+        causal: bool,
+    ) -> Result<Value, ModelError> {
+        let mut s = self.op(
+            "scores",
+            Op::MatMul {
+                transpose_a: false,
+                transpose_b: true,
+            },
+            &[q, k],
+        )?;
+        for &factor in scales {
+            s = self.op("scores.scaled", Op::Scale { factor }, &[s])?;
+        }
+        let p = self.op("probs", Op::Softmax { causal }, &[s, mask])?;
+        self.op(
+            "context",
+            Op::MatMul {
+                transpose_a: false,
+                transpose_b: false,
+            },
+            &[p, v],
+        )
+    }
+}

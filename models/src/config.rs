@@ -1,0 +1,595 @@
+//! config.json: the family (`model_type`), the architectures list and the family's sizes.
+//!
+//! Fields are read one at a time from the parsed JSON (serde_json) rather than through derived
+//! structs so that an error names the field and shows what was found. Missing or `null`
+//! fields take the defaults of the transformers config classes (`GPT2Config`, `BertConfig`,
+//! `LlamaConfig`). Sizes are checked here, before anything is allocated from them: positive,
+//! heads dividing the hidden size, kv heads dividing heads, and no absurd values (each size
+//! below 2^31, at most [`MAX_LAYERS`] layers), so later arithmetic cannot overflow.
+
+use crate::error::ModelError;
+use castor_ir::UnaryOp;
+use serde_json::{Map, Value};
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// Layer counts above this are refused as absurd.
+pub const MAX_LAYERS: usize = 10_000;
+/// Any single size above this is refused as absurd (keeps products of two sizes in `u64`).
+pub const MAX_DIM: usize = 1 << 31;
+/// Parameter counts above this are refused as absurd.
+pub const MAX_PARAMETERS: u64 = 10_000_000_000_000;
+
+/// A supported model family, named by config.json's `model_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Family {
+    Gpt2,
+    Bert,
+    Llama,
+}
+
+impl Family {
+    pub const ALL: [Family; 3] = [Family::Gpt2, Family::Bert, Family::Llama];
+
+    /// The `model_type` string.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Gpt2 => "gpt2",
+            Family::Bert => "bert",
+            Family::Llama => "llama",
+        }
+    }
+
+    pub fn from_model_type(s: &str) -> Option<Family> {
+        Family::ALL.into_iter().find(|f| f.model_type() == s)
+    }
+}
+
+impl fmt::Display for Family {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.model_type())
+    }
+}
+
+/// A feed-forward activation (`activation_function` / `hidden_act`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Activation {
+    /// `gelu_new`, `gelu_pytorch_tanh`, `gelu_fast`: GELU, tanh approximation.
+    GeluTanh,
+    /// `gelu`, `gelu_python`: exact GELU with erf.
+    GeluErf,
+    /// `silu`, `swish`.
+    Silu,
+    Tanh,
+}
+
+impl Activation {
+    const NAMES: [(&'static str, Activation); 8] = [
+        ("gelu_new", Activation::GeluTanh),
+        ("gelu_pytorch_tanh", Activation::GeluTanh),
+        ("gelu_fast", Activation::GeluTanh),
+        ("gelu", Activation::GeluErf),
+        ("gelu_python", Activation::GeluErf),
+        ("silu", Activation::Silu),
+        ("swish", Activation::Silu),
+        ("tanh", Activation::Tanh),
+    ];
+
+    pub fn from_hf_name(s: &str) -> Option<Activation> {
+        Self::NAMES.iter().find(|(n, _)| *n == s).map(|&(_, a)| a)
+    }
+
+    pub fn unary(self) -> UnaryOp {
+        match self {
+            Activation::GeluTanh => UnaryOp::GeluTanh,
+            Activation::GeluErf => UnaryOp::GeluErf,
+            Activation::Silu => UnaryOp::Silu,
+            Activation::Tanh => UnaryOp::Tanh,
+        }
+    }
+
+    /// The IR op's name (`gelu_tanh`, `gelu_erf`, `silu`, `tanh`).
+    pub fn name(self) -> &'static str {
+        self.unary().name()
+    }
+
+    fn supported() -> String {
+        Self::NAMES.map(|(n, _)| n).join(", ")
+    }
+}
+
+impl fmt::Display for Activation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// `GPT2Config`, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gpt2Config {
+    pub vocab_size: usize,
+    pub n_positions: usize,
+    pub n_embd: usize,
+    pub n_layer: usize,
+    pub n_head: usize,
+    /// `n_inner`, or `4 * n_embd` when null.
+    pub n_inner: usize,
+    pub activation: Activation,
+    pub layer_norm_epsilon: f64,
+    pub scale_attn_weights: bool,
+    pub scale_attn_by_inverse_layer_idx: bool,
+    pub tie_word_embeddings: bool,
+    /// Standard deviation of the initial weights (`init_params`); not used when loading.
+    pub initializer_range: f64,
+}
+
+/// `BertConfig`, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BertConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub intermediate_size: usize,
+    pub hidden_act: Activation,
+    pub max_position_embeddings: usize,
+    pub type_vocab_size: usize,
+    pub layer_norm_eps: f64,
+    pub tie_word_embeddings: bool,
+    pub initializer_range: f64,
+}
+
+/// `LlamaConfig`, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    /// Defaults to `num_attention_heads`.
+    pub num_key_value_heads: usize,
+    /// Defaults to `hidden_size / num_attention_heads`.
+    pub head_dim: usize,
+    pub hidden_act: Activation,
+    pub max_position_embeddings: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub tie_word_embeddings: bool,
+    pub attention_bias: bool,
+    pub mlp_bias: bool,
+    pub initializer_range: f64,
+}
+
+/// A family's resolved config.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ModelConfig {
+    Gpt2(Gpt2Config),
+    Bert(BertConfig),
+    Llama(LlamaConfig),
+}
+
+impl ModelConfig {
+    pub fn family(&self) -> Family {
+        match self {
+            ModelConfig::Gpt2(_) => Family::Gpt2,
+            ModelConfig::Bert(_) => Family::Bert,
+            ModelConfig::Llama(_) => Family::Llama,
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            ModelConfig::Gpt2(c) => c.vocab_size,
+            ModelConfig::Bert(c) => c.vocab_size,
+            ModelConfig::Llama(c) => c.vocab_size,
+        }
+    }
+
+    /// The configured context length (`n_positions` / `max_position_embeddings`). GPT-2 and
+    /// BERT cannot go past it; LLaMA's rotary positions could, but this is its trained length.
+    pub fn max_positions(&self) -> usize {
+        match self {
+            ModelConfig::Gpt2(c) => c.n_positions,
+            ModelConfig::Bert(c) => c.max_position_embeddings,
+            ModelConfig::Llama(c) => c.max_position_embeddings,
+        }
+    }
+
+    /// `initializer_range`: the standard deviation of initial weights.
+    pub fn initializer_range(&self) -> f64 {
+        match self {
+            ModelConfig::Gpt2(c) => c.initializer_range,
+            ModelConfig::Bert(c) => c.initializer_range,
+            ModelConfig::Llama(c) => c.initializer_range,
+        }
+    }
+}
+
+/// A parsed config.json.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// Where it was read from (for messages).
+    pub file: PathBuf,
+    /// `architectures`, empty when absent.
+    pub architectures: Vec<String>,
+    pub model: ModelConfig,
+}
+
+impl Config {
+    /// Reads and parses a config.json file.
+    pub fn read(path: impl AsRef<Path>) -> Result<Config, ModelError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::parse(&text, path)
+    }
+
+    /// Parses config.json text; `file` is only used in messages.
+    pub fn parse(text: &str, file: impl AsRef<Path>) -> Result<Config, ModelError> {
+        let file = file.as_ref();
+        let value: Value = serde_json::from_str(text).map_err(|e| ModelError::Config {
+            file: file.to_path_buf(),
+            field: "(whole file)".into(),
+            message: format!("not valid JSON: {e}"),
+        })?;
+        let obj = value.as_object().ok_or_else(|| ModelError::Config {
+            file: file.to_path_buf(),
+            field: "(whole file)".into(),
+            message: format!("expected a JSON object, found {}", kind(&value)),
+        })?;
+        let f = Fields { file, obj };
+        let supported = Family::ALL.map(|f| f.model_type()).join(", ");
+        let model_type = match obj.get("model_type") {
+            None | Some(Value::Null) => {
+                return Err(ModelError::UnsupportedModelType {
+                    file: file.to_path_buf(),
+                    found: "(missing)".into(),
+                    supported,
+                })
+            }
+            Some(_) => f.string("model_type", "")?,
+        };
+        let family =
+            Family::from_model_type(&model_type).ok_or(ModelError::UnsupportedModelType {
+                file: file.to_path_buf(),
+                found: model_type,
+                supported,
+            })?;
+        let architectures = match obj.get("architectures") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| {
+                    v.as_str()
+                        .map(str::to_string)
+                        .ok_or_else(|| f.bad("architectures", "a list of strings", v))
+                })
+                .collect::<Result<_, _>>()?,
+            Some(v) => return Err(f.bad("architectures", "a list of strings", v)),
+        };
+        let model = match family {
+            Family::Gpt2 => ModelConfig::Gpt2(gpt2(&f)?),
+            Family::Bert => ModelConfig::Bert(bert(&f)?),
+            Family::Llama => ModelConfig::Llama(llama(&f)?),
+        };
+        Ok(Config {
+            file: file.to_path_buf(),
+            architectures,
+            model,
+        })
+    }
+}
+
+fn gpt2(f: &Fields) -> Result<Gpt2Config, ModelError> {
+    f.forbid_true("add_cross_attention", "cross-attention")?;
+    let n_embd = f.size("n_embd", 768)?;
+    let n_head = f.size("n_head", 12)?;
+    f.divides("n_head", n_head, "n_embd", n_embd)?;
+    let n_inner = match f.opt_size("n_inner")? {
+        Some(n) => n,
+        None => f.dim_product("n_inner", n_embd, 4)?,
+    };
+    Ok(Gpt2Config {
+        vocab_size: f.size("vocab_size", 50257)?,
+        n_positions: f.size("n_positions", 1024)?,
+        n_embd,
+        n_layer: f.layers("n_layer", 12)?,
+        n_head,
+        n_inner,
+        activation: f.activation("activation_function", "gelu_new")?,
+        layer_norm_epsilon: f.eps("layer_norm_epsilon", 1e-5)?,
+        scale_attn_weights: f.boolean("scale_attn_weights", true)?,
+        scale_attn_by_inverse_layer_idx: f.boolean("scale_attn_by_inverse_layer_idx", false)?,
+        tie_word_embeddings: f.boolean("tie_word_embeddings", true)?,
+        initializer_range: f.eps("initializer_range", 0.02)?,
+    })
+}
+
+fn bert(f: &Fields) -> Result<BertConfig, ModelError> {
+    f.forbid_true("is_decoder", "BERT as a decoder")?;
+    f.forbid_true("add_cross_attention", "cross-attention")?;
+    let pet = f.string("position_embedding_type", "absolute")?;
+    if pet != "absolute" {
+        return Err(ModelError::UnsupportedFeature {
+            file: f.file.to_path_buf(),
+            field: "position_embedding_type".into(),
+            what: format!("`{pet}` (only `absolute`)"),
+        });
+    }
+    let hidden_size = f.size("hidden_size", 768)?;
+    let heads = f.size("num_attention_heads", 12)?;
+    f.divides("num_attention_heads", heads, "hidden_size", hidden_size)?;
+    Ok(BertConfig {
+        vocab_size: f.size("vocab_size", 30522)?,
+        hidden_size,
+        num_hidden_layers: f.layers("num_hidden_layers", 12)?,
+        num_attention_heads: heads,
+        intermediate_size: f.size("intermediate_size", 3072)?,
+        hidden_act: f.activation("hidden_act", "gelu")?,
+        max_position_embeddings: f.size("max_position_embeddings", 512)?,
+        type_vocab_size: f.size("type_vocab_size", 2)?,
+        layer_norm_eps: f.eps("layer_norm_eps", 1e-12)?,
+        tie_word_embeddings: f.boolean("tie_word_embeddings", true)?,
+        initializer_range: f.eps("initializer_range", 0.02)?,
+    })
+}
+
+fn llama(f: &Fields) -> Result<LlamaConfig, ModelError> {
+    let hidden_size = f.size("hidden_size", 4096)?;
+    let heads = f.size("num_attention_heads", 32)?;
+    let kv = match f.opt_size("num_key_value_heads")? {
+        Some(kv) => kv,
+        None => heads,
+    };
+    f.divides("num_key_value_heads", kv, "num_attention_heads", heads)?;
+    let head_dim = match f.opt_size("head_dim")? {
+        Some(d) => d,
+        None => {
+            f.divides("num_attention_heads", heads, "hidden_size", hidden_size)?;
+            hidden_size / heads
+        }
+    };
+    if head_dim % 2 != 0 {
+        return Err(f.field_err(
+            "head_dim",
+            format!("rotary embeddings need an even head size, found {head_dim}"),
+        ));
+    }
+    f.dim_product("num_attention_heads", heads, head_dim)?;
+    let rope_theta = rope_theta(f)?;
+    Ok(LlamaConfig {
+        vocab_size: f.size("vocab_size", 32000)?,
+        hidden_size,
+        intermediate_size: f.size("intermediate_size", 11008)?,
+        num_hidden_layers: f.layers("num_hidden_layers", 32)?,
+        num_attention_heads: heads,
+        num_key_value_heads: kv,
+        head_dim,
+        hidden_act: f.activation("hidden_act", "silu")?,
+        max_position_embeddings: f.size("max_position_embeddings", 2048)?,
+        rms_norm_eps: f.eps("rms_norm_eps", 1e-6)?,
+        rope_theta,
+        tie_word_embeddings: f.boolean("tie_word_embeddings", false)?,
+        attention_bias: f.boolean("attention_bias", false)?,
+        mlp_bias: f.boolean("mlp_bias", false)?,
+        initializer_range: f.eps("initializer_range", 0.02)?,
+    })
+}
+
+/// The rotary base, refusing any rope scaling. transformers 4 writes `rope_theta` and
+/// `rope_scaling` (null for plain rope); transformers 5 writes `rope_parameters:
+/// {"rope_type": "default", "rope_theta": ...}`. A scaling of type `default` is plain rope.
+fn rope_theta(f: &Fields) -> Result<f64, ModelError> {
+    let mut theta = f.number("rope_theta", 10000.0)?;
+    for field in ["rope_scaling", "rope_parameters"] {
+        let Some(v) = f.get(field) else { continue };
+        let unsupported = |what: String| ModelError::UnsupportedFeature {
+            file: f.file.to_path_buf(),
+            field: field.to_string(),
+            what,
+        };
+        let obj = v
+            .as_object()
+            .ok_or_else(|| f.bad(field, "an object or null", v))?;
+        let kind = obj
+            .get("rope_type")
+            .or_else(|| obj.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default");
+        if kind != "default" {
+            return Err(unsupported(format!(
+                "rope scaling `{kind}` ({}; only plain rotary embeddings)",
+                short(v)
+            )));
+        }
+        if let Some(t) = obj.get("rope_theta") {
+            theta = t
+                .as_f64()
+                .ok_or_else(|| f.bad(&format!("{field}.rope_theta"), "a number", t))?;
+        }
+        if let Some(p) = obj.get("partial_rotary_factor") {
+            if p.as_f64() != Some(1.0) {
+                return Err(unsupported(format!(
+                    "partial rotary embeddings (partial_rotary_factor {})",
+                    short(p)
+                )));
+            }
+        }
+    }
+    if !(theta.is_finite() && theta > 0.0) {
+        return Err(f.field_err(
+            "rope_theta",
+            format!("expected a positive number, found {theta}"),
+        ));
+    }
+    Ok(theta)
+}
+
+/// Typed access to config.json fields with defaults and field-naming errors.
+struct Fields<'a> {
+    file: &'a Path,
+    obj: &'a Map<String, Value>,
+}
+
+impl Fields<'_> {
+    /// The field's value unless it is absent or null.
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.obj.get(key).filter(|v| !v.is_null())
+    }
+
+    fn field_err(&self, field: &str, message: String) -> ModelError {
+        ModelError::Config {
+            file: self.file.to_path_buf(),
+            field: field.to_string(),
+            message,
+        }
+    }
+
+    fn bad(&self, field: &str, expected: &str, found: &Value) -> ModelError {
+        self.field_err(
+            field,
+            format!("expected {expected}, found {}", short(found)),
+        )
+    }
+
+    fn opt_size(&self, key: &str) -> Result<Option<usize>, ModelError> {
+        let Some(v) = self.get(key) else {
+            return Ok(None);
+        };
+        let n = v
+            .as_u64()
+            .ok_or_else(|| self.bad(key, "a positive integer", v))?;
+        if n == 0 {
+            return Err(self.field_err(key, "expected a positive integer, found 0".into()));
+        }
+        if n > MAX_DIM as u64 {
+            return Err(self.field_err(key, format!("{n} is absurd (the limit is {MAX_DIM})")));
+        }
+        Ok(Some(n as usize))
+    }
+
+    fn size(&self, key: &str, default: usize) -> Result<usize, ModelError> {
+        Ok(self.opt_size(key)?.unwrap_or(default))
+    }
+
+    fn layers(&self, key: &str, default: usize) -> Result<usize, ModelError> {
+        let Some(v) = self.get(key) else {
+            return Ok(default);
+        };
+        let n = v
+            .as_u64()
+            .ok_or_else(|| self.bad(key, "a positive integer", v))?;
+        if n == 0 || n > MAX_LAYERS as u64 {
+            return Err(
+                self.field_err(key, format!("expected 1 to {MAX_LAYERS} layers, found {n}"))
+            );
+        }
+        Ok(n as usize)
+    }
+
+    /// `a * b` as a size, refused when absurd.
+    fn dim_product(&self, key: &str, a: usize, b: usize) -> Result<usize, ModelError> {
+        match a.checked_mul(b) {
+            Some(p) if p <= MAX_DIM => Ok(p),
+            _ => Err(self.field_err(key, format!("{a} * {b} is absurd (the limit is {MAX_DIM})"))),
+        }
+    }
+
+    fn divides(
+        &self,
+        key: &str,
+        divisor: usize,
+        of_key: &str,
+        of: usize,
+    ) -> Result<(), ModelError> {
+        // (Not `is_multiple_of`: the workspace MSRV is 1.80.)
+        if (of / divisor) * divisor != of {
+            return Err(self.field_err(
+                key,
+                format!("{key} = {divisor} does not divide {of_key} = {of}"),
+            ));
+        }
+        Ok(())
+    }
+
+    fn number(&self, key: &str, default: f64) -> Result<f64, ModelError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_f64().ok_or_else(|| self.bad(key, "a number", v)),
+        }
+    }
+
+    fn eps(&self, key: &str, default: f64) -> Result<f64, ModelError> {
+        let x = self.number(key, default)?;
+        if !(x.is_finite() && x >= 0.0) {
+            return Err(self.field_err(
+                key,
+                format!("expected a small non-negative number, found {x}"),
+            ));
+        }
+        Ok(x)
+    }
+
+    fn boolean(&self, key: &str, default: bool) -> Result<bool, ModelError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| self.bad(key, "true or false", v)),
+        }
+    }
+
+    fn string(&self, key: &str, default: &str) -> Result<String, ModelError> {
+        match self.get(key) {
+            None => Ok(default.to_string()),
+            Some(v) => v
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| self.bad(key, "a string", v)),
+        }
+    }
+
+    fn activation(&self, key: &str, default: &str) -> Result<Activation, ModelError> {
+        let name = self.string(key, default)?;
+        Activation::from_hf_name(&name).ok_or_else(|| ModelError::UnsupportedActivation {
+            file: self.file.to_path_buf(),
+            field: key.to_string(),
+            found: name,
+            supported: Activation::supported(),
+        })
+    }
+
+    fn forbid_true(&self, key: &str, what: &str) -> Result<(), ModelError> {
+        if self.boolean(key, false)? {
+            return Err(ModelError::UnsupportedFeature {
+                file: self.file.to_path_buf(),
+                field: key.to_string(),
+                what: what.to_string(),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// A value as JSON, cut short for messages.
+fn short(v: &Value) -> String {
+    let s = v.to_string();
+    if s.len() > 80 {
+        let cut = (0..=77).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+        format!("{}...", &s[..cut])
+    } else {
+        s
+    }
+}

@@ -1,0 +1,484 @@
+//! A model: config, head, naming prefix and (optionally) the checkpoint that binds it.
+//!
+//! Loading decides three things the rest of castor relies on, and checks them against the
+//! checkpoint when there is one:
+//! * the head (`Head`), from `architectures` when present, otherwise from the tensor names;
+//! * the naming prefix (`transformer.`, `bert.`, `model.` or none), from the tensor names,
+//!   because a base-model checkpoint loads into a model with a head (as in transformers);
+//! * the expected parameters, each with its exact checkpoint name and shape. Every missing
+//!   tensor, shape mismatch and unreadable dtype is reported in one error; tensors the
+//!   architecture does not use are warnings, split into known buffers, tied copies and the
+//!   rest, as transformers' "Some weights of the checkpoint were not used".
+
+use crate::build::Ctx;
+use crate::checkpoint::{Checkpoint, CONFIG_FILE};
+use crate::config::{Config, Family, ModelConfig, MAX_PARAMETERS};
+use crate::error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
+use castor_ir::{DType, Graph, Tensor, Value};
+use std::collections::{BTreeSet, HashMap};
+use std::fmt;
+use std::path::Path;
+
+/// What sits on top of the base model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Head {
+    /// The bare base model (`GPT2Model`, `LlamaModel`, `BertModel` without a pooler).
+    Base,
+    /// `BertModel` with its pooler.
+    Pooler,
+    /// A tied or untied LM head (`GPT2LMHeadModel`, `LlamaForCausalLM`).
+    CausalLm,
+    /// `BertForMaskedLM`.
+    MaskedLm,
+}
+
+impl fmt::Display for Head {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Head::Base => "base",
+            Head::Pooler => "pooler",
+            Head::CausalLm => "causal-lm",
+            Head::MaskedLm => "masked-lm",
+        })
+    }
+}
+
+/// Checkpoint tensors the architecture does not read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Unknown tensors: not parameters, buffers or tied copies of this architecture (a
+    /// warning, like transformers' "Some weights of the checkpoint were not used").
+    pub unused: Vec<String>,
+    /// Non-parameter buffers (`position_ids`, GPT-2's `attn.bias` causal masks,
+    /// `rotary_emb.inv_freq`), which the graph recomputes.
+    pub ignored_buffers: Vec<String>,
+    /// Stored copies of tied weights (`lm_head.weight` tied to the embeddings, ...).
+    pub tied_copies: Vec<String>,
+}
+
+/// What each family tells the generic loader.
+pub(crate) trait Arch {
+    /// `(architectures entry, head)` pairs; the first entry's head is the default with a
+    /// head, the second's the base model.
+    fn architectures(&self) -> &'static [(&'static str, Head)];
+    /// The prefix the base model takes inside a model with a head.
+    fn base_prefix(&self) -> &'static str;
+    /// A tensor every checkpoint of the family has, without prefix (for prefix detection).
+    fn marker(&self) -> &'static str;
+    /// The prefix transformers saves for this head.
+    fn canonical_prefix(&self, head: Head) -> &'static str;
+    /// The head when config.json has no `architectures`, from the tensor names.
+    fn guess_head(&self, has: &dyn Fn(&str) -> bool, prefix: &str) -> Head;
+    /// The head named by `architectures`, confirmed against the tensor names.
+    fn confirm_head(&self, head: Head, _has: &dyn Fn(&str) -> bool, _prefix: &str) -> Head {
+        head
+    }
+    /// Parameters in module order, canonical names.
+    fn params(&self, head: Head, prefix: &str) -> Vec<ParamSpec>;
+    /// Names under which a tied weight may also be stored.
+    fn tied_copies(&self, head: Head, prefix: &str) -> Vec<String>;
+    /// True for persistent buffers that are not parameters.
+    fn is_buffer(&self, name: &str) -> bool;
+    /// The longest sequence the model takes, if it has a learned position table.
+    fn max_positions(&self) -> Option<usize>;
+    /// (widest activation row, attention heads), to refuse graphs too large to address.
+    fn widths(&self) -> (usize, usize);
+    /// Builds the forward graph; returns its outputs.
+    fn build(&self, head: Head, prefix: &str, ctx: &mut Ctx) -> Result<Vec<Value>, ModelError>;
+}
+
+impl ModelConfig {
+    pub(crate) fn arch(&self) -> &dyn Arch {
+        match self {
+            ModelConfig::Gpt2(c) => c,
+            ModelConfig::Bert(c) => c,
+            ModelConfig::Llama(c) => c,
+        }
+    }
+}
+
+/// A model ready to build graphs and, with a checkpoint, to load weights.
+#[derive(Debug)]
+pub struct Model {
+    config: Config,
+    head: Head,
+    prefix: String,
+    checkpoint: Option<Checkpoint>,
+    /// Expected parameters with their checkpoint names.
+    params: Vec<ParamSpec>,
+    /// Canonical names, parallel to `params` (they differ for `LayerNorm.gamma/beta`).
+    canonical: Vec<String>,
+    report: LoadReport,
+}
+
+impl Model {
+    /// Loads a checkpoint folder (config.json + safetensors) or a bare config.json file
+    /// (shapes only, no weights), validating the checkpoint against the architecture.
+    pub fn load(path: impl AsRef<Path>) -> Result<Model, ModelError> {
+        let path = path.as_ref();
+        if path.is_file() {
+            return Model::from_config(Config::read(path)?);
+        }
+        if !path.is_dir() {
+            return Err(ModelError::NotACheckpoint {
+                path: path.to_path_buf(),
+                message: "no such file or folder".into(),
+            });
+        }
+        let config_path = path.join(CONFIG_FILE);
+        if !config_path.is_file() {
+            return Err(ModelError::NotACheckpoint {
+                path: path.to_path_buf(),
+                message: format!("the folder has no `{CONFIG_FILE}`"),
+            });
+        }
+        let config = Config::read(&config_path)?;
+        let checkpoint = Checkpoint::open(path)?;
+        Model::new(config, Some(checkpoint))
+    }
+
+    /// A model from a config alone: graphs and parameter shapes, no weights.
+    pub fn from_config(config: Config) -> Result<Model, ModelError> {
+        Model::new(config, None)
+    }
+
+    /// A model from a parsed config and an opened checkpoint, checked against each other.
+    pub fn with_checkpoint(config: Config, checkpoint: Checkpoint) -> Result<Model, ModelError> {
+        Model::new(config, Some(checkpoint))
+    }
+
+    fn new(config: Config, checkpoint: Option<Checkpoint>) -> Result<Model, ModelError> {
+        let arch = config.model.arch();
+        let has = |n: &str| checkpoint.as_ref().is_some_and(|c| c.contains(n));
+
+        let detected_prefix = checkpoint.as_ref().and_then(|_| {
+            let base = arch.base_prefix();
+            if has(&format!("{base}{}", arch.marker())) {
+                Some(base)
+            } else if has(arch.marker()) {
+                Some("")
+            } else {
+                None
+            }
+        });
+        let named = named_head(&config, arch)?;
+        let head = match (named, &checkpoint) {
+            (Some(h), Some(_)) => arch.confirm_head(h, &has, detected_prefix.unwrap_or("")),
+            (Some(h), None) => h,
+            (None, Some(_)) => arch.guess_head(&has, detected_prefix.unwrap_or("")),
+            // What AutoModel builds: the base model (BERT with its pooler).
+            (None, None) => arch.architectures()[1].1,
+        };
+        let prefix = detected_prefix
+            .unwrap_or_else(|| arch.canonical_prefix(head))
+            .to_string();
+
+        let canonical_specs = arch.params(head, &prefix);
+        let total: u128 = canonical_specs.iter().map(|p| p.numel() as u128).sum();
+        if total > MAX_PARAMETERS as u128 {
+            return Err(ModelError::Config {
+                file: config.file.clone(),
+                field: "(sizes)".into(),
+                message: format!(
+                    "the config describes {total} parameters, more than the limit of \
+                     {MAX_PARAMETERS}"
+                ),
+            });
+        }
+        let canonical: Vec<String> = canonical_specs.iter().map(|p| p.name.clone()).collect();
+        let params: Vec<ParamSpec> = canonical_specs
+            .into_iter()
+            .map(|p| ParamSpec {
+                name: legacy_alias(&p.name, &has).unwrap_or(p.name),
+                shape: p.shape,
+            })
+            .collect();
+
+        let mut model = Model {
+            config,
+            head,
+            prefix,
+            checkpoint: None,
+            params,
+            canonical,
+            report: LoadReport::default(),
+        };
+        if let Some(ckpt) = checkpoint {
+            model.report = model.check_against(&ckpt)?;
+            model.checkpoint = Some(ckpt);
+        }
+        Ok(model)
+    }
+
+    /// Checks a checkpoint against the expected parameters: all missing tensors, shape
+    /// mismatches and non-float dtypes in one error; otherwise the tensors left unread.
+    pub fn check_against(&self, ckpt: &Checkpoint) -> Result<LoadReport, ModelError> {
+        let mut problems = MismatchReport {
+            checkpoint: ckpt.dir().to_path_buf(),
+            architecture: self.architecture().to_string(),
+            missing: Vec::new(),
+            shape_mismatches: Vec::new(),
+            bad_dtypes: Vec::new(),
+        };
+        for p in &self.params {
+            let Some(info) = ckpt.info(&p.name) else {
+                problems.missing.push(p.clone());
+                continue;
+            };
+            if info.shape != p.shape {
+                problems.shape_mismatches.push(ShapeMismatch {
+                    name: p.name.clone(),
+                    expected: p.shape.clone(),
+                    found: info.shape.clone(),
+                });
+            } else if !info.ir_dtype().is_some_and(|d| d.is_float()) {
+                problems.bad_dtypes.push(DtypeProblem {
+                    name: p.name.clone(),
+                    file: ckpt
+                        .file_of(&p.name)
+                        .map(|f| f.path().to_path_buf())
+                        .unwrap_or_default(),
+                    found: format!("{:?}", info.dtype),
+                });
+            }
+        }
+        if !(problems.missing.is_empty()
+            && problems.shape_mismatches.is_empty()
+            && problems.bad_dtypes.is_empty())
+        {
+            return Err(ModelError::Mismatch(Box::new(problems)));
+        }
+
+        let arch = self.config.model.arch();
+        let expected: BTreeSet<&str> = self.params.iter().map(|p| p.name.as_str()).collect();
+        let tied: BTreeSet<String> = arch
+            .tied_copies(self.head, &self.prefix)
+            .into_iter()
+            .collect();
+        let mut report = LoadReport::default();
+        for name in ckpt.names().filter(|n| !expected.contains(n)) {
+            let list = if tied.contains(name) {
+                &mut report.tied_copies
+            } else if arch.is_buffer(name) {
+                &mut report.ignored_buffers
+            } else {
+                &mut report.unused
+            };
+            list.push(name.to_string());
+        }
+        Ok(report)
+    }
+
+    pub fn family(&self) -> Family {
+        self.config.model.family()
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn head(&self) -> Head {
+        self.head
+    }
+
+    /// The transformers class this model is (`GPT2LMHeadModel`, `BertModel`, ...).
+    pub fn architecture(&self) -> &'static str {
+        let archs = self.config.model.arch().architectures();
+        let head = if self.head == Head::Base && self.family() == Family::Bert {
+            Head::Pooler
+        } else {
+            self.head
+        };
+        archs
+            .iter()
+            .find(|(_, h)| *h == head)
+            .map_or(archs[0].0, |(n, _)| n)
+    }
+
+    /// The prefix of base-model parameter names (`transformer.`, `bert.`, `model.` or ``).
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    pub fn checkpoint(&self) -> Option<&Checkpoint> {
+        self.checkpoint.as_ref()
+    }
+
+    /// The parameters, in module order, each with its checkpoint tensor name (the name of
+    /// its `param` value in the graph) and shape. Tied weights appear once.
+    pub fn expected_params(&self) -> &[ParamSpec] {
+        &self.params
+    }
+
+    /// Tensors in the checkpoint that the architecture does not read (empty without one).
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+
+    /// Number of parameters, as transformers' `model.num_parameters()` counts them: tied
+    /// weights once, buffers not at all.
+    pub fn parameter_count(&self) -> u64 {
+        self.params.iter().map(ParamSpec::numel).sum()
+    }
+
+    /// The float dtype every parameter is stored in, if the checkpoint is uniform.
+    pub fn checkpoint_dtype(&self) -> Option<DType> {
+        let ckpt = self.checkpoint.as_ref()?;
+        let mut dtypes = self
+            .params
+            .iter()
+            .filter_map(|p| ckpt.info(&p.name).and_then(|i| i.ir_dtype()));
+        let first = dtypes.next()?;
+        dtypes.all(|d| d == first).then_some(first)
+    }
+
+    /// Graph inputs, in order: `input_ids`, `attention_mask` and, for BERT, `token_type_ids`
+    /// (all i64 `[B, T]`).
+    pub fn input_names(&self) -> &'static [&'static str] {
+        match self.family() {
+            Family::Bert => &["input_ids", "attention_mask", "token_type_ids"],
+            _ => &["input_ids", "attention_mask"],
+        }
+    }
+
+    /// Graph outputs, in order.
+    pub fn output_names(&self) -> &'static [&'static str] {
+        match self.head {
+            Head::Base => &["last_hidden_state"],
+            Head::Pooler => &["last_hidden_state", "pooler_output"],
+            Head::CausalLm | Head::MaskedLm => &["logits"],
+        }
+    }
+
+    /// One parameter as an F32 master tensor (upcast exactly from F16/BF16).
+    pub fn load_param(&self, name: &str) -> Result<Tensor, ModelError> {
+        if !self.params.iter().any(|p| p.name == name) {
+            return Err(ModelError::NotAParameter {
+                architecture: self.architecture().to_string(),
+                tensor: name.to_string(),
+            });
+        }
+        self.weights("load_param")?.tensor_f32(name)
+    }
+
+    /// The configured context length; `build_graph` refuses longer sequences for GPT-2 and
+    /// BERT (learned position tables).
+    pub fn max_positions(&self) -> usize {
+        self.config.model.max_positions()
+    }
+
+    /// Token vocabulary size (`vocab_size`): input ids must be below it.
+    pub fn vocab_size(&self) -> usize {
+        self.config.model.vocab_size()
+    }
+
+    /// Deterministic initial F32 parameters, as transformers' `_init_weights` (normal with
+    /// `initializer_range` for matrices and embeddings, ones for norm scales, zeros for
+    /// biases), keyed by graph `param` name; for models built from a config alone.
+    pub fn init_params(&self, seed: u64) -> HashMap<String, Tensor> {
+        let std = self.config.model.initializer_range() as f32;
+        self.params
+            .iter()
+            .map(|p| {
+                let shape = castor_ir::Shape(p.shape.clone());
+                (
+                    p.name.clone(),
+                    crate::init::init_param(&p.name, &shape, std, seed),
+                )
+            })
+            .collect()
+    }
+
+    /// Every parameter as an F32 master tensor, keyed by its graph `param` name.
+    pub fn load_params(&self) -> Result<HashMap<String, Tensor>, ModelError> {
+        let ckpt = self.weights("load_params")?;
+        self.params
+            .iter()
+            .map(|p| Ok((p.name.clone(), ckpt.tensor_f32(&p.name)?)))
+            .collect()
+    }
+
+    fn weights(&self, what: &str) -> Result<&Checkpoint, ModelError> {
+        self.checkpoint
+            .as_ref()
+            .ok_or_else(|| ModelError::NoWeights {
+                config: self.config.file.clone(),
+                what: what.to_string(),
+            })
+    }
+
+    /// The F32 forward graph (eval mode) for `batch` sequences of `seq` tokens.
+    pub fn build_graph(&self, batch: usize, seq: usize) -> Result<Graph, ModelError> {
+        let arch = self.config.model.arch();
+        let size_err = |message: String| ModelError::GraphSize {
+            batch,
+            seq,
+            message,
+        };
+        if batch == 0 || seq == 0 {
+            return Err(size_err("both must be at least 1".into()));
+        }
+        if let Some(max) = arch.max_positions() {
+            if seq > max {
+                return Err(size_err(format!("the model has {max} learned positions")));
+            }
+        }
+        let (width, heads) = arch.widths();
+        let (b, t) = (batch as u128, seq as u128);
+        let largest = (b * t * width as u128).max(b * heads as u128 * t * t);
+        if largest > (isize::MAX as u128) / 4 {
+            return Err(size_err(format!(
+                "the largest activation would have {largest} elements"
+            )));
+        }
+        let params = self
+            .canonical
+            .iter()
+            .zip(&self.params)
+            .map(|(c, p)| (c.as_str(), (p.name.as_str(), p.shape.as_slice())))
+            .collect();
+        let mut ctx = Ctx::new(self.architecture(), params, batch, seq);
+        let outputs = arch.build(self.head, &self.prefix, &mut ctx)?;
+        Ok(ctx.finish(outputs))
+    }
+}
+
+/// The head `architectures` names, if it names one of this family's supported classes.
+fn named_head(config: &Config, arch: &dyn Arch) -> Result<Option<Head>, ModelError> {
+    if config.architectures.is_empty() {
+        return Ok(None);
+    }
+    let known = arch.architectures();
+    config
+        .architectures
+        .iter()
+        .find_map(|a| known.iter().find(|(n, _)| n == a).map(|&(_, h)| h))
+        .map(Some)
+        .ok_or_else(|| ModelError::UnsupportedArchitecture {
+            file: config.file.clone(),
+            model_type: config.model.family().model_type().to_string(),
+            found: format!("{:?}", config.architectures),
+            supported: known.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", "),
+        })
+}
+
+/// Old BERT checkpoints store LayerNorm parameters as `gamma`/`beta`; transformers renames
+/// them on load. The graph keeps the name actually in the file.
+fn legacy_alias(name: &str, has: &dyn Fn(&str) -> bool) -> Option<String> {
+    if has(name) {
+        return None;
+    }
+    let alt = if let Some(stem) = name.strip_suffix("LayerNorm.weight") {
+        format!("{stem}LayerNorm.gamma")
+    } else if let Some(stem) = name.strip_suffix("LayerNorm.bias") {
+        format!("{stem}LayerNorm.beta")
+    } else {
+        return None;
+    };
+    has(&alt).then_some(alt)
+}
+
+/// `prefix + name`.
+pub(crate) fn pre(prefix: &str, name: &str) -> String {
+    format!("{prefix}{name}")
+}
