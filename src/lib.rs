@@ -1,1 +1,54 @@
+//! castor: a mixed-precision training compiler for transformer checkpoints.
+//!
+//! The facade re-exports the workspace crates and holds what the CLI's commands share: the
+//! exit-code convention and the batch files that `eval` reads.
+
+pub mod batch;
+pub mod commands;
+pub mod report;
+
 pub use castor_ir as ir;
+pub use castor_models as models;
+pub use castor_runtime as runtime;
+
+/// Exit codes, documented in README.md.
+pub mod codes {
+    /// Something unexpected (a bug, or an I/O failure writing output).
+    pub const FAILURE: u8 = 1;
+    /// Bad command-line usage (clap's own code).
+    pub const USAGE: u8 = 2;
+    /// Invalid input: checkpoint, config, IR text or data file.
+    pub const INVALID_INPUT: u8 = 3;
+    /// Execution failed (bad bindings, out-of-range data found while running).
+    pub const EXECUTION: u8 = 4;
+    /// The requested device is not available.
+    pub const DEVICE_UNAVAILABLE: u8 = 5;
+}
+
+/// Errors of the CLI layer itself.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("{0}")]
+    InvalidInput(String),
+    #[error("{0}")]
+    DeviceUnavailable(String),
+}
+
+/// Maps an error chain to its exit code by the first typed error found in it.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    for cause in e.chain() {
+        if cause.is::<castor_models::ModelError>() || cause.is::<castor_ir::IrError>() {
+            return codes::INVALID_INPUT;
+        }
+        if cause.is::<castor_runtime::RuntimeError>() {
+            return codes::EXECUTION;
+        }
+        if let Some(c) = cause.downcast_ref::<CliError>() {
+            return match c {
+                CliError::InvalidInput(_) => codes::INVALID_INPUT,
+                CliError::DeviceUnavailable(_) => codes::DEVICE_UNAVAILABLE,
+            };
+        }
+    }
+    codes::FAILURE
+}

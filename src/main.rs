@@ -1,1 +1,46 @@
-fn main() {}
+//! The `castor` command line.
+
+use castor::commands::{demo, eval, inspect};
+use castor::exit_code;
+use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "castor",
+    version,
+    about = "Mixed-precision training compiler for transformer checkpoints",
+    long_about = "castor lowers a Hugging Face checkpoint (config.json + safetensors) to a tensor IR, \
+                  decides the precision of every node, and runs the result on the CPU reference \
+                  executor (or CUDA)."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Summarize a checkpoint folder or a bare config.json: family, parameters, op classes.
+    Inspect(inspect::Args),
+    /// Run a forward pass on a batch from a safetensors file and write the outputs.
+    Eval(eval::Args),
+    /// Build the embedded tiny GPT-2 and run it: no files, no GPU.
+    Demo(demo::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect(a) => inspect::run(a),
+        Command::Eval(a) => eval::run(a),
+        Command::Demo(a) => demo::run(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(exit_code(&e))
+        }
+    }
+}

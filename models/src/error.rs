@@ -195,6 +195,8 @@ pub struct MismatchReport {
     pub missing: Vec<ParamSpec>,
     pub shape_mismatches: Vec<ShapeMismatch>,
     pub bad_dtypes: Vec<DtypeProblem>,
+    /// Checkpoint tensors the architecture does not know (often the missing ones, misnamed).
+    pub unused: Vec<String>,
 }
 
 impl std::error::Error for MismatchReport {}
@@ -235,6 +237,16 @@ impl fmt::Display for MismatchReport {
                     d.file.display(),
                     d.found
                 )?;
+            }
+        }
+        if !self.unused.is_empty() {
+            write!(
+                f,
+                "\n  {} unknown tensor(s) in the checkpoint:",
+                self.unused.len()
+            )?;
+            for name in &self.unused {
+                write!(f, "\n    `{name}`")?;
             }
         }
         Ok(())

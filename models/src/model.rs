@@ -219,6 +219,7 @@ impl Model {
             missing: Vec::new(),
             shape_mismatches: Vec::new(),
             bad_dtypes: Vec::new(),
+            unused: Vec::new(),
         };
         for p in &self.params {
             let Some(info) = ckpt.info(&p.name) else {
@@ -242,13 +243,6 @@ impl Model {
                 });
             }
         }
-        if !(problems.missing.is_empty()
-            && problems.shape_mismatches.is_empty()
-            && problems.bad_dtypes.is_empty())
-        {
-            return Err(ModelError::Mismatch(Box::new(problems)));
-        }
-
         let arch = self.config.model.arch();
         let expected: BTreeSet<&str> = self.params.iter().map(|p| p.name.as_str()).collect();
         let tied: BTreeSet<String> = arch
@@ -265,6 +259,14 @@ impl Model {
                 &mut report.unused
             };
             list.push(name.to_string());
+        }
+        if !(problems.missing.is_empty()
+            && problems.shape_mismatches.is_empty()
+            && problems.bad_dtypes.is_empty())
+        {
+            // Unknown names usually explain missing ones (a renamed or mis-prefixed tensor).
+            problems.unused = report.unused;
+            return Err(ModelError::Mismatch(Box::new(problems)));
         }
         Ok(report)
     }

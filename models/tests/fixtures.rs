@@ -4,7 +4,7 @@
 //! expected outputs match the graph's inputs and outputs.
 
 mod common;
-mod reference;
+mod exec;
 
 use castor_ir::{DType, Op};
 use castor_models::{Head, Model, SafetensorsFile};
@@ -182,7 +182,7 @@ fn fixtures_load_and_build() {
         }
 
         // The graph computes what transformers computed (F32 from the stored weights).
-        let got = reference::run(&g, &feeds);
+        let got = exec::run(&g, &feeds);
         for (name, t) in &got {
             let want = expected.read_f32(name).unwrap();
             let err = castor_ir::relative_error(t.as_f32().unwrap(), &want);

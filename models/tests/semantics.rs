@@ -1,8 +1,8 @@
-//! Properties of the built graphs, run on a naive reference interpreter: causality, padding
+//! Properties of the built graphs, run on the CPU reference executor: causality, padding
 //! masks, grouped-query attention equal to repeated k/v heads, tied equal to copied heads.
 
 mod common;
-mod reference;
+mod exec;
 
 use castor_ir::{DType, Tensor};
 use castor_models::safetensors::Dtype;
@@ -29,7 +29,7 @@ fn feeds(m: &Model, ids: &[i64], mask: &[i64], b: usize, t: usize) -> HashMap<St
 
 fn run(m: &Model, ids: &[i64], mask: &[i64], b: usize, t: usize) -> HashMap<String, Vec<f32>> {
     let g = m.build_graph(b, t).unwrap();
-    reference::run(&g, &feeds(m, ids, mask, b, t))
+    exec::run(&g, &feeds(m, ids, mask, b, t))
         .into_iter()
         .map(|(k, v)| (k, v.as_f32().unwrap().to_vec()))
         .collect()

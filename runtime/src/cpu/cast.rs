@@ -1,0 +1,42 @@
+//! Conversions between dtypes.
+//!
+//! Float to float keeps the F32 value (the executor rounds it to the target dtype where it is
+//! stored); int to bool and float to bool test for nonzero; bool to a number is 0 or 1; float
+//! to int truncates toward zero (saturating, NaN to 0, as Rust's `as`); int to I32 wraps to 32
+//! bits, as PyTorch's `.to(torch.int32)`.
+
+use castor_ir::{DType, TensorData};
+
+/// `data` converted to `to`. Float targets get F32 values not yet rounded to `to`; a
+/// conversion that changes nothing returns the buffer as is.
+pub fn cast(data: TensorData, to: DType) -> TensorData {
+    match (data, to) {
+        (v @ TensorData::F32(_), DType::F32 | DType::F16 | DType::BF16) => v,
+        (TensorData::F32(v), DType::I64) => {
+            TensorData::I64(v.into_iter().map(|x| x as i64).collect())
+        }
+        (TensorData::F32(v), DType::I32) => {
+            TensorData::I64(v.into_iter().map(|x| i64::from(x as i32)).collect())
+        }
+        (TensorData::F32(v), DType::Bool) => {
+            TensorData::Bool(v.into_iter().map(|x| x != 0.0).collect())
+        }
+        (TensorData::I64(v), DType::F32 | DType::F16 | DType::BF16) => {
+            TensorData::F32(v.into_iter().map(|x| x as f32).collect())
+        }
+        (v @ TensorData::I64(_), DType::I64) => v,
+        (TensorData::I64(v), DType::I32) => {
+            TensorData::I64(v.into_iter().map(|x| i64::from(x as i32)).collect())
+        }
+        (TensorData::I64(v), DType::Bool) => {
+            TensorData::Bool(v.into_iter().map(|x| x != 0).collect())
+        }
+        (TensorData::Bool(v), DType::F32 | DType::F16 | DType::BF16) => {
+            TensorData::F32(v.into_iter().map(|b| f32::from(u8::from(b))).collect())
+        }
+        (TensorData::Bool(v), DType::I32 | DType::I64) => {
+            TensorData::I64(v.into_iter().map(i64::from).collect())
+        }
+        (v @ TensorData::Bool(_), DType::Bool) => v,
+    }
+}

@@ -1,0 +1,258 @@
+//! From a node's op to its kernel: unpacks operands, calls the kernel, and builds the result
+//! tensors with the types the graph records (float results are rounded to their dtype there,
+//! by `Tensor::from_f32`).
+
+use super::operand::{Args, Storage};
+use super::{
+    cast, elementwise, embedding, layout, loss, matmul, norm, pool, reduce, rope, softmax,
+};
+use crate::RuntimeError;
+use castor_ir::{BinaryOp, DType, Op, Tensor, TensorData, TensorType};
+
+/// Calls a generic layout helper with the element type that stores `dtype`.
+macro_rules! by_storage {
+    ($dtype:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 | DType::F16 | DType::BF16 => $f::<f32>($($arg),*),
+            DType::I32 | DType::I64 => $f::<i64>($($arg),*),
+            DType::Bool => $f::<bool>($($arg),*),
+        }
+    };
+}
+
+/// Runs `op` on `args`; `outs` are the node's result types.
+pub fn execute(
+    op: &Op,
+    args: &mut Args,
+    outs: &[&TensorType],
+) -> Result<Vec<Tensor>, RuntimeError> {
+    let out = *outs
+        .first()
+        .ok_or_else(|| args.internal("the node has no results"))?;
+    let float = |args: &Args, data: Vec<f32>| make(args, out, TensorData::F32(data));
+    let result = match op {
+        Op::Input | Op::Param => return Err(args.internal("sources are bound, not executed")),
+        Op::Embedding => {
+            let (table, ids) = (args.f32(0)?, args.values::<i64>(1)?);
+            let (v, h) = (args.shape(0)?[0], args.shape(0)?[1]);
+            let rows = embedding::embedding(table, v, h, ids).map_err(|e| {
+                RuntimeError::IndexOutOfRange {
+                    node: args.node.to_string(),
+                    what: "token id",
+                    index: e.id,
+                    position: e.position,
+                    limit: v,
+                }
+            })?;
+            float(args, rows)?
+        }
+        Op::MatMul {
+            transpose_a,
+            transpose_b,
+        } => {
+            let a = matmul::Operand {
+                data: args.f32(0)?,
+                shape: args.shape(0)?,
+                transpose: *transpose_a,
+            };
+            let b = matmul::Operand {
+                data: args.f32(1)?,
+                shape: args.shape(1)?,
+                transpose: *transpose_b,
+            };
+            let product = matmul::matmul(&a, &b, out.shape.dims());
+            float(args, product)?
+        }
+        Op::Unary(u) => {
+            let mut x = args.take_f32(0)?;
+            elementwise::unary(*u, &mut x);
+            float(args, x)?
+        }
+        Op::Binary(b) => {
+            let values = binary(*b, args, out)?;
+            float(args, values)?
+        }
+        Op::Scale { factor } => {
+            let mut x = args.take_f32(0)?;
+            elementwise::scale(&mut x, *factor);
+            float(args, x)?
+        }
+        Op::LayerNorm { eps } => {
+            let mut x = args.take_f32(0)?;
+            norm::layer_norm(&mut x, args.f32(1)?, args.f32(2)?, *eps);
+            float(args, x)?
+        }
+        Op::RmsNorm { eps } => {
+            let mut x = args.take_f32(0)?;
+            norm::rms_norm(&mut x, args.f32(1)?, *eps);
+            float(args, x)?
+        }
+        Op::Softmax { causal } => {
+            let mut x = args.take_f32(0)?;
+            let mask = if args.len() > 1 {
+                Some(softmax::Mask {
+                    data: args.values::<bool>(1)?,
+                    shape: args.shape(1)?,
+                })
+            } else {
+                None
+            };
+            softmax::softmax(&mut x, out.shape.dims(), *causal, mask);
+            float(args, x)?
+        }
+        Op::Rope { theta } => {
+            let mut x = args.take_f32(0)?;
+            let d = out.shape.dims();
+            rope::rope(&mut x, d[d.len() - 2], d[d.len() - 1], *theta);
+            float(args, x)?
+        }
+        Op::Reshape { .. } => {
+            let (_, data) = args.take(0)?;
+            make(args, out, data)?
+        }
+        Op::Transpose { perm } => {
+            let data = by_storage!(out.dtype, transpose(args, perm))?;
+            make(args, out, data)?
+        }
+        Op::Slice { axis, start, end } => {
+            let data = by_storage!(out.dtype, slice(args, *axis, *start, *end))?;
+            make(args, out, data)?
+        }
+        Op::Concat { axis } => {
+            let data = by_storage!(out.dtype, concat(args, *axis, out))?;
+            make(args, out, data)?
+        }
+        Op::Split { axis, sizes } => {
+            let pieces = by_storage!(out.dtype, split(args, *axis, sizes))?;
+            return pieces
+                .into_iter()
+                .zip(outs)
+                .map(|(data, ty)| make(args, ty, data))
+                .collect();
+        }
+        Op::Reduce { op, axes, .. } => {
+            let x = args.f32(0)?;
+            let reduced = reduce::reduce(*op, x, args.shape(0)?, axes).ok_or_else(|| {
+                RuntimeError::EmptyReduction {
+                    node: args.node.to_string(),
+                    shape: args
+                        .tensor(0)
+                        .map(|t| t.shape().clone())
+                        .unwrap_or_default(),
+                }
+            })?;
+            float(args, reduced)?
+        }
+        Op::CrossEntropy { ignore_index } => {
+            let (logits, labels) = (args.f32(0)?, args.values::<i64>(1)?);
+            let v = args.shape(0)?[1];
+            let loss = loss::cross_entropy(logits, v, labels, *ignore_index).map_err(|e| {
+                RuntimeError::IndexOutOfRange {
+                    node: args.node.to_string(),
+                    what: "label",
+                    index: e.label,
+                    position: e.position,
+                    limit: v,
+                }
+            })?;
+            float(args, vec![loss])?
+        }
+        Op::Cast { to } => {
+            let (_, data) = args.take(0)?;
+            make(args, out, cast::cast(data, *to))?
+        }
+    };
+    Ok(vec![result])
+}
+
+/// A tensor of type `ty` holding `data`; float data is rounded to `ty`'s dtype.
+fn make(args: &Args, ty: &TensorType, data: TensorData) -> Result<Tensor, RuntimeError> {
+    let shape = ty.shape.clone();
+    let len = match &data {
+        TensorData::F32(v) => v.len(),
+        TensorData::I64(v) => v.len(),
+        TensorData::Bool(v) => v.len(),
+    };
+    if ty.shape.numel() != Some(len) {
+        return Err(args.internal(format!("a kernel made {len} elements for {ty}")));
+    }
+    match (data, ty.dtype) {
+        (TensorData::F32(v), d) if d.is_float() => Ok(Tensor::from_f32(d, shape, v)),
+        (TensorData::I64(v), d) if d.is_int() => Ok(Tensor::from_i64(d, shape, v)),
+        (TensorData::Bool(v), DType::Bool) => Ok(Tensor::from_bool(shape, v)),
+        _ => Err(args.internal(format!("a kernel made the wrong storage for {ty}"))),
+    }
+}
+
+/// `a op b`, writing into an operand's buffer when it is owned and has the output's shape
+/// (the left one, or for `add`/`mul`, which commute exactly, the right one).
+fn binary(op: BinaryOp, args: &mut Args, out: &TensorType) -> Result<Vec<f32>, RuntimeError> {
+    let out_shape = out.shape.dims();
+    let fits = |args: &Args, i: usize| -> Result<bool, RuntimeError> {
+        Ok(args.is_owned(i) && args.shape(i)? == out_shape)
+    };
+    let (dst_from, other) = if fits(args, 0)? {
+        (Some(0), 1)
+    } else if matches!(op, BinaryOp::Add | BinaryOp::Mul) && fits(args, 1)? {
+        (Some(1), 0)
+    } else {
+        (None, 1)
+    };
+    match dst_from {
+        Some(i) => {
+            let mut dst = args.take_f32(i)?;
+            let (b, b_shape) = (args.f32(other)?, args.shape(other)?);
+            elementwise::binary(
+                op,
+                elementwise::Lhs::InPlace,
+                b,
+                b_shape,
+                &mut dst,
+                out_shape,
+            );
+            Ok(dst)
+        }
+        None => {
+            let mut dst = pool::buffer(out.shape.numel().unwrap_or(0));
+            let a = elementwise::Lhs::Slice(args.f32(0)?, args.shape(0)?);
+            elementwise::binary(op, a, args.f32(1)?, args.shape(1)?, &mut dst, out_shape);
+            Ok(dst)
+        }
+    }
+}
+
+fn transpose<T: Storage>(args: &Args, perm: &[usize]) -> Result<TensorData, RuntimeError> {
+    let x = args.values::<T>(0)?;
+    Ok(T::wrap(layout::transpose(x, args.shape(0)?, perm)))
+}
+
+fn slice<T: Storage>(
+    args: &Args,
+    axis: usize,
+    start: usize,
+    end: usize,
+) -> Result<TensorData, RuntimeError> {
+    let x = args.values::<T>(0)?;
+    Ok(T::wrap(layout::slice(x, args.shape(0)?, axis, start, end)))
+}
+
+fn concat<T: Storage>(
+    args: &Args,
+    axis: usize,
+    out: &TensorType,
+) -> Result<TensorData, RuntimeError> {
+    let parts = (0..args.len())
+        .map(|i| Ok((args.values::<T>(i)?, args.shape(i)?)))
+        .collect::<Result<Vec<_>, RuntimeError>>()?;
+    Ok(T::wrap(layout::concat(&parts, axis, out.shape.dims())))
+}
+
+fn split<T: Storage>(
+    args: &Args,
+    axis: usize,
+    sizes: &[usize],
+) -> Result<Vec<TensorData>, RuntimeError> {
+    let x = args.values::<T>(0)?;
+    let pieces = layout::split(x, args.shape(0)?, axis, sizes);
+    Ok(pieces.into_iter().map(T::wrap).collect())
+}

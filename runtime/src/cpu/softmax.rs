@@ -1,0 +1,121 @@
+//! Softmax over the last axis, in place, with the causal and bool masks.
+//!
+//! Masked entries get probability exactly 0 (HF adds the dtype's finite minimum, whose `exp`
+//! underflows to 0). A row with every key masked becomes uniform, `1 / Tk`, which is what the
+//! finite mask gives: every entry is then the same minimum.
+
+use super::math;
+use super::par::for_each_block;
+use super::simd::multiversion;
+use super::strides::{broadcast_strides, offset};
+
+/// A bool mask (true = keep) broadcast over `x`.
+pub struct Mask<'a> {
+    pub data: &'a [bool],
+    pub shape: &'a [usize],
+}
+
+/// One row's view of the mask.
+#[derive(Clone, Copy)]
+enum Keep<'a> {
+    All,
+    Scalar(bool),
+    /// A row of the mask, and the position of its first `false` (its length if none).
+    Slice(&'a [bool], usize),
+}
+
+impl Keep<'_> {
+    #[inline(always)]
+    fn get(self, j: usize) -> bool {
+        match self {
+            Keep::All => true,
+            Keep::Scalar(k) => k,
+            Keep::Slice(s, _) => s[j],
+        }
+    }
+}
+
+/// Softmax of `x` (shape `dims`, at least 1-D) over its last axis. With `causal`, query `i`
+/// of `Tq` (the second-to-last axis) sees keys `j <= i + Tk - Tq`.
+pub fn softmax(x: &mut [f32], dims: &[usize], causal: bool, mask: Option<Mask>) {
+    if x.is_empty() {
+        return;
+    }
+    let rank = dims.len();
+    let tk = dims[rank - 1];
+    let tq = if rank >= 2 { dims[rank - 2] } else { 1 };
+    let outer = &dims[..rank - 1];
+    let mask = mask.map(|m| {
+        let strides = broadcast_strides(m.shape, dims);
+        // Where each mask row's first `false` is, found once rather than per query row.
+        let first_false: Vec<usize> = if strides[rank - 1] == 0 {
+            Vec::new()
+        } else {
+            m.data
+                .chunks(tk)
+                .map(|r| r.iter().position(|&k| !k).unwrap_or(tk))
+                .collect()
+        };
+        (m.data, strides, first_false)
+    });
+    for_each_block(x, tk, tk, |r, row| {
+        let visible = if causal {
+            (r % tq + 1 + tk - tq).min(tk)
+        } else {
+            tk
+        };
+        let keep = match &mask {
+            None => Keep::All,
+            Some((data, strides, first_false)) => {
+                let start = offset(r, outer, &strides[..rank - 1]);
+                if strides[rank - 1] == 0 {
+                    Keep::Scalar(data[start])
+                } else {
+                    Keep::Slice(&data[start..start + tk], first_false[start / tk])
+                }
+            }
+        };
+        softmax_row(row, visible, keep);
+    });
+}
+
+multiversion! {
+/// Softmax of one row over the first `visible` entries that `keep` keeps; zeros elsewhere.
+fn softmax_row(row: &mut [f32], visible: usize, keep: Keep) {
+    let keep = match keep {
+        // Rows without padding among the visible keys take the unmasked path.
+        Keep::Slice(_, first_false) if first_false >= visible => Keep::All,
+        k => k,
+    };
+    let (seen, hidden) = row.split_at_mut(visible);
+    hidden.fill(0.0);
+    let keep_all = matches!(keep, Keep::All | Keep::Scalar(true));
+    let max = if keep_all {
+        (visible > 0).then(|| math::max(seen))
+    } else {
+        (0..visible)
+            .filter(|&j| keep.get(j))
+            .map(|j| seen[j])
+            .reduce(math::max2)
+    };
+    let Some(max) = max else {
+        // Every key is masked.
+        let uniform = 1.0 / row.len() as f32;
+        row.fill(uniform);
+        return;
+    };
+    if keep_all {
+        seen.iter_mut().for_each(|v| *v = math::exp(*v - max));
+    } else {
+        for (j, v) in seen.iter_mut().enumerate() {
+            *v = if keep.get(j) {
+                math::exp(*v - max)
+            } else {
+                0.0
+            };
+        }
+    }
+    let inv = (1.0 / math::sum(seen)) as f32;
+    seen.iter_mut().for_each(|v| *v *= inv);
+}
+}

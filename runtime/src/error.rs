@@ -1,0 +1,43 @@
+//! The runtime's error type.
+//!
+//! Every variant names where the problem is (a value or node name, as printed in the IR text)
+//! and what was expected versus found, so a failed run can be traced back to the model.
+
+use castor_ir::{IrError, Shape, TensorType};
+
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RuntimeError {
+    /// The graph failed verification; executors only run verified graphs.
+    #[error("graph `{graph}` is not valid: {source}")]
+    InvalidGraph {
+        graph: String,
+        #[source]
+        source: IrError,
+    },
+    /// An `input` or `param` value has no tensor bound to its name.
+    #[error("no tensor is bound to `%{name}` (expected {expected})")]
+    MissingBinding { name: String, expected: TensorType },
+    /// The tensor bound to a source has another dtype or shape than the graph declares.
+    #[error("the tensor bound to `%{name}` should be {expected}, found {found}")]
+    BindingMismatch {
+        name: String,
+        expected: TensorType,
+        found: TensorType,
+    },
+    /// An index read from data (a token id, a label) is outside `[0, limit)`.
+    #[error("node `%{node}`: {what} {index} at position {position} is out of range [0, {limit})")]
+    IndexOutOfRange {
+        node: String,
+        what: &'static str,
+        index: i64,
+        position: usize,
+        limit: usize,
+    },
+    /// A `max` reduction over an axis of length 0, which has no value (PyTorch raises too).
+    #[error("node `%{node}`: max over an empty axis of {shape}")]
+    EmptyReduction { node: String, shape: Shape },
+    /// A broken invariant of the executor or of the IR's tensors (a bug in castor), reported
+    /// rather than panicking.
+    #[error("node `%{node}`: internal error: {message}")]
+    Internal { node: String, message: String },
+}

@@ -1,0 +1,17 @@
+//! Tests of the CPU executor, one module per op family. Every kernel is checked against a
+//! naive reference written here (index arithmetic in F64) or against hand-computed values.
+
+mod common;
+
+mod casts;
+mod errors;
+mod executor;
+mod layout;
+mod losses;
+mod matmul;
+mod norms;
+mod pointwise;
+mod reduce;
+mod rope;
+mod rounding;
+mod softmax;

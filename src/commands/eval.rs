@@ -1,0 +1,116 @@
+//! `castor eval`: one forward pass on a batch from a safetensors file; the interface by which
+//! castor is compared with PyTorch, tensor by tensor.
+
+use crate::batch::read_batch;
+use crate::CliError;
+use anyhow::Context;
+use castor_ir::Tensor;
+use castor_models::{write_safetensors, Model};
+use castor_runtime::cpu::CpuExecutor;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Precision {
+    Fp32,
+    Tf32,
+    Bf16,
+    Fp16,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Device {
+    /// CUDA when a device is present, else the CPU.
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// A checkpoint folder (config.json + safetensors).
+    pub model: PathBuf,
+    /// Safetensors file with `input_ids` [B, T] (I64 or I32) and optionally `attention_mask`
+    /// and `token_type_ids`.
+    #[arg(long)]
+    pub input: PathBuf,
+    /// Where to write the outputs (F32): `logits` for models with an LM head, else
+    /// `last_hidden_state` (and `pooler_output` for BERT with a pooler).
+    #[arg(long)]
+    pub out: PathBuf,
+    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
+    pub precision: Precision,
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+    /// Run the forward this many times and report the median time (for benchmarks).
+    #[arg(long, default_value_t = 1)]
+    pub repeat: usize,
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.precision != Precision::Fp32 {
+        return Err(CliError::InvalidInput(format!(
+            "--precision {:?} is not available yet: mixed-precision plans come with the precision passes; use fp32",
+            args.precision
+        ))
+        .into());
+    }
+    match args.device {
+        Device::Cuda => {
+            return Err(CliError::DeviceUnavailable(
+                "--device cuda: this build has no CUDA executor yet; use --device cpu".into(),
+            )
+            .into())
+        }
+        Device::Auto => eprintln!("device: cpu (no CUDA executor in this build)"),
+        Device::Cpu => {}
+    }
+
+    let model = Model::load(&args.model)?;
+    let batch = read_batch(&args.input, model.input_names(), model.vocab_size())?;
+    let graph = model.build_graph(batch.batch, batch.seq)?;
+    castor_ir::verify(&graph).context("the front end built an invalid graph")?;
+    let params = model.load_params()?;
+    let bind = |name: &str| batch.tensors.get(name).or_else(|| params.get(name));
+
+    let executor = CpuExecutor::new();
+    let mut times = Vec::with_capacity(args.repeat.max(1));
+    let mut outputs = Vec::new();
+    for _ in 0..args.repeat.max(1) {
+        let start = Instant::now();
+        outputs = executor.run(&graph, &bind)?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    let median_ms = times[times.len() / 2] * 1e3;
+
+    let named: Vec<(&str, Tensor)> = graph
+        .outputs()
+        .iter()
+        .zip(outputs)
+        .map(|(&v, t)| (graph.name(v), to_f32(t)))
+        .collect();
+    let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (*n, t)).collect();
+    write_safetensors(&args.out, &refs)?;
+    for (name, t) in &named {
+        println!("{name}: f32{}", t.shape());
+    }
+    println!(
+        "forward on cpu, batch {} x seq {}: {median_ms:.2} ms (median of {})",
+        batch.batch,
+        batch.seq,
+        times.len()
+    );
+    println!("wrote {}", args.out.display());
+    Ok(())
+}
+
+/// Outputs are written as F32 whatever dtype the graph computed them in.
+fn to_f32(t: Tensor) -> Tensor {
+    match t.as_f32() {
+        Some(v) if t.dtype() != castor_ir::DType::F32 => {
+            Tensor::from_f32(castor_ir::DType::F32, t.shape().clone(), v.to_vec())
+        }
+        _ => t,
+    }
+}

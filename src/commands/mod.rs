@@ -1,0 +1,5 @@
+//! One module per subcommand: its arguments (clap) and its `run`.
+
+pub mod demo;
+pub mod eval;
+pub mod inspect;

@@ -1,0 +1,53 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// Every fixture variant made by tests/fixtures/generate.py.
+pub const VARIANTS: [&str; 6] = [
+    "gpt2_lm",
+    "gpt2_base",
+    "bert_base",
+    "bert_mlm",
+    "llama_gqa",
+    "llama_tied",
+];
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn fixture(variant: &str) -> PathBuf {
+    root().join("tests").join("fixtures").join(variant)
+}
+
+/// Runs the `castor` binary built for these tests.
+pub fn castor(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_castor"))
+        .args(args)
+        .output()
+        .expect("the castor binary runs")
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Copies a fixture checkpoint into a fresh temporary folder tests may damage.
+pub fn copy_fixture(variant: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for entry in std::fs::read_dir(fixture(variant)).expect("fixture exists") {
+        let entry = entry.expect("dir entry");
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).expect("copy");
+    }
+    dir
+}
+
+pub fn path_str(p: &Path) -> &str {
+    p.to_str().expect("utf-8 path")
+}
