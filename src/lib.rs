@@ -5,10 +5,12 @@
 
 pub mod batch;
 pub mod commands;
+pub mod precision;
 pub mod report;
 
 pub use castor_ir as ir;
 pub use castor_models as models;
+pub use castor_passes as passes;
 pub use castor_runtime as runtime;
 
 /// Exit codes, documented in README.md.
@@ -39,6 +41,12 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
     for cause in e.chain() {
         if cause.is::<castor_models::ModelError>() || cause.is::<castor_ir::IrError>() {
             return codes::INVALID_INPUT;
+        }
+        if let Some(p) = cause.downcast_ref::<castor_passes::PassError>() {
+            return match p {
+                castor_passes::PassError::Verify { .. } => codes::FAILURE,
+                _ => codes::INVALID_INPUT,
+            };
         }
         if cause.is::<castor_runtime::RuntimeError>() {
             return codes::EXECUTION;

@@ -1,6 +1,6 @@
 //! The `castor` command line.
 
-use castor::commands::{demo, eval, inspect};
+use castor::commands::{compile, demo, eval, inspect};
 use castor::exit_code;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -23,6 +23,8 @@ struct Cli {
 enum Command {
     /// Summarize a checkpoint folder or a bare config.json: family, parameters, op classes.
     Inspect(inspect::Args),
+    /// Run the precision passes and report what they decided (works from config.json alone).
+    Compile(compile::Args),
     /// Run a forward pass on a batch from a safetensors file and write the outputs.
     Eval(eval::Args),
     /// Build the embedded tiny GPT-2 and run it: no files, no GPU.
@@ -33,6 +35,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(a) => inspect::run(a),
+        Command::Compile(a) => compile::run(a),
         Command::Eval(a) => eval::run(a),
         Command::Demo(a) => demo::run(a),
     };

@@ -107,3 +107,49 @@ impl fmt::Display for TensorType {
         write!(f, "{}{}", self.dtype, self.shape)
     }
 }
+
+/// The arithmetic inside a node's kernel, apart from the dtypes it reads and writes (the third
+/// of a node's three dtypes: inputs, accumulation, output). castor's kernels always accumulate
+/// in F32; `Tf32` additionally rounds a contraction's operands to TF32 (10-bit mantissa), as
+/// tensor cores do in TF32 mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Accum {
+    F32,
+    Tf32,
+}
+
+impl Accum {
+    pub fn name(self) -> &'static str {
+        match self {
+            Accum::F32 => "f32",
+            Accum::Tf32 => "tf32",
+        }
+    }
+}
+
+impl fmt::Display for Accum {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Accum {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "f32" => Ok(Accum::F32),
+            "tf32" => Ok(Accum::Tf32),
+            _ => Err(format!("unknown accumulation `{s}` (expected f32 or tf32)")),
+        }
+    }
+}
+
+/// Rounds an F32 value to TF32 (10 explicit mantissa bits, round to nearest, ties away from
+/// zero, as CUDA's `cvt.rna.tf32.f32`). Infinities and NaN pass through.
+#[inline]
+pub fn round_tf32(x: f32) -> f32 {
+    if !x.is_finite() {
+        return x;
+    }
+    f32::from_bits((x.to_bits().wrapping_add(0x1000)) & 0xffff_e000)
+}

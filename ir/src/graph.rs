@@ -18,6 +18,9 @@ pub struct NodeData {
     pub inputs: Vec<Value>,
     /// Results, in order; every node has at least one.
     pub outputs: Vec<Value>,
+    /// The accumulation dtype, when a pass has decided it (printed as `acc=` with the
+    /// attributes).
+    pub acc: Option<crate::Accum>,
     /// A free-text note printed as a trailing `# comment` (passes record reasons here).
     pub note: Option<String>,
 }
@@ -97,6 +100,7 @@ impl Graph {
             op,
             inputs,
             outputs: out_ids,
+            acc: None,
             note: None,
         });
         self.locations.push(None);
@@ -109,6 +113,10 @@ impl Graph {
 
     pub fn location(&self, node: Node) -> Option<Location> {
         self.locations[node.index()]
+    }
+
+    pub fn set_acc(&mut self, node: Node, acc: Option<crate::Accum>) {
+        self.nodes[node.index()].acc = acc;
     }
 
     pub fn set_note(&mut self, node: Node, note: Option<String>) {

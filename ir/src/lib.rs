@@ -22,7 +22,7 @@ mod verify;
 
 pub use builder::{is_name_char, sanitize_name, GraphBuilder};
 pub use dot::{dtype_colour, to_dot};
-pub use dtype::{DType, TensorType};
+pub use dtype::{round_tf32, Accum, DType, TensorType};
 pub use entities::{Node, Value};
 pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};

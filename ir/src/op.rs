@@ -197,6 +197,13 @@ pub enum Op {
     Cast {
         to: DType,
     },
+    /// The persistent low-precision working copy of a parameter, beside its F32 master (the
+    /// operand, which must be a `param`). It is plan state, not work of the step: the optimizer
+    /// writes it when it updates the master, so reading it never casts a weight in the step.
+    /// Its values are the master rounded to `to`.
+    ParamCopy {
+        to: DType,
+    },
 }
 
 /// An attribute value in the text format.
@@ -252,7 +259,8 @@ impl Op {
             | Op::Transpose { .. }
             | Op::Slice { .. }
             | Op::Concat { .. }
-            | Op::Split { .. } => OpClass::Layout,
+            | Op::Split { .. }
+            | Op::ParamCopy { .. } => OpClass::Layout,
         }
     }
 
@@ -278,6 +286,7 @@ impl Op {
             Op::Reduce { op, .. } => op.name(),
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::Cast { .. } => "cast",
+            Op::ParamCopy { .. } => "param_copy",
         }
     }
 
@@ -318,7 +327,9 @@ impl Op {
             Op::CrossEntropy { ignore_index } => {
                 vec![("ignore_index", Attr::Int(*ignore_index))]
             }
-            Op::Cast { to } => vec![("to", Attr::Ident(to.name().to_string()))],
+            Op::Cast { to } | Op::ParamCopy { to } => {
+                vec![("to", Attr::Ident(to.name().to_string()))]
+            }
             Op::Input | Op::Param | Op::Embedding | Op::Unary(_) | Op::Binary(_) => vec![],
         }
     }
@@ -377,6 +388,9 @@ impl Op {
             "cast" => Op::Cast {
                 to: a.ident("to")?.parse()?,
             },
+            "param_copy" => Op::ParamCopy {
+                to: a.ident("to")?.parse()?,
+            },
             other => {
                 if let Some(u) = UnaryOp::ALL.into_iter().find(|u| u.name() == other) {
                     Op::Unary(u)
@@ -409,7 +423,8 @@ impl Op {
             | Op::Slice { .. }
             | Op::Split { .. }
             | Op::Reduce { .. }
-            | Op::Cast { .. } => (1, 1),
+            | Op::Cast { .. }
+            | Op::ParamCopy { .. } => (1, 1),
             Op::Embedding
             | Op::MatMul { .. }
             | Op::Binary(_)
@@ -705,6 +720,15 @@ impl Op {
                 one(TensorType::new(DType::F32, Shape::scalar()))
             }
             Op::Cast { to } => one(TensorType::new(*to, inputs[0].shape.clone())),
+            Op::ParamCopy { to } => {
+                require_float("master", inputs[0])?;
+                if !to.is_float() {
+                    return Err(format!(
+                        "a parameter copy must be a float dtype, found {to}"
+                    ));
+                }
+                one(TensorType::new(*to, inputs[0].shape.clone()))
+            }
         }
     }
 }

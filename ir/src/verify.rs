@@ -73,6 +73,20 @@ pub fn verify(g: &Graph) -> Result<(), IrError> {
             }
             continue;
         }
+        if data.acc == Some(crate::Accum::Tf32) && data.op.class() != crate::OpClass::Contraction {
+            return Err(invalid(
+                n,
+                "tf32 accumulation is only for contractions".into(),
+            ));
+        }
+        if matches!(data.op, crate::Op::ParamCopy { .. })
+            && data
+                .inputs
+                .first()
+                .is_some_and(|&v| g.node(g.value(v).producer).op != crate::Op::Param)
+        {
+            return Err(invalid(n, "`param_copy` must copy a `param`".into()));
+        }
         let in_types: Vec<&TensorType> = data.inputs.iter().map(|&v| g.ty(v)).collect();
         let expected = data.op.infer(&in_types).map_err(|m| invalid(n, m))?;
         if expected.len() != out_types.len() {

@@ -1,4 +1,36 @@
-//! castor's compiler passes: classification, autocast, casts, autodiff, loss scaling, the
-//! optimizer, fusion, rematerialization, scheduling and memory planning.
+//! castor's compiler passes.
 //!
-//! Passes transform [`castor_ir::Graph`]s and never touch a device.
+//! A [`Pass`] takes a graph and returns a new graph and a [`PassReport`]; a [`Pipeline`] runs
+//! passes in order, optionally verifying after each and keeping the IR text after a named
+//! pass. The precision passes are here: [`Classify`], [`Autocast`] (driven by a declarative
+//! [`Policy`] table, kept apart from the engine that applies it) and [`FoldCasts`].
+//!
+//! Passes transform [`castor_ir::Graph`]s and never touch a device or a file (policy files
+//! are read by the caller and handed over as text).
+
+mod autocast;
+mod classify;
+mod error;
+mod fold_casts;
+mod pass;
+mod pipeline;
+mod policy;
+mod summary;
+
+pub use autocast::Autocast;
+pub use classify::Classify;
+pub use error::PassError;
+pub use fold_casts::FoldCasts;
+pub use pass::{Pass, PassReport};
+pub use pipeline::{Pipeline, PipelineOutput};
+pub use policy::{NameRule, Policy, PolicyFileFormat, Precision, Rule, Target};
+pub use summary::{explain, precision_summary, PrecisionSummary};
+
+/// The passes `castor compile` runs, in order, for a policy.
+pub fn precision_pipeline(policy: Policy) -> Pipeline {
+    Pipeline::new(vec![
+        Box::new(Classify),
+        Box::new(Autocast::new(policy)),
+        Box::new(FoldCasts),
+    ])
+}

@@ -2,6 +2,7 @@
 //! castor is compared with PyTorch, tensor by tensor.
 
 use crate::batch::read_batch;
+use crate::precision::PrecisionArgs;
 use crate::CliError;
 use anyhow::Context;
 use castor_ir::Tensor;
@@ -9,14 +10,6 @@ use castor_models::{write_safetensors, Model};
 use castor_runtime::cpu::CpuExecutor;
 use std::path::PathBuf;
 use std::time::Instant;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum Precision {
-    Fp32,
-    Tf32,
-    Bf16,
-    Fp16,
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Device {
@@ -38,8 +31,8 @@ pub struct Args {
     /// `last_hidden_state` (and `pooler_output` for BERT with a pooler).
     #[arg(long)]
     pub out: PathBuf,
-    #[arg(long, value_enum, default_value_t = Precision::Fp32)]
-    pub precision: Precision,
+    #[command(flatten)]
+    pub precision: PrecisionArgs,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
     /// Run the forward this many times and report the median time (for benchmarks).
@@ -48,13 +41,6 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if args.precision != Precision::Fp32 {
-        return Err(CliError::InvalidInput(format!(
-            "--precision {:?} is not available yet: mixed-precision plans come with the precision passes; use fp32",
-            args.precision
-        ))
-        .into());
-    }
     match args.device {
         Device::Cuda => {
             return Err(CliError::DeviceUnavailable(
@@ -70,6 +56,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let batch = read_batch(&args.input, model.input_names(), model.vocab_size())?;
     let graph = model.build_graph(batch.batch, batch.seq)?;
     castor_ir::verify(&graph).context("the front end built an invalid graph")?;
+    let compiled = args.precision.compile(graph, None)?;
+    let graph = compiled.graph;
+    if let Some((_, report)) = compiled.reports.iter().find(|(p, _)| *p == "autocast") {
+        eprintln!(
+            "precision: {} ({})",
+            args.precision.precision, report.summary
+        );
+    }
     let params = model.load_params()?;
     let bind = |name: &str| batch.tensors.get(name).or_else(|| params.get(name));
 
@@ -96,7 +90,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("{name}: f32{}", t.shape());
     }
     println!(
-        "forward on cpu, batch {} x seq {}: {median_ms:.2} ms (median of {})",
+        "forward on cpu, {}, batch {} x seq {}: {median_ms:.2} ms (median of {})",
+        args.precision.precision,
         batch.batch,
         batch.seq,
         times.len()

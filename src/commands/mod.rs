@@ -1,5 +1,6 @@
 //! One module per subcommand: its arguments (clap) and its `run`.
 
+pub mod compile;
 pub mod demo;
 pub mod eval;
 pub mod inspect;

@@ -1,5 +1,5 @@
 use crate::builder::is_name_char;
-use crate::{Attr, DType, Graph, IrError, Location, Op, Shape, TensorType, Value};
+use crate::{Accum, Attr, DType, Graph, IrError, Location, Op, Shape, TensorType, Value};
 use std::collections::HashMap;
 
 /// Parses the text format. Names may be used before their definition line (the verifier then
@@ -105,6 +105,7 @@ pub fn parse(text: &str) -> Result<Graph, IrError> {
             .map_err(|e| err(s.loc.line, s.loc.column, &e.to_string()))?;
         g.set_location(node, s.loc);
         g.set_note(node, s.note.clone());
+        g.set_acc(node, s.acc);
     }
     let outputs = outs.iter().map(resolve).collect::<Result<Vec<_>, _>>()?;
     g.set_outputs(outputs);
@@ -114,6 +115,7 @@ pub fn parse(text: &str) -> Result<Graph, IrError> {
 struct Stmt {
     results: Vec<(String, Location, TensorType)>,
     op: Op,
+    acc: Option<Accum>,
     operands: Vec<(String, Location)>,
     note: Option<String>,
     loc: Location,
@@ -159,6 +161,23 @@ fn statement(c: &mut Cursor) -> Result<Stmt, IrError> {
             c.punct(',')?;
         }
     }
+    // `acc` belongs to the node, not to the op.
+    let acc = match attrs.iter().position(|(k, _)| k == "acc") {
+        Some(i) => match attrs.remove(i).1 {
+            Attr::Ident(a) => Some(
+                a.parse::<Accum>()
+                    .map_err(|m| err(op_loc.line, op_loc.column, &m))?,
+            ),
+            other => {
+                return Err(err(
+                    op_loc.line,
+                    op_loc.column,
+                    &format!("bad accumulation `{other}`"),
+                ))
+            }
+        },
+        None => None,
+    };
     let op = Op::from_parts(&mnemonic, attrs).map_err(|m| err(op_loc.line, op_loc.column, &m))?;
     if op.is_source() && !operands.is_empty() {
         return Err(err(
@@ -179,6 +198,7 @@ fn statement(c: &mut Cursor) -> Result<Stmt, IrError> {
     Ok(Stmt {
         results,
         op,
+        acc,
         operands,
         note,
         loc,

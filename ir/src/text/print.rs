@@ -34,9 +34,16 @@ pub(crate) fn node_line(g: &Graph, node: &NodeData) -> String {
             .collect();
         let _ = write!(line, "({})", operands.join(", "));
     }
-    let attrs = node.op.attrs();
+    let mut attrs: Vec<String> = node
+        .op
+        .attrs()
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
+    if let Some(acc) = node.acc {
+        attrs.push(format!("acc={acc}"));
+    }
     if !attrs.is_empty() {
-        let attrs: Vec<String> = attrs.iter().map(|(k, v)| format!("{k}={v}")).collect();
         let _ = write!(line, " {{{}}}", attrs.join(", "));
     }
     if let Some(note) = &node.note {

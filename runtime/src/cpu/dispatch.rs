@@ -7,7 +7,7 @@ use super::{
     cast, elementwise, embedding, layout, loss, matmul, norm, pool, reduce, rope, softmax,
 };
 use crate::RuntimeError;
-use castor_ir::{BinaryOp, DType, Op, Tensor, TensorData, TensorType};
+use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
 
 /// Calls a generic layout helper with the element type that stores `dtype`.
 macro_rules! by_storage {
@@ -20,9 +20,10 @@ macro_rules! by_storage {
     };
 }
 
-/// Runs `op` on `args`; `outs` are the node's result types.
+/// Runs `op` on `args` with the node's accumulation `acc`; `outs` are the node's result types.
 pub fn execute(
     op: &Op,
+    acc: Option<Accum>,
     args: &mut Args,
     outs: &[&TensorType],
 ) -> Result<Vec<Tensor>, RuntimeError> {
@@ -50,13 +51,20 @@ pub fn execute(
             transpose_a,
             transpose_b,
         } => {
+            // TF32 contractions see their operands rounded to TF32, as tensor cores do.
+            let tf32 = acc == Some(Accum::Tf32);
+            let (a_tf32, b_tf32) = if tf32 {
+                (to_tf32(args.f32(0)?), to_tf32(args.f32(1)?))
+            } else {
+                (Vec::new(), Vec::new())
+            };
             let a = matmul::Operand {
-                data: args.f32(0)?,
+                data: if tf32 { &a_tf32 } else { args.f32(0)? },
                 shape: args.shape(0)?,
                 transpose: *transpose_a,
             };
             let b = matmul::Operand {
-                data: args.f32(1)?,
+                data: if tf32 { &b_tf32 } else { args.f32(1)? },
                 shape: args.shape(1)?,
                 transpose: *transpose_b,
             };
@@ -157,12 +165,17 @@ pub fn execute(
             })?;
             float(args, vec![loss])?
         }
-        Op::Cast { to } => {
+        // A parameter's working copy holds its master rounded to the copy's dtype.
+        Op::Cast { to } | Op::ParamCopy { to } => {
             let (_, data) = args.take(0)?;
             make(args, out, cast::cast(data, *to))?
         }
     };
     Ok(vec![result])
+}
+
+fn to_tf32(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| castor_ir::round_tf32(v)).collect()
 }
 
 /// A tensor of type `ty` holding `data`; float data is rounded to `ty`'s dtype.

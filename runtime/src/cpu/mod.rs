@@ -92,7 +92,7 @@ impl CpuExecutor {
             let operands = operands(&mut slots, &node.inputs, n, &last_use);
             let mut args = Args::new(name, operands);
             let out_types: Vec<&TensorType> = node.outputs.iter().map(|&v| graph.ty(v)).collect();
-            let results = dispatch::execute(&node.op, &mut args, &out_types)?;
+            let results = dispatch::execute(&node.op, node.acc, &mut args, &out_types)?;
             args.into_owned().for_each(recycle);
             for &v in &node.inputs {
                 if last_use[v.index()] == LastUse::Node(n) {

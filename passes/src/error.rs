@@ -1,0 +1,31 @@
+//! The passes' error type.
+
+use castor_ir::IrError;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PassError {
+    /// Two rules of a policy disagree about one node or op kind.
+    #[error("conflicting precision rules for {subject}: {first} and {second}")]
+    Conflict {
+        subject: String,
+        first: String,
+        second: String,
+    },
+    /// A policy (file or command line) is malformed or names something unknown.
+    #[error("precision policy {source_name}: {message}")]
+    Policy {
+        source_name: String,
+        message: String,
+    },
+    /// A pass produced a graph the verifier rejects: a bug in that pass.
+    #[error("pass `{pass}` produced an invalid graph: {source}")]
+    Verify {
+        pass: String,
+        #[source]
+        source: IrError,
+    },
+    #[error("no pass named `{name}` (passes: {available})")]
+    UnknownPass { name: String, available: String },
+    #[error(transparent)]
+    Ir(#[from] IrError),
+}
