@@ -377,7 +377,9 @@ fn assign(
                 let f32_needed = outputs.contains(&v) && g.ty(v).dtype == DType::F32
                     || wants.contains(&Want::Dtype(DType::F32));
                 let low_needed = low.is_some_and(|l| wants.contains(&Want::Dtype(l)));
-                types[0].dtype = if f32_needed {
+                // A node kept in F32 by a name rule stores F32 too; otherwise the result is
+                // stored the way its readers read it (the cast fused into the kernel).
+                types[0].dtype = if f32_needed || (p.forced && p.colour == Some(Colour::F32)) {
                     DType::F32
                 } else if low_needed {
                     colour_dtype(Colour::Low)
@@ -433,7 +435,12 @@ fn assign(
             .collect();
         let new_node = out.push_node(node.op.clone(), inputs, results)?;
         if let Some(p) = &paints[n.index()] {
-            out.set_note(new_node, Some(p.reason.clone()));
+            let mut reason = p.reason.clone();
+            let stored = produced[node.outputs[0].index()].dtype;
+            if p.colour == Some(Colour::F32) && stored.is_low_precision() {
+                reason.push_str(&format!("; stores {stored}, as all its readers read it"));
+            }
+            out.set_note(new_node, Some(reason));
             let class = node.op.class();
             if matches!(class, OpClass::Contraction | OpClass::Normalization) {
                 let tf32 = policy.precision == Precision::Tf32 && class == OpClass::Contraction;

@@ -18,7 +18,7 @@ pub struct PrecisionSummary {
     pub casts: BTreeMap<DType, usize>,
     /// Persistent parameter copies, by dtype.
     pub param_copies: BTreeMap<DType, usize>,
-    /// Class -> output dtype -> nodes.
+    /// Class -> compute dtype -> nodes.
     pub by_class: BTreeMap<OpClass, BTreeMap<DType, usize>>,
 }
 
@@ -26,6 +26,15 @@ fn counted(node: &NodeData, g: &Graph) -> bool {
     !node.op.is_source()
         && !matches!(node.op, Op::Cast { .. } | Op::ParamCopy { .. })
         && node.outputs.iter().any(|&v| g.ty(v).dtype.is_float())
+}
+
+/// The dtype a node computes in, as the table shows it: a contraction's operand dtype (its
+/// tensor-core input), any other node's result dtype.
+fn compute_dtype(node: &NodeData, g: &Graph) -> DType {
+    match node.inputs.first() {
+        Some(&v) if node.op.class() == OpClass::Contraction => g.ty(v).dtype,
+        _ => g.ty(node.outputs[0]).dtype,
+    }
 }
 
 /// True if the node computes in the low dtype.
@@ -65,7 +74,7 @@ pub fn precision_summary(g: &Graph, low: Option<DType>) -> PrecisionSummary {
         *s.by_class
             .entry(node.op.class())
             .or_default()
-            .entry(g.ty(node.outputs[0]).dtype)
+            .entry(compute_dtype(node, g))
             .or_default() += 1;
     }
     s
@@ -99,7 +108,7 @@ impl PrecisionSummary {
         s
     }
 
-    /// The table: one row per class, one column per output dtype.
+    /// The table: one row per class, one column per compute dtype.
     pub fn table_lines(&self) -> Vec<String> {
         let mut dtypes: Vec<DType> = self
             .by_class
