@@ -54,13 +54,18 @@ impl PrecisionArgs {
         Ok(policy)
     }
 
-    /// Runs the precision passes on a forward graph.
+    /// Runs the precision passes on a forward graph; `verify` checks the graph after each pass
+    /// (always done in debug builds).
     pub fn compile(
         &self,
         graph: Graph,
         dump_after: Option<&str>,
+        verify: bool,
     ) -> anyhow::Result<PipelineOutput> {
-        let pipeline = precision_pipeline(self.policy()?).dump_after(dump_after)?;
+        let mut pipeline = precision_pipeline(self.policy()?).dump_after(dump_after)?;
+        if verify {
+            pipeline = pipeline.verify_each(true);
+        }
         pipeline.run(graph).context("precision passes failed")
     }
 }

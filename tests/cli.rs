@@ -181,3 +181,167 @@ fn eval_rejects_out_of_vocabulary_tokens() {
         stderr(&o)
     );
 }
+
+#[test]
+fn compile_works_from_a_bare_config_with_overrides_and_explanations() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("config.json");
+    fs::write(
+        &cfg,
+        r#"{"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 256,
+            "intermediate_size": 688, "num_hidden_layers": 2, "num_attention_heads": 8,
+            "num_key_value_heads": 2, "vocab_size": 1000, "max_position_embeddings": 128}"#,
+    )
+    .unwrap();
+    let o = castor(&[
+        "compile",
+        path_str(&cfg),
+        "--precision",
+        "bf16",
+        "--keep-f32",
+        "logits",
+        "--explain",
+        "layers.0.self_attn.probs",
+        "--verify",
+        "--seq",
+        "16",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = stdout(&o);
+    assert!(
+        s.contains("converted ") && s.contains(" nodes to bf16 with "),
+        "{s}"
+    );
+    assert!(
+        s.contains("rule        rule 1 'logits' -> f32 (--keep-f32)"),
+        "{s}"
+    );
+    assert!(
+        s.contains("%layers.0.self_attn.probs = softmax [normalization]"),
+        "{s}"
+    );
+    assert!(s.contains("accumulates f32"), "{s}");
+}
+
+#[test]
+fn compile_emits_ir_and_dot_and_dumps_after_a_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let ir = dir.path().join("g.ir");
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--precision",
+        "fp16",
+        "--seq",
+        "4",
+        "--emit",
+        "ir",
+        "-o",
+        path_str(&ir),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let g = castor_ir::text::parse(&fs::read_to_string(&ir).unwrap()).unwrap();
+    castor_ir::verify(&g).unwrap();
+    assert!(g
+        .nodes()
+        .any(|(_, n)| matches!(n.op, castor_ir::Op::ParamCopy { .. })));
+
+    // A compiled IR file compiles again (fp32 leaves it alone apart from accumulation).
+    let o = castor(&[
+        "compile",
+        path_str(&ir),
+        "--precision",
+        "fp32",
+        "--emit",
+        "dot",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = stdout(&o);
+    assert!(
+        s.contains("digraph") && s.contains("shape=diamond") && s.contains("#fb6a4a"),
+        "casts and f16 nodes are drawn"
+    );
+
+    let o = castor(&[
+        "compile",
+        path_str(&root().join("tests/ir/mlp.ir")),
+        "--precision",
+        "bf16",
+        "--dump-after",
+        "autocast",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("# IR after autocast\ngraph mlp {"),
+        "{}",
+        stdout(&o)
+    );
+
+    let o = castor(&[
+        "compile",
+        path_str(&root().join("tests/ir/mlp.ir")),
+        "--dump-after",
+        "nosuch",
+    ]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(
+        stderr(&o)
+            .contains("no pass named `nosuch` (passes: input, classify, autocast, fold_casts)"),
+        "{}",
+        stderr(&o)
+    );
+}
+
+#[test]
+fn conflicting_overrides_and_bad_policy_files_are_invalid_input() {
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--precision",
+        "bf16",
+        "--keep-f32",
+        "*.ln_*",
+        "--force-low",
+        "h.0.*",
+    ]);
+    assert_eq!(o.status.code(), Some(3));
+    let e = stderr(&o);
+    assert!(
+        e.contains("conflicting precision rules for node `%h.0.ln_1`"),
+        "{e}"
+    );
+    assert!(
+        e.contains("rule 1 '*.ln_*' -> f32 (--keep-f32)")
+            && e.contains("rule 2 'h.0.*' -> bf16 (--force-low)"),
+        "{e}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("p.toml");
+    fs::write(&policy, "[lists]\ndeny_add = [\"softmax\"\n").unwrap();
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--precision",
+        "bf16",
+        "--policy",
+        path_str(&policy),
+    ]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(stderr(&o).contains("p.toml"), "{}", stderr(&o));
+
+    let o = castor(&[
+        "compile",
+        path_str(&root().join("tests/ir/mlp.ir")),
+        "--precision",
+        "fp32",
+        "--force-low",
+        "fc",
+    ]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(
+        stderr(&o).contains("no low-precision dtype"),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -135,6 +135,10 @@ impl PrecisionSummary {
             }
             lines.push(line);
         }
+        lines.push(
+            "(contractions by operand dtype, other ops by stored dtype; all accumulate in f32)"
+                .into(),
+        );
         let casts: Vec<String> = self
             .casts
             .iter()

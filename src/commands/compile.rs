@@ -36,6 +36,9 @@ pub struct Args {
     /// Print the IR after the named pass (`input`, `classify`, `autocast`, `fold_casts`).
     #[arg(long, value_name = "PASS")]
     pub dump_after: Option<String>,
+    /// Run the IR verifier after every pass (always on in debug builds).
+    #[arg(long)]
+    pub verify: bool,
     /// Batch size of the graph built from a model.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
@@ -69,7 +72,9 @@ fn load_graph(path: &Path, batch: usize, seq: Option<usize>) -> anyhow::Result<(
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let (graph, what) = load_graph(&args.model, args.batch, args.seq)?;
-    let out = args.precision.compile(graph, args.dump_after.as_deref())?;
+    let out = args
+        .precision
+        .compile(graph, args.dump_after.as_deref(), args.verify)?;
     let policy = args.precision.policy()?;
 
     println!("model       {} ({what})", args.model.display());

@@ -56,7 +56,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let batch = read_batch(&args.input, model.input_names(), model.vocab_size())?;
     let graph = model.build_graph(batch.batch, batch.seq)?;
     castor_ir::verify(&graph).context("the front end built an invalid graph")?;
-    let compiled = args.precision.compile(graph, None)?;
+    let compiled = args.precision.compile(graph, None, false)?;
     let graph = compiled.graph;
     if let Some((_, report)) = compiled.reports.iter().find(|(p, _)| *p == "autocast") {
         eprintln!(
