@@ -2,6 +2,8 @@
 //!
 //! The facade re-exports the workspace crates and holds what the CLI's commands share: the
 //! exit-code convention and the batch files that `eval` reads.
+// Data from files and users must never reach an unwrap: errors are values here.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod batch;
 pub mod commands;
@@ -44,7 +46,8 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
         }
         if let Some(p) = cause.downcast_ref::<castor_passes::PassError>() {
             return match p {
-                castor_passes::PassError::Verify { .. } => codes::FAILURE,
+                castor_passes::PassError::Verify { .. }
+                | castor_passes::PassError::Internal { .. } => codes::FAILURE,
                 _ => codes::INVALID_INPUT,
             };
         }

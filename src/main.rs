@@ -1,4 +1,6 @@
 //! The `castor` command line.
+// Data from files and users must never reach an unwrap: errors are values here.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 use castor::commands::{compile, demo, eval, inspect};
 use castor::exit_code;

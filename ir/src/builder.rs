@@ -149,10 +149,14 @@ impl GraphBuilder {
         if self.graph.lookup(&base).is_none() {
             return base;
         }
-        (1..)
-            .map(|i| format!("{base}.{i}"))
-            .find(|n| self.graph.lookup(n).is_none())
-            .expect("an unused suffix exists")
+        let mut i = 1;
+        loop {
+            let candidate = format!("{base}.{i}");
+            if self.graph.lookup(&candidate).is_none() {
+                return candidate;
+            }
+            i += 1;
+        }
     }
 }
 

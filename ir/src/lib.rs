@@ -7,6 +7,8 @@
 //! graph.
 //!
 //! This crate knows nothing of files, devices or passes.
+// Data from files and users must never reach an unwrap: errors are values here.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 mod builder;
 mod dot;

@@ -88,20 +88,6 @@ impl Tensor {
         }
     }
 
-    /// A tensor of zeros (false for bool).
-    pub fn zeros(ty: &TensorType) -> Tensor {
-        let n = ty.shape.numel().expect("shape fits in memory");
-        let data = match ty.dtype {
-            DType::F32 | DType::F16 | DType::BF16 => TensorData::F32(vec![0.0; n]),
-            DType::I32 | DType::I64 => TensorData::I64(vec![0; n]),
-            DType::Bool => TensorData::Bool(vec![false; n]),
-        };
-        Tensor {
-            ty: ty.clone(),
-            data,
-        }
-    }
-
     pub fn ty(&self) -> &TensorType {
         &self.ty
     }

@@ -20,6 +20,8 @@
 //! let weights = model.load_params()?;
 //! # Ok::<(), castor_models::ModelError>(())
 //! ```
+// Data from files and users must never reach an unwrap: errors are values here.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 mod bert;
 mod build;

@@ -410,11 +410,11 @@ fn assign(
             .map(|&v| {
                 let have = produced[v.index()].dtype;
                 match want(n, v) {
-                    Want::Dtype(w) if w != have => casts[&(v, w)],
-                    _ => map[v.index()].expect("operands are defined first"),
+                    Want::Dtype(w) if w != have => cast_of(&casts, v, w, g),
+                    _ => defined(&map, v, g),
                 }
             })
-            .collect();
+            .collect::<Result<Vec<_>, _>>()?;
         // A graph output computed in another dtype than declared keeps its name on the cast
         // back, so outputs are still found by name.
         let renamed = |v: Value| outputs.contains(&v) && produced[v.index()].dtype != g.ty(v).dtype;
@@ -486,14 +486,38 @@ fn assign(
         .iter()
         .map(|&v| {
             if produced[v.index()].dtype == g.ty(v).dtype {
-                map[v.index()].expect("outputs are defined")
+                defined(&map, v, g)
             } else {
-                casts[&(v, g.ty(v).dtype)]
+                cast_of(&casts, v, g.ty(v).dtype, g)
             }
         })
-        .collect();
+        .collect::<Result<Vec<_>, _>>()?;
     out.set_outputs(new_outputs);
     Ok(out)
+}
+
+/// The new value standing for old value `v`; emitted before any use in a verified graph.
+fn defined(map: &[Option<Value>], v: Value, g: &Graph) -> Result<Value, PassError> {
+    map[v.index()].ok_or_else(|| PassError::Internal {
+        pass: "autocast",
+        message: format!("%{} is used before it is emitted", g.name(v)),
+    })
+}
+
+/// The cast of old value `v` to `dtype`, emitted right after `v`'s producer.
+fn cast_of(
+    casts: &BTreeMap<(Value, DType), Value>,
+    v: Value,
+    dtype: DType,
+    g: &Graph,
+) -> Result<Value, PassError> {
+    casts
+        .get(&(v, dtype))
+        .copied()
+        .ok_or_else(|| PassError::Internal {
+            pass: "autocast",
+            message: format!("no cast of %{} to {dtype} was emitted", g.name(v)),
+        })
 }
 
 /// `base`, or `base.1`, `base.2`, ... whichever is free.
@@ -501,8 +525,12 @@ pub(crate) fn fresh(g: &Graph, base: &str) -> String {
     if g.lookup(base).is_none() {
         return base.to_string();
     }
-    (1..)
-        .map(|i| format!("{base}.{i}"))
-        .find(|n| g.lookup(n).is_none())
-        .unwrap_or_else(|| base.to_string())
+    let mut i = 1;
+    loop {
+        let candidate = format!("{base}.{i}");
+        if g.lookup(&candidate).is_none() {
+            return candidate;
+        }
+        i += 1;
+    }
 }

@@ -24,6 +24,9 @@ pub enum PassError {
         #[source]
         source: IrError,
     },
+    /// A broken invariant inside a pass (a bug), reported instead of panicking.
+    #[error("internal error in pass `{pass}`: {message}")]
+    Internal { pass: &'static str, message: String },
     #[error("no pass named `{name}` (passes: {available})")]
     UnknownPass { name: String, available: String },
     #[error(transparent)]

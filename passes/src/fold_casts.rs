@@ -90,8 +90,8 @@ impl Pass for FoldCasts {
             let inputs = node
                 .inputs
                 .iter()
-                .map(|&v| map[same[v.index()].index()].expect("live operands are emitted first"))
-                .collect();
+                .map(|&v| emitted(&map, same[v.index()], g))
+                .collect::<Result<Vec<_>, _>>()?;
             let results = node
                 .outputs
                 .iter()
@@ -107,8 +107,8 @@ impl Pass for FoldCasts {
         let outputs = g
             .outputs()
             .iter()
-            .map(|&v| map[same[v.index()].index()].expect("outputs are live"))
-            .collect();
+            .map(|&v| emitted(&map, same[v.index()], g))
+            .collect::<Result<Vec<_>, _>>()?;
         out.set_outputs(outputs);
         let total = identities + round_trips + duplicates + dead;
         let report = PassReport::new(format!(
@@ -116,4 +116,12 @@ impl Pass for FoldCasts {
         ));
         Ok((out, report))
     }
+}
+
+/// The new value for old value `v`, which liveness guarantees was emitted.
+fn emitted(map: &[Option<Value>], v: Value, g: &Graph) -> Result<Value, PassError> {
+    map[v.index()].ok_or_else(|| PassError::Internal {
+        pass: "fold_casts",
+        message: format!("%{} is read but was not emitted", g.name(v)),
+    })
 }

@@ -7,6 +7,8 @@
 //!
 //! Passes transform [`castor_ir::Graph`]s and never touch a device or a file (policy files
 //! are read by the caller and handed over as text).
+// Data from files and users must never reach an unwrap: errors are values here.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 mod autocast;
 mod classify;
