@@ -4,6 +4,8 @@
 //! the host, computing every float op in F32 and rounding each result to the dtype the graph
 //! records for it, so a mixed-precision graph gives the values a GPU storing F16/BF16 would.
 //! Bad bindings and bad data are [`RuntimeError`]s, never panics.
+// Data from files and users must never reach an unwrap: errors are values here.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod cpu;
 mod error;
