@@ -6,7 +6,7 @@
 
 use crate::CliError;
 use castor_ir::{DType, Tensor};
-use castor_models::SafetensorsFile;
+use castor_models::{Objective, SafetensorsFile, IGNORE_INDEX};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -79,7 +79,10 @@ pub fn read_batch(path: &Path, input_names: &[&str], vocab: usize) -> anyhow::Re
             Tensor::from_i64(DType::I64, [batch, seq], data),
         );
     }
-    let unknown: Vec<&str> = file.names().filter(|n| !input_names.contains(n)).collect();
+    let unknown: Vec<&str> = file
+        .names()
+        .filter(|n| !input_names.contains(n) && *n != "labels")
+        .collect();
     if !unknown.is_empty() {
         eprintln!(
             "warning: `{}`: ignoring tensors this model does not take: {}",
@@ -92,4 +95,62 @@ pub fn read_batch(path: &Path, input_names: &[&str], vocab: usize) -> anyhow::Re
         seq,
         tensors,
     })
+}
+
+/// The `labels` a training objective reads: the file's `labels` (I64 or I32 `[B, T]`, -100 =
+/// ignored) if it has them; for `lm` without them, the input ids with padded positions ignored
+/// (what transformers' language-modelling collator produces).
+pub fn read_labels(
+    path: &Path,
+    batch: &Batch,
+    objective: Objective,
+    vocab: usize,
+) -> anyhow::Result<Tensor> {
+    let file = SafetensorsFile::open(path)?;
+    let bad = |m: String| CliError::InvalidInput(format!("`{}`: {m}", path.display()));
+    let (b, t) = (batch.batch, batch.seq);
+    let labels = match file.info("labels") {
+        Some(info) => {
+            if info.shape != [b, t] {
+                return Err(bad(format!(
+                    "`labels` is {:?}, expected [{b}, {t}] like `input_ids`",
+                    info.shape
+                ))
+                .into());
+            }
+            let labels = file.read_i64("labels")?;
+            if let Some((i, l)) = labels
+                .iter()
+                .enumerate()
+                .find(|(_, &l)| l != IGNORE_INDEX && (l < 0 || l as u64 >= vocab as u64))
+            {
+                return Err(bad(format!(
+                    "`labels`[{}, {}] = {l} is neither {IGNORE_INDEX} nor in the vocabulary [0, {vocab})",
+                    i / t,
+                    i % t
+                ))
+                .into());
+            }
+            labels
+        }
+        None if objective == Objective::Lm => {
+            let ids = batch.tensors.get("input_ids").and_then(|t| t.as_i64());
+            let mask = batch.tensors.get("attention_mask").and_then(|t| t.as_i64());
+            match (ids, mask) {
+                (Some(ids), Some(mask)) => ids
+                    .iter()
+                    .zip(mask)
+                    .map(|(&id, &m)| if m == 0 { IGNORE_INDEX } else { id })
+                    .collect(),
+                _ => return Err(bad("no `input_ids` to derive labels from".into()).into()),
+            }
+        }
+        None => {
+            return Err(bad(format!(
+                "objective `{objective}` needs a `labels` tensor [{b}, {t}] (-100 = ignored)"
+            ))
+            .into())
+        }
+    };
+    Ok(Tensor::from_i64(DType::I64, [b, t], labels))
 }

@@ -130,6 +130,11 @@ impl GraphBuilder {
         Ok(v)
     }
 
+    /// Renames a value (an output that must carry an exact name, such as `grad.<param>`).
+    pub fn rename(&mut self, v: Value, name: &str) -> Result<(), IrError> {
+        self.graph.rename(v, name)
+    }
+
     pub fn set_outputs(&mut self, outputs: Vec<Value>) {
         self.graph.set_outputs(outputs);
     }

@@ -123,6 +123,19 @@ impl Graph {
         self.nodes[node.index()].note = note;
     }
 
+    /// Renames a value; the new name must be unused.
+    pub fn rename(&mut self, v: Value, name: &str) -> Result<(), IrError> {
+        if self.by_name.contains_key(name) {
+            return Err(IrError::DuplicateName {
+                name: name.to_string(),
+            });
+        }
+        let old = std::mem::replace(&mut self.values[v.index()].name, name.to_string());
+        self.by_name.remove(&old);
+        self.by_name.insert(name.to_string(), v);
+        Ok(())
+    }
+
     /// Changes a value's dtype (for passes that assign precision; the verifier checks it).
     pub fn retype(&mut self, v: Value, dtype: crate::DType) {
         self.values[v.index()].ty.dtype = dtype;

@@ -80,6 +80,19 @@ impl UnaryOp {
             UnaryOp::Neg => "neg",
         }
     }
+
+    /// The mnemonic of the op's gradient (`gelu_tanh_grad`).
+    pub fn grad_name(self) -> &'static str {
+        match self {
+            UnaryOp::GeluTanh => "gelu_tanh_grad",
+            UnaryOp::GeluErf => "gelu_erf_grad",
+            UnaryOp::Silu => "silu_grad",
+            UnaryOp::Tanh => "tanh_grad",
+            UnaryOp::Exp => "exp_grad",
+            UnaryOp::Rsqrt => "rsqrt_grad",
+            UnaryOp::Neg => "neg_grad",
+        }
+    }
 }
 
 /// Pointwise functions of two float operands, with NumPy broadcasting.
@@ -204,6 +217,52 @@ pub enum Op {
     ParamCopy {
         to: DType,
     },
+
+    /// A tensor with every element `value`: zero gradients, the seed of the backward pass.
+    Full {
+        value: f64,
+        dtype: DType,
+        shape: Vec<usize>,
+    },
+
+    // Gradient ops: the vector-Jacobian products the autodiff pass emits.
+    /// `(x, dy) -> dx = f'(x) * dy` for the unary op `f`.
+    UnaryGrad(UnaryOp),
+    /// `(x [.., H], weight [H], dy [.., H]) -> (dx, dweight [H], dbias [H])` of [`Op::LayerNorm`].
+    LayerNormGrad {
+        eps: f64,
+    },
+    /// `(x [.., H], weight [H], dy [.., H]) -> (dx, dweight [H])` of [`Op::RmsNorm`].
+    RmsNormGrad {
+        eps: f64,
+    },
+    /// `(y, dy) -> dx = y * (dy - sum(dy * y))` over the last axis, `y` being the softmax
+    /// output (masked entries have `y = 0`, so they get no gradient).
+    SoftmaxGrad,
+    /// The transpose of [`Op::Rope`]: rotation by the negated angles.
+    RopeGrad {
+        theta: f64,
+    },
+    /// Zeros before and after along `axis`: the transpose of [`Op::Slice`].
+    Pad {
+        axis: usize,
+        before: usize,
+        after: usize,
+    },
+    /// NumPy broadcast to `shape`: the transpose of a sum over broadcast dims.
+    BroadcastTo {
+        shape: Vec<usize>,
+    },
+    /// `(ids [..], dy [.., H]) -> dtable [vocab, H]`: rows of `dy` added into the rows their
+    /// ids name, in a fixed order (deterministic); the transpose of [`Op::Embedding`].
+    EmbeddingGrad {
+        vocab: usize,
+    },
+    /// `(logits [N, V], labels [N], dloss []) -> dlogits [N, V]` of [`Op::CrossEntropy`]:
+    /// `(softmax(logits) - onehot(label)) * dloss / count` on counted rows, 0 on ignored ones.
+    CrossEntropyGrad {
+        ignore_index: i64,
+    },
 }
 
 /// An attribute value in the text format.
@@ -260,7 +319,17 @@ impl Op {
             | Op::Slice { .. }
             | Op::Concat { .. }
             | Op::Split { .. }
-            | Op::ParamCopy { .. } => OpClass::Layout,
+            | Op::ParamCopy { .. }
+            | Op::Pad { .. }
+            | Op::BroadcastTo { .. }
+            | Op::Full { .. } => OpClass::Layout,
+            Op::UnaryGrad(u) => Op::Unary(*u).class(),
+            Op::LayerNormGrad { .. }
+            | Op::RmsNormGrad { .. }
+            | Op::SoftmaxGrad
+            | Op::EmbeddingGrad { .. }
+            | Op::CrossEntropyGrad { .. } => OpClass::Normalization,
+            Op::RopeGrad { .. } => OpClass::Elementwise,
         }
     }
 
@@ -287,6 +356,16 @@ impl Op {
             Op::CrossEntropy { .. } => "cross_entropy",
             Op::Cast { .. } => "cast",
             Op::ParamCopy { .. } => "param_copy",
+            Op::Full { .. } => "full",
+            Op::UnaryGrad(u) => u.grad_name(),
+            Op::LayerNormGrad { .. } => "layer_norm_grad",
+            Op::RmsNormGrad { .. } => "rms_norm_grad",
+            Op::SoftmaxGrad => "softmax_grad",
+            Op::RopeGrad { .. } => "rope_grad",
+            Op::Pad { .. } => "pad",
+            Op::BroadcastTo { .. } => "broadcast_to",
+            Op::EmbeddingGrad { .. } => "embedding_grad",
+            Op::CrossEntropyGrad { .. } => "cross_entropy_grad",
         }
     }
 
@@ -330,6 +409,32 @@ impl Op {
             Op::Cast { to } | Op::ParamCopy { to } => {
                 vec![("to", Attr::Ident(to.name().to_string()))]
             }
+            Op::LayerNormGrad { eps } | Op::RmsNormGrad { eps } => vec![("eps", Attr::Float(*eps))],
+            Op::RopeGrad { theta } => vec![("theta", Attr::Float(*theta))],
+            Op::Pad {
+                axis,
+                before,
+                after,
+            } => vec![
+                ("axis", Attr::Int(*axis as i64)),
+                ("before", Attr::Int(*before as i64)),
+                ("after", Attr::Int(*after as i64)),
+            ],
+            Op::BroadcastTo { shape } => vec![("shape", ints(shape))],
+            Op::EmbeddingGrad { vocab } => vec![("vocab", Attr::Int(*vocab as i64))],
+            Op::CrossEntropyGrad { ignore_index } => {
+                vec![("ignore_index", Attr::Int(*ignore_index))]
+            }
+            Op::UnaryGrad(_) | Op::SoftmaxGrad => vec![],
+            Op::Full {
+                value,
+                dtype,
+                shape,
+            } => vec![
+                ("value", Attr::Float(*value)),
+                ("dtype", Attr::Ident(dtype.name().to_string())),
+                ("shape", ints(shape)),
+            ],
             Op::Input | Op::Param | Op::Embedding | Op::Unary(_) | Op::Binary(_) => vec![],
         }
     }
@@ -391,9 +496,40 @@ impl Op {
             "param_copy" => Op::ParamCopy {
                 to: a.ident("to")?.parse()?,
             },
+            "layer_norm_grad" => Op::LayerNormGrad {
+                eps: a.float("eps")?,
+            },
+            "rms_norm_grad" => Op::RmsNormGrad {
+                eps: a.float("eps")?,
+            },
+            "softmax_grad" => Op::SoftmaxGrad,
+            "full" => Op::Full {
+                value: a.float("value")?,
+                dtype: a.ident("dtype")?.parse()?,
+                shape: a.dims("shape")?,
+            },
+            "rope_grad" => Op::RopeGrad {
+                theta: a.float("theta")?,
+            },
+            "pad" => Op::Pad {
+                axis: a.dim("axis")?,
+                before: a.dim("before")?,
+                after: a.dim("after")?,
+            },
+            "broadcast_to" => Op::BroadcastTo {
+                shape: a.dims("shape")?,
+            },
+            "embedding_grad" => Op::EmbeddingGrad {
+                vocab: a.dim("vocab")?,
+            },
+            "cross_entropy_grad" => Op::CrossEntropyGrad {
+                ignore_index: a.int("ignore_index")?,
+            },
             other => {
                 if let Some(u) = UnaryOp::ALL.into_iter().find(|u| u.name() == other) {
                     Op::Unary(u)
+                } else if let Some(u) = UnaryOp::ALL.into_iter().find(|u| u.grad_name() == other) {
+                    Op::UnaryGrad(u)
                 } else if let Some(b) = BinaryOp::ALL.into_iter().find(|b| b.name() == other) {
                     Op::Binary(b)
                 } else if let Some(r) = ReduceOp::ALL.into_iter().find(|r| r.name() == other) {
@@ -414,7 +550,7 @@ impl Op {
     /// Number of operands the op takes, as an inclusive range.
     pub fn arity(&self) -> (usize, usize) {
         match self {
-            Op::Input | Op::Param => (0, 0),
+            Op::Input | Op::Param | Op::Full { .. } => (0, 0),
             Op::Unary(_)
             | Op::Scale { .. }
             | Op::Rope { .. }
@@ -424,7 +560,14 @@ impl Op {
             | Op::Split { .. }
             | Op::Reduce { .. }
             | Op::Cast { .. }
-            | Op::ParamCopy { .. } => (1, 1),
+            | Op::ParamCopy { .. }
+            | Op::RopeGrad { .. }
+            | Op::Pad { .. }
+            | Op::BroadcastTo { .. } => (1, 1),
+            Op::UnaryGrad(_) | Op::SoftmaxGrad | Op::EmbeddingGrad { .. } => (2, 2),
+            Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. } | Op::CrossEntropyGrad { .. } => {
+                (3, 3)
+            }
             Op::Embedding
             | Op::MatMul { .. }
             | Op::Binary(_)
@@ -720,6 +863,91 @@ impl Op {
                 one(TensorType::new(DType::F32, Shape::scalar()))
             }
             Op::Cast { to } => one(TensorType::new(*to, inputs[0].shape.clone())),
+            Op::Full { dtype, shape, .. } => one(TensorType::new(*dtype, shape.clone())),
+            Op::UnaryGrad(_) | Op::SoftmaxGrad => {
+                let (x, dy) = (inputs[0], inputs[1]);
+                require_float("input", x)?;
+                require_float("gradient", dy)?;
+                if x.shape != dy.shape {
+                    return Err(format!(
+                        "gradient {} does not match input {}",
+                        dy.shape, x.shape
+                    ));
+                }
+                one(dy.clone())
+            }
+            Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. } => {
+                let (x, w, dy) = (inputs[0], inputs[1], inputs[2]);
+                require_float("input", x)?;
+                require_float("weight", w)?;
+                require_float("gradient", dy)?;
+                let h = x.shape.last();
+                if x.shape.rank() == 0 || w.shape.0 != [h] || dy.shape != x.shape {
+                    return Err(format!(
+                        "norm gradient needs x [.., H], weight [H], dy like x; found {}, {}, {}",
+                        x.shape, w.shape, dy.shape
+                    ));
+                }
+                let dw = TensorType::new(DType::F32, [h]);
+                let mut outs = vec![TensorType::new(dy.dtype, x.shape.clone()), dw.clone()];
+                if matches!(self, Op::LayerNormGrad { .. }) {
+                    outs.push(dw);
+                }
+                Ok(outs)
+            }
+            Op::RopeGrad { .. } => Op::Rope { theta: 0.0 }.infer(inputs),
+            Op::Pad {
+                axis,
+                before,
+                after,
+            } => {
+                let x = inputs[0];
+                if *axis >= x.shape.rank() {
+                    return Err(bad_axis(*axis, &x.shape));
+                }
+                let mut dims = x.shape.0.clone();
+                dims[*axis] += before + after;
+                one(TensorType::new(x.dtype, dims))
+            }
+            Op::BroadcastTo { shape } => {
+                let x = inputs[0];
+                let to = Shape(shape.clone());
+                if Shape::broadcast(&x.shape, &to).as_ref() != Some(&to) {
+                    return Err(format!("{} does not broadcast to {to}", x.shape));
+                }
+                one(TensorType::new(x.dtype, to))
+            }
+            Op::EmbeddingGrad { vocab } => {
+                let (ids, dy) = (inputs[0], inputs[1]);
+                if !ids.dtype.is_int() {
+                    return Err(format!(
+                        "embedding ids must be i32 or i64, found {}",
+                        ids.dtype
+                    ));
+                }
+                require_float("gradient", dy)?;
+                if dy.shape.rank() != ids.shape.rank() + 1
+                    || dy.shape.0[..ids.shape.rank()] != ids.shape.0[..]
+                {
+                    return Err(format!(
+                        "gradient {} does not match ids {} plus a row dim",
+                        dy.shape, ids.shape
+                    ));
+                }
+                one(TensorType::new(DType::F32, [*vocab, dy.shape.last()]))
+            }
+            Op::CrossEntropyGrad { .. } => {
+                let (logits, labels, dloss) = (inputs[0], inputs[1], inputs[2]);
+                Op::CrossEntropy { ignore_index: 0 }.infer(&[logits, labels])?;
+                require_float("loss gradient", dloss)?;
+                if dloss.shape.rank() != 0 {
+                    return Err(format!(
+                        "loss gradient must be a scalar, found {}",
+                        dloss.shape
+                    ));
+                }
+                one(logits.clone())
+            }
             Op::ParamCopy { to } => {
                 require_float("master", inputs[0])?;
                 if !to.is_float() {

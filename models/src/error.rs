@@ -104,6 +104,14 @@ pub enum ModelError {
     #[error(transparent)]
     Mismatch(Box<MismatchReport>),
 
+    /// A training objective that does not fit the model or the batch.
+    #[error("objective `{objective}` for {architecture}: {message}")]
+    Objective {
+        objective: String,
+        architecture: String,
+        message: String,
+    },
+
     /// Writing a safetensors file failed (encoding or I/O).
     #[error("cannot write `{path}`: {message}")]
     Write { path: PathBuf, message: String },

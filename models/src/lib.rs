@@ -32,6 +32,7 @@ mod gpt2;
 pub mod init;
 mod llama;
 mod model;
+mod objective;
 pub mod safetensors;
 pub mod writer;
 
@@ -40,5 +41,6 @@ pub use config::{Activation, BertConfig, Config, Family, Gpt2Config, LlamaConfig
 pub use error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
 pub use init::init_param;
 pub use model::{Head, LoadReport, Model};
+pub use objective::{Objective, IGNORE_INDEX};
 pub use safetensors::{SafetensorsFile, TensorInfo};
 pub use writer::{write_atomically, write_safetensors};

@@ -11,6 +11,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 mod autocast;
+mod autodiff;
 mod classify;
 mod error;
 mod fold_casts;
@@ -20,6 +21,7 @@ mod policy;
 mod summary;
 
 pub use autocast::Autocast;
+pub use autodiff::Autodiff;
 pub use classify::Classify;
 pub use error::PassError;
 pub use fold_casts::FoldCasts;

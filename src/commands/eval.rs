@@ -1,12 +1,13 @@
 //! `castor eval`: one forward pass on a batch from a safetensors file; the interface by which
 //! castor is compared with PyTorch, tensor by tensor.
 
-use crate::batch::read_batch;
+use crate::batch::{read_batch, read_labels};
 use crate::precision::PrecisionArgs;
 use crate::CliError;
 use anyhow::Context;
 use castor_ir::Tensor;
-use castor_models::{write_safetensors, Model};
+use castor_models::{write_safetensors, Model, Objective};
+use castor_passes::{Autodiff, Pass};
 use castor_runtime::cpu::CpuExecutor;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -35,6 +36,14 @@ pub struct Args {
     pub precision: PrecisionArgs,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
+    /// Also compute the loss and the gradient of every parameter, written as `loss` (F32
+    /// scalar) and `grad.<checkpoint tensor name>` (F32).
+    #[arg(long)]
+    pub grad: bool,
+    /// The loss for --grad: `lm` (causal LM), `mlm` (masked LM; needs `labels` in the input),
+    /// `sum` (sum of the last hidden state), or `auto` (lm/mlm when the model has the head).
+    #[arg(long, default_value = "auto")]
+    pub objective: String,
     /// Run the forward this many times and report the median time (for benchmarks).
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
@@ -78,16 +87,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     times.sort_by(f64::total_cmp);
     let median_ms = times[times.len() / 2] * 1e3;
 
-    let named: Vec<(&str, Tensor)> = graph
+    let mut named: Vec<(String, Tensor)> = graph
         .outputs()
         .iter()
         .zip(outputs)
-        .map(|(&v, t)| (graph.name(v), to_f32(t)))
+        .map(|(&v, t)| (graph.name(v).to_string(), to_f32(t)))
         .collect();
-    let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (*n, t)).collect();
+    if args.grad {
+        named.extend(gradients(&args, &model, &batch, &params)?);
+    }
+    let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
     write_safetensors(&args.out, &refs)?;
-    for (name, t) in &named {
-        println!("{name}: f32{}", t.shape());
+    let grads = named.iter().filter(|(n, _)| n.starts_with("grad.")).count();
+    for (name, t) in named.iter().filter(|(n, _)| !n.starts_with("grad.")) {
+        if t.shape().rank() == 0 {
+            println!("{name}: {:.6}", t.as_f32().map_or(f32::NAN, |v| v[0]));
+        } else {
+            println!("{name}: f32{}", t.shape());
+        }
+    }
+    if grads > 0 {
+        println!("grad.*: {grads} parameter gradients (f32)");
     }
     println!(
         "forward on cpu, {}, batch {} x seq {}: {median_ms:.2} ms (median of {})",
@@ -98,6 +118,46 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     println!("wrote {}", args.out.display());
     Ok(())
+}
+
+/// The loss and every parameter's gradient under the objective, by the autodiff pass.
+fn gradients(
+    args: &Args,
+    model: &Model,
+    batch: &crate::batch::Batch,
+    params: &std::collections::HashMap<String, Tensor>,
+) -> anyhow::Result<Vec<(String, Tensor)>> {
+    let objective = match args.objective.as_str() {
+        "auto" => Objective::auto(model),
+        other => other.parse().map_err(CliError::InvalidInput)?,
+    };
+    let loss_graph = model.build_loss_graph(batch.batch, batch.seq, objective)?;
+    let compiled = args.precision.compile(loss_graph, None, false)?.graph;
+    let (train, report) = Autodiff.run(&compiled)?;
+    eprintln!("objective: {objective}; {}", report.summary);
+    let labels = if objective.needs_labels() {
+        Some(read_labels(
+            &args.input,
+            batch,
+            objective,
+            model.vocab_size(),
+        )?)
+    } else {
+        None
+    };
+    let bind = |name: &str| {
+        if name == "labels" {
+            return labels.as_ref();
+        }
+        batch.tensors.get(name).or_else(|| params.get(name))
+    };
+    let outputs = CpuExecutor::new().run(&train, &bind)?;
+    Ok(train
+        .outputs()
+        .iter()
+        .zip(outputs)
+        .map(|(&v, t)| (train.name(v).to_string(), to_f32(t)))
+        .collect())
 }
 
 /// Outputs are written as F32 whatever dtype the graph computed them in.

@@ -4,7 +4,7 @@
 
 use super::operand::{Args, Storage};
 use super::{
-    cast, elementwise, embedding, layout, loss, matmul, norm, pool, reduce, rope, softmax,
+    cast, elementwise, embedding, grad, layout, loss, matmul, norm, pool, reduce, rope, softmax,
 };
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
@@ -169,6 +169,91 @@ pub fn execute(
         Op::Cast { to } | Op::ParamCopy { to } => {
             let (_, data) = args.take(0)?;
             make(args, out, cast::cast(data, *to))?
+        }
+        Op::Full { value, .. } => {
+            let n = out.shape.numel().unwrap_or(0);
+            match out.dtype {
+                DType::F32 | DType::F16 | DType::BF16 => float(args, vec![*value as f32; n])?,
+                DType::I32 | DType::I64 => {
+                    make(args, out, TensorData::I64(vec![*value as i64; n]))?
+                }
+                DType::Bool => make(args, out, TensorData::Bool(vec![*value != 0.0; n]))?,
+            }
+        }
+        Op::UnaryGrad(u) => {
+            let dx = grad::unary_grad(*u, args.f32(0)?, args.f32(1)?);
+            float(args, dx)?
+        }
+        Op::LayerNormGrad { eps } | Op::RmsNormGrad { eps } => {
+            let h = args.shape(0)?.last().copied().unwrap_or(1);
+            let (x, w, dy) = (args.f32(0)?, args.f32(1)?, args.f32(2)?);
+            let vectors = match op {
+                Op::LayerNormGrad { .. } => {
+                    let (dx, dw, db) = grad::layer_norm_grad(x, w, dy, h, *eps);
+                    vec![dx, dw, db]
+                }
+                _ => {
+                    let (dx, dw) = grad::rms_norm_grad(x, w, dy, h, *eps);
+                    vec![dx, dw]
+                }
+            };
+            return vectors
+                .into_iter()
+                .zip(outs)
+                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+                .collect();
+        }
+        Op::SoftmaxGrad => {
+            let n = args.shape(0)?.last().copied().unwrap_or(1);
+            float(args, grad::softmax_grad(args.f32(0)?, args.f32(1)?, n))?
+        }
+        Op::RopeGrad { theta } => {
+            let d = out.shape.dims();
+            let dx = grad::rope_grad(args.f32(0)?, d[d.len() - 2], d[d.len() - 1], *theta);
+            float(args, dx)?
+        }
+        Op::Pad {
+            axis,
+            before,
+            after,
+        } => {
+            let dx = grad::pad(args.f32(0)?, args.shape(0)?, *axis, *before, *after);
+            float(args, dx)?
+        }
+        Op::BroadcastTo { shape } => {
+            let dx = grad::broadcast_to(args.f32(0)?, args.shape(0)?, shape);
+            float(args, dx)?
+        }
+        Op::EmbeddingGrad { vocab } => {
+            let h = out.shape.last();
+            let table = grad::embedding_grad(args.values::<i64>(0)?, args.f32(1)?, *vocab, h)
+                .map_err(|(position, index)| RuntimeError::IndexOutOfRange {
+                    node: args.node.to_string(),
+                    what: "token id",
+                    index,
+                    position,
+                    limit: *vocab,
+                })?;
+            float(args, table)?
+        }
+        Op::CrossEntropyGrad { ignore_index } => {
+            let v = args.shape(0)?[1];
+            let dloss = args.f32(2)?.first().copied().unwrap_or(f32::NAN);
+            let dx = grad::cross_entropy_grad(
+                args.f32(0)?,
+                v,
+                args.values::<i64>(1)?,
+                *ignore_index,
+                dloss,
+            )
+            .map_err(|(position, index)| RuntimeError::IndexOutOfRange {
+                node: args.node.to_string(),
+                what: "label",
+                index,
+                position,
+                limit: v,
+            })?;
+            float(args, dx)?
         }
     };
     Ok(vec![result])

@@ -15,6 +15,7 @@ mod cast;
 mod dispatch;
 mod elementwise;
 mod embedding;
+mod grad;
 mod layout;
 mod loss;
 mod math;

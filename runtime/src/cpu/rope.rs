@@ -13,18 +13,7 @@ use super::par::for_each_block;
 /// `out[i] = x[i] cos - x[i + d/2] sin`, `out[i + d/2] = x[i + d/2] cos + x[i] sin`.
 pub fn rope(x: &mut [f32], t: usize, d: usize, theta: f64) {
     let half = d / 2;
-    let base = theta as f32;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
-        .collect();
-    let table: Vec<(f32, f32)> = (0..t)
-        .flat_map(|pos| {
-            inv_freq.iter().map(move |&f| {
-                let angle = pos as f32 * f;
-                (angle.cos(), angle.sin())
-            })
-        })
-        .collect();
+    let table = rope_table(t, d, theta);
     for_each_block(x, d, d, |r, row| {
         let pos = r % t;
         let cs = &table[pos * half..(pos + 1) * half];
@@ -35,4 +24,21 @@ pub fn rope(x: &mut [f32], t: usize, d: usize, theta: f64) {
             *b = x2 * c + x1 * s;
         }
     });
+}
+
+/// `(cos, sin)` per position and frequency, `[t, d/2]`, as HF computes them in F32.
+pub fn rope_table(t: usize, d: usize, theta: f64) -> Vec<(f32, f32)> {
+    let half = d / 2;
+    let base = theta as f32;
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / base.powf((2 * i) as f32 / d as f32))
+        .collect();
+    (0..t)
+        .flat_map(|pos| {
+            inv_freq.iter().map(move |&f| {
+                let angle = pos as f32 * f;
+                (angle.cos(), angle.sin())
+            })
+        })
+        .collect()
 }

@@ -1,0 +1,603 @@
+//! Autodiff: reverse mode over the IR, one vector-Jacobian product rule per op.
+//!
+//! The input graph's first output is a scalar loss. The pass appends the backward pass to the
+//! forward graph and returns a graph whose outputs are the loss and, for every parameter that
+//! can reach the loss, its gradient, named `grad.<parameter name>`. Parameters that cannot reach
+//! the loss get a zero gradient, so every trainable parameter has one.
+//!
+//! Dtypes: the gradient of a value has the value's dtype (activation gradients in BF16 where
+//! the forward stored BF16), except that parameters and their low-precision copies get F32
+//! gradients: contributions are widened as they arrive, and a contraction producing a weight
+//! gradient writes F32 directly, so parameter gradients accumulate in F32. Contributions to one
+//! value are summed in the order their uses appear in the forward graph (deterministic).
+
+use crate::{Pass, PassError, PassReport};
+use castor_ir::{
+    BinaryOp, DType, Graph, GraphBuilder, Node, Op, ReduceOp, Shape, TensorType, UnaryOp, Value,
+};
+use std::collections::BTreeMap;
+
+/// The autodiff pass.
+pub struct Autodiff;
+
+impl Pass for Autodiff {
+    fn name(&self) -> &'static str {
+        "autodiff"
+    }
+
+    fn run(&self, g: &Graph) -> Result<(Graph, PassReport), PassError> {
+        castor_ir::verify(g)?;
+        let loss = *g
+            .outputs()
+            .first()
+            .ok_or_else(|| bad("the graph has no output to differentiate"))?;
+        let lt = g.ty(loss);
+        if lt.shape.rank() != 0 || !lt.dtype.is_float() {
+            return Err(bad(&format!(
+                "the loss `%{}` must be a float scalar, found {lt}",
+                g.name(loss)
+            )));
+        }
+        let needs = needs_grad(g, loss);
+        let mut ad = Backward {
+            b: GraphBuilder::from_graph(g.clone()),
+            grads: BTreeMap::new(),
+            fwd: g,
+        };
+        let seed = ad.b.op(
+            &format!("{}.grad_seed", g.name(loss)),
+            Op::Full {
+                value: 1.0,
+                dtype: lt.dtype,
+                shape: vec![],
+            },
+            &[],
+        )?;
+        ad.grads.insert(loss, vec![seed]);
+        for (n, node) in g.nodes().collect::<Vec<_>>().into_iter().rev() {
+            if node.op.is_source() || !node.inputs.iter().any(|v| needs[v.index()]) {
+                continue;
+            }
+            let dys: Vec<Option<Value>> = node
+                .outputs
+                .iter()
+                .map(|&v| ad.total(v))
+                .collect::<Result<_, _>>()?;
+            if dys.iter().all(Option::is_none) {
+                continue;
+            }
+            ad.vjp(n, &dys, &needs)?;
+        }
+
+        let mut outputs = vec![loss];
+        let mut with_grad = 0;
+        for p in g.params() {
+            let name = format!("grad.{}", g.name(p));
+            let grad = match ad.total(p)? {
+                Some(v) => {
+                    with_grad += 1;
+                    ad.convert(v, DType::F32, &name)?
+                }
+                None => {
+                    let shape = g.ty(p).shape.0.clone();
+                    ad.b.op(
+                        &name,
+                        Op::Full {
+                            value: 0.0,
+                            dtype: DType::F32,
+                            shape,
+                        },
+                        &[],
+                    )?
+                }
+            };
+            if ad.b.graph().name(grad) != name {
+                ad.b.rename(grad, &name)?;
+            }
+            outputs.push(grad);
+        }
+        ad.b.set_outputs(outputs);
+        let out = ad.b.finish();
+        let report = PassReport::new(format!(
+            "differentiated `%{}`: {} backward nodes; {with_grad} of {} parameters reach the loss",
+            g.name(loss),
+            out.num_nodes() - g.num_nodes(),
+            g.params().count()
+        ));
+        Ok((out, report))
+    }
+}
+
+fn bad(message: &str) -> PassError {
+    PassError::Policy {
+        source_name: "autodiff".into(),
+        message: message.to_string(),
+    }
+}
+
+/// Values on a path from a parameter to the loss.
+fn needs_grad(g: &Graph, loss: Value) -> Vec<bool> {
+    let mut from_param = vec![false; g.num_values()];
+    for (_, node) in g.nodes() {
+        let reached = node.op == Op::Param || node.inputs.iter().any(|v| from_param[v.index()]);
+        let float_outputs = node.outputs.iter().filter(|&&v| g.ty(v).dtype.is_float());
+        for &v in float_outputs {
+            from_param[v.index()] = reached;
+        }
+    }
+    let mut to_loss = vec![false; g.num_values()];
+    to_loss[loss.index()] = true;
+    for (_, node) in g.nodes().collect::<Vec<_>>().into_iter().rev() {
+        if node.outputs.iter().any(|v| to_loss[v.index()]) {
+            for &v in &node.inputs {
+                to_loss[v.index()] = true;
+            }
+        }
+    }
+    (0..g.num_values())
+        .map(|i| from_param[i] && to_loss[i])
+        .collect()
+}
+
+struct Backward<'g> {
+    b: GraphBuilder,
+    /// Gradient contributions per forward value, in arrival order.
+    grads: BTreeMap<Value, Vec<Value>>,
+    fwd: &'g Graph,
+}
+
+impl Backward<'_> {
+    /// The dtype a value's gradient has: F32 for parameters and their copies.
+    fn grad_dtype(&self, v: Value) -> DType {
+        let producer = &self.fwd.node(self.fwd.value(v).producer).op;
+        if matches!(producer, Op::Param | Op::ParamCopy { .. }) {
+            DType::F32
+        } else {
+            self.fwd.ty(v).dtype
+        }
+    }
+
+    /// The summed gradient of `v`, or `None` if nothing reached it.
+    fn total(&mut self, v: Value) -> Result<Option<Value>, PassError> {
+        let Some(parts) = self.grads.remove(&v) else {
+            return Ok(None);
+        };
+        let name = format!("{}.grad", self.fwd.name(v));
+        let mut acc = parts[0];
+        for &p in &parts[1..] {
+            acc = self.b.op(&name, Op::Binary(BinaryOp::Add), &[acc, p])?;
+        }
+        Ok(Some(acc))
+    }
+
+    /// Records `d` as a gradient contribution to `v`, widened or narrowed to `v`'s gradient
+    /// dtype and summed over broadcast dims down to `v`'s shape.
+    fn contribute(&mut self, v: Value, d: Value) -> Result<(), PassError> {
+        let name = format!("{}.grad", self.fwd.name(v));
+        let d = self.reduce_to(d, &self.fwd.ty(v).shape.clone(), &name)?;
+        let d = self.convert(d, self.grad_dtype(v), &name)?;
+        self.grads.entry(v).or_default().push(d);
+        Ok(())
+    }
+
+    fn convert(&mut self, v: Value, dtype: DType, name: &str) -> Result<Value, PassError> {
+        if self.b.ty(v).dtype == dtype {
+            Ok(v)
+        } else {
+            Ok(self
+                .b
+                .op(&format!("{name}.{dtype}"), Op::Cast { to: dtype }, &[v])?)
+        }
+    }
+
+    /// Sums `d` over the dims that broadcasting added or stretched, so it has `shape`.
+    fn reduce_to(&mut self, d: Value, shape: &Shape, name: &str) -> Result<Value, PassError> {
+        let have = self.b.ty(d).shape.clone();
+        if &have == shape {
+            return Ok(d);
+        }
+        let extra = have.rank() - shape.rank();
+        let axes: Vec<usize> = (0..have.rank())
+            .filter(|&i| i < extra || (shape.0[i - extra] == 1 && have.0[i] != 1))
+            .collect();
+        let summed = self.b.op(
+            &format!("{name}.sum"),
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                axes,
+                keepdim: false,
+            },
+            &[d],
+        )?;
+        if &self.b.ty(summed).shape == shape {
+            Ok(summed)
+        } else {
+            Ok(self.b.op(
+                &format!("{name}.reshape"),
+                Op::Reshape {
+                    shape: shape.0.clone(),
+                },
+                &[summed],
+            )?)
+        }
+    }
+
+    fn ty(&self, v: Value) -> TensorType {
+        self.b.ty(v).clone()
+    }
+
+    /// Applies node `n`'s VJP rule to its output gradients `dys`.
+    fn vjp(&mut self, n: Node, dys: &[Option<Value>], needs: &[bool]) -> Result<(), PassError> {
+        let node = self.fwd.node(n).clone();
+        let x = &node.inputs;
+        let y = node.outputs[0];
+        let name = format!("{}.grad", self.fwd.name(y));
+        let need = |i: usize| x.get(i).is_some_and(|v| needs[v.index()]);
+        let dy = dys[0];
+        let with_dtype =
+            |b: &mut GraphBuilder, name: &str, op: Op, inputs: &[Value], dtype: DType| {
+                b.op_with_dtype(name, op, inputs, dtype)
+            };
+        match &node.op {
+            Op::Input | Op::Param | Op::Full { .. } => {}
+            Op::Embedding => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let vocab = self.fwd.ty(x[0]).shape.0[0];
+                    let d = self.b.op(&name, Op::EmbeddingGrad { vocab }, &[x[1], dy])?;
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::MatMul {
+                transpose_a: ta,
+                transpose_b: tb,
+            } => {
+                let Some(dy) = dy else { return Ok(()) };
+                let (a, b) = (x[0], x[1]);
+                if need(0) {
+                    let op = if *ta {
+                        Op::MatMul {
+                            transpose_a: *tb,
+                            transpose_b: true,
+                        }
+                    } else {
+                        Op::MatMul {
+                            transpose_a: false,
+                            transpose_b: !*tb,
+                        }
+                    };
+                    let operands = if *ta { [b, dy] } else { [dy, b] };
+                    let dtype = self.grad_dtype(a);
+                    let d = with_dtype(&mut self.b, &format!("{name}.lhs"), op, &operands, dtype)?;
+                    self.contribute(a, d)?;
+                }
+                if need(1) {
+                    let dtype = self.grad_dtype(b);
+                    let d =
+                        self.matmul_rhs_grad(a, b, dy, *ta, *tb, &format!("{name}.rhs"), dtype)?;
+                    self.contribute(b, d)?;
+                }
+            }
+            Op::Binary(op) => {
+                let Some(dy) = dy else { return Ok(()) };
+                let (a, b) = (x[0], x[1]);
+                match op {
+                    BinaryOp::Add | BinaryOp::Sub => {
+                        if need(0) {
+                            self.contribute(a, dy)?;
+                        }
+                        if need(1) {
+                            let d = if *op == BinaryOp::Sub {
+                                self.b
+                                    .op(&format!("{name}.rhs"), Op::Unary(UnaryOp::Neg), &[dy])?
+                            } else {
+                                dy
+                            };
+                            self.contribute(b, d)?;
+                        }
+                    }
+                    BinaryOp::Mul => {
+                        if need(0) {
+                            let d = self.b.op(
+                                &format!("{name}.lhs"),
+                                Op::Binary(BinaryOp::Mul),
+                                &[dy, b],
+                            )?;
+                            self.contribute(a, d)?;
+                        }
+                        if need(1) {
+                            let d = self.b.op(
+                                &format!("{name}.rhs"),
+                                Op::Binary(BinaryOp::Mul),
+                                &[dy, a],
+                            )?;
+                            self.contribute(b, d)?;
+                        }
+                    }
+                    BinaryOp::Div => {
+                        if need(0) {
+                            let d = self.b.op(
+                                &format!("{name}.lhs"),
+                                Op::Binary(BinaryOp::Div),
+                                &[dy, b],
+                            )?;
+                            self.contribute(a, d)?;
+                        }
+                        if need(1) {
+                            // d(a/b)/db = -y/b
+                            let t = self.b.op(
+                                &format!("{name}.rhs.q"),
+                                Op::Binary(BinaryOp::Div),
+                                &[y, b],
+                            )?;
+                            let t = self.b.op(
+                                &format!("{name}.rhs.p"),
+                                Op::Binary(BinaryOp::Mul),
+                                &[dy, t],
+                            )?;
+                            let d =
+                                self.b
+                                    .op(&format!("{name}.rhs"), Op::Unary(UnaryOp::Neg), &[t])?;
+                            self.contribute(b, d)?;
+                        }
+                    }
+                }
+            }
+            Op::Scale { factor } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let d = self.b.op(&name, Op::Scale { factor: *factor }, &[dy])?;
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::Unary(u) => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let d = match u {
+                        UnaryOp::Neg => self.b.op(&name, Op::Unary(UnaryOp::Neg), &[dy])?,
+                        _ => {
+                            let dy = self.convert(dy, self.fwd.ty(x[0]).dtype, &name)?;
+                            self.b.op(&name, Op::UnaryGrad(*u), &[x[0], dy])?
+                        }
+                    };
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
+                let Some(dy) = dy else { return Ok(()) };
+                let op = if matches!(node.op, Op::LayerNorm { .. }) {
+                    Op::LayerNormGrad { eps: *eps }
+                } else {
+                    Op::RmsNormGrad { eps: *eps }
+                };
+                let dy = self.convert(dy, self.fwd.ty(x[0]).dtype, &name)?;
+                let outs = self.b.op_multi(&name, op, &[x[0], x[1], dy])?;
+                for (i, &d) in outs.iter().enumerate() {
+                    if need(i) {
+                        self.contribute(x[i], d)?;
+                    }
+                }
+            }
+            Op::Softmax { .. } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let dtype = self.fwd.ty(x[0]).dtype;
+                    let d = with_dtype(&mut self.b, &name, Op::SoftmaxGrad, &[y, dy], dtype)?;
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::Rope { theta } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let d = self.b.op(&name, Op::RopeGrad { theta: *theta }, &[dy])?;
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::Reshape { .. } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let shape = self.fwd.ty(x[0]).shape.0.clone();
+                    let d = self.b.op(&name, Op::Reshape { shape }, &[dy])?;
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::Transpose { perm } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let mut inverse = vec![0; perm.len()];
+                    for (i, &p) in perm.iter().enumerate() {
+                        inverse[p] = i;
+                    }
+                    let d = self.b.op(&name, Op::Transpose { perm: inverse }, &[dy])?;
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::Slice { axis, start, end } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let len = self.fwd.ty(x[0]).shape.0[*axis];
+                    let op = Op::Pad {
+                        axis: *axis,
+                        before: *start,
+                        after: len - end,
+                    };
+                    let d = self.b.op(&name, op, &[dy])?;
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::Concat { axis } => {
+                let Some(dy) = dy else { return Ok(()) };
+                let sizes: Vec<usize> = x.iter().map(|&v| self.fwd.ty(v).shape.0[*axis]).collect();
+                let parts = self
+                    .b
+                    .op_multi(&name, Op::Split { axis: *axis, sizes }, &[dy])?;
+                for (i, &d) in parts.iter().enumerate() {
+                    if need(i) {
+                        self.contribute(x[i], d)?;
+                    }
+                }
+            }
+            Op::Split { axis, sizes } => {
+                if !need(0) {
+                    return Ok(());
+                }
+                let total: usize = sizes.iter().sum();
+                let mut start = 0;
+                let mut pieces = Vec::new();
+                for (i, (&size, dy)) in sizes.iter().zip(dys).enumerate() {
+                    if let Some(dy) = dy {
+                        let op = Op::Pad {
+                            axis: *axis,
+                            before: start,
+                            after: total - start - size,
+                        };
+                        // Every piece present: concatenate instead of padding and adding.
+                        pieces.push((i, *dy, op));
+                    }
+                    start += size;
+                }
+                let d = if pieces.len() == sizes.len() {
+                    let parts: Vec<Value> = pieces.iter().map(|p| p.1).collect();
+                    self.b.op(&name, Op::Concat { axis: *axis }, &parts)?
+                } else {
+                    let mut acc: Option<Value> = None;
+                    for (i, dy, op) in pieces {
+                        let padded = self.b.op(&format!("{name}.{i}"), op, &[dy])?;
+                        acc = Some(match acc {
+                            None => padded,
+                            Some(a) => self.b.op(&name, Op::Binary(BinaryOp::Add), &[a, padded])?,
+                        });
+                    }
+                    match acc {
+                        Some(a) => a,
+                        None => return Ok(()),
+                    }
+                };
+                self.contribute(x[0], d)?;
+            }
+            Op::Reduce { op, axes, .. } => {
+                let (true, Some(dy)) = (need(0), dy) else {
+                    return Ok(());
+                };
+                let xs = self.fwd.ty(x[0]).shape.clone();
+                let kept: Vec<usize> =
+                    xs.0.iter()
+                        .enumerate()
+                        .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+                        .collect();
+                let r = self.b.op(
+                    &format!("{name}.keepdim"),
+                    Op::Reshape { shape: kept },
+                    &[dy],
+                )?;
+                let mut d = self.b.op(
+                    &name,
+                    Op::BroadcastTo {
+                        shape: xs.0.clone(),
+                    },
+                    &[r],
+                )?;
+                match op {
+                    ReduceOp::Sum => {}
+                    ReduceOp::Mean => {
+                        let count: usize = axes.iter().map(|&a| xs.0[a]).product();
+                        d = self.b.op(
+                            &format!("{name}.mean"),
+                            Op::Scale {
+                                factor: 1.0 / count as f64,
+                            },
+                            &[d],
+                        )?;
+                    }
+                    ReduceOp::Max => {
+                        return Err(bad("no gradient rule for `max` (no model family uses it)"))
+                    }
+                }
+                self.contribute(x[0], d)?;
+            }
+            Op::CrossEntropy { ignore_index } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let dtype = self.fwd.ty(x[0]).dtype;
+                    let op = Op::CrossEntropyGrad {
+                        ignore_index: *ignore_index,
+                    };
+                    let d = with_dtype(&mut self.b, &name, op, &[x[0], x[1], dy], dtype)?;
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::Cast { .. } | Op::ParamCopy { .. } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    self.contribute(x[0], dy)?;
+                }
+            }
+            other => {
+                return Err(bad(&format!("no gradient rule for `{}`", other.mnemonic())));
+            }
+        }
+        Ok(())
+    }
+
+    /// The gradient of a matmul's right operand `b`. When `b` is a 2-D weight shared across
+    /// the batch, the batch is folded into the rows: one GEMM, no batch of partial products.
+    #[allow(clippy::too_many_arguments)]
+    fn matmul_rhs_grad(
+        &mut self,
+        a: Value,
+        b: Value,
+        dy: Value,
+        ta: bool,
+        tb: bool,
+        name: &str,
+        dtype: DType,
+    ) -> Result<Value, PassError> {
+        let (at, dyt) = (self.ty(a), self.ty(dy));
+        let fold = !ta && at.shape.rank() > 2 && self.fwd.ty(b).shape.rank() == 2;
+        if fold {
+            let k = at.shape.last();
+            let n = dyt.shape.last();
+            let rows = at.shape.numel().unwrap_or(0) / k.max(1);
+            let a2 = self.b.op(
+                &format!("{name}.a2d"),
+                Op::Reshape {
+                    shape: vec![rows, k],
+                },
+                &[a],
+            )?;
+            let dy2 = self.b.op(
+                &format!("{name}.dy2d"),
+                Op::Reshape {
+                    shape: vec![rows, n],
+                },
+                &[dy],
+            )?;
+            let (op, operands) = if tb {
+                (
+                    Op::MatMul {
+                        transpose_a: true,
+                        transpose_b: false,
+                    },
+                    [dy2, a2],
+                )
+            } else {
+                (
+                    Op::MatMul {
+                        transpose_a: true,
+                        transpose_b: false,
+                    },
+                    [a2, dy2],
+                )
+            };
+            return Ok(self.b.op_with_dtype(name, op, &operands, dtype)?);
+        }
+        let (op, operands) = if tb {
+            (
+                Op::MatMul {
+                    transpose_a: true,
+                    transpose_b: ta,
+                },
+                [dy, a],
+            )
+        } else {
+            (
+                Op::MatMul {
+                    transpose_a: !ta,
+                    transpose_b: false,
+                },
+                [a, dy],
+            )
+        };
+        Ok(self.b.op_with_dtype(name, op, &operands, dtype)?)
+    }
+}
