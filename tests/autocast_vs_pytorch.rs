@@ -22,18 +22,13 @@ fn mixed_precision_error_is_within_autocast_bound() {
             let out = out_dir
                 .path()
                 .join(format!("{variant}-{precision}.safetensors"));
-            let o = castor(&[
-                "eval",
-                path_str(&dir),
-                "--input",
-                path_str(&dir.join("input.safetensors")),
-                "--out",
-                path_str(&out),
-                "--device",
-                "cpu",
-                "--precision",
-                precision,
-            ]);
+            let input = dir.join("input.safetensors");
+            let o = eval(
+                &dir,
+                &input,
+                &out,
+                &["--device", "cpu", "--precision", precision],
+            );
             assert!(o.status.success(), "{variant} {precision}: {}", stderr(&o));
             let got = SafetensorsFile::open(&out).unwrap();
             for key in want.names().filter(|k| !k.starts_with("autocast_")) {

@@ -142,16 +142,12 @@ fn missing_and_mismatched_tensors_are_named() {
 fn eval_on_cuda_without_a_cuda_executor_is_a_clear_error() {
     let dir = fixture("gpt2_lm");
     let out = tempfile::tempdir().unwrap();
-    let o = castor(&[
-        "eval",
-        path_str(&dir),
-        "--input",
-        path_str(&dir.join("input.safetensors")),
-        "--out",
-        path_str(&out.path().join("o.safetensors")),
-        "--device",
-        "cuda",
-    ]);
+    let o = eval(
+        &dir,
+        &dir.join("input.safetensors"),
+        &out.path().join("o.safetensors"),
+        &["--device", "cuda"],
+    );
     assert_eq!(o.status.code(), Some(5));
     assert!(stderr(&o).contains("--device cuda"), "{}", stderr(&o));
     assert!(!out.path().join("o.safetensors").exists());
@@ -164,16 +160,12 @@ fn eval_rejects_out_of_vocabulary_tokens() {
     let input = tmp.path().join("in.safetensors");
     let ids = castor_ir::Tensor::from_i64(castor_ir::DType::I64, [1, 3], vec![1, 2, 99]);
     castor_models::write_safetensors(&input, &[("input_ids", &ids)]).unwrap();
-    let o = castor(&[
-        "eval",
-        path_str(&dir),
-        "--input",
-        path_str(&input),
-        "--out",
-        path_str(&tmp.path().join("o.safetensors")),
-        "--device",
-        "cpu",
-    ]);
+    let o = eval(
+        &dir,
+        &input,
+        &tmp.path().join("o.safetensors"),
+        &["--device", "cpu"],
+    );
     assert_eq!(o.status.code(), Some(3));
     assert!(
         stderr(&o).contains("`input_ids`[0, 2] = 99 is outside the vocabulary [0, 99)"),

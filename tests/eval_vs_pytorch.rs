@@ -13,16 +13,12 @@ fn eval_matches_transformers_on_every_fixture() {
     for variant in VARIANTS {
         let dir = fixture(variant);
         let out = out_dir.path().join(format!("{variant}.safetensors"));
-        let o = castor(&[
-            "eval",
-            path_str(&dir),
-            "--input",
-            path_str(&dir.join("input.safetensors")),
-            "--out",
-            path_str(&out),
-            "--device",
-            "cpu",
-        ]);
+        let o = eval(
+            &dir,
+            &dir.join("input.safetensors"),
+            &out,
+            &["--device", "cpu"],
+        );
         assert!(
             o.status.success(),
             "{variant}: castor eval failed:\n{}",

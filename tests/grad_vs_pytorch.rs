@@ -33,19 +33,12 @@ fn check(
     write_safetensors(&batch, &refs).unwrap();
 
     let out = out_dir.join(format!("{variant}-{objective}-out.safetensors"));
-    let o = castor(&[
-        "eval",
-        path_str(&dir),
-        "--input",
-        path_str(&batch),
-        "--out",
-        path_str(&out),
-        "--device",
-        "cpu",
-        "--grad",
-        "--objective",
-        objective,
-    ]);
+    let o = eval(
+        &dir,
+        &batch,
+        &out,
+        &["--device", "cpu", "--grad", "--objective", objective],
+    );
     assert!(o.status.success(), "{variant} {objective}: {}", stderr(&o));
     let got = SafetensorsFile::open(&out).unwrap();
 

@@ -30,6 +30,20 @@ pub fn castor(args: &[&str]) -> Output {
         .expect("the castor binary runs")
 }
 
+/// Runs `castor eval MODEL --input IN --out OUT` with `extra` flags.
+pub fn eval(model: &Path, input: &Path, out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "eval",
+        path_str(model),
+        "--input",
+        path_str(input),
+        "--out",
+        path_str(out),
+    ];
+    args.extend_from_slice(extra);
+    castor(&args)
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
