@@ -4,7 +4,7 @@
 
 use super::operand::{Args, Storage};
 use super::{
-    cast, elementwise, embedding, grad, layout, loss, matmul, norm, pool, reduce, rope, softmax,
+    cast, elementwise, embedding, layout, loss, matmul, norm, pool, reduce, rope, softmax,
 };
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
@@ -181,79 +181,82 @@ pub fn execute(
             }
         }
         Op::UnaryGrad(u) => {
-            let dx = grad::unary_grad(*u, args.f32(0)?, args.f32(1)?);
-            float(args, dx)?
+            let mut dy = args.take_f32(1)?;
+            elementwise::unary_grad(*u, args.f32(0)?, &mut dy);
+            float(args, dy)?
         }
-        Op::LayerNormGrad { eps } | Op::RmsNormGrad { eps } => {
-            let h = args.shape(0)?.last().copied().unwrap_or(1);
-            let (x, w, dy) = (args.f32(0)?, args.f32(1)?, args.f32(2)?);
-            let vectors = match op {
-                Op::LayerNormGrad { .. } => {
-                    let (dx, dw, db) = grad::layer_norm_grad(x, w, dy, h, *eps);
-                    vec![dx, dw, db]
-                }
-                _ => {
-                    let (dx, dw) = grad::rms_norm_grad(x, w, dy, h, *eps);
-                    vec![dx, dw]
-                }
-            };
-            return vectors
+        Op::LayerNormGrad { eps } => {
+            let mut dy = args.take_f32(2)?;
+            let (dw, db) = norm::layer_norm_grad(args.f32(0)?, args.f32(1)?, &mut dy, *eps);
+            return [dy, dw, db]
+                .into_iter()
+                .zip(outs)
+                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+                .collect();
+        }
+        Op::RmsNormGrad { eps } => {
+            let mut dy = args.take_f32(2)?;
+            let dw = norm::rms_norm_grad(args.f32(0)?, args.f32(1)?, &mut dy, *eps);
+            return [dy, dw]
                 .into_iter()
                 .zip(outs)
                 .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
                 .collect();
         }
         Op::SoftmaxGrad => {
+            let mut dy = args.take_f32(1)?;
             let n = args.shape(0)?.last().copied().unwrap_or(1);
-            float(args, grad::softmax_grad(args.f32(0)?, args.f32(1)?, n))?
+            softmax::softmax_grad(args.f32(0)?, &mut dy, n);
+            float(args, dy)?
         }
         Op::RopeGrad { theta } => {
+            let mut dy = args.take_f32(0)?;
             let d = out.shape.dims();
-            let dx = grad::rope_grad(args.f32(0)?, d[d.len() - 2], d[d.len() - 1], *theta);
-            float(args, dx)?
+            rope::rope_grad(&mut dy, d[d.len() - 2], d[d.len() - 1], *theta);
+            float(args, dy)?
         }
         Op::Pad {
             axis,
             before,
             after,
         } => {
-            let dx = grad::pad(args.f32(0)?, args.shape(0)?, *axis, *before, *after);
-            float(args, dx)?
+            let data = by_storage!(out.dtype, pad(args, *axis, *before, *after))?;
+            make(args, out, data)?
         }
         Op::BroadcastTo { shape } => {
-            let dx = grad::broadcast_to(args.f32(0)?, args.shape(0)?, shape);
-            float(args, dx)?
+            let data = by_storage!(out.dtype, broadcast_to(args, shape))?;
+            make(args, out, data)?
         }
         Op::EmbeddingGrad { vocab } => {
+            let (ids, dy) = (args.values::<i64>(0)?, args.f32(1)?);
             let h = out.shape.last();
-            let table = grad::embedding_grad(args.values::<i64>(0)?, args.f32(1)?, *vocab, h)
-                .map_err(|(position, index)| RuntimeError::IndexOutOfRange {
+            let table = embedding::embedding_grad(ids, dy, *vocab, h).map_err(|e| {
+                RuntimeError::IndexOutOfRange {
                     node: args.node.to_string(),
                     what: "token id",
-                    index,
-                    position,
+                    index: e.id,
+                    position: e.position,
                     limit: *vocab,
-                })?;
+                }
+            })?;
             float(args, table)?
         }
         Op::CrossEntropyGrad { ignore_index } => {
             let v = args.shape(0)?[1];
-            let dloss = args.f32(2)?.first().copied().unwrap_or(f32::NAN);
-            let dx = grad::cross_entropy_grad(
-                args.f32(0)?,
-                v,
-                args.values::<i64>(1)?,
-                *ignore_index,
-                dloss,
-            )
-            .map_err(|(position, index)| RuntimeError::IndexOutOfRange {
-                node: args.node.to_string(),
-                what: "label",
-                index,
-                position,
-                limit: v,
-            })?;
-            float(args, dx)?
+            let dloss = *args
+                .f32(2)?
+                .first()
+                .ok_or_else(|| args.internal("the loss gradient is empty"))?;
+            let mut logits = args.take_f32(0)?;
+            loss::cross_entropy_grad(&mut logits, v, args.values::<i64>(1)?, *ignore_index, dloss)
+                .map_err(|e| RuntimeError::IndexOutOfRange {
+                    node: args.node.to_string(),
+                    what: "label",
+                    index: e.label,
+                    position: e.position,
+                    limit: v,
+                })?;
+            float(args, logits)?
         }
     };
     Ok(vec![result])
@@ -353,4 +356,19 @@ fn split<T: Storage>(
     let x = args.values::<T>(0)?;
     let pieces = layout::split(x, args.shape(0)?, axis, sizes);
     Ok(pieces.into_iter().map(T::wrap).collect())
+}
+
+fn pad<T: Storage>(
+    args: &Args,
+    axis: usize,
+    before: usize,
+    after: usize,
+) -> Result<TensorData, RuntimeError> {
+    let x = args.values::<T>(0)?;
+    Ok(T::wrap(layout::pad(x, args.shape(0)?, axis, before, after)))
+}
+
+fn broadcast_to<T: Storage>(args: &Args, shape: &[usize]) -> Result<TensorData, RuntimeError> {
+    let x = args.values::<T>(0)?;
+    Ok(T::wrap(layout::broadcast_to(x, args.shape(0)?, shape)))
 }

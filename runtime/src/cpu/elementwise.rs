@@ -156,3 +156,51 @@ fn apply(out: &mut [f32], a: Option<Row>, b: Row, f: &impl Fn(f32, f32) -> f32) 
         }
     }
 }
+
+/// `dy <- f'(x) * dy` for the unary op `f`, in place (`dx` is `dy`'s buffer): the formulas of
+/// PyTorch's backward kernels, in F32, with `f'` evaluated at the forward input `x` (and the
+/// forward's own `exp`, `tanh` and `rsqrt` where the derivative reuses the forward's value).
+pub fn unary_grad(op: UnaryOp, x: &[f32], dy: &mut [f32]) {
+    for_each_chunk(dy, |start, chunk| {
+        unary_grad_chunk(op, &x[start..start + chunk.len()], chunk)
+    });
+}
+
+multiversion! {
+    fn unary_grad_chunk(op: UnaryOp, x: &[f32], dy: &mut [f32]) {
+        let it = dy.iter_mut().zip(x);
+        match op {
+            // d/dx 0.5 x (1 + t), t = tanh(k (x + 0.044715 x³)):
+            // 0.5 (1 + t) + 0.5 x (1 - t²) k (1 + 3 * 0.044715 x²).
+            UnaryOp::GeluTanh => it.for_each(|(d, &x)| {
+                let x_sq = x * x;
+                let t = math::tanh_abs(SQRT_2_OVER_PI * (x + 0.044_715 * (x_sq * x)));
+                let inner = SQRT_2_OVER_PI * (1.0 + 3.0 * 0.044_715 * x_sq);
+                *d *= 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * inner;
+            }),
+            // Φ(x) + x φ(x).
+            UnaryOp::GeluErf => it.for_each(|(d, &x)| {
+                const INV_SQRT_2PI: f32 = 0.398_942_3;
+                let cdf = 0.5 * (1.0 + libm::erff(x * std::f32::consts::FRAC_1_SQRT_2));
+                let pdf = INV_SQRT_2PI * math::exp(-0.5 * x * x);
+                *d *= cdf + x * pdf;
+            }),
+            // s (1 + x (1 - s)), s = sigmoid(x).
+            UnaryOp::Silu => it.for_each(|(d, &x)| {
+                let s = 1.0 / (1.0 + math::exp(-x));
+                *d *= s * (1.0 + x * (1.0 - s));
+            }),
+            UnaryOp::Tanh => it.for_each(|(d, &x)| {
+                let t = x.tanh();
+                *d *= 1.0 - t * t;
+            }),
+            UnaryOp::Exp => it.for_each(|(d, &x)| *d *= math::exp(x)),
+            // -0.5 x^-1.5 = -0.5 rsqrt(x)³.
+            UnaryOp::Rsqrt => it.for_each(|(d, &x)| {
+                let r = 1.0 / x.sqrt();
+                *d *= -0.5 * (r * r * r);
+            }),
+            UnaryOp::Neg => it.for_each(|(d, _)| *d = -*d),
+        }
+    }
+}

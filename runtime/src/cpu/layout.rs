@@ -1,11 +1,11 @@
-//! Data movement: transpose, slice, concat and split, for every element type.
+//! Data movement: transpose, slice, concat, split, pad and broadcast, for every element type.
 //!
 //! `reshape` needs no kernel (the executor re-labels or copies the buffer). Each kernel here
 //! writes its output in blocks of contiguous source runs, copied with `copy_from_slice`.
 
 use super::par::for_each_block;
 use super::pool::Elem;
-use super::strides::offset;
+use super::strides::{broadcast_strides, coalesce, offset};
 
 /// Permutes the axes of `x` (shape `dims`): output axis `i` is input axis `perm[i]`.
 pub fn transpose<T: Elem>(x: &[T], dims: &[usize], perm: &[usize]) -> Vec<T> {
@@ -103,4 +103,47 @@ pub fn split<T: Elem>(x: &[T], dims: &[usize], axis: usize, sizes: &[usize]) -> 
             slice(x, dims, axis, start - s, start)
         })
         .collect()
+}
+
+/// `x` (shape `dims`) with `before` zeros (the type's default) before and `after` after it
+/// along `axis`: the transpose of [`slice`].
+pub fn pad<T: Elem>(x: &[T], dims: &[usize], axis: usize, before: usize, after: usize) -> Vec<T> {
+    let (outer, len, inner) = around(dims, axis);
+    let (run, out_run) = (len * inner, (before + len + after) * inner);
+    let mut out = T::buffer(outer * out_run);
+    for_each_block(&mut out, out_run, out_run, |o, dst| {
+        let (head, rest) = dst.split_at_mut(before * inner);
+        let (mid, tail) = rest.split_at_mut(run);
+        head.fill(T::default());
+        mid.copy_from_slice(&x[o * run..(o + 1) * run]);
+        tail.fill(T::default());
+    });
+    out
+}
+
+/// `x` (shape `from`) broadcast to `to` by NumPy's rules (aligned on the right; `from` is
+/// known to broadcast to `to`).
+pub fn broadcast_to<T: Elem>(x: &[T], from: &[usize], to: &[usize]) -> Vec<T> {
+    let n: usize = to.iter().product();
+    let mut out = T::buffer(n);
+    if n == 0 {
+        return out;
+    }
+    let (dims, strides) = coalesce(to, &[broadcast_strides(from, to)]);
+    let strides = &strides[0];
+    let Some((&inner, outer)) = dims.split_last() else {
+        // Every dim is 1: one element.
+        out.fill(x[0]);
+        return out;
+    };
+    let (inner_stride, outer_strides) = (strides[strides.len() - 1], &strides[..outer.len()]);
+    for_each_block(&mut out, inner, inner, |row, dst| {
+        let start = offset(row, outer, outer_strides);
+        if inner_stride == 0 {
+            dst.fill(x[start]);
+        } else {
+            dst.copy_from_slice(&x[start..start + inner]);
+        }
+    });
+    out
 }

@@ -2,7 +2,7 @@
 //!
 //! Each row's loss is `logsumexp(row) - row[label]` with the row maximum subtracted before
 //! exponentiating. Per-row losses are computed in parallel and summed serially in F64, so the
-//! result does not depend on the thread count.
+//! result does not depend on the thread count. The gradient is computed row by row in place.
 
 use super::math;
 use super::par::for_each_block;
@@ -23,14 +23,7 @@ pub fn cross_entropy(
     labels: &[i64],
     ignore_index: i64,
 ) -> Result<f32, BadLabel> {
-    let valid = |l: i64| usize::try_from(l).is_ok_and(|l| l < v);
-    if let Some((position, &label)) = labels
-        .iter()
-        .enumerate()
-        .find(|&(_, &l)| l != ignore_index && !valid(l))
-    {
-        return Err(BadLabel { position, label });
-    }
+    check(v, labels, ignore_index)?;
     let mut losses = vec![0f64; labels.len()];
     for_each_block(&mut losses, 1, v, |i, dst| {
         let label = labels[i];
@@ -42,6 +35,57 @@ pub fn cross_entropy(
     });
     let counted = labels.iter().filter(|&&l| l != ignore_index).count();
     Ok((losses.iter().sum::<f64>() / counted as f64) as f32)
+}
+
+/// The first label that is neither in `[0, v)` nor `ignore_index`, if any.
+fn check(v: usize, labels: &[i64], ignore_index: i64) -> Result<(), BadLabel> {
+    let valid = |l: i64| usize::try_from(l).is_ok_and(|l| l < v);
+    match labels
+        .iter()
+        .enumerate()
+        .find(|&(_, &l)| l != ignore_index && !valid(l))
+    {
+        Some((position, &label)) => Err(BadLabel { position, label }),
+        None => Ok(()),
+    }
+}
+
+/// The gradient of [`cross_entropy`] with respect to `logits` (`[labels.len(), v]`, replaced
+/// by the result): `(softmax(row) - onehot(label)) * dloss / count` on rows whose label is not
+/// `ignore_index`, where `count` is the number of such rows, and 0 on ignored rows, as
+/// PyTorch's `nll_loss` and `log_softmax` backward compute it. With no counted row every row
+/// is ignored and the gradient is all zeros (PyTorch's too, though the loss itself is NaN).
+pub fn cross_entropy_grad(
+    logits: &mut [f32],
+    v: usize,
+    labels: &[i64],
+    ignore_index: i64,
+    dloss: f32,
+) -> Result<(), BadLabel> {
+    check(v, labels, ignore_index)?;
+    let counted = labels.iter().filter(|&&l| l != ignore_index).count();
+    // PyTorch divides the (F32) incoming gradient by the (F32) count.
+    let scale = dloss / counted as f32;
+    for_each_block(logits, v, 2 * v, |i, row| {
+        let label = labels[i];
+        if label == ignore_index {
+            row.fill(0.0);
+        } else {
+            cross_entropy_grad_row(row, label as usize, scale);
+        }
+    });
+    Ok(())
+}
+
+multiversion! {
+    /// `(softmax(row) - onehot(label)) * scale`, in place.
+    fn cross_entropy_grad_row(row: &mut [f32], label: usize, scale: f32) {
+        let max = math::max(row);
+        row.iter_mut().for_each(|x| *x = math::exp(*x - max));
+        let inv = (1.0 / math::sum(row)) as f32;
+        row.iter_mut().for_each(|p| *p = *p * inv * scale);
+        row[label] -= scale;
+    }
 }
 
 multiversion! {

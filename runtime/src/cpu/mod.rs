@@ -15,7 +15,6 @@ mod cast;
 mod dispatch;
 mod elementwise;
 mod embedding;
-mod grad;
 mod layout;
 mod loss;
 mod math;

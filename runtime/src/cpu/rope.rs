@@ -26,8 +26,25 @@ pub fn rope(x: &mut [f32], t: usize, d: usize, theta: f64) {
     });
 }
 
+/// The transpose of [`rope`], in place: rotation of `dy` by the negated angles (the same F32
+/// `cos`/`sin`), `dx[i] = dy[i] cos + dy[i + d/2] sin`, `dx[i + d/2] = dy[i + d/2] cos - dy[i] sin`.
+pub fn rope_grad(dy: &mut [f32], t: usize, d: usize, theta: f64) {
+    let half = d / 2;
+    let table = rope_table(t, d, theta);
+    for_each_block(dy, d, d, |r, row| {
+        let pos = r % t;
+        let cs = &table[pos * half..(pos + 1) * half];
+        let (lo, hi) = row.split_at_mut(half);
+        for ((a, b), &(c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
+            let (g1, g2) = (*a, *b);
+            *a = g1 * c + g2 * s;
+            *b = g2 * c - g1 * s;
+        }
+    });
+}
+
 /// `(cos, sin)` per position and frequency, `[t, d/2]`, as HF computes them in F32.
-pub fn rope_table(t: usize, d: usize, theta: f64) -> Vec<(f32, f32)> {
+fn rope_table(t: usize, d: usize, theta: f64) -> Vec<(f32, f32)> {
     let half = d / 2;
     let base = theta as f32;
     let inv_freq: Vec<f32> = (0..half)

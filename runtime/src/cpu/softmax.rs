@@ -119,3 +119,25 @@ fn softmax_row(row: &mut [f32], visible: usize, keep: Keep) {
     seen.iter_mut().for_each(|v| *v *= inv);
 }
 }
+
+/// The softmax's gradient over rows of `n`, from its output `y`: `dx = y * (dy - Σ dy y)`, as
+/// PyTorch's `_softmax_backward_data`, with the sum in F64. `dy` is overwritten with `dx`.
+/// Masked entries have `y = 0` and so get 0.
+pub fn softmax_grad(y: &[f32], dy: &mut [f32], n: usize) {
+    for_each_block(dy, n, 2 * n, |r, row| {
+        softmax_grad_row(&y[r * n..(r + 1) * n], row)
+    });
+}
+
+multiversion! {
+    fn softmax_grad_row(y: &[f32], dy: &mut [f32]) {
+        let mut dot = 0f64;
+        for (&y, &d) in y.iter().zip(dy.iter()) {
+            dot += f64::from(y) * f64::from(d);
+        }
+        let dot = dot as f32;
+        for (&y, d) in y.iter().zip(dy.iter_mut()) {
+            *d = y * (*d - dot);
+        }
+    }
+}

@@ -6,6 +6,7 @@ mod common;
 mod casts;
 mod errors;
 mod executor;
+mod grads;
 mod layout;
 mod losses;
 mod matmul;
