@@ -54,6 +54,11 @@ impl GraphBuilder {
         self.source(Op::Param, name, ty)
     }
 
+    /// A `state` source: persistent training state bound by name.
+    pub fn state(&mut self, name: &str, ty: TensorType) -> Result<Value, IrError> {
+        self.source(Op::State, name, ty)
+    }
+
     fn source(&mut self, op: Op, name: &str, ty: TensorType) -> Result<Value, IrError> {
         let node = self
             .graph

@@ -30,6 +30,7 @@ pub fn to_dot(g: &Graph) -> String {
             Op::Cast { .. } => "diamond",
             Op::Input => "invhouse",
             Op::Param => "note",
+            Op::State => "cylinder",
             _ => "box",
         };
         let mut label = format!("{}\\n{}", escape(g.name(first)), data.op.mnemonic());

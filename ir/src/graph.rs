@@ -202,6 +202,11 @@ impl Graph {
         self.sources(Op::Param)
     }
 
+    /// Training state (`state` nodes), in order.
+    pub fn states(&self) -> impl Iterator<Item = Value> + '_ {
+        self.sources(Op::State)
+    }
+
     fn sources(&self, kind: Op) -> impl Iterator<Item = Value> + '_ {
         self.nodes
             .iter()

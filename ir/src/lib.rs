@@ -17,6 +17,7 @@ mod entities;
 mod error;
 mod graph;
 mod op;
+mod plan;
 mod shape;
 mod tensor;
 pub mod text;
@@ -29,6 +30,10 @@ pub use entities::{Node, Value};
 pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};
 pub use op::{Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
+pub use plan::{
+    LossScaling, OptimizerKind, PlanError, StateInit, StateRole, StateSpec, TrainSettings,
+    TrainingPlan, Write, PLAN_FORMAT,
+};
 pub use shape::Shape;
 pub use tensor::{relative_error, round_to, Tensor, TensorData};
 pub use verify::verify;

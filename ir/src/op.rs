@@ -144,6 +144,9 @@ pub enum Op {
     Input,
     /// A model parameter, bound by its value name to a checkpoint tensor.
     Param,
+    /// Persistent training state that is not a model parameter (optimizer moments, accumulated
+    /// gradients, the step count, the loss scale), bound by its value name like a parameter.
+    State,
     /// `(table [V, H], ids [..]) -> [.., H]`: row gather.
     Embedding,
     /// `(a [.., M, K], b [.., K, N]) -> [.., M, N]`, batch dims broadcast; `transpose_a/b`
@@ -263,6 +266,51 @@ pub enum Op {
     CrossEntropyGrad {
         ignore_index: i64,
     },
+
+    // Training-step ops: the optimizer and loss-scaling logic of a training plan, as graph ops
+    // so that no host round trip decides a skipped step.
+    /// `(g1, .., gn, scale []) -> f32[]`: the global L2 norm of the gradients divided by
+    /// `scale`, accumulated in F64. It is not finite when any gradient is inf or NaN, which is
+    /// the found-inf test: optimizer steps are skipped then.
+    GradNorm,
+    /// One fused AdamW step (torch.optim.AdamW: decoupled weight decay, bias correction) of one
+    /// F32 parameter buffer: `(master, grad, m, v, lr [], step [], scale [], grad_norm []) ->
+    /// (master', m', v'[, copy'])`. The gradient is unscaled by `1/scale` and, when
+    /// `max_grad_norm > 0`, multiplied by `min(1, max_grad_norm / (grad_norm + 1e-6))`; `step`
+    /// counts earlier steps. When `grad_norm` is not finite every output equals its input.
+    /// `copy` names the dtype of the parameter's working copy, written in the same pass.
+    AdamW {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        max_grad_norm: f64,
+        copy: Option<DType>,
+    },
+    /// One fused SGD step with momentum (torch.optim.SGD, dampening 0, coupled weight decay)
+    /// with the operands and rules of [`Op::AdamW`] and one moment: `(master, grad, momentum,
+    /// lr [], step [], scale [], grad_norm []) -> (master', momentum'[, copy'])`.
+    Sgd {
+        momentum: f64,
+        weight_decay: f64,
+        max_grad_norm: f64,
+        copy: Option<DType>,
+    },
+    /// `(step [], grad_norm []) -> step'`: counts the optimizer steps that were not skipped.
+    CountStep,
+    /// Dynamic loss scaling (torch.amp.GradScaler, with DeepSpeed's hysteresis):
+    /// `(scale [], counters [2], grad_norm []) -> (scale', counters')`, counters = (clean steps
+    /// since the last change, overflows still tolerated). On an overflow (`grad_norm` not finite)
+    /// the scale is multiplied by `backoff_factor` once `hysteresis` overflows have been seen
+    /// since the last growth, and the clean-step count restarts; after `growth_interval`
+    /// clean steps in a row it is multiplied by `growth_factor`, up to `max_scale`.
+    LossScaleUpdate {
+        growth_factor: f64,
+        backoff_factor: f64,
+        growth_interval: usize,
+        hysteresis: usize,
+        max_scale: f64,
+    },
 }
 
 /// An attribute value in the text format.
@@ -330,6 +378,11 @@ impl Op {
             | Op::EmbeddingGrad { .. }
             | Op::CrossEntropyGrad { .. } => OpClass::Normalization,
             Op::RopeGrad { .. } => OpClass::Elementwise,
+            Op::State => OpClass::Layout,
+            Op::GradNorm => OpClass::Normalization,
+            Op::AdamW { .. } | Op::Sgd { .. } | Op::CountStep | Op::LossScaleUpdate { .. } => {
+                OpClass::Elementwise
+            }
         }
     }
 
@@ -366,12 +419,18 @@ impl Op {
             Op::BroadcastTo { .. } => "broadcast_to",
             Op::EmbeddingGrad { .. } => "embedding_grad",
             Op::CrossEntropyGrad { .. } => "cross_entropy_grad",
+            Op::State => "state",
+            Op::GradNorm => "grad_norm",
+            Op::AdamW { .. } => "adamw",
+            Op::Sgd { .. } => "sgd",
+            Op::CountStep => "count_step",
+            Op::LossScaleUpdate { .. } => "loss_scale_update",
         }
     }
 
     /// True for the graph's sources, which have no operands.
     pub fn is_source(&self) -> bool {
-        matches!(self, Op::Input | Op::Param)
+        matches!(self, Op::Input | Op::Param | Op::State)
     }
 
     /// Attributes in the order the text format prints them.
@@ -435,7 +494,53 @@ impl Op {
                 ("dtype", Attr::Ident(dtype.name().to_string())),
                 ("shape", ints(shape)),
             ],
-            Op::Input | Op::Param | Op::Embedding | Op::Unary(_) | Op::Binary(_) => vec![],
+            Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                max_grad_norm,
+                copy,
+            } => vec![
+                ("beta1", Attr::Float(*beta1)),
+                ("beta2", Attr::Float(*beta2)),
+                ("eps", Attr::Float(*eps)),
+                ("weight_decay", Attr::Float(*weight_decay)),
+                ("max_grad_norm", Attr::Float(*max_grad_norm)),
+                ("copy", copy_attr(*copy)),
+            ],
+            Op::Sgd {
+                momentum,
+                weight_decay,
+                max_grad_norm,
+                copy,
+            } => vec![
+                ("momentum", Attr::Float(*momentum)),
+                ("weight_decay", Attr::Float(*weight_decay)),
+                ("max_grad_norm", Attr::Float(*max_grad_norm)),
+                ("copy", copy_attr(*copy)),
+            ],
+            Op::LossScaleUpdate {
+                growth_factor,
+                backoff_factor,
+                growth_interval,
+                hysteresis,
+                max_scale,
+            } => vec![
+                ("growth_factor", Attr::Float(*growth_factor)),
+                ("backoff_factor", Attr::Float(*backoff_factor)),
+                ("growth_interval", Attr::Int(*growth_interval as i64)),
+                ("hysteresis", Attr::Int(*hysteresis as i64)),
+                ("max_scale", Attr::Float(*max_scale)),
+            ],
+            Op::Input
+            | Op::Param
+            | Op::State
+            | Op::Embedding
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::GradNorm
+            | Op::CountStep => vec![],
         }
     }
 
@@ -449,6 +554,30 @@ impl Op {
         let op = match mnemonic {
             "input" => Op::Input,
             "param" => Op::Param,
+            "state" => Op::State,
+            "grad_norm" => Op::GradNorm,
+            "count_step" => Op::CountStep,
+            "adamw" => Op::AdamW {
+                beta1: a.float("beta1")?,
+                beta2: a.float("beta2")?,
+                eps: a.float("eps")?,
+                weight_decay: a.float("weight_decay")?,
+                max_grad_norm: a.float("max_grad_norm")?,
+                copy: a.copy_dtype("copy")?,
+            },
+            "sgd" => Op::Sgd {
+                momentum: a.float("momentum")?,
+                weight_decay: a.float("weight_decay")?,
+                max_grad_norm: a.float("max_grad_norm")?,
+                copy: a.copy_dtype("copy")?,
+            },
+            "loss_scale_update" => Op::LossScaleUpdate {
+                growth_factor: a.float("growth_factor")?,
+                backoff_factor: a.float("backoff_factor")?,
+                growth_interval: a.dim("growth_interval")?,
+                hysteresis: a.dim("hysteresis")?,
+                max_scale: a.float("max_scale")?,
+            },
             "embedding" => Op::Embedding,
             "matmul" => Op::MatMul {
                 transpose_a: a.bool("transpose_a")?,
@@ -550,7 +679,12 @@ impl Op {
     /// Number of operands the op takes, as an inclusive range.
     pub fn arity(&self) -> (usize, usize) {
         match self {
-            Op::Input | Op::Param | Op::Full { .. } => (0, 0),
+            Op::Input | Op::Param | Op::State | Op::Full { .. } => (0, 0),
+            Op::GradNorm => (2, usize::MAX),
+            Op::AdamW { .. } => (8, 8),
+            Op::Sgd { .. } => (7, 7),
+            Op::CountStep => (2, 2),
+            Op::LossScaleUpdate { .. } => (3, 3),
             Op::Unary(_)
             | Op::Scale { .. }
             | Op::Rope { .. }
@@ -608,7 +742,70 @@ impl Op {
         }
         let one = |t: TensorType| Ok(vec![t]);
         match self {
-            Op::Input | Op::Param => Err("sources have no inferred type".into()),
+            Op::Input | Op::Param | Op::State => Err("sources have no inferred type".into()),
+            Op::GradNorm => {
+                let (scale, grads) = inputs.split_last().ok_or("grad_norm needs operands")?;
+                for g in grads {
+                    require_float("gradient", g)?;
+                }
+                require_f32_scalar("loss scale", scale)?;
+                one(TensorType::new(DType::F32, Shape::scalar()))
+            }
+            Op::AdamW { copy, .. } | Op::Sgd { copy, .. } => {
+                let moments = if matches!(self, Op::AdamW { .. }) {
+                    2
+                } else {
+                    1
+                };
+                let master = inputs[0];
+                if master.dtype != DType::F32 {
+                    return Err(format!("the master weights must be f32, found {master}"));
+                }
+                for (i, t) in inputs[1..2 + moments].iter().enumerate() {
+                    let what = if i == 0 {
+                        "gradient"
+                    } else {
+                        "optimizer moment"
+                    };
+                    if *t != master {
+                        return Err(format!(
+                            "{what} must be {master} like the master, found {t}"
+                        ));
+                    }
+                }
+                for (what, t) in ["lr", "step", "loss scale", "grad norm"]
+                    .iter()
+                    .zip(&inputs[2 + moments..])
+                {
+                    require_f32_scalar(what, t)?;
+                }
+                let mut outs = vec![master.clone(); 1 + moments];
+                if let Some(to) = copy {
+                    if !to.is_float() {
+                        return Err(format!(
+                            "a parameter copy must be a float dtype, found {to}"
+                        ));
+                    }
+                    outs.push(TensorType::new(*to, master.shape.clone()));
+                }
+                Ok(outs)
+            }
+            Op::CountStep => {
+                require_f32_scalar("step", inputs[0])?;
+                require_f32_scalar("grad norm", inputs[1])?;
+                one(inputs[0].clone())
+            }
+            Op::LossScaleUpdate { .. } => {
+                let (scale, counters, norm) = (inputs[0], inputs[1], inputs[2]);
+                require_f32_scalar("loss scale", scale)?;
+                require_f32_scalar("grad norm", norm)?;
+                if *counters != TensorType::new(DType::F32, [2]) {
+                    return Err(format!(
+                        "loss-scale counters must be f32[2], found {counters}"
+                    ));
+                }
+                Ok(vec![scale.clone(), counters.clone()])
+            }
             Op::Embedding => {
                 let (table, ids) = (inputs[0], inputs[1]);
                 require_float("table", table)?;
@@ -969,6 +1166,19 @@ fn require_float(what: &str, t: &TensorType) -> Result<(), String> {
     }
 }
 
+fn require_f32_scalar(what: &str, t: &TensorType) -> Result<(), String> {
+    if t.dtype == DType::F32 && t.shape.rank() == 0 {
+        Ok(())
+    } else {
+        Err(format!("{what} must be an f32 scalar, found {t}"))
+    }
+}
+
+/// The `copy` attribute of optimizer ops: a dtype or `none`.
+fn copy_attr(copy: Option<DType>) -> Attr {
+    Attr::Ident(copy.map_or("none", |d| d.name()).to_string())
+}
+
 fn bad_axis(axis: usize, shape: &Shape) -> String {
     format!("axis {axis} out of range for {shape}")
 }
@@ -1052,6 +1262,13 @@ impl AttrReader<'_> {
         match self.take(key)? {
             Attr::Ident(s) => Ok(s),
             other => Err(format!("attribute `{key}` must be a name, found `{other}`")),
+        }
+    }
+
+    fn copy_dtype(&mut self, key: &str) -> Result<Option<DType>, String> {
+        match self.ident(key)?.as_str() {
+            "none" => Ok(None),
+            other => other.parse().map(Some),
         }
     }
 

@@ -36,6 +36,13 @@ pub enum RuntimeError {
     /// A `max` reduction over an axis of length 0, which has no value (PyTorch raises too).
     #[error("node `%{node}`: max over an empty axis of {shape}")]
     EmptyReduction { node: String, shape: Shape },
+    /// Dynamic loss scaling backed off below its minimum: gradients overflow at every scale.
+    #[error(
+        "step {step}: the loss scale fell to {scale}, below the minimum {min}; gradients \
+         overflow F16 at every scale (train in bf16, lower the learning rate, or lower \
+         --min-scale)"
+    )]
+    LossScaleUnderflow { step: u64, scale: f32, min: f64 },
     /// A broken invariant of the executor or of the IR's tensors (a bug in castor), reported
     /// rather than panicking.
     #[error("node `%{node}`: internal error: {message}")]

@@ -9,5 +9,7 @@
 
 pub mod cpu;
 mod error;
+mod plan;
 
 pub use error::RuntimeError;
+pub use plan::{PlanRunner, StepReport};

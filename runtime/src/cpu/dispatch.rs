@@ -4,7 +4,8 @@
 
 use super::operand::{Args, Storage};
 use super::{
-    cast, elementwise, embedding, layout, loss, matmul, norm, pool, reduce, rope, softmax,
+    cast, elementwise, embedding, layout, loss, matmul, norm, optimizer, pool, reduce, rope,
+    softmax,
 };
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
@@ -32,7 +33,83 @@ pub fn execute(
         .ok_or_else(|| args.internal("the node has no results"))?;
     let float = |args: &Args, data: Vec<f32>| make(args, out, TensorData::F32(data));
     let result = match op {
-        Op::Input | Op::Param => return Err(args.internal("sources are bound, not executed")),
+        Op::Input | Op::Param | Op::State => {
+            return Err(args.internal("sources are bound, not executed"))
+        }
+        Op::GradNorm => {
+            let last = args.len() - 1;
+            let scale = scalar(args, last)?;
+            let grads = (0..last)
+                .map(|i| args.f32(i))
+                .collect::<Result<Vec<_>, _>>()?;
+            float(args, vec![optimizer::grad_norm(&grads, scale)])?
+        }
+        Op::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            max_grad_norm,
+            copy,
+        } => {
+            let h = optimizer::AdamW {
+                beta1: *beta1,
+                beta2: *beta2,
+                eps: *eps,
+                weight_decay: *weight_decay,
+                max_grad_norm: *max_grad_norm,
+            };
+            let c = control(args, 4)?;
+            let (mut p, mut m, mut v) = (args.take_f32(0)?, args.take_f32(2)?, args.take_f32(3)?);
+            optimizer::adamw(&h, c, &mut p, args.f32(1)?, &mut m, &mut v);
+            return updated(args, outs, p, vec![m, v], *copy);
+        }
+        Op::Sgd {
+            momentum,
+            weight_decay,
+            max_grad_norm,
+            copy,
+        } => {
+            let h = optimizer::Sgd {
+                momentum: *momentum,
+                weight_decay: *weight_decay,
+                max_grad_norm: *max_grad_norm,
+            };
+            let c = control(args, 3)?;
+            let (mut p, mut buf) = (args.take_f32(0)?, args.take_f32(2)?);
+            optimizer::sgd(&h, c, &mut p, args.f32(1)?, &mut buf);
+            return updated(args, outs, p, vec![buf], *copy);
+        }
+        Op::CountStep => {
+            let step = optimizer::count_step(scalar(args, 0)?, scalar(args, 1)?);
+            float(args, vec![step])?
+        }
+        Op::LossScaleUpdate {
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            max_scale,
+        } => {
+            let h = optimizer::LossScaler {
+                growth_factor: *growth_factor,
+                backoff_factor: *backoff_factor,
+                growth_interval: *growth_interval,
+                hysteresis: *hysteresis,
+                max_scale: *max_scale,
+            };
+            let counters = match args.f32(1)? {
+                &[a, b] => [a, b],
+                _ => return Err(args.internal("loss-scale counters must hold 2 values")),
+            };
+            let (scale, counters) =
+                optimizer::loss_scale_update(&h, scalar(args, 0)?, counters, scalar(args, 2)?);
+            return [vec![scale], counters.to_vec()]
+                .into_iter()
+                .zip(outs)
+                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+                .collect();
+        }
         Op::Embedding => {
             let (table, ids) = (args.f32(0)?, args.values::<i64>(1)?);
             let (v, h) = (args.shape(0)?[0], args.shape(0)?[1]);
@@ -260,6 +337,42 @@ pub fn execute(
         }
     };
     Ok(vec![result])
+}
+
+/// The F32 scalar operand `i`.
+fn scalar(args: &Args, i: usize) -> Result<f32, RuntimeError> {
+    match args.f32(i)? {
+        &[x] => Ok(x),
+        _ => Err(args.internal(format!("operand {i} must be a scalar"))),
+    }
+}
+
+/// The scalars `(lr, step, scale, grad_norm)` that follow an optimizer op's buffers.
+fn control(args: &Args, first: usize) -> Result<optimizer::Control, RuntimeError> {
+    Ok(optimizer::Control {
+        lr: scalar(args, first)?,
+        step: scalar(args, first + 1)?,
+        scale: scalar(args, first + 2)?,
+        grad_norm: scalar(args, first + 3)?,
+    })
+}
+
+/// An optimizer op's results: the master, its moments, and the working copy (the master
+/// rounded to the copy's dtype by `make`).
+fn updated(
+    args: &Args,
+    outs: &[&TensorType],
+    master: Vec<f32>,
+    moments: Vec<Vec<f32>>,
+    copy: Option<DType>,
+) -> Result<Vec<Tensor>, RuntimeError> {
+    let copy = copy.map(|_| master.clone());
+    std::iter::once(master)
+        .chain(moments)
+        .chain(copy)
+        .zip(outs)
+        .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+        .collect()
 }
 
 fn to_tf32(x: &[f32]) -> Vec<f32> {

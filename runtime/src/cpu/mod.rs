@@ -21,6 +21,7 @@ mod math;
 mod matmul;
 mod norm;
 mod operand;
+mod optimizer;
 mod par;
 mod pool;
 mod reduce;

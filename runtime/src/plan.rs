@@ -1,0 +1,278 @@
+//! Running a [`TrainingPlan`] on the CPU executor: the plan's persistent state and one step.
+//!
+//! A step zeroes the gradients when they accumulate, runs the micro step once per
+//! micro-batch, then the optimizer step, storing each graph's writes into the state. On the
+//! CPU a parameter's working copy is re-derived by the micro step's `param_copy` node (the
+//! master rounded to the copy's dtype, bit-identical to what the optimizer writes), so the
+//! working-copy buffers are not kept here; a device executor keeps them.
+
+use crate::cpu::CpuExecutor;
+use crate::RuntimeError;
+use castor_ir::{DType, LossScaling, StateInit, StateRole, Tensor, TensorType, TrainingPlan};
+use std::collections::HashMap;
+
+/// Names the plan builder gives the control state (see `castor_passes::training`).
+const LOSS_SCALE: &str = "loss_scale";
+const STEP: &str = "optimizer.step";
+const LR: &str = "lr";
+const GRAD_NORM: &str = "grad_norm";
+
+/// What one step did.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct StepReport {
+    /// Mean loss over the step's micro-batches (unscaled).
+    pub loss: f32,
+    /// The loss scale the step's backward used.
+    pub loss_scale: f32,
+    /// The loss scale for the next step.
+    pub next_loss_scale: f32,
+    /// True when a gradient was inf or NaN: masters and moments are unchanged.
+    pub skipped: bool,
+    /// Global L2 norm of the unscaled gradients (before clipping).
+    pub grad_norm: f32,
+}
+
+/// A plan with its state.
+pub struct PlanRunner {
+    plan: TrainingPlan,
+    state: HashMap<String, Tensor>,
+    executor: CpuExecutor,
+}
+
+impl PlanRunner {
+    /// Initializes the state: masters from `checkpoint` (converted to F32), everything else
+    /// as the plan says.
+    pub fn new(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+    ) -> Result<PlanRunner, RuntimeError> {
+        let mut state = HashMap::new();
+        for spec in &plan.state {
+            let t = match &spec.init {
+                _ if spec.role == StateRole::WorkingCopy => continue,
+                StateInit::Checkpoint(name) => {
+                    let t = checkpoint(name).ok_or_else(|| RuntimeError::MissingBinding {
+                        name: name.clone(),
+                        expected: spec.ty.clone(),
+                    })?;
+                    to_f32_master(t, &spec.name, &spec.ty)?
+                }
+                StateInit::CopyOf(_) => continue,
+                StateInit::Zeros => zeros(&spec.ty),
+                StateInit::Values(v) => Tensor::from_f32(
+                    spec.ty.dtype,
+                    spec.ty.shape.clone(),
+                    v.iter().map(|&x| x as f32).collect(),
+                ),
+            };
+            state.insert(spec.name.clone(), t);
+        }
+        Ok(PlanRunner {
+            plan,
+            state,
+            executor: CpuExecutor::new(),
+        })
+    }
+
+    pub fn plan(&self) -> &TrainingPlan {
+        &self.plan
+    }
+
+    /// The state entry `name` (a master by its checkpoint name, `adamw.m.<name>`, ...).
+    pub fn state(&self, name: &str) -> Option<&Tensor> {
+        self.state.get(name)
+    }
+
+    /// Replaces state entries (resuming from a checkpoint). Each must exist with that type.
+    pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        for (name, t) in entries {
+            let Some(old) = self.state.get(&name) else {
+                return Err(RuntimeError::Internal {
+                    node: name,
+                    message: "restored state that the plan does not have".into(),
+                });
+            };
+            if old.ty() != t.ty() {
+                return Err(RuntimeError::BindingMismatch {
+                    name,
+                    expected: old.ty().clone(),
+                    found: t.ty().clone(),
+                });
+            }
+            self.state.insert(name, t);
+        }
+        Ok(())
+    }
+
+    /// The persistent state this runner holds, in the plan's order.
+    pub fn state_entries(&self) -> Vec<(&str, &Tensor)> {
+        self.plan
+            .state
+            .iter()
+            .filter_map(|s| self.state.get(&s.name).map(|t| (s.name.as_str(), t)))
+            .collect()
+    }
+
+    /// A scalar state value (the loss scale, the step count).
+    pub fn scalar(&self, name: &str) -> Option<f32> {
+        self.state
+            .get(name)
+            .and_then(|t| t.as_f32())
+            .and_then(|v| v.first().copied())
+    }
+
+    /// Optimizer steps taken (skipped steps do not count).
+    pub fn steps_taken(&self) -> f32 {
+        self.scalar(STEP).unwrap_or(0.0)
+    }
+
+    /// One training step over `micro_batches` (exactly `grad_accum` of them), with learning
+    /// rate `lr`.
+    pub fn step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<StepReport, RuntimeError> {
+        let accum = self.plan.settings.grad_accum;
+        if micro_batches.len() != accum {
+            return Err(RuntimeError::Internal {
+                node: "micro_step".into(),
+                message: format!(
+                    "a step takes {accum} micro-batches, given {}",
+                    micro_batches.len()
+                ),
+            });
+        }
+        let loss_scale = self.scalar(LOSS_SCALE).unwrap_or(1.0);
+        if accum > 1 {
+            for spec in self
+                .plan
+                .state
+                .iter()
+                .filter(|s| s.role == StateRole::Gradient)
+            {
+                self.state.insert(spec.name.clone(), zeros(&spec.ty));
+            }
+        }
+        let mut loss_sum = 0.0f64;
+        for batch in micro_batches {
+            let graph = &self.plan.micro_step;
+            let outputs = {
+                let state = &self.state;
+                let bind = |name: &str| batch.get(name).or_else(|| state.get(name));
+                self.executor.run(graph, &bind)?
+            };
+            let named = name_outputs(graph, outputs);
+            loss_sum += f64::from(first_f32(&named, graph.name(graph.outputs()[0])));
+            store(&mut self.state, &self.plan.micro_step_writes, named);
+        }
+
+        let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
+        let graph = &self.plan.optimizer_step;
+        let outputs = {
+            let state = &self.state;
+            let bind = |name: &str| {
+                if name == LR {
+                    Some(&lr_tensor)
+                } else {
+                    state.get(name)
+                }
+            };
+            self.executor.run(graph, &bind)?
+        };
+        let named = name_outputs(graph, outputs);
+        let grad_norm = first_f32(&named, GRAD_NORM);
+        let writes: Vec<_> = self
+            .plan
+            .optimizer_step_writes
+            .iter()
+            .filter(|w| {
+                self.plan
+                    .state_spec(&w.state)
+                    .is_some_and(|s| s.role != StateRole::WorkingCopy)
+            })
+            .cloned()
+            .collect();
+        store(&mut self.state, &writes, named);
+        Ok(StepReport {
+            loss: (loss_sum / accum as f64) as f32,
+            loss_scale,
+            next_loss_scale: self.scalar(LOSS_SCALE).unwrap_or(1.0),
+            skipped: !grad_norm.is_finite(),
+            grad_norm,
+        })
+    }
+
+    /// The minimum loss scale of a dynamic plan.
+    pub fn min_loss_scale(&self) -> Option<f64> {
+        match self.plan.settings.loss_scaling {
+            LossScaling::Dynamic { min_scale, .. } => Some(min_scale),
+            _ => None,
+        }
+    }
+}
+
+fn name_outputs(graph: &castor_ir::Graph, outputs: Vec<Tensor>) -> Vec<(String, Tensor)> {
+    graph
+        .outputs()
+        .iter()
+        .map(|&v| graph.name(v).to_string())
+        .zip(outputs)
+        .collect()
+}
+
+fn first_f32(named: &[(String, Tensor)], name: &str) -> f32 {
+    named
+        .iter()
+        .find(|(n, _)| n == name)
+        .and_then(|(_, t)| t.as_f32())
+        .and_then(|v| v.first().copied())
+        .unwrap_or(f32::NAN)
+}
+
+fn store(
+    state: &mut HashMap<String, Tensor>,
+    writes: &[castor_ir::Write],
+    named: Vec<(String, Tensor)>,
+) {
+    let mut named: HashMap<String, Tensor> = named.into_iter().collect();
+    for w in writes {
+        if let Some(t) = named.remove(&w.output) {
+            state.insert(w.state.clone(), t);
+        }
+    }
+}
+
+fn zeros(ty: &TensorType) -> Tensor {
+    Tensor::from_f32(
+        ty.dtype,
+        ty.shape.clone(),
+        vec![0.0; ty.shape.numel().unwrap_or(0)],
+    )
+}
+
+/// A checkpoint tensor as an F32 master of type `ty`.
+fn to_f32_master(t: Tensor, name: &str, ty: &TensorType) -> Result<Tensor, RuntimeError> {
+    let Some(values) = t.as_f32() else {
+        return Err(RuntimeError::BindingMismatch {
+            name: name.into(),
+            expected: ty.clone(),
+            found: t.ty().clone(),
+        });
+    };
+    if t.shape() != &ty.shape {
+        return Err(RuntimeError::BindingMismatch {
+            name: name.into(),
+            expected: ty.clone(),
+            found: t.ty().clone(),
+        });
+    }
+    if t.dtype() == DType::F32 {
+        return Ok(t);
+    }
+    Ok(Tensor::from_f32(
+        DType::F32,
+        ty.shape.clone(),
+        values.to_vec(),
+    ))
+}
