@@ -54,7 +54,7 @@ fn gradcheck(name: &str, src: &str, ints: &[(&str, Vec<i64>)]) {
     let ints: HashMap<&str, Vec<i64>> = ints.iter().cloned().collect();
     let forward = text::parse(src).unwrap_or_else(|e| panic!("{name}: {e}"));
     castor_ir::verify(&forward).unwrap_or_else(|e| panic!("{name}: {e}"));
-    let (backward, _) = Autodiff
+    let (backward, _) = Autodiff::default()
         .run(&forward)
         .unwrap_or_else(|e| panic!("{name}: {e}"));
     castor_ir::verify(&backward).unwrap_or_else(|e| panic!("{name}: {e}"));

@@ -10,6 +10,9 @@
 //! gradients: contributions are widened as they arrive, and a contraction producing a weight
 //! gradient writes F32 directly, so parameter gradients accumulate in F32. Contributions to one
 //! value are summed in the order their uses appear in the forward graph (deterministic).
+//!
+//! For training, the backward pass can start from a scaled seed (loss scaling, and the
+//! `1/N` of gradient accumulation) and leave frozen parameters out.
 
 use crate::{Pass, PassError, PassReport};
 use castor_ir::{
@@ -18,7 +21,30 @@ use castor_ir::{
 use std::collections::BTreeMap;
 
 /// The autodiff pass.
-pub struct Autodiff;
+#[derive(Clone, Debug, Default)]
+pub struct Autodiff {
+    /// Parameters that get no gradient (frozen), by name.
+    pub frozen: Vec<String>,
+    /// Where the backward pass starts.
+    pub seed: Seed,
+    /// Compute each weight-gradient contribution in the dtype of the low-precision working
+    /// copy it flows through (as PyTorch autocast and llm.c do) instead of writing F32
+    /// directly; the copy's gradient is widened to F32 for its master. Cheaper, but an F16
+    /// weight gradient can overflow where an F32 one would not.
+    pub param_grads_in_compute_dtype: bool,
+}
+
+/// The gradient of the loss with respect to itself, where the backward pass starts.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum Seed {
+    /// 1: the gradients of the loss.
+    #[default]
+    One,
+    /// An F32 scalar `state` of this name (the loss scale) times `factor`: gradients of
+    /// `loss * scale * factor`.
+    Scaled { state: String, factor: f64 },
+}
+
 
 impl Pass for Autodiff {
     fn name(&self) -> &'static str {
@@ -38,21 +64,36 @@ impl Pass for Autodiff {
                 g.name(loss)
             )));
         }
-        let needs = needs_grad(g, loss);
+        let trainable = |v: Value| !self.frozen.iter().any(|f| f == g.name(v));
+        let needs = needs_grad(g, loss, &trainable);
         let mut ad = Backward {
             b: GraphBuilder::from_graph(g.clone()),
             grads: BTreeMap::new(),
             fwd: g,
+            copy_grads_in_compute_dtype: self.param_grads_in_compute_dtype,
         };
-        let seed = ad.b.op(
-            &format!("{}.grad_seed", g.name(loss)),
-            Op::Full {
-                value: 1.0,
-                dtype: lt.dtype,
-                shape: vec![],
-            },
-            &[],
-        )?;
+        let seed_name = format!("{}.grad_seed", g.name(loss));
+        let seed = match &self.seed {
+            Seed::One => ad.b.op(
+                &seed_name,
+                Op::Full {
+                    value: 1.0,
+                    dtype: lt.dtype,
+                    shape: vec![],
+                },
+                &[],
+            )?,
+            Seed::Scaled { state, factor } => {
+                let scale =
+                    ad.b.state(state, TensorType::new(DType::F32, Shape::scalar()))?;
+                let mut seed = scale;
+                if *factor != 1.0 {
+                    seed =
+                        ad.b.op(&seed_name, Op::Scale { factor: *factor }, &[seed])?;
+                }
+                ad.convert(seed, lt.dtype, &seed_name)?
+            }
+        };
         ad.grads.insert(loss, vec![seed]);
         for (n, node) in g.nodes().collect::<Vec<_>>().into_iter().rev() {
             if node.op.is_source() || !node.inputs.iter().any(|v| needs[v.index()]) {
@@ -71,7 +112,7 @@ impl Pass for Autodiff {
 
         let mut outputs = vec![loss];
         let mut with_grad = 0;
-        for p in g.params() {
+        for p in g.params().filter(|&p| trainable(p)) {
             let name = format!("grad.{}", g.name(p));
             let grad = match ad.total(p)? {
                 Some(v) => {
@@ -99,10 +140,15 @@ impl Pass for Autodiff {
         ad.b.set_outputs(outputs);
         let out = ad.b.finish();
         let report = PassReport::new(format!(
-            "differentiated `%{}`: {} backward nodes; {with_grad} of {} parameters reach the loss",
+            "differentiated `%{}`: {} backward nodes; {with_grad} of {} parameters reach the loss{}",
             g.name(loss),
             out.num_nodes() - g.num_nodes(),
-            g.params().count()
+            g.params().count(),
+            if self.frozen.is_empty() {
+                String::new()
+            } else {
+                format!(" ({} frozen)", self.frozen.len())
+            }
         ));
         Ok((out, report))
     }
@@ -115,11 +161,12 @@ fn bad(message: &str) -> PassError {
     }
 }
 
-/// Values on a path from a parameter to the loss.
-fn needs_grad(g: &Graph, loss: Value) -> Vec<bool> {
+/// Values on a path from a trainable parameter to the loss.
+fn needs_grad(g: &Graph, loss: Value, trainable: &dyn Fn(Value) -> bool) -> Vec<bool> {
     let mut from_param = vec![false; g.num_values()];
     for (_, node) in g.nodes() {
-        let reached = node.op == Op::Param || node.inputs.iter().any(|v| from_param[v.index()]);
+        let reached = (node.op == Op::Param && trainable(node.outputs[0]))
+            || node.inputs.iter().any(|v| from_param[v.index()]);
         let float_outputs = node.outputs.iter().filter(|&&v| g.ty(v).dtype.is_float());
         for &v in float_outputs {
             from_param[v.index()] = reached;
@@ -144,13 +191,17 @@ struct Backward<'g> {
     /// Gradient contributions per forward value, in arrival order.
     grads: BTreeMap<Value, Vec<Value>>,
     fwd: &'g Graph,
+    copy_grads_in_compute_dtype: bool,
 }
 
 impl Backward<'_> {
-    /// The dtype a value's gradient has: F32 for parameters and their copies.
+    /// The dtype a value's gradient has: F32 for parameters and (unless gradients stay in the
+    /// compute dtype) their copies.
     fn grad_dtype(&self, v: Value) -> DType {
         let producer = &self.fwd.node(self.fwd.value(v).producer).op;
-        if matches!(producer, Op::Param | Op::ParamCopy { .. }) {
+        if matches!(producer, Op::ParamCopy { .. }) && self.copy_grads_in_compute_dtype {
+            self.fwd.ty(v).dtype
+        } else if matches!(producer, Op::Param | Op::ParamCopy { .. }) {
             DType::F32
         } else {
             self.fwd.ty(v).dtype
@@ -253,6 +304,10 @@ impl Backward<'_> {
             } => {
                 let Some(dy) = dy else { return Ok(()) };
                 let (a, b) = (x[0], x[1]);
+                // A contraction may write a wider dtype than it reads (F16 operands, F32
+                // output): its gradient products run in the operands' dtype, as PyTorch's
+                // autocast backward does.
+                let dy = self.convert(dy, self.b.ty(a).dtype, &format!("{name}.dy"))?;
                 if need(0) {
                     let op = if *ta {
                         Op::MatMul {

@@ -29,6 +29,9 @@ pub enum PassError {
     Internal { pass: &'static str, message: String },
     #[error("no pass named `{name}` (passes: {available})")]
     UnknownPass { name: String, available: String },
+    /// Training options that cannot be applied to this model.
+    #[error("training plan: {0}")]
+    Training(String),
     #[error(transparent)]
     Ir(#[from] IrError),
 }

@@ -19,9 +19,10 @@ mod pass;
 mod pipeline;
 mod policy;
 mod summary;
+mod training;
 
 pub use autocast::Autocast;
-pub use autodiff::Autodiff;
+pub use autodiff::{Autodiff, Seed};
 pub use classify::Classify;
 pub use error::PassError;
 pub use fold_casts::FoldCasts;
@@ -29,6 +30,7 @@ pub use pass::{Pass, PassReport};
 pub use pipeline::{Pipeline, PipelineOutput};
 pub use policy::{NameRule, Policy, PolicyFileFormat, Precision, Rule, Target};
 pub use summary::{explain, precision_summary, PrecisionSummary};
+pub use training::{build_training_plan, GRAD_NORM, LOSS_SCALE, LOSS_SCALE_COUNTERS, LR, STEP};
 
 /// The passes `castor compile` runs, in order, for a policy.
 pub fn precision_pipeline(policy: Policy) -> Pipeline {

@@ -133,7 +133,7 @@ fn gradients(
     };
     let loss_graph = model.build_loss_graph(batch.batch, batch.seq, objective)?;
     let compiled = args.precision.compile(loss_graph, None, false)?.graph;
-    let (train, report) = Autodiff.run(&compiled)?;
+    let (train, report) = Autodiff::default().run(&compiled)?;
     eprintln!("objective: {objective}; {}", report.summary);
     let labels = if objective.needs_labels() {
         Some(read_labels(
