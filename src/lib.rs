@@ -6,9 +6,12 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod batch;
+pub mod checkpoint;
 pub mod commands;
+pub mod data;
 pub mod precision;
 pub mod report;
+pub mod training;
 
 pub use castor_ir as ir;
 pub use castor_models as models;

@@ -2,7 +2,7 @@
 // Data from files and users must never reach an unwrap: errors are values here.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
-use castor::commands::{compile, demo, eval, inspect};
+use castor::commands::{compile, demo, eval, inspect, train};
 use castor::exit_code;
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -29,6 +29,8 @@ enum Command {
     Compile(compile::Args),
     /// Run a forward pass on a batch from a safetensors file and write the outputs.
     Eval(eval::Args),
+    /// Train a model on the CPU executor: plan, loss scaling, optimizer, log, checkpoint.
+    Train(train::Args),
     /// Build the embedded tiny GPT-2 and run it: no files, no GPU.
     Demo(demo::Args),
 }
@@ -39,6 +41,7 @@ fn main() -> ExitCode {
         Command::Inspect(a) => inspect::run(a),
         Command::Compile(a) => compile::run(a),
         Command::Eval(a) => eval::run(a),
+        Command::Train(a) => train::run(a),
         Command::Demo(a) => demo::run(a),
     };
     match result {

@@ -6,8 +6,8 @@
 
 mod common;
 
-use castor_ir::{relative_error, Tensor};
-use castor_models::{write_safetensors, SafetensorsFile};
+use castor_ir::relative_error;
+use castor_models::SafetensorsFile;
 use common::*;
 
 fn check(
@@ -18,19 +18,7 @@ fn check(
     out_dir: &std::path::Path,
 ) {
     let dir = fixture(variant);
-    // The batch, with the objective's labels when it has any.
-    let input = SafetensorsFile::open(dir.join("input.safetensors")).unwrap();
-    let mut tensors: Vec<(String, Tensor)> = input
-        .names()
-        .map(|n| (n.to_string(), input.tensor(n).unwrap()))
-        .collect();
-    let labels_key = format!("labels.{objective}");
-    if reference.contains(&labels_key) {
-        tensors.push(("labels".into(), reference.tensor(&labels_key).unwrap()));
-    }
-    let batch = out_dir.join(format!("{variant}-{objective}-in.safetensors"));
-    let refs: Vec<(&str, &Tensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    write_safetensors(&batch, &refs).unwrap();
+    let batch = batch_with_labels(variant, objective, out_dir);
 
     let out = out_dir.join(format!("{variant}-{objective}-out.safetensors"));
     let o = eval(

@@ -2,11 +2,12 @@
 
 use crate::precision::PrecisionArgs;
 use crate::report::thousands;
+use crate::training::TrainingArgs;
 use anyhow::Context;
 use castor_ir::{text, verify, Graph};
 use castor_models::Model;
-use castor_passes::{explain, precision_summary};
-use std::path::{Path, PathBuf};
+use castor_passes::{build_training_plan, explain, precision_summary};
+use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Emit {
@@ -16,6 +17,8 @@ pub enum Emit {
     Ir,
     /// A Graphviz picture of the compiled graph, coloured by dtype, casts as diamonds.
     Dot,
+    /// The training plan as JSON (implies --train), which `castor train --plan` runs.
+    Plan,
 }
 
 #[derive(clap::Args)]
@@ -45,10 +48,18 @@ pub struct Args {
     /// Sequence length of the graph (default: the model's maximum).
     #[arg(long)]
     pub seq: Option<usize>,
+    /// Compile a training step (loss, backward, optimizer, loss scaling) rather than the
+    /// forward pass. For an IR file, its first output is the loss.
+    #[arg(long)]
+    pub train: bool,
+    #[command(flatten)]
+    pub training: TrainingArgs,
 }
 
-/// The forward graph of a model path or an IR file, and a one-line description.
-fn load_graph(path: &Path, batch: usize, seq: Option<usize>) -> anyhow::Result<(Graph, String)> {
+/// The graph to compile (the forward pass, or the loss for `--train`) of a model path or an IR
+/// file, a one-line description, the sequence length used, and the model (not for IR files).
+fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize, Option<Model>)> {
+    let (path, batch) = (args.model.as_path(), args.batch);
     if path.extension().is_some_and(|e| e == "ir") {
         let src = std::fs::read_to_string(path).map_err(|e| {
             crate::CliError::InvalidInput(format!("cannot read `{}`: {e}", path.display()))
@@ -56,22 +67,28 @@ fn load_graph(path: &Path, batch: usize, seq: Option<usize>) -> anyhow::Result<(
         let g = text::parse(&src).with_context(|| format!("`{}`", path.display()))?;
         verify(&g).with_context(|| format!("`{}`", path.display()))?;
         let what = format!("IR file, {} nodes", g.num_nodes());
-        return Ok((g, what));
+        return Ok((g, what, args.seq.unwrap_or(0), None));
     }
     let model = Model::load(path)?;
-    let seq = seq.unwrap_or_else(|| model.max_positions());
-    let g = model.build_graph(batch, seq)?;
+    let seq = args.seq.unwrap_or_else(|| model.max_positions());
+    let g = if train {
+        let objective = args.training.objective(Some(&model))?;
+        model.build_loss_graph(batch, seq, objective)?
+    } else {
+        model.build_graph(batch, seq)?
+    };
     let what = format!(
         "{} ({}), {} parameters, batch {batch} x seq {seq}",
         model.architecture(),
         model.family().model_type(),
         thousands(model.parameter_count())
     );
-    Ok((g, what))
+    Ok((g, what, seq, Some(model)))
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let (graph, what) = load_graph(&args.model, args.batch, args.seq)?;
+    let train = args.train || args.emit == Emit::Plan;
+    let (graph, what, seq, model) = load_graph(&args, train)?;
     let out = args
         .precision
         .compile(graph, args.dump_after.as_deref(), args.verify)?;
@@ -104,10 +121,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!("\n# IR after {}", args.dump_after.as_deref().unwrap_or(""));
         print!("{dump}");
     }
-    let emitted = match args.emit {
-        Emit::Summary => None,
-        Emit::Ir => Some(text::print(&out.graph)),
-        Emit::Dot => Some(castor_ir::to_dot(&out.graph)),
+    let plan = if train {
+        let objective = args.training.objective(model.as_ref())?;
+        let settings =
+            args.training
+                .settings(args.precision.precision, objective, args.batch, seq)?;
+        let (plan, report) = build_training_plan(&out.graph, settings)?;
+        println!();
+        println!("pass        {:<11} {}", "training", report.summary);
+        print_training(&plan, model.as_ref().map(|m| m.parameter_count()));
+        Some(plan)
+    } else {
+        None
+    };
+    let emitted = match (args.emit, &plan) {
+        (Emit::Summary, _) => None,
+        (Emit::Ir, Some(plan)) => Some(format!(
+            "# micro step: forward and backward of one micro-batch\n{}\n# optimizer step\n{}",
+            text::print(&plan.micro_step),
+            text::print(&plan.optimizer_step)
+        )),
+        (Emit::Ir, None) => Some(text::print(&out.graph)),
+        (Emit::Dot, Some(plan)) => Some(castor_ir::to_dot(&plan.micro_step)),
+        (Emit::Dot, None) => Some(castor_ir::to_dot(&out.graph)),
+        (Emit::Plan, Some(plan)) => Some(plan.to_json()),
+        (Emit::Plan, None) => None,
     };
     match (emitted, &args.out) {
         (Some(text), Some(path)) => {
@@ -120,10 +158,76 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         (None, Some(_)) => {
             return Err(
-                crate::CliError::InvalidInput("-o needs --emit ir or --emit dot".into()).into(),
+                crate::CliError::InvalidInput("-o needs --emit ir, dot or plan".into()).into(),
             );
         }
         (None, None) => {}
     }
     Ok(())
+}
+
+/// The plan's optimizer and loss scaling, and its persistent state by role.
+fn print_training(plan: &castor_ir::TrainingPlan, params: Option<u64>) {
+    use castor_ir::{LossScaling, OptimizerKind, StateRole};
+    let s = &plan.settings;
+    let optimizer = match s.optimizer {
+        OptimizerKind::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => format!("AdamW (betas {beta1}, {beta2}; eps {eps:e}; weight decay {weight_decay})"),
+        OptimizerKind::Sgd {
+            momentum,
+            weight_decay,
+        } => format!("SGD (momentum {momentum}; weight decay {weight_decay})"),
+    };
+    let clip = if s.max_grad_norm > 0.0 {
+        format!(", clip global norm at {}", s.max_grad_norm)
+    } else {
+        String::new()
+    };
+    println!(
+        "optimizer   {optimizer} on F32 master weights{clip}; objective {}; {} micro-batch(es) per step",
+        s.objective, s.grad_accum
+    );
+    let scaling = match &s.loss_scaling {
+        LossScaling::None => "none".to_string(),
+        LossScaling::Static { scale } => format!("static {scale}"),
+        LossScaling::Dynamic {
+            init_scale,
+            growth_interval,
+            hysteresis,
+            max_scale,
+            min_scale,
+            ..
+        } => format!(
+            "dynamic: init {init_scale}, x2 after {growth_interval} clean steps, x0.5 on overflow \
+             (hysteresis {hysteresis}), max {max_scale}, error below {min_scale}"
+        ),
+    };
+    println!("loss scale  {scaling}");
+    println!();
+    println!("persistent state");
+    let mut total = 0u64;
+    for role in [
+        StateRole::WorkingCopy,
+        StateRole::Master,
+        StateRole::Gradient,
+        StateRole::OptimizerState,
+        StateRole::Control,
+    ] {
+        let bytes = plan.state_bytes(role);
+        total += bytes;
+        println!("  {}", state_row(role.describe(), bytes, params));
+    }
+    println!("  {}", state_row("total", total, params));
+}
+
+fn state_row(what: &str, bytes: u64, params: Option<u64>) -> String {
+    let per_param = match params {
+        Some(n) if n > 0 => format!("{:>6.2} bytes/param", bytes as f64 / n as f64),
+        _ => String::new(),
+    };
+    format!("{what:<26} {:>15} bytes  {per_param}", thousands(bytes))
 }

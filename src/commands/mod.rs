@@ -4,3 +4,4 @@ pub mod compile;
 pub mod demo;
 pub mod eval;
 pub mod inspect;
+pub mod train;

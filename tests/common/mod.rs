@@ -65,3 +65,29 @@ pub fn copy_fixture(variant: &str) -> tempfile::TempDir {
 pub fn path_str(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
+
+/// The fixture's input batch plus the reference labels of `objective` (if it has any),
+/// written to `out_dir`: the batch every PyTorch reference run trained on.
+pub fn batch_with_labels(variant: &str, objective: &str, out_dir: &Path) -> PathBuf {
+    use castor_models::{write_safetensors, SafetensorsFile};
+    let dir = fixture(variant);
+    let input = SafetensorsFile::open(dir.join("input.safetensors")).expect("fixture input");
+    let reference =
+        SafetensorsFile::open(dir.join("training.safetensors")).expect("fixture references");
+    let mut tensors: Vec<(String, castor_ir::Tensor)> = input
+        .names()
+        .map(|n| (n.to_string(), input.tensor(n).expect("input tensor")))
+        .collect();
+    let labels_key = format!("labels.{objective}");
+    if reference.contains(&labels_key) {
+        tensors.push((
+            "labels".into(),
+            reference.tensor(&labels_key).expect("labels"),
+        ));
+    }
+    let batch = out_dir.join(format!("{variant}-{objective}-in.safetensors"));
+    let refs: Vec<(&str, &castor_ir::Tensor)> =
+        tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    write_safetensors(&batch, &refs).expect("write batch");
+    batch
+}

@@ -1,0 +1,176 @@
+//! The training flags `compile --train` and `train` share, and the settings they describe.
+
+use crate::CliError;
+use castor_ir::{LossScaling, OptimizerKind, TrainSettings};
+use castor_models::{Model, Objective};
+use castor_passes::Precision;
+
+/// GradScaler's growth/backoff factors and DeepSpeed's maximum scale.
+const GROWTH_FACTOR: f64 = 2.0;
+const BACKOFF_FACTOR: f64 = 0.5;
+const MAX_SCALE: f64 = 16_777_216.0; // 2^24
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum OptimizerChoice {
+    /// torch.optim.AdamW (decoupled weight decay).
+    Adamw,
+    /// torch.optim.SGD with momentum.
+    Sgd,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct TrainingArgs {
+    /// The loss: `lm` (causal LM), `mlm` (masked LM; needs labels), `sum` (sum of the last
+    /// hidden state), or `auto` (lm/mlm when the model has the head, else sum).
+    #[arg(long, default_value = "auto")]
+    pub objective: String,
+    #[arg(long, value_enum, default_value_t = OptimizerChoice::Adamw)]
+    pub optimizer: OptimizerChoice,
+    /// Learning rate (the peak rate when a schedule is used).
+    #[arg(long, default_value_t = 1e-3)]
+    pub lr: f64,
+    #[arg(long, default_value_t = 0.9)]
+    pub beta1: f64,
+    #[arg(long, default_value_t = 0.999)]
+    pub beta2: f64,
+    #[arg(long, default_value_t = 1e-8)]
+    pub eps: f64,
+    /// Weight decay (default: 0.01 for AdamW, as torch; 0 for SGD).
+    #[arg(long)]
+    pub weight_decay: Option<f64>,
+    /// SGD momentum.
+    #[arg(long, default_value_t = 0.9)]
+    pub momentum: f64,
+    /// Clip the global gradient norm to this value (torch.nn.utils.clip_grad_norm_).
+    #[arg(long, value_name = "MAX_NORM")]
+    pub grad_clip: Option<f64>,
+    /// Accumulate gradients over N micro-batches per optimizer step (in F32).
+    #[arg(long, default_value_t = 1, value_name = "N")]
+    pub grad_accum: usize,
+    /// Do not train parameters whose names match GLOB (repeatable).
+    #[arg(long, value_name = "GLOB")]
+    pub freeze: Vec<String>,
+    /// No weight decay for parameters whose names match GLOB (repeatable), e.g. `*bias`.
+    #[arg(long = "no-decay", value_name = "GLOB")]
+    pub no_decay: Vec<String>,
+    /// Loss scaling: `dynamic` (GradScaler rules), `static:N`, or `none`. Default: dynamic
+    /// for fp16, none otherwise.
+    #[arg(long, value_name = "MODE")]
+    pub loss_scale: Option<String>,
+    /// Initial dynamic loss scale.
+    #[arg(long, default_value_t = 65536.0)]
+    pub init_scale: f64,
+    /// Clean steps before the dynamic scale doubles.
+    #[arg(long, default_value_t = 2000)]
+    pub growth_interval: usize,
+    /// Overflows tolerated before the scale halves (DeepSpeed's hysteresis; 1 = GradScaler).
+    #[arg(long, default_value_t = 1)]
+    pub hysteresis: usize,
+    /// Stop with an error when the dynamic scale falls below this.
+    #[arg(long, default_value_t = 1.0)]
+    pub min_scale: f64,
+    /// Dtype of weight-gradient products: `f32` (written in F32 by the contraction) or
+    /// `compute` (the working copy's dtype, then widened, as PyTorch autocast does).
+    #[arg(long, value_enum, default_value_t = ParamGrads::F32)]
+    pub param_grads: ParamGrads,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ParamGrads {
+    F32,
+    Compute,
+}
+
+impl TrainingArgs {
+    /// The objective, resolving `auto` for the model (IR files use their own loss).
+    pub fn objective(&self, model: Option<&Model>) -> anyhow::Result<Objective> {
+        match (self.objective.as_str(), model) {
+            ("auto", Some(m)) => Ok(Objective::auto(m)),
+            ("auto", None) => Ok(Objective::Sum),
+            (other, _) => Ok(other.parse().map_err(CliError::InvalidInput)?),
+        }
+    }
+
+    pub fn loss_scaling(&self, precision: Precision) -> anyhow::Result<LossScaling> {
+        let invalid = |m: String| CliError::InvalidInput(m);
+        let mode = self.loss_scale.clone().unwrap_or_else(|| {
+            if precision == Precision::Fp16 {
+                "dynamic".into()
+            } else {
+                "none".into()
+            }
+        });
+        if self.init_scale <= 0.0 || !self.init_scale.is_finite() {
+            return Err(invalid(format!(
+                "--init-scale must be a positive number, found {}",
+                self.init_scale
+            ))
+            .into());
+        }
+        if self.growth_interval == 0 || self.hysteresis == 0 {
+            return Err(
+                invalid("--growth-interval and --hysteresis must be at least 1".into()).into(),
+            );
+        }
+        Ok(match mode.as_str() {
+            "none" => LossScaling::None,
+            "dynamic" => LossScaling::Dynamic {
+                init_scale: self.init_scale,
+                growth_factor: GROWTH_FACTOR,
+                backoff_factor: BACKOFF_FACTOR,
+                growth_interval: self.growth_interval,
+                hysteresis: self.hysteresis,
+                max_scale: MAX_SCALE,
+                min_scale: self.min_scale,
+            },
+            other => match other.strip_prefix("static:").map(str::parse::<f64>) {
+                Some(Ok(scale)) if scale > 0.0 && scale.is_finite() => {
+                    LossScaling::Static { scale }
+                }
+                _ => {
+                    return Err(invalid(format!(
+                        "--loss-scale `{other}`: expected dynamic, static:N (N > 0) or none"
+                    ))
+                    .into())
+                }
+            },
+        })
+    }
+
+    pub fn settings(
+        &self,
+        precision: Precision,
+        objective: Objective,
+        batch: usize,
+        seq: usize,
+    ) -> anyhow::Result<TrainSettings> {
+        let optimizer = match self.optimizer {
+            OptimizerChoice::Adamw => OptimizerKind::AdamW {
+                beta1: self.beta1,
+                beta2: self.beta2,
+                eps: self.eps,
+                weight_decay: self.weight_decay.unwrap_or(0.01),
+            },
+            OptimizerChoice::Sgd => OptimizerKind::Sgd {
+                momentum: self.momentum,
+                weight_decay: self.weight_decay.unwrap_or(0.0),
+            },
+        };
+        if self.grad_accum == 0 {
+            return Err(CliError::InvalidInput("--grad-accum must be at least 1".into()).into());
+        }
+        Ok(TrainSettings {
+            precision: precision.to_string(),
+            objective: objective.to_string(),
+            batch,
+            seq,
+            grad_accum: self.grad_accum,
+            optimizer,
+            max_grad_norm: self.grad_clip.unwrap_or(0.0),
+            loss_scaling: self.loss_scaling(precision)?,
+            frozen: self.freeze.clone(),
+            no_decay: self.no_decay.clone(),
+            param_grads_in_compute_dtype: self.param_grads == ParamGrads::Compute,
+        })
+    }
+}
