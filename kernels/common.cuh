@@ -1,0 +1,177 @@
+// castor_common.cuh: helpers shared by every kernel file (supplied to NVRTC as an in-memory
+// header; the .cu files include it by this name).
+//
+// Storage dtypes: float, __half, __nv_bfloat16. Loads widen to F32 exactly; stores round F32
+// to the storage dtype to nearest, ties to even (__float2half_rn, __float2bfloat16_rn), the
+// rounding the CPU executor applies through the `half` crate.
+//
+// Vector access: 16-byte loads and stores (4 floats or 8 halves) when the pointers involved are
+// 16-byte aligned, with a scalar tail for the elements that do not fill a vector. Kernels test
+// alignment at run time, so any pointer and any length is correct; only the speed changes.
+//
+// Reductions: per-thread partials combined by warp shuffles and then across warps through
+// shared memory, in an order fixed by the launch shape, so a result depends only on the data
+// and the block size, never on timing. No float atomics anywhere in castor's kernels.
+//
+// The module is compiled with --fmad=false: a * b + c is two roundings, as in the CPU twins
+// (Rust does not contract), so elementwise results match the CPU executor bit for bit where
+// the formulas agree. The kernels are memory bound; the lost FMAs cost nothing measurable.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef long long i64;
+typedef unsigned long long u64;
+
+// No <math.h> under NVRTC: infinities by their bit patterns.
+#define F32_INF __int_as_float(0x7f800000)
+#define F32_NEG_INF __int_as_float(0xff800000)
+
+// ---- dtype conversion ----------------------------------------------------------------------
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) {
+    return __float2half_rn(x);
+}
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+// F32 rounded to T and back: the value a T store then load would see.
+template <typename T> __device__ __forceinline__ float round_to(float x) {
+    return to_f32(from_f32<T>(x));
+}
+
+// ---- vector access -------------------------------------------------------------------------
+
+// Elements per 8-element unit: 8 floats are two 16-byte vectors, 8 halves one.
+#define UNIT 8
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (reinterpret_cast<u64>(p) & 15ull) == 0;
+}
+
+// Loads 8 consecutive elements at `p` (16-byte aligned) as F32.
+__device__ __forceinline__ void load8(const float* p, float (&v)[UNIT]) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+}
+template <typename H> __device__ __forceinline__ void load8_16(const H* p, float (&v)[UNIT]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const H* e = reinterpret_cast<const H*>(&raw);
+#pragma unroll
+    for (int i = 0; i < UNIT; ++i) v[i] = to_f32(e[i]);
+}
+__device__ __forceinline__ void load8(const __half* p, float (&v)[UNIT]) { load8_16(p, v); }
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[UNIT]) {
+    load8_16(p, v);
+}
+
+// Stores 8 F32 values rounded to the dtype of `p` (16-byte aligned).
+__device__ __forceinline__ void store8(float* p, const float (&v)[UNIT]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+template <typename H> __device__ __forceinline__ void store8_16(H* p, const float (&v)[UNIT]) {
+    uint4 raw;
+    H* e = reinterpret_cast<H*>(&raw);
+#pragma unroll
+    for (int i = 0; i < UNIT; ++i) e[i] = from_f32<H>(v[i]);
+    *reinterpret_cast<uint4*>(p) = raw;
+}
+__device__ __forceinline__ void store8(__half* p, const float (&v)[UNIT]) { store8_16(p, v); }
+__device__ __forceinline__ void store8(__nv_bfloat16* p, const float (&v)[UNIT]) {
+    store8_16(p, v);
+}
+
+// ---- comparisons ---------------------------------------------------------------------------
+
+// The larger of two values, NaN if either is NaN (PyTorch's max; the CPU executor's max2).
+__device__ __forceinline__ float max_nan(float a, float b) {
+    return (a > b || isnan(a)) ? a : b;
+}
+
+// ---- block reductions ----------------------------------------------------------------------
+// Every thread of the block must call these (they synchronize); blockDim.x must be a multiple
+// of 32 and at most 1024. The result is returned to every thread.
+
+template <typename A> __device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = max_nan(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum over the block. `scratch` holds at least 32 values of A.
+template <typename A> __device__ A block_sum(A v, A* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // `scratch` may still be read by a previous reduction
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    A r = lane < warps ? scratch[lane] : A(0);
+    return warp_sum(r);
+}
+
+// NaN-propagating max over the block. `scratch` holds at least 32 floats.
+__device__ float block_max(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float r = lane < warps ? scratch[lane] : F32_NEG_INF;
+    return warp_max(r);
+}
+
+// ---- error reporting -----------------------------------------------------------------------
+
+// Bad data (an out-of-range id or label) is reported through an int the host initializes to
+// INT_MAX (0x7fffffff): the kernel lowers it to the first bad position (integer atomicMin, so
+// the result is the same whatever the order). Null means "do not report".
+__device__ __forceinline__ void report_bad(int* bad, i64 position) {
+    if (bad != nullptr) atomicMin(bad, position > 0x7ffffffell ? 0x7fffffff : int(position));
+}
+
+// ---- instantiation helpers -----------------------------------------------------------------
+// Entry points carry dtype suffixes: f32, f16, bf16.
+
+// Input/output dtype pairs of kernels that read one dtype and write another (norms, softmax):
+// M(input type, output type, suffix). Same dtype: the dtype's suffix; otherwise <in>_<out>.
+#define CASTOR_FOR_EACH_IO(M)                                                                  \
+    M(float, float, f32)                                                                       \
+    M(__half, __half, f16)                                                                     \
+    M(__nv_bfloat16, __nv_bfloat16, bf16)                                                      \
+    M(float, __half, f32_f16)                                                                  \
+    M(float, __nv_bfloat16, f32_bf16)                                                          \
+    M(__half, float, f16_f32)                                                                  \
+    M(__nv_bfloat16, float, bf16_f32)
+
+// The storage dtypes: M(type, suffix).
+#define CASTOR_FOR_EACH_T(M) M(float, f32) M(__half, f16) M(__nv_bfloat16, bf16)
+
+// ---- multi-tensor launches -----------------------------------------------------------------
+// A launch over many buffers walks a host-built table of chunks: chunk c covers elements
+// [start, start + len) of tensor `tensor` in the launch's tensor table. Block b takes chunks
+// b, b + gridDim.x, ...; results never depend on the grid size. Host layout (16 bytes):
+// { i32 tensor; i32 len; i64 start; }.
+struct TensorChunk {
+    int tensor;
+    int len;
+    i64 start;
+};

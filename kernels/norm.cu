@@ -1,0 +1,297 @@
+// norm.cu: LayerNorm and RMSNorm over the last axis, forward and backward, with an optional
+// residual add fused in front.
+//
+// Forward, one block per row (grid-stride over rows), rows of h elements:
+//   layer_norm_fwd_<io>(x, res, sum_out, w, b, y, mean_out, rstd_out, rows, h, eps)
+//   rms_norm_fwd_<io>  (x, res, sum_out, w,    y,           rstd_out, rows, h, eps)
+//     s = res ? TI(x + res) : x          (the residual sum, rounded to TI and written to
+//                                          sum_out when sum_out is not null)
+//     LN:  y = TO((s - mean) * rstd * w + b), mean and rstd over the row (biased variance)
+//     RMS: y = TO(s * rstd * w),               rstd = 1 / sqrt(mean(s^2) + eps)
+//     mean_out / rstd_out: F32 per row (nullable), saved for the backward.
+// Backward, dx, one block per row:
+//   layer_norm_bwd_<io>(s, dy, w, mean, rstd, dadd, dx, rows, h)
+//     g = dy * w, xhat = (s - mean) * rstd,
+//     dx = rstd * (g - mean(g) - xhat * mean(g * xhat))             (native_layer_norm_backward)
+//   rms_norm_bwd_<io>(s, dy, w, rstd, dadd, dx, rows, h)
+//     dx = rstd * (g - s * rstd^2 * mean(g * s))
+//   dadd (nullable, TI): another gradient of s, added after dx is rounded to TI (the graph's
+//   add of the residual branch's gradient), dx = TI(TI(dx) + dadd).
+// Backward, weight gradients, deterministic in two stages (no atomics):
+//   layer_norm_bwd_weight_<io>(s, dy, mean, rstd, dw_part, db_part, rows, h, rows_per_group)
+//   rms_norm_bwd_weight_<io>  (s, dy, rstd, dw_part, rows, h, rows_per_group)
+//     grid (ceil(h / blockDim.x), ceil(rows / rows_per_group)); each thread owns one column
+//     and sums its group's rows in order into an F64 partial: dw_part[group * h + col]
+//     = sum dy * xhat (RMS: dy * s * rstd), db_part = sum dy.
+//   norm_weight_grad_reduce(part, groups, h, out): out[col] = F32(sum over groups, in order).
+// Dtypes: <io> is the input/residual/dx dtype TI and the output/dy dtype TO (suffix `bf16`
+// when both are bf16, `f32_bf16` for F32 in and BF16 out, ...); w, b, mean, rstd and the
+// weight gradients are F32.
+// Rounding points, as the CPU twin (runtime/src/cpu/norm.rs): row statistics accumulate in
+// F64 (two passes for the variance: sum, then sum of squared deviations from the F64 mean);
+// mean and rstd are rounded to F32 (rstd computed as 1 / sqrt(var + eps) in F64 first); the
+// normalized values are F32 arithmetic rounded once to TO. The backward's row sums and the
+// weight-gradient sums are F64 and rounded to F32 at the end. The only difference from the CPU
+// twin is the order of the F64 additions (block tree here, eight lanes there), far below F32
+// resolution. The backward takes the forward's saved mean/rstd, which are the values the CPU
+// twin recomputes.
+// Launch: blockDim.x a multiple of 32, at most 1024 (256 suits h <= 8192). Any h: 16-byte
+// vectors when the row pointers are 16-byte aligned, scalar otherwise and for the tail.
+// In place is allowed for y == s (same dtype) and sum_out == x, dx == dy or dx == s.
+#include "castor_common.cuh"
+
+// One row's input, possibly with the residual added: element j, or 8 elements at j.
+template <typename TI> struct RowIn {
+    const TI* x;
+    const TI* r;  // nullable
+    __device__ __forceinline__ float at(int j) const {
+        return r ? round_to<TI>(to_f32(x[j]) + to_f32(r[j])) : to_f32(x[j]);
+    }
+    __device__ __forceinline__ void unit(int j, float (&v)[UNIT]) const {
+        load8(x + j, v);
+        if (r) {
+            float w[UNIT];
+            load8(r + j, w);
+#pragma unroll
+            for (int k = 0; k < UNIT; ++k) v[k] = round_to<TI>(v[k] + w[k]);
+        }
+    }
+    __device__ __forceinline__ bool aligned() const { return aligned16(x) && (!r || aligned16(r)); }
+};
+
+template <typename TI, typename TO, bool RMS>
+__device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
+                                         TI* sum_out, const float* __restrict__ w,
+                                         const float* __restrict__ b, TO* y, float* mean_out,
+                                         float* rstd_out, i64 rows, int h, double eps) {
+    __shared__ double scratch[32];
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const i64 off = row * h;
+        RowIn<TI> in{x + off, res ? res + off : nullptr};
+        TI* s_out = sum_out ? sum_out + off : nullptr;
+        TO* yr = y + off;
+        const bool vec = in.aligned() && (!s_out || aligned16(s_out)) && aligned16(yr) &&
+                         aligned16(w) && (RMS || aligned16(b));
+        const int units = vec ? h / UNIT : 0;
+        const int tail = units * UNIT;
+
+        // Pass 1: the sum (LN) or sum of squares (RMS), writing the residual sum.
+        double acc = 0.0;
+        for (int u = tid; u < units; u += nt) {
+            float v[UNIT];
+            in.unit(u * UNIT, v);
+            if (s_out) store8(s_out + u * UNIT, v);
+#pragma unroll
+            for (int k = 0; k < UNIT; ++k) acc += RMS ? double(v[k]) * double(v[k]) : double(v[k]);
+        }
+        for (int j = tail + tid; j < h; j += nt) {
+            const float v = in.at(j);
+            if (s_out) s_out[j] = from_f32<TI>(v);
+            acc += RMS ? double(v) * double(v) : double(v);
+        }
+        // Later passes read the rounded sum back where it was stored (each thread its own
+        // elements, so no barrier is needed for that).
+        if (s_out) in = RowIn<TI>{s_out, nullptr};
+        const double total = block_sum(acc, scratch);
+
+        float meanf = 0.0f, rstd;
+        if (RMS) {
+            rstd = float(1.0 / sqrt(total / double(h) + eps));
+        } else {
+            const double mean = total / double(h);
+            double dev = 0.0;
+            for (int u = tid; u < units; u += nt) {
+                float v[UNIT];
+                in.unit(u * UNIT, v);
+#pragma unroll
+                for (int k = 0; k < UNIT; ++k) dev += (double(v[k]) - mean) * (double(v[k]) - mean);
+            }
+            for (int j = tail + tid; j < h; j += nt) {
+                const double d = double(in.at(j)) - mean;
+                dev += d * d;
+            }
+            const double var = block_sum(dev, scratch) / double(h);
+            rstd = float(1.0 / sqrt(var + eps));
+            meanf = float(mean);
+        }
+        if (tid == 0) {
+            if (mean_out) mean_out[row] = meanf;
+            if (rstd_out) rstd_out[row] = rstd;
+        }
+        // Pass 3: normalize.
+        for (int u = tid; u < units; u += nt) {
+            const int j = u * UNIT;
+            float v[UNIT], wv[UNIT], bv[UNIT];
+            in.unit(j, v);
+            load8(w + j, wv);
+            if (!RMS) load8(b + j, bv);
+#pragma unroll
+            for (int k = 0; k < UNIT; ++k)
+                v[k] = RMS ? v[k] * rstd * wv[k] : (v[k] - meanf) * rstd * wv[k] + bv[k];
+            store8(yr + j, v);
+        }
+        for (int j = tail + tid; j < h; j += nt) {
+            const float v = in.at(j);
+            yr[j] = from_f32<TO>(RMS ? v * rstd * w[j] : (v - meanf) * rstd * w[j] + b[j]);
+        }
+    }
+}
+
+template <typename TI, typename TO, bool RMS>
+__device__ __forceinline__ void norm_bwd(const TI* __restrict__ s, const TO* dy,
+                                         const float* __restrict__ w, const float* __restrict__ mean,
+                                         const float* __restrict__ rstd, const TI* dadd, TI* dx,
+                                         i64 rows, int h) {
+    __shared__ double scratch[32];
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const i64 off = row * h;
+        const TI* sr = s + off;
+        const TO* dyr = dy + off;
+        const TI* ar = dadd ? dadd + off : nullptr;
+        TI* dxr = dx + off;
+        const float m = RMS ? 0.0f : mean[row];
+        const float r = rstd[row];
+        const bool vec = aligned16(sr) && aligned16(dyr) && aligned16(dxr) && aligned16(w) &&
+                         (!ar || aligned16(ar));
+        const int units = vec ? h / UNIT : 0;
+        const int tail = units * UNIT;
+
+        // Pass 1: sum g and sum g * xhat (LN), or sum g * s (RMS), in F64.
+        double sg = 0.0, sgx = 0.0;
+        for (int u = tid; u < units; u += nt) {
+            const int j = u * UNIT;
+            float xv[UNIT], dv[UNIT], wv[UNIT];
+            load8(sr + j, xv);
+            load8(dyr + j, dv);
+            load8(w + j, wv);
+#pragma unroll
+            for (int k = 0; k < UNIT; ++k) {
+                const double g = double(dv[k] * wv[k]);
+                if (RMS) {
+                    sgx += g * double(xv[k]);
+                } else {
+                    sg += g;
+                    sgx += g * double((xv[k] - m) * r);
+                }
+            }
+        }
+        for (int j = tail + tid; j < h; j += nt) {
+            const double g = double(to_f32(dyr[j]) * w[j]);
+            const float xv = to_f32(sr[j]);
+            if (RMS) {
+                sgx += g * double(xv);
+            } else {
+                sg += g;
+                sgx += g * double((xv - m) * r);
+            }
+        }
+        const double tgx = block_sum(sgx, scratch);
+        const double tg = RMS ? 0.0 : block_sum(sg, scratch);
+        const float mean_g = float(tg / double(h));
+        const float mean_gx = float(tgx / double(h));
+        const float c = r * r * mean_gx;  // RMS: rstd^2 * mean(g s)
+
+        // Pass 2: dx.
+        for (int u = tid; u < units; u += nt) {
+            const int j = u * UNIT;
+            float xv[UNIT], dv[UNIT], wv[UNIT];
+            load8(sr + j, xv);
+            load8(dyr + j, dv);
+            load8(w + j, wv);
+#pragma unroll
+            for (int k = 0; k < UNIT; ++k) {
+                const float xhat = (xv[k] - m) * r;
+                dv[k] = RMS ? r * (dv[k] * wv[k] - xv[k] * c)
+                            : r * (dv[k] * wv[k] - mean_g - xhat * mean_gx);
+            }
+            if (ar) {
+                float av[UNIT];
+                load8(ar + j, av);
+#pragma unroll
+                for (int k = 0; k < UNIT; ++k) dv[k] = round_to<TI>(dv[k]) + av[k];
+            }
+            store8(dxr + j, dv);
+        }
+        for (int j = tail + tid; j < h; j += nt) {
+            const float xv = to_f32(sr[j]);
+            const float d = to_f32(dyr[j]);
+            const float xhat = (xv - m) * r;
+            float v = RMS ? r * (d * w[j] - xv * c) : r * (d * w[j] - mean_g - xhat * mean_gx);
+            if (ar) v = round_to<TI>(v) + to_f32(ar[j]);
+            dxr[j] = from_f32<TI>(v);
+        }
+    }
+}
+
+// Stage one of the weight gradients: one F64 partial per (row group, column).
+template <typename TI, typename TO, bool RMS>
+__device__ __forceinline__ void norm_bwd_weight(const TI* __restrict__ s, const TO* __restrict__ dy,
+                                                const float* __restrict__ mean,
+                                                const float* __restrict__ rstd, double* dw_part,
+                                                double* db_part, i64 rows, int h,
+                                                int rows_per_group) {
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 group = blockIdx.y;
+    if (col >= h) return;
+    const i64 r0 = group * rows_per_group;
+    const i64 r1 = min(rows, r0 + rows_per_group);
+    double dw = 0.0, db = 0.0;
+    for (i64 row = r0; row < r1; ++row) {
+        const float d = to_f32(dy[row * h + col]);
+        const float xv = to_f32(s[row * h + col]);
+        const float xhat = RMS ? xv * rstd[row] : (xv - mean[row]) * rstd[row];
+        dw += double(d) * double(xhat);
+        db += double(d);
+    }
+    dw_part[group * h + col] = dw;
+    if (!RMS) db_part[group * h + col] = db;
+}
+
+// Stage two: out[col] = F32(sum of the groups' partials, in group order).
+extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ part, int groups,
+                                                   int h, float* __restrict__ out) {
+    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < h; col += gridDim.x * blockDim.x) {
+        double t = 0.0;
+        for (int g = 0; g < groups; ++g) t += part[i64(g) * h + col];
+        out[col] = float(t);
+    }
+}
+
+#define NORM(TI, TO, io)                                                                       \
+    extern "C" __global__ void layer_norm_fwd_##io(                                            \
+        const TI* x, const TI* res, TI* sum_out, const float* w, const float* b, TO* y,        \
+        float* mean_out, float* rstd_out, i64 rows, int h, double eps) {                       \
+        norm_fwd<TI, TO, false>(x, res, sum_out, w, b, y, mean_out, rstd_out, rows, h, eps);   \
+    }                                                                                          \
+    extern "C" __global__ void rms_norm_fwd_##io(const TI* x, const TI* res, TI* sum_out,      \
+                                                 const float* w, TO* y, float* rstd_out,       \
+                                                 i64 rows, int h, double eps) {                \
+        norm_fwd<TI, TO, true>(x, res, sum_out, w, nullptr, y, nullptr, rstd_out, rows, h,     \
+                               eps);                                                           \
+    }                                                                                          \
+    extern "C" __global__ void layer_norm_bwd_##io(const TI* s, const TO* dy, const float* w,  \
+                                                   const float* mean, const float* rstd,       \
+                                                   const TI* dadd, TI* dx, i64 rows, int h) {  \
+        norm_bwd<TI, TO, false>(s, dy, w, mean, rstd, dadd, dx, rows, h);                      \
+    }                                                                                          \
+    extern "C" __global__ void rms_norm_bwd_##io(const TI* s, const TO* dy, const float* w,    \
+                                                 const float* rstd, const TI* dadd, TI* dx,    \
+                                                 i64 rows, int h) {                            \
+        norm_bwd<TI, TO, true>(s, dy, w, nullptr, rstd, dadd, dx, rows, h);                    \
+    }                                                                                          \
+    extern "C" __global__ void layer_norm_bwd_weight_##io(                                     \
+        const TI* s, const TO* dy, const float* mean, const float* rstd, double* dw_part,      \
+        double* db_part, i64 rows, int h, int rows_per_group) {                                \
+        norm_bwd_weight<TI, TO, false>(s, dy, mean, rstd, dw_part, db_part, rows, h,           \
+                                       rows_per_group);                                        \
+    }                                                                                          \
+    extern "C" __global__ void rms_norm_bwd_weight_##io(const TI* s, const TO* dy,             \
+                                                        const float* rstd, double* dw_part,    \
+                                                        i64 rows, int h, int rows_per_group) { \
+        norm_bwd_weight<TI, TO, true>(s, dy, nullptr, rstd, dw_part, nullptr, rows, h,         \
+                                      rows_per_group);                                         \
+    }
+
+CASTOR_FOR_EACH_IO(NORM)

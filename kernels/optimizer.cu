@@ -1,0 +1,245 @@
+// optimizer.cu: fused multi-tensor AdamW and SGD-momentum steps on F32 master weights.
+//
+// Fuses, in one pass over memory per element: unscale (1/loss scale), the found-inf skip,
+// the global-norm clip, weight decay, the moment updates, the master update and the write of
+// the low-precision working copy. Reads grad, master and moments; writes master, moments and
+// the copy. No host synchronization: lr, step, scale and grad_norm are device scalars (so the
+// whole step can be captured in a CUDA graph), and a step whose grad_norm is not finite
+// (inf/NaN gradients: found_inf) changes nothing.
+// Entry points (<c> = the working copy's dtype: f16, bf16, or f32; copy pointers may be null):
+//   adamw_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2, eps,
+//             max_grad_norm)
+//   sgd_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, momentum, max_grad_norm)
+//   tensors: device table of AdamWTensor / SgdTensor (layouts below), chunks: TensorChunk
+//   (castor_common.cuh). lr, step (optimizer steps taken before this one), scale, grad_norm:
+//   device F32 scalars. Hyperparameters are F64 arguments, weight decay per tensor.
+// Semantics: torch.optim.AdamW / SGD single-tensor implementations, operation by operation,
+// exactly as the CPU twin runtime/src/cpu/optimizer.rs (F32 arithmetic on F32 buffers,
+// scalars formed in F64 and used as F32; the module is compiled without FMA contraction):
+//   g     = grad * (1/scale) * clip,  clip = min(1, F32(max_grad_norm) / (grad_norm + 1e-6))
+//           when max_grad_norm > 0, else 1
+//   AdamW, t = step + 1:
+//     p *= F32(1 - lr * wd)                  (decoupled decay)
+//     m  = lerp(m, g, 1 - b1)                (torch.lerp's two-branch formula)
+//     v  = v * b2 + (1 - b2) * g * g
+//     p += -F32(lr / (1 - b1^t)) * (m / (sqrt(v) / F32(sqrt(1 - b2^t)) + eps))
+//   SGD (dampening 0, not Nesterov; the momentum buffer starts at zero, so the first step
+//   stores g itself, as torch does):
+//     g += wd * p (when wd != 0);  buf = momentum != 0 ? buf * momentum + g : g;  p += -lr * buf
+//   copy = <c>(p), rounded to nearest even.
+// The step counter is advanced separately (count_step in loss_scale.cu), after every
+// optimizer launch of the step has read it.
+// Launch: any grid (up to one block per chunk) and blockDim.x; 4-float vectors when a chunk's
+// pointers are 16-byte aligned (copy: 8-byte for 16-bit dtypes), scalar otherwise and for the
+// chunk's tail.
+#include "castor_common.cuh"
+
+// Host layout: 5 pointers, i64 numel, f64 weight decay (56 bytes).
+struct AdamWTensor {
+    float* master;
+    const float* grad;
+    float* m;
+    float* v;
+    void* copy;
+    i64 numel;
+    double weight_decay;
+};
+
+// Host layout: 4 pointers, i64 numel, f64 weight decay (48 bytes).
+struct SgdTensor {
+    float* master;
+    const float* grad;
+    float* buf;
+    void* copy;
+    i64 numel;
+    double weight_decay;
+};
+
+// The per-step factors every element uses; `skip` when the step is skipped.
+struct GradFactor {
+    float inv_scale, clip;
+    bool skip;
+};
+
+__device__ __forceinline__ GradFactor grad_factor(const float* scale, const float* grad_norm,
+                                                  double max_grad_norm) {
+    const float gn = *grad_norm;
+    GradFactor f;
+    f.skip = !isfinite(gn);
+    f.inv_scale = 1.0f / *scale;
+    f.clip = 1.0f;
+    if (max_grad_norm > 0.0) {
+        const float coef = float(max_grad_norm) / (gn + 1e-6f);
+        f.clip = coef < 1.0f ? coef : 1.0f;
+    }
+    return f;
+}
+
+// torch.lerp as ATen computes it.
+__device__ __forceinline__ float lerp_torch(float a, float b, float w) {
+    return fabsf(w) < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+
+template <typename C> __device__ __forceinline__ void store4(C* p, float4 v) {
+    p[0] = from_f32<C>(v.x);
+    p[1] = from_f32<C>(v.y);
+    p[2] = from_f32<C>(v.z);
+    p[3] = from_f32<C>(v.w);
+}
+template <> __device__ __forceinline__ void store4<float>(float* p, float4 v) {
+    *reinterpret_cast<float4*>(p) = v;
+}
+template <typename H> __device__ __forceinline__ void store4_16(H* p, float4 v) {
+    uint2 raw;
+    H* e = reinterpret_cast<H*>(&raw);
+    e[0] = from_f32<H>(v.x);
+    e[1] = from_f32<H>(v.y);
+    e[2] = from_f32<H>(v.z);
+    e[3] = from_f32<H>(v.w);
+    *reinterpret_cast<uint2*>(p) = raw;
+}
+template <> __device__ __forceinline__ void store4<__half>(__half* p, float4 v) { store4_16(p, v); }
+template <> __device__ __forceinline__ void store4<__nv_bfloat16>(__nv_bfloat16* p, float4 v) {
+    store4_16(p, v);
+}
+
+__device__ __forceinline__ bool aligned_to(const void* p, u64 bytes) {
+    return (reinterpret_cast<u64>(p) & (bytes - 1)) == 0;
+}
+
+struct AdamWScalars {
+    float decay, w1, b2, w2, step_size, bias2_sqrt, eps;
+};
+
+__device__ __forceinline__ void adamw_elem(float& p, float g, float& m, float& v,
+                                           const AdamWScalars& s) {
+    p *= s.decay;
+    m = lerp_torch(m, g, s.w1);
+    v = v * s.b2 + s.w2 * g * g;
+    const float denom = sqrtf(v) / s.bias2_sqrt + s.eps;
+    p += -s.step_size * (m / denom);
+}
+
+template <typename C>
+__device__ __forceinline__ void adamw(const AdamWTensor* __restrict__ tensors,
+                                      const TensorChunk* __restrict__ chunks, int n_chunks,
+                                      const float* lr, const float* step, const float* scale,
+                                      const float* grad_norm, double beta1, double beta2,
+                                      double eps, double max_grad_norm) {
+    const GradFactor f = grad_factor(scale, grad_norm, max_grad_norm);
+    if (f.skip) return;
+    const double t = double(*step) + 1.0;
+    const double lr64 = double(*lr);
+    AdamWScalars s;
+    s.w1 = float(1.0 - beta1);
+    s.b2 = float(beta2);
+    s.w2 = float(1.0 - beta2);
+    s.step_size = float(lr64 / (1.0 - pow(beta1, t)));
+    s.bias2_sqrt = float(sqrt(1.0 - pow(beta2, t)));
+    s.eps = float(eps);
+    for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const TensorChunk ch = chunks[c];
+        const AdamWTensor tt = tensors[ch.tensor];
+        s.decay = float(1.0 - lr64 * tt.weight_decay);
+        float* P = tt.master + ch.start;
+        const float* G = tt.grad + ch.start;
+        float* M = tt.m + ch.start;
+        float* V = tt.v + ch.start;
+        C* K = tt.copy ? static_cast<C*>(tt.copy) + ch.start : nullptr;
+        const int len = int(min(i64(ch.len), tt.numel - ch.start));
+        const bool vec = aligned16(P) && aligned16(G) && aligned16(M) && aligned16(V) &&
+                         (!K || aligned_to(K, 4 * sizeof(C)));
+        const int units = vec ? len / 4 : 0;
+        for (int u = threadIdx.x; u < units; u += blockDim.x) {
+            float4 p = reinterpret_cast<float4*>(P)[u];
+            const float4 g = reinterpret_cast<const float4*>(G)[u];
+            float4 m = reinterpret_cast<float4*>(M)[u];
+            float4 v = reinterpret_cast<float4*>(V)[u];
+            adamw_elem(p.x, g.x * f.inv_scale * f.clip, m.x, v.x, s);
+            adamw_elem(p.y, g.y * f.inv_scale * f.clip, m.y, v.y, s);
+            adamw_elem(p.z, g.z * f.inv_scale * f.clip, m.z, v.z, s);
+            adamw_elem(p.w, g.w * f.inv_scale * f.clip, m.w, v.w, s);
+            reinterpret_cast<float4*>(P)[u] = p;
+            reinterpret_cast<float4*>(M)[u] = m;
+            reinterpret_cast<float4*>(V)[u] = v;
+            if (K) store4<C>(K + 4 * u, p);
+        }
+        for (int i = units * 4 + threadIdx.x; i < len; i += blockDim.x) {
+            float p = P[i], m = M[i], v = V[i];
+            adamw_elem(p, G[i] * f.inv_scale * f.clip, m, v, s);
+            P[i] = p;
+            M[i] = m;
+            V[i] = v;
+            if (K) K[i] = from_f32<C>(p);
+        }
+    }
+}
+
+__device__ __forceinline__ void sgd_elem(float& p, float g, float& b, float wd, float mom,
+                                         float lr) {
+    if (wd != 0.0f) g += wd * p;
+    b = mom != 0.0f ? b * mom + g : g;
+    p += -lr * b;
+}
+
+template <typename C>
+__device__ __forceinline__ void sgd(const SgdTensor* __restrict__ tensors,
+                                    const TensorChunk* __restrict__ chunks, int n_chunks,
+                                    const float* lr, const float* step, const float* scale,
+                                    const float* grad_norm, double momentum, double max_grad_norm) {
+    (void)step;  // SGD has no bias correction; kept for the common signature
+    const GradFactor f = grad_factor(scale, grad_norm, max_grad_norm);
+    if (f.skip) return;
+    const float lrf = *lr, mom = float(momentum);
+    for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const TensorChunk ch = chunks[c];
+        const SgdTensor tt = tensors[ch.tensor];
+        const float wd = float(tt.weight_decay);
+        float* P = tt.master + ch.start;
+        const float* G = tt.grad + ch.start;
+        float* B = tt.buf + ch.start;
+        C* K = tt.copy ? static_cast<C*>(tt.copy) + ch.start : nullptr;
+        const int len = int(min(i64(ch.len), tt.numel - ch.start));
+        const bool vec = aligned16(P) && aligned16(G) && aligned16(B) &&
+                         (!K || aligned_to(K, 4 * sizeof(C)));
+        const int units = vec ? len / 4 : 0;
+        for (int u = threadIdx.x; u < units; u += blockDim.x) {
+            float4 p = reinterpret_cast<float4*>(P)[u];
+            const float4 g = reinterpret_cast<const float4*>(G)[u];
+            float4 b = reinterpret_cast<float4*>(B)[u];
+            sgd_elem(p.x, g.x * f.inv_scale * f.clip, b.x, wd, mom, lrf);
+            sgd_elem(p.y, g.y * f.inv_scale * f.clip, b.y, wd, mom, lrf);
+            sgd_elem(p.z, g.z * f.inv_scale * f.clip, b.z, wd, mom, lrf);
+            sgd_elem(p.w, g.w * f.inv_scale * f.clip, b.w, wd, mom, lrf);
+            reinterpret_cast<float4*>(P)[u] = p;
+            reinterpret_cast<float4*>(B)[u] = b;
+            if (K) store4<C>(K + 4 * u, p);
+        }
+        for (int i = units * 4 + threadIdx.x; i < len; i += blockDim.x) {
+            float p = P[i], b = B[i];
+            sgd_elem(p, G[i] * f.inv_scale * f.clip, b, wd, mom, lrf);
+            P[i] = p;
+            B[i] = b;
+            if (K) K[i] = from_f32<C>(p);
+        }
+    }
+}
+
+#define OPTIMIZER(C, c)                                                                        \
+    extern "C" __global__ void adamw_##c(const AdamWTensor* tensors, const TensorChunk* chunks,\
+                                         int n_chunks, const float* lr, const float* step,     \
+                                         const float* scale, const float* grad_norm,           \
+                                         double beta1, double beta2, double eps,               \
+                                         double max_grad_norm) {                               \
+        adamw<C>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2, eps,     \
+                 max_grad_norm);                                                               \
+    }                                                                                          \
+    extern "C" __global__ void sgd_##c(const SgdTensor* tensors, const TensorChunk* chunks,    \
+                                       int n_chunks, const float* lr, const float* step,       \
+                                       const float* scale, const float* grad_norm,             \
+                                       double momentum, double max_grad_norm) {                \
+        sgd<C>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, momentum,                \
+               max_grad_norm);                                                                 \
+    }
+
+CASTOR_FOR_EACH_T(OPTIMIZER)

@@ -1,0 +1,119 @@
+// softmax.cu: softmax over the last axis with the causal and boolean padding masks, and its
+// backward.
+//
+// Forward, one block per row (grid-stride over rows):
+//   softmax_fwd_<io>(x, y, rows, tk, tq, heads, causal, mask, mask_sb, mask_sh, mask_sq, mask_sk)
+//     x, y: [B, heads, tq, tk] (any leading shape folded into B and heads; rows = B*heads*tq).
+//     causal != 0: query q (row % tq) sees keys j <= q + tk - tq.
+//     mask (nullable): bytes, nonzero = keep, broadcast over x through element strides
+//     (mask_sb, mask_sh, mask_sq, mask_sk), 0 along broadcast axes: the keep bit of (b, h, q, j)
+//     is mask[b*sb + h*sh + q*sq + j*sk].
+//     Masked and causally hidden entries get exactly 0. A row with every key masked (or hidden)
+//     becomes uniform, 1/tk over the whole row, as the CPU executor and HF's finite mask give.
+// Backward, one block per row:
+//   softmax_bwd_<io>(y, dy, dx, rows, n): dx = y * (dy - sum(dy * y)), the sum in F64 (as the
+//   CPU twin; PyTorch's _softmax_backward_data in F32). Masked entries have y = 0, so dx = 0.
+// Dtypes: <io> = input dtype TI (x, dx) and output dtype TO (y, dy); suffix as in norm.cu.
+// Rounding points, as runtime/src/cpu/softmax.rs: the max over kept entries (NaN-propagating),
+// e = exp(x - max) in F32, the sum of e in F64, inv = F32(1 / sum) and y = TO(e * inv). The
+// exponential is CUDA's expf (within 2 ulp) where the CPU uses a Cephes expf (within 2 ulp):
+// y may differ by an ulp of F32 before its rounding to TO.
+// Memory: the forward reads x three times (max, sum, write) from one block's rows, the second
+// and third from L1/L2; accesses are coalesced scalar loads (masks and causal limits make rows
+// ragged). The backward uses 16-byte vectors when the rows are aligned.
+// Launch: blockDim.x a multiple of 32, at most 1024 (128 suits tk <= 2048).
+#include "castor_common.cuh"
+
+template <typename TI, typename TO>
+__device__ __forceinline__ void softmax_fwd(const TI* x, TO* y, i64 rows, int tk, int tq, int heads,
+                                            int causal, const unsigned char* __restrict__ mask,
+                                            i64 msb, i64 msh, i64 msq, i64 msk) {
+    __shared__ float fscratch[32];
+    __shared__ double dscratch[32];
+    __shared__ int iscratch[32];
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const int q = int(row % tq);
+        const i64 bh = row / tq;
+        const i64 hh = bh % heads, bb = bh / heads;
+        const TI* xr = x + row * tk;
+        TO* yr = y + row * tk;
+        const unsigned char* mr = mask ? mask + bb * msb + hh * msh + i64(q) * msq : nullptr;
+        int visible = tk;
+        if (causal) visible = max(0, min(tk, q + 1 + tk - tq));
+        auto keep = [&](int j) { return j < visible && (mr == nullptr || mr[i64(j) * msk] != 0); };
+
+        float m = F32_NEG_INF;
+        int kept = 0;
+        for (int j = tid; j < visible; j += nt) {
+            if (keep(j)) {
+                m = max_nan(m, to_f32(xr[j]));
+                kept = 1;
+            }
+        }
+        m = block_max(m, fscratch);
+        kept = block_sum(kept, iscratch);
+        if (kept == 0) {
+            const float uniform = 1.0f / float(tk);
+            for (int j = tid; j < tk; j += nt) yr[j] = from_f32<TO>(uniform);
+            continue;
+        }
+        double s = 0.0;
+        for (int j = tid; j < visible; j += nt)
+            if (keep(j)) s += double(expf(to_f32(xr[j]) - m));
+        const float inv = float(1.0 / block_sum(s, dscratch));
+        // Reads of this row by other threads finished before the reductions' barriers, so
+        // y may be x (in place, same dtype).
+        for (int j = tid; j < tk; j += nt)
+            yr[j] = from_f32<TO>(keep(j) ? expf(to_f32(xr[j]) - m) * inv : 0.0f);
+    }
+}
+
+template <typename TI, typename TO>
+__device__ __forceinline__ void softmax_bwd(const TO* __restrict__ y, const TO* dy, TI* dx,
+                                            i64 rows, int n) {
+    __shared__ double scratch[32];
+    const int tid = threadIdx.x, nt = blockDim.x;
+    for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
+        const TO* yr = y + row * n;
+        const TO* dyr = dy + row * n;
+        TI* dxr = dx + row * n;
+        const bool vec = aligned16(yr) && aligned16(dyr) && aligned16(dxr);
+        const int units = vec ? n / UNIT : 0;
+        const int tail = units * UNIT;
+        double acc = 0.0;
+        for (int u = tid; u < units; u += nt) {
+            float a[UNIT], b[UNIT];
+            load8(yr + u * UNIT, a);
+            load8(dyr + u * UNIT, b);
+#pragma unroll
+            for (int k = 0; k < UNIT; ++k) acc += double(a[k]) * double(b[k]);
+        }
+        for (int j = tail + tid; j < n; j += nt) acc += double(to_f32(yr[j])) * double(to_f32(dyr[j]));
+        const float dot = float(block_sum(acc, scratch));
+        for (int u = tid; u < units; u += nt) {
+            float a[UNIT], b[UNIT];
+            load8(yr + u * UNIT, a);
+            load8(dyr + u * UNIT, b);
+#pragma unroll
+            for (int k = 0; k < UNIT; ++k) b[k] = a[k] * (b[k] - dot);
+            store8(dxr + u * UNIT, b);
+        }
+        for (int j = tail + tid; j < n; j += nt)
+            dxr[j] = from_f32<TI>(to_f32(yr[j]) * (to_f32(dyr[j]) - dot));
+    }
+}
+
+#define SOFTMAX(TI, TO, io)                                                                    \
+    extern "C" __global__ void softmax_fwd_##io(const TI* x, TO* y, i64 rows, int tk, int tq,  \
+                                                int heads, int causal,                         \
+                                                const unsigned char* mask, i64 msb, i64 msh,   \
+                                                i64 msq, i64 msk) {                            \
+        softmax_fwd<TI, TO>(x, y, rows, tk, tq, heads, causal, mask, msb, msh, msq, msk);      \
+    }                                                                                          \
+    extern "C" __global__ void softmax_bwd_##io(const TO* y, const TO* dy, TI* dx, i64 rows,   \
+                                                int n) {                                       \
+        softmax_bwd<TI, TO>(y, dy, dx, rows, n);                                               \
+    }
+
+CASTOR_FOR_EACH_IO(SOFTMAX)

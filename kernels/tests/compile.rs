@@ -1,0 +1,110 @@
+//! Compiles every kernel file to PTX for sm_90 with NVRTC 13, with no GPU.
+//!
+//! NVRTC is found through `CASTOR_NVRTC_DIR` (a `pip install --target` folder holding
+//! `nvidia-cuda-nvrtc==13.0.*` and `nvidia-cuda-runtime==13.0.*`). Without it the test skips
+//! with a message, except under `CI=true`, where it fails: CI must compile the kernels.
+//! With `ptxas` there too (`nvidia-cuda-nvcc==13.0.*`), it prints each kernel's registers,
+//! shared memory and spills.
+
+use std::collections::BTreeSet;
+
+use castor_kernels::{ptxas, Nvrtc, DEFAULT_ARCH, FILES};
+
+fn nvrtc() -> Option<Nvrtc> {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    match Nvrtc::from_env() {
+        Ok(Some(n)) => Some(n),
+        Ok(None) if ci => panic!("CI=true but CASTOR_NVRTC_DIR is not set: cannot compile kernels"),
+        Ok(None) => {
+            eprintln!("skipped: CASTOR_NVRTC_DIR is not set (see kernels/README.md)");
+            None
+        }
+        Err(e) if ci => panic!("CI=true but NVRTC cannot be opened: {e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// The `.entry` names a PTX module defines.
+fn ptx_entries(ptx: &str) -> BTreeSet<String> {
+    ptx.lines()
+        .filter_map(|l| l.split(".entry ").nth(1))
+        .map(|rest| rest.trim().trim_end_matches('(').trim().to_string())
+        .collect()
+}
+
+#[test]
+fn every_kernel_compiles_to_ptx_for_sm_90() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let (major, minor) = nvrtc.version().expect("nvrtcVersion");
+    assert_eq!(major, 13, "NVRTC 13 is required (found {major}.{minor})");
+    let mut failures = Vec::new();
+    for f in FILES {
+        match nvrtc.compile(f, DEFAULT_ARCH) {
+            Ok(ptx) => {
+                let got = ptx_entries(&ptx);
+                let want: BTreeSet<String> = f.entry_points.iter().map(|s| s.to_string()).collect();
+                if got != want {
+                    failures.push(format!(
+                        "{}: entry points differ from the list in src/lib.rs\n  only in PTX: {:?}\n  only listed: {:?}",
+                        f.name,
+                        got.difference(&want).collect::<Vec<_>>(),
+                        want.difference(&got).collect::<Vec<_>>()
+                    ));
+                }
+            }
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
+fn compile_errors_name_the_file_and_carry_the_log() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let bad = castor_kernels::KernelFile {
+        name: "broken.cu",
+        source: "#include \"castor_common.cuh\"\nextern \"C\" __global__ void k() { undefined_thing(); }\n",
+        entry_points: &["k"],
+    };
+    let err = nvrtc
+        .compile(&bad, DEFAULT_ARCH)
+        .expect_err("must not compile")
+        .to_string();
+    assert!(
+        err.contains("broken.cu") && err.contains("undefined_thing"),
+        "{err}"
+    );
+}
+
+/// `ptxas -v` on every kernel: registers, shared memory and spills. Prints the table; fails
+/// on a spill (a regression to look at, not a crash).
+#[test]
+fn ptxas_resource_report() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let Some(dir) = std::env::var_os("CASTOR_NVRTC_DIR") else {
+        return;
+    };
+    let Some(ptxas_bin) = ptxas::find_ptxas(std::path::Path::new(&dir)) else {
+        eprintln!("skipped: no ptxas in CASTOR_NVRTC_DIR (pip install nvidia-cuda-nvcc==13.0.*)");
+        return;
+    };
+    let mut rows = Vec::new();
+    for f in FILES {
+        let ptx = nvrtc
+            .compile(f, DEFAULT_ARCH)
+            .expect("compiles (see the compile test)");
+        let report =
+            ptxas::report(&ptxas_bin, f.name, &ptx, DEFAULT_ARCH).unwrap_or_else(|e| panic!("{e}"));
+        rows.extend(report.into_iter().map(|r| (f.name.to_string(), r)));
+    }
+    println!("{}", ptxas::table(&rows));
+    let spills: Vec<_> = rows
+        .iter()
+        .filter(|(_, r)| r.spill_stores > 0 || r.spill_loads > 0)
+        .map(|(f, r)| format!("{f}: {}", r.kernel))
+        .collect();
+    assert!(spills.is_empty(), "kernels spill registers: {spills:?}");
+}
