@@ -45,7 +45,6 @@ pub enum Seed {
     Scaled { state: String, factor: f64 },
 }
 
-
 impl Pass for Autodiff {
     fn name(&self) -> &'static str {
         "autodiff"
@@ -225,8 +224,9 @@ impl Backward<'_> {
     /// dtype and summed over broadcast dims down to `v`'s shape.
     fn contribute(&mut self, v: Value, d: Value) -> Result<(), PassError> {
         let name = format!("{}.grad", self.fwd.name(v));
-        let d = self.reduce_to(d, &self.fwd.ty(v).shape.clone(), &name)?;
-        let d = self.convert(d, self.grad_dtype(v), &name)?;
+        let dtype = self.grad_dtype(v);
+        let d = self.reduce_to(d, &self.fwd.ty(v).shape.clone(), dtype, &name)?;
+        let d = self.convert(d, dtype, &name)?;
         self.grads.entry(v).or_default().push(d);
         Ok(())
     }
@@ -242,7 +242,15 @@ impl Backward<'_> {
     }
 
     /// Sums `d` over the dims that broadcasting added or stretched, so it has `shape`.
-    fn reduce_to(&mut self, d: Value, shape: &Shape, name: &str) -> Result<Value, PassError> {
+    /// The sum is written in `dtype`, the gradient's dtype, so a bias gradient summed over
+    /// every token is not first rounded to (or overflowed in) a narrower activation dtype.
+    fn reduce_to(
+        &mut self,
+        d: Value,
+        shape: &Shape,
+        dtype: DType,
+        name: &str,
+    ) -> Result<Value, PassError> {
         let have = self.b.ty(d).shape.clone();
         if &have == shape {
             return Ok(d);
@@ -251,7 +259,7 @@ impl Backward<'_> {
         let axes: Vec<usize> = (0..have.rank())
             .filter(|&i| i < extra || (shape.0[i - extra] == 1 && have.0[i] != 1))
             .collect();
-        let summed = self.b.op(
+        let summed = self.b.op_with_dtype(
             &format!("{name}.sum"),
             Op::Reduce {
                 op: ReduceOp::Sum,
@@ -259,6 +267,7 @@ impl Backward<'_> {
                 keepdim: false,
             },
             &[d],
+            dtype,
         )?;
         if &self.b.ty(summed).shape == shape {
             Ok(summed)

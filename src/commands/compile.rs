@@ -123,9 +123,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let plan = if train {
         let objective = args.training.objective(model.as_ref())?;
-        let settings =
+        let mut settings =
             args.training
                 .settings(args.precision.precision, objective, args.batch, seq)?;
+        if model.is_none() {
+            // An IR file's loss is its first output, whatever --objective says.
+            settings.objective = "first-output".into();
+        }
         let (plan, report) = build_training_plan(&out.graph, settings)?;
         println!();
         println!("pass        {:<11} {}", "training", report.summary);

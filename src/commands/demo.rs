@@ -9,19 +9,7 @@ use std::path::Path;
 use std::time::Instant;
 
 /// The embedded model: a tiny byte-level GPT-2 (256-token vocabulary, so any text is input).
-pub const TINY_GPT2_CONFIG: &str = r#"{
-  "model_type": "gpt2",
-  "architectures": ["GPT2LMHeadModel"],
-  "vocab_size": 256,
-  "n_positions": 128,
-  "n_embd": 64,
-  "n_layer": 4,
-  "n_head": 4,
-  "activation_function": "gelu_new",
-  "layer_norm_epsilon": 1e-5,
-  "initializer_range": 0.02,
-  "tie_word_embeddings": true
-}"#;
+pub const TINY_GPT2_CONFIG: &str = include_str!("../../assets/tiny-gpt2.json");
 
 /// Text the demo feeds the model, as bytes.
 const DEMO_TEXT: &str =

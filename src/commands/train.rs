@@ -56,6 +56,10 @@ pub struct Args {
     pub warmup: u64,
     #[arg(long, value_enum, default_value_t = Schedule::Constant)]
     pub schedule: Schedule,
+    /// Length of the learning-rate schedule in steps (default: the step this run ends at;
+    /// give the full length when a run will be resumed).
+    #[arg(long)]
+    pub total_steps: Option<u64>,
     /// The final learning rate of the cosine schedule.
     #[arg(long, default_value_t = 0.0)]
     pub min_lr: f64,
@@ -107,11 +111,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         None => compile_plan(&args, &model)?,
     };
-    let objective: castor_models::Objective = plan
-        .settings
-        .objective
-        .parse()
-        .map_err(CliError::InvalidInput)?;
+    let objective: castor_models::Objective = plan.settings.objective.parse().map_err(|_| {
+        CliError::InvalidInput(format!(
+            "the plan's loss is `{}`, not a model objective (lm, mlm, sum): plans compiled \
+             from IR files cannot be trained on a model's data",
+            plan.settings.objective
+        ))
+    })?;
     let (batch, seq) = (plan.settings.batch, plan.settings.seq);
     let mut data = Data::open(&args.data, &model, objective, Some(batch), Some(seq))?;
 
@@ -164,7 +170,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut skipped = 0u64;
     let mut last: Option<StepReport> = None;
     for step in first_step..first_step + args.steps {
-        let lr = learning_rate(&args, step, first_step + args.steps);
+        let total = args.total_steps.unwrap_or(first_step + args.steps);
+        let lr = learning_rate(&args, step, total);
         let micro: Vec<HashMap<String, Tensor>> = (0..settings.grad_accum)
             .map(|_| data.next_batch(model.input_names()))
             .collect();

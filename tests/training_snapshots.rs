@@ -1,0 +1,58 @@
+//! Snapshot tests of training plans: the micro step (forward, backward, gradient
+//! accumulation) and the optimizer step (gradient norm, fused updates, step count, loss-scale
+//! update) that `castor compile --train` builds from a hand-written IR file, with the
+//! persistent-state table, for the fp32 and fp16 policies and for a plan that uses every
+//! optimizer option.
+
+mod common;
+
+use common::*;
+
+fn plan_snapshot(name: &str, flags: &[&str]) {
+    let mut args = vec![
+        "compile",
+        "tests/ir/training_step.ir",
+        "--train",
+        "--emit",
+        "ir",
+    ];
+    args.extend_from_slice(flags);
+    let o = castor(&args);
+    assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
+    insta::assert_snapshot!(name, stdout(&o), &flags.join(" "));
+}
+
+#[test]
+fn fp32_adamw_plan() {
+    plan_snapshot("train_fp32_adamw", &["--precision", "fp32"]);
+}
+
+#[test]
+fn fp16_dynamic_loss_scaling_plan() {
+    plan_snapshot("train_fp16_dynamic", &["--precision", "fp16"]);
+}
+
+#[test]
+fn every_optimizer_option() {
+    plan_snapshot(
+        "train_bf16_sgd_options",
+        &[
+            "--precision",
+            "bf16",
+            "--optimizer",
+            "sgd",
+            "--grad-accum",
+            "2",
+            "--grad-clip",
+            "1.0",
+            "--freeze",
+            "ln.*",
+            "--no-decay",
+            "*bias",
+            "--weight-decay",
+            "0.1",
+            "--loss-scale",
+            "static:1024",
+        ],
+    );
+}
