@@ -208,7 +208,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let elapsed = start.elapsed().as_secs_f64();
     if let Some(r) = last {
         println!(
-            "done        {} steps in {elapsed:.1} s ({:.0} tokens/s); final loss {:.4}; {skipped} skipped; loss scale {}",
+            "done        {} steps in {elapsed:.2} s ({:.0} tokens/s); final loss {:.4}; {skipped} skipped; loss scale {}",
             args.steps,
             tokens_per_step * args.steps as f64 / elapsed.max(1e-9),
             r.loss,
