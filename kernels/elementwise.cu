@@ -20,44 +20,8 @@
 // every pointer is 16-byte aligned (and for add/mul, nb == n), scalar otherwise and for the tail.
 #include "castor_common.cuh"
 
-#define SQRT_2_OVER_PI 0.7978845608f
-#define GELU_C 0.044715f
-#define FRAC_1_SQRT_2 0.70710678118654752f
-#define INV_SQRT_2PI 0.3989422804f
-
-__device__ __forceinline__ float tanh_abs(float x) { return 1.0f - 2.0f / (expf(2.0f * x) + 1.0f); }
-
-struct GeluTanh {
-    static __device__ __forceinline__ float f(float v) {
-        const float inner = SQRT_2_OVER_PI * (v + GELU_C * (v * v * v));
-        return 0.5f * v * (1.0f + tanh_abs(inner));
-    }
-    static __device__ __forceinline__ float df(float x) {
-        const float x_sq = x * x;
-        const float t = tanh_abs(SQRT_2_OVER_PI * (x + GELU_C * (x_sq * x)));
-        const float inner = SQRT_2_OVER_PI * (1.0f + 3.0f * GELU_C * x_sq);
-        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * inner;
-    }
-};
-
-struct GeluErf {
-    static __device__ __forceinline__ float f(float v) {
-        return v * 0.5f * (1.0f + erff(v * FRAC_1_SQRT_2));
-    }
-    static __device__ __forceinline__ float df(float x) {
-        const float cdf = 0.5f * (1.0f + erff(x * FRAC_1_SQRT_2));
-        const float pdf = INV_SQRT_2PI * expf(-0.5f * x * x);
-        return cdf + x * pdf;
-    }
-};
-
-struct Silu {
-    static __device__ __forceinline__ float f(float v) { return v / (1.0f + expf(-v)); }
-    static __device__ __forceinline__ float df(float x) {
-        const float s = 1.0f / (1.0f + expf(-x));
-        return s * (1.0f + x * (1.0f - s));
-    }
-};
+// The scalar functions (GeluTanh, GeluErf, Silu, ...) are in castor_common.cuh, shared with
+// the fused kernels that castor generates.
 
 template <typename Op, typename T>
 __device__ __forceinline__ void unary_fwd(const T* x, T* y, i64 n) {

@@ -33,6 +33,24 @@ pub struct TrainingPlan {
     pub optimizer_step_writes: Vec<Write>,
     /// Every persistent buffer, in a fixed order.
     pub state: Vec<StateSpec>,
+    /// Groups of pointwise nodes that run as one generated kernel each.
+    #[serde(default)]
+    pub fused_kernels: Vec<FusedKernel>,
+}
+
+/// A group of pointwise nodes of one graph that runs as one kernel: the members in order (by
+/// their first result's name), which read the group's inputs and each other, and the CUDA C
+/// source generated for them. Its results are the members' values that are read outside the
+/// group. Each member's result is rounded to its dtype exactly where the unfused graph stores
+/// it, so fused and unfused execution agree bit for bit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FusedKernel {
+    /// The kernel's entry point.
+    pub name: String,
+    /// `micro_step` or `optimizer_step`.
+    pub graph: String,
+    pub members: Vec<String>,
+    pub source: String,
 }
 
 /// Output `output` of a graph is stored into the state entry `state`.

@@ -201,6 +201,17 @@ impl Nvrtc {
 
     /// Compiles one kernel file to PTX for `arch` (`"sm_90"`), with the shared header.
     pub fn compile(&self, file: &KernelFile, arch: &str) -> Result<String, NvrtcError> {
+        self.compile_kernel(file.name, file.source, arch)
+    }
+
+    /// Compiles a kernel source (a file, or one castor generated) named `name` to PTX for
+    /// `arch`, with the shared header and the options every kernel is built with.
+    pub fn compile_kernel(
+        &self,
+        name: &str,
+        source: &str,
+        arch: &str,
+    ) -> Result<String, NvrtcError> {
         let compute = arch.replace("sm_", "compute_");
         let options = [
             format!("--gpu-architecture={compute}"),
@@ -214,10 +225,10 @@ impl Nvrtc {
             "--ftz=false".into(),
             "--device-as-default-execution-space".into(),
         ];
-        self.compile_source(file.name, file.source, &options)
+        self.compile_source(name, source, &options)
             .map_err(|e| match e {
                 NvrtcError::Compile { log, .. } => NvrtcError::Compile {
-                    file: file.name.into(),
+                    file: name.into(),
                     arch: arch.into(),
                     log,
                 },

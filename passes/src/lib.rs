@@ -15,6 +15,7 @@ mod autodiff;
 mod classify;
 mod error;
 mod fold_casts;
+pub mod fusion;
 mod pass;
 mod pipeline;
 mod policy;

@@ -128,6 +128,8 @@ pub fn build_training_plan(
 
     let (optimizer_step, optimizer_step_writes) =
         optimizer_graph(forward, &settings, &trainable, &no_decay, &copies, moments)?;
+    let fused_kernels = crate::fusion::fused_kernels(&micro_step, "micro_step", "fused_");
+    let fused_nodes: usize = fused_kernels.iter().map(|k| k.members.len()).sum();
     let plan = TrainingPlan {
         format: castor_ir::PLAN_FORMAT.into(),
         settings,
@@ -136,11 +138,12 @@ pub fn build_training_plan(
         optimizer_step,
         optimizer_step_writes,
         state,
+        fused_kernels,
     };
     plan.check()
         .map_err(|e| internal(format!("the plan is inconsistent: {e}")))?;
     let report = PassReport::new(format!(
-        "training plan: {} of {} parameter buffers trained{}; micro step {} nodes{}, optimizer step {} nodes",
+        "training plan: {} of {} parameter buffers trained{}; micro step {} nodes{} ({} fused into {} kernel(s)), optimizer step {} nodes",
         trainable.len(),
         params.len(),
         if frozen.is_empty() {
@@ -154,6 +157,8 @@ pub fn build_training_plan(
         } else {
             String::new()
         },
+        fused_nodes,
+        plan.fused_kernels.len(),
         plan.optimizer_step.num_nodes()
     ));
     Ok((plan, report))
