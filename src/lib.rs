@@ -9,6 +9,7 @@ pub mod batch;
 pub mod checkpoint;
 pub mod commands;
 pub mod data;
+pub mod device;
 pub mod precision;
 pub mod report;
 pub mod training;

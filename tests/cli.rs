@@ -337,3 +337,32 @@ fn conflicting_overrides_and_bad_policy_files_are_invalid_input() {
         stderr(&o)
     );
 }
+
+#[test]
+fn train_on_cuda_without_a_cuda_executor_is_a_clear_error() {
+    let dir = fixture("gpt2_lm");
+    let out = tempfile::tempdir().unwrap();
+    let save = out.path().join("saved");
+    let o = castor(&[
+        "train",
+        path_str(&dir),
+        "--data",
+        path_str(&dir.join("input.safetensors")),
+        "--steps",
+        "1",
+        "--device",
+        "cuda",
+        "--save",
+        path_str(&save),
+    ]);
+    assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("--device cuda"), "{err}");
+    // Without a driver the probe says so; with a GPU it names the device it found.
+    assert!(
+        err.contains("no CUDA driver") || err.contains("found") || err.contains("no device"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    assert!(!save.exists(), "nothing is written");
+}
