@@ -8,9 +8,11 @@
 // Data from files and users must never reach an unwrap: errors are values here.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod cache;
 pub mod nvrtc;
 pub mod ptxas;
 
+pub use cache::{CacheError, KernelCache, Outcome};
 pub use nvrtc::{Nvrtc, NvrtcError};
 
 /// The GPU architecture kernels are built for (H100, H200).

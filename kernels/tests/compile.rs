@@ -108,3 +108,36 @@ fn ptxas_resource_report() {
         .collect();
     assert!(spills.is_empty(), "kernels spill registers: {spills:?}");
 }
+
+#[test]
+fn the_ptx_cache_compiles_once_and_then_hits() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let cache = castor_kernels::KernelCache::new(dir.path());
+    let file = castor_kernels::file("cast.cu").unwrap();
+    let (first, o1) = cache
+        .ptx(&nvrtc, file.name, file.source, DEFAULT_ARCH)
+        .unwrap();
+    let (second, o2) = cache
+        .ptx(&nvrtc, file.name, file.source, DEFAULT_ARCH)
+        .unwrap();
+    assert_eq!(o1, castor_kernels::Outcome::Compiled);
+    assert_eq!(o2, castor_kernels::Outcome::Hit);
+    assert_eq!(first, second);
+    // Another architecture is another entry.
+    let (_, o3) = cache.ptx(&nvrtc, file.name, file.source, "sm_80").unwrap();
+    assert_eq!(o3, castor_kernels::Outcome::Compiled);
+    let entries = std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(
+        entries, 2,
+        "one file per (source, arch), no temporaries left"
+    );
+    // A damaged entry is compiled again.
+    for e in std::fs::read_dir(dir.path()).unwrap() {
+        std::fs::write(e.unwrap().path(), "garbage").unwrap();
+    }
+    let (again, o4) = cache
+        .ptx(&nvrtc, file.name, file.source, DEFAULT_ARCH)
+        .unwrap();
+    assert_eq!((o4, again), (castor_kernels::Outcome::Compiled, first));
+}
