@@ -33,6 +33,6 @@ pub enum IrError {
         column: usize,
         message: String,
     },
-    #[error("graph has a cycle through node `%{node}`")]
-    Cycle { node: String },
+    #[error("graph has a cycle through {site}: a value is used before it is defined")]
+    Cycle { site: Site },
 }

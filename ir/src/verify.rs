@@ -44,7 +44,7 @@ pub fn verify(g: &Graph) -> Result<(), IrError> {
     }
     if let Err(cycle) = petgraph::algo::toposort(&dg, None) {
         let n = Node(cycle.node_id().index() as u32);
-        return Err(IrError::Cycle { node: site(n).node });
+        return Err(IrError::Cycle { site: site(n) });
     }
 
     for (n, data) in g.nodes() {

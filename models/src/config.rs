@@ -240,6 +240,17 @@ impl Config {
             field: "(whole file)".into(),
             message: format!("expected a JSON object, found {}", kind(&value)),
         })?;
+        // serde_json keeps the last of repeated keys; a config that says two things is refused.
+        if let Ok(entries) = serde_json::from_str::<crate::safetensors::Entries>(text) {
+            let mut seen = std::collections::BTreeSet::new();
+            if let Some((key, _)) = entries.0.iter().find(|(k, _)| !seen.insert(k.as_str())) {
+                return Err(ModelError::Config {
+                    file: file.to_path_buf(),
+                    field: key.clone(),
+                    message: "the field appears twice (expected each field once)".into(),
+                });
+            }
+        }
         let f = Fields { file, obj };
         let supported = Family::ALL.map(|f| f.model_type()).join(", ");
         let model_type = match obj.get("model_type") {

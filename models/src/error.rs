@@ -134,6 +134,16 @@ pub enum ModelError {
     )]
     NoWeights { config: PathBuf, what: String },
 
+    /// Loaded weights hold NaN or Inf values (an error under `--strict`, else a warning).
+    #[error(
+        "`{checkpoint}`: expected finite weights, found NaN or Inf in {}",
+        crate::finite::describe_non_finite(found)
+    )]
+    NonFiniteWeights {
+        checkpoint: PathBuf,
+        found: Vec<crate::finite::NonFinite>,
+    },
+
     /// A tensor named by the caller is not a parameter of the architecture.
     #[error("`{tensor}` is not a parameter of {architecture}")]
     NotAParameter {

@@ -10,8 +10,8 @@
 //! * [`Model`] (`model.rs`): head and naming-prefix detection, the parameter contract, loading;
 //! * `gpt2.rs`, `bert.rs`, `llama.rs`: each family's parameters and graph, on the shared
 //!   pieces in `build.rs`;
-//! * [`init`] (deterministic initial weights for config-only models) and [`writer`] (atomic
-//!   safetensors output).
+//! * [`init`] (deterministic initial weights for config-only models), [`writer`] (atomic
+//!   safetensors output) and [`finite`] (NaN and Inf in loaded weights, named by tensor).
 //!
 //! ```no_run
 //! let model = castor_models::Model::load("checkpoints/gpt2")?;
@@ -28,6 +28,7 @@ mod build;
 pub mod checkpoint;
 pub mod config;
 mod error;
+pub mod finite;
 mod gpt2;
 pub mod init;
 mod llama;
@@ -39,6 +40,7 @@ pub mod writer;
 pub use checkpoint::Checkpoint;
 pub use config::{Activation, BertConfig, Config, Family, Gpt2Config, LlamaConfig, ModelConfig};
 pub use error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
+pub use finite::{find_non_finite, NonFinite};
 pub use init::init_param;
 pub use model::{Head, LoadReport, Model};
 pub use objective::{Objective, IGNORE_INDEX};

@@ -14,6 +14,7 @@ use crate::build::Ctx;
 use crate::checkpoint::{Checkpoint, CONFIG_FILE};
 use crate::config::{Config, Family, ModelConfig, MAX_PARAMETERS};
 use crate::error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
+use crate::finite::{find_non_finite, NonFinite};
 use castor_ir::{DType, Graph, Tensor, Value};
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
@@ -398,6 +399,45 @@ impl Model {
             .iter()
             .map(|p| Ok((p.name.clone(), ckpt.tensor_f32(&p.name)?)))
             .collect()
+    }
+
+    /// The parameters holding NaN or Inf values, sorted by name; with `strict`, any is an
+    /// error naming them all.
+    pub fn check_finite(
+        &self,
+        params: &HashMap<String, Tensor>,
+        strict: bool,
+    ) -> Result<Vec<NonFinite>, ModelError> {
+        let found = find_non_finite(params.iter().map(|(n, t)| (n.as_str(), t)));
+        self.finite_or_err(found, strict)
+    }
+
+    /// Reads every parameter, one at a time, and reports those holding NaN or Inf values as
+    /// [`Model::check_finite`] does (what `castor inspect --strict` runs).
+    pub fn scan_weights(&self, strict: bool) -> Result<Vec<NonFinite>, ModelError> {
+        let ckpt = self.weights("checking weights for NaN and Inf")?;
+        let mut found = Vec::new();
+        for p in &self.params {
+            let t = ckpt.tensor_f32(&p.name)?;
+            found.extend(crate::finite::non_finite(&p.name, &t));
+        }
+        found.sort_by(|a, b| a.tensor.cmp(&b.tensor));
+        self.finite_or_err(found, strict)
+    }
+
+    fn finite_or_err(
+        &self,
+        found: Vec<NonFinite>,
+        strict: bool,
+    ) -> Result<Vec<NonFinite>, ModelError> {
+        if strict && !found.is_empty() {
+            let checkpoint = self
+                .checkpoint
+                .as_ref()
+                .map_or_else(|| self.config.file.clone(), |c| c.dir().to_path_buf());
+            return Err(ModelError::NonFiniteWeights { checkpoint, found });
+        }
+        Ok(found)
     }
 
     fn weights(&self, what: &str) -> Result<&Checkpoint, ModelError> {

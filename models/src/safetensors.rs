@@ -256,6 +256,36 @@ type Parsed = (
     BTreeMap<String, String>,
 );
 
+/// A validated header, from [`parse_bytes`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Header {
+    /// Offset of the data region in the file: 8 + header length.
+    pub data_start: usize,
+    pub tensors: BTreeMap<String, TensorInfo>,
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Validates a whole safetensors file held in memory exactly as [`SafetensorsFile::open`]
+/// validates a mapped one (`name` is used in messages). Every tensor's `data_offsets`, shifted
+/// by `data_start`, then lie inside `bytes`. The entry point of the fuzz target.
+pub fn parse_bytes(name: &str, bytes: &[u8]) -> Result<Header, ModelError> {
+    if bytes.len() < 8 {
+        return Err(ModelError::Header {
+            file: PathBuf::from(name),
+            message: format!(
+                "the file is {} bytes long, shorter than the 8-byte header length",
+                bytes.len()
+            ),
+        });
+    }
+    let (data_start, tensors, metadata) = parse_header(Path::new(name), bytes)?;
+    Ok(Header {
+        data_start,
+        tensors,
+        metadata,
+    })
+}
+
 /// Parses and validates the header of a file whose bytes are `buf`.
 fn parse_header(path: &Path, buf: &[u8]) -> Result<Parsed, ModelError> {
     let header_err = |message: String| ModelError::Header {
@@ -288,7 +318,15 @@ fn parse_header(path: &Path, buf: &[u8]) -> Result<Parsed, ModelError> {
     }
     let data_start = 8 + n as usize;
     let data_len = buf.len() - data_start;
-    let json = &buf[8..data_start];
+    let json = buf
+        .get(8..data_start)
+        .ok_or_else(|| header_err("file too short".into()))?;
+    if let Err(e) = std::str::from_utf8(json) {
+        return Err(header_err(format!(
+            "expected UTF-8 JSON text, found an invalid byte at header offset {}",
+            e.valid_up_to()
+        )));
+    }
     let entries: Entries = serde_json::from_slice(json)
         .map_err(|e| header_err(format!("the header is not a JSON object of tensors: {e}")))?;
 
@@ -302,14 +340,12 @@ fn parse_header(path: &Path, buf: &[u8]) -> Result<Parsed, ModelError> {
             continue;
         }
         if tensors.contains_key(&name) {
-            return Err(ModelError::DuplicateTensor {
-                tensor: name,
-                first: path.to_path_buf(),
-                second: path.to_path_buf(),
-            });
+            return Err(entry_err(
+                &name,
+                "the header lists this name twice (expected each tensor once)".into(),
+            ));
         }
-        let raw: RawEntry = serde_json::from_value(value)
-            .map_err(|e| entry_err(&name, format!("malformed header entry: {e}")))?;
+        let raw = raw_entry(&value).map_err(|m| entry_err(&name, m))?;
         let info = validate_entry(&raw, data_len).map_err(|m| entry_err(&name, m))?;
         tensors.insert(name, info);
     }
@@ -336,23 +372,100 @@ fn parse_header(path: &Path, buf: &[u8]) -> Result<Parsed, ModelError> {
     Ok((data_start, tensors, metadata))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+/// One header entry, its fields typed but not yet checked against the file.
 struct RawEntry {
     dtype: Dtype,
     shape: Vec<usize>,
     data_offsets: (usize, usize),
 }
 
+/// Reads `{"dtype": ..., "shape": [...], "data_offsets": [start, end]}`, saying which field
+/// is wrong, what it should be and what it is.
+fn raw_entry(value: &serde_json::Value) -> Result<RawEntry, String> {
+    use serde_json::Value;
+    let obj = value.as_object().ok_or_else(|| {
+        format!(
+            "expected an object with `dtype`, `shape` and `data_offsets`, found {}",
+            short(value)
+        )
+    })?;
+    if let Some(key) = obj
+        .keys()
+        .find(|k| !matches!(k.as_str(), "dtype" | "shape" | "data_offsets"))
+    {
+        return Err(format!(
+            "unknown field `{key}` (expected `dtype`, `shape` and `data_offsets`)"
+        ));
+    }
+    let field = |key: &str| obj.get(key).ok_or_else(|| format!("missing field `{key}`"));
+    let dtype_value = field("dtype")?;
+    let dtype: Dtype = match dtype_value {
+        Value::String(_) => serde_json::from_value(dtype_value.clone()).ok(),
+        _ => None,
+    }
+    .ok_or_else(|| {
+        format!(
+            "`dtype`: expected a safetensors dtype (F32, F16, BF16, I64, I32, BOOL, ...), \
+             found {}",
+            short(dtype_value)
+        )
+    })?;
+    let uints = |v: &Value| -> Option<Vec<usize>> {
+        v.as_array()?
+            .iter()
+            .map(|d| d.as_u64().and_then(|d| usize::try_from(d).ok()))
+            .collect()
+    };
+    let shape_value = field("shape")?;
+    let shape = uints(shape_value).ok_or_else(|| {
+        format!(
+            "`shape`: expected a list of non-negative integers, found {}",
+            short(shape_value)
+        )
+    })?;
+    let offsets_value = field("data_offsets")?;
+    let data_offsets = match uints(offsets_value).as_deref() {
+        Some(&[s, e]) => (s, e),
+        _ => {
+            return Err(format!(
+                "`data_offsets`: expected [start, end] (two non-negative integers), found {}",
+                short(offsets_value)
+            ))
+        }
+    };
+    Ok(RawEntry {
+        dtype,
+        shape,
+        data_offsets,
+    })
+}
+
+/// A JSON value, cut short for messages.
+fn short(v: &serde_json::Value) -> String {
+    let s = v.to_string();
+    if s.len() > 80 {
+        let cut = (0..=77).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+        format!("{}...", &s[..cut])
+    } else {
+        s
+    }
+}
+
 fn validate_entry(raw: &RawEntry, data_len: usize) -> Result<TensorInfo, String> {
+    let too_many = || {
+        format!(
+            "shape {}: the product of its dims overflows a 64-bit byte count",
+            dims(&raw.shape)
+        )
+    };
     let numel = raw
         .shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| format!("shape {} has too many elements", dims(&raw.shape)))?;
+        .ok_or_else(too_many)?;
     let bits = numel
         .checked_mul(raw.dtype.bitsize())
-        .ok_or_else(|| format!("shape {} has too many elements", dims(&raw.shape)))?;
+        .ok_or_else(too_many)?;
     if bits % 8 != 0 {
         return Err(format!(
             "{numel} elements of {:?} do not fill whole bytes",

@@ -523,7 +523,11 @@ fn malformed_safetensors_files() {
             16,
             None,
         ),
-        &["tensor `a`", "malformed header entry", "F128"],
+        &[
+            "tensor `a`",
+            "`dtype`: expected a safetensors dtype",
+            "found \"F128\"",
+        ],
     );
     assert_contains(
         &open_raw(
@@ -531,7 +535,7 @@ fn malformed_safetensors_files() {
             8,
             None,
         ),
-        &["tensor `a`", "too many elements"],
+        &["tensor `a`", "overflows a 64-bit byte count"],
     );
     assert_contains(
         &open_raw(
@@ -555,7 +559,30 @@ fn malformed_safetensors_files() {
             8,
             None,
         ),
-        &["`a` is stored twice"],
+        &["tensor `a`", "the header lists this name twice"],
+    );
+    assert_contains(
+        &open_raw(
+            r#"{"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}}"#,
+            8,
+            None,
+        ),
+        &[
+            "tensor `a`",
+            "`shape`: expected a list of non-negative integers, found [-2]",
+        ],
+    );
+    assert_contains(
+        &open_raw(
+            r#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8,9]}}"#,
+            8,
+            None,
+        ),
+        &[
+            "tensor `a`",
+            "`data_offsets`: expected [start, end]",
+            "found [0,8,9]",
+        ],
     );
     assert_contains(
         &open_raw(r#"{"__metadata__":{"format":1}}"#, 0, None),

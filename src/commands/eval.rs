@@ -47,19 +47,13 @@ pub struct Args {
     /// Run the forward this many times and report the median time (for benchmarks).
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
+    /// Refuse weights holding NaN or Inf values (without it, they are a warning).
+    #[arg(long)]
+    pub strict: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    match args.device {
-        Device::Cuda => {
-            return Err(CliError::DeviceUnavailable(
-                "--device cuda: this build has no CUDA executor yet; use --device cpu".into(),
-            )
-            .into())
-        }
-        Device::Auto => eprintln!("device: cpu (no CUDA executor in this build)"),
-        Device::Cpu => {}
-    }
+    crate::device::select(args.device)?;
 
     let model = Model::load(&args.model)?;
     let batch = read_batch(&args.input, model.input_names(), model.vocab_size())?;
@@ -74,6 +68,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         );
     }
     let params = model.load_params()?;
+    let non_finite = model.check_finite(&params, args.strict)?;
+    if !non_finite.is_empty() {
+        eprintln!(
+            "warning: NaN or Inf in {} (--strict refuses them)",
+            castor_models::finite::describe_non_finite(&non_finite)
+        );
+    }
     let bind = |name: &str| batch.tensors.get(name).or_else(|| params.get(name));
 
     let executor = CpuExecutor::new();

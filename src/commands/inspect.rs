@@ -1,4 +1,8 @@
 //! `castor inspect MODEL`: the cheap validator and summary.
+//!
+//! Everything it checks comes from config.json, the safetensors headers and the file sizes
+//! (absurd configs are refused before anything is built); `--strict` also reads the weights
+//! to refuse NaN and Inf.
 
 use crate::report::model_summary;
 use anyhow::Context;
@@ -18,6 +22,10 @@ pub struct Args {
     /// Sequence length of the graph (default: the model's maximum).
     #[arg(long)]
     pub seq: Option<usize>,
+    /// Also read every weight and refuse NaN or Inf values. Without it, inspect reads only
+    /// config.json and the safetensors headers, never tensor data.
+    #[arg(long)]
+    pub strict: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -35,6 +43,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             seq
         )
     );
+    if args.strict {
+        // `scan_weights(true)` fails on the first NaN or Inf found, naming every such tensor.
+        model.scan_weights(true)?;
+        println!(
+            "weights     all {} parameter tensors are finite",
+            model.expected_params().len()
+        );
+    }
     if args.ir {
         println!();
         print!("{}", castor_ir::text::print(&graph));

@@ -80,16 +80,7 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    match args.device {
-        Device::Cuda => {
-            return Err(CliError::DeviceUnavailable(
-                "--device cuda: this build has no CUDA executor yet; use --device cpu".into(),
-            )
-            .into())
-        }
-        Device::Auto => eprintln!("device: cpu (no CUDA executor in this build)"),
-        Device::Cpu => {}
-    }
+    crate::device::select(args.device)?;
     // Resuming reads the weights from the checkpoint, which is itself a model folder.
     let model_path = args.resume.as_deref().unwrap_or(&args.model);
     let model = Model::load(model_path)?;

@@ -284,11 +284,22 @@ impl Cursor {
         }
     }
 
-    /// The next non-blank character, described for an error message.
+    /// The next token (a word, or one character), described for an error message.
     fn found(&self) -> String {
-        match self.chars[self.pos..].iter().find(|c| !c.is_whitespace()) {
-            None => "end of line".into(),
-            Some(c) => format!("`{c}`"),
+        let rest = self.chars.get(self.pos..).unwrap_or(&[]);
+        let Some(start) = rest.iter().position(|c| !c.is_whitespace()) else {
+            return "end of line".into();
+        };
+        let word = |c: &char| c.is_ascii_alphanumeric() || *c == '_';
+        if rest.get(start).is_some_and(word) {
+            let w: String = rest[start..]
+                .iter()
+                .take_while(|c| word(c))
+                .take(40)
+                .collect();
+            format!("`{w}`")
+        } else {
+            format!("`{}`", rest[start])
         }
     }
 
@@ -400,16 +411,23 @@ impl Cursor {
     }
 
     fn attr(&mut self) -> Result<Attr, IrError> {
-        self.skip_ws();
-        let loc = self.loc();
         if self.eat('[') {
             let mut v = Vec::new();
             if !self.eat(']') {
                 loop {
-                    match self.attr()? {
+                    self.skip_ws();
+                    let loc = self.loc();
+                    // Lists are flat: a `[` here is reported, not parsed (no recursion).
+                    match self.scalar()? {
                         Attr::Int(i) => v.push(i),
-                        _ => {
-                            return Err(err(loc.line, loc.column, "list attributes hold integers"))
+                        other => {
+                            return Err(err(
+                                loc.line,
+                                loc.column,
+                                &format!(
+                                    "expected an integer in a list attribute, found `{other}`"
+                                ),
+                            ))
                         }
                     }
                     if self.eat(']') {
@@ -420,6 +438,13 @@ impl Cursor {
             }
             return Ok(Attr::Ints(v));
         }
+        self.scalar()
+    }
+
+    /// One attribute value that is not a list.
+    fn scalar(&mut self) -> Result<Attr, IrError> {
+        self.skip_ws();
+        let loc = self.loc();
         let tok =
             self.take_while(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-' | '+'));
         if tok.is_empty() {
@@ -429,7 +454,10 @@ impl Cursor {
             err(
                 loc.line,
                 loc.column,
-                &format!("bad attribute value `{tok}`"),
+                &format!(
+                    "bad attribute value `{tok}`: expected a 64-bit integer, a number, \
+                     true, false or a name"
+                ),
             )
         };
         let starts_numeric = tok.starts_with(|c: char| c.is_ascii_digit() || c == '-' || c == '+');
