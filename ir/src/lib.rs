@@ -31,8 +31,8 @@ pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};
 pub use op::{Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
 pub use plan::{
-    FusedKernel, LossScaling, OptimizerKind, PlanError, StateInit, StateRole, StateSpec, TrainSettings,
-    TrainingPlan, Write, PLAN_FORMAT,
+    FusedKernel, LossScaling, OptimizerKind, PlanError, StateInit, StateRole, StateSpec,
+    TrainSettings, TrainingPlan, Write, PLAN_FORMAT,
 };
 pub use shape::Shape;
 pub use tensor::{relative_error, round_to, Tensor, TensorData};
