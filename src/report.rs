@@ -132,3 +132,120 @@ pub fn model_summary(
     }
     s
 }
+
+/// The memory anatomy of a training plan beside the 18 bytes/parameter rule of mixed-precision
+/// AdamW (2 low-precision weights + 4 F32 master + 4 gradients + 8 moments).
+pub fn anatomy_lines(a: &castor_passes::memory::Anatomy) -> Vec<String> {
+    let per = |b: u64| {
+        if a.params > 0 {
+            format!("{:>7.2}", b as f64 / a.params as f64)
+        } else {
+            format!("{:>7}", "-")
+        }
+    };
+    let row = |what: &str, b: u64, rule: &str, note: &str| {
+        format!(
+            "  {what:<34} {:>19} {} {rule:>6}  {note}",
+            thousands(b),
+            per(b)
+        )
+        .trim_end()
+        .to_string()
+    };
+    let m = &a.memory;
+    let over = if m.lower_bound > 0 {
+        (m.arena_bytes as f64 / m.lower_bound as f64 - 1.0) * 100.0
+    } else {
+        0.0
+    };
+    vec![
+        format!(
+            "  {:<34} {:>19} {:>7} {:>6}",
+            "memory anatomy", "bytes", "B/param", "rule"
+        ),
+        row("low-precision weights", a.low_precision_weights, "2", ""),
+        row("F32 master weights", a.master_weights, "4", ""),
+        row("gradients", a.gradients, "4", ""),
+        row("optimizer state", a.optimizer_state, "8", ""),
+        row("step and loss-scale state", a.control, "", ""),
+        row(
+            "saved activations",
+            a.saved_activations,
+            "",
+            "forward values the backward reads (inside the arena)",
+        ),
+        row(
+            "transient peak (arena)",
+            m.arena_bytes,
+            "",
+            &format!(
+                "lower bound {} (+{over:.1}%), {}",
+                thousands(m.lower_bound),
+                m.order.describe()
+            ),
+        ),
+        row(
+            "workspace",
+            a.workspace,
+            "",
+            "cuBLAS workspace not modelled",
+        ),
+        row("total", a.total(), "18", "+ activations by the rule"),
+    ]
+}
+
+/// The cost model's lines: FLOPs per token against 6N + 6·L·C·T, step time, MFU.
+pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
+    let g = &c.gpu;
+    let s = &c.shape;
+    let tokens = c.tokens.max(1) as f64;
+    let micro = &c.micro_step;
+    let per_tok = |f: f64| f * c.grad_accum as f64 / tokens / 1e6;
+    let rule = s.flops_per_token_rule();
+    let secs = c.seconds();
+    vec![
+        format!(
+            "  target GPU   {}: {:.0} TFLOP/s bf16/fp16, {:.0} tf32, {:.0} fp32; {:.2} TB/s",
+            g.name,
+            g.low_precision_flops / 1e12,
+            g.tf32_flops / 1e12,
+            g.f32_flops / 1e12,
+            g.memory_bandwidth / 1e12
+        ),
+        format!(
+            "  FLOPs/token  {:.1} MFLOP (contractions {:.1}, other ops {:.1}, recompute {:.1}, optimizer {:.3}) vs 6N+6LCT {:.1} MFLOP (N {}, L {}, C {}, T {})",
+            c.flops_per_token() / 1e6,
+            per_tok(micro.contractions.flops - micro.recompute_contractions.flops),
+            per_tok(
+                micro.total.flops
+                    - micro.contractions.flops
+                    - (micro.recompute.flops - micro.recompute_contractions.flops)
+            ),
+            per_tok(micro.recompute.flops),
+            c.optimizer_step.total.flops / tokens / 1e6,
+            rule / 1e6,
+            thousands(s.params),
+            s.layers,
+            s.hidden,
+            s.seq
+        ),
+        "               (castor runs the full T x T attention products, 12·L·C·T with no causal \
+         halving; counts norm, softmax and pointwise FLOPs; the position table is a gather, \
+         not a product)"
+            .to_string(),
+        format!(
+            "  step time    {:.3} ms estimated (micro step {:.3} ms x{}, of which recompute {:.3} ms; optimizer {:.3} ms); {:.0} tokens/s",
+            secs * 1e3,
+            micro.total.seconds * 1e3,
+            c.grad_accum,
+            micro.recompute.seconds * 1e3,
+            c.optimizer_step.total.seconds * 1e3,
+            if secs > 0.0 { tokens / secs } else { 0.0 }
+        ),
+        format!(
+            "  MFU          {:.1}% estimated (6N+6LCT per token over the roofline step time, of {:.0} TFLOP/s; every kernel at peak, no fusion credit)",
+            c.mfu() * 100.0,
+            g.low_precision_flops / 1e12
+        ),
+    ]
+}

@@ -1,7 +1,7 @@
 //! The training flags `compile --train` and `train` share, and the settings they describe.
 
 use crate::CliError;
-use castor_ir::{LossScaling, OptimizerKind, TrainSettings};
+use castor_ir::{LossScaling, OptimizerKind, Remat, TrainSettings};
 use castor_models::{Model, Objective};
 use castor_passes::Precision;
 
@@ -73,6 +73,16 @@ pub struct TrainingArgs {
     /// `compute` (the working copy's dtype, then widened, as PyTorch autocast does).
     #[arg(long, value_enum, default_value_t = ParamGrads::F32)]
     pub param_grads: ParamGrads,
+    /// Rematerialization: `none`, `full` (keep each block's input, recompute the block),
+    /// `selective` (recompute attention scores/softmax and cheap pointwise ops) or
+    /// `budget:<bytes>` (recompute the least that fits the step's peak in the budget).
+    #[arg(long, default_value = "none", value_name = "MODE", value_parser = parse_remat)]
+    pub remat: Remat,
+}
+
+/// Parses `--remat`.
+pub fn parse_remat(s: &str) -> Result<Remat, String> {
+    s.parse()
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -171,6 +181,7 @@ impl TrainingArgs {
             frozen: self.freeze.clone(),
             no_decay: self.no_decay.clone(),
             param_grads_in_compute_dtype: self.param_grads == ParamGrads::Compute,
+            remat: self.remat,
         })
     }
 }

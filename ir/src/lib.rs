@@ -31,7 +31,7 @@ pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};
 pub use op::{Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
 pub use plan::{
-    FusedKernel, LossScaling, OptimizerKind, PlanError, StateInit, StateRole, StateSpec,
+    FusedKernel, LossScaling, OptimizerKind, PlanError, Remat, StateInit, StateRole, StateSpec,
     TrainSettings, TrainingPlan, Write, PLAN_FORMAT,
 };
 pub use shape::Shape;

@@ -120,6 +120,102 @@ pub struct TrainSettings {
     /// PyTorch autocast does, rather than written in F32 by their contractions.
     #[serde(default)]
     pub param_grads_in_compute_dtype: bool,
+    /// What the micro step recomputes in its backward part instead of keeping.
+    #[serde(default, skip_serializing_if = "Remat::is_none")]
+    pub remat: Remat,
+}
+
+/// Rematerialization: which forward values the backward part recomputes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Remat {
+    /// Keep every forward value the backward part reads.
+    #[default]
+    None,
+    /// Keep each transformer block's input; recompute the rest of the block.
+    Full,
+    /// Recompute the attention scores and softmax and cheap pointwise and layout ops; keep
+    /// contraction and normalization outputs.
+    Selective,
+    /// Keep what fits: the step's simulated peak stays within this many bytes.
+    Budget(u64),
+}
+
+impl Remat {
+    pub fn is_none(&self) -> bool {
+        *self == Remat::None
+    }
+}
+
+impl std::fmt::Display for Remat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Remat::None => f.write_str("none"),
+            Remat::Full => f.write_str("full"),
+            Remat::Selective => f.write_str("selective"),
+            Remat::Budget(b) => write!(f, "budget:{b}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Remat {
+    type Err = String;
+
+    /// `none`, `full`, `selective` or `budget:<bytes>`, the bytes a number with an optional
+    /// unit (`B`, `KB`/`MB`/`GB`/`TB` = powers of 1000, `KiB`/`MiB`/`GiB`/`TiB` = of 1024).
+    fn from_str(s: &str) -> Result<Remat, String> {
+        match s.trim() {
+            "none" => Ok(Remat::None),
+            "full" => Ok(Remat::Full),
+            "selective" => Ok(Remat::Selective),
+            other => match other.strip_prefix("budget:") {
+                Some(b) => parse_bytes(b).map(Remat::Budget).ok_or_else(|| {
+                    format!(
+                        "`{other}`: the budget must be a byte count such as 20GiB, 1.5GB or 123456"
+                    )
+                }),
+                None => Err(format!(
+                    "`{other}`: expected none, full, selective or budget:<bytes>"
+                )),
+            },
+        }
+    }
+}
+
+/// `123456`, `20GiB`, `1.5 GB`: bytes, rounded down.
+pub fn parse_bytes(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let num: f64 = num.parse().ok()?;
+    let mult: f64 = match unit.trim() {
+        "" | "B" => 1.0,
+        "KB" | "kB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        "KiB" => 1024.0,
+        "MiB" => 1024f64.powi(2),
+        "GiB" => 1024f64.powi(3),
+        "TiB" => 1024f64.powi(4),
+        _ => return None,
+    };
+    let bytes = num * mult;
+    (0.0..1.8e19).contains(&bytes).then_some(bytes as u64)
+}
+
+impl Serialize for Remat {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Remat {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Remat, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -32,6 +32,15 @@ pub enum PassError {
     /// Training options that cannot be applied to this model.
     #[error("training plan: {0}")]
     Training(String),
+    /// A GPU description (`--gpu`) that cannot be read.
+    #[error("GPU description {source_name}: {message}")]
+    Gpu {
+        source_name: String,
+        message: String,
+    },
+    /// A `--remat` mode that is malformed or cannot be met.
+    #[error("--remat: {0}")]
+    Remat(String),
     #[error(transparent)]
     Ir(#[from] IrError),
 }

@@ -13,12 +13,15 @@
 mod autocast;
 mod autodiff;
 mod classify;
+pub mod cost;
 mod error;
 mod fold_casts;
 pub mod fusion;
+pub mod memory;
 mod pass;
 mod pipeline;
 mod policy;
+pub mod remat;
 mod summary;
 mod training;
 

@@ -128,6 +128,16 @@ pub fn build_training_plan(
 
     let (optimizer_step, optimizer_step_writes) =
         optimizer_graph(forward, &settings, &trainable, &no_decay, &copies, moments)?;
+    let remat = remat_micro_step(
+        &micro_step,
+        forward.num_nodes(),
+        &micro_step_writes,
+        &state,
+        &optimizer_step,
+        &optimizer_step_writes,
+        settings.remat,
+    )?;
+    let micro_step = remat.graph;
     let fused_kernels = crate::fusion::fused_kernels(&micro_step, "micro_step", "fused_");
     let fused_nodes: usize = fused_kernels.iter().map(|k| k.members.len()).sum();
     let plan = TrainingPlan {
@@ -161,7 +171,43 @@ pub fn build_training_plan(
         plan.fused_kernels.len(),
         plan.optimizer_step.num_nodes()
     ));
+    let report = if plan.settings.remat.is_none() {
+        report
+    } else {
+        PassReport::new(format!("{}; {}", report.summary, remat.summary))
+    };
     Ok((plan, report))
+}
+
+/// Rematerializes the micro step (whose first `forward_nodes` nodes are the forward pass)
+/// under `mode`, the budget measured against the whole step's simulated peak.
+fn remat_micro_step(
+    micro_step: &Graph,
+    forward_nodes: usize,
+    micro_step_writes: &[Write],
+    state: &[StateSpec],
+    optimizer_step: &Graph,
+    optimizer_step_writes: &[Write],
+    mode: castor_ir::Remat,
+) -> Result<crate::remat::RematOutcome, PassError> {
+    let stored = |w: &[Write]| -> std::collections::HashSet<String> {
+        w.iter().map(|w| w.output.clone()).collect()
+    };
+    let (micro_stored, opt_stored) = (stored(micro_step_writes), stored(optimizer_step_writes));
+    let ctx = crate::remat::RematContext {
+        forward_nodes,
+        persistent_bytes: state
+            .iter()
+            .map(|s| s.ty.size_bytes().unwrap_or(0) as u64)
+            .sum(),
+        stored_outputs: micro_stored.iter().map(String::as_str).collect(),
+        after: vec![crate::memory::ScheduledGraph {
+            graph: optimizer_step,
+            stored_outputs: opt_stored.iter().map(String::as_str).collect(),
+        }],
+        gpu: crate::cost::GpuSpec::default(),
+    };
+    crate::remat::rematerialize(micro_step, mode, &ctx)
 }
 
 fn grad_name(g: &Graph, p: Value) -> String {

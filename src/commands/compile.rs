@@ -54,6 +54,25 @@ pub struct Args {
     pub train: bool,
     #[command(flatten)]
     pub training: TrainingArgs,
+    /// The target GPU of the cost model: a JSON or TOML file with `name`,
+    /// `low_precision_flops`, `tf32_flops`, `f32_flops`, `memory_bandwidth` (per second) and
+    /// optionally `memory_bytes`. Default: H100 SXM.
+    #[arg(long, value_name = "FILE")]
+    pub gpu: Option<PathBuf>,
+}
+
+/// The cost model's GPU: `--gpu FILE` or the H100 SXM default.
+fn gpu_spec(path: Option<&std::path::Path>) -> anyhow::Result<castor_passes::cost::GpuSpec> {
+    let Some(path) = path else {
+        return Ok(castor_passes::cost::GpuSpec::default());
+    };
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        crate::CliError::InvalidInput(format!("cannot read `{}`: {e}", path.display()))
+    })?;
+    Ok(castor_passes::cost::GpuSpec::parse(
+        &text,
+        &format!("`{}`", path.display()),
+    )?)
 }
 
 /// The graph to compile (the forward pass, or the loss for `--train`) of a model path or an IR
@@ -88,6 +107,7 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize,
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let train = args.train || args.emit == Emit::Plan;
+    let gpu = gpu_spec(args.gpu.as_deref())?;
     let (graph, what, seq, model) = load_graph(&args, train)?;
     let out = args
         .precision
@@ -133,7 +153,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (plan, report) = build_training_plan(&out.graph, settings)?;
         println!();
         println!("pass        {:<11} {}", "training", report.summary);
-        print_training(&plan, model.as_ref().map(|m| m.parameter_count()));
+        print_training(&plan);
+        print_memory_and_cost(&plan, out.graph.num_nodes(), &gpu);
         Some(plan)
     } else {
         None
@@ -171,8 +192,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// The plan's optimizer and loss scaling, and its persistent state by role.
-fn print_training(plan: &castor_ir::TrainingPlan, params: Option<u64>) {
-    use castor_ir::{LossScaling, OptimizerKind, StateRole};
+fn print_training(plan: &castor_ir::TrainingPlan) {
+    use castor_ir::{LossScaling, OptimizerKind};
     let s = &plan.settings;
     let optimizer = match s.optimizer {
         OptimizerKind::AdamW {
@@ -211,27 +232,34 @@ fn print_training(plan: &castor_ir::TrainingPlan, params: Option<u64>) {
         ),
     };
     println!("loss scale  {scaling}");
-    println!();
-    println!("persistent state");
-    let mut total = 0u64;
-    for role in [
-        StateRole::WorkingCopy,
-        StateRole::Master,
-        StateRole::Gradient,
-        StateRole::OptimizerState,
-        StateRole::Control,
-    ] {
-        let bytes = plan.state_bytes(role);
-        total += bytes;
-        println!("  {}", state_row(role.describe(), bytes, params));
-    }
-    println!("  {}", state_row("total", total, params));
 }
 
-fn state_row(what: &str, bytes: u64, params: Option<u64>) -> String {
-    let per_param = match params {
-        Some(n) if n > 0 => format!("{:>6.2} bytes/param", bytes as f64 / n as f64),
-        _ => String::new(),
-    };
-    format!("{what:<26} {:>15} bytes  {per_param}", thousands(bytes))
+/// The remat decisions, the memory anatomy (persistent state by role, saved activations, the
+/// planned arena) and the cost model's estimate of the step.
+fn print_memory_and_cost(
+    plan: &castor_ir::TrainingPlan,
+    forward_nodes: usize,
+    gpu: &castor_passes::cost::GpuSpec,
+) {
+    use castor_passes::{cost::StepCost, memory::Anatomy, remat};
+    let (names, cost) = remat::recomputed(&plan.micro_step, gpu);
+    let groups = remat::group_counts(&names);
+    println!(
+        "remat       {}: {} value(s) recomputed in the backward part, +{:.3} GFLOP",
+        plan.settings.remat,
+        names.len(),
+        cost.flops / 1e9
+    );
+    for (group, count) in &groups {
+        println!("  recompute {group} x{count}");
+    }
+    println!();
+    for line in crate::report::anatomy_lines(&Anatomy::of_plan(plan, forward_nodes)) {
+        println!("{line}");
+    }
+    println!();
+    println!("cost model (roofline estimate)");
+    for line in crate::report::cost_lines(&StepCost::of_plan(plan, gpu)) {
+        println!("{line}");
+    }
 }

@@ -44,6 +44,10 @@ pub struct Args {
     /// `sum` (sum of the last hidden state), or `auto` (lm/mlm when the model has the head).
     #[arg(long, default_value = "auto")]
     pub objective: String,
+    /// Rematerialization of the gradient graph (--grad): `none`, `full`, `selective` or
+    /// `budget:<bytes>` (the graph's planned arena plus parameters within the budget).
+    #[arg(long, default_value = "none", value_name = "MODE", value_parser = crate::training::parse_remat)]
+    pub remat: castor_ir::Remat,
     /// Run the forward this many times and report the median time (for benchmarks).
     #[arg(long, default_value_t = 1)]
     pub repeat: usize,
@@ -136,6 +140,24 @@ fn gradients(
     let compiled = args.precision.compile(loss_graph, None, false)?.graph;
     let (train, report) = Autodiff::default().run(&compiled)?;
     eprintln!("objective: {objective}; {}", report.summary);
+    let train = if args.remat.is_none() {
+        train
+    } else {
+        // Parameters are the persistent bytes; the gradients are outputs, live to the end.
+        let ctx = castor_passes::remat::RematContext {
+            forward_nodes: compiled.num_nodes(),
+            persistent_bytes: compiled
+                .params()
+                .map(|p| compiled.ty(p).size_bytes().unwrap_or(0) as u64)
+                .sum(),
+            stored_outputs: Default::default(),
+            after: Vec::new(),
+            gpu: Default::default(),
+        };
+        let out = castor_passes::remat::rematerialize(&train, args.remat, &ctx)?;
+        eprintln!("{}", out.summary);
+        out.graph
+    };
     let labels = if objective.needs_labels() {
         Some(read_labels(
             &args.input,

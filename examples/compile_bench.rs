@@ -1,0 +1,114 @@
+//! Times the whole compile pipeline, config only, on public model configs: building the loss
+//! graph, each precision pass, the training plan (autodiff, optimizer, rematerialization,
+//! fusion), the memory plan and the cost model.
+//!
+//! `cargo run --release --example compile_bench [-- --remat MODE] [--batch B] [--seq T]`
+//! (defaults: bf16, AdamW, remat none; batch 8 x seq 1024 for GPT-2, 1 x 4096 for LLaMA).
+
+use castor_ir::{LossScaling, OptimizerKind, Remat, TrainSettings};
+use castor_models::{Model, Objective};
+use castor_passes::{
+    build_training_plan, cost::GpuSpec, cost::StepCost, memory::Anatomy, Autocast, Classify,
+    FoldCasts, Pass, Policy, Precision,
+};
+use std::time::Instant;
+
+const MODELS: [(&str, &str, usize, usize); 4] = [
+    ("GPT-2 124M", "assets/configs/gpt2-124m.json", 8, 1024),
+    ("GPT-2 XL", "assets/configs/gpt2-xl.json", 8, 1024),
+    ("LLaMA-2-7B", "assets/configs/llama-2-7b.json", 1, 4096),
+    ("LLaMA-3-70B", "assets/configs/llama-3-70b.json", 1, 4096),
+];
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let flag = |name: &str| {
+        args.iter()
+            .position(|a| a == name)
+            .and_then(|i| args.get(i + 1).cloned())
+    };
+    let remat: Remat = flag("--remat")
+        .unwrap_or_else(|| "none".into())
+        .parse()
+        .map_err(anyhow::Error::msg)?;
+    let repeat: usize = flag("--repeat").map_or(Ok(3), |s| s.parse())?;
+    println!(
+        "| model | B x T | nodes (micro/opt) | build | classify | autocast | fold_casts | training plan | memory plan | cost | total | arena / lower bound | peak |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for (label, path, b, t) in MODELS {
+        let b = flag("--batch").map_or(Ok(b), |s| s.parse())?;
+        let t = flag("--seq").map_or(Ok(t), |s| s.parse())?;
+        // Best of `repeat` runs for each stage.
+        let mut best = [f64::MAX; 8];
+        let mut line = String::new();
+        for _ in 0..repeat {
+            let start = Instant::now();
+            let mut times = [0.0; 8];
+            let t0 = Instant::now();
+            let model = Model::load(path)?;
+            let g = model.build_loss_graph(b, t, Objective::auto(&model))?;
+            times[0] = ms(t0);
+            let t0 = Instant::now();
+            let (g, _) = Classify.run(&g)?;
+            times[1] = ms(t0);
+            let t0 = Instant::now();
+            let (g, _) = Autocast::new(Policy::new(Precision::Bf16)).run(&g)?;
+            times[2] = ms(t0);
+            let t0 = Instant::now();
+            let (g, _) = FoldCasts.run(&g)?;
+            times[3] = ms(t0);
+            let t0 = Instant::now();
+            let settings = TrainSettings {
+                precision: "bf16".into(),
+                objective: Objective::auto(&model).to_string(),
+                batch: b,
+                seq: t,
+                grad_accum: 1,
+                optimizer: OptimizerKind::AdamW {
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    weight_decay: 0.01,
+                },
+                max_grad_norm: 1.0,
+                loss_scaling: LossScaling::None,
+                frozen: vec![],
+                no_decay: vec![],
+                param_grads_in_compute_dtype: false,
+                remat,
+            };
+            let (plan, _) = build_training_plan(&g, settings)?;
+            times[4] = ms(t0);
+            let t0 = Instant::now();
+            let anatomy = Anatomy::of_plan(&plan, g.num_nodes());
+            times[5] = ms(t0);
+            let t0 = Instant::now();
+            let cost = StepCost::of_plan(&plan, &GpuSpec::default());
+            times[6] = ms(t0);
+            times[7] = ms(start);
+            for (x, y) in best.iter_mut().zip(times) {
+                *x = x.min(y);
+            }
+            let m = &anatomy.memory;
+            line = format!(
+                "{}/{} | {{}} | {:.3} | {:.2} GiB (est. step {:.1} ms, MFU {:.1}%)",
+                plan.micro_step.num_nodes(),
+                plan.optimizer_step.num_nodes(),
+                m.ratio(),
+                anatomy.total() as f64 / (1u64 << 30) as f64,
+                cost.seconds() * 1e3,
+                cost.mfu() * 100.0
+            );
+        }
+        let stages: Vec<String> = best[..7].iter().map(|x| format!("{x:.1}")).collect();
+        let line = line.replacen("{}", &format!("{} | {:.1}", stages.join(" | "), best[7]), 1);
+        println!("| {label} | {b} x {t} | {line} |");
+    }
+    println!("(milliseconds, best of {repeat}; remat {remat}; bf16, AdamW)");
+    Ok(())
+}

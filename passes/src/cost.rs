@@ -1,0 +1,362 @@
+//! The cost model: FLOPs, bytes moved and a roofline time for every node, on a target GPU.
+//!
+//! Each node is one kernel that reads its operands from and writes its results to device
+//! memory (fusion is not credited here). Its time is the larger of its arithmetic time at the
+//! peak rate of the unit that runs it and its memory time at the peak bandwidth:
+//!
+//! - contractions run on tensor cores at the rate of their operand dtype (BF16/F16), TF32 when
+//!   they accumulate with `acc=tf32`, and at the FP32 rate when they read F32 without TF32;
+//! - every other op runs on the FP32 CUDA cores;
+//! - bytes are the operands' and results' sizes by dtype; reshapes are views (no bytes),
+//!   sources and persistent parameter copies move nothing (the optimizer writes the copies),
+//!   a gather reads only the rows it gathers.
+//!
+//! FLOPs per element of the pointwise and normalization ops are nominal counts (one per add
+//! or multiply, a handful for a transcendental); what matters at these sizes is that such ops
+//! are bandwidth-bound, which the roofline shows whatever the constants.
+
+use crate::PassError;
+use castor_ir::{Accum, DType, Graph, Node, NodeData, Op, OpClass, TrainingPlan, UnaryOp};
+use serde::{Deserialize, Serialize};
+
+/// The peak rates of a GPU. Numbers are per second.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct GpuSpec {
+    pub name: String,
+    /// Dense BF16/F16 tensor-core FLOP/s.
+    pub low_precision_flops: f64,
+    /// Dense TF32 tensor-core FLOP/s.
+    pub tf32_flops: f64,
+    /// FP32 (CUDA core) FLOP/s.
+    pub f32_flops: f64,
+    /// Device memory bandwidth in bytes/s.
+    pub memory_bandwidth: f64,
+    /// Device memory in bytes (optional: shown beside the anatomy's total).
+    #[serde(default)]
+    pub memory_bytes: Option<u64>,
+}
+
+impl Default for GpuSpec {
+    fn default() -> Self {
+        GpuSpec::h100_sxm()
+    }
+}
+
+impl GpuSpec {
+    /// NVIDIA H100 SXM (datasheet, dense).
+    pub fn h100_sxm() -> GpuSpec {
+        GpuSpec {
+            name: "H100 SXM".into(),
+            low_precision_flops: 989e12,
+            tf32_flops: 495e12,
+            f32_flops: 67e12,
+            memory_bandwidth: 3.35e12,
+            memory_bytes: Some(80 * (1 << 30)),
+        }
+    }
+
+    /// Parses a GPU description: JSON when the text starts with `{`, else TOML, with the
+    /// fields of [`GpuSpec`].
+    pub fn parse(text: &str, source_name: &str) -> Result<GpuSpec, PassError> {
+        let bad = |message: String| PassError::Gpu {
+            source_name: source_name.to_string(),
+            message,
+        };
+        let spec: GpuSpec = if text.trim_start().starts_with('{') {
+            serde_json::from_str(text).map_err(|e| bad(e.to_string()))?
+        } else {
+            toml::from_str(text).map_err(|e| bad(e.to_string()))?
+        };
+        for (field, v) in [
+            ("low_precision_flops", spec.low_precision_flops),
+            ("tf32_flops", spec.tf32_flops),
+            ("f32_flops", spec.f32_flops),
+            ("memory_bandwidth", spec.memory_bandwidth),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(bad(format!(
+                    "`{field}` must be a positive number, found {v}"
+                )));
+            }
+        }
+        Ok(spec)
+    }
+
+    /// The peak FLOP/s of the unit that runs `node`.
+    fn peak_for(&self, g: &Graph, node: &NodeData) -> f64 {
+        if node.op.class() != OpClass::Contraction {
+            return self.f32_flops;
+        }
+        let dtype = node.inputs.first().map(|&v| g.ty(v).dtype);
+        match (dtype, node.acc) {
+            (Some(DType::BF16 | DType::F16), _) => self.low_precision_flops,
+            (_, Some(Accum::Tf32)) => self.tf32_flops,
+            _ => self.f32_flops,
+        }
+    }
+}
+
+/// The cost of one node.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct NodeCost {
+    pub flops: f64,
+    pub bytes: f64,
+    /// Roofline seconds: max(flops / peak, bytes / bandwidth).
+    pub seconds: f64,
+}
+
+impl std::ops::AddAssign for NodeCost {
+    fn add_assign(&mut self, o: NodeCost) {
+        self.flops += o.flops;
+        self.bytes += o.bytes;
+        self.seconds += o.seconds;
+    }
+}
+
+fn numel(g: &Graph, v: castor_ir::Value) -> f64 {
+    g.ty(v).shape.numel().unwrap_or(0) as f64
+}
+
+fn size(g: &Graph, v: castor_ir::Value) -> f64 {
+    g.ty(v).size_bytes().unwrap_or(0) as f64
+}
+
+/// FLOPs of one node (multiply-adds count two).
+pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
+    let out = node.outputs.first().map_or(0.0, |&v| numel(g, v));
+    let in0 = node.inputs.first().map_or(0.0, |&v| numel(g, v));
+    match &node.op {
+        Op::MatMul { transpose_a, .. } => {
+            let a = g.ty(node.inputs[0]).shape.dims();
+            let k = match (a.len(), transpose_a) {
+                (0, _) => 1,
+                (1, _) => a[0],
+                (n, false) => a[n - 1],
+                (n, true) => a[n - 2],
+            };
+            2.0 * out * k as f64
+        }
+        Op::Unary(u) | Op::UnaryGrad(u) => {
+            let per = match u {
+                UnaryOp::GeluTanh | UnaryOp::GeluErf => 10.0,
+                UnaryOp::Silu | UnaryOp::Tanh => 5.0,
+                UnaryOp::Exp | UnaryOp::Rsqrt => 2.0,
+                UnaryOp::Neg => 1.0,
+            };
+            let grad = if matches!(node.op, Op::UnaryGrad(_)) {
+                2.0
+            } else {
+                1.0
+            };
+            per * grad * out
+        }
+        Op::Binary(_) | Op::Scale { .. } => out,
+        Op::LayerNorm { .. } => 8.0 * out,
+        Op::RmsNorm { .. } => 5.0 * out,
+        Op::Softmax { .. } => 5.0 * out,
+        Op::Rope { .. } | Op::RopeGrad { .. } => 3.0 * out,
+        Op::Reduce { .. } => in0,
+        Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => 5.0 * in0,
+        Op::LayerNormGrad { .. } => 12.0 * in0,
+        Op::RmsNormGrad { .. } => 8.0 * in0,
+        Op::SoftmaxGrad => 4.0 * out,
+        Op::EmbeddingGrad { .. } => node.inputs.get(1).map_or(0.0, |&v| numel(g, v)),
+        Op::GradNorm => {
+            2.0 * node.inputs[..node.inputs.len().saturating_sub(1)]
+                .iter()
+                .map(|&v| numel(g, v))
+                .sum::<f64>()
+        }
+        Op::AdamW { .. } => 15.0 * in0,
+        Op::Sgd { .. } => 6.0 * in0,
+        Op::CountStep | Op::LossScaleUpdate { .. } => 4.0,
+        Op::Input
+        | Op::Param
+        | Op::State
+        | Op::ParamCopy { .. }
+        | Op::Embedding
+        | Op::Reshape { .. }
+        | Op::Transpose { .. }
+        | Op::Slice { .. }
+        | Op::Concat { .. }
+        | Op::Split { .. }
+        | Op::Cast { .. }
+        | Op::Full { .. }
+        | Op::Pad { .. }
+        | Op::BroadcastTo { .. } => 0.0,
+    }
+}
+
+/// Bytes one node reads and writes in device memory.
+pub fn node_bytes(g: &Graph, node: &NodeData) -> f64 {
+    let outs: f64 = node.outputs.iter().map(|&v| size(g, v)).sum();
+    let ins: f64 = node.inputs.iter().map(|&v| size(g, v)).sum();
+    match &node.op {
+        Op::Input | Op::Param | Op::State | Op::ParamCopy { .. } | Op::Reshape { .. } => 0.0,
+        Op::Full { .. } | Op::Pad { .. } | Op::BroadcastTo { .. } => outs + ins,
+        // A gather reads the rows it writes and the ids; a slice reads what it keeps.
+        Op::Embedding => 2.0 * outs + node.inputs.get(1).map_or(0.0, |&v| size(g, v)),
+        Op::Slice { .. } => 2.0 * outs,
+        _ => ins + outs,
+    }
+}
+
+/// The cost of one node on `gpu`.
+pub fn node_cost(g: &Graph, n: Node, gpu: &GpuSpec) -> NodeCost {
+    let node = g.node(n);
+    let flops = node_flops(g, node);
+    let bytes = node_bytes(g, node);
+    let seconds = (flops / gpu.peak_for(g, node)).max(bytes / gpu.memory_bandwidth);
+    NodeCost {
+        flops,
+        bytes,
+        seconds,
+    }
+}
+
+/// The total cost of a graph's nodes, and the part spent in contractions.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct GraphCost {
+    pub total: NodeCost,
+    pub contractions: NodeCost,
+    /// Nodes added by rematerialization (named `*.remat`).
+    pub recompute: NodeCost,
+    /// The contractions among them.
+    pub recompute_contractions: NodeCost,
+}
+
+pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
+    let mut c = GraphCost::default();
+    for (n, node) in g.nodes() {
+        let nc = node_cost(g, n, gpu);
+        c.total += nc;
+        if node.op.class() == OpClass::Contraction {
+            c.contractions += nc;
+        }
+        if node
+            .outputs
+            .first()
+            .is_some_and(|&v| g.name(v).ends_with(crate::remat::REMAT_SUFFIX))
+        {
+            c.recompute += nc;
+            if node.op.class() == OpClass::Contraction {
+                c.recompute_contractions += nc;
+            }
+        }
+    }
+    c
+}
+
+/// The model's shape as the 6N + 6·L·C·T rule needs it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ModelShape {
+    /// Parameters (every `param` of the forward graph).
+    pub params: u64,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Width of the residual stream.
+    pub hidden: usize,
+    /// Sequence length.
+    pub seq: usize,
+}
+
+impl ModelShape {
+    /// Reads the shape off a training plan's micro-step graph: parameters are its `param`s,
+    /// layers its block scopes (`h.3.`, `layers.3.`, `encoder.layer.3.`), the hidden size the
+    /// last dim of the first block's first normalization input (or of the loss graph's widest
+    /// activation when there are no blocks).
+    pub fn of_plan(plan: &TrainingPlan) -> ModelShape {
+        let g = &plan.micro_step;
+        let params = g
+            .params()
+            .map(|p| g.ty(p).shape.numel().unwrap_or(0) as u64)
+            .sum();
+        let mut layers = std::collections::BTreeSet::new();
+        let mut hidden = 0;
+        for (_, node) in g.nodes() {
+            let Some(&out) = node.outputs.first() else {
+                continue;
+            };
+            if let Some((_, idx)) = crate::remat::block_of(g.name(out)) {
+                if layers.is_empty() && matches!(node.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
+                {
+                    hidden = g.ty(node.inputs[0]).shape.last();
+                }
+                layers.insert(idx);
+            }
+        }
+        ModelShape {
+            params,
+            layers: layers.len(),
+            hidden,
+            seq: plan.settings.seq,
+        }
+    }
+
+    /// 6N + 6·L·C·T: training FLOPs per token by the llm.c convention (attention products
+    /// counted with the causal half).
+    pub fn flops_per_token_rule(&self) -> f64 {
+        6.0 * self.params as f64 + 6.0 * (self.layers * self.hidden * self.seq) as f64
+    }
+}
+
+/// The estimated cost of one training step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepCost {
+    pub gpu: GpuSpec,
+    pub micro_step: GraphCost,
+    pub optimizer_step: GraphCost,
+    pub grad_accum: usize,
+    /// Tokens per optimizer step (batch x seq x grad_accum).
+    pub tokens: u64,
+    pub shape: ModelShape,
+}
+
+impl StepCost {
+    pub fn of_plan(plan: &TrainingPlan, gpu: &GpuSpec) -> StepCost {
+        let s = &plan.settings;
+        StepCost {
+            gpu: gpu.clone(),
+            micro_step: graph_cost(&plan.micro_step, gpu),
+            optimizer_step: graph_cost(&plan.optimizer_step, gpu),
+            grad_accum: s.grad_accum,
+            tokens: (s.batch * s.seq * s.grad_accum) as u64,
+            shape: ModelShape::of_plan(plan),
+        }
+    }
+
+    /// FLOPs castor's step executes (recomputation included).
+    pub fn flops(&self) -> f64 {
+        self.micro_step.total.flops * self.grad_accum as f64 + self.optimizer_step.total.flops
+    }
+
+    pub fn seconds(&self) -> f64 {
+        self.micro_step.total.seconds * self.grad_accum as f64 + self.optimizer_step.total.seconds
+    }
+
+    pub fn recompute_seconds(&self) -> f64 {
+        self.micro_step.recompute.seconds * self.grad_accum as f64
+    }
+
+    pub fn flops_per_token(&self) -> f64 {
+        self.flops() / self.tokens.max(1) as f64
+    }
+
+    /// Contraction FLOPs per token, recomputation excluded.
+    pub fn contraction_flops_per_token(&self) -> f64 {
+        (self.micro_step.contractions.flops - self.micro_step.recompute_contractions.flops)
+            * self.grad_accum as f64
+            / self.tokens.max(1) as f64
+    }
+
+    /// Model FLOPs utilization: 6N + 6·L·C·T per token (no recompute) over the estimated step
+    /// time, as a fraction of the BF16 tensor-core peak.
+    pub fn mfu(&self) -> f64 {
+        let secs = self.seconds();
+        if secs <= 0.0 {
+            return 0.0;
+        }
+        self.shape.flops_per_token_rule() * self.tokens as f64 / secs / self.gpu.low_precision_flops
+    }
+}

@@ -1,0 +1,557 @@
+//! Rematerialization: recompute forward values in the backward part instead of keeping them.
+//!
+//! The pass rewrites a micro-step graph whose first `forward_nodes` nodes are the forward
+//! pass. For a chosen set of forward nodes, each is cloned (same op, same operands, same
+//! dtypes and accumulation, so its results are bit-identical) into the backward part right
+//! before the first backward node that needs it, with its results named `<name>.remat` and a
+//! `# remat: ...` note; every backward use is redirected to the clone. A clone whose operand is
+//! itself recomputed reads that operand's clone, so recomputation chains stay inside the
+//! backward part. The originals then die after their last forward use.
+//!
+//! Modes:
+//! - `full`: recompute every node of every transformer block except the block's outputs (the
+//!   values read after the block), so only each block's input is kept (Hugging Face's
+//!   gradient checkpointing).
+//! - `selective`: recompute the attention scores (the `q·kᵀ` product, its scaling and the
+//!   softmax) and every cheap pointwise and layout op of a block; keep contraction and
+//!   normalization outputs (Megatron-LM's selective recomputation). The attention-weighted
+//!   sum's output is kept, as Megatron keeps its checkpointed region's output.
+//! - `budget:<bytes>`: a fixed sequence of ever larger recompute sets (groups of same-named
+//!   nodes across blocks, cheap pointwise and layout ops first by recompute time per byte,
+//!   contractions last, each group added a few blocks at a time), plus `selective` and
+//!   `full`. Each candidate is rewritten and its step planned by the memory planner; the
+//!   cheapest (by the cost model's recompute time) whose simulated peak fits is chosen. The
+//!   candidates do not depend on the budget, so a larger budget never costs more recompute.
+
+use crate::cost::{node_cost, GpuSpec, NodeCost};
+use crate::memory::{plan_graphs, ScheduledGraph};
+use crate::PassError;
+use castor_ir::{Graph, Node, Op, OpClass, Remat, Value};
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+/// Suffix of recomputed values' names.
+pub const REMAT_SUFFIX: &str = ".remat";
+
+/// Block scopes of the model families: `h.3.` (GPT-2), `layers.3.` (LLaMA),
+/// `encoder.layer.3.` (BERT).
+const BLOCK_SCOPES: [&str; 3] = ["h.", "layers.", "encoder.layer."];
+
+/// The block a value belongs to by its name: (length of the scope prefix, block index).
+pub fn block_of(name: &str) -> Option<(usize, usize)> {
+    for scope in BLOCK_SCOPES {
+        let Some(rest) = name.strip_prefix(scope) else {
+            continue;
+        };
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 || rest.as_bytes().get(digits) != Some(&b'.') {
+            continue;
+        }
+        let idx = rest[..digits].parse().ok()?;
+        return Some((scope.len() + digits + 1, idx));
+    }
+    None
+}
+
+/// The name with its block index replaced by `*` (`h.*.attn.probs`).
+pub fn group_name(name: &str) -> String {
+    match block_of(name) {
+        Some((len, idx)) => {
+            let scope_len = len - idx.to_string().len() - 1;
+            format!("{}*.{}", &name[..scope_len], &name[len..])
+        }
+        None => name.to_string(),
+    }
+}
+
+/// What the budget search needs besides the micro step: the persistent bytes and the rest
+/// of the step's schedule.
+pub struct RematContext<'a> {
+    /// Nodes of the forward pass at the head of the micro step.
+    pub forward_nodes: usize,
+    /// Bytes of the persistent region (the plan's state table).
+    pub persistent_bytes: u64,
+    /// Micro-step outputs stored into state (persistent).
+    pub stored_outputs: HashSet<&'a str>,
+    /// The graphs scheduled after the micro step (the optimizer step).
+    pub after: Vec<ScheduledGraph<'a>>,
+    pub gpu: GpuSpec,
+}
+
+/// The result of the pass.
+pub struct RematOutcome {
+    pub graph: Graph,
+    /// Values recomputed (names of the originals).
+    pub recomputed: Vec<String>,
+    /// Recompute cost by the cost model.
+    pub cost: NodeCost,
+    /// The simulated peak (persistent + arena) when the budget search planned it.
+    pub peak: Option<u64>,
+    /// Candidates the budget search evaluated.
+    pub evaluated: usize,
+    /// One line for the report.
+    pub summary: String,
+}
+
+/// Facts about the forward nodes the selections use.
+struct Forward {
+    n: usize,
+    /// Block of each forward node (by its first result's name).
+    block: Vec<Option<usize>>,
+    /// Nodes that may be recomputed: in a block, not a source or parameter copy, no result
+    /// read outside its block or a graph output.
+    eligible: Vec<bool>,
+}
+
+fn analyse(g: &Graph, forward_nodes: usize) -> Forward {
+    let n = forward_nodes.min(g.num_nodes());
+    let block: Vec<Option<usize>> = g
+        .nodes()
+        .take(n)
+        .map(|(_, d)| {
+            d.outputs
+                .first()
+                .and_then(|&v| block_of(g.name(v)))
+                .map(|(_, i)| i)
+        })
+        .collect();
+    let mut leaves = vec![false; n];
+    for (node, d) in g.nodes().take(n) {
+        for &v in &d.inputs {
+            let p = g.value(v).producer.index();
+            if p < n && block[p] != block[node.index()] {
+                leaves[p] = true;
+            }
+        }
+    }
+    for &v in g.outputs() {
+        let p = g.value(v).producer.index();
+        if p < n {
+            leaves[p] = true;
+        }
+    }
+    let eligible = g
+        .nodes()
+        .take(n)
+        .map(|(node, d)| {
+            let i = node.index();
+            block[i].is_some()
+                && !leaves[i]
+                && !d.op.is_source()
+                && !matches!(d.op, Op::ParamCopy { .. })
+        })
+        .collect();
+    Forward { n, block, eligible }
+}
+
+/// `full`: every eligible node.
+fn select_full(f: &Forward) -> Vec<bool> {
+    f.eligible.clone()
+}
+
+/// `selective`: attention scores chains and cheap ops.
+fn select_selective(g: &Graph, f: &Forward) -> Vec<bool> {
+    let mut r = vec![false; f.n];
+    for (node, d) in g.nodes().take(f.n) {
+        let i = node.index();
+        if !f.eligible[i] {
+            continue;
+        }
+        match d.op.class() {
+            OpClass::Elementwise | OpClass::Layout => r[i] = true,
+            _ => {}
+        }
+        if matches!(d.op, Op::Softmax { .. }) {
+            r[i] = true;
+            // Back through the pointwise ops to the scores product.
+            let mut v = d.inputs[0];
+            loop {
+                let p = g.value(v).producer;
+                let pi = p.index();
+                if pi >= f.n || !f.eligible[pi] || f.block[pi] != f.block[i] {
+                    break;
+                }
+                let pd = g.node(p);
+                r[pi] = true;
+                if pd.op.class() == OpClass::Contraction {
+                    break;
+                }
+                if !matches!(pd.op.class(), OpClass::Elementwise | OpClass::Layout) {
+                    break;
+                }
+                v = pd.inputs[0];
+            }
+        }
+    }
+    r
+}
+
+/// Rewrites `g`, recomputing the forward nodes marked in `recompute`.
+pub fn apply(g: &Graph, forward_nodes: usize, recompute: &[bool]) -> Result<Graph, PassError> {
+    let n = forward_nodes.min(g.num_nodes());
+    let mut out = Graph::new(g.name.clone());
+    let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
+    let mut clone: Vec<Option<Value>> = vec![None; g.num_values()];
+    let is_recomputed = |v: Value| -> bool {
+        let p = g.value(v).producer.index();
+        p < n && recompute.get(p).copied().unwrap_or(false)
+    };
+    for (node, d) in g.nodes() {
+        let backward = node.index() >= n;
+        let mut inputs = Vec::with_capacity(d.inputs.len());
+        for &v in &d.inputs {
+            let nv = if backward && is_recomputed(v) {
+                ensure_clone(g, &mut out, v, node, &map, &mut clone, &is_recomputed)?
+            } else {
+                map[v.index()].ok_or_else(|| internal("operand defined later".into()))?
+            };
+            inputs.push(nv);
+        }
+        let outputs = d
+            .outputs
+            .iter()
+            .map(|&v| (g.name(v).to_string(), g.ty(v).clone()))
+            .collect();
+        let nn = out.push_node(d.op.clone(), inputs, outputs)?;
+        out.set_acc(nn, d.acc);
+        out.set_note(nn, d.note.clone());
+        if let Some(loc) = g.location(node) {
+            out.set_location(nn, loc);
+        }
+        for (&old, &new) in d.outputs.iter().zip(&out.node(nn).outputs) {
+            map[old.index()] = Some(new);
+        }
+    }
+    let outputs = g
+        .outputs()
+        .iter()
+        .map(|&v| map[v.index()].ok_or_else(|| internal("output not defined".into())))
+        .collect::<Result<Vec<_>, _>>()?;
+    out.set_outputs(outputs);
+    Ok(out)
+}
+
+/// The clone of forward value `v` for backward node `user`, made (with the clones it reads)
+/// when this is its first backward use.
+fn ensure_clone(
+    g: &Graph,
+    out: &mut Graph,
+    v: Value,
+    user: Node,
+    map: &[Option<Value>],
+    clone: &mut [Option<Value>],
+    is_recomputed: &dyn Fn(Value) -> bool,
+) -> Result<Value, PassError> {
+    if let Some(c) = clone[v.index()] {
+        return Ok(c);
+    }
+    let p = g.value(v).producer;
+    let d = g.node(p);
+    let mut inputs = Vec::with_capacity(d.inputs.len());
+    for &u in &d.inputs {
+        let nu = if is_recomputed(u) {
+            ensure_clone(g, out, u, user, map, clone, is_recomputed)?
+        } else {
+            map[u.index()].ok_or_else(|| internal("operand defined later".into()))?
+        };
+        inputs.push(nu);
+    }
+    let outputs = d
+        .outputs
+        .iter()
+        .map(|&o| (format!("{}{REMAT_SUFFIX}", g.name(o)), g.ty(o).clone()))
+        .collect();
+    let nn = out.push_node(d.op.clone(), inputs, outputs)?;
+    out.set_acc(nn, d.acc);
+    let first_user = g
+        .node(user)
+        .outputs
+        .first()
+        .map_or(String::new(), |&u| g.name(u).to_string());
+    out.set_note(
+        nn,
+        Some(format!(
+            "remat: recomputes %{} for %{first_user}",
+            g.name(d.outputs[0])
+        )),
+    );
+    for (&old, &new) in d.outputs.iter().zip(&out.node(nn).outputs) {
+        clone[old.index()] = Some(new);
+    }
+    clone[v.index()].ok_or_else(|| internal("clone has no such result".into()))
+}
+
+fn internal(message: String) -> PassError {
+    PassError::Internal {
+        pass: "remat",
+        message,
+    }
+}
+
+/// The recomputed values of a rewritten graph (original names) and their cost.
+pub fn recomputed(g: &Graph, gpu: &GpuSpec) -> (Vec<String>, NodeCost) {
+    let mut names = Vec::new();
+    let mut cost = NodeCost::default();
+    for (n, d) in g.nodes() {
+        let Some(&v) = d.outputs.first() else {
+            continue;
+        };
+        if let Some(orig) = g.name(v).strip_suffix(REMAT_SUFFIX) {
+            cost += node_cost(g, n, gpu);
+            for &o in &d.outputs {
+                names.push(
+                    g.name(o)
+                        .strip_suffix(REMAT_SUFFIX)
+                        .unwrap_or(orig)
+                        .to_string(),
+                );
+            }
+        }
+    }
+    (names, cost)
+}
+
+/// Groups of names by [`group_name`], with counts, in first-seen order: `h.*.attn.probs x12`.
+pub fn group_counts(names: &[String]) -> Vec<(String, usize)> {
+    let mut order: Vec<String> = Vec::new();
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for n in names {
+        let k = group_name(n);
+        let c = counts.entry(k.clone()).or_insert(0);
+        if *c == 0 {
+            order.push(k);
+        }
+        *c += 1;
+    }
+    order
+        .into_iter()
+        .map(|k| {
+            let c = counts.get(&k).copied().unwrap_or(0);
+            (k, c)
+        })
+        .collect()
+}
+
+/// Simulated peak of the step with `g` as its micro step.
+fn simulated_peak(g: &Graph, ctx: &RematContext<'_>) -> u64 {
+    let mut graphs = vec![ScheduledGraph {
+        graph: g,
+        stored_outputs: ctx.stored_outputs.clone(),
+    }];
+    for a in &ctx.after {
+        graphs.push(ScheduledGraph {
+            graph: a.graph,
+            stored_outputs: a.stored_outputs.clone(),
+        });
+    }
+    ctx.persistent_bytes + plan_graphs(&graphs).arena_bytes
+}
+
+/// Blocks per step of the budget sequence: each group is added in up to this many chunks.
+const CHUNKS: usize = 4;
+
+/// The budget search's candidate sequence: ever larger recompute sets.
+fn budget_sequence(g: &Graph, f: &Forward, gpu: &GpuSpec) -> Vec<Vec<bool>> {
+    // Groups of eligible nodes by name pattern, with cost per byte.
+    let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
+    for (node, d) in g.nodes().take(f.n) {
+        if f.eligible[node.index()] {
+            let name = d.outputs.first().map_or("", |&v| g.name(v));
+            groups
+                .entry(group_name(name))
+                .or_default()
+                .push(node.index());
+        }
+    }
+    let mut ranked: Vec<(bool, f64, String, Vec<usize>)> = groups
+        .into_iter()
+        .map(|(name, nodes)| {
+            let mut secs = 0.0;
+            let mut bytes = 0.0;
+            let mut contraction = false;
+            for &i in &nodes {
+                let node = Node(i as u32);
+                secs += node_cost(g, node, gpu).seconds;
+                bytes += g
+                    .node(node)
+                    .outputs
+                    .iter()
+                    .map(|&v| g.ty(v).size_bytes().unwrap_or(0) as f64)
+                    .sum::<f64>();
+                contraction |= g.node(node).op.class() == OpClass::Contraction;
+            }
+            (contraction, secs / bytes.max(1.0), name, nodes)
+        })
+        .collect();
+    ranked.sort_by(|a, b| {
+        a.0.cmp(&b.0)
+            .then(a.1.total_cmp(&b.1))
+            .then_with(|| a.2.cmp(&b.2))
+    });
+    let mut seq = Vec::new();
+    let mut cur = vec![false; f.n];
+    for (_, _, _, mut nodes) in ranked {
+        nodes.sort_by_key(|&i| std::cmp::Reverse(f.block[i]));
+        let chunk = nodes.len().div_ceil(CHUNKS).max(1);
+        for part in nodes.chunks(chunk) {
+            for &i in part {
+                cur[i] = true;
+            }
+            seq.push(cur.clone());
+        }
+    }
+    seq
+}
+
+/// Runs rematerialization on a micro-step graph.
+pub fn rematerialize(
+    g: &Graph,
+    mode: Remat,
+    ctx: &RematContext<'_>,
+) -> Result<RematOutcome, PassError> {
+    let f = analyse(g, ctx.forward_nodes);
+    let finish = |graph: Graph, peak: Option<u64>, evaluated: usize, extra: String| {
+        let (names, cost) = recomputed(&graph, &ctx.gpu);
+        let groups = group_counts(&names);
+        let shown: Vec<String> = groups
+            .iter()
+            .take(6)
+            .map(|(k, c)| format!("{k} x{c}"))
+            .collect();
+        let more = groups.len().saturating_sub(shown.len());
+        let summary = format!(
+            "remat {mode}: recomputes {} value(s) in {} group(s){}{}; +{:.3} GFLOP, +{:.3} ms on {}{extra}",
+            names.len(),
+            groups.len(),
+            if shown.is_empty() {
+                String::new()
+            } else {
+                format!(" ({})", shown.join(", "))
+            },
+            if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            },
+            cost.flops / 1e9,
+            cost.seconds * 1e3,
+            ctx.gpu.name,
+        );
+        RematOutcome {
+            graph,
+            recomputed: names,
+            cost,
+            peak,
+            evaluated,
+            summary,
+        }
+    };
+    match mode {
+        Remat::None => Ok(finish(g.clone(), None, 0, String::new())),
+        Remat::Full => Ok(finish(
+            apply(g, f.n, &select_full(&f))?,
+            None,
+            0,
+            String::new(),
+        )),
+        Remat::Selective => Ok(finish(
+            apply(g, f.n, &select_selective(g, &f))?,
+            None,
+            0,
+            String::new(),
+        )),
+        Remat::Budget(budget) => {
+            let mut evaluated = 0;
+            let mut best: Option<(f64, u64, Graph)> = None;
+            let mut min_peak = u64::MAX;
+            let mut consider = |graph: Graph, best: &mut Option<(f64, u64, Graph)>| {
+                evaluated += 1;
+                let peak = simulated_peak(&graph, ctx);
+                min_peak = min_peak.min(peak);
+                if peak <= budget {
+                    let (_, cost) = recomputed(&graph, &ctx.gpu);
+                    if best.as_ref().is_none_or(|b| cost.seconds < b.0) {
+                        *best = Some((cost.seconds, peak, graph));
+                    }
+                }
+            };
+            consider(g.clone(), &mut best);
+            if best.is_none() {
+                // Prefixes of the sequence cost more and more: the first that fits is the
+                // cheapest of them.
+                for r in budget_sequence(g, &f, &ctx.gpu) {
+                    let before = best.is_some();
+                    consider(apply(g, f.n, &r)?, &mut best);
+                    if !before && best.is_some() {
+                        break;
+                    }
+                }
+                consider(apply(g, f.n, &select_selective(g, &f))?, &mut best);
+                consider(apply(g, f.n, &select_full(&f))?, &mut best);
+            }
+            match best {
+                Some((_, peak, graph)) => Ok(finish(
+                    graph,
+                    Some(peak),
+                    evaluated,
+                    format!(
+                        "; simulated peak {} of {} budget ({} candidates planned)",
+                        bytes_text(peak),
+                        bytes_text(budget),
+                        evaluated
+                    ),
+                )),
+                None => Err(PassError::Remat(format!(
+                    "no recomputation fits the step in {} ({budget} bytes): the smallest \
+                     simulated peak castor can plan is {} ({min_peak} bytes); use \
+                     --remat budget:{min_peak} or more",
+                    bytes_text(budget),
+                    bytes_text(min_peak)
+                ))),
+            }
+        }
+    }
+}
+
+/// `12.34 GiB`.
+pub fn bytes_text(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = b as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{x:.2} {}", UNITS[u])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_names() {
+        assert_eq!(block_of("h.3.attn.probs"), Some((4, 3)));
+        assert_eq!(block_of("layers.12.mlp.act"), Some((10, 12)));
+        assert_eq!(block_of("encoder.layer.0.output.dense"), Some((16, 0)));
+        assert_eq!(block_of("transformer.h.0.ln_1.weight"), None);
+        assert_eq!(block_of("h.x.y"), None);
+        assert_eq!(group_name("h.11.attn.probs"), "h.*.attn.probs");
+        assert_eq!(group_name("ln_f"), "ln_f");
+    }
+
+    #[test]
+    fn remat_modes_parse() {
+        assert_eq!("none".parse::<Remat>(), Ok(Remat::None));
+        assert_eq!("budget:2KiB".parse::<Remat>(), Ok(Remat::Budget(2048)));
+        assert_eq!(
+            "budget:1.5GB".parse::<Remat>(),
+            Ok(Remat::Budget(1_500_000_000))
+        );
+        assert!("budget:lots".parse::<Remat>().is_err());
+        assert!("some".parse::<Remat>().is_err());
+    }
+}
