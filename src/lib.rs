@@ -5,12 +5,15 @@
 // Data from files and users must never reach an unwrap: errors are values here.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod anatomy;
 pub mod batch;
 pub mod checkpoint;
 pub mod commands;
 pub mod data;
 pub mod device;
+pub mod plot;
 pub mod precision;
+pub mod progress;
 pub mod report;
 pub mod training;
 

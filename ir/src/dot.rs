@@ -1,4 +1,7 @@
-//! Graphviz export: one box per node, coloured by the dtype it writes; casts are diamonds.
+//! Graphviz export: one box per node, coloured by the dtype it writes; casts are diamonds,
+//! persistent parameter copies are folders with a double border, and recomputed values
+//! (rematerialization: a note starting with `remat`, or a name ending in `.remat`) have a
+//! dashed red border.
 
 use crate::{DType, Graph, Op};
 use std::fmt::Write;
@@ -20,6 +23,7 @@ pub fn to_dot(g: &Graph) -> String {
     let _ = writeln!(out, "digraph \"{}\" {{", escape(&g.name));
     out.push_str("  rankdir=TB;\n  node [style=filled, fontname=\"Helvetica\", fontsize=10];\n");
     let mut used = Vec::new();
+    let (mut copies, mut remats) = (false, false);
     for (n, data) in g.nodes() {
         let first = data.outputs[0];
         let ty = g.ty(first);
@@ -30,6 +34,7 @@ pub fn to_dot(g: &Graph) -> String {
             Op::Cast { .. } => "diamond",
             Op::Input => "invhouse",
             Op::Param => "note",
+            Op::ParamCopy { .. } => "folder",
             Op::State => "cylinder",
             _ => "box",
         };
@@ -37,9 +42,19 @@ pub fn to_dot(g: &Graph) -> String {
         for &v in &data.outputs {
             let _ = write!(label, "\\n{}", g.ty(v));
         }
+        let mut extra = String::new();
+        if matches!(data.op, Op::ParamCopy { .. }) {
+            copies = true;
+            extra.push_str(", peripheries=2");
+        }
+        if is_remat(g, data) {
+            remats = true;
+            label.push_str("\\n(recomputed)");
+            extra.push_str(REMAT_STYLE);
+        }
         let _ = writeln!(
             out,
-            "  {n} [label=\"{label}\", shape={shape}, fillcolor=\"{}\"];",
+            "  {n} [label=\"{label}\", shape={shape}, fillcolor=\"{}\"{extra}];",
             dtype_colour(ty.dtype)
         );
         for &v in &data.inputs {
@@ -63,8 +78,30 @@ pub fn to_dot(g: &Graph) -> String {
             dtype_colour(d)
         );
     }
+    if copies {
+        out.push_str(
+            "    legend_param_copy [label=\"persistent parameter copy\", shape=folder, \
+             peripheries=2, fillcolor=white];\n",
+        );
+    }
+    if remats {
+        let _ = writeln!(
+            out,
+            "    legend_remat [label=\"recomputed in the backward pass\", shape=box, \
+             fillcolor=white{REMAT_STYLE}];"
+        );
+    }
     out.push_str("  }\n}\n");
     out
+}
+
+/// How a recomputed value is drawn.
+const REMAT_STYLE: &str = ", style=\"filled,dashed\", color=\"#d62728\", penwidth=2.5";
+
+/// A value recomputed for the backward pass (rematerialization), as the remat pass marks it.
+fn is_remat(g: &Graph, data: &crate::graph::NodeData) -> bool {
+    data.note.as_deref().is_some_and(|n| n.starts_with("remat"))
+        || data.outputs.iter().any(|&v| g.name(v).ends_with(".remat"))
 }
 
 fn escape(s: &str) -> String {

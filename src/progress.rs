@@ -1,0 +1,98 @@
+//! Training progress on the terminal: a progress bar (step, loss, tokens/s, loss scale, ETA)
+//! when stdout is a terminal, plain lines otherwise (logs, pipes, CI).
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+use std::io::IsTerminal;
+
+pub struct Progress {
+    bar: Option<ProgressBar>,
+}
+
+/// What one step's progress shows.
+pub struct StepLine {
+    /// 1-based step number.
+    pub step: u64,
+    pub loss: f32,
+    pub lr: f64,
+    pub loss_scale: f32,
+    pub grad_norm: f32,
+    pub skipped: bool,
+    pub tokens_per_s: f64,
+}
+
+impl StepLine {
+    /// The plain-text line (also printed above the bar every `--print-every` steps).
+    pub fn plain(&self) -> String {
+        format!(
+            "step {:>6}  loss {:.4}  lr {:.3e}  scale {}  grad norm {:.3}{}  {:.0} tokens/s",
+            self.step,
+            self.loss,
+            self.lr,
+            self.loss_scale,
+            self.grad_norm,
+            if self.skipped { "  (skipped)" } else { "" },
+            self.tokens_per_s
+        )
+    }
+}
+
+impl Progress {
+    /// A bar over `steps` steps, the first being `first_step + 1`; plain lines when stdout is
+    /// not a terminal.
+    pub fn new(first_step: u64, steps: u64, prefix: &str) -> Progress {
+        if !std::io::stdout().is_terminal() || steps == 0 {
+            return Progress { bar: None };
+        }
+        let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stdout());
+        let style = ProgressStyle::with_template(
+            "{prefix} [{bar:32.cyan/blue}] {pos}/{len} {msg}  ETA {eta}",
+        )
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .progress_chars("=> ");
+        bar.set_style(style);
+        bar.set_prefix(prefix.to_string());
+        bar.set_message(format!("step {}", first_step + 1));
+        Progress { bar: Some(bar) }
+    }
+
+    /// Whether a bar is drawn (else plain lines are printed).
+    pub fn is_bar(&self) -> bool {
+        self.bar.is_some()
+    }
+
+    /// Reports a finished step; `print` also writes its plain line.
+    pub fn step(&self, line: &StepLine, print: bool) {
+        match &self.bar {
+            Some(bar) => {
+                bar.inc(1);
+                bar.set_message(format!(
+                    "step {}  loss {:.4}  {:.0} tok/s  scale {}",
+                    line.step, line.loss, line.tokens_per_s, line.loss_scale
+                ));
+                if print {
+                    bar.println(line.plain());
+                }
+            }
+            None => {
+                if print {
+                    println!("{}", line.plain());
+                }
+            }
+        }
+    }
+
+    /// Prints a line (above the bar, if there is one).
+    pub fn println(&self, text: &str) {
+        match &self.bar {
+            Some(bar) => bar.println(text),
+            None => println!("{text}"),
+        }
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}

@@ -1,0 +1,107 @@
+//! `castor demo` end to end: it trains the embedded model, writes its pictures, log and
+//! checkpoint, and (as a benchmark, `cargo test --release --test demo -- --ignored
+//! --nocapture`) runs in under a minute.
+
+mod common;
+
+use castor_models::{Model, SafetensorsFile};
+use common::*;
+use std::path::Path;
+use std::time::Instant;
+
+fn losses(log: &Path) -> Vec<f64> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["loss"].as_f64().unwrap()
+        })
+        .collect()
+}
+
+fn check_outputs(out: &Path, steps: usize) {
+    for picture in ["loss.svg", "memory.svg"] {
+        let svg = std::fs::read_to_string(out.join(picture)).unwrap();
+        assert!(svg.starts_with("<svg"), "{picture}");
+        assert!(svg.contains("</svg>"), "{picture}");
+    }
+    let loss_svg = std::fs::read_to_string(out.join("loss.svg")).unwrap();
+    assert!(loss_svg.contains("training loss (smoothed)"));
+    assert!(loss_svg.contains("validation loss"));
+    let memory_svg = std::fs::read_to_string(out.join("memory.svg")).unwrap();
+    for row in ["F32 master weights", "optimizer state", "bf16", "fp16"] {
+        assert!(memory_svg.contains(row), "memory.svg lacks {row}");
+    }
+    let ckpt = out.join("checkpoint");
+    for file in [
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "trainer_state.json",
+    ] {
+        assert!(ckpt.join(file).is_file(), "checkpoint lacks {file}");
+    }
+    let model = Model::load(&ckpt).unwrap();
+    assert_eq!(model.architecture(), "GPT2LMHeadModel");
+    let weights = SafetensorsFile::open(ckpt.join("model.safetensors")).unwrap();
+    assert!(!weights.is_empty());
+    let losses = losses(&out.join("train.jsonl"));
+    assert_eq!(losses.len(), steps);
+    let head: f64 = losses[..3].iter().sum::<f64>() / 3.0;
+    let tail: f64 = losses[steps - 3..].iter().sum::<f64>() / 3.0;
+    assert!(
+        tail < head - 0.3,
+        "loss did not fall: {head:.3} -> {tail:.3}"
+    );
+}
+
+#[test]
+fn demo_trains_and_writes_pictures_and_a_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("demo-out");
+    let o = castor(&["demo", "--steps", "30", "--out", path_str(&out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = stdout(&o);
+    for line in [
+        "device      cpu",
+        "compile     bf16 training step: converted",
+        "compile     fp16 training step: converted",
+        "loss scale  dynamic",
+        "remat       none",
+        "low-precision weights",
+        "sample      before training: \"The compiler ",
+        "sample      after training:  \"The compiler ",
+        "validation  loss",
+    ] {
+        assert!(s.contains(line), "no `{line}` in\n{s}");
+    }
+    check_outputs(&out, 30);
+    // Deterministic: the same command writes the same log.
+    let again = tmp.path().join("again");
+    let o = castor(&["demo", "--steps", "30", "--out", path_str(&again)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(
+        losses(&out.join("train.jsonl")),
+        losses(&again.join("train.jsonl"))
+    );
+}
+
+/// The README's first command, timed. Run in release:
+/// `cargo test --release --test demo -- --ignored --nocapture`.
+#[test]
+#[ignore = "benchmark: the full demo (about 10 s in release)"]
+fn demo_benchmark() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("castor-demo");
+    let start = Instant::now();
+    let o = castor(&["demo", "--out", path_str(&out)]);
+    let seconds = start.elapsed().as_secs_f64();
+    assert!(o.status.success(), "{}", stderr(&o));
+    println!("{}", stdout(&o));
+    println!("castor demo: {seconds:.1} s wall time");
+    check_outputs(&out, 300);
+    if !cfg!(debug_assertions) {
+        assert!(seconds < 60.0, "the demo took {seconds:.1} s");
+    }
+}
