@@ -1,10 +1,10 @@
-//! The memory anatomy of a training plan: what the bytes of one training step hold.
-//!
-//! Persistent state comes from the plan's state table by role. Activations are estimated
-//! from the forward graph until the memory planner reports the real arena: this module is
-//! the one place to switch to its numbers.
+//! The memory anatomy of a training plan, as pictures and reports show it: the persistent
+//! state by role, then the transient arena the memory planner lays out
+//! (`castor_passes::memory`), split into the activations the backward pass reads and the other
+//! temporaries live at the peak. The rows add up to the planned peak of one step.
 
-use castor_ir::{Graph, Op, StateRole, TrainingPlan};
+use castor_ir::{Graph, StateRole, TrainingPlan};
+use castor_passes::memory::Anatomy;
 
 /// One row of the anatomy.
 #[derive(Clone, Debug)]
@@ -24,8 +24,9 @@ pub const STATE_ROLES: [StateRole; 5] = [
     StateRole::Control,
 ];
 
-/// The plan's persistent state by role, plus (given the compiled forward graph) the
-/// activation estimate.
+/// The plan's persistent state by role and, given the compiled loss graph the plan was built
+/// from (the micro step's forward part), the planned arena: saved activations and the other
+/// temporaries at the peak.
 pub fn anatomy(plan: &TrainingPlan, forward: Option<&Graph>) -> Vec<AnatomyRow> {
     let mut rows: Vec<AnatomyRow> = STATE_ROLES
         .iter()
@@ -36,27 +37,18 @@ pub fn anatomy(plan: &TrainingPlan, forward: Option<&Graph>) -> Vec<AnatomyRow> 
         })
         .collect();
     if let Some(g) = forward {
+        let a = Anatomy::of_plan(plan, g.num_nodes());
+        let saved = a.saved_activations.min(a.memory.arena_bytes);
         rows.push(AnatomyRow {
-            what: "activations (estimate)".into(),
-            bytes: activation_estimate(g),
-            estimate: true,
+            what: "saved activations".into(),
+            bytes: saved,
+            estimate: false,
+        });
+        rows.push(AnatomyRow {
+            what: "other temporaries at the peak".into(),
+            bytes: a.memory.arena_bytes - saved,
+            estimate: false,
         });
     }
     rows
-}
-
-/// Bytes of every value the forward graph computes (not its inputs, parameters or parameter
-/// copies): what the backward pass keeps when nothing is recomputed and nothing is freed
-/// early. An upper bound on saved activations with rematerialization `none`.
-pub fn activation_estimate(g: &Graph) -> u64 {
-    g.nodes()
-        .filter(|(_, n)| {
-            !matches!(
-                n.op,
-                Op::Input | Op::Param | Op::State | Op::ParamCopy { .. }
-            )
-        })
-        .flat_map(|(_, n)| n.outputs.iter())
-        .map(|&v| g.ty(v).size_bytes().unwrap_or(0) as u64)
-        .sum()
 }

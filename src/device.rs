@@ -21,12 +21,16 @@ pub fn select(device: Device) -> anyhow::Result<()> {
             )
         }
         Device::Auto => {
-            let why = match cuda_probe::probe() {
-                Ok(d) => format!("found {d}; this build has no CUDA executor yet"),
-                Err(e) => e.to_string(),
-            };
-            eprintln!("device: cpu ({why})");
+            eprintln!("device: cpu ({})", why_cpu());
             Ok(())
         }
+    }
+}
+
+/// Why `auto` runs on the CPU: what the CUDA probe found.
+pub fn why_cpu() -> String {
+    match cuda_probe::probe() {
+        Ok(d) => format!("found {d}; this build has no CUDA executor yet"),
+        Err(e) => e.to_string(),
     }
 }

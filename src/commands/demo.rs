@@ -144,7 +144,7 @@ fn print_report(c: &Compiled, params: u64) {
     };
     println!("loss scale  {scaling}");
     println!("remat       none (every activation is kept for the backward pass)");
-    println!("memory      persistent state by role (bytes/param vs. the usual 18 of mixed-precision AdamW)");
+    println!("memory      planned peak of one step: persistent state by role, then the arena (bytes/param vs. the usual 18 of mixed-precision AdamW for the state)");
     let mut total = 0;
     for row in anatomy(&c.plan, Some(&c.loss_graph)) {
         total += row.bytes;
@@ -271,7 +271,7 @@ fn printable(tokens: &[i64]) -> String {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let start = Instant::now();
-    println!("device      cpu (no CUDA executor in this build)");
+    println!("device      cpu ({})", crate::device::why_cpu());
     let (model, params) = tiny_gpt2()?;
     let (batch, seq) = (args.batch, args.seq.min(model.max_positions()));
     let graph = model.build_graph(batch, seq)?;
@@ -319,8 +319,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             thousands(n_params)
         ),
         &bars,
-        "Persistent state from the training plan; activations: every forward value kept \
-         (no recomputation), an upper bound. AdamW on F32 master weights.",
+        "Persistent state from the training plan; activations and temporaries: the memory \
+         planner's arena (no recomputation). AdamW on F32 master weights.",
     )?;
 
     // Train.
