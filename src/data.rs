@@ -116,7 +116,10 @@ impl Data {
         let (tokens, source) = if path.extension().is_some_and(|e| e == "bin") {
             read_token_file(path, &bytes)?
         } else if let Some(tok) = model_tokenizer(model) {
-            (tokenize(path, &bytes, &tok)?, "tokenizer.json".to_string())
+            (
+                tokenize(path, &bytes, &tok, model.vocab_size())?,
+                "tokenizer.json".to_string(),
+            )
         } else {
             if model.vocab_size() < 256 {
                 return Err(CliError::InvalidInput(format!(
@@ -391,9 +394,8 @@ pub fn read_token_file(path: &Path, bytes: &[u8]) -> anyhow::Result<(Vec<i64>, S
 }
 
 /// Tokenizes a text file with a Hugging Face `tokenizer.json`.
-fn tokenize(path: &Path, bytes: &[u8], tokenizer: &Path) -> anyhow::Result<Vec<i64>> {
-    let tok = tokenizers::Tokenizer::from_file(tokenizer)
-        .map_err(|e| invalid(tokenizer, format!("cannot load the tokenizer: {e}")))?;
+fn tokenize(path: &Path, bytes: &[u8], tokenizer: &Path, vocab: usize) -> anyhow::Result<Vec<i64>> {
+    let tok = load_tokenizer(tokenizer, vocab)?;
     let text = std::str::from_utf8(bytes).map_err(|e| {
         invalid(
             path,
@@ -404,6 +406,26 @@ fn tokenize(path: &Path, bytes: &[u8], tokenizer: &Path) -> anyhow::Result<Vec<i
         .encode(text, false)
         .map_err(|e| invalid(path, format!("tokenizing failed: {e}")))?;
     Ok(encoding.get_ids().iter().map(|&i| i64::from(i)).collect())
+}
+
+/// Loads a tokenizer.json and checks that every id it can produce is a row of the model's
+/// embedding (a tokenizer may have fewer tokens than the embedding has rows: GPT-2's
+/// checkpoints pad theirs, but never more).
+pub fn load_tokenizer(path: &Path, vocab: usize) -> anyhow::Result<tokenizers::Tokenizer> {
+    let tok = tokenizers::Tokenizer::from_file(path)
+        .map_err(|e| invalid(path, format!("cannot load the tokenizer: {e}")))?;
+    let size = tok.get_vocab_size(true);
+    if size > vocab {
+        return Err(invalid(
+            path,
+            format!(
+                "the tokenizer has {size} tokens (added tokens included), but the model's \
+                 vocabulary (vocab_size in config.json) has {vocab}: they belong to different \
+                 models"
+            ),
+        ));
+    }
+    Ok(tok)
 }
 
 /// Every token must be a row of the embedding.

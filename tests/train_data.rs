@@ -365,3 +365,34 @@ fn bad_token_files_are_clear_errors() {
         assert!(stderr(&o).contains(message), "{name}: {}", stderr(&o));
     }
 }
+
+#[test]
+fn a_tokenizer_larger_than_the_vocabulary_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let folder = tmp.path().join("model");
+    tokenizer_model(&folder);
+    // 262 tokens in the tokenizer, 260 rows in the embedding.
+    let config = std::fs::read_to_string(folder.join("config.json"))
+        .unwrap()
+        .replace("\"vocab_size\": 300", "\"vocab_size\": 260");
+    std::fs::write(folder.join("config.json"), config).unwrap();
+    let model = folder.join("config.json");
+    let o = castor(&["inspect", path_str(&model)]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("tokenizer.json"), "{err}");
+    assert!(err.contains("262 tokens") && err.contains("260"), "{err}");
+    let data = root().join("assets").join("corpus.txt");
+    let o = castor(&[
+        "train",
+        path_str(&model),
+        "--data",
+        path_str(&data),
+        "--steps",
+        "1",
+        "--device",
+        "cpu",
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(stderr(&o).contains("262 tokens"), "{}", stderr(&o));
+}

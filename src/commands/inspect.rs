@@ -43,6 +43,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             seq
         )
     );
+    if let Some(path) = crate::data::model_tokenizer(&model) {
+        let tok = crate::data::load_tokenizer(&path, model.vocab_size())?;
+        println!(
+            "tokenizer   tokenizer.json, {} tokens (vocabulary {})",
+            tok.get_vocab_size(true),
+            model.vocab_size()
+        );
+    }
     if args.strict {
         // `scan_weights(true)` fails on the first NaN or Inf found, naming every such tensor.
         model.scan_weights(true)?;
