@@ -7,8 +7,6 @@
 # Each target starts from a fresh corpus seeded with the repository's own inputs (fixtures,
 # tests/ir, tests/malformed). A crash leaves its input under fuzz/artifacts/TARGET/ and makes
 # the script exit non-zero: turn it into a case under tests/malformed/ and fix the bug.
-#
-# A target for token data files belongs here once `castor train` reads them.
 set -euo pipefail
 
 seconds="${1:-60}"
@@ -17,7 +15,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(dirname "$here")"
 targets=("$@")
 if [ ${#targets[@]} -eq 0 ]; then
-    targets=(safetensors_header config_to_graph ir_text policy_file)
+    targets=(safetensors_header config_to_graph ir_text policy_file token_file)
 fi
 
 seed() {
@@ -36,6 +34,15 @@ seed() {
         cp "$root"/tests/ir/*.ir "$root"/tests/malformed/ir/*.ir "$dir/" ;;
     policy_file)
         cp "$root"/tests/ir/*.toml "$root"/tests/ir/*.json "$root"/tests/malformed/policy/* "$dir/" ;;
+    token_file)
+        # A valid llm.c file (header + 8 u16 tokens) and a raw nanoGPT-style one.
+        python3 - "$dir" <<'PY'
+import struct, sys
+header = [20240520, 1, 8] + [0] * 253
+open(sys.argv[1] + "/llmc.bin", "wb").write(struct.pack("<256i", *header) + struct.pack("<8H", *range(8)))
+open(sys.argv[1] + "/raw.bin", "wb").write(struct.pack("<8H", *range(8)))
+PY
+        ;;
     esac
 }
 
