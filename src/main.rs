@@ -31,7 +31,7 @@ enum Command {
     Eval(eval::Args),
     /// Train a model on the CPU executor: plan, loss scaling, optimizer, log, checkpoint.
     Train(train::Args),
-    /// Build the embedded tiny GPT-2 and run it: no files, no GPU.
+    /// Compile and train the embedded tiny GPT-2 end to end: no files, no GPU.
     Demo(demo::Args),
 }
 
