@@ -230,8 +230,8 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
             s.seq
         ),
         "               (castor runs the full T x T attention products, 12·L·C·T with no causal \
-         halving; counts norm, softmax and pointwise FLOPs; the position table is a gather, \
-         not a product)"
+         halving; counts norm, softmax and pointwise FLOPs; embedding lookups are gathers, \
+         which 6N counts as products)"
             .to_string(),
         format!(
             "  step time    {:.3} ms estimated (micro step {:.3} ms x{}, of which recompute {:.3} ms; optimizer {:.3} ms); {:.0} tokens/s",

@@ -367,3 +367,25 @@ fn train_on_cuda_without_a_cuda_executor_is_a_clear_error() {
     assert!(!err.contains("panicked"), "{err}");
     assert!(!save.exists(), "nothing is written");
 }
+
+#[test]
+fn compile_with_remat_plans_a_training_step_from_a_config_alone() {
+    let config = root().join("assets").join("configs").join("gpt2-124m.json");
+    let o = castor(&[
+        "compile",
+        path_str(&config),
+        "--precision",
+        "bf16",
+        "--batch",
+        "1",
+        "--seq",
+        "64",
+        "--remat",
+        "selective",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = stdout(&o);
+    assert!(s.contains("memory anatomy"), "{s}");
+    assert!(s.contains("recompute"), "{s}");
+    assert!(s.contains("MFU"), "{s}");
+}

@@ -48,8 +48,9 @@ pub struct Args {
     /// Sequence length of the graph (default: the model's maximum).
     #[arg(long)]
     pub seq: Option<usize>,
-    /// Compile a training step (loss, backward, optimizer, loss scaling) rather than the
-    /// forward pass. For an IR file, its first output is the loss.
+    /// Compile a training step (loss, backward, optimizer, loss scaling, memory plan) rather
+    /// than the forward pass. For an IR file, its first output is the loss. Implied by
+    /// `--emit plan` and by a `--remat` mode other than `none`.
     #[arg(long)]
     pub train: bool,
     #[command(flatten)]
@@ -106,7 +107,9 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let train = args.train || args.emit == Emit::Plan;
+    // Recomputation only means something for a training step, so asking for it asks for one.
+    let train =
+        args.train || args.emit == Emit::Plan || args.training.remat != castor_ir::Remat::None;
     let gpu = gpu_spec(args.gpu.as_deref())?;
     let (graph, what, seq, model) = load_graph(&args, train)?;
     let out = args
