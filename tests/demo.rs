@@ -9,17 +9,6 @@ use common::*;
 use std::path::Path;
 use std::time::Instant;
 
-fn losses(log: &Path) -> Vec<f64> {
-    std::fs::read_to_string(log)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["loss"].as_f64().unwrap()
-        })
-        .collect()
-}
-
 fn check_outputs(out: &Path, steps: usize) {
     for picture in ["loss.svg", "memory.svg"] {
         let svg = std::fs::read_to_string(out.join(picture)).unwrap();
@@ -46,7 +35,7 @@ fn check_outputs(out: &Path, steps: usize) {
     assert_eq!(model.architecture(), "GPT2LMHeadModel");
     let weights = SafetensorsFile::open(ckpt.join("model.safetensors")).unwrap();
     assert!(!weights.is_empty());
-    let losses = losses(&out.join("train.jsonl"));
+    let losses = log_losses(&out.join("train.jsonl"));
     assert_eq!(losses.len(), steps);
     let head: f64 = losses[..3].iter().sum::<f64>() / 3.0;
     let tail: f64 = losses[steps - 3..].iter().sum::<f64>() / 3.0;
@@ -82,8 +71,8 @@ fn demo_trains_and_writes_pictures_and_a_checkpoint() {
     let o = castor(&["demo", "--steps", "30", "--out", path_str(&again)]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(
-        losses(&out.join("train.jsonl")),
-        losses(&again.join("train.jsonl"))
+        log_losses(&out.join("train.jsonl")),
+        log_losses(&again.join("train.jsonl"))
     );
 }
 

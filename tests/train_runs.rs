@@ -10,7 +10,6 @@ mod common;
 use castor_ir::relative_error;
 use castor_models::SafetensorsFile;
 use common::*;
-use std::path::Path;
 
 fn train(args: &[&str]) -> String {
     let mut all = vec!["train"];
@@ -19,17 +18,6 @@ fn train(args: &[&str]) -> String {
     let o = castor(&all);
     assert!(o.status.success(), "{args:?}: {}", stderr(&o));
     stdout(&o)
-}
-
-fn log_losses(log: &Path) -> Vec<f64> {
-    std::fs::read_to_string(log)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            v["loss"].as_f64().unwrap()
-        })
-        .collect()
 }
 
 /// The mean of the last ten losses: one step's loss depends on its batch.

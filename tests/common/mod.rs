@@ -91,3 +91,15 @@ pub fn batch_with_labels(variant: &str, objective: &str, out_dir: &Path) -> Path
     write_safetensors(&batch, &refs).expect("write batch");
     batch
 }
+
+/// The `loss` of every line of a `castor train --log` file, in order.
+pub fn log_losses(log: &Path) -> Vec<f64> {
+    std::fs::read_to_string(log)
+        .expect("training log")
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).expect("a JSON line");
+            v["loss"].as_f64().expect("a loss")
+        })
+        .collect()
+}
