@@ -15,6 +15,12 @@ use crate::{KernelFile, COMMON_HEADER};
 /// The environment variable naming the NVRTC folder.
 pub const NVRTC_DIR_VAR: &str = "CASTOR_NVRTC_DIR";
 
+/// The environment variables [`Nvrtc::discover`] reads, in order, before [`DEFAULT_CUDA_DIR`].
+pub const DISCOVER_VARS: [&str; 3] = [NVRTC_DIR_VAR, "CUDA_HOME", "CUDA_PATH"];
+
+/// The CUDA toolkit folder [`Nvrtc::discover`] tries last.
+pub const DEFAULT_CUDA_DIR: &str = "/usr/local/cuda";
+
 /// What went wrong opening NVRTC or compiling with it.
 #[derive(Debug, thiserror::Error)]
 pub enum NvrtcError {
@@ -36,6 +42,16 @@ pub enum NvrtcError {
         call: &'static str,
         code: i32,
         message: String,
+    },
+    #[error(
+        "no NVRTC 13 found; tried {}. Set {NVRTC_DIR_VAR} to a folder filled by `pip install \
+         --target DIR \"nvidia-cuda-nvrtc==13.0.*\" \"nvidia-cuda-runtime==13.0.*\"`, or to a \
+         CUDA 13 toolkit",
+        .tried.join("; ")
+    )]
+    NotDiscovered {
+        /// Each place looked in, with why it was not used.
+        tried: Vec<String>,
     },
     #[error("{what} contains a NUL byte")]
     Nul { what: String },
@@ -158,6 +174,56 @@ impl Nvrtc {
             Some(dir) if !dir.is_empty() => Self::open(Path::new(&dir)).map(Some),
             _ => Ok(None),
         }
+    }
+
+    /// Opens NVRTC 13 from the first place that has it: `$CASTOR_NVRTC_DIR`, `$CUDA_HOME`,
+    /// `$CUDA_PATH`, then `/usr/local/cuda` (each a `pip install --target` folder or a CUDA
+    /// toolkit). The error lists every place tried and why it was not used.
+    pub fn discover() -> Result<Self, NvrtcError> {
+        let mut candidates: Vec<(String, Option<PathBuf>)> = DISCOVER_VARS
+            .iter()
+            .map(|var| {
+                let dir = std::env::var_os(var)
+                    .filter(|v| !v.is_empty())
+                    .map(PathBuf::from);
+                (format!("${var}"), dir)
+            })
+            .collect();
+        candidates.push((
+            DEFAULT_CUDA_DIR.to_string(),
+            Some(PathBuf::from(DEFAULT_CUDA_DIR)),
+        ));
+        Self::discover_in(&candidates)
+    }
+
+    /// Opens NVRTC from the first of `candidates` (a label, and the folder or `None` when the
+    /// variable is unset) that has it.
+    fn discover_in(candidates: &[(String, Option<PathBuf>)]) -> Result<Self, NvrtcError> {
+        let mut tried = Vec::new();
+        for (label, dir) in candidates {
+            let Some(dir) = dir else {
+                tried.push(format!("{label} (not set)"));
+                continue;
+            };
+            let shown = if label.starts_with('$') {
+                format!("{label}={}", dir.display())
+            } else {
+                label.clone()
+            };
+            if !dir.is_dir() {
+                tried.push(format!("{shown} (no such folder)"));
+                continue;
+            }
+            match Self::open(dir) {
+                Ok(nvrtc) => return Ok(nvrtc),
+                Err(NvrtcError::NotFound { .. }) => tried.push(format!(
+                    "{shown} (no libnvrtc.so.13 with cuda_fp16.h in nvidia/cu13/{{lib,include}}, \
+                     lib64/include or lib/include)"
+                )),
+                Err(e) => tried.push(format!("{shown} ({e})")),
+            }
+        }
+        Err(NvrtcError::NotDiscovered { tried })
     }
 
     /// The library that was opened.
@@ -348,5 +414,41 @@ impl Drop for ProgramGuard<'_> {
         unsafe {
             (self.api.destroy)(&mut self.prog);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn discover_lists_every_place_tried() {
+        let empty = tempfile::tempdir().unwrap();
+        let candidates = vec![
+            ("$CASTOR_NVRTC_DIR".to_string(), None),
+            ("$CUDA_HOME".to_string(), Some(empty.path().to_path_buf())),
+            (
+                "/nonexistent/cuda".to_string(),
+                Some(PathBuf::from("/nonexistent/cuda")),
+            ),
+        ];
+        let err = match Nvrtc::discover_in(&candidates) {
+            Ok(_) => panic!("an empty folder has no NVRTC"),
+            Err(e) => e,
+        };
+        let NvrtcError::NotDiscovered { tried } = &err else {
+            panic!("unexpected error {err}");
+        };
+        assert_eq!(tried.len(), 3);
+        assert_eq!(tried[0], "$CASTOR_NVRTC_DIR (not set)");
+        assert!(tried[1].starts_with("$CUDA_HOME="), "{}", tried[1]);
+        assert!(tried[1].contains("no libnvrtc.so.13"), "{}", tried[1]);
+        assert_eq!(tried[2], "/nonexistent/cuda (no such folder)");
+        let message = err.to_string();
+        assert!(message.starts_with("no NVRTC 13 found; tried $CASTOR_NVRTC_DIR (not set); "));
+        assert!(
+            message.contains("Set CASTOR_NVRTC_DIR to a folder"),
+            "{message}"
+        );
     }
 }

@@ -1,0 +1,297 @@
+//! A lowered graph: the exact sequence of device commands one run performs, as plain data.
+//!
+//! The lowering ([`super::lower`]) decides everything: which kernel runs each node, with
+//! which launch shape and arguments, where every buffer lives (an offset in the one arena,
+//! or a persistent slot), which matrix products cuBLAS runs and how. The device layer
+//! ([`super::device`]) only resolves addresses and issues the commands. Keeping the program
+//! as data means it is built, inspected and checked (argument lists against the kernels'
+//! C signatures, buffers against their sizes) on machines without a GPU.
+
+use castor_ir::{DType, TensorType};
+
+/// Where a buffer is: an offset into the arena, or into a persistent slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Place {
+    /// Transient: `offset` bytes into the arena.
+    Arena { offset: u64 },
+    /// `offset` bytes into persistent slot `slot` (a state entry, a bound tensor, an input).
+    Slot { slot: usize, offset: u64 },
+}
+
+impl Place {
+    /// The place `bytes` further on.
+    pub fn plus(self, bytes: u64) -> Place {
+        match self {
+            Place::Arena { offset } => Place::Arena {
+                offset: offset + bytes,
+            },
+            Place::Slot { slot, offset } => Place::Slot {
+                slot,
+                offset: offset + bytes,
+            },
+        }
+    }
+}
+
+/// One persistent buffer: a state entry, a bound parameter, a graph input, or a small
+/// buffer the program itself needs (error flags, the loss, RoPE tables).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Slot {
+    pub name: String,
+    pub bytes: u64,
+    pub kind: SlotKind,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum SlotKind {
+    /// Bound by name before the first run (state, parameters), with this type.
+    Bound(TensorType),
+    /// Copied from the host before every run (the batch, the learning rate).
+    Input(TensorType),
+    /// The program's own: zeroed once at load.
+    Internal,
+    /// The program's own, with these bytes uploaded once at load (RoPE tables).
+    Constant(Vec<u8>),
+}
+
+/// A by-value kernel argument describing a strided copy (`CopyLayout` in `layout.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub struct CopyLayout {
+    /// The copied block's shape, outermost first; unused dims are 1.
+    pub shape: [i64; MAX_RANK],
+    /// Element strides of the source along each dim (0 broadcasts).
+    pub src_stride: [i64; MAX_RANK],
+    /// Element strides of the destination along each dim.
+    pub dst_stride: [i64; MAX_RANK],
+    pub src_offset: i64,
+    pub dst_offset: i64,
+    pub rank: i32,
+    pub pad: i32,
+}
+
+/// The most dims a strided copy describes.
+pub const MAX_RANK: usize = 8;
+
+/// One kernel argument, in the kernel's parameter order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Arg {
+    /// A device pointer.
+    Ptr(Place),
+    /// A null pointer (an optional operand not used).
+    Null,
+    I32(i32),
+    I64(i64),
+    U16(u16),
+    U32(u32),
+    U64(u64),
+    F64(f64),
+    /// The device address of table `index` of [`Program::tables`].
+    Table(usize),
+    /// A strided-copy description, by value.
+    Layout(CopyLayout),
+}
+
+/// One field of a device table (the per-tensor structs of the multi-tensor kernels).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Field {
+    Ptr(Place),
+    Null,
+    I32(i32),
+    I64(i64),
+    F64(f64),
+}
+
+impl Field {
+    pub fn bytes(&self) -> usize {
+        match self {
+            Field::I32(_) => 4,
+            _ => 8,
+        }
+    }
+}
+
+/// A constant table in device memory: rows of fields, each row laid out as its C struct
+/// (fields in order, naturally aligned; every struct here is made of 8-byte fields or pairs of
+/// 4-byte ones, so there is no padding to insert).
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Table {
+    pub rows: Vec<Vec<Field>>,
+}
+
+impl Table {
+    /// The table as bytes, with `address` resolving places.
+    pub fn encode(&self, address: &dyn Fn(Place) -> u64) -> Vec<u8> {
+        let mut out = Vec::new();
+        for row in &self.rows {
+            for f in row {
+                match f {
+                    Field::Ptr(p) => out.extend(address(*p).to_le_bytes()),
+                    Field::Null => out.extend(0u64.to_le_bytes()),
+                    Field::I32(x) => out.extend(x.to_le_bytes()),
+                    Field::I64(x) => out.extend(x.to_le_bytes()),
+                    Field::F64(x) => out.extend(x.to_le_bytes()),
+                }
+            }
+        }
+        out
+    }
+}
+
+/// How cuBLAS computes a product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmCompute {
+    /// F32 accumulation, F32 multiplies (TF32 tensor cores off).
+    F32,
+    /// F32 accumulation with TF32 multiplies (the `tf32` policy only).
+    Tf32,
+}
+
+/// A batched matrix product in cuBLAS's column-major terms:
+/// `C[i] = op(A[i]) · op(B[i])` for `i < batch`, `C` being `m x n` with leading dimension
+/// `ldc`. The lowering maps the IR's row-major `a @ b` to `Cᵀ = bᵀ · aᵀ` (so cuBLAS's `A`
+/// is the IR's `b`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemm {
+    pub node: String,
+    pub a: Place,
+    pub b: Place,
+    pub c: Place,
+    pub a_dtype: DType,
+    pub b_dtype: DType,
+    pub c_dtype: DType,
+    pub transa: bool,
+    pub transb: bool,
+    pub m: i32,
+    pub n: i32,
+    pub k: i32,
+    pub lda: i64,
+    pub ldb: i64,
+    pub ldc: i64,
+    /// Element strides between batch entries (0: the same matrix for every entry).
+    pub stride_a: i64,
+    pub stride_b: i64,
+    pub stride_c: i64,
+    pub batch: i32,
+    pub compute: GemmCompute,
+}
+
+/// One kernel launch.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Launch {
+    /// The node (value name) this launch belongs to, for errors and profiles.
+    pub node: String,
+    /// Index into [`Program::modules`].
+    pub module: usize,
+    pub entry: String,
+    pub grid: (u32, u32, u32),
+    pub block: (u32, u32, u32),
+    pub shared_bytes: u32,
+    pub args: Vec<Arg>,
+}
+
+/// One device command.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Command {
+    Launch(Launch),
+    Gemm(Gemm),
+    /// Device-to-device copy.
+    Copy {
+        dst: Place,
+        src: Place,
+        bytes: u64,
+    },
+    /// Sets `bytes` bytes to `byte`.
+    Memset {
+        dst: Place,
+        bytes: u64,
+        byte: u8,
+    },
+}
+
+/// A CUDA C module to compile with NVRTC: a file of `kernels/` or a generated kernel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Module {
+    /// The name the PTX cache files it under (the file name, or the generated kernel's).
+    pub name: String,
+    pub source: String,
+}
+
+/// A graph output the host can read back.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Output {
+    pub name: String,
+    pub ty: TensorType,
+    pub place: Place,
+}
+
+/// A check the kernels report through an `int` flag that the host initializes to `INT_MAX`
+/// and reads back with the outputs: the smallest bad position, if any.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ErrorFlag {
+    pub node: String,
+    /// What was out of range: `"token id"`, `"label"`.
+    pub what: &'static str,
+    pub place: Place,
+    /// The index tensor the position refers to and the range it must be in.
+    pub indices: Place,
+    pub limit: usize,
+}
+
+/// One sequence of commands the host launches as a unit (captured once as a CUDA graph and
+/// replayed): a graph of the plan, or the zeroing of accumulated gradients.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Run {
+    pub name: String,
+    pub commands: Vec<Command>,
+    /// The graph's outputs, each in a slot (so they outlive the arena's next use).
+    pub outputs: Vec<Output>,
+    /// Flags to reset before and read after the run.
+    pub error_flags: Vec<ErrorFlag>,
+}
+
+/// A lowered plan or graph.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct Program {
+    pub modules: Vec<Module>,
+    pub slots: Vec<Slot>,
+    pub tables: Vec<Table>,
+    /// Bytes of the one transient arena (every offset is 256-byte aligned). Runs never
+    /// overlap in time, so each places its buffers from offset 0.
+    pub arena_bytes: u64,
+    /// Bytes of cuBLAS workspace the products may use.
+    pub workspace_bytes: u64,
+    /// Run once after the state is loaded (working copies from masters, constant tables).
+    pub prologue: Vec<Command>,
+    pub runs: Vec<Run>,
+}
+
+impl Program {
+    /// The slot named `name`.
+    pub fn slot(&self, name: &str) -> Option<usize> {
+        self.slots.iter().position(|s| s.name == name)
+    }
+
+    /// The run named `name`.
+    pub fn run(&self, name: &str) -> Option<usize> {
+        self.runs.iter().position(|r| r.name == name)
+    }
+
+    /// Device bytes the program needs: arena, slots, tables, workspace.
+    pub fn device_bytes(&self) -> u64 {
+        let slots: u64 = self.slots.iter().map(|s| super::align(s.bytes)).sum();
+        let tables: u64 = self
+            .tables
+            .iter()
+            .map(|t| super::align(t.encode(&|_| 0).len() as u64))
+            .sum();
+        self.arena_bytes + slots + tables + self.workspace_bytes
+    }
+
+    /// Every command of the prologue and the runs.
+    pub fn all_commands(&self) -> impl Iterator<Item = &Command> {
+        self.prologue
+            .iter()
+            .chain(self.runs.iter().flat_map(|r| r.commands.iter()))
+    }
+}
