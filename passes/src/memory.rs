@@ -270,6 +270,14 @@ fn place(buffers: &mut [Buffer], order: &[usize], reserve: &[u64]) -> u64 {
 /// Plans the arena of a schedule of graphs.
 pub fn plan_graphs(graphs: &[ScheduledGraph<'_>]) -> MemoryPlan {
     let (buffers, len) = liveness(graphs);
+    place_buffers(buffers, len)
+}
+
+/// Places `buffers` (live ranges over a schedule of `len` positions) in one arena: best fit
+/// in each [`PlacementOrder`], the smallest arena wins. Executors that schedule at another
+/// granularity than nodes (fused kernels, scratch buffers) compute their own ranges and
+/// place them here.
+pub fn place_buffers(buffers: Vec<Buffer>, len: usize) -> MemoryPlan {
     let (lb, peak_position) = lower_bound(&buffers, len);
     let mut best: Option<(u64, PlacementOrder, Vec<Buffer>)> = None;
     let mut other = u64::MAX;

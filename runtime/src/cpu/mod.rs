@@ -25,7 +25,7 @@ mod optimizer;
 mod par;
 mod pool;
 mod reduce;
-mod rope;
+pub(crate) mod rope;
 mod simd;
 mod softmax;
 mod strides;

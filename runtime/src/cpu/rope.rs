@@ -44,7 +44,7 @@ pub fn rope_grad(dy: &mut [f32], t: usize, d: usize, theta: f64) {
 }
 
 /// `(cos, sin)` per position and frequency, `[t, d/2]`, as HF computes them in F32.
-fn rope_table(t: usize, d: usize, theta: f64) -> Vec<(f32, f32)> {
+pub(crate) fn rope_table(t: usize, d: usize, theta: f64) -> Vec<(f32, f32)> {
     let half = d / 2;
     let base = theta as f32;
     let inv_freq: Vec<f32> = (0..half)

@@ -1,0 +1,773 @@
+//! Lowering: a graph or training plan to a [`Program`] of device commands.
+//!
+//! Per graph (one [`Run`]):
+//! 1. **Units.** Every non-source node is one unit of work, except that the fusion pass's
+//!    pointwise groups ([`castor_passes::fusion::fusion_groups`]) are one unit each, run where
+//!    their last member stands; a pointwise node in no group is a one-member kernel from the
+//!    same generator. Values made and read only inside a group get no buffer.
+//! 2. **Places.** Sources and values written to state live in persistent slots (updates are in
+//!    place when that is safe, else computed in the arena and copied at the end of the run);
+//!    graph outputs get slots of their own so they outlive the arena's next use; a `reshape`
+//!    is a view of its operand; everything else, and each kernel's scratch (norm statistics
+//!    kept for the backward, partial sums), is an arena buffer with a live range in units.
+//! 3. **Arena.** The ranges are placed by the memory planner's best fit
+//!    ([`castor_passes::memory::place_buffers`]), all 256-byte aligned.
+//! 4. **Commands.** Each unit becomes kernel launches of `kernels/*.cu` or of a generated
+//!    module, a cuBLAS product, copies or memsets (see [`ops`]).
+
+mod copies;
+mod gemm;
+mod ops;
+
+use super::program::{
+    Arg, Command, ErrorFlag, Field, Launch, Module, Output, Place, Program, Run, Slot, SlotKind,
+    Table,
+};
+use castor_ir::{DType, Graph, Node, Op, StateRole, TensorType, TrainingPlan, Value};
+use castor_passes::fusion;
+use castor_passes::memory::{place_buffers, Buffer};
+use std::collections::HashMap;
+
+/// Why a graph cannot run on the CUDA executor.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("node `%{node}`: {message}")]
+pub struct LowerError {
+    pub node: String,
+    pub message: String,
+}
+
+/// Names of the runs of a lowered training plan.
+pub const ZERO_GRADS: &str = "zero_grads";
+pub const MICRO_STEP: &str = "micro_step";
+pub const OPTIMIZER_STEP: &str = "optimizer_step";
+/// The run of a lowered single graph.
+pub const FORWARD: &str = "graph";
+
+/// Lowers a training plan: runs `zero_grads` (only when gradients accumulate over several
+/// micro-batches), `micro_step` and `optimizer_step`, sharing the state slots.
+pub fn lower_plan(plan: &TrainingPlan) -> Result<Program, LowerError> {
+    let mut l = Lowerer::default();
+    for spec in &plan.state {
+        l.slot(&spec.name, SlotKind::Bound(spec.ty.clone()), &spec.name)?;
+    }
+    if plan.settings.grad_accum > 1 {
+        let mut commands = Vec::new();
+        for spec in plan.state.iter().filter(|s| s.role == StateRole::Gradient) {
+            let slot = l.slot(&spec.name, SlotKind::Bound(spec.ty.clone()), &spec.name)?;
+            commands.push(Command::Memset {
+                dst: Place::Slot { slot, offset: 0 },
+                bytes: bytes_of(&spec.ty, &spec.name)?,
+                byte: 0,
+            });
+        }
+        l.program.runs.push(Run {
+            name: ZERO_GRADS.into(),
+            commands,
+            ..Run::default()
+        });
+    }
+    let stored = |writes: &[castor_ir::Write]| -> HashMap<String, String> {
+        writes
+            .iter()
+            .map(|w| (w.output.clone(), w.state.clone()))
+            .collect()
+    };
+    l.lower_run(
+        &plan.micro_step,
+        MICRO_STEP,
+        &stored(&plan.micro_step_writes),
+    )?;
+    l.lower_run(
+        &plan.optimizer_step,
+        OPTIMIZER_STEP,
+        &stored(&plan.optimizer_step_writes),
+    )?;
+    Ok(l.program)
+}
+
+/// Lowers one graph (a forward pass, a test graph): inputs are input slots, params and state
+/// bound slots, every output a slot of its own.
+pub fn lower_graph(graph: &Graph) -> Result<Program, LowerError> {
+    let mut l = Lowerer::default();
+    l.lower_run(graph, FORWARD, &HashMap::new())?;
+    Ok(l.program)
+}
+
+fn bytes_of(ty: &TensorType, name: &str) -> Result<u64, LowerError> {
+    ty.size_bytes().map(|b| b as u64).ok_or_else(|| LowerError {
+        node: name.into(),
+        message: format!("{ty} has no static size"),
+    })
+}
+
+/// Builds a program run by run.
+#[derive(Default)]
+struct Lowerer {
+    program: Program,
+    modules: HashMap<String, usize>,
+    /// Param-copy slots already initialized by the prologue.
+    copies: HashMap<String, usize>,
+}
+
+impl Lowerer {
+    /// The slot `name`, created with `kind` if new.
+    fn slot(&mut self, name: &str, kind: SlotKind, node: &str) -> Result<usize, LowerError> {
+        if let Some(i) = self.program.slot(name) {
+            return Ok(i);
+        }
+        let bytes = match &kind {
+            SlotKind::Bound(ty) | SlotKind::Input(ty) => bytes_of(ty, node)?,
+            SlotKind::Constant(b) => b.len() as u64,
+            SlotKind::Internal => 0,
+        };
+        self.program.slots.push(Slot {
+            name: name.into(),
+            bytes,
+            kind,
+        });
+        Ok(self.program.slots.len() - 1)
+    }
+
+    /// An internal slot of `bytes` bytes.
+    fn internal(&mut self, name: &str, bytes: u64) -> usize {
+        if let Some(i) = self.program.slot(name) {
+            return i;
+        }
+        self.program.slots.push(Slot {
+            name: name.into(),
+            bytes,
+            kind: SlotKind::Internal,
+        });
+        self.program.slots.len() - 1
+    }
+
+    /// The module that holds `source`, by name.
+    fn module(&mut self, name: &str, source: &str) -> usize {
+        if let Some(&i) = self.modules.get(name) {
+            return i;
+        }
+        self.program.modules.push(Module {
+            name: name.into(),
+            source: source.into(),
+        });
+        let i = self.program.modules.len() - 1;
+        self.modules.insert(name.into(), i);
+        i
+    }
+
+    /// A launch of the hand-written kernel `entry`.
+    fn kernel(
+        &mut self,
+        node: &str,
+        entry: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: Vec<Arg>,
+    ) -> Result<Command, LowerError> {
+        let file = castor_kernels::file_of(entry).ok_or_else(|| LowerError {
+            node: node.into(),
+            message: format!(
+                "no kernel `{entry}` in kernels/ (a dtype combination the kernels do not cover)"
+            ),
+        })?;
+        let module = self.module(file.name, file.source);
+        Ok(Command::Launch(Launch {
+            node: node.into(),
+            module,
+            entry: entry.into(),
+            grid,
+            block,
+            shared_bytes: 0,
+            args,
+        }))
+    }
+
+    fn table(&mut self, rows: Vec<Vec<Field>>) -> usize {
+        self.program.tables.push(Table { rows });
+        self.program.tables.len() - 1
+    }
+
+    fn lower_run(
+        &mut self,
+        g: &Graph,
+        run: &str,
+        stored: &HashMap<String, String>,
+    ) -> Result<(), LowerError> {
+        castor_ir::verify(g).map_err(|e| LowerError {
+            node: g.name.clone(),
+            message: format!("invalid graph: {e}"),
+        })?;
+        let mut r = RunLowering::new(self, g, run, stored)?;
+        r.assign_sources()?;
+        r.emit_all()?;
+        let run = r.finish()?;
+        if run.commands.iter().any(|c| matches!(c, Command::Gemm(_))) {
+            // cuBLAS's recommended workspace on Hopper.
+            self.program.workspace_bytes = self.program.workspace_bytes.max(32 << 20);
+        }
+        self.program.runs.push(run);
+        Ok(())
+    }
+}
+
+/// A value's location while lowering.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Loc {
+    Unset,
+    /// Made and read inside one fused kernel: no buffer.
+    InKernel,
+    At(Place),
+}
+
+/// While lowering, an arena place names its buffer: `offset = (buffer + 1) << TAG_SHIFT |
+/// bytes into it`, rewritten to real offsets once the buffers are placed.
+const TAG_SHIFT: u32 = 40;
+
+fn tagged(buffer: usize) -> Place {
+    Place::Arena {
+        offset: ((buffer as u64) + 1) << TAG_SHIFT,
+    }
+}
+
+/// Statistics a forward kernel keeps for its backward (norm mean/rstd, cross-entropy row max
+/// and inverse sum and count), found by the backward through its operands.
+#[derive(Clone, Copy, Debug)]
+struct Saved {
+    a: Place,
+    b: Place,
+    count: Option<Place>,
+}
+
+struct RunLowering<'l, 'g> {
+    l: &'l mut Lowerer,
+    g: &'g Graph,
+    run: String,
+    stored: &'g HashMap<String, String>,
+    users: Vec<Vec<Node>>,
+    /// The unit of each node (sources: 0).
+    unit_of: Vec<usize>,
+    /// The pointwise group of each node, if any.
+    group_of: Vec<Option<usize>>,
+    /// Pointwise groups (the first `pointwise_groups`), then optimizer batches.
+    groups: Vec<Vec<Node>>,
+    pointwise_groups: usize,
+    /// Per value: the last unit that reads it or any view of it (for view roots).
+    end_of: Vec<usize>,
+    /// Per value: the value whose buffer it shares (itself unless a view).
+    root: Vec<Value>,
+    loc: Vec<Loc>,
+    /// Arena requests: (bytes, first unit, last unit).
+    buffers: Vec<(u64, usize, usize)>,
+    commands: Vec<Command>,
+    /// Values computed in the arena that must be copied into their state slot at the end.
+    late_writes: Vec<(Place, Place, u64)>,
+    saved: HashMap<(Value, Value), Saved>,
+    /// The unit of the backward node that reads a forward node's saved statistics.
+    saved_until: HashMap<(Value, Value), usize>,
+    flags: Vec<ErrorFlag>,
+    tables_before: usize,
+    unit: usize,
+    units: usize,
+}
+
+impl<'l, 'g> RunLowering<'l, 'g> {
+    fn new(
+        l: &'l mut Lowerer,
+        g: &'g Graph,
+        run: &str,
+        stored: &'g HashMap<String, String>,
+    ) -> Result<Self, LowerError> {
+        let users = g.users();
+        // Pointwise groups, then optimizer batches: each runs as one unit.
+        let mut groups = fusion::fusion_groups(g);
+        let pointwise_groups = groups.len();
+        groups.extend(ops::optimizer_batches(g, &users));
+        let mut group_of = vec![None; g.num_nodes()];
+        for (gi, members) in groups.iter().enumerate() {
+            for &m in members {
+                group_of[m.index()] = Some(gi);
+            }
+        }
+        // Units in emission order: a group at its last member.
+        let mut unit_of = vec![0usize; g.num_nodes()];
+        let mut units = 1usize;
+        for (n, node) in g.nodes() {
+            if node.op.is_source() {
+                continue;
+            }
+            match group_of[n.index()] {
+                Some(gi) if groups[gi].last() != Some(&n) => {}
+                Some(gi) => {
+                    for &m in &groups[gi] {
+                        unit_of[m.index()] = units;
+                    }
+                    units += 1;
+                }
+                None => {
+                    unit_of[n.index()] = units;
+                    units += 1;
+                }
+            }
+        }
+        // Views share their operand's buffer.
+        let mut root: Vec<Value> = (0..g.num_values()).map(|i| Value(i as u32)).collect();
+        for (_, node) in g.nodes() {
+            if matches!(node.op, Op::Reshape { .. }) {
+                root[node.outputs[0].index()] = root[node.inputs[0].index()];
+            }
+        }
+        let mut end_of = vec![0usize; g.num_values()];
+        for (v, data) in g.values() {
+            let produced = unit_of[data.producer.index()];
+            let read = users[v.index()]
+                .iter()
+                .map(|u| unit_of[u.index()])
+                .max()
+                .unwrap_or(produced);
+            let r = root[v.index()].index();
+            end_of[r] = end_of[r].max(read).max(produced);
+        }
+        // Forward statistics live until their backward reads them.
+        let mut saved_until = HashMap::new();
+        for (n, node) in g.nodes() {
+            let key = match node.op {
+                Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. } => {
+                    (node.inputs[0], node.inputs[1])
+                }
+                Op::CrossEntropyGrad { .. } => (node.inputs[0], node.inputs[1]),
+                _ => continue,
+            };
+            let e = saved_until.entry(key).or_insert(0usize);
+            *e = (*e).max(unit_of[n.index()]);
+        }
+        let tables_before = l.program.tables.len();
+        Ok(RunLowering {
+            l,
+            g,
+            run: run.into(),
+            stored,
+            users,
+            unit_of,
+            group_of,
+            groups,
+            pointwise_groups,
+            end_of,
+            root,
+            loc: vec![Loc::Unset; g.num_values()],
+            buffers: Vec::new(),
+            commands: Vec::new(),
+            late_writes: Vec::new(),
+            saved: HashMap::new(),
+            saved_until,
+            flags: Vec::new(),
+            tables_before,
+            unit: 0,
+            units,
+        })
+    }
+
+    fn err(&self, v: Value, message: impl Into<String>) -> LowerError {
+        LowerError {
+            node: self.g.name(v).into(),
+            message: message.into(),
+        }
+    }
+
+    /// Slots for sources (params, state, inputs) and param copies.
+    fn assign_sources(&mut self) -> Result<(), LowerError> {
+        let g = self.g;
+        for (_, node) in g.nodes() {
+            let v = match node.outputs.first() {
+                Some(&v) => v,
+                None => continue,
+            };
+            let name = g.name(v).to_string();
+            let ty = g.ty(v).clone();
+            let slot = match node.op {
+                Op::Param | Op::State => self.l.slot(&name, SlotKind::Bound(ty), &name)?,
+                Op::Input => self.l.slot(&name, SlotKind::Input(ty), &name)?,
+                Op::ParamCopy { to } => self.param_copy(node.inputs[0], v, to)?,
+                _ => continue,
+            };
+            self.loc[v.index()] = Loc::At(Place::Slot { slot, offset: 0 });
+        }
+        Ok(())
+    }
+
+    /// The slot of a parameter's working copy; the prologue fills it from the master (a
+    /// training plan's optimizer rewrites it with every update).
+    fn param_copy(&mut self, master: Value, copy: Value, to: DType) -> Result<usize, LowerError> {
+        let g = self.g;
+        let name = g.name(copy).to_string();
+        if let Some(&s) = self.l.copies.get(&name) {
+            return Ok(s);
+        }
+        let ty = g.ty(copy).clone();
+        let slot = self.l.slot(&name, SlotKind::Bound(ty.clone()), &name)?;
+        let master_name = g.name(master).to_string();
+        let mslot = self.l.slot(
+            &master_name,
+            SlotKind::Bound(g.ty(master).clone()),
+            &master_name,
+        )?;
+        let n = ty.shape.numel().unwrap_or(0);
+        let from = g.ty(master).dtype;
+        if from != to {
+            let entry = format!("cast_{}_{}", sfx(from), sfx(to));
+            let cmd = self.l.kernel(
+                &name,
+                &entry,
+                grid_1d(n, 256),
+                (256, 1, 1),
+                vec![
+                    Arg::Ptr(Place::Slot {
+                        slot: mslot,
+                        offset: 0,
+                    }),
+                    Arg::Ptr(Place::Slot { slot, offset: 0 }),
+                    Arg::I64(n as i64),
+                ],
+            )?;
+            self.l.program.prologue.push(cmd);
+        } else {
+            self.l.program.prologue.push(Command::Copy {
+                dst: Place::Slot { slot, offset: 0 },
+                src: Place::Slot {
+                    slot: mslot,
+                    offset: 0,
+                },
+                bytes: bytes_of(&ty, &name)?,
+            });
+        }
+        self.l.copies.insert(name, slot);
+        Ok(slot)
+    }
+
+    fn emit_all(&mut self) -> Result<(), LowerError> {
+        let g = self.g;
+        for (n, node) in g.nodes() {
+            if node.op.is_source() {
+                continue;
+            }
+            self.unit = self.unit_of[n.index()];
+            if let Some(gi) = self.group_of[n.index()] {
+                if self.groups[gi].last() == Some(&n) {
+                    let members = self.groups[gi].clone();
+                    if gi < self.pointwise_groups {
+                        let name = format!("{}_fused_{gi}", self.run);
+                        self.pointwise(&members, &name)?;
+                    } else {
+                        self.optimizer(&members)?;
+                    }
+                }
+                continue;
+            }
+            if is_pointwise(g, n) {
+                let name = format!("{}_pw_{}", self.run, n.index());
+                self.pointwise(&[n], &name)?;
+                continue;
+            }
+            self.node(n)?;
+        }
+        Ok(())
+    }
+
+    /// The place of an operand (already made).
+    fn at(&self, v: Value) -> Result<Place, LowerError> {
+        match self.loc[v.index()] {
+            Loc::At(p) => Ok(p),
+            _ => Err(self.err(v, "read before it is made (a lowering bug)")),
+        }
+    }
+
+    /// The place a node writes `v` to: its state slot (in place when safe), its output slot,
+    /// a view's root, or a new arena buffer live until its last reader.
+    fn out(&mut self, v: Value) -> Result<Place, LowerError> {
+        if let Loc::At(p) = self.loc[v.index()] {
+            return Ok(p);
+        }
+        let g = self.g;
+        let name = g.name(v).to_string();
+        let ty = g.ty(v).clone();
+        let bytes = bytes_of(&ty, &name)?;
+        let place = if let Some(state) = self.stored.get(&name) {
+            let slot = self.l.slot(state, SlotKind::Bound(ty.clone()), &name)?;
+            let target = Place::Slot { slot, offset: 0 };
+            if self.in_place_is_safe(v, state) {
+                target
+            } else {
+                let p = self.arena(bytes, self.units);
+                self.late_writes.push((target, p, bytes));
+                p
+            }
+        } else if g.outputs().contains(&v) {
+            let slot = self.l.internal(&format!("{}.out.{name}", self.run), bytes);
+            Place::Slot { slot, offset: 0 }
+        } else {
+            let end = self.end_of[self.root[v.index()].index()];
+            self.arena(bytes, end)
+        };
+        self.loc[v.index()] = Loc::At(place);
+        Ok(place)
+    }
+
+    /// True when writing `v` straight into `state`'s slot cannot change what any reader of
+    /// the old state value sees: no reader after `v`'s unit, and within the unit only
+    /// element-for-element readers (pointwise kernels over the same shape, the optimizer and
+    /// step kernels, which are written for in-place updates).
+    fn in_place_is_safe(&self, v: Value, state: &str) -> bool {
+        let g = self.g;
+        let Some(old) = g.lookup(state) else {
+            return true;
+        };
+        let unit = self.unit_of[g.value(v).producer.index()];
+        self.users[old.index()].iter().all(|&u| {
+            let uu = self.unit_of[u.index()];
+            if uu < unit {
+                return true;
+            }
+            if uu > unit {
+                return false;
+            }
+            let node = g.node(u);
+            match node.op {
+                Op::AdamW { .. } | Op::Sgd { .. } | Op::CountStep | Op::LossScaleUpdate { .. } => {
+                    true
+                }
+                _ => is_pointwise(g, u) && g.ty(old).shape == g.ty(node.outputs[0]).shape,
+            }
+        })
+    }
+
+    /// A scratch or value buffer in the arena from this unit to `end`.
+    fn arena(&mut self, bytes: u64, end: usize) -> Place {
+        self.buffers
+            .push((bytes.max(1), self.unit, end.max(self.unit)));
+        tagged(self.buffers.len() - 1)
+    }
+
+    /// Scratch used only inside this unit.
+    fn scratch(&mut self, bytes: u64) -> Place {
+        self.arena(bytes, self.unit)
+    }
+
+    /// An error flag (an `int` slot reset to `INT_MAX` before the run).
+    fn flag(&mut self, node: Value, what: &'static str, indices: Place, limit: usize) -> Place {
+        let name = format!("{}.flag.{}", self.run, self.g.name(node));
+        let slot = self.l.internal(&name, 4);
+        let place = Place::Slot { slot, offset: 0 };
+        self.flags.push(ErrorFlag {
+            node: self.g.name(node).into(),
+            what,
+            place,
+            indices,
+            limit,
+        });
+        place
+    }
+
+    fn launch(
+        &mut self,
+        v: Value,
+        entry: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        args: Vec<Arg>,
+    ) -> Result<(), LowerError> {
+        let node = self.g.name(v).to_string();
+        let cmd = self.l.kernel(&node, entry, grid, block, args)?;
+        self.commands.push(cmd);
+        Ok(())
+    }
+
+    /// One fused kernel over `members` (a group, or a single pointwise node).
+    fn pointwise(&mut self, members: &[Node], name: &str) -> Result<(), LowerError> {
+        let g = self.g;
+        let inputs = fusion::group_inputs(g, members);
+        let outputs = fusion::group_outputs(g, &self.users, members);
+        for &m in members {
+            let v = g.node(m).outputs[0];
+            if !outputs.contains(&v) {
+                self.loc[v.index()] = Loc::InKernel;
+            }
+        }
+        let Some(&last) = members.last() else {
+            return Ok(());
+        };
+        let root = g.node(last).outputs[0];
+        let n = g.ty(root).shape.numel().unwrap_or(0);
+        let source = fusion::cuda_source(g, &self.users, members, name);
+        let module = self.l.module(name, &source);
+        let mut args = Vec::new();
+        for &v in &inputs {
+            args.push(Arg::Ptr(self.at(v)?));
+        }
+        for &v in &outputs {
+            args.push(Arg::Ptr(self.out(v)?));
+        }
+        args.push(Arg::I64(n as i64));
+        self.commands.push(Command::Launch(Launch {
+            node: g.name(root).into(),
+            module,
+            entry: name.into(),
+            grid: grid_1d(n.div_ceil(8), 256),
+            block: (256, 1, 1),
+            shared_bytes: 0,
+            args,
+        }));
+        Ok(())
+    }
+
+    /// Resolves arena tags to offsets, adds the end-of-run copies and the flag resets.
+    fn finish(mut self) -> Result<Run, LowerError> {
+        for (dst, src, bytes) in std::mem::take(&mut self.late_writes) {
+            self.commands.push(Command::Copy { dst, src, bytes });
+        }
+        let len = self.units + 1;
+        let bufs: Vec<Buffer> = self
+            .buffers
+            .iter()
+            .enumerate()
+            .map(|(i, &(size, start, end))| Buffer {
+                graph: 0,
+                value: Value(i as u32),
+                size: castor_passes::memory::align(size),
+                start,
+                end,
+                offset: 0,
+            })
+            .collect();
+        let plan = place_buffers(bufs, len);
+        let mut offsets = vec![0u64; self.buffers.len()];
+        for b in &plan.buffers {
+            offsets[b.value.index()] = b.offset;
+        }
+        self.l.program.arena_bytes = self.l.program.arena_bytes.max(plan.arena_bytes);
+        let resolve = |p: Place| -> Place {
+            match p {
+                Place::Arena { offset } if offset >> TAG_SHIFT > 0 => {
+                    let buf = (offset >> TAG_SHIFT) as usize - 1;
+                    Place::Arena {
+                        offset: offsets.get(buf).copied().unwrap_or(0)
+                            + (offset & ((1u64 << TAG_SHIFT) - 1)),
+                    }
+                }
+                other => other,
+            }
+        };
+        // Flags reset first, as part of the run.
+        let mut commands: Vec<Command> = Vec::new();
+        for f in &self.flags {
+            let cmd = self.l.kernel(
+                &f.node,
+                "fill_b4",
+                (1, 1, 1),
+                (32, 1, 1),
+                vec![Arg::Ptr(f.place), Arg::I64(1), Arg::U32(i32::MAX as u32)],
+            )?;
+            commands.push(cmd);
+        }
+        commands.append(&mut self.commands);
+        for c in &mut commands {
+            map_places(c, &resolve);
+        }
+        for t in &mut self.l.program.tables[self.tables_before..] {
+            for row in &mut t.rows {
+                for f in row {
+                    if let Field::Ptr(p) = f {
+                        *p = resolve(*p);
+                    }
+                }
+            }
+        }
+        let mut flags = std::mem::take(&mut self.flags);
+        for f in &mut flags {
+            f.indices = resolve(f.indices);
+        }
+        let g = self.g;
+        let mut outputs = Vec::new();
+        for &v in g.outputs() {
+            let place = match self.loc[v.index()] {
+                Loc::At(p) => resolve(p),
+                _ => return Err(self.err(v, "a graph output has no buffer (a lowering bug)")),
+            };
+            outputs.push(Output {
+                name: g.name(v).into(),
+                ty: g.ty(v).clone(),
+                place,
+            });
+        }
+        Ok(Run {
+            name: self.run.clone(),
+            commands,
+            outputs,
+            error_flags: flags,
+        })
+    }
+}
+
+fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
+    match c {
+        Command::Launch(l) => {
+            for a in &mut l.args {
+                if let Arg::Ptr(p) = a {
+                    *p = f(*p);
+                }
+            }
+        }
+        Command::Gemm(gm) => {
+            gm.a = f(gm.a);
+            gm.b = f(gm.b);
+            gm.c = f(gm.c);
+        }
+        Command::Copy { dst, src, .. } => {
+            *dst = f(*dst);
+            *src = f(*src);
+        }
+        Command::Memset { dst, .. } => *dst = f(*dst),
+    }
+}
+
+/// The nodes the fusion pass's code generator handles.
+fn is_pointwise(g: &Graph, n: Node) -> bool {
+    let node = g.node(n);
+    let float = |v: &Value| g.ty(*v).dtype.is_float();
+    matches!(
+        node.op,
+        Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Scale { .. } | Op::Cast { .. }
+    ) && node.inputs.iter().all(float)
+        && node.outputs.len() == 1
+        && node.outputs.iter().all(float)
+}
+
+/// Kernel-name suffix of a float dtype.
+fn sfx(d: DType) -> &'static str {
+    match d {
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        DType::F32 => "f32",
+        DType::I64 => "i64",
+        DType::I32 => "i32",
+        DType::Bool => "bool",
+    }
+}
+
+/// Suffix of a kernel reading `ti` and writing `to` (`bf16`, or `f32_bf16`).
+fn io(ti: DType, to: DType) -> String {
+    if ti == to {
+        sfx(ti).into()
+    } else {
+        format!("{}_{}", sfx(ti), sfx(to))
+    }
+}
+
+/// A 1-D grid-stride launch over `work` items.
+fn grid_1d(work: usize, block: u32) -> (u32, u32, u32) {
+    let blocks = work.div_ceil(block as usize).clamp(1, 65_535 * 4);
+    (blocks as u32, 1, 1)
+}
+
+/// One block per row (grid-stride over rows).
+fn grid_rows(rows: usize) -> (u32, u32, u32) {
+    (rows.clamp(1, 65_535 * 4) as u32, 1, 1)
+}

@@ -1,0 +1,1164 @@
+//! The commands of each non-pointwise op: which kernel of `kernels/*.cu`, its launch shape and
+//! its arguments, in the order and meaning each kernel file's header comment gives.
+
+use super::super::program::{Arg, Command, Field, Place, SlotKind};
+use super::{copies, gemm, grid_1d, grid_rows, io, sfx, LowerError, RunLowering, Saved};
+use castor_ir::{Accum, DType, Node, Op, ReduceOp, Value};
+
+/// Threads per block of the row kernels (norms, softmax, cross-entropy, embeddings).
+const ROW_BLOCK: u32 = 256;
+/// Threads per block of the elementwise and copy kernels.
+const BLOCK: u32 = 256;
+/// Elements per chunk of the multi-tensor kernels (the grad-norm's F64 partial sums group
+/// 16384 elements, as the CPU twin does).
+const CHUNK: usize = 16_384;
+/// Rows per group of the norms' weight-gradient partial sums.
+const ROWS_PER_GROUP: usize = 256;
+
+impl RunLowering<'_, '_> {
+    pub(super) fn node(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let ins = node.inputs.clone();
+        let outs = node.outputs.clone();
+        let Some(&y) = outs.first() else {
+            return Ok(());
+        };
+        let dt = |v: Value| g.ty(v).dtype;
+        let dims = |v: Value| g.ty(v).shape.dims().to_vec();
+        let numel = |v: Value| g.ty(v).shape.numel().unwrap_or(0);
+        match &node.op {
+            Op::Input | Op::Param | Op::State | Op::ParamCopy { .. } => {}
+            Op::Reshape { .. } => {
+                let src = self.at(ins[0])?;
+                let name = g.name(y).to_string();
+                if g.outputs().contains(&y) || self.stored.contains_key(&name) {
+                    let bytes = super::bytes_of(g.ty(y), &name)?;
+                    let dst = self.out(y)?;
+                    self.commands.push(Command::Copy { dst, src, bytes });
+                } else {
+                    self.loc[y.index()] = super::Loc::At(src);
+                }
+            }
+            Op::MatMul {
+                transpose_a,
+                transpose_b,
+            } => {
+                let (a, b) = (self.at(ins[0])?, self.at(ins[1])?);
+                let c = self.out(y)?;
+                let gm = gemm::matmul(
+                    g.name(y),
+                    (a, &g.ty(ins[0]).shape, dt(ins[0])),
+                    (b, &g.ty(ins[1]).shape, dt(ins[1])),
+                    (c, dt(y)),
+                    *transpose_a,
+                    *transpose_b,
+                    node.acc == Some(Accum::Tf32),
+                )
+                .map_err(|m| self.err(y, m))?;
+                self.commands.extend(gm.into_iter().map(Command::Gemm));
+            }
+            Op::Embedding => {
+                let (table, ids) = (ins[0], ins[1]);
+                if dt(ids) != DType::I64 {
+                    return Err(self.err(y, "token ids must be i64 on the CUDA executor"));
+                }
+                if dt(table) != dt(y) {
+                    return Err(self.err(y, "an embedding gathers rows in the table's dtype"));
+                }
+                let d = dims(table);
+                let (v, h) = (d[0], d[1]);
+                let rows = numel(ids);
+                let (tp, ip) = (self.at(table)?, self.at(ids)?);
+                let out = self.out(y)?;
+                let bad = self.flag(y, "token id", ip, v);
+                self.launch(
+                    y,
+                    &format!("embedding_fwd_{}", sfx(dt(y))),
+                    grid_rows(rows),
+                    (128, 1, 1),
+                    vec![
+                        Arg::Ptr(tp),
+                        Arg::Ptr(ip),
+                        Arg::Ptr(out),
+                        Arg::I64(rows as i64),
+                        Arg::I64(v as i64),
+                        Arg::I32(h as i32),
+                        Arg::Ptr(bad),
+                    ],
+                )?;
+            }
+            Op::EmbeddingGrad { vocab } => self.embedding_grad(y, ins[0], ins[1], *vocab)?,
+            Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
+                let rms = matches!(node.op, Op::RmsNorm { .. });
+                self.norm(y, &ins, rms, *eps)?;
+            }
+            Op::LayerNormGrad { eps } | Op::RmsNormGrad { eps } => {
+                let rms = matches!(node.op, Op::RmsNormGrad { .. });
+                self.norm_grad(&ins, &outs, rms, *eps)?;
+            }
+            Op::Softmax { causal } => self.softmax(y, &ins, *causal)?,
+            Op::SoftmaxGrad => {
+                let (yv, dy) = (ins[0], ins[1]);
+                let n = g.ty(yv).shape.last();
+                let rows = numel(yv) / n.max(1);
+                let (yp, dyp) = (self.at(yv)?, self.at(dy)?);
+                let dx = self.out(y)?;
+                self.launch(
+                    y,
+                    &format!("softmax_bwd_{}", io(dt(y), dt(yv))),
+                    grid_rows(rows),
+                    (ROW_BLOCK, 1, 1),
+                    vec![
+                        Arg::Ptr(yp),
+                        Arg::Ptr(dyp),
+                        Arg::Ptr(dx),
+                        Arg::I64(rows as i64),
+                        Arg::I32(n as i32),
+                    ],
+                )?;
+            }
+            Op::Rope { theta } | Op::RopeGrad { theta } => {
+                let backward = matches!(node.op, Op::RopeGrad { .. });
+                let d = dims(ins[0]);
+                if d.len() < 2 || d[d.len() - 1] % 2 != 0 {
+                    return Err(self.err(y, "rope needs [.., T, D] with D even"));
+                }
+                let (t, hd) = (d[d.len() - 2], d[d.len() - 1]);
+                let rows = numel(ins[0]) / hd.max(1);
+                let table = self.rope_table(t, hd, *theta)?;
+                let (x, out) = (self.at(ins[0])?, self.out(y)?);
+                let dir = if backward { "bwd" } else { "fwd" };
+                self.launch(
+                    y,
+                    &format!("rope_{dir}_{}", sfx(dt(y))),
+                    grid_1d(rows * hd / 2, BLOCK),
+                    (BLOCK, 1, 1),
+                    vec![
+                        Arg::Ptr(x),
+                        Arg::Ptr(out),
+                        Arg::Ptr(table),
+                        Arg::I64(rows as i64),
+                        Arg::I32(t as i32),
+                        Arg::I32(hd as i32),
+                    ],
+                )?;
+            }
+            Op::Transpose { perm } => {
+                let l = copies::transpose(&dims(ins[0]), perm).map_err(|m| self.err(y, m))?;
+                let (src, dst) = (self.at(ins[0])?, self.out(y)?);
+                self.copy(y, src, dst, l)?;
+            }
+            Op::Slice { axis, start, end } => {
+                let l = copies::slice(&dims(ins[0]), *axis, *start, end - start)
+                    .map_err(|m| self.err(y, m))?;
+                let (src, dst) = (self.at(ins[0])?, self.out(y)?);
+                self.copy(y, src, dst, l)?;
+            }
+            Op::Split { axis, sizes } => {
+                let src = self.at(ins[0])?;
+                let mut start = 0;
+                for (&piece, &size) in outs.iter().zip(sizes) {
+                    let l = copies::slice(&dims(ins[0]), *axis, start, size)
+                        .map_err(|m| self.err(piece, m))?;
+                    start += size;
+                    if self.users[piece.index()].is_empty() && !g.outputs().contains(&piece) {
+                        continue;
+                    }
+                    let dst = self.out(piece)?;
+                    self.copy(piece, src, dst, l)?;
+                }
+            }
+            Op::Concat { axis } => {
+                let out_dims = dims(y);
+                let dst = self.out(y)?;
+                let mut start = 0;
+                for &x in &ins {
+                    let xd = dims(x);
+                    let l = copies::place_into(&xd, &out_dims, *axis, start)
+                        .map_err(|m| self.err(y, m))?;
+                    start += xd[*axis];
+                    let src = self.at(x)?;
+                    self.copy(y, src, dst, l)?;
+                }
+            }
+            Op::Pad {
+                axis,
+                before,
+                after: _,
+            } => {
+                let bytes = super::bytes_of(g.ty(y), g.name(y))?;
+                let dst = self.out(y)?;
+                self.commands.push(Command::Memset {
+                    dst,
+                    bytes,
+                    byte: 0,
+                });
+                let l = copies::place_into(&dims(ins[0]), &dims(y), *axis, *before)
+                    .map_err(|m| self.err(y, m))?;
+                let src = self.at(ins[0])?;
+                self.copy(y, src, dst, l)?;
+            }
+            Op::BroadcastTo { .. } => {
+                let l = copies::broadcast(&dims(ins[0]), &dims(y)).map_err(|m| self.err(y, m))?;
+                let (src, dst) = (self.at(ins[0])?, self.out(y)?);
+                self.copy(y, src, dst, l)?;
+            }
+            Op::Reduce { op, axes, .. } => self.reduce(y, ins[0], *op, axes)?,
+            Op::Cast { to } => {
+                // Float-to-float casts are pointwise kernels; these involve ints or bools.
+                let from = dt(ins[0]);
+                let n = numel(y);
+                let (x, out) = (self.at(ins[0])?, self.out(y)?);
+                if from == *to {
+                    let bytes = super::bytes_of(g.ty(y), g.name(y))?;
+                    self.commands.push(Command::Copy {
+                        dst: out,
+                        src: x,
+                        bytes,
+                    });
+                } else {
+                    self.launch(
+                        y,
+                        &format!("cast_{}_{}", sfx(from), sfx(*to)),
+                        grid_1d(n, BLOCK),
+                        (BLOCK, 1, 1),
+                        vec![Arg::Ptr(x), Arg::Ptr(out), Arg::I64(n as i64)],
+                    )?;
+                }
+            }
+            Op::Full { value, dtype, .. } => {
+                let n = numel(y);
+                let (entry, bits) = match dtype {
+                    DType::F32 => ("fill_b4", Arg::U32((*value as f32).to_bits())),
+                    DType::F16 => ("fill_b2", Arg::U16(half::f16::from_f64(*value).to_bits())),
+                    DType::BF16 => ("fill_b2", Arg::U16(half::bf16::from_f64(*value).to_bits())),
+                    DType::I64 => ("fill_b8", Arg::U64(*value as i64 as u64)),
+                    DType::I32 => ("fill_b4", Arg::U32(*value as i32 as u32)),
+                    DType::Bool => ("fill_b1", Arg::U32(u32::from(*value != 0.0))),
+                };
+                let out = self.out(y)?;
+                self.launch(
+                    y,
+                    entry,
+                    grid_1d(n, BLOCK),
+                    (BLOCK, 1, 1),
+                    vec![Arg::Ptr(out), Arg::I64(n as i64), bits],
+                )?;
+            }
+            Op::CrossEntropy { ignore_index } => {
+                self.cross_entropy(y, ins[0], ins[1], *ignore_index)?
+            }
+            Op::CrossEntropyGrad { ignore_index } => {
+                self.cross_entropy_grad(y, &ins, *ignore_index)?
+            }
+            Op::GradNorm => self.grad_norm(y, &ins)?,
+            Op::AdamW { .. } | Op::Sgd { .. } => self.optimizer(&[n])?,
+            Op::CountStep => {
+                let (step, gn) = (self.at(ins[0])?, self.at(ins[1])?);
+                let out = self.out(y)?;
+                self.launch(
+                    y,
+                    "count_step",
+                    (1, 1, 1),
+                    (1, 1, 1),
+                    vec![Arg::Ptr(step), Arg::Ptr(gn), Arg::Ptr(out)],
+                )?;
+            }
+            Op::LossScaleUpdate {
+                growth_factor,
+                backoff_factor,
+                growth_interval,
+                hysteresis,
+                max_scale,
+            } => {
+                let (s, c, gn) = (self.at(ins[0])?, self.at(ins[1])?, self.at(ins[2])?);
+                let (so, co) = (self.out(outs[0])?, self.out(outs[1])?);
+                self.launch(
+                    y,
+                    "loss_scale_update",
+                    (1, 1, 1),
+                    (1, 1, 1),
+                    vec![
+                        Arg::Ptr(s),
+                        Arg::Ptr(c),
+                        Arg::Ptr(gn),
+                        Arg::Ptr(so),
+                        Arg::Ptr(co),
+                        Arg::F64(*growth_factor),
+                        Arg::F64(*backoff_factor),
+                        Arg::I64(*growth_interval as i64),
+                        Arg::I64(*hysteresis as i64),
+                        Arg::F64(*max_scale),
+                    ],
+                )?;
+            }
+            Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Scale { .. } => {
+                return Err(self.err(y, "pointwise ops on non-float tensors have no CUDA kernel"));
+            }
+        }
+        Ok(())
+    }
+
+    /// A strided copy of elements of `y`'s dtype.
+    fn copy(
+        &mut self,
+        y: Value,
+        src: Place,
+        dst: Place,
+        l: super::super::program::CopyLayout,
+    ) -> Result<(), LowerError> {
+        let size = self.g.ty(y).dtype.size_bytes();
+        let n: i64 = l.shape[..l.rank.max(0) as usize].iter().product();
+        self.launch(
+            y,
+            &format!("strided_copy_b{size}"),
+            grid_1d(n as usize, BLOCK),
+            (BLOCK, 1, 1),
+            vec![Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(n), Arg::Layout(l)],
+        )
+    }
+
+    /// The RoPE `(cos, sin)` table for `(t, d, theta)`: the CPU twin's values, uploaded once.
+    fn rope_table(&mut self, t: usize, d: usize, theta: f64) -> Result<Place, LowerError> {
+        let name = format!("rope.table.{t}.{d}.{theta}");
+        let mut bytes = Vec::with_capacity(t * d * 4);
+        for (c, s) in crate::cpu::rope::rope_table(t, d, theta) {
+            bytes.extend(c.to_le_bytes());
+            bytes.extend(s.to_le_bytes());
+        }
+        let slot = self.l.slot(&name, SlotKind::Constant(bytes), &name)?;
+        Ok(Place::Slot { slot, offset: 0 })
+    }
+
+    fn norm(&mut self, y: Value, ins: &[Value], rms: bool, eps: f64) -> Result<(), LowerError> {
+        let g = self.g;
+        let x = ins[0];
+        let h = g.ty(x).shape.last();
+        let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
+        for &w in &ins[1..] {
+            if g.ty(w).dtype != DType::F32 {
+                return Err(self.err(y, "norm weights and biases must be f32 on CUDA"));
+            }
+        }
+        let key = (x, ins[1]);
+        let until = self.saved_until.get(&key).copied().unwrap_or(self.unit);
+        let mean = if rms {
+            None
+        } else {
+            Some(self.arena(rows as u64 * 4, until))
+        };
+        let rstd = self.arena(rows as u64 * 4, until);
+        self.saved.insert(
+            key,
+            Saved {
+                a: mean.unwrap_or(rstd),
+                b: rstd,
+                count: None,
+            },
+        );
+        let xp = self.at(x)?;
+        let w = self.at(ins[1])?;
+        let out = self.out(y)?;
+        let suffix = io(g.ty(x).dtype, g.ty(y).dtype);
+        let mut args = vec![Arg::Ptr(xp), Arg::Null, Arg::Null, Arg::Ptr(w)];
+        if let (false, Some(m)) = (rms, mean) {
+            let b = self.at(ins[2])?;
+            args.extend([Arg::Ptr(b), Arg::Ptr(out), Arg::Ptr(m)]);
+        } else {
+            args.push(Arg::Ptr(out));
+        }
+        args.extend([
+            Arg::Ptr(rstd),
+            Arg::I64(rows as i64),
+            Arg::I32(h as i32),
+            Arg::F64(eps),
+        ]);
+        let kind = if rms { "rms_norm" } else { "layer_norm" };
+        self.launch(
+            y,
+            &format!("{kind}_fwd_{suffix}"),
+            grid_rows(rows),
+            (norm_block(h), 1, 1),
+            args,
+        )
+    }
+
+    /// Saved statistics of the forward `(x, weight)`, or recomputed by a forward launch into
+    /// scratch when the graph has no such forward node.
+    fn norm_stats(
+        &mut self,
+        ins: &[Value],
+        y_dtype: DType,
+        rms: bool,
+        eps: f64,
+        at: Value,
+    ) -> Result<Saved, LowerError> {
+        if let Some(s) = self.saved.get(&(ins[0], ins[1])) {
+            return Ok(*s);
+        }
+        let g = self.g;
+        let x = ins[0];
+        let h = g.ty(x).shape.last();
+        let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
+        let scratch_y = self.scratch((rows * h * y_dtype.size_bytes()) as u64);
+        let mean = self.scratch(rows as u64 * 4);
+        let rstd = self.scratch(rows as u64 * 4);
+        let (xp, w) = (self.at(x)?, self.at(ins[1])?);
+        let mut args = vec![Arg::Ptr(xp), Arg::Null, Arg::Null, Arg::Ptr(w)];
+        if rms {
+            args.push(Arg::Ptr(scratch_y));
+        } else {
+            // The backward has no bias operand; the statistics do not depend on it.
+            args.extend([Arg::Null, Arg::Ptr(scratch_y), Arg::Ptr(mean)]);
+        }
+        args.extend([
+            Arg::Ptr(rstd),
+            Arg::I64(rows as i64),
+            Arg::I32(h as i32),
+            Arg::F64(eps),
+        ]);
+        let kind = if rms { "rms_norm" } else { "layer_norm" };
+        self.launch(
+            at,
+            &format!("{kind}_fwd_{}", io(g.ty(x).dtype, y_dtype)),
+            grid_rows(rows),
+            (norm_block(h), 1, 1),
+            args,
+        )?;
+        Ok(Saved {
+            a: if rms { rstd } else { mean },
+            b: rstd,
+            count: None,
+        })
+    }
+
+    fn norm_grad(
+        &mut self,
+        ins: &[Value],
+        outs: &[Value],
+        rms: bool,
+        eps: f64,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let (x, w, dy) = (ins[0], ins[1], ins[2]);
+        let dx = outs[0];
+        let (ti, to) = (g.ty(x).dtype, g.ty(dy).dtype);
+        if g.ty(dx).dtype != ti {
+            return Err(self.err(dx, "a norm's input gradient must have the input's dtype"));
+        }
+        let h = g.ty(x).shape.last();
+        let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
+        let stats = self.norm_stats(ins, to, rms, eps, dx)?;
+        let kind = if rms { "rms_norm" } else { "layer_norm" };
+        let suffix = io(ti, to);
+        let (xp, wp, dyp) = (self.at(x)?, self.at(w)?, self.at(dy)?);
+        // Weight gradients first: the input gradient may be written over dy.
+        let groups = rows.div_ceil(ROWS_PER_GROUP).max(1);
+        let dw_part = self.scratch((groups * h * 8) as u64);
+        let db_part = if rms {
+            None
+        } else {
+            Some(self.scratch((groups * h * 8) as u64))
+        };
+        let mut args = vec![Arg::Ptr(xp), Arg::Ptr(dyp)];
+        if !rms {
+            args.push(Arg::Ptr(stats.a));
+        }
+        args.push(Arg::Ptr(stats.b));
+        args.push(Arg::Ptr(dw_part));
+        if let Some(p) = db_part {
+            args.push(Arg::Ptr(p));
+        }
+        args.extend([
+            Arg::I64(rows as i64),
+            Arg::I32(h as i32),
+            Arg::I32(ROWS_PER_GROUP as i32),
+        ]);
+        self.launch(
+            dx,
+            &format!("{kind}_bwd_weight_{suffix}"),
+            (
+                h.div_ceil(BLOCK as usize) as u32,
+                groups.min(65_535) as u32,
+                1,
+            ),
+            (BLOCK, 1, 1),
+            args,
+        )?;
+        if groups > 65_535 {
+            return Err(self.err(dx, "too many rows for the norm weight-gradient launch"));
+        }
+        let parts = [Some(dw_part), db_part];
+        for (k, part) in parts.iter().enumerate() {
+            let (Some(part), Some(&out)) = (part, outs.get(k + 1)) else {
+                continue;
+            };
+            if self.users[out.index()].is_empty()
+                && !g.outputs().contains(&out)
+                && !self.stored.contains_key(g.name(out))
+            {
+                continue;
+            }
+            let od = g.ty(out).dtype;
+            let target = if od == DType::F32 {
+                self.out(out)?
+            } else {
+                self.scratch(h as u64 * 4)
+            };
+            self.launch(
+                out,
+                "norm_weight_grad_reduce",
+                grid_1d(h, BLOCK),
+                (BLOCK, 1, 1),
+                vec![
+                    Arg::Ptr(*part),
+                    Arg::I32(groups as i32),
+                    Arg::I32(h as i32),
+                    Arg::Ptr(target),
+                ],
+            )?;
+            if od != DType::F32 {
+                let o = self.out(out)?;
+                self.launch(
+                    out,
+                    &format!("cast_f32_{}", sfx(od)),
+                    grid_1d(h, BLOCK),
+                    (BLOCK, 1, 1),
+                    vec![Arg::Ptr(target), Arg::Ptr(o), Arg::I64(h as i64)],
+                )?;
+            }
+        }
+        let dxp = self.out(dx)?;
+        let mut args = vec![Arg::Ptr(xp), Arg::Ptr(dyp), Arg::Ptr(wp)];
+        if !rms {
+            args.push(Arg::Ptr(stats.a));
+        }
+        args.extend([
+            Arg::Ptr(stats.b),
+            Arg::Null,
+            Arg::Ptr(dxp),
+            Arg::I64(rows as i64),
+            Arg::I32(h as i32),
+        ]);
+        self.launch(
+            dx,
+            &format!("{kind}_bwd_{suffix}"),
+            grid_rows(rows),
+            (norm_block(h), 1, 1),
+            args,
+        )
+    }
+
+    fn softmax(&mut self, y: Value, ins: &[Value], causal: bool) -> Result<(), LowerError> {
+        let g = self.g;
+        let x = ins[0];
+        let d = g.ty(x).shape.dims().to_vec();
+        if d.len() < 2 {
+            return Err(self.err(y, "softmax needs [.., Tq, Tk]"));
+        }
+        let r = d.len();
+        let (tq, tk) = (d[r - 2], d[r - 1]);
+        let heads = if r >= 3 { d[r - 3] } else { 1 };
+        let rows = g.ty(x).shape.numel().unwrap_or(0) / tk.max(1);
+        // Mask strides over the folded [B, heads, tq, tk] view (0 along broadcast dims).
+        let (mask, strides) =
+            match ins.get(1) {
+                None => (Arg::Null, [0i64; 4]),
+                Some(&m) => {
+                    if g.ty(m).dtype != DType::Bool {
+                        return Err(self.err(y, "a softmax mask must be bool"));
+                    }
+                    let md = g.ty(m).shape.dims().to_vec();
+                    if md.len() > r {
+                        return Err(self.err(y, "the mask has more dims than the scores"));
+                    }
+                    let ms = copies::strides(&md);
+                    let lead = r - md.len();
+                    let stride = |dim: usize| -> i64 {
+                        if dim < lead || md[dim - lead] == 1 {
+                            0
+                        } else {
+                            ms[dim - lead]
+                        }
+                    };
+                    // Leading dims before `heads` fold into B: their strides must fold too.
+                    let batch_dims = r.saturating_sub(3);
+                    let mut sb = 0i64;
+                    let mut expect = None::<i64>;
+                    for dim in (0..batch_dims).rev() {
+                        let s = stride(dim);
+                        match expect {
+                            None => sb = s,
+                            Some(e) if s == e || d[dim] == 1 => {}
+                            Some(_) => return Err(self.err(
+                                y,
+                                "a mask broadcast over several batch dims is not supported on CUDA",
+                            )),
+                        }
+                        expect = Some(s * d[dim] as i64);
+                    }
+                    let sh = if r >= 3 { stride(r - 3) } else { 0 };
+                    (
+                        Arg::Ptr(self.at(m)?),
+                        [sb, sh, stride(r - 2), stride(r - 1)],
+                    )
+                }
+            };
+        let xp = self.at(x)?;
+        let out = self.out(y)?;
+        self.launch(
+            y,
+            &format!("softmax_fwd_{}", io(g.ty(x).dtype, g.ty(y).dtype)),
+            grid_rows(rows),
+            (if tk > 2048 { 512 } else { 128 }, 1, 1),
+            vec![
+                Arg::Ptr(xp),
+                Arg::Ptr(out),
+                Arg::I64(rows as i64),
+                Arg::I32(tk as i32),
+                Arg::I32(tq as i32),
+                Arg::I32(heads as i32),
+                Arg::I32(i32::from(causal)),
+                mask,
+                Arg::I64(strides[0]),
+                Arg::I64(strides[1]),
+                Arg::I64(strides[2]),
+                Arg::I64(strides[3]),
+            ],
+        )
+    }
+
+    fn reduce(
+        &mut self,
+        y: Value,
+        x: Value,
+        op: ReduceOp,
+        axes: &[usize],
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let d = g.ty(x).shape.dims().to_vec();
+        let (ti, to) = (g.ty(x).dtype, g.ty(y).dtype);
+        if !ti.is_float() || !to.is_float() {
+            return Err(self.err(y, "reductions are over float tensors"));
+        }
+        let reduced: Vec<bool> = (0..d.len()).map(|i| axes.contains(&i)).collect();
+        let len: usize = d
+            .iter()
+            .zip(&reduced)
+            .filter(|(_, &r)| r)
+            .map(|(n, _)| n)
+            .product();
+        if op == ReduceOp::Max && len == 0 {
+            return Err(self.err(y, "max over an empty axis"));
+        }
+        // Runs of (size, reduced?) with size-1 dims dropped, as the CPU twin coalesces them.
+        let mut runs: Vec<(usize, bool)> = Vec::new();
+        for (&n, &r) in d.iter().zip(&reduced) {
+            match runs.last_mut() {
+                _ if n == 1 => {}
+                Some((size, kind)) if *kind == r => *size *= n,
+                _ => runs.push((n, r)),
+            }
+        }
+        let mut src = self.at(x)?;
+        let (outer, inner) = match runs.as_slice() {
+            [] | [(_, false)] => (g.ty(y).shape.numel().unwrap_or(0), 1),
+            [(_, true)] => (1, 1),
+            [(_, true), (i, false)] => (1, *i),
+            [(o, false), (_, true)] => (*o, 1),
+            [(o, false), (_, true), (i, false)] => (*o, *i),
+            _ => {
+                // Reduced axes to the end first.
+                let perm: Vec<usize> = (0..d.len())
+                    .filter(|&i| !reduced[i])
+                    .chain((0..d.len()).filter(|&i| reduced[i]))
+                    .collect();
+                let l = copies::transpose(&d, &perm).map_err(|m| self.err(y, m))?;
+                let bytes = g.ty(x).size_bytes().unwrap_or(0) as u64;
+                let t = self.scratch(bytes);
+                let size = ti.size_bytes();
+                let n: i64 = l.shape[..l.rank as usize].iter().product();
+                self.launch(
+                    y,
+                    &format!("strided_copy_b{size}"),
+                    grid_1d(n as usize, BLOCK),
+                    (BLOCK, 1, 1),
+                    vec![Arg::Ptr(src), Arg::Ptr(t), Arg::I64(n), Arg::Layout(l)],
+                )?;
+                src = t;
+                let kept = g.ty(y).shape.numel().unwrap_or(0);
+                (kept, 1)
+            }
+        };
+        let (outer, len) = if matches!(runs.as_slice(), [] | [(_, false)]) {
+            (outer, 1)
+        } else {
+            (outer, len)
+        };
+        let out = self.out(y)?;
+        let name = match op {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Mean => "mean",
+            ReduceOp::Max => "max",
+        };
+        self.launch(
+            y,
+            &format!("reduce_{name}_{}", io(ti, to)),
+            (
+                inner.div_ceil(32).clamp(1, 65_535) as u32,
+                outer.clamp(1, 65_535) as u32,
+                1,
+            ),
+            (32, 8, 1),
+            vec![
+                Arg::Ptr(src),
+                Arg::Ptr(out),
+                Arg::I64(outer as i64),
+                Arg::I64(len as i64),
+                Arg::I64(inner as i64),
+            ],
+        )
+    }
+
+    fn cross_entropy(
+        &mut self,
+        y: Value,
+        logits: Value,
+        labels: Value,
+        ignore: i64,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        if g.ty(labels).dtype != DType::I64 {
+            return Err(self.err(y, "labels must be i64 on the CUDA executor"));
+        }
+        let d = g.ty(logits).shape.dims().to_vec();
+        let (rows, v) = (d[0], d[1]);
+        let key = (logits, labels);
+        let until = self.saved_until.get(&key).copied().unwrap_or(self.unit);
+        let row_loss = self.scratch(rows as u64 * 8);
+        let row_max = self.arena(rows as u64 * 4, until);
+        let row_inv = self.arena(rows as u64 * 4, until);
+        let count = self.arena(4, until);
+        let (lp, lab) = (self.at(logits)?, self.at(labels)?);
+        let bad = self.flag(y, "label", lab, v);
+        self.launch(
+            y,
+            &format!("cross_entropy_fwd_{}", sfx(g.ty(logits).dtype)),
+            grid_rows(rows),
+            (if v >= 16_384 { 512 } else { ROW_BLOCK }, 1, 1),
+            vec![
+                Arg::Ptr(lp),
+                Arg::Ptr(lab),
+                Arg::I64(rows as i64),
+                Arg::I32(v as i32),
+                Arg::I64(ignore),
+                Arg::Ptr(row_loss),
+                Arg::Ptr(row_max),
+                Arg::Ptr(row_inv),
+                Arg::Ptr(bad),
+            ],
+        )?;
+        let loss = self.out(y)?;
+        self.launch(
+            y,
+            "cross_entropy_finalize",
+            (1, 1, 1),
+            (ROW_BLOCK, 1, 1),
+            vec![
+                Arg::Ptr(row_loss),
+                Arg::Ptr(lab),
+                Arg::I64(rows as i64),
+                Arg::I64(ignore),
+                Arg::Ptr(loss),
+                Arg::Ptr(count),
+            ],
+        )?;
+        self.saved.insert(
+            key,
+            Saved {
+                a: row_max,
+                b: row_inv,
+                count: Some(count),
+            },
+        );
+        Ok(())
+    }
+
+    fn cross_entropy_grad(
+        &mut self,
+        y: Value,
+        ins: &[Value],
+        ignore: i64,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let (logits, labels, dloss) = (ins[0], ins[1], ins[2]);
+        let d = g.ty(logits).shape.dims().to_vec();
+        let (rows, v) = (d[0], d[1]);
+        let saved = match self.saved.get(&(logits, labels)) {
+            Some(s) => *s,
+            None => {
+                // No forward in this graph: run one into scratch for the count.
+                let row_loss = self.scratch(rows as u64 * 8);
+                let loss = self.scratch(4);
+                let count = self.scratch(4);
+                let (lp, lab) = (self.at(logits)?, self.at(labels)?);
+                let bad = self.flag(y, "label", lab, v);
+                self.launch(
+                    y,
+                    &format!("cross_entropy_fwd_{}", sfx(g.ty(logits).dtype)),
+                    grid_rows(rows),
+                    (ROW_BLOCK, 1, 1),
+                    vec![
+                        Arg::Ptr(lp),
+                        Arg::Ptr(lab),
+                        Arg::I64(rows as i64),
+                        Arg::I32(v as i32),
+                        Arg::I64(ignore),
+                        Arg::Ptr(row_loss),
+                        Arg::Null,
+                        Arg::Null,
+                        Arg::Ptr(bad),
+                    ],
+                )?;
+                self.launch(
+                    y,
+                    "cross_entropy_finalize",
+                    (1, 1, 1),
+                    (ROW_BLOCK, 1, 1),
+                    vec![
+                        Arg::Ptr(row_loss),
+                        Arg::Ptr(lab),
+                        Arg::I64(rows as i64),
+                        Arg::I64(ignore),
+                        Arg::Ptr(loss),
+                        Arg::Ptr(count),
+                    ],
+                )?;
+                Saved {
+                    a: loss,
+                    b: loss,
+                    count: Some(count),
+                }
+            }
+        };
+        let recompute = saved.a == saved.b;
+        let count = saved
+            .count
+            .ok_or_else(|| self.err(y, "cross-entropy count missing"))?;
+        let (lp, lab, dl) = (self.at(logits)?, self.at(labels)?, self.at(dloss)?);
+        let out = self.out(y)?;
+        let (mx, inv) = if recompute {
+            (Arg::Null, Arg::Null)
+        } else {
+            (Arg::Ptr(saved.a), Arg::Ptr(saved.b))
+        };
+        self.launch(
+            y,
+            &format!("cross_entropy_bwd_{}", sfx(g.ty(logits).dtype)),
+            grid_rows(rows),
+            (if v >= 16_384 { 512 } else { ROW_BLOCK }, 1, 1),
+            vec![
+                Arg::Ptr(lp),
+                Arg::Ptr(lab),
+                Arg::I64(rows as i64),
+                Arg::I32(v as i32),
+                Arg::I64(ignore),
+                mx,
+                inv,
+                Arg::Ptr(dl),
+                Arg::Ptr(count),
+                Arg::Ptr(out),
+            ],
+        )
+    }
+
+    fn embedding_grad(
+        &mut self,
+        y: Value,
+        ids: Value,
+        dy: Value,
+        vocab: usize,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        if g.ty(ids).dtype != DType::I64 {
+            return Err(self.err(y, "token ids must be i64 on the CUDA executor"));
+        }
+        let n = g.ty(ids).shape.numel().unwrap_or(0);
+        let h = g.ty(y).shape.last();
+        let counts = self.scratch(vocab as u64 * 4);
+        let starts = self.scratch((vocab as u64 + 1) * 4);
+        let positions = self.scratch(n.max(1) as u64 * 4);
+        let ip = self.at(ids)?;
+        let bad = self.flag(y, "token id", ip, vocab);
+        self.commands.push(Command::Memset {
+            dst: counts,
+            bytes: vocab as u64 * 4,
+            byte: 0,
+        });
+        self.launch(
+            y,
+            "embedding_bwd_count",
+            grid_1d(n, BLOCK),
+            (BLOCK, 1, 1),
+            vec![
+                Arg::Ptr(ip),
+                Arg::I64(n as i64),
+                Arg::I64(vocab as i64),
+                Arg::Ptr(counts),
+                Arg::Ptr(bad),
+            ],
+        )?;
+        self.launch(
+            y,
+            "embedding_bwd_scan",
+            (1, 1, 1),
+            (1024, 1, 1),
+            vec![Arg::Ptr(counts), Arg::I64(vocab as i64), Arg::Ptr(starts)],
+        )?;
+        self.launch(
+            y,
+            "embedding_bwd_fill",
+            (vocab.div_ceil(256).max(1) as u32, 1, 1),
+            (1024, 1, 1),
+            vec![
+                Arg::Ptr(ip),
+                Arg::I64(n as i64),
+                Arg::I64(vocab as i64),
+                Arg::Ptr(starts),
+                Arg::Ptr(positions),
+            ],
+        )?;
+        let dyp = self.at(dy)?;
+        let out = self.out(y)?;
+        self.launch(
+            y,
+            &format!(
+                "embedding_bwd_accumulate_{}_{}",
+                sfx(g.ty(dy).dtype),
+                sfx(g.ty(y).dtype)
+            ),
+            grid_rows(vocab),
+            (128, 1, 1),
+            vec![
+                Arg::Ptr(dyp),
+                Arg::Ptr(positions),
+                Arg::Ptr(starts),
+                Arg::I64(vocab as i64),
+                Arg::I32(h as i32),
+                Arg::Ptr(out),
+            ],
+        )
+    }
+
+    fn grad_norm(&mut self, y: Value, ins: &[Value]) -> Result<(), LowerError> {
+        let g = self.g;
+        let Some((&scale, grads)) = ins.split_last() else {
+            return Err(self.err(y, "grad_norm has no operands"));
+        };
+        let mut tensors = Vec::new();
+        let mut chunks = Vec::new();
+        for (t, &gv) in grads.iter().enumerate() {
+            let code = match g.ty(gv).dtype {
+                DType::F32 => 0,
+                DType::F16 => 1,
+                DType::BF16 => 2,
+                other => return Err(self.err(y, format!("a {} gradient", other.name()))),
+            };
+            let numel = g.ty(gv).shape.numel().unwrap_or(0);
+            tensors.push(vec![
+                Field::Ptr(self.at(gv)?),
+                Field::I64(numel as i64),
+                Field::I32(code),
+                Field::I32(0),
+            ]);
+            chunk_rows(&mut chunks, t, numel);
+        }
+        let n_chunks = chunks.len();
+        let tt = self.l.table(tensors);
+        let ct = self.l.table(chunks);
+        let partials = self.scratch(n_chunks.max(1) as u64 * 8);
+        let sp = self.at(scale)?;
+        self.launch(
+            y,
+            "grad_norm_partials",
+            (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
+            (BLOCK, 1, 1),
+            vec![
+                Arg::Table(tt),
+                Arg::Table(ct),
+                Arg::I32(n_chunks as i32),
+                Arg::Ptr(sp),
+                Arg::Ptr(partials),
+            ],
+        )?;
+        let out = self.out(y)?;
+        self.launch(
+            y,
+            "grad_norm_finalize",
+            (1, 1, 1),
+            (1024, 1, 1),
+            vec![
+                Arg::Ptr(partials),
+                Arg::I32(n_chunks as i32),
+                Arg::Ptr(out),
+                Arg::Null,
+            ],
+        )
+    }
+
+    /// One multi-tensor launch for a batch of AdamW (or SGD) nodes (see
+    /// [`optimizer_batches`]), at the unit of its last member.
+    pub(super) fn optimizer(&mut self, batch: &[Node]) -> Result<(), LowerError> {
+        let g = self.g;
+        let Some(&n) = batch.last() else {
+            return Ok(());
+        };
+        let node = g.node(n);
+        let y = node.outputs[0];
+        let adamw = matches!(node.op, Op::AdamW { .. });
+        let mut rows = Vec::new();
+        let mut chunks = Vec::new();
+        for (t, &m) in batch.iter().enumerate() {
+            let md = g.node(m);
+            let k = if adamw { 4 } else { 3 };
+            let numel = g.ty(md.inputs[0]).shape.numel().unwrap_or(0);
+            // State updated in place: outputs written where the inputs are, copied there first
+            // when the plan stores them elsewhere.
+            let mut row = Vec::new();
+            for i in 0..k {
+                if i == 1 {
+                    row.push(Field::Ptr(self.at(md.inputs[1])?));
+                    continue;
+                }
+                let out_idx = if i == 0 { 0 } else { i - 1 };
+                let src = self.at(md.inputs[i])?;
+                let dst = self.out(md.outputs[out_idx])?;
+                if dst != src {
+                    let bytes = g.ty(md.inputs[i]).size_bytes().unwrap_or(0) as u64;
+                    self.commands.push(Command::Copy { dst, src, bytes });
+                }
+                row.push(Field::Ptr(dst));
+            }
+            let copy = match md.outputs.get(if adamw { 3 } else { 2 }) {
+                Some(&c) => Field::Ptr(self.out(c)?),
+                None => Field::Null,
+            };
+            let wd = match md.op {
+                Op::AdamW { weight_decay, .. } | Op::Sgd { weight_decay, .. } => weight_decay,
+                _ => 0.0,
+            };
+            row.extend([copy, Field::I64(numel as i64), Field::F64(wd)]);
+            rows.push(row);
+            chunk_rows(&mut chunks, t, numel);
+        }
+        let k = node.inputs.len();
+        let scalars: Vec<Place> = node.inputs[k - 4..]
+            .iter()
+            .map(|&v| self.at(v))
+            .collect::<Result<_, _>>()?;
+        let n_chunks = chunks.len();
+        let tt = self.l.table(rows);
+        let ct = self.l.table(chunks);
+        let mut args = vec![Arg::Table(tt), Arg::Table(ct), Arg::I32(n_chunks as i32)];
+        args.extend(scalars.into_iter().map(Arg::Ptr));
+        let (entry, copy) = match &node.op {
+            Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                max_grad_norm,
+                copy,
+                ..
+            } => {
+                args.extend([
+                    Arg::F64(*beta1),
+                    Arg::F64(*beta2),
+                    Arg::F64(*eps),
+                    Arg::F64(*max_grad_norm),
+                ]);
+                ("adamw", copy)
+            }
+            Op::Sgd {
+                momentum,
+                max_grad_norm,
+                copy,
+                ..
+            } => {
+                args.extend([Arg::F64(*momentum), Arg::F64(*max_grad_norm)]);
+                ("sgd", copy)
+            }
+            _ => return Err(self.err(y, "not an optimizer node")),
+        };
+        self.launch(
+            y,
+            &format!("{entry}_{}", sfx(copy.unwrap_or(DType::F32))),
+            (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
+            (BLOCK, 1, 1),
+            args,
+        )
+    }
+}
+
+/// The optimizer nodes that can run as one multi-tensor launch: same op and hyperparameters,
+/// the same scalar operands (lr, step, scale, grad norm), and no result read before the last
+/// member. Nodes that do not batch are batches of one.
+pub(super) fn optimizer_batches(g: &castor_ir::Graph, users: &[Vec<Node>]) -> Vec<Vec<Node>> {
+    let mut batches: Vec<Vec<Node>> = Vec::new();
+    for (n, node) in g.nodes() {
+        if !matches!(node.op, Op::AdamW { .. } | Op::Sgd { .. }) {
+            continue;
+        }
+        let k = node.inputs.len();
+        let joins = |b: &Vec<Node>| {
+            let first = g.node(b[0]);
+            first.op == node.op
+                && first.inputs.len() == k
+                && k >= 4
+                && first.inputs[k - 4..] == node.inputs[k - 4..]
+        };
+        match batches.iter_mut().find(|b| joins(b)) {
+            Some(b) => b.push(n),
+            None => batches.push(vec![n]),
+        }
+    }
+    let mut out = Vec::new();
+    for b in batches {
+        let Some(&last) = b.last() else { continue };
+        let early_read = b.iter().any(|&m| {
+            g.node(m)
+                .outputs
+                .iter()
+                .any(|o| users[o.index()].iter().any(|&u| u <= last))
+        });
+        if early_read {
+            out.extend(b.into_iter().map(|m| vec![m]));
+        } else {
+            out.push(b);
+        }
+    }
+    out
+}
+
+/// The chunk rows `{tensor, len, start}` of tensor `t` with `numel` elements.
+fn chunk_rows(chunks: &mut Vec<Vec<Field>>, t: usize, numel: usize) {
+    let mut start = 0;
+    while start < numel {
+        let len = CHUNK.min(numel - start);
+        chunks.push(vec![
+            Field::I32(t as i32),
+            Field::I32(len as i32),
+            Field::I64(start as i64),
+        ]);
+        start += len;
+    }
+}
+
+/// Threads per row block of the norms.
+fn norm_block(h: usize) -> u32 {
+    if h > 8192 {
+        1024
+    } else {
+        ROW_BLOCK
+    }
+}

@@ -1,0 +1,243 @@
+//! The CUDA executor's programs, checked without a GPU.
+//!
+//! Every family fixture's training plan, under every precision policy and the optimizer,
+//! accumulation and rematerialization variants, is lowered to device commands. Each kernel
+//! launch must name an entry point its module defines; every place must lie inside its
+//! buffer; and, with NVRTC (`CASTOR_NVRTC_DIR`, required under `CI=true`), every module is
+//! compiled for sm_90 and each launch's arguments are checked against the kernel's parameter
+//! list in the PTX (count, size and kind of every parameter), so a launch that would pass the
+//! wrong arguments fails here rather than on the GPU.
+
+mod common;
+
+use castor_ir::TrainingPlan;
+use castor_kernels::{KernelCache, Nvrtc, DEFAULT_ARCH};
+use castor_runtime::cuda::lower::lower_plan;
+use castor_runtime::cuda::program::{Arg, Command, Place, Program};
+use common::{castor, fixture, path_str, stderr};
+use std::collections::HashMap;
+
+/// Plans covering every op the families use, every dtype pair and every optimizer kernel.
+const VARIANTS: &[(&str, &[&str])] = &[
+    ("gpt2_lm", &["--precision", "fp32"]),
+    ("gpt2_lm", &["--precision", "bf16"]),
+    ("gpt2_lm", &["--precision", "fp16"]),
+    ("gpt2_lm", &["--precision", "tf32", "--grad-accum", "2"]),
+    ("gpt2_lm", &["--precision", "bf16", "--remat", "full"]),
+    ("gpt2_lm", &["--precision", "fp16", "--optimizer", "sgd"]),
+    ("bert_mlm", &["--precision", "bf16"]),
+    ("bert_mlm", &["--precision", "fp16"]),
+    ("llama_gqa", &["--precision", "bf16"]),
+    (
+        "llama_gqa",
+        &["--precision", "fp16", "--param-grads", "compute"],
+    ),
+    (
+        "llama_tied",
+        &["--precision", "fp32", "--remat", "selective"],
+    ),
+];
+
+fn plan(variant: &str, flags: &[&str]) -> TrainingPlan {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let model = fixture(variant);
+    let mut args = vec![
+        "compile",
+        path_str(&model),
+        "--emit",
+        "plan",
+        "-o",
+        path_str(&out),
+    ];
+    args.extend_from_slice(flags);
+    let o = castor(&args);
+    assert!(o.status.success(), "{variant} {flags:?}: {}", stderr(&o));
+    TrainingPlan::from_json(&std::fs::read_to_string(&out).unwrap()).unwrap()
+}
+
+fn programs() -> Vec<(String, Program)> {
+    VARIANTS
+        .iter()
+        .map(|(v, flags)| {
+            let p = plan(v, flags);
+            let program = lower_plan(&p).unwrap_or_else(|e| panic!("{v} {flags:?}: {e}"));
+            (format!("{v} {}", flags.join(" ")), program)
+        })
+        .collect()
+}
+
+fn places(c: &Command) -> Vec<Place> {
+    match c {
+        Command::Launch(l) => l
+            .args
+            .iter()
+            .filter_map(|a| match a {
+                Arg::Ptr(p) => Some(*p),
+                _ => None,
+            })
+            .collect(),
+        Command::Gemm(g) => vec![g.a, g.b, g.c],
+        Command::Copy { dst, src, .. } => vec![*dst, *src],
+        Command::Memset { dst, .. } => vec![*dst],
+    }
+}
+
+#[test]
+fn every_launch_names_a_kernel_and_every_place_is_in_bounds() {
+    println!(
+        "{:<44} {:>8} {:>6} {:>6} {:>8} {:>10}",
+        "plan", "launches", "gemms", "copies", "modules", "arena KiB"
+    );
+    for (name, p) in programs() {
+        let mut counts = [0usize; 3];
+        for c in p.all_commands() {
+            match c {
+                Command::Launch(l) => {
+                    counts[0] += 1;
+                    let m = &p.modules[l.module];
+                    let defined = match castor_kernels::file(&m.name) {
+                        Some(f) => f.entry_points.contains(&l.entry.as_str()),
+                        None => m.source.contains(&format!("void {}(", l.entry)),
+                    };
+                    assert!(defined, "{name}: `{}` is not in module {}", l.entry, m.name);
+                    assert!(l.block.0 * l.block.1 * l.block.2 <= 1024, "{name}: {l:?}");
+                    assert!(l.grid.0 >= 1 && l.grid.1 >= 1, "{name}: {l:?}");
+                }
+                Command::Gemm(_) => counts[1] += 1,
+                _ => counts[2] += 1,
+            }
+            for place in places(c) {
+                match place {
+                    Place::Arena { offset } => {
+                        assert!(
+                            offset < p.arena_bytes,
+                            "{name}: arena offset {offset} in {c:?}"
+                        )
+                    }
+                    Place::Slot { slot, offset } => {
+                        let s = &p.slots[slot];
+                        assert!(
+                            offset < s.bytes.max(1),
+                            "{name}: {} offset {offset}",
+                            s.name
+                        );
+                    }
+                }
+            }
+        }
+        println!(
+            "{name:<44} {:>8} {:>6} {:>6} {:>8} {:>10.1}",
+            counts[0],
+            counts[1],
+            counts[2],
+            p.modules.len(),
+            p.arena_bytes as f64 / 1024.0
+        );
+    }
+}
+
+/// The `.entry` parameter lists of a PTX module: entry name -> (kind, bytes) per parameter.
+fn ptx_params(ptx: &str) -> HashMap<String, Vec<(String, usize)>> {
+    let mut out = HashMap::new();
+    let mut current: Option<(String, Vec<(String, usize)>)> = None;
+    for line in ptx.lines() {
+        let line = line.trim();
+        if let Some(rest) = line.split(".entry ").nth(1) {
+            if let Some((n, params)) = current.take() {
+                out.insert(n, params);
+            }
+            current = Some((rest.trim_end_matches('(').trim().to_string(), Vec::new()));
+            continue;
+        }
+        if let (Some((_, params)), Some(rest)) = (current.as_mut(), line.strip_prefix(".param ")) {
+            // `.param .u64 .ptr .align 1 name,` / `.param .align 8 .b8 name[216]`
+            let bytes = if let Some(open) = rest.find('[') {
+                rest[open + 1..rest.find(']').unwrap()].parse().unwrap()
+            } else if rest.contains("64") {
+                8
+            } else if rest.contains("32") {
+                4
+            } else if rest.contains("16") {
+                2
+            } else {
+                1
+            };
+            let kind = if rest.contains(".f64") {
+                "f64"
+            } else if rest.contains(".b8") {
+                "struct"
+            } else {
+                "int"
+            };
+            params.push((kind.into(), bytes));
+        }
+        if line.starts_with('{') {
+            if let Some((n, params)) = current.take() {
+                out.insert(n, params);
+            }
+        }
+    }
+    out
+}
+
+fn arg_signature(a: &Arg) -> (&'static str, usize) {
+    match a {
+        Arg::Ptr(_) | Arg::Null | Arg::Table(_) | Arg::I64(_) | Arg::U64(_) => ("int", 8),
+        Arg::I32(_) | Arg::U32(_) => ("int", 4),
+        Arg::U16(_) => ("int", 2),
+        Arg::F64(_) => ("f64", 8),
+        Arg::Layout(_) => (
+            "struct",
+            std::mem::size_of::<castor_runtime::cuda::program::CopyLayout>(),
+        ),
+    }
+}
+
+#[test]
+fn every_launch_matches_its_kernels_parameters_in_ptx() {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    let nvrtc = match Nvrtc::from_env() {
+        Ok(Some(n)) => n,
+        other if ci => panic!("CI=true but NVRTC is unavailable: {:?}", other.err()),
+        _ => {
+            eprintln!("skipped: CASTOR_NVRTC_DIR is not set");
+            return;
+        }
+    };
+    let cache_dir = tempfile::tempdir().unwrap();
+    let cache = KernelCache::new(cache_dir.path());
+    let mut compiled: HashMap<String, HashMap<String, Vec<(String, usize)>>> = HashMap::new();
+    let mut checked = 0;
+    for (name, p) in programs() {
+        for c in p.all_commands() {
+            let Command::Launch(l) = c else { continue };
+            let m = &p.modules[l.module];
+            let key = format!("{}\u{0}{}", m.name, m.source.len());
+            if !compiled.contains_key(&key) {
+                let (ptx, _) = cache
+                    .ptx(&nvrtc, &m.name, &m.source, DEFAULT_ARCH)
+                    .unwrap_or_else(|e| panic!("{name}: module {} does not compile: {e}", m.name));
+                compiled.insert(key.clone(), ptx_params(&ptx));
+            }
+            let params = compiled[&key]
+                .get(&l.entry)
+                .unwrap_or_else(|| panic!("{name}: no .entry {} in {}", l.entry, m.name));
+            let want: Vec<(String, usize)> = l
+                .args
+                .iter()
+                .map(|a| {
+                    let (k, b) = arg_signature(a);
+                    (k.to_string(), b)
+                })
+                .collect();
+            assert_eq!(
+                &want, params,
+                "{name}: launch of {} for %{} passes {:?}",
+                l.entry, l.node, l.args
+            );
+            checked += 1;
+        }
+    }
+    println!("{checked} launches match their kernels' PTX parameter lists");
+}
