@@ -4,33 +4,47 @@ use crate::commands::eval::Device;
 use crate::CliError;
 use castor_runtime::cuda_probe;
 
-/// Checks the requested device and says which one runs. Only the CPU executor exists in this
-/// build: `cuda` is an error that says what the probe found (no driver, no device, or a
-/// device castor cannot use yet); `auto` runs on the CPU and says why.
-pub fn select(device: Device) -> anyhow::Result<()> {
+/// The executor a command runs on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Selected {
+    Cpu,
+    /// The first CUDA device, described for people.
+    Cuda(String),
+}
+
+/// Resolves `--device` with the driver probe and says which executor runs: `cuda` is an
+/// error (exit code 5) saying what the probe found when there is no usable device; `auto`
+/// takes CUDA when the driver reports a device and says why it runs on the CPU otherwise.
+pub fn select(device: Device) -> anyhow::Result<Selected> {
     match device {
-        Device::Cpu => Ok(()),
-        Device::Cuda => {
-            let why = match cuda_probe::probe() {
-                Ok(d) => format!("found {d}, but this build has no CUDA executor yet"),
-                Err(e) => e.to_string(),
-            };
-            Err(
-                CliError::DeviceUnavailable(format!("--device cuda: {why}; use --device cpu"))
-                    .into(),
-            )
-        }
-        Device::Auto => {
-            eprintln!("device: cpu ({})", why_cpu());
-            Ok(())
-        }
+        Device::Cpu => Ok(Selected::Cpu),
+        Device::Cuda => match cuda_probe::probe() {
+            Ok(d) => {
+                eprintln!("device: cuda ({d})");
+                Ok(Selected::Cuda(d.to_string()))
+            }
+            Err(e) => Err(CliError::DeviceUnavailable(format!(
+                "--device cuda: {e}; use --device cpu"
+            ))
+            .into()),
+        },
+        Device::Auto => match cuda_probe::probe() {
+            Ok(d) => {
+                eprintln!("device: cuda ({d})");
+                Ok(Selected::Cuda(d.to_string()))
+            }
+            Err(e) => {
+                eprintln!("device: cpu ({e})");
+                Ok(Selected::Cpu)
+            }
+        },
     }
 }
 
-/// Why `auto` runs on the CPU: what the CUDA probe found.
-pub fn why_cpu() -> String {
+/// Why `auto` would run on the CPU here, or which GPU it would use.
+pub fn describe_auto() -> String {
     match cuda_probe::probe() {
-        Ok(d) => format!("found {d}; this build has no CUDA executor yet"),
-        Err(e) => e.to_string(),
+        Ok(d) => format!("cuda ({d})"),
+        Err(e) => format!("cpu ({e})"),
     }
 }

@@ -15,6 +15,7 @@ pub mod plot;
 pub mod precision;
 pub mod progress;
 pub mod report;
+pub mod trainer;
 pub mod training;
 
 pub use castor_ir as ir;
@@ -58,8 +59,11 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
                 _ => codes::INVALID_INPUT,
             };
         }
-        if cause.is::<castor_runtime::RuntimeError>() {
-            return codes::EXECUTION;
+        if let Some(r) = cause.downcast_ref::<castor_runtime::RuntimeError>() {
+            return match r {
+                castor_runtime::RuntimeError::DeviceUnavailable(_) => codes::DEVICE_UNAVAILABLE,
+                _ => codes::EXECUTION,
+            };
         }
         if let Some(c) = cause.downcast_ref::<CliError>() {
             return match c {

@@ -81,6 +81,13 @@ impl Progress {
         }
     }
 
+    /// Counts a step whose report was not read back (a queued device step).
+    pub fn tick(&self) {
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+        }
+    }
+
     /// Prints a line (above the bar, if there is one).
     pub fn println(&self, text: &str) {
         match &self.bar {

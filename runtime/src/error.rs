@@ -43,6 +43,16 @@ pub enum RuntimeError {
          --min-scale)"
     )]
     LossScaleUnderflow { step: u64, scale: f32, min: f64 },
+    /// No CUDA device can be used (no driver, no device, no cuBLAS or NVRTC library).
+    #[error("{0}")]
+    DeviceUnavailable(String),
+    /// The CUDA executor cannot run here or failed (no driver, a kernel that does not
+    /// compile, a device error), with what and where.
+    #[error("{0}")]
+    Cuda(String),
+    /// The plan does not fit in the device's free memory (how much it needs and what to do).
+    #[error("{0}")]
+    OutOfMemory(String),
     /// A broken invariant of the executor or of the IR's tensors (a bug in castor), reported
     /// rather than panicking.
     #[error("node `%{node}`: internal error: {message}")]

@@ -8,6 +8,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod cpu;
+pub mod cuda;
 pub mod cuda_probe;
 mod error;
 mod plan;

@@ -243,7 +243,7 @@ fn store(
     }
 }
 
-fn zeros(ty: &TensorType) -> Tensor {
+pub(crate) fn zeros(ty: &TensorType) -> Tensor {
     Tensor::from_f32(
         ty.dtype,
         ty.shape.clone(),
@@ -252,7 +252,11 @@ fn zeros(ty: &TensorType) -> Tensor {
 }
 
 /// A checkpoint tensor as an F32 master of type `ty`.
-fn to_f32_master(t: Tensor, name: &str, ty: &TensorType) -> Result<Tensor, RuntimeError> {
+pub(crate) fn to_f32_master(
+    t: Tensor,
+    name: &str,
+    ty: &TensorType,
+) -> Result<Tensor, RuntimeError> {
     let Some(values) = t.as_f32() else {
         return Err(RuntimeError::BindingMismatch {
             name: name.into(),

@@ -12,6 +12,7 @@ use crate::data::Data;
 use crate::plot::{self, AnatomyBar, LossHistory};
 use crate::precision::PrecisionArgs;
 use crate::report::{model_summary, thousands};
+use crate::trainer::Trainer;
 use crate::training::TrainingArgs;
 use anyhow::Context;
 use castor_ir::{DType, Graph, Tensor, TrainingPlan};
@@ -56,6 +57,9 @@ pub struct Args {
     /// Tokens (bytes) per sequence.
     #[arg(long, default_value_t = 64)]
     pub seq: usize,
+    /// Where to train: `auto` (CUDA when a device is present, else the CPU), `cpu`, `cuda`.
+    #[arg(long, value_enum, default_value_t = crate::commands::eval::Device::Auto)]
+    pub device: crate::commands::eval::Device,
 }
 
 fn parse_precision(s: &str) -> Result<Precision, String> {
@@ -271,7 +275,7 @@ fn printable(tokens: &[i64]) -> String {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let start = Instant::now();
-    println!("device      cpu ({})", crate::device::why_cpu());
+    let device = crate::device::select(args.device)?;
     let (model, params) = tiny_gpt2()?;
     let (batch, seq) = (args.batch, args.seq.min(model.max_positions()));
     let graph = model.build_graph(batch, seq)?;
@@ -330,21 +334,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .context("the demo compiles every precision it trains")?
         .plan;
     let settings = plan.settings.clone();
-    let mut runner = PlanRunner::new(plan, &|name| params.get(name).cloned())?;
+    let mut runner = Trainer::new(plan, &|name| params.get(name).cloned(), &device)?;
     drop(params);
+    println!("device      {}", runner.device());
     let sampler = Sampler::new(&model, args.precision, seq)?;
     println!();
     println!(
         "sample      before training: \"{}\"",
-        sampler.sample(&runner, PROMPT, 60)?
+        sampler.sample(runner.host()?, PROMPT, 60)?
     );
     let tokens: Vec<i64> = CORPUS.bytes().map(i64::from).collect();
     let mut data = Data::from_tokens(tokens, batch, seq, 0.1, "the embedded corpus".into())?;
     println!(
-        "training    {} steps of [{batch}, {seq}] bytes of {}, {} on the CPU executor",
+        "training    {} steps of [{batch}, {seq}] bytes of {}, {} on {}",
         args.steps,
         data.describe(),
-        args.precision
+        args.precision,
+        if runner.device() == "cpu" {
+            "the CPU executor".to_string()
+        } else {
+            runner.device()
+        }
     );
     let log_path = out.join("train.jsonl");
     let log = std::fs::File::create(&log_path)
@@ -368,8 +378,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         plot: Some((
             loss_svg.clone(),
             format!(
-                "Training the embedded tiny GPT-2 on the project's docs ({}, CPU)",
-                args.precision
+                "Training the embedded tiny GPT-2 on the project's docs ({}, {})",
+                args.precision,
+                if runner.device() == "cpu" {
+                    "CPU"
+                } else {
+                    "CUDA"
+                }
             ),
         )),
         saves: None,
@@ -399,7 +414,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     println!(
         "sample      after training:  \"{}\"",
-        sampler.sample(&runner, PROMPT, 60)?
+        sampler.sample(runner.host()?, PROMPT, 60)?
     );
 
     let ckpt = out.join("checkpoint");
@@ -408,7 +423,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         data_position: data.position(),
         settings,
     };
-    checkpoint::save_folder_atomically(&ckpt, &opts.files, &runner, &state)?;
+    checkpoint::save_folder_atomically(&ckpt, &opts.files, runner.host()?, &state)?;
     println!();
     println!("wrote       {}  (loss curve)", loss_svg.display());
     println!("            {}  (memory anatomy)", memory_svg.display());

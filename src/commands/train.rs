@@ -9,6 +9,7 @@ use crate::data::{Data, DataOptions};
 use crate::plot::{self, LossHistory};
 use crate::precision::PrecisionArgs;
 use crate::progress::{Progress, StepLine};
+use crate::trainer::Trainer;
 use crate::training::TrainingArgs;
 use crate::CliError;
 use anyhow::Context;
@@ -221,7 +222,7 @@ pub fn validation_loss(
 
 /// Runs `opts.steps` steps of `runner` on `data`, continuing `history`.
 pub fn train_loop(
-    runner: &mut PlanRunner,
+    runner: &mut Trainer,
     data: &mut Data,
     opts: &mut LoopOptions,
     mut history: LossHistory,
@@ -243,24 +244,41 @@ pub fn train_loop(
         evaluated_at: None,
     };
     let end = opts.first_step + opts.steps;
+    let (mut queued, mut last_report) = (0u64, Instant::now());
     for step in opts.first_step..end {
         let lr = opts.lr.at(step);
         let micro: Vec<HashMap<String, Tensor>> = (0..settings.grad_accum)
             .map(|_| data.next_batch(opts.input_names))
             .collect();
-        let t0 = Instant::now();
-        let report = runner.step(&micro, lr as f32)?;
-        let tokens_per_s = tokens_per_step / t0.elapsed().as_secs_f64().max(1e-9);
-        out.skipped += u64::from(report.skipped);
-        out.steps_done += 1;
         let done = step + 1;
-        history.train.push((done, f64::from(report.loss)));
-
         let last_step = done == end;
         let eval_now = !val_batches.is_empty()
             && ((opts.eval_every > 0 && done.is_multiple_of(opts.eval_every)) || last_step);
+        let print = (done - opts.first_step).is_multiple_of(opts.print_every) || last_step;
+        let stop = INTERRUPTED.load(Ordering::SeqCst);
+        let save_now = opts
+            .saves
+            .as_ref()
+            .is_some_and(|s| s.every > 0 && (done.is_multiple_of(s.every) || last_step || stop));
+        // A device step's report is read back only when something shows or keeps it.
+        let wanted = print || eval_now || save_now || stop || opts.log.is_some();
+        let stepped = runner.step(&micro, lr as f32, wanted)?;
+        out.steps_done += 1;
+        let Some(report) = stepped else {
+            progress.tick();
+            queued += 1;
+            continue;
+        };
+        // Throughput over the steps since the last report (queued device steps included).
+        let tokens_per_s =
+            tokens_per_step * (queued + 1) as f64 / last_report.elapsed().as_secs_f64().max(1e-9);
+        queued = 0;
+        last_report = Instant::now();
+        out.skipped += u64::from(report.skipped);
+        history.train.push((done, f64::from(report.loss)));
+
         let val_loss = if eval_now {
-            let v = validation_loss(runner, &val_batches)?;
+            let v = validation_loss(runner.host()?, &val_batches)?;
             if let Some(v) = v {
                 history.validation.push((done, v));
                 out.evaluated_at = Some(done);
@@ -285,7 +303,6 @@ pub fn train_loop(
             }
             writeln!(f, "{line}").context("cannot write the training log")?;
         }
-        let print = (done - opts.first_step).is_multiple_of(opts.print_every) || last_step;
         progress.step(
             &StepLine {
                 step: done,
@@ -303,18 +320,15 @@ pub fn train_loop(
                 plot::write_loss_curve(path, title, &history)?;
             }
         }
-        check_loss_scale(runner, &report, step)?;
+        check_loss_scale(runner.min_loss_scale(), &report, step)?;
         out.last = Some(report);
-        let stop = INTERRUPTED.load(Ordering::SeqCst);
-        if let Some(saves) = &opts.saves {
-            if saves.every > 0 && (done.is_multiple_of(saves.every) || last_step || stop) {
-                let state = TrainerState {
-                    step: done,
-                    data_position: data.position(),
-                    settings: settings.clone(),
-                };
-                checkpoint::save_step(&saves.root, saves.keep, &opts.files, runner, &state)?;
-            }
+        if let (Some(saves), true) = (&opts.saves, save_now) {
+            let state = TrainerState {
+                step: done,
+                data_position: data.position(),
+                settings: settings.clone(),
+            };
+            checkpoint::save_step(&saves.root, saves.keep, &opts.files, runner.host()?, &state)?;
         }
         if stop {
             out.interrupted = true;
@@ -356,7 +370,7 @@ fn history_from_log(path: &Path, before: u64) -> LossHistory {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    crate::device::select(args.device)?;
+    let device = crate::device::select(args.device)?;
     if args.save_every.is_some() && args.save.is_none() {
         return Err(CliError::InvalidInput(
             "--save-every needs --save DIR (step folders go into DIR)".into(),
@@ -423,7 +437,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         model.init_params(INIT_SEED)
     };
     let settings = plan.settings.clone();
-    let mut runner = PlanRunner::new(plan, &|name| params.get(name).cloned())?;
+    let mut runner = Trainer::new(plan, &|name| params.get(name).cloned(), &device)?;
     drop(params);
     let mut first_step = 0;
     if let Some((state, trainer)) = resume {
@@ -538,7 +552,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             data_position: data.position(),
             settings,
         };
-        checkpoint::save(dir, &opts.files, &runner, &state)?;
+        checkpoint::save(dir, &opts.files, runner.host()?, &state)?;
         println!("saved       {}", dir.display());
     }
     if out.interrupted {
@@ -590,8 +604,8 @@ fn compile_plan(
 }
 
 /// Stops the run when a dynamic loss scale fell below its minimum.
-fn check_loss_scale(runner: &PlanRunner, report: &StepReport, step: u64) -> anyhow::Result<()> {
-    match runner.min_loss_scale() {
+fn check_loss_scale(min_scale: Option<f64>, report: &StepReport, step: u64) -> anyhow::Result<()> {
+    match min_scale {
         Some(min) if f64::from(report.next_loss_scale) < min => {
             Err(RuntimeError::LossScaleUnderflow {
                 step: step + 1,

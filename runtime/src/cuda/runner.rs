@@ -1,0 +1,588 @@
+//! Training plans and single graphs on the CUDA executor.
+//!
+//! [`CudaPlanRunner`] keeps a plan's whole state on the device: masters, working copies,
+//! gradients, moments, the step count and the loss scale never leave it during training. A
+//! step copies the micro-batches in, replays the captured runs, and records each micro-step's
+//! loss into a device log; nothing is read back until [`CudaPlanRunner::report`] (the logging
+//! cadence), so steps queue on the device without host synchronization.
+//! [`CudaGraphRunner`] runs one graph (a forward pass, a single op in the GPU tests).
+
+use super::device::{CudaError, Device, Loaded};
+use super::lower::{self, LowerError, MICRO_STEP, OPTIMIZER_STEP, ZERO_GRADS};
+use super::program::{ErrorFlag, Place, Program, SlotKind};
+use crate::{RuntimeError, StepReport};
+use castor_ir::{
+    DType, Graph, LossScaling, StateInit, StateRole, Tensor, TensorData, TensorType, TrainingPlan,
+};
+use std::collections::HashMap;
+
+impl From<LowerError> for RuntimeError {
+    fn from(e: LowerError) -> Self {
+        RuntimeError::Cuda(format!("cannot run on CUDA: {e}"))
+    }
+}
+
+impl From<CudaError> for RuntimeError {
+    fn from(e: CudaError) -> Self {
+        match e {
+            CudaError::OutOfMemory { .. } => RuntimeError::OutOfMemory(e.to_string()),
+            CudaError::NoCuda(_) | CudaError::NoCublas | CudaError::Nvrtc(_) => {
+                RuntimeError::DeviceUnavailable(e.to_string())
+            }
+            other => RuntimeError::Cuda(other.to_string()),
+        }
+    }
+}
+
+/// Names the plan builder gives the control state (see `castor_passes::training`).
+const LOSS_SCALE: &str = "loss_scale";
+const STEP: &str = "optimizer.step";
+const LR: &str = "lr";
+const GRAD_NORM: &str = "grad_norm";
+/// The device log of micro-step losses (one F32 per micro-batch of the last step).
+const LOSS_LOG: &str = "report.losses";
+/// The loss scale the last step's backward used.
+const USED_SCALE: &str = "report.loss_scale";
+
+/// A training plan with its state on a CUDA device.
+pub struct CudaPlanRunner {
+    plan: TrainingPlan,
+    program: Program,
+    loaded: Loaded,
+    device: Device,
+    zero_grads: Option<usize>,
+    micro: usize,
+    optimizer: usize,
+    steps_queued: u64,
+}
+
+impl CudaPlanRunner {
+    /// Lowers `plan`, checks that it fits in free device memory, compiles its kernels (PTX
+    /// cache), uploads the state (masters from `checkpoint`, the rest as the plan says) and
+    /// derives the working copies on the device.
+    pub fn new(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+    ) -> Result<CudaPlanRunner, RuntimeError> {
+        let mut program = lower::lower_plan(&plan)?;
+        let accum = plan.settings.grad_accum.max(1) as u64;
+        program.slots.push(super::program::Slot {
+            name: LOSS_LOG.into(),
+            bytes: 4 * accum,
+            kind: SlotKind::Internal,
+        });
+        program.slots.push(super::program::Slot {
+            name: USED_SCALE.into(),
+            bytes: 4,
+            kind: SlotKind::Internal,
+        });
+        let device = Device::open()?;
+        let loaded = device.load(&program)?;
+        let run = |name: &str| {
+            program
+                .run(name)
+                .ok_or_else(|| RuntimeError::Cuda(format!("the lowered plan has no `{name}` run")))
+        };
+        let mut runner = CudaPlanRunner {
+            zero_grads: program.run(ZERO_GRADS),
+            micro: run(MICRO_STEP)?,
+            optimizer: run(OPTIMIZER_STEP)?,
+            plan,
+            program,
+            loaded,
+            device,
+            steps_queued: 0,
+        };
+        let mut state = Vec::new();
+        for spec in &runner.plan.state {
+            if spec.role == StateRole::WorkingCopy {
+                continue; // the prologue derives copies from masters
+            }
+            let t = match &spec.init {
+                StateInit::Checkpoint(name) => {
+                    let t = checkpoint(name).ok_or_else(|| RuntimeError::MissingBinding {
+                        name: name.clone(),
+                        expected: spec.ty.clone(),
+                    })?;
+                    crate::plan::to_f32_master(t, &spec.name, &spec.ty)?
+                }
+                StateInit::CopyOf(_) => continue,
+                StateInit::Zeros => crate::plan::zeros(&spec.ty),
+                StateInit::Values(v) => Tensor::from_f32(
+                    spec.ty.dtype,
+                    spec.ty.shape.clone(),
+                    v.iter().map(|&x| x as f32).collect(),
+                ),
+            };
+            state.push((spec.name.clone(), t));
+        }
+        runner.upload(state)?;
+        Ok(runner)
+    }
+
+    pub fn plan(&self) -> &TrainingPlan {
+        &self.plan
+    }
+
+    /// The device's name.
+    pub fn device_name(&self) -> &str {
+        self.device.name()
+    }
+
+    /// The lowered program (for `--emit`-style inspection and the tests).
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    fn upload(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        for (name, t) in entries {
+            let slot = self
+                .program
+                .slot(&name)
+                .ok_or_else(|| RuntimeError::Internal {
+                    node: name.clone(),
+                    message: "state that the plan does not have".into(),
+                })?;
+            if let SlotKind::Bound(ty) = &self.program.slots[slot].kind {
+                if ty != t.ty() {
+                    return Err(RuntimeError::BindingMismatch {
+                        name,
+                        expected: ty.clone(),
+                        found: t.ty().clone(),
+                    });
+                }
+            }
+            self.loaded.write_slot(slot, &to_bytes(&t))?;
+        }
+        self.loaded.run_prologue()?;
+        Ok(())
+    }
+
+    /// Replaces state entries (resuming), then re-derives the working copies.
+    pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        self.upload(entries)
+    }
+
+    /// The persistent state, read back from the device, in the plan's order (working copies,
+    /// which the masters determine, are left out, as on the CPU).
+    pub fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        let mut out = Vec::new();
+        for spec in &self.plan.state {
+            if spec.role == StateRole::WorkingCopy {
+                continue;
+            }
+            out.push((spec.name.clone(), self.read_state(&spec.name, &spec.ty)?));
+        }
+        Ok(out)
+    }
+
+    fn read_state(&self, name: &str, ty: &TensorType) -> Result<Tensor, RuntimeError> {
+        let slot = self
+            .program
+            .slot(name)
+            .ok_or_else(|| RuntimeError::Cuda(format!("no device slot for `{name}`")))?;
+        let bytes = self.loaded.read_slot(slot)?;
+        from_bytes(ty, &bytes)
+    }
+
+    fn scalar(&self, name: &str) -> Result<f32, RuntimeError> {
+        match self.program.slot(name) {
+            Some(slot) => {
+                let b = self.loaded.read_slot(slot)?;
+                Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            }
+            None => Ok(1.0),
+        }
+    }
+
+    /// Queues one training step: the micro-batches' inputs are copied in, the runs replayed.
+    /// Nothing is read back; call [`Self::report`] to see what the step did.
+    pub fn queue_step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<(), RuntimeError> {
+        let accum = self.plan.settings.grad_accum;
+        if micro_batches.len() != accum {
+            return Err(RuntimeError::Internal {
+                node: "micro_step".into(),
+                message: format!(
+                    "a step takes {accum} micro-batches, given {}",
+                    micro_batches.len()
+                ),
+            });
+        }
+        let log = self.slot_place(LOSS_LOG)?;
+        if let (Some(scale), Ok(used)) =
+            (self.program.slot(LOSS_SCALE), self.slot_place(USED_SCALE))
+        {
+            self.loaded.copy(
+                used,
+                Place::Slot {
+                    slot: scale,
+                    offset: 0,
+                },
+                4,
+            )?;
+        }
+        if let Some(z) = self.zero_grads {
+            self.loaded.run(z)?;
+        }
+        let loss_place = self.program.runs[self.micro]
+            .outputs
+            .first()
+            .map(|o| o.place)
+            .ok_or_else(|| RuntimeError::Cuda("the micro step has no loss output".into()))?;
+        for (i, batch) in micro_batches.iter().enumerate() {
+            self.write_inputs(self.micro, batch)?;
+            self.loaded.run(self.micro)?;
+            self.loaded.copy(log.plus(4 * i as u64), loss_place, 4)?;
+        }
+        let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
+        let mut inputs = HashMap::new();
+        inputs.insert(LR.to_string(), lr_tensor);
+        self.write_inputs(self.optimizer, &inputs)?;
+        self.loaded.run(self.optimizer)?;
+        self.steps_queued += 1;
+        Ok(())
+    }
+
+    /// What the last queued step did: waits for the device, reads the loss log, the scale and
+    /// the gradient norm, and checks the kernels' error flags (an out-of-range token id or
+    /// label since the last report).
+    pub fn report(&self) -> Result<StepReport, RuntimeError> {
+        self.loaded.synchronize()?;
+        for run in &self.program.runs {
+            for f in &run.error_flags {
+                self.check_flag(f)?;
+            }
+        }
+        let accum = self.plan.settings.grad_accum.max(1);
+        let log = self.loaded.read_slot(self.slot(LOSS_LOG)?)?;
+        let losses: Vec<f32> = log
+            .chunks_exact(4)
+            .take(accum)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let loss = losses.iter().map(|&x| f64::from(x)).sum::<f64>() / accum as f64;
+        let grad_norm = self.output_scalar(self.optimizer, GRAD_NORM)?;
+        let loss_scale = match self.plan.settings.loss_scaling {
+            LossScaling::None => 1.0,
+            _ => self.scalar(USED_SCALE)?,
+        };
+        Ok(StepReport {
+            loss: loss as f32,
+            loss_scale,
+            next_loss_scale: self.scalar(LOSS_SCALE)?,
+            skipped: !grad_norm.is_finite(),
+            grad_norm,
+        })
+    }
+
+    /// One step, then its report (a host synchronization per step).
+    pub fn step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<StepReport, RuntimeError> {
+        self.queue_step(micro_batches, lr)?;
+        self.report()
+    }
+
+    /// Optimizer steps taken (skipped steps do not count).
+    pub fn steps_taken(&self) -> Result<f32, RuntimeError> {
+        self.scalar(STEP)
+    }
+
+    /// The minimum loss scale of a dynamic plan.
+    pub fn min_loss_scale(&self) -> Option<f64> {
+        match self.plan.settings.loss_scaling {
+            LossScaling::Dynamic { min_scale, .. } => Some(min_scale),
+            _ => None,
+        }
+    }
+
+    fn slot(&self, name: &str) -> Result<usize, RuntimeError> {
+        self.program
+            .slot(name)
+            .ok_or_else(|| RuntimeError::Cuda(format!("no device slot `{name}`")))
+    }
+
+    fn slot_place(&self, name: &str) -> Result<Place, RuntimeError> {
+        Ok(Place::Slot {
+            slot: self.slot(name)?,
+            offset: 0,
+        })
+    }
+
+    fn output_scalar(&self, run: usize, name: &str) -> Result<f32, RuntimeError> {
+        let o = self.program.runs[run]
+            .outputs
+            .iter()
+            .find(|o| o.name == name)
+            .ok_or_else(|| {
+                RuntimeError::Cuda(format!("the optimizer step has no `{name}` output"))
+            })?;
+        let b = self.loaded.read(o.place, 4)?;
+        Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn write_inputs(
+        &mut self,
+        run: usize,
+        batch: &HashMap<String, Tensor>,
+    ) -> Result<(), RuntimeError> {
+        write_inputs(&self.program, &self.loaded, run, batch)
+    }
+
+    fn check_flag(&self, f: &ErrorFlag) -> Result<(), RuntimeError> {
+        check_flag(&self.loaded, f)
+    }
+}
+
+/// Copies the tensors a run's input slots name into them.
+fn write_inputs(
+    program: &Program,
+    loaded: &Loaded,
+    run: usize,
+    batch: &HashMap<String, Tensor>,
+) -> Result<(), RuntimeError> {
+    for (slot, s) in program.slots.iter().enumerate() {
+        let SlotKind::Input(ty) = &s.kind else {
+            continue;
+        };
+        if !run_reads_slot(program, run, slot) {
+            continue;
+        }
+        let t = batch
+            .get(&s.name)
+            .ok_or_else(|| RuntimeError::MissingBinding {
+                name: s.name.clone(),
+                expected: ty.clone(),
+            })?;
+        if t.ty() != ty && !(t.shape() == &ty.shape && t.dtype().is_int() && ty.dtype.is_int()) {
+            return Err(RuntimeError::BindingMismatch {
+                name: s.name.clone(),
+                expected: ty.clone(),
+                found: t.ty().clone(),
+            });
+        }
+        let t = if t.dtype() != ty.dtype {
+            Tensor::from_i64(
+                ty.dtype,
+                ty.shape.clone(),
+                t.as_i64().unwrap_or(&[]).to_vec(),
+            )
+        } else {
+            t.clone()
+        };
+        loaded.write_slot(slot, &to_bytes(&t))?;
+    }
+    Ok(())
+}
+
+/// True when a run's commands mention `slot`.
+fn run_reads_slot(program: &Program, run: usize, slot: usize) -> bool {
+    use super::program::{Arg, Command};
+    let hit = |p: &Place| matches!(p, Place::Slot { slot: s, .. } if *s == slot);
+    program.runs[run].commands.iter().any(|c| match c {
+        Command::Launch(l) => l.args.iter().any(|a| matches!(a, Arg::Ptr(p) if hit(p))),
+        Command::Gemm(g) => hit(&g.a) || hit(&g.b),
+        Command::Copy { src, .. } => hit(src),
+        Command::Memset { .. } => false,
+    }) || program
+        .tables
+        .iter()
+        .flat_map(|t| t.rows.iter().flatten())
+        .any(|f| matches!(f, super::program::Field::Ptr(p) if hit(p)))
+}
+
+/// An error flag lowered by a kernel: the first bad position, with the index there.
+fn check_flag(loaded: &Loaded, f: &ErrorFlag) -> Result<(), RuntimeError> {
+    let b = loaded.read(f.place, 4)?;
+    let pos = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    if pos == i32::MAX || pos < 0 {
+        return Ok(());
+    }
+    let idx = loaded.read(f.indices.plus(8 * pos as u64), 8)?;
+    let index = i64::from_le_bytes([
+        idx[0], idx[1], idx[2], idx[3], idx[4], idx[5], idx[6], idx[7],
+    ]);
+    Err(RuntimeError::IndexOutOfRange {
+        node: f.node.clone(),
+        what: f.what,
+        index,
+        position: pos as usize,
+        limit: f.limit,
+    })
+}
+
+/// One graph on the CUDA executor: bound tensors uploaded once, inputs per run.
+pub struct CudaGraphRunner {
+    program: Program,
+    loaded: Loaded,
+    _device: Device,
+}
+
+impl CudaGraphRunner {
+    /// Lowers `graph` and uploads its params and state (`bindings` by name).
+    pub fn new(
+        graph: &Graph,
+        bindings: &dyn Fn(&str) -> Option<Tensor>,
+    ) -> Result<CudaGraphRunner, RuntimeError> {
+        let program = lower::lower_graph(graph)?;
+        let device = Device::open()?;
+        let mut loaded = device.load(&program)?;
+        for (slot, s) in program.slots.iter().enumerate() {
+            let SlotKind::Bound(ty) = &s.kind else {
+                continue;
+            };
+            // Param copies are derived by the prologue.
+            if program.all_commands().count() > 0 && is_prologue_target(&program, slot) {
+                continue;
+            }
+            let t = bindings(&s.name).ok_or_else(|| RuntimeError::MissingBinding {
+                name: s.name.clone(),
+                expected: ty.clone(),
+            })?;
+            if t.ty() != ty {
+                return Err(RuntimeError::BindingMismatch {
+                    name: s.name.clone(),
+                    expected: ty.clone(),
+                    found: t.ty().clone(),
+                });
+            }
+            loaded.write_slot(slot, &to_bytes(&t))?;
+        }
+        loaded.run_prologue()?;
+        Ok(CudaGraphRunner {
+            program,
+            loaded,
+            _device: device,
+        })
+    }
+
+    /// Runs the graph on `inputs` and reads every output back.
+    pub fn run(&mut self, inputs: &HashMap<String, Tensor>) -> Result<Vec<Tensor>, RuntimeError> {
+        write_inputs(&self.program, &self.loaded, 0, inputs)?;
+        self.loaded.run(0)?;
+        self.loaded.synchronize()?;
+        let run = &self.program.runs[0];
+        for f in &run.error_flags {
+            check_flag(&self.loaded, f)?;
+        }
+        run.outputs
+            .iter()
+            .map(|o| {
+                let bytes = o.ty.size_bytes().unwrap_or(0) as u64;
+                from_bytes(&o.ty, &self.loaded.read(o.place, bytes)?)
+            })
+            .collect()
+    }
+}
+
+/// True when the prologue writes `slot` (a working copy derived from its master).
+fn is_prologue_target(program: &Program, slot: usize) -> bool {
+    use super::program::{Arg, Command};
+    program.prologue.iter().any(|c| match c {
+        Command::Launch(l) => {
+            matches!(l.args.get(1), Some(Arg::Ptr(Place::Slot { slot: s, .. })) if *s == slot)
+        }
+        Command::Copy {
+            dst: Place::Slot { slot: s, .. },
+            ..
+        } => *s == slot,
+        _ => false,
+    })
+}
+
+/// A host tensor as the device stores it.
+pub fn to_bytes(t: &Tensor) -> Vec<u8> {
+    match (t.data(), t.dtype()) {
+        (TensorData::F32(v), DType::F32) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        (TensorData::F32(v), DType::F16) => v
+            .iter()
+            .flat_map(|&x| half::f16::from_f32(x).to_bits().to_le_bytes())
+            .collect(),
+        (TensorData::F32(v), DType::BF16) => v
+            .iter()
+            .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
+            .collect(),
+        (TensorData::I64(v), DType::I32) => {
+            v.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect()
+        }
+        (TensorData::I64(v), _) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        (TensorData::Bool(v), _) => v.iter().map(|&b| u8::from(b)).collect(),
+        (TensorData::F32(v), _) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// A device buffer of type `ty` as a host tensor.
+pub fn from_bytes(ty: &TensorType, b: &[u8]) -> Result<Tensor, RuntimeError> {
+    let want = ty.size_bytes().unwrap_or(0);
+    if b.len() != want {
+        return Err(RuntimeError::Cuda(format!(
+            "read {} bytes for a {ty} ({want} bytes)",
+            b.len()
+        )));
+    }
+    let shape = ty.shape.clone();
+    Ok(match ty.dtype {
+        DType::F32 => Tensor::from_f32(
+            DType::F32,
+            shape,
+            b.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+        DType::F16 => Tensor::from_f32(
+            DType::F16,
+            shape,
+            b.chunks_exact(2)
+                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                .collect(),
+        ),
+        DType::BF16 => Tensor::from_f32(
+            DType::BF16,
+            shape,
+            b.chunks_exact(2)
+                .map(|c| half::bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                .collect(),
+        ),
+        DType::I64 => Tensor::from_i64(
+            DType::I64,
+            shape,
+            b.chunks_exact(8)
+                .map(|c| i64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
+                .collect(),
+        ),
+        DType::I32 => Tensor::from_i64(
+            DType::I32,
+            shape,
+            b.chunks_exact(4)
+                .map(|c| i64::from(i32::from_le_bytes([c[0], c[1], c[2], c[3]])))
+                .collect(),
+        ),
+        DType::Bool => Tensor::from_bool(shape, b.iter().map(|&x| x != 0).collect()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_bytes_round_trip_every_dtype() {
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let t = Tensor::from_f32(dtype, vec![3], vec![1.5, -2.25, 1e-3]);
+            assert_eq!(from_bytes(t.ty(), &to_bytes(&t)).unwrap(), t);
+        }
+        for dtype in [DType::I64, DType::I32] {
+            let t = Tensor::from_i64(dtype, vec![2], vec![-7, 1 << 20]);
+            assert_eq!(from_bytes(t.ty(), &to_bytes(&t)).unwrap(), t);
+        }
+        let t = Tensor::from_bool(vec![3], vec![true, false, true]);
+        assert_eq!(from_bytes(t.ty(), &to_bytes(&t)).unwrap(), t);
+        assert!(from_bytes(t.ty(), &[0u8; 2]).is_err());
+    }
+}
