@@ -41,10 +41,10 @@ pub fn select(device: Device) -> anyhow::Result<Selected> {
     }
 }
 
-/// Why `auto` would run on the CPU here, or which GPU it would use.
-pub fn describe_auto() -> String {
+/// Why the CPU runs: what the CUDA probe found (or that `--device cpu` asked for it).
+pub fn why_cpu() -> String {
     match cuda_probe::probe() {
-        Ok(d) => format!("cuda ({d})"),
-        Err(e) => format!("cpu ({e})"),
+        Ok(d) => format!("--device cpu; found {d}"),
+        Err(e) => e.to_string(),
     }
 }

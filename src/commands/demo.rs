@@ -276,6 +276,13 @@ fn printable(tokens: &[i64]) -> String {
 pub fn run(args: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     let device = crate::device::select(args.device)?;
+    println!(
+        "device      {}",
+        match &device {
+            crate::device::Selected::Cuda(d) => format!("cuda ({d})"),
+            crate::device::Selected::Cpu => format!("cpu ({})", crate::device::why_cpu()),
+        }
+    );
     let (model, params) = tiny_gpt2()?;
     let (batch, seq) = (args.batch, args.seq.min(model.max_positions()));
     let graph = model.build_graph(batch, seq)?;
@@ -336,7 +343,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let settings = plan.settings.clone();
     let mut runner = Trainer::new(plan, &|name| params.get(name).cloned(), &device)?;
     drop(params);
-    println!("device      {}", runner.device());
     let sampler = Sampler::new(&model, args.precision, seq)?;
     println!();
     println!(
