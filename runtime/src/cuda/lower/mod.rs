@@ -107,7 +107,12 @@ struct Lowerer {
     modules: HashMap<String, usize>,
     /// Param-copy slots already initialized by the prologue.
     copies: HashMap<String, usize>,
+    /// Generated kernels by their code (see [`Lowerer::generated`]): the entry point.
+    generated: HashMap<String, String>,
 }
+
+/// The module holding every generated (fused pointwise) kernel of a program.
+pub const GENERATED_MODULE: &str = "fused.cu";
 
 impl Lowerer {
     /// The slot `name`, created with `kind` if new.
@@ -153,6 +158,34 @@ impl Lowerer {
         let i = self.program.modules.len() - 1;
         self.modules.insert(name.into(), i);
         i
+    }
+
+    /// The module and entry point of a generated kernel. Every generated kernel of the
+    /// program goes into one module (one NVRTC compile), and a kernel whose code equals an
+    /// earlier one's (the same group in every layer) is not added again: its launches use
+    /// the earlier entry point.
+    fn generated(&mut self, name: &str, source: &str) -> (usize, String) {
+        // The code without comments (which name the members) and with the kernel's name
+        // replaced is what makes two kernels the same.
+        let key: String = source
+            .lines()
+            .map(|l| l.split("//").next().unwrap_or("").trim_end())
+            .filter(|l| !l.is_empty())
+            .collect::<Vec<_>>()
+            .join("\n")
+            .replace(name, "KERNEL");
+        let module = match self.modules.get(GENERATED_MODULE) {
+            Some(&m) => m,
+            None => self.module(GENERATED_MODULE, ""),
+        };
+        if let Some(entry) = self.generated.get(&key) {
+            return (module, entry.clone());
+        }
+        let m = &mut self.program.modules[module];
+        m.source.push_str(source);
+        m.source.push('\n');
+        self.generated.insert(key, name.to_string());
+        (module, name.to_string())
     }
 
     /// A launch of the hand-written kernel `entry`.
@@ -597,7 +630,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         let root = g.node(last).outputs[0];
         let n = g.ty(root).shape.numel().unwrap_or(0);
         let source = fusion::cuda_source(g, &self.users, members, name);
-        let module = self.l.module(name, &source);
+        let (module, entry) = self.l.generated(name, &source);
         let mut args = Vec::new();
         for &v in &inputs {
             args.push(Arg::Ptr(self.at(v)?));
@@ -609,7 +642,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         self.commands.push(Command::Launch(Launch {
             node: g.name(root).into(),
             module,
-            entry: name.into(),
+            entry,
             grid: grid_1d(n.div_ceil(8), 256),
             block: (256, 1, 1),
             shared_bytes: 0,

@@ -697,6 +697,9 @@ impl RunLowering<'_, '_> {
             (outer, len)
         };
         let out = self.out(y)?;
+        if outer * inner == 0 {
+            return Ok(()); // an empty result: nothing to launch
+        }
         let name = match op {
             ReduceOp::Sum => "sum",
             ReduceOp::Mean => "mean",
