@@ -69,6 +69,21 @@ impl Trainer {
         }
     }
 
+    /// The mean micro-step loss on held-out `batches` with the current weights, on the
+    /// executor that trains (the device's state is not copied back for it).
+    pub fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> anyhow::Result<Option<f64>> {
+        if batches.is_empty() {
+            return Ok(None);
+        }
+        match &mut self.cuda {
+            Some(c) => Ok(Some(c.validation_loss(batches)?)),
+            None => crate::commands::train::validation_loss(&self.host, batches),
+        }
+    }
+
     /// Replaces state entries (resuming) on every executor.
     pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
         if let Some(c) = &mut self.cuda {

@@ -278,7 +278,7 @@ pub fn train_loop(
         history.train.push((done, f64::from(report.loss)));
 
         let val_loss = if eval_now {
-            let v = validation_loss(runner.host()?, &val_batches)?;
+            let v = runner.validation_loss(&val_batches)?;
             if let Some(v) = v {
                 history.validation.push((done, v));
                 out.evaluated_at = Some(done);

@@ -289,6 +289,31 @@ impl CudaPlanRunner {
         self.report()
     }
 
+    /// The mean loss of the micro step on `batches`, with the current weights, on the
+    /// device. The micro step also writes gradients, which is harmless between steps: the
+    /// next step overwrites them (or zeroes them first when it accumulates).
+    pub fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        let loss = self.program.runs[self.micro]
+            .outputs
+            .first()
+            .map(|o| o.place)
+            .ok_or_else(|| RuntimeError::Cuda("the micro step has no loss output".into()))?;
+        let mut sum = 0.0;
+        for batch in batches {
+            self.write_inputs(self.micro, batch)?;
+            self.loaded.run(self.micro)?;
+            let b = self.loaded.read(loss, 4)?;
+            sum += f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+        }
+        for f in &self.program.runs[self.micro].error_flags {
+            self.check_flag(f)?;
+        }
+        Ok(sum / batches.len().max(1) as f64)
+    }
+
     /// Optimizer steps taken (skipped steps do not count).
     pub fn steps_taken(&self) -> Result<f32, RuntimeError> {
         self.scalar(STEP)
