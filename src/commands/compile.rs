@@ -265,4 +265,34 @@ fn print_memory_and_cost(
     for line in crate::report::cost_lines(&StepCost::of_plan(plan, gpu)) {
         println!("{line}");
     }
+    println!();
+    println!("{}", cuda_line(plan));
+}
+
+/// What the CUDA executor would run for one step: kernel launches, cuBLAS products, copies
+/// and memsets per run, the kernel modules to compile, and the arena as the executor places
+/// it (live ranges per kernel, so fused values take no memory), or why it cannot run it.
+fn cuda_line(plan: &castor_ir::TrainingPlan) -> String {
+    use castor_runtime::cuda::{lower::lower_plan, program::Command};
+    match lower_plan(plan) {
+        Ok(p) => {
+            let count = |f: &dyn Fn(&Command) -> bool| -> usize {
+                p.runs
+                    .iter()
+                    .flat_map(|r| r.commands.iter())
+                    .filter(|c| f(c))
+                    .count()
+            };
+            let launches = count(&|c| matches!(c, Command::Launch(_)));
+            let gemms = count(&|c| matches!(c, Command::Gemm(_)));
+            let other = count(&|c| matches!(c, Command::Copy { .. } | Command::Memset { .. }));
+            format!(
+                "cuda        {launches} kernel launches, {gemms} cuBLAS products, {other} copies/memsets \
+                 per step; {} modules; arena {} at kernel granularity",
+                p.modules.len(),
+                castor_runtime::cuda::device::human_bytes(p.arena_bytes)
+            )
+        }
+        Err(e) => format!("cuda        cannot run on the CUDA executor: {e}"),
+    }
 }
