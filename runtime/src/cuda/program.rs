@@ -236,6 +236,8 @@ pub struct ErrorFlag {
     /// The index tensor the position refers to and the range it must be in.
     pub indices: Place,
     pub limit: usize,
+    /// An index value allowed outside the range (cross-entropy's `ignore_index`).
+    pub ignore: Option<i64>,
 }
 
 /// One sequence of commands the host launches as a unit (captured once as a CUDA graph and

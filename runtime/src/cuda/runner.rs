@@ -401,7 +401,40 @@ fn write_inputs(
         } else {
             t.clone()
         };
+        check_indices(program, run, slot, &t)?;
         loaded.write_slot(slot, &to_bytes(&t))?;
+    }
+    Ok(())
+}
+
+/// Token ids and labels are checked on the host before they are uploaded, against the range
+/// each kernel that reads them needs, so a bad batch is an exact error before anything runs
+/// (the kernels' own flags stay as a backstop).
+fn check_indices(
+    program: &Program,
+    run: usize,
+    slot: usize,
+    t: &Tensor,
+) -> Result<(), RuntimeError> {
+    let Some(values) = t.as_i64() else {
+        return Ok(());
+    };
+    for f in &program.runs[run].error_flags {
+        if !matches!(f.indices, Place::Slot { slot: s, offset: 0 } if s == slot) {
+            continue;
+        }
+        let bad = values
+            .iter()
+            .position(|&x| (x < 0 || x as u64 >= f.limit as u64) && Some(x) != f.ignore);
+        if let Some(position) = bad {
+            return Err(RuntimeError::IndexOutOfRange {
+                node: f.node.clone(),
+                what: f.what,
+                index: values[position],
+                position,
+                limit: f.limit,
+            });
+        }
     }
     Ok(())
 }
@@ -595,6 +628,43 @@ pub fn from_bytes(ty: &TensorType, b: &[u8]) -> Result<Tensor, RuntimeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bad_token_ids_and_labels_are_found_on_the_host() {
+        use super::super::program::Run;
+        let flag = |what, ignore| ErrorFlag {
+            node: "n".into(),
+            what,
+            place: Place::Slot { slot: 1, offset: 0 },
+            indices: Place::Slot { slot: 0, offset: 0 },
+            limit: 10,
+            ignore,
+        };
+        let mut program = Program::default();
+        program.runs.push(Run {
+            error_flags: vec![flag("label", Some(-100))],
+            ..Run::default()
+        });
+        let labels = Tensor::from_i64(DType::I64, vec![3], vec![9, -100, 0]);
+        assert!(check_indices(&program, 0, 0, &labels).is_ok());
+        let bad = Tensor::from_i64(DType::I64, vec![3], vec![9, -100, 10]);
+        let e = check_indices(&program, 0, 0, &bad).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                RuntimeError::IndexOutOfRange {
+                    index: 10,
+                    position: 2,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        program.runs[0].error_flags = vec![flag("token id", None)];
+        assert!(check_indices(&program, 0, 0, &labels).is_err());
+        // Another slot's flags do not apply.
+        assert!(check_indices(&program, 0, 5, &bad).is_ok());
+    }
 
     #[test]
     fn device_bytes_round_trip_every_dtype() {

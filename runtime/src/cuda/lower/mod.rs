@@ -585,7 +585,14 @@ impl<'l, 'g> RunLowering<'l, 'g> {
     }
 
     /// An error flag (an `int` slot reset to `INT_MAX` before the run).
-    fn flag(&mut self, node: Value, what: &'static str, indices: Place, limit: usize) -> Place {
+    fn flag(
+        &mut self,
+        node: Value,
+        what: &'static str,
+        indices: Place,
+        limit: usize,
+        ignore: Option<i64>,
+    ) -> Place {
         let name = format!("{}.flag.{}", self.run, self.g.name(node));
         let slot = self.l.internal(&name, 4);
         let place = Place::Slot { slot, offset: 0 };
@@ -595,6 +602,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             place,
             indices,
             limit,
+            ignore,
         });
         place
     }

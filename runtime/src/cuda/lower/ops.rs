@@ -71,7 +71,7 @@ impl RunLowering<'_, '_> {
                 let rows = numel(ids);
                 let (tp, ip) = (self.at(table)?, self.at(ids)?);
                 let out = self.out(y)?;
-                let bad = self.flag(y, "token id", ip, v);
+                let bad = self.flag(y, "token id", ip, v, None);
                 self.launch(
                     y,
                     &format!("embedding_fwd_{}", sfx(dt(y))),
@@ -744,7 +744,7 @@ impl RunLowering<'_, '_> {
         let row_inv = self.arena(rows as u64 * 4, until);
         let count = self.arena(4, until);
         let (lp, lab) = (self.at(logits)?, self.at(labels)?);
-        let bad = self.flag(y, "label", lab, v);
+        let bad = self.flag(y, "label", lab, v, Some(ignore));
         self.launch(
             y,
             &format!("cross_entropy_fwd_{}", sfx(g.ty(logits).dtype)),
@@ -806,7 +806,7 @@ impl RunLowering<'_, '_> {
                 let loss = self.scratch(4);
                 let count = self.scratch(4);
                 let (lp, lab) = (self.at(logits)?, self.at(labels)?);
-                let bad = self.flag(y, "label", lab, v);
+                let bad = self.flag(y, "label", lab, v, Some(ignore));
                 self.launch(
                     y,
                     &format!("cross_entropy_fwd_{}", sfx(g.ty(logits).dtype)),
@@ -893,7 +893,7 @@ impl RunLowering<'_, '_> {
         let starts = self.scratch((vocab as u64 + 1) * 4);
         let positions = self.scratch(n.max(1) as u64 * 4);
         let ip = self.at(ids)?;
-        let bad = self.flag(y, "token id", ip, vocab);
+        let bad = self.flag(y, "token id", ip, vocab, None);
         self.commands.push(Command::Memset {
             dst: counts,
             bytes: vocab as u64 * 4,
