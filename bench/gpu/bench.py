@@ -240,7 +240,7 @@ def castor_side(args, out_dir):
         code, so, se = run([exe, "compile", str(cfg_path), "--train", "--precision", "bf16",
                             "--batch", str(args.batch), "--seq", str(args.seq),
                             "--remat", remat])
-        peak = re.search(r"total\s+([\d,]+) bytes", so) if code == 0 else None
+        peak = re.search(r"^\s*total\s+([\d,]+)\s", so, re.M) if code == 0 else None
         res[f"planned_peak_{remat}"] = int(peak.group(1).replace(",", "")) if peak else None
         res[f"planned_{remat}_exit"] = code
         if code != 0:
@@ -255,7 +255,7 @@ def castor_side(args, out_dir):
         code, so, se = run([exe, "train", str(cfg_path), "--data", str(corpus),
                             "--steps", str(steps), "--batch", str(args.batch),
                             "--seq", str(args.seq), "--precision", precision,
-                            "--device", "cuda", "--log", str(log)])
+                            "--device", args.castor_device, "--log", str(log)])
         row = {"exit": code, "stdout": so[-2000:], "stderr": se[-2000:]}
         if code == 0 and log.exists():
             lines = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
@@ -266,7 +266,7 @@ def castor_side(args, out_dir):
                 row["tokens_per_s"] = rate
                 row["ms_per_step"] = 1e3 * tokens_per_step / rate
                 row["losses"] = [l["loss"] for l in lines]
-        res[f"train_cuda_{precision}"] = row
+        res[f"train_{args.castor_device}_{precision}"] = row
     return res
 
 
@@ -276,6 +276,8 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes: a dry run of the harness")
     ap.add_argument("--castor", type=Path, default=Path("target/release/castor"))
+    ap.add_argument("--castor-device", default="cuda",
+                    help="where castor trains (cpu exercises the harness on a machine with no GPU)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=None)
@@ -309,8 +311,8 @@ def main():
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
 
     c, u, t, m = (results[k] for k in ["ceilings", "gpt2_user", "training_step", "memory"])
-    def castor_cuda(precision):
-        r = results["castor"].get(f"train_cuda_{precision}", {})
+    def castor_row(precision):
+        r = results["castor"].get(f"train_{args.castor_device}_{precision}", {})
         if r.get("exit") == 0 and "ms_per_step" in r:
             return (f"{r['ms_per_step']:8.2f} ms  {r['tokens_per_s']:10.0f} tok/s  "
                     f"(loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f})")
@@ -343,7 +345,7 @@ def main():
     for remat in ["none", "selective", "full"]:
         lines.append(f"castor planned peak {remat:<9} {results['castor'].get(f'planned_peak_{remat}')}")
     for precision in ["bf16", "fp16"]:
-        lines.append(f"train step castor {precision:<15} {castor_cuda(precision)}")
+        lines.append(f"train step castor {args.castor_device} {precision:<10} {castor_row(precision)}")
     print("\n".join(lines))
 
 
