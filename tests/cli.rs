@@ -140,7 +140,7 @@ fn missing_and_mismatched_tensors_are_named() {
 }
 
 #[test]
-fn eval_on_cuda_without_a_cuda_executor_is_a_clear_error() {
+fn eval_on_cuda_runs_there_or_says_why_not() {
     let dir = fixture("gpt2_lm");
     let out = tempfile::tempdir().unwrap();
     let o = eval(
@@ -149,6 +149,11 @@ fn eval_on_cuda_without_a_cuda_executor_is_a_clear_error() {
         &out.path().join("o.safetensors"),
         &["--device", "cuda"],
     );
+    if castor_runtime::cuda_probe::probe().is_ok() {
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(stdout(&o).contains("forward on cuda"), "{}", stdout(&o));
+        return;
+    }
     assert_eq!(o.status.code(), Some(5));
     assert!(stderr(&o).contains("--device cuda"), "{}", stderr(&o));
     assert!(!out.path().join("o.safetensors").exists());
@@ -340,7 +345,10 @@ fn conflicting_overrides_and_bad_policy_files_are_invalid_input() {
 }
 
 #[test]
-fn train_on_cuda_without_a_cuda_executor_is_a_clear_error() {
+fn train_on_cuda_without_a_gpu_is_a_clear_error() {
+    if castor_runtime::cuda_probe::probe().is_ok() {
+        return; // the GPU tests (tests/cuda_gpu.rs) train there
+    }
     let dir = fixture("gpt2_lm");
     let out = tempfile::tempdir().unwrap();
     let save = out.path().join("saved");
@@ -359,9 +367,8 @@ fn train_on_cuda_without_a_cuda_executor_is_a_clear_error() {
     assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
     let err = stderr(&o);
     assert!(err.contains("--device cuda"), "{err}");
-    // Without a driver the probe says so; with a GPU it names the device it found.
     assert!(
-        err.contains("no CUDA driver") || err.contains("found") || err.contains("no device"),
+        err.contains("no CUDA driver") || err.contains("no device") || err.contains("driver"),
         "{err}"
     );
     assert!(!err.contains("panicked"), "{err}");

@@ -116,7 +116,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .map(|(&v, t)| (graph.name(v).to_string(), to_f32(t)))
         .collect();
     if args.grad {
-        named.extend(gradients(&args, &model, &batch, &params)?);
+        named.extend(gradients(&args, &model, &batch, &params, &device)?);
     }
     let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
     write_safetensors(&args.out, &refs)?;
@@ -148,6 +148,7 @@ fn gradients(
     model: &Model,
     batch: &crate::batch::Batch,
     params: &std::collections::HashMap<String, Tensor>,
+    device: &Selected,
 ) -> anyhow::Result<Vec<(String, Tensor)>> {
     let objective = match args.objective.as_str() {
         "auto" => Objective::auto(model),
@@ -185,13 +186,24 @@ fn gradients(
     } else {
         None
     };
-    let bind = |name: &str| {
-        if name == "labels" {
-            return labels.as_ref();
+    let outputs = match device {
+        Selected::Cpu => {
+            let bind = |name: &str| {
+                if name == "labels" {
+                    return labels.as_ref();
+                }
+                batch.tensors.get(name).or_else(|| params.get(name))
+            };
+            CpuExecutor::new().run(&train, &bind)?
         }
-        batch.tensors.get(name).or_else(|| params.get(name))
+        Selected::Cuda(_) => {
+            let mut inputs = batch.tensors.clone();
+            if let Some(l) = &labels {
+                inputs.insert("labels".into(), l.clone());
+            }
+            CudaGraphRunner::new(&train, &|name| params.get(name).cloned())?.run(&inputs)?
+        }
     };
-    let outputs = CpuExecutor::new().run(&train, &bind)?;
     Ok(train
         .outputs()
         .iter()
