@@ -241,3 +241,30 @@ fn every_launch_matches_its_kernels_parameters_in_ptx() {
     }
     println!("{checked} launches match their kernels' PTX parameter lists");
 }
+
+/// What the CUDA executor runs for one bf16 training step of the tiny GPT-2, command by
+/// command: review changes here as changes to the executor.
+#[test]
+fn gpt2_bf16_program_listing() {
+    let p = lower_plan(&plan("gpt2_lm", &["--precision", "bf16"])).unwrap();
+    insta::assert_snapshot!("gpt2_lm_bf16_program", p.listing());
+}
+
+/// `compile --emit cuda` prints the same listing, with no GPU.
+#[test]
+fn compile_emits_the_cuda_program() {
+    let model = fixture("gpt2_lm");
+    let o = castor(&[
+        "compile",
+        path_str(&model),
+        "--precision",
+        "bf16",
+        "--emit",
+        "cuda",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = common::stdout(&o);
+    assert!(out.contains("run micro_step:"), "{out}");
+    assert!(out.contains("launch adamw_bf16<<<"), "{out}");
+    assert!(out.contains("gemm bf16"), "{out}");
+}

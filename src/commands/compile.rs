@@ -19,6 +19,9 @@ pub enum Emit {
     Dot,
     /// The training plan as JSON (implies --train), which `castor train --plan` runs.
     Plan,
+    /// The CUDA executor's program for the training step (implies --train): every kernel
+    /// launch with its grid and arguments, every cuBLAS product, the buffers. No GPU needed.
+    Cuda,
 }
 
 #[derive(clap::Args)]
@@ -108,8 +111,9 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize,
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     // Recomputation only means something for a training step, so asking for it asks for one.
-    let train =
-        args.train || args.emit == Emit::Plan || args.training.remat != castor_ir::Remat::None;
+    let train = args.train
+        || matches!(args.emit, Emit::Plan | Emit::Cuda)
+        || args.training.remat != castor_ir::Remat::None;
     let gpu = gpu_spec(args.gpu.as_deref())?;
     let (graph, what, seq, model) = load_graph(&args, train)?;
     let out = args
@@ -173,7 +177,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (Emit::Dot, Some(plan)) => Some(castor_ir::to_dot(&plan.micro_step)),
         (Emit::Dot, None) => Some(castor_ir::to_dot(&out.graph)),
         (Emit::Plan, Some(plan)) => Some(plan.to_json()),
-        (Emit::Plan, None) => None,
+        (Emit::Cuda, Some(plan)) => Some(
+            castor_runtime::cuda::lower::lower_plan(plan)
+                .map_err(|e| crate::CliError::InvalidInput(format!("--emit cuda: {e}")))?
+                .listing(),
+        ),
+        (Emit::Plan | Emit::Cuda, None) => None,
     };
     match (emitted, &args.out) {
         (Some(text), Some(path)) => {
@@ -185,9 +194,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             print!("{text}");
         }
         (None, Some(_)) => {
-            return Err(
-                crate::CliError::InvalidInput("-o needs --emit ir, dot or plan".into()).into(),
-            );
+            return Err(crate::CliError::InvalidInput(
+                "-o needs --emit ir, dot, plan or cuda".into(),
+            )
+            .into());
         }
         (None, None) => {}
     }

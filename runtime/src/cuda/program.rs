@@ -297,3 +297,138 @@ impl Program {
             .chain(self.runs.iter().flat_map(|r| r.commands.iter()))
     }
 }
+
+impl Place {
+    /// `s3+256` (slot 3, byte 256) or `a+4096` (the arena).
+    fn short(self) -> String {
+        match self {
+            Place::Arena { offset } => format!("a+{offset}"),
+            Place::Slot { slot, offset: 0 } => format!("s{slot}"),
+            Place::Slot { slot, offset } => format!("s{slot}+{offset}"),
+        }
+    }
+}
+
+impl Arg {
+    fn short(&self) -> String {
+        match self {
+            Arg::Ptr(p) => p.short(),
+            Arg::Null => "null".into(),
+            Arg::I32(x) => x.to_string(),
+            Arg::I64(x) => x.to_string(),
+            Arg::U16(x) => format!("{x:#06x}"),
+            Arg::U32(x) => format!("{x:#010x}"),
+            Arg::U64(x) => format!("{x:#x}"),
+            Arg::F64(x) => format!("{x:?}"),
+            Arg::Table(i) => format!("table{i}"),
+            Arg::Layout(l) => {
+                let r = l.rank.clamp(0, MAX_RANK as i32) as usize;
+                format!(
+                    "copy{:?} src{:?}@{} dst{:?}@{}",
+                    &l.shape[..r],
+                    &l.src_stride[..r],
+                    l.src_offset,
+                    &l.dst_stride[..r],
+                    l.dst_offset
+                )
+            }
+        }
+    }
+}
+
+impl Command {
+    /// One line: what runs, on which buffers, for which node.
+    pub fn describe(&self) -> String {
+        match self {
+            Command::Launch(l) => format!(
+                "launch {}<<<{:?}, {:?}>>>({})  # %{}",
+                l.entry,
+                l.grid,
+                l.block,
+                l.args.iter().map(Arg::short).collect::<Vec<_>>().join(", "),
+                l.node
+            ),
+            Command::Gemm(g) => format!(
+                "gemm {}{} x {}{} -> {} m={} n={} k={} batch={} A={} lda={} sA={} B={} ldb={} \
+                 sB={} C={} ldc={} sC={} {}  # %{}",
+                g.a_dtype.name(),
+                if g.transa { "ᵀ" } else { "" },
+                g.b_dtype.name(),
+                if g.transb { "ᵀ" } else { "" },
+                g.c_dtype.name(),
+                g.m,
+                g.n,
+                g.k,
+                g.batch,
+                g.a.short(),
+                g.lda,
+                g.stride_a,
+                g.b.short(),
+                g.ldb,
+                g.stride_b,
+                g.c.short(),
+                g.ldc,
+                g.stride_c,
+                match g.compute {
+                    GemmCompute::F32 => "f32",
+                    GemmCompute::Tf32 => "tf32",
+                },
+                g.node
+            ),
+            Command::Copy { dst, src, bytes } => {
+                format!("copy {bytes} bytes {} -> {}", src.short(), dst.short())
+            }
+            Command::Memset { dst, bytes, byte } => {
+                format!("memset {bytes} bytes at {} to {byte:#04x}", dst.short())
+            }
+        }
+    }
+}
+
+impl Program {
+    /// The whole program as text: modules, slots, tables, then each run's commands in order
+    /// (`compile --emit cuda`; the lowering's snapshot tests).
+    pub fn listing(&self) -> String {
+        use std::fmt::Write;
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "# {} modules, {} slots, {} tables; arena {} bytes, cuBLAS workspace {} bytes",
+            self.modules.len(),
+            self.slots.len(),
+            self.tables.len(),
+            self.arena_bytes,
+            self.workspace_bytes
+        );
+        for (i, m) in self.modules.iter().enumerate() {
+            let entries = castor_kernels::file(&m.name).map_or_else(
+                || m.source.matches("extern \"C\"").count(),
+                |f| f.entry_points.len(),
+            );
+            let _ = writeln!(s, "module {i} {} ({entries} entry points)", m.name);
+        }
+        for (i, sl) in self.slots.iter().enumerate() {
+            let kind = match &sl.kind {
+                SlotKind::Bound(t) => format!("bound {t}"),
+                SlotKind::Input(t) => format!("input {t}"),
+                SlotKind::Internal => "internal".into(),
+                SlotKind::Constant(_) => "constant".into(),
+            };
+            let _ = writeln!(s, "slot s{i} {} ({} bytes, {kind})", sl.name, sl.bytes);
+        }
+        for (i, t) in self.tables.iter().enumerate() {
+            let _ = writeln!(s, "table{i}: {} rows", t.rows.len());
+        }
+        let mut section = |name: &str, commands: &[Command]| {
+            let _ = writeln!(s, "\n{name}:");
+            for c in commands {
+                let _ = writeln!(s, "  {}", c.describe());
+            }
+        };
+        section("prologue", &self.prologue);
+        for r in &self.runs {
+            section(&format!("run {}", r.name), &r.commands);
+        }
+        s
+    }
+}
