@@ -1,19 +1,22 @@
 //! A training plan on the executor `--device` chose.
 //!
-//! The CPU [`PlanRunner`] is always there: on the CPU it trains; with CUDA it is the host
-//! mirror of the device state, refreshed only when something on the host needs the weights
-//! (a checkpoint, a validation pass, sampling), so training steps never wait for copies.
+//! On the CPU the [`PlanRunner`] trains. With CUDA the state lives on the device, and a host
+//! copy (a [`PlanRunner`] holding it) is made only when something on the host needs the
+//! weights (a checkpoint, sampling) and refreshed only then, so training steps never wait for
+//! copies and host memory holds no second copy of the state until it is asked for.
 
 use crate::device::Selected;
-use castor_ir::{Tensor, TrainingPlan};
+use castor_ir::{StateInit, Tensor, TrainingPlan};
 use castor_runtime::cuda::CudaPlanRunner;
 use castor_runtime::{PlanRunner, RuntimeError, StepReport};
 use std::collections::HashMap;
 
 pub struct Trainer {
-    host: PlanRunner,
+    plan: TrainingPlan,
+    /// The CPU runner: the trainer on the CPU, the host copy of the device state with CUDA.
+    host: Option<PlanRunner>,
     cuda: Option<CudaPlanRunner>,
-    /// The device has taken steps the host mirror has not seen.
+    /// The device has taken steps the host copy has not seen.
     host_stale: bool,
 }
 
@@ -24,19 +27,20 @@ impl Trainer {
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
         device: &Selected,
     ) -> Result<Trainer, RuntimeError> {
-        let cuda = match device {
-            Selected::Cpu => None,
-            Selected::Cuda(_) => Some(CudaPlanRunner::new(plan.clone(), checkpoint)?),
+        let (host, cuda) = match device {
+            Selected::Cpu => (Some(PlanRunner::new(plan.clone(), checkpoint)?), None),
+            Selected::Cuda(_) => (None, Some(CudaPlanRunner::new(plan.clone(), checkpoint)?)),
         };
         Ok(Trainer {
-            host: PlanRunner::new(plan, checkpoint)?,
+            plan,
+            host,
             cuda,
-            host_stale: false,
+            host_stale: true,
         })
     }
 
     pub fn plan(&self) -> &TrainingPlan {
-        self.host.plan()
+        &self.plan
     }
 
     /// `"cpu"` or `"cuda (<device>)"`.
@@ -55,9 +59,8 @@ impl Trainer {
         lr: f32,
         report: bool,
     ) -> Result<Option<StepReport>, RuntimeError> {
-        match &mut self.cuda {
-            None => self.host.step(micro_batches, lr).map(Some),
-            Some(c) => {
+        match (&mut self.cuda, &mut self.host) {
+            (Some(c), _) => {
                 self.host_stale = true;
                 c.queue_step(micro_batches, lr)?;
                 if report {
@@ -66,6 +69,8 @@ impl Trainer {
                     Ok(None)
                 }
             }
+            (None, Some(h)) => h.step(micro_batches, lr).map(Some),
+            (None, None) => Err(no_runner()),
         }
     }
 
@@ -78,31 +83,66 @@ impl Trainer {
         if batches.is_empty() {
             return Ok(None);
         }
-        match &mut self.cuda {
-            Some(c) => Ok(Some(c.validation_loss(batches)?)),
-            None => crate::commands::train::validation_loss(&self.host, batches),
+        match (&mut self.cuda, &self.host) {
+            (Some(c), _) => Ok(Some(c.validation_loss(batches)?)),
+            (None, Some(h)) => crate::commands::train::validation_loss(h, batches),
+            (None, None) => Err(no_runner().into()),
         }
     }
 
-    /// Replaces state entries (resuming) on every executor.
+    /// Replaces state entries (resuming).
     pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
-        if let Some(c) = &mut self.cuda {
-            c.restore(entries.clone())?;
+        match (&mut self.cuda, &mut self.host) {
+            (Some(c), _) => {
+                self.host_stale = true;
+                c.restore(entries)
+            }
+            (None, Some(h)) => h.restore(entries),
+            (None, None) => Err(no_runner()),
         }
-        self.host.restore(entries)
     }
 
-    /// The host runner with the current state (copied back from the device if needed).
+    /// A host runner holding the current state (with CUDA, copied back from the device when
+    /// it has changed since the last call).
     pub fn host(&mut self) -> Result<&PlanRunner, RuntimeError> {
         if let (Some(c), true) = (&self.cuda, self.host_stale) {
-            self.host.restore(c.state_entries()?)?;
+            let entries = c.state_entries()?;
+            match &mut self.host {
+                Some(h) => h.restore(entries)?,
+                None => {
+                    let by_name: HashMap<&str, &Tensor> =
+                        entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
+                    // Masters are initialized by checkpoint name; find each one's entry.
+                    let plan = &self.plan;
+                    let checkpoint = |name: &str| {
+                        plan.state
+                            .iter()
+                            .find(|s| matches!(&s.init, StateInit::Checkpoint(n) if n == name))
+                            .and_then(|s| by_name.get(s.name.as_str()))
+                            .map(|t| (*t).clone())
+                    };
+                    let mut h = PlanRunner::new(plan.clone(), &checkpoint)?;
+                    h.restore(entries)?;
+                    self.host = Some(h);
+                }
+            }
             self.host_stale = false;
         }
-        Ok(&self.host)
+        self.host.as_ref().ok_or_else(no_runner)
     }
 
     /// The minimum loss scale of a dynamic plan.
     pub fn min_loss_scale(&self) -> Option<f64> {
-        self.host.min_loss_scale()
+        match self.plan.settings.loss_scaling {
+            castor_ir::LossScaling::Dynamic { min_scale, .. } => Some(min_scale),
+            _ => None,
+        }
+    }
+}
+
+fn no_runner() -> RuntimeError {
+    RuntimeError::Internal {
+        node: "trainer".into(),
+        message: "no executor holds the plan".into(),
     }
 }
