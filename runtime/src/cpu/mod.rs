@@ -13,15 +13,15 @@
 
 mod cast;
 mod dispatch;
-mod elementwise;
+pub(crate) mod elementwise;
 mod embedding;
 mod layout;
 mod loss;
-mod math;
+pub(crate) mod math;
 mod matmul;
 mod norm;
 mod operand;
-mod optimizer;
+pub(crate) mod optimizer;
 mod par;
 mod pool;
 mod reduce;

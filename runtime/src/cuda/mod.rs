@@ -8,6 +8,7 @@
 //! training plan's state on the device and runs steps, reading losses back only when asked.
 
 pub mod device;
+pub mod emulate;
 pub mod lower;
 pub mod program;
 pub mod runner;

@@ -93,29 +93,7 @@ impl CudaPlanRunner {
             device,
             steps_queued: 0,
         };
-        let mut state = Vec::new();
-        for spec in &runner.plan.state {
-            if spec.role == StateRole::WorkingCopy {
-                continue; // the prologue derives copies from masters
-            }
-            let t = match &spec.init {
-                StateInit::Checkpoint(name) => {
-                    let t = checkpoint(name).ok_or_else(|| RuntimeError::MissingBinding {
-                        name: name.clone(),
-                        expected: spec.ty.clone(),
-                    })?;
-                    crate::plan::to_f32_master(t, &spec.name, &spec.ty)?
-                }
-                StateInit::CopyOf(_) => continue,
-                StateInit::Zeros => crate::plan::zeros(&spec.ty),
-                StateInit::Values(v) => Tensor::from_f32(
-                    spec.ty.dtype,
-                    spec.ty.shape.clone(),
-                    v.iter().map(|&x| x as f32).collect(),
-                ),
-            };
-            state.push((spec.name.clone(), t));
-        }
+        let state = initial_state(&runner.plan, checkpoint)?;
         runner.upload(state)?;
         Ok(runner)
     }
@@ -135,24 +113,8 @@ impl CudaPlanRunner {
     }
 
     fn upload(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
-        for (name, t) in entries {
-            let slot = self
-                .program
-                .slot(&name)
-                .ok_or_else(|| RuntimeError::Internal {
-                    node: name.clone(),
-                    message: "state that the plan does not have".into(),
-                })?;
-            if let SlotKind::Bound(ty) = &self.program.slots[slot].kind {
-                if ty != t.ty() {
-                    return Err(RuntimeError::BindingMismatch {
-                        name,
-                        expected: ty.clone(),
-                        found: t.ty().clone(),
-                    });
-                }
-            }
-            self.loaded.write_slot(slot, &to_bytes(&t))?;
+        for (slot, bytes) in state_bytes(&self.program, entries)? {
+            self.loaded.write_slot(slot, &bytes)?;
         }
         self.loaded.run_prologue()?;
         Ok(())
@@ -372,6 +334,79 @@ fn write_inputs(
     run: usize,
     batch: &HashMap<String, Tensor>,
 ) -> Result<(), RuntimeError> {
+    for (slot, bytes) in input_bytes(program, run, batch)? {
+        loaded.write_slot(slot, &bytes)?;
+    }
+    Ok(())
+}
+
+/// The state a plan's program starts from, as [`CudaPlanRunner::new`] uploads it: every entry
+/// but the working copies (the prologue derives those from the masters), masters from
+/// `checkpoint` converted to F32, the rest as the plan says. Public so that the host emulator
+/// ([`super::emulate`]) is loaded exactly as the device is.
+pub fn initial_state(
+    plan: &TrainingPlan,
+    checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+    let mut state = Vec::new();
+    for spec in &plan.state {
+        if spec.role == StateRole::WorkingCopy {
+            continue; // the prologue derives copies from masters
+        }
+        let t = match &spec.init {
+            StateInit::Checkpoint(name) => {
+                let t = checkpoint(name).ok_or_else(|| RuntimeError::MissingBinding {
+                    name: name.clone(),
+                    expected: spec.ty.clone(),
+                })?;
+                crate::plan::to_f32_master(t, &spec.name, &spec.ty)?
+            }
+            StateInit::CopyOf(_) => continue,
+            StateInit::Zeros => crate::plan::zeros(&spec.ty),
+            StateInit::Values(v) => Tensor::from_f32(
+                spec.ty.dtype,
+                spec.ty.shape.clone(),
+                v.iter().map(|&x| x as f32).collect(),
+            ),
+        };
+        state.push((spec.name.clone(), t));
+    }
+    Ok(state)
+}
+
+/// State `entries` as (slot, bytes) to write, each checked against its slot's type.
+pub fn state_bytes(
+    program: &Program,
+    entries: Vec<(String, Tensor)>,
+) -> Result<Vec<(usize, Vec<u8>)>, RuntimeError> {
+    let mut out = Vec::with_capacity(entries.len());
+    for (name, t) in entries {
+        let slot = program.slot(&name).ok_or_else(|| RuntimeError::Internal {
+            node: name.clone(),
+            message: "state that the plan does not have".into(),
+        })?;
+        if let SlotKind::Bound(ty) = &program.slots[slot].kind {
+            if ty != t.ty() {
+                return Err(RuntimeError::BindingMismatch {
+                    name,
+                    expected: ty.clone(),
+                    found: t.ty().clone(),
+                });
+            }
+        }
+        out.push((slot, to_bytes(&t)));
+    }
+    Ok(out)
+}
+
+/// The (slot, bytes) of every input slot run `run` reads, from `batch`: an int tensor is
+/// converted to its slot's int dtype, token ids and labels are checked.
+pub fn input_bytes(
+    program: &Program,
+    run: usize,
+    batch: &HashMap<String, Tensor>,
+) -> Result<Vec<(usize, Vec<u8>)>, RuntimeError> {
+    let mut out = Vec::new();
     for (slot, s) in program.slots.iter().enumerate() {
         let SlotKind::Input(ty) = &s.kind else {
             continue;
@@ -402,9 +437,9 @@ fn write_inputs(
             t.clone()
         };
         check_indices(program, run, slot, &t)?;
-        loaded.write_slot(slot, &to_bytes(&t))?;
+        out.push((slot, to_bytes(&t)));
     }
-    Ok(())
+    Ok(out)
 }
 
 /// Token ids and labels are checked on the host before they are uploaded, against the range
