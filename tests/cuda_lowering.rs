@@ -10,10 +10,10 @@
 
 mod common;
 
-use castor_ir::TrainingPlan;
 use castor_kernels::{KernelCache, Nvrtc, DEFAULT_ARCH};
 use castor_runtime::cuda::lower::lower_plan;
 use castor_runtime::cuda::program::{Arg, Command, Place, Program};
+use common::cuda_cases::plan;
 use common::{castor, fixture, path_str, stderr};
 use std::collections::HashMap;
 
@@ -37,24 +37,6 @@ const VARIANTS: &[(&str, &[&str])] = &[
         &["--precision", "fp32", "--remat", "selective"],
     ),
 ];
-
-fn plan(variant: &str, flags: &[&str]) -> TrainingPlan {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("plan.json");
-    let model = fixture(variant);
-    let mut args = vec![
-        "compile",
-        path_str(&model),
-        "--emit",
-        "plan",
-        "-o",
-        path_str(&out),
-    ];
-    args.extend_from_slice(flags);
-    let o = castor(&args);
-    assert!(o.status.success(), "{variant} {flags:?}: {}", stderr(&o));
-    TrainingPlan::from_json(&std::fs::read_to_string(&out).unwrap()).unwrap()
-}
 
 fn programs() -> Vec<(String, Program)> {
     VARIANTS

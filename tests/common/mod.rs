@@ -1,6 +1,8 @@
 //! Helpers shared by the integration tests.
 #![allow(dead_code)]
 
+pub mod cuda_cases;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 

@@ -1,0 +1,180 @@
+//! Test data and plans shared by the CUDA tests (lowering, emulator, GPU): random inputs in
+//! range for what they index, training batches with ignored labels and padding, the single-op
+//! graphs of every kernel family, and fixture plans compiled by the CLI.
+
+use super::{castor, fixture, path_str, stderr};
+use castor_ir::{DType, Graph, Tensor, TrainingPlan};
+use std::collections::HashMap;
+
+/// A deterministic generator for test data.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    pub fn uniform(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+}
+
+/// The range an int input must be in: the rows of the embedding tables it indexes, the
+/// classes of the cross-entropies it labels, and `limit`.
+pub fn int_limit(g: &Graph, v: castor_ir::Value, limit: i64) -> i64 {
+    let users = g.users();
+    let mut bound = limit;
+    for &u in &users[v.index()] {
+        let node = g.node(u);
+        let dim = match node.op {
+            castor_ir::Op::Embedding if node.inputs[1] == v => (node.inputs[0], 0),
+            castor_ir::Op::CrossEntropy { .. } | castor_ir::Op::CrossEntropyGrad { .. }
+                if node.inputs[1] == v =>
+            {
+                (node.inputs[0], 1)
+            }
+            castor_ir::Op::EmbeddingGrad { vocab } if node.inputs[0] == v => {
+                bound = bound.min(vocab as i64);
+                continue;
+            }
+            _ => continue,
+        };
+        bound = bound.min(g.ty(dim.0).shape.dims()[dim.1] as i64);
+    }
+    bound
+}
+
+/// Random data for every `input` of `g` (ids and labels below `limit` and in range for what
+/// they index).
+pub fn inputs(g: &Graph, limit: i64, seed: u64) -> HashMap<String, Tensor> {
+    let mut rng = Rng(seed | 1);
+    let mut out = HashMap::new();
+    for (_, node) in g.nodes() {
+        if !matches!(node.op, castor_ir::Op::Input) {
+            continue;
+        }
+        let v = node.outputs[0];
+        let ty = g.ty(v);
+        let n = ty.shape.numel().unwrap_or(0);
+        let limit = int_limit(g, v, limit);
+        let t = match ty.dtype {
+            DType::I64 | DType::I32 => Tensor::from_i64(
+                ty.dtype,
+                ty.shape.clone(),
+                (0..n).map(|_| (rng.next() % limit as u64) as i64).collect(),
+            ),
+            DType::Bool => Tensor::from_bool(
+                ty.shape.clone(),
+                (0..n)
+                    .map(|i| i % 5 != 3 || rng.next().is_multiple_of(2))
+                    .collect(),
+            ),
+            d => Tensor::from_f32(d, ty.shape.clone(), (0..n).map(|_| rng.uniform()).collect()),
+        };
+        out.insert(g.name(v).to_string(), t);
+    }
+    out
+}
+
+/// A training batch: [`inputs`], with about a quarter of the labels PyTorch's ignore index
+/// (-100) and about a fifth of the attention mask padding (0), so the ignored-row and masked
+/// paths of cross-entropy and softmax run too.
+pub fn batch(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
+    let mut out = inputs(g, 90, seed);
+    let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9) | 1);
+    // In a fixed order (a map's is not), so every run draws the same batch.
+    for name in ["attention_mask", "labels"] {
+        let Some(t) = out.get_mut(name) else {
+            continue;
+        };
+        let Some(v) = t.as_i64() else {
+            continue;
+        };
+        let v: Vec<i64> = v
+            .iter()
+            .map(|&x| match (name, rng.next() % 20) {
+                ("labels", 0..=4) => -100,
+                ("attention_mask", 0..=3) => 0,
+                ("attention_mask", _) => 1,
+                _ => x,
+            })
+            .collect();
+        *t = Tensor::from_i64(t.dtype(), t.shape().clone(), v);
+    }
+    out
+}
+
+pub fn as_f32(t: &Tensor) -> Vec<f32> {
+    match (t.as_f32(), t.as_i64(), t.as_bool()) {
+        (Some(v), _, _) => v.to_vec(),
+        (_, Some(v), _) => v.iter().map(|&x| x as f32).collect(),
+        (_, _, Some(v)) => v.iter().map(|&b| f32::from(u8::from(b))).collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Single-op graphs over `{t}` = f32, bf16, f16, at awkward sizes (as in `tests/cuda_gpu.rs`).
+pub const CASES: &[(&str, &str)] = &[
+    ("matmul", "%a: {t}[3,7,13] = input\n%b: {t}[13,9] = input\n%y: {t}[3,7,9] = matmul(%a, %b) {transpose_a=false, transpose_b=false}"),
+    ("matmul_bt", "%a: {t}[2,3,5,13] = input\n%b: {t}[2,3,7,13] = input\n%y: {t}[2,3,5,7] = matmul(%a, %b) {transpose_a=false, transpose_b=true}"),
+    ("matmul_at_f32_out", "%a: {t}[33,7] = input\n%b: {t}[33,9] = input\n%y: f32[7,9] = matmul(%a, %b) {transpose_a=true, transpose_b=false}"),
+    ("matmul_gqa", "%a: {t}[1,2,2,5,8] = input\n%b: {t}[1,2,1,8,5] = input\n%y: {t}[1,2,2,5,5] = matmul(%a, %b) {transpose_a=false, transpose_b=false}"),
+    ("layer_norm", "%x: f32[5,7,33] = input\n%w: f32[33] = input\n%b: f32[33] = input\n%y: {t}[5,7,33] = layer_norm(%x, %w, %b) {eps=1e-5}\n%dy: {t}[5,7,33] = input\n%dx: f32[5,7,33], %dw: f32[33], %db: f32[33] = layer_norm_grad(%x, %w, %dy) {eps=1e-5}"),
+    ("rms_norm", "%x: {t}[3,37] = input\n%w: f32[37] = input\n%y: {t}[3,37] = rms_norm(%x, %w) {eps=1e-6}\n%dy: {t}[3,37] = input\n%dx: {t}[3,37], %dw: f32[37] = rms_norm_grad(%x, %w, %dy) {eps=1e-6}"),
+    ("softmax", "%x: {t}[2,3,5,9] = input\n%m: bool[2,1,1,9] = input\n%y: {t}[2,3,5,9] = softmax(%x, %m) {causal=true}\n%dy: {t}[2,3,5,9] = input\n%dx: {t}[2,3,5,9] = softmax_grad(%y, %dy)"),
+    ("cross_entropy", "%x: {t}[11,37] = input\n%l: i64[11] = input\n%loss: f32[] = cross_entropy(%x, %l) {ignore_index=-100}\n%s: f32[] = input\n%dx: {t}[11,37] = cross_entropy_grad(%x, %l, %s) {ignore_index=-100}"),
+    ("embedding", "%w: {t}[37,13] = input\n%ids: i64[3,11] = input\n%y: {t}[3,11,13] = embedding(%w, %ids)\n%dy: {t}[3,11,13] = input\n%dw: f32[37,13] = embedding_grad(%ids, %dy) {vocab=37}"),
+    ("rope", "%x: {t}[2,3,7,10] = input\n%y: {t}[2,3,7,10] = rope(%x) {theta=10000}\n%dx: {t}[2,3,7,10] = rope_grad(%y) {theta=10000}"),
+    ("layout", "%x: {t}[3,5,7] = input\n%t: {t}[7,3,5] = transpose(%x) {perm=[2,0,1]}\n%s: {t}[3,2,7] = slice(%x) {axis=1, start=1, end=3}\n%p1: {t}[3,1,7], %p2: {t}[3,4,7] = split(%x) {axis=1, sizes=[1,4]}\n%c: {t}[3,10,7] = concat(%x, %x) {axis=1}\n%pd: {t}[3,9,7] = pad(%x) {axis=1, before=1, after=3}\n%bc: {t}[2,3,5,7] = broadcast_to(%x) {shape=[2,3,5,7]}"),
+    ("reduce", "%x: {t}[3,5,7] = input\n%a: f32[3,5] = sum(%x) {axes=[2], keepdim=false}\n%b: {t}[5,7] = mean(%x) {axes=[0], keepdim=false}\n%c: f32[5] = sum(%x) {axes=[0,2], keepdim=false}\n%d: {t}[3,1,7] = max(%x) {axes=[1], keepdim=true}"),
+    ("pointwise", "%x: {t}[5,37] = input\n%b: {t}[37] = input\n%y: {t}[5,37] = add(%x, %b)\n%g: {t}[5,37] = gelu_tanh(%y)\n%s: {t}[5,37] = silu(%x)\n%e: {t}[5,37] = scale(%g) {factor=0.5}\n%f: f32[5,37] = cast(%e) {to=f32}\n%dg: {t}[5,37] = gelu_tanh_grad(%y, %x)"),
+    ("casts_and_fill", "%m: i64[3,7] = input\n%k: bool[3,7] = cast(%m) {to=bool}\n%f: {t}[3,7] = cast(%k) {to={t}}\n%z: {t}[5,3] = full() {value=0.25, dtype={t}, shape=[5,3]}"),
+];
+
+pub fn case_graph(name: &str, body: &str, t: &str) -> Graph {
+    let mut text = format!("graph {name}_{t} {{\n");
+    let body = body.replace("{t}", t);
+    let mut outs = Vec::new();
+    for line in body.lines() {
+        text.push_str("  ");
+        text.push_str(line);
+        text.push('\n');
+        if !line.ends_with("= input") {
+            let lhs = line.split(" = ").next().unwrap_or("");
+            outs.extend(
+                lhs.split(", ")
+                    .filter_map(|d| d.split(':').next())
+                    .map(str::to_string),
+            );
+        }
+    }
+    text.push_str(&format!("  return {}\n}}\n", outs.join(", ")));
+    castor_ir::text::parse(&text).unwrap_or_else(|e| panic!("{name} {t}: {e}\n{text}"))
+}
+
+/// A fixture's training plan compiled by the CLI with `flags`.
+pub fn plan(variant: &str, flags: &[&str]) -> TrainingPlan {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let model = fixture(variant);
+    let mut args = vec![
+        "compile",
+        path_str(&model),
+        "--emit",
+        "plan",
+        "-o",
+        path_str(&out),
+    ];
+    args.extend_from_slice(flags);
+    let o = castor(&args);
+    assert!(o.status.success(), "{variant} {flags:?}: {}", stderr(&o));
+    TrainingPlan::from_json(&std::fs::read_to_string(&out).unwrap()).unwrap()
+}
+
+/// A fixture's checkpoint weights.
+pub fn load_params(variant: &str) -> HashMap<String, Tensor> {
+    let model = castor_models::Model::load(fixture(variant)).unwrap();
+    model.load_params().unwrap()
+}
