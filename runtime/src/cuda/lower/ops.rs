@@ -185,15 +185,18 @@ impl RunLowering<'_, '_> {
             Op::Pad {
                 axis,
                 before,
-                after: _,
+                after,
             } => {
                 let bytes = super::bytes_of(g.ty(y), g.name(y))?;
                 let dst = self.out(y)?;
-                self.commands.push(Command::Memset {
-                    dst,
-                    bytes,
-                    byte: 0,
-                });
+                // Zeros only where the copy below does not write.
+                if before + after > 0 {
+                    self.commands.push(Command::Memset {
+                        dst,
+                        bytes,
+                        byte: 0,
+                    });
+                }
                 let l = copies::place_into(&dims(ins[0]), &dims(y), *axis, *before)
                     .map_err(|m| self.err(y, m))?;
                 let src = self.at(ins[0])?;
