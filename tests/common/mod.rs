@@ -16,8 +16,24 @@ pub const VARIANTS: [&str; 6] = [
     "llama_tied",
 ];
 
+/// The repository: where the tests were built, or (test binaries copied to another machine,
+/// such as a GPU machine without Rust) the current folder when that is a checkout.
 pub fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    let built = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    if built.join("tests").join("fixtures").is_dir() {
+        return built;
+    }
+    std::env::current_dir().unwrap_or(built)
+}
+
+/// The `castor` binary: the one built with the tests, or `target/release/castor` under
+/// [`root`] when the tests run elsewhere.
+pub fn castor_bin() -> PathBuf {
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_castor"));
+    if built.is_file() {
+        return built;
+    }
+    root().join("target").join("release").join("castor")
 }
 
 pub fn fixture(variant: &str) -> PathBuf {
@@ -26,7 +42,7 @@ pub fn fixture(variant: &str) -> PathBuf {
 
 /// Runs the `castor` binary built for these tests.
 pub fn castor(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_castor"))
+    Command::new(castor_bin())
         .args(args)
         .output()
         .expect("the castor binary runs")
