@@ -12,7 +12,9 @@
 //! member's value to the dtype the unfused graph stores it in (so fused and unfused agree bit
 //! for bit), and stores the result. It reads and writes 8 elements per step with 16-byte
 //! vectors when every full-size pointer is 16-byte aligned, and element by element otherwise
-//! and for the tail. Normalization prologues and epilogues are not fused yet.
+//! and for the tail. A residual add in front of a normalization, and the add of another
+//! gradient after a normalization's backward, are fused into the norm kernels by the CUDA
+//! lowering (`runtime/src/cuda/lower`), which takes such an add out of its group.
 
 use castor_ir::{DType, FusedKernel, Graph, Node, Op, Shape, UnaryOp, Value};
 use std::collections::HashMap;

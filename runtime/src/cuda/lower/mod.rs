@@ -281,9 +281,9 @@ struct RunLowering<'l, 'g> {
     unit_of: Vec<usize>,
     /// The pointwise group of each node, if any.
     group_of: Vec<Option<usize>>,
-    /// Pointwise groups (the first `pointwise_groups`), then optimizer batches.
+    /// Nodes that run as one unit (at the last member), and what kind of unit each is.
     groups: Vec<Vec<Node>>,
-    pointwise_groups: usize,
+    kinds: Vec<UnitKind>,
     /// Per value: the last unit that reads it or any view of it (for view roots).
     end_of: Vec<usize>,
     /// Per value: the value whose buffer it shares (itself unless a view).
@@ -311,10 +311,18 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         stored: &'g HashMap<String, String>,
     ) -> Result<Self, LowerError> {
         let users = g.users();
-        // Pointwise groups, then optimizer batches: each runs as one unit.
+        // Pointwise groups, optimizer batches and norms with their fused residual adds: each
+        // runs as one unit, where its last member stands.
         let mut groups = fusion::fusion_groups(g);
-        let pointwise_groups = groups.len();
-        groups.extend(ops::optimizer_batches(g, &users));
+        let norm_units = norm_fusions(g, &users, &mut groups);
+        let mut kinds = vec![UnitKind::Pointwise; groups.len()];
+        for (members, kind) in norm_units {
+            groups.push(members);
+            kinds.push(kind);
+        }
+        let batches = ops::optimizer_batches(g, &users);
+        kinds.extend(std::iter::repeat_n(UnitKind::Optimizer, batches.len()));
+        groups.extend(batches);
         let mut group_of = vec![None; g.num_nodes()];
         for (gi, members) in groups.iter().enumerate() {
             for &m in members {
@@ -383,7 +391,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             unit_of,
             group_of,
             groups,
-            pointwise_groups,
+            kinds,
             end_of,
             root,
             loc: vec![Loc::Unset; g.num_values()],
@@ -486,11 +494,16 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             if let Some(gi) = self.group_of[n.index()] {
                 if self.groups[gi].last() == Some(&n) {
                     let members = self.groups[gi].clone();
-                    if gi < self.pointwise_groups {
-                        let name = format!("{}_fused_{gi}", self.run);
-                        self.pointwise(&members, &name)?;
-                    } else {
-                        self.optimizer(&members)?;
+                    match self.kinds[gi] {
+                        UnitKind::Pointwise => {
+                            let name = format!("{}_fused_{gi}", self.run);
+                            self.pointwise(&members, &name)?;
+                        }
+                        UnitKind::Optimizer => self.optimizer(&members)?,
+                        UnitKind::NormPrologue => self.norm_unit(members[1], Some(members[0]))?,
+                        UnitKind::NormEpilogue => {
+                            self.norm_grad_unit(members[0], Some(members[1]))?
+                        }
                     }
                 }
                 continue;
@@ -767,6 +780,102 @@ fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
         }
         Command::Memset { dst, .. } => *dst = f(*dst),
     }
+}
+
+/// What a unit of several nodes is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum UnitKind {
+    /// A pointwise group: one generated kernel.
+    Pointwise,
+    /// AdamW/SGD nodes sharing their scalars: one multi-tensor launch.
+    Optimizer,
+    /// `[add, norm]`: the residual add that makes a norm's input, computed by the norm
+    /// kernel (`res`, `sum_out`), which writes the sum on its way.
+    NormPrologue,
+    /// `[norm_grad, add]`: the add of another gradient to a norm's input gradient, done by
+    /// the backward kernel (`dadd`) before it stores.
+    NormEpilogue,
+}
+
+/// The norm prologues and epilogues of `g` (see [`UnitKind`]), with the adds they absorb
+/// taken out of `groups` (an add is absorbed only when it reads nothing its group makes, so
+/// the rest of the group still runs where it did).
+///
+/// A prologue needs an `add` of two operands of the norm input's dtype and shape, whose sum
+/// nothing reads before the norm. An epilogue needs the input gradient's only reader to be an
+/// `add` of a gradient of the same dtype and shape, and nothing to read the norm gradient's
+/// other results before that add (the unit runs there). The kernels round exactly where the
+/// separate ops do (the sum to the input dtype; `dx` to its dtype before the add), so fused
+/// and unfused results are identical.
+fn norm_fusions(
+    g: &Graph,
+    users: &[Vec<Node>],
+    groups: &mut [Vec<Node>],
+) -> Vec<(Vec<Node>, UnitKind)> {
+    let mut out = Vec::new();
+    let mut claimed = std::collections::HashSet::new();
+    let same_as = |v: Value, of: Value| g.ty(v) == g.ty(of);
+    // Takes `add` out of its pointwise group, unless it reads a value the group makes (the
+    // group, which runs at its last member, would make it too late). The rest of the group
+    // reads the add's result from memory, written by the norm kernel; those readers come
+    // after the add, so after the norm unit.
+    let take = |add: Node, groups: &mut [Vec<Node>]| -> bool {
+        for members in groups.iter_mut() {
+            let Some(pos) = members.iter().position(|&m| m == add) else {
+                continue;
+            };
+            let made_inside = |v: &Value| {
+                members
+                    .iter()
+                    .any(|&m| m != add && g.node(m).outputs.contains(v))
+            };
+            if g.node(add).inputs.iter().any(made_inside) {
+                return false;
+            }
+            members.remove(pos);
+        }
+        true
+    };
+    for (n, node) in g.nodes() {
+        match node.op {
+            Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
+                let x = node.inputs[0];
+                let p = g.value(x).producer;
+                let pn = g.node(p);
+                let is_add = matches!(pn.op, Op::Binary(castor_ir::BinaryOp::Add))
+                    && pn.inputs.len() == 2
+                    && pn.inputs.iter().all(|&v| same_as(v, x))
+                    && g.ty(x).dtype.is_float();
+                let read_later = users[x.index()].iter().all(|&u| u >= n);
+                if is_add && read_later && !claimed.contains(&p) && take(p, groups) {
+                    claimed.insert(p);
+                    out.push((vec![p, n], UnitKind::NormPrologue));
+                }
+            }
+            Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. } => {
+                let dx = node.outputs[0];
+                let [e] = users[dx.index()].as_slice() else {
+                    continue;
+                };
+                let en = g.node(*e);
+                let other = en.inputs.iter().copied().find(|&v| v != dx);
+                let is_add = matches!(en.op, Op::Binary(castor_ir::BinaryOp::Add))
+                    && en.inputs.len() == 2
+                    && other.is_some_and(|o| same_as(o, dx))
+                    && same_as(en.outputs[0], dx)
+                    && !g.outputs().contains(&dx);
+                let rest_later = node.outputs[1..]
+                    .iter()
+                    .all(|o| users[o.index()].iter().all(|&u| u > *e));
+                if is_add && rest_later && !claimed.contains(e) && take(*e, groups) {
+                    claimed.insert(*e);
+                    out.push((vec![n, *e], UnitKind::NormEpilogue));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
 }
 
 /// The nodes the fusion pass's code generator handles.

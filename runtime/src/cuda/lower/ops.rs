@@ -89,14 +89,8 @@ impl RunLowering<'_, '_> {
                 )?;
             }
             Op::EmbeddingGrad { vocab } => self.embedding_grad(y, ins[0], ins[1], *vocab)?,
-            Op::LayerNorm { eps } | Op::RmsNorm { eps } => {
-                let rms = matches!(node.op, Op::RmsNorm { .. });
-                self.norm(y, &ins, rms, *eps)?;
-            }
-            Op::LayerNormGrad { eps } | Op::RmsNormGrad { eps } => {
-                let rms = matches!(node.op, Op::RmsNormGrad { .. });
-                self.norm_grad(&ins, &outs, rms, *eps)?;
-            }
+            Op::LayerNorm { .. } | Op::RmsNorm { .. } => self.norm_unit(n, None)?,
+            Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. } => self.norm_grad_unit(n, None)?,
             Op::Softmax { causal } => self.softmax(y, &ins, *causal)?,
             Op::SoftmaxGrad => {
                 let (yv, dy) = (ins[0], ins[1]);
@@ -334,7 +328,46 @@ impl RunLowering<'_, '_> {
         Ok(Place::Slot { slot, offset: 0 })
     }
 
-    fn norm(&mut self, y: Value, ins: &[Value], rms: bool, eps: f64) -> Result<(), LowerError> {
+    /// A norm node, with the residual add that makes its input when `prologue` names it: the
+    /// kernel reads the add's operands (`x`, `res`) and writes their sum (`sum_out`).
+    pub(super) fn norm_unit(&mut self, n: Node, prologue: Option<Node>) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (rms, eps) = match node.op {
+            Op::LayerNorm { eps } => (false, eps),
+            Op::RmsNorm { eps } => (true, eps),
+            _ => return Err(self.err(node.outputs[0], "not a norm")),
+        };
+        let ins = node.inputs.clone();
+        self.norm(node.outputs[0], &ins, rms, eps, prologue)
+    }
+
+    /// A norm-gradient node, with the add of another gradient to its input gradient when
+    /// `epilogue` names it: the kernel adds `dadd` and writes the add's result.
+    pub(super) fn norm_grad_unit(
+        &mut self,
+        n: Node,
+        epilogue: Option<Node>,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (rms, eps) = match node.op {
+            Op::LayerNormGrad { eps } => (false, eps),
+            Op::RmsNormGrad { eps } => (true, eps),
+            _ => return Err(self.err(node.outputs[0], "not a norm gradient")),
+        };
+        let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
+        self.norm_grad(&ins, &outs, rms, eps, epilogue)
+    }
+
+    fn norm(
+        &mut self,
+        y: Value,
+        ins: &[Value],
+        rms: bool,
+        eps: f64,
+        prologue: Option<Node>,
+    ) -> Result<(), LowerError> {
         let g = self.g;
         let x = ins[0];
         let h = g.ty(x).shape.last();
@@ -360,11 +393,21 @@ impl RunLowering<'_, '_> {
                 count: None,
             },
         );
-        let xp = self.at(x)?;
+        let (xp, res, sum_out) = match prologue {
+            Some(add) => {
+                let a = g.node(add).inputs.clone();
+                (
+                    self.at(a[0])?,
+                    Arg::Ptr(self.at(a[1])?),
+                    Arg::Ptr(self.out(x)?),
+                )
+            }
+            None => (self.at(x)?, Arg::Null, Arg::Null),
+        };
         let w = self.at(ins[1])?;
         let out = self.out(y)?;
         let suffix = io(g.ty(x).dtype, g.ty(y).dtype);
-        let mut args = vec![Arg::Ptr(xp), Arg::Null, Arg::Null, Arg::Ptr(w)];
+        let mut args = vec![Arg::Ptr(xp), res, sum_out, Arg::Ptr(w)];
         if let (false, Some(m)) = (rms, mean) {
             let b = self.at(ins[2])?;
             args.extend([Arg::Ptr(b), Arg::Ptr(out), Arg::Ptr(m)]);
@@ -442,6 +485,7 @@ impl RunLowering<'_, '_> {
         outs: &[Value],
         rms: bool,
         eps: f64,
+        epilogue: Option<Node>,
     ) -> Result<(), LowerError> {
         let g = self.g;
         let (x, w, dy) = (ins[0], ins[1], ins[2]);
@@ -532,14 +576,24 @@ impl RunLowering<'_, '_> {
                 )?;
             }
         }
-        let dxp = self.out(dx)?;
+        // With an epilogue the kernel writes the add's result and dx itself is never stored.
+        let (dadd, dxp) = match epilogue {
+            Some(add) => {
+                let a = g.node(add);
+                let other = a.inputs.iter().copied().find(|&v| v != dx);
+                let other = other.ok_or_else(|| self.err(dx, "an epilogue add of dx to itself"))?;
+                self.loc[dx.index()] = super::Loc::InKernel;
+                (Arg::Ptr(self.at(other)?), self.out(a.outputs[0])?)
+            }
+            None => (Arg::Null, self.out(dx)?),
+        };
         let mut args = vec![Arg::Ptr(xp), Arg::Ptr(dyp), Arg::Ptr(wp)];
         if !rms {
             args.push(Arg::Ptr(stats.a));
         }
         args.extend([
             Arg::Ptr(stats.b),
-            Arg::Null,
+            dadd,
             Arg::Ptr(dxp),
             Arg::I64(rows as i64),
             Arg::I32(h as i32),
