@@ -1,0 +1,124 @@
+//! A launch's arguments, read and type-checked in the kernel's parameter order.
+
+use super::memory::{Mem, Ptr};
+use super::R;
+use crate::cuda::program::{Arg, CopyLayout, Launch};
+
+/// The arguments of a launch, read in the kernel's parameter order.
+pub(super) struct Args<'a> {
+    l: &'a Launch,
+    next: usize,
+}
+
+impl<'a> Args<'a> {
+    pub(super) fn new(l: &'a Launch) -> Self {
+        Args { l, next: 0 }
+    }
+
+    pub(super) fn arg(&mut self, what: &str) -> R<&'a Arg> {
+        let i = self.next;
+        self.next += 1;
+        self.l.args.get(i).ok_or_else(|| {
+            format!(
+                "argument {i} `{what}` is missing ({} arguments given)",
+                self.l.args.len()
+            )
+        })
+    }
+
+    pub(super) fn bad(&self, what: &str, want: &str, got: &Arg) -> String {
+        format!(
+            "argument {} `{what}` must be {want}, found {got:?}",
+            self.next - 1
+        )
+    }
+
+    /// A nullable pointer.
+    pub(super) fn ptr(&mut self, m: &Mem, what: &str) -> R<Option<Ptr>> {
+        match self.arg(what)? {
+            Arg::Ptr(p) => Ok(Some(m.place(*p))),
+            Arg::Null => Ok(None),
+            Arg::Table(t) => Ok(Some(m.table(*t)?)),
+            other => Err(self.bad(what, "a pointer", other)),
+        }
+    }
+
+    /// A pointer that must not be null.
+    pub(super) fn need(&mut self, m: &Mem, what: &str) -> R<Ptr> {
+        self.ptr(m, what)?
+            .ok_or_else(|| format!("argument {} `{what}` must not be null", self.next - 1))
+    }
+
+    pub(super) fn i64(&mut self, what: &str) -> R<i64> {
+        match self.arg(what)? {
+            Arg::I64(x) => Ok(*x),
+            other => Err(self.bad(what, "an i64", other)),
+        }
+    }
+
+    /// An i64 that must be at least 0, as a count.
+    pub(super) fn count(&mut self, what: &str) -> R<usize> {
+        let x = self.i64(what)?;
+        usize::try_from(x).map_err(|_| format!("argument `{what}` = {x} is negative"))
+    }
+
+    pub(super) fn i32(&mut self, what: &str) -> R<i32> {
+        match self.arg(what)? {
+            Arg::I32(x) => Ok(*x),
+            other => Err(self.bad(what, "an i32", other)),
+        }
+    }
+
+    /// An i32 that must be at least 0.
+    pub(super) fn count32(&mut self, what: &str) -> R<usize> {
+        let x = self.i32(what)?;
+        usize::try_from(x).map_err(|_| format!("argument `{what}` = {x} is negative"))
+    }
+
+    pub(super) fn u16(&mut self, what: &str) -> R<u16> {
+        match self.arg(what)? {
+            Arg::U16(x) => Ok(*x),
+            other => Err(self.bad(what, "a u16", other)),
+        }
+    }
+
+    pub(super) fn u32(&mut self, what: &str) -> R<u32> {
+        match self.arg(what)? {
+            Arg::U32(x) => Ok(*x),
+            other => Err(self.bad(what, "a u32", other)),
+        }
+    }
+
+    pub(super) fn u64(&mut self, what: &str) -> R<u64> {
+        match self.arg(what)? {
+            Arg::U64(x) => Ok(*x),
+            other => Err(self.bad(what, "a u64", other)),
+        }
+    }
+
+    pub(super) fn f64(&mut self, what: &str) -> R<f64> {
+        match self.arg(what)? {
+            Arg::F64(x) => Ok(*x),
+            other => Err(self.bad(what, "an f64", other)),
+        }
+    }
+
+    pub(super) fn layout(&mut self, what: &str) -> R<CopyLayout> {
+        match self.arg(what)? {
+            Arg::Layout(l) => Ok(*l),
+            other => Err(self.bad(what, "a CopyLayout", other)),
+        }
+    }
+
+    /// Every argument was read.
+    pub(super) fn end(&self) -> R<()> {
+        if self.l.args.len() != self.next {
+            return Err(format!(
+                "{} arguments given, the kernel takes {}",
+                self.l.args.len(),
+                self.next
+            ));
+        }
+        Ok(())
+    }
+}

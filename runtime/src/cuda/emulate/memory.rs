@@ -1,0 +1,335 @@
+//! Device memory: the buffers (arena, slots, tables), fake device addresses and their
+//! resolution, bounds-checked typed loads and stores, poison-mode tracking of written arena
+//! bytes, and the check that a command's buffers lie in bounds and do not overlap.
+
+use super::R;
+use crate::cuda::program::Place;
+use castor_ir::DType;
+use half::{bf16, f16};
+use std::ops::Range;
+
+/// Bits of a fake device address that hold the byte offset.
+const ADDR_SHIFT: u32 = 48;
+const ADDR_MASK: u64 = (1 << ADDR_SHIFT) - 1;
+
+/// A resolved device pointer: a buffer and a byte offset into it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Ptr {
+    pub(super) buf: usize,
+    pub(super) off: u64,
+}
+
+impl Ptr {
+    pub(super) fn addr(self) -> u64 {
+        if self.off > ADDR_MASK {
+            // An offset no buffer has (an unresolved arena tag): an address that resolves to
+            // no buffer, reported where it is used.
+            return u64::MAX;
+        }
+        ((self.buf as u64 + 1) << ADDR_SHIFT) | self.off
+    }
+}
+
+/// The device memory: the arena, the slots, the tables.
+pub(super) struct Mem {
+    pub(super) bufs: Vec<Vec<u8>>,
+    pub(super) names: Vec<String>,
+    pub(super) slots: usize,
+    pub(super) tables: usize,
+    /// Poison mode: which arena bytes the current run has written.
+    pub(super) written: Option<Vec<bool>>,
+}
+
+impl Mem {
+    pub(super) fn place(&self, p: Place) -> Ptr {
+        match p {
+            Place::Arena { offset } => Ptr {
+                buf: 0,
+                off: offset,
+            },
+            Place::Slot { slot, offset } => Ptr {
+                buf: 1 + slot,
+                off: offset,
+            },
+        }
+    }
+
+    pub(super) fn table(&self, t: usize) -> R<Ptr> {
+        if t >= self.tables {
+            return Err(format!(
+                "table #{t} does not exist ({} tables)",
+                self.tables
+            ));
+        }
+        Ok(Ptr {
+            buf: 1 + self.slots + t,
+            off: 0,
+        })
+    }
+
+    /// A pointer read from device memory: null, or a buffer of this program.
+    pub(super) fn decode(&self, addr: u64) -> R<Option<Ptr>> {
+        if addr == 0 {
+            return Ok(None);
+        }
+        let b = (addr >> ADDR_SHIFT) as usize;
+        if b == 0 || b > self.bufs.len() {
+            return Err(format!("{addr:#x} is not an address of this program"));
+        }
+        Ok(Some(Ptr {
+            buf: b - 1,
+            off: addr & ADDR_MASK,
+        }))
+    }
+
+    pub(super) fn name(&self, buf: usize) -> &str {
+        self.names.get(buf).map_or("no buffer", String::as_str)
+    }
+
+    pub(super) fn describe(&self, p: Ptr) -> String {
+        format!("{}+{}", self.name(p.buf), p.off)
+    }
+
+    /// The bytes `byte..byte + len` from `p`, checked.
+    pub(super) fn range(&self, p: Ptr, byte: i64, len: u64) -> R<Range<usize>> {
+        let Some(buf) = self.bufs.get(p.buf) else {
+            return Err(format!(
+                "pointer into buffer #{} that does not exist",
+                p.buf
+            ));
+        };
+        let start = i128::from(p.off) + i128::from(byte);
+        let end = start + i128::from(len);
+        if start < 0 || end > buf.len() as i128 {
+            return Err(format!(
+                "out of bounds: bytes {start}..{end} of {} ({} bytes)",
+                self.name(p.buf),
+                buf.len()
+            ));
+        }
+        Ok(start as usize..end as usize)
+    }
+
+    /// Bytes a command reads: in poison mode, arena bytes must have been written by an
+    /// earlier command of the same run.
+    pub(super) fn bytes(&self, p: Ptr, byte: i64, len: u64) -> R<&[u8]> {
+        let r = self.range(p, byte, len)?;
+        if let (0, Some(written)) = (p.buf, &self.written) {
+            if let Some(k) = written[r.clone()].iter().position(|&w| !w) {
+                return Err(format!(
+                    "reads byte {} of the arena, which no earlier command of this run wrote \
+                     (a buffer used before it is made, or after its space was reused)",
+                    r.start + k
+                ));
+            }
+        }
+        Ok(&self.bufs[p.buf][r])
+    }
+
+    /// Bytes a command writes.
+    pub(super) fn bytes_mut(&mut self, p: Ptr, byte: i64, len: u64) -> R<&mut [u8]> {
+        let r = self.range(p, byte, len)?;
+        if let (0, Some(written)) = (p.buf, &mut self.written) {
+            written[r.clone()].fill(true);
+        }
+        Ok(&mut self.bufs[p.buf][r])
+    }
+
+    /// Poison mode: the arena filled with `0xFF` and marked unwritten.
+    pub(super) fn poison(&mut self) {
+        self.bufs[0].fill(0xff);
+        self.written = Some(vec![false; self.bufs[0].len()]);
+    }
+
+    pub(super) fn get<const N: usize>(&self, p: Ptr, i: i64) -> R<[u8; N]> {
+        let mut out = [0u8; N];
+        out.copy_from_slice(self.bytes(p, i * N as i64, N as u64)?);
+        Ok(out)
+    }
+
+    pub(super) fn put<const N: usize>(&mut self, p: Ptr, i: i64, v: [u8; N]) -> R<()> {
+        self.bytes_mut(p, i * N as i64, N as u64)?
+            .copy_from_slice(&v);
+        Ok(())
+    }
+
+    pub(super) fn i64_at(&self, p: Ptr, i: i64) -> R<i64> {
+        Ok(i64::from_le_bytes(self.get(p, i)?))
+    }
+    pub(super) fn set_i64(&mut self, p: Ptr, i: i64, v: i64) -> R<()> {
+        self.put(p, i, v.to_le_bytes())
+    }
+    pub(super) fn i32_at(&self, p: Ptr, i: i64) -> R<i32> {
+        Ok(i32::from_le_bytes(self.get(p, i)?))
+    }
+    pub(super) fn set_i32(&mut self, p: Ptr, i: i64, v: i32) -> R<()> {
+        self.put(p, i, v.to_le_bytes())
+    }
+    pub(super) fn f64_at(&self, p: Ptr, i: i64) -> R<f64> {
+        Ok(f64::from_le_bytes(self.get(p, i)?))
+    }
+    pub(super) fn set_f64(&mut self, p: Ptr, i: i64, v: f64) -> R<()> {
+        self.put(p, i, v.to_le_bytes())
+    }
+    pub(super) fn u64_at(&self, p: Ptr, i: i64) -> R<u64> {
+        Ok(u64::from_le_bytes(self.get(p, i)?))
+    }
+    pub(super) fn f32_at(&self, p: Ptr, i: i64) -> R<f32> {
+        Ok(f32::from_le_bytes(self.get(p, i)?))
+    }
+    pub(super) fn set_f32(&mut self, p: Ptr, i: i64, v: f32) -> R<()> {
+        self.put(p, i, v.to_le_bytes())
+    }
+
+    /// Element `i` of a float buffer of dtype `dt`, widened to F32.
+    pub(super) fn f(&self, p: Ptr, i: i64, dt: DType) -> R<f32> {
+        Ok(match dt {
+            DType::F32 => f32::from_le_bytes(self.get(p, i)?),
+            DType::F16 => f16::from_bits(u16::from_le_bytes(self.get(p, i)?)).to_f32(),
+            DType::BF16 => bf16::from_bits(u16::from_le_bytes(self.get(p, i)?)).to_f32(),
+            other => return Err(format!("a float load from a {} buffer", other.name())),
+        })
+    }
+
+    /// Stores `v` rounded to `dt` (nearest, ties to even).
+    pub(super) fn set_f(&mut self, p: Ptr, i: i64, dt: DType, v: f32) -> R<()> {
+        match dt {
+            DType::F32 => self.put(p, i, v.to_le_bytes()),
+            DType::F16 => self.put(p, i, f16::from_f32(v).to_bits().to_le_bytes()),
+            DType::BF16 => self.put(p, i, bf16::from_f32(v).to_bits().to_le_bytes()),
+            other => Err(format!("a float store to a {} buffer", other.name())),
+        }
+    }
+
+    /// `n` elements from element `start` of a float buffer, widened to F32.
+    pub(super) fn fv(&self, p: Ptr, start: i64, n: usize, dt: DType) -> R<Vec<f32>> {
+        let size = dt.size_bytes();
+        let b = self.bytes(p, start * size as i64, (n * size) as u64)?;
+        Ok(match dt {
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::F16 => b
+                .chunks_exact(2)
+                .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                .collect(),
+            DType::BF16 => b
+                .chunks_exact(2)
+                .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                .collect(),
+            other => return Err(format!("a float load from a {} buffer", other.name())),
+        })
+    }
+
+    /// Stores `v` from element `start`, each value rounded to `dt`.
+    pub(super) fn set_fv(&mut self, p: Ptr, start: i64, dt: DType, v: &[f32]) -> R<()> {
+        let size = dt.size_bytes();
+        let b = self.bytes_mut(p, start * size as i64, (v.len() * size) as u64)?;
+        match dt {
+            DType::F32 => {
+                for (c, x) in b.chunks_exact_mut(4).zip(v) {
+                    c.copy_from_slice(&x.to_le_bytes());
+                }
+            }
+            DType::F16 => {
+                for (c, &x) in b.chunks_exact_mut(2).zip(v) {
+                    c.copy_from_slice(&f16::from_f32(x).to_bits().to_le_bytes());
+                }
+            }
+            DType::BF16 => {
+                for (c, &x) in b.chunks_exact_mut(2).zip(v) {
+                    c.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
+                }
+            }
+            other => return Err(format!("a float store to a {} buffer", other.name())),
+        }
+        Ok(())
+    }
+
+    /// The kernel's `report_bad`: an `atomicMin` of the position into the flag.
+    pub(super) fn report_bad(&mut self, bad: Option<Ptr>, position: i64) -> R<()> {
+        let Some(b) = bad else { return Ok(()) };
+        let pos = position.min(0x7fff_ffff) as i32;
+        if pos < self.i32_at(b, 0)? {
+            self.set_i32(b, 0, pos)?;
+        }
+        Ok(())
+    }
+}
+
+/// How a launch or command uses a buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Io {
+    R,
+    W,
+    Rw,
+}
+
+/// A buffer a command touches: `bytes` bytes from `p`, elements of `elem` bytes.
+pub(super) struct Use {
+    what: String,
+    p: Ptr,
+    bytes: u64,
+    elem: usize,
+    io: Io,
+}
+
+pub(super) fn use_(
+    what: impl Into<String>,
+    p: Option<Ptr>,
+    bytes: u64,
+    elem: usize,
+    io: Io,
+) -> Option<Use> {
+    p.map(|p| Use {
+        what: what.into(),
+        p,
+        bytes,
+        elem,
+        io,
+    })
+}
+
+/// Every use must lie in its buffer, and no buffer written may overlap another use, except the
+/// exact in-place pairs `in_place` names (same start, same element size).
+pub(super) fn check_uses(m: &Mem, uses: &[Option<Use>], in_place: &[(&str, &str)]) -> R<()> {
+    let uses: Vec<&Use> = uses.iter().flatten().collect();
+    for u in &uses {
+        m.range(u.p, 0, u.bytes)
+            .map_err(|e| format!("`{}` at {}: {e}", u.what, m.describe(u.p)))?;
+    }
+    for (i, a) in uses.iter().enumerate() {
+        for b in &uses[i + 1..] {
+            if a.io == Io::R && b.io == Io::R {
+                continue;
+            }
+            if a.p.buf != b.p.buf || a.bytes == 0 || b.bytes == 0 {
+                continue;
+            }
+            let (a0, a1) = (a.p.off, a.p.off + a.bytes);
+            let (b0, b1) = (b.p.off, b.p.off + b.bytes);
+            if a0 >= b1 || b0 >= a1 {
+                continue;
+            }
+            let allowed = a.p == b.p
+                && a.elem == b.elem
+                && in_place
+                    .iter()
+                    .any(|&(x, y)| (x == a.what && y == b.what) || (x == b.what && y == a.what));
+            if !allowed {
+                return Err(format!(
+                    "`{}` ({}, {} bytes) overlaps `{}` ({}, {} bytes), and the kernel does not \
+                     allow that in-place use",
+                    a.what,
+                    m.describe(a.p),
+                    a.bytes,
+                    b.what,
+                    m.describe(b.p),
+                    b.bytes
+                ));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,439 @@
+//! A host interpreter of a lowered [`Program`]: every command executed on byte-addressed
+//! memory as the device would, with no GPU.
+//!
+//! What it is for: running a lowered plan end to end on machines without a GPU, so that the
+//! lowering's decisions (which kernel, which arguments, where every buffer lives, when an
+//! arena buffer may be reused, what is updated in place) are checked against the CPU
+//! executor. Every access is bounds-checked and reported as an error naming the command and
+//! the argument, never a panic; launches are checked against the launch-shape rules their
+//! kernel files state, and buffers a launch writes are checked not to overlap buffers it
+//! reads unless the kernel's header allows that exact in-place use. An optional *poison*
+//! mode fills the arena with `0xFF` bytes (NaN for every float dtype, `-1` for ints) before
+//! each run and tracks which arena bytes the run has written: reading bytes no earlier command
+//! of the run wrote is an error, and a value read after its space was reused shows up in the
+//! results.
+//!
+//! Memory: the arena is one `Vec<u8>`, every slot one more, every table one more (encoded
+//! with [`super::program::Table::encode`]). Pointers stored in tables are fake device
+//! addresses: buffer `b` (0 the arena, `1 + s` slot `s`, then the tables) at byte `o` is
+//! `(b + 1) << 48 | o`, and the interpreter resolves them back, so a table that holds a wrong
+//! place fails here.
+//!
+//! Kernels: each `kernels/*.cu` entry point is implemented from its header comment (argument
+//! order and meaning, rounding points), with the CPU executor's arithmetic where the header
+//! names it the kernel's twin (`cpu::math`'s `exp` and F64 sums, the optimizer and loss-scale
+//! functions, the RoPE table): so, where the lowering is right, results are bit-identical to
+//! the CPU executor's except for reduction orders the executors do not share (cuBLAS products
+//! here are naive column-major loops accumulating fused multiply-adds in `k` order, which is
+//! the CPU `gemm` crate's order for most small products). Where a kernel's own arithmetic
+//! differs from its twin only in summation order or in CUDA's `expf` (the online log-sum-exp
+//! of cross-entropy, block trees), the twin's is used; each header documents that as a
+//! sub-ulp difference, and it is not what this checks.
+//!
+//! Generated pointwise kernels (modules that are not `kernels/` files; the lowering puts them
+//! all in one module) are emulated from their CUDA source, found by the launch's entry point:
+//! the `<entry>_body` function's lines `const float tJ = round_to<T>(EXPR);` (an
+//! expression language of `xK`, `tJ`, `+ - * /`, `Functor::f(..)`, `Functor::df(..)` and
+//! `__int_as_float(0x..)` literals), its `*rO = tJ;` results, the entry point's parameter
+//! dtypes and the scalar loop's input index expressions (`i`, `0`, or sums of
+//! `((i / S) % D) * T`). The functors are evaluated with the CPU executor's pointwise
+//! functions (`cpu::elementwise`), so a fused kernel gives exactly what its members give
+//! unfused on the CPU. Parsing the source rather than keeping the IR checks what the device
+//! would actually run.
+//!
+//! Modules: this one holds [`Emulator`], its public API and the dispatch of commands and
+//! launches (launch-shape checks, kernel files against generated modules); `memory` the
+//! buffers, fake addresses, bounds checks, poison tracking and typed loads and stores; `args`
+//! a launch's typed arguments; `kernels` the hand-written `kernels/*.cu` entry points, one
+//! submodule per kernel file; `pointwise` the generated-kernel parser and evaluator; `gemm`
+//! the cuBLAS product.
+
+mod args;
+mod gemm;
+mod kernels;
+mod memory;
+mod pointwise;
+
+use super::program::{Command, Launch, Place, Program, SlotKind};
+use gemm::gemm;
+use kernels::builtin;
+use memory::{check_uses, use_, Io, Mem, Ptr};
+use pointwise::Fused;
+use std::collections::HashMap;
+
+type R<T> = Result<T, String>;
+
+/// A lowered program running on the host.
+pub struct Emulator {
+    program: Program,
+    mem: Mem,
+    poison: bool,
+    /// Parsed generated kernels, by module and entry point.
+    fused: HashMap<(usize, String), Fused>,
+}
+
+impl Emulator {
+    /// Memory for `program`: the arena and the slots zeroed, constant slots filled, tables
+    /// encoded with addresses the interpreter resolves.
+    pub fn new(program: &Program) -> Emulator {
+        let mut bufs = vec![vec![0u8; program.arena_bytes as usize]];
+        let mut names = vec!["arena".to_string()];
+        for s in &program.slots {
+            let mut b = vec![0u8; s.bytes as usize];
+            if let SlotKind::Constant(c) = &s.kind {
+                let n = c.len().min(b.len());
+                b[..n].copy_from_slice(&c[..n]);
+            }
+            bufs.push(b);
+            names.push(format!("slot `{}`", s.name));
+        }
+        let slots = program.slots.len();
+        let tables = program.tables.len();
+        let mut mem = Mem {
+            bufs,
+            names,
+            slots,
+            tables,
+            written: None,
+        };
+        for (t, table) in program.tables.iter().enumerate() {
+            let bytes = table.encode(&|p| mem.place(p).addr());
+            mem.bufs.push(bytes);
+            mem.names.push(format!("table #{t}"));
+        }
+        Emulator {
+            program: program.clone(),
+            mem,
+            poison: false,
+            fused: HashMap::new(),
+        }
+    }
+
+    /// The program being run.
+    pub fn program(&self) -> &Program {
+        &self.program
+    }
+
+    /// Poison mode: before every run (and the prologue) the arena is filled with `0xFF` bytes
+    /// (NaN in every float dtype, `-1` in ints) and marked unwritten; a command that reads
+    /// arena bytes no earlier command of the run wrote is an error, and a value read after its
+    /// space was reused by another buffer shows up in the results.
+    pub fn set_poison(&mut self, on: bool) {
+        self.poison = on;
+        if !on {
+            self.mem.written = None;
+        }
+    }
+
+    /// Writes a whole slot (its exact size).
+    pub fn write_slot(&mut self, slot: usize, bytes: &[u8]) -> Result<(), String> {
+        let name = self.mem.name(1 + slot).to_string();
+        let b = self
+            .mem
+            .bufs
+            .get_mut(1 + slot)
+            .filter(|_| slot < self.mem.slots)
+            .ok_or_else(|| format!("slot {slot} does not exist"))?;
+        if b.len() != bytes.len() {
+            return Err(format!(
+                "{name} has {} bytes, given {}",
+                b.len(),
+                bytes.len()
+            ));
+        }
+        b.copy_from_slice(bytes);
+        Ok(())
+    }
+
+    /// `bytes` bytes at `place` (a host read: not checked against poison).
+    pub fn read(&self, place: Place, bytes: u64) -> Result<Vec<u8>, String> {
+        let p = self.mem.place(place);
+        let r = self
+            .mem
+            .range(p, 0, bytes)
+            .map_err(|e| format!("reading {place:?}: {e}"))?;
+        Ok(self.mem.bufs[p.buf][r].to_vec())
+    }
+
+    /// A whole slot.
+    pub fn read_slot(&self, slot: usize) -> Result<Vec<u8>, String> {
+        if slot >= self.mem.slots {
+            return Err(format!("slot {slot} does not exist"));
+        }
+        Ok(self.mem.bufs[1 + slot].clone())
+    }
+
+    /// A device-to-device copy between runs (the runner's loss log, the used loss scale).
+    pub fn copy(&mut self, dst: Place, src: Place, bytes: u64) -> Result<(), String> {
+        let (d, s) = (self.mem.place(dst), self.mem.place(src));
+        copy(&mut self.mem, d, s, bytes).map_err(|e| format!("copy {src:?} -> {dst:?}: {e}"))
+    }
+
+    /// Runs the prologue (working copies from masters).
+    pub fn run_prologue(&mut self) -> Result<(), String> {
+        if self.poison {
+            self.mem.poison();
+        }
+        for (i, c) in self.program.prologue.iter().enumerate() {
+            exec(&self.program, &mut self.mem, &mut self.fused, c)
+                .map_err(|e| format!("prologue command {i} ({}): {e}", describe(c)))?;
+        }
+        Ok(())
+    }
+
+    /// Runs `run` (an index into the program's runs).
+    pub fn run(&mut self, run: usize) -> Result<(), String> {
+        let r = self
+            .program
+            .runs
+            .get(run)
+            .ok_or_else(|| format!("run {run} does not exist"))?;
+        if self.poison {
+            self.mem.poison();
+        }
+        for (i, c) in r.commands.iter().enumerate() {
+            exec(&self.program, &mut self.mem, &mut self.fused, c)
+                .map_err(|e| format!("run `{}` command {i} ({}): {e}", r.name, describe(c)))?;
+        }
+        Ok(())
+    }
+
+    /// The run's error flags: `Err` naming the first out-of-range index a kernel reported.
+    pub fn check_flags(&self, run: usize) -> Result<(), String> {
+        let r = self
+            .program
+            .runs
+            .get(run)
+            .ok_or_else(|| format!("run {run} does not exist"))?;
+        for f in &r.error_flags {
+            let pos = self.mem.i32_at(self.mem.place(f.place), 0)?;
+            if pos == i32::MAX || pos < 0 {
+                continue;
+            }
+            let index = self.mem.i64_at(self.mem.place(f.indices), i64::from(pos))?;
+            return Err(format!(
+                "%{}: {} {index} at position {pos} is out of range (limit {})",
+                f.node, f.what, f.limit
+            ));
+        }
+        Ok(())
+    }
+}
+
+fn describe(c: &Command) -> String {
+    match c {
+        Command::Launch(l) => format!("launch `{}` for %{}", l.entry, l.node),
+        Command::Gemm(g) => format!("cuBLAS product for %{}", g.node),
+        Command::Copy { dst, src, bytes } => format!("copy of {bytes} bytes {src:?} -> {dst:?}"),
+        Command::Memset { dst, bytes, byte } => {
+            format!("memset of {bytes} bytes at {dst:?} to {byte:#x}")
+        }
+    }
+}
+
+fn exec(
+    program: &Program,
+    mem: &mut Mem,
+    fused: &mut HashMap<(usize, String), Fused>,
+    c: &Command,
+) -> R<()> {
+    match c {
+        Command::Launch(l) => launch(program, mem, fused, l),
+        Command::Gemm(g) => gemm(mem, g),
+        Command::Copy { dst, src, bytes } => {
+            let (d, s) = (mem.place(*dst), mem.place(*src));
+            copy(mem, d, s, *bytes)
+        }
+        Command::Memset { dst, bytes, byte } => {
+            let d = mem.place(*dst);
+            mem.bytes_mut(d, 0, *bytes)?.fill(*byte);
+            Ok(())
+        }
+    }
+}
+
+fn copy(mem: &mut Mem, d: Ptr, s: Ptr, bytes: u64) -> R<()> {
+    check_uses(
+        mem,
+        &[
+            use_("src", Some(s), bytes, 1, Io::R),
+            use_("dst", Some(d), bytes, 1, Io::W),
+        ],
+        &[],
+    )?;
+    let data = mem.bytes(s, 0, bytes)?.to_vec();
+    mem.bytes_mut(d, 0, bytes)?.copy_from_slice(&data);
+    Ok(())
+}
+
+// ---- launches ------------------------------------------------------------------------------
+
+fn launch(
+    program: &Program,
+    mem: &mut Mem,
+    fused: &mut HashMap<(usize, String), Fused>,
+    l: &Launch,
+) -> R<()> {
+    let (gx, gy, gz) = l.grid;
+    let (bx, by, bz) = l.block;
+    if [gx, gy, gz, bx, by, bz].contains(&0) {
+        return Err(format!(
+            "empty launch shape: grid {:?} block {:?}",
+            l.grid, l.block
+        ));
+    }
+    if gx > i32::MAX as u32 || gy > 65_535 || gz > 65_535 {
+        return Err(format!("grid {:?} exceeds CUDA's limits", l.grid));
+    }
+    if u64::from(bx) * u64::from(by) * u64::from(bz) > 1024 || bz > 64 {
+        return Err(format!("block {:?} exceeds CUDA's limits", l.block));
+    }
+    if l.shared_bytes > 48 * 1024 {
+        return Err(format!(
+            "{} bytes of dynamic shared memory (48 KiB without an opt-in)",
+            l.shared_bytes
+        ));
+    }
+    let module = program
+        .modules
+        .get(l.module)
+        .ok_or_else(|| format!("module {} does not exist", l.module))?;
+    match castor_kernels::file(&module.name) {
+        Some(file) => {
+            if !file.entry_points.contains(&l.entry.as_str()) {
+                return Err(format!(
+                    "`{}` is not an entry point of {}",
+                    l.entry, file.name
+                ));
+            }
+            if module.source != file.source {
+                return Err(format!(
+                    "module {} does not hold the source of kernels/{}",
+                    module.name, file.name
+                ));
+            }
+            builtin(mem, l)
+        }
+        None => {
+            let key = (l.module, l.entry.clone());
+            if !fused.contains_key(&key) {
+                let f = Fused::parse(&module.source, &l.entry)
+                    .map_err(|e| format!("generated module {}: {e}", module.name))?;
+                fused.insert(key.clone(), f);
+            }
+            let f = fused
+                .get(&key)
+                .ok_or_else(|| "the parsed kernel is missing".to_string())?;
+            f.run(mem, l)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::program::{Arg, Module, Run, Slot};
+
+    fn program(commands: Vec<Command>, slot_bytes: &[u64]) -> Program {
+        Program {
+            slots: slot_bytes
+                .iter()
+                .enumerate()
+                .map(|(i, &bytes)| Slot {
+                    name: format!("s{i}"),
+                    bytes,
+                    kind: SlotKind::Internal,
+                })
+                .collect(),
+            arena_bytes: 256,
+            runs: vec![Run {
+                name: "graph".into(),
+                commands,
+                ..Run::default()
+            }],
+            ..Program::default()
+        }
+    }
+
+    #[test]
+    fn out_of_bounds_and_overlaps_are_errors_naming_the_command() {
+        let slot = |slot, offset| Place::Slot { slot, offset };
+        let p = program(
+            vec![Command::Copy {
+                dst: slot(1, 0),
+                src: slot(0, 8),
+                bytes: 16,
+            }],
+            &[16, 16],
+        );
+        let e = Emulator::new(&p).run(0).unwrap_err();
+        assert!(
+            e.contains("command 0 (copy") && e.contains("out of bounds"),
+            "{e}"
+        );
+        let p = program(
+            vec![Command::Copy {
+                dst: slot(0, 4),
+                src: slot(0, 0),
+                bytes: 8,
+            }],
+            &[16],
+        );
+        let e = Emulator::new(&p).run(0).unwrap_err();
+        assert!(e.contains("overlaps"), "{e}");
+    }
+
+    #[test]
+    fn launches_check_arguments_and_poison_fills_the_arena() {
+        let file = castor_kernels::file("layout.cu").unwrap();
+        let fill = |args| {
+            Command::Launch(Launch {
+                node: "z".into(),
+                module: 0,
+                entry: "fill_b4".into(),
+                grid: (1, 1, 1),
+                block: (256, 1, 1),
+                shared_bytes: 0,
+                args,
+            })
+        };
+        let mut p = program(
+            vec![
+                fill(vec![
+                    Arg::Ptr(Place::Slot { slot: 0, offset: 0 }),
+                    Arg::I64(2),
+                    Arg::U32(7),
+                ]),
+                Command::Copy {
+                    dst: Place::Slot { slot: 0, offset: 8 },
+                    src: Place::Arena { offset: 0 },
+                    bytes: 4,
+                },
+            ],
+            &[12],
+        );
+        p.modules.push(Module {
+            name: file.name.into(),
+            source: file.source.into(),
+        });
+        let mut emu = Emulator::new(&p);
+        emu.run(0).unwrap();
+        let b = emu.read_slot(0).unwrap();
+        assert_eq!(&b[..8], &[7, 0, 0, 0, 7, 0, 0, 0]);
+        assert_eq!(&b[8..], &[0; 4]);
+        // Poisoned, the arena reads as unwritten: the copy is an error.
+        emu.set_poison(true);
+        let e = emu.run(0).unwrap_err();
+        assert!(
+            e.contains("command 1 (copy") && e.contains("no earlier command"),
+            "{e}"
+        );
+        p.runs[0].commands = vec![fill(vec![
+            Arg::Ptr(Place::Slot { slot: 0, offset: 0 }),
+            Arg::I32(2),
+            Arg::U32(7),
+        ])];
+        let e = Emulator::new(&p).run(0).unwrap_err();
+        assert!(e.contains("`n` must be an i64"), "{e}");
+    }
+}
