@@ -124,6 +124,7 @@ pub const CASES: &[(&str, &str)] = &[
     ("layer_norm", "%x: f32[5,7,33] = input\n%w: f32[33] = input\n%b: f32[33] = input\n%y: {t}[5,7,33] = layer_norm(%x, %w, %b) {eps=1e-5}\n%dy: {t}[5,7,33] = input\n%dx: f32[5,7,33], %dw: f32[33], %db: f32[33] = layer_norm_grad(%x, %w, %dy) {eps=1e-5}"),
     ("rms_norm", "%x: {t}[3,37] = input\n%w: f32[37] = input\n%y: {t}[3,37] = rms_norm(%x, %w) {eps=1e-6}\n%dy: {t}[3,37] = input\n%dx: {t}[3,37], %dw: f32[37] = rms_norm_grad(%x, %w, %dy) {eps=1e-6}"),
     ("softmax", "%x: {t}[2,3,5,9] = input\n%m: bool[2,1,1,9] = input\n%y: {t}[2,3,5,9] = softmax(%x, %m) {causal=true}\n%dy: {t}[2,3,5,9] = input\n%dx: {t}[2,3,5,9] = softmax_grad(%y, %dy)"),
+    ("softmax_gqa", "%x: {t}[2,2,2,3,5] = input\n%m: bool[2,1,1,1,5] = input\n%y: {t}[2,2,2,3,5] = softmax(%x, %m) {causal=false}"),
     ("cross_entropy", "%x: {t}[11,37] = input\n%l: i64[11] = input\n%loss: f32[] = cross_entropy(%x, %l) {ignore_index=-100}\n%s: f32[] = input\n%dx: {t}[11,37] = cross_entropy_grad(%x, %l, %s) {ignore_index=-100}"),
     ("embedding", "%w: {t}[37,13] = input\n%ids: i64[3,11] = input\n%y: {t}[3,11,13] = embedding(%w, %ids)\n%dy: {t}[3,11,13] = input\n%dw: f32[37,13] = embedding_grad(%ids, %dy) {vocab=37}"),
     ("rope", "%x: {t}[2,3,7,10] = input\n%y: {t}[2,3,7,10] = rope(%x) {theta=10000}\n%dx: {t}[2,3,7,10] = rope_grad(%y) {theta=10000}"),

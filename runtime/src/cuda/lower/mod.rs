@@ -13,7 +13,7 @@
 //! 3. **Arena.** The ranges are placed by the memory planner's best fit
 //!    ([`castor_passes::memory::place_buffers`]), all 256-byte aligned.
 //! 4. **Commands.** Each unit becomes kernel launches of `kernels/*.cu` or of a generated
-//!    module, a cuBLAS product, copies or memsets (see [`ops`]).
+//!    module, a cuBLAS product, copies or memsets (see `ops.rs`).
 
 mod copies;
 mod gemm;

@@ -616,52 +616,54 @@ impl RunLowering<'_, '_> {
         }
         let r = d.len();
         let (tq, tk) = (d[r - 2], d[r - 1]);
-        let heads = if r >= 3 { d[r - 3] } else { 1 };
         let rows = g.ty(x).shape.numel().unwrap_or(0) / tk.max(1);
-        // Mask strides over the folded [B, heads, tq, tk] view (0 along broadcast dims).
-        let (mask, strides) =
-            match ins.get(1) {
-                None => (Arg::Null, [0i64; 4]),
-                Some(&m) => {
-                    if g.ty(m).dtype != DType::Bool {
-                        return Err(self.err(y, "a softmax mask must be bool"));
-                    }
-                    let md = g.ty(m).shape.dims().to_vec();
-                    if md.len() > r {
-                        return Err(self.err(y, "the mask has more dims than the scores"));
-                    }
-                    let ms = copies::strides(&md);
-                    let lead = r - md.len();
-                    let stride = |dim: usize| -> i64 {
-                        if dim < lead || md[dim - lead] == 1 {
-                            0
-                        } else {
-                            ms[dim - lead]
-                        }
-                    };
-                    // Leading dims before `heads` fold into B: their strides must fold too.
-                    let batch_dims = r.saturating_sub(3);
-                    let mut sb = 0i64;
-                    let mut expect = None::<i64>;
-                    for dim in (0..batch_dims).rev() {
-                        let s = stride(dim);
-                        match expect {
-                            None => sb = s,
-                            Some(e) if s == e || d[dim] == 1 => {}
-                            Some(_) => return Err(self.err(
-                                y,
-                                "a mask broadcast over several batch dims is not supported on CUDA",
-                            )),
-                        }
-                        expect = Some(s * d[dim] as i64);
-                    }
-                    let sh = if r >= 3 { stride(r - 3) } else { 0 };
-                    (
-                        Arg::Ptr(self.at(m)?),
-                        [sb, sh, stride(r - 2), stride(r - 1)],
-                    )
+        // The kernel sees [B, heads, tq, tk]: the dims before tq are split in two runs, each
+        // folded into one index, at a point where the mask steps uniformly through each run
+        // (the usual split, heads = the dim before tq, unless the mask needs another: e.g.
+        // grouped-query attention's [B, kv, groups, tq, tk] with a [B, 1, 1, 1, tk] mask folds
+        // kv and groups into heads).
+        let lead_dims = &d[..r - 2];
+        let (mask, heads, strides) = match ins.get(1) {
+            None => (Arg::Null, lead_dims.last().copied().unwrap_or(1), [0i64; 4]),
+            Some(&m) => {
+                if g.ty(m).dtype != DType::Bool {
+                    return Err(self.err(y, "a softmax mask must be bool"));
                 }
-            };
+                let md = g.ty(m).shape.dims().to_vec();
+                if md.len() > r {
+                    return Err(self.err(y, "the mask has more dims than the scores"));
+                }
+                let ms = copies::strides(&md);
+                let lead = r - md.len();
+                let stride = |dim: usize| -> i64 {
+                    if dim < lead || md[dim - lead] == 1 {
+                        0
+                    } else {
+                        ms[dim - lead]
+                    }
+                };
+                let st: Vec<i64> = (0..r - 2).map(stride).collect();
+                let n = lead_dims.len();
+                let splits = std::iter::once(n.saturating_sub(1)).chain(0..=n);
+                let found = splits.into_iter().find_map(|k| {
+                    let sb = fold(&lead_dims[..k], &st[..k])?;
+                    let sh = fold(&lead_dims[k..], &st[k..])?;
+                    Some((lead_dims[k..].iter().product::<usize>(), sb, sh))
+                });
+                let Some((heads, sb, sh)) = found else {
+                    return Err(self.err(
+                        y,
+                        "the mask broadcasts over the batch dims in a way the softmax kernel \
+                         cannot index",
+                    ));
+                };
+                (
+                    Arg::Ptr(self.at(m)?),
+                    heads,
+                    [sb, sh, stride(r - 2), stride(r - 1)],
+                )
+            }
+        };
         let xp = self.at(x)?;
         let out = self.out(y)?;
         self.launch(
@@ -1198,6 +1200,25 @@ pub(super) fn optimizer_batches(g: &castor_ir::Graph, users: &[Vec<Node>]) -> Ve
         }
     }
     out
+}
+
+/// The element stride of one index running over `dims` (row-major) through a tensor with
+/// these per-dim `strides`, or `None` when the strides are not those of one folded index.
+fn fold(dims: &[usize], strides: &[i64]) -> Option<i64> {
+    let mut base: Option<i64> = None;
+    let mut expect = 0i64;
+    for (&d, &s) in dims.iter().zip(strides).rev() {
+        if d == 1 {
+            continue;
+        }
+        match base {
+            None => base = Some(s),
+            Some(_) if s != expect => return None,
+            Some(_) => {}
+        }
+        expect = s * d as i64;
+    }
+    Some(base.unwrap_or(0))
 }
 
 /// The chunk rows `{tensor, len, start}` of tensor `t` with `numel` elements.
