@@ -250,3 +250,39 @@ fn compile_emits_the_cuda_program() {
     assert!(out.contains("launch adamw_bf16<<<"), "{out}");
     assert!(out.contains("gemm bf16"), "{out}");
 }
+
+/// Real model sizes lower too (shapes the fixtures do not have: batch > 1 with grouped-query
+/// attention, large vocabularies), under every low-precision policy and recomputation.
+#[test]
+fn real_model_configs_lower_for_cuda() {
+    for config in ["gpt2-124m", "gpt2-xl", "llama-2-7b", "llama-3-70b"] {
+        for flags in [
+            ["--precision", "bf16"],
+            ["--precision", "fp16"],
+            ["--remat", "selective"],
+        ] {
+            let path = common::root()
+                .join("assets")
+                .join("configs")
+                .join(format!("{config}.json"));
+            let mut args = vec![
+                "compile",
+                path_str(&path),
+                "--train",
+                "--batch",
+                "4",
+                "--seq",
+                "512",
+            ];
+            args.extend_from_slice(&flags);
+            let o = castor(&args);
+            assert!(o.status.success(), "{config}: {}", stderr(&o));
+            let out = common::stdout(&o);
+            let line = out.lines().find(|l| l.starts_with("cuda ")).unwrap_or("");
+            assert!(
+                line.contains("kernel launches"),
+                "{config} {flags:?}: {line}"
+            );
+        }
+    }
+}
