@@ -1,6 +1,6 @@
 //! Times the whole compile pipeline, config only, on public model configs: building the loss
 //! graph, each precision pass, the training plan (autodiff, optimizer, rematerialization,
-//! fusion), the memory plan and the cost model.
+//! fusion), the memory plan, the cost model and the CUDA lowering.
 //!
 //! `cargo run --release --example compile_bench [-- --remat MODE] [--batch B] [--seq T]`
 //! (defaults: bf16, AdamW, remat none; batch 8 x seq 1024 for GPT-2, 1 x 4096 for LLaMA).
@@ -11,6 +11,7 @@ use castor_passes::{
     build_training_plan, cost::GpuSpec, cost::StepCost, memory::Anatomy, Autocast, Classify,
     FoldCasts, Pass, Policy, Precision,
 };
+use castor_runtime::cuda::{lower::lower_plan, program::Command};
 use std::time::Instant;
 
 const MODELS: [(&str, &str, usize, usize); 4] = [
@@ -37,18 +38,18 @@ fn main() -> anyhow::Result<()> {
         .map_err(anyhow::Error::msg)?;
     let repeat: usize = flag("--repeat").map_or(Ok(3), |s| s.parse())?;
     println!(
-        "| model | B x T | nodes (micro/opt) | build | classify | autocast | fold_casts | training plan | memory plan | cost | total | arena / lower bound | peak |"
+        "| model | B x T | nodes (micro/opt) | build | classify | autocast | fold_casts | training plan | memory plan | cost | cuda lowering | total | arena / lower bound | peak | cuda launches / products / arena |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (label, path, b, t) in MODELS {
         let b = flag("--batch").map_or(Ok(b), |s| s.parse())?;
         let t = flag("--seq").map_or(Ok(t), |s| s.parse())?;
         // Best of `repeat` runs for each stage.
-        let mut best = [f64::MAX; 8];
+        let mut best = [f64::MAX; 9];
         let mut line = String::new();
         for _ in 0..repeat {
             let start = Instant::now();
-            let mut times = [0.0; 8];
+            let mut times = [0.0; 9];
             let t0 = Instant::now();
             let model = Model::load(path)?;
             let g = model.build_loss_graph(b, t, Objective::auto(&model))?;
@@ -90,23 +91,33 @@ fn main() -> anyhow::Result<()> {
             let t0 = Instant::now();
             let cost = StepCost::of_plan(&plan, &GpuSpec::default());
             times[6] = ms(t0);
-            times[7] = ms(start);
+            let t0 = Instant::now();
+            let program = lower_plan(&plan)?;
+            times[7] = ms(t0);
+            times[8] = ms(start);
+            let commands = program.runs.iter().flat_map(|r| r.commands.iter());
+            let launches = commands
+                .clone()
+                .filter(|c| matches!(c, Command::Launch(_)))
+                .count();
+            let gemms = commands.filter(|c| matches!(c, Command::Gemm(_))).count();
             for (x, y) in best.iter_mut().zip(times) {
                 *x = x.min(y);
             }
             let m = &anatomy.memory;
             line = format!(
-                "{}/{} | {{}} | {:.3} | {:.2} GiB (est. step {:.1} ms, MFU {:.1}%)",
+                "{}/{} | {{}} | {:.3} | {:.2} GiB (est. step {:.1} ms, MFU {:.1}%) | {launches} / {gemms} / {:.2} GiB",
                 plan.micro_step.num_nodes(),
                 plan.optimizer_step.num_nodes(),
                 m.ratio(),
                 anatomy.total() as f64 / (1u64 << 30) as f64,
                 cost.seconds() * 1e3,
-                cost.mfu() * 100.0
+                cost.mfu() * 100.0,
+                program.arena_bytes as f64 / (1u64 << 30) as f64
             );
         }
-        let stages: Vec<String> = best[..7].iter().map(|x| format!("{x:.1}")).collect();
-        let line = line.replacen("{}", &format!("{} | {:.1}", stages.join(" | "), best[7]), 1);
+        let stages: Vec<String> = best[..8].iter().map(|x| format!("{x:.1}")).collect();
+        let line = line.replacen("{}", &format!("{} | {:.1}", stages.join(" | "), best[8]), 1);
         println!("| {label} | {b} x {t} | {line} |");
     }
     println!("(milliseconds, best of {repeat}; remat {remat}; bf16, AdamW)");
