@@ -109,6 +109,8 @@ struct Lowerer {
     copies: HashMap<String, usize>,
     /// Generated kernels by their code (see [`Lowerer::generated`]): the entry point.
     generated: HashMap<String, String>,
+    /// Slots by name.
+    slots: HashMap<String, usize>,
 }
 
 /// The module holding every generated (fused pointwise) kernel of a program.
@@ -117,7 +119,7 @@ pub const GENERATED_MODULE: &str = "fused.cu";
 impl Lowerer {
     /// The slot `name`, created with `kind` if new.
     fn slot(&mut self, name: &str, kind: SlotKind, node: &str) -> Result<usize, LowerError> {
-        if let Some(i) = self.program.slot(name) {
+        if let Some(&i) = self.slots.get(name) {
             return Ok(i);
         }
         let bytes = match &kind {
@@ -125,25 +127,31 @@ impl Lowerer {
             SlotKind::Constant(b) => b.len() as u64,
             SlotKind::Internal => 0,
         };
+        Ok(self.push_slot(name, bytes, kind))
+    }
+
+    /// An internal slot of `bytes` bytes.
+    fn internal(&mut self, name: &str, bytes: u64) -> usize {
+        match self.slots.get(name) {
+            Some(&i) => i,
+            None => self.push_slot(name, bytes, SlotKind::Internal),
+        }
+    }
+
+    /// The slot `name`, if it exists.
+    fn find_slot(&self, name: &str) -> Option<usize> {
+        self.slots.get(name).copied()
+    }
+
+    fn push_slot(&mut self, name: &str, bytes: u64, kind: SlotKind) -> usize {
         self.program.slots.push(Slot {
             name: name.into(),
             bytes,
             kind,
         });
-        Ok(self.program.slots.len() - 1)
-    }
-
-    /// An internal slot of `bytes` bytes.
-    fn internal(&mut self, name: &str, bytes: u64) -> usize {
-        if let Some(i) = self.program.slot(name) {
-            return i;
-        }
-        self.program.slots.push(Slot {
-            name: name.into(),
-            bytes,
-            kind: SlotKind::Internal,
-        });
-        self.program.slots.len() - 1
+        let i = self.program.slots.len() - 1;
+        self.slots.insert(name.into(), i);
+        i
     }
 
     /// The module that holds `source`, by name.

@@ -319,6 +319,9 @@ impl RunLowering<'_, '_> {
     /// The RoPE `(cos, sin)` table for `(t, d, theta)`: the CPU twin's values, uploaded once.
     fn rope_table(&mut self, t: usize, d: usize, theta: f64) -> Result<Place, LowerError> {
         let name = format!("rope.table.{t}.{d}.{theta}");
+        if let Some(slot) = self.l.find_slot(&name) {
+            return Ok(Place::Slot { slot, offset: 0 });
+        }
         let mut bytes = Vec::with_capacity(t * d * 4);
         for (c, s) in crate::cpu::rope::rope_table(t, d, theta) {
             bytes.extend(c.to_le_bytes());
