@@ -1,4 +1,4 @@
-//! Layout ops as strided copies (`strided_copy_b<N>` in `kernels/layout.cu`).
+//! Layout ops as strided views and copies (`strided_copy_b<N>` in `kernels/layout.cu`).
 //!
 //! Every layout op but `reshape` (a view) moves a block of elements from one strided view to
 //! another: a transpose reads with permuted strides, a slice or a split piece from an offset,
@@ -54,47 +54,165 @@ pub fn transpose(x: &[usize], perm: &[usize]) -> Result<CopyLayout, String> {
     layout(&out, &src, &strides(&out), 0, 0)
 }
 
-/// Elements `start..start + len` of `x` along `axis`, into a contiguous output.
-pub fn slice(x: &[usize], axis: usize, start: usize, len: usize) -> Result<CopyLayout, String> {
-    let xs = strides(x);
-    let mut out = x.to_vec();
-    out[axis] = len;
-    layout(&out, &xs, &strides(&out), start as i64 * xs[axis], 0)
+/// A strided view of a buffer: `dims` read with element `strides` from element `offset`.
+/// Layout ops compose views; a view is copied out (once) only where a kernel needs its
+/// elements contiguous.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct View {
+    pub offset: i64,
+    pub dims: Vec<usize>,
+    pub strides: Vec<i64>,
 }
 
-/// A contiguous `x` into elements `start..` of `out` along `axis` (a concat input, a pad's
-/// interior).
-pub fn place_into(
-    x: &[usize],
-    out: &[usize],
-    axis: usize,
-    start: usize,
-) -> Result<CopyLayout, String> {
-    let os = strides(out);
-    layout(x, &strides(x), &os, 0, start as i64 * os[axis])
-}
-
-/// NumPy broadcast of `x` to `out` (trailing dims aligned; size-1 dims read with stride 0).
-pub fn broadcast(x: &[usize], out: &[usize]) -> Result<CopyLayout, String> {
-    if x.len() > out.len() {
-        return Err(format!(
-            "cannot broadcast rank {} to rank {}",
-            x.len(),
-            out.len()
-        ));
+impl View {
+    /// A whole contiguous tensor.
+    pub fn contiguous(dims: &[usize]) -> View {
+        View {
+            offset: 0,
+            dims: dims.to_vec(),
+            strides: strides(dims),
+        }
     }
-    let xs = strides(x);
-    let lead = out.len() - x.len();
-    let src: Vec<i64> = (0..out.len())
-        .map(|d| {
-            if d < lead || x[d - lead] == 1 {
-                0
-            } else {
-                xs[d - lead]
-            }
+
+    /// True when the elements are contiguous in row-major order (possibly at an offset), so
+    /// the view can be read as a plain tensor.
+    pub fn is_contiguous(&self) -> bool {
+        self.dims
+            .iter()
+            .zip(&self.strides)
+            .zip(strides(&self.dims))
+            .all(|((&d, &s), c)| d == 1 || s == c)
+    }
+
+    /// Dim `d` of the result is dim `perm[d]` of this view.
+    pub fn transpose(&self, perm: &[usize]) -> View {
+        View {
+            offset: self.offset,
+            dims: perm.iter().map(|&p| self.dims[p]).collect(),
+            strides: perm.iter().map(|&p| self.strides[p]).collect(),
+        }
+    }
+
+    /// Elements `start..start + len` along `axis`.
+    pub fn slice(&self, axis: usize, start: usize, len: usize) -> View {
+        let mut v = self.clone();
+        v.offset += start as i64 * self.strides[axis];
+        v.dims[axis] = len;
+        v
+    }
+
+    /// NumPy broadcast to `out` (size-1 and missing dims read with stride 0).
+    pub fn broadcast(&self, out: &[usize]) -> Option<View> {
+        let lead = out.len().checked_sub(self.dims.len())?;
+        let strides = (0..out.len())
+            .map(|d| {
+                if d < lead || self.dims[d - lead] == 1 {
+                    0
+                } else {
+                    self.strides[d - lead]
+                }
+            })
+            .collect();
+        Some(View {
+            offset: self.offset,
+            dims: out.to_vec(),
+            strides,
         })
-        .collect();
-    layout(out, &src, &strides(out), 0, 0)
+    }
+
+    /// The same elements in row-major order with shape `dims`, as a view, when the strides
+    /// allow it without copying (dims split freely; dims merge only where they are laid out
+    /// one after the other), as NumPy's no-copy reshape decides.
+    pub fn reshape(&self, dims: &[usize]) -> Option<View> {
+        let numel = |d: &[usize]| d.iter().product::<usize>();
+        if numel(dims) != numel(&self.dims) {
+            return None;
+        }
+        // Drop size-1 dims of the source; they carry no layout.
+        let src: Vec<(usize, i64)> = self
+            .dims
+            .iter()
+            .zip(&self.strides)
+            .filter(|(&d, _)| d != 1)
+            .map(|(&d, &s)| (d, s))
+            .collect();
+        let mut out = vec![0i64; dims.len()];
+        let (mut i, mut j) = (0usize, 0usize);
+        while j < dims.len() {
+            if dims[j] == 1 {
+                out[j] = 1;
+                j += 1;
+                continue;
+            }
+            if i >= src.len() {
+                return None;
+            }
+            // Group source dims [i, i2) and target dims [j, j2) of equal element counts.
+            let (mut i2, mut j2) = (i + 1, j + 1);
+            let (mut a, mut b) = (src[i].0, dims[j]);
+            while a != b {
+                if a < b {
+                    a *= src.get(i2)?.0;
+                    i2 += 1;
+                } else {
+                    b *= dims[j2];
+                    j2 += 1;
+                }
+            }
+            // The source group must be one block: each dim's stride is the next one's
+            // stride times its size.
+            for k in i..i2 - 1 {
+                if src[k].1 != src[k + 1].1 * src[k + 1].0 as i64 {
+                    return None;
+                }
+            }
+            // The target dims split the block's innermost stride.
+            let mut stride = src[i2 - 1].1;
+            for k in (j..j2).rev() {
+                out[k] = stride;
+                stride *= dims[k] as i64;
+            }
+            i = i2;
+            j = j2;
+        }
+        if i != src.len() {
+            return None;
+        }
+        Some(View {
+            offset: self.offset,
+            dims: dims.to_vec(),
+            strides: out,
+        })
+    }
+
+    /// The copy of this view into a contiguous tensor of its dims.
+    pub fn materialize(&self) -> Result<CopyLayout, String> {
+        layout(
+            &self.dims,
+            &self.strides,
+            &strides(&self.dims),
+            self.offset,
+            0,
+        )
+    }
+
+    /// The copy of this view into elements `start..` of `out` along `axis` (a concat input,
+    /// a pad's interior).
+    pub fn place_into(
+        &self,
+        out: &[usize],
+        axis: usize,
+        start: usize,
+    ) -> Result<CopyLayout, String> {
+        let os = strides(out);
+        layout(
+            &self.dims,
+            &self.strides,
+            &os,
+            self.offset,
+            start as i64 * os[axis],
+        )
+    }
 }
 
 #[cfg(test)]
@@ -117,6 +235,49 @@ mod tests {
         }
     }
 
+    /// Reads a view's elements in row-major order.
+    fn read(v: &View, src: &[i32]) -> Vec<i32> {
+        let mut out = vec![0; v.dims.iter().product()];
+        apply(&v.materialize().unwrap(), src, &mut out);
+        out
+    }
+
+    #[test]
+    fn composed_views_read_what_the_copies_would() {
+        let x: Vec<i32> = (0..2 * 3 * 12).collect(); // [2, 3, 12]
+        let base = View::contiguous(&[2, 3, 12]);
+        // split piece [.., 4..8] -> reshape [2, 3, 2, 2] -> transpose [0, 2, 1, 3]
+        let piece = base.slice(2, 4, 4);
+        let heads = piece
+            .reshape(&[2, 3, 2, 2])
+            .expect("splitting a dim is a view");
+        let t = heads.transpose(&[0, 2, 1, 3]);
+        // The same through contiguous copies at each step.
+        let mut p = vec![0; 24];
+        apply(&base.slice(2, 4, 4).materialize().unwrap(), &x, &mut p);
+        let mut tt = vec![0; 24];
+        apply(
+            &transpose(&[2, 3, 2, 2], &[0, 2, 1, 3]).unwrap(),
+            &p,
+            &mut tt,
+        );
+        assert_eq!(read(&t, &x), tt);
+        // Transposed back and merged: [2, 3, 4] is a view again only where dims are adjacent.
+        let back = t.transpose(&[0, 2, 1, 3]);
+        assert_eq!(back.reshape(&[2, 3, 4]), Some(piece.clone()));
+        assert!(
+            t.reshape(&[2, 12]).is_none(),
+            "merging non-adjacent dims needs a copy"
+        );
+        // A slice along the leading axis of a contiguous tensor stays contiguous.
+        assert!(base.slice(0, 1, 1).is_contiguous());
+        assert!(!piece.is_contiguous());
+        assert_eq!(
+            base.reshape(&[6, 1, 12]).map(|v| v.is_contiguous()),
+            Some(true)
+        );
+    }
+
     #[test]
     fn transpose_slice_concat_pad_and_broadcast_move_the_right_elements() {
         let x: Vec<i32> = (0..24).collect(); // [2, 3, 4]
@@ -126,18 +287,29 @@ mod tests {
         assert_eq!(t[(3 * 2 + 1) * 3 + 2], x[(3 + 2) * 4 + 3]);
 
         let mut s = vec![0; 2 * 3 * 2];
-        apply(&slice(&[2, 3, 4], 2, 1, 2).unwrap(), &x, &mut s);
+        apply(
+            &View::contiguous(&[2, 3, 4])
+                .slice(2, 1, 2)
+                .materialize()
+                .unwrap(),
+            &x,
+            &mut s,
+        );
         assert_eq!(s[..4], [1, 2, 5, 6]);
 
         // concat([2,3,4], [2,3,4]) along 1 -> [2,6,4]; the second input at offset 3.
         let mut c = vec![-1; 48];
         apply(
-            &place_into(&[2, 3, 4], &[2, 6, 4], 1, 0).unwrap(),
+            &View::contiguous(&[2, 3, 4])
+                .place_into(&[2, 6, 4], 1, 0)
+                .unwrap(),
             &x,
             &mut c,
         );
         apply(
-            &place_into(&[2, 3, 4], &[2, 6, 4], 1, 3).unwrap(),
+            &View::contiguous(&[2, 3, 4])
+                .place_into(&[2, 6, 4], 1, 3)
+                .unwrap(),
             &x,
             &mut c,
         );
@@ -146,7 +318,15 @@ mod tests {
         assert!(c.iter().all(|&v| v >= 0));
 
         let mut b = vec![0; 2 * 3 * 4];
-        apply(&broadcast(&[3, 1], &[2, 3, 4]).unwrap(), &[7, 8, 9], &mut b);
+        apply(
+            &View::contiguous(&[3, 1])
+                .broadcast(&[2, 3, 4])
+                .unwrap()
+                .materialize()
+                .unwrap(),
+            &[7, 8, 9],
+            &mut b,
+        );
         assert_eq!(b[4..8], [8, 8, 8, 8]);
         assert_eq!(b[12..16], [7, 7, 7, 7]);
     }

@@ -296,6 +296,9 @@ struct RunLowering<'l, 'g> {
     end_of: Vec<usize>,
     /// Per value: the value whose buffer it shares (itself unless a view).
     root: Vec<Value>,
+    /// Per layout result: the buffer (a value with its own storage) and the view of it.
+    views: Vec<Option<(Value, copies::View)>>,
+    storage: Vec<Storage>,
     loc: Vec<Loc>,
     /// Arena requests: (bytes, first unit, last unit).
     buffers: Vec<(u64, usize, usize)>,
@@ -358,13 +361,16 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                 }
             }
         }
-        // Views share their operand's buffer.
-        let mut root: Vec<Value> = (0..g.num_values()).map(|i| Value(i as u32)).collect();
-        for (_, node) in g.nodes() {
-            if matches!(node.op, Op::Reshape { .. }) {
-                root[node.outputs[0].index()] = root[node.inputs[0].index()];
-            }
-        }
+        // Layout results as views of the buffer they read: kept virtual when only other
+        // layout ops read them (the chain is copied once, composed), aliased when their
+        // elements are contiguous, else copied into a buffer of their own.
+        let (views, storage) = layout_views(g, &users, stored);
+        let root: Vec<Value> = (0..g.num_values())
+            .map(|i| match (&views[i], storage[i]) {
+                (Some((r, _)), Storage::Virtual | Storage::Alias) => *r,
+                _ => Value(i as u32),
+            })
+            .collect();
         let mut end_of = vec![0usize; g.num_values()];
         for (v, data) in g.values() {
             let produced = unit_of[data.producer.index()];
@@ -402,6 +408,8 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             kinds,
             end_of,
             root,
+            views,
+            storage,
             loc: vec![Loc::Unset; g.num_values()],
             buffers: Vec::new(),
             commands: Vec::new(),
@@ -575,7 +583,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             return true;
         };
         let unit = self.unit_of[g.value(v).producer.index()];
-        self.users[old.index()].iter().all(|&u| {
+        self.readers(old).into_iter().all(|u| {
             let uu = self.unit_of[u.index()];
             if uu < unit {
                 return true;
@@ -591,6 +599,39 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                 _ => is_pointwise(g, u) && g.ty(old).shape == g.ty(node.outputs[0]).shape,
             }
         })
+    }
+
+    /// The nodes that read `v`'s buffer: its users, and through layout results that are
+    /// views of it (virtual or aliased), the users of those.
+    fn readers(&self, v: Value) -> Vec<Node> {
+        let g = self.g;
+        let mut out = Vec::new();
+        let mut todo = vec![v];
+        while let Some(x) = todo.pop() {
+            for &u in &self.users[x.index()] {
+                let views: Vec<Value> = g
+                    .node(u)
+                    .outputs
+                    .iter()
+                    .copied()
+                    .filter(|o| self.storage[o.index()] != Storage::Own)
+                    .collect();
+                if views.is_empty() {
+                    out.push(u);
+                } else {
+                    todo.extend(views);
+                }
+            }
+        }
+        out
+    }
+
+    /// Where `x`'s elements are read from: its buffer's value and the view of it.
+    pub(super) fn source(&self, x: Value) -> (Value, copies::View) {
+        match (&self.views[x.index()], self.storage[x.index()]) {
+            (Some((r, v)), Storage::Virtual | Storage::Alias) => (*r, v.clone()),
+            _ => (x, copies::View::contiguous(self.g.ty(x).shape.dims())),
+        }
     }
 
     /// A scratch or value buffer in the arena from this unit to `end`.
@@ -788,6 +829,98 @@ fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
         }
         Command::Memset { dst, .. } => *dst = f(*dst),
     }
+}
+
+/// How a layout result is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Storage {
+    /// A buffer of its own (every value that is not a layout result, too).
+    Own,
+    /// Never stored: only layout ops read it, each composing its view.
+    Virtual,
+    /// Read in place: its view of another buffer is contiguous.
+    Alias,
+}
+
+/// The layout ops whose input is read through a view (one strided copy of the composed
+/// view, or a further view).
+fn reads_views(op: &Op) -> bool {
+    matches!(
+        op,
+        Op::Transpose { .. }
+            | Op::Slice { .. }
+            | Op::Split { .. }
+            | Op::Reshape { .. }
+            | Op::Concat { .. }
+            | Op::Pad { .. }
+            | Op::BroadcastTo { .. }
+    )
+}
+
+/// Every layout result's view of the buffer it reads (composed through chains of layout
+/// ops) and how it is stored. Graph outputs and values written to state have buffers of
+/// their own.
+#[allow(clippy::type_complexity)]
+fn layout_views(
+    g: &Graph,
+    users: &[Vec<Node>],
+    stored: &HashMap<String, String>,
+) -> (Vec<Option<(Value, copies::View)>>, Vec<Storage>) {
+    let n = g.num_values();
+    let mut views: Vec<Option<(Value, copies::View)>> = vec![None; n];
+    let mut storage = vec![Storage::Own; n];
+    for (_, node) in g.nodes() {
+        let Some(&x) = node.inputs.first() else {
+            continue;
+        };
+        let (root, base) = match (&views[x.index()], storage[x.index()]) {
+            (Some((r, v)), Storage::Virtual | Storage::Alias) => (*r, v.clone()),
+            _ => (x, copies::View::contiguous(g.ty(x).shape.dims())),
+        };
+        let dims = |v: Value| g.ty(v).shape.dims().to_vec();
+        let made: Vec<(Value, Option<copies::View>)> = match &node.op {
+            Op::Transpose { perm } => vec![(node.outputs[0], Some(base.transpose(perm)))],
+            Op::Slice { axis, start, end } => {
+                vec![(
+                    node.outputs[0],
+                    Some(base.slice(*axis, *start, end - start)),
+                )]
+            }
+            Op::Split { axis, sizes } => {
+                let mut start = 0;
+                node.outputs
+                    .iter()
+                    .zip(sizes)
+                    .map(|(&o, &size)| {
+                        let v = base.slice(*axis, start, size);
+                        start += size;
+                        (o, Some(v))
+                    })
+                    .collect()
+            }
+            Op::Reshape { .. } => vec![(node.outputs[0], base.reshape(&dims(node.outputs[0])))],
+            Op::BroadcastTo { .. } => {
+                vec![(node.outputs[0], base.broadcast(&dims(node.outputs[0])))]
+            }
+            _ => continue,
+        };
+        for (o, view) in made {
+            let Some(view) = view else { continue };
+            let fixed = g.outputs().contains(&o) || stored.contains_key(g.name(o));
+            let only_layout = users[o.index()].iter().all(|&u| reads_views(&g.node(u).op));
+            storage[o.index()] = if fixed || view.dims.len() > super::program::MAX_RANK {
+                Storage::Own
+            } else if only_layout {
+                Storage::Virtual
+            } else if view.is_contiguous() {
+                Storage::Alias
+            } else {
+                Storage::Own
+            };
+            views[o.index()] = Some((root, view));
+        }
+    }
+    (views, storage)
 }
 
 /// What a unit of several nodes is.

@@ -29,15 +29,13 @@ impl RunLowering<'_, '_> {
         let numel = |v: Value| g.ty(v).shape.numel().unwrap_or(0);
         match &node.op {
             Op::Input | Op::Param | Op::State | Op::ParamCopy { .. } => {}
-            Op::Reshape { .. } => {
-                let src = self.at(ins[0])?;
-                let name = g.name(y).to_string();
-                if g.outputs().contains(&y) || self.stored.contains_key(&name) {
-                    let bytes = super::bytes_of(g.ty(y), &name)?;
-                    let dst = self.out(y)?;
-                    self.commands.push(Command::Copy { dst, src, bytes });
-                } else {
-                    self.loc[y.index()] = super::Loc::At(src);
+            Op::Reshape { .. }
+            | Op::Transpose { .. }
+            | Op::Slice { .. }
+            | Op::Split { .. }
+            | Op::BroadcastTo { .. } => {
+                for &o in &outs {
+                    self.layout_result(o, ins[0])?;
                 }
             }
             Op::MatMul {
@@ -138,41 +136,17 @@ impl RunLowering<'_, '_> {
                     ],
                 )?;
             }
-            Op::Transpose { perm } => {
-                let l = copies::transpose(&dims(ins[0]), perm).map_err(|m| self.err(y, m))?;
-                let (src, dst) = (self.at(ins[0])?, self.out(y)?);
-                self.copy(y, src, dst, l)?;
-            }
-            Op::Slice { axis, start, end } => {
-                let l = copies::slice(&dims(ins[0]), *axis, *start, end - start)
-                    .map_err(|m| self.err(y, m))?;
-                let (src, dst) = (self.at(ins[0])?, self.out(y)?);
-                self.copy(y, src, dst, l)?;
-            }
-            Op::Split { axis, sizes } => {
-                let src = self.at(ins[0])?;
-                let mut start = 0;
-                for (&piece, &size) in outs.iter().zip(sizes) {
-                    let l = copies::slice(&dims(ins[0]), *axis, start, size)
-                        .map_err(|m| self.err(piece, m))?;
-                    start += size;
-                    if self.users[piece.index()].is_empty() && !g.outputs().contains(&piece) {
-                        continue;
-                    }
-                    let dst = self.out(piece)?;
-                    self.copy(piece, src, dst, l)?;
-                }
-            }
             Op::Concat { axis } => {
                 let out_dims = dims(y);
                 let dst = self.out(y)?;
                 let mut start = 0;
                 for &x in &ins {
-                    let xd = dims(x);
-                    let l = copies::place_into(&xd, &out_dims, *axis, start)
+                    let (root, view) = self.source(x);
+                    let l = view
+                        .place_into(&out_dims, *axis, start)
                         .map_err(|m| self.err(y, m))?;
-                    start += xd[*axis];
-                    let src = self.at(x)?;
+                    start += dims(x)[*axis];
+                    let src = self.at(root)?;
                     self.copy(y, src, dst, l)?;
                 }
             }
@@ -191,14 +165,11 @@ impl RunLowering<'_, '_> {
                         byte: 0,
                     });
                 }
-                let l = copies::place_into(&dims(ins[0]), &dims(y), *axis, *before)
+                let (root, view) = self.source(ins[0]);
+                let l = view
+                    .place_into(&dims(y), *axis, *before)
                     .map_err(|m| self.err(y, m))?;
-                let src = self.at(ins[0])?;
-                self.copy(y, src, dst, l)?;
-            }
-            Op::BroadcastTo { .. } => {
-                let l = copies::broadcast(&dims(ins[0]), &dims(y)).map_err(|m| self.err(y, m))?;
-                let (src, dst) = (self.at(ins[0])?, self.out(y)?);
+                let src = self.at(root)?;
                 self.copy(y, src, dst, l)?;
             }
             Op::Reduce { op, axes, .. } => self.reduce(y, ins[0], *op, axes)?,
@@ -295,6 +266,38 @@ impl RunLowering<'_, '_> {
             }
         }
         Ok(())
+    }
+
+    /// A layout op's result `o` (of operand `x`): nothing when it stays a view read by other
+    /// layout ops, an alias of its operand's buffer when its elements are contiguous there,
+    /// else one strided copy of the composed view into a buffer of its own.
+    fn layout_result(&mut self, o: Value, x: Value) -> Result<(), LowerError> {
+        let g = self.g;
+        let named = !self.users[o.index()].is_empty()
+            || g.outputs().contains(&o)
+            || self.stored.contains_key(g.name(o));
+        if !named {
+            return Ok(()); // a split piece nothing reads
+        }
+        match (self.storage[o.index()], self.views[o.index()].clone()) {
+            (super::Storage::Virtual, _) => Ok(()),
+            (super::Storage::Alias, Some((root, view))) => {
+                let bytes = view.offset as u64 * g.ty(o).dtype.size_bytes() as u64;
+                let place = self.at(root)?.plus(bytes);
+                self.loc[o.index()] = super::Loc::At(place);
+                Ok(())
+            }
+            (_, view) => {
+                // A reshape that no view expresses copies its operand's elements in order.
+                let (root, view) = match view {
+                    Some(rv) => rv,
+                    None => self.source(x),
+                };
+                let l = view.materialize().map_err(|m| self.err(o, m))?;
+                let (src, dst) = (self.at(root)?, self.out(o)?);
+                self.copy(o, src, dst, l)
+            }
+        }
     }
 
     /// A strided copy of elements of `y`'s dtype.
