@@ -26,9 +26,13 @@ pub fn root() -> PathBuf {
     std::env::current_dir().unwrap_or(built)
 }
 
-/// The `castor` binary: the one built with the tests, or `target/release/castor` under
-/// [`root`] when the tests run elsewhere.
+/// The `castor` binary: `CASTOR_BIN` when set (test binaries copied to another machine,
+/// see bench/gpu/pack.sh), the one built with the tests, or `target/release/castor` under
+/// [`root`].
 pub fn castor_bin() -> PathBuf {
+    if let Some(bin) = std::env::var_os("CASTOR_BIN") {
+        return PathBuf::from(bin);
+    }
     let built = PathBuf::from(env!("CARGO_BIN_EXE_castor"));
     if built.is_file() {
         return built;

@@ -1601,6 +1601,11 @@ mod tests {
         let device = match Device::open() {
             Ok(d) => d,
             Err(e) => {
+                // A GPU run must not skip silently.
+                assert!(
+                    std::env::var("CASTOR_REQUIRE_GPU").as_deref() != Ok("1"),
+                    "CASTOR_REQUIRE_GPU=1 but {e}"
+                );
                 println!("skipped: {e}");
                 return;
             }

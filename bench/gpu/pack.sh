@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds what the GPU machine runs (it has CUDA 13 and PyTorch but no Rust) into gpu-pack/:
+# the castor binary, the GPU test binary (tests/cuda_gpu.rs) and the runtime's unit tests
+# (the device layer's own GPU test), release builds, stripped so that they travel light.
+# Then, on the GPU machine, from the repository root: bench/gpu/check.sh OUT_DIR
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+cargo build --release
+exe() { # the test executable cargo reports for a target
+  cargo test --release "$@" --no-run --message-format=json 2>/dev/null |
+    python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m.get("profile", {}).get("test"):
+        print(m["executable"])' | tail -1
+}
+rm -rf gpu-pack && mkdir -p gpu-pack
+cp target/release/castor gpu-pack/castor
+cp "$(exe --test cuda_gpu)" gpu-pack/cuda_gpu
+cp "$(exe -p castor-runtime --lib)" gpu-pack/runtime_tests
+strip gpu-pack/*
+ls -la gpu-pack
