@@ -800,21 +800,62 @@ impl RunLowering<'_, '_> {
         if g.ty(labels).dtype != DType::I64 {
             return Err(self.err(y, "labels must be i64 on the CUDA executor"));
         }
-        let d = g.ty(logits).shape.dims().to_vec();
-        let (rows, v) = (d[0], d[1]);
+        let rows = g.ty(logits).shape.dims()[0];
         let key = (logits, labels);
         let until = self.saved_until.get(&key).copied().unwrap_or(self.unit);
-        let row_loss = self.scratch(rows as u64 * 8);
         let row_max = self.arena(rows as u64 * 4, until);
         let row_inv = self.arena(rows as u64 * 4, until);
         let count = self.arena(4, until);
+        let loss = self.out(y)?;
+        self.cross_entropy_forward(
+            y,
+            logits,
+            labels,
+            ignore,
+            Some((row_max, row_inv)),
+            loss,
+            count,
+        )?;
+        self.saved.insert(
+            key,
+            Saved {
+                a: row_max,
+                b: row_inv,
+                count: Some(count),
+            },
+        );
+        Ok(())
+    }
+
+    /// The cross-entropy forward and its finalize: the mean loss into `loss`, the counted
+    /// rows into `count`, and each row's max and inverse sum into `stats` when given (the
+    /// backward reads them).
+    #[allow(clippy::too_many_arguments)]
+    fn cross_entropy_forward(
+        &mut self,
+        y: Value,
+        logits: Value,
+        labels: Value,
+        ignore: i64,
+        stats: Option<(Place, Place)>,
+        loss: Place,
+        count: Place,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let d = g.ty(logits).shape.dims().to_vec();
+        let (rows, v) = (d[0], d[1]);
+        let row_loss = self.scratch(rows as u64 * 8);
         let (lp, lab) = (self.at(logits)?, self.at(labels)?);
         let bad = self.flag(y, "label", lab, v, Some(ignore));
+        let (row_max, row_inv) = match stats {
+            Some((m, i)) => (Arg::Ptr(m), Arg::Ptr(i)),
+            None => (Arg::Null, Arg::Null),
+        };
         self.launch(
             y,
             &format!("cross_entropy_fwd_{}", sfx(g.ty(logits).dtype)),
             grid_rows(rows),
-            (if v >= 16_384 { 512 } else { ROW_BLOCK }, 1, 1),
+            (ce_block(v), 1, 1),
             vec![
                 Arg::Ptr(lp),
                 Arg::Ptr(lab),
@@ -822,12 +863,11 @@ impl RunLowering<'_, '_> {
                 Arg::I32(v as i32),
                 Arg::I64(ignore),
                 Arg::Ptr(row_loss),
-                Arg::Ptr(row_max),
-                Arg::Ptr(row_inv),
+                row_max,
+                row_inv,
                 Arg::Ptr(bad),
             ],
         )?;
-        let loss = self.out(y)?;
         self.launch(
             y,
             "cross_entropy_finalize",
@@ -841,16 +881,7 @@ impl RunLowering<'_, '_> {
                 Arg::Ptr(loss),
                 Arg::Ptr(count),
             ],
-        )?;
-        self.saved.insert(
-            key,
-            Saved {
-                a: row_max,
-                b: row_inv,
-                count: Some(count),
-            },
-        );
-        Ok(())
+        )
     }
 
     fn cross_entropy_grad(
@@ -866,43 +897,11 @@ impl RunLowering<'_, '_> {
         let saved = match self.saved.get(&(logits, labels)) {
             Some(s) => *s,
             None => {
-                // No forward in this graph: run one into scratch for the count.
-                let row_loss = self.scratch(rows as u64 * 8);
+                // No forward in this graph: run one into scratch for the count (the backward
+                // then recomputes each row's statistics itself).
                 let loss = self.scratch(4);
                 let count = self.scratch(4);
-                let (lp, lab) = (self.at(logits)?, self.at(labels)?);
-                let bad = self.flag(y, "label", lab, v, Some(ignore));
-                self.launch(
-                    y,
-                    &format!("cross_entropy_fwd_{}", sfx(g.ty(logits).dtype)),
-                    grid_rows(rows),
-                    (ROW_BLOCK, 1, 1),
-                    vec![
-                        Arg::Ptr(lp),
-                        Arg::Ptr(lab),
-                        Arg::I64(rows as i64),
-                        Arg::I32(v as i32),
-                        Arg::I64(ignore),
-                        Arg::Ptr(row_loss),
-                        Arg::Null,
-                        Arg::Null,
-                        Arg::Ptr(bad),
-                    ],
-                )?;
-                self.launch(
-                    y,
-                    "cross_entropy_finalize",
-                    (1, 1, 1),
-                    (ROW_BLOCK, 1, 1),
-                    vec![
-                        Arg::Ptr(row_loss),
-                        Arg::Ptr(lab),
-                        Arg::I64(rows as i64),
-                        Arg::I64(ignore),
-                        Arg::Ptr(loss),
-                        Arg::Ptr(count),
-                    ],
-                )?;
+                self.cross_entropy_forward(y, logits, labels, ignore, None, loss, count)?;
                 Saved {
                     a: loss,
                     b: loss,
@@ -925,7 +924,7 @@ impl RunLowering<'_, '_> {
             y,
             &format!("cross_entropy_bwd_{}", sfx(g.ty(logits).dtype)),
             grid_rows(rows),
-            (if v >= 16_384 { 512 } else { ROW_BLOCK }, 1, 1),
+            (ce_block(v), 1, 1),
             vec![
                 Arg::Ptr(lp),
                 Arg::Ptr(lab),
@@ -1238,6 +1237,15 @@ fn chunk_rows(chunks: &mut Vec<Vec<Field>>, t: usize, numel: usize) {
             Field::I64(start as i64),
         ]);
         start += len;
+    }
+}
+
+/// Threads per row block of the cross-entropy kernels (512 for large vocabularies).
+fn ce_block(v: usize) -> u32 {
+    if v >= 16_384 {
+        512
+    } else {
+        ROW_BLOCK
     }
 }
 
