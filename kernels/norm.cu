@@ -9,6 +9,8 @@
 //     LN:  y = TO((s - mean) * rstd * w + b), mean and rstd over the row (biased variance)
 //     RMS: y = TO(s * rstd * w),               rstd = 1 / sqrt(mean(s^2) + eps)
 //     mean_out / rstd_out: F32 per row (nullable), saved for the backward.
+//     y (nullable): when null, only the statistics are computed (a backward recomputing
+//     them): the normalize pass is skipped and w and b are not read (b may be null then).
 // Backward, dx, one block per row:
 //   layer_norm_bwd_<io>(s, dy, w, mean, rstd, dadd, dx, rows, h)
 //     g = dy * w, xhat = (s - mean) * rstd,
@@ -70,9 +72,9 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
         const i64 off = row * h;
         RowIn<TI> in{x + off, res ? res + off : nullptr};
         TI* s_out = sum_out ? sum_out + off : nullptr;
-        TO* yr = y + off;
-        const bool vec = in.aligned() && (!s_out || aligned16(s_out)) && aligned16(yr) &&
-                         aligned16(w) && (RMS || aligned16(b));
+        TO* yr = y ? y + off : nullptr;
+        const bool vec = in.aligned() && (!s_out || aligned16(s_out)) &&
+                         (!y || (aligned16(yr) && aligned16(w) && (RMS || aligned16(b))));
         const int units = vec ? h / UNIT : 0;
         const int tail = units * UNIT;
 
@@ -119,6 +121,7 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
             if (mean_out) mean_out[row] = meanf;
             if (rstd_out) rstd_out[row] = rstd;
         }
+        if (!y) continue;
         // Pass 3: normalize.
         for (int u = tid; u < units; u += nt) {
             const int j = u * UNIT;
@@ -139,7 +142,7 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
 }
 
 template <typename TI, typename TO, bool RMS>
-__device__ __forceinline__ void norm_bwd(const TI* __restrict__ s, const TO* dy,
+__device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
                                          const float* __restrict__ w, const float* __restrict__ mean,
                                          const float* __restrict__ rstd, const TI* dadd, TI* dx,
                                          i64 rows, int h) {

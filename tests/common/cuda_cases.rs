@@ -179,3 +179,65 @@ pub fn load_params(variant: &str) -> HashMap<String, Tensor> {
     let model = castor_models::Model::load(fixture(variant)).unwrap();
     model.load_params().unwrap()
 }
+
+/// The training-plan families the CUDA tests run: one per model family, plus LLaMA with a tied
+/// head.
+pub const PLAN_FAMILIES: [&str; 4] = ["gpt2_lm", "bert_mlm", "llama_gqa", "llama_tied"];
+pub const PLAN_PRECISIONS: [&str; 4] = ["fp32", "tf32", "bf16", "fp16"];
+/// The rematerialization modes; `budget` is resolved per plan by [`midway_budget`].
+pub const PLAN_REMATS: [&str; 4] = ["none", "full", "selective", "budget"];
+/// The training options that change what the step launches.
+pub const PLAN_OPTIONS: [&str; 4] = [
+    "",
+    "--grad-accum 2",
+    "--optimizer sgd --momentum 0.9",
+    "--param-grads compute",
+];
+
+/// Every (family, flags) of the plan matrix for `family`: each precision x remat mode x
+/// option, so a launch that only one combination makes cannot hide.
+pub fn plan_matrix(family: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    for precision in PLAN_PRECISIONS {
+        for remat in PLAN_REMATS {
+            for option in PLAN_OPTIONS {
+                let base = format!("--precision {precision} {option}");
+                let remat = if remat == "budget" {
+                    format!("budget:{}", midway_budget(family, &base))
+                } else {
+                    remat.to_string()
+                };
+                out.push(format!("{} --remat {remat}", base.trim()));
+            }
+        }
+    }
+    out
+}
+
+/// The planned peak (the anatomy's `total`) of a fixture's training plan under `flags`.
+pub fn planned_peak(variant: &str, flags: &str) -> u64 {
+    let model = fixture(variant);
+    let mut args = vec!["compile", path_str(&model), "--train"];
+    args.extend(flags.split_whitespace());
+    let o = castor(&args);
+    assert!(o.status.success(), "{variant} {flags}: {}", stderr(&o));
+    let text = String::from_utf8_lossy(&o.stdout).into_owned();
+    text.lines()
+        .find_map(|l| {
+            let rest = l.trim_start().strip_prefix("total")?;
+            rest.split_whitespace()
+                .next()?
+                .replace(',', "")
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("{variant} {flags}: no anatomy total in\n{text}"))
+}
+
+/// A byte budget halfway between the `none` and `full` planned peaks, so `budget` recomputes
+/// some of the forward but not all of it.
+pub fn midway_budget(variant: &str, flags: &str) -> u64 {
+    let none = planned_peak(variant, &format!("{flags} --remat none"));
+    let full = planned_peak(variant, &format!("{flags} --remat full"));
+    (none + full) / 2
+}

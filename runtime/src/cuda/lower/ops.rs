@@ -453,16 +453,16 @@ impl RunLowering<'_, '_> {
         let x = ins[0];
         let h = g.ty(x).shape.last();
         let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
-        let scratch_y = self.scratch((rows * h * y_dtype.size_bytes()) as u64);
         let mean = self.scratch(rows as u64 * 4);
         let rstd = self.scratch(rows as u64 * 4);
         let (xp, w) = (self.at(x)?, self.at(ins[1])?);
+        // A null `y` makes the kernel compute the statistics only: it then reads neither the
+        // weight nor the bias, which the backward does not have.
         let mut args = vec![Arg::Ptr(xp), Arg::Null, Arg::Null, Arg::Ptr(w)];
         if rms {
-            args.push(Arg::Ptr(scratch_y));
+            args.push(Arg::Null);
         } else {
-            // The backward has no bias operand; the statistics do not depend on it.
-            args.extend([Arg::Null, Arg::Ptr(scratch_y), Arg::Ptr(mean)]);
+            args.extend([Arg::Null, Arg::Null, Arg::Ptr(mean)]);
         }
         args.extend([
             Arg::Ptr(rstd),

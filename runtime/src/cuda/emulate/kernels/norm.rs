@@ -3,7 +3,7 @@
 use super::row_block;
 use crate::cpu::math;
 use crate::cuda::emulate::args::Args;
-use crate::cuda::emulate::memory::{check_uses, use_, Io, Mem};
+use crate::cuda::emulate::memory::{check_uses, use_, Io, Mem, Ptr};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::{round_to, DType};
@@ -15,14 +15,22 @@ pub(super) fn norm_fwd(m: &mut Mem, l: &Launch, rms: bool, ti: DType, to: DType)
     let res = a.ptr(m, "res")?;
     let sum_out = a.ptr(m, "sum_out")?;
     let w = a.need(m, "w")?;
-    let b = if rms { None } else { Some(a.need(m, "b")?) };
-    let y = a.need(m, "y")?;
+    let b = if rms { None } else { a.ptr(m, "b")? };
+    let y = a.ptr(m, "y")?;
     let mean_out = if rms { None } else { a.ptr(m, "mean_out")? };
     let rstd_out = a.ptr(m, "rstd_out")?;
     let rows = a.count("rows")?;
     let h = a.count32("h")?;
     let eps = a.f64("eps")?;
     a.end()?;
+    // A null `y` computes the statistics only and reads neither `w` nor `b`; a LayerNorm that
+    // normalizes reads its bias, which must then exist.
+    if y.is_some() && !rms && b.is_none() {
+        return Err(
+            "argument `b` is null, but the kernel normalizes (`y` is set) and reads it".into(),
+        );
+    }
+    let normalizes = |p: Option<Ptr>| if y.is_some() { p } else { None };
     let (si, so) = (ti.size_bytes(), to.size_bytes());
     let big = |s: usize| (rows * h * s) as u64;
     check_uses(
@@ -31,18 +39,23 @@ pub(super) fn norm_fwd(m: &mut Mem, l: &Launch, rms: bool, ti: DType, to: DType)
             use_("x", Some(x), big(si), si, Io::R),
             use_("res", res, big(si), si, Io::R),
             use_("sum_out", sum_out, big(si), si, Io::W),
-            use_("w", Some(w), h as u64 * 4, 4, Io::R),
-            use_("b", b, h as u64 * 4, 4, Io::R),
-            use_("y", Some(y), big(so), so, Io::W),
+            use_("w", normalizes(Some(w)), h as u64 * 4, 4, Io::R),
+            use_("b", normalizes(b), h as u64 * 4, 4, Io::R),
+            use_("y", y, big(so), so, Io::W),
             use_("mean_out", mean_out, rows as u64 * 4, 4, Io::W),
             use_("rstd_out", rstd_out, rows as u64 * 4, 4, Io::W),
         ],
         &[("y", "x"), ("y", "sum_out"), ("sum_out", "x")],
     )?;
-    let wv = m.fv(w, 0, h, DType::F32)?;
-    let bv = match b {
-        Some(b) => m.fv(b, 0, h, DType::F32)?,
-        None => vec![0.0; h],
+    let (wv, bv) = match y {
+        Some(_) => (
+            m.fv(w, 0, h, DType::F32)?,
+            match b {
+                Some(b) => m.fv(b, 0, h, DType::F32)?,
+                None => vec![0.0; h],
+            },
+        ),
+        None => (Vec::new(), Vec::new()),
     };
     for r in 0..rows {
         let at = (r * h) as i64;
@@ -69,6 +82,7 @@ pub(super) fn norm_fwd(m: &mut Mem, l: &Launch, rms: bool, ti: DType, to: DType)
         if let Some(p) = rstd_out {
             m.set_f32(p, r as i64, rstd)?;
         }
+        let Some(y) = y else { continue };
         let out: Vec<f32> = s
             .iter()
             .zip(&wv)
