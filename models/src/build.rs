@@ -1,5 +1,6 @@
 //! Shared graph-building pieces: parameter binding, scoped value names, linear layers, head
-//! splitting and the attention core, so the three families differ only where the models do.
+//! splitting, the attention core and the KV cache, so the three families differ only where
+//! the models do.
 //!
 //! Parameters are declared on first use, F32 (the master precision; the precision passes
 //! choose storage dtypes later), under their checkpoint tensor names; a tied weight used twice
@@ -19,7 +20,14 @@ pub(crate) struct Ctx<'m> {
     scope: Vec<String>,
     architecture: &'static str,
     pub batch: usize,
+    /// Tokens this graph computes (the new tokens of a decoding step).
     pub seq: usize,
+    /// Incremental decoding: positions already in the KV cache (their keys and values are
+    /// inputs `past.N.key` / `past.N.value`), and the new keys and values become outputs
+    /// `present.N.key` / `present.N.value`. `None` for the plain forward graph.
+    pub cache: Option<usize>,
+    /// The cache outputs, in layer order (key, value), appended after the model's outputs.
+    presents: Vec<Value>,
 }
 
 impl<'m> Ctx<'m> {
@@ -37,12 +45,100 @@ impl<'m> Ctx<'m> {
             architecture,
             batch,
             seq,
+            cache: None,
+            presents: Vec::new(),
         }
     }
 
-    pub fn finish(mut self, outputs: Vec<Value>) -> Graph {
+    /// The graph with `outputs`, then the KV cache's `present.*` values when decoding.
+    pub fn finish(mut self, mut outputs: Vec<Value>) -> Graph {
+        outputs.append(&mut self.presents);
         self.b.set_outputs(outputs);
         self.b.finish()
+    }
+
+    /// Positions before the first token of this graph (the cache's length).
+    pub fn past(&self) -> usize {
+        self.cache.unwrap_or(0)
+    }
+
+    /// Keys: the cache's positions then this graph's.
+    pub fn keys(&self) -> usize {
+        self.past() + self.seq
+    }
+
+    /// With a KV cache, `k` and `v` (`[B, H, T, D]`, positions already applied) join the
+    /// cached ones along the sequence axis and become the layer's `present` outputs; without
+    /// one they are returned as they are.
+    pub fn cache_kv(
+        &mut self,
+        layer: usize,
+        k: Value,
+        v: Value,
+    ) -> Result<(Value, Value), ModelError> {
+        let Some(past) = self.cache else {
+            return Ok((k, v));
+        };
+        let mut out = [k, v];
+        for (x, role) in out.iter_mut().zip(["key", "value"]) {
+            let mut all = *x;
+            if past > 0 {
+                let mut dims = self.ty(*x).shape.0.clone();
+                dims[2] = past;
+                let cached = self.input(
+                    &format!("past.{layer}.{role}"),
+                    TensorType::new(DType::F32, dims),
+                )?;
+                all = self.op_exact(
+                    &format!("present.{layer}.{role}"),
+                    Op::Concat { axis: 2 },
+                    &[cached, *x],
+                )?;
+            } else {
+                // The first step's keys are the whole cache: name them as outputs.
+                all = self.op_exact(
+                    &format!("present.{layer}.{role}"),
+                    Op::Reshape {
+                        shape: self.ty(all).shape.0.clone(),
+                    },
+                    &[all],
+                )?;
+            }
+            self.presents.push(all);
+            *x = all;
+        }
+        Ok((out[0], out[1]))
+    }
+
+    /// Rotary embedding of `x [.., T, D]` at this graph's positions. Decoding after `past`
+    /// cached positions pads `past` zero rows in front, rotates, and keeps the last `T` rows:
+    /// the rotation at position `p` is then computed exactly as the full sequence computes
+    /// it (the padding's rows cost what the attention over the cache costs anyway).
+    pub fn rope(&mut self, name: &str, x: Value, theta: f64) -> Result<Value, ModelError> {
+        let past = self.past();
+        if past == 0 {
+            return self.op(name, Op::Rope { theta }, &[x]);
+        }
+        let axis = self.ty(x).shape.rank() - 2;
+        let padded = self.op(
+            &format!("{name}.padded"),
+            Op::Pad {
+                axis,
+                before: past,
+                after: 0,
+            },
+            &[x],
+        )?;
+        let rotated = self.op(&format!("{name}.all"), Op::Rope { theta }, &[padded])?;
+        self.op(
+            name,
+            Op::Slice {
+                axis,
+                start: past,
+                end: past + self.seq,
+            },
+            &[rotated],
+        )
     }
 
     pub fn ty(&self, v: Value) -> &TensorType {
@@ -153,10 +249,10 @@ impl<'m> Ctx<'m> {
         }
     }
 
-    /// `attention_mask` (int `[B, T]`, 1 = attend) as a bool key mask of rank `rank`:
-    /// `[B, 1, .., 1, T]`, which broadcasts to every score tensor.
+    /// `attention_mask` (int `[B, keys]`, 1 = attend) as a bool key mask of rank `rank`:
+    /// `[B, 1, .., 1, keys]`, which broadcasts to every score tensor.
     pub fn key_mask(&mut self, mask: Value, rank: usize) -> Result<Value, ModelError> {
-        let (b, t) = (self.batch, self.seq);
+        let (b, t) = (self.batch, self.keys());
         let m = self.op_exact("attention_mask.bool", Op::Cast { to: DType::Bool }, &[mask])?;
         let mut shape = vec![1; rank];
         shape[0] = b;

@@ -112,7 +112,7 @@ pub enum ModelError {
         message: String,
     },
 
-    /// Writing a safetensors file failed (encoding or I/O).
+    /// Writing a file failed (encoding, or I/O: the OS error is in `message`).
     #[error("cannot write `{path}`: {message}")]
     Write { path: PathBuf, message: String },
 
@@ -158,6 +158,13 @@ pub enum ModelError {
         seq: usize,
         message: String,
     },
+
+    /// Incremental decoding asked of a model that does not predict the next token.
+    #[error(
+        "{architecture} is not a causal language model: decoding with a KV cache needs \
+         GPT2LMHeadModel or LlamaForCausalLM"
+    )]
+    NotCausal { architecture: String },
 
     /// The IR builder rejected a node: a bug in this crate, reported rather than panicking.
     #[error("building the {architecture} graph failed: {source}")]
@@ -215,6 +222,11 @@ pub struct MismatchReport {
     pub bad_dtypes: Vec<DtypeProblem>,
     /// Checkpoint tensors the architecture does not know (often the missing ones, misnamed).
     pub unused: Vec<String>,
+    /// Tensors of modules the architecture has, which it does not read (a bias of a
+    /// projection that this config builds without one): the checkpoint was made by another
+    /// architecture than the one config.json names, and running without them would compute
+    /// something else.
+    pub extra_params: Vec<String>,
 }
 
 impl std::error::Error for MismatchReport {}
@@ -255,6 +267,24 @@ impl fmt::Display for MismatchReport {
                     d.file.display(),
                     d.found
                 )?;
+            }
+        }
+        if !self.extra_params.is_empty() {
+            write!(
+                f,
+                "\n  {} tensor(s) of modules {} has, which it does not read: the checkpoint \
+                 holds parameters this config turns off (e.g. attention biases: a Qwen2 \
+                 checkpoint under model_type `llama`), so it is not the architecture config.json \
+                 describes:",
+                self.extra_params.len(),
+                self.architecture
+            )?;
+            const SHOWN: usize = 8;
+            for name in self.extra_params.iter().take(SHOWN) {
+                write!(f, "\n    `{name}`")?;
+            }
+            if self.extra_params.len() > SHOWN {
+                write!(f, "\n    ... and {} more", self.extra_params.len() - SHOWN)?;
             }
         }
         if !self.unused.is_empty() {

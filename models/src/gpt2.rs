@@ -107,18 +107,20 @@ impl Arch for Gpt2Config {
         let (b, t) = (ctx.batch, ctx.seq);
         let p = |n: &str| pre(prefix, n);
         let ids = ctx.input("input_ids", TensorType::new(DType::I64, [b, t]))?;
-        let am = ctx.input("attention_mask", TensorType::new(DType::I64, [b, t]))?;
+        let keys = ctx.keys();
+        let am = ctx.input("attention_mask", TensorType::new(DType::I64, [b, keys]))?;
         let mask = ctx.key_mask(am, 4)?;
 
         let wte = ctx.param(&p("wte.weight"))?;
         let tokens = ctx.op("wte", Op::Embedding, &[wte, ids])?;
         let wpe = ctx.param(&p("wpe.weight"))?;
+        let past = ctx.past();
         let positions = ctx.op(
             "wpe",
             Op::Slice {
                 axis: 0,
-                start: 0,
-                end: t,
+                start: past,
+                end: past + t,
             },
             &[wpe],
         )?;
@@ -199,6 +201,7 @@ fn block(
         let q = ctx.split_heads("q", parts[0], heads, d)?;
         let k = ctx.split_heads("k", parts[1], heads, d)?;
         let v = ctx.split_heads("v", parts[2], heads, d)?;
+        let (k, v) = ctx.cache_kv(layer, k, v)?;
         let mut scales = Vec::new();
         if c.scale_attn_weights {
             scales.push(1.0 / (d as f64).sqrt());

@@ -124,14 +124,17 @@ impl Arch for LlamaConfig {
         let (b, t) = (ctx.batch, ctx.seq);
         let p = |n: &str| pre(prefix, n);
         let ids = ctx.input("input_ids", TensorType::new(DType::I64, [b, t]))?;
-        let am = ctx.input("attention_mask", TensorType::new(DType::I64, [b, t]))?;
+        let keys = ctx.keys();
+        let am = ctx.input("attention_mask", TensorType::new(DType::I64, [b, keys]))?;
         let mask = ctx.key_mask(am, 5)?;
 
         let emb = ctx.param(&p("embed_tokens.weight"))?;
         let mut h = ctx.op("embed_tokens", Op::Embedding, &[emb, ids])?;
         for i in 0..self.num_hidden_layers {
             let l = p(&format!("layers.{i}."));
-            h = ctx.scoped(&format!("layers.{i}"), |ctx| layer(self, ctx, &l, h, mask))?;
+            h = ctx.scoped(&format!("layers.{i}"), |ctx| {
+                layer(self, ctx, &l, i, h, mask)
+            })?;
         }
         let final_name = if head == Head::CausalLm {
             "norm"
@@ -167,10 +170,11 @@ fn layer(
     c: &LlamaConfig,
     ctx: &mut Ctx,
     l: &str,
+    index: usize,
     h: Value,
     mask: Value,
 ) -> Result<Value, ModelError> {
-    let (b, t) = (ctx.batch, ctx.seq);
+    let (b, t, keys) = (ctx.batch, ctx.seq, ctx.keys());
     let (heads, kv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let groups = heads / kv;
     let eps = c.rms_norm_eps;
@@ -194,8 +198,9 @@ fn layer(
         let k = proj(ctx, "k_proj", "k", kv)?;
         let v = proj(ctx, "v_proj", "v", kv)?;
         let theta = c.rope_theta;
-        let q = ctx.op("q.rope", Op::Rope { theta }, &[q])?;
-        let k = ctx.op("k.rope", Op::Rope { theta }, &[k])?;
+        let q = ctx.rope("q.rope", q, theta)?;
+        let k = ctx.rope("k.rope", k, theta)?;
+        let (k, v) = ctx.cache_kv(index, k, v)?;
         let q = ctx.op(
             "q.groups",
             Op::Reshape {
@@ -206,14 +211,14 @@ fn layer(
         let k = ctx.op(
             "k.groups",
             Op::Reshape {
-                shape: vec![b, kv, 1, t, d],
+                shape: vec![b, kv, 1, keys, d],
             },
             &[k],
         )?;
         let v = ctx.op(
             "v.groups",
             Op::Reshape {
-                shape: vec![b, kv, 1, t, d],
+                shape: vec![b, kv, 1, keys, d],
             },
             &[v],
         )?;

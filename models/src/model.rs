@@ -118,6 +118,23 @@ impl Model {
     pub fn load(path: impl AsRef<Path>) -> Result<Model, ModelError> {
         let path = path.as_ref();
         if path.is_file() {
+            if path
+                .extension()
+                .is_some_and(|e| e == "safetensors" || e == "bin")
+            {
+                let folder = path
+                    .parent()
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .unwrap_or(Path::new("."));
+                return Err(ModelError::NotACheckpoint {
+                    path: path.to_path_buf(),
+                    message: format!(
+                        "it is a weights file; give the checkpoint folder `{}` (config.json + \
+                         safetensors) or its config.json",
+                        folder.display()
+                    ),
+                });
+            }
             return Model::from_config(Config::read(path)?);
         }
         if !path.is_dir() {
@@ -221,6 +238,7 @@ impl Model {
             shape_mismatches: Vec::new(),
             bad_dtypes: Vec::new(),
             unused: Vec::new(),
+            extra_params: Vec::new(),
         };
         for p in &self.params {
             let Some(info) = ckpt.info(&p.name) else {
@@ -250,12 +268,23 @@ impl Model {
             .tied_copies(self.head, &self.prefix)
             .into_iter()
             .collect();
+        // The modules the architecture reads parameters of (`model.layers.0.self_attn.q_proj`).
+        let modules: BTreeSet<&str> = self
+            .params
+            .iter()
+            .filter_map(|p| p.name.rsplit_once('.').map(|(m, _)| m))
+            .collect();
         let mut report = LoadReport::default();
         for name in ckpt.names().filter(|n| !expected.contains(n)) {
             let list = if tied.contains(name) {
                 &mut report.tied_copies
             } else if arch.is_buffer(name) {
                 &mut report.ignored_buffers
+            } else if name
+                .rsplit_once('.')
+                .is_some_and(|(m, _)| modules.contains(m))
+            {
+                &mut problems.extra_params
             } else {
                 &mut report.unused
             };
@@ -263,7 +292,8 @@ impl Model {
         }
         if !(problems.missing.is_empty()
             && problems.shape_mismatches.is_empty()
-            && problems.bad_dtypes.is_empty())
+            && problems.bad_dtypes.is_empty()
+            && problems.extra_params.is_empty())
         {
             // Unknown names usually explain missing ones (a renamed or mis-prefixed tensor).
             problems.unused = report.unused;
@@ -311,6 +341,20 @@ impl Model {
     /// its `param` value in the graph) and shape. Tied weights appear once.
     pub fn expected_params(&self) -> &[ParamSpec] {
         &self.params
+    }
+
+    /// Names a user may know from the checkpoint that are no parameter of the graph, each
+    /// with the node that plays its part: a stored copy of a tied weight (`lm_head.weight`
+    /// in GPT-2, tied to the token embeddings) is the LM head, the node `logits`.
+    pub fn name_aliases(&self) -> Vec<(String, String)> {
+        if !matches!(self.head, Head::CausalLm | Head::MaskedLm) {
+            return Vec::new();
+        }
+        let arch = self.config.model.arch();
+        arch.tied_copies(self.head, &self.prefix)
+            .into_iter()
+            .map(|copy| (copy, "logits".to_string()))
+            .collect()
     }
 
     /// Tensors in the checkpoint that the architecture does not read (empty without one).
@@ -451,6 +495,41 @@ impl Model {
 
     /// The F32 forward graph (eval mode) for `batch` sequences of `seq` tokens.
     pub fn build_graph(&self, batch: usize, seq: usize) -> Result<Graph, ModelError> {
+        self.build(batch, seq, None)
+    }
+
+    /// The F32 graph of one step of incremental decoding for a causal LM: `new` tokens per
+    /// sequence at positions `past..past + new`, attending to `past` cached positions. Its
+    /// inputs are `input_ids` `[batch, new]`, `attention_mask` `[batch, past + new]` and,
+    /// when `past > 0`, every layer's cached keys and values `past.N.key` / `past.N.value`
+    /// (F32 `[batch, kv heads, past, head dim]`, positions already applied); its outputs are
+    /// `logits` `[batch, new, vocab]`, then each layer's `present.N.key` /
+    /// `present.N.value`, the cache extended by the new tokens. The logits are those of the
+    /// whole sequence's forward graph at the new positions.
+    pub fn build_decode_graph(
+        &self,
+        batch: usize,
+        past: usize,
+        new: usize,
+    ) -> Result<Graph, ModelError> {
+        if self.head != Head::CausalLm {
+            return Err(ModelError::NotCausal {
+                architecture: self.architecture().to_string(),
+            });
+        }
+        if let Some(max) = self.config.model.arch().max_positions() {
+            if past + new > max {
+                return Err(ModelError::GraphSize {
+                    batch,
+                    seq: past + new,
+                    message: format!("the model has {max} learned positions"),
+                });
+            }
+        }
+        self.build(batch, new, Some(past))
+    }
+
+    fn build(&self, batch: usize, seq: usize, cache: Option<usize>) -> Result<Graph, ModelError> {
         let arch = self.config.model.arch();
         let size_err = |message: String| ModelError::GraphSize {
             batch,
@@ -480,6 +559,7 @@ impl Model {
             .map(|(c, p)| (c.as_str(), (p.name.as_str(), p.shape.as_slice())))
             .collect();
         let mut ctx = Ctx::new(self.architecture(), params, batch, seq);
+        ctx.cache = cache;
         let outputs = arch.build(self.head, &self.prefix, &mut ctx)?;
         Ok(ctx.finish(outputs))
     }

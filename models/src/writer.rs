@@ -46,9 +46,9 @@ pub fn write_safetensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<(),
 
 /// Writes `data` to `path` through a temporary file, fsync and rename.
 pub fn write_atomically(path: &Path, data: &[u8]) -> Result<(), ModelError> {
-    let io = |source| ModelError::Io {
+    let io = |source: std::io::Error| ModelError::Write {
         path: path.to_path_buf(),
-        source,
+        message: source.to_string(),
     };
     let file_name = path
         .file_name()

@@ -14,7 +14,9 @@
 //!
 //! [[rules]]
 //! match = "lm_head*"            # node name or parameter name glob (`*`, `?`)
-//! dtype = "f32"                 # "f32" keeps it in F32, "low" forces the policy's low dtype
+//! dtype = "f32"                 # "f32" keeps it in F32, "low" forces the policy's low dtype;
+//!                               # precision names work too (fp32, float32, bf16, bfloat16,
+//!                               # fp16, float16, half; any case)
 //! ```
 
 use crate::PassError;
@@ -71,13 +73,36 @@ impl fmt::Display for Precision {
     }
 }
 
+impl Precision {
+    /// The spellings users write for each precision (case is ignored): the short names,
+    /// PyTorch's dtype names and `half`.
+    pub const ALIASES: [(&'static str, Precision); 9] = [
+        ("fp32", Precision::Fp32),
+        ("float32", Precision::Fp32),
+        ("tf32", Precision::Tf32),
+        ("bf16", Precision::Bf16),
+        ("bfloat16", Precision::Bf16),
+        ("fp16", Precision::Fp16),
+        ("float16", Precision::Fp16),
+        ("half", Precision::Fp16),
+        ("f16", Precision::Fp16),
+    ];
+}
+
 impl FromStr for Precision {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        Precision::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| format!("unknown precision `{s}` (expected fp32, tf32, bf16 or fp16)"))
+        let lower = s.to_ascii_lowercase();
+        Precision::ALIASES
+            .iter()
+            .find(|(name, _)| *name == lower)
+            .map(|&(_, p)| p)
+            .ok_or_else(|| {
+                format!(
+                    "unknown precision `{s}` (expected fp32/float32, tf32, bf16/bfloat16 or \
+                     fp16/float16/half)"
+                )
+            })
     }
 }
 
@@ -356,31 +381,38 @@ impl Policy {
             }
         }
         for (i, r) in file.rules.unwrap_or_default().into_iter().enumerate() {
-            let target = match r.dtype.as_str() {
-                "f32" => Target::F32,
-                "low" | "bf16" | "f16" => Target::Low,
-                other => {
-                    return Err(bad(format!(
-                        "rule {} (`{}`): dtype must be \"f32\" or \"low\", found \"{other}\"",
-                        i + 1,
-                        r.pattern
-                    )))
-                }
-            };
-            if let (Target::Low, "bf16" | "f16") = (target, r.dtype.as_str()) {
-                let wanted = r.dtype.parse::<DType>().ok();
-                if wanted != self.precision.low() {
-                    return Err(bad(format!(
-                        "rule {} (`{}`) asks for {}, but the policy's low dtype is {}",
+            // `f32` or `low`, or a precision name (`fp32`, `bf16`, `bfloat16`, `half`, ...).
+            let named = match r.dtype.to_ascii_lowercase().as_str() {
+                "f32" => Some(Precision::Fp32),
+                "low" => None,
+                other => Some(other.parse::<Precision>().map_err(|_| {
+                    bad(format!(
+                        "rule {} (`{}`): dtype must be \"f32\" or \"low\" (or a precision name: \
+                         fp32, float32, bf16, bfloat16, fp16, float16, half), found \"{}\"",
                         i + 1,
                         r.pattern,
-                        r.dtype,
-                        self.precision
-                            .low()
-                            .map_or("none".to_string(), |d| d.to_string())
-                    )));
+                        r.dtype
+                    ))
+                })?),
+            };
+            let target = match named {
+                Some(Precision::Fp32 | Precision::Tf32) => Target::F32,
+                None => Target::Low,
+                Some(p) => {
+                    if p.low() != self.precision.low() {
+                        return Err(bad(format!(
+                            "rule {} (`{}`) asks for {}, but the policy's low dtype is {}",
+                            i + 1,
+                            r.pattern,
+                            r.dtype,
+                            self.precision
+                                .low()
+                                .map_or("none".to_string(), |d| d.to_string())
+                        )));
+                    }
+                    Target::Low
                 }
-            }
+            };
             self.add_rule(&r.pattern, target, source_name)?;
         }
         Ok(())

@@ -231,9 +231,14 @@ fn matching(
             .filter(|&p| w.matches(g.name(p)))
             .collect();
         if hits.is_empty() {
+            let suggestions = crate::names::suggest(glob, params.iter().map(|&p| g.name(p)));
             return Err(bad(format!(
-                "{flag} `{glob}` matches no parameter (names look like `{}`)",
-                params.first().map_or("", |&p| g.name(p))
+                "{flag} `{glob}` matches no parameter; did you mean {}?",
+                suggestions
+                    .iter()
+                    .map(|s| format!("`{s}`"))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
             )));
         }
         for p in hits {

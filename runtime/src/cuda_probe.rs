@@ -13,6 +13,8 @@ pub struct CudaDevice {
     /// The driver's CUDA version, e.g. 13000 for 13.0.
     pub driver_version: i32,
     pub count: usize,
+    /// The device's memory in bytes (`cuDeviceTotalMem`).
+    pub total_memory: u64,
 }
 
 impl std::fmt::Display for CudaDevice {
@@ -51,6 +53,7 @@ type CuGet = unsafe extern "C" fn(*mut c_int, c_int) -> c_int;
 type CuName = unsafe extern "C" fn(*mut c_char, c_int, c_int) -> c_int;
 type CuAttr = unsafe extern "C" fn(*mut c_int, c_int, c_int) -> c_int;
 type CuVersion = unsafe extern "C" fn(*mut c_int) -> c_int;
+type CuTotalMem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
 
 /// `CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR` / `_MINOR`.
 const CC_MAJOR: c_int = 75;
@@ -86,6 +89,9 @@ pub fn probe() -> Result<CudaDevice, NoCuda> {
         let version = lib
             .get::<CuVersion>(b"cuDriverGetVersion\0")
             .map_err(|_| missing("cuDriverGetVersion"))?;
+        let total_mem = lib
+            .get::<CuTotalMem>(b"cuDeviceTotalMem_v2\0")
+            .map_err(|_| missing("cuDeviceTotalMem_v2"))?;
         let check = |call: &'static str, code: c_int| {
             if code == 0 {
                 Ok(())
@@ -114,11 +120,14 @@ pub fn probe() -> Result<CudaDevice, NoCuda> {
         check("cuDeviceGetAttribute", attr(&mut minor, CC_MINOR, dev))?;
         let mut driver: c_int = 0;
         check("cuDriverGetVersion", version(&mut driver))?;
+        let mut memory: usize = 0;
+        check("cuDeviceTotalMem_v2", total_mem(&mut memory, dev))?;
         Ok(CudaDevice {
             name: device_name,
             capability: (major, minor),
             driver_version: driver,
             count: n as usize,
+            total_memory: memory as u64,
         })
     }
 }
