@@ -3,7 +3,7 @@
 //! (`castor_passes::memory`), split into the activations the backward pass reads and the other
 //! temporaries live at the peak. The rows add up to the planned peak of one step.
 
-use castor_ir::{Graph, StateRole, TrainingPlan};
+use castor_ir::{StateRole, TrainingPlan};
 use castor_passes::memory::Anatomy;
 
 /// One row of the anatomy.
@@ -24,10 +24,10 @@ pub const STATE_ROLES: [StateRole; 5] = [
     StateRole::Control,
 ];
 
-/// The plan's persistent state by role and, given the compiled loss graph the plan was built
-/// from (the micro step's forward part), the planned arena: saved activations and the other
-/// temporaries at the peak.
-pub fn anatomy(plan: &TrainingPlan, forward: Option<&Graph>) -> Vec<AnatomyRow> {
+/// The plan's persistent state by role and, given the number of nodes of the micro step's
+/// forward part (the compiled loss graph the plan was built from), the planned arena: saved
+/// activations and the other temporaries at the peak.
+pub fn anatomy(plan: &TrainingPlan, forward_nodes: Option<usize>) -> Vec<AnatomyRow> {
     let mut rows: Vec<AnatomyRow> = STATE_ROLES
         .iter()
         .map(|&role| AnatomyRow {
@@ -36,8 +36,8 @@ pub fn anatomy(plan: &TrainingPlan, forward: Option<&Graph>) -> Vec<AnatomyRow> 
             estimate: false,
         })
         .collect();
-    if let Some(g) = forward {
-        let a = Anatomy::of_plan(plan, g.num_nodes());
+    if let Some(n) = forward_nodes {
+        let a = Anatomy::of_plan(plan, n);
         let saved = a.saved_activations.min(a.memory.arena_bytes);
         rows.push(AnatomyRow {
             what: "saved activations".into(),

@@ -84,7 +84,7 @@ pub fn read_batch(path: &Path, input_names: &[&str], vocab: usize) -> anyhow::Re
         .filter(|n| !input_names.contains(n) && *n != "labels")
         .collect();
     if !unknown.is_empty() {
-        eprintln!(
+        crate::errln!(
             "warning: `{}`: ignoring tensors this model does not take: {}",
             path.display(),
             unknown.join(", ")

@@ -5,7 +5,8 @@
 //!   names and layout; tied weights stored once, as transformers writes them).
 //! - `optimizer.safetensors`: optimizer moments, step count and loss-scaler state, under
 //!   their plan state names.
-//! - `trainer_state.json`: the loop's step, the data position and the plan's settings.
+//! - `trainer_state.json`: the step, the data position, the plan's settings and the run's
+//!   flags.
 //!
 //! Periodic checkpoints (`--save-every`) are folders `DIR/step-000123/`, each written whole
 //! into a hidden temporary sibling, synced (files and folder) and renamed into place: a
@@ -36,11 +37,19 @@ const TOKENIZER_FILES: [&str; 6] = [
 
 #[derive(Debug, Serialize, Deserialize)]
 pub struct TrainerState {
-    /// Loop steps completed (skipped optimizer steps included).
+    /// Steps completed (skipped optimizer steps included): the number of the last step.
     pub step: u64,
-    /// Index of the next token window in the data stream.
+    /// Token windows of the data stream read so far.
     pub data_position: usize,
     pub settings: TrainSettings,
+    /// The flags the run was started with (precision policy, training step, shapes,
+    /// schedule, data order), which a resumed run takes unless they are given.
+    #[serde(default)]
+    pub flags: serde_json::Value,
+    /// Training tokens of the data stream (0 for a fixed batch): a resumed run must read
+    /// the same data.
+    #[serde(default)]
+    pub data_tokens: usize,
 }
 
 /// What every checkpoint of a run holds besides the runner's state: the config and the

@@ -2,28 +2,106 @@
 //!
 //! - A safetensors batch file (`input_ids` [B, T], optional `attention_mask`, `labels`): the
 //!   same batch every step, the way the reference fixtures train.
-//! - A token stream read in consecutive windows of T tokens per row, wrapping at the end. The
-//!   position in the stream is part of a checkpoint, so a resumed run reads what the
-//!   uninterrupted run would have read. A stream comes from
-//!   - a text file, tokenized with the model's `tokenizer.json` when it has one, else byte by
-//!     byte (the embedded model's vocabulary is the 256 bytes);
+//! - A token stream cut into windows of T tokens (the tail that fills no window is unused).
+//!   Windows are read in a shuffled order (a new permutation every pass over the data, from
+//!   `--seed`), or in order with `--data-order sequential`. The number of windows read is part
+//!   of a checkpoint, so a resumed run reads what the uninterrupted run would have read. A
+//!   stream comes from
+//!   - text, tokenized with the model's tokenizer ([`TextTokenizer`]: never truncated or
+//!     padded): a text file is one document, a folder holds one document per file (in name
+//!     order), a `.jsonl` file one document per line's `text`; each document is framed as
+//!     the tokenizer frames a text and ended with its end-of-text (or separator) token;
 //!   - a pre-tokenized `.bin` file: llm.c's format (a header of 256 little-endian int32, magic
 //!     20240520, version 1 = u16 tokens, version 2 = u32 tokens, then the token count) or, when
 //!     the magic is absent, nanoGPT's raw little-endian u16 tokens.
+//! - For masked-LM training (`--objective mlm` on a stream) each window is masked as
+//!   transformers' `DataCollatorForLanguageModeling` masks: 15% of the tokens that are not
+//!   special are chosen (their labels are the tokens, every other label -100); of those, 80%
+//!   become the mask token, 10% a random token, 10% stay. The draws of window k come from
+//!   (`--seed`, k), so resuming needs no saved generator.
 //!
 //! With a validation fraction the stream's last tokens are held out: training never reads
-//! them, and [`Data::validation_batches`] cuts them into fixed windows.
+//! them, and [`Data::validation_batches`] cuts them into fixed windows (masked with fixed
+//! draws for mlm).
 
 use crate::batch::{read_batch, read_labels};
+use crate::rng::Rng;
+use crate::tokenizer::TextTokenizer;
 use crate::CliError;
 use castor_ir::{DType, Tensor};
-use castor_models::{Model, Objective};
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use castor_models::{Model, Objective, IGNORE_INDEX};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
 
 /// llm.c's token file header: 256 int32, the first three magic, version, token count.
 pub const LLMC_MAGIC: i32 = 20240520;
 pub const LLMC_HEADER_INTS: usize = 256;
+
+/// The order windows are read in.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataOrder {
+    /// A seeded permutation of the windows, a new one every pass over the data.
+    #[default]
+    Shuffle,
+    /// Consecutive windows from the start, wrapping at the end.
+    Sequential,
+}
+
+/// Purposes of derived random streams.
+const SHUFFLE: u64 = 1;
+const MASKING: u64 = 2;
+const VALIDATION_MASKING: u64 = 3;
+
+/// Masked-LM masking, as `DataCollatorForLanguageModeling` with its defaults.
+#[derive(Clone, Debug)]
+pub struct Masking {
+    pub mask: i64,
+    /// Random replacements are drawn from `0..vocab` (the tokenizer's size, as transformers
+    /// draws from `len(tokenizer)`).
+    pub vocab: u64,
+    /// Never masked (`[CLS]`, `[SEP]`, `[PAD]`, ...).
+    pub special: BTreeSet<i64>,
+}
+
+/// transformers' `mlm_probability`.
+const MLM_PROBABILITY: f64 = 0.15;
+
+impl Masking {
+    /// The tokenizer's masking, or why it cannot mask.
+    pub fn of(tokenizer: &TextTokenizer) -> anyhow::Result<Masking> {
+        let mask = tokenizer.mask().ok_or_else(|| {
+            CliError::InvalidInput(format!(
+                "the mlm objective masks tokens, but the tokenizer ({}) has no mask token",
+                tokenizer.describe()
+            ))
+        })?;
+        Ok(Masking {
+            mask: i64::from(mask),
+            vocab: tokenizer.len() as u64,
+            special: tokenizer.special_ids().into_iter().map(i64::from).collect(),
+        })
+    }
+
+    /// Masks `ids` in place and returns the labels.
+    pub fn apply(&self, ids: &mut [i64], rng: &mut Rng) -> Vec<i64> {
+        let mut labels = vec![IGNORE_INDEX; ids.len()];
+        for (id, label) in ids.iter_mut().zip(labels.iter_mut()) {
+            if self.special.contains(id) || rng.next_f64() >= MLM_PROBABILITY {
+                continue;
+            }
+            *label = *id;
+            let r = rng.next_f64();
+            if r < 0.8 {
+                *id = self.mask;
+            } else if r < 0.9 {
+                *id = rng.below(self.vocab) as i64;
+            }
+        }
+        labels
+    }
+}
 
 pub enum Data {
     /// One fixed batch.
@@ -33,17 +111,24 @@ pub enum Data {
         seq: usize,
     },
     /// A token stream cut into windows.
-    Stream {
-        tokens: Vec<i64>,
-        /// Held-out tokens (the stream's tail), empty without a validation split.
-        validation: Vec<i64>,
-        batch: usize,
-        seq: usize,
-        /// Index of the next window's first token.
-        position: usize,
-        /// Where the tokens came from, for people.
-        source: String,
-    },
+    Stream(Box<Stream>),
+}
+
+pub struct Stream {
+    tokens: Vec<i64>,
+    /// Held-out tokens (the stream's tail), empty without a validation split.
+    validation: Vec<i64>,
+    batch: usize,
+    seq: usize,
+    order: DataOrder,
+    seed: u64,
+    masking: Option<Masking>,
+    /// Windows read so far (the checkpointed position).
+    read: u64,
+    /// The permutation of the current pass: (pass, window order).
+    permutation: Option<(u64, Vec<u32>)>,
+    /// Where the tokens came from, for people.
+    source: String,
 }
 
 /// How a data file is opened.
@@ -51,22 +136,17 @@ pub enum Data {
 pub struct DataOptions {
     /// Sequences per micro-batch (streams; default 8).
     pub batch: Option<usize>,
-    /// Tokens per sequence (streams; default 64, at most the model's positions).
+    /// Tokens per sequence (streams; default 64 or the model's positions if fewer).
     pub seq: Option<usize>,
     /// The fraction of the stream held out for validation (0 = none).
     pub val_fraction: f64,
-}
-
-/// The tokenizer of a model: `tokenizer.json` beside its config.json, if there is one.
-pub fn model_tokenizer(model: &Model) -> Option<PathBuf> {
-    let dir = model.config().file.parent()?;
-    let path = dir.join("tokenizer.json");
-    path.is_file().then_some(path)
+    pub order: DataOrder,
+    pub seed: u64,
 }
 
 impl Data {
     /// Opens `path` for `model`: `.safetensors` files are fixed batches, `.bin` files token
-    /// files, anything else text.
+    /// files, anything else text (a file, a folder of files, or `.jsonl`).
     pub fn open(
         path: &Path,
         model: &Model,
@@ -74,6 +154,14 @@ impl Data {
         options: &DataOptions,
     ) -> anyhow::Result<Data> {
         let (batch, seq) = (options.batch, options.seq);
+        let positions = model.max_positions();
+        if let Some(s) = seq.filter(|&s| s > positions) {
+            return Err(CliError::InvalidInput(format!(
+                "--seq {s} is longer than the {positions} positions of the model \
+                 (max_position_embeddings / n_positions in config.json)"
+            ))
+            .into());
+        }
         if path.extension().is_some_and(|e| e == "safetensors") {
             if options.val_fraction > 0.0 {
                 return Err(CliError::InvalidInput(
@@ -104,50 +192,45 @@ impl Data {
                 seq: b.seq,
             });
         }
-        if objective == Objective::Mlm {
-            return Err(CliError::InvalidInput(
-                "the mlm objective needs labels: give a safetensors batch with `labels`".into(),
-            )
-            .into());
-        }
-        let bytes = std::fs::read(path).map_err(|e| {
-            CliError::InvalidInput(format!("cannot read data `{}`: {e}", path.display()))
-        })?;
-        let (tokens, source) = if path.extension().is_some_and(|e| e == "bin") {
-            read_token_file(path, &bytes)?
-        } else if let Some(tok) = model_tokenizer(model) {
-            (
-                tokenize(path, &bytes, &tok, model.vocab_size())?,
-                "tokenizer.json".to_string(),
-            )
+        let is_bin = path.extension().is_some_and(|e| e == "bin");
+        let tokenizer = if is_bin && objective != Objective::Mlm {
+            None
         } else {
-            if model.vocab_size() < 256 {
-                return Err(CliError::InvalidInput(format!(
-                    "`{}`: text is read byte by byte (the model has no tokenizer.json), which \
-                     needs a vocabulary of at least 256 tokens; this model has {}",
-                    path.display(),
-                    model.vocab_size()
-                ))
-                .into());
+            Some(TextTokenizer::for_model(model)?)
+        };
+        let (tokens, source) = match &tokenizer {
+            Some(tok) if !is_bin => (read_text(path, tok)?, tok.describe().to_string()),
+            _ => {
+                let bytes = std::fs::read(path).map_err(|e| {
+                    CliError::InvalidInput(format!("cannot read data `{}`: {e}", path.display()))
+                })?;
+                read_token_file(path, &bytes)?
             }
-            (
-                bytes.into_iter().map(i64::from).collect(),
-                "bytes".to_string(),
-            )
         };
         check_range(path, &tokens, model.vocab_size())?;
-        let seq = seq.unwrap_or(64).min(model.max_positions());
+        let masking = match (&tokenizer, objective) {
+            (Some(tok), Objective::Mlm) => Some(Masking::of(tok)?),
+            _ => None,
+        };
+        let seq = seq.unwrap_or(64).min(positions);
         let batch = batch.unwrap_or(8);
-        Data::from_tokens(
+        let mut data = Data::from_tokens(
             tokens,
             batch,
             seq,
             options.val_fraction,
             format!("`{}` ({source})", path.display()),
-        )
+        )?;
+        if let Data::Stream(s) = &mut data {
+            s.order = options.order;
+            s.seed = options.seed;
+            s.masking = masking;
+        }
+        Ok(data)
     }
 
-    /// A stream over `tokens` with the last `val_fraction` of them held out.
+    /// A stream over `tokens` with the last `val_fraction` of them held out, read in order
+    /// (see [`Data::with_order`]).
     pub fn from_tokens(
         mut tokens: Vec<i64>,
         batch: usize,
@@ -183,61 +266,91 @@ impl Data {
             ))
             .into());
         }
-        Ok(Data::Stream {
+        Ok(Data::Stream(Box::new(Stream {
             tokens,
             validation,
             batch,
             seq,
-            position: 0,
+            order: DataOrder::Sequential,
+            seed: 0,
+            masking: None,
+            read: 0,
+            permutation: None,
             source,
-        })
+        })))
+    }
+
+    /// The same data read in `order` with `seed` (streams; a fixed batch is unchanged).
+    pub fn with_order(mut self, order: DataOrder, seed: u64) -> Data {
+        if let Data::Stream(s) = &mut self {
+            s.order = order;
+            s.seed = seed;
+            s.permutation = None;
+        }
+        self
     }
 
     pub fn shape(&self) -> (usize, usize) {
         match self {
-            Data::Fixed { batch, seq, .. } | Data::Stream { batch, seq, .. } => (*batch, *seq),
+            Data::Fixed { batch, seq, .. } => (*batch, *seq),
+            Data::Stream(s) => (s.batch, s.seq),
         }
     }
 
-    /// One line for people: where the tokens come from and how many there are.
+    /// Training tokens (0 for a fixed batch): what a resumed run checks it reads the same
+    /// data by.
+    pub fn training_tokens(&self) -> usize {
+        match self {
+            Data::Fixed { .. } => 0,
+            Data::Stream(s) => s.tokens.len(),
+        }
+    }
+
+    /// One line for people: where the tokens come from, how many there are, in what order.
     pub fn describe(&self) -> String {
         match self {
             Data::Fixed { batch, seq, .. } => format!("a fixed [{batch}, {seq}] batch"),
-            Data::Stream {
-                tokens,
-                validation,
-                source,
-                ..
-            } => {
-                let mut s = format!(
-                    "{source}: {} training tokens",
-                    crate::report::thousands(tokens.len() as u64)
+            Data::Stream(s) => {
+                let mut out = format!(
+                    "{}: {} training tokens",
+                    s.source,
+                    crate::report::thousands(s.tokens.len() as u64)
                 );
-                if !validation.is_empty() {
-                    s.push_str(&format!(
+                if !s.validation.is_empty() {
+                    out.push_str(&format!(
                         ", {} held out for validation",
-                        crate::report::thousands(validation.len() as u64)
+                        crate::report::thousands(s.validation.len() as u64)
                     ));
                 }
-                s
+                out.push_str(&format!(
+                    "; {} windows of {}, {}",
+                    crate::report::thousands(s.windows()),
+                    s.seq,
+                    match s.order {
+                        DataOrder::Shuffle => format!("shuffled (seed {})", s.seed),
+                        DataOrder::Sequential => "in order".to_string(),
+                    }
+                ));
+                if s.masking.is_some() {
+                    out.push_str("; masked for mlm (15%: 80% mask, 10% random, 10% kept)");
+                }
+                out
             }
         }
     }
 
-    /// Where the stream stands (0 for a fixed batch).
+    /// Windows read so far (0 for a fixed batch).
     pub fn position(&self) -> usize {
         match self {
             Data::Fixed { .. } => 0,
-            Data::Stream { position, .. } => *position,
+            Data::Stream(s) => s.read as usize,
         }
     }
 
-    pub fn seek(&mut self, to: usize) {
-        if let Data::Stream {
-            position, tokens, ..
-        } = self
-        {
-            *position = to % tokens.len().max(1);
+    /// Continues after `windows` windows.
+    pub fn seek(&mut self, windows: usize) {
+        if let Data::Stream(s) = self {
+            s.read = windows as u64;
         }
     }
 
@@ -245,30 +358,30 @@ impl Data {
     pub fn next_batch(&mut self, input_names: &[&str]) -> HashMap<String, Tensor> {
         match self {
             Data::Fixed { tensors, .. } => tensors.clone(),
-            Data::Stream {
-                tokens,
-                batch,
-                seq,
-                position,
-                ..
-            } => {
-                let (b, t) = (*batch, *seq);
+            Data::Stream(s) => {
+                let (b, t) = (s.batch, s.seq);
                 let mut ids = Vec::with_capacity(b * t);
+                let mut labels = Vec::with_capacity(b * t);
                 for _ in 0..b {
-                    if *position + t > tokens.len() {
-                        *position = 0;
-                    }
-                    ids.extend_from_slice(&tokens[*position..*position + t]);
-                    *position += t;
+                    let k = s.read;
+                    let w = s.window(k) as usize;
+                    let mut row = s.tokens[w * t..(w + 1) * t].to_vec();
+                    let row_labels = match &s.masking {
+                        Some(m) => m.apply(&mut row, &mut Rng::derive(s.seed, MASKING, k)),
+                        None => row.clone(),
+                    };
+                    ids.extend(row);
+                    labels.extend(row_labels);
+                    s.read += 1;
                 }
-                window_batch(ids, b, t, input_names)
+                window_batch(ids, labels, b, t, input_names)
             }
         }
     }
 
     /// Whether there is held-out data to evaluate on.
     pub fn has_validation(&self) -> bool {
-        matches!(self, Data::Stream { validation, .. } if !validation.is_empty())
+        matches!(self, Data::Stream(s) if !s.validation.is_empty())
     }
 
     /// Up to `max_batches` micro-batches of consecutive held-out windows (at least one; rows
@@ -278,38 +391,73 @@ impl Data {
         input_names: &[&str],
         max_batches: usize,
     ) -> Vec<HashMap<String, Tensor>> {
-        let Data::Stream {
-            validation,
-            batch,
-            seq,
-            ..
-        } = self
-        else {
+        let Data::Stream(s) = self else {
             return Vec::new();
         };
-        let (b, t) = (*batch, *seq);
-        if validation.len() < t {
+        let (b, t) = (s.batch, s.seq);
+        if s.validation.len() < t {
             return Vec::new();
         }
-        let windows = validation.len() / t;
+        let windows = s.validation.len() / t;
         let count = (windows / b).clamp(1, max_batches.max(1));
         (0..count)
             .map(|i| {
                 let mut ids = Vec::with_capacity(b * t);
+                let mut labels = Vec::with_capacity(b * t);
                 for row in 0..b {
                     let w = (i * b + row) % windows;
-                    ids.extend_from_slice(&validation[w * t..(w + 1) * t]);
+                    let mut r = s.validation[w * t..(w + 1) * t].to_vec();
+                    let l = match &s.masking {
+                        Some(m) => m.apply(
+                            &mut r,
+                            &mut Rng::derive(s.seed, VALIDATION_MASKING, (i * b + row) as u64),
+                        ),
+                        None => r.clone(),
+                    };
+                    ids.extend(r);
+                    labels.extend(l);
                 }
-                window_batch(ids, b, t, input_names)
+                window_batch(ids, labels, b, t, input_names)
             })
             .collect()
     }
 }
 
+impl Stream {
+    /// Whole windows in the training tokens.
+    fn windows(&self) -> u64 {
+        (self.tokens.len() / self.seq) as u64
+    }
+
+    /// The window the `k`-th read takes.
+    fn window(&mut self, k: u64) -> u64 {
+        let n = self.windows();
+        let (pass, i) = (k / n, k % n);
+        match self.order {
+            DataOrder::Sequential => i,
+            DataOrder::Shuffle => {
+                if self.permutation.as_ref().is_none_or(|(p, _)| *p != pass) {
+                    // Fisher-Yates over the windows, from (seed, pass).
+                    let mut rng = Rng::derive(self.seed, SHUFFLE, pass);
+                    let mut order: Vec<u32> = (0..n as u32).collect();
+                    for j in (1..order.len()).rev() {
+                        order.swap(j, rng.below(j as u64 + 1) as usize);
+                    }
+                    self.permutation = Some((pass, order));
+                }
+                self.permutation
+                    .as_ref()
+                    .map_or(i, |(_, order)| u64::from(order[i as usize]))
+            }
+        }
+    }
+}
+
 /// A [b, t] batch of token windows: the ids, a full attention mask, zero token types, and the
-/// ids as labels (the loss shifts them).
+/// labels (the ids themselves for causal LM, which the loss shifts; the masked tokens for mlm).
 fn window_batch(
     ids: Vec<i64>,
+    labels: Vec<i64>,
     b: usize,
     t: usize,
     input_names: &[&str],
@@ -326,12 +474,93 @@ fn window_batch(
             Tensor::from_i64(DType::I64, [b, t], values),
         );
     }
-    out.insert("labels".into(), Tensor::from_i64(DType::I64, [b, t], ids));
+    out.insert(
+        "labels".into(),
+        Tensor::from_i64(DType::I64, [b, t], labels),
+    );
     out
 }
 
 fn invalid(path: &Path, what: String) -> anyhow::Error {
     CliError::InvalidInput(format!("`{}`: {what}", path.display())).into()
+}
+
+/// The documents of a text source: a folder's files (name order, hidden files skipped), a
+/// `.jsonl` file's `text` fields, or one file.
+fn documents(path: &Path) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+    let read = |p: &Path| {
+        std::fs::read(p)
+            .map_err(|e| CliError::InvalidInput(format!("cannot read data `{}`: {e}", p.display())))
+    };
+    if path.is_dir() {
+        let mut files: Vec<_> = std::fs::read_dir(path)
+            .map_err(|e| invalid(path, format!("cannot list the folder: {e}")))?
+            .filter_map(Result::ok)
+            .map(|e| e.path())
+            .filter(|p| {
+                p.is_file()
+                    && !p
+                        .file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+            })
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(invalid(path, "the folder holds no text files".into()));
+        }
+        return files
+            .into_iter()
+            .map(|p| Ok((p.display().to_string(), read(&p)?)))
+            .collect();
+    }
+    let bytes = read(path)?;
+    if path.extension().is_none_or(|e| e != "jsonl") {
+        return Ok(vec![(path.display().to_string(), bytes)]);
+    }
+    let text = std::str::from_utf8(&bytes)
+        .map_err(|e| invalid(path, format!("a .jsonl file must be UTF-8 ({e})")))?;
+    let mut docs = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .map_err(|e| invalid(path, format!("line {}: {e}", i + 1)))?;
+        let t = v["text"].as_str().ok_or_else(|| {
+            invalid(
+                path,
+                format!("line {}: expected an object with a string `text`", i + 1),
+            )
+        })?;
+        docs.push((
+            format!("{}:{}", path.display(), i + 1),
+            t.as_bytes().to_vec(),
+        ));
+    }
+    Ok(docs)
+}
+
+/// Text as one token stream: each document tokenized whole and ended with the end-of-text
+/// token (bytes: the documents' bytes, one after another).
+fn read_text(path: &Path, tokenizer: &TextTokenizer) -> anyhow::Result<Vec<i64>> {
+    let mut tokens = Vec::new();
+    for (name, bytes) in documents(path)? {
+        if tokenizer.is_bytes() {
+            tokens.extend(bytes.into_iter().map(i64::from));
+            continue;
+        }
+        let text = std::str::from_utf8(&bytes).map_err(|e| {
+            CliError::InvalidInput(format!(
+                "`{name}`: the tokenizer reads text, but this file is not UTF-8 ({e})"
+            ))
+        })?;
+        let ids = tokenizer
+            .encode_document(text)
+            .map_err(|e| CliError::InvalidInput(format!("`{name}`: {e}")))?;
+        tokens.extend(ids.into_iter().map(i64::from));
+    }
+    Ok(tokens)
 }
 
 /// Reads a `.bin` token file: llm.c's (by its magic) or nanoGPT's raw u16 tokens.
@@ -391,41 +620,6 @@ pub fn read_token_file(path: &Path, bytes: &[u8]) -> anyhow::Result<(Vec<i64>, S
         .map(|c| i64::from(u16::from_le_bytes([c[0], c[1]])))
         .collect();
     Ok((tokens, "raw u16 tokens".to_string()))
-}
-
-/// Tokenizes a text file with a Hugging Face `tokenizer.json`.
-fn tokenize(path: &Path, bytes: &[u8], tokenizer: &Path, vocab: usize) -> anyhow::Result<Vec<i64>> {
-    let tok = load_tokenizer(tokenizer, vocab)?;
-    let text = std::str::from_utf8(bytes).map_err(|e| {
-        invalid(
-            path,
-            format!("a tokenizer.json tokenizes text, but this file is not UTF-8 ({e})"),
-        )
-    })?;
-    let encoding = tok
-        .encode(text, false)
-        .map_err(|e| invalid(path, format!("tokenizing failed: {e}")))?;
-    Ok(encoding.get_ids().iter().map(|&i| i64::from(i)).collect())
-}
-
-/// Loads a tokenizer.json and checks that every id it can produce is a row of the model's
-/// embedding (a tokenizer may have fewer tokens than the embedding has rows: GPT-2's
-/// checkpoints pad theirs, but never more).
-pub fn load_tokenizer(path: &Path, vocab: usize) -> anyhow::Result<tokenizers::Tokenizer> {
-    let tok = tokenizers::Tokenizer::from_file(path)
-        .map_err(|e| invalid(path, format!("cannot load the tokenizer: {e}")))?;
-    let size = tok.get_vocab_size(true);
-    if size > vocab {
-        return Err(invalid(
-            path,
-            format!(
-                "the tokenizer has {size} tokens (added tokens included), but the model's \
-                 vocabulary (vocab_size in config.json) has {vocab}: they belong to different \
-                 models"
-            ),
-        ));
-    }
-    Ok(tok)
 }
 
 /// Every token must be a row of the embedding.

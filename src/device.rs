@@ -20,7 +20,7 @@ pub fn select(device: Device) -> anyhow::Result<Selected> {
         Device::Cpu => Ok(Selected::Cpu),
         Device::Cuda => match cuda_probe::probe() {
             Ok(d) => {
-                eprintln!("device: cuda ({d})");
+                crate::errln!("device: cuda ({d})");
                 Ok(Selected::Cuda(d.to_string()))
             }
             Err(e) => Err(CliError::DeviceUnavailable(format!(
@@ -30,11 +30,11 @@ pub fn select(device: Device) -> anyhow::Result<Selected> {
         },
         Device::Auto => match cuda_probe::probe() {
             Ok(d) => {
-                eprintln!("device: cuda ({d})");
+                crate::errln!("device: cuda ({d})");
                 Ok(Selected::Cuda(d.to_string()))
             }
             Err(e) => {
-                eprintln!("device: cpu ({e})");
+                crate::errln!("device: cpu ({e})");
                 Ok(Selected::Cpu)
             }
         },

@@ -5,16 +5,28 @@
 // Data from files and users must never reach an unwrap: errors are values here.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
+#[macro_use]
+pub mod out;
+
 pub mod anatomy;
 pub mod batch;
 pub mod checkpoint;
 pub mod commands;
 pub mod data;
 pub mod device;
+pub mod fit;
+pub mod generate;
+pub mod given;
+pub mod html;
+pub mod outputs;
 pub mod plot;
 pub mod precision;
 pub mod progress;
 pub mod report;
+pub mod resume;
+pub mod rng;
+pub mod text_eval;
+pub mod tokenizer;
 pub mod trainer;
 pub mod training;
 
@@ -25,7 +37,7 @@ pub use castor_runtime as runtime;
 
 /// Exit codes, documented in README.md.
 pub mod codes {
-    /// Something unexpected (a bug, or an I/O failure writing output).
+    /// Something unexpected (a bug), or an output that cannot be written.
     pub const FAILURE: u8 = 1;
     /// Bad command-line usage (clap's own code).
     pub const USAGE: u8 = 2;
@@ -44,11 +56,18 @@ pub enum CliError {
     InvalidInput(String),
     #[error("{0}")]
     DeviceUnavailable(String),
+    /// An output path that cannot be written (exit code 1, as the README says of write
+    /// errors).
+    #[error("{0}")]
+    Output(String),
 }
 
 /// Maps an error chain to its exit code by the first typed error found in it.
 pub fn exit_code(e: &anyhow::Error) -> u8 {
     for cause in e.chain() {
+        if let Some(castor_models::ModelError::Write { .. }) = cause.downcast_ref() {
+            return codes::FAILURE;
+        }
         if cause.is::<castor_models::ModelError>() || cause.is::<castor_ir::IrError>() {
             return codes::INVALID_INPUT;
         }
@@ -69,8 +88,26 @@ pub fn exit_code(e: &anyhow::Error) -> u8 {
             return match c {
                 CliError::InvalidInput(_) => codes::INVALID_INPUT,
                 CliError::DeviceUnavailable(_) => codes::DEVICE_UNAVAILABLE,
+                CliError::Output(_) => codes::FAILURE,
             };
         }
     }
     codes::FAILURE
+}
+
+/// An error chain as one line: each cause once. Errors that quote their source in their own
+/// message (`cannot read `x`: No such file`) would otherwise print the OS error twice.
+pub fn error_message(e: &anyhow::Error) -> String {
+    let mut message = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        if message.contains(&text) {
+            continue;
+        }
+        if !message.is_empty() {
+            message.push_str(": ");
+        }
+        message.push_str(&text);
+    }
+    message
 }

@@ -2,9 +2,10 @@
 // Data from files and users must never reach an unwrap: errors are values here.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
-use castor::commands::{compile, demo, eval, inspect, train};
-use castor::exit_code;
-use clap::{Parser, Subcommand};
+use castor::commands::{compile, demo, eval, generate, inspect, train};
+use castor::given::Given;
+use castor::{errln, error_message, exit_code};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -26,28 +27,42 @@ enum Command {
     /// Summarize a checkpoint folder or a bare config.json: family, parameters, op classes.
     Inspect(inspect::Args),
     /// Run the precision passes and report what they decided (works from config.json alone).
-    Compile(compile::Args),
-    /// Run a forward pass on a batch from a safetensors file and write the outputs.
+    Compile(Box<compile::Args>),
+    /// Run a forward pass on a batch (a safetensors file, or text) and report or write the
+    /// outputs.
     Eval(eval::Args),
-    /// Train a model on the CPU executor: plan, loss scaling, optimizer, log, checkpoint.
-    Train(train::Args),
+    /// Train a model: plan, loss scaling, optimizer, log, checkpoint, report.
+    Train(Box<train::Args>),
+    /// Continue a prompt with a causal model (GPT-2, LLaMA): KV-cache decoding, sampling.
+    Generate(generate::Args),
     /// Compile and train the embedded tiny GPT-2 end to end: no files, no GPU.
     Demo(demo::Args),
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    let given = Given::new(
+        matches
+            .subcommand()
+            .map(|(_, m)| m.clone())
+            .unwrap_or_default(),
+    );
     let result = match cli.command {
         Command::Inspect(a) => inspect::run(a),
-        Command::Compile(a) => compile::run(a),
+        Command::Compile(a) => compile::run(*a),
         Command::Eval(a) => eval::run(a),
-        Command::Train(a) => train::run(a),
+        Command::Train(a) => train::run(*a, &given),
+        Command::Generate(a) => generate::run(a),
         Command::Demo(a) => demo::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            errln!("error: {}", error_message(&e));
             ExitCode::from(exit_code(&e))
         }
     }

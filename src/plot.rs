@@ -8,11 +8,14 @@ use castor_models::write_atomically;
 use plotters::prelude::*;
 use std::path::Path;
 
-/// Points of a run: (step, loss) for training steps and for validation evaluations.
+/// Points of a run, by 1-based step: the training loss of each step, the validation loss of
+/// each evaluation, and each step's learning rate and loss scale.
 #[derive(Clone, Debug, Default)]
 pub struct LossHistory {
     pub train: Vec<(u64, f64)>,
     pub validation: Vec<(u64, f64)>,
+    pub lr: Vec<(u64, f64)>,
+    pub loss_scale: Vec<(u64, f64)>,
 }
 
 /// One stacked bar of a memory anatomy: bytes by what they hold.
@@ -44,7 +47,7 @@ pub fn check_picture_path(path: &Path) -> anyhow::Result<()> {
 }
 
 /// An exponential moving average, as the smoothed curve TensorBoard draws.
-fn smooth(points: &[(u64, f64)], weight: f64) -> Vec<(f64, f64)> {
+pub fn smooth(points: &[(u64, f64)], weight: f64) -> Vec<(f64, f64)> {
     let mut out = Vec::with_capacity(points.len());
     let mut avg: Option<f64> = None;
     for &(s, y) in points.iter().filter(|(_, y)| y.is_finite()) {
@@ -169,8 +172,8 @@ const PALETTE: [RGBColor; 8] = [
     RGBColor(23, 190, 207),
 ];
 
-/// A byte count in the unit `unit` (bytes per unit) with its name.
-fn unit_for(max: u64) -> (f64, &'static str) {
+/// The unit that shows `max` bytes best: (bytes per unit, its name).
+pub fn unit_for(max: u64) -> (f64, &'static str) {
     if max >= 1 << 30 {
         ((1u64 << 30) as f64, "GiB")
     } else if max >= 1 << 20 {

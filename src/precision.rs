@@ -1,30 +1,55 @@
-//! The precision flags `compile` and `eval` share, and running the precision passes.
+//! The precision flags `compile`, `eval`, `train` and `generate` share, and running the
+//! precision passes.
 
+use crate::CliError;
 use anyhow::Context;
-use castor_ir::Graph;
+use castor_ir::{Graph, Op};
+use castor_models::Model;
 use castor_passes::{
     precision_pipeline, PipelineOutput, Policy, PolicyFileFormat, Precision, Target,
 };
+use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
-#[derive(clap::Args, Clone, Debug)]
+#[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
+#[command(next_help_heading = "Precision policy")]
 pub struct PrecisionArgs {
-    /// Precision policy: fp32, tf32 (TF32 contractions), bf16 or fp16.
+    /// Precision policy: fp32 (also float32), tf32 (TF32 contractions), bf16 (also bfloat16)
+    /// or fp16 (also float16, half); any case.
     #[arg(long, default_value = "fp32", value_parser = parse_precision)]
+    #[serde(with = "precision_name")]
     pub precision: Precision,
     /// Policy file (TOML, or JSON by its .json extension): op-list edits and name rules.
     #[arg(long, value_name = "FILE")]
     pub policy: Option<PathBuf>,
-    /// Keep nodes whose name, or whose parameter's name, matches GLOB in F32 (repeatable).
+    /// Keep nodes whose name, or whose parameter's name, matches GLOB in F32 (repeatable). A
+    /// glob that matches nothing is an error.
     #[arg(long = "keep-f32", value_name = "GLOB")]
     pub keep_f32: Vec<String>,
-    /// Force nodes matching GLOB into the policy's low-precision dtype (repeatable).
+    /// Force nodes matching GLOB into the policy's low-precision dtype (repeatable). A glob
+    /// that matches nothing is an error.
     #[arg(long = "force-low", value_name = "GLOB")]
     pub force_low: Vec<String>,
 }
 
-fn parse_precision(s: &str) -> Result<Precision, String> {
+/// Parses `--precision` (and the precision of demo-like commands).
+pub fn parse_precision(s: &str) -> Result<Precision, String> {
     s.parse()
+}
+
+/// `Precision` as its name in saved run settings.
+mod precision_name {
+    use castor_passes::Precision;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(p: &Precision, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(p.name())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Precision, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 impl PrecisionArgs {
@@ -39,10 +64,7 @@ impl PrecisionArgs {
         }
         if let Some(path) = &self.policy {
             let text = std::fs::read_to_string(path).map_err(|e| {
-                crate::CliError::InvalidInput(format!(
-                    "cannot read policy file `{}`: {e}",
-                    path.display()
-                ))
+                CliError::InvalidInput(format!("cannot read policy file `{}`: {e}", path.display()))
             })?;
             let format = if path.extension().is_some_and(|e| e == "json") {
                 PolicyFileFormat::Json
@@ -55,17 +77,70 @@ impl PrecisionArgs {
     }
 
     /// Runs the precision passes on a forward graph; `verify` checks the graph after each pass
-    /// (always done in debug builds).
+    /// (always done in debug builds). Every name rule must match a node or a parameter of
+    /// `graph`: a command-line glob that matches nothing is an error suggesting the nearest
+    /// names (a policy file's, shared between models, is a warning). `model` supplies the
+    /// checkpoint names that are no graph name (`lm_head.weight` tied to the embeddings is
+    /// the node `logits`).
     pub fn compile(
         &self,
         graph: Graph,
+        model: Option<&Model>,
         dump_after: Option<&str>,
         verify: bool,
     ) -> anyhow::Result<PipelineOutput> {
-        let mut pipeline = precision_pipeline(self.policy()?).dump_after(dump_after)?;
+        let policy = self.policy()?;
+        check_rules(&policy, &graph, model)?;
+        let mut pipeline = precision_pipeline(policy).dump_after(dump_after)?;
         if verify {
             pipeline = pipeline.verify_each(true);
         }
         pipeline.run(graph).context("precision passes failed")
     }
+}
+
+/// The names a precision rule is matched against: every node's name and every parameter's.
+fn rule_names(graph: &Graph) -> Vec<&str> {
+    graph
+        .nodes()
+        .filter(|(_, n)| !matches!(n.op, Op::Input))
+        .filter_map(|(_, n)| n.outputs.first().map(|&v| graph.name(v)))
+        .collect()
+}
+
+fn check_rules(policy: &Policy, graph: &Graph, model: Option<&Model>) -> anyhow::Result<()> {
+    let names = rule_names(graph);
+    let aliases = model.map(Model::name_aliases).unwrap_or_default();
+    for rule in policy.name_rules() {
+        if names.iter().any(|n| rule.matches(n)) {
+            continue;
+        }
+        let mut hints: Vec<String> = aliases
+            .iter()
+            .filter(|(alias, _)| rule.matches(alias))
+            .map(|(alias, node)| {
+                format!(
+                    "`{node}` (this model stores `{alias}` as a tied copy; the node is `{node}`)"
+                )
+            })
+            .collect();
+        // A tied copy explains the miss; otherwise the nearest names.
+        if hints.is_empty() {
+            hints = castor_passes::names::suggest(&rule.pattern, names.iter().copied())
+                .into_iter()
+                .map(|s| format!("`{s}`"))
+                .collect();
+        }
+        let message = format!(
+            "{} '{}' matches no node or parameter name; did you mean {}?",
+            rule.source,
+            rule.pattern,
+            hints.join(" or ")
+        );
+        if rule.source.starts_with("--") {
+            return Err(CliError::InvalidInput(message).into());
+        }
+        crate::errln!("warning: {message}");
+    }
+    Ok(())
 }

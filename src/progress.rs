@@ -1,5 +1,6 @@
-//! Training progress on the terminal: a progress bar (step, loss, tokens/s, loss scale, ETA)
-//! when stdout is a terminal, plain lines otherwise (logs, pipes, CI).
+//! Training progress: a progress bar (step, loss, tokens/s, loss scale, ETA) on stderr when
+//! stderr is a terminal, and plain step lines on stdout every `--print-every` steps (the run's
+//! record: `castor train ... > run.txt` keeps them and still shows the bar).
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
@@ -37,13 +38,12 @@ impl StepLine {
 }
 
 impl Progress {
-    /// A bar over `steps` steps, the first being `first_step + 1`; plain lines when stdout is
-    /// not a terminal.
+    /// A bar over `steps` steps, the first being `first_step + 1`, when stderr is a terminal.
     pub fn new(first_step: u64, steps: u64, prefix: &str) -> Progress {
-        if !std::io::stdout().is_terminal() || steps == 0 {
+        if !std::io::stderr().is_terminal() || steps == 0 {
             return Progress { bar: None };
         }
-        let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stdout());
+        let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
         let style = ProgressStyle::with_template(
             "{prefix} [{bar:32.cyan/blue}] {pos}/{len} {msg}  ETA {eta}",
         )
@@ -62,22 +62,15 @@ impl Progress {
 
     /// Reports a finished step; `print` also writes its plain line.
     pub fn step(&self, line: &StepLine, print: bool) {
-        match &self.bar {
-            Some(bar) => {
-                bar.inc(1);
-                bar.set_message(format!(
-                    "step {}  loss {:.4}  {:.0} tok/s  scale {}",
-                    line.step, line.loss, line.tokens_per_s, line.loss_scale
-                ));
-                if print {
-                    bar.println(line.plain());
-                }
-            }
-            None => {
-                if print {
-                    println!("{}", line.plain());
-                }
-            }
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+            bar.set_message(format!(
+                "step {}  loss {:.4}  {:.0} tok/s  scale {}",
+                line.step, line.loss, line.tokens_per_s, line.loss_scale
+            ));
+        }
+        if print {
+            self.println(&line.plain());
         }
     }
 
@@ -88,11 +81,11 @@ impl Progress {
         }
     }
 
-    /// Prints a line (above the bar, if there is one).
+    /// Prints a line to stdout (with the bar out of the way while it does).
     pub fn println(&self, text: &str) {
         match &self.bar {
-            Some(bar) => bar.println(text),
-            None => println!("{text}"),
+            Some(bar) => bar.suspend(|| crate::outln!("{text}")),
+            None => crate::outln!("{text}"),
         }
     }
 

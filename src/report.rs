@@ -1,4 +1,5 @@
-//! Human-readable summaries shared by `inspect` and `demo`.
+//! Human-readable summaries shared by the commands: the model, the training plan's settings,
+//! its memory anatomy and cost, and warnings about the checkpoint.
 
 use castor_ir::Graph;
 use castor_models::{Model, ModelConfig};
@@ -121,21 +122,82 @@ pub fn model_summary(
             report.tied_copies.join(", ")
         );
     }
-    if !report.unused.is_empty() {
-        let _ = writeln!(
-            s,
-            "warning     {} checkpoint tensor(s) not used by {}: {}",
-            report.unused.len(),
-            model.architecture(),
-            report.unused.join(", ")
-        );
-    }
     s
 }
 
+/// Warns (stderr) about checkpoint tensors the architecture does not read: every command that
+/// loads a model says so, as transformers' "Some weights of the checkpoint were not used".
+pub fn warn_unused(model: &Model) {
+    let unused = &model.report().unused;
+    if !unused.is_empty() {
+        crate::errln!(
+            "warning: {} checkpoint tensor(s) not used by {}: {}",
+            unused.len(),
+            model.architecture(),
+            unused.join(", ")
+        );
+    }
+}
+
+/// A byte token for people: printable ASCII as itself, anything else as `·`.
+pub fn printable_byte(id: u32) -> String {
+    match u8::try_from(id) {
+        Ok(b) if (0x20..0x7f).contains(&b) => (b as char).to_string(),
+        _ => "·".to_string(),
+    }
+}
+
+/// The optimizer of a plan in one phrase.
+pub fn optimizer_text(s: &castor_ir::TrainSettings) -> String {
+    use castor_ir::OptimizerKind;
+    let optimizer = match s.optimizer {
+        OptimizerKind::AdamW {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => format!("AdamW (betas {beta1}, {beta2}; eps {eps:e}; weight decay {weight_decay})"),
+        OptimizerKind::Sgd {
+            momentum,
+            weight_decay,
+        } => format!("SGD (momentum {momentum}; weight decay {weight_decay})"),
+    };
+    let clip = if s.max_grad_norm > 0.0 {
+        format!(", clip global norm at {}", s.max_grad_norm)
+    } else {
+        String::new()
+    };
+    format!(
+        "{optimizer} on F32 master weights{clip}; objective {}; {} micro-batch(es) per step",
+        s.objective, s.grad_accum
+    )
+}
+
+/// The loss scaling of a plan in one phrase.
+pub fn loss_scaling_text(s: &castor_ir::TrainSettings) -> String {
+    use castor_ir::LossScaling;
+    match &s.loss_scaling {
+        LossScaling::None => "none".to_string(),
+        LossScaling::Static { scale } => format!("static {scale}"),
+        LossScaling::Dynamic {
+            init_scale,
+            growth_interval,
+            hysteresis,
+            max_scale,
+            min_scale,
+            ..
+        } => format!(
+            "dynamic: init {init_scale}, x2 after {growth_interval} clean steps, x0.5 on overflow \
+             (hysteresis {hysteresis}), max {max_scale}, error below {min_scale}"
+        ),
+    }
+}
+
 /// The memory anatomy of a training plan beside the 18 bytes/parameter rule of mixed-precision
-/// AdamW (2 low-precision weights + 4 F32 master + 4 gradients + 8 moments).
+/// AdamW (2 low-precision weights + 4 F32 master + 4 gradients + 8 moments); bytes exact and
+/// in the unit of the total (GiB for real models).
 pub fn anatomy_lines(a: &castor_passes::memory::Anatomy) -> Vec<String> {
+    let (unit, unit_name) = crate::plot::unit_for(a.total().max(1));
     let per = |b: u64| {
         if a.params > 0 {
             format!("{:>7.2}", b as f64 / a.params as f64)
@@ -145,8 +207,9 @@ pub fn anatomy_lines(a: &castor_passes::memory::Anatomy) -> Vec<String> {
     };
     let row = |what: &str, b: u64, rule: &str, note: &str| {
         format!(
-            "  {what:<34} {:>19} {} {rule:>6}  {note}",
+            "  {what:<34} {:>19} {:>9.2} {} {rule:>6}  {note}",
             thousands(b),
+            b as f64 / unit,
             per(b)
         )
         .trim_end()
@@ -160,8 +223,8 @@ pub fn anatomy_lines(a: &castor_passes::memory::Anatomy) -> Vec<String> {
     };
     vec![
         format!(
-            "  {:<34} {:>19} {:>7} {:>6}",
-            "memory anatomy", "bytes", "B/param", "rule"
+            "  {:<34} {:>19} {:>9} {:>7} {:>6}",
+            "memory anatomy", "bytes", unit_name, "B/param", "rule"
         ),
         row("low-precision weights", a.low_precision_weights, "2", ""),
         row("F32 master weights", a.master_weights, "4", ""),

@@ -4,13 +4,15 @@ use crate::CliError;
 use castor_ir::{LossScaling, OptimizerKind, Remat, TrainSettings};
 use castor_models::{Model, Objective};
 use castor_passes::Precision;
+use serde::{Deserialize, Serialize};
 
 /// GradScaler's growth/backoff factors and DeepSpeed's maximum scale.
 const GROWTH_FACTOR: f64 = 2.0;
 const BACKOFF_FACTOR: f64 = 0.5;
 const MAX_SCALE: f64 = 16_777_216.0; // 2^24
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum OptimizerChoice {
     /// torch.optim.AdamW (decoupled weight decay).
     Adamw,
@@ -18,56 +20,59 @@ pub enum OptimizerChoice {
     Sgd,
 }
 
-#[derive(clap::Args, Clone, Debug)]
+#[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
+#[command(next_help_heading = "Training step")]
 pub struct TrainingArgs {
-    /// The loss: `lm` (causal LM), `mlm` (masked LM; needs labels), `sum` (sum of the last
-    /// hidden state), or `auto` (lm/mlm when the model has the head, else sum).
+    /// The loss: `lm` (causal LM), `mlm` (masked LM: labels from the batch, or masked token
+    /// streams), `sum` (sum of the last hidden state), or `auto` (lm/mlm when the model has
+    /// that head; `train` refuses a model without one unless an objective is named).
     #[arg(long, default_value = "auto")]
     pub objective: String,
-    #[arg(long, value_enum, default_value_t = OptimizerChoice::Adamw)]
+    #[arg(long, value_enum, default_value_t = OptimizerChoice::Adamw, help_heading = "Optimizer")]
     pub optimizer: OptimizerChoice,
     /// Learning rate (the peak rate when a schedule is used).
-    #[arg(long, default_value_t = 1e-3)]
+    #[arg(long, default_value_t = 1e-3, help_heading = "Optimizer")]
     pub lr: f64,
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, help_heading = "Optimizer")]
     pub beta1: f64,
-    #[arg(long, default_value_t = 0.999)]
+    #[arg(long, default_value_t = 0.999, help_heading = "Optimizer")]
     pub beta2: f64,
-    #[arg(long, default_value_t = 1e-8)]
+    #[arg(long, default_value_t = 1e-8, help_heading = "Optimizer")]
     pub eps: f64,
     /// Weight decay (default: 0.01 for AdamW, as torch; 0 for SGD).
-    #[arg(long)]
+    #[arg(long, help_heading = "Optimizer")]
     pub weight_decay: Option<f64>,
     /// SGD momentum.
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, help_heading = "Optimizer")]
     pub momentum: f64,
     /// Clip the global gradient norm to this value (torch.nn.utils.clip_grad_norm_).
-    #[arg(long, value_name = "MAX_NORM")]
+    #[arg(long, value_name = "MAX_NORM", help_heading = "Optimizer")]
     pub grad_clip: Option<f64>,
     /// Accumulate gradients over N micro-batches per optimizer step (in F32).
     #[arg(long, default_value_t = 1, value_name = "N")]
     pub grad_accum: usize,
-    /// Do not train parameters whose names match GLOB (repeatable).
-    #[arg(long, value_name = "GLOB")]
+    /// Do not train parameters whose names match GLOB (repeatable; a glob that matches
+    /// nothing is an error).
+    #[arg(long, value_name = "GLOB", help_heading = "Optimizer")]
     pub freeze: Vec<String>,
     /// No weight decay for parameters whose names match GLOB (repeatable), e.g. `*bias`.
-    #[arg(long = "no-decay", value_name = "GLOB")]
+    #[arg(long = "no-decay", value_name = "GLOB", help_heading = "Optimizer")]
     pub no_decay: Vec<String>,
     /// Loss scaling: `dynamic` (GradScaler rules), `static:N`, or `none`. Default: dynamic
     /// for fp16, none otherwise.
-    #[arg(long, value_name = "MODE")]
+    #[arg(long, value_name = "MODE", help_heading = "Loss scaling")]
     pub loss_scale: Option<String>,
     /// Initial dynamic loss scale.
-    #[arg(long, default_value_t = 65536.0)]
+    #[arg(long, default_value_t = 65536.0, help_heading = "Loss scaling")]
     pub init_scale: f64,
     /// Clean steps before the dynamic scale doubles.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, help_heading = "Loss scaling")]
     pub growth_interval: usize,
     /// Overflows tolerated before the scale halves (DeepSpeed's hysteresis; 1 = GradScaler).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Loss scaling")]
     pub hysteresis: usize,
     /// Stop with an error when the dynamic scale falls below this.
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, help_heading = "Loss scaling")]
     pub min_scale: f64,
     /// Dtype of weight-gradient products: `f32` (written in F32 by the contraction) or
     /// `compute` (the working copy's dtype, then widened, as PyTorch autocast does).
@@ -85,7 +90,8 @@ pub fn parse_remat(s: &str) -> Result<Remat, String> {
     s.parse()
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ParamGrads {
     F32,
     Compute,
@@ -99,6 +105,24 @@ impl TrainingArgs {
             ("auto", None) => Ok(Objective::Sum),
             (other, _) => Ok(other.parse().map_err(CliError::InvalidInput)?),
         }
+    }
+
+    /// The objective `train` optimizes: as [`TrainingArgs::objective`], but `auto` on a model
+    /// without an LM or MLM head is refused (it would optimize the sum of the hidden state
+    /// without a word).
+    pub fn training_objective(&self, model: &Model) -> anyhow::Result<Objective> {
+        let objective = self.objective(Some(model))?;
+        if self.objective == "auto" && objective == Objective::Sum {
+            return Err(CliError::InvalidInput(format!(
+                "{} has no LM or MLM head, so it has no loss to train by default: name one \
+                 with --objective (sum: the sum of the last hidden state, a benchmark loss), \
+                 or use a checkpoint with a head (architectures [\"BertForMaskedLM\"], \
+                 [\"GPT2LMHeadModel\"], [\"LlamaForCausalLM\"])",
+                model.architecture()
+            ))
+            .into());
+        }
+        Ok(objective)
     }
 
     pub fn loss_scaling(&self, precision: Precision) -> anyhow::Result<LossScaling> {

@@ -76,9 +76,9 @@ fn inspect_ir_prints_parseable_text() {
         "5",
     ]);
     assert!(o.status.success());
-    let s = stdout(&o);
-    let ir = &s[s.find("\n\ngraph ").expect("IR printed")..];
-    castor_ir::verify(&castor_ir::text::parse(ir).unwrap()).unwrap();
+    // The IR is the result: stdout holds it alone, the summary went to stderr.
+    castor_ir::verify(&castor_ir::text::parse(&stdout(&o)).unwrap()).unwrap();
+    assert!(stderr(&o).contains("family      llama"), "{}", stderr(&o));
 }
 
 #[test]

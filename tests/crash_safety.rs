@@ -142,10 +142,10 @@ fn killed_runs_leave_only_complete_checkpoints() {
         "{trials} kills in {:.1} s; training reached step {best}",
         start.elapsed().as_secs_f64()
     );
-    // The newest checkpoint resumes.
+    // The newest checkpoint resumes, for one more step (--steps is the total).
     let mut args = train_args(&save, true);
     let i = args.iter().position(|a| a == "100000").unwrap();
-    args[i] = "1".into();
+    args[i] = (best + 1).to_string();
     let o = Command::new(env!("CARGO_BIN_EXE_castor"))
         .args(&args)
         .output()

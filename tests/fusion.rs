@@ -33,7 +33,11 @@ fn plan(variant: &str, precision: &str) -> (Model, TrainingPlan) {
     let flags = Flags::try_parse_from(["castor", "--precision", precision]).unwrap();
     let objective = Objective::auto(&model);
     let graph = model.build_loss_graph(2, 7, objective).unwrap();
-    let compiled = flags.precision.compile(graph, None, false).unwrap().graph;
+    let compiled = flags
+        .precision
+        .compile(graph, None, None, false)
+        .unwrap()
+        .graph;
     let settings = flags
         .training
         .settings(flags.precision.precision, objective, 2, 7)

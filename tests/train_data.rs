@@ -209,8 +209,9 @@ fn resume_is_bit_identical(model: &Path, data: &Path, tmp: &Path, extra: &[&str]
         .join("step-000004")
         .join("trainer_state.json")
         .is_file());
+    // --steps is the total: the resumed run trains steps 5..8.
     train(&common(
-        "4",
+        "8",
         &[
             "--resume".into(),
             p(&split),

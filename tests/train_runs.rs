@@ -93,6 +93,8 @@ fn tiny_gpt2_converges_in_every_precision() {
             "64",
             "--precision",
             precision,
+            "--data-order",
+            "sequential",
             "--log",
             path_str(&log),
         ]);
@@ -181,8 +183,9 @@ fn resumed_runs_are_bit_identical() {
             "12",
         ],
     ));
+    // --steps is the total: the resumed run trains steps 7..12.
     run(common(
-        "6",
+        "12",
         &[
             "--resume",
             path_str(&half),

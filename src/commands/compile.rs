@@ -1,5 +1,8 @@
 //! `castor compile`: run the precision passes and show what they decided.
 
+use crate::fit::{self, MemoryTarget, Planned};
+use crate::html::{self, Report};
+use crate::out::Stream;
 use crate::precision::PrecisionArgs;
 use crate::report::thousands;
 use crate::training::TrainingArgs;
@@ -11,9 +14,9 @@ use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum Emit {
-    /// The precision report (always printed to stdout).
+    /// The precision report (and for --train the plan's memory, fit and cost).
     Summary,
-    /// The compiled graph's IR text.
+    /// The compiled graph's IR text (for --train: the micro step and the optimizer step).
     Ir,
     /// A Graphviz picture of the compiled graph, coloured by dtype, casts as diamonds.
     Dot,
@@ -30,53 +33,53 @@ pub struct Args {
     pub model: PathBuf,
     #[command(flatten)]
     pub precision: PrecisionArgs,
-    /// What to write: the summary, the IR text or a DOT graph.
-    #[arg(long, value_enum, default_value_t = Emit::Summary)]
+    /// What to write: `summary` (the report), `ir` (the compiled IR text), `dot` (a Graphviz
+    /// graph coloured by dtype), `plan` (the training plan as JSON, for `castor train
+    /// --plan`) or `cuda` (the CUDA program of the training step). Without -o the result goes
+    /// to stdout alone and the report to stderr.
+    #[arg(long, value_enum, default_value_t = Emit::Summary, help_heading = "Output")]
     pub emit: Emit,
-    /// Write the emitted IR or DOT here instead of stdout.
-    #[arg(short = 'o', long = "out", value_name = "FILE")]
+    /// Write the emitted IR, DOT, plan or CUDA listing here instead of stdout.
+    #[arg(
+        short = 'o',
+        long = "out",
+        value_name = "FILE",
+        help_heading = "Output"
+    )]
     pub out: Option<PathBuf>,
+    /// Write the report page here (with --train): one self-contained HTML file with the
+    /// memory anatomy, the fit verdict, the precision table and the cost estimate.
+    #[arg(long, value_name = "FILE.html", help_heading = "Output")]
+    pub report: Option<PathBuf>,
     /// Explain the dtype decisions of the nodes whose names match GLOB (repeatable).
-    #[arg(long, value_name = "GLOB")]
+    #[arg(long, value_name = "GLOB", help_heading = "Output")]
     pub explain: Vec<String>,
     /// Print the IR after the named pass (`input`, `classify`, `autocast`, `fold_casts`).
-    #[arg(long, value_name = "PASS")]
+    #[arg(long, value_name = "PASS", help_heading = "Output")]
     pub dump_after: Option<String>,
     /// Run the IR verifier after every pass (always on in debug builds).
-    #[arg(long)]
+    #[arg(long, help_heading = "Output")]
     pub verify: bool,
     /// Batch size of the graph built from a model.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, help_heading = "Shape")]
     pub batch: usize,
     /// Sequence length of the graph (default: the model's maximum).
-    #[arg(long)]
+    #[arg(long, help_heading = "Shape")]
     pub seq: Option<usize>,
     /// Compile a training step (loss, backward, optimizer, loss scaling, memory plan) rather
     /// than the forward pass. For an IR file, its first output is the loss. Implied by
-    /// `--emit plan` and by a `--remat` mode other than `none`.
-    #[arg(long)]
+    /// `--emit plan|cuda`, `--report` and by a `--remat` mode other than `none`.
+    #[arg(long, help_heading = "Training step")]
     pub train: bool,
     #[command(flatten)]
     pub training: TrainingArgs,
-    /// The target GPU of the cost model: a JSON or TOML file with `name`,
-    /// `low_precision_flops`, `tf32_flops`, `f32_flops`, `memory_bandwidth` (per second) and
-    /// optionally `memory_bytes`. Default: H100 SXM.
-    #[arg(long, value_name = "FILE")]
-    pub gpu: Option<PathBuf>,
-}
-
-/// The cost model's GPU: `--gpu FILE` or the H100 SXM default.
-fn gpu_spec(path: Option<&std::path::Path>) -> anyhow::Result<castor_passes::cost::GpuSpec> {
-    let Some(path) = path else {
-        return Ok(castor_passes::cost::GpuSpec::default());
-    };
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        crate::CliError::InvalidInput(format!("cannot read `{}`: {e}", path.display()))
-    })?;
-    Ok(castor_passes::cost::GpuSpec::parse(
-        &text,
-        &format!("`{}`", path.display()),
-    )?)
+    /// The target GPU of the cost model and the fit verdict: a name (h100, h100-pcie, h200,
+    /// a100, a100-40gb, l40s, l4, a10, rtx-4090, rtx-3090) or a JSON/TOML spec file with
+    /// `name`, `low_precision_flops`, `tf32_flops`, `f32_flops`, `memory_bandwidth` (per
+    /// second) and `memory_bytes`. Default: this machine's GPU for the verdict when there is
+    /// one, and the H100 SXM.
+    #[arg(long, value_name = "NAME|FILE", help_heading = "Device")]
+    pub gpu: Option<String>,
 }
 
 /// The graph to compile (the forward pass, or the loss for `--train`) of a model path or an IR
@@ -93,6 +96,7 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize,
         return Ok((g, what, args.seq.unwrap_or(0), None));
     }
     let model = Model::load(path)?;
+    crate::report::warn_unused(&model);
     let seq = args.seq.unwrap_or_else(|| model.max_positions());
     let g = if train {
         let objective = args.training.objective(Some(&model))?;
@@ -110,43 +114,71 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
+    // Outputs are checked before any work.
+    if let Some(path) = &args.out {
+        if args.emit == Emit::Summary {
+            return Err(crate::CliError::InvalidInput(
+                "-o needs --emit ir, dot, plan or cuda".into(),
+            )
+            .into());
+        }
+        crate::outputs::check_file("-o", path)?;
+    }
+    if let Some(path) = &args.report {
+        html::check_report_path(path)?;
+        crate::outputs::check_file("--report", path)?;
+    }
     // Recomputation only means something for a training step, so asking for it asks for one.
     let train = args.train
         || matches!(args.emit, Emit::Plan | Emit::Cuda)
-        || args.training.remat != castor_ir::Remat::None;
-    let gpu = gpu_spec(args.gpu.as_deref())?;
+        || args.training.remat != castor_ir::Remat::None
+        || args.report.is_some();
+    // A result on stdout goes there alone; the report then goes to stderr.
+    let say = if args.emit != Emit::Summary && args.out.is_none() {
+        Stream::Stderr
+    } else {
+        Stream::Stdout
+    };
+    let gpu = fit::gpu_spec(args.gpu.as_deref())?;
     let (graph, what, seq, model) = load_graph(&args, train)?;
-    let out = args
-        .precision
-        .compile(graph, args.dump_after.as_deref(), args.verify)?;
+    let out = args.precision.compile(
+        graph,
+        model.as_ref(),
+        args.dump_after.as_deref(),
+        args.verify,
+    )?;
     let policy = args.precision.policy()?;
 
-    println!("model       {} ({what})", args.model.display());
-    println!("precision   {}", args.precision.precision);
+    toln!(say, "model       {} ({what})", args.model.display());
+    toln!(say, "precision   {}", args.precision.precision);
     for r in policy.name_rules() {
-        println!("rule        {}", r.describe(policy.precision.low()));
+        toln!(say, "rule        {}", r.describe(policy.precision.low()));
     }
     for (pass, report) in &out.reports {
-        println!("pass        {pass:<11} {}", report.summary);
+        toln!(say, "pass        {pass:<11} {}", report.summary);
     }
     let summary = precision_summary(&out.graph, args.precision.precision.low());
-    println!();
-    println!("{}", summary.headline());
+    toln!(say);
+    toln!(say, "{}", summary.headline());
     for line in summary.table_lines() {
-        println!("  {line}");
+        toln!(say, "  {line}");
     }
     for glob in &args.explain {
         let lines = explain(&out.graph, glob);
         if lines.is_empty() {
-            println!("\nexplain '{glob}': no node matches");
+            toln!(say, "\nexplain '{glob}': no node matches");
         }
         for l in lines {
-            println!("\n{l}");
+            toln!(say, "\n{l}");
         }
     }
     if let Some(dump) = &out.dump {
-        println!("\n# IR after {}", args.dump_after.as_deref().unwrap_or(""));
-        print!("{dump}");
+        toln!(
+            say,
+            "\n# IR after {}",
+            args.dump_after.as_deref().unwrap_or("")
+        );
+        say.write(format_args!("{dump}"));
     }
     let plan = if train {
         let objective = args.training.objective(model.as_ref())?;
@@ -158,11 +190,52 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             settings.objective = "first-output".into();
         }
         let (plan, report) = build_training_plan(&out.graph, settings)?;
-        println!();
-        println!("pass        {:<11} {}", "training", report.summary);
-        print_training(&plan);
-        print_memory_and_cost(&plan, out.graph.num_nodes(), &gpu);
-        Some(plan)
+        toln!(say);
+        toln!(say, "pass        {:<11} {}", "training", report.summary);
+        toln!(
+            say,
+            "optimizer   {}",
+            crate::report::optimizer_text(&plan.settings)
+        );
+        toln!(
+            say,
+            "loss scale  {}",
+            crate::report::loss_scaling_text(&plan.settings)
+        );
+        print_memory_and_cost(say, &plan, out.graph.num_nodes(), &gpu);
+        let this = Planned {
+            plan,
+            forward_nodes: out.graph.num_nodes(),
+        };
+        let target = match &args.gpu {
+            Some(_) => MemoryTarget::of_spec(&gpu, "--gpu"),
+            None => MemoryTarget::this_gpu()
+                .or_else(|| MemoryTarget::of_spec(&gpu, "default target; --gpu names another")),
+        };
+        let verdict = target.map(|target| {
+            fit::verdict(&this, target, &gpu, &|settings| {
+                replan(&args, model.as_ref(), &settings)
+            })
+        });
+        if let Some(v) = &verdict {
+            toln!(say);
+            for line in v.lines() {
+                toln!(say, "{line}");
+            }
+        }
+        if let Some(path) = &args.report {
+            let mut r = Report::new(
+                path.clone(),
+                &format!("Training step plan: {}", args.model.display()),
+            );
+            r.fact("model", &format!("{} ({what})", args.model.display()));
+            r.training_plan(&this.plan, this.forward_nodes, Some(&summary));
+            r.verdict = verdict.clone();
+            r.cost(&this.plan, &gpu);
+            r.write(None)?;
+            toln!(say, "\nreport      {}", path.display());
+        }
+        Some(this.plan)
     } else {
         None
     };
@@ -187,69 +260,43 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     match (emitted, &args.out) {
         (Some(text), Some(path)) => {
             castor_models::write_atomically(path, text.as_bytes())?;
-            println!("\nwrote {}", path.display());
+            toln!(say, "\nwrote {}", path.display());
         }
-        (Some(text), None) => {
-            println!();
-            print!("{text}");
-        }
-        (None, Some(_)) => {
-            return Err(crate::CliError::InvalidInput(
-                "-o needs --emit ir, dot, plan or cuda".into(),
-            )
-            .into());
-        }
-        (None, None) => {}
+        (Some(text), None) => crate::out!("{text}"),
+        (None, _) => {}
     }
     Ok(())
 }
 
-/// The plan's optimizer and loss scaling, and its persistent state by role.
-fn print_training(plan: &castor_ir::TrainingPlan) {
-    use castor_ir::{LossScaling, OptimizerKind};
-    let s = &plan.settings;
-    let optimizer = match s.optimizer {
-        OptimizerKind::AdamW {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        } => format!("AdamW (betas {beta1}, {beta2}; eps {eps:e}; weight decay {weight_decay})"),
-        OptimizerKind::Sgd {
-            momentum,
-            weight_decay,
-        } => format!("SGD (momentum {momentum}; weight decay {weight_decay})"),
+/// The plan of other settings for the fit verdict: the same model (or IR graph) and policy,
+/// compiled again for the settings' micro-batch.
+fn replan(
+    args: &Args,
+    model: Option<&Model>,
+    settings: &castor_ir::TrainSettings,
+) -> anyhow::Result<Planned> {
+    let graph = match model {
+        Some(m) => {
+            let objective = settings
+                .objective
+                .parse()
+                .map_err(crate::CliError::InvalidInput)?;
+            m.build_loss_graph(settings.batch, settings.seq, objective)?
+        }
+        None => anyhow::bail!("an IR file has one batch size"),
     };
-    let clip = if s.max_grad_norm > 0.0 {
-        format!(", clip global norm at {}", s.max_grad_norm)
-    } else {
-        String::new()
-    };
-    println!(
-        "optimizer   {optimizer} on F32 master weights{clip}; objective {}; {} micro-batch(es) per step",
-        s.objective, s.grad_accum
-    );
-    let scaling = match &s.loss_scaling {
-        LossScaling::None => "none".to_string(),
-        LossScaling::Static { scale } => format!("static {scale}"),
-        LossScaling::Dynamic {
-            init_scale,
-            growth_interval,
-            hysteresis,
-            max_scale,
-            min_scale,
-            ..
-        } => format!(
-            "dynamic: init {init_scale}, x2 after {growth_interval} clean steps, x0.5 on overflow \
-             (hysteresis {hysteresis}), max {max_scale}, error below {min_scale}"
-        ),
-    };
-    println!("loss scale  {scaling}");
+    let compiled = args.precision.compile(graph, model, None, false)?.graph;
+    let (plan, _) = build_training_plan(&compiled, settings.clone())?;
+    Ok(Planned {
+        plan,
+        forward_nodes: compiled.num_nodes(),
+    })
 }
 
 /// The remat decisions, the memory anatomy (persistent state by role, saved activations, the
 /// planned arena) and the cost model's estimate of the step.
 fn print_memory_and_cost(
+    say: Stream,
     plan: &castor_ir::TrainingPlan,
     forward_nodes: usize,
     gpu: &castor_passes::cost::GpuSpec,
@@ -257,26 +304,27 @@ fn print_memory_and_cost(
     use castor_passes::{cost::StepCost, memory::Anatomy, remat};
     let (names, cost) = remat::recomputed(&plan.micro_step, gpu);
     let groups = remat::group_counts(&names);
-    println!(
+    toln!(
+        say,
         "remat       {}: {} value(s) recomputed in the backward part, +{:.3} GFLOP",
         plan.settings.remat,
         names.len(),
         cost.flops / 1e9
     );
     for (group, count) in &groups {
-        println!("  recompute {group} x{count}");
+        toln!(say, "  recompute {group} x{count}");
     }
-    println!();
+    toln!(say);
     for line in crate::report::anatomy_lines(&Anatomy::of_plan(plan, forward_nodes)) {
-        println!("{line}");
+        toln!(say, "{line}");
     }
-    println!();
-    println!("cost model (roofline estimate)");
+    toln!(say);
+    toln!(say, "cost model (roofline estimate)");
     for line in crate::report::cost_lines(&StepCost::of_plan(plan, gpu)) {
-        println!("{line}");
+        toln!(say, "{line}");
     }
-    println!();
-    println!("{}", cuda_line(plan));
+    toln!(say);
+    toln!(say, "{}", cuda_line(plan));
 }
 
 /// What the CUDA executor would run for one step: kernel launches, cuBLAS products, copies

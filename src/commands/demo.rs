@@ -2,23 +2,26 @@
 //!
 //! Builds the embedded tiny GPT-2, prints what the compiler decides for a BF16 and an FP16
 //! training step (precision table, casts, loss scaling, recomputation, persistent memory),
-//! trains it on the embedded corpus, samples text before and after, and writes the loss
-//! curve, the memory anatomy and a checkpoint into an output folder.
+//! trains it on the embedded corpus, samples text before and after (KV-cache decoding, as
+//! `castor generate` does), and writes the report page, the loss curve, the memory anatomy
+//! and a checkpoint into an output folder.
 
 use crate::anatomy::{anatomy, AnatomyRow};
-use crate::checkpoint::{self, CheckpointFiles, TrainerState};
-use crate::commands::train::{self, LoopOptions, LrSchedule, Schedule};
-use crate::data::Data;
+use crate::checkpoint::{self, CheckpointFiles};
+use crate::commands::train::{self, LoopOptions, LrSchedule, Schedule, StateTemplate};
+use crate::data::{Data, DataOrder};
+use crate::generate::{Generator, Sampling};
+use crate::html::Report;
 use crate::plot::{self, AnatomyBar, LossHistory};
 use crate::precision::PrecisionArgs;
-use crate::report::{model_summary, thousands};
+use crate::report::{model_summary, printable_byte, thousands};
+use crate::rng::Rng;
 use crate::trainer::Trainer;
 use crate::training::TrainingArgs;
 use anyhow::Context;
-use castor_ir::{DType, Graph, Tensor, TrainingPlan};
+use castor_ir::{Graph, Tensor, TrainingPlan};
 use castor_models::{Config, Model, Objective};
 use castor_passes::{build_training_plan, precision_summary, Precision};
-use castor_runtime::cpu::CpuExecutor;
 use castor_runtime::PlanRunner;
 use clap::Parser;
 use std::collections::HashMap;
@@ -49,7 +52,7 @@ pub struct Args {
     #[arg(long, default_value_t = 300)]
     pub steps: u64,
     /// The precision the demo trains in (all are compiled and reported).
-    #[arg(long, default_value = "bf16", value_parser = parse_precision)]
+    #[arg(long, default_value = "bf16", value_parser = crate::precision::parse_precision)]
     pub precision: Precision,
     /// Sequences per micro-batch.
     #[arg(long, default_value_t = 8)]
@@ -60,10 +63,6 @@ pub struct Args {
     /// Where to train: `auto` (CUDA when a device is present, else the CPU), `cpu`, `cuda`.
     #[arg(long, value_enum, default_value_t = crate::commands::eval::Device::Auto)]
     pub device: crate::commands::eval::Device,
-}
-
-fn parse_precision(s: &str) -> Result<Precision, String> {
-    s.parse()
 }
 
 /// The embedded tiny GPT-2 and its deterministic initial weights.
@@ -111,7 +110,7 @@ fn compile(
     let f = flags(precision)?;
     let loss_graph = model.build_loss_graph(batch, seq, Objective::Lm)?;
     castor_ir::verify(&loss_graph).context("the front end built an invalid graph")?;
-    let compiled = f.precision.compile(loss_graph, None, false)?;
+    let compiled = f.precision.compile(loss_graph, Some(model), None, false)?;
     let settings = f.training.settings(precision, Objective::Lm, batch, seq)?;
     let (plan, report) = build_training_plan(&compiled.graph, settings)?;
     Ok(Compiled {
@@ -125,16 +124,16 @@ fn compile(
 /// The compile report of one precision: table, casts, loss scaling, remat, memory.
 fn print_report(c: &Compiled, params: u64) {
     let summary = precision_summary(&c.loss_graph, c.precision.low());
-    println!();
-    println!(
+    outln!();
+    outln!(
         "compile     {} training step: {}",
         c.precision,
         summary.headline()
     );
     for line in summary.table_lines() {
-        println!("              {line}");
+        outln!("              {line}");
     }
-    println!("plan        {}", c.summary);
+    outln!("plan        {}", c.summary);
     let scaling = match &c.plan.settings.loss_scaling {
         castor_ir::LossScaling::None => "none (bf16 has f32's range)".to_string(),
         castor_ir::LossScaling::Static { scale } => format!("static {scale}"),
@@ -146,15 +145,15 @@ fn print_report(c: &Compiled, params: u64) {
             "dynamic: start {init_scale}, x2 after {growth_interval} clean steps, x0.5 and skip on overflow"
         ),
     };
-    println!("loss scale  {scaling}");
-    println!("remat       none (every activation is kept for the backward pass)");
-    println!("memory      planned peak of one step: persistent state by role, then the arena (bytes/param vs. the usual 18 of mixed-precision AdamW for the state)");
+    outln!("loss scale  {scaling}");
+    outln!("remat       none (every activation is kept for the backward pass)");
+    outln!("memory      planned peak of one step: persistent state by role, then the arena (bytes/param vs. the usual 18 of mixed-precision AdamW for the state)");
     let mut total = 0;
-    for row in anatomy(&c.plan, Some(&c.loss_graph)) {
+    for row in anatomy(&c.plan, Some(c.loss_graph.num_nodes())) {
         total += row.bytes;
-        println!("              {}", memory_row(&row, params));
+        outln!("              {}", memory_row(&row, params));
     }
-    println!(
+    outln!(
         "              {:<28} {:>12} bytes",
         "total",
         thousands(total)
@@ -173,110 +172,48 @@ fn memory_row(row: &AnatomyRow, params: u64) -> String {
     format!("{:<28} {:>12} bytes  {per}", row.what, thousands(row.bytes))
 }
 
-/// A deterministic random source for sampling (SplitMix64).
-struct Rng(u64);
+/// What the samples are: top-k sampling at temperature 0.7 with a fixed seed, so the same
+/// weights give the same line.
+const SAMPLING: Sampling = Sampling {
+    temperature: 0.7,
+    top_k: 20,
+    top_p: 1.0,
+};
 
-impl Rng {
-    fn next_f64(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
-/// A text generator: the forward graph for one window, run once per new byte.
-struct Sampler {
-    graph: Graph,
-    window: usize,
-}
-
-impl Sampler {
-    fn new(model: &Model, precision: Precision, window: usize) -> anyhow::Result<Sampler> {
-        let graph = model.build_graph(1, window)?;
-        let graph = flags(precision)?
-            .precision
-            .compile(graph, None, false)?
-            .graph;
-        Ok(Sampler { graph, window })
-    }
-
-    /// Continues `prompt` for up to `max_new` bytes, stopping at a newline: top-k sampling
-    /// at temperature 0.7 with a fixed seed, so the same weights give the same line.
-    fn sample(&self, runner: &PlanRunner, prompt: &str, max_new: usize) -> anyhow::Result<String> {
-        let mut tokens: Vec<i64> = prompt.bytes().map(i64::from).collect();
-        let mut rng = Rng(SAMPLE_SEED);
-        let executor = CpuExecutor::new();
-        let t = self.window;
-        for _ in 0..max_new {
-            // The last `t` bytes, left-aligned: causal attention never looks at the padding.
-            let ctx = &tokens[tokens.len().saturating_sub(t)..];
-            let n = ctx.len();
-            let mut ids = ctx.to_vec();
-            ids.resize(t, 0);
-            let inputs: HashMap<&str, Tensor> = [
-                ("input_ids", Tensor::from_i64(DType::I64, [1, t], ids)),
-                (
-                    "attention_mask",
-                    Tensor::from_i64(DType::I64, [1, t], vec![1; t]),
-                ),
-            ]
-            .into_iter()
-            .collect();
-            let bind = |name: &str| inputs.get(name).or_else(|| runner.state(name));
-            let outputs = executor.run(&self.graph, &bind)?;
-            let logits = outputs
-                .first()
-                .and_then(|x| x.as_f32())
-                .context("the forward graph has no float output")?;
-            let vocab = logits.len() / t;
-            let row = &logits[(n - 1) * vocab..n * vocab];
-            let next = sample_top_k(row, 20, 0.7, &mut rng);
-            if next == i64::from(b'\n') {
-                break;
-            }
-            tokens.push(next);
-        }
-        Ok(printable(&tokens))
-    }
-}
-
-fn sample_top_k(logits: &[f32], k: usize, temperature: f64, rng: &mut Rng) -> i64 {
-    let mut idx: Vec<usize> = (0..logits.len()).collect();
-    idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-    idx.truncate(k.max(1));
-    let max = f64::from(logits[idx[0]]);
-    let weights: Vec<f64> = idx
+/// Continues `prompt` for up to `max_new` bytes with the runner's weights, stopping at a
+/// newline: KV-cache decoding, as `castor generate` runs it.
+fn sample(
+    model: &Model,
+    precision: Precision,
+    runner: &PlanRunner,
+    prompt: &str,
+    max_new: usize,
+) -> anyhow::Result<String> {
+    let f = flags(precision)?;
+    let mut generator = Generator::new(model, f.precision);
+    let tokens: Vec<i64> = prompt.bytes().map(i64::from).collect();
+    let new = generator.generate(
+        &tokens,
+        max_new,
+        &SAMPLING,
+        &mut Rng::new(SAMPLE_SEED),
+        &|name| runner.state(name),
+        &|t| t == u32::from(b'\n'),
+        &mut |_| {},
+    )?;
+    Ok(tokens
         .iter()
-        .map(|&i| ((f64::from(logits[i]) - max) / temperature).exp())
-        .collect();
-    let mut r = rng.next_f64() * weights.iter().sum::<f64>();
-    for (&i, w) in idx.iter().zip(&weights) {
-        r -= w;
-        if r <= 0.0 {
-            return i as i64;
-        }
-    }
-    idx[0] as i64
-}
-
-/// Bytes as text, with anything unprintable shown as `·`.
-fn printable(tokens: &[i64]) -> String {
-    tokens
-        .iter()
-        .map(|&t| match u8::try_from(t) {
-            Ok(b) if (0x20..0x7f).contains(&b) => b as char,
-            _ => '·',
-        })
-        .collect()
+        .map(|&t| t as u32)
+        .chain(new)
+        .map(printable_byte)
+        .collect())
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let start = Instant::now();
+    crate::outputs::check_folder("--out", &args.out)?;
     let device = crate::device::select(args.device)?;
-    println!(
+    outln!(
         "device      {}",
         match &device {
             crate::device::Selected::Cuda(d) => format!("cuda ({d})"),
@@ -286,7 +223,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let (model, params) = tiny_gpt2()?;
     let (batch, seq) = (args.batch, args.seq.min(model.max_positions()));
     let graph = model.build_graph(batch, seq)?;
-    print!(
+    crate::out!(
         "{}",
         model_summary(
             "embedded tiny-gpt2 (deterministic init)",
@@ -316,7 +253,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             label: c.precision.to_string(),
             // Every row, zeros too, so each row keeps its colour; the 16 bytes of step and
             // loss-scale state would not show.
-            segments: anatomy(&c.plan, Some(&c.loss_graph))
+            segments: anatomy(&c.plan, Some(c.loss_graph.num_nodes()))
                 .into_iter()
                 .filter(|r| r.what != castor_ir::StateRole::Control.describe())
                 .map(|r| (r.what, r.bytes))
@@ -335,37 +272,75 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     )?;
 
     // Train.
-    let plan = compiled
+    let trained = compiled
         .into_iter()
         .find(|c| c.precision == args.precision)
-        .context("the demo compiles every precision it trains")?
-        .plan;
+        .context("the demo compiles every precision it trains")?;
+    let plan = trained.plan.clone();
     let settings = plan.settings.clone();
     let mut runner = Trainer::new(plan, &|name| params.get(name).cloned(), &device)?;
     drop(params);
-    let sampler = Sampler::new(&model, args.precision, seq)?;
-    println!();
-    println!(
+    outln!();
+    outln!(
         "sample      before training: \"{}\"",
-        sampler.sample(runner.host()?, PROMPT, 60)?
+        sample(&model, args.precision, runner.host()?, PROMPT, 60)?
     );
     let tokens: Vec<i64> = CORPUS.bytes().map(i64::from).collect();
-    let mut data = Data::from_tokens(tokens, batch, seq, 0.1, "the embedded corpus".into())?;
-    println!(
-        "training    {} steps of [{batch}, {seq}] bytes of {}, {} on {}",
+    let mut data = Data::from_tokens(tokens, batch, seq, 0.1, "the embedded corpus".into())?
+        .with_order(DataOrder::Shuffle, 0);
+    let on = if runner.device() == "cpu" {
+        "the CPU executor".to_string()
+    } else {
+        runner.device()
+    };
+    outln!(
+        "training    {} steps of [{batch}, {seq}] bytes of {}, {} on {on}",
         args.steps,
         data.describe(),
         args.precision,
-        if runner.device() == "cpu" {
-            "the CPU executor".to_string()
-        } else {
-            runner.device()
-        }
     );
     let log_path = out.join("train.jsonl");
     let log = std::fs::File::create(&log_path)
         .with_context(|| format!("cannot create `{}`", log_path.display()))?;
     let loss_svg = out.join("loss.svg");
+    let report_path = out.join("report.html");
+    let title = format!(
+        "Training the embedded tiny GPT-2 on the project's docs ({}, {})",
+        args.precision,
+        if runner.device() == "cpu" {
+            "CPU"
+        } else {
+            "CUDA"
+        }
+    );
+    let mut report = Report::new(report_path.clone(), &title);
+    report.fact(
+        "model",
+        "embedded tiny GPT-2 (GPT2LMHeadModel, deterministic init)",
+    );
+    report.fact("data", &data.describe());
+    report.fact("device", &on);
+    report.training_plan(
+        &trained.plan,
+        trained.loss_graph.num_nodes(),
+        Some(&precision_summary(
+            &trained.loss_graph,
+            args.precision.low(),
+        )),
+    );
+    let gpu = castor_passes::cost::GpuSpec::default();
+    report.verdict = crate::fit::MemoryTarget::host().map(|target| {
+        crate::fit::verdict(
+            &crate::fit::Planned {
+                plan: trained.plan.clone(),
+                forward_nodes: trained.loss_graph.num_nodes(),
+            },
+            target,
+            &gpu,
+            &|_| anyhow::bail!("the demo fits"),
+        )
+    });
+    report.cost(&trained.plan, &gpu);
     train::catch_interrupts();
     let mut opts = LoopOptions {
         first_step: 0,
@@ -381,20 +356,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         eval_every: (args.steps / 5).max(1),
         eval_batches: 4,
         log: Some(log),
-        plot: Some((
-            loss_svg.clone(),
-            format!(
-                "Training the embedded tiny GPT-2 on the project's docs ({}, {})",
-                args.precision,
-                if runner.device() == "cpu" {
-                    "CPU"
-                } else {
-                    "CUDA"
-                }
-            ),
-        )),
+        plot: Some((loss_svg.clone(), title)),
+        report: Some(report),
         saves: None,
         files: CheckpointFiles::new(TINY_GPT2_CONFIG.to_string(), None),
+        state: StateTemplate {
+            settings,
+            flags: serde_json::Value::Null,
+            data_tokens: data.training_tokens(),
+        },
         input_names: model.input_names(),
         label: "demo".into(),
     };
@@ -409,38 +379,48 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .map(|p| p.1)
         .sum::<f64>()
         / run.history.train.len().clamp(1, 10) as f64;
-    println!(
+    let mut outcome = vec![format!(
         "trained     {} steps in {:.1} s ({:.0} tokens/s): loss {first:.3} -> {last:.3} (mean of the last 10 steps)",
         run.steps_done,
         run.seconds,
         run.tokens / run.seconds.max(1e-9)
-    );
+    )];
     if let Some((step, v)) = run.history.validation.last() {
-        println!("validation  loss {v:.3} on held-out text at step {step}");
+        outcome.push(format!(
+            "validation  loss {v:.3} on held-out text at step {step}"
+        ));
     }
-    println!(
+    outcome.push(format!(
         "sample      after training:  \"{}\"",
-        sampler.sample(runner.host()?, PROMPT, 60)?
-    );
+        sample(&model, args.precision, runner.host()?, PROMPT, 60)?
+    ));
+    for line in &outcome {
+        outln!("{line}");
+    }
+    if let Some(report) = &mut opts.report {
+        report.outcome = outcome;
+        report.write(Some(&run.history))?;
+    }
 
     let ckpt = out.join("checkpoint");
-    let state = TrainerState {
-        step: run.steps_done,
-        data_position: data.position(),
-        settings,
-    };
+    let state = opts.state.at(run.steps_done, &data);
     checkpoint::save_folder_atomically(&ckpt, &opts.files, runner.host()?, &state)?;
-    println!();
-    println!("wrote       {}  (loss curve)", loss_svg.display());
-    println!("            {}  (memory anatomy)", memory_svg.display());
-    println!(
+    outln!();
+    outln!(
+        "wrote       {}  (the run's report page)",
+        report_path.display()
+    );
+    outln!("            {}  (loss curve)", loss_svg.display());
+    outln!("            {}  (memory anatomy)", memory_svg.display());
+    outln!(
         "            {}  (one JSON line per step)",
         log_path.display()
     );
-    println!(
-        "            {}  (Hugging Face folder: GPT2LMHeadModel.from_pretrained loads it)",
+    outln!(
+        "            {}  (Hugging Face folder: GPT2LMHeadModel.from_pretrained loads it; castor \
+         generate continues text with it)",
         ckpt.display()
     );
-    println!("done        in {:.1} s", start.elapsed().as_secs_f64());
+    outln!("done        in {:.1} s", start.elapsed().as_secs_f64());
     Ok(())
 }

@@ -1,12 +1,13 @@
 //! `castor eval`: one forward pass on a batch from a safetensors file; the interface by which
 //! castor is compared with PyTorch, tensor by tensor.
 
-use crate::batch::{read_batch, read_labels};
+use crate::batch::{read_batch, read_labels, Batch};
 use crate::device::Selected;
 use crate::precision::PrecisionArgs;
+use crate::tokenizer::TextTokenizer;
 use crate::CliError;
 use anyhow::Context;
-use castor_ir::Tensor;
+use castor_ir::{DType, Tensor};
 use castor_models::{write_safetensors, Model, Objective};
 use castor_passes::{Autodiff, Pass};
 use castor_runtime::cpu::CpuExecutor;
@@ -28,12 +29,17 @@ pub struct Args {
     pub model: PathBuf,
     /// Safetensors file with `input_ids` [B, T] (I64 or I32) and optionally `attention_mask`
     /// and `token_type_ids`.
+    #[arg(long, required_unless_present = "text", conflicts_with = "text")]
+    pub input: Option<PathBuf>,
+    /// Text to run instead of a batch file, tokenized with the model's tokenizer (framed as
+    /// it frames a text: `[CLS] ... [SEP]` for BERT). Prints the loss and the next-token
+    /// predictions of a causal LM, or the predictions at each mask token of a masked LM.
     #[arg(long)]
-    pub input: PathBuf,
+    pub text: Option<String>,
     /// Where to write the outputs (F32): `logits` for models with an LM head, else
     /// `last_hidden_state` (and `pooler_output` for BERT with a pooler).
     #[arg(long)]
-    pub out: PathBuf,
+    pub out: Option<PathBuf>,
     #[command(flatten)]
     pub precision: PrecisionArgs,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
@@ -58,25 +64,78 @@ pub struct Args {
     pub strict: bool,
 }
 
+/// The batch of `--text`: the tokens as one row.
+fn text_batch(model: &Model, tokenizer: &TextTokenizer, text: &str) -> anyhow::Result<Batch> {
+    let ids: Vec<i64> = tokenizer
+        .encode(text, true)?
+        .into_iter()
+        .map(i64::from)
+        .collect();
+    let t = ids.len();
+    if t == 0 {
+        return Err(CliError::InvalidInput("--text: the text has no tokens".into()).into());
+    }
+    if t > model.max_positions() {
+        return Err(CliError::InvalidInput(format!(
+            "--text is {t} tokens, more than the model's {} positions",
+            model.max_positions()
+        ))
+        .into());
+    }
+    let tensors = model
+        .input_names()
+        .iter()
+        .map(|&name| {
+            let values = match name {
+                "input_ids" => ids.clone(),
+                "attention_mask" => vec![1; t],
+                _ => vec![0; t],
+            };
+            (
+                name.to_string(),
+                Tensor::from_i64(DType::I64, [1, t], values),
+            )
+        })
+        .collect();
+    Ok(Batch {
+        batch: 1,
+        seq: t,
+        tensors,
+    })
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(out) = &args.out {
+        crate::outputs::check_file("--out", out)?;
+    }
     let device = crate::device::select(args.device)?;
 
     let model = Model::load(&args.model)?;
-    let batch = read_batch(&args.input, model.input_names(), model.vocab_size())?;
+    crate::report::warn_unused(&model);
+    let tokenizer = match &args.text {
+        Some(_) => Some(TextTokenizer::for_model(&model)?),
+        None => None,
+    };
+    let batch = match (&args.input, &args.text, &tokenizer) {
+        (Some(input), _, _) => read_batch(input, model.input_names(), model.vocab_size())?,
+        (None, Some(text), Some(tok)) => text_batch(&model, tok, text)?,
+        _ => return Err(CliError::InvalidInput("give --input FILE or --text TEXT".into()).into()),
+    };
     let graph = model.build_graph(batch.batch, batch.seq)?;
     castor_ir::verify(&graph).context("the front end built an invalid graph")?;
-    let compiled = args.precision.compile(graph, None, false)?;
+    let compiled = args.precision.compile(graph, Some(&model), None, false)?;
     let graph = compiled.graph;
     if let Some((_, report)) = compiled.reports.iter().find(|(p, _)| *p == "autocast") {
-        eprintln!(
+        errln!(
             "precision: {} ({})",
-            args.precision.precision, report.summary
+            args.precision.precision,
+            report.summary
         );
     }
     let params = model.load_params()?;
     let non_finite = model.check_finite(&params, args.strict)?;
     if !non_finite.is_empty() {
-        eprintln!(
+        errln!(
             "warning: NaN or Inf in {} (--strict refuses them)",
             castor_models::finite::describe_non_finite(&non_finite)
         );
@@ -115,30 +174,63 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .zip(outputs)
         .map(|(&v, t)| (graph.name(v).to_string(), to_f32(t)))
         .collect();
-    if args.grad {
-        named.extend(gradients(&args, &model, &batch, &params, &device)?);
+    if let (Some(tok), Some(ids)) = (&tokenizer, batch.tensors.get("input_ids")) {
+        let ids: Vec<u32> = ids
+            .as_i64()
+            .unwrap_or(&[])
+            .iter()
+            .map(|&i| i as u32)
+            .collect();
+        if let Some((_, logits)) = named.iter().find(|(n, _)| n == "logits") {
+            crate::text_eval::print(&model, tok, &ids, logits);
+        }
     }
-    let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
-    write_safetensors(&args.out, &refs)?;
+    if args.grad {
+        let objective = match args.objective.as_str() {
+            "auto" => Objective::auto(&model),
+            other => other.parse().map_err(CliError::InvalidInput)?,
+        };
+        let labels = match (&args.input, objective.needs_labels()) {
+            (_, false) => None,
+            (Some(input), true) => Some(read_labels(input, &batch, objective, model.vocab_size())?),
+            (None, true) if objective == Objective::Lm => batch.tensors.get("input_ids").cloned(),
+            (None, true) => {
+                return Err(CliError::InvalidInput(format!(
+                    "--grad with --text: objective `{objective}` needs labels; give a batch \
+                     with `labels` (--input)"
+                ))
+                .into())
+            }
+        };
+        named.extend(gradients(
+            &args, &model, &batch, objective, labels, &params, &device,
+        )?);
+    }
+    if let Some(out) = &args.out {
+        let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        write_safetensors(out, &refs)?;
+    }
     let grads = named.iter().filter(|(n, _)| n.starts_with("grad.")).count();
     for (name, t) in named.iter().filter(|(n, _)| !n.starts_with("grad.")) {
         if t.shape().rank() == 0 {
-            println!("{name}: {:.6}", t.as_f32().map_or(f32::NAN, |v| v[0]));
+            outln!("{name}: {:.6}", t.as_f32().map_or(f32::NAN, |v| v[0]));
         } else {
-            println!("{name}: f32{}", t.shape());
+            outln!("{name}: f32{}", t.shape());
         }
     }
     if grads > 0 {
-        println!("grad.*: {grads} parameter gradients (f32)");
+        outln!("grad.*: {grads} parameter gradients (f32)");
     }
-    println!(
+    outln!(
         "forward on {on}, {}, batch {} x seq {}: {median_ms:.2} ms (median of {})",
         args.precision.precision,
         batch.batch,
         batch.seq,
         times.len()
     );
-    println!("wrote {}", args.out.display());
+    if let Some(out) = &args.out {
+        outln!("wrote {}", out.display());
+    }
     Ok(())
 }
 
@@ -147,17 +239,18 @@ fn gradients(
     args: &Args,
     model: &Model,
     batch: &crate::batch::Batch,
+    objective: Objective,
+    labels: Option<Tensor>,
     params: &std::collections::HashMap<String, Tensor>,
     device: &Selected,
 ) -> anyhow::Result<Vec<(String, Tensor)>> {
-    let objective = match args.objective.as_str() {
-        "auto" => Objective::auto(model),
-        other => other.parse().map_err(CliError::InvalidInput)?,
-    };
     let loss_graph = model.build_loss_graph(batch.batch, batch.seq, objective)?;
-    let compiled = args.precision.compile(loss_graph, None, false)?.graph;
+    let compiled = args
+        .precision
+        .compile(loss_graph, Some(model), None, false)?
+        .graph;
     let (train, report) = Autodiff::default().run(&compiled)?;
-    eprintln!("objective: {objective}; {}", report.summary);
+    errln!("objective: {objective}; {}", report.summary);
     let train = if args.remat.is_none() {
         train
     } else {
@@ -173,18 +266,8 @@ fn gradients(
             gpu: Default::default(),
         };
         let out = castor_passes::remat::rematerialize(&train, args.remat, &ctx)?;
-        eprintln!("{}", out.summary);
+        errln!("{}", out.summary);
         out.graph
-    };
-    let labels = if objective.needs_labels() {
-        Some(read_labels(
-            &args.input,
-            batch,
-            objective,
-            model.vocab_size(),
-        )?)
-    } else {
-        None
     };
     let outputs = match device {
         Selected::Cpu => {

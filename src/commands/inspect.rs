@@ -4,7 +4,9 @@
 //! (absurd configs are refused before anything is built); `--strict` also reads the weights
 //! to refuse NaN and Inf.
 
+use crate::out::Stream;
 use crate::report::model_summary;
+use crate::tokenizer::TextTokenizer;
 use anyhow::Context;
 use castor_models::Model;
 use std::path::PathBuf;
@@ -30,10 +32,17 @@ pub struct Args {
 
 pub fn run(args: Args) -> anyhow::Result<()> {
     let model = Model::load(&args.model)?;
+    crate::report::warn_unused(&model);
     let seq = args.seq.unwrap_or_else(|| model.max_positions());
     let graph = model.build_graph(args.batch, seq)?;
     castor_ir::verify(&graph).context("the front end built an invalid graph")?;
-    print!(
+    // With --ir the IR is the result: it goes to stdout alone, the summary to stderr.
+    let say = if args.ir {
+        Stream::Stderr
+    } else {
+        Stream::Stdout
+    };
+    say.write(format_args!(
         "{}",
         model_summary(
             &args.model.display().to_string(),
@@ -42,26 +51,40 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.batch,
             seq
         )
-    );
-    if let Some(path) = crate::data::model_tokenizer(&model) {
-        let tok = crate::data::load_tokenizer(&path, model.vocab_size())?;
-        println!(
-            "tokenizer   tokenizer.json, {} tokens (vocabulary {})",
-            tok.get_vocab_size(true),
+    ));
+    match TextTokenizer::for_model(&model) {
+        Ok(tok) => toln!(
+            say,
+            "tokenizer   {}, {} tokens (vocabulary {})",
+            tok.describe(),
+            tok.len(),
             model.vocab_size()
-        );
+        ),
+        // A tokenizer that belongs to another model is invalid input; a missing one only
+        // means text cannot be read.
+        Err(e) if has_tokenizer_files(&model) => return Err(e),
+        Err(_) => toln!(say, "tokenizer   none (token files and batches only)"),
     }
     if args.strict {
         // `scan_weights(true)` fails on the first NaN or Inf found, naming every such tensor.
         model.scan_weights(true)?;
-        println!(
+        toln!(
+            say,
             "weights     all {} parameter tensors are finite",
             model.expected_params().len()
         );
     }
     if args.ir {
-        println!();
-        print!("{}", castor_ir::text::print(&graph));
+        crate::out!("{}", castor_ir::text::print(&graph));
     }
     Ok(())
+}
+
+/// Whether the model's folder holds any tokenizer file.
+fn has_tokenizer_files(model: &Model) -> bool {
+    model.config().file.parent().is_some_and(|dir| {
+        ["tokenizer.json", "vocab.json", "merges.txt", "vocab.txt"]
+            .iter()
+            .any(|f| dir.join(f).is_file())
+    })
 }

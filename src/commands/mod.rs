@@ -3,5 +3,6 @@
 pub mod compile;
 pub mod demo;
 pub mod eval;
+pub mod generate;
 pub mod inspect;
 pub mod train;

@@ -1,23 +1,31 @@
-//! `castor train`: compile a training plan and run it on the CPU executor.
+//! `castor train`: compile a training plan and run it.
 //!
 //! The loop ([`train_loop`]) is shared with `castor demo`: learning-rate schedule, progress,
-//! JSON-lines log, validation, loss-curve picture, periodic checkpoints and Ctrl-C.
+//! JSON-lines log, validation, loss-curve picture, report page, periodic checkpoints and
+//! Ctrl-C. Step numbers are 1-based everywhere (console, log, picture, report,
+//! `trainer_state.json`), and `--steps` is the step a run trains until, as transformers'
+//! `max_steps`: a resumed run continues to it.
 
 use crate::checkpoint::{self, CheckpointFiles, TrainerState};
 use crate::commands::eval::Device;
-use crate::data::{Data, DataOptions};
+use crate::data::{Data, DataOptions, DataOrder};
+use crate::fit::{self, MemoryTarget, Planned};
+use crate::given::Given;
+use crate::html::{self, Report};
 use crate::plot::{self, LossHistory};
 use crate::precision::PrecisionArgs;
 use crate::progress::{Progress, StepLine};
+use crate::resume::{self, RunFlags};
 use crate::trainer::Trainer;
 use crate::training::TrainingArgs;
 use crate::CliError;
 use anyhow::Context;
-use castor_ir::{Tensor, TrainingPlan};
+use castor_ir::{Tensor, TrainSettings, TrainingPlan};
 use castor_models::Model;
 use castor_passes::build_training_plan;
 use castor_runtime::cpu::CpuExecutor;
 use castor_runtime::{PlanRunner, RuntimeError, StepReport};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -27,12 +35,53 @@ use std::time::Instant;
 /// Seed of the initialization of config-only models.
 const INIT_SEED: u64 = 0x00ca_5709;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Schedule {
     /// The same learning rate every step (after warmup).
     Constant,
     /// Cosine decay from --lr to --min-lr over the run (after warmup).
     Cosine,
+}
+
+/// The flags that decide what a run computes besides the step itself: how long, on what
+/// shapes, with which schedule, over which windows. A resumed run takes them from its
+/// checkpoint unless they are given (and a given value that differs is an error).
+#[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
+#[command(next_help_heading = "Run")]
+pub struct RunArgs {
+    /// The step to train until: the total number of optimizer steps, as transformers'
+    /// max_steps (a resumed run continues to it; required unless resuming).
+    #[arg(long)]
+    pub steps: Option<u64>,
+    /// Sequences per micro-batch (token streams; default 8).
+    #[arg(long)]
+    pub batch: Option<usize>,
+    /// Tokens per sequence (token streams; default 64, or the model's positions if fewer;
+    /// more than the model's positions is an error).
+    #[arg(long)]
+    pub seq: Option<usize>,
+    /// Learning-rate warmup steps (linear from 0).
+    #[arg(long, default_value_t = 0, help_heading = "Learning-rate schedule")]
+    pub warmup: u64,
+    #[arg(long, value_enum, default_value_t = Schedule::Constant, help_heading = "Learning-rate schedule")]
+    pub schedule: Schedule,
+    /// Length of the learning-rate schedule in steps (default: --steps).
+    #[arg(long, help_heading = "Learning-rate schedule")]
+    pub total_steps: Option<u64>,
+    /// The final learning rate of the cosine schedule.
+    #[arg(long, default_value_t = 0.0, help_heading = "Learning-rate schedule")]
+    pub min_lr: f64,
+    /// Hold out this fraction of the token stream (its end) for validation.
+    #[arg(long, default_value_t = 0.0, value_name = "F", help_heading = "Data")]
+    pub val_fraction: f64,
+    /// The order token windows are read in: `shuffle` (a seeded permutation, new every pass
+    /// over the data) or `sequential`.
+    #[arg(long, value_enum, default_value_t = DataOrder::Shuffle, help_heading = "Data")]
+    pub data_order: DataOrder,
+    /// Seed of the window order and of masked-LM masking.
+    #[arg(long, default_value_t = 0, help_heading = "Data")]
+    pub seed: u64,
 }
 
 #[derive(clap::Args)]
@@ -41,69 +90,58 @@ pub struct Args {
     pub model: PathBuf,
     /// Training data: a safetensors batch (`input_ids` [B, T], optional `labels`; the same
     /// batch every step), a token file (.bin: llm.c's format, or nanoGPT's raw u16 tokens),
-    /// or a text file (tokenized with the model's tokenizer.json, else byte by byte).
-    #[arg(long)]
+    /// or text tokenized with the model's tokenizer: a text file (one document), a folder of
+    /// text files (one document each) or a .jsonl file (one `text` per line).
+    #[arg(long, help_heading = "Data")]
     pub data: PathBuf,
-    /// Optimizer steps to run.
-    #[arg(long)]
-    pub steps: u64,
-    /// Sequences per micro-batch (text data; default 8).
-    #[arg(long)]
-    pub batch: Option<usize>,
-    /// Tokens per sequence (text data; default 64).
-    #[arg(long)]
-    pub seq: Option<usize>,
+    #[command(flatten)]
+    pub run: RunArgs,
     #[command(flatten)]
     pub precision: PrecisionArgs,
     #[command(flatten)]
     pub training: TrainingArgs,
-    /// Run a plan written by `castor compile --emit plan` instead of compiling one.
-    #[arg(long, value_name = "PLAN.json")]
+    /// Run a plan written by `castor compile --emit plan` instead of compiling one (flags
+    /// that disagree with the plan are an error).
+    #[arg(long, value_name = "PLAN.json", help_heading = "Run")]
     pub plan: Option<PathBuf>,
-    /// Learning-rate warmup steps (linear from 0).
-    #[arg(long, default_value_t = 0)]
-    pub warmup: u64,
-    #[arg(long, value_enum, default_value_t = Schedule::Constant)]
-    pub schedule: Schedule,
-    /// Length of the learning-rate schedule in steps (default: the step this run ends at;
-    /// give the full length when a run will be resumed).
-    #[arg(long)]
-    pub total_steps: Option<u64>,
-    /// The final learning rate of the cosine schedule.
-    #[arg(long, default_value_t = 0.0)]
-    pub min_lr: f64,
-    /// Hold out this fraction of the token stream (its end) for validation.
-    #[arg(long, default_value_t = 0.0, value_name = "F")]
-    pub val_fraction: f64,
     /// Evaluate the validation loss every N steps (and at the end; needs --val-fraction).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", help_heading = "Data")]
     pub eval_every: Option<u64>,
     /// Micro-batches of held-out windows per evaluation (at most).
-    #[arg(long, default_value_t = 8, value_name = "N")]
+    #[arg(long, default_value_t = 8, value_name = "N", help_heading = "Data")]
     pub eval_batches: usize,
-    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    #[arg(long, value_enum, default_value_t = Device::Auto, help_heading = "Device")]
     pub device: Device,
+    /// The GPU the fit verdict checks the plan against when training on the CPU: a name
+    /// (h100, h200, a100, a100-40gb, l4, rtx-4090, ...) or a spec file. Default: the host's
+    /// memory; on CUDA always the GPU's own.
+    #[arg(long, value_name = "NAME|FILE", help_heading = "Device")]
+    pub gpu: Option<String>,
     /// Write a checkpoint here at the end (a Hugging Face folder plus optimizer state).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", help_heading = "Outputs")]
     pub save: Option<PathBuf>,
     /// Also write a checkpoint every N steps, as the folder DIR/step-NNNNNN/ (needs --save).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", help_heading = "Outputs")]
     pub save_every: Option<u64>,
     /// Keep only the newest K step folders (0 keeps all).
-    #[arg(long, default_value_t = 0, value_name = "K")]
+    #[arg(long, default_value_t = 0, value_name = "K", help_heading = "Outputs")]
     pub keep: usize,
     /// Continue from a checkpoint written by --save (its newest step folder, when that is
-    /// further along): model, optimizer, scaler, data position.
-    #[arg(long, value_name = "DIR")]
+    /// further along): model, optimizer, scaler, data position, and the run's flags.
+    #[arg(long, value_name = "DIR", help_heading = "Outputs")]
     pub resume: Option<PathBuf>,
     /// Append one JSON line per step here.
-    #[arg(long, value_name = "FILE.jsonl")]
+    #[arg(long, value_name = "FILE.jsonl", help_heading = "Outputs")]
     pub log: Option<PathBuf>,
     /// Draw the loss curve here (SVG), redrawn at every evaluation and printed line.
-    #[arg(long, value_name = "FILE.svg")]
+    #[arg(long, value_name = "FILE.svg", help_heading = "Outputs")]
     pub plot: Option<PathBuf>,
+    /// Write the run's report here: one self-contained HTML page (loss and validation curves,
+    /// learning rate and loss scale, memory anatomy, precision, fit verdict).
+    #[arg(long, value_name = "FILE.html", help_heading = "Outputs")]
+    pub report: Option<PathBuf>,
     /// Print a line every N steps (default: about 20 lines per run).
-    #[arg(long)]
+    #[arg(long, help_heading = "Outputs")]
     pub print_every: Option<u64>,
 }
 
@@ -136,7 +174,7 @@ pub struct LrSchedule {
 }
 
 impl LrSchedule {
-    /// The learning rate of loop step `step` (0-based).
+    /// The learning rate of loop step `step` (0-based: the step numbered `step + 1`).
     pub fn at(&self, step: u64) -> f64 {
         if step < self.warmup {
             return self.peak * (step + 1) as f64 / self.warmup as f64;
@@ -164,8 +202,9 @@ pub struct Saves {
 
 /// What the training loop does besides stepping.
 pub struct LoopOptions {
-    /// Loop steps already done (resumed runs).
+    /// Steps already done (resumed runs).
     pub first_step: u64,
+    /// Steps this run takes.
     pub steps: u64,
     pub lr: LrSchedule,
     pub print_every: u64,
@@ -175,11 +214,35 @@ pub struct LoopOptions {
     pub log: Option<std::fs::File>,
     /// The loss-curve picture and its title.
     pub plot: Option<(PathBuf, String)>,
+    /// The report page, rewritten with the curves where the picture is.
+    pub report: Option<Report>,
     pub saves: Option<Saves>,
     pub files: CheckpointFiles,
+    /// What every checkpoint's trainer state records besides the step and data position.
+    pub state: StateTemplate,
     pub input_names: &'static [&'static str],
     /// The progress bar's prefix.
     pub label: String,
+}
+
+/// The parts of a [`TrainerState`] fixed for a run.
+#[derive(Clone, Debug)]
+pub struct StateTemplate {
+    pub settings: TrainSettings,
+    pub flags: serde_json::Value,
+    pub data_tokens: usize,
+}
+
+impl StateTemplate {
+    pub fn at(&self, step: u64, data: &Data) -> TrainerState {
+        TrainerState {
+            step,
+            data_position: data.position(),
+            settings: self.settings.clone(),
+            flags: self.flags.clone(),
+            data_tokens: self.data_tokens,
+        }
+    }
 }
 
 /// What a run of the loop did.
@@ -220,6 +283,21 @@ pub fn validation_loss(
     Ok(Some(sum / batches.len() as f64))
 }
 
+/// Redraws the picture and the report. A failed write is a warning: the paths were checked
+/// writable before the run, and losing a picture must not lose the run.
+fn redraw(opts: &LoopOptions, history: &LossHistory) {
+    if let Some((path, title)) = &opts.plot {
+        if let Err(e) = plot::write_loss_curve(path, title, history) {
+            errln!("warning: {}", crate::error_message(&e));
+        }
+    }
+    if let Some(report) = &opts.report {
+        if let Err(e) = report.write(Some(history)) {
+            errln!("warning: {}", crate::error_message(&e));
+        }
+    }
+}
+
 /// Runs `opts.steps` steps of `runner` on `data`, continuing `history`.
 pub fn train_loop(
     runner: &mut Trainer,
@@ -250,6 +328,7 @@ pub fn train_loop(
         let micro: Vec<HashMap<String, Tensor>> = (0..settings.grad_accum)
             .map(|_| data.next_batch(opts.input_names))
             .collect();
+        // Steps are numbered from 1 everywhere people and files see them.
         let done = step + 1;
         let last_step = done == end;
         let eval_now = !val_batches.is_empty()
@@ -261,7 +340,8 @@ pub fn train_loop(
             .as_ref()
             .is_some_and(|s| s.every > 0 && (done.is_multiple_of(s.every) || last_step || stop));
         // A device step's report is read back only when something shows or keeps it.
-        let wanted = print || eval_now || save_now || stop || opts.log.is_some();
+        let wanted =
+            print || eval_now || save_now || stop || opts.log.is_some() || opts.report.is_some();
         let stepped = runner.step(&micro, lr as f32, wanted)?;
         out.steps_done += 1;
         let Some(report) = stepped else {
@@ -276,6 +356,10 @@ pub fn train_loop(
         last_report = Instant::now();
         out.skipped += u64::from(report.skipped);
         history.train.push((done, f64::from(report.loss)));
+        history.lr.push((done, lr));
+        history
+            .loss_scale
+            .push((done, f64::from(report.loss_scale)));
 
         let val_loss = if eval_now {
             let v = runner.validation_loss(&val_batches)?;
@@ -290,7 +374,7 @@ pub fn train_loop(
         };
         if let Some(f) = opts.log.as_mut() {
             let mut line = serde_json::json!({
-                "step": step,
+                "step": done,
                 "loss": report.loss,
                 "loss_scale": report.loss_scale,
                 "skipped": report.skipped,
@@ -315,19 +399,13 @@ pub fn train_loop(
             },
             print,
         );
-        if let Some((path, title)) = &opts.plot {
-            if print || eval_now {
-                plot::write_loss_curve(path, title, &history)?;
-            }
+        if print || eval_now {
+            redraw(opts, &history);
         }
-        check_loss_scale(runner.min_loss_scale(), &report, step)?;
+        check_loss_scale(runner.min_loss_scale(), &report, done)?;
         out.last = Some(report);
         if let (Some(saves), true) = (&opts.saves, save_now) {
-            let state = TrainerState {
-                step: done,
-                data_position: data.position(),
-                settings: settings.clone(),
-            };
+            let state = opts.state.at(done, data);
             checkpoint::save_step(&saves.root, saves.keep, &opts.files, runner.host()?, &state)?;
         }
         if stop {
@@ -342,9 +420,9 @@ pub fn train_loop(
     Ok(out)
 }
 
-/// Reads the losses of steps before `before` (1-based) from a JSON-lines log, so a resumed
-/// run's picture shows the whole run.
-fn history_from_log(path: &Path, before: u64) -> LossHistory {
+/// Reads the curves of steps up to `until` from a JSON-lines log, so a resumed run's picture
+/// and report show the whole run.
+fn history_from_log(path: &Path, until: u64) -> LossHistory {
     let mut h = LossHistory::default();
     let Ok(text) = std::fs::read_to_string(path) else {
         return h;
@@ -353,10 +431,10 @@ fn history_from_log(path: &Path, before: u64) -> LossHistory {
         let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
             continue;
         };
-        let Some(step) = v["step"].as_u64().map(|s| s + 1) else {
+        let Some(step) = v["step"].as_u64() else {
             continue;
         };
-        if step > before {
+        if step > until {
             continue;
         }
         if let Some(l) = v["loss"].as_f64() {
@@ -365,11 +443,37 @@ fn history_from_log(path: &Path, before: u64) -> LossHistory {
         if let Some(l) = v["val_loss"].as_f64() {
             h.validation.push((step, l));
         }
+        if let Some(l) = v["lr"].as_f64() {
+            h.lr.push((step, l));
+        }
+        if let Some(l) = v["loss_scale"].as_f64() {
+            h.loss_scale.push((step, l));
+        }
     }
     h
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+/// Checks every output path before any work.
+fn check_outputs(args: &Args) -> anyhow::Result<()> {
+    if let Some(dir) = &args.save {
+        crate::outputs::check_folder("--save", dir)?;
+    }
+    if let Some(path) = &args.log {
+        crate::outputs::check_file("--log", path)?;
+    }
+    if let Some(path) = &args.plot {
+        plot::check_picture_path(path)?;
+        crate::outputs::check_file("--plot", path)?;
+    }
+    if let Some(path) = &args.report {
+        html::check_report_path(path)?;
+        crate::outputs::check_file("--report", path)?;
+    }
+    Ok(())
+}
+
+pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
+    check_outputs(&args)?;
     let device = crate::device::select(args.device)?;
     if args.save_every.is_some() && args.save.is_none() {
         return Err(CliError::InvalidInput(
@@ -377,81 +481,156 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         )
         .into());
     }
-    if args.eval_every.is_some() && args.val_fraction <= 0.0 {
+
+    // Resuming reads the weights from the checkpoint, which is itself a model folder, and
+    // takes the run's flags from it unless they are given.
+    let resume_dir = args.resume.as_deref().map(checkpoint::resolve_resume);
+    let resume = match &resume_dir {
+        Some(dir) => {
+            resume::check_same_model(&args.model, dir)?;
+            let (state, trainer) = checkpoint::load_resume_state(dir)?;
+            let flags = RunFlags {
+                precision: args.precision.clone(),
+                training: args.training.clone(),
+                run: args.run.clone(),
+            };
+            let merged = flags.merged_with(&trainer.flags, given, dir)?;
+            args.precision = merged.precision;
+            args.training = merged.training;
+            args.run = merged.run;
+            Some((state, trainer))
+        }
+        None => None,
+    };
+    if args.eval_every.is_some() && args.run.val_fraction <= 0.0 {
         return Err(CliError::InvalidInput(
             "--eval-every needs held-out data: give --val-fraction".into(),
         )
         .into());
     }
-    if let Some(p) = &args.plot {
-        plot::check_picture_path(p)?;
+    let total = args.run.steps.ok_or_else(|| {
+        CliError::InvalidInput(
+            "--steps N is required: the step to train until (as transformers' max_steps)".into(),
+        )
+    })?;
+    let first_step = resume.as_ref().map_or(0, |(_, t)| t.step);
+    if total <= first_step && resume.is_some() {
+        return Err(CliError::InvalidInput(format!(
+            "--steps {total}: the checkpoint is at step {first_step} already; --steps is the \
+             total (the step to train until), so give more than {first_step}"
+        ))
+        .into());
     }
-    // Resuming reads the weights from the checkpoint, which is itself a model folder.
-    let resume_dir = args.resume.as_deref().map(checkpoint::resolve_resume);
+    // The schedule's length is fixed when a run starts and travels with its checkpoints.
+    args.run.total_steps = Some(args.run.total_steps.unwrap_or(total));
+
     let model_path = resume_dir.as_deref().unwrap_or(&args.model);
     let model = Model::load(model_path)?;
+    crate::report::warn_unused(&model);
     let config_json = std::fs::read_to_string(&model.config().file)
         .with_context(|| format!("cannot read `{}`", model.config().file.display()))?;
     let files = CheckpointFiles::new(config_json, model.config().file.parent());
-    let resume = resume_dir
-        .as_deref()
-        .map(checkpoint::load_resume_state)
-        .transpose()?;
     if let Some(dir) = &resume_dir {
-        println!("resume      {}", dir.display());
+        outln!("resume      {} (step {first_step})", dir.display());
     }
 
-    let mut data_options = DataOptions {
-        batch: args.batch,
-        seq: args.seq,
-        val_fraction: args.val_fraction,
+    let data_options = DataOptions {
+        batch: args.run.batch,
+        seq: args.run.seq,
+        val_fraction: args.run.val_fraction,
+        order: args.run.data_order,
+        seed: args.run.seed,
     };
-    let (plan, mut data) = match &args.plan {
+    let (planned, mut data) = match &args.plan {
         Some(path) => {
             let text = std::fs::read_to_string(path).map_err(|e| {
                 CliError::InvalidInput(format!("cannot read plan `{}`: {e}", path.display()))
             })?;
             let plan = TrainingPlan::from_json(&text)
                 .map_err(|e| CliError::InvalidInput(format!("`{}`: {e}", path.display())))?;
+            resume::check_plan_flags(&plan.settings, &args, given, path)?;
             let objective = plan_objective(&plan)?;
-            data_options.batch = Some(plan.settings.batch);
-            data_options.seq = Some(plan.settings.seq);
-            let data = Data::open(&args.data, &model, objective, &data_options)?;
-            (plan, data)
+            let options = DataOptions {
+                batch: Some(plan.settings.batch),
+                seq: Some(plan.settings.seq),
+                ..data_options
+            };
+            let data = Data::open(&args.data, &model, objective, &options)?;
+            (CompiledPlan::from_file(plan), data)
         }
         None => {
-            let objective = args.training.objective(Some(&model))?;
+            let objective = args.training.training_objective(&model)?;
             let data = Data::open(&args.data, &model, objective, &data_options)?;
-            (compile_plan(&args, &model, data.shape())?, data)
+            let (batch, seq) = data.shape();
+            let settings =
+                args.training
+                    .settings(args.precision.precision, objective, batch, seq)?;
+            (compile_plan(&args.precision, &model, settings, true)?, data)
         }
     };
-    println!("data        {}", data.describe());
+    outln!("data        {}", data.describe());
     if args.eval_every.is_some() && !data.has_validation() {
         return Err(CliError::InvalidInput("--eval-every: no held-out data".into()).into());
+    }
+
+    // Will it fit? Checked before the weights are even read.
+    let gpu = fit::gpu_spec(args.gpu.as_deref())?;
+    let target = match &device {
+        crate::device::Selected::Cuda(_) => MemoryTarget::this_gpu(),
+        _ => match &args.gpu {
+            Some(_) => MemoryTarget::of_spec(&gpu, "--gpu"),
+            None => MemoryTarget::host(),
+        },
+    };
+    let verdict = target.map(|target| {
+        let this = Planned {
+            plan: planned.plan.clone(),
+            forward_nodes: planned.forward_nodes,
+        };
+        if planned.summary.is_none() {
+            // A plan from a file is not recompiled with other settings here.
+            fit::verdict(&this, target, &gpu, &|_| {
+                anyhow::bail!("plans from files are not recompiled")
+            })
+        } else {
+            fit::verdict(&this, target, &gpu, &|settings| {
+                compile_plan(&args.precision, &model, settings, false).map(Planned::from)
+            })
+        }
+    });
+    if let Some(v) = &verdict {
+        for line in v.lines() {
+            outln!("{line}");
+        }
     }
 
     let params = if model.checkpoint().is_some() {
         model.load_params()?
     } else {
-        eprintln!("weights: initialized from the config (seed {INIT_SEED:#x})");
+        errln!("weights: initialized from the config (seed {INIT_SEED:#x})");
         model.init_params(INIT_SEED)
     };
-    let settings = plan.settings.clone();
-    let mut runner = Trainer::new(plan, &|name| params.get(name).cloned(), &device)?;
+    let settings = planned.plan.settings.clone();
+    let mut runner = Trainer::new(
+        planned.plan.clone(),
+        &|name| params.get(name).cloned(),
+        &device,
+    )?;
     drop(params);
-    let mut first_step = 0;
     if let Some((state, trainer)) = resume {
-        if trainer.settings != settings {
-            return Err(CliError::InvalidInput(
-                "--resume: the checkpoint was trained with other settings (precision, \
-                 optimizer, shapes or loss scaling); pass the same flags"
-                    .into(),
-            )
+        resume::check_settings(&trainer.settings, &settings, resume_dir.as_deref())?;
+        if trainer.data_tokens != 0 && trainer.data_tokens != data.training_tokens() {
+            return Err(CliError::InvalidInput(format!(
+                "--resume: the checkpoint was trained on {} training tokens, but `{}` gives {}: \
+                 resume on the same data",
+                trainer.data_tokens,
+                args.data.display(),
+                data.training_tokens()
+            ))
             .into());
         }
         runner.restore(state)?;
         data.seek(trainer.data_position);
-        first_step = trainer.step;
     }
 
     let log = match &args.log {
@@ -461,7 +640,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .append(true)
                 .open(path)
                 .map_err(|e| {
-                    CliError::InvalidInput(format!("cannot open log `{}`: {e}", path.display()))
+                    CliError::Output(format!("--log `{}`: cannot open: {e}", path.display()))
                 })?,
         ),
         None => None,
@@ -470,14 +649,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(path) if first_step > 0 => history_from_log(path, first_step),
         _ => LossHistory::default(),
     };
+    let steps = total - first_step;
     let print_every = args
         .print_every
-        .unwrap_or_else(|| (args.steps / 20).max(1))
+        .unwrap_or_else(|| (steps / 20).max(1))
         .max(1);
     let (batch, seq) = (settings.batch, settings.seq);
-    println!(
-        "training    {} steps of {} x [{batch}, {seq}] tokens, {}, objective {}",
-        args.steps, settings.grad_accum, settings.precision, settings.objective
+    outln!(
+        "training    steps {}..{total} of {} x [{batch}, {seq}] tokens, {}, objective {}",
+        first_step + 1,
+        settings.grad_accum,
+        settings.precision,
+        settings.objective
     );
     if let Some(root) = &args.save {
         checkpoint::clean_stale(root);
@@ -492,21 +675,45 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             .unwrap_or_default(),
         settings.precision
     );
+    let report = args.report.as_ref().map(|path| {
+        let mut r = Report::new(path.clone(), &title);
+        r.fact(
+            "model",
+            &format!("{} ({})", args.model.display(), model.architecture()),
+        );
+        r.fact("data", &data.describe());
+        r.fact("device", &runner.device());
+        r.training_plan(
+            &planned.plan,
+            planned.forward_nodes,
+            planned.summary.as_ref(),
+        );
+        r.verdict = verdict.clone();
+        r.cost(&planned.plan, &gpu);
+        r
+    });
+    let flags = RunFlags {
+        precision: args.precision.clone(),
+        training: args.training.clone(),
+        run: args.run.clone(),
+    }
+    .to_json();
     let mut opts = LoopOptions {
         first_step,
-        steps: args.steps,
+        steps,
         lr: LrSchedule {
             peak: args.training.lr,
-            warmup: args.warmup,
-            schedule: args.schedule,
-            min_lr: args.min_lr,
-            total: args.total_steps.unwrap_or(first_step + args.steps),
+            warmup: args.run.warmup,
+            schedule: args.run.schedule,
+            min_lr: args.run.min_lr,
+            total: args.run.total_steps.unwrap_or(total),
         },
         print_every,
         eval_every: args.eval_every.unwrap_or(0),
         eval_batches: args.eval_batches,
         log,
         plot: args.plot.clone().map(|p| (p, title)),
+        report,
         saves: match (&args.save, args.save_every) {
             (Some(root), Some(every)) => Some(Saves {
                 root: root.clone(),
@@ -516,12 +723,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             _ => None,
         },
         files,
+        state: StateTemplate {
+            settings,
+            flags,
+            data_tokens: data.training_tokens(),
+        },
         input_names: model.input_names(),
         label: "train".into(),
     };
     let out = train_loop(&mut runner, &mut data, &mut opts, history)?;
+    let step = first_step + out.steps_done;
+    let mut outcome = Vec::new();
     if let Some(r) = &out.last {
-        println!(
+        outcome.push(format!(
             "done        {} steps in {:.2} s ({:.0} tokens/s); final loss {:.4}; {} skipped; loss scale {}",
             out.steps_done,
             out.seconds,
@@ -529,39 +743,39 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             r.loss,
             out.skipped,
             r.next_loss_scale
-        );
+        ));
     }
     if let Some((_, v)) = out.history.validation.last() {
-        println!(
+        outcome.push(format!(
             "validation  loss {v:.4} at step {}",
             out.evaluated_at.unwrap_or(0)
-        );
+        ));
     }
-    if let Some(path) = &args.plot {
-        plot::write_loss_curve(
-            path,
-            &opts.plot.as_ref().map(|p| p.1.clone()).unwrap_or_default(),
-            &out.history,
-        )?;
-        println!("plot        {}", path.display());
+    for line in &outcome {
+        outln!("{line}");
     }
-    let step = first_step + out.steps_done;
     if let Some(dir) = &args.save {
-        let state = TrainerState {
-            step,
-            data_position: data.position(),
-            settings,
-        };
+        let state = opts.state.at(step, &data);
         checkpoint::save(dir, &opts.files, runner.host()?, &state)?;
-        println!("saved       {}", dir.display());
+        outln!("saved       {}", dir.display());
+    }
+    if let Some(report) = &mut opts.report {
+        report.outcome = outcome;
+    }
+    redraw(&opts, &out.history);
+    if let Some(path) = &args.plot {
+        outln!("plot        {}", path.display());
+    }
+    if let Some(path) = &args.report {
+        outln!("report      {}", path.display());
     }
     if out.interrupted {
         match &args.save {
-            Some(dir) => println!(
+            Some(dir) => outln!(
                 "interrupted after step {step}: checkpoint saved; continue with --resume {}",
                 dir.display()
             ),
-            None => println!("interrupted after step {step}; nothing saved (no --save DIR)"),
+            None => outln!("interrupted after step {step}; nothing saved (no --save DIR)"),
         }
     }
     Ok(())
@@ -578,29 +792,68 @@ fn plan_objective(plan: &TrainingPlan) -> anyhow::Result<castor_models::Objectiv
     })?)
 }
 
-/// Compiles the training plan for the model with the command's flags, for batches of
-/// `shape` = (batch, seq).
-fn compile_plan(
-    args: &Args,
-    model: &Model,
-    (batch, seq): (usize, usize),
-) -> anyhow::Result<TrainingPlan> {
-    let objective = args.training.objective(Some(model))?;
-    let loss_graph = model.build_loss_graph(batch, seq, objective)?;
-    castor_ir::verify(&loss_graph).context("the front end built an invalid graph")?;
-    let compiled = args.precision.compile(loss_graph, None, false)?;
-    if let Some((_, report)) = compiled.reports.iter().find(|(p, _)| *p == "autocast") {
-        println!(
-            "precision   {} ({})",
-            args.precision.precision, report.summary
-        );
+/// A training plan with what its report shows.
+pub struct CompiledPlan {
+    pub plan: TrainingPlan,
+    /// Nodes of the compiled loss graph (the micro step's forward part).
+    pub forward_nodes: usize,
+    /// What the precision passes decided (not known for a plan read from a file).
+    pub summary: Option<castor_passes::PrecisionSummary>,
+}
+
+impl CompiledPlan {
+    /// A plan read from a file: its forward part ends at the node that makes the loss.
+    pub fn from_file(plan: TrainingPlan) -> CompiledPlan {
+        let g = &plan.micro_step;
+        let forward_nodes = g
+            .outputs()
+            .first()
+            .map_or(g.num_nodes(), |&loss| g.value(loss).producer.index() + 1);
+        CompiledPlan {
+            plan,
+            forward_nodes,
+            summary: None,
+        }
     }
-    let settings = args
-        .training
-        .settings(args.precision.precision, objective, batch, seq)?;
+}
+
+impl From<CompiledPlan> for Planned {
+    fn from(c: CompiledPlan) -> Planned {
+        Planned {
+            plan: c.plan,
+            forward_nodes: c.forward_nodes,
+        }
+    }
+}
+
+/// Compiles the training plan of `model` for `settings` (their batch and seq) under the
+/// precision flags; `say` prints what the passes decided.
+pub fn compile_plan(
+    precision: &PrecisionArgs,
+    model: &Model,
+    settings: TrainSettings,
+    say: bool,
+) -> anyhow::Result<CompiledPlan> {
+    let objective: castor_models::Objective =
+        settings.objective.parse().map_err(CliError::InvalidInput)?;
+    let loss_graph = model.build_loss_graph(settings.batch, settings.seq, objective)?;
+    castor_ir::verify(&loss_graph).context("the front end built an invalid graph")?;
+    let compiled = precision.compile(loss_graph, Some(model), None, false)?;
+    if say {
+        if let Some((_, report)) = compiled.reports.iter().find(|(p, _)| *p == "autocast") {
+            outln!("precision   {} ({})", precision.precision, report.summary);
+        }
+    }
+    let summary = castor_passes::precision_summary(&compiled.graph, precision.precision.low());
     let (plan, report) = build_training_plan(&compiled.graph, settings)?;
-    println!("plan        {}", report.summary);
-    Ok(plan)
+    if say {
+        outln!("plan        {}", report.summary);
+    }
+    Ok(CompiledPlan {
+        plan,
+        forward_nodes: compiled.graph.num_nodes(),
+        summary: Some(summary),
+    })
 }
 
 /// Stops the run when a dynamic loss scale fell below its minimum.
@@ -608,7 +861,7 @@ fn check_loss_scale(min_scale: Option<f64>, report: &StepReport, step: u64) -> a
     match min_scale {
         Some(min) if f64::from(report.next_loss_scale) < min => {
             Err(RuntimeError::LossScaleUnderflow {
-                step: step + 1,
+                step,
                 scale: report.next_loss_scale,
                 min,
             }

@@ -1,0 +1,304 @@
+//! Will a training step fit? The planned peak of a plan against a device's memory, and, when
+//! it does not fit, the cheapest changes that would make it fit, each with its planned peak.
+//!
+//! The memory comes from the GPU itself when one is present (`cuDeviceTotalMem`), else from
+//! `--gpu NAME` (the built-in table, `castor_passes::gpus`) or `--gpu FILE` (a spec with
+//! `memory_bytes`); training on the CPU is checked against the host's memory. The changes
+//! tried are the ones that trade time for memory without changing what is learnt: a
+//! recomputation mode (`--remat selective`, `full`, or a budget of the device's memory), a
+//! smaller micro-batch with gradient accumulation over the same tokens per step, and SGD with
+//! momentum instead of AdamW (one moment instead of two). Each is planned for real (the memory
+//! planner's peak, not an estimate) and ranked by the cost model's step time; when no single
+//! change fits, all of them together are tried, and when even that does not fit the verdict
+//! says how much the persistent state alone needs.
+
+use crate::plot::human_bytes;
+use crate::CliError;
+use castor_ir::{OptimizerKind, Remat, TrainSettings, TrainingPlan};
+use castor_passes::cost::{GpuSpec, StepCost};
+use castor_passes::memory::Anatomy;
+use std::path::Path;
+
+/// The cost model's GPU for `--gpu`: a name from the built-in table, a spec file, or (none
+/// given) the H100 SXM.
+pub fn gpu_spec(arg: Option<&str>) -> anyhow::Result<GpuSpec> {
+    let Some(arg) = arg else {
+        return Ok(GpuSpec::default());
+    };
+    let path = Path::new(arg);
+    if path.is_file() {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            CliError::InvalidInput(format!("--gpu: cannot read `{}`: {e}", path.display()))
+        })?;
+        return Ok(GpuSpec::parse(&text, &format!("`{}`", path.display()))?);
+    }
+    castor_passes::gpus::find(arg).ok_or_else(|| {
+        CliError::InvalidInput(format!(
+            "--gpu `{arg}`: no such file, and not a GPU castor knows ({}); give a spec file \
+             (JSON or TOML: name, low_precision_flops, tf32_flops, f32_flops, \
+             memory_bandwidth, memory_bytes)",
+            castor_passes::gpus::names().join(", ")
+        ))
+        .into()
+    })
+}
+
+/// The memory a step is checked against.
+#[derive(Clone, Debug)]
+pub struct MemoryTarget {
+    /// The device, for people: `H100 SXM 80 GB (--gpu)`, `NVIDIA H100 ... (this machine's
+    /// GPU)`, `host memory`.
+    pub name: String,
+    pub bytes: u64,
+}
+
+impl MemoryTarget {
+    /// The GPU of this machine, if the driver reports one.
+    pub fn this_gpu() -> Option<MemoryTarget> {
+        castor_runtime::cuda_probe::probe()
+            .ok()
+            .map(|d| MemoryTarget {
+                name: format!("{} (this machine's GPU)", d.name),
+                bytes: d.total_memory,
+            })
+    }
+
+    /// A GPU spec's memory, if the spec gives it; `how` says where the spec came from.
+    pub fn of_spec(gpu: &GpuSpec, how: &str) -> Option<MemoryTarget> {
+        gpu.memory_bytes.map(|bytes| MemoryTarget {
+            name: format!("{} ({how})", gpu.name),
+            bytes,
+        })
+    }
+
+    /// The host's physical memory (`MemTotal` of /proc/meminfo; Linux only).
+    pub fn host() -> Option<MemoryTarget> {
+        let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+        let kib: u64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))?
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()?;
+        Some(MemoryTarget {
+            name: "host memory (training on the CPU)".into(),
+            bytes: kib * 1024,
+        })
+    }
+}
+
+/// One change and what it plans to.
+#[derive(Clone, Debug)]
+pub struct Candidate {
+    /// The flags, as typed: `--remat selective`, `--batch 4 --grad-accum 2`.
+    pub change: String,
+    pub peak: u64,
+    /// The cost model's estimated step time.
+    pub seconds: f64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Verdict {
+    pub peak: u64,
+    pub target: MemoryTarget,
+    /// Changes that fit, cheapest first (empty when the plan fits).
+    pub candidates: Vec<Candidate>,
+    /// When nothing tried fits: why.
+    pub note: Option<String>,
+}
+
+impl Verdict {
+    pub fn fits(&self) -> bool {
+        self.peak <= self.target.bytes
+    }
+
+    /// `fits, 12.3 GiB to spare` or `does not fit by 4.5 GiB`.
+    pub fn headline(&self) -> String {
+        let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+        if self.fits() {
+            format!(
+                "fits, {:.2} GiB to spare",
+                gib(self.target.bytes - self.peak)
+            )
+        } else {
+            format!(
+                "does not fit by {:.2} GiB",
+                gib(self.peak - self.target.bytes)
+            )
+        }
+    }
+
+    /// The verdict as report lines.
+    pub fn lines(&self) -> Vec<String> {
+        let mut out = vec![format!(
+            "fit         planned peak {} on {}, {}: {}",
+            human_bytes(self.peak),
+            self.target.name,
+            human_bytes(self.target.bytes),
+            self.headline()
+        )];
+        for (i, c) in self.candidates.iter().enumerate() {
+            out.push(format!(
+                "  {} {:<44} planned peak {}, step {:.1} ms estimated",
+                if i == 0 { "would fit:" } else { "          " },
+                c.change,
+                human_bytes(c.peak),
+                c.seconds * 1e3
+            ));
+        }
+        if let Some(note) = &self.note {
+            out.push(format!("  {note}"));
+        }
+        out
+    }
+}
+
+/// A plan with its forward extent (nodes of the compiled loss graph).
+pub struct Planned {
+    pub plan: TrainingPlan,
+    pub forward_nodes: usize,
+}
+
+impl Planned {
+    pub fn peak(&self) -> u64 {
+        Anatomy::of_plan(&self.plan, self.forward_nodes).total()
+    }
+}
+
+/// Builds the plan of other settings (the command's own compile path; the settings carry the
+/// micro-batch shape).
+pub type Replan<'a> = dyn Fn(TrainSettings) -> anyhow::Result<Planned> + 'a;
+
+/// The verdict of `planned` on `target`; when it does not fit, the changes that would.
+pub fn verdict(planned: &Planned, target: MemoryTarget, gpu: &GpuSpec, replan: &Replan) -> Verdict {
+    let peak = planned.peak();
+    let mut v = Verdict {
+        peak,
+        target,
+        candidates: Vec::new(),
+        note: None,
+    };
+    if v.fits() {
+        return v;
+    }
+    let s = &planned.plan.settings;
+    let memory = v.target.bytes;
+    let try_plan = |settings: TrainSettings| -> Option<(u64, f64)> {
+        let p = replan(settings).ok()?;
+        let peak = p.peak();
+        Some((peak, StepCost::of_plan(&p.plan, gpu).seconds()))
+    };
+    let mut tried: Vec<(String, TrainSettings)> = Vec::new();
+    for remat in [Remat::Selective, Remat::Full, Remat::Budget(memory)] {
+        if s.remat != remat {
+            let mut t = s.clone();
+            t.remat = remat;
+            let flag = match remat {
+                Remat::Budget(_) => format!("--remat budget:{}", budget_text(memory)),
+                other => format!("--remat {other}"),
+            };
+            tried.push((flag, t));
+        }
+    }
+    // The largest smaller micro-batch that fits, with the accumulation that keeps the tokens
+    // per step.
+    let mut found: Vec<Candidate> = Vec::new();
+    let mut b = s.batch;
+    while b > 1 {
+        b /= 2;
+        if !s.batch.is_multiple_of(b) {
+            continue;
+        }
+        let mut t = s.clone();
+        t.batch = b;
+        t.grad_accum = s.grad_accum * (s.batch / b);
+        let change = format!("--batch {b} --grad-accum {}", t.grad_accum);
+        if let Some((peak, seconds)) = try_plan(t) {
+            if peak <= memory {
+                found.push(Candidate {
+                    change,
+                    peak,
+                    seconds,
+                });
+                break;
+            }
+        }
+    }
+    let sgd = |t: &mut TrainSettings| {
+        if let OptimizerKind::AdamW { weight_decay, .. } = t.optimizer {
+            t.optimizer = OptimizerKind::Sgd {
+                momentum: 0.9,
+                weight_decay,
+            };
+        }
+    };
+    if matches!(s.optimizer, OptimizerKind::AdamW { .. }) {
+        let mut t = s.clone();
+        sgd(&mut t);
+        tried.push(("--optimizer sgd".into(), t));
+    }
+    v.candidates = found;
+    for (change, t) in tried {
+        if let Some((peak, seconds)) = try_plan(t) {
+            if peak <= memory {
+                v.candidates.push(Candidate {
+                    change,
+                    peak,
+                    seconds,
+                });
+            }
+        }
+    }
+    v.candidates
+        .sort_by(|a, b| a.seconds.total_cmp(&b.seconds).then(a.peak.cmp(&b.peak)));
+    if !v.candidates.is_empty() {
+        return v;
+    }
+    // Nothing alone: everything together.
+    let mut t = s.clone();
+    t.remat = Remat::Full;
+    t.grad_accum = s.grad_accum * s.batch;
+    t.batch = 1;
+    sgd(&mut t);
+    let change = format!(
+        "--remat full --batch 1 --grad-accum {}{}",
+        t.grad_accum,
+        if t.optimizer != s.optimizer {
+            " --optimizer sgd"
+        } else {
+            ""
+        }
+    );
+    match try_plan(t) {
+        Some((peak, seconds)) if peak <= memory => v.candidates.push(Candidate {
+            change,
+            peak,
+            seconds,
+        }),
+        Some((peak, _)) => {
+            let state = Anatomy::of_plan(&planned.plan, planned.forward_nodes).persistent();
+            v.note = Some(format!(
+                "no change castor makes fits: with {change} the step still needs {}; the \
+                 persistent state alone (weights, master weights, gradients, optimizer \
+                 state) is {}. This model needs more memory than one such device.",
+                human_bytes(peak),
+                human_bytes(state)
+            ));
+        }
+        None => {
+            v.note = Some("no change castor makes was found to fit".into());
+        }
+    }
+    v
+}
+
+/// A budget as people write it: whole GiB when it is, else bytes.
+fn budget_text(bytes: u64) -> String {
+    if bytes.is_multiple_of(1 << 30) {
+        format!("{}GiB", bytes >> 30)
+    } else {
+        bytes.to_string()
+    }
+}
