@@ -253,16 +253,17 @@ fn ticks(lo: f64, hi: f64, n: usize) -> Vec<f64> {
         .map(|m| m * mag)
         .find(|&s| s >= raw)
         .unwrap_or(10.0 * mag);
-    let mut t = (lo / step).ceil() * step;
-    let mut out = Vec::new();
-    while t <= hi + step * 1e-9 {
-        out.push(t);
-        t += step;
-    }
-    out
+    let first = (lo / step).ceil();
+    (0..)
+        .map(|i| (first + f64::from(i)) * step)
+        .take_while(|&t| t <= hi + step * 1e-9)
+        .map(|t| if t.abs() < step * 1e-9 { 0.0 } else { t })
+        .collect()
 }
 
 fn tick_label(v: f64) -> String {
+    // Ticks are sums of steps: snap rounding noise (and -0) to zero.
+    let v = if v.abs() < 1e-12 { 0.0 } else { v };
     let a = v.abs();
     if a != 0.0 && !(1e-3..1e5).contains(&a) {
         format!("{v:.1e}")
@@ -274,9 +275,16 @@ fn tick_label(v: f64) -> String {
     }
 }
 
-/// A line chart over steps; `log` draws the y axis in powers of two (loss scales).
-fn chart(id: &str, series: &[Series], y_label: &str, log: bool, height: f64) -> String {
-    const W: f64 = 1000.0;
+/// A line chart over steps, `width` x `height` view units (text is 13 units high, so a
+/// narrower view draws larger text in a narrower column); `log` draws the y axis in powers
+/// of two (loss scales).
+fn chart(
+    id: &str,
+    series: &[Series],
+    y_label: &str,
+    log: bool,
+    (width, height): (f64, f64),
+) -> String {
     let (left, right, top, bottom) = (78.0, 16.0, 14.0, 44.0);
     let ty = |y: f64| {
         if log {
@@ -305,12 +313,12 @@ fn chart(id: &str, series: &[Series], y_label: &str, log: bool, height: f64) -> 
     };
     let pad = ((y_hi - y_lo) * 0.06).max(if log { 0.5 } else { 1e-3 });
     let (y_lo, y_hi) = (y_lo - pad, y_hi + pad);
-    let sx = |x: f64| left + (x - x_lo) / (x_hi - x_lo) * (W - left - right);
+    let sx = |x: f64| left + (x - x_lo) / (x_hi - x_lo) * (width - left - right);
     let sy = |y: f64| top + (1.0 - (ty(y) - y_lo) / (y_hi - y_lo)) * (height - top - bottom);
     let mut s = String::new();
     let _ = write!(
         s,
-        "<svg id=\"{id}\" viewBox=\"0 0 {W} {height}\" role=\"img\" aria-label=\"{}\">",
+        "<svg id=\"{id}\" viewBox=\"0 0 {width} {height}\" role=\"img\" aria-label=\"{}\">",
         esc(y_label)
     );
     let y_ticks: Vec<f64> = if log {
@@ -334,7 +342,7 @@ fn chart(id: &str, series: &[Series], y_label: &str, log: bool, height: f64) -> 
             s,
             "<line class=\"grid\" x1=\"{left}\" x2=\"{}\" y1=\"{py:.1}\" y2=\"{py:.1}\"/>\
              <text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
-            W - right,
+            width - right,
             left - 8.0,
             py + 4.0,
             tick_label(y)
@@ -358,8 +366,8 @@ fn chart(id: &str, series: &[Series], y_label: &str, log: bool, height: f64) -> 
          <line class=\"axis\" x1=\"{left}\" x2=\"{left}\" y1=\"{top}\" y2=\"{b}\"/>\
          <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">step</text>\
          <text transform=\"translate(16 {}) rotate(-90)\" text-anchor=\"middle\">{}</text>",
-        W - right,
-        (left + W - right) / 2.0,
+        width - right,
+        (left + width - right) / 2.0,
         height - 6.0,
         (top + height - bottom) / 2.0,
         esc(y_label),
@@ -448,7 +456,7 @@ fn curves_section(h: &mut String, history: &LossHistory) {
         &loss,
         "loss (nats per token)",
         false,
-        340.0,
+        (1000.0, 340.0),
     ));
     h.push_str("<div class=\"pair\">\n<div>\n<h2>Learning rate</h2>\n");
     h.push_str(&chart(
@@ -463,7 +471,7 @@ fn curves_section(h: &mut String, history: &LossHistory) {
         }],
         "learning rate",
         false,
-        300.0,
+        (540.0, 300.0),
     ));
     h.push_str("</div>\n<div>\n<h2>Loss scale</h2>\n");
     h.push_str(&chart(
@@ -478,7 +486,7 @@ fn curves_section(h: &mut String, history: &LossHistory) {
         }],
         "loss scale",
         true,
-        300.0,
+        (540.0, 300.0),
     ));
     h.push_str("</div>\n</div>\n</section>\n");
 }

@@ -1,0 +1,260 @@
+//! Incremental decoding with a KV cache (`castor generate`, the demo's samples):
+//! - each step's logits equal the whole sequence's forward graph at that position, within F32
+//!   rounding (relative error below 1e-5), under the fp32 and the bf16 policy;
+//! - they match transformers' own KV-cache decoding (tests/fixtures/generate_decoding.py) and
+//!   pick the same greedy tokens;
+//! - the command: text in and out through the model's tokenizer, seeded sampling, and clear
+//!   refusals.
+
+mod common;
+
+use castor::generate::{Generator, Sampling};
+use castor::precision::PrecisionArgs;
+use castor::rng::Rng;
+use castor_ir::{relative_error, DType, Tensor};
+use castor_models::{Model, SafetensorsFile};
+use castor_passes::Precision;
+use castor_runtime::cpu::CpuExecutor;
+use common::*;
+use std::collections::HashMap;
+
+const CAUSAL: [&str; 3] = ["gpt2_lm", "llama_gqa", "llama_tied"];
+
+fn policy(precision: Precision) -> PrecisionArgs {
+    PrecisionArgs {
+        precision,
+        policy: None,
+        keep_f32: Vec::new(),
+        force_low: Vec::new(),
+    }
+}
+
+/// The last position's logits of the whole sequence `ids` through the forward graph.
+fn full_forward_last(
+    model: &Model,
+    weights: &HashMap<String, Tensor>,
+    precision: Precision,
+    ids: &[i64],
+) -> Vec<f32> {
+    let t = ids.len();
+    let graph = model.build_graph(1, t).unwrap();
+    let graph = policy(precision)
+        .compile(graph, Some(model), None, false)
+        .unwrap()
+        .graph;
+    let inputs: HashMap<&str, Tensor> = [
+        (
+            "input_ids",
+            Tensor::from_i64(DType::I64, [1, t], ids.to_vec()),
+        ),
+        (
+            "attention_mask",
+            Tensor::from_i64(DType::I64, [1, t], vec![1; t]),
+        ),
+    ]
+    .into_iter()
+    .collect();
+    let out = CpuExecutor::new()
+        .run(&graph, &|n| inputs.get(n).or_else(|| weights.get(n)))
+        .unwrap();
+    let logits = out[0].as_f32().unwrap();
+    let v = model.vocab_size();
+    logits[(t - 1) * v..].to_vec()
+}
+
+struct Reference {
+    prompt: Vec<i64>,
+    tokens: Vec<i64>,
+    logits: Vec<f32>,
+    margin: Vec<f32>,
+}
+
+fn reference(variant: &str) -> Reference {
+    let f = SafetensorsFile::open(fixture(variant).join("decoding.safetensors")).unwrap();
+    Reference {
+        prompt: f.read_i64("prompt").unwrap(),
+        tokens: f.read_i64("tokens").unwrap(),
+        logits: f.read_f32("logits").unwrap(),
+        margin: f.read_f32("margin").unwrap(),
+    }
+}
+
+#[test]
+fn kv_decoding_matches_the_full_forward_token_for_token() {
+    for variant in CAUSAL {
+        let model = Model::load(fixture(variant)).unwrap();
+        let weights = model.load_params().unwrap();
+        let r = reference(variant);
+        for precision in [Precision::Fp32, Precision::Bf16] {
+            let mut g = Generator::new(&model, policy(precision));
+            let v = model.vocab_size();
+            let mut seq = r.prompt.clone();
+            let mut logits = g.feed(&r.prompt, &|n| weights.get(n)).unwrap();
+            let mut worst = 0.0f64;
+            for &token in &r.tokens {
+                let kv = &logits[logits.len() - v..];
+                let full = full_forward_last(&model, &weights, precision, &seq);
+                let err = relative_error(kv, &full);
+                worst = worst.max(err);
+                assert!(
+                    err < 1e-5,
+                    "{variant} {precision} at position {}: KV vs full forward {err:.2e}",
+                    seq.len()
+                );
+                seq.push(token);
+                logits = g.feed(&[token], &|n| weights.get(n)).unwrap();
+            }
+            assert_eq!(g.len(), seq.len());
+            println!(
+                "{variant} {precision}: {} steps, worst relative error KV vs full forward {worst:.2e}",
+                r.tokens.len()
+            );
+        }
+    }
+}
+
+#[test]
+fn kv_decoding_matches_transformers_and_its_greedy_tokens() {
+    for variant in CAUSAL {
+        let model = Model::load(fixture(variant)).unwrap();
+        let weights = model.load_params().unwrap();
+        let r = reference(variant);
+        let v = model.vocab_size();
+        // Teacher-forced with transformers' tokens: every step's logits.
+        let mut g = Generator::new(&model, policy(Precision::Fp32));
+        let mut logits = g.feed(&r.prompt, &|n| weights.get(n)).unwrap();
+        for (i, &token) in r.tokens.iter().enumerate() {
+            let ours = &logits[logits.len() - v..];
+            let theirs = &r.logits[i * v..(i + 1) * v];
+            let err = relative_error(ours, theirs);
+            assert!(err < 1e-4, "{variant} step {i}: {err:.2e} vs transformers");
+            logits = g.feed(&[token], &|n| weights.get(n)).unwrap();
+        }
+        // Free-running greedy decoding picks transformers' tokens (no step is a near tie).
+        assert!(
+            r.margin.iter().all(|&m| m > 1e-3),
+            "{variant}: {:?}",
+            r.margin
+        );
+        let mut g = Generator::new(&model, policy(Precision::Fp32));
+        let ours = g
+            .generate(
+                &r.prompt,
+                r.tokens.len(),
+                &Sampling::GREEDY,
+                &mut Rng::new(0),
+                &|n| weights.get(n),
+                &|_| false,
+                &mut |_| {},
+            )
+            .unwrap();
+        let ours: Vec<i64> = ours.into_iter().map(i64::from).collect();
+        assert_eq!(ours, r.tokens, "{variant}");
+    }
+}
+
+#[test]
+fn a_decode_graph_of_a_model_without_a_causal_head_is_refused() {
+    let model = Model::load(fixture("bert_mlm")).unwrap();
+    let e = model.build_decode_graph(1, 0, 3).unwrap_err().to_string();
+    assert!(
+        e.contains("BertForMaskedLM is not a causal language model"),
+        "{e}"
+    );
+    let gpt2 = Model::load(fixture("gpt2_lm")).unwrap();
+    let e = gpt2.build_decode_graph(1, 30, 3).unwrap_err().to_string();
+    assert!(e.contains("32 learned positions"), "{e}");
+}
+
+/// A trained byte-level checkpoint (the demo's) to generate from.
+fn demo_checkpoint(out: &std::path::Path) -> std::path::PathBuf {
+    let o = castor(&["demo", "--steps", "20", "--out", path_str(out)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    out.join("checkpoint")
+}
+
+#[test]
+fn generate_continues_a_prompt_with_seeded_sampling() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = demo_checkpoint(tmp.path());
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            path_str(&ckpt),
+            "--prompt",
+            "The compiler ",
+            "--max-new-tokens",
+            "24",
+        ];
+        args.extend_from_slice(extra);
+        let o = castor(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stdout(&o), stderr(&o))
+    };
+    let (a, info) = run(&["--seed", "7"]);
+    // The text alone on stdout, prompt first; what ran on stderr.
+    assert!(a.starts_with("The compiler "), "{a}");
+    assert!(a.len() > "The compiler ".len() + 10, "{a}");
+    assert!(
+        info.contains("tokenizer bytes") && info.contains("generated   24 tokens"),
+        "{info}"
+    );
+    assert!(info.contains("stopped: --max-new-tokens reached"), "{info}");
+    // The same seed gives the same text, another seed another text; greedy needs no seed.
+    assert_eq!(run(&["--seed", "7"]).0, a);
+    assert_ne!(run(&["--seed", "8"]).0, a);
+    let greedy = run(&["--temperature", "0", "--seed", "1"]).0;
+    assert_eq!(run(&["--temperature", "0", "--seed", "2"]).0, greedy);
+    // top-k 1 is greedy too; a bf16 policy decodes as well.
+    assert_eq!(run(&["--top-k", "1"]).0, greedy);
+    let (bf16, _) = run(&["--precision", "bfloat16", "--temperature", "0"]);
+    assert!(bf16.starts_with("The compiler "), "{bf16}");
+}
+
+#[test]
+fn generate_refuses_what_it_cannot_do() {
+    let cases: [(&[&str], &str); 4] = [
+        (
+            &["generate", "tests/fixtures/bert_mlm", "--prompt", "a"],
+            "is a BertForMaskedLM: generate continues text with a causal LM",
+        ),
+        (
+            &["generate", "tests/fixtures/gpt2_lm", "--prompt", "a"],
+            "the model has no tokenizer",
+        ),
+        (
+            &[
+                "generate",
+                "tests/fixtures/gpt2_lm",
+                "--prompt",
+                "a",
+                "--temperature=-1",
+            ],
+            "--temperature must be 0 (greedy) or positive, found -1",
+        ),
+        (
+            &[
+                "generate",
+                "tests/fixtures/gpt2_lm",
+                "--prompt",
+                "a",
+                "--top-p",
+                "0",
+            ],
+            "--top-p must be in (0, 1], found 0",
+        ),
+    ];
+    for (args, message) in cases {
+        let args: Vec<String> = args
+            .iter()
+            .map(|a| a.replace("tests/", &format!("{}/tests/", root().display())))
+            .collect();
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = castor(&refs);
+        assert_eq!(o.status.code(), Some(3), "{args:?}: {}", stderr(&o));
+        assert!(stderr(&o).contains(message), "{args:?}: {}", stderr(&o));
+    }
+    // CUDA decoding is not there yet, and the help says so.
+    let o = castor(&["generate", "--help"]);
+    assert!(stdout(&o).contains("`cpu` only for now"), "{}", stdout(&o));
+}
