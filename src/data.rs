@@ -640,3 +640,96 @@ fn check_range(path: &Path, tokens: &[i64], vocab: usize) -> anyhow::Result<()> 
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// transformers' DataCollatorForLanguageModeling: 15% of the non-special tokens are
+    /// chosen (labels: the token; every other label -100); of those 80% become the mask
+    /// token, 10% a random token, 10% stay.
+    #[test]
+    fn masking_follows_the_collator() {
+        let masking = Masking {
+            mask: 4,
+            vocab: 1000,
+            special: [0, 2, 3].into_iter().collect(),
+        };
+        let n = 200_000;
+        // Token 2 and 3 ([CLS], [SEP]) are special; the rest are words 100..999.
+        let original: Vec<i64> = (0..n)
+            .map(|i| match i % 50 {
+                0 => 2,
+                49 => 3,
+                _ => 100 + (i % 900) as i64,
+            })
+            .collect();
+        let mut ids = original.clone();
+        let labels = masking.apply(&mut ids, &mut Rng::new(0));
+        let (mut chosen, mut masked, mut random, mut kept) = (0, 0, 0, 0);
+        for ((&o, &id), &l) in original.iter().zip(&ids).zip(&labels) {
+            if masking.special.contains(&o) {
+                assert_eq!(
+                    (id, l),
+                    (o, IGNORE_INDEX),
+                    "special tokens are never chosen"
+                );
+                continue;
+            }
+            if l == IGNORE_INDEX {
+                assert_eq!(id, o, "tokens not chosen stay");
+                continue;
+            }
+            assert_eq!(l, o, "the label of a chosen token is the token");
+            chosen += 1;
+            match id {
+                4 => masked += 1,
+                x if x == o => kept += 1,
+                _ => random += 1,
+            }
+        }
+        let eligible = original
+            .iter()
+            .filter(|t| !masking.special.contains(t))
+            .count() as f64;
+        let share = |k: usize| k as f64 / chosen as f64;
+        assert!(
+            ((chosen as f64 / eligible) - 0.15).abs() < 0.005,
+            "{chosen}"
+        );
+        assert!((share(masked) - 0.8).abs() < 0.01, "{masked}");
+        // A random replacement may draw the token itself (1 in 1000).
+        assert!((share(random) - 0.1).abs() < 0.01, "{random}");
+        assert!((share(kept) - 0.1).abs() < 0.01, "{kept}");
+        // The same draws give the same masks: resuming needs no saved state.
+        let mut again = original.clone();
+        assert_eq!(masking.apply(&mut again, &mut Rng::new(0)), labels);
+        assert_eq!(again, ids);
+    }
+
+    #[test]
+    fn shuffled_windows_are_a_permutation_per_pass() {
+        let tokens: Vec<i64> = (0..100).collect();
+        let mut data = Data::from_tokens(tokens, 1, 10, 0.0, "t".into())
+            .unwrap()
+            .with_order(DataOrder::Shuffle, 3);
+        let first_ids = |b: &HashMap<String, Tensor>| b["input_ids"].as_i64().unwrap()[0];
+        let pass = |d: &mut Data| -> Vec<i64> {
+            (0..10)
+                .map(|_| first_ids(&d.next_batch(&["input_ids"])) / 10)
+                .collect()
+        };
+        let a = pass(&mut data);
+        let b = pass(&mut data);
+        let mut sorted = a.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..10).collect::<Vec<_>>());
+        assert_ne!(a, (0..10).collect::<Vec<_>>(), "shuffled");
+        assert_ne!(a, b, "a new order every pass");
+        // Seeking to a position reads what the run would have read there.
+        data.seek(10);
+        assert_eq!(pass(&mut data), b);
+        let mut sequential = Data::from_tokens((0..100).collect(), 1, 10, 0.0, "t".into()).unwrap();
+        assert_eq!(pass(&mut sequential), (0..10).collect::<Vec<_>>());
+    }
+}

@@ -98,3 +98,23 @@ fn encode(t: &Tensor) -> (Dtype, Vec<u8>) {
         (_, TensorData::F32(v)) => (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_write_says_write_and_names_the_path_and_the_os_error_once() {
+        let path = Path::new("/nonexistent-castor-folder/out.safetensors");
+        let e = write_atomically(path, b"x").unwrap_err();
+        assert!(matches!(e, ModelError::Write { .. }));
+        let text = e.to_string();
+        assert!(
+            text.starts_with("cannot write `/nonexistent-castor-folder/out.safetensors`: "),
+            "{text}"
+        );
+        assert_eq!(text.matches("os error").count(), 1, "{text}");
+        // The message carries the OS error; nothing is left as a source to print it again.
+        assert!(std::error::Error::source(&e).is_none());
+    }
+}

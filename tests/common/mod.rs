@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod cuda_cases;
+pub mod tokenizer_files;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
