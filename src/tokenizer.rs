@@ -147,8 +147,7 @@ impl TextTokenizer {
         } else if vocab == 256 {
             return Ok(TextTokenizer {
                 inner: None,
-                source: "bytes (no tokenizer files; the model's 256-token vocabulary is the \
-                         bytes)"
+                source: "bytes, the model's 256-token vocabulary (it has no tokenizer files)"
                     .into(),
                 end_of_text: None,
                 mask: None,

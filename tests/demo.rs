@@ -22,6 +22,15 @@ fn check_outputs(out: &Path, steps: usize) {
     for row in ["F32 master weights", "optimizer state", "bf16", "fp16"] {
         assert!(memory_svg.contains(row), "memory.svg lacks {row}");
     }
+    // The report page: curves, memory, fit, precision, cost, standing alone.
+    let report = std::fs::read_to_string(out.join("report.html")).unwrap();
+    for section in ["run", "curves", "memory", "fit", "precision", "cost"] {
+        assert!(
+            report.contains(&format!("<section id=\"{section}\">")),
+            "report.html lacks {section}"
+        );
+    }
+    assert!(!report.contains("<script") && !report.contains("http"));
     let ckpt = out.join("checkpoint");
     for file in [
         "config.json",
