@@ -10,7 +10,8 @@
 //! momentum instead of AdamW (one moment instead of two). Each is planned for real (the memory
 //! planner's peak, not an estimate) and ranked by the cost model's step time; when no single
 //! change fits, all of them together are tried, and when even that does not fit the verdict
-//! says how much the persistent state alone needs.
+//! says how much the persistent state alone needs. When the persistent state with SGD's single
+//! moment already exceeds the memory, nothing is planned: no change can fit.
 
 use crate::plot::human_bytes;
 use crate::CliError;
@@ -185,6 +186,24 @@ pub fn verdict(planned: &Planned, target: MemoryTarget, gpu: &GpuSpec, replan: &
     }
     let s = &planned.plan.settings;
     let memory = v.target.bytes;
+    // The persistent state is a floor no recomputation or micro-batch lowers; SGD's one
+    // moment instead of AdamW's two is the most any change saves of it. Above that floor
+    // nothing is worth planning (a 70B model's candidates would take minutes).
+    let anatomy = Anatomy::of_plan(&planned.plan, planned.forward_nodes);
+    let floor = match s.optimizer {
+        OptimizerKind::AdamW { .. } => anatomy.persistent() - anatomy.optimizer_state / 2,
+        OptimizerKind::Sgd { .. } => anatomy.persistent(),
+    };
+    if floor > memory {
+        v.note = Some(format!(
+            "no change castor makes fits: the persistent state alone (weights, master weights, \
+             gradients, optimizer state) is {}, and {} with SGD's single moment; this model \
+             needs more memory than one such device.",
+            human_bytes(anatomy.persistent()),
+            human_bytes(floor)
+        ));
+        return v;
+    }
     let try_plan = |settings: TrainSettings| -> Option<(u64, f64)> {
         let p = replan(settings).ok()?;
         let peak = p.peak();
@@ -278,13 +297,12 @@ pub fn verdict(planned: &Planned, target: MemoryTarget, gpu: &GpuSpec, replan: &
             seconds,
         }),
         Some((peak, _)) => {
-            let state = Anatomy::of_plan(&planned.plan, planned.forward_nodes).persistent();
             v.note = Some(format!(
                 "no change castor makes fits: with {change} the step still needs {}; the \
                  persistent state alone (weights, master weights, gradients, optimizer \
-                 state) is {}. This model needs more memory than one such device.",
+                 state) is {}.",
                 human_bytes(peak),
-                human_bytes(state)
+                human_bytes(anatomy.persistent())
             ));
         }
         None => {

@@ -214,7 +214,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         };
         let verdict = target.map(|target| {
             fit::verdict(&this, target, &gpu, &|settings| {
-                replan(&args, model.as_ref(), &settings)
+                replan(&args, model.as_ref(), &out.graph, &settings)
             })
         });
         if let Some(v) = &verdict {
@@ -268,28 +268,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The plan of other settings for the fit verdict: the same model (or IR graph) and policy,
-/// compiled again for the settings' micro-batch.
+/// The plan of other settings for the fit verdict: the same model and policy compiled again
+/// for the settings' micro-batch, or (an IR file, or the same micro-batch) the compiled graph
+/// itself.
 fn replan(
     args: &Args,
     model: Option<&Model>,
+    compiled: &Graph,
     settings: &castor_ir::TrainSettings,
 ) -> anyhow::Result<Planned> {
     let graph = match model {
-        Some(m) => {
+        Some(m) if settings.batch != args.batch => {
             let objective = settings
                 .objective
                 .parse()
                 .map_err(crate::CliError::InvalidInput)?;
-            m.build_loss_graph(settings.batch, settings.seq, objective)?
+            let loss = m.build_loss_graph(settings.batch, settings.seq, objective)?;
+            args.precision.compile(loss, model, None, false)?.graph
         }
-        None => anyhow::bail!("an IR file has one batch size"),
+        None if settings.batch != args.batch => anyhow::bail!("an IR file has one batch size"),
+        _ => compiled.clone(),
     };
-    let compiled = args.precision.compile(graph, model, None, false)?.graph;
-    let (plan, _) = build_training_plan(&compiled, settings.clone())?;
+    let (plan, _) = build_training_plan(&graph, settings.clone())?;
     Ok(Planned {
         plan,
-        forward_nodes: compiled.num_nodes(),
+        forward_nodes: graph.num_nodes(),
     })
 }
 

@@ -655,13 +655,17 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         .unwrap_or_else(|| (steps / 20).max(1))
         .max(1);
     let (batch, seq) = (settings.batch, settings.seq);
-    outln!(
-        "training    steps {}..{total} of {} x [{batch}, {seq}] tokens, {}, objective {}",
-        first_step + 1,
-        settings.grad_accum,
-        settings.precision,
-        settings.objective
-    );
+    if steps == 0 {
+        outln!("training    none (--steps 0): the initial weights are what a --save keeps");
+    } else {
+        outln!(
+            "training    steps {}..{total} of {} x [{batch}, {seq}] tokens, {}, objective {}",
+            first_step + 1,
+            settings.grad_accum,
+            settings.precision,
+            settings.objective
+        );
+    }
     if let Some(root) = &args.save {
         checkpoint::clean_stale(root);
     }
