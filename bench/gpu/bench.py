@@ -245,8 +245,12 @@ def castor_side(args, out_dir):
         res[f"planned_{remat}_exit"] = code
         if code != 0:
             res[f"planned_{remat}_stderr"] = se[-500:]
-    corpus = out_dir / "corpus.txt"
-    corpus.write_text("castor trains transformers in mixed precision. " * 20000)
+    # The config has GPT-2's vocabulary and no tokenizer files, so the text goes in as token
+    # ids: its bytes as nanoGPT's raw u16 tokens (castor reads text as bytes only for a
+    # 256-token vocabulary).
+    corpus = out_dir / "corpus.bin"
+    text = ("castor trains transformers in mixed precision. " * 20000).encode()
+    corpus.write_bytes(b"".join(b.to_bytes(2, "little") for b in text))
     steps = 6 if args.tiny else 40
     tokens_per_step = args.batch * args.seq
     for precision in ["bf16", "fp16"]:
