@@ -85,7 +85,7 @@ impl Trainer {
         }
         match (&mut self.cuda, &self.host) {
             (Some(c), _) => Ok(Some(c.validation_loss(batches)?)),
-            (None, Some(h)) => crate::commands::train::validation_loss(h, batches),
+            (None, Some(h)) => crate::train_loop::validation_loss(h, batches),
             (None, None) => Err(no_runner().into()),
         }
     }

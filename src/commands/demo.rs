@@ -8,7 +8,6 @@
 
 use crate::anatomy::{anatomy, AnatomyRow};
 use crate::checkpoint::{self, CheckpointFiles};
-use crate::commands::train::{self, LoopOptions, LrSchedule, Schedule, StateTemplate};
 use crate::data::Data;
 use crate::generate::{Generator, Sampling};
 use crate::html::Report;
@@ -16,6 +15,7 @@ use crate::plot::{self, AnatomyBar, LossHistory};
 use crate::precision::PrecisionArgs;
 use crate::report::{model_summary, printable_byte, thousands};
 use crate::rng::Rng;
+use crate::train_loop::{self, LoopOptions, LrSchedule, Schedule, StateTemplate};
 use crate::trainer::Trainer;
 use crate::training::TrainingArgs;
 use anyhow::Context;
@@ -342,7 +342,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         )
     });
     report.cost(&trained.plan, &gpu);
-    train::catch_interrupts();
+    train_loop::catch_interrupts();
     let mut opts = LoopOptions {
         first_step: 0,
         steps: args.steps,
@@ -369,7 +369,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         input_names: model.input_names(),
         label: "demo".into(),
     };
-    let run = train::train_loop(&mut runner, &mut data, &mut opts, LossHistory::default())?;
+    let run = train_loop::train_loop(&mut runner, &mut data, &mut opts, LossHistory::default())?;
     let first = run.history.train.first().map_or(f64::NAN, |p| p.1);
     let last = run
         .history

@@ -1,0 +1,353 @@
+//! The training loop `castor train` and `castor demo` share: the learning-rate schedule,
+//! progress, the JSON-lines log, validation, the loss-curve picture and the report page,
+//! periodic checkpoints, the loss-scale floor and Ctrl-C. Steps are numbered from 1 in
+//! everything it writes.
+
+use crate::checkpoint::{self, CheckpointFiles, TrainerState};
+use crate::data::Data;
+use crate::html::Report;
+use crate::plot::{self, LossHistory};
+use crate::progress::{Progress, StepLine};
+use crate::trainer::Trainer;
+use anyhow::Context;
+use castor_ir::{Tensor, TrainSettings};
+use castor_runtime::cpu::CpuExecutor;
+use castor_runtime::{PlanRunner, RuntimeError, StepReport};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// The same learning rate every step (after warmup).
+    Constant,
+    /// Cosine decay from --lr to --min-lr over the run (after warmup).
+    Cosine,
+}
+
+/// Set by Ctrl-C: the loop finishes its step, saves and stops.
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Installs the Ctrl-C handler (once per process).
+pub fn catch_interrupts() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Without a handler Ctrl-C simply kills the process, as before.
+        let _ = ctrlc::set_handler(|| {
+            if INTERRUPTED.swap(true, Ordering::SeqCst) {
+                // A second Ctrl-C: stop now.
+                std::process::exit(130);
+            }
+        });
+    });
+}
+
+/// The learning-rate schedule: linear warmup, then constant or cosine decay.
+#[derive(Clone, Debug)]
+pub struct LrSchedule {
+    pub peak: f64,
+    pub warmup: u64,
+    pub schedule: Schedule,
+    pub min_lr: f64,
+    /// The schedule's length in steps.
+    pub total: u64,
+}
+
+impl LrSchedule {
+    /// The learning rate of loop step `step` (0-based: the step numbered `step + 1`).
+    pub fn at(&self, step: u64) -> f64 {
+        if step < self.warmup {
+            return self.peak * (step + 1) as f64 / self.warmup as f64;
+        }
+        match self.schedule {
+            Schedule::Constant => self.peak,
+            Schedule::Cosine => {
+                let span = self.total.saturating_sub(self.warmup).max(1) as f64;
+                let progress = ((step - self.warmup) as f64 / span).min(1.0);
+                self.min_lr
+                    + 0.5
+                        * (self.peak - self.min_lr)
+                        * (1.0 + (std::f64::consts::PI * progress).cos())
+            }
+        }
+    }
+}
+
+/// Periodic checkpoints.
+pub struct Saves {
+    pub root: PathBuf,
+    pub every: u64,
+    pub keep: usize,
+}
+
+/// What the training loop does besides stepping.
+pub struct LoopOptions {
+    /// Steps already done (resumed runs).
+    pub first_step: u64,
+    /// Steps this run takes.
+    pub steps: u64,
+    pub lr: LrSchedule,
+    pub print_every: u64,
+    /// Evaluate every N steps (0 = only at the end); only with validation data.
+    pub eval_every: u64,
+    pub eval_batches: usize,
+    pub log: Option<std::fs::File>,
+    /// The loss-curve picture and its title.
+    pub plot: Option<(PathBuf, String)>,
+    /// The report page, rewritten with the curves where the picture is.
+    pub report: Option<Report>,
+    pub saves: Option<Saves>,
+    pub files: CheckpointFiles,
+    /// What every checkpoint's trainer state records besides the step and data position.
+    pub state: StateTemplate,
+    pub input_names: &'static [&'static str],
+    /// The progress bar's prefix.
+    pub label: String,
+}
+
+/// The parts of a [`TrainerState`] fixed for a run.
+#[derive(Clone, Debug)]
+pub struct StateTemplate {
+    pub settings: TrainSettings,
+    pub flags: serde_json::Value,
+    pub data_tokens: usize,
+}
+
+impl StateTemplate {
+    pub fn at(&self, step: u64, data: &Data) -> TrainerState {
+        TrainerState {
+            step,
+            data_position: data.position(),
+            settings: self.settings.clone(),
+            flags: self.flags.clone(),
+            data_tokens: self.data_tokens,
+        }
+    }
+}
+
+/// What a run of the loop did.
+pub struct LoopOutcome {
+    pub steps_done: u64,
+    pub history: LossHistory,
+    pub last: Option<StepReport>,
+    pub skipped: u64,
+    pub seconds: f64,
+    pub tokens: f64,
+    pub interrupted: bool,
+    /// Steps whose validation loss was computed (1-based step numbers).
+    pub evaluated_at: Option<u64>,
+}
+
+/// The validation loss: the plan's micro step (forward and backward of one micro-batch) run
+/// on each held-out batch with the runner's state, writing nothing back; the mean loss.
+pub fn validation_loss(
+    runner: &PlanRunner,
+    batches: &[HashMap<String, Tensor>],
+) -> anyhow::Result<Option<f64>> {
+    if batches.is_empty() {
+        return Ok(None);
+    }
+    let graph = &runner.plan().micro_step;
+    let executor = CpuExecutor::new();
+    let mut sum = 0.0;
+    for batch in batches {
+        let bind = |name: &str| batch.get(name).or_else(|| runner.state(name));
+        let outputs = executor.run(graph, &bind)?;
+        let loss = outputs
+            .first()
+            .and_then(|t| t.as_f32())
+            .and_then(|v| v.first().copied())
+            .context("the micro step has no loss output")?;
+        sum += f64::from(loss);
+    }
+    Ok(Some(sum / batches.len() as f64))
+}
+
+/// Redraws the picture and the report. A failed write is a warning: the paths were checked
+/// writable before the run, and losing a picture must not lose the run.
+pub fn redraw(opts: &LoopOptions, history: &LossHistory) {
+    if let Some((path, title)) = &opts.plot {
+        if let Err(e) = plot::write_loss_curve(path, title, history) {
+            errln!("warning: {}", crate::error_message(&e));
+        }
+    }
+    if let Some(report) = &opts.report {
+        if let Err(e) = report.write(Some(history)) {
+            errln!("warning: {}", crate::error_message(&e));
+        }
+    }
+}
+
+/// Runs `opts.steps` steps of `runner` on `data`, continuing `history`.
+pub fn train_loop(
+    runner: &mut Trainer,
+    data: &mut Data,
+    opts: &mut LoopOptions,
+    mut history: LossHistory,
+) -> anyhow::Result<LoopOutcome> {
+    let settings = runner.plan().settings.clone();
+    let (batch, seq) = (settings.batch, settings.seq);
+    let tokens_per_step = (batch * seq * settings.grad_accum) as f64;
+    let val_batches = data.validation_batches(opts.input_names, opts.eval_batches);
+    let progress = Progress::new(opts.first_step, opts.steps, &opts.label);
+    let start = Instant::now();
+    let mut out = LoopOutcome {
+        steps_done: 0,
+        history: LossHistory::default(),
+        last: None,
+        skipped: 0,
+        seconds: 0.0,
+        tokens: 0.0,
+        interrupted: false,
+        evaluated_at: None,
+    };
+    let end = opts.first_step + opts.steps;
+    let (mut queued, mut last_report) = (0u64, Instant::now());
+    for step in opts.first_step..end {
+        let lr = opts.lr.at(step);
+        let micro: Vec<HashMap<String, Tensor>> = (0..settings.grad_accum)
+            .map(|_| data.next_batch(opts.input_names))
+            .collect();
+        // Steps are numbered from 1 everywhere people and files see them.
+        let done = step + 1;
+        let last_step = done == end;
+        let eval_now = !val_batches.is_empty()
+            && ((opts.eval_every > 0 && done.is_multiple_of(opts.eval_every)) || last_step);
+        let print = (done - opts.first_step).is_multiple_of(opts.print_every) || last_step;
+        let stop = INTERRUPTED.load(Ordering::SeqCst);
+        let save_now = opts
+            .saves
+            .as_ref()
+            .is_some_and(|s| s.every > 0 && (done.is_multiple_of(s.every) || last_step || stop));
+        // A device step's report is read back only when something shows or keeps it.
+        let wanted =
+            print || eval_now || save_now || stop || opts.log.is_some() || opts.report.is_some();
+        let stepped = runner.step(&micro, lr as f32, wanted)?;
+        out.steps_done += 1;
+        let Some(report) = stepped else {
+            progress.tick();
+            queued += 1;
+            continue;
+        };
+        // Throughput over the steps since the last report (queued device steps included).
+        let tokens_per_s =
+            tokens_per_step * (queued + 1) as f64 / last_report.elapsed().as_secs_f64().max(1e-9);
+        queued = 0;
+        last_report = Instant::now();
+        out.skipped += u64::from(report.skipped);
+        history.train.push((done, f64::from(report.loss)));
+        history.lr.push((done, lr));
+        history
+            .loss_scale
+            .push((done, f64::from(report.loss_scale)));
+
+        let val_loss = if eval_now {
+            let v = runner.validation_loss(&val_batches)?;
+            if let Some(v) = v {
+                history.validation.push((done, v));
+                out.evaluated_at = Some(done);
+                progress.println(&format!("eval   {done:>6}  validation loss {v:.4}"));
+            }
+            v
+        } else {
+            None
+        };
+        if let Some(f) = opts.log.as_mut() {
+            let mut line = serde_json::json!({
+                "step": done,
+                "loss": report.loss,
+                "loss_scale": report.loss_scale,
+                "skipped": report.skipped,
+                "grad_norm": if report.grad_norm.is_finite() { Some(report.grad_norm) } else { None },
+                "lr": lr,
+                "tokens_per_s": tokens_per_s,
+            });
+            if let Some(v) = val_loss {
+                line["val_loss"] = serde_json::json!(v);
+            }
+            writeln!(f, "{line}").context("cannot write the training log")?;
+        }
+        progress.step(
+            &StepLine {
+                step: done,
+                loss: report.loss,
+                lr,
+                loss_scale: report.loss_scale,
+                grad_norm: report.grad_norm,
+                skipped: report.skipped,
+                tokens_per_s,
+            },
+            print,
+        );
+        if print || eval_now {
+            redraw(opts, &history);
+        }
+        check_loss_scale(runner.min_loss_scale(), &report, done)?;
+        out.last = Some(report);
+        if let (Some(saves), true) = (&opts.saves, save_now) {
+            let state = opts.state.at(done, data);
+            checkpoint::save_step(&saves.root, saves.keep, &opts.files, runner.host()?, &state)?;
+        }
+        if stop {
+            out.interrupted = true;
+            break;
+        }
+    }
+    progress.finish();
+    out.seconds = start.elapsed().as_secs_f64();
+    out.tokens = tokens_per_step * out.steps_done as f64;
+    out.history = history;
+    Ok(out)
+}
+
+/// Reads the curves of steps up to `until` from a JSON-lines log, so a resumed run's picture
+/// and report show the whole run.
+pub fn history_from_log(path: &Path, until: u64) -> LossHistory {
+    let mut h = LossHistory::default();
+    let Ok(text) = std::fs::read_to_string(path) else {
+        return h;
+    };
+    for line in text.lines() {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
+        let Some(step) = v["step"].as_u64() else {
+            continue;
+        };
+        if step > until {
+            continue;
+        }
+        if let Some(l) = v["loss"].as_f64() {
+            h.train.push((step, l));
+        }
+        if let Some(l) = v["val_loss"].as_f64() {
+            h.validation.push((step, l));
+        }
+        if let Some(l) = v["lr"].as_f64() {
+            h.lr.push((step, l));
+        }
+        if let Some(l) = v["loss_scale"].as_f64() {
+            h.loss_scale.push((step, l));
+        }
+    }
+    h
+}
+
+/// Stops the run when a dynamic loss scale fell below its minimum.
+fn check_loss_scale(min_scale: Option<f64>, report: &StepReport, step: u64) -> anyhow::Result<()> {
+    match min_scale {
+        Some(min) if f64::from(report.next_loss_scale) < min => {
+            Err(RuntimeError::LossScaleUnderflow {
+                step,
+                scale: report.next_loss_scale,
+                min,
+            }
+            .into())
+        }
+        _ => Ok(()),
+    }
+}
