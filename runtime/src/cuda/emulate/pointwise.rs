@@ -258,10 +258,10 @@ impl Fused {
         for p in params.split(", ") {
             let words: Vec<&str> = p.split_whitespace().collect();
             match words.as_slice() {
-                ["const", ty, "__restrict__", arg] if arg.starts_with("in") => {
+                ["const", ty, arg] if arg.starts_with("in") => {
                     inputs_dt.push(cuda_dtype(ty.trim_end_matches('*'))?)
                 }
-                [ty, "__restrict__", arg] if arg.starts_with("out") => {
+                [ty, arg] if arg.starts_with("out") => {
                     outputs.push(cuda_dtype(ty.trim_end_matches('*'))?)
                 }
                 ["i64", "n"] => {}
