@@ -1,0 +1,1 @@
+//! Pinned host staging for input uploads (see `Loaded::write_input`).
