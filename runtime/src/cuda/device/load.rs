@@ -61,7 +61,7 @@ impl Device {
         for m in &program.modules {
             let (ptx, _) = dev
                 .cache
-                .ptx(&dev.nvrtc, &m.name, &m.source, &dev.arch)
+                .ptx(dev.nvrtc, &m.name, &m.source, &dev.arch)
                 .map_err(|e| match e {
                     CacheError::Nvrtc(NvrtcError::Compile { log, .. }) => CudaError::Compile {
                         module: m.name.clone(),

@@ -25,7 +25,7 @@ pub(super) struct Inner {
     pub(super) blas: BlasHandle,
     pub(super) stream: Arc<CudaStream>,
     pub(super) ctx: Arc<CudaContext>,
-    pub(super) nvrtc: Nvrtc,
+    pub(super) nvrtc: &'static Nvrtc,
     pub(super) cache: KernelCache,
     pub(super) name: String,
     pub(super) capability: (i32, i32),
@@ -87,7 +87,16 @@ impl Device {
                 (probe.driver_version % 1000) / 10
             )));
         }
-        let nvrtc = Nvrtc::discover().map_err(|e| CudaError::Nvrtc(e.to_string()))?;
+        let nvrtc = Nvrtc::shared().map_err(CudaError::Nvrtc)?;
+        let version = nvrtc
+            .version()
+            .map_err(|e| CudaError::Nvrtc(e.to_string()))?;
+        nvrtc_fits_driver(
+            version,
+            probe.driver_version,
+            &nvrtc.library_path().display(),
+        )
+        .map_err(CudaError::Nvrtc)?;
 
         let ctx = drv(CudaContext::new(0), || {
             "creating the context on CUDA device 0".into()
@@ -169,7 +178,7 @@ impl Device {
 
     /// The NVRTC library in use.
     pub fn nvrtc(&self) -> &Nvrtc {
-        &self.inner.nvrtc
+        self.inner.nvrtc
     }
 
     /// `(free, total)` device memory in bytes.
@@ -178,4 +187,34 @@ impl Device {
         let (free, total) = drv(cu::mem_get_info(), || "cuMemGetInfo".into())?;
         Ok((free as u64, total as u64))
     }
+}
+
+/// NVRTC writes PTX of its own CUDA version, which a driver of an older CUDA version refuses
+/// to load (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`, only at the first module load): an NVRTC
+/// newer than the driver is refused before anything is compiled.
+pub(super) fn nvrtc_fits_driver(
+    nvrtc: (i32, i32),
+    driver_version: i32,
+    nvrtc_path: &dyn std::fmt::Display,
+) -> Result<(), String> {
+    let driver = (driver_version / 1000, (driver_version % 1000) / 10);
+    if nvrtc <= driver {
+        return Ok(());
+    }
+    Err(format!(
+        "NVRTC {}.{} ({nvrtc_path}) is newer than the CUDA driver ({}.{}), which cannot load \
+         the PTX it writes; use NVRTC {}.{} (pip install --target DIR \
+         \"nvidia-cuda-nvrtc=={}.{}.*\" \"nvidia-cuda-runtime=={}.{}.*\" and set \
+         CASTOR_NVRTC_DIR=DIR) or update the driver",
+        nvrtc.0,
+        nvrtc.1,
+        driver.0,
+        driver.1,
+        driver.0,
+        driver.1,
+        driver.0,
+        driver.1,
+        driver.0,
+        driver.1
+    ))
 }

@@ -518,3 +518,17 @@ if (k < n) x[k] *= by;
         Ok(_) => panic!("a petabyte arena loaded"),
     }
 }
+
+#[test]
+fn nvrtc_newer_than_the_driver_is_refused() {
+    use super::open::nvrtc_fits_driver;
+    let path = "libnvrtc.so.13";
+    assert!(nvrtc_fits_driver((13, 0), 13000, &path).is_ok());
+    assert!(nvrtc_fits_driver((13, 0), 13020, &path).is_ok());
+    let e = nvrtc_fits_driver((13, 2), 13000, &path).unwrap_err();
+    assert!(
+        e.starts_with("NVRTC 13.2 (libnvrtc.so.13) is newer than the CUDA driver (13.0)"),
+        "{e}"
+    );
+    assert!(e.contains("nvidia-cuda-nvrtc==13.0.*"), "{e}");
+}
