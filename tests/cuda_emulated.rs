@@ -7,10 +7,11 @@
 //! below 1e-5 in F32, 2e-2 in F16/BF16). Training: every family's plan under every precision
 //! (fp32, tf32, bf16, fp16 with dynamic loss scaling) x remat mode (none, full, selective, a
 //! budget between the two) x option (none, accumulation, SGD, compute-dtype weight
-//! gradients), so a launch that only one combination makes cannot hide, is lowered and driven on the emulator exactly as
-//! `CudaPlanRunner` drives the device (state upload, prologue, then per step: inputs, micro
-//! step, loss log, learning rate, optimizer step), in poison mode, for three steps beside the
-//! CPU executor's `PlanRunner`; losses, loss scales and every state entry must agree.
+//! gradients), so that a launch only one combination makes cannot hide, is lowered and run
+//! by the runner `CudaPlanRunner` is (`EmulatedPlanRunner`: state upload, prologue, then per
+//! step: inputs, micro step, loss log, learning rate, optimizer step), in poison mode, for
+//! three steps beside the CPU executor's `PlanRunner`; losses, loss scales and every state
+//! entry must agree.
 //!
 //! The emulator uses the CPU executor's arithmetic for each kernel, so where the lowering is
 //! right the results are nearly bit-identical (cuBLAS products sum in another order than the
@@ -19,15 +20,14 @@
 
 mod common;
 
-use castor_ir::{relative_error, DType, Tensor, TrainingPlan};
+use castor_ir::{relative_error, Tensor};
 use castor_runtime::cpu::CpuExecutor;
 use castor_runtime::cuda::emulate::Emulator;
-use castor_runtime::cuda::lower::{
-    lower_graph, lower_plan, MICRO_STEP, OPTIMIZER_STEP, ZERO_GRADS,
-};
-use castor_runtime::cuda::program::{Place, Program, Slot, SlotKind};
-use castor_runtime::cuda::runner::{from_bytes, initial_state, input_bytes, state_bytes};
-use castor_runtime::PlanRunner;
+use castor_runtime::cuda::lower::{lower_graph, lower_plan, MICRO_STEP};
+use castor_runtime::cuda::program::{Place, Program, SlotKind};
+use castor_runtime::cuda::runner::{from_bytes, input_bytes};
+use castor_runtime::cuda::EmulatedPlanRunner;
+use castor_runtime::{PlanRunner, StepReport};
 use common::cuda_cases::{
     as_f32, batch, case_graph, compare_state, exact_zero_slices, inputs, load_params, plan,
     plan_matrix, state_error, CASES,
@@ -45,11 +45,6 @@ fn write_inputs(
     for (slot, bytes) in input_bytes(program, run, batch).unwrap() {
         emu.write_slot(slot, &bytes).unwrap();
     }
-}
-
-fn f32_at(emu: &Emulator, place: Place) -> f32 {
-    let b = emu.read(place, 4).unwrap();
-    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
 
 #[test]
@@ -95,100 +90,6 @@ fn every_kernel_family_matches_the_cpu_executor() {
     }
 }
 
-/// A plan's program on the emulator, loaded and stepped as `CudaPlanRunner` does it.
-struct EmulatedRunner {
-    program: Program,
-    emu: Emulator,
-    zero_grads: Option<usize>,
-    micro: usize,
-    optimizer: usize,
-    loss_log: Place,
-    used_scale: Place,
-}
-
-impl EmulatedRunner {
-    fn new(plan: &TrainingPlan, params: &HashMap<String, Tensor>) -> Result<Self, String> {
-        let mut program = lower_plan(plan).map_err(|e| e.to_string())?;
-        // The runner's own slots: the loss log and the scale the step's backward used.
-        let accum = plan.settings.grad_accum.max(1) as u64;
-        for (name, bytes) in [("report.losses", 4 * accum), ("report.loss_scale", 4)] {
-            program.slots.push(Slot {
-                name: name.into(),
-                bytes,
-                kind: SlotKind::Internal,
-            });
-        }
-        let at = |name: &str| Place::Slot {
-            slot: program.slot(name).unwrap(),
-            offset: 0,
-        };
-        let (loss_log, used_scale) = (at("report.losses"), at("report.loss_scale"));
-        let mut emu = Emulator::new(&program);
-        emu.set_poison(true);
-        let state = initial_state(plan, &|n| params.get(n).cloned()).map_err(|e| e.to_string())?;
-        for (slot, bytes) in state_bytes(&program, state).map_err(|e| e.to_string())? {
-            emu.write_slot(slot, &bytes)?;
-        }
-        emu.run_prologue()?;
-        Ok(EmulatedRunner {
-            zero_grads: program.run(ZERO_GRADS),
-            micro: program.run(MICRO_STEP).unwrap(),
-            optimizer: program.run(OPTIMIZER_STEP).unwrap(),
-            program,
-            emu,
-            loss_log,
-            used_scale,
-        })
-    }
-
-    /// One step; returns (mean loss, the scale the step used, the next scale, grad norm).
-    fn step(&mut self, batches: &[HashMap<String, Tensor>], lr: f32) -> Result<[f32; 4], String> {
-        let scale = self
-            .program
-            .slot("loss_scale")
-            .map(|slot| Place::Slot { slot, offset: 0 });
-        if let Some(s) = scale {
-            self.emu.copy(self.used_scale, s, 4)?;
-        }
-        if let Some(z) = self.zero_grads {
-            self.emu.run(z)?;
-        }
-        let loss = self.program.runs[self.micro].outputs[0].place;
-        for (i, batch) in batches.iter().enumerate() {
-            write_inputs(&mut self.emu, &self.program, self.micro, batch);
-            self.emu.run(self.micro)?;
-            self.emu.copy(self.loss_log.plus(4 * i as u64), loss, 4)?;
-        }
-        let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
-        let lr_inputs = HashMap::from([("lr".to_string(), lr_tensor)]);
-        write_inputs(&mut self.emu, &self.program, self.optimizer, &lr_inputs);
-        self.emu.run(self.optimizer)?;
-        for r in [self.micro, self.optimizer] {
-            self.emu.check_flags(r)?;
-        }
-        let n = batches.len().max(1);
-        let mean = (0..n)
-            .map(|i| f64::from(f32_at(&self.emu, self.loss_log.plus(4 * i as u64))))
-            .sum::<f64>()
-            / n as f64;
-        let grad_norm = self.program.runs[self.optimizer]
-            .outputs
-            .iter()
-            .find(|o| o.name == "grad_norm")
-            .map_or(f32::NAN, |o| f32_at(&self.emu, o.place));
-        let (used, next) = match scale {
-            Some(s) => (f32_at(&self.emu, self.used_scale), f32_at(&self.emu, s)),
-            None => (1.0, 1.0),
-        };
-        Ok([mean as f32, used, next, grad_norm])
-    }
-
-    fn state(&self, name: &str, ty: &castor_ir::TensorType) -> Tensor {
-        let slot = self.program.slot(name).unwrap();
-        from_bytes(ty, &self.emu.read_slot(slot).unwrap()).unwrap()
-    }
-}
-
 /// Beyond the matrix of [`plan_matrix`]: the loss scaler's other paths.
 const SCALER_PLANS: &[(&str, &str)] = &[
     // Overflowing steps: tolerated (hysteresis 2), then backing off; clipping.
@@ -231,7 +132,7 @@ fn compare_training(variant: &str, flags: &str, failures: &mut Vec<String>) -> S
     let p = plan(variant, &flags);
     let case = format!("{variant} {}", flags.join(" "));
     let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
-    let mut emu = match EmulatedRunner::new(&p, &params) {
+    let mut emu = match EmulatedPlanRunner::new(p.clone(), &|n| params.get(n).cloned()) {
         Ok(emu) => emu,
         Err(e) => {
             failures.push(format!("{case}: loading the program: {e}"));
@@ -245,33 +146,36 @@ fn compare_training(variant: &str, flags: &str, failures: &mut Vec<String>) -> S
             .map(|i| batch(&p.micro_step, 77 + 10 * step + i))
             .collect();
         let a = cpu.step(&batches, 1e-3).unwrap();
-        let [loss, used, next, grad_norm] = match emu.step(&batches, 1e-3) {
+        let b = match emu.step(&batches, 1e-3) {
             Ok(r) => r,
             Err(e) => {
                 failures.push(format!("{case} step {step}: {e}"));
                 return format!("{case:<70} failed at step {step}");
             }
         };
-        let loss_err = f64::from(((a.loss - loss) / a.loss).abs());
+        let loss_err = f64::from(((a.loss - b.loss) / a.loss).abs());
         worst_loss = worst_loss.max(loss_err);
         if loss_err.is_nan() || loss_err >= tol {
             failures.push(format!("{case} step {step}: loss error {loss_err:.3e}"));
         }
-        if (a.loss_scale, a.next_loss_scale) != (used, next) {
+        if (a.loss_scale, a.next_loss_scale) != (b.loss_scale, b.next_loss_scale) {
             failures.push(format!(
-                "{case} step {step}: loss scale {} -> {} on the CPU, {used} -> {next} \
-                 emulated",
-                a.loss_scale, a.next_loss_scale
+                "{case} step {step}: loss scale {} -> {} on the CPU, {} -> {} emulated",
+                a.loss_scale, a.next_loss_scale, b.loss_scale, b.next_loss_scale
             ));
         }
-        if a.grad_norm.is_finite() != grad_norm.is_finite() {
+        if a.skipped != b.skipped {
             failures.push(format!("{case} step {step}: skipped differs"));
         }
     }
+    let emulated: HashMap<String, Tensor> = emu.state_entries().unwrap().into_iter().collect();
     let (mut worst_state, mut worst_name) = (0f64, String::new());
     for (name, t) in cpu.state_entries() {
-        let d = emu.state(name, t.ty());
-        let err = state_error(&as_f32(&d), &as_f32(t));
+        let Some(d) = emulated.get(name) else {
+            failures.push(format!("{case}: no emulated state `{name}`"));
+            continue;
+        };
+        let err = state_error(&as_f32(d), &as_f32(t));
         if err.is_nan() || err >= tol {
             failures.push(format!("{case}: state {name} error {err:.3e}"));
         }
@@ -424,18 +328,13 @@ fn seeded_lowering_bugs_are_caught() {
     use castor_runtime::cuda::program::{Arg, Command};
     let p = plan("gpt2_lm", &["--precision", "bf16"]);
     let params = load_params("gpt2_lm");
-    let good = EmulatedRunner::new(&p, &params).unwrap().program;
-    let step = |program: Program| -> Result<[f32; 4], String> {
-        let mut r = EmulatedRunner::new(&p, &params).unwrap();
-        r.emu = Emulator::new(&program);
-        r.emu.set_poison(true);
-        let state = initial_state(&p, &|n| params.get(n).cloned()).unwrap();
-        for (slot, bytes) in state_bytes(&program, state).unwrap() {
-            r.emu.write_slot(slot, &bytes).unwrap();
-        }
-        r.emu.run_prologue()?;
-        r.program = program;
+    let good = lower_plan(&p).unwrap();
+    let step = |program: Program| -> Result<StepReport, String> {
+        let mut r =
+            EmulatedPlanRunner::with_program(p.clone(), program, &|n| params.get(n).cloned())
+                .map_err(|e| e.to_string())?;
         r.step(&[batch(&p.micro_step, 1)], 1e-3)
+            .map_err(|e| e.to_string())
     };
     step(good.clone()).unwrap();
     let micro = good.run(MICRO_STEP).unwrap();

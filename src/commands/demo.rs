@@ -57,7 +57,8 @@ pub struct Args {
     /// Tokens (bytes) per sequence.
     #[arg(long, default_value_t = 64)]
     pub seq: usize,
-    /// Where to train: `auto` (CUDA when a device is present, else the CPU), `cpu`, `cuda`.
+    /// Where to train: `auto` (CUDA when a device is present, else the CPU), `cpu`, `cuda`,
+    /// or `emulate` (the CUDA program on the host emulator: slow, no GPU needed).
     #[arg(long, value_enum, default_value_t = crate::commands::eval::Device::Auto)]
     pub device: crate::commands::eval::Device,
 }
@@ -280,6 +281,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "device      {}",
         match &device {
             crate::device::Selected::Cuda(d) => format!("cuda ({d})"),
+            crate::device::Selected::Emulated => {
+                "emulate (the CUDA program on the host emulator)".to_string()
+            }
             crate::device::Selected::Cpu => format!("cpu ({})", crate::device::why_cpu()),
         }
     );
@@ -386,10 +390,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             format!(
                 "Training the embedded tiny GPT-2 on the project's docs ({}, {})",
                 args.precision,
-                if runner.device() == "cpu" {
-                    "CPU"
-                } else {
-                    "CUDA"
+                match runner.device().split(' ').next() {
+                    Some("cuda") => "CUDA",
+                    Some("emulate") => "CUDA program on the emulator",
+                    _ => "CPU",
                 }
             ),
         )),

@@ -3,6 +3,7 @@
 
 use super::check::{check_args, check_program, Extents};
 use super::open::{Device, Inner};
+use super::staging::Staging;
 use super::{drv, CudaError, DEFAULT_MAX_SHARED, GRAPHS_VAR, MEMORY_MARGIN, MIN_WORKSPACE};
 use crate::cuda::program::{Command, Launch, Place, Program, SlotKind};
 use castor_kernels::{CacheError, NvrtcError};
@@ -56,6 +57,7 @@ impl Device {
             workspace_bytes,
             graphs: vec![None; program.runs.len()],
             use_graphs: std::env::var(GRAPHS_VAR).map_or(true, |v| v.trim() != "0"),
+            staging: Staging::default(),
         };
 
         for m in &program.modules {
@@ -142,6 +144,7 @@ impl Device {
             )?;
         }
         dev.synchronize("initializing the program's buffers")?;
+        loaded.staging = Staging::for_inputs(&loaded)?;
         Ok(loaded)
     }
 }
@@ -234,6 +237,8 @@ pub struct Loaded {
     /// Per run: its instantiated graph, once captured.
     pub(super) graphs: Vec<Option<cu_sys::CUgraphExec>>,
     pub(super) use_graphs: bool,
+    /// Pinned buffers for asynchronous input uploads.
+    pub(super) staging: Staging,
 }
 
 impl Loaded {
@@ -363,5 +368,7 @@ impl Drop for Loaded {
                 let _ = cu::module::unload(m);
             }
         }
+        // The stream is idle (above): the pinned buffers may go.
+        drop(std::mem::take(&mut self.staging));
     }
 }
