@@ -25,6 +25,8 @@ trait Lowered {
     fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError>;
     fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError>;
     fn device_name(&self) -> String;
+    fn allocated_bytes(&self) -> u64;
+    fn set_timing(&mut self, on: bool);
 }
 
 impl<T: Target> Lowered for LoweredPlanRunner<T> {
@@ -52,6 +54,12 @@ impl<T: Target> Lowered for LoweredPlanRunner<T> {
     }
     fn device_name(&self) -> String {
         LoweredPlanRunner::device_name(self)
+    }
+    fn allocated_bytes(&self) -> u64 {
+        LoweredPlanRunner::allocated_bytes(self)
+    }
+    fn set_timing(&mut self, on: bool) {
+        LoweredPlanRunner::set_timing(self, on)
     }
 }
 
@@ -99,6 +107,18 @@ impl Trainer {
 
     pub fn plan(&self) -> &TrainingPlan {
         &self.plan
+    }
+
+    /// Device memory the plan holds, where it runs as a lowered program.
+    pub fn allocated_bytes(&self) -> Option<u64> {
+        self.lowered.as_ref().map(|(c, _)| c.allocated_bytes())
+    }
+
+    /// Times each step's runs on the device (GPU only; see `LoweredPlanRunner::set_timing`).
+    pub fn set_timing(&mut self, on: bool) {
+        if let Some((c, _)) = &mut self.lowered {
+            c.set_timing(on);
+        }
     }
 
     /// `"cpu"`, `"cuda (<device>)"` or `"emulate (<the emulator>)"`.

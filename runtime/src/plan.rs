@@ -30,6 +30,17 @@ pub struct StepReport {
     pub skipped: bool,
     /// Global L2 norm of the unscaled gradients (before clipping).
     pub grad_norm: f32,
+    /// Device time of the step's runs, when it was measured (`--profile` on a GPU).
+    pub device_time: Option<DeviceTime>,
+}
+
+/// How long a step's runs took on the device itself.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceTime {
+    /// Every micro step (forward and backward of each micro-batch), in milliseconds.
+    pub micro_steps_ms: f32,
+    /// The optimizer step (unscale, clip, update of masters and moments, working copies).
+    pub optimizer_step_ms: f32,
 }
 
 /// A plan with its state.
@@ -200,6 +211,7 @@ impl PlanRunner {
             next_loss_scale: self.scalar(LOSS_SCALE).unwrap_or(1.0),
             skipped: !grad_norm.is_finite(),
             grad_norm,
+            device_time: None,
         })
     }
 

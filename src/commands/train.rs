@@ -83,6 +83,10 @@ pub struct Args {
     pub eval_batches: usize,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
+    /// Time each logged step's runs on the GPU (CUDA events around the micro steps and the
+    /// optimizer step), written to the JSON log as `micro_steps_ms` and `optimizer_step_ms`.
+    #[arg(long)]
+    pub profile: bool,
     /// Write a checkpoint here at the end (a Hugging Face folder plus optimizer state).
     #[arg(long, value_name = "DIR")]
     pub save: Option<PathBuf>,
@@ -301,6 +305,10 @@ pub fn train_loop(
             if let Some(v) = val_loss {
                 line["val_loss"] = serde_json::json!(v);
             }
+            if let Some(t) = report.device_time {
+                line["micro_steps_ms"] = serde_json::json!(t.micro_steps_ms);
+                line["optimizer_step_ms"] = serde_json::json!(t.optimizer_step_ms);
+            }
             writeln!(f, "{line}").context("cannot write the training log")?;
         }
         progress.step(
@@ -439,6 +447,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let settings = plan.settings.clone();
     let mut runner = Trainer::new(plan, &|name| params.get(name).cloned(), &device)?;
     drop(params);
+    runner.set_timing(args.profile);
+    if let Some(bytes) = runner.allocated_bytes() {
+        println!(
+            "memory      {} ({bytes} bytes) allocated on the device for the plan",
+            castor_runtime::cuda::device::human_bytes(bytes)
+        );
+    }
     let mut first_step = 0;
     if let Some((state, trainer)) = resume {
         if trainer.settings != settings {

@@ -15,7 +15,7 @@ use super::emulate::Emulator;
 use super::lower::{self, LowerError, MICRO_STEP, OPTIMIZER_STEP, ZERO_GRADS};
 use super::program::{ErrorFlag, Place, Program, SlotKind};
 use super::target::{Gpu, Target};
-use crate::{RuntimeError, StepReport};
+use crate::{DeviceTime, RuntimeError, StepReport};
 use castor_ir::{
     DType, Graph, LossScaling, StateInit, StateRole, Tensor, TensorData, TensorType, TrainingPlan,
 };
@@ -67,7 +67,14 @@ pub struct LoweredPlanRunner<T: Target> {
     micro: usize,
     optimizer: usize,
     steps_queued: u64,
+    /// Time each step's runs on the device (see [`Self::set_timing`]).
+    timing: bool,
 }
+
+/// The timing marks of a step: before the micro steps, after them, after the optimizer step.
+const MARK_START: usize = 0;
+const MARK_MICRO: usize = 1;
+const MARK_OPTIMIZER: usize = 2;
 
 impl<T: Target> LoweredPlanRunner<T> {
     /// Lowers `plan`, checks that it fits in free device memory, compiles its kernels (PTX
@@ -113,6 +120,7 @@ impl<T: Target> LoweredPlanRunner<T> {
             program,
             target,
             steps_queued: 0,
+            timing: false,
         };
         let state = initial_state(&runner.plan, checkpoint)?;
         runner.upload(state)?;
@@ -126,6 +134,17 @@ impl<T: Target> LoweredPlanRunner<T> {
     /// The machine it runs on, for people.
     pub fn device_name(&self) -> String {
         self.target.describe()
+    }
+
+    /// Device memory the plan's program holds (arena, state, inputs, tables, workspace).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.target.allocated_bytes()
+    }
+
+    /// Times every step's runs on the device (events around the micro steps and the
+    /// optimizer step; on the GPU only), reported in [`StepReport::device_time`].
+    pub fn set_timing(&mut self, on: bool) {
+        self.timing = on;
     }
 
     /// The lowered program (for `--emit`-style inspection and the tests).
@@ -207,6 +226,9 @@ impl<T: Target> LoweredPlanRunner<T> {
                 4,
             )?;
         }
+        if self.timing {
+            self.target.mark(MARK_START)?;
+        }
         if let Some(z) = self.zero_grads {
             self.target.run(z)?;
         }
@@ -223,8 +245,14 @@ impl<T: Target> LoweredPlanRunner<T> {
         let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
         let mut inputs = HashMap::new();
         inputs.insert(LR.to_string(), lr_tensor);
+        if self.timing {
+            self.target.mark(MARK_MICRO)?;
+        }
         self.write_inputs(self.optimizer, &inputs)?;
         self.target.run(self.optimizer)?;
+        if self.timing {
+            self.target.mark(MARK_OPTIMIZER)?;
+        }
         self.steps_queued += 1;
         Ok(())
     }
@@ -252,12 +280,27 @@ impl<T: Target> LoweredPlanRunner<T> {
             LossScaling::None => 1.0,
             _ => self.scalar(USED_SCALE)?,
         };
+        let device_time = if self.timing {
+            match (
+                self.target.elapsed_ms(MARK_START, MARK_MICRO)?,
+                self.target.elapsed_ms(MARK_MICRO, MARK_OPTIMIZER)?,
+            ) {
+                (Some(micro_steps_ms), Some(optimizer_step_ms)) => Some(DeviceTime {
+                    micro_steps_ms,
+                    optimizer_step_ms,
+                }),
+                _ => None,
+            }
+        } else {
+            None
+        };
         Ok(StepReport {
             loss: loss as f32,
             loss_scale,
             next_loss_scale: self.scalar(LOSS_SCALE)?,
             skipped: !grad_norm.is_finite(),
             grad_norm,
+            device_time,
         })
     }
 

@@ -32,6 +32,18 @@ pub trait Target: Sized {
     fn run(&mut self, run: usize) -> Result<(), RuntimeError>;
     /// Waits for everything issued so far.
     fn synchronize(&self) -> Result<(), RuntimeError>;
+    /// Device memory the program holds, in bytes.
+    fn allocated_bytes(&self) -> u64;
+    /// Records timing mark `mark` after everything issued so far (where device time means
+    /// something: on the GPU).
+    fn mark(&mut self, _mark: usize) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    /// Milliseconds of device time between two marks, or `None` where there is no device
+    /// clock.
+    fn elapsed_ms(&self, _from: usize, _to: usize) -> Result<Option<f32>, RuntimeError> {
+        Ok(None)
+    }
 }
 
 /// The first CUDA device, with a program resident on it.
@@ -73,6 +85,15 @@ impl Target for Gpu {
     fn synchronize(&self) -> Result<(), RuntimeError> {
         Ok(self.loaded.synchronize()?)
     }
+    fn allocated_bytes(&self) -> u64 {
+        self.loaded.allocated_bytes()
+    }
+    fn mark(&mut self, mark: usize) -> Result<(), RuntimeError> {
+        Ok(self.loaded.mark(mark)?)
+    }
+    fn elapsed_ms(&self, from: usize, to: usize) -> Result<Option<f32>, RuntimeError> {
+        Ok(Some(self.loaded.elapsed_ms(from, to)?))
+    }
 }
 
 /// The emulator runs in poison mode: it is a checking tool, and reading arena bytes that no
@@ -109,5 +130,8 @@ impl Target for Emulator {
     }
     fn synchronize(&self) -> Result<(), RuntimeError> {
         Ok(())
+    }
+    fn allocated_bytes(&self) -> u64 {
+        self.program().device_bytes()
     }
 }

@@ -58,6 +58,7 @@ impl Device {
             graphs: vec![None; program.runs.len()],
             use_graphs: std::env::var(GRAPHS_VAR).map_or(true, |v| v.trim() != "0"),
             staging: Staging::default(),
+            marks: Vec::new(),
         };
 
         for m in &program.modules {
@@ -78,7 +79,7 @@ impl Device {
         loaded.resolve_functions()?;
 
         let alloc = |bytes: u64, what: &dyn Fn() -> String| -> Result<u64, CudaError> {
-            let bytes = usize::try_from(crate::cuda::align(bytes).max(256))
+            let bytes = usize::try_from(allocation_bytes(bytes))
                 .map_err(|_| CudaError::Data(format!("{} is too large", what())))?;
             // SAFETY: a plain allocation; the memory is initialized below before any read.
             match unsafe { cu::malloc_sync(bytes) } {
@@ -117,7 +118,7 @@ impl Device {
         // Initialize on our stream (the legacy default stream does not order with it).
         let stream = dev.stream();
         let memset = |dst: u64, bytes: u64, what: &dyn Fn() -> String| {
-            let n = crate::cuda::align(bytes).max(256) as usize;
+            let n = allocation_bytes(bytes) as usize;
             // SAFETY: `dst` is a live allocation of at least `n` bytes (see `alloc`).
             drv(unsafe { cu::memset_d8_async(dst, 0, n, stream) }, || {
                 format!("cuMemsetD8Async zeroing {}", what())
@@ -239,9 +240,39 @@ pub struct Loaded {
     pub(super) use_graphs: bool,
     /// Pinned buffers for asynchronous input uploads.
     pub(super) staging: Staging,
+    /// Timing events (`mark`), made on first use.
+    pub(super) marks: Vec<cu_sys::CUevent>,
+}
+
+/// What one allocation of `bytes` takes on the device: 256-byte granules, at least one.
+fn allocation_bytes(bytes: u64) -> u64 {
+    crate::cuda::align(bytes).max(256)
 }
 
 impl Loaded {
+    /// Device memory this program holds: the arena, every slot and table, and the cuBLAS
+    /// workspace, as allocated (each rounded up to 256 bytes).
+    pub fn allocated_bytes(&self) -> u64 {
+        let tables: u64 = self
+            .program
+            .tables
+            .iter()
+            .map(|t| allocation_bytes(t.encode(&|_| 0).len() as u64))
+            .sum();
+        let slots: u64 = self
+            .program
+            .slots
+            .iter()
+            .map(|s| allocation_bytes(s.bytes))
+            .sum();
+        let workspace = if self.workspace != 0 {
+            allocation_bytes(self.workspace_bytes)
+        } else {
+            0
+        };
+        allocation_bytes(self.program.arena_bytes) + slots + tables + workspace
+    }
+
     /// The program this was loaded from.
     pub fn program(&self) -> &Program {
         &self.program
@@ -366,6 +397,9 @@ impl Drop for Loaded {
             }
             for m in self.modules.drain(..) {
                 let _ = cu::module::unload(m);
+            }
+            for e in self.marks.drain(..) {
+                let _ = cu::event::destroy(e);
             }
         }
         // The stream is idle (above): the pinned buffers may go.

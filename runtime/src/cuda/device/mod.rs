@@ -34,6 +34,7 @@ mod open;
 mod staging;
 #[cfg(test)]
 mod tests;
+mod timing;
 
 pub use args::arg_bytes;
 pub use load::Loaded;
