@@ -166,7 +166,7 @@ impl EmulatedRunner {
     fn step(&mut self, batches: &[HashMap<String, Tensor>], lr: f32) -> Result<[f32; 4], String> {
         let scale = self
             .program
-            .slot("loss_scale")
+            .slot(castor_ir::ControlState::LossScale.name())
             .map(|slot| Place::Slot { slot, offset: 0 });
         if let Some(s) = scale {
             self.emu.copy(self.used_scale, s, 4)?;
@@ -181,7 +181,7 @@ impl EmulatedRunner {
             self.emu.copy(self.loss_log.plus(4 * i as u64), loss, 4)?;
         }
         let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
-        let lr_inputs = HashMap::from([("lr".to_string(), lr_tensor)]);
+        let lr_inputs = HashMap::from([(castor_ir::LEARNING_RATE.to_string(), lr_tensor)]);
         write_inputs(&mut self.emu, &self.program, self.optimizer, &lr_inputs);
         self.emu.run(self.optimizer)?;
         for r in [self.micro, self.optimizer] {

@@ -426,6 +426,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     };
     println!("data        {}", data.describe());
+    println!("{}", memory_line(&plan));
     if args.eval_every.is_some() && !data.has_validation() {
         return Err(CliError::InvalidInput("--eval-every: no held-out data".into()).into());
     }
@@ -565,6 +566,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The plan's planned memory per step (from the plan alone, so a plan file reports it too).
+fn memory_line(plan: &TrainingPlan) -> String {
+    use castor_ir::human_bytes;
+    let a = castor_passes::memory::Anatomy::of_plan(plan);
+    format!(
+        "memory      {} planned per step: state {}, arena {} (saved activations {})",
+        human_bytes(a.total()),
+        human_bytes(a.persistent()),
+        human_bytes(a.memory.arena_bytes),
+        human_bytes(a.saved_activations)
+    )
 }
 
 /// The objective a plan was built for.

@@ -29,7 +29,7 @@ use std::ffi::{c_void, CString};
 use std::rc::Rc;
 use std::sync::Arc;
 
-use castor_ir::DType;
+use castor_ir::{human_bytes, DType};
 use castor_kernels::{CacheError, KernelCache, Nvrtc, NvrtcError};
 use cudarc::cublas::result as blas;
 use cudarc::cublas::sys as blas_sys;
@@ -102,19 +102,6 @@ fn on_node(node: &str) -> String {
         String::new()
     } else {
         format!(" on node `%{node}`")
-    }
-}
-
-/// `bytes` for people: GiB or MiB with one decimal (plain bytes below 1 MiB).
-pub fn human_bytes(bytes: u64) -> String {
-    const MIB: f64 = (1u64 << 20) as f64;
-    const GIB: f64 = (1u64 << 30) as f64;
-    if bytes >= 1 << 30 {
-        format!("{:.1} GiB", bytes as f64 / GIB)
-    } else if bytes >= 1 << 20 {
-        format!("{:.1} MiB", bytes as f64 / MIB)
-    } else {
-        format!("{bytes} bytes")
     }
 }
 
@@ -1318,12 +1305,9 @@ mod tests {
         };
         assert_eq!(
             e.to_string(),
-            "the plan needs 90.0 GiB of device memory but only 79.5 GiB of 80.0 GiB is free; \
+            "the plan needs 90.00 GiB of device memory but only 79.50 GiB of 80.00 GiB is free; \
              try --remat selective (or full), or a smaller --batch"
         );
-        assert_eq!(human_bytes(64 << 20), "64.0 MiB");
-        assert_eq!(human_bytes(1536 << 20), "1.5 GiB");
-        assert_eq!(human_bytes(1000), "1000 bytes");
     }
 
     #[test]

@@ -12,7 +12,8 @@ use super::lower::{self, LowerError, MICRO_STEP, OPTIMIZER_STEP, ZERO_GRADS};
 use super::program::{ErrorFlag, Place, Program, SlotKind};
 use crate::{RuntimeError, StepReport};
 use castor_ir::{
-    DType, Graph, LossScaling, StateInit, StateRole, Tensor, TensorData, TensorType, TrainingPlan,
+    ControlState, DType, Graph, LossScaling, StateInit, StateRole, Tensor, TensorData, TensorType,
+    TrainingPlan, GRAD_NORM, LEARNING_RATE,
 };
 use std::collections::HashMap;
 
@@ -34,11 +35,6 @@ impl From<CudaError> for RuntimeError {
     }
 }
 
-/// Names the plan builder gives the control state (see `castor_passes::training`).
-const LOSS_SCALE: &str = "loss_scale";
-const STEP: &str = "optimizer.step";
-const LR: &str = "lr";
-const GRAD_NORM: &str = "grad_norm";
 /// The device log of micro-step losses (one F32 per micro-batch of the last step).
 const LOSS_LOG: &str = "report.losses";
 /// The loss scale the last step's backward used.
@@ -64,6 +60,7 @@ impl CudaPlanRunner {
         plan: TrainingPlan,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
     ) -> Result<CudaPlanRunner, RuntimeError> {
+        plan.check()?;
         let mut program = lower::lower_plan(&plan)?;
         let accum = plan.settings.grad_accum.max(1) as u64;
         program.slots.push(super::program::Slot {
@@ -148,13 +145,8 @@ impl CudaPlanRunner {
     }
 
     fn scalar(&self, name: &str) -> Result<f32, RuntimeError> {
-        match self.program.slot(name) {
-            Some(slot) => {
-                let b = self.loaded.read_slot(slot)?;
-                Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            }
-            None => Ok(1.0),
-        }
+        let b = self.loaded.read_slot(self.slot(name)?)?;
+        Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
     /// Queues one training step: the micro-batches' inputs are copied in, the runs replayed.
@@ -175,9 +167,10 @@ impl CudaPlanRunner {
             });
         }
         let log = self.slot_place(LOSS_LOG)?;
-        if let (Some(scale), Ok(used)) =
-            (self.program.slot(LOSS_SCALE), self.slot_place(USED_SCALE))
-        {
+        if let (Some(scale), Ok(used)) = (
+            self.program.slot(ControlState::LossScale.name()),
+            self.slot_place(USED_SCALE),
+        ) {
             self.loaded.copy(
                 used,
                 Place::Slot {
@@ -202,7 +195,7 @@ impl CudaPlanRunner {
         }
         let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
         let mut inputs = HashMap::new();
-        inputs.insert(LR.to_string(), lr_tensor);
+        inputs.insert(LEARNING_RATE.to_string(), lr_tensor);
         self.write_inputs(self.optimizer, &inputs)?;
         self.loaded.run(self.optimizer)?;
         self.steps_queued += 1;
@@ -235,7 +228,7 @@ impl CudaPlanRunner {
         Ok(StepReport {
             loss: loss as f32,
             loss_scale,
-            next_loss_scale: self.scalar(LOSS_SCALE)?,
+            next_loss_scale: self.scalar(ControlState::LossScale.name())?,
             skipped: !grad_norm.is_finite(),
             grad_norm,
         })
@@ -278,7 +271,7 @@ impl CudaPlanRunner {
 
     /// Optimizer steps taken (skipped steps do not count).
     pub fn steps_taken(&self) -> Result<f32, RuntimeError> {
-        self.scalar(STEP)
+        self.scalar(ControlState::Step.name())
     }
 
     /// The minimum loss scale of a dynamic plan.
