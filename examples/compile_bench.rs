@@ -65,7 +65,7 @@ fn main() -> anyhow::Result<()> {
             times[3] = ms(t0);
             let t0 = Instant::now();
             let settings = TrainSettings {
-                precision: "bf16".into(),
+                precision: Precision::Bf16,
                 objective: Objective::auto(&model).to_string(),
                 batch: b,
                 seq: t,
@@ -86,7 +86,7 @@ fn main() -> anyhow::Result<()> {
             let (plan, _) = build_training_plan(&g, settings)?;
             times[4] = ms(t0);
             let t0 = Instant::now();
-            let anatomy = Anatomy::of_plan(&plan, g.num_nodes());
+            let anatomy = Anatomy::of_plan(&plan);
             times[5] = ms(t0);
             let t0 = Instant::now();
             let cost = StepCost::of_plan(&plan, &GpuSpec::default());

@@ -3,7 +3,7 @@
 //! (`castor_passes::memory`), split into the activations the backward pass reads and the other
 //! temporaries live at the peak. The rows add up to the planned peak of one step.
 
-use castor_ir::{Graph, StateRole, TrainingPlan};
+use castor_ir::{StateRole, TrainingPlan};
 use castor_passes::memory::Anatomy;
 
 /// One row of the anatomy.
@@ -24,10 +24,9 @@ pub const STATE_ROLES: [StateRole; 5] = [
     StateRole::Control,
 ];
 
-/// The plan's persistent state by role and, given the compiled loss graph the plan was built
-/// from (the micro step's forward part), the planned arena: saved activations and the other
-/// temporaries at the peak.
-pub fn anatomy(plan: &TrainingPlan, forward: Option<&Graph>) -> Vec<AnatomyRow> {
+/// The plan's persistent state by role, then the planned arena: saved activations (the plan
+/// records where its forward part ends) and the other temporaries at the peak.
+pub fn anatomy(plan: &TrainingPlan) -> Vec<AnatomyRow> {
     let mut rows: Vec<AnatomyRow> = STATE_ROLES
         .iter()
         .map(|&role| AnatomyRow {
@@ -36,19 +35,17 @@ pub fn anatomy(plan: &TrainingPlan, forward: Option<&Graph>) -> Vec<AnatomyRow> 
             estimate: false,
         })
         .collect();
-    if let Some(g) = forward {
-        let a = Anatomy::of_plan(plan, g.num_nodes());
-        let saved = a.saved_activations.min(a.memory.arena_bytes);
-        rows.push(AnatomyRow {
-            what: "saved activations".into(),
-            bytes: saved,
-            estimate: false,
-        });
-        rows.push(AnatomyRow {
-            what: "other temporaries at the peak".into(),
-            bytes: a.memory.arena_bytes - saved,
-            estimate: false,
-        });
-    }
+    let a = Anatomy::of_plan(plan);
+    let saved = a.saved_activations.min(a.memory.arena_bytes);
+    rows.push(AnatomyRow {
+        what: "saved activations".into(),
+        bytes: saved,
+        estimate: false,
+    });
+    rows.push(AnatomyRow {
+        what: "other temporaries at the peak".into(),
+        bytes: a.memory.arena_bytes - saved,
+        estimate: false,
+    });
     rows
 }

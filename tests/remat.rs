@@ -29,9 +29,8 @@ const FAMILIES: [&str; 6] = [
     "llama_tied",
 ];
 
-/// The bf16 AdamW training plan of a model folder or config at `batch` x `seq`, and the
-/// number of forward nodes at the head of its micro step.
-fn plan(model: &Path, batch: usize, seq: usize, remat: Remat) -> (TrainingPlan, usize) {
+/// The bf16 AdamW training plan of a model folder or config at `batch` x `seq`.
+fn plan(model: &Path, batch: usize, seq: usize, remat: Remat) -> TrainingPlan {
     try_plan(model, batch, seq, remat).unwrap()
 }
 
@@ -40,7 +39,7 @@ fn try_plan(
     batch: usize,
     seq: usize,
     remat: Remat,
-) -> Result<(TrainingPlan, usize), castor_passes::PassError> {
+) -> Result<TrainingPlan, castor_passes::PassError> {
     let model = Model::load(model).unwrap();
     let objective = Objective::auto(&model);
     let g = model.build_loss_graph(batch, seq, objective).unwrap();
@@ -49,7 +48,7 @@ fn try_plan(
         .unwrap()
         .graph;
     let settings = TrainSettings {
-        precision: "bf16".into(),
+        precision: Precision::Bf16,
         objective: objective.to_string(),
         batch,
         seq,
@@ -67,20 +66,19 @@ fn try_plan(
         param_grads_in_compute_dtype: false,
         remat,
     };
-    let forward = g.num_nodes();
-    build_training_plan(&g, settings).map(|(p, _)| (p, forward))
+    build_training_plan(&g, settings).map(|(p, _)| p)
 }
 
-fn peak(p: &TrainingPlan, forward: usize) -> u64 {
-    Anatomy::of_plan(p, forward).total()
+fn peak(p: &TrainingPlan) -> u64 {
+    Anatomy::of_plan(p).total()
 }
 
 /// A budget halfway between the `none` and `full` peaks of a fixture.
 fn midway_budget(variant: &str, batch: usize, seq: usize) -> u64 {
     let dir = fixture(variant);
-    let (none, f) = plan(&dir, batch, seq, Remat::None);
-    let (full, _) = plan(&dir, batch, seq, Remat::Full);
-    (peak(&none, f) + peak(&full, f)) / 2
+    let none = plan(&dir, batch, seq, Remat::None);
+    let full = plan(&dir, batch, seq, Remat::Full);
+    (peak(&none) + peak(&full)) / 2
 }
 
 #[test]
@@ -163,16 +161,16 @@ fn every_mode_is_bit_identical_on_every_family() {
 
 /// What a mode keeps (saved activations) and recomputes, by name pattern across blocks.
 fn decisions(variant: &str, mode: Remat) -> String {
-    let (p, forward) = plan(&fixture(variant), 2, 7, mode);
+    let p = plan(&fixture(variant), 2, 7, mode);
     let g = &p.micro_step;
     let (recomputed, cost) = remat::recomputed(g, &GpuSpec::default());
-    let kept: Vec<String> = saved_activations(g, forward)
+    let kept: Vec<String> = saved_activations(g, p.forward_nodes)
         .iter()
         .map(|(v, _)| g.name(*v).to_string())
         .collect();
     let mut out = format!(
         "remat {mode}: peak {} bytes, recompute {} FLOP\nrecomputed:\n",
-        peak(&p, forward),
+        peak(&p),
         cost.flops
     );
     for (k, c) in remat::group_counts(&recomputed) {
@@ -202,7 +200,7 @@ fn remat_decisions() {
 
 #[test]
 fn recomputed_nodes_carry_notes_and_an_impossible_budget_names_the_smallest() {
-    let (p, _) = plan(&fixture("gpt2_lm"), 2, 7, Remat::Selective);
+    let p = plan(&fixture("gpt2_lm"), 2, 7, Remat::Selective);
     let text = castor_ir::text::print(&p.micro_step);
     assert!(text.contains("%h.0.attn.probs.remat: bf16[2,4,7,7] = softmax("));
     assert!(text.contains("# remat: recomputes %h.0.attn.probs for %"));
@@ -218,8 +216,8 @@ fn recomputed_nodes_carry_notes_and_an_impossible_budget_names_the_smallest() {
         .unwrap()
         .parse()
         .unwrap();
-    let (p, f) = plan(&fixture("gpt2_lm"), 2, 7, Remat::Budget(smallest));
-    assert!(peak(&p, f) <= smallest);
+    let p = plan(&fixture("gpt2_lm"), 2, 7, Remat::Budget(smallest));
+    assert!(peak(&p) <= smallest);
 }
 
 const GPT2_124M: &str = "assets/configs/gpt2-124m.json";
@@ -240,8 +238,8 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
         (Remat::Selective, "34"),
         (Remat::Full, "2"),
     ] {
-        let (p, f) = plan(&config, b, t, mode);
-        let a = Anatomy::of_plan(&p, f);
+        let p = plan(&config, b, t, mode);
+        let a = Anatomy::of_plan(&p);
         let m = &a.memory;
         assert!(
             m.arena_bytes as f64 <= 1.05 * m.lower_bound as f64,
@@ -249,7 +247,7 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
             m.arena_bytes,
             m.lower_bound
         );
-        let (per, _) = saved_per_block(&p.micro_step, f);
+        let (per, _) = saved_per_block(&p.micro_step, p.forward_nodes);
         let block5 = per.iter().find(|(i, _)| *i == 5).map_or(0, |(_, b)| *b);
         if mode == Remat::None {
             none_peak = a.total();
@@ -286,8 +284,8 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
     let mut last_secs = f64::INFINITY;
     for i in 0..10 {
         let budget = smallest + (none_peak - smallest) * i / 9;
-        let (p, f) = plan(&config, b, t, Remat::Budget(budget));
-        let a = Anatomy::of_plan(&p, f);
+        let p = plan(&config, b, t, Remat::Budget(budget));
+        let a = Anatomy::of_plan(&p);
         assert!(a.total() <= budget, "budget {budget}: peak {}", a.total());
         let cost = StepCost::of_plan(&p, &GpuSpec::default());
         let secs = cost.recompute_seconds();

@@ -25,9 +25,10 @@
 //! F32 master. Graph inputs and outputs keep their declared dtypes. Every painted node records
 //! why in its note, which the IR text prints.
 
-use crate::policy::{Policy, Precision, Rule, Target};
+use crate::policy::{Policy, Rule, Target};
 use crate::summary::precision_summary;
 use crate::{Pass, PassError, PassReport};
+use castor_ir::Precision;
 use castor_ir::{Accum, DType, Graph, Node, Op, OpClass, TensorType, Value};
 use std::collections::{BTreeMap, BTreeSet};
 

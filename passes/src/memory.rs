@@ -375,8 +375,7 @@ pub struct Anatomy {
 }
 
 impl Anatomy {
-    /// `forward_nodes`: the number of forward nodes at the head of the micro step.
-    pub fn of_plan(plan: &TrainingPlan, forward_nodes: usize) -> Anatomy {
+    pub fn of_plan(plan: &TrainingPlan) -> Anatomy {
         let memory = plan_memory(plan);
         Anatomy {
             params: ModelShape::of_plan(plan).params,
@@ -385,7 +384,7 @@ impl Anatomy {
             gradients: plan.state_bytes(StateRole::Gradient),
             optimizer_state: plan.state_bytes(StateRole::OptimizerState),
             control: plan.state_bytes(StateRole::Control),
-            saved_activations: saved_activations(&plan.micro_step, forward_nodes)
+            saved_activations: saved_activations(&plan.micro_step, plan.forward_nodes)
                 .iter()
                 .map(|(_, b)| b)
                 .sum(),

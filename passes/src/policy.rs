@@ -18,68 +18,11 @@
 //! ```
 
 use crate::PassError;
-use castor_ir::{BinaryOp, DType, Op, OpClass, ReduceOp, UnaryOp};
+use castor_ir::{BinaryOp, DType, Op, OpClass, Precision, ReduceOp, UnaryOp};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
-use std::str::FromStr;
 use wildmatch::WildMatch;
-
-/// The policy families `--precision` chooses from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Precision {
-    /// Everything in F32.
-    Fp32,
-    /// F32 storage; contractions on TF32 tensor cores (operands rounded to TF32).
-    Tf32,
-    /// BF16 for contractions and what follows them; F32 range, so no loss scaling.
-    Bf16,
-    /// F16 for contractions and what lies between them; needs loss scaling in training.
-    Fp16,
-}
-
-impl Precision {
-    pub const ALL: [Precision; 4] = [
-        Precision::Fp32,
-        Precision::Tf32,
-        Precision::Bf16,
-        Precision::Fp16,
-    ];
-
-    /// The low-precision storage dtype, if the policy has one.
-    pub fn low(self) -> Option<DType> {
-        match self {
-            Precision::Bf16 => Some(DType::BF16),
-            Precision::Fp16 => Some(DType::F16),
-            Precision::Fp32 | Precision::Tf32 => None,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Tf32 => "tf32",
-            Precision::Bf16 => "bf16",
-            Precision::Fp16 => "fp16",
-        }
-    }
-}
-
-impl fmt::Display for Precision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Precision::ALL
-            .into_iter()
-            .find(|p| p.name() == s)
-            .ok_or_else(|| format!("unknown precision `{s}` (expected fp32, tf32, bf16 or fp16)"))
-    }
-}
 
 /// What the table says about an op kind (TensorFlow's list names; TVM's in parentheses).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

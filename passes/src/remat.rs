@@ -26,7 +26,7 @@
 use crate::cost::{node_cost, GpuSpec, NodeCost};
 use crate::memory::{plan_graphs, ScheduledGraph};
 use crate::PassError;
-use castor_ir::{Graph, Node, Op, OpClass, Remat, Value};
+use castor_ir::{human_bytes, Graph, Node, Op, OpClass, Remat, Value};
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// Suffix of recomputed values' names.
@@ -495,8 +495,8 @@ pub fn rematerialize(
                     evaluated,
                     format!(
                         "; simulated peak {} of {} budget ({} candidates planned)",
-                        bytes_text(peak),
-                        bytes_text(budget),
+                        human_bytes(peak),
+                        human_bytes(budget),
                         evaluated
                     ),
                 )),
@@ -504,27 +504,11 @@ pub fn rematerialize(
                     "no recomputation fits the step in {} ({budget} bytes): the smallest \
                      simulated peak castor can plan is {} ({min_peak} bytes); use \
                      --remat budget:{min_peak} or more",
-                    bytes_text(budget),
-                    bytes_text(min_peak)
+                    human_bytes(budget),
+                    human_bytes(min_peak)
                 ))),
             }
         }
-    }
-}
-
-/// `12.34 GiB`.
-pub fn bytes_text(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut x = b as f64;
-    let mut u = 0;
-    while x >= 1024.0 && u + 1 < UNITS.len() {
-        x /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{b} B")
-    } else {
-        format!("{x:.2} {}", UNITS[u])
     }
 }
 

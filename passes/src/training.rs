@@ -11,17 +11,11 @@
 
 use crate::{Autodiff, PassError, PassReport, Seed};
 use castor_ir::{
-    BinaryOp, DType, Graph, GraphBuilder, LossScaling, Op, OptimizerKind, Shape, StateInit,
-    StateRole, StateSpec, TensorType, TrainSettings, TrainingPlan, Value, Write,
+    BinaryOp, ControlState, DType, Graph, GraphBuilder, LossScaling, Op, OptimizerKind, Shape,
+    StateInit, StateRole, StateSpec, TensorType, TrainSettings, TrainingPlan, Value, Write,
+    GRAD_NORM, LEARNING_RATE,
 };
 use wildmatch::WildMatch;
-
-/// Names of the plan's control state and inputs.
-pub const LOSS_SCALE: &str = "loss_scale";
-pub const LOSS_SCALE_COUNTERS: &str = "loss_scale.counters";
-pub const STEP: &str = "optimizer.step";
-pub const LR: &str = "lr";
-pub const GRAD_NORM: &str = "grad_norm";
 
 /// Builds the training plan for `forward`, whose first output is the scalar loss and whose
 /// dtypes the precision passes have assigned.
@@ -50,7 +44,7 @@ pub fn build_training_plan(
             .map(|&p| forward.name(p).to_string())
             .collect(),
         seed: Seed::Scaled {
-            state: LOSS_SCALE.into(),
+            state: ControlState::LossScale.name().into(),
             factor: 1.0 / settings.grad_accum as f64,
         },
         param_grads_in_compute_dtype: settings.param_grads_in_compute_dtype,
@@ -59,7 +53,6 @@ pub fn build_training_plan(
     let (micro_step, micro_step_writes) = accumulate(backward, settings.grad_accum)?;
 
     let mut state = Vec::new();
-    let scalar = TensorType::new(DType::F32, Shape::scalar());
     for &p in &params {
         state.push(StateSpec {
             name: forward.name(p).to_string(),
@@ -99,30 +92,14 @@ pub fn build_training_plan(
             });
         }
     }
-    let (init_scale, hysteresis) = match settings.loss_scaling {
-        LossScaling::None => (1.0, 1),
-        LossScaling::Static { scale } => (scale, 1),
-        LossScaling::Dynamic {
-            init_scale,
-            hysteresis,
-            ..
-        } => (init_scale, hysteresis),
-    };
-    for (name, values) in [
-        (STEP, vec![0.0]),
-        (LOSS_SCALE, vec![init_scale]),
-        (LOSS_SCALE_COUNTERS, vec![0.0, hysteresis as f64]),
-    ] {
-        let ty = if values.len() == 1 {
-            scalar.clone()
-        } else {
-            TensorType::new(DType::F32, [values.len()])
-        };
+    // Every control entry, the counters included when they stay unused, so the state table
+    // has one shape whatever the loss scaling.
+    for c in ControlState::ALL {
         state.push(StateSpec {
-            name: name.into(),
-            ty,
+            name: c.name().into(),
+            ty: c.ty(),
             role: StateRole::Control,
-            init: StateInit::Values(values),
+            init: StateInit::Values(c.initial(&settings.loss_scaling)),
         });
     }
 
@@ -144,6 +121,7 @@ pub fn build_training_plan(
         format: castor_ir::PLAN_FORMAT.into(),
         settings,
         micro_step,
+        forward_nodes: forward.num_nodes(),
         micro_step_writes,
         optimizer_step,
         optimizer_step_writes,
@@ -293,9 +271,9 @@ fn optimizer_graph(
 ) -> Result<(Graph, Vec<Write>), PassError> {
     let scalar = TensorType::new(DType::F32, Shape::scalar());
     let mut b = GraphBuilder::new("optimizer_step");
-    let lr = b.input(LR, scalar.clone())?;
-    let step = b.state(STEP, scalar.clone())?;
-    let scale = b.state(LOSS_SCALE, scalar.clone())?;
+    let lr = b.input(LEARNING_RATE, scalar)?;
+    let step = b.state(ControlState::Step.name(), ControlState::Step.ty())?;
+    let scale = b.state(ControlState::LossScale.name(), ControlState::LossScale.ty())?;
     let mut grads = Vec::new();
     for &p in trainable {
         let ty = TensorType::new(DType::F32, fwd.ty(p).shape.clone());
@@ -372,7 +350,7 @@ fn optimizer_graph(
         }
     }
     let next_step = b.op("count_step", Op::CountStep, &[step, norm])?;
-    write(&mut b, next_step, STEP)?;
+    write(&mut b, next_step, ControlState::Step.name())?;
     if let LossScaling::Dynamic {
         growth_factor,
         backoff_factor,
@@ -382,7 +360,10 @@ fn optimizer_graph(
         ..
     } = settings.loss_scaling
     {
-        let counters = b.state(LOSS_SCALE_COUNTERS, TensorType::new(DType::F32, [2]))?;
+        let counters = b.state(
+            ControlState::LossScaleCounters.name(),
+            ControlState::LossScaleCounters.ty(),
+        )?;
         let op = Op::LossScaleUpdate {
             growth_factor,
             backoff_factor,
@@ -391,8 +372,8 @@ fn optimizer_graph(
             max_scale,
         };
         let outs = b.op_multi("loss_scale_update", op, &[scale, counters, norm])?;
-        write(&mut b, outs[0], LOSS_SCALE)?;
-        write(&mut b, outs[1], LOSS_SCALE_COUNTERS)?;
+        write(&mut b, outs[0], ControlState::LossScale.name())?;
+        write(&mut b, outs[1], ControlState::LossScaleCounters.name())?;
     }
     b.set_outputs(outputs);
     Ok((b.finish(), writes))

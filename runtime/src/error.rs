@@ -58,8 +58,17 @@ pub enum RuntimeError {
     /// The plan does not fit in the device's free memory (how much it needs and what to do).
     #[error("{0}")]
     OutOfMemory(String),
+    /// The training plan breaks its contract (a missing or renamed control entry).
+    #[error("{0}")]
+    Plan(String),
     /// A broken invariant of the executor or of the IR's tensors (a bug in castor), reported
     /// rather than panicking.
     #[error("node `%{node}`: internal error: {message}")]
     Internal { node: String, message: String },
+}
+
+impl From<castor_ir::PlanError> for RuntimeError {
+    fn from(e: castor_ir::PlanError) -> Self {
+        RuntimeError::Plan(e.to_string())
+    }
 }

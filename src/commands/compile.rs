@@ -161,7 +161,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         println!();
         println!("pass        {:<11} {}", "training", report.summary);
         print_training(&plan);
-        print_memory_and_cost(&plan, out.graph.num_nodes(), &gpu);
+        print_memory_and_cost(&plan, &gpu);
         Some(plan)
     } else {
         None
@@ -249,11 +249,7 @@ fn print_training(plan: &castor_ir::TrainingPlan) {
 
 /// The remat decisions, the memory anatomy (persistent state by role, saved activations, the
 /// planned arena) and the cost model's estimate of the step.
-fn print_memory_and_cost(
-    plan: &castor_ir::TrainingPlan,
-    forward_nodes: usize,
-    gpu: &castor_passes::cost::GpuSpec,
-) {
+fn print_memory_and_cost(plan: &castor_ir::TrainingPlan, gpu: &castor_passes::cost::GpuSpec) {
     use castor_passes::{cost::StepCost, memory::Anatomy, remat};
     let (names, cost) = remat::recomputed(&plan.micro_step, gpu);
     let groups = remat::group_counts(&names);
@@ -267,7 +263,7 @@ fn print_memory_and_cost(
         println!("  recompute {group} x{count}");
     }
     println!();
-    for line in crate::report::anatomy_lines(&Anatomy::of_plan(plan, forward_nodes)) {
+    for line in crate::report::anatomy_lines(&Anatomy::of_plan(plan)) {
         println!("{line}");
     }
     println!();
@@ -300,7 +296,7 @@ fn cuda_line(plan: &castor_ir::TrainingPlan) -> String {
                 "cuda        {launches} kernel launches, {gemms} cuBLAS products, {other} copies/memsets \
                  per step; {} modules; arena {} at kernel granularity",
                 p.modules.len(),
-                castor_runtime::cuda::device::human_bytes(p.arena_bytes)
+                castor_ir::human_bytes(p.arena_bytes)
             )
         }
         Err(e) => format!("cuda        cannot run on the CUDA executor: {e}"),

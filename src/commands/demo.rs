@@ -151,7 +151,7 @@ fn print_report(c: &Compiled, params: u64) {
     println!("remat       none (every activation is kept for the backward pass)");
     println!("memory      planned peak of one step: persistent state by role, then the arena (bytes/param vs. the usual 18 of mixed-precision AdamW for the state)");
     let mut total = 0;
-    for row in anatomy(&c.plan, Some(&c.loss_graph)) {
+    for row in anatomy(&c.plan) {
         total += row.bytes;
         println!("              {}", memory_row(&row, params));
     }
@@ -320,7 +320,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             label: c.precision.to_string(),
             // Every row, zeros too, so each row keeps its colour; the 16 bytes of step and
             // loss-scale state would not show.
-            segments: anatomy(&c.plan, Some(&c.loss_graph))
+            segments: anatomy(&c.plan)
                 .into_iter()
                 .filter(|r| r.what != castor_ir::StateRole::Control.describe())
                 .map(|r| (r.what, r.bytes))

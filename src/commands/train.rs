@@ -434,6 +434,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     };
     println!("data        {}", data.describe());
+    println!("{}", memory_line(&plan));
     if args.eval_every.is_some() && !data.has_validation() {
         return Err(CliError::InvalidInput("--eval-every: no held-out data".into()).into());
     }
@@ -451,7 +452,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(bytes) = runner.allocated_bytes() {
         println!(
             "memory      {} ({bytes} bytes) allocated on the device for the plan",
-            castor_runtime::cuda::device::human_bytes(bytes)
+            castor_ir::human_bytes(bytes)
         );
     }
     let mut first_step = 0;
@@ -580,6 +581,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// The plan's planned memory per step (from the plan alone, so a plan file reports it too).
+fn memory_line(plan: &TrainingPlan) -> String {
+    use castor_ir::human_bytes;
+    let a = castor_passes::memory::Anatomy::of_plan(plan);
+    format!(
+        "memory      {} planned per step: state {}, arena {} (saved activations {})",
+        human_bytes(a.total()),
+        human_bytes(a.persistent()),
+        human_bytes(a.memory.arena_bytes),
+        human_bytes(a.saved_activations)
+    )
 }
 
 /// The objective a plan was built for.

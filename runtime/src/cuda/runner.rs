@@ -17,7 +17,8 @@ use super::program::{ErrorFlag, Place, Program, SlotKind};
 use super::target::{Gpu, Target};
 use crate::{DeviceTime, RuntimeError, StepReport};
 use castor_ir::{
-    DType, Graph, LossScaling, StateInit, StateRole, Tensor, TensorData, TensorType, TrainingPlan,
+    ControlState, DType, Graph, LossScaling, StateInit, StateRole, Tensor, TensorData, TensorType,
+    TrainingPlan, GRAD_NORM, LEARNING_RATE,
 };
 use std::collections::HashMap;
 
@@ -39,11 +40,6 @@ impl From<CudaError> for RuntimeError {
     }
 }
 
-/// Names the plan builder gives the control state (see `castor_passes::training`).
-const LOSS_SCALE: &str = "loss_scale";
-const STEP: &str = "optimizer.step";
-const LR: &str = "lr";
-const GRAD_NORM: &str = "grad_norm";
 /// The device log of micro-step losses (one F32 per micro-batch of the last step).
 const LOSS_LOG: &str = "report.losses";
 /// The loss scale the last step's backward used.
@@ -84,6 +80,7 @@ impl<T: Target> LoweredPlanRunner<T> {
         plan: TrainingPlan,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
     ) -> Result<Self, RuntimeError> {
+        plan.check()?;
         let program = lower::lower_plan(&plan)?;
         Self::with_program(plan, program, checkpoint)
     }
@@ -187,13 +184,8 @@ impl<T: Target> LoweredPlanRunner<T> {
     }
 
     fn scalar(&self, name: &str) -> Result<f32, RuntimeError> {
-        match self.program.slot(name) {
-            Some(slot) => {
-                let b = self.target.read_slot(slot)?;
-                Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            }
-            None => Ok(1.0),
-        }
+        let b = self.target.read_slot(self.slot(name)?)?;
+        Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
     /// Queues one training step: the micro-batches' inputs are copied in, the runs replayed.
@@ -214,9 +206,10 @@ impl<T: Target> LoweredPlanRunner<T> {
             });
         }
         let log = self.slot_place(LOSS_LOG)?;
-        if let (Some(scale), Ok(used)) =
-            (self.program.slot(LOSS_SCALE), self.slot_place(USED_SCALE))
-        {
+        if let (Some(scale), Ok(used)) = (
+            self.program.slot(ControlState::LossScale.name()),
+            self.slot_place(USED_SCALE),
+        ) {
             self.target.copy(
                 used,
                 Place::Slot {
@@ -244,7 +237,7 @@ impl<T: Target> LoweredPlanRunner<T> {
         }
         let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
         let mut inputs = HashMap::new();
-        inputs.insert(LR.to_string(), lr_tensor);
+        inputs.insert(LEARNING_RATE.to_string(), lr_tensor);
         if self.timing {
             self.target.mark(MARK_MICRO)?;
         }
@@ -297,7 +290,7 @@ impl<T: Target> LoweredPlanRunner<T> {
         Ok(StepReport {
             loss: loss as f32,
             loss_scale,
-            next_loss_scale: self.scalar(LOSS_SCALE)?,
+            next_loss_scale: self.scalar(ControlState::LossScale.name())?,
             skipped: !grad_norm.is_finite(),
             grad_norm,
             device_time,
@@ -341,7 +334,7 @@ impl<T: Target> LoweredPlanRunner<T> {
 
     /// Optimizer steps taken (skipped steps do not count).
     pub fn steps_taken(&self) -> Result<f32, RuntimeError> {
-        self.scalar(STEP)
+        self.scalar(ControlState::Step.name())
     }
 
     /// The minimum loss scale of a dynamic plan.

@@ -45,6 +45,7 @@ use cudarc::cublas::sys as blas_sys;
 use cudarc::driver::DriverError;
 
 use crate::cuda_probe::NoCuda;
+use castor_ir::human_bytes;
 
 /// Memory left free beyond the program's own buffers: loaded modules, graphs, cuBLAS's
 /// handle and the driver's own allocations.
@@ -107,19 +108,6 @@ fn on_node(node: &str) -> String {
         String::new()
     } else {
         format!(" on node `%{node}`")
-    }
-}
-
-/// `bytes` for people: GiB or MiB with one decimal (plain bytes below 1 MiB).
-pub fn human_bytes(bytes: u64) -> String {
-    const MIB: f64 = (1u64 << 20) as f64;
-    const GIB: f64 = (1u64 << 30) as f64;
-    if bytes >= 1 << 30 {
-        format!("{:.1} GiB", bytes as f64 / GIB)
-    } else if bytes >= 1 << 20 {
-        format!("{:.1} MiB", bytes as f64 / MIB)
-    } else {
-        format!("{bytes} bytes")
     }
 }
 

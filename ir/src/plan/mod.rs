@@ -8,15 +8,25 @@
 //! [`Write`]s stores an output into a state entry, which is how a step updates the masters,
 //! moments, gradients and scaler.
 //!
+//! The control entries (step, loss scale, scaler counters) and the optimizer step's
+//! learning-rate input and gradient-norm output are named once, in [`control`], and
+//! [`TrainingPlan::check`] requires them: an executor never falls back to a default.
+//!
 //! Plans serialize to JSON, with each graph in the IR text format (the one format that
 //! prints and parses), so a plan written by `castor compile` runs anywhere.
 
-use crate::{text, DType, Graph, IrError, TensorType};
+mod control;
+mod settings;
+
+pub use control::{ControlState, GRAD_NORM, LEARNING_RATE};
+pub use settings::{LossScaling, OptimizerKind, Remat, TrainSettings};
+
+use crate::{text, DType, Graph, IrError, Shape, TensorType};
 use serde::{Deserialize, Serialize};
-use std::collections::HashSet;
+use std::collections::HashMap;
 
 /// The format tag written into every plan file.
-pub const PLAN_FORMAT: &str = "castor-training-plan/1";
+pub const PLAN_FORMAT: &str = "castor-training-plan/2";
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainingPlan {
@@ -25,6 +35,9 @@ pub struct TrainingPlan {
     /// Forward and backward of one micro-batch.
     #[serde(with = "graph_text")]
     pub micro_step: Graph,
+    /// The first `forward_nodes` nodes of the micro step are the forward pass (the loss);
+    /// the rest is the backward pass, recomputation and gradient accumulation.
+    pub forward_nodes: usize,
     /// Outputs of the micro step stored into state after every micro-batch.
     pub micro_step_writes: Vec<Write>,
     /// The update, once per step after `grad_accum` micro steps.
@@ -99,159 +112,6 @@ pub enum StateInit {
     Values(Vec<f64>),
 }
 
-/// The settings a plan was built with: recorded for logs and checkpoints; the graphs hold
-/// everything the step computes.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct TrainSettings {
-    pub precision: String,
-    pub objective: String,
-    pub batch: usize,
-    pub seq: usize,
-    pub grad_accum: usize,
-    pub optimizer: OptimizerKind,
-    /// Global-norm clipping threshold; 0 = none.
-    pub max_grad_norm: f64,
-    pub loss_scaling: LossScaling,
-    /// Parameters that are not trained.
-    pub frozen: Vec<String>,
-    /// Parameters trained without weight decay.
-    pub no_decay: Vec<String>,
-    /// Weight gradients computed in the working copy's dtype (then widened to F32), as
-    /// PyTorch autocast does, rather than written in F32 by their contractions.
-    #[serde(default)]
-    pub param_grads_in_compute_dtype: bool,
-    /// What the micro step recomputes in its backward part instead of keeping.
-    #[serde(default, skip_serializing_if = "Remat::is_none")]
-    pub remat: Remat,
-}
-
-/// Rematerialization: which forward values the backward part recomputes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Remat {
-    /// Keep every forward value the backward part reads.
-    #[default]
-    None,
-    /// Keep each transformer block's input; recompute the rest of the block.
-    Full,
-    /// Recompute the attention scores and softmax and cheap pointwise and layout ops; keep
-    /// contraction and normalization outputs.
-    Selective,
-    /// Keep what fits: the step's simulated peak stays within this many bytes.
-    Budget(u64),
-}
-
-impl Remat {
-    pub fn is_none(&self) -> bool {
-        *self == Remat::None
-    }
-}
-
-impl std::fmt::Display for Remat {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Remat::None => f.write_str("none"),
-            Remat::Full => f.write_str("full"),
-            Remat::Selective => f.write_str("selective"),
-            Remat::Budget(b) => write!(f, "budget:{b}"),
-        }
-    }
-}
-
-impl std::str::FromStr for Remat {
-    type Err = String;
-
-    /// `none`, `full`, `selective` or `budget:<bytes>`, the bytes a number with an optional
-    /// unit (`B`, `KB`/`MB`/`GB`/`TB` = powers of 1000, `KiB`/`MiB`/`GiB`/`TiB` = of 1024).
-    fn from_str(s: &str) -> Result<Remat, String> {
-        match s.trim() {
-            "none" => Ok(Remat::None),
-            "full" => Ok(Remat::Full),
-            "selective" => Ok(Remat::Selective),
-            other => match other.strip_prefix("budget:") {
-                Some(b) => parse_bytes(b).map(Remat::Budget).ok_or_else(|| {
-                    format!(
-                        "`{other}`: the budget must be a byte count such as 20GiB, 1.5GB or 123456"
-                    )
-                }),
-                None => Err(format!(
-                    "`{other}`: expected none, full, selective or budget:<bytes>"
-                )),
-            },
-        }
-    }
-}
-
-/// `123456`, `20GiB`, `1.5 GB`: bytes, rounded down.
-pub fn parse_bytes(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let split = s
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let num: f64 = num.parse().ok()?;
-    let mult: f64 = match unit.trim() {
-        "" | "B" => 1.0,
-        "KB" | "kB" => 1e3,
-        "MB" => 1e6,
-        "GB" => 1e9,
-        "TB" => 1e12,
-        "KiB" => 1024.0,
-        "MiB" => 1024f64.powi(2),
-        "GiB" => 1024f64.powi(3),
-        "TiB" => 1024f64.powi(4),
-        _ => return None,
-    };
-    let bytes = num * mult;
-    (0.0..1.8e19).contains(&bytes).then_some(bytes as u64)
-}
-
-impl Serialize for Remat {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&self.to_string())
-    }
-}
-
-impl<'de> Deserialize<'de> for Remat {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Remat, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
-    }
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "kind")]
-pub enum OptimizerKind {
-    AdamW {
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-    },
-    Sgd {
-        momentum: f64,
-        weight_decay: f64,
-    },
-}
-
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", tag = "kind")]
-pub enum LossScaling {
-    None,
-    Static {
-        scale: f64,
-    },
-    Dynamic {
-        init_scale: f64,
-        growth_factor: f64,
-        backoff_factor: f64,
-        growth_interval: usize,
-        hysteresis: usize,
-        max_scale: f64,
-        /// Training stops with an error when the scale falls below this.
-        min_scale: f64,
-    },
-}
-
 /// A plan file that cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum PlanError {
@@ -292,13 +152,32 @@ impl TrainingPlan {
         self.state.iter().find(|s| s.name == name)
     }
 
-    /// The structural invariants `from_json` relies on.
+    /// The state entry of a control value; [`TrainingPlan::check`] guarantees it for every
+    /// entry the plan's loss scaling requires.
+    pub fn control(&self, c: ControlState) -> Result<&StateSpec, PlanError> {
+        self.state_spec(c.name())
+            .filter(|s| s.role == StateRole::Control)
+            .ok_or_else(|| PlanError::Inconsistent(format!("the plan has no control entry `{c}`")))
+    }
+
+    /// The structural invariants `from_json` relies on, and the control contract: every
+    /// control entry the loss scaling requires exists with its type, every entry of role
+    /// control is one castor knows, and the optimizer step takes the learning rate and
+    /// returns the gradient norm.
     pub fn check(&self) -> Result<(), PlanError> {
         let bad = |m: String| Err(PlanError::Inconsistent(m));
-        let mut names = HashSet::new();
+        let mut by_name: HashMap<&str, &StateSpec> = HashMap::with_capacity(self.state.len());
         for s in &self.state {
-            if !names.insert(s.name.as_str()) {
+            if by_name.insert(s.name.as_str(), s).is_some() {
                 return bad(format!("state `{}` is listed twice", s.name));
+            }
+            if s.role == StateRole::Control && ControlState::from_name(&s.name).is_none() {
+                let known: Vec<&str> = ControlState::ALL.iter().map(|c| c.name()).collect();
+                return bad(format!(
+                    "state `{}` has role control but is no control entry castor knows ({})",
+                    s.name,
+                    known.join(", ")
+                ));
             }
             if let StateInit::Values(v) = &s.init {
                 if Some(v.len()) != s.ty.shape.numel() {
@@ -310,6 +189,50 @@ impl TrainingPlan {
                     ));
                 }
             }
+        }
+        for c in ControlState::ALL {
+            match by_name.get(c.name()) {
+                Some(s) if s.role == StateRole::Control && s.ty == c.ty() => {}
+                Some(s) => {
+                    return bad(format!(
+                        "control entry `{c}` must be {} with role control, found {} ({:?})",
+                        c.ty(),
+                        s.ty,
+                        s.role
+                    ))
+                }
+                None if c.required(&self.settings.loss_scaling) => {
+                    return bad(format!("the plan has no control entry `{c}`"))
+                }
+                None => {}
+            }
+        }
+        if self.forward_nodes > self.micro_step.num_nodes() {
+            return bad(format!(
+                "the forward pass has {} nodes but the micro step only {}",
+                self.forward_nodes,
+                self.micro_step.num_nodes()
+            ));
+        }
+        let scalar = TensorType::new(DType::F32, Shape::scalar());
+        let lr = self.optimizer_step.lookup(LEARNING_RATE);
+        if lr.is_none_or(|v| {
+            self.optimizer_step
+                .node(self.optimizer_step.value(v).producer)
+                .op
+                != crate::Op::Input
+                || self.optimizer_step.ty(v) != &scalar
+        }) {
+            return bad(format!(
+                "the optimizer step must take the learning rate as an f32[] input `%{LEARNING_RATE}`"
+            ));
+        }
+        if !self.optimizer_step.outputs().iter().any(|&v| {
+            self.optimizer_step.name(v) == GRAD_NORM && self.optimizer_step.ty(v) == &scalar
+        }) {
+            return bad(format!(
+                "the optimizer step must return the gradient norm as an f32[] output `%{GRAD_NORM}`"
+            ));
         }
         for (label, g, writes) in [
             ("micro-step", &self.micro_step, &self.micro_step_writes),
@@ -328,7 +251,7 @@ impl TrainingPlan {
                     continue;
                 }
                 let v = node.outputs[0];
-                match self.state_spec(g.name(v)) {
+                match by_name.get(g.name(v)) {
                     Some(s) if &s.ty == g.ty(v) => {}
                     Some(s) => {
                         return bad(format!(
@@ -353,7 +276,7 @@ impl TrainingPlan {
                         w.output, w.state
                     ));
                 };
-                match self.state_spec(&w.state) {
+                match by_name.get(w.state.as_str()) {
                     Some(s) if &s.ty == g.ty(*v) => {}
                     _ => {
                         return bad(format!(
