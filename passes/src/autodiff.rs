@@ -439,6 +439,27 @@ impl Backward<'_> {
                     }
                 }
             }
+            Op::Attention { causal, scale } => {
+                let Some(dy) = dy else { return Ok(()) };
+                if !(need(0) || need(1) || need(2)) {
+                    return Ok(());
+                }
+                // The output gradient enters the kernel's products in the output's dtype.
+                let (o, lse) = (y, node.outputs[1]);
+                let dy = self.convert(dy, self.fwd.ty(o).dtype, &name)?;
+                let mut operands = vec![x[0], x[1], x[2], o, lse, dy];
+                operands.extend(x.get(3));
+                let op = Op::AttentionGrad {
+                    causal: *causal,
+                    scale: *scale,
+                };
+                let outs = self.b.op_multi(&name, op, &operands)?;
+                for (i, &d) in outs.iter().enumerate() {
+                    if need(i) {
+                        self.contribute(x[i], d)?;
+                    }
+                }
+            }
             Op::Softmax { .. } => {
                 if let (true, Some(dy)) = (need(0), dy) {
                     let dtype = self.fwd.ty(x[0]).dtype;

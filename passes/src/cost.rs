@@ -137,6 +137,23 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
             };
             2.0 * out * k as f64
         }
+        Op::Attention { causal, .. } | Op::AttentionGrad { causal, .. } => {
+            let (q, v) = (
+                g.ty(node.inputs[0]).shape.dims(),
+                g.ty(node.inputs[2]).shape.dims(),
+            );
+            let (t, d) = (q[q.len() - 2], q[q.len() - 1] as f64);
+            let (s, dv) = (v[v.len() - 2], v[v.len() - 1] as f64);
+            let heads = q[..q.len() - 2].iter().product::<usize>() as f64;
+            let pairs = heads * attended_pairs(t, s, *causal);
+            if matches!(node.op, Op::Attention { .. }) {
+                // q k^T and p v, and the online softmax's ~5 operations per score.
+                pairs * (2.0 * d + 2.0 * dv + 5.0)
+            } else {
+                // Scores recomputed, dp = do v^T, dv = p^T do, dq = ds k, dk = ds^T q.
+                pairs * (6.0 * d + 4.0 * dv + 8.0)
+            }
+        }
         Op::Unary(u) | Op::UnaryGrad(u) => {
             let per = match u {
                 UnaryOp::GeluTanh | UnaryOp::GeluErf => 10.0,
@@ -186,6 +203,15 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         | Op::Pad { .. }
         | Op::BroadcastTo { .. } => 0.0,
     }
+}
+
+/// The (query, key) pairs an attention computes: all `T x S`, or under a causal mask those
+/// with `j <= i + S - T`, which a fused kernel skips the rest of.
+fn attended_pairs(t: usize, s: usize, causal: bool) -> f64 {
+    if !causal {
+        return (t * s) as f64;
+    }
+    (0..t).map(|i| (i + 1 + s - t).min(s) as f64).sum()
 }
 
 /// Bytes one node reads and writes in device memory.

@@ -342,6 +342,10 @@ fn table_ops() -> Vec<Op> {
         Op::LayerNorm { eps: 0.0 },
         Op::RmsNorm { eps: 0.0 },
         Op::Softmax { causal: false },
+        Op::Attention {
+            causal: false,
+            scale: 1.0,
+        },
         Op::Rope { theta: 0.0 },
         Op::Reshape { shape: vec![] },
         Op::Transpose { perm: vec![] },

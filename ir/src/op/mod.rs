@@ -134,6 +134,16 @@ define_ops! {
     /// masked out). A row with every key masked becomes uniform, as with a finite `-inf`.
     Softmax { causal: bool } => "softmax", class Normalization, arity (1, 2),
         typing typing::softmax(inputs, *causal);
+    /// Scaled dot-product attention in one op, as FlashAttention computes it: `(q [.., T, D],
+    /// k [.., S, D], v [.., S, Dv][, mask]) -> (o [.., T, Dv], lse f32 [.., T])`, with
+    /// `o = softmax(scale * q k^T, causal, mask) v` and `lse` each row's log-sum-exp of the
+    /// scaled scores (saved for the backward). The batch dims of `k`, `v` and the bool `mask`
+    /// (`[.., T, S]`, false = masked out) broadcast to `q`'s, which expresses grouped-query
+    /// attention without repeating `k` and `v`. With `causal`, query `i` sees keys
+    /// `j <= i + S - T`. A row with every key masked attends uniformly to all `S` keys, as a
+    /// finite `-inf` mask gives. No `[T, S]` tensor exists outside the op.
+    Attention { causal: bool, scale: f64 } => "attention", class Contraction, arity (3, 4),
+        typing typing::attention(inputs, *causal);
     /// Rotary position embedding of `x [.., T, D]` at positions `0..T`, rotate-half layout
     /// (LLaMA's `apply_rotary_pos_emb`), frequencies `theta^(-2i/D)`.
     Rope { theta: f64 } => "rope", class Elementwise, arity (1, 1),
@@ -183,6 +193,11 @@ define_ops! {
     /// output (masked entries have `y = 0`, so they get no gradient).
     SoftmaxGrad => "softmax_grad", class Normalization, arity (2, 2),
         typing typing::pointwise_grad(inputs);
+    /// `(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)` of [`Op::Attention`], from its saved
+    /// output and log-sum-exp (FlashAttention-2's backward: the probabilities are recomputed,
+    /// never stored); `dk` and `dv` are summed over the batch dims `k` and `v` broadcast.
+    AttentionGrad { causal: bool, scale: f64 } => "attention_grad", class Contraction,
+        arity (6, 7), typing typing::attention_grad(inputs, *causal);
     /// The transpose of [`Op::Rope`]: rotation by the negated angles.
     RopeGrad { theta: f64 } => "rope_grad", class Elementwise, arity (1, 1),
         typing typing::rope(inputs);

@@ -239,6 +239,106 @@ pub fn softmax(inputs: &[&TensorType], causal: bool) -> Types {
     one(x.clone())
 }
 
+/// The batch dims (all but the last two) of a shape.
+fn batch_of(s: &Shape) -> Shape {
+    Shape(s.0[..s.rank().saturating_sub(2)].to_vec())
+}
+
+/// `(q [.., T, D], k [.., S, D], v [.., S, Dv][, mask bool [.., T, S]]) -> (o [.., T, Dv],
+/// lse f32 [.., T])`; the batch dims of k, v and the mask broadcast to q's.
+pub fn attention(inputs: &[&TensorType], causal: bool) -> Types {
+    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+    for (what, t) in [("query", q), ("key", k), ("value", v)] {
+        require_float(what, t)?;
+        if t.shape.rank() < 2 {
+            return Err(format!(
+                "attention {what} must be at least 2-D, found {}",
+                t.shape
+            ));
+        }
+    }
+    if k.dtype != q.dtype || v.dtype != q.dtype {
+        return Err(format!(
+            "attention operands differ in dtype: {}, {} and {}",
+            q.dtype, k.dtype, v.dtype
+        ));
+    }
+    let (qd, kd, vd) = (q.shape.dims(), k.shape.dims(), v.shape.dims());
+    let (t, d) = (qd[qd.len() - 2], qd[qd.len() - 1]);
+    let (s, dk) = (kd[kd.len() - 2], kd[kd.len() - 1]);
+    if dk != d {
+        return Err(format!(
+            "attention query {} and key {} differ in head dim",
+            q.shape, k.shape
+        ));
+    }
+    if vd[vd.len() - 2] != s {
+        return Err(format!(
+            "attention key {} and value {} differ in length",
+            k.shape, v.shape
+        ));
+    }
+    let batch = batch_of(&q.shape);
+    for (what, t) in [("key", k), ("value", v)] {
+        let b = batch_of(&t.shape);
+        if Shape::broadcast(&b, &batch).as_ref() != Some(&batch) {
+            return Err(format!(
+                "attention {what} batch dims {b} do not broadcast to the query's {batch}"
+            ));
+        }
+    }
+    if causal && t > s {
+        return Err(format!(
+            "causal attention needs T <= S, found T = {t}, S = {s}"
+        ));
+    }
+    if let Some(mask) = inputs.get(3) {
+        if mask.dtype != DType::Bool {
+            return Err(format!("attention mask must be bool, found {}", mask.dtype));
+        }
+        let mut scores = batch.clone();
+        scores.0.extend([t, s]);
+        if Shape::broadcast(&mask.shape, &scores).as_ref() != Some(&scores) {
+            return Err(format!(
+                "attention mask {} does not broadcast to the scores {scores}",
+                mask.shape
+            ));
+        }
+    }
+    let mut o = batch.clone();
+    o.0.extend([t, vd[vd.len() - 1]]);
+    let mut lse = batch;
+    lse.0.push(t);
+    Ok(vec![
+        TensorType::new(q.dtype, o),
+        TensorType::new(DType::F32, lse),
+    ])
+}
+
+/// `(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)` like q, k and v.
+pub fn attention_grad(inputs: &[&TensorType], causal: bool) -> Types {
+    let (q, k, v, o, lse, d_o) = (
+        inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
+    );
+    let mut forward = vec![q, k, v];
+    forward.extend(inputs.get(6));
+    let outs = attention(&forward, causal)?;
+    if o.shape != outs[0].shape || d_o.shape != o.shape {
+        return Err(format!(
+            "attention output {} and its gradient {} should be {}",
+            o.shape, d_o.shape, outs[0].shape
+        ));
+    }
+    require_float("output gradient", d_o)?;
+    if lse.dtype != DType::F32 || lse.shape != outs[1].shape {
+        return Err(format!(
+            "attention log-sum-exp should be {}, found {lse}",
+            outs[1]
+        ));
+    }
+    Ok(vec![q.clone(), k.clone(), v.clone()])
+}
+
 /// Rotary embedding (and its transpose) of `x [.., T, D]`, D even.
 pub fn rope(inputs: &[&TensorType]) -> Types {
     let x = inputs[0];

@@ -11,6 +11,7 @@
 //! records for it (round-to-nearest-even, `castor_ir::round_to`), exactly where a GPU would
 //! store it. Kernels live in one module per op family and parallelize with rayon.
 
+mod attention;
 mod cast;
 mod dispatch;
 pub(crate) mod elementwise;
