@@ -98,6 +98,9 @@ impl Pass for Autodiff {
             if node.op.is_source() || !node.inputs.iter().any(|v| needs[v.index()]) {
                 continue;
             }
+            // The gradient of a node (the sum of its results' contributions and its VJP) runs
+            // in the node's block.
+            ad.b.set_block(node.block);
             let dys: Vec<Option<Value>> = node
                 .outputs
                 .iter()
@@ -108,6 +111,7 @@ impl Pass for Autodiff {
             }
             ad.vjp(n, &dys, &needs)?;
         }
+        ad.b.set_block(None);
 
         let mut outputs = vec![loss];
         let mut with_grad = 0;
