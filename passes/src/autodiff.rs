@@ -20,6 +20,12 @@ use castor_ir::{
 };
 use std::collections::BTreeMap;
 
+/// The name of a parameter's gradient: the autodiff pass's output, and the training plan's
+/// state entry it is written to.
+pub fn grad_name(param: &str) -> String {
+    format!("grad.{param}")
+}
+
 /// The autodiff pass.
 #[derive(Clone, Debug, Default)]
 pub struct Autodiff {
@@ -116,7 +122,7 @@ impl Pass for Autodiff {
         let mut outputs = vec![loss];
         let mut with_grad = 0;
         for p in g.params().filter(|&p| trainable(p)) {
-            let name = format!("grad.{}", g.name(p));
+            let name = grad_name(g.name(p));
             let grad = match ad.total(p)? {
                 Some(v) => {
                     with_grad += 1;

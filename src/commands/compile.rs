@@ -6,7 +6,7 @@ use crate::training::TrainingArgs;
 use anyhow::Context;
 use castor_ir::{text, verify, Graph};
 use castor_models::Model;
-use castor_passes::{build_training_plan, explain, precision_summary};
+use castor_passes::{explain, precision_summary, TrainingPipeline};
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -39,7 +39,8 @@ pub struct Args {
     /// Explain the dtype decisions of the nodes whose names match GLOB (repeatable).
     #[arg(long, value_name = "GLOB")]
     pub explain: Vec<String>,
-    /// Print the IR after the named pass (`input`, `classify`, `autocast`, `fold_casts`).
+    /// Print the IR after the named pass (`input`, `classify`, `autocast`, `fold_casts`; with
+    /// --train also `autodiff`, `accumulate`, `optimizer`, `remat`, `fusion`).
     #[arg(long, value_name = "PASS")]
     pub dump_after: Option<String>,
     /// Run the IR verifier after every pass (always on in debug builds).
@@ -150,9 +151,32 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         seq,
         model,
     } = load_graph(&args, train)?;
+    // --dump-after names a precision pass or, for a training step, a training-build pass.
+    let training = TrainingPipeline::default();
+    let dump_training = args
+        .dump_after
+        .as_deref()
+        .filter(|n| train && training.pass_names().contains(n));
+    let dump_precision = args
+        .dump_after
+        .as_deref()
+        .filter(|_| dump_training.is_none());
     let out = args
         .precision
-        .compile(graph, args.dump_after.as_deref(), args.verify)?;
+        .compile(graph, dump_precision, args.verify)
+        .map_err(|e| match e.downcast_ref::<castor_passes::PassError>() {
+            Some(castor_passes::PassError::UnknownPass { name, available }) if train => {
+                castor_passes::PassError::UnknownPass {
+                    name: name.clone(),
+                    available: format!(
+                        "{available}; training: {}",
+                        training.pass_names().join(", ")
+                    ),
+                }
+                .into()
+            }
+            _ => e,
+        })?;
     let policy = args.precision.policy()?;
 
     println!("model       {} ({what})", args.model.display());
@@ -191,12 +215,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // An IR file's loss is its first output, whatever --objective says.
             settings.objective = "first-output".into();
         }
-        let (plan, report) = build_training_plan(&out.graph, settings)?;
+        let mut pipeline = training.dump_after(dump_training)?;
+        if args.verify {
+            pipeline = pipeline.verify_each(true);
+        }
+        let built = pipeline.run(&out.graph, settings)?;
         println!();
-        println!("pass        {:<11} {}", "training", report.summary);
-        print_training(&plan);
-        print_memory_and_cost(&plan, &gpu);
-        Some(plan)
+        for (pass, report) in &built.reports {
+            println!("pass        {pass:<11} {}", report.summary);
+        }
+        print_training(&built.plan);
+        print_memory_and_cost(&built.plan, &gpu);
+        if let Some(dump) = &built.dump {
+            println!("\n# IR after {}", args.dump_after.as_deref().unwrap_or(""));
+            print!("{dump}");
+        }
+        Some(built.plan)
     } else {
         None
     };
