@@ -112,7 +112,7 @@ fn main() -> anyhow::Result<()> {
                 m.ratio(),
                 anatomy.total() as f64 / (1u64 << 30) as f64,
                 cost.seconds() * 1e3,
-                cost.mfu() * 100.0,
+                cost.mfu().unwrap_or(0.0) * 100.0,
                 program.arena_bytes as f64 / (1u64 << 30) as f64
             );
         }

@@ -21,6 +21,7 @@ mod op;
 mod plan;
 mod precision;
 mod shape;
+mod structure;
 mod tensor;
 pub mod text;
 mod verify;
@@ -39,5 +40,6 @@ pub use plan::{
 };
 pub use precision::Precision;
 pub use shape::Shape;
+pub use structure::ModelShape;
 pub use tensor::{relative_error, round_to, Tensor, TensorData};
 pub use verify::verify;

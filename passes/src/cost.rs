@@ -16,7 +16,9 @@
 //! are bandwidth-bound, which the roofline shows whatever the constants.
 
 use crate::PassError;
-use castor_ir::{Accum, DType, Graph, Node, NodeData, Op, OpClass, TrainingPlan, UnaryOp};
+use castor_ir::{
+    Accum, DType, Graph, ModelShape, Node, NodeData, Op, OpClass, TrainingPlan, UnaryOp,
+};
 use serde::{Deserialize, Serialize};
 
 /// The peak rates of a GPU. Numbers are per second.
@@ -274,57 +276,18 @@ pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
     c
 }
 
-/// The model's shape as the 6N + 6·L·C·T rule needs it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ModelShape {
-    /// Parameters (every `param` of the forward graph).
-    pub params: u64,
-    /// Transformer blocks.
-    pub layers: usize,
-    /// Width of the residual stream.
-    pub hidden: usize,
-    /// Sequence length.
-    pub seq: usize,
+/// Parameters of a plan: every `param` of its micro step (tied weights once).
+pub fn param_count(plan: &TrainingPlan) -> u64 {
+    let g = &plan.micro_step;
+    g.params()
+        .map(|p| g.ty(p).shape.numel().unwrap_or(0) as u64)
+        .sum()
 }
 
-impl ModelShape {
-    /// Reads the shape off a training plan's micro-step graph: parameters are its `param`s,
-    /// layers its block scopes (`h.3.`, `layers.3.`, `encoder.layer.3.`), the hidden size the
-    /// last dim of the first block's first normalization input (or of the loss graph's widest
-    /// activation when there are no blocks).
-    pub fn of_plan(plan: &TrainingPlan) -> ModelShape {
-        let g = &plan.micro_step;
-        let params = g
-            .params()
-            .map(|p| g.ty(p).shape.numel().unwrap_or(0) as u64)
-            .sum();
-        let mut layers = std::collections::BTreeSet::new();
-        let mut hidden = 0;
-        for (_, node) in g.nodes() {
-            let Some(&out) = node.outputs.first() else {
-                continue;
-            };
-            if let Some((_, idx)) = crate::remat::block_of(g.name(out)) {
-                if layers.is_empty() && matches!(node.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
-                {
-                    hidden = g.ty(node.inputs[0]).shape.last();
-                }
-                layers.insert(idx);
-            }
-        }
-        ModelShape {
-            params,
-            layers: layers.len(),
-            hidden,
-            seq: plan.settings.seq,
-        }
-    }
-
-    /// 6N + 6·L·C·T: training FLOPs per token by the llm.c convention (attention products
-    /// counted with the causal half).
-    pub fn flops_per_token_rule(&self) -> f64 {
-        6.0 * self.params as f64 + 6.0 * (self.layers * self.hidden * self.seq) as f64
-    }
+/// 6N + 6·L·C·T: training FLOPs per token by the llm.c convention (attention products
+/// counted with the causal half), from the model's shape as the front end recorded it.
+pub fn flops_per_token_rule(params: u64, shape: &ModelShape) -> f64 {
+    6.0 * params as f64 + 6.0 * (shape.layers * shape.width * shape.seq) as f64
 }
 
 /// The estimated cost of one training step.
@@ -336,7 +299,11 @@ pub struct StepCost {
     pub grad_accum: usize,
     /// Tokens per optimizer step (batch x seq x grad_accum).
     pub tokens: u64,
-    pub shape: ModelShape,
+    /// Parameters (N of the 6N + 6·L·C·T rule).
+    pub params: u64,
+    /// The model's shape, when the graph records it (not for hand-written IR without a
+    /// `model` line): the rule and MFU need it.
+    pub shape: Option<ModelShape>,
 }
 
 impl StepCost {
@@ -348,7 +315,8 @@ impl StepCost {
             optimizer_step: graph_cost(&plan.optimizer_step, gpu),
             grad_accum: s.grad_accum,
             tokens: (s.batch * s.seq * s.grad_accum) as u64,
-            shape: ModelShape::of_plan(plan),
+            params: param_count(plan),
+            shape: plan.micro_step.shape,
         }
     }
 
@@ -376,13 +344,20 @@ impl StepCost {
             / self.tokens.max(1) as f64
     }
 
+    /// 6N + 6·L·C·T per token, when the model's shape is known.
+    pub fn flops_per_token_rule(&self) -> Option<f64> {
+        self.shape
+            .as_ref()
+            .map(|s| flops_per_token_rule(self.params, s))
+    }
+
     /// Model FLOPs utilization: 6N + 6·L·C·T per token (no recompute) over the estimated step
-    /// time, as a fraction of the BF16 tensor-core peak.
-    pub fn mfu(&self) -> f64 {
+    /// time, as a fraction of the BF16 tensor-core peak; unknown without the model's shape or
+    /// a token count.
+    pub fn mfu(&self) -> Option<f64> {
         let secs = self.seconds();
-        if secs <= 0.0 {
-            return 0.0;
-        }
-        self.shape.flops_per_token_rule() * self.tokens as f64 / secs / self.gpu.low_precision_flops
+        let rule = self.flops_per_token_rule()?;
+        (secs > 0.0 && self.tokens > 0)
+            .then(|| rule * self.tokens as f64 / secs / self.gpu.low_precision_flops)
     }
 }

@@ -412,7 +412,7 @@ pub fn fused_order(g: &Graph, groups: &[Vec<Node>]) -> Result<Graph, castor_ir::
             order.push(n);
         }
     }
-    let mut out = Graph::new(g.name.clone());
+    let mut out = Graph::empty_like(g);
     let mut map: HashMap<Value, Value> = HashMap::new();
     for n in order {
         let node = g.node(n);
@@ -436,8 +436,7 @@ pub fn fused_order(g: &Graph, groups: &[Vec<Node>]) -> Result<Graph, castor_ir::
             .iter()
             .map(|&v| (g.name(v).to_string(), g.ty(v).clone()))
             .collect();
-        let new = out.push_node(node.op.clone(), inputs, outputs)?;
-        out.set_acc(new, node.acc);
+        let new = out.push_copy(g, n, inputs, outputs)?;
         for (&old, &v) in node.outputs.iter().zip(&out.node(new).outputs.clone()) {
             map.insert(old, v);
         }

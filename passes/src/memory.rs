@@ -20,7 +20,6 @@
 //! arena wins. Its lower bound is the largest total of live transient bytes (aligned sizes) at
 //! any point of the schedule.
 
-use crate::cost::ModelShape;
 use castor_ir::{Graph, Op, StateRole, TrainingPlan, Value};
 use std::collections::HashSet;
 
@@ -345,13 +344,14 @@ pub fn saved_activations(g: &Graph, forward_nodes: usize) -> Vec<(Value, u64)> {
         .collect()
 }
 
-/// Saved activation bytes per transformer block (by block index), and outside blocks.
-pub fn saved_per_block(g: &Graph, forward_nodes: usize) -> (Vec<(usize, u64)>, u64) {
-    let mut per: std::collections::BTreeMap<usize, u64> = Default::default();
+/// Saved activation bytes per transformer block (by the producing node's block), and
+/// outside blocks.
+pub fn saved_per_block(g: &Graph, forward_nodes: usize) -> (Vec<(u32, u64)>, u64) {
+    let mut per: std::collections::BTreeMap<u32, u64> = Default::default();
     let mut outside = 0;
     for (v, bytes) in saved_activations(g, forward_nodes) {
-        match crate::remat::block_of(g.name(v)) {
-            Some((_, i)) => *per.entry(i).or_default() += bytes,
+        match g.node(g.value(v).producer).block {
+            Some(i) => *per.entry(i).or_default() += bytes,
             None => outside += bytes,
         }
     }
@@ -378,7 +378,7 @@ impl Anatomy {
     pub fn of_plan(plan: &TrainingPlan) -> Anatomy {
         let memory = plan_memory(plan);
         Anatomy {
-            params: ModelShape::of_plan(plan).params,
+            params: crate::cost::param_count(plan),
             low_precision_weights: plan.state_bytes(StateRole::WorkingCopy),
             master_weights: plan.state_bytes(StateRole::Master),
             gradients: plan.state_bytes(StateRole::Gradient),

@@ -32,35 +32,30 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 /// Suffix of recomputed values' names.
 pub const REMAT_SUFFIX: &str = ".remat";
 
-/// Block scopes of the model families: `h.3.` (GPT-2), `layers.3.` (LLaMA),
-/// `encoder.layer.3.` (BERT).
-const BLOCK_SCOPES: [&str; 3] = ["h.", "layers.", "encoder.layer."];
-
-/// The block a value belongs to by its name: (length of the scope prefix, block index).
-pub fn block_of(name: &str) -> Option<(usize, usize)> {
-    for scope in BLOCK_SCOPES {
-        let Some(rest) = name.strip_prefix(scope) else {
-            continue;
-        };
-        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-        if digits == 0 || rest.as_bytes().get(digits) != Some(&b'.') {
-            continue;
-        }
-        let idx = rest[..digits].parse().ok()?;
-        return Some((scope.len() + digits + 1, idx));
-    }
-    None
-}
-
-/// The name with its block index replaced by `*` (`h.*.attn.probs`).
-pub fn group_name(name: &str) -> String {
-    match block_of(name) {
-        Some((len, idx)) => {
-            let scope_len = len - idx.to_string().len() - 1;
-            format!("{}*.{}", &name[..scope_len], &name[len..])
-        }
-        None => name.to_string(),
-    }
+/// A name for the same value across blocks, for reports: the value's name (a recomputed
+/// value's original name) with the name segment that spells its node's block index replaced
+/// by `*` (`h.*.attn.probs` for `h.3.attn.probs` in block 3). The block comes from the node;
+/// a name that does not spell it stays as it is.
+pub fn group_name(g: &Graph, v: Value) -> String {
+    let name = g.name(v);
+    let name = name.strip_suffix(REMAT_SUFFIX).unwrap_or(name);
+    let Some(block) = g.node(g.value(v).producer).block else {
+        return name.to_string();
+    };
+    let index = block.to_string();
+    let mut replaced = false;
+    let parts: Vec<&str> = name
+        .split('.')
+        .map(|part| {
+            if !replaced && part == index {
+                replaced = true;
+                "*"
+            } else {
+                part
+            }
+        })
+        .collect();
+    parts.join(".")
 }
 
 /// What the budget search needs besides the micro step: the persistent bytes and the rest
@@ -80,8 +75,8 @@ pub struct RematContext<'a> {
 /// The result of the pass.
 pub struct RematOutcome {
     pub graph: Graph,
-    /// Values recomputed (names of the originals).
-    pub recomputed: Vec<String>,
+    /// The recomputed values of `graph` (the clones).
+    pub recomputed: Vec<Value>,
     /// Recompute cost by the cost model.
     pub cost: NodeCost,
     /// The simulated peak (persistent + arena) when the budget search planned it.
@@ -95,8 +90,8 @@ pub struct RematOutcome {
 /// Facts about the forward nodes the selections use.
 struct Forward {
     n: usize,
-    /// Block of each forward node (by its first result's name).
-    block: Vec<Option<usize>>,
+    /// Block of each forward node, as the front end recorded it.
+    block: Vec<Option<u32>>,
     /// Nodes that may be recomputed: in a block, not a source or parameter copy, no result
     /// read outside its block or a graph output.
     eligible: Vec<bool>,
@@ -104,16 +99,7 @@ struct Forward {
 
 fn analyse(g: &Graph, forward_nodes: usize) -> Forward {
     let n = forward_nodes.min(g.num_nodes());
-    let block: Vec<Option<usize>> = g
-        .nodes()
-        .take(n)
-        .map(|(_, d)| {
-            d.outputs
-                .first()
-                .and_then(|&v| block_of(g.name(v)))
-                .map(|(_, i)| i)
-        })
-        .collect();
+    let block: Vec<Option<u32>> = g.nodes().take(n).map(|(_, d)| d.block).collect();
     let mut leaves = vec![false; n];
     for (node, d) in g.nodes().take(n) {
         for &v in &d.inputs {
@@ -188,7 +174,7 @@ fn select_selective(g: &Graph, f: &Forward) -> Vec<bool> {
 /// Rewrites `g`, recomputing the forward nodes marked in `recompute`.
 pub fn apply(g: &Graph, forward_nodes: usize, recompute: &[bool]) -> Result<Graph, PassError> {
     let n = forward_nodes.min(g.num_nodes());
-    let mut out = Graph::new(g.name.clone());
+    let mut out = Graph::empty_like(g);
     let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
     let mut clone: Vec<Option<Value>> = vec![None; g.num_values()];
     let is_recomputed = |v: Value| -> bool {
@@ -211,12 +197,7 @@ pub fn apply(g: &Graph, forward_nodes: usize, recompute: &[bool]) -> Result<Grap
             .iter()
             .map(|&v| (g.name(v).to_string(), g.ty(v).clone()))
             .collect();
-        let nn = out.push_node(d.op.clone(), inputs, outputs)?;
-        out.set_acc(nn, d.acc);
-        out.set_note(nn, d.note.clone());
-        if let Some(loc) = g.location(node) {
-            out.set_location(nn, loc);
-        }
+        let nn = out.push_copy(g, node, inputs, outputs)?;
         for (&old, &new) in d.outputs.iter().zip(&out.node(nn).outputs) {
             map[old.index()] = Some(new);
         }
@@ -260,8 +241,7 @@ fn ensure_clone(
         .iter()
         .map(|&o| (format!("{}{REMAT_SUFFIX}", g.name(o)), g.ty(o).clone()))
         .collect();
-    let nn = out.push_node(d.op.clone(), inputs, outputs)?;
-    out.set_acc(nn, d.acc);
+    let nn = out.push_copy(g, p, inputs, outputs)?;
     let first_user = g
         .node(user)
         .outputs
@@ -287,35 +267,28 @@ fn internal(message: String) -> PassError {
     }
 }
 
-/// The recomputed values of a rewritten graph (original names) and their cost.
-pub fn recomputed(g: &Graph, gpu: &GpuSpec) -> (Vec<String>, NodeCost) {
-    let mut names = Vec::new();
+/// The recomputed values of a rewritten graph (the clones) and their cost.
+pub fn recomputed(g: &Graph, gpu: &GpuSpec) -> (Vec<Value>, NodeCost) {
+    let mut values = Vec::new();
     let mut cost = NodeCost::default();
     for (n, d) in g.nodes() {
         let Some(&v) = d.outputs.first() else {
             continue;
         };
-        if let Some(orig) = g.name(v).strip_suffix(REMAT_SUFFIX) {
+        if g.name(v).ends_with(REMAT_SUFFIX) {
             cost += node_cost(g, n, gpu);
-            for &o in &d.outputs {
-                names.push(
-                    g.name(o)
-                        .strip_suffix(REMAT_SUFFIX)
-                        .unwrap_or(orig)
-                        .to_string(),
-                );
-            }
+            values.extend(d.outputs.iter().copied());
         }
     }
-    (names, cost)
+    (values, cost)
 }
 
-/// Groups of names by [`group_name`], with counts, in first-seen order: `h.*.attn.probs x12`.
-pub fn group_counts(names: &[String]) -> Vec<(String, usize)> {
+/// Values grouped by [`group_name`], with counts, in first-seen order: `h.*.attn.probs x12`.
+pub fn group_counts(g: &Graph, values: &[Value]) -> Vec<(String, usize)> {
     let mut order: Vec<String> = Vec::new();
     let mut counts: HashMap<String, usize> = HashMap::new();
-    for n in names {
-        let k = group_name(n);
+    for &v in values {
+        let k = group_name(g, v);
         let c = counts.entry(k.clone()).or_insert(0);
         if *c == 0 {
             order.push(k);
@@ -354,10 +327,9 @@ fn budget_sequence(g: &Graph, f: &Forward, gpu: &GpuSpec) -> Vec<Vec<bool>> {
     // Groups of eligible nodes by name pattern, with cost per byte.
     let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
     for (node, d) in g.nodes().take(f.n) {
-        if f.eligible[node.index()] {
-            let name = d.outputs.first().map_or("", |&v| g.name(v));
+        if let (true, Some(&v)) = (f.eligible[node.index()], d.outputs.first()) {
             groups
-                .entry(group_name(name))
+                .entry(group_name(g, v))
                 .or_default()
                 .push(node.index());
         }
@@ -411,7 +383,7 @@ pub fn rematerialize(
     let f = analyse(g, ctx.forward_nodes);
     let finish = |graph: Graph, peak: Option<u64>, evaluated: usize, extra: String| {
         let (names, cost) = recomputed(&graph, &ctx.gpu);
-        let groups = group_counts(&names);
+        let groups = group_counts(&graph, &names);
         let shown: Vec<String> = groups
             .iter()
             .take(6)
@@ -517,14 +489,24 @@ mod tests {
     use super::*;
 
     #[test]
-    fn block_names() {
-        assert_eq!(block_of("h.3.attn.probs"), Some((4, 3)));
-        assert_eq!(block_of("layers.12.mlp.act"), Some((10, 12)));
-        assert_eq!(block_of("encoder.layer.0.output.dense"), Some((16, 0)));
-        assert_eq!(block_of("transformer.h.0.ln_1.weight"), None);
-        assert_eq!(block_of("h.x.y"), None);
-        assert_eq!(group_name("h.11.attn.probs"), "h.*.attn.probs");
-        assert_eq!(group_name("ln_f"), "ln_f");
+    fn group_names_come_from_the_node_block() {
+        let g = castor_ir::text::parse(
+            "graph g {
+               %x: f32[2] = input
+               %h.11.act: f32[2] = tanh(%x) {block=11}
+               %h.11.act.remat: f32[2] = tanh(%x) {block=11}
+               %blk3_act: f32[2] = tanh(%x) {block=3}
+               %h.1.act: f32[2] = tanh(%x)
+               return %h.11.act
+             }",
+        )
+        .unwrap();
+        let v = |n: &str| g.lookup(n).unwrap();
+        assert_eq!(group_name(&g, v("h.11.act")), "h.*.act");
+        assert_eq!(group_name(&g, v("h.11.act.remat")), "h.*.act");
+        assert_eq!(group_name(&g, v("blk3_act")), "blk3_act");
+        assert_eq!(group_name(&g, v("h.1.act")), "h.1.act");
+        assert_eq!(group_name(&g, v("x")), "x");
     }
 
     #[test]

@@ -6,7 +6,7 @@ use crate::training::TrainingArgs;
 use anyhow::Context;
 use castor_ir::{text, verify, Graph};
 use castor_models::Model;
-use castor_passes::{build_training_plan, explain, precision_summary};
+use castor_passes::{explain, precision_summary, TrainingPipeline};
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -39,7 +39,8 @@ pub struct Args {
     /// Explain the dtype decisions of the nodes whose names match GLOB (repeatable).
     #[arg(long, value_name = "GLOB")]
     pub explain: Vec<String>,
-    /// Print the IR after the named pass (`input`, `classify`, `autocast`, `fold_casts`).
+    /// Print the IR after the named pass (`input`, `classify`, `autocast`, `fold_casts`; with
+    /// --train also `autodiff`, `accumulate`, `optimizer`, `remat`, `fusion`).
     #[arg(long, value_name = "PASS")]
     pub dump_after: Option<String>,
     /// Run the IR verifier after every pass (always on in debug builds).
@@ -79,9 +80,20 @@ fn gpu_spec(path: Option<&std::path::Path>) -> anyhow::Result<castor_passes::cos
     )?)
 }
 
-/// The graph to compile (the forward pass, or the loss for `--train`) of a model path or an IR
-/// file, a one-line description, the sequence length used, and the model (not for IR files).
-fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize, Option<Model>)> {
+/// What `compile` works on.
+struct Input {
+    /// The forward pass, or the loss for `--train`.
+    graph: Graph,
+    /// One line about where it came from.
+    what: String,
+    batch: usize,
+    seq: usize,
+    /// The model, when the input was not an IR file.
+    model: Option<Model>,
+}
+
+/// The graph to compile of a model path or an IR file.
+fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
     let (path, batch) = (args.model.as_path(), args.batch);
     if path.extension().is_some_and(|e| e == "ir") {
         let src = std::fs::read_to_string(path).map_err(|e| {
@@ -90,7 +102,18 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize,
         let g = text::parse(&src).with_context(|| format!("`{}`", path.display()))?;
         verify(&g).with_context(|| format!("`{}`", path.display()))?;
         let what = format!("IR file, {} nodes", g.num_nodes());
-        return Ok((g, what, args.seq.unwrap_or(0), None));
+        // An IR file's shapes are fixed: the model line, when there is one, says for what.
+        let (batch, seq) = match g.shape {
+            Some(s) => (s.batch, s.seq),
+            None => (batch, args.seq.unwrap_or(0)),
+        };
+        return Ok(Input {
+            graph: g,
+            what,
+            batch,
+            seq,
+            model: None,
+        });
     }
     let model = Model::load(path)?;
     let seq = args.seq.unwrap_or_else(|| model.max_positions());
@@ -106,7 +129,13 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize,
         model.family().model_type(),
         thousands(model.parameter_count())
     );
-    Ok((g, what, seq, Some(model)))
+    Ok(Input {
+        graph: g,
+        what,
+        batch,
+        seq,
+        model: Some(model),
+    })
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -115,10 +144,39 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         || matches!(args.emit, Emit::Plan | Emit::Cuda)
         || args.training.remat != castor_ir::Remat::None;
     let gpu = gpu_spec(args.gpu.as_deref())?;
-    let (graph, what, seq, model) = load_graph(&args, train)?;
+    let Input {
+        graph,
+        what,
+        batch,
+        seq,
+        model,
+    } = load_graph(&args, train)?;
+    // --dump-after names a precision pass or, for a training step, a training-build pass.
+    let training = TrainingPipeline::default();
+    let dump_training = args
+        .dump_after
+        .as_deref()
+        .filter(|n| train && training.pass_names().contains(n));
+    let dump_precision = args
+        .dump_after
+        .as_deref()
+        .filter(|_| dump_training.is_none());
     let out = args
         .precision
-        .compile(graph, args.dump_after.as_deref(), args.verify)?;
+        .compile(graph, dump_precision, args.verify)
+        .map_err(|e| match e.downcast_ref::<castor_passes::PassError>() {
+            Some(castor_passes::PassError::UnknownPass { name, available }) if train => {
+                castor_passes::PassError::UnknownPass {
+                    name: name.clone(),
+                    available: format!(
+                        "{available}; training: {}",
+                        training.pass_names().join(", ")
+                    ),
+                }
+                .into()
+            }
+            _ => e,
+        })?;
     let policy = args.precision.policy()?;
 
     println!("model       {} ({what})", args.model.display());
@@ -152,17 +210,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let objective = args.training.objective(model.as_ref())?;
         let mut settings =
             args.training
-                .settings(args.precision.precision, objective, args.batch, seq)?;
+                .settings(args.precision.precision, objective, batch, seq)?;
         if model.is_none() {
             // An IR file's loss is its first output, whatever --objective says.
             settings.objective = "first-output".into();
         }
-        let (plan, report) = build_training_plan(&out.graph, settings)?;
+        let mut pipeline = training.dump_after(dump_training)?;
+        if args.verify {
+            pipeline = pipeline.verify_each(true);
+        }
+        let built = pipeline.run(&out.graph, settings)?;
         println!();
-        println!("pass        {:<11} {}", "training", report.summary);
-        print_training(&plan);
-        print_memory_and_cost(&plan, &gpu);
-        Some(plan)
+        for (pass, report) in &built.reports {
+            println!("pass        {pass:<11} {}", report.summary);
+        }
+        print_training(&built.plan);
+        print_memory_and_cost(&built.plan, &gpu);
+        if let Some(dump) = &built.dump {
+            println!("\n# IR after {}", args.dump_after.as_deref().unwrap_or(""));
+            print!("{dump}");
+        }
+        Some(built.plan)
     } else {
         None
     };
@@ -252,7 +320,7 @@ fn print_training(plan: &castor_ir::TrainingPlan) {
 fn print_memory_and_cost(plan: &castor_ir::TrainingPlan, gpu: &castor_passes::cost::GpuSpec) {
     use castor_passes::{cost::StepCost, memory::Anatomy, remat};
     let (names, cost) = remat::recomputed(&plan.micro_step, gpu);
-    let groups = remat::group_counts(&names);
+    let groups = remat::group_counts(&plan.micro_step, &names);
     println!(
         "remat       {}: {} value(s) recomputed in the backward part, +{:.3} GFLOP",
         plan.settings.remat,

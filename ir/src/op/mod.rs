@@ -14,9 +14,9 @@ mod define;
 mod typing;
 
 pub use attr::Attr;
+pub(crate) use attr::{AttrReader, AttrValue};
 
 use crate::{DType, TensorType};
-use attr::{AttrReader, AttrValue};
 use define::{define_family, define_ops};
 use std::fmt;
 use OpClass::{Contraction, Elementwise, Layout, Normalization};
