@@ -220,8 +220,8 @@ fn merge_piece(pieces: &mut Vec<(u64, u64)>, (lo, hi): (u64, u64)) {
     if first == last {
         pieces.insert(first, (lo, hi));
     } else {
-        let merged = (lo.min(pieces[first].0), hi.max(pieces[last - 1].1));
-        pieces.splice(first..last, [merged]);
+        pieces[first] = (lo.min(pieces[first].0), hi.max(pieces[last - 1].1));
+        pieces.drain(first + 1..last);
     }
 }
 
