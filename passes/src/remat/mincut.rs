@@ -25,7 +25,7 @@
 //! everything" to "recompute all that may be", bisected between prices whose cuts differ. The
 //! blocks of a model are alike, so their cuts change together; between two successive cuts the
 //! candidates also take the dearer cut in the last `m` blocks only (the backward part reaches
-//! them first). The budget search rewrites each candidate, plans its real schedule's peak (a
+//! them first), for up to [`MIXES`] evenly spaced `m`. The budget search rewrites each candidate, plans its real schedule's peak (a
 //! proxy such as saved bytes is not the peak, which is not even monotonic in `λ`) and keeps the
 //! cheapest that fits. The candidates do not depend on the budget.
 //!
@@ -50,6 +50,8 @@ const INFINITE: u64 = u64::MAX / 4;
 /// how many times an interval between two different cuts is halved.
 const PRICE_RANGE: (i32, i32) = (-4, 12);
 const BISECTIONS: usize = 4;
+/// Block-wise mixes between two successive cuts: at most this many, evenly spaced.
+const MIXES: usize = 11;
 
 /// The cut network of a micro step's forward part.
 pub(super) struct CutNetwork {
@@ -182,7 +184,9 @@ pub(super) fn candidates(g: &Graph, f: &Forward, gpu: &GpuSpec) -> Vec<Recompute
     for pair in cuts.windows(2) {
         let (cheap, dear) = (&pair[0], &pair[1]);
         // The dearer cut in the last `m` blocks, the cheaper one elsewhere.
-        for m in 1..blocks.len() {
+        let steps = MIXES.min(blocks.len().saturating_sub(1));
+        for k in 1..=steps {
+            let m = k * blocks.len() / (steps + 1);
             let from = blocks[blocks.len() - m];
             let mix = (0..f.n)
                 .map(|i| match f.block[i] {
