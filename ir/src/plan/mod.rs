@@ -269,8 +269,10 @@ impl TrainingPlan {
                     }
                 }
             }
+            let outputs: HashMap<&str, crate::Value> =
+                g.outputs().iter().map(|&v| (g.name(v), v)).collect();
             for w in writes {
-                let Some(v) = g.outputs().iter().find(|&&v| g.name(v) == w.output) else {
+                let Some(v) = outputs.get(w.output.as_str()) else {
                     return bad(format!(
                         "{label} graph has no output `%{}` to write to `{}`",
                         w.output, w.state

@@ -24,8 +24,7 @@ mod gradients;
 mod optimizer;
 
 use crate::{PassError, PassReport};
-use castor_ir::{text, verify, Graph, TrainSettings, TrainingPlan, Value, Write, PLAN_FORMAT};
-use std::collections::HashSet;
+use castor_ir::{text, verify, Graph, TrainSettings, TrainingPlan, Value, PLAN_FORMAT};
 use wildmatch::WildMatch;
 
 /// A plan under construction: the plan so far, the loss graph it was started from, and the
@@ -252,22 +251,7 @@ impl PlanPass for Rematerialize {
 
     fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
         let plan = &build.plan;
-        let stored =
-            |w: &[Write]| -> HashSet<String> { w.iter().map(|w| w.output.clone()).collect() };
-        let (micro_stored, opt_stored) = (
-            stored(&plan.micro_step_writes),
-            stored(&plan.optimizer_step_writes),
-        );
-        let ctx = crate::remat::RematContext {
-            forward_nodes: plan.forward_nodes,
-            persistent_bytes: crate::memory::persistent_bytes(plan),
-            stored_outputs: micro_stored.iter().map(String::as_str).collect(),
-            after: vec![crate::memory::ScheduledGraph {
-                graph: &plan.optimizer_step,
-                stored_outputs: opt_stored.iter().map(String::as_str).collect(),
-            }],
-            gpu: crate::cost::GpuSpec::default(),
-        };
+        let ctx = crate::remat::RematContext::of_plan(plan, crate::cost::GpuSpec::default());
         let out = crate::remat::rematerialize(&plan.micro_step, plan.settings.remat, &ctx)?;
         build.plan.micro_step = out.graph;
         Ok(PassReport::new(out.summary))

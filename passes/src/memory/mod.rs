@@ -20,6 +20,10 @@
 //! arena wins. Its lower bound is the largest total of live transient bytes (aligned sizes) at
 //! any point of the schedule.
 
+mod place;
+
+pub use place::PlacementOrder;
+
 use castor_ir::{Graph, Op, StateRole, TrainingPlan, Value};
 use std::collections::HashSet;
 
@@ -28,71 +32,6 @@ pub const ALIGNMENT: u64 = 256;
 
 pub fn align(bytes: u64) -> u64 {
     bytes.div_ceil(ALIGNMENT) * ALIGNMENT
-}
-
-/// The order in which buffers were placed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PlacementOrder {
-    BySize,
-    /// By size class (sizes within 1% are equal), then by first use.
-    BySizeClass,
-    FirstUse,
-}
-
-impl PlacementOrder {
-    pub const ALL: [PlacementOrder; 3] = [
-        PlacementOrder::BySize,
-        PlacementOrder::BySizeClass,
-        PlacementOrder::FirstUse,
-    ];
-
-    /// Buffer indices in this order, and the bytes each reserves while placing (its size, or
-    /// for size classes the class's largest size, so equal slots stay interchangeable).
-    fn indices(self, buffers: &[Buffer]) -> (Vec<usize>, Vec<u64>) {
-        let mut reserve: Vec<u64> = buffers.iter().map(|b| b.size).collect();
-        let mut idx: Vec<usize> = (0..buffers.len()).collect();
-        let life = |b: &Buffer| b.end - b.start;
-        match self {
-            PlacementOrder::FirstUse => {} // definition order
-            PlacementOrder::BySize => idx.sort_by(|&a, &b| {
-                let (x, y) = (&buffers[a], &buffers[b]);
-                y.size
-                    .cmp(&x.size)
-                    .then(life(y).cmp(&life(x)))
-                    .then(a.cmp(&b))
-            }),
-            PlacementOrder::BySizeClass => {
-                // Classes of sizes within 1% of the class's largest, largest class first;
-                // in a class, by first use (so chains of equal buffers alternate slots).
-                idx.sort_by(|&a, &b| buffers[b].size.cmp(&buffers[a].size).then(a.cmp(&b)));
-                let mut class = vec![0usize; buffers.len()];
-                let (mut c, mut leader) = (0usize, u64::MAX);
-                for &i in &idx {
-                    if (buffers[i].size as f64) < 0.99 * leader as f64 {
-                        c += 1;
-                        leader = buffers[i].size;
-                    }
-                    class[i] = c;
-                    reserve[i] = leader;
-                }
-                idx.sort_by(|&a, &b| {
-                    class[a]
-                        .cmp(&class[b])
-                        .then(buffers[a].start.cmp(&buffers[b].start))
-                        .then(a.cmp(&b))
-                })
-            }
-        }
-        (idx, reserve)
-    }
-
-    pub fn describe(self) -> &'static str {
-        match self {
-            PlacementOrder::BySize => "greedy by size, best fit",
-            PlacementOrder::FirstUse => "first use, best fit",
-            PlacementOrder::BySizeClass => "greedy by size class then first use, best fit",
-        }
-    }
 }
 
 /// One transient buffer of the arena.
@@ -226,46 +165,6 @@ fn lower_bound(buffers: &[Buffer], len: usize) -> (u64, usize) {
     (best.max(0) as u64, at)
 }
 
-/// Places `buffers` in `order` (indices into `buffers`), best fit; returns the arena size.
-fn place(buffers: &mut [Buffer], order: &[usize], reserve: &[u64]) -> u64 {
-    // Placed buffers as parallel arrays, for a tight overlap scan.
-    let mut p_start: Vec<usize> = Vec::with_capacity(order.len());
-    let mut p_end: Vec<usize> = Vec::with_capacity(order.len());
-    let mut p_lo: Vec<u64> = Vec::with_capacity(order.len());
-    let mut p_hi: Vec<u64> = Vec::with_capacity(order.len());
-    let mut overlap: Vec<(u64, u64)> = Vec::new();
-    let mut arena = 0u64;
-    for &i in order {
-        let (start, end, size) = (buffers[i].start, buffers[i].end, reserve[i]);
-        overlap.clear();
-        for j in 0..p_start.len() {
-            if p_start[j] <= end && start <= p_end[j] {
-                overlap.push((p_lo[j], p_hi[j]));
-            }
-        }
-        overlap.sort_unstable();
-        let mut prev_end = 0u64;
-        let mut best: Option<(u64, u64)> = None; // (gap, offset)
-        for &(lo, hi) in &overlap {
-            if lo >= prev_end {
-                let gap = lo - prev_end;
-                if gap >= size && best.is_none_or(|(g, _)| gap < g) {
-                    best = Some((gap, prev_end));
-                }
-            }
-            prev_end = prev_end.max(hi);
-        }
-        let offset = best.map_or(prev_end, |(_, o)| o);
-        buffers[i].offset = offset;
-        arena = arena.max(offset + buffers[i].size);
-        p_start.push(start);
-        p_end.push(end);
-        p_lo.push(offset);
-        p_hi.push(offset + size);
-    }
-    arena
-}
-
 /// Plans the arena of a schedule of graphs.
 pub fn plan_graphs(graphs: &[ScheduledGraph<'_>]) -> MemoryPlan {
     let (buffers, len) = liveness(graphs);
@@ -278,12 +177,28 @@ pub fn plan_graphs(graphs: &[ScheduledGraph<'_>]) -> MemoryPlan {
 /// place them here.
 pub fn place_buffers(buffers: Vec<Buffer>, len: usize) -> MemoryPlan {
     let (lb, peak_position) = lower_bound(&buffers, len);
+    let layout = place::IndexLayout::new(&buffers);
+    // The orders are independent: each runs on its own thread.
+    let placed: Vec<(u64, Vec<Buffer>)> = std::thread::scope(|scope| {
+        let (layout, buffers) = (&layout, &buffers);
+        let runs: Vec<_> = PlacementOrder::ALL
+            .iter()
+            .map(|&order| {
+                scope.spawn(move || {
+                    let (idx, reserve) = order.indices(buffers);
+                    let mut placed = buffers.clone();
+                    let bytes = place::place(layout, &mut placed, &idx, &reserve);
+                    (bytes, placed)
+                })
+            })
+            .collect();
+        runs.into_iter()
+            .map(|r| r.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    });
     let mut best: Option<(u64, PlacementOrder, Vec<Buffer>)> = None;
     let mut other = u64::MAX;
-    for order in PlacementOrder::ALL {
-        let (idx, reserve) = order.indices(&buffers);
-        let mut placed = buffers.clone();
-        let bytes = place(&mut placed, &idx, &reserve);
+    for (order, (bytes, placed)) in PlacementOrder::ALL.into_iter().zip(placed) {
         match &best {
             Some((b, _, _)) if *b <= bytes => other = other.min(bytes),
             _ => {

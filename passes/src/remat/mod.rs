@@ -16,18 +16,26 @@
 //!   softmax) and every cheap pointwise and layout op of a block; keep contraction and
 //!   normalization outputs (Megatron-LM's selective recomputation). The attention-weighted
 //!   sum's output is kept, as Megatron keeps its checkpointed region's output.
-//! - `budget:<bytes>`: a fixed sequence of ever larger recompute sets (groups of same-named
-//!   nodes across blocks, cheap pointwise and layout ops first by recompute time per byte,
-//!   contractions last, each group added a few blocks at a time), plus `selective` and
-//!   `full`. Each candidate is rewritten and its step planned by the memory planner; the
-//!   cheapest (by the cost model's recompute time) whose simulated peak fits is chosen. The
-//!   candidates do not depend on the budget, so a larger budget never costs more recompute.
+//! - `budget:<bytes>`: what to keep and what to recompute is solved as minimum cuts of the
+//!   forward/backward graph over a range of prices of a saved byte ([`mincut`]), plus
+//!   `selective` and `full`. Each candidate is rewritten and its step planned by the memory
+//!   planner; the cheapest (by the cost model's recompute time) whose planned peak fits is
+//!   chosen. The candidates do not depend on the budget, so a larger budget never costs more
+//!   recompute. The former fixed sequence of growing sets ([`BudgetSearch::Greedy`]) stays as
+//!   the baseline the cut is measured against.
+//!
+//! Blocks come from the IR (each node's `block`, recorded by the front end), never from value
+//! names.
+
+mod greedy;
+mod mincut;
+mod select;
 
 use crate::cost::{node_cost, GpuSpec, NodeCost};
 use crate::memory::{plan_graphs, ScheduledGraph};
 use crate::PassError;
-use castor_ir::{human_bytes, Graph, Node, Op, OpClass, Remat, Value};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use castor_ir::{human_bytes, Graph, Node, Op, Remat, Value};
+use std::collections::{HashMap, HashSet};
 
 /// Suffix of recomputed values' names.
 pub const REMAT_SUFFIX: &str = ".remat";
@@ -70,6 +78,23 @@ pub struct RematContext<'a> {
     /// The graphs scheduled after the micro step (the optimizer step).
     pub after: Vec<ScheduledGraph<'a>>,
     pub gpu: GpuSpec,
+}
+
+impl<'a> RematContext<'a> {
+    /// The context of a plan's micro step: its state, writes and optimizer step.
+    pub fn of_plan(plan: &'a castor_ir::TrainingPlan, gpu: GpuSpec) -> RematContext<'a> {
+        let stored = |w: &'a [castor_ir::Write]| w.iter().map(|w| w.output.as_str()).collect();
+        RematContext {
+            forward_nodes: plan.forward_nodes,
+            persistent_bytes: crate::memory::persistent_bytes(plan),
+            stored_outputs: stored(&plan.micro_step_writes),
+            after: vec![ScheduledGraph {
+                graph: &plan.optimizer_step,
+                stored_outputs: stored(&plan.optimizer_step_writes),
+            }],
+            gpu,
+        }
+    }
 }
 
 /// The result of the pass.
@@ -127,48 +152,6 @@ fn analyse(g: &Graph, forward_nodes: usize) -> Forward {
         })
         .collect();
     Forward { n, block, eligible }
-}
-
-/// `full`: every eligible node.
-fn select_full(f: &Forward) -> Vec<bool> {
-    f.eligible.clone()
-}
-
-/// `selective`: attention scores chains and cheap ops.
-fn select_selective(g: &Graph, f: &Forward) -> Vec<bool> {
-    let mut r = vec![false; f.n];
-    for (node, d) in g.nodes().take(f.n) {
-        let i = node.index();
-        if !f.eligible[i] {
-            continue;
-        }
-        match d.op.class() {
-            OpClass::Elementwise | OpClass::Layout => r[i] = true,
-            _ => {}
-        }
-        if matches!(d.op, Op::Softmax { .. }) {
-            r[i] = true;
-            // Back through the pointwise ops to the scores product.
-            let mut v = d.inputs[0];
-            loop {
-                let p = g.value(v).producer;
-                let pi = p.index();
-                if pi >= f.n || !f.eligible[pi] || f.block[pi] != f.block[i] {
-                    break;
-                }
-                let pd = g.node(p);
-                r[pi] = true;
-                if pd.op.class() == OpClass::Contraction {
-                    break;
-                }
-                if !matches!(pd.op.class(), OpClass::Elementwise | OpClass::Layout) {
-                    break;
-                }
-                v = pd.inputs[0];
-            }
-        }
-    }
-    r
 }
 
 /// Rewrites `g`, recomputing the forward nodes marked in `recompute`.
@@ -319,59 +302,15 @@ fn simulated_peak(g: &Graph, ctx: &RematContext<'_>) -> u64 {
     ctx.persistent_bytes + plan_graphs(&graphs).arena_bytes
 }
 
-/// Blocks per step of the budget sequence: each group is added in up to this many chunks.
-const CHUNKS: usize = 4;
-
-/// The budget search's candidate sequence: ever larger recompute sets.
-fn budget_sequence(g: &Graph, f: &Forward, gpu: &GpuSpec) -> Vec<Vec<bool>> {
-    // Groups of eligible nodes by name pattern, with cost per byte.
-    let mut groups: BTreeMap<String, Vec<usize>> = BTreeMap::new();
-    for (node, d) in g.nodes().take(f.n) {
-        if let (true, Some(&v)) = (f.eligible[node.index()], d.outputs.first()) {
-            groups
-                .entry(group_name(g, v))
-                .or_default()
-                .push(node.index());
-        }
-    }
-    let mut ranked: Vec<(bool, f64, String, Vec<usize>)> = groups
-        .into_iter()
-        .map(|(name, nodes)| {
-            let mut secs = 0.0;
-            let mut bytes = 0.0;
-            let mut contraction = false;
-            for &i in &nodes {
-                let node = Node(i as u32);
-                secs += node_cost(g, node, gpu).seconds;
-                bytes += g
-                    .node(node)
-                    .outputs
-                    .iter()
-                    .map(|&v| g.ty(v).size_bytes().unwrap_or(0) as f64)
-                    .sum::<f64>();
-                contraction |= g.node(node).op.class() == OpClass::Contraction;
-            }
-            (contraction, secs / bytes.max(1.0), name, nodes)
-        })
-        .collect();
-    ranked.sort_by(|a, b| {
-        a.0.cmp(&b.0)
-            .then(a.1.total_cmp(&b.1))
-            .then_with(|| a.2.cmp(&b.2))
-    });
-    let mut seq = Vec::new();
-    let mut cur = vec![false; f.n];
-    for (_, _, _, mut nodes) in ranked {
-        nodes.sort_by_key(|&i| std::cmp::Reverse(f.block[i]));
-        let chunk = nodes.len().div_ceil(CHUNKS).max(1);
-        for part in nodes.chunks(chunk) {
-            for &i in part {
-                cur[i] = true;
-            }
-            seq.push(cur.clone());
-        }
-    }
-    seq
+/// Which recompute sets a budget search plans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BudgetSearch {
+    /// Minimum cuts of the forward/backward graph over a range of prices of a saved byte
+    /// ([`mincut`]), plus `selective` and `full`: what `--remat budget:` runs.
+    MinCut,
+    /// The former fixed sequence of growing sets ([`greedy`]), plus `selective` and `full`:
+    /// the baseline the minimum cut is measured against.
+    Greedy,
 }
 
 /// Runs rematerialization on a micro-step graph.
@@ -380,107 +319,130 @@ pub fn rematerialize(
     mode: Remat,
     ctx: &RematContext<'_>,
 ) -> Result<RematOutcome, PassError> {
+    match mode {
+        Remat::Budget(budget) => fit_budget(g, ctx, budget, BudgetSearch::MinCut),
+        Remat::None => Ok(outcome(g.clone(), mode, ctx, None, 0)),
+        Remat::Full | Remat::Selective => {
+            let f = analyse(g, ctx.forward_nodes);
+            let r = if mode == Remat::Full {
+                select::select_full(&f)
+            } else {
+                select::select_selective(g, &f)
+            };
+            Ok(outcome(apply(g, f.n, &r)?, mode, ctx, None, 0))
+        }
+    }
+}
+
+/// The cheapest recomputation (by the cost model's time) among `search`'s candidates whose
+/// planned peak (state + the whole step's arena) fits `budget`. Keeping everything is tried
+/// first. The candidates do not depend on the budget, so a larger budget never costs more.
+pub fn fit_budget(
+    g: &Graph,
+    ctx: &RematContext<'_>,
+    budget: u64,
+    search: BudgetSearch,
+) -> Result<RematOutcome, PassError> {
+    let mode = Remat::Budget(budget);
     let f = analyse(g, ctx.forward_nodes);
-    let finish = |graph: Graph, peak: Option<u64>, evaluated: usize, extra: String| {
-        let (names, cost) = recomputed(&graph, &ctx.gpu);
-        let groups = group_counts(&graph, &names);
-        let shown: Vec<String> = groups
-            .iter()
-            .take(6)
-            .map(|(k, c)| format!("{k} x{c}"))
-            .collect();
-        let more = groups.len().saturating_sub(shown.len());
-        let summary = format!(
-            "remat {mode}: recomputes {} value(s) in {} group(s){}{}; +{:.3} GFLOP, +{:.3} ms on {}{extra}",
-            names.len(),
-            groups.len(),
-            if shown.is_empty() {
-                String::new()
-            } else {
-                format!(" ({})", shown.join(", "))
-            },
-            if more > 0 {
-                format!(" and {more} more")
-            } else {
-                String::new()
-            },
-            cost.flops / 1e9,
-            cost.seconds * 1e3,
-            ctx.gpu.name,
-        );
-        RematOutcome {
-            graph,
-            recomputed: names,
-            cost,
-            peak,
-            evaluated,
-            summary,
+    let mut evaluated = 0;
+    let mut min_peak = u64::MAX;
+    let mut best: Option<(f64, u64, Graph)> = None;
+    let mut consider = |graph: Graph, best: &mut Option<(f64, u64, Graph)>| {
+        evaluated += 1;
+        let peak = simulated_peak(&graph, ctx);
+        min_peak = min_peak.min(peak);
+        if peak <= budget {
+            let (_, cost) = recomputed(&graph, &ctx.gpu);
+            if best.as_ref().is_none_or(|b| cost.seconds < b.0) {
+                *best = Some((cost.seconds, peak, graph));
+            }
         }
     };
-    match mode {
-        Remat::None => Ok(finish(g.clone(), None, 0, String::new())),
-        Remat::Full => Ok(finish(
-            apply(g, f.n, &select_full(&f))?,
-            None,
-            0,
-            String::new(),
-        )),
-        Remat::Selective => Ok(finish(
-            apply(g, f.n, &select_selective(g, &f))?,
-            None,
-            0,
-            String::new(),
-        )),
-        Remat::Budget(budget) => {
-            let mut evaluated = 0;
-            let mut best: Option<(f64, u64, Graph)> = None;
-            let mut min_peak = u64::MAX;
-            let mut consider = |graph: Graph, best: &mut Option<(f64, u64, Graph)>| {
-                evaluated += 1;
-                let peak = simulated_peak(&graph, ctx);
-                min_peak = min_peak.min(peak);
-                if peak <= budget {
-                    let (_, cost) = recomputed(&graph, &ctx.gpu);
-                    if best.as_ref().is_none_or(|b| cost.seconds < b.0) {
-                        *best = Some((cost.seconds, peak, graph));
-                    }
+    consider(g.clone(), &mut best);
+    if best.is_none() {
+        match search {
+            BudgetSearch::MinCut => {
+                for r in mincut::candidates(g, &f, &ctx.gpu) {
+                    consider(apply(g, f.n, &r)?, &mut best);
                 }
-            };
-            consider(g.clone(), &mut best);
-            if best.is_none() {
+            }
+            BudgetSearch::Greedy => {
                 // Prefixes of the sequence cost more and more: the first that fits is the
                 // cheapest of them.
-                for r in budget_sequence(g, &f, &ctx.gpu) {
+                for r in greedy::budget_sequence(g, &f, &ctx.gpu) {
                     let before = best.is_some();
                     consider(apply(g, f.n, &r)?, &mut best);
                     if !before && best.is_some() {
                         break;
                     }
                 }
-                consider(apply(g, f.n, &select_selective(g, &f))?, &mut best);
-                consider(apply(g, f.n, &select_full(&f))?, &mut best);
-            }
-            match best {
-                Some((_, peak, graph)) => Ok(finish(
-                    graph,
-                    Some(peak),
-                    evaluated,
-                    format!(
-                        "; simulated peak {} of {} budget ({} candidates planned)",
-                        human_bytes(peak),
-                        human_bytes(budget),
-                        evaluated
-                    ),
-                )),
-                None => Err(PassError::Remat(format!(
-                    "no recomputation fits the step in {} ({budget} bytes): the smallest \
-                     simulated peak castor can plan is {} ({min_peak} bytes); use \
-                     --remat budget:{min_peak} or more",
-                    human_bytes(budget),
-                    human_bytes(min_peak)
-                ))),
             }
         }
+        consider(apply(g, f.n, &select::select_selective(g, &f))?, &mut best);
+        consider(apply(g, f.n, &select::select_full(&f))?, &mut best);
+    }
+    match best {
+        Some((_, peak, graph)) => Ok(outcome(graph, mode, ctx, Some(peak), evaluated)),
+        None => Err(PassError::Remat(format!(
+            "no recomputation fits the step in {} ({budget} bytes): the smallest simulated \
+             peak castor can plan is {} ({min_peak} bytes); use --remat budget:{min_peak} or \
+             more",
+            human_bytes(budget),
+            human_bytes(min_peak)
+        ))),
+    }
+}
+
+/// The pass's result for a rewritten graph, with its report line.
+fn outcome(
+    graph: Graph,
+    mode: Remat,
+    ctx: &RematContext<'_>,
+    peak: Option<u64>,
+    evaluated: usize,
+) -> RematOutcome {
+    let (values, cost) = recomputed(&graph, &ctx.gpu);
+    let groups = group_counts(&graph, &values);
+    let shown: Vec<String> = groups
+        .iter()
+        .take(6)
+        .map(|(k, c)| format!("{k} x{c}"))
+        .collect();
+    let more = groups.len().saturating_sub(shown.len());
+    let budget = match (mode, peak) {
+        (Remat::Budget(budget), Some(peak)) => format!(
+            "; simulated peak {} of {} budget ({evaluated} candidates planned)",
+            human_bytes(peak),
+            human_bytes(budget),
+        ),
+        _ => String::new(),
+    };
+    let summary = format!(
+        "remat {mode}: recomputes {} value(s) in {} group(s){}{}; +{:.3} GFLOP, +{:.3} ms on {}{budget}",
+        values.len(),
+        groups.len(),
+        if shown.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", shown.join(", "))
+        },
+        if more > 0 {
+            format!(" and {more} more")
+        } else {
+            String::new()
+        },
+        cost.flops / 1e9,
+        cost.seconds * 1e3,
+        ctx.gpu.name,
+    );
+    RematOutcome {
+        graph,
+        recomputed: values,
+        cost,
+        peak,
+        evaluated,
+        summary,
     }
 }
 
