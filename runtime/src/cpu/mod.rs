@@ -18,7 +18,7 @@ mod embedding;
 mod layout;
 mod loss;
 pub(crate) mod math;
-mod matmul;
+pub(crate) mod matmul;
 mod norm;
 mod operand;
 pub(crate) mod optimizer;

@@ -1550,7 +1550,7 @@ mod tests {
         assert!(e.contains("module 0 does not exist"), "{e}");
         bad.modules.push(Module {
             name: "m".into(),
-            source: String::new(),
+            ..Module::default()
         });
         check_program(&bad).unwrap();
         bad.tables.push(Table::default());
@@ -1684,6 +1684,7 @@ extern "C" __global__ void scale(float* x, int n, float by) {
             modules: vec![Module {
                 name: "device_test".into(),
                 source: source.into(),
+                ..Module::default()
             }],
             slots: vec![
                 slot("out", 64),

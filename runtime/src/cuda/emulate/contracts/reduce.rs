@@ -1,13 +1,13 @@
 //! `reduce.cu`: sum, mean and max over one axis.
 
-use crate::cpu::math;
+use super::checked;
 use crate::cuda::emulate::args::Args;
-use crate::cuda::emulate::memory::{check_uses, use_, Io, Mem};
+use crate::cuda::emulate::memory::{use_, Io, Mem, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
-use castor_ir::{DType, ReduceOp};
+use castor_ir::DType;
 
-pub(super) fn reduce(m: &mut Mem, l: &Launch, op: ReduceOp, ti: DType, to: DType) -> R<()> {
+pub(super) fn reduce(m: &Mem, l: &Launch, ti: DType, to: DType) -> R<Vec<Use>> {
     let mut a = Args::new(l);
     let x = a.need(m, "x")?;
     let y = a.need(m, "y")?;
@@ -31,36 +31,12 @@ pub(super) fn reduce(m: &mut Mem, l: &Launch, op: ReduceOp, ti: DType, to: DType
         ));
     }
     let (si, so) = (ti.size_bytes(), to.size_bytes());
-    check_uses(
+    checked(
         m,
-        &[
+        vec![
             use_("x", Some(x), (outer * len * inner * si) as u64, si, Io::R),
             use_("y", Some(y), (outer * inner * so) as u64, so, Io::W),
         ],
         &[],
-    )?;
-    let xs = m.fv(x, 0, outer * len * inner, ti)?;
-    let mut out = vec![0f32; outer * inner];
-    for o in 0..outer {
-        if inner == 1 {
-            let row = &xs[o * len..(o + 1) * len];
-            out[o] = match op {
-                ReduceOp::Sum => math::sum(row) as f32,
-                ReduceOp::Mean if len == 0 => f32::NAN,
-                ReduceOp::Mean => (math::sum(row) / len as f64) as f32,
-                ReduceOp::Max => math::max(row),
-            };
-            continue;
-        }
-        for c in 0..inner {
-            let col = (0..len).map(|r| xs[(o * len + r) * inner + c]);
-            out[o * inner + c] = match op {
-                ReduceOp::Max => col.fold(f32::NEG_INFINITY, math::max2),
-                ReduceOp::Sum => col.map(f64::from).sum::<f64>() as f32,
-                ReduceOp::Mean if len == 0 => f32::NAN,
-                ReduceOp::Mean => (col.map(f64::from).sum::<f64>() / len as f64) as f32,
-            };
-        }
-    }
-    m.set_fv(y, 0, to, &out)
+    )
 }
