@@ -102,6 +102,12 @@ CASTOR_HOST_SCALAR(float, CASTOR_HOST_F32)
 CASTOR_HOST_SCALAR(double, CASTOR_HOST_F64)
 #undef CASTOR_HOST_SCALAR
 
+// A thread-local variable of the module: touching it makes the C library allocate the module's
+// thread-local block (its `__shared__` variables) on the launching thread before any fiber
+// runs, so the allocation is ordered before the fibers' accesses (ThreadSanitizer would
+// otherwise see the first fiber's lazy allocation race with the others' use).
+static thread_local int tls_anchor;
+
 template <typename F, F f> struct Entry;
 
 template <typename... A, void (*f)(A...)> struct Entry<void (*)(A...), f> {
@@ -119,6 +125,7 @@ template <typename... A, void (*f)(A...)> struct Entry<void (*)(A...), f> {
     }
     static int launch(const castor_host_launch* l, void* const* args, char* err,
                       size_t err_len) {
+        asm volatile("" : : "r"(&tls_anchor) : "memory");
         return run_grid(l, &thunk, const_cast<void**>(args), err, err_len);
     }
 };
