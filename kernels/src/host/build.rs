@@ -304,3 +304,27 @@ pub fn sanitizer_runtime(sanitize: Sanitize) -> Option<PathBuf> {
     // An unknown name is printed back bare.
     path.is_absolute().then_some(path)
 }
+
+/// The environment that runs a process under `sanitize` (for a test that runs itself again
+/// under a sanitizer): the sanitizer's runtime preloaded, the host builds instrumented, and the
+/// sanitizer's options. Leak checking is off (the process keeps its modules loaded on
+/// purpose); ThreadSanitizer looks at the instrumented kernels only (the Rust side's own
+/// synchronization is invisible to it, so its interceptors would report false races there).
+/// `None` without sanitizers or when the compiler has no runtime for `sanitize`.
+pub fn sanitizer_env(sanitize: Sanitize) -> Option<Vec<(&'static str, String)>> {
+    let library = sanitizer_runtime(sanitize)?;
+    let options = match sanitize {
+        Sanitize::None => return None,
+        Sanitize::Address => ("ASAN_OPTIONS", "detect_leaks=0"),
+        Sanitize::Thread => (
+            "TSAN_OPTIONS",
+            "halt_on_error=1:ignore_noninstrumented_modules=1",
+        ),
+    };
+    Some(vec![
+        ("LD_PRELOAD", library.display().to_string()),
+        (SANITIZE_VAR, sanitize.name().to_string()),
+        (options.0, options.1.to_string()),
+        ("UBSAN_OPTIONS", "print_stacktrace=1".to_string()),
+    ])
+}

@@ -22,7 +22,7 @@
 
 mod build;
 
-pub use build::{sanitizer_runtime, Sanitize, SANITIZE_VAR};
+pub use build::{sanitizer_env, sanitizer_runtime, Sanitize, SANITIZE_VAR};
 
 use libloading::Library;
 use std::collections::HashMap;
