@@ -42,6 +42,8 @@
 mod args;
 mod contracts;
 mod gemm;
+#[cfg(test)]
+mod kernel_tests;
 mod launch;
 mod memory;
 
