@@ -10,13 +10,15 @@
 // (__tsan_switch_to_fiber, __tsan_release/__tsan_acquire), and AddressSanitizer is told of
 // each stack switch (__sanitizer_start/finish_switch_fiber).
 //
-// Scheduling: a run queue of the block's threads, first in first out. A thread runs until it
-// waits at a barrier or a warp operation, or exits, then switches straight to the next queued
-// thread; the thread that completes a barrier or a warp operation queues the others (in
-// thread order) and goes on. The queue starts in thread order, or in the reverse order
-// (`castor_host_launch::order`, which also reverses barrier releases and the block order):
-// running a launch both ways exposes most missing barriers as different results, and
-// ThreadSanitizer reports them as races whatever the order.
+// Scheduling: a run queue of the block's threads. A thread runs until it waits at a barrier or
+// a warp operation, or exits, then switches straight to the next queued thread; the thread
+// that completes a barrier or a warp operation queues the others and goes on. Two orders
+// (`castor_host_launch::order`): forward starts threads in index order and queues released
+// threads at the back (the warps take turns at every warp operation); reverse starts them,
+// and the blocks, in the reverse order and queues the lanes a warp operation releases at the
+// front (a warp runs ahead of the others as far as it can before a barrier). A missing
+// barrier usually gives different results in the two; ThreadSanitizer reports it as a race
+// whatever the order.
 //
 // Memory order under ThreadSanitizer: a __syncthreads is a release by every arriving thread
 // and an acquire by every leaving one, as on the device; __syncwarp the same for its lanes.
@@ -286,6 +288,14 @@ struct Scheduler {
     void push(Thread& t) {
         t.state = kRunnable;
         queue[(head + queued) % kMaxThreads] = int(t.index);
+        ++queued;
+    }
+
+    // Queues `t` to run next.
+    void push_front(Thread& t) {
+        t.state = kRunnable;
+        head = (head + kMaxThreads - 1) % kMaxThreads;
+        queue[head] = int(t.index);
         ++queued;
     }
 };
@@ -636,9 +646,16 @@ unsigned long long warp_op(Collective kind, unsigned mask, unsigned long long va
         if (kind == kSyncWarp) ++w.generation;
 #endif
         complete(s, done, base);
-        for (int k = 0; k < 32; ++k) {
-            const unsigned lane = unsigned(s.reverse ? 31 - k : k);
-            if ((mask >> lane & 1u) && lane != t.lane) s.push(s.threads[base + lane]);
+        // Forward: the lanes rejoin the back of the queue, so warps take turns. Reverse: they
+        // run next, so a warp runs ahead of the others as far as it can before a barrier.
+        for (unsigned lane = 0; lane < 32; ++lane) {
+            if ((mask >> lane & 1u) == 0 || lane == t.lane) continue;
+            Thread& o = s.threads[base + lane];
+            if (s.reverse) {
+                s.push_front(o);
+            } else {
+                s.push(o);
+            }
         }
     }
 #if defined(CASTOR_HOST_TSAN)
