@@ -1,8 +1,8 @@
 //! Compiling host modules: the compiler, its flags, the sanitizers, and the on-disk cache.
 //!
 //! A build is keyed by the SHA-256 of everything that decides it (the source, its entry
-//! points, the shared and host headers, the runtime, the compiler's version, the flags and the
-//! sanitizers) and stored as `<name>-<key>.so` under the kernel cache's `host` folder, written
+//! points, the shared and host headers, the compiler's version, the flags and the sanitizers;
+//! for the runtime, its source) and stored as `<name>-<key>.so` under the kernel cache's `host` folder, written
 //! to a temporary name and renamed, so concurrent builders and readers never see half a file.
 
 use super::{HostError, HOST_HEADERS, RUNTIME_SOURCE};
@@ -154,6 +154,8 @@ impl Builder {
         })
     }
 
+    /// The key of a build from `parts` and what every build depends on (the runtime is a
+    /// library of its own: modules depend on its interface, the headers).
     fn key(&self, parts: &[&str]) -> String {
         let mut h = Sha256::new();
         let fixed = [
@@ -161,7 +163,6 @@ impl Builder {
             &FLAGS.join(" "),
             self.sanitize.name(),
             COMMON_HEADER.1,
-            RUNTIME_SOURCE.1,
         ];
         for part in fixed
             .iter()
@@ -186,7 +187,7 @@ impl Builder {
 
     /// The runtime library, built or from the cache, loaded with its symbols global.
     pub(super) fn runtime(&self) -> Result<libloading::Library, HostError> {
-        let key = format!("runtime-{}", self.key(&[]));
+        let key = format!("runtime-{}", self.key(&[RUNTIME_SOURCE.1]));
         let mut flags: Vec<&str> = FLAGS.to_vec();
         flags.extend(self.sanitize.runtime_flags());
         let path = self.cached(&key, RUNTIME_SOURCE.0, RUNTIME_SOURCE.1, &flags)?;
