@@ -245,7 +245,7 @@ fn programs_are_checked_against_their_buffers() {
     assert!(e.contains("module 0 does not exist"), "{e}");
     bad.modules.push(Module {
         name: "m".into(),
-        source: String::new(),
+        ..Module::default()
     });
     check_program(&bad).unwrap();
     bad.tables.push(Table::default());
@@ -379,6 +379,7 @@ if (k < n) x[k] *= by;
         modules: vec![Module {
             name: "device_test".into(),
             source: source.into(),
+            ..Module::default()
         }],
         slots: vec![
             slot("out", 64),

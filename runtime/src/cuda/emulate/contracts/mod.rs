@@ -1,10 +1,16 @@
-//! The hand-written kernels: each `kernels/*.cu` entry point implemented from its header
-//! comment, one submodule per kernel file (or family of files), and [`builtin`], which picks
-//! the implementation by the launch's entry point name.
+//! What each kernel may touch: for every entry point, its arguments read by name and type, the
+//! launch shape its header requires, and the buffers it reads and writes (how many bytes from
+//! each pointer, and which in-place uses its header allows), checked against the program's
+//! memory before the real kernel runs. One submodule per kernel file (or family of files), and
+//! `generated` for the kernels the fusion pass writes.
+//!
+//! These are the header comments' contracts, not the kernels' arithmetic: the kernels
+//! themselves run from their sources (`super::launch`).
 
 mod cross_entropy;
 mod elementwise;
 mod embedding;
+mod generated;
 mod layout;
 mod norm;
 mod optimizer;
@@ -12,24 +18,12 @@ mod reduce;
 mod rope;
 mod softmax;
 
-use super::memory::Mem;
+pub(super) use generated::generated;
+
+use super::memory::{check_uses, Mem, Use};
 use super::R;
 use crate::cuda::program::Launch;
-use castor_ir::{BinaryOp, DType, ReduceOp, UnaryOp};
-use cross_entropy::{cross_entropy_bwd, cross_entropy_finalize, cross_entropy_fwd};
-use elementwise::{binary_kernel, unary_kernel};
-use embedding::{
-    embedding_bwd_accumulate, embedding_bwd_count, embedding_bwd_fill, embedding_bwd_scan,
-    embedding_fwd,
-};
-use layout::{cast, fill, strided_copy};
-use norm::{norm_bwd, norm_bwd_weight, norm_fwd, norm_weight_grad_reduce};
-use optimizer::{
-    count_step, grad_norm_finalize, grad_norm_partials, loss_scale_update, multi_tensor_update,
-};
-use reduce::reduce;
-use rope::{rope_launch, rope_table};
-use softmax::{softmax_bwd, softmax_fwd};
+use castor_ir::DType;
 
 /// Kernels whose block reductions need `blockDim = (32 k, 1, 1)`, `k <= 32`.
 fn row_block(l: &Launch) -> R<()> {
@@ -50,6 +44,13 @@ fn one_block(l: &Launch) -> R<()> {
         return Err(format!("grid {:?}: the kernel runs as one block", l.grid));
     }
     Ok(())
+}
+
+/// The uses that exist, checked to lie in their buffers and not to overlap except as
+/// `in_place` allows.
+fn checked(m: &Mem, uses: Vec<Option<Use>>, in_place: &[(&str, &str)]) -> R<Vec<Use>> {
+    check_uses(m, &uses, in_place)?;
+    Ok(uses.into_iter().flatten().collect())
 }
 
 fn dt(s: &str) -> Option<DType> {
@@ -81,30 +82,26 @@ fn io(s: &str) -> R<(DType, DType)> {
     Ok((float(a)?, float(b)?))
 }
 
-/// A launch of a `kernels/*.cu` entry point, dispatched by the entry point's name.
-pub(super) fn builtin(m: &mut Mem, l: &Launch) -> R<()> {
+/// The buffers a launch of a `kernels/*.cu` entry point uses, by the entry point's name.
+pub(super) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
     let e = l.entry.as_str();
     if let Some(s) = e.strip_prefix("cast_") {
         let (a, b) = s
             .split_once('_')
             .and_then(|(a, b)| Some((dt(a)?, dt(b)?)))
             .ok_or_else(|| format!("`{e}`: no such cast"))?;
-        return cast(m, l, a, b);
+        return layout::cast(m, l, a, b);
     }
     if let Some(w) = e.strip_prefix("strided_copy_b") {
-        return strided_copy(m, l, w.parse().map_err(|_| format!("`{e}`"))?);
+        return layout::strided_copy(m, l, w.parse().map_err(|_| format!("`{e}`"))?);
     }
     if let Some(w) = e.strip_prefix("fill_b") {
-        return fill(m, l, w.parse().map_err(|_| format!("`{e}`"))?);
+        return layout::fill(m, l, w.parse().map_err(|_| format!("`{e}`"))?);
     }
-    for (prefix, op) in [
-        ("reduce_sum_", ReduceOp::Sum),
-        ("reduce_mean_", ReduceOp::Mean),
-        ("reduce_max_", ReduceOp::Max),
-    ] {
+    for prefix in ["reduce_sum_", "reduce_mean_", "reduce_max_"] {
         if let Some(s) = e.strip_prefix(prefix) {
             let (ti, to) = io(s)?;
-            return reduce(m, l, op, ti, to);
+            return reduce::reduce(m, l, ti, to);
         }
     }
     for (prefix, rms) in [("layer_norm_", false), ("rms_norm_", true)] {
@@ -113,86 +110,79 @@ pub(super) fn builtin(m: &mut Mem, l: &Launch) -> R<()> {
         };
         if let Some(s) = rest.strip_prefix("fwd_") {
             let (ti, to) = io(s)?;
-            return norm_fwd(m, l, rms, ti, to);
+            return norm::norm_fwd(m, l, rms, ti, to);
         }
         if let Some(s) = rest.strip_prefix("bwd_weight_") {
             let (ti, to) = io(s)?;
-            return norm_bwd_weight(m, l, rms, ti, to);
+            return norm::norm_bwd_weight(m, l, rms, ti, to);
         }
         if let Some(s) = rest.strip_prefix("bwd_") {
             let (ti, to) = io(s)?;
-            return norm_bwd(m, l, rms, ti, to);
+            return norm::norm_bwd(m, l, rms, ti, to);
         }
     }
     if e == "norm_weight_grad_reduce" {
-        return norm_weight_grad_reduce(m, l);
+        return norm::norm_weight_grad_reduce(m, l);
     }
     if let Some(s) = e.strip_prefix("softmax_fwd_") {
         let (ti, to) = io(s)?;
-        return softmax_fwd(m, l, ti, to);
+        return softmax::softmax_fwd(m, l, ti, to);
     }
     if let Some(s) = e.strip_prefix("softmax_bwd_") {
         let (ti, to) = io(s)?;
-        return softmax_bwd(m, l, ti, to);
+        return softmax::softmax_bwd(m, l, ti, to);
     }
     if e == "cross_entropy_finalize" {
-        return cross_entropy_finalize(m, l);
+        return cross_entropy::cross_entropy_finalize(m, l);
     }
     if let Some(s) = e.strip_prefix("cross_entropy_fwd_") {
-        return cross_entropy_fwd(m, l, float(s)?);
+        return cross_entropy::cross_entropy_fwd(m, l, float(s)?);
     }
     if let Some(s) = e.strip_prefix("cross_entropy_bwd_") {
-        return cross_entropy_bwd(m, l, float(s)?);
+        return cross_entropy::cross_entropy_bwd(m, l, float(s)?);
     }
     match e {
-        "embedding_bwd_count" => return embedding_bwd_count(m, l),
-        "embedding_bwd_scan" => return embedding_bwd_scan(m, l),
-        "embedding_bwd_fill" => return embedding_bwd_fill(m, l),
-        "grad_norm_partials" => return grad_norm_partials(m, l),
-        "grad_norm_finalize" => return grad_norm_finalize(m, l),
-        "count_step" => return count_step(m, l),
-        "loss_scale_update" => return loss_scale_update(m, l),
-        "rope_table" => return rope_table(m, l),
+        "embedding_bwd_count" => return embedding::embedding_bwd_count(m, l),
+        "embedding_bwd_scan" => return embedding::embedding_bwd_scan(m, l),
+        "embedding_bwd_fill" => return embedding::embedding_bwd_fill(m, l),
+        "grad_norm_partials" => return optimizer::grad_norm_partials(m, l),
+        "grad_norm_finalize" => return optimizer::grad_norm_finalize(m, l),
+        "count_step" => return optimizer::count_step(m, l),
+        "loss_scale_update" => return optimizer::loss_scale_update(m, l),
+        "rope_table" => return rope::rope_table(m, l),
         _ => {}
     }
     if let Some(s) = e.strip_prefix("embedding_fwd_") {
-        return embedding_fwd(m, l, float(s)?);
+        return embedding::embedding_fwd(m, l, float(s)?);
     }
     if let Some(s) = e.strip_prefix("embedding_bwd_accumulate_") {
         let (t, o) = io(s)?;
-        return embedding_bwd_accumulate(m, l, t, o);
+        return embedding::embedding_bwd_accumulate(m, l, t, o);
     }
     if let Some(s) = e.strip_prefix("rope_fwd_") {
-        return rope_launch(m, l, float(s)?, false);
+        return rope::rope(m, l, float(s)?);
     }
     if let Some(s) = e.strip_prefix("rope_bwd_") {
-        return rope_launch(m, l, float(s)?, true);
+        return rope::rope(m, l, float(s)?);
     }
     if let Some(s) = e.strip_prefix("adamw_") {
-        return multi_tensor_update(m, l, true, float(s)?);
+        return optimizer::multi_tensor_update(m, l, true, float(s)?);
     }
     if let Some(s) = e.strip_prefix("sgd_") {
-        return multi_tensor_update(m, l, false, float(s)?);
+        return optimizer::multi_tensor_update(m, l, false, float(s)?);
     }
-    for (prefix, op) in [
-        ("gelu_tanh_", UnaryOp::GeluTanh),
-        ("gelu_erf_", UnaryOp::GeluErf),
-        ("silu_", UnaryOp::Silu),
-    ] {
+    for prefix in ["gelu_tanh_", "gelu_erf_", "silu_"] {
         if let Some(rest) = e.strip_prefix(prefix) {
             if let Some(s) = rest.strip_prefix("fwd_") {
-                return unary_kernel(m, l, op, float(s)?, false);
+                return elementwise::unary(m, l, float(s)?, false);
             }
             if let Some(s) = rest.strip_prefix("bwd_") {
-                return unary_kernel(m, l, op, float(s)?, true);
+                return elementwise::unary(m, l, float(s)?, true);
             }
         }
     }
-    if let Some(s) = e.strip_prefix("add_") {
-        return binary_kernel(m, l, BinaryOp::Add, float(s)?);
+    if let Some(s) = e.strip_prefix("add_").or_else(|| e.strip_prefix("mul_")) {
+        return elementwise::binary(m, l, float(s)?);
     }
-    if let Some(s) = e.strip_prefix("mul_") {
-        return binary_kernel(m, l, BinaryOp::Mul, float(s)?);
-    }
-    Err(format!("the emulator has no implementation of `{e}`"))
+    Err(format!("no contract for `{e}`"))
 }
