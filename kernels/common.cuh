@@ -243,3 +243,86 @@ struct NegFn {
     static __device__ __forceinline__ float f(float v) { return -v; }
     static __device__ __forceinline__ float df(float) { return -1.0f; }
 };
+
+// ---- warp matrix products ------------------------------------------------------------------
+// D += A B for one warp, in the shape of mma.sync.m16n8k16 (A 16 x 16, B 16 x 8, D 16 x 8 in
+// F32), with every fragment held as F32 values (exactly representable in the operand dtype
+// T). Lane l holds, with g = l / 4 and c = l % 4, the elements the PTX ISA assigns it:
+//   A (row-major): a[0..1] = A[g][2c..2c+1],   a[2..3] = A[g+8][2c..2c+1],
+//                  a[4..5] = A[g][2c+8..2c+9], a[6..7] = A[g+8][2c+8..2c+9]
+//   B (col-major): b[0..1] = B[2c..2c+1][g],   b[2..3] = B[2c+8..2c+9][g]
+//   D:             d[0..1] = D[g][2c..2c+1],   d[2..3] = D[g+8][2c..2c+1]
+// so the accumulator of two adjacent n-tiles is, element for element, the A fragment of the
+// next product (how FlashAttention feeds P into P V without leaving registers).
+// On sm_80 and newer, BF16 and F16 operands run on tensor cores (exact products, F32
+// accumulation in an order the hardware chooses). Otherwise (F32 operands, older devices, or
+// CASTOR_WARP_MMA_SHUFFLE) each lane gathers its row and column by warp shuffles and sums the
+// 16 products in k order in F32 before adding them to D, with the mul and add rounded
+// separately (--fmad=false). The two differ only in the order of the F32 additions.
+#define FULL_WARP 0xffffffffu
+
+template <typename T>
+__device__ __forceinline__ void warp_mma_shuffle(float (&d)[4], const float (&a)[8],
+                                                 const float (&b)[4]) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        // A[row][k] is held by lane (row % 8) * 4 + (k % 8) / 2 in register
+        // (k % 2) + 2 * (row >= 8) + 4 * (k >= 8); B[k][n] by lane n * 4 + (k % 8) / 2 in
+        // register (k % 2) + 2 * (k >= 8).
+        const int ra = (k & 1) + ((k >> 3) << 2);
+        const int rb = (k & 1) + ((k >> 3) << 1);
+        const int part = (k & 7) >> 1;
+        const float a_lo = __shfl_sync(FULL_WARP, a[ra], g * 4 + part);
+        const float a_hi = __shfl_sync(FULL_WARP, a[ra + 2], g * 4 + part);
+        const float b0 = __shfl_sync(FULL_WARP, b[rb], (2 * c) * 4 + part);
+        const float b1 = __shfl_sync(FULL_WARP, b[rb], (2 * c + 1) * 4 + part);
+        acc[0] += a_lo * b0;
+        acc[1] += a_lo * b1;
+        acc[2] += a_hi * b0;
+        acc[3] += a_hi * b1;
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) d[i] += acc[i];
+}
+
+template <typename H> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+
+template <typename T>
+__device__ __forceinline__ void warp_mma(float (&d)[4], const float (&a)[8], const float (&b)[4]);
+
+template <> __device__ __forceinline__ void warp_mma<float>(float (&d)[4], const float (&a)[8],
+                                                            const float (&b)[4]) {
+    warp_mma_shuffle<float>(d, a, b);
+}
+
+#define CASTOR_WARP_MMA_16(T, PTX_TYPE)                                                        \
+    template <> __device__ __forceinline__ void warp_mma<T>(float (&d)[4], const float (&a)[8], \
+                                                            const float (&b)[4]) {             \
+        CASTOR_WARP_MMA_BODY(T, PTX_TYPE)                                                      \
+    }
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(CASTOR_WARP_MMA_SHUFFLE)
+#define CASTOR_WARP_MMA_BODY(T, PTX_TYPE)                                                      \
+    const unsigned ra[4] = {pack2<T>(a[0], a[1]), pack2<T>(a[2], a[3]), pack2<T>(a[4], a[5]),  \
+                            pack2<T>(a[6], a[7])};                                             \
+    const unsigned rb[2] = {pack2<T>(b[0], b[1]), pack2<T>(b[2], b[3])};                       \
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 "       \
+                 "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"          \
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                              \
+                 : "r"(ra[0]), "r"(ra[1]), "r"(ra[2]), "r"(ra[3]), "r"(rb[0]), "r"(rb[1]));
+#else
+#define CASTOR_WARP_MMA_BODY(T, PTX_TYPE) warp_mma_shuffle<T>(d, a, b);
+#endif
+
+CASTOR_WARP_MMA_16(__half, "f16")
+CASTOR_WARP_MMA_16(__nv_bfloat16, "bf16")

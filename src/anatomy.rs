@@ -24,10 +24,9 @@ pub const STATE_ROLES: [StateRole; 5] = [
     StateRole::Control,
 ];
 
-/// The plan's persistent state by role and, given the number of nodes of the micro step's
-/// forward part (the compiled loss graph the plan was built from), the planned arena: saved
-/// activations and the other temporaries at the peak.
-pub fn anatomy(plan: &TrainingPlan, forward_nodes: Option<usize>) -> Vec<AnatomyRow> {
+/// The plan's persistent state by role, then the planned arena: saved activations (the plan
+/// records where its forward part ends) and the other temporaries at the peak.
+pub fn anatomy(plan: &TrainingPlan) -> Vec<AnatomyRow> {
     let mut rows: Vec<AnatomyRow> = STATE_ROLES
         .iter()
         .map(|&role| AnatomyRow {
@@ -36,19 +35,17 @@ pub fn anatomy(plan: &TrainingPlan, forward_nodes: Option<usize>) -> Vec<Anatomy
             estimate: false,
         })
         .collect();
-    if let Some(n) = forward_nodes {
-        let a = Anatomy::of_plan(plan, n);
-        let saved = a.saved_activations.min(a.memory.arena_bytes);
-        rows.push(AnatomyRow {
-            what: "saved activations".into(),
-            bytes: saved,
-            estimate: false,
-        });
-        rows.push(AnatomyRow {
-            what: "other temporaries at the peak".into(),
-            bytes: a.memory.arena_bytes - saved,
-            estimate: false,
-        });
-    }
+    let a = Anatomy::of_plan(plan);
+    let saved = a.saved_activations.min(a.memory.arena_bytes);
+    rows.push(AnatomyRow {
+        what: "saved activations".into(),
+        bytes: saved,
+        estimate: false,
+    });
+    rows.push(AnatomyRow {
+        what: "other temporaries at the peak".into(),
+        bytes: a.memory.arena_bytes - saved,
+        estimate: false,
+    });
     rows
 }

@@ -1,4 +1,4 @@
-//! Choosing where a command runs: `--device auto|cpu|cuda`.
+//! Choosing where a command runs: `--device auto|cpu|cuda|emulate`.
 
 use crate::commands::eval::Device;
 use crate::CliError;
@@ -10,6 +10,8 @@ pub enum Selected {
     Cpu,
     /// The first CUDA device, described for people.
     Cuda(String),
+    /// The CUDA program, run by the host emulator.
+    Emulated,
 }
 
 /// Resolves `--device` with the driver probe and says which executor runs: `cuda` is an
@@ -18,6 +20,10 @@ pub enum Selected {
 pub fn select(device: Device) -> anyhow::Result<Selected> {
     match device {
         Device::Cpu => Ok(Selected::Cpu),
+        Device::Emulate => {
+            eprintln!("device: emulate (the CUDA program, run on the host by the emulator)");
+            Ok(Selected::Emulated)
+        }
         Device::Cuda => match cuda_probe::probe() {
             Ok(d) => {
                 crate::errln!("device: cuda ({d})");

@@ -13,8 +13,8 @@
 //! says how much the persistent state alone needs. When the persistent state with SGD's single
 //! moment already exceeds the memory, nothing is planned: no change can fit.
 
-use crate::plot::human_bytes;
 use crate::CliError;
+use castor_ir::human_bytes;
 use castor_ir::{OptimizerKind, Remat, TrainSettings, TrainingPlan};
 use castor_passes::cost::{GpuSpec, StepCost};
 use castor_passes::memory::Anatomy;
@@ -156,25 +156,23 @@ impl Verdict {
     }
 }
 
-/// A plan with its forward extent (nodes of the compiled loss graph).
-pub struct Planned {
-    pub plan: TrainingPlan,
-    pub forward_nodes: usize,
-}
-
-impl Planned {
-    pub fn peak(&self) -> u64 {
-        Anatomy::of_plan(&self.plan, self.forward_nodes).total()
-    }
+/// The planned peak of a training step: persistent state and arena.
+pub fn planned_peak(plan: &TrainingPlan) -> u64 {
+    Anatomy::of_plan(plan).total()
 }
 
 /// Builds the plan of other settings (the command's own compile path; the settings carry the
 /// micro-batch shape).
-pub type Replan<'a> = dyn Fn(TrainSettings) -> anyhow::Result<Planned> + 'a;
+pub type Replan<'a> = dyn Fn(TrainSettings) -> anyhow::Result<TrainingPlan> + 'a;
 
-/// The verdict of `planned` on `target`; when it does not fit, the changes that would.
-pub fn verdict(planned: &Planned, target: MemoryTarget, gpu: &GpuSpec, replan: &Replan) -> Verdict {
-    let peak = planned.peak();
+/// The verdict of `plan` on `target`; when it does not fit, the changes that would.
+pub fn verdict(
+    plan: &TrainingPlan,
+    target: MemoryTarget,
+    gpu: &GpuSpec,
+    replan: &Replan,
+) -> Verdict {
+    let peak = planned_peak(plan);
     let mut v = Verdict {
         peak,
         target,
@@ -184,12 +182,12 @@ pub fn verdict(planned: &Planned, target: MemoryTarget, gpu: &GpuSpec, replan: &
     if v.fits() {
         return v;
     }
-    let s = &planned.plan.settings;
+    let s = &plan.settings;
     let memory = v.target.bytes;
     // The persistent state is a floor no recomputation or micro-batch lowers; SGD's one
     // moment instead of AdamW's two is the most any change saves of it. Above that floor
     // nothing is worth planning (a 70B model's candidates would take minutes).
-    let anatomy = Anatomy::of_plan(&planned.plan, planned.forward_nodes);
+    let anatomy = Anatomy::of_plan(plan);
     let floor = match s.optimizer {
         OptimizerKind::AdamW { .. } => anatomy.persistent() - anatomy.optimizer_state / 2,
         OptimizerKind::Sgd { .. } => anatomy.persistent(),
@@ -206,8 +204,7 @@ pub fn verdict(planned: &Planned, target: MemoryTarget, gpu: &GpuSpec, replan: &
     }
     let try_plan = |settings: TrainSettings| -> Option<(u64, f64)> {
         let p = replan(settings).ok()?;
-        let peak = p.peak();
-        Some((peak, StepCost::of_plan(&p.plan, gpu).seconds()))
+        Some((planned_peak(&p), StepCost::of_plan(&p, gpu).seconds()))
     };
     let mut tried: Vec<(String, TrainSettings)> = Vec::new();
     for remat in [Remat::Selective, Remat::Full, Remat::Budget(memory)] {

@@ -9,9 +9,10 @@
 //! page; text in them stays text.
 
 use crate::fit::Verdict;
-use crate::plot::{human_bytes, smooth, unit_for, LossHistory};
+use crate::plot::{smooth, unit_for, LossHistory};
 use crate::report::thousands;
 use crate::CliError;
+use castor_ir::human_bytes;
 use castor_ir::{StateRole, TrainingPlan};
 use castor_passes::cost::{GpuSpec, StepCost};
 use castor_passes::memory::Anatomy;
@@ -74,14 +75,9 @@ impl Report {
     }
 
     /// The plan's settings and memory, and what the precision passes decided (when known).
-    pub fn training_plan(
-        &mut self,
-        plan: &TrainingPlan,
-        forward_nodes: usize,
-        summary: Option<&PrecisionSummary>,
-    ) {
+    pub fn training_plan(&mut self, plan: &TrainingPlan, summary: Option<&PrecisionSummary>) {
         let s = &plan.settings;
-        self.fact("precision", &s.precision);
+        self.fact("precision", s.precision.name());
         self.fact(
             "shape",
             &format!(
@@ -93,7 +89,7 @@ impl Report {
         self.fact("loss scale", &crate::report::loss_scaling_text(s));
         self.fact("remat", &s.remat.to_string());
         self.precision = summary.cloned();
-        let a = Anatomy::of_plan(plan, forward_nodes);
+        let a = Anatomy::of_plan(plan);
         let saved = a.saved_activations.min(a.memory.arena_bytes);
         let role = |r: StateRole| r.describe().to_string();
         self.memory = Some(Memory {

@@ -3,7 +3,6 @@
 //! SVG needs no fonts on the machine that draws it (text stays text), so the pictures work on
 //! any machine; browsers and image viewers render them.
 
-use crate::report::thousands;
 use castor_models::write_atomically;
 use plotters::prelude::*;
 use std::path::Path;
@@ -290,14 +289,4 @@ pub fn write_anatomy(
     }
     write_atomically(path, svg.as_bytes())?;
     Ok(())
-}
-
-/// `bytes` for people: `1,234,567 bytes (1.18 MiB)`.
-pub fn human_bytes(bytes: u64) -> String {
-    let (unit, name) = unit_for(bytes.max(1));
-    format!(
-        "{} bytes ({:.2} {name})",
-        thousands(bytes),
-        bytes as f64 / unit
-    )
 }

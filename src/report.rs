@@ -257,15 +257,57 @@ pub fn anatomy_lines(a: &castor_passes::memory::Anatomy) -> Vec<String> {
     ]
 }
 
-/// The cost model's lines: FLOPs per token against 6N + 6·L·C·T, step time, MFU.
+/// The cost model's lines: FLOPs per token against 6N + 6·L·C·T, step time, MFU. Without the
+/// model's shape (hand-written IR) the rule and MFU are "n/a"; without a token count, so are
+/// the per-token figures.
 pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
     let g = &c.gpu;
-    let s = &c.shape;
-    let tokens = c.tokens.max(1) as f64;
     let micro = &c.micro_step;
-    let per_tok = |f: f64| f * c.grad_accum as f64 / tokens / 1e6;
-    let rule = s.flops_per_token_rule();
+    let per_tok = |f: f64| f * c.grad_accum as f64 / c.tokens.max(1) as f64 / 1e6;
+    let rule = match (&c.shape, c.flops_per_token_rule()) {
+        (Some(s), Some(rule)) => format!(
+            "{:.1} MFLOP (N {}, L {}, C {}, T {})",
+            rule / 1e6,
+            thousands(c.params),
+            s.layers,
+            s.width,
+            s.seq
+        ),
+        _ => format!(
+            "n/a (N {}; the graph records no model shape)",
+            thousands(c.params)
+        ),
+    };
+    let flops = if c.tokens == 0 {
+        format!("  FLOPs/token  n/a (no token count: the graph records no batch and sequence); 6N+6LCT {rule}")
+    } else {
+        format!(
+            "  FLOPs/token  {:.1} MFLOP (contractions {:.1}, other ops {:.1}, recompute {:.1}, optimizer {:.3}) vs 6N+6LCT {rule}",
+            c.flops_per_token() / 1e6,
+            per_tok(micro.contractions.flops - micro.recompute_contractions.flops),
+            per_tok(
+                micro.total.flops
+                    - micro.contractions.flops
+                    - (micro.recompute.flops - micro.recompute_contractions.flops)
+            ),
+            per_tok(micro.recompute.flops),
+            c.optimizer_step.total.flops / c.tokens as f64 / 1e6,
+        )
+    };
     let secs = c.seconds();
+    let tokens_per_s = if c.tokens > 0 && secs > 0.0 {
+        format!("{:.0} tokens/s", c.tokens as f64 / secs)
+    } else {
+        "tokens/s n/a".into()
+    };
+    let mfu = match c.mfu() {
+        Some(m) => format!(
+            "{:.1}% estimated (6N+6LCT per token over the roofline step time, of {:.0} TFLOP/s; every kernel at peak, no fusion credit)",
+            m * 100.0,
+            g.low_precision_flops / 1e12
+        ),
+        None => "n/a (needs the model's shape and a token count)".into(),
+    };
     vec![
         format!(
             "  target GPU   {}: {:.0} TFLOP/s bf16/fp16, {:.0} tf32, {:.0} fp32; {:.2} TB/s",
@@ -275,40 +317,19 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
             g.f32_flops / 1e12,
             g.memory_bandwidth / 1e12
         ),
-        format!(
-            "  FLOPs/token  {:.1} MFLOP (contractions {:.1}, other ops {:.1}, recompute {:.1}, optimizer {:.3}) vs 6N+6LCT {:.1} MFLOP (N {}, L {}, C {}, T {})",
-            c.flops_per_token() / 1e6,
-            per_tok(micro.contractions.flops - micro.recompute_contractions.flops),
-            per_tok(
-                micro.total.flops
-                    - micro.contractions.flops
-                    - (micro.recompute.flops - micro.recompute_contractions.flops)
-            ),
-            per_tok(micro.recompute.flops),
-            c.optimizer_step.total.flops / tokens / 1e6,
-            rule / 1e6,
-            thousands(s.params),
-            s.layers,
-            s.hidden,
-            s.seq
-        ),
+        flops,
         "               (castor runs the full T x T attention products, 12·L·C·T with no causal \
          halving; counts norm, softmax and pointwise FLOPs; embedding lookups are gathers, \
          which 6N counts as products)"
             .to_string(),
         format!(
-            "  step time    {:.3} ms estimated (micro step {:.3} ms x{}, of which recompute {:.3} ms; optimizer {:.3} ms); {:.0} tokens/s",
+            "  step time    {:.3} ms estimated (micro step {:.3} ms x{}, of which recompute {:.3} ms; optimizer {:.3} ms); {tokens_per_s}",
             secs * 1e3,
             micro.total.seconds * 1e3,
             c.grad_accum,
             micro.recompute.seconds * 1e3,
             c.optimizer_step.total.seconds * 1e3,
-            if secs > 0.0 { tokens / secs } else { 0.0 }
         ),
-        format!(
-            "  MFU          {:.1}% estimated (6N+6LCT per token over the roofline step time, of {:.0} TFLOP/s; every kernel at peak, no fusion credit)",
-            c.mfu() * 100.0,
-            g.low_precision_flops / 1e12
-        ),
+        format!("  MFU          {mfu}"),
     ]
 }

@@ -1,21 +1,74 @@
 //! A training plan on the executor `--device` chose.
 //!
-//! On the CPU the [`PlanRunner`] trains. With CUDA the state lives on the device, and a host
-//! copy (a [`PlanRunner`] holding it) is made only when something on the host needs the
-//! weights (a checkpoint, sampling) and refreshed only then, so training steps never wait for
-//! copies and host memory holds no second copy of the state until it is asked for.
+//! On the CPU the [`PlanRunner`] trains. With CUDA (or the CUDA program on the emulator) the
+//! state lives on the device, and a host copy (a [`PlanRunner`] holding it) is made only when
+//! something on the host needs the weights (a checkpoint, sampling) and refreshed only then,
+//! so training steps never wait for copies and host memory holds no second copy of the state
+//! until it is asked for.
 
 use crate::device::Selected;
 use castor_ir::{StateInit, Tensor, TrainingPlan};
-use castor_runtime::cuda::CudaPlanRunner;
+use castor_runtime::cuda::{CudaPlanRunner, EmulatedPlanRunner, LoweredPlanRunner, Target};
 use castor_runtime::{PlanRunner, RuntimeError, StepReport};
 use std::collections::HashMap;
 
+/// What the trainer asks of a lowered plan, whichever target runs it.
+trait Lowered {
+    fn queue_step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<(), RuntimeError>;
+    fn report(&self) -> Result<StepReport, RuntimeError>;
+    fn validation_loss(&mut self, batches: &[HashMap<String, Tensor>])
+        -> Result<f64, RuntimeError>;
+    fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError>;
+    fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError>;
+    fn device_name(&self) -> String;
+    fn allocated_bytes(&self) -> u64;
+    fn set_timing(&mut self, on: bool);
+}
+
+impl<T: Target> Lowered for LoweredPlanRunner<T> {
+    fn queue_step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<(), RuntimeError> {
+        LoweredPlanRunner::queue_step(self, micro_batches, lr)
+    }
+    fn report(&self) -> Result<StepReport, RuntimeError> {
+        LoweredPlanRunner::report(self)
+    }
+    fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        LoweredPlanRunner::validation_loss(self, batches)
+    }
+    fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        LoweredPlanRunner::restore(self, entries)
+    }
+    fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        LoweredPlanRunner::state_entries(self)
+    }
+    fn device_name(&self) -> String {
+        LoweredPlanRunner::device_name(self)
+    }
+    fn allocated_bytes(&self) -> u64 {
+        LoweredPlanRunner::allocated_bytes(self)
+    }
+    fn set_timing(&mut self, on: bool) {
+        LoweredPlanRunner::set_timing(self, on)
+    }
+}
+
 pub struct Trainer {
     plan: TrainingPlan,
-    /// The CPU runner: the trainer on the CPU, the host copy of the device state with CUDA.
+    /// The CPU runner: the trainer on the CPU, the host copy of the device state otherwise.
     host: Option<PlanRunner>,
-    cuda: Option<CudaPlanRunner>,
+    /// The lowered plan on CUDA or on the emulator, and how `device()` names it.
+    lowered: Option<(Box<dyn Lowered>, &'static str)>,
     /// The device has taken steps the host copy has not seen.
     host_stale: bool,
 }
@@ -27,14 +80,27 @@ impl Trainer {
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
         device: &Selected,
     ) -> Result<Trainer, RuntimeError> {
-        let (host, cuda) = match device {
+        let (host, lowered): (_, Option<(Box<dyn Lowered>, _)>) = match device {
             Selected::Cpu => (Some(PlanRunner::new(plan.clone(), checkpoint)?), None),
-            Selected::Cuda(_) => (None, Some(CudaPlanRunner::new(plan.clone(), checkpoint)?)),
+            Selected::Cuda(_) => (
+                None,
+                Some((
+                    Box::new(CudaPlanRunner::new(plan.clone(), checkpoint)?),
+                    "cuda",
+                )),
+            ),
+            Selected::Emulated => (
+                None,
+                Some((
+                    Box::new(EmulatedPlanRunner::new(plan.clone(), checkpoint)?),
+                    "emulate",
+                )),
+            ),
         };
         Ok(Trainer {
             plan,
             host,
-            cuda,
+            lowered,
             host_stale: true,
         })
     }
@@ -43,10 +109,22 @@ impl Trainer {
         &self.plan
     }
 
-    /// `"cpu"` or `"cuda (<device>)"`.
+    /// Device memory the plan holds, where it runs as a lowered program.
+    pub fn allocated_bytes(&self) -> Option<u64> {
+        self.lowered.as_ref().map(|(c, _)| c.allocated_bytes())
+    }
+
+    /// Times each step's runs on the device (GPU only; see `LoweredPlanRunner::set_timing`).
+    pub fn set_timing(&mut self, on: bool) {
+        if let Some((c, _)) = &mut self.lowered {
+            c.set_timing(on);
+        }
+    }
+
+    /// `"cpu"`, `"cuda (<device>)"` or `"emulate (<the emulator>)"`.
     pub fn device(&self) -> String {
-        match &self.cuda {
-            Some(c) => format!("cuda ({})", c.device_name()),
+        match &self.lowered {
+            Some((c, kind)) => format!("{kind} ({})", c.device_name()),
             None => "cpu".into(),
         }
     }
@@ -59,8 +137,8 @@ impl Trainer {
         lr: f32,
         report: bool,
     ) -> Result<Option<StepReport>, RuntimeError> {
-        match (&mut self.cuda, &mut self.host) {
-            (Some(c), _) => {
+        match (&mut self.lowered, &mut self.host) {
+            (Some((c, _)), _) => {
                 self.host_stale = true;
                 c.queue_step(micro_batches, lr)?;
                 if report {
@@ -83,8 +161,8 @@ impl Trainer {
         if batches.is_empty() {
             return Ok(None);
         }
-        match (&mut self.cuda, &self.host) {
-            (Some(c), _) => Ok(Some(c.validation_loss(batches)?)),
+        match (&mut self.lowered, &self.host) {
+            (Some((c, _)), _) => Ok(Some(c.validation_loss(batches)?)),
             (None, Some(h)) => crate::train_loop::validation_loss(h, batches),
             (None, None) => Err(no_runner().into()),
         }
@@ -92,8 +170,8 @@ impl Trainer {
 
     /// Replaces state entries (resuming).
     pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
-        match (&mut self.cuda, &mut self.host) {
-            (Some(c), _) => {
+        match (&mut self.lowered, &mut self.host) {
+            (Some((c, _)), _) => {
                 self.host_stale = true;
                 c.restore(entries)
             }
@@ -105,7 +183,7 @@ impl Trainer {
     /// A host runner holding the current state (with CUDA, copied back from the device when
     /// it has changed since the last call).
     pub fn host(&mut self) -> Result<&PlanRunner, RuntimeError> {
-        if let (Some(c), true) = (&self.cuda, self.host_stale) {
+        if let (Some((c, _)), true) = (&self.lowered, self.host_stale) {
             let entries = c.state_entries()?;
             match &mut self.host {
                 Some(h) => h.restore(entries)?,

@@ -194,7 +194,7 @@ impl TrainingArgs {
             return Err(CliError::InvalidInput("--grad-accum must be at least 1".into()).into());
         }
         Ok(TrainSettings {
-            precision: precision.to_string(),
+            precision,
             objective: objective.to_string(),
             batch,
             seq,

@@ -181,6 +181,30 @@ fn softmax_with_causal_and_padding_masks() {
 }
 
 #[test]
+fn attention_with_groups_causal_and_padding_masks() {
+    // Grouped-query layout [B, Hkv, G, T, D] against k/v [B, Hkv, 1, S, D], causal, with
+    // padding. (A row with no visible key is uniform whatever the scores: its forward is
+    // constant, while PyTorch's gradient is the uniform softmax's; `tests/attention.rs`
+    // checks that case against the unfused graph.)
+    let src = graph(
+        "  %q: f32[2,2,2,3,4] = param\n  %k: f32[2,2,1,5,4] = param\n  %v: f32[2,2,1,5,3] = param\n  %m: bool[2,1,1,1,5] = input\n  %y: f32[2,2,2,3,3], %lse: f32[2,2,2,3] = attention(%q, %k, %v, %m) {causal=true, scale=0.5}",
+        "",
+        "f32[2,2,2,3,3]",
+    );
+    gradcheck(
+        "attention",
+        &src,
+        &[("m", vec![1, 1, 0, 1, 1, 1, 0, 0, 1, 1])],
+    );
+    let src = graph(
+        "  %q: f32[2,3,4] = param\n  %k: f32[2,4,4] = param\n  %v: f32[2,4,2] = param\n  %y: f32[2,3,2], %lse: f32[2,3] = attention(%q, %k, %v) {causal=false, scale=0.35}",
+        "",
+        "f32[2,3,2]",
+    );
+    gradcheck("attention without mask", &src, &[]);
+}
+
+#[test]
 fn rope_and_layout_ops() {
     let src = graph(
         "  %x: f32[2,3,8] = param",

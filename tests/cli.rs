@@ -288,6 +288,44 @@ fn compile_emits_ir_and_dot_and_dumps_after_a_pass() {
         "{}",
         stderr(&o)
     );
+
+    // A training step's build is a pipeline too: each of its passes can be dumped.
+    let o = castor(&[
+        "compile",
+        path_str(&root().join("tests/ir/training_step.ir")),
+        "--train",
+        "--dump-after",
+        "optimizer",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for line in [
+        "pass        autodiff    differentiated `%loss`",
+        "pass        accumulate  6 gradient(s) written to state",
+        "pass        optimizer   AdamW update(s) of 6 parameter buffer(s)",
+        "pass        remat       remat none",
+        "pass        fusion      ",
+        "# IR after optimizer\ngraph micro_step {",
+        "graph optimizer_step {",
+    ] {
+        assert!(out.contains(line), "{line}: {out}");
+    }
+    let o = castor(&[
+        "compile",
+        path_str(&root().join("tests/ir/training_step.ir")),
+        "--train",
+        "--dump-after",
+        "nosuch",
+    ]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(
+        stderr(&o).contains(
+            "(passes: input, classify, autocast, fold_casts; training: autodiff, accumulate, \
+             optimizer, remat, fusion)"
+        ),
+        "{}",
+        stderr(&o)
+    );
 }
 
 #[test]

@@ -3,9 +3,12 @@
 //! Kernels: one small graph per op family and dtype, at sizes that are not multiples of the
 //! block or vector width, run on both executors; every output must agree (relative error
 //! below 1e-5 in F32, 2e-2 in F16/BF16). Training: three steps of every family fixture's plan
-//! under fp32 (TF32 off), bf16 and fp16 (dynamic loss scaling) on both executors; the losses,
-//! the updated masters and moments must agree (F32 < 1e-4, low precision < 2e-2) and the
-//! loss-scale sequences must be equal.
+//! under fp32 (TF32 off), tf32, bf16 and fp16 (dynamic loss scaling), and each remat mode and
+//! training option once, on both executors; the losses, the updated masters and moments must
+//! agree (F32 < 1e-4, TF32 and low precision < 2e-2) and the loss-scale sequences must be
+//! equal. Slices whose gradient is zero in exact arithmetic (the fixtures list them) hold
+//! rounding noise that cuBLAS rounds differently: they must be tiny and are otherwise left out,
+//! as in the comparisons with PyTorch. Every failure is collected and reported at the end.
 //!
 //! Without a GPU the graphs are still parsed, run on the CPU and lowered (so the cases stay
 //! valid), and the GPU comparison is skipped with the probe's reason; with
@@ -18,7 +21,10 @@ use castor_runtime::cpu::CpuExecutor;
 use castor_runtime::cuda::lower::{lower_graph, lower_plan};
 use castor_runtime::cuda::{CudaGraphRunner, CudaPlanRunner};
 use castor_runtime::{cuda_probe, PlanRunner};
-use common::cuda_cases::{as_f32, batch, case_graph, inputs, load_params, plan, CASES};
+use common::cuda_cases::{
+    as_f32, batch, case_graph, compare_state, exact_zero_slices, inputs, load_params, plan,
+    plan_matrix, CASES, PLAN_FAMILIES, PLAN_OPTIONS, PLAN_PRECISIONS, PLAN_REMATS,
+};
 use std::collections::HashMap;
 
 /// True when a GPU is present; prints why not and fails under `CASTOR_REQUIRE_GPU=1`.
@@ -43,6 +49,7 @@ fn gpu() -> bool {
 fn every_kernel_family_matches_the_cpu_executor() {
     let on_gpu = gpu();
     let mut rows = Vec::new();
+    let mut failures = Vec::new();
     let mut checked = 0;
     for (name, body) in CASES {
         for t in ["f32", "bf16", "f16"] {
@@ -57,20 +64,25 @@ fn every_kernel_family_matches_the_cpu_executor() {
             if !on_gpu {
                 continue;
             }
-            let mut runner = CudaGraphRunner::new(&g, &|n| data.get(n).cloned())
-                .unwrap_or_else(|e| panic!("{name} {t}: {e}"));
-            let got = runner
-                .run(&data)
-                .unwrap_or_else(|e| panic!("{name} {t} on CUDA: {e}"));
+            let got = CudaGraphRunner::new(&g, &|n| data.get(n).cloned())
+                .and_then(|mut runner| runner.run(&data));
+            let got = match got {
+                Ok(got) => got,
+                Err(e) => {
+                    failures.push(format!("{name} {t} on CUDA: {e}"));
+                    continue;
+                }
+            };
             let tol = if t == "f32" { 1e-5 } else { 2e-2 };
             for ((v, w), gt) in g.outputs().iter().zip(&want).zip(&got) {
                 let err = relative_error(&as_f32(gt), &as_f32(w));
                 rows.push(format!("{name:<18} {t:<5} %{:<6} {err:.2e}", g.name(*v)));
-                assert!(
-                    err < tol,
-                    "{name} {t} %{}: relative error {err:.3e}",
-                    g.name(*v)
-                );
+                if err.is_nan() || err >= tol {
+                    failures.push(format!(
+                        "{name} {t} %{}: relative error {err:.3e}",
+                        g.name(*v)
+                    ));
+                }
             }
         }
     }
@@ -78,58 +90,137 @@ fn every_kernel_family_matches_the_cpu_executor() {
     for r in rows {
         println!("{r}");
     }
+    assert!(
+        failures.is_empty(),
+        "{} failure(s):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
+/// The plans run on the GPU, per family: every precision with the defaults, then each
+/// remat mode and each option once, spread over the precisions (the emulator runs the whole
+/// matrix; GPU time is scarce).
+fn gpu_plans(family: &str) -> Vec<String> {
+    let mut out: Vec<String> = PLAN_PRECISIONS
+        .iter()
+        .map(|p| format!("--precision {p}"))
+        .collect();
+    let matrix = plan_matrix(family);
+    for (i, remat) in PLAN_REMATS.iter().enumerate() {
+        let precision = PLAN_PRECISIONS[i % PLAN_PRECISIONS.len()];
+        let option = PLAN_OPTIONS[(i + 1) % PLAN_OPTIONS.len()];
+        let want = format!("--precision {precision} {option}");
+        let want = want.split_whitespace().collect::<Vec<_>>().join(" ");
+        let flags = matrix
+            .iter()
+            .find(|f| f.starts_with(&want) && f.contains(&format!("--remat {remat}")))
+            .cloned()
+            .unwrap_or_else(|| panic!("{family}: no plan {want} --remat {remat}"));
+        out.push(flags);
+    }
+    out
+}
+
+/// The largest relative error allowed on the GPU: F32 1e-4 (cuBLAS sums in another order;
+/// TF32 off), BF16/F16 and TF32 (operands rounded to 11 significant bits) 2e-2.
+fn gpu_tolerance(flags: &str) -> f64 {
+    if flags.contains("fp32") {
+        1e-4
+    } else {
+        2e-2
+    }
 }
 
 #[test]
 fn training_steps_match_the_cpu_executor() {
     let on_gpu = gpu();
-    for variant in ["gpt2_lm", "bert_mlm", "llama_gqa"] {
-        for precision in ["fp32", "bf16", "fp16"] {
-            let p = plan(variant, &["--precision", precision]);
-            lower_plan(&p).unwrap_or_else(|e| panic!("{variant} {precision}: {e}"));
+    let mut failures = Vec::new();
+    let mut rows = Vec::new();
+    for family in PLAN_FAMILIES {
+        let noise = exact_zero_slices(family);
+        let params = load_params(family);
+        for flags in gpu_plans(family) {
+            let case = format!("{family} {flags}");
+            let split: Vec<&str> = flags.split_whitespace().collect();
+            let p = plan(family, &split);
+            if let Err(e) = lower_plan(&p) {
+                failures.push(format!("{case}: does not lower: {e}"));
+                continue;
+            }
             if !on_gpu {
                 continue;
             }
-            let params = load_params(variant);
             let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
-            let mut gpu = CudaPlanRunner::new(p.clone(), &|n| params.get(n).cloned())
-                .unwrap_or_else(|e| panic!("{variant} {precision}: {e}"));
-            let tol = if precision == "fp32" { 1e-4 } else { 2e-2 };
-            for step in 0..3u64 {
-                let batch = batch(&p.micro_step, 77 + step);
-                let a = cpu.step(std::slice::from_ref(&batch), 1e-3).unwrap();
-                let b = gpu
-                    .step(std::slice::from_ref(&batch), 1e-3)
-                    .unwrap_or_else(|e| panic!("{variant} {precision} step {step}: {e}"));
-                let loss_err = ((a.loss - b.loss) / a.loss).abs();
-                println!(
-                    "{variant} {precision} step {step}: loss cpu {:.6} cuda {:.6} scale {} / {}",
-                    a.loss, b.loss, a.loss_scale, b.loss_scale
-                );
-                assert!(
-                    loss_err < tol as f32,
-                    "{variant} {precision}: loss {loss_err}"
-                );
-                assert_eq!(
-                    a.loss_scale, b.loss_scale,
-                    "{variant} {precision}: loss scale"
-                );
-                assert_eq!(a.skipped, b.skipped, "{variant} {precision}: skipped");
-            }
-            let device_state: HashMap<String, Tensor> =
-                gpu.state_entries().unwrap().into_iter().collect();
-            for (name, t) in cpu.state_entries() {
-                let d = &device_state[name];
-                let (x, y) = (as_f32(d), as_f32(t));
-                if y.iter().all(|&v| v == 0.0) {
+            let mut gpu = match CudaPlanRunner::new(p.clone(), &|n| params.get(n).cloned()) {
+                Ok(r) => r,
+                Err(e) => {
+                    failures.push(format!("{case}: loading on the GPU: {e}"));
                     continue;
                 }
-                let err = relative_error(&x, &y);
-                assert!(
-                    err < tol,
-                    "{variant} {precision}: state {name} error {err:.3e}"
-                );
+            };
+            let tol = gpu_tolerance(&flags);
+            let mut worst = 0f64;
+            let mut ok = true;
+            for step in 0..3u64 {
+                let batches: Vec<_> = (0..p.settings.grad_accum as u64)
+                    .map(|i| batch(&p.micro_step, 77 + 10 * step + i))
+                    .collect();
+                let a = cpu.step(&batches, 1e-3).unwrap();
+                let b = match gpu.step(&batches, 1e-3) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        failures.push(format!("{case} step {step}: {e}"));
+                        ok = false;
+                        break;
+                    }
+                };
+                let loss_err = f64::from(((a.loss - b.loss) / a.loss).abs());
+                worst = worst.max(loss_err);
+                if loss_err.is_nan() || loss_err >= tol {
+                    failures.push(format!(
+                        "{case} step {step}: loss cpu {} cuda {} (error {loss_err:.2e})",
+                        a.loss, b.loss
+                    ));
+                }
+                if (a.loss_scale, a.next_loss_scale) != (b.loss_scale, b.next_loss_scale) {
+                    failures.push(format!(
+                        "{case} step {step}: loss scale {} -> {} on the CPU, {} -> {} on CUDA",
+                        a.loss_scale, a.next_loss_scale, b.loss_scale, b.next_loss_scale
+                    ));
+                }
+                if a.skipped != b.skipped {
+                    failures.push(format!("{case} step {step}: skipped differs"));
+                }
             }
+            if !ok {
+                continue;
+            }
+            let device_state: HashMap<String, Tensor> = match gpu.state_entries() {
+                Ok(s) => s.into_iter().collect(),
+                Err(e) => {
+                    failures.push(format!("{case}: reading the state back: {e}"));
+                    continue;
+                }
+            };
+            for (name, t) in cpu.state_entries() {
+                let Some(d) = device_state.get(name) else {
+                    failures.push(format!("{case}: no device state `{name}`"));
+                    continue;
+                };
+                let err = compare_state(&case, name, d, t, &noise, tol, &mut failures);
+                worst = worst.max(err);
+            }
+            rows.push(format!("{case:<70} worst {worst:.2e}"));
         }
     }
+    for r in &rows {
+        println!("{r}");
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failure(s):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }

@@ -100,9 +100,10 @@ fn fused_order_is_bit_identical() {
                 castor_ir::Shape::scalar(),
                 vec![if precision == "fp16" { 1024.0 } else { 1.0 }],
             );
+            let loss_scale = castor_ir::ControlState::LossScale.name();
             let bind = |name: &str| match name {
                 "labels" => Some(&ids),
-                "loss_scale" => Some(&scale),
+                _ if name == loss_scale => Some(&scale),
                 _ => batch.tensors.get(name).or_else(|| params.get(name)),
             };
             let a = CpuExecutor::new().run(g, &bind).unwrap();

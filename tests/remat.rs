@@ -2,10 +2,12 @@
 //! - every family trains (and `eval --grad` differentiates) bit-identically under `--remat
 //!   none|full|selective|budget`;
 //! - snapshots of what each mode keeps and recomputes for a GPT-2 and a LLaMA fixture;
+//! - blocks and the model shape come from the IR, not from value names;
 //! - on GPT-2 124M (config only, B=8, T=1024, bf16, AdamW): the arena stays within 5% of its
 //!   lower bound in every mode; saved activations per layer beside Megatron-LM's counts; a
-//!   sweep of budgets where every planned peak fits and recompute time never rises with the
-//!   budget.
+//!   sweep of budgets where every planned peak fits, recompute time never rises with the
+//!   budget, and the minimum cut never recomputes more (in estimated time) than the former
+//!   greedy sequence at the same budget.
 
 mod common;
 
@@ -15,7 +17,9 @@ use castor_passes::{
     build_training_plan,
     cost::{GpuSpec, StepCost},
     memory::{saved_activations, saved_per_block, Anatomy},
-    precision_pipeline, remat, Policy, Precision,
+    precision_pipeline,
+    remat::{self, BudgetSearch},
+    Policy, Precision,
 };
 use common::*;
 use std::path::Path;
@@ -29,9 +33,8 @@ const FAMILIES: [&str; 6] = [
     "llama_tied",
 ];
 
-/// The bf16 AdamW training plan of a model folder or config at `batch` x `seq`, and the
-/// number of forward nodes at the head of its micro step.
-fn plan(model: &Path, batch: usize, seq: usize, remat: Remat) -> (TrainingPlan, usize) {
+/// The bf16 AdamW training plan of a model folder or config at `batch` x `seq`.
+fn plan(model: &Path, batch: usize, seq: usize, remat: Remat) -> TrainingPlan {
     try_plan(model, batch, seq, remat).unwrap()
 }
 
@@ -40,7 +43,7 @@ fn try_plan(
     batch: usize,
     seq: usize,
     remat: Remat,
-) -> Result<(TrainingPlan, usize), castor_passes::PassError> {
+) -> Result<TrainingPlan, castor_passes::PassError> {
     let model = Model::load(model).unwrap();
     let objective = Objective::auto(&model);
     let g = model.build_loss_graph(batch, seq, objective).unwrap();
@@ -49,7 +52,7 @@ fn try_plan(
         .unwrap()
         .graph;
     let settings = TrainSettings {
-        precision: "bf16".into(),
+        precision: Precision::Bf16,
         objective: objective.to_string(),
         batch,
         seq,
@@ -67,20 +70,19 @@ fn try_plan(
         param_grads_in_compute_dtype: false,
         remat,
     };
-    let forward = g.num_nodes();
-    build_training_plan(&g, settings).map(|(p, _)| (p, forward))
+    build_training_plan(&g, settings).map(|(p, _)| p)
 }
 
-fn peak(p: &TrainingPlan, forward: usize) -> u64 {
-    Anatomy::of_plan(p, forward).total()
+fn peak(p: &TrainingPlan) -> u64 {
+    Anatomy::of_plan(p).total()
 }
 
 /// A budget halfway between the `none` and `full` peaks of a fixture.
 fn midway_budget(variant: &str, batch: usize, seq: usize) -> u64 {
     let dir = fixture(variant);
-    let (none, f) = plan(&dir, batch, seq, Remat::None);
-    let (full, _) = plan(&dir, batch, seq, Remat::Full);
-    (peak(&none, f) + peak(&full, f)) / 2
+    let none = plan(&dir, batch, seq, Remat::None);
+    let full = plan(&dir, batch, seq, Remat::Full);
+    (peak(&none) + peak(&full)) / 2
 }
 
 #[test]
@@ -168,23 +170,23 @@ fn every_mode_is_bit_identical_on_every_family() {
 
 /// What a mode keeps (saved activations) and recomputes, by name pattern across blocks.
 fn decisions(variant: &str, mode: Remat) -> String {
-    let (p, forward) = plan(&fixture(variant), 2, 7, mode);
+    let p = plan(&fixture(variant), 2, 7, mode);
     let g = &p.micro_step;
     let (recomputed, cost) = remat::recomputed(g, &GpuSpec::default());
-    let kept: Vec<String> = saved_activations(g, forward)
+    let kept: Vec<castor_ir::Value> = saved_activations(g, p.forward_nodes)
         .iter()
-        .map(|(v, _)| g.name(*v).to_string())
+        .map(|(v, _)| *v)
         .collect();
     let mut out = format!(
         "remat {mode}: peak {} bytes, recompute {} FLOP\nrecomputed:\n",
-        peak(&p, forward),
+        peak(&p),
         cost.flops
     );
-    for (k, c) in remat::group_counts(&recomputed) {
+    for (k, c) in remat::group_counts(g, &recomputed) {
         out.push_str(&format!("  {k} x{c}\n"));
     }
     out.push_str("kept (read by the backward part):\n");
-    for (k, c) in remat::group_counts(&kept) {
+    for (k, c) in remat::group_counts(g, &kept) {
         out.push_str(&format!("  {k} x{c}\n"));
     }
     out
@@ -205,9 +207,62 @@ fn remat_decisions() {
     }
 }
 
+/// The lines of `castor compile --train` that state what recomputation and the plan cost:
+/// the remat line, the anatomy total and the FLOPs-per-token rule.
+fn plan_facts(args: &[&str]) -> Vec<String> {
+    let o = castor(args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    stdout(&o)
+        .lines()
+        .filter(|l| {
+            l.starts_with("remat ") || l.starts_with("  total ") || l.contains("FLOPs/token")
+        })
+        .map(str::to_string)
+        .collect()
+}
+
+/// Structure comes from the model, not from names: a fixture's loss graph with every computed
+/// value renamed to an opaque name (sources keep their binding names), written as an IR file,
+/// recomputes as many values under `--remat full` and plans the same memory and FLOPs as the
+/// model itself (the blocks and the model shape travel in the IR text).
+#[test]
+fn recomputation_and_cost_read_structure_not_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    for variant in ["gpt2_lm", "llama_gqa"] {
+        let dir = fixture(variant);
+        let model = Model::load(&dir).unwrap();
+        let mut g = model.build_loss_graph(2, 7, Objective::Lm).unwrap();
+        let computed: Vec<castor_ir::Value> = g
+            .nodes()
+            .filter(|(_, d)| !d.op.is_source())
+            .flat_map(|(_, d)| d.outputs.clone())
+            .collect();
+        for v in computed {
+            g.rename(v, &format!("t{}", v.index())).unwrap();
+        }
+        let text = castor_ir::text::print(&g);
+        assert!(
+            !text.contains("%h.0.") && !text.contains("%layers.0."),
+            "{text}"
+        );
+        assert!(text.contains("block=1}") && text.contains("  model {layers="));
+        let ir = tmp.path().join(format!("{variant}.ir"));
+        std::fs::write(&ir, text).unwrap();
+        let common = ["--train", "--precision", "bf16", "--remat", "full"];
+        let mut by_model = vec!["compile", path_str(&dir), "--batch", "2", "--seq", "7"];
+        by_model.extend(common);
+        let mut by_file = vec!["compile", path_str(&ir)];
+        by_file.extend(common);
+        let (a, b) = (plan_facts(&by_model), plan_facts(&by_file));
+        assert_eq!(a.len(), 3, "{a:?}");
+        assert_eq!(a, b, "{variant}: the renamed IR file plans differently");
+        assert!(!a[0].contains(": 0 value(s)"), "{a:?}");
+    }
+}
+
 #[test]
 fn recomputed_nodes_carry_notes_and_an_impossible_budget_names_the_smallest() {
-    let (p, _) = plan(&fixture("gpt2_lm"), 2, 7, Remat::Selective);
+    let p = plan(&fixture("gpt2_lm"), 2, 7, Remat::Selective);
     let text = castor_ir::text::print(&p.micro_step);
     assert!(text.contains("%h.0.attn.probs.remat: bf16[2,4,7,7] = softmax("));
     assert!(text.contains("# remat: recomputes %h.0.attn.probs for %"));
@@ -223,8 +278,8 @@ fn recomputed_nodes_carry_notes_and_an_impossible_budget_names_the_smallest() {
         .unwrap()
         .parse()
         .unwrap();
-    let (p, f) = plan(&fixture("gpt2_lm"), 2, 7, Remat::Budget(smallest));
-    assert!(peak(&p, f) <= smallest);
+    let p = plan(&fixture("gpt2_lm"), 2, 7, Remat::Budget(smallest));
+    assert!(peak(&p) <= smallest);
 }
 
 const GPT2_124M: &str = "assets/configs/gpt2-124m.json";
@@ -245,8 +300,8 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
         (Remat::Selective, "34"),
         (Remat::Full, "2"),
     ] {
-        let (p, f) = plan(&config, b, t, mode);
-        let a = Anatomy::of_plan(&p, f);
+        let p = plan(&config, b, t, mode);
+        let a = Anatomy::of_plan(&p);
         let m = &a.memory;
         assert!(
             m.arena_bytes as f64 <= 1.05 * m.lower_bound as f64,
@@ -254,7 +309,7 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
             m.arena_bytes,
             m.lower_bound
         );
-        let (per, _) = saved_per_block(&p.micro_step, f);
+        let (per, _) = saved_per_block(&p.micro_step, p.forward_nodes);
         let block5 = per.iter().find(|(i, _)| *i == 5).map_or(0, |(_, b)| *b);
         if mode == Remat::None {
             none_peak = a.total();
@@ -283,31 +338,52 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
         .parse()
         .unwrap();
     assert!(smallest < none_peak);
+    // The same sweep under the former greedy sequence, from the plan without recomputation.
+    let none = plan(&config, b, t, Remat::None);
+    let gpu = GpuSpec::default();
+    let ctx = remat::RematContext::of_plan(&none, gpu.clone());
     println!();
     println!(
-        "| budget | planned peak | recomputed values | recompute FLOP | recompute ms (est.) |"
+        "| budget | min-cut peak | recomputed values | recompute FLOP | recompute ms (est.) | candidates planned | greedy peak | greedy ms (est.) |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     let mut last_secs = f64::INFINITY;
     for i in 0..10 {
         let budget = smallest + (none_peak - smallest) * i / 9;
-        let (p, f) = plan(&config, b, t, Remat::Budget(budget));
-        let a = Anatomy::of_plan(&p, f);
+        let p = plan(&config, b, t, Remat::Budget(budget));
+        let a = Anatomy::of_plan(&p);
         assert!(a.total() <= budget, "budget {budget}: peak {}", a.total());
-        let cost = StepCost::of_plan(&p, &GpuSpec::default());
+        let cost = StepCost::of_plan(&p, &gpu);
         let secs = cost.recompute_seconds();
         assert!(
             secs <= last_secs,
             "recompute time rose from {last_secs} to {secs} at budget {budget}"
         );
         last_secs = secs;
-        let (names, rc) = remat::recomputed(&p.micro_step, &GpuSpec::default());
+        let mincut =
+            remat::fit_budget(&none.micro_step, &ctx, budget, BudgetSearch::MinCut).unwrap();
+        assert_eq!(
+            mincut.graph, p.micro_step,
+            "the pass runs the min-cut search"
+        );
+        let greedy = remat::fit_budget(&none.micro_step, &ctx, budget, BudgetSearch::Greedy);
+        let (greedy_peak, greedy_secs) = match &greedy {
+            Ok(o) => (o.peak.unwrap_or(0).to_string(), o.cost.seconds),
+            Err(_) => ("does not fit".into(), f64::INFINITY),
+        };
+        assert!(
+            mincut.cost.seconds <= greedy_secs,
+            "budget {budget}: the min-cut recomputes {} s, the greedy sequence {greedy_secs} s",
+            mincut.cost.seconds
+        );
         println!(
-            "| {budget} | {} | {} | {:.3e} | {:.3} |",
+            "| {budget} | {} | {} | {:.3e} | {:.3} | {} | {greedy_peak} | {:.3} |",
             a.total(),
-            names.len(),
-            rc.flops,
-            secs * 1e3
+            mincut.recomputed.len(),
+            mincut.cost.flops,
+            secs * 1e3,
+            mincut.evaluated,
+            greedy_secs * 1e3
         );
     }
 }

@@ -17,7 +17,11 @@ Measures, in order, on one machine:
 4. Memory: max_memory_allocated and step time with and without gradient checkpointing, beside
    castor's planned peak for each --remat mode (from `castor compile --train`).
 5. castor's side of every row, where its CUDA executor can run (`castor ... --device cuda`):
-   when it cannot, the row says why (the probe's message), and nothing is made up.
+   steady-state ms/step and tokens/s (bf16, fp16, and bf16 with --remat selective), the
+   device time of the optimizer step, the device memory castor allocated beside its planned
+   peak, and the forward at one ~150-token sequence in F32 and F16. When castor cannot run a
+   row, the row says why, nothing is made up, and --require-castor makes the exit status
+   non-zero.
 
 Timing: CUDA events after warm-up, the median of --repeat runs (host timers on the CPU). Every
 input is random. A readable table is printed last; everything goes to OUT/results.json.
@@ -220,29 +224,81 @@ def memory(args, timer, dev):
 
 
 def run(cmd):
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
     return p.returncode, p.stdout, p.stderr
 
 
+def median(xs):
+    xs = sorted(x for x in xs if x is not None)
+    return xs[len(xs) // 2] if xs else None
+
+
+def castor_train(args, exe, cfg_path, corpus, out_dir, precision, remat, steps):
+    """One `castor train` run on the chosen device, timed from its JSON log: steady-state
+    tokens/s (the first quarter of the steps holds NVRTC compiles and graph captures), the
+    device time of the micro steps and of the optimizer step (--profile), and the device memory
+    castor allocated for the plan."""
+    log = out_dir / f"castor-train-{precision}-{remat}.jsonl"
+    log.unlink(missing_ok=True)
+    code, so, se = run([exe, "train", cfg_path, "--data", corpus, "--steps", steps,
+                        "--batch", args.batch, "--seq", args.seq, "--precision", precision,
+                        "--remat", remat, "--device", args.castor_device, "--log", log,
+                        "--profile"])
+    row = {"exit": code, "stdout": so[-2000:], "stderr": se[-2000:]}
+    if code != 0 or not log.exists():
+        return row
+    lines = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
+    steady = lines[steps // 4:]
+    rate = median(l["tokens_per_s"] for l in steady)
+    if rate:
+        row["tokens_per_s"] = rate
+        row["ms_per_step"] = 1e3 * args.batch * args.seq / rate
+    row["micro_steps_ms"] = median(l.get("micro_steps_ms") for l in steady)
+    row["optimizer_step_ms"] = median(l.get("optimizer_step_ms") for l in steady)
+    row["losses"] = [l["loss"] for l in lines]
+    mem = re.search(r"^memory\s+.*\((\d+) bytes\) allocated", so, re.M)
+    row["allocated_bytes"] = int(mem.group(1)) if mem else None
+    return row
+
+
+def castor_forward(args, exe, out_dir, precision):
+    """`castor eval --repeat` on a random GPT-2 checkpoint, one ~150-token sequence: the median
+    forward time, as the user measured it."""
+    from safetensors.torch import save_file
+
+    model_dir = out_dir / "gpt2-random"
+    if not (model_dir / "config.json").exists():
+        torch.manual_seed(0)
+        GPT2LMHeadModel(gpt2_config(args.tiny)).save_pretrained(model_dir, safe_serialization=True)
+    seq = 32 if args.tiny else 150
+    batch = out_dir / "forward-input.safetensors"
+    save_file({"input_ids": torch.randint(0, gpt2_config(args.tiny).vocab_size, (1, seq))}, batch)
+    code, so, se = run([exe, "eval", model_dir, "--input", batch, "--out",
+                        out_dir / f"forward-{precision}.safetensors", "--precision", precision,
+                        "--device", args.castor_device, "--repeat", 5 if args.tiny else 30])
+    row = {"exit": code, "stderr": se[-2000:]}
+    m = re.search(r": ([\d.]+) ms \(median", so + se)
+    if code == 0 and m:
+        row["ms"] = float(m.group(1))
+    return row
+
+
 def castor_side(args, out_dir):
-    """castor's rows: the compile-time plan (works anywhere) and the CUDA runs (where the
-    executor can run; otherwise the reason it gives)."""
+    """castor's rows: the compile-time plan (works anywhere) and the runs on the device."""
     res = {}
     exe = str(args.castor)
     cfg_path = out_dir / "gpt2-config.json"
     cfg = gpt2_config(args.tiny).to_dict()
     cfg["architectures"] = ["GPT2LMHeadModel"]
     cfg_path.write_text(json.dumps(cfg))
-    code, so, se = run([exe, "compile", str(cfg_path), "--train", "--precision", "bf16",
-                        "--batch", str(args.batch), "--seq", str(args.seq)])
-    res["compile_train_bf16"] = {"exit": code, "stdout": so, "stderr": se[-2000:]}
     for remat in ["none", "selective", "full"]:
-        code, so, se = run([exe, "compile", str(cfg_path), "--train", "--precision", "bf16",
-                            "--batch", str(args.batch), "--seq", str(args.seq),
-                            "--remat", remat])
+        code, so, se = run([exe, "compile", cfg_path, "--train", "--precision", "bf16",
+                            "--batch", args.batch, "--seq", args.seq, "--remat", remat])
         peak = re.search(r"^\s*total\s+([\d,]+)\s", so, re.M) if code == 0 else None
         res[f"planned_peak_{remat}"] = int(peak.group(1).replace(",", "")) if peak else None
         res[f"planned_{remat}_exit"] = code
+        if remat == "none":
+            res["compile_train_bf16"] = {"exit": code, "stdout": so, "stderr": se[-2000:]}
         if code != 0:
             res[f"planned_{remat}_stderr"] = se[-500:]
     # The config has GPT-2's vocabulary and no tokenizer files, so the text goes in as token
@@ -251,27 +307,27 @@ def castor_side(args, out_dir):
     corpus = out_dir / "corpus.bin"
     text = ("castor trains transformers in mixed precision. " * 20000).encode()
     corpus.write_bytes(b"".join(b.to_bytes(2, "little") for b in text))
-    steps = 6 if args.tiny else 40
-    tokens_per_step = args.batch * args.seq
-    for precision in ["bf16", "fp16"]:
-        log = out_dir / f"castor-train-{precision}.jsonl"
-        log.unlink(missing_ok=True)
-        code, so, se = run([exe, "train", str(cfg_path), "--data", str(corpus),
-                            "--steps", str(steps), "--batch", str(args.batch),
-                            "--seq", str(args.seq), "--precision", precision,
-                            "--device", args.castor_device, "--log", str(log)])
-        row = {"exit": code, "stdout": so[-2000:], "stderr": se[-2000:]}
-        if code == 0 and log.exists():
-            lines = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
-            # Steady state: the first steps include NVRTC compiles and graph captures.
-            rates = sorted(l["tokens_per_s"] for l in lines[steps // 4:])
-            if rates:
-                rate = rates[len(rates) // 2]
-                row["tokens_per_s"] = rate
-                row["ms_per_step"] = 1e3 * tokens_per_step / rate
-                row["losses"] = [l["loss"] for l in lines]
-        res[f"train_{args.castor_device}_{precision}"] = row
+    steps = 8 if args.tiny else 40
+    for precision, remat in [("bf16", "none"), ("fp16", "none"), ("bf16", "selective")]:
+        res[f"train_{precision}_{remat}"] = castor_train(args, exe, cfg_path, corpus, out_dir,
+                                                         precision, remat, steps)
+    for precision in ["fp32", "fp16"]:
+        res[f"forward_{precision}"] = castor_forward(args, exe, out_dir, precision)
     return res
+
+
+def castor_failures(results):
+    """The castor rows that did not run (for --require-castor)."""
+    c = results.get("castor", {})
+    if "unavailable" in c:
+        return [c["unavailable"]]
+    bad = []
+    for k, v in c.items():
+        if isinstance(v, dict) and v.get("exit", 0) != 0:
+            bad.append(f"{k}: exit {v['exit']}: {(v.get('stderr') or '').strip()[-300:]}")
+        elif k.startswith("planned_") and k.endswith("_exit") and v != 0:
+            bad.append(f"{k}: {v}")
+    return bad
 
 
 def main():
@@ -286,6 +342,8 @@ def main():
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--repeat", type=int, default=None)
     ap.add_argument("--skip-compile", action="store_true", help="no torch.compile rows")
+    ap.add_argument("--require-castor", action="store_true",
+                    help="exit non-zero when any of castor's rows fails to run")
     args = ap.parse_args()
     args.batch = args.batch or (2 if args.tiny else 8)
     args.seq = args.seq or (64 if args.tiny else 1024)
@@ -315,12 +373,7 @@ def main():
     (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
 
     c, u, t, m = (results[k] for k in ["ceilings", "gpt2_user", "training_step", "memory"])
-    def castor_row(precision):
-        r = results["castor"].get(f"train_{args.castor_device}_{precision}", {})
-        if r.get("exit") == 0 and "ms_per_step" in r:
-            return (f"{r['ms_per_step']:8.2f} ms  {r['tokens_per_s']:10.0f} tok/s  "
-                    f"(loss {r['losses'][0]:.3f} -> {r['losses'][-1]:.3f})")
-        return (r.get("stderr", "").strip().splitlines() or ["unavailable"])[-1]
+    cs = results["castor"]
     lines = [
         f"device {results['device']}, torch {results['torch']}, {results['date']}"
         + (" (DRY RUN: tiny shapes)" if args.tiny else ""),
@@ -328,29 +381,67 @@ def main():
     ]
     for name, g in c["gemm"].items():
         lines.append(f"GEMM {name:<20} {g['tflops']:10.2f} TFLOP/s  {g['shape']}")
+    fwd = {p: cs.get(f"forward_{p}", {}).get("ms") for p in ["fp32", "fp16"]}
+    fmt = lambda x, unit="ms": f"{x:8.2f} {unit}" if isinstance(x, (int, float)) else f"{'n/a':>8} {unit}"
     lines += [
-        f"forward f32 / f16 (bf16 on cpu)  {u['forward_f32_ms']:8.2f} / {u['forward_f16_ms']:8.2f} ms  "
-        f"(x{u['forward_speedup_f16']:.2f})",
-        f"grad sum(hidden) f32 / f16       {u['grad_sum_hidden_f32_ms']:8.2f} / {u['grad_sum_hidden_f16_ms']:8.2f} ms",
-        f"AdamW on F32 masters             {u['adamw_ms']:8.2f} ms",
-        f"F16 copy refresh                 {u['refresh_f16_ms']:8.2f} ms",
-        f"AdamW + refresh                  {u['adamw_plus_refresh_ms']:8.2f} ms  "
+        "",
+        "one ~150-token sequence           PyTorch            castor",
+        f"forward f32                  {fmt(u['forward_f32_ms'])}     {fmt(fwd['fp32'])}",
+        f"forward f16                  {fmt(u['forward_f16_ms'])}     {fmt(fwd['fp16'])}",
+        f"grad sum(hidden) f32 / f16   {u['grad_sum_hidden_f32_ms']:8.2f} / {u['grad_sum_hidden_f16_ms']:.2f} ms",
+        f"AdamW on F32 masters         {fmt(u['adamw_ms'])}",
+        f"F16 copy refresh             {fmt(u['refresh_f16_ms'])}",
+        f"AdamW + refresh              {fmt(u['adamw_plus_refresh_ms'])}  "
         f"({u['update_refresh_bytes'] / (u['adamw_plus_refresh_ms'] * 1e-3) / 1e9:.1f} GB/s of "
         f"{c['copy_gb_s']:.1f})",
     ]
-    for k, v in t.items():
-        if isinstance(v, dict):
-            lines.append(f"train step PyTorch {k:<14} {v['ms_per_step']:8.2f} ms  "
-                         f"{v['tokens_per_s']:10.0f} tok/s  MFU {100 * v['mfu']:.1f}%")
+    n = t.get("parameters") or 0
+    cfg = gpt2_config(args.tiny)
+    flops_per_token = 6 * n + 6 * cfg.n_layer * cfg.n_embd * args.seq
+    lines += ["", f"training step, GPT-2 B={args.batch} T={args.seq}   ms/step   tokens/s    MFU   vs compile"]
+    for precision in ["bf16", "fp16"]:
+        comp = t.get(f"{precision}_compile", {}).get("tokens_per_s")
+        for mode in ["eager", "compile"]:
+            v = t.get(f"{precision}_{mode}")
+            if isinstance(v, dict):
+                lines.append(f"PyTorch {mode:<8} {precision}          {v['ms_per_step']:8.2f}  {v['tokens_per_s']:9.0f}  "
+                             f"{100 * v['mfu']:5.1f}%  {v['tokens_per_s'] / comp if comp else float('nan'):6.2f}x")
+        r = cs.get(f"train_{precision}_none", {})
+        if "tokens_per_s" in r:
+            mfu = flops_per_token * r["tokens_per_s"] / H100_BF16_PEAK
+            lines.append(f"castor {args.castor_device:<9} {precision}          {r['ms_per_step']:8.2f}  "
+                         f"{r['tokens_per_s']:9.0f}  {100 * mfu:5.1f}%  "
+                         f"{r['tokens_per_s'] / comp if comp else float('nan'):6.2f}x")
+        else:
+            lines.append(f"castor {args.castor_device:<9} {precision}          "
+                         + ((r.get("stderr") or "").strip().splitlines() or ["did not run"])[-1])
+    none, sel = cs.get("train_bf16_none", {}), cs.get("train_bf16_selective", {})
+    if "ms_per_step" in none and "ms_per_step" in sel:
+        lines.append(f"castor --remat selective bf16    {sel['ms_per_step']:8.2f} ms/step "
+                     f"({100 * (sel['ms_per_step'] / none['ms_per_step'] - 1):+.1f}% over none)")
+    opt = none.get("optimizer_step_ms")
+    if opt:
+        lines.append(f"castor optimizer step (AdamW + bf16 copies, device time) {opt:8.2f} ms vs PyTorch "
+                     f"AdamW + refresh {u['adamw_plus_refresh_ms']:.2f} ms")
+    lines.append("")
     for k, v in m.items():
         mem = v.get("max_memory_allocated")
-        lines.append(f"memory {k:<18} {v['ms_per_step']:8.2f} ms/step  "
-                     f"max allocated {mem if mem is not None else 'n/a'}")
+        lines.append(f"PyTorch memory {k:<10} {v['ms_per_step']:8.2f} ms/step  max allocated {mem if mem is not None else 'n/a'}")
     for remat in ["none", "selective", "full"]:
-        lines.append(f"castor planned peak {remat:<9} {results['castor'].get(f'planned_peak_{remat}')}")
-    for precision in ["bf16", "fp16"]:
-        lines.append(f"train step castor {args.castor_device} {precision:<10} {castor_row(precision)}")
-    print("\n".join(lines))
+        lines.append(f"castor planned peak {remat:<9} {cs.get(f'planned_peak_{remat}')}")
+    for key in ["train_bf16_none", "train_bf16_selective"]:
+        alloc = cs.get(key, {}).get("allocated_bytes")
+        planned = cs.get(f"planned_peak_{key.rsplit('_', 1)[1]}")
+        if alloc and planned:
+            lines.append(f"castor {key}: allocated {alloc} vs planned {planned} "
+                         f"({100 * (alloc / planned - 1):+.1f}%)")
+    table = "\n".join(lines)
+    (args.out / "table.txt").write_text(table + "\n")
+    print(table)
+    failures = castor_failures(results)
+    if args.require_castor and failures:
+        print("castor rows failed:\n  " + "\n  ".join(failures), file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 # Builds what the GPU machine runs (it has CUDA 13 and PyTorch but no Rust) into gpu-pack/:
 # the castor binary, the GPU test binary (tests/cuda_gpu.rs) and the runtime's unit tests
 # (the device layer's own GPU test), release builds, stripped so that they travel light.
-# Then, on the GPU machine, from the repository root: bench/gpu/check.sh OUT_DIR
+# Then, on the GPU machine, from the repository root:
+#   python3 bench/gpu/check.py OUT --part tests   and   python3 bench/gpu/check.py OUT --part bench
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 cargo build --release

@@ -1,6 +1,6 @@
 //! Building graphs with type inference and model-traceable names.
 
-use crate::{DType, Graph, IrError, Op, Site, TensorType, Value};
+use crate::{DType, Graph, IrError, ModelShape, Op, Site, TensorType, Value};
 
 /// Appends typed nodes to a graph. Result types come from [`Op::infer`], so a builder can only
 /// make well-typed nodes; a typing error names the node being built.
@@ -10,6 +10,8 @@ use crate::{DType, Graph, IrError, Op, Site, TensorType, Value};
 pub struct GraphBuilder {
     graph: Graph,
     scopes: Vec<String>,
+    /// The block the nodes being appended belong to (sources excepted).
+    block: Option<u32>,
 }
 
 impl GraphBuilder {
@@ -17,6 +19,7 @@ impl GraphBuilder {
         GraphBuilder {
             graph: Graph::new(name),
             scopes: Vec::new(),
+            block: None,
         }
     }
 
@@ -25,6 +28,7 @@ impl GraphBuilder {
         GraphBuilder {
             graph,
             scopes: Vec::new(),
+            block: None,
         }
     }
 
@@ -42,6 +46,20 @@ impl GraphBuilder {
         let out = f(self);
         self.scopes.pop();
         out
+    }
+
+    /// Records the model's shape on the graph.
+    pub fn set_shape(&mut self, shape: ModelShape) {
+        self.graph.shape = Some(shape);
+    }
+
+    /// The block that nodes appended from now on belong to (`None`: outside every block).
+    pub fn set_block(&mut self, block: Option<u32>) {
+        self.block = block;
+    }
+
+    pub fn block(&self) -> Option<u32> {
+        self.block
     }
 
     /// A graph input with an exact name (no scope, no suffix): inputs are bound by name.
@@ -102,6 +120,7 @@ impl GraphBuilder {
             })
             .collect();
         let node = self.graph.push_node(op, inputs.to_vec(), outputs)?;
+        self.graph.set_block(node, self.block);
         Ok(self.graph.node(node).outputs.clone())
     }
 

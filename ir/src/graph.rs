@@ -1,6 +1,6 @@
 //! The dataflow graph: nodes and values in arenas, in definition order.
 
-use crate::{IrError, Node, Op, OpClass, TensorType, Value};
+use crate::{IrError, ModelShape, Node, Op, OpClass, TensorType, Value};
 use std::collections::HashMap;
 
 /// Where a node was written, for graphs parsed from text.
@@ -23,6 +23,12 @@ pub struct NodeData {
     pub acc: Option<crate::Accum>,
     /// A free-text note printed as a trailing `# comment` (passes record reasons here).
     pub note: Option<String>,
+    /// The transformer block (layer) the node belongs to, as the front end built it (printed
+    /// as `block=` with the attributes). Sources belong to no block; passes that rebuild a
+    /// graph keep each node's block, and nodes they add take the block of what they derive
+    /// from (a cast its producer's, a gradient its forward node's, a recomputation its
+    /// original's).
+    pub block: Option<u32>,
 }
 
 /// One tensor.
@@ -45,6 +51,9 @@ pub struct ValueData {
 #[derive(Clone, Debug, Default)]
 pub struct Graph {
     pub name: String,
+    /// The shape of the model the graph was built from (printed as the `model` line), when
+    /// the front end built it.
+    pub shape: Option<ModelShape>,
     nodes: Vec<NodeData>,
     values: Vec<ValueData>,
     outputs: Vec<Value>,
@@ -57,6 +66,7 @@ pub struct Graph {
 impl PartialEq for Graph {
     fn eq(&self, other: &Self) -> bool {
         self.name == other.name
+            && self.shape == other.shape
             && self.nodes == other.nodes
             && self.values == other.values
             && self.outputs == other.outputs
@@ -69,6 +79,35 @@ impl Graph {
             name: name.into(),
             ..Default::default()
         }
+    }
+
+    /// An empty graph with `g`'s name and model shape: where a pass that rebuilds `g` starts.
+    pub fn empty_like(g: &Graph) -> Self {
+        Graph {
+            name: g.name.clone(),
+            shape: g.shape,
+            ..Default::default()
+        }
+    }
+
+    /// Appends a copy of node `n` of graph `from` (op, accumulation, note, block, source
+    /// location) with the given operands and results: how passes that rebuild a graph carry
+    /// each node's facts over.
+    pub fn push_copy(
+        &mut self,
+        from: &Graph,
+        n: Node,
+        inputs: Vec<Value>,
+        outputs: Vec<(String, TensorType)>,
+    ) -> Result<Node, IrError> {
+        let d = from.node(n);
+        let new = self.push_node(d.op.clone(), inputs, outputs)?;
+        let data = &mut self.nodes[new.index()];
+        data.acc = d.acc;
+        data.note = d.note.clone();
+        data.block = d.block;
+        self.locations[new.index()] = from.location(n);
+        Ok(new)
     }
 
     /// Appends a node whose results have the given names and types. Names must be new; the
@@ -102,6 +141,7 @@ impl Graph {
             outputs: out_ids,
             acc: None,
             note: None,
+            block: None,
         });
         self.locations.push(None);
         Ok(node)
@@ -121,6 +161,10 @@ impl Graph {
 
     pub fn set_note(&mut self, node: Node, note: Option<String>) {
         self.nodes[node.index()].note = note;
+    }
+
+    pub fn set_block(&mut self, node: Node, block: Option<u32>) {
+        self.nodes[node.index()].block = block;
     }
 
     /// Renames a value; the new name must be unused.

@@ -11,6 +11,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 mod builder;
+mod bytes;
 mod dot;
 mod dtype;
 mod entities;
@@ -18,12 +19,15 @@ mod error;
 mod graph;
 mod op;
 mod plan;
+mod precision;
 mod shape;
+mod structure;
 mod tensor;
 pub mod text;
 mod verify;
 
 pub use builder::{is_name_char, sanitize_name, GraphBuilder};
+pub use bytes::{human_bytes, parse_bytes};
 pub use dot::{dtype_colour, to_dot};
 pub use dtype::{round_tf32, Accum, DType, TensorType};
 pub use entities::{Node, Value};
@@ -31,9 +35,11 @@ pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};
 pub use op::{Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
 pub use plan::{
-    FusedKernel, LossScaling, OptimizerKind, PlanError, Remat, StateInit, StateRole, StateSpec,
-    TrainSettings, TrainingPlan, Write, PLAN_FORMAT,
+    ControlState, FusedKernel, LossScaling, OptimizerKind, PlanError, Remat, StateInit, StateRole,
+    StateSpec, TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
 };
+pub use precision::Precision;
 pub use shape::Shape;
+pub use structure::ModelShape;
 pub use tensor::{relative_error, round_to, Tensor, TensorData};
 pub use verify::verify;

@@ -4,8 +4,9 @@ use crate::{Graph, IrError, Node, Site, TensorType};
 use petgraph::graph::DiGraph;
 
 /// Checks, in order: operands refer to existing values; the node graph has no cycle (petgraph);
-/// every operand is defined before its use; each node's result count and types follow its op's
-/// rule; graph outputs exist. Returns the first error, located by node name and, for parsed
+/// every operand is defined before its use; blocks are on non-source nodes and within the
+/// model's layers; each node's result count and types follow its op's rule; graph outputs
+/// exist. Returns the first error, located by node name and, for parsed
 /// text, line and column.
 pub fn verify(g: &Graph) -> Result<(), IrError> {
     let site = |n: Node| Site {
@@ -55,6 +56,22 @@ pub fn verify(g: &Graph) -> Result<(), IrError> {
                     n,
                     format!("operand `%{}` is used before it is defined", g.name(v)),
                 ));
+            }
+        }
+        if let Some(b) = data.block {
+            if data.op.is_source() {
+                return Err(invalid(n, "sources belong to no block".into()));
+            }
+            if let Some(shape) = &g.shape {
+                if b as usize >= shape.layers {
+                    return Err(invalid(
+                        n,
+                        format!(
+                            "block {b} is out of range for a {}-layer model",
+                            shape.layers
+                        ),
+                    ));
+                }
             }
         }
         let out_types: Vec<&TensorType> = data.outputs.iter().map(|&v| g.ty(v)).collect();

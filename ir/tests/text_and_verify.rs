@@ -162,3 +162,53 @@ fn builder_reports_typing_errors_by_name() {
     );
     assert!(b.input("x", TensorType::new(DType::F32, [1])).is_err());
 }
+
+/// The model's shape and each node's block are IR facts: printed, parsed back, kept by the
+/// builder, and checked by the verifier.
+#[test]
+fn model_shape_and_blocks_round_trip_and_verify() {
+    let src = "graph g {
+  model {layers=2, width=4, heads=2, kv_heads=1, head_dim=2, vocab=10, batch=1, seq=3}
+  %x: f32[3,4] = input
+  %a: f32[3,4] = tanh(%x) {block=0}
+  %b: f32[3,4] = scale(%a) {factor=2.0, block=1}
+  return %b
+}
+";
+    let g = text::parse(src).unwrap();
+    verify(&g).unwrap();
+    assert_eq!(text::print(&g), src);
+    let shape = g.shape.unwrap();
+    assert_eq!((shape.layers, shape.kv_heads, shape.seq), (2, 1, 3));
+    let blocks: Vec<Option<u32>> = g.nodes().map(|(_, d)| d.block).collect();
+    assert_eq!(blocks, [None, Some(0), Some(1)]);
+
+    let mut b = GraphBuilder::from_graph(g);
+    b.set_block(Some(1));
+    let x = b.graph().lookup("b").unwrap();
+    let c = b.op("c", Op::Scale { factor: 0.5 }, &[x]).unwrap();
+    let g = b.finish();
+    assert_eq!(g.node(g.value(c).producer).block, Some(1));
+
+    assert!(verify_err(&src.replace("block=1", "block=2"))
+        .contains("block 2 is out of range for a 2-layer model"));
+    assert!(verify_err(&src.replace("= input", "= input {block=0}"))
+        .contains("sources belong to no block"));
+    let (line, _, m) = parse_err(&src.replace("block=1", "block=-1"));
+    assert_eq!(
+        (line, m.as_str()),
+        (5, "bad block index -1: expected 0 to 4294967295")
+    );
+    let moved = src.replace(
+        "  model {layers=2, width=4, heads=2, kv_heads=1, head_dim=2, vocab=10, batch=1, seq=3}\n  %x: f32[3,4] = input\n",
+        "  %x: f32[3,4] = input\n  model {layers=2, width=4, heads=2, kv_heads=1, head_dim=2, vocab=10, batch=1, seq=3}\n",
+    );
+    let (line, _, m) = parse_err(&moved);
+    assert_eq!(line, 3);
+    assert!(
+        m.contains("the `model` line comes once, before the first node"),
+        "{m}"
+    );
+    let (_, _, m) = parse_err(&src.replace("heads=2, kv", "kv"));
+    assert_eq!(m, "`model` needs attribute `heads`");
+}

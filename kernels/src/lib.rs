@@ -9,6 +9,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod cache;
+pub mod host;
 pub mod nvrtc;
 pub mod ptxas;
 
@@ -53,6 +54,41 @@ macro_rules! kernel_file {
 
 /// Every kernel file, with its entry points.
 pub const FILES: &[KernelFile] = &[
+    kernel_file!(
+        "attention.cu",
+        [
+            "attention_bwd_delta_bf16",
+            "attention_bwd_delta_f16",
+            "attention_bwd_delta_f32",
+            "attention_bwd_dkdv_bf16_d128",
+            "attention_bwd_dkdv_bf16_d16",
+            "attention_bwd_dkdv_bf16_d32",
+            "attention_bwd_dkdv_bf16_d64",
+            "attention_bwd_dkdv_f16_d128",
+            "attention_bwd_dkdv_f16_d16",
+            "attention_bwd_dkdv_f16_d32",
+            "attention_bwd_dkdv_f16_d64",
+            "attention_bwd_dkdv_f32",
+            "attention_bwd_dq_bf16_d128",
+            "attention_bwd_dq_bf16_d16",
+            "attention_bwd_dq_bf16_d32",
+            "attention_bwd_dq_bf16_d64",
+            "attention_bwd_dq_f16_d128",
+            "attention_bwd_dq_f16_d16",
+            "attention_bwd_dq_f16_d32",
+            "attention_bwd_dq_f16_d64",
+            "attention_bwd_dq_f32",
+            "attention_fwd_bf16_d128",
+            "attention_fwd_bf16_d16",
+            "attention_fwd_bf16_d32",
+            "attention_fwd_bf16_d64",
+            "attention_fwd_f16_d128",
+            "attention_fwd_f16_d16",
+            "attention_fwd_f16_d32",
+            "attention_fwd_f16_d64",
+            "attention_fwd_f32",
+        ]
+    ),
     kernel_file!(
         "cast.cu",
         [

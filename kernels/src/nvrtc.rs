@@ -196,6 +196,17 @@ impl Nvrtc {
         Self::discover_in(&candidates)
     }
 
+    /// The process's NVRTC: [`Self::discover`] on the first call, the same library on every
+    /// later one (opening it again per device or per compile would reload it), or the first
+    /// call's error.
+    pub fn shared() -> Result<&'static Nvrtc, String> {
+        static SHARED: std::sync::OnceLock<Result<Nvrtc, String>> = std::sync::OnceLock::new();
+        SHARED
+            .get_or_init(|| Self::discover().map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
     /// Opens NVRTC from the first of `candidates` (a label, and the folder or `None` when the
     /// variable is unset) that has it.
     fn discover_in(candidates: &[(String, Option<PathBuf>)]) -> Result<Self, NvrtcError> {

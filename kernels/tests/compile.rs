@@ -141,3 +141,15 @@ fn the_ptx_cache_compiles_once_and_then_hits() {
         .unwrap();
     assert_eq!((o4, again), (castor_kernels::Outcome::Compiled, first));
 }
+
+/// NVRTC is opened once per process: every caller of `Nvrtc::shared` gets the same library.
+#[test]
+fn the_shared_nvrtc_is_opened_once() {
+    if nvrtc().is_none() {
+        return;
+    }
+    let first = Nvrtc::shared().expect("NVRTC opens");
+    let second = Nvrtc::shared().expect("NVRTC opens");
+    assert!(std::ptr::eq(first, second));
+    assert_eq!(first.version().unwrap().0, 13);
+}

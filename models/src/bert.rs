@@ -23,7 +23,7 @@ use crate::build::Ctx;
 use crate::config::BertConfig;
 use crate::error::{ModelError, ParamSpec};
 use crate::model::{pre, Arch, Head};
-use castor_ir::{DType, Op, TensorType, Value};
+use castor_ir::{DType, ModelShape, Op, TensorType, Value};
 
 impl Arch for BertConfig {
     fn architectures(&self) -> &'static [(&'static str, Head)] {
@@ -144,6 +144,19 @@ impl Arch for BertConfig {
         Some(self.max_position_embeddings)
     }
 
+    fn shape(&self, batch: usize, seq: usize) -> ModelShape {
+        ModelShape {
+            layers: self.num_hidden_layers,
+            width: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_attention_heads,
+            head_dim: self.hidden_size / self.num_attention_heads,
+            vocab: self.vocab_size,
+            batch,
+            seq,
+        }
+    }
+
     fn widths(&self) -> (usize, usize) {
         let w = [self.vocab_size, self.hidden_size, self.intermediate_size];
         (w.into_iter().max().unwrap_or(0), self.num_attention_heads)
@@ -183,7 +196,7 @@ impl Arch for BertConfig {
         for i in 0..n {
             let last = i + 1 == n && matches!(head, Head::Base | Head::Pooler);
             let l = p(&format!("encoder.layer.{i}."));
-            h = ctx.scoped(&format!("encoder.layer.{i}"), |ctx| {
+            h = ctx.block(i, &format!("encoder.layer.{i}"), |ctx| {
                 layer(self, ctx, &l, h, mask, last)
             })?;
         }

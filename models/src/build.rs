@@ -9,7 +9,7 @@
 //! end in `.weight` or `.bias`, so they cannot collide with parameter names.
 
 use crate::error::ModelError;
-use castor_ir::{BinaryOp, DType, Graph, GraphBuilder, IrError, Op, TensorType, Value};
+use castor_ir::{BinaryOp, DType, Graph, GraphBuilder, IrError, ModelShape, Op, TensorType, Value};
 use std::collections::HashMap;
 
 pub(crate) struct Ctx<'m> {
@@ -51,9 +51,10 @@ impl<'m> Ctx<'m> {
     }
 
     /// The graph with `outputs`, then the KV cache's `present.*` values when decoding.
-    pub fn finish(mut self, mut outputs: Vec<Value>) -> Graph {
+    pub fn finish(mut self, mut outputs: Vec<Value>, shape: ModelShape) -> Graph {
         outputs.append(&mut self.presents);
         self.b.set_outputs(outputs);
+        self.b.set_shape(shape);
         self.b.finish()
     }
 
@@ -177,6 +178,16 @@ impl<'m> Ctx<'m> {
         self.b.input(name, ty).map_err(|e| self.ir(e))
     }
 
+    /// Runs `f` as transformer block `index`: its nodes record the block (so passes find
+    /// blocks by data, not by name) and their names take `scope` (`h.3`).
+    pub fn block<T>(&mut self, index: usize, scope: &str, f: impl FnOnce(&mut Self) -> T) -> T {
+        let outer = self.b.block();
+        self.b.set_block(Some(index as u32));
+        let out = self.scoped(scope, f);
+        self.b.set_block(outer);
+        out
+    }
+
     /// Runs `f` with `scope` appended to the name prefix.
     pub fn scoped<T>(&mut self, scope: &str, f: impl FnOnce(&mut Self) -> T) -> T {
         self.scope.push(scope.to_string());
@@ -211,10 +222,14 @@ impl<'m> Ctx<'m> {
         self.b.op_multi(&full, op, inputs).map_err(|e| self.ir(e))
     }
 
-    /// An op named exactly `name`, ignoring the scope (graph outputs).
+    /// An op named exactly `name`, ignoring the scope, in no block (graph outputs, values
+    /// shared by every block).
     pub fn op_exact(&mut self, name: &str, op: Op, inputs: &[Value]) -> Result<Value, ModelError> {
         let saved = std::mem::take(&mut self.scope);
+        let block = self.b.block();
+        self.b.set_block(None);
         let out = self.op(name, op, inputs);
+        self.b.set_block(block);
         self.scope = saved;
         out
     }

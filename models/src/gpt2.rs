@@ -16,7 +16,7 @@ use crate::build::Ctx;
 use crate::config::Gpt2Config;
 use crate::error::{ModelError, ParamSpec};
 use crate::model::{pre, Arch, Head};
-use castor_ir::{DType, Op, TensorType, Value};
+use castor_ir::{DType, ModelShape, Op, TensorType, Value};
 
 impl Arch for Gpt2Config {
     fn architectures(&self) -> &'static [(&'static str, Head)] {
@@ -98,6 +98,19 @@ impl Arch for Gpt2Config {
         Some(self.n_positions)
     }
 
+    fn shape(&self, batch: usize, seq: usize) -> ModelShape {
+        ModelShape {
+            layers: self.n_layer,
+            width: self.n_embd,
+            heads: self.n_head,
+            kv_heads: self.n_head,
+            head_dim: self.n_embd / self.n_head,
+            vocab: self.vocab_size,
+            batch,
+            seq,
+        }
+    }
+
     fn widths(&self) -> (usize, usize) {
         let w = [self.vocab_size, 3 * self.n_embd, self.n_inner];
         (w.into_iter().max().unwrap_or(0), self.n_head)
@@ -126,7 +139,7 @@ impl Arch for Gpt2Config {
         )?;
         let mut h = ctx.add("embeddings", tokens, positions)?;
         for i in 0..self.n_layer {
-            h = ctx.scoped(&format!("h.{i}"), |ctx| {
+            h = ctx.block(i, &format!("h.{i}"), |ctx| {
                 block(self, ctx, &p(&format!("h.{i}.")), i, h, mask)
             })?;
         }

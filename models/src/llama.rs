@@ -20,7 +20,7 @@ use crate::build::Ctx;
 use crate::config::LlamaConfig;
 use crate::error::{ModelError, ParamSpec};
 use crate::model::{pre, Arch, Head};
-use castor_ir::{BinaryOp, DType, Op, TensorType, Value};
+use castor_ir::{BinaryOp, DType, ModelShape, Op, TensorType, Value};
 
 impl Arch for LlamaConfig {
     fn architectures(&self) -> &'static [(&'static str, Head)] {
@@ -110,6 +110,19 @@ impl Arch for LlamaConfig {
         None
     }
 
+    fn shape(&self, batch: usize, seq: usize) -> ModelShape {
+        ModelShape {
+            layers: self.num_hidden_layers,
+            width: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            vocab: self.vocab_size,
+            batch,
+            seq,
+        }
+    }
+
     fn widths(&self) -> (usize, usize) {
         let w = [
             self.vocab_size,
@@ -132,7 +145,7 @@ impl Arch for LlamaConfig {
         let mut h = ctx.op("embed_tokens", Op::Embedding, &[emb, ids])?;
         for i in 0..self.num_hidden_layers {
             let l = p(&format!("layers.{i}."));
-            h = ctx.scoped(&format!("layers.{i}"), |ctx| {
+            h = ctx.block(i, &format!("layers.{i}"), |ctx| {
                 layer(self, ctx, &l, i, h, mask)
             })?;
         }

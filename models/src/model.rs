@@ -15,7 +15,7 @@ use crate::checkpoint::{Checkpoint, CONFIG_FILE};
 use crate::config::{Config, Family, ModelConfig, MAX_PARAMETERS};
 use crate::error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
 use crate::finite::{find_non_finite, NonFinite};
-use castor_ir::{DType, Graph, Tensor, Value};
+use castor_ir::{DType, Graph, ModelShape, Tensor, Value};
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::path::Path;
@@ -84,6 +84,8 @@ pub(crate) trait Arch {
     fn max_positions(&self) -> Option<usize>;
     /// (widest activation row, attention heads), to refuse graphs too large to address.
     fn widths(&self) -> (usize, usize);
+    /// The model's shape for graphs of `batch` x `seq` tokens, recorded in the IR.
+    fn shape(&self, batch: usize, seq: usize) -> ModelShape;
     /// Builds the forward graph; returns its outputs.
     fn build(&self, head: Head, prefix: &str, ctx: &mut Ctx) -> Result<Vec<Value>, ModelError>;
 }
@@ -561,7 +563,7 @@ impl Model {
         let mut ctx = Ctx::new(self.architecture(), params, batch, seq);
         ctx.cache = cache;
         let outputs = arch.build(self.head, &self.prefix, &mut ctx)?;
-        Ok(ctx.finish(outputs))
+        Ok(ctx.finish(outputs, arch.shape(batch, seq)))
     }
 }
 

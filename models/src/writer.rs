@@ -7,45 +7,71 @@
 use crate::ModelError;
 use castor_ir::{DType, Tensor, TensorData};
 use half::{bf16, f16};
-use safetensors::tensor::TensorView;
-use safetensors::Dtype;
-use std::collections::HashMap;
 use std::fs::File;
-use std::io::Write;
+use std::io::{BufWriter, Write};
 use std::path::Path;
 
 /// Writes named tensors, each in its own dtype, with the `{"format": "pt"}` metadata that
 /// transformers expects.
+///
+/// The file is streamed: the header is computed from the tensors' shapes, then each tensor is
+/// encoded and written a chunk at a time, so saving needs no buffer of the whole file (a 27 GB
+/// master checkpoint does not need another 27 GB of memory).
 pub fn write_safetensors(path: &Path, tensors: &[(&str, &Tensor)]) -> Result<(), ModelError> {
-    let bytes: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(name, t)| {
-            let (dtype, data) = encode(t);
-            (name.to_string(), dtype, t.shape().dims().to_vec(), data)
-        })
-        .collect();
-    let views = bytes
-        .iter()
-        .map(|(name, dtype, shape, data)| {
-            TensorView::new(*dtype, shape.clone(), data)
-                .map(|v| (name.clone(), v))
-                .map_err(|e| ModelError::Write {
-                    path: path.to_path_buf(),
-                    message: format!("tensor `{name}`: {e}"),
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let serialized =
-        safetensors::serialize(views, Some(metadata)).map_err(|e| ModelError::Write {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        })?;
-    write_atomically(path, &serialized)
+    let bad = |message: String| ModelError::Write {
+        path: path.to_path_buf(),
+        message,
+    };
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!({ "format": "pt" }));
+    let mut offset = 0u64;
+    for (name, t) in tensors {
+        if name.is_empty() || *name == "__metadata__" {
+            return Err(bad(format!("`{name}` is not a tensor name")));
+        }
+        let (dtype, elem) = storage(t);
+        let bytes = t.shape().numel().unwrap_or(0) as u64 * elem as u64;
+        let entry = serde_json::json!({
+            "dtype": dtype,
+            "shape": t.shape().dims(),
+            "data_offsets": [offset, offset + bytes],
+        });
+        if header.insert(name.to_string(), entry).is_some() {
+            return Err(bad(format!("tensor `{name}` is given twice")));
+        }
+        offset += bytes;
+    }
+    let mut json = serde_json::to_vec(&header).map_err(|e| bad(e.to_string()))?;
+    // The data starts 8-byte aligned, as the safetensors writer pads it.
+    while (8 + json.len()) % 8 != 0 {
+        json.push(b' ');
+    }
+    write_atomically_with(path, |w| {
+        w.write_all(&(json.len() as u64).to_le_bytes())?;
+        w.write_all(&json)?;
+        let mut chunk = Vec::with_capacity(CHUNK_ELEMENTS * 8);
+        for (_, t) in tensors {
+            write_data(t, w, &mut chunk)?;
+        }
+        Ok(())
+    })
 }
+
+/// Elements encoded per write while streaming a tensor.
+const CHUNK_ELEMENTS: usize = 1 << 16;
 
 /// Writes `data` to `path` through a temporary file, fsync and rename.
 pub fn write_atomically(path: &Path, data: &[u8]) -> Result<(), ModelError> {
+    write_atomically_with(path, |w| w.write_all(data))
+}
+
+/// Writes a file through `write`, into a temporary file beside `path` that is flushed, synced
+/// and renamed over it (and the rename synced), so a crash or an error leaves the old file or
+/// the new one, never a half-written file.
+pub fn write_atomically_with(
+    path: &Path,
+    write: impl FnOnce(&mut BufWriter<File>) -> std::io::Result<()>,
+) -> Result<(), ModelError> {
     let io = |source: std::io::Error| ModelError::Write {
         path: path.to_path_buf(),
         message: source.to_string(),
@@ -56,8 +82,9 @@ pub fn write_atomically(path: &Path, data: &[u8]) -> Result<(), ModelError> {
         .unwrap_or_default();
     let tmp = path.with_file_name(format!(".{file_name}.tmp-{}", std::process::id()));
     let result = (|| {
-        let mut f = File::create(&tmp)?;
-        f.write_all(data)?;
+        let mut w = BufWriter::with_capacity(1 << 20, File::create(&tmp)?);
+        write(&mut w)?;
+        let f = w.into_inner().map_err(|e| e.into_error())?;
         f.sync_all()?;
         std::fs::rename(&tmp, path)?;
         // Make the rename itself durable.
@@ -72,30 +99,50 @@ pub fn write_atomically(path: &Path, data: &[u8]) -> Result<(), ModelError> {
     result.map_err(io)
 }
 
-fn encode(t: &Tensor) -> (Dtype, Vec<u8>) {
+/// The safetensors dtype a tensor is stored as, and its element size.
+fn storage(t: &Tensor) -> (&'static str, usize) {
     match (t.dtype(), t.data()) {
-        (DType::F32, TensorData::F32(v)) => {
-            (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect())
+        (DType::F32, TensorData::F32(_)) => ("F32", 4),
+        (DType::F16, TensorData::F32(_)) => ("F16", 2),
+        (DType::BF16, TensorData::F32(_)) => ("BF16", 2),
+        (DType::I32, TensorData::I64(_)) => ("I32", 4),
+        (_, TensorData::I64(_)) => ("I64", 8),
+        (_, TensorData::Bool(_)) => ("BOOL", 1),
+        (_, TensorData::F32(_)) => ("F32", 4),
+    }
+}
+
+/// Writes a tensor's bytes (little-endian, in the dtype [`storage`] names), a chunk of
+/// elements at a time through `chunk`.
+fn write_data(t: &Tensor, w: &mut impl Write, chunk: &mut Vec<u8>) -> std::io::Result<()> {
+    fn each<T: Copy>(
+        v: &[T],
+        w: &mut impl Write,
+        chunk: &mut Vec<u8>,
+        put: impl Fn(T, &mut Vec<u8>),
+    ) -> std::io::Result<()> {
+        for part in v.chunks(CHUNK_ELEMENTS) {
+            chunk.clear();
+            for &x in part {
+                put(x, chunk);
+            }
+            w.write_all(chunk)?;
         }
-        (DType::F16, TensorData::F32(v)) => (
-            Dtype::F16,
-            v.iter()
-                .flat_map(|&x| f16::from_f32(x).to_le_bytes())
-                .collect(),
-        ),
-        (DType::BF16, TensorData::F32(v)) => (
-            Dtype::BF16,
-            v.iter()
-                .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
-                .collect(),
-        ),
-        (DType::I32, TensorData::I64(v)) => (
-            Dtype::I32,
-            v.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect(),
-        ),
-        (_, TensorData::I64(v)) => (Dtype::I64, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
-        (_, TensorData::Bool(v)) => (Dtype::BOOL, v.iter().map(|&b| b as u8).collect()),
-        (_, TensorData::F32(v)) => (Dtype::F32, v.iter().flat_map(|x| x.to_le_bytes()).collect()),
+        Ok(())
+    }
+    match (t.dtype(), t.data()) {
+        (DType::F16, TensorData::F32(v)) => {
+            each(v, w, chunk, |x, c| c.extend(f16::from_f32(x).to_le_bytes()))
+        }
+        (DType::BF16, TensorData::F32(v)) => each(v, w, chunk, |x, c| {
+            c.extend(bf16::from_f32(x).to_le_bytes())
+        }),
+        (_, TensorData::F32(v)) => each(v, w, chunk, |x, c| c.extend(x.to_le_bytes())),
+        (DType::I32, TensorData::I64(v)) => {
+            each(v, w, chunk, |x, c| c.extend((x as i32).to_le_bytes()))
+        }
+        (_, TensorData::I64(v)) => each(v, w, chunk, |x, c| c.extend(x.to_le_bytes())),
+        (_, TensorData::Bool(v)) => each(v, w, chunk, |x, c| c.push(u8::from(x))),
     }
 }
 

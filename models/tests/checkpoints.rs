@@ -630,3 +630,57 @@ fn writer_round_trips_through_the_reader() {
     assert_eq!(f.tensor("b").unwrap(), b);
     assert_eq!(f.tensor("c").unwrap(), c);
 }
+
+/// The streamed writer's files are valid safetensors for the reference implementation too,
+/// across every dtype and over several write chunks.
+#[test]
+fn streamed_files_parse_with_the_safetensors_crate() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("out.safetensors");
+    let n = 200_003; // several chunks, and an odd length
+    let big: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let tensors = [
+        (
+            "w.f32",
+            castor_ir::Tensor::from_f32(DType::F32, [n], big.clone()),
+        ),
+        (
+            "w.f16",
+            castor_ir::Tensor::from_f32(DType::F16, [n], big.clone()),
+        ),
+        ("w.bf16", castor_ir::Tensor::from_f32(DType::BF16, [n], big)),
+        (
+            "ids.i32",
+            castor_ir::Tensor::from_i64(DType::I32, [3], vec![1, -2, 3]),
+        ),
+        (
+            "ids.i64",
+            castor_ir::Tensor::from_i64(DType::I64, [2], vec![1 << 40, -7]),
+        ),
+        (
+            "mask",
+            castor_ir::Tensor::from_bool([3], vec![true, false, true]),
+        ),
+        (
+            "empty",
+            castor_ir::Tensor::from_f32(DType::F32, [0, 4], vec![]),
+        ),
+    ];
+    let refs: Vec<(&str, &castor_ir::Tensor)> = tensors.iter().map(|(n, t)| (*n, t)).collect();
+    castor_models::write_safetensors(&path, &refs).unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(parsed.len(), tensors.len());
+    let f = SafetensorsFile::open(&path).unwrap();
+    for (name, t) in &tensors {
+        assert_eq!(parsed.tensor(name).unwrap().shape(), t.shape().dims());
+        assert_eq!(&f.tensor(name).unwrap(), t, "{name}");
+    }
+    // A name given twice is refused, and the old file is left as it was.
+    let e = castor_models::write_safetensors(&path, &[refs[0], refs[0]]).unwrap_err();
+    assert!(
+        e.to_string().contains("tensor `w.f32` is given twice"),
+        "{e}"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), bytes);
+}

@@ -25,9 +25,10 @@
 //! F32 master. Graph inputs and outputs keep their declared dtypes. Every painted node records
 //! why in its note, which the IR text prints.
 
-use crate::policy::{Policy, Precision, Rule, Target};
+use crate::policy::{Policy, Rule, Target};
 use crate::summary::precision_summary;
 use crate::{Pass, PassError, PassReport};
+use castor_ir::Precision;
 use castor_ir::{Accum, DType, Graph, Node, Op, OpClass, TensorType, Value};
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -400,7 +401,7 @@ fn assign(
     }
 
     // Pass 2: emit nodes, each followed by the casts (or parameter copies) of its results.
-    let mut out = Graph::new(g.name.clone());
+    let mut out = Graph::empty_like(g);
     let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
     let mut casts: BTreeMap<(Value, DType), Value> = BTreeMap::new();
     for (n, node) in g.nodes() {
@@ -433,7 +434,7 @@ fn assign(
                 (name, produced[v.index()].clone())
             })
             .collect();
-        let new_node = out.push_node(node.op.clone(), inputs, results)?;
+        let new_node = out.push_copy(g, n, inputs, results)?;
         if let Some(p) = &paints[n.index()] {
             let mut reason = p.reason.clone();
             let stored = produced[node.outputs[0].index()].dtype;
@@ -446,9 +447,6 @@ fn assign(
                 let tf32 = policy.precision == Precision::Tf32 && class == OpClass::Contraction;
                 out.set_acc(new_node, Some(if tf32 { Accum::Tf32 } else { Accum::F32 }));
             }
-        } else {
-            out.set_note(new_node, node.note.clone());
-            out.set_acc(new_node, node.acc);
         }
         for (&v, &nv) in node.outputs.iter().zip(&out.node(new_node).outputs.clone()) {
             map[v.index()] = Some(nv);
@@ -466,6 +464,8 @@ fn assign(
                 };
                 let ty = TensorType::new(dtype, g.ty(v).shape.clone());
                 let c = out.push_node(op, vec![nv], vec![(name, ty)])?;
+                // A cast runs where its producer does (parameter copies: in no block).
+                out.set_block(c, node.block);
                 let readers = users[v.index()]
                     .iter()
                     .filter(|&&u| want(u, v) == Want::Dtype(dtype))

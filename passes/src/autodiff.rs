@@ -20,6 +20,12 @@ use castor_ir::{
 };
 use std::collections::BTreeMap;
 
+/// The name of a parameter's gradient: the autodiff pass's output, and the training plan's
+/// state entry it is written to.
+pub fn grad_name(param: &str) -> String {
+    format!("grad.{param}")
+}
+
 /// The autodiff pass.
 #[derive(Clone, Debug, Default)]
 pub struct Autodiff {
@@ -98,6 +104,9 @@ impl Pass for Autodiff {
             if node.op.is_source() || !node.inputs.iter().any(|v| needs[v.index()]) {
                 continue;
             }
+            // The gradient of a node (the sum of its results' contributions and its VJP) runs
+            // in the node's block.
+            ad.b.set_block(node.block);
             let dys: Vec<Option<Value>> = node
                 .outputs
                 .iter()
@@ -108,11 +117,12 @@ impl Pass for Autodiff {
             }
             ad.vjp(n, &dys, &needs)?;
         }
+        ad.b.set_block(None);
 
         let mut outputs = vec![loss];
         let mut with_grad = 0;
         for p in g.params().filter(|&p| trainable(p)) {
-            let name = format!("grad.{}", g.name(p));
+            let name = grad_name(g.name(p));
             let grad = match ad.total(p)? {
                 Some(v) => {
                     with_grad += 1;
@@ -433,6 +443,27 @@ impl Backward<'_> {
                 };
                 let dy = self.convert(dy, self.fwd.ty(x[0]).dtype, &name)?;
                 let outs = self.b.op_multi(&name, op, &[x[0], x[1], dy])?;
+                for (i, &d) in outs.iter().enumerate() {
+                    if need(i) {
+                        self.contribute(x[i], d)?;
+                    }
+                }
+            }
+            Op::Attention { causal, scale } => {
+                let Some(dy) = dy else { return Ok(()) };
+                if !(need(0) || need(1) || need(2)) {
+                    return Ok(());
+                }
+                // The output gradient enters the kernel's products in the output's dtype.
+                let (o, lse) = (y, node.outputs[1]);
+                let dy = self.convert(dy, self.fwd.ty(o).dtype, &name)?;
+                let mut operands = vec![x[0], x[1], x[2], o, lse, dy];
+                operands.extend(x.get(3));
+                let op = Op::AttentionGrad {
+                    causal: *causal,
+                    scale: *scale,
+                };
+                let outs = self.b.op_multi(&name, op, &operands)?;
                 for (i, &d) in outs.iter().enumerate() {
                     if need(i) {
                         self.contribute(x[i], d)?;

@@ -16,7 +16,9 @@
 //! are bandwidth-bound, which the roofline shows whatever the constants.
 
 use crate::PassError;
-use castor_ir::{Accum, DType, Graph, Node, NodeData, Op, OpClass, TrainingPlan, UnaryOp};
+use castor_ir::{
+    Accum, DType, Graph, ModelShape, Node, NodeData, Op, OpClass, TrainingPlan, UnaryOp,
+};
 use serde::{Deserialize, Serialize};
 
 /// The peak rates of a GPU. Numbers are per second.
@@ -137,6 +139,23 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
             };
             2.0 * out * k as f64
         }
+        Op::Attention { causal, .. } | Op::AttentionGrad { causal, .. } => {
+            let (q, v) = (
+                g.ty(node.inputs[0]).shape.dims(),
+                g.ty(node.inputs[2]).shape.dims(),
+            );
+            let (t, d) = (q[q.len() - 2], q[q.len() - 1] as f64);
+            let (s, dv) = (v[v.len() - 2], v[v.len() - 1] as f64);
+            let heads = q[..q.len() - 2].iter().product::<usize>() as f64;
+            let pairs = heads * attended_pairs(t, s, *causal);
+            if matches!(node.op, Op::Attention { .. }) {
+                // q k^T and p v, and the online softmax's ~5 operations per score.
+                pairs * (2.0 * d + 2.0 * dv + 5.0)
+            } else {
+                // Scores recomputed, dp = do v^T, dv = p^T do, dq = ds k, dk = ds^T q.
+                pairs * (6.0 * d + 4.0 * dv + 8.0)
+            }
+        }
         Op::Unary(u) | Op::UnaryGrad(u) => {
             let per = match u {
                 UnaryOp::GeluTanh | UnaryOp::GeluErf => 10.0,
@@ -186,6 +205,15 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         | Op::Pad { .. }
         | Op::BroadcastTo { .. } => 0.0,
     }
+}
+
+/// The (query, key) pairs an attention computes: all `T x S`, or under a causal mask those
+/// with `j <= i + S - T`, which a fused kernel skips the rest of.
+fn attended_pairs(t: usize, s: usize, causal: bool) -> f64 {
+    if !causal {
+        return (t * s) as f64;
+    }
+    (0..t).map(|i| (i + 1 + s - t).min(s) as f64).sum()
 }
 
 /// Bytes one node reads and writes in device memory.
@@ -248,57 +276,18 @@ pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
     c
 }
 
-/// The model's shape as the 6N + 6·L·C·T rule needs it.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct ModelShape {
-    /// Parameters (every `param` of the forward graph).
-    pub params: u64,
-    /// Transformer blocks.
-    pub layers: usize,
-    /// Width of the residual stream.
-    pub hidden: usize,
-    /// Sequence length.
-    pub seq: usize,
+/// Parameters of a plan: every `param` of its micro step (tied weights once).
+pub fn param_count(plan: &TrainingPlan) -> u64 {
+    let g = &plan.micro_step;
+    g.params()
+        .map(|p| g.ty(p).shape.numel().unwrap_or(0) as u64)
+        .sum()
 }
 
-impl ModelShape {
-    /// Reads the shape off a training plan's micro-step graph: parameters are its `param`s,
-    /// layers its block scopes (`h.3.`, `layers.3.`, `encoder.layer.3.`), the hidden size the
-    /// last dim of the first block's first normalization input (or of the loss graph's widest
-    /// activation when there are no blocks).
-    pub fn of_plan(plan: &TrainingPlan) -> ModelShape {
-        let g = &plan.micro_step;
-        let params = g
-            .params()
-            .map(|p| g.ty(p).shape.numel().unwrap_or(0) as u64)
-            .sum();
-        let mut layers = std::collections::BTreeSet::new();
-        let mut hidden = 0;
-        for (_, node) in g.nodes() {
-            let Some(&out) = node.outputs.first() else {
-                continue;
-            };
-            if let Some((_, idx)) = crate::remat::block_of(g.name(out)) {
-                if layers.is_empty() && matches!(node.op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
-                {
-                    hidden = g.ty(node.inputs[0]).shape.last();
-                }
-                layers.insert(idx);
-            }
-        }
-        ModelShape {
-            params,
-            layers: layers.len(),
-            hidden,
-            seq: plan.settings.seq,
-        }
-    }
-
-    /// 6N + 6·L·C·T: training FLOPs per token by the llm.c convention (attention products
-    /// counted with the causal half).
-    pub fn flops_per_token_rule(&self) -> f64 {
-        6.0 * self.params as f64 + 6.0 * (self.layers * self.hidden * self.seq) as f64
-    }
+/// 6N + 6·L·C·T: training FLOPs per token by the llm.c convention (attention products
+/// counted with the causal half), from the model's shape as the front end recorded it.
+pub fn flops_per_token_rule(params: u64, shape: &ModelShape) -> f64 {
+    6.0 * params as f64 + 6.0 * (shape.layers * shape.width * shape.seq) as f64
 }
 
 /// The estimated cost of one training step.
@@ -310,7 +299,11 @@ pub struct StepCost {
     pub grad_accum: usize,
     /// Tokens per optimizer step (batch x seq x grad_accum).
     pub tokens: u64,
-    pub shape: ModelShape,
+    /// Parameters (N of the 6N + 6·L·C·T rule).
+    pub params: u64,
+    /// The model's shape, when the graph records it (not for hand-written IR without a
+    /// `model` line): the rule and MFU need it.
+    pub shape: Option<ModelShape>,
 }
 
 impl StepCost {
@@ -322,7 +315,8 @@ impl StepCost {
             optimizer_step: graph_cost(&plan.optimizer_step, gpu),
             grad_accum: s.grad_accum,
             tokens: (s.batch * s.seq * s.grad_accum) as u64,
-            shape: ModelShape::of_plan(plan),
+            params: param_count(plan),
+            shape: plan.micro_step.shape,
         }
     }
 
@@ -350,13 +344,20 @@ impl StepCost {
             / self.tokens.max(1) as f64
     }
 
+    /// 6N + 6·L·C·T per token, when the model's shape is known.
+    pub fn flops_per_token_rule(&self) -> Option<f64> {
+        self.shape
+            .as_ref()
+            .map(|s| flops_per_token_rule(self.params, s))
+    }
+
     /// Model FLOPs utilization: 6N + 6·L·C·T per token (no recompute) over the estimated step
-    /// time, as a fraction of the BF16 tensor-core peak.
-    pub fn mfu(&self) -> f64 {
+    /// time, as a fraction of the BF16 tensor-core peak; unknown without the model's shape or
+    /// a token count.
+    pub fn mfu(&self) -> Option<f64> {
         let secs = self.seconds();
-        if secs <= 0.0 {
-            return 0.0;
-        }
-        self.shape.flops_per_token_rule() * self.tokens as f64 / secs / self.gpu.low_precision_flops
+        let rule = self.flops_per_token_rule()?;
+        (secs > 0.0 && self.tokens > 0)
+            .then(|| rule * self.tokens as f64 / secs / self.gpu.low_precision_flops)
     }
 }

@@ -75,7 +75,7 @@ impl Pass for FoldCasts {
             }
         }
 
-        let mut out = Graph::new(g.name.clone());
+        let mut out = Graph::empty_like(g);
         let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
         let mut dead = 0;
         for (n, node) in g.nodes() {
@@ -97,9 +97,7 @@ impl Pass for FoldCasts {
                 .iter()
                 .map(|&v| (fresh(&out, g.name(v)), g.ty(v).clone()))
                 .collect();
-            let new = out.push_node(node.op.clone(), inputs, results)?;
-            out.set_note(new, node.note.clone());
-            out.set_acc(new, node.acc);
+            let new = out.push_copy(g, n, inputs, results)?;
             for (i, &v) in node.outputs.iter().enumerate() {
                 map[v.index()] = Some(out.node(new).outputs[i]);
             }

@@ -293,16 +293,20 @@ pub fn cuda_source(g: &Graph, users: &[Vec<Node>], members: &[Node], name: &str)
     }
     src.push_str("}\n\n");
 
+    // No `__restrict__`: the CUDA lowering updates state in place (an accumulated gradient is
+    // both an input and an output of its kernel), and restrict-qualified pointers that alias
+    // are undefined behaviour. Each thread reads an element before it writes it, so in-place
+    // use is otherwise safe.
     let mut args: Vec<String> = inputs
         .iter()
         .enumerate()
-        .map(|(k, &v)| format!("const {}* __restrict__ in{k}", cuda_type(g.ty(v).dtype)))
+        .map(|(k, &v)| format!("const {}* in{k}", cuda_type(g.ty(v).dtype)))
         .collect();
     args.extend(
         outputs
             .iter()
             .enumerate()
-            .map(|(o, &v)| format!("{}* __restrict__ out{o}", cuda_type(g.ty(v).dtype))),
+            .map(|(o, &v)| format!("{}* out{o}", cuda_type(g.ty(v).dtype))),
     );
     args.push("i64 n".into());
     let _ = writeln!(
@@ -408,7 +412,7 @@ pub fn fused_order(g: &Graph, groups: &[Vec<Node>]) -> Result<Graph, castor_ir::
             order.push(n);
         }
     }
-    let mut out = Graph::new(g.name.clone());
+    let mut out = Graph::empty_like(g);
     let mut map: HashMap<Value, Value> = HashMap::new();
     for n in order {
         let node = g.node(n);
@@ -432,8 +436,7 @@ pub fn fused_order(g: &Graph, groups: &[Vec<Node>]) -> Result<Graph, castor_ir::
             .iter()
             .map(|&v| (g.name(v).to_string(), g.ty(v).clone()))
             .collect();
-        let new = out.push_node(node.op.clone(), inputs, outputs)?;
-        out.set_acc(new, node.acc);
+        let new = out.push_copy(g, n, inputs, outputs)?;
         for (&old, &v) in node.outputs.iter().zip(&out.node(new).outputs.clone()) {
             map.insert(old, v);
         }

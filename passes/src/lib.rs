@@ -28,15 +28,17 @@ mod summary;
 mod training;
 
 pub use autocast::Autocast;
-pub use autodiff::{Autodiff, Seed};
+pub use autodiff::{grad_name, Autodiff, Seed};
 pub use classify::Classify;
 pub use error::PassError;
 pub use fold_casts::FoldCasts;
 pub use pass::{Pass, PassReport};
 pub use pipeline::{Pipeline, PipelineOutput};
-pub use policy::{NameRule, Policy, PolicyFileFormat, Precision, Rule, Target};
+// The policy families are defined beside the plan that records them.
+pub use castor_ir::Precision;
+pub use policy::{NameRule, Policy, PolicyFileFormat, Rule, Target};
 pub use summary::{explain, precision_summary, PrecisionSummary};
-pub use training::{build_training_plan, GRAD_NORM, LOSS_SCALE, LOSS_SCALE_COUNTERS, LR, STEP};
+pub use training::{build_training_plan, PlanBuild, PlanPass, TrainingOutput, TrainingPipeline};
 
 /// The passes `castor compile` runs, in order, for a policy.
 pub fn precision_pipeline(policy: Policy) -> Pipeline {

@@ -20,91 +20,11 @@
 //! ```
 
 use crate::PassError;
-use castor_ir::{BinaryOp, DType, Op, OpClass, ReduceOp, UnaryOp};
+use castor_ir::{BinaryOp, DType, Op, OpClass, Precision, ReduceOp, UnaryOp};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::fmt;
-use std::str::FromStr;
 use wildmatch::WildMatch;
-
-/// The policy families `--precision` chooses from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Precision {
-    /// Everything in F32.
-    Fp32,
-    /// F32 storage; contractions on TF32 tensor cores (operands rounded to TF32).
-    Tf32,
-    /// BF16 for contractions and what follows them; F32 range, so no loss scaling.
-    Bf16,
-    /// F16 for contractions and what lies between them; needs loss scaling in training.
-    Fp16,
-}
-
-impl Precision {
-    pub const ALL: [Precision; 4] = [
-        Precision::Fp32,
-        Precision::Tf32,
-        Precision::Bf16,
-        Precision::Fp16,
-    ];
-
-    /// The low-precision storage dtype, if the policy has one.
-    pub fn low(self) -> Option<DType> {
-        match self {
-            Precision::Bf16 => Some(DType::BF16),
-            Precision::Fp16 => Some(DType::F16),
-            Precision::Fp32 | Precision::Tf32 => None,
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::Fp32 => "fp32",
-            Precision::Tf32 => "tf32",
-            Precision::Bf16 => "bf16",
-            Precision::Fp16 => "fp16",
-        }
-    }
-}
-
-impl fmt::Display for Precision {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl Precision {
-    /// The spellings users write for each precision (case is ignored): the short names,
-    /// PyTorch's dtype names and `half`.
-    pub const ALIASES: [(&'static str, Precision); 9] = [
-        ("fp32", Precision::Fp32),
-        ("float32", Precision::Fp32),
-        ("tf32", Precision::Tf32),
-        ("bf16", Precision::Bf16),
-        ("bfloat16", Precision::Bf16),
-        ("fp16", Precision::Fp16),
-        ("float16", Precision::Fp16),
-        ("half", Precision::Fp16),
-        ("f16", Precision::Fp16),
-    ];
-}
-
-impl FromStr for Precision {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let lower = s.to_ascii_lowercase();
-        Precision::ALIASES
-            .iter()
-            .find(|(name, _)| *name == lower)
-            .map(|&(_, p)| p)
-            .ok_or_else(|| {
-                format!(
-                    "unknown precision `{s}` (expected fp32/float32, tf32, bf16/bfloat16 or \
-                     fp16/float16/half)"
-                )
-            })
-    }
-}
 
 /// What the table says about an op kind (TensorFlow's list names; TVM's in parentheses).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -431,6 +351,10 @@ fn table_ops() -> Vec<Op> {
         Op::LayerNorm { eps: 0.0 },
         Op::RmsNorm { eps: 0.0 },
         Op::Softmax { causal: false },
+        Op::Attention {
+            causal: false,
+            scale: 1.0,
+        },
         Op::Rope { theta: 0.0 },
         Op::Reshape { shape: vec![] },
         Op::Transpose { perm: vec![] },

@@ -59,15 +59,34 @@ type CuTotalMem = unsafe extern "C" fn(*mut usize, c_int) -> c_int;
 const CC_MAJOR: c_int = 75;
 const CC_MINOR: c_int = 76;
 
-/// The first CUDA device, or why there is none.
+/// The first CUDA device, or why there is none. The driver is asked once per process; the
+/// library stays loaded (the driver keeps state from `cuInit` that unloading would orphan),
+/// and later calls return the first answer.
 pub fn probe() -> Result<CudaDevice, NoCuda> {
-    let names = ["libcuda.so.1", "libcuda.so"];
-    // SAFETY: loading the driver library runs its initializers, which is what any CUDA
-    // program does; the symbols below are the driver API's documented C signatures.
-    let lib = names
-        .iter()
-        .find_map(|&n| unsafe { libloading::Library::new(n) }.ok())
-        .ok_or_else(|| NoCuda::NoDriver(names[0].into()))?;
+    static ANSWER: std::sync::OnceLock<Result<CudaDevice, NoCuda>> = std::sync::OnceLock::new();
+    ANSWER.get_or_init(ask_driver).clone()
+}
+
+/// The driver library, loaded once and never unloaded.
+fn driver_library() -> Option<&'static libloading::Library> {
+    static LIBRARY: std::sync::OnceLock<Option<libloading::Library>> = std::sync::OnceLock::new();
+    LIBRARY
+        .get_or_init(|| {
+            // SAFETY: loading the driver library runs its initializers, which is what any
+            // CUDA program does.
+            DRIVER_NAMES
+                .iter()
+                .find_map(|&n| unsafe { libloading::Library::new(n) }.ok())
+        })
+        .as_ref()
+}
+
+/// The names the driver library is looked for under.
+const DRIVER_NAMES: [&str; 2] = ["libcuda.so.1", "libcuda.so"];
+
+fn ask_driver() -> Result<CudaDevice, NoCuda> {
+    let names = DRIVER_NAMES;
+    let lib = driver_library().ok_or_else(|| NoCuda::NoDriver(names[0].into()))?;
     let missing = |name: &str| NoCuda::NoDriver(format!("{} (it lacks `{name}`)", names[0]));
     // SAFETY: each symbol is looked up with its documented driver-API signature.
     unsafe {

@@ -50,11 +50,25 @@ pub enum RuntimeError {
     /// compile, a device error), with what and where.
     #[error("{0}")]
     Cuda(String),
+    /// A lowered program failed on the host emulator (`--device emulate`): a lowering bug
+    /// the emulator's checks caught (an access out of bounds, a read of bytes nothing wrote,
+    /// an overlap a kernel does not allow), with the command and argument.
+    #[error("the CUDA program failed on the emulator: {0}")]
+    Emulated(String),
     /// The plan does not fit in the device's free memory (how much it needs and what to do).
     #[error("{0}")]
     OutOfMemory(String),
+    /// The training plan breaks its contract (a missing or renamed control entry).
+    #[error("{0}")]
+    Plan(String),
     /// A broken invariant of the executor or of the IR's tensors (a bug in castor), reported
     /// rather than panicking.
     #[error("node `%{node}`: internal error: {message}")]
     Internal { node: String, message: String },
+}
+
+impl From<castor_ir::PlanError> for RuntimeError {
+    fn from(e: castor_ir::PlanError) -> Self {
+        RuntimeError::Plan(e.to_string())
+    }
 }

@@ -14,4 +14,4 @@ mod error;
 mod plan;
 
 pub use error::RuntimeError;
-pub use plan::{PlanRunner, StepReport};
+pub use plan::{DeviceTime, PlanRunner, StepReport};

@@ -8,14 +8,11 @@
 
 use crate::cpu::CpuExecutor;
 use crate::RuntimeError;
-use castor_ir::{DType, LossScaling, StateInit, StateRole, Tensor, TensorType, TrainingPlan};
+use castor_ir::{
+    ControlState, DType, LossScaling, StateInit, StateRole, Tensor, TensorType, TrainingPlan,
+    GRAD_NORM, LEARNING_RATE,
+};
 use std::collections::HashMap;
-
-/// Names the plan builder gives the control state (see `castor_passes::training`).
-const LOSS_SCALE: &str = "loss_scale";
-const STEP: &str = "optimizer.step";
-const LR: &str = "lr";
-const GRAD_NORM: &str = "grad_norm";
 
 /// What one step did.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -30,6 +27,17 @@ pub struct StepReport {
     pub skipped: bool,
     /// Global L2 norm of the unscaled gradients (before clipping).
     pub grad_norm: f32,
+    /// Device time of the step's runs, when it was measured (`--profile` on a GPU).
+    pub device_time: Option<DeviceTime>,
+}
+
+/// How long a step's runs took on the device itself.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeviceTime {
+    /// Every micro step (forward and backward of each micro-batch), in milliseconds.
+    pub micro_steps_ms: f32,
+    /// The optimizer step (unscale, clip, update of masters and moments, working copies).
+    pub optimizer_step_ms: f32,
 }
 
 /// A plan with its state.
@@ -41,11 +49,12 @@ pub struct PlanRunner {
 
 impl PlanRunner {
     /// Initializes the state: masters from `checkpoint` (converted to F32), everything else
-    /// as the plan says.
+    /// as the plan says. The plan must keep its contract ([`TrainingPlan::check`]).
     pub fn new(
         plan: TrainingPlan,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
     ) -> Result<PlanRunner, RuntimeError> {
+        plan.check()?;
         let mut state = HashMap::new();
         for spec in &plan.state {
             let t = match &spec.init {
@@ -113,17 +122,18 @@ impl PlanRunner {
             .collect()
     }
 
-    /// A scalar state value (the loss scale, the step count).
-    pub fn scalar(&self, name: &str) -> Option<f32> {
+    /// The first value of a control entry (the loss scale, the step count).
+    pub fn control(&self, c: ControlState) -> Result<f32, RuntimeError> {
         self.state
-            .get(name)
+            .get(c.name())
             .and_then(|t| t.as_f32())
             .and_then(|v| v.first().copied())
+            .ok_or_else(|| RuntimeError::Plan(format!("the plan has no control entry `{c}`")))
     }
 
     /// Optimizer steps taken (skipped steps do not count).
-    pub fn steps_taken(&self) -> f32 {
-        self.scalar(STEP).unwrap_or(0.0)
+    pub fn steps_taken(&self) -> Result<f32, RuntimeError> {
+        self.control(ControlState::Step)
     }
 
     /// One training step over `micro_batches` (exactly `grad_accum` of them), with learning
@@ -143,7 +153,7 @@ impl PlanRunner {
                 ),
             });
         }
-        let loss_scale = self.scalar(LOSS_SCALE).unwrap_or(1.0);
+        let loss_scale = self.control(ControlState::LossScale)?;
         if accum > 1 {
             for spec in self
                 .plan
@@ -172,7 +182,7 @@ impl PlanRunner {
         let outputs = {
             let state = &self.state;
             let bind = |name: &str| {
-                if name == LR {
+                if name == LEARNING_RATE {
                     Some(&lr_tensor)
                 } else {
                     state.get(name)
@@ -197,9 +207,10 @@ impl PlanRunner {
         Ok(StepReport {
             loss: (loss_sum / accum as f64) as f32,
             loss_scale,
-            next_loss_scale: self.scalar(LOSS_SCALE).unwrap_or(1.0),
+            next_loss_scale: self.control(ControlState::LossScale)?,
             skipped: !grad_norm.is_finite(),
             grad_norm,
+            device_time: None,
         })
     }
 

@@ -1,6 +1,6 @@
 //! `castor compile`: run the precision passes and show what they decided.
 
-use crate::fit::{self, MemoryTarget, Planned};
+use crate::fit::{self, MemoryTarget};
 use crate::html::{self, Report};
 use crate::out::Stream;
 use crate::precision::PrecisionArgs;
@@ -9,7 +9,7 @@ use crate::training::TrainingArgs;
 use anyhow::Context;
 use castor_ir::{text, verify, Graph};
 use castor_models::Model;
-use castor_passes::{build_training_plan, explain, precision_summary};
+use castor_passes::{explain, precision_summary, TrainingPipeline};
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -54,7 +54,8 @@ pub struct Args {
     /// Explain the dtype decisions of the nodes whose names match GLOB (repeatable).
     #[arg(long, value_name = "GLOB", help_heading = "Output")]
     pub explain: Vec<String>,
-    /// Print the IR after the named pass (`input`, `classify`, `autocast`, `fold_casts`).
+    /// Print the IR after the named pass (`input`, `classify`, `autocast`, `fold_casts`; with
+    /// --train also `autodiff`, `accumulate`, `optimizer`, `remat`, `fusion`).
     #[arg(long, value_name = "PASS", help_heading = "Output")]
     pub dump_after: Option<String>,
     /// Run the IR verifier after every pass (always on in debug builds).
@@ -82,9 +83,20 @@ pub struct Args {
     pub gpu: Option<String>,
 }
 
-/// The graph to compile (the forward pass, or the loss for `--train`) of a model path or an IR
-/// file, a one-line description, the sequence length used, and the model (not for IR files).
-fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize, Option<Model>)> {
+/// What `compile` works on.
+struct Input {
+    /// The forward pass, or the loss for `--train`.
+    graph: Graph,
+    /// One line about where it came from.
+    what: String,
+    batch: usize,
+    seq: usize,
+    /// The model, when the input was not an IR file.
+    model: Option<Model>,
+}
+
+/// The graph to compile of a model path or an IR file.
+fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
     let (path, batch) = (args.model.as_path(), args.batch);
     if path.extension().is_some_and(|e| e == "ir") {
         let src = std::fs::read_to_string(path).map_err(|e| {
@@ -93,7 +105,18 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize,
         let g = text::parse(&src).with_context(|| format!("`{}`", path.display()))?;
         verify(&g).with_context(|| format!("`{}`", path.display()))?;
         let what = format!("IR file, {} nodes", g.num_nodes());
-        return Ok((g, what, args.seq.unwrap_or(0), None));
+        // An IR file's shapes are fixed: the model line, when there is one, says for what.
+        let (batch, seq) = match g.shape {
+            Some(s) => (s.batch, s.seq),
+            None => (batch, args.seq.unwrap_or(0)),
+        };
+        return Ok(Input {
+            graph: g,
+            what,
+            batch,
+            seq,
+            model: None,
+        });
     }
     let model = Model::load(path)?;
     crate::report::warn_unused(&model);
@@ -110,7 +133,13 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<(Graph, String, usize,
         model.family().model_type(),
         thousands(model.parameter_count())
     );
-    Ok((g, what, seq, Some(model)))
+    Ok(Input {
+        graph: g,
+        what,
+        batch,
+        seq,
+        model: Some(model),
+    })
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -140,13 +169,39 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Stream::Stdout
     };
     let gpu = fit::gpu_spec(args.gpu.as_deref())?;
-    let (graph, what, seq, model) = load_graph(&args, train)?;
-    let out = args.precision.compile(
+    let Input {
         graph,
-        model.as_ref(),
-        args.dump_after.as_deref(),
-        args.verify,
-    )?;
+        what,
+        batch,
+        seq,
+        model,
+    } = load_graph(&args, train)?;
+    // --dump-after names a precision pass or, for a training step, a training-build pass.
+    let training = TrainingPipeline::default();
+    let dump_training = args
+        .dump_after
+        .as_deref()
+        .filter(|n| train && training.pass_names().contains(n));
+    let dump_precision = args
+        .dump_after
+        .as_deref()
+        .filter(|_| dump_training.is_none());
+    let out = args
+        .precision
+        .compile(graph, model.as_ref(), dump_precision, args.verify)
+        .map_err(|e| match e.downcast_ref::<castor_passes::PassError>() {
+            Some(castor_passes::PassError::UnknownPass { name, available }) if train => {
+                castor_passes::PassError::UnknownPass {
+                    name: name.clone(),
+                    available: format!(
+                        "{available}; training: {}",
+                        training.pass_names().join(", ")
+                    ),
+                }
+                .into()
+            }
+            _ => e,
+        })?;
     let policy = args.precision.policy()?;
 
     toln!(say, "model       {} ({what})", args.model.display());
@@ -184,36 +239,47 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let objective = args.training.objective(model.as_ref())?;
         let mut settings =
             args.training
-                .settings(args.precision.precision, objective, args.batch, seq)?;
+                .settings(args.precision.precision, objective, batch, seq)?;
         if model.is_none() {
             // An IR file's loss is its first output, whatever --objective says.
             settings.objective = "first-output".into();
         }
-        let (plan, report) = build_training_plan(&out.graph, settings)?;
+        let mut pipeline = training.dump_after(dump_training)?;
+        if args.verify {
+            pipeline = pipeline.verify_each(true);
+        }
+        let built = pipeline.run(&out.graph, settings)?;
         toln!(say);
-        toln!(say, "pass        {:<11} {}", "training", report.summary);
+        for (pass, report) in &built.reports {
+            toln!(say, "pass        {pass:<11} {}", report.summary);
+        }
         toln!(
             say,
             "optimizer   {}",
-            crate::report::optimizer_text(&plan.settings)
+            crate::report::optimizer_text(&built.plan.settings)
         );
         toln!(
             say,
             "loss scale  {}",
-            crate::report::loss_scaling_text(&plan.settings)
+            crate::report::loss_scaling_text(&built.plan.settings)
         );
-        print_memory_and_cost(say, &plan, out.graph.num_nodes(), &gpu);
-        let this = Planned {
-            plan,
-            forward_nodes: out.graph.num_nodes(),
-        };
+        print_memory_and_cost(say, &built.plan, &gpu);
+        if let Some(dump) = &built.dump {
+            toln!(
+                say,
+                "\n# IR after {}",
+                args.dump_after.as_deref().unwrap_or("")
+            );
+            say.write(format_args!("{dump}"));
+        }
+        let plan = built.plan;
         let target = match &args.gpu {
             Some(_) => MemoryTarget::of_spec(&gpu, "--gpu"),
             None => MemoryTarget::this_gpu()
                 .or_else(|| MemoryTarget::of_spec(&gpu, "default target; --gpu names another")),
         };
         let verdict = target.map(|target| {
-            fit::verdict(&this, target, &gpu, &|settings| {
+            fit::verdict(&plan, target, &gpu, &|settings| {
                 replan(&args, model.as_ref(), &out.graph, &settings)
             })
         });
@@ -229,13 +295,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 &format!("Training step plan: {}", args.model.display()),
             );
             r.fact("model", &format!("{} ({what})", args.model.display()));
-            r.training_plan(&this.plan, this.forward_nodes, Some(&summary));
+            r.training_plan(&plan, Some(&summary));
             r.verdict = verdict.clone();
-            r.cost(&this.plan, &gpu);
+            r.cost(&plan, &gpu);
             r.write(None)?;
             toln!(say, "\nreport      {}", path.display());
         }
-        Some(this.plan)
+        Some(plan)
     } else {
         None
     };
@@ -276,7 +342,7 @@ fn replan(
     model: Option<&Model>,
     compiled: &Graph,
     settings: &castor_ir::TrainSettings,
-) -> anyhow::Result<Planned> {
+) -> anyhow::Result<castor_ir::TrainingPlan> {
     let graph = match model {
         Some(m) if settings.batch != args.batch => {
             let objective = settings
@@ -289,11 +355,9 @@ fn replan(
         None if settings.batch != args.batch => anyhow::bail!("an IR file has one batch size"),
         _ => compiled.clone(),
     };
-    let (plan, _) = build_training_plan(&graph, settings.clone())?;
-    Ok(Planned {
-        plan,
-        forward_nodes: graph.num_nodes(),
-    })
+    Ok(TrainingPipeline::default()
+        .run(&graph, settings.clone())?
+        .plan)
 }
 
 /// The remat decisions, the memory anatomy (persistent state by role, saved activations, the
@@ -301,12 +365,11 @@ fn replan(
 fn print_memory_and_cost(
     say: Stream,
     plan: &castor_ir::TrainingPlan,
-    forward_nodes: usize,
     gpu: &castor_passes::cost::GpuSpec,
 ) {
     use castor_passes::{cost::StepCost, memory::Anatomy, remat};
     let (names, cost) = remat::recomputed(&plan.micro_step, gpu);
-    let groups = remat::group_counts(&names);
+    let groups = remat::group_counts(&plan.micro_step, &names);
     toln!(
         say,
         "remat       {}: {} value(s) recomputed in the backward part, +{:.3} GFLOP",
@@ -318,7 +381,7 @@ fn print_memory_and_cost(
         toln!(say, "  recompute {group} x{count}");
     }
     toln!(say);
-    for line in crate::report::anatomy_lines(&Anatomy::of_plan(plan, forward_nodes)) {
+    for line in crate::report::anatomy_lines(&Anatomy::of_plan(plan)) {
         toln!(say, "{line}");
     }
     toln!(say);
@@ -351,7 +414,7 @@ fn cuda_line(plan: &castor_ir::TrainingPlan) -> String {
                 "cuda        {launches} kernel launches, {gemms} cuBLAS products, {other} copies/memsets \
                  per step; {} modules; arena {} at kernel granularity",
                 p.modules.len(),
-                castor_runtime::cuda::device::human_bytes(p.arena_bytes)
+                castor_ir::human_bytes(p.arena_bytes)
             )
         }
         Err(e) => format!("cuda        cannot run on the CUDA executor: {e}"),

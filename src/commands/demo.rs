@@ -60,7 +60,8 @@ pub struct Args {
     /// Tokens (bytes) per sequence.
     #[arg(long, default_value_t = 64)]
     pub seq: usize,
-    /// Where to train: `auto` (CUDA when a device is present, else the CPU), `cpu`, `cuda`.
+    /// Where to train: `auto` (CUDA when a device is present, else the CPU), `cpu`, `cuda`,
+    /// or `emulate` (the CUDA program on the host emulator: slow, no GPU needed).
     #[arg(long, value_enum, default_value_t = crate::commands::eval::Device::Auto)]
     pub device: crate::commands::eval::Device,
 }
@@ -149,7 +150,7 @@ fn print_report(c: &Compiled, params: u64) {
     outln!("remat       none (every activation is kept for the backward pass)");
     outln!("memory      planned peak of one step: persistent state by role, then the arena (bytes/param vs. the usual 18 of mixed-precision AdamW for the state)");
     let mut total = 0;
-    for row in anatomy(&c.plan, Some(c.loss_graph.num_nodes())) {
+    for row in anatomy(&c.plan) {
         total += row.bytes;
         outln!("              {}", memory_row(&row, params));
     }
@@ -217,6 +218,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         "device      {}",
         match &device {
             crate::device::Selected::Cuda(d) => format!("cuda ({d})"),
+            crate::device::Selected::Emulated => {
+                "emulate (the CUDA program on the host emulator)".to_string()
+            }
             crate::device::Selected::Cpu => format!("cpu ({})", crate::device::why_cpu()),
         }
     );
@@ -253,7 +257,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             label: c.precision.to_string(),
             // Every row, zeros too, so each row keeps its colour; the 16 bytes of step and
             // loss-scale state would not show.
-            segments: anatomy(&c.plan, Some(c.loss_graph.num_nodes()))
+            segments: anatomy(&c.plan)
                 .into_iter()
                 .filter(|r| r.what != castor_ir::StateRole::Control.describe())
                 .map(|r| (r.what, r.bytes))
@@ -308,10 +312,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let title = format!(
         "Training the embedded tiny GPT-2 on the project's docs ({}, {})",
         args.precision,
-        if runner.device() == "cpu" {
-            "CPU"
-        } else {
-            "CUDA"
+        match runner.device().split(' ').next() {
+            Some("cuda") => "CUDA",
+            Some("emulate") => "CUDA program on the emulator",
+            _ => "CPU",
         }
     );
     let mut report = Report::new(report_path.clone(), &title);
@@ -323,7 +327,6 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     report.fact("device", &on);
     report.training_plan(
         &trained.plan,
-        trained.loss_graph.num_nodes(),
         Some(&precision_summary(
             &trained.loss_graph,
             args.precision.low(),
@@ -331,15 +334,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     let gpu = castor_passes::cost::GpuSpec::default();
     report.verdict = crate::fit::MemoryTarget::host().map(|target| {
-        crate::fit::verdict(
-            &crate::fit::Planned {
-                plan: trained.plan.clone(),
-                forward_nodes: trained.loss_graph.num_nodes(),
-            },
-            target,
-            &gpu,
-            &|_| anyhow::bail!("the demo fits"),
-        )
+        crate::fit::verdict(&trained.plan, target, &gpu, &|_| {
+            anyhow::bail!("the demo fits")
+        })
     });
     report.cost(&trained.plan, &gpu);
     train_loop::catch_interrupts();

@@ -11,7 +11,7 @@ use castor_ir::{DType, Tensor};
 use castor_models::{write_safetensors, Model, Objective};
 use castor_passes::{Autodiff, Pass};
 use castor_runtime::cpu::CpuExecutor;
-use castor_runtime::cuda::CudaGraphRunner;
+use castor_runtime::cuda::{CudaGraphRunner, EmulatedGraphRunner};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -21,6 +21,9 @@ pub enum Device {
     Auto,
     Cpu,
     Cuda,
+    /// The CUDA program `cuda` would run, executed on the host by the program emulator:
+    /// slow, for checking a plan (and the executor) on a machine without a GPU.
+    Emulate,
 }
 
 #[derive(clap::Args)]
@@ -164,6 +167,15 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
             "cuda"
         }
+        Selected::Emulated => {
+            let mut runner = EmulatedGraphRunner::new(&graph, &|name| params.get(name).cloned())?;
+            for _ in 0..args.repeat.max(1) {
+                let start = Instant::now();
+                outputs = runner.run(&batch.tensors)?;
+                times.push(start.elapsed().as_secs_f64());
+            }
+            "the CUDA program on the emulator"
+        }
     };
     times.sort_by(f64::total_cmp);
     let median_ms = times[times.len() / 2] * 1e3;
@@ -279,12 +291,17 @@ fn gradients(
             };
             CpuExecutor::new().run(&train, &bind)?
         }
-        Selected::Cuda(_) => {
+        Selected::Cuda(_) | Selected::Emulated => {
             let mut inputs = batch.tensors.clone();
             if let Some(l) = &labels {
                 inputs.insert("labels".into(), l.clone());
             }
-            CudaGraphRunner::new(&train, &|name| params.get(name).cloned())?.run(&inputs)?
+            let bind = |name: &str| params.get(name).cloned();
+            if matches!(device, Selected::Emulated) {
+                EmulatedGraphRunner::new(&train, &bind)?.run(&inputs)?
+            } else {
+                CudaGraphRunner::new(&train, &bind)?.run(&inputs)?
+            }
         }
     };
     Ok(train

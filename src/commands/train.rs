@@ -7,7 +7,7 @@
 use crate::checkpoint::{self, CheckpointFiles};
 use crate::commands::eval::Device;
 use crate::data::{Data, DataOptions, DataOrder};
-use crate::fit::{self, MemoryTarget, Planned};
+use crate::fit::{self, MemoryTarget};
 use crate::given::Given;
 use crate::html::{self, Report};
 use crate::plot::{self, LossHistory};
@@ -103,6 +103,10 @@ pub struct Args {
     /// memory; on CUDA always the GPU's own.
     #[arg(long, value_name = "NAME|FILE", help_heading = "Device")]
     pub gpu: Option<String>,
+    /// Time each logged step's runs on the GPU (CUDA events around the micro steps and the
+    /// optimizer step), written to the JSON log as `micro_steps_ms` and `optimizer_step_ms`.
+    #[arg(long, help_heading = "Device")]
+    pub profile: bool,
     /// Write a checkpoint here at the end (a Hugging Face folder plus optimizer state).
     #[arg(long, value_name = "DIR", help_heading = "Outputs")]
     pub save: Option<PathBuf>,
@@ -247,6 +251,7 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         }
     };
     outln!("data        {}", data.describe());
+    outln!("{}", memory_line(&planned.plan));
     if args.eval_every.is_some() && !data.has_validation() {
         return Err(CliError::InvalidInput("--eval-every: no held-out data".into()).into());
     }
@@ -261,18 +266,15 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         },
     };
     let verdict = target.map(|target| {
-        let this = Planned {
-            plan: planned.plan.clone(),
-            forward_nodes: planned.forward_nodes,
-        };
+        let this = &planned.plan;
         if planned.summary.is_none() {
             // A plan from a file is not recompiled with other settings here.
-            fit::verdict(&this, target, &gpu, &|_| {
+            fit::verdict(this, target, &gpu, &|_| {
                 anyhow::bail!("plans from files are not recompiled")
             })
         } else {
-            fit::verdict(&this, target, &gpu, &|settings| {
-                compile_plan(&args.precision, &model, settings, false).map(Planned::from)
+            fit::verdict(this, target, &gpu, &|settings| {
+                compile_plan(&args.precision, &model, settings, false).map(|c| c.plan)
             })
         }
     });
@@ -295,6 +297,13 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         &device,
     )?;
     drop(params);
+    runner.set_timing(args.profile);
+    if let Some(bytes) = runner.allocated_bytes() {
+        outln!(
+            "memory      {} ({bytes} bytes) allocated on the device for the plan",
+            castor_ir::human_bytes(bytes)
+        );
+    }
     if let Some((state, trainer)) = resume {
         resume::check_settings(&trainer.settings, &settings, resume_dir.as_deref())?;
         if trainer.data_tokens != 0 && trainer.data_tokens != data.training_tokens() {
@@ -365,11 +374,7 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         );
         r.fact("data", &data.describe());
         r.fact("device", &runner.device());
-        r.training_plan(
-            &planned.plan,
-            planned.forward_nodes,
-            planned.summary.as_ref(),
-        );
+        r.training_plan(&planned.plan, planned.summary.as_ref());
         r.verdict = verdict.clone();
         r.cost(&planned.plan, &gpu);
         r
@@ -463,6 +468,19 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The plan's planned memory per step (from the plan alone, so a plan file reports it too).
+fn memory_line(plan: &TrainingPlan) -> String {
+    use castor_ir::human_bytes;
+    let a = castor_passes::memory::Anatomy::of_plan(plan);
+    format!(
+        "memory      {} planned per step: state {}, arena {} (saved activations {})",
+        human_bytes(a.total()),
+        human_bytes(a.persistent()),
+        human_bytes(a.memory.arena_bytes),
+        human_bytes(a.saved_activations)
+    )
+}
+
 /// The objective a plan was built for.
 fn plan_objective(plan: &TrainingPlan) -> anyhow::Result<castor_models::Objective> {
     Ok(plan.settings.objective.parse().map_err(|_| {
@@ -477,33 +495,16 @@ fn plan_objective(plan: &TrainingPlan) -> anyhow::Result<castor_models::Objectiv
 /// A training plan with what its report shows.
 pub struct CompiledPlan {
     pub plan: TrainingPlan,
-    /// Nodes of the compiled loss graph (the micro step's forward part).
-    pub forward_nodes: usize,
     /// What the precision passes decided (not known for a plan read from a file).
     pub summary: Option<castor_passes::PrecisionSummary>,
 }
 
 impl CompiledPlan {
-    /// A plan read from a file: its forward part ends at the node that makes the loss.
+    /// A plan read from a file.
     pub fn from_file(plan: TrainingPlan) -> CompiledPlan {
-        let g = &plan.micro_step;
-        let forward_nodes = g
-            .outputs()
-            .first()
-            .map_or(g.num_nodes(), |&loss| g.value(loss).producer.index() + 1);
         CompiledPlan {
             plan,
-            forward_nodes,
             summary: None,
-        }
-    }
-}
-
-impl From<CompiledPlan> for Planned {
-    fn from(c: CompiledPlan) -> Planned {
-        Planned {
-            plan: c.plan,
-            forward_nodes: c.forward_nodes,
         }
     }
 }
@@ -533,7 +534,6 @@ pub fn compile_plan(
     }
     Ok(CompiledPlan {
         plan,
-        forward_nodes: compiled.graph.num_nodes(),
         summary: Some(summary),
     })
 }

@@ -1,5 +1,7 @@
 use crate::builder::is_name_char;
-use crate::{Accum, Attr, DType, Graph, IrError, Location, Op, Shape, TensorType, Value};
+use crate::{
+    Accum, Attr, DType, Graph, IrError, Location, ModelShape, Op, Shape, TensorType, Value,
+};
 use std::collections::HashMap;
 
 /// Parses the text format. Names may be used before their definition line (the verifier then
@@ -23,6 +25,7 @@ pub fn parse(text: &str) -> Result<Graph, IrError> {
     c.end()?;
 
     let mut stmts = Vec::new();
+    let mut shape = None;
     let mut ret: Option<(usize, Vec<(String, Location)>)> = None;
     let mut closed = false;
     for (no, line) in lines.by_ref() {
@@ -38,7 +41,17 @@ pub fn parse(text: &str) -> Result<Graph, IrError> {
         if ret.is_some() {
             return Err(c.error("expected `}` after `return`"));
         }
-        if t.starts_with("return") && !t[6..].starts_with(|ch: char| is_name_char(ch)) {
+        if t.starts_with("model") && !t[5..].starts_with(|ch: char| is_name_char(ch)) {
+            if !stmts.is_empty() || shape.is_some() {
+                return Err(c.error("the `model` line comes once, before the first node"));
+            }
+            c.keyword("model")?;
+            c.skip_ws();
+            let loc = c.loc();
+            let attrs = c.attr_list()?;
+            c.end()?;
+            shape = Some(ModelShape::from_attrs(attrs).map_err(|m| err(loc.line, loc.column, &m))?);
+        } else if t.starts_with("return") && !t[6..].starts_with(|ch: char| is_name_char(ch)) {
             c.keyword("return")?;
             let mut outs = Vec::new();
             if !c.at_end() {
@@ -89,6 +102,7 @@ pub fn parse(text: &str) -> Result<Graph, IrError> {
     };
 
     let mut g = Graph::new(name);
+    g.shape = shape;
     for s in &stmts {
         let inputs = s
             .operands
@@ -106,6 +120,7 @@ pub fn parse(text: &str) -> Result<Graph, IrError> {
         g.set_location(node, s.loc);
         g.set_note(node, s.note.clone());
         g.set_acc(node, s.acc);
+        g.set_block(node, s.block);
     }
     let outputs = outs.iter().map(resolve).collect::<Result<Vec<_>, _>>()?;
     g.set_outputs(outputs);
@@ -116,6 +131,7 @@ struct Stmt {
     results: Vec<(String, Location, TensorType)>,
     op: Op,
     acc: Option<Accum>,
+    block: Option<u32>,
     operands: Vec<(String, Location)>,
     note: Option<String>,
     loc: Location,
@@ -148,20 +164,12 @@ fn statement(c: &mut Cursor) -> Result<Stmt, IrError> {
             c.punct(',')?;
         }
     }
-    let mut attrs = Vec::new();
-    if c.eat('{') && !c.eat('}') {
-        loop {
-            let key = c.word("an attribute name")?;
-            c.punct('=')?;
-            let value = c.attr()?;
-            attrs.push((key, value));
-            if c.eat('}') {
-                break;
-            }
-            c.punct(',')?;
-        }
-    }
-    // `acc` belongs to the node, not to the op.
+    let mut attrs = if c.peek() == Some('{') {
+        c.attr_list()?
+    } else {
+        Vec::new()
+    };
+    // `acc` and `block` belong to the node, not to the op.
     let acc = match attrs.iter().position(|(k, _)| k == "acc") {
         Some(i) => match attrs.remove(i).1 {
             Attr::Ident(a) => Some(
@@ -173,6 +181,25 @@ fn statement(c: &mut Cursor) -> Result<Stmt, IrError> {
                     op_loc.line,
                     op_loc.column,
                     &format!("bad accumulation `{other}`"),
+                ))
+            }
+        },
+        None => None,
+    };
+    let block = match attrs.iter().position(|(k, _)| k == "block") {
+        Some(i) => match attrs.remove(i).1 {
+            Attr::Int(b) => Some(u32::try_from(b).map_err(|_| {
+                err(
+                    op_loc.line,
+                    op_loc.column,
+                    &format!("bad block index {b}: expected 0 to {}", u32::MAX),
+                )
+            })?),
+            other => {
+                return Err(err(
+                    op_loc.line,
+                    op_loc.column,
+                    &format!("bad block index `{other}`: expected a number"),
                 ))
             }
         },
@@ -199,6 +226,7 @@ fn statement(c: &mut Cursor) -> Result<Stmt, IrError> {
         results,
         op,
         acc,
+        block,
         operands,
         note,
         loc,
@@ -408,6 +436,25 @@ impl Cursor {
         } else {
             format!("`{s}`")
         }
+    }
+
+    /// `{key=value, ...}`.
+    fn attr_list(&mut self) -> Result<Vec<(String, Attr)>, IrError> {
+        self.punct('{')?;
+        let mut attrs = Vec::new();
+        if !self.eat('}') {
+            loop {
+                let key = self.word("an attribute name")?;
+                self.punct('=')?;
+                let value = self.attr()?;
+                attrs.push((key, value));
+                if self.eat('}') {
+                    break;
+                }
+                self.punct(',')?;
+            }
+        }
+        Ok(attrs)
     }
 
     fn attr(&mut self) -> Result<Attr, IrError> {

@@ -1,10 +1,13 @@
-use crate::{Graph, NodeData};
+use crate::{Attr, Graph, NodeData};
 use std::fmt::Write;
 
 /// Prints a graph in the text format.
 pub fn print(g: &Graph) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "graph {} {{", g.name);
+    if let Some(shape) = &g.shape {
+        let _ = writeln!(out, "  model {{{}}}", attr_list(&shape.attrs()));
+    }
     for (_, node) in g.nodes() {
         let _ = writeln!(out, "  {}", node_line(g, node));
     }
@@ -34,20 +37,24 @@ pub(crate) fn node_line(g: &Graph, node: &NodeData) -> String {
             .collect();
         let _ = write!(line, "({})", operands.join(", "));
     }
-    let mut attrs: Vec<String> = node
-        .op
-        .attrs()
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect();
+    let mut attrs = node.op.attrs();
     if let Some(acc) = node.acc {
-        attrs.push(format!("acc={acc}"));
+        attrs.push(("acc", Attr::Ident(acc.to_string())));
+    }
+    if let Some(block) = node.block {
+        attrs.push(("block", Attr::Int(i64::from(block))));
     }
     if !attrs.is_empty() {
-        let _ = write!(line, " {{{}}}", attrs.join(", "));
+        let _ = write!(line, " {{{}}}", attr_list(&attrs));
     }
     if let Some(note) = &node.note {
         let _ = write!(line, "  # {}", note.replace('\n', " "));
     }
     line
+}
+
+/// `key=value, key=value`.
+fn attr_list(attrs: &[(&str, Attr)]) -> String {
+    let items: Vec<String> = attrs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    items.join(", ")
 }

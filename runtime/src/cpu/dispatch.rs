@@ -4,8 +4,8 @@
 
 use super::operand::{Args, Storage};
 use super::{
-    cast, elementwise, embedding, layout, loss, matmul, norm, optimizer, pool, reduce, rope,
-    softmax,
+    attention, cast, elementwise, embedding, layout, loss, matmul, norm, optimizer, pool, reduce,
+    rope, softmax,
 };
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
@@ -184,6 +184,36 @@ pub fn execute(
             };
             softmax::softmax(&mut x, out.shape.dims(), *causal, mask);
             float(args, x)?
+        }
+        Op::Attention { causal, scale } => {
+            let ops = attention_operands(args, acc, &[0, 1, 2])?;
+            let mask = args.len() > 3;
+            let problem = attention_problem(args, acc, mask.then_some(3), *causal, *scale)?;
+            let (o, lse) = attention::attention(&ops[0], &ops[1], &ops[2], &problem);
+            return [o, lse]
+                .into_iter()
+                .zip(outs)
+                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+                .collect();
+        }
+        Op::AttentionGrad { causal, scale } => {
+            let ops = attention_operands(args, acc, &[0, 1, 2, 5])?;
+            let mask = args.len() > 6;
+            let problem = attention_problem(args, acc, mask.then_some(6), *causal, *scale)?;
+            let (dq, dk, dv) = attention::attention_grad(
+                &ops[0],
+                &ops[1],
+                &ops[2],
+                args.f32(3)?,
+                args.f32(4)?,
+                &ops[3],
+                &problem,
+            );
+            return [dq, dk, dv]
+                .into_iter()
+                .zip(outs)
+                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+                .collect();
         }
         Op::Rope { theta } => {
             let mut x = args.take_f32(0)?;
@@ -373,6 +403,54 @@ fn updated(
         .zip(outs)
         .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
         .collect()
+}
+
+/// The float operands `which` of an attention op, rounded to TF32 for a TF32 contraction (as
+/// tensor cores read them).
+fn attention_operands(
+    args: &Args,
+    acc: Option<Accum>,
+    which: &[usize],
+) -> Result<Vec<Vec<f32>>, RuntimeError> {
+    which
+        .iter()
+        .map(|&i| {
+            let x = args.f32(i)?;
+            Ok(if acc == Some(Accum::Tf32) {
+                to_tf32(x)
+            } else {
+                x.to_vec()
+            })
+        })
+        .collect()
+}
+
+/// An attention op's shapes, mask (operand `mask`) and rounding.
+fn attention_problem<'a>(
+    args: &'a Args,
+    acc: Option<Accum>,
+    mask: Option<usize>,
+    causal: bool,
+    scale: f64,
+) -> Result<attention::Problem<'a>, RuntimeError> {
+    let mask = match mask {
+        Some(i) => Some((args.values::<bool>(i)?, args.shape(i)?)),
+        None => None,
+    };
+    let operand = if acc == Some(Accum::Tf32) {
+        attention::Operand::Tf32
+    } else {
+        attention::Operand::Dtype(args.tensor(0)?.dtype())
+    };
+    Ok(attention::Problem {
+        q: args.shape(0)?,
+        k: args.shape(1)?,
+        v: args.shape(2)?,
+        mask,
+        causal,
+        scale,
+        operand,
+    })
 }
 
 fn to_tf32(x: &[f32]) -> Vec<f32> {

@@ -11,23 +11,24 @@
 //! records for it (round-to-nearest-even, `castor_ir::round_to`), exactly where a GPU would
 //! store it. Kernels live in one module per op family and parallelize with rayon.
 
-mod cast;
+pub(crate) mod attention;
+pub(crate) mod cast;
 mod dispatch;
 pub(crate) mod elementwise;
-mod embedding;
-mod layout;
-mod loss;
+pub(crate) mod embedding;
+pub(crate) mod layout;
+pub(crate) mod loss;
 pub(crate) mod math;
-mod matmul;
-mod norm;
+pub(crate) mod matmul;
+pub(crate) mod norm;
 mod operand;
 pub(crate) mod optimizer;
 mod par;
 mod pool;
-mod reduce;
+pub(crate) mod reduce;
 pub(crate) mod rope;
 mod simd;
-mod softmax;
+pub(crate) mod softmax;
 mod strides;
 
 use crate::RuntimeError;

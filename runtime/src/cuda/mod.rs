@@ -12,8 +12,13 @@ pub mod emulate;
 pub mod lower;
 pub mod program;
 pub mod runner;
+pub mod target;
 
-pub use runner::{CudaGraphRunner, CudaPlanRunner};
+pub use runner::{
+    CudaGraphRunner, CudaPlanRunner, EmulatedGraphRunner, EmulatedPlanRunner, LoweredGraphRunner,
+    LoweredPlanRunner,
+};
+pub use target::{Gpu, Target};
 
 /// Device buffers and arena offsets are 256-byte aligned, as cudaMalloc's.
 pub fn align(bytes: u64) -> u64 {

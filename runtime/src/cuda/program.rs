@@ -209,12 +209,33 @@ pub enum Command {
     },
 }
 
-/// A CUDA C module to compile with NVRTC: a file of `kernels/` or a generated kernel.
-#[derive(Clone, Debug, PartialEq)]
+/// A CUDA C module to compile with NVRTC: a file of `kernels/` or the generated kernels.
+#[derive(Clone, Debug, PartialEq, Default)]
 pub struct Module {
     /// The name the PTX cache files it under (the file name, or the generated kernel's).
     pub name: String,
     pub source: String,
+    /// The generated kernels it defines (empty for a file of `kernels/`, whose entry points
+    /// `castor_kernels::FILES` lists).
+    pub generated: Vec<GeneratedKernel>,
+}
+
+/// A generated pointwise kernel, `entry(const T* in0, .., T* out0, .., i64 n)`: each output
+/// holds `n` elements, each input what [`InputExtent`] says. The emulator checks launches
+/// against this (the C signature gives the dtypes, not how much a broadcast operand holds).
+#[derive(Clone, Debug, PartialEq)]
+pub struct GeneratedKernel {
+    pub entry: String,
+    pub inputs: Vec<InputExtent>,
+}
+
+/// The elements a generated kernel's input holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InputExtent {
+    /// As many as the output (`n`, the launch's last argument).
+    Full,
+    /// A fixed count (a broadcast operand; 1 for a scalar).
+    Elements(u64),
 }
 
 /// A graph output the host can read back.
@@ -401,10 +422,8 @@ impl Program {
             self.workspace_bytes
         );
         for (i, m) in self.modules.iter().enumerate() {
-            let entries = castor_kernels::file(&m.name).map_or_else(
-                || m.source.matches("extern \"C\"").count(),
-                |f| f.entry_points.len(),
-            );
+            let entries =
+                castor_kernels::file(&m.name).map_or(m.generated.len(), |f| f.entry_points.len());
             let _ = writeln!(s, "module {i} {} ({entries} entry points)", m.name);
         }
         for (i, sl) in self.slots.iter().enumerate() {

@@ -1,18 +1,24 @@
-//! Training plans and single graphs on the CUDA executor.
+//! Training plans and single graphs on a lowered program's [`Target`]: the GPU, or the host
+//! emulator that runs the same program.
 //!
-//! [`CudaPlanRunner`] keeps a plan's whole state on the device: masters, working copies,
+//! [`LoweredPlanRunner`] keeps a plan's whole state on the target: masters, working copies,
 //! gradients, moments, the step count and the loss scale never leave it during training. A
-//! step copies the micro-batches in, replays the captured runs, and records each micro-step's
-//! loss into a device log; nothing is read back until [`CudaPlanRunner::report`] (the logging
-//! cadence), so steps queue on the device without host synchronization.
-//! [`CudaGraphRunner`] runs one graph (a forward pass, a single op in the GPU tests).
+//! step uploads the micro-batches (asynchronously, through pinned staging on the GPU), replays
+//! the captured runs, and records each micro-step's loss into a device log; nothing is read
+//! back until [`LoweredPlanRunner::report`] (the logging cadence), so steps queue on the
+//! device without host synchronization. [`LoweredGraphRunner`] runs one graph (a forward
+//! pass, a gradient graph, a single op in the GPU tests). [`CudaPlanRunner`] and
+//! [`EmulatedPlanRunner`] (and the graph runners) name the two targets.
 
-use super::device::{CudaError, Device, Loaded};
+use super::device::CudaError;
+use super::emulate::Emulator;
 use super::lower::{self, LowerError, MICRO_STEP, OPTIMIZER_STEP, ZERO_GRADS};
 use super::program::{ErrorFlag, Place, Program, SlotKind};
-use crate::{RuntimeError, StepReport};
+use super::target::{Gpu, Target};
+use crate::{DeviceTime, RuntimeError, StepReport};
 use castor_ir::{
-    DType, Graph, LossScaling, StateInit, StateRole, Tensor, TensorData, TensorType, TrainingPlan,
+    ControlState, DType, Graph, LossScaling, StateInit, StateRole, Tensor, TensorData, TensorType,
+    TrainingPlan, GRAD_NORM, LEARNING_RATE,
 };
 use std::collections::HashMap;
 
@@ -34,37 +40,58 @@ impl From<CudaError> for RuntimeError {
     }
 }
 
-/// Names the plan builder gives the control state (see `castor_passes::training`).
-const LOSS_SCALE: &str = "loss_scale";
-const STEP: &str = "optimizer.step";
-const LR: &str = "lr";
-const GRAD_NORM: &str = "grad_norm";
 /// The device log of micro-step losses (one F32 per micro-batch of the last step).
 const LOSS_LOG: &str = "report.losses";
 /// The loss scale the last step's backward used.
 const USED_SCALE: &str = "report.loss_scale";
 
 /// A training plan with its state on a CUDA device.
-pub struct CudaPlanRunner {
+pub type CudaPlanRunner = LoweredPlanRunner<Gpu>;
+/// A training plan's CUDA program run by the host emulator (`--device emulate`).
+pub type EmulatedPlanRunner = LoweredPlanRunner<Emulator>;
+/// One graph on a CUDA device.
+pub type CudaGraphRunner = LoweredGraphRunner<Gpu>;
+/// One graph's CUDA program run by the host emulator.
+pub type EmulatedGraphRunner = LoweredGraphRunner<Emulator>;
+
+/// A training plan with its state on a target.
+pub struct LoweredPlanRunner<T: Target> {
     plan: TrainingPlan,
     program: Program,
-    loaded: Loaded,
-    device: Device,
+    target: T,
     zero_grads: Option<usize>,
     micro: usize,
     optimizer: usize,
     steps_queued: u64,
+    /// Time each step's runs on the device (see [`Self::set_timing`]).
+    timing: bool,
 }
 
-impl CudaPlanRunner {
+/// The timing marks of a step: before the micro steps, after them, after the optimizer step.
+const MARK_START: usize = 0;
+const MARK_MICRO: usize = 1;
+const MARK_OPTIMIZER: usize = 2;
+
+impl<T: Target> LoweredPlanRunner<T> {
     /// Lowers `plan`, checks that it fits in free device memory, compiles its kernels (PTX
     /// cache), uploads the state (masters from `checkpoint`, the rest as the plan says) and
     /// derives the working copies on the device.
     pub fn new(
         plan: TrainingPlan,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
-    ) -> Result<CudaPlanRunner, RuntimeError> {
-        let mut program = lower::lower_plan(&plan)?;
+    ) -> Result<Self, RuntimeError> {
+        plan.check()?;
+        let program = lower::lower_plan(&plan)?;
+        Self::with_program(plan, program, checkpoint)
+    }
+
+    /// As [`Self::new`], with `program` already lowered from `plan` (tests run programs
+    /// they have altered on purpose).
+    pub fn with_program(
+        plan: TrainingPlan,
+        mut program: Program,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+    ) -> Result<Self, RuntimeError> {
         let accum = plan.settings.grad_accum.max(1) as u64;
         program.slots.push(super::program::Slot {
             name: LOSS_LOG.into(),
@@ -76,22 +103,21 @@ impl CudaPlanRunner {
             bytes: 4,
             kind: SlotKind::Internal,
         });
-        let device = Device::open()?;
-        let loaded = device.load(&program)?;
+        let target = T::load(&program)?;
         let run = |name: &str| {
             program
                 .run(name)
                 .ok_or_else(|| RuntimeError::Cuda(format!("the lowered plan has no `{name}` run")))
         };
-        let mut runner = CudaPlanRunner {
+        let mut runner = LoweredPlanRunner {
             zero_grads: program.run(ZERO_GRADS),
             micro: run(MICRO_STEP)?,
             optimizer: run(OPTIMIZER_STEP)?,
             plan,
             program,
-            loaded,
-            device,
+            target,
             steps_queued: 0,
+            timing: false,
         };
         let state = initial_state(&runner.plan, checkpoint)?;
         runner.upload(state)?;
@@ -102,9 +128,20 @@ impl CudaPlanRunner {
         &self.plan
     }
 
-    /// The device's name.
-    pub fn device_name(&self) -> &str {
-        self.device.name()
+    /// The machine it runs on, for people.
+    pub fn device_name(&self) -> String {
+        self.target.describe()
+    }
+
+    /// Device memory the plan's program holds (arena, state, inputs, tables, workspace).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.target.allocated_bytes()
+    }
+
+    /// Times every step's runs on the device (events around the micro steps and the
+    /// optimizer step; on the GPU only), reported in [`StepReport::device_time`].
+    pub fn set_timing(&mut self, on: bool) {
+        self.timing = on;
     }
 
     /// The lowered program (for `--emit`-style inspection and the tests).
@@ -114,10 +151,9 @@ impl CudaPlanRunner {
 
     fn upload(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
         for (slot, bytes) in state_bytes(&self.program, entries)? {
-            self.loaded.write_slot(slot, &bytes)?;
+            self.target.write_slot(slot, &bytes)?;
         }
-        self.loaded.run_prologue()?;
-        Ok(())
+        self.target.run_prologue()
     }
 
     /// Replaces state entries (resuming), then re-derives the working copies.
@@ -143,18 +179,13 @@ impl CudaPlanRunner {
             .program
             .slot(name)
             .ok_or_else(|| RuntimeError::Cuda(format!("no device slot for `{name}`")))?;
-        let bytes = self.loaded.read_slot(slot)?;
+        let bytes = self.target.read_slot(slot)?;
         from_bytes(ty, &bytes)
     }
 
     fn scalar(&self, name: &str) -> Result<f32, RuntimeError> {
-        match self.program.slot(name) {
-            Some(slot) => {
-                let b = self.loaded.read_slot(slot)?;
-                Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            }
-            None => Ok(1.0),
-        }
+        let b = self.target.read_slot(self.slot(name)?)?;
+        Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
     /// Queues one training step: the micro-batches' inputs are copied in, the runs replayed.
@@ -175,10 +206,11 @@ impl CudaPlanRunner {
             });
         }
         let log = self.slot_place(LOSS_LOG)?;
-        if let (Some(scale), Ok(used)) =
-            (self.program.slot(LOSS_SCALE), self.slot_place(USED_SCALE))
-        {
-            self.loaded.copy(
+        if let (Some(scale), Ok(used)) = (
+            self.program.slot(ControlState::LossScale.name()),
+            self.slot_place(USED_SCALE),
+        ) {
+            self.target.copy(
                 used,
                 Place::Slot {
                     slot: scale,
@@ -187,8 +219,11 @@ impl CudaPlanRunner {
                 4,
             )?;
         }
+        if self.timing {
+            self.target.mark(MARK_START)?;
+        }
         if let Some(z) = self.zero_grads {
-            self.loaded.run(z)?;
+            self.target.run(z)?;
         }
         let loss_place = self.program.runs[self.micro]
             .outputs
@@ -197,14 +232,20 @@ impl CudaPlanRunner {
             .ok_or_else(|| RuntimeError::Cuda("the micro step has no loss output".into()))?;
         for (i, batch) in micro_batches.iter().enumerate() {
             self.write_inputs(self.micro, batch)?;
-            self.loaded.run(self.micro)?;
-            self.loaded.copy(log.plus(4 * i as u64), loss_place, 4)?;
+            self.target.run(self.micro)?;
+            self.target.copy(log.plus(4 * i as u64), loss_place, 4)?;
         }
         let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
         let mut inputs = HashMap::new();
-        inputs.insert(LR.to_string(), lr_tensor);
+        inputs.insert(LEARNING_RATE.to_string(), lr_tensor);
+        if self.timing {
+            self.target.mark(MARK_MICRO)?;
+        }
         self.write_inputs(self.optimizer, &inputs)?;
-        self.loaded.run(self.optimizer)?;
+        self.target.run(self.optimizer)?;
+        if self.timing {
+            self.target.mark(MARK_OPTIMIZER)?;
+        }
         self.steps_queued += 1;
         Ok(())
     }
@@ -213,14 +254,14 @@ impl CudaPlanRunner {
     /// the gradient norm, and checks the kernels' error flags (an out-of-range token id or
     /// label since the last report).
     pub fn report(&self) -> Result<StepReport, RuntimeError> {
-        self.loaded.synchronize()?;
+        self.target.synchronize()?;
         for run in &self.program.runs {
             for f in &run.error_flags {
                 self.check_flag(f)?;
             }
         }
         let accum = self.plan.settings.grad_accum.max(1);
-        let log = self.loaded.read_slot(self.slot(LOSS_LOG)?)?;
+        let log = self.target.read_slot(self.slot(LOSS_LOG)?)?;
         let losses: Vec<f32> = log
             .chunks_exact(4)
             .take(accum)
@@ -232,12 +273,27 @@ impl CudaPlanRunner {
             LossScaling::None => 1.0,
             _ => self.scalar(USED_SCALE)?,
         };
+        let device_time = if self.timing {
+            match (
+                self.target.elapsed_ms(MARK_START, MARK_MICRO)?,
+                self.target.elapsed_ms(MARK_MICRO, MARK_OPTIMIZER)?,
+            ) {
+                (Some(micro_steps_ms), Some(optimizer_step_ms)) => Some(DeviceTime {
+                    micro_steps_ms,
+                    optimizer_step_ms,
+                }),
+                _ => None,
+            }
+        } else {
+            None
+        };
         Ok(StepReport {
             loss: loss as f32,
             loss_scale,
-            next_loss_scale: self.scalar(LOSS_SCALE)?,
+            next_loss_scale: self.scalar(ControlState::LossScale.name())?,
             skipped: !grad_norm.is_finite(),
             grad_norm,
+            device_time,
         })
     }
 
@@ -266,8 +322,8 @@ impl CudaPlanRunner {
         let mut sum = 0.0;
         for batch in batches {
             self.write_inputs(self.micro, batch)?;
-            self.loaded.run(self.micro)?;
-            let b = self.loaded.read(loss, 4)?;
+            self.target.run(self.micro)?;
+            let b = self.target.read(loss, 4)?;
             sum += f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]]));
         }
         for f in &self.program.runs[self.micro].error_flags {
@@ -278,7 +334,7 @@ impl CudaPlanRunner {
 
     /// Optimizer steps taken (skipped steps do not count).
     pub fn steps_taken(&self) -> Result<f32, RuntimeError> {
-        self.scalar(STEP)
+        self.scalar(ControlState::Step.name())
     }
 
     /// The minimum loss scale of a dynamic plan.
@@ -310,7 +366,7 @@ impl CudaPlanRunner {
             .ok_or_else(|| {
                 RuntimeError::Cuda(format!("the optimizer step has no `{name}` output"))
             })?;
-        let b = self.loaded.read(o.place, 4)?;
+        let b = self.target.read(o.place, 4)?;
         Ok(f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
     }
 
@@ -319,23 +375,23 @@ impl CudaPlanRunner {
         run: usize,
         batch: &HashMap<String, Tensor>,
     ) -> Result<(), RuntimeError> {
-        write_inputs(&self.program, &self.loaded, run, batch)
+        write_inputs(&self.program, &mut self.target, run, batch)
     }
 
     fn check_flag(&self, f: &ErrorFlag) -> Result<(), RuntimeError> {
-        check_flag(&self.loaded, f)
+        check_flag(&self.target, f)
     }
 }
 
-/// Copies the tensors a run's input slots name into them.
-fn write_inputs(
+/// Uploads the tensors a run's input slots name into them.
+fn write_inputs<T: Target>(
     program: &Program,
-    loaded: &Loaded,
+    target: &mut T,
     run: usize,
     batch: &HashMap<String, Tensor>,
 ) -> Result<(), RuntimeError> {
     for (slot, bytes) in input_bytes(program, run, batch)? {
-        loaded.write_slot(slot, &bytes)?;
+        target.write_input(slot, &bytes)?;
     }
     Ok(())
 }
@@ -491,13 +547,13 @@ fn run_reads_slot(program: &Program, run: usize, slot: usize) -> bool {
 }
 
 /// An error flag lowered by a kernel: the first bad position, with the index there.
-fn check_flag(loaded: &Loaded, f: &ErrorFlag) -> Result<(), RuntimeError> {
-    let b = loaded.read(f.place, 4)?;
+fn check_flag<T: Target>(target: &T, f: &ErrorFlag) -> Result<(), RuntimeError> {
+    let b = target.read(f.place, 4)?;
     let pos = i32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     if pos == i32::MAX || pos < 0 {
         return Ok(());
     }
-    let idx = loaded.read(f.indices.plus(8 * pos as u64), 8)?;
+    let idx = target.read(f.indices.plus(8 * pos as u64), 8)?;
     let index = i64::from_le_bytes([
         idx[0], idx[1], idx[2], idx[3], idx[4], idx[5], idx[6], idx[7],
     ]);
@@ -510,22 +566,20 @@ fn check_flag(loaded: &Loaded, f: &ErrorFlag) -> Result<(), RuntimeError> {
     })
 }
 
-/// One graph on the CUDA executor: bound tensors uploaded once, inputs per run.
-pub struct CudaGraphRunner {
+/// One graph on a target: bound tensors uploaded once, inputs per run.
+pub struct LoweredGraphRunner<T: Target> {
     program: Program,
-    loaded: Loaded,
-    _device: Device,
+    target: T,
 }
 
-impl CudaGraphRunner {
+impl<T: Target> LoweredGraphRunner<T> {
     /// Lowers `graph` and uploads its params and state (`bindings` by name).
     pub fn new(
         graph: &Graph,
         bindings: &dyn Fn(&str) -> Option<Tensor>,
-    ) -> Result<CudaGraphRunner, RuntimeError> {
+    ) -> Result<Self, RuntimeError> {
         let program = lower::lower_graph(graph)?;
-        let device = Device::open()?;
-        let mut loaded = device.load(&program)?;
+        let mut target = T::load(&program)?;
         for (slot, s) in program.slots.iter().enumerate() {
             let SlotKind::Bound(ty) = &s.kind else {
                 continue;
@@ -545,30 +599,31 @@ impl CudaGraphRunner {
                     found: t.ty().clone(),
                 });
             }
-            loaded.write_slot(slot, &to_bytes(&t))?;
+            target.write_slot(slot, &to_bytes(&t))?;
         }
-        loaded.run_prologue()?;
-        Ok(CudaGraphRunner {
-            program,
-            loaded,
-            _device: device,
-        })
+        target.run_prologue()?;
+        Ok(LoweredGraphRunner { program, target })
+    }
+
+    /// The machine it runs on, for people.
+    pub fn device_name(&self) -> String {
+        self.target.describe()
     }
 
     /// Runs the graph on `inputs` and reads every output back.
     pub fn run(&mut self, inputs: &HashMap<String, Tensor>) -> Result<Vec<Tensor>, RuntimeError> {
-        write_inputs(&self.program, &self.loaded, 0, inputs)?;
-        self.loaded.run(0)?;
-        self.loaded.synchronize()?;
+        write_inputs(&self.program, &mut self.target, 0, inputs)?;
+        self.target.run(0)?;
+        self.target.synchronize()?;
         let run = &self.program.runs[0];
         for f in &run.error_flags {
-            check_flag(&self.loaded, f)?;
+            check_flag(&self.target, f)?;
         }
         run.outputs
             .iter()
             .map(|o| {
                 let bytes = o.ty.size_bytes().unwrap_or(0) as u64;
-                from_bytes(&o.ty, &self.loaded.read(o.place, bytes)?)
+                from_bytes(&o.ty, &self.target.read(o.place, bytes)?)
             })
             .collect()
     }

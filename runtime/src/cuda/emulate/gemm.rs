@@ -1,14 +1,17 @@
-//! The cuBLAS product: a naive column-major batched GEMM with cuBLAS's argument checks.
+//! The cuBLAS product, with cuBLAS's argument checks, computed by the CPU executor's own matrix
+//! product on the same operands, so that an emulated plan's products are the CPU executor's
+//! bit for bit. (The device's cuBLAS sums in its own order: on a GPU, products agree with the
+//! CPU executor to F32 rounding, not bit for bit.)
 
 use super::memory::{check_uses, use_, Io, Mem, Ptr};
 use super::R;
+use crate::cpu::matmul::{matmul, Operand};
 use crate::cuda::program::{Gemm, GemmCompute};
 use castor_ir::{round_tf32, DType};
 
-/// `C[i] = op(A[i]) · op(B[i])` in column-major terms: F32 accumulation by fused
-/// multiply-adds in `k` order (cuBLAS's SGEMM accumulates with FFMA; the CPU executor's `gemm`
-/// crate with FMA in the same order, so small products match it bit for bit), operands
-/// rounded to TF32 under [`GemmCompute::Tf32`], the result rounded to `c_dtype` (beta = 0).
+/// `C[i] = op(A[i]) · op(B[i])` in column-major terms: the CPU executor's product of the
+/// operands (rounded to TF32 first under [`GemmCompute::Tf32`], as the CPU executor rounds
+/// them), the result rounded to `c_dtype` (beta = 0).
 pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
     let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
     if g.a_dtype != g.b_dtype || !float(g.a_dtype) || !float(g.c_dtype) {
@@ -96,38 +99,59 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
         Ok(if tf32 { round_tf32(v) } else { v })
     };
     let (mu, nu, ku) = (mm as usize, nn as usize, kk as usize);
-    for b in 0..batch {
-        let (ao, bo, co) = (b * g.stride_a, b * g.stride_b, b * g.stride_c);
-        // op(A) row-major [m][k], op(B) column-major [n][k].
-        let mut opa = vec![0f32; mu * ku];
-        for i in 0..mm {
-            for p in 0..kk {
-                let at = if g.transa {
-                    p + i * g.lda
-                } else {
-                    i + p * g.lda
-                };
-                opa[i as usize * ku + p as usize] = load(m, pa, ao + at, g.a_dtype)?;
+    // In the CPU executor's row-major terms, C (column-major m x n) is C' = L R, row-major
+    // n x m, with L = op(B)^T (n x k) and R = op(A)^T (k x m): the IR's own operands, which
+    // the lowering passed as B and A. Each is gathered into the layout the IR stores it in:
+    // L as [n, k], or [k, n] read transposed; R as [k, m], or [m, k] read transposed.
+    let gather = |p: Ptr, at: i64, rows: usize, cols: usize, ld: i64, d: DType| -> R<Vec<f32>> {
+        let mut out = Vec::with_capacity(rows * cols);
+        for r in 0..rows {
+            for c in 0..cols {
+                out.push(load(m, p, at + r as i64 * ld + c as i64, d)?);
             }
         }
-        let mut opb = vec![0f32; nu * ku];
-        for j in 0..nn {
-            for p in 0..kk {
-                let at = if g.transb {
-                    j + p * g.ldb
-                } else {
-                    p + j * g.ldb
-                };
-                opb[j as usize * ku + p as usize] = load(m, pb, bo + at, g.b_dtype)?;
-            }
-        }
+        Ok(out)
+    };
+    // A right operand shared by every batch entry with contiguous left operands is one taller
+    // product, as the CPU executor folds it (the same sums either way; folded, the product
+    // shapes, and so `gemm`'s kernels, are the CPU executor's).
+    let fold = batch > 1 && g.stride_a == 0 && !g.transb && g.ldb == kk && g.stride_b == nn * kk;
+    let (entries, rows) = if fold {
+        (1, nu * batch as usize)
+    } else {
+        (batch, nu)
+    };
+    let mut out = Vec::with_capacity((batch as usize) * nu * mu);
+    for b in 0..entries {
+        let (ao, bo) = (b * g.stride_a, b * g.stride_b);
+        let (l_data, l_shape) = if g.transb {
+            (gather(pb, bo, ku, rows, g.ldb, g.b_dtype)?, [ku, rows])
+        } else {
+            (gather(pb, bo, rows, ku, g.ldb, g.b_dtype)?, [rows, ku])
+        };
+        let (r_data, r_shape) = if g.transa {
+            (gather(pa, ao, mu, ku, g.lda, g.a_dtype)?, [mu, ku])
+        } else {
+            (gather(pa, ao, ku, mu, g.lda, g.a_dtype)?, [ku, mu])
+        };
+        let l = Operand {
+            data: &l_data,
+            shape: &l_shape,
+            transpose: g.transb,
+        };
+        let r = Operand {
+            data: &r_data,
+            shape: &r_shape,
+            transpose: g.transa,
+        };
+        out.extend(matmul(&l, &r, &[rows, mu]));
+    }
+    for b in 0..batch as usize {
+        let co = b as i64 * g.stride_c;
         for j in 0..nu {
             for i in 0..mu {
-                let mut s = 0f32;
-                for p in 0..ku {
-                    s = opa[i * ku + p].mul_add(opb[j * ku + p], s);
-                }
-                m.set_f(pc, co + i as i64 + j as i64 * g.ldc, g.c_dtype, s)?;
+                let v = out[(b * nu + j) * mu + i];
+                m.set_f(pc, co + i as i64 + j as i64 * g.ldc, g.c_dtype, v)?;
             }
         }
     }

@@ -135,6 +135,15 @@ impl Mem {
         Ok(&mut self.bufs[p.buf][r])
     }
 
+    /// Records that a command wrote `bytes` bytes at `p` (poison mode).
+    pub(super) fn mark_written(&mut self, p: Ptr, bytes: u64) {
+        if let (0, Some(written)) = (p.buf, &mut self.written) {
+            let start = p.off as usize;
+            let end = (start + bytes as usize).min(written.len());
+            written[start.min(end)..end].fill(true);
+        }
+    }
+
     /// Poison mode: the arena filled with `0xFF` and marked unwritten.
     pub(super) fn poison(&mut self) {
         self.bufs[0].fill(0xff);
@@ -156,29 +165,11 @@ impl Mem {
     pub(super) fn i64_at(&self, p: Ptr, i: i64) -> R<i64> {
         Ok(i64::from_le_bytes(self.get(p, i)?))
     }
-    pub(super) fn set_i64(&mut self, p: Ptr, i: i64, v: i64) -> R<()> {
-        self.put(p, i, v.to_le_bytes())
-    }
     pub(super) fn i32_at(&self, p: Ptr, i: i64) -> R<i32> {
         Ok(i32::from_le_bytes(self.get(p, i)?))
     }
-    pub(super) fn set_i32(&mut self, p: Ptr, i: i64, v: i32) -> R<()> {
-        self.put(p, i, v.to_le_bytes())
-    }
-    pub(super) fn f64_at(&self, p: Ptr, i: i64) -> R<f64> {
-        Ok(f64::from_le_bytes(self.get(p, i)?))
-    }
-    pub(super) fn set_f64(&mut self, p: Ptr, i: i64, v: f64) -> R<()> {
-        self.put(p, i, v.to_le_bytes())
-    }
     pub(super) fn u64_at(&self, p: Ptr, i: i64) -> R<u64> {
         Ok(u64::from_le_bytes(self.get(p, i)?))
-    }
-    pub(super) fn f32_at(&self, p: Ptr, i: i64) -> R<f32> {
-        Ok(f32::from_le_bytes(self.get(p, i)?))
-    }
-    pub(super) fn set_f32(&mut self, p: Ptr, i: i64, v: f32) -> R<()> {
-        self.put(p, i, v.to_le_bytes())
     }
 
     /// Element `i` of a float buffer of dtype `dt`, widened to F32.
@@ -200,62 +191,6 @@ impl Mem {
             other => Err(format!("a float store to a {} buffer", other.name())),
         }
     }
-
-    /// `n` elements from element `start` of a float buffer, widened to F32.
-    pub(super) fn fv(&self, p: Ptr, start: i64, n: usize, dt: DType) -> R<Vec<f32>> {
-        let size = dt.size_bytes();
-        let b = self.bytes(p, start * size as i64, (n * size) as u64)?;
-        Ok(match dt {
-            DType::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            DType::F16 => b
-                .chunks_exact(2)
-                .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
-            DType::BF16 => b
-                .chunks_exact(2)
-                .map(|c| bf16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
-                .collect(),
-            other => return Err(format!("a float load from a {} buffer", other.name())),
-        })
-    }
-
-    /// Stores `v` from element `start`, each value rounded to `dt`.
-    pub(super) fn set_fv(&mut self, p: Ptr, start: i64, dt: DType, v: &[f32]) -> R<()> {
-        let size = dt.size_bytes();
-        let b = self.bytes_mut(p, start * size as i64, (v.len() * size) as u64)?;
-        match dt {
-            DType::F32 => {
-                for (c, x) in b.chunks_exact_mut(4).zip(v) {
-                    c.copy_from_slice(&x.to_le_bytes());
-                }
-            }
-            DType::F16 => {
-                for (c, &x) in b.chunks_exact_mut(2).zip(v) {
-                    c.copy_from_slice(&f16::from_f32(x).to_bits().to_le_bytes());
-                }
-            }
-            DType::BF16 => {
-                for (c, &x) in b.chunks_exact_mut(2).zip(v) {
-                    c.copy_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
-                }
-            }
-            other => return Err(format!("a float store to a {} buffer", other.name())),
-        }
-        Ok(())
-    }
-
-    /// The kernel's `report_bad`: an `atomicMin` of the position into the flag.
-    pub(super) fn report_bad(&mut self, bad: Option<Ptr>, position: i64) -> R<()> {
-        let Some(b) = bad else { return Ok(()) };
-        let pos = position.min(0x7fff_ffff) as i32;
-        if pos < self.i32_at(b, 0)? {
-            self.set_i32(b, 0, pos)?;
-        }
-        Ok(())
-    }
 }
 
 /// How a launch or command uses a buffer.
@@ -266,13 +201,16 @@ pub(super) enum Io {
     Rw,
 }
 
-/// A buffer a command touches: `bytes` bytes from `p`, elements of `elem` bytes.
+/// A buffer a command touches: `bytes` bytes from `p`, elements of `elem` bytes, reached by
+/// a kernel through the pointer `at` (`p` itself, or before it when the kernel indexes from a
+/// base, as a strided copy does).
 pub(super) struct Use {
-    what: String,
-    p: Ptr,
-    bytes: u64,
-    elem: usize,
-    io: Io,
+    pub(super) what: String,
+    pub(super) p: Ptr,
+    pub(super) bytes: u64,
+    pub(super) elem: usize,
+    pub(super) io: Io,
+    pub(super) at: Ptr,
 }
 
 pub(super) fn use_(
@@ -288,6 +226,7 @@ pub(super) fn use_(
         bytes,
         elem,
         io,
+        at: p,
     })
 }
 

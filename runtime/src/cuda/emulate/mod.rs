@@ -19,47 +19,41 @@
 //! `(b + 1) << 48 | o`, and the interpreter resolves them back, so a table that holds a wrong
 //! place fails here.
 //!
-//! Kernels: each `kernels/*.cu` entry point is implemented from its header comment (argument
-//! order and meaning, rounding points), with the CPU executor's arithmetic where the header
-//! names it the kernel's twin (`cpu::math`'s `exp` and F64 sums, the optimizer and loss-scale
-//! functions, the RoPE table): so, where the lowering is right, results are bit-identical to
-//! the CPU executor's except for reduction orders the executors do not share (cuBLAS products
-//! here are naive column-major loops accumulating fused multiply-adds in `k` order, which is
-//! the CPU `gemm` crate's order for most small products). Where a kernel's own arithmetic
-//! differs from its twin only in summation order or in CUDA's `expf` (the online log-sum-exp
-//! of cross-entropy, block trees), the twin's is used; each header documents that as a
-//! sub-ulp difference, and it is not what this checks.
-//!
-//! Generated pointwise kernels (modules that are not `kernels/` files; the lowering puts them
-//! all in one module) are emulated from their CUDA source, found by the launch's entry point:
-//! the `<entry>_body` function's lines `const float tJ = round_to<T>(EXPR);` (an
-//! expression language of `xK`, `tJ`, `+ - * /`, `Functor::f(..)`, `Functor::df(..)` and
-//! `__int_as_float(0x..)` literals), its `*rO = tJ;` results, the entry point's parameter
-//! dtypes and the scalar loop's input index expressions (`i`, `0`, or sums of
-//! `((i / S) % D) * T`). The functors are evaluated with the CPU executor's pointwise
-//! functions (`cpu::elementwise`), so a fused kernel gives exactly what its members give
-//! unfused on the CPU. Parsing the source rather than keeping the IR checks what the device
-//! would actually run.
+//! Kernels: every launch runs the real kernel, hand-written and generated alike, from the
+//! host build of its module's source (`castor_kernels::host`: the CUDA C compiled as C++ for
+//! the CPU, a block's threads run as fibers). Before it runs, the launch is checked against
+//! its kernel's contract (`contracts`: the argument types and meanings, the launch shape and
+//! the bytes behind each pointer, from the kernel file's header comment, or, for a generated
+//! kernel, from the module's record of it), and the kernel runs on copies of exactly those
+//! bytes (`launch`), so a kernel that reads or writes outside its contract is caught too. The
+//! arguments are checked against the kernel's C signature. The F32 functions the kernels call
+//! whose CUDA versions are not correctly rounded (`expf`, `erff`) are the CPU executor's, so a
+//! kernel computes what its CPU twin computes where its header says it does; what still
+//! differs from the CPU executor is what the headers document (summation orders of block
+//! reductions, cross-entropy's online log-sum-exp) and cuBLAS's products (`gemm`).
 //!
 //! Modules: this one holds [`Emulator`], its public API and the dispatch of commands and
 //! launches (launch-shape checks, kernel files against generated modules); `memory` the
 //! buffers, fake addresses, bounds checks, poison tracking and typed loads and stores; `args`
-//! a launch's typed arguments; `kernels` the hand-written `kernels/*.cu` entry points, one
-//! submodule per kernel file; `pointwise` the generated-kernel parser and evaluator; `gemm`
-//! the cuBLAS product.
+//! a launch's typed arguments; `contracts` what each entry point may touch, one submodule per
+//! kernel file; `launch` the run of a kernel on copies of its buffers; `gemm` the cuBLAS
+//! product.
 
 mod args;
+mod contracts;
 mod gemm;
-mod kernels;
+#[cfg(test)]
+mod kernel_tests;
+mod launch;
 mod memory;
-mod pointwise;
+
+pub use castor_kernels::host::Order;
 
 use super::program::{Command, Launch, Place, Program, SlotKind};
+use castor_kernels::host::{HostMath, HostModule};
 use gemm::gemm;
-use kernels::builtin;
 use memory::{check_uses, use_, Io, Mem, Ptr};
-use pointwise::Fused;
-use std::collections::HashMap;
+use std::sync::Arc;
 
 type R<T> = Result<T, String>;
 
@@ -68,9 +62,24 @@ pub struct Emulator {
     program: Program,
     mem: Mem,
     poison: bool,
-    /// Parsed generated kernels, by module and entry point.
-    fused: HashMap<(usize, String), Fused>,
+    order: Order,
+    /// The host build of each module, once a launch needed it.
+    modules: Vec<Option<Arc<HostModule>>>,
 }
+
+/// The F32 functions the host build takes from the CPU executor (see `castor_host.h`).
+extern "C" fn cpu_expf(x: f32) -> f32 {
+    crate::cpu::math::exp(x)
+}
+
+extern "C" fn cpu_erff(x: f32) -> f32 {
+    libm::erff(x)
+}
+
+const MATH: HostMath = HostMath {
+    expf: cpu_expf,
+    erff: cpu_erff,
+};
 
 impl Emulator {
     /// Memory for `program`: the arena and the slots zeroed, constant slots filled, tables
@@ -105,8 +114,15 @@ impl Emulator {
             program: program.clone(),
             mem,
             poison: false,
-            fused: HashMap::new(),
+            order: Order::Forward,
+            modules: vec![None; program.modules.len()],
         }
+    }
+
+    /// The order the kernels start their blocks and threads in (forward by default). A
+    /// kernel whose results depend on it has a race (a missing barrier, say).
+    pub fn set_order(&mut self, order: Order) {
+        self.order = order;
     }
 
     /// The program being run.
@@ -175,8 +191,14 @@ impl Emulator {
             self.mem.poison();
         }
         for (i, c) in self.program.prologue.iter().enumerate() {
-            exec(&self.program, &mut self.mem, &mut self.fused, c)
-                .map_err(|e| format!("prologue command {i} ({}): {e}", describe(c)))?;
+            exec(
+                &self.program,
+                &mut self.mem,
+                &mut self.modules,
+                self.order,
+                c,
+            )
+            .map_err(|e| format!("prologue command {i} ({}): {e}", describe(c)))?;
         }
         Ok(())
     }
@@ -192,8 +214,14 @@ impl Emulator {
             self.mem.poison();
         }
         for (i, c) in r.commands.iter().enumerate() {
-            exec(&self.program, &mut self.mem, &mut self.fused, c)
-                .map_err(|e| format!("run `{}` command {i} ({}): {e}", r.name, describe(c)))?;
+            exec(
+                &self.program,
+                &mut self.mem,
+                &mut self.modules,
+                self.order,
+                c,
+            )
+            .map_err(|e| format!("run `{}` command {i} ({}): {e}", r.name, describe(c)))?;
         }
         Ok(())
     }
@@ -234,11 +262,12 @@ fn describe(c: &Command) -> String {
 fn exec(
     program: &Program,
     mem: &mut Mem,
-    fused: &mut HashMap<(usize, String), Fused>,
+    modules: &mut [Option<Arc<HostModule>>],
+    order: Order,
     c: &Command,
 ) -> R<()> {
     match c {
-        Command::Launch(l) => launch(program, mem, fused, l),
+        Command::Launch(l) => launch(program, mem, modules, order, l),
         Command::Gemm(g) => gemm(mem, g),
         Command::Copy { dst, src, bytes } => {
             let (d, s) = (mem.place(*dst), mem.place(*src));
@@ -271,7 +300,8 @@ fn copy(mem: &mut Mem, d: Ptr, s: Ptr, bytes: u64) -> R<()> {
 fn launch(
     program: &Program,
     mem: &mut Mem,
-    fused: &mut HashMap<(usize, String), Fused>,
+    modules: &mut [Option<Arc<HostModule>>],
+    order: Order,
     l: &Launch,
 ) -> R<()> {
     let (gx, gy, gz) = l.grid;
@@ -288,9 +318,9 @@ fn launch(
     if u64::from(bx) * u64::from(by) * u64::from(bz) > 1024 || bz > 64 {
         return Err(format!("block {:?} exceeds CUDA's limits", l.block));
     }
-    if l.shared_bytes > 48 * 1024 {
+    if l.shared_bytes > 0 {
         return Err(format!(
-            "{} bytes of dynamic shared memory (48 KiB without an opt-in)",
+            "{} bytes of dynamic shared memory: no castor kernel declares any",
             l.shared_bytes
         ));
     }
@@ -298,7 +328,8 @@ fn launch(
         .modules
         .get(l.module)
         .ok_or_else(|| format!("module {} does not exist", l.module))?;
-    match castor_kernels::file(&module.name) {
+    let file = castor_kernels::file(&module.name);
+    let entries: Vec<&str> = match file {
         Some(file) => {
             if !file.entry_points.contains(&l.entry.as_str()) {
                 return Err(format!(
@@ -312,21 +343,39 @@ fn launch(
                     module.name, file.name
                 ));
             }
-            builtin(mem, l)
+            file.entry_points.to_vec()
         }
+        None => module.generated.iter().map(|k| k.entry.as_str()).collect(),
+    };
+    let host = match &modules[l.module] {
+        Some(h) => h.clone(),
         None => {
-            let key = (l.module, l.entry.clone());
-            if !fused.contains_key(&key) {
-                let f = Fused::parse(&module.source, &l.entry)
-                    .map_err(|e| format!("generated module {}: {e}", module.name))?;
-                fused.insert(key.clone(), f);
-            }
-            let f = fused
-                .get(&key)
-                .ok_or_else(|| "the parsed kernel is missing".to_string())?;
-            f.run(mem, l)
+            let h = castor_kernels::host::module(&module.name, &module.source, &entries, MATH)
+                .map_err(|e| format!("the host build of module {}: {e}", module.name))?;
+            modules[l.module] = Some(h.clone());
+            h
         }
-    }
+    };
+    let entry = host
+        .entry(&l.entry)
+        .ok_or_else(|| format!("`{}` is not an entry point of {}", l.entry, module.name))?;
+    let uses = match file {
+        Some(_) => contracts::builtin(mem, l)?,
+        None => {
+            let kernel = module
+                .generated
+                .iter()
+                .find(|k| k.entry == l.entry)
+                .ok_or_else(|| {
+                    format!(
+                        "module {} has no generated kernel `{}`",
+                        module.name, l.entry
+                    )
+                })?;
+            contracts::generated(mem, l, kernel, entry)?
+        }
+    };
+    launch::run(mem, program, l, entry, &uses, order)
 }
 
 #[cfg(test)]
@@ -415,6 +464,7 @@ mod tests {
         p.modules.push(Module {
             name: file.name.into(),
             source: file.source.into(),
+            ..Module::default()
         });
         let mut emu = Emulator::new(&p);
         emu.run(0).unwrap();

@@ -20,8 +20,8 @@ mod gemm;
 mod ops;
 
 use super::program::{
-    Arg, Command, ErrorFlag, Field, Launch, Module, Output, Place, Program, Run, Slot, SlotKind,
-    Table,
+    Arg, Command, ErrorFlag, Field, GeneratedKernel, InputExtent, Launch, Module, Output, Place,
+    Program, Run, Slot, SlotKind, Table,
 };
 use castor_ir::{DType, Graph, Node, Op, StateRole, TensorType, TrainingPlan, Value};
 use castor_passes::fusion;
@@ -162,6 +162,7 @@ impl Lowerer {
         self.program.modules.push(Module {
             name: name.into(),
             source: source.into(),
+            generated: Vec::new(),
         });
         let i = self.program.modules.len() - 1;
         self.modules.insert(name.into(), i);
@@ -172,7 +173,7 @@ impl Lowerer {
     /// program goes into one module (one NVRTC compile), and a kernel whose code equals an
     /// earlier one's (the same group in every layer) is not added again: its launches use
     /// the earlier entry point.
-    fn generated(&mut self, name: &str, source: &str) -> (usize, String) {
+    fn generated(&mut self, name: &str, source: &str, inputs: Vec<InputExtent>) -> (usize, String) {
         // The code without comments (which name the members) and with the kernel's name
         // replaced is what makes two kernels the same.
         let key: String = source
@@ -192,6 +193,10 @@ impl Lowerer {
         let m = &mut self.program.modules[module];
         m.source.push_str(source);
         m.source.push('\n');
+        m.generated.push(GeneratedKernel {
+            entry: name.to_string(),
+            inputs,
+        });
         self.generated.insert(key, name.to_string());
         (module, name.to_string())
     }
@@ -700,7 +705,15 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         let root = g.node(last).outputs[0];
         let n = g.ty(root).shape.numel().unwrap_or(0);
         let source = fusion::cuda_source(g, &self.users, members, name);
-        let (module, entry) = self.l.generated(name, &source);
+        // The same code is the same shapes for broadcast operands; full-size ones follow `n`.
+        let extents = inputs
+            .iter()
+            .map(|&v| match g.ty(v).shape.numel().unwrap_or(0) {
+                k if k == n => InputExtent::Full,
+                k => InputExtent::Elements(k as u64),
+            })
+            .collect();
+        let (module, entry) = self.l.generated(name, &source, extents);
         let mut args = Vec::new();
         for &v in &inputs {
             args.push(Arg::Ptr(self.at(v)?));

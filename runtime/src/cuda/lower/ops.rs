@@ -29,6 +29,12 @@ impl RunLowering<'_, '_> {
         let numel = |v: Value| g.ty(v).shape.numel().unwrap_or(0);
         match &node.op {
             Op::Input | Op::Param | Op::State | Op::ParamCopy { .. } => {}
+            Op::Attention { .. } | Op::AttentionGrad { .. } => {
+                return Err(self.err(
+                    y,
+                    "fused attention has no CUDA kernel yet (the model front ends do not emit it)",
+                ));
+            }
             Op::Reshape { .. }
             | Op::Transpose { .. }
             | Op::Slice { .. }
@@ -100,7 +106,7 @@ impl RunLowering<'_, '_> {
                     y,
                     &format!("softmax_bwd_{}", io(dt(y), dt(yv))),
                     grid_rows(rows),
-                    (ROW_BLOCK, 1, 1),
+                    (row_threads(n, ROW_BLOCK), 1, 1),
                     vec![
                         Arg::Ptr(yp),
                         Arg::Ptr(dyp),
@@ -676,7 +682,7 @@ impl RunLowering<'_, '_> {
             y,
             &format!("softmax_fwd_{}", io(g.ty(x).dtype, g.ty(y).dtype)),
             grid_rows(rows),
-            (if tk > 2048 { 512 } else { 128 }, 1, 1),
+            (if tk > 2048 { 512 } else { row_threads(tk, 128) }, 1, 1),
             vec![
                 Arg::Ptr(xp),
                 Arg::Ptr(out),
@@ -728,7 +734,8 @@ impl RunLowering<'_, '_> {
         }
         let mut src = self.at(x)?;
         let (outer, inner) = match runs.as_slice() {
-            [] | [(_, false)] => (g.ty(y).shape.numel().unwrap_or(0), 1),
+            // Nothing summed (axes of size 1): every element is its own column, 32 to a block.
+            [] | [(_, false)] => (1, g.ty(y).shape.numel().unwrap_or(0)),
             [(_, true)] => (1, 1),
             [(_, true), (i, false)] => (1, *i),
             [(o, false), (_, true)] => (*o, 1),
@@ -872,7 +879,7 @@ impl RunLowering<'_, '_> {
             y,
             "cross_entropy_finalize",
             (1, 1, 1),
-            (ROW_BLOCK, 1, 1),
+            (row_threads(rows, ROW_BLOCK), 1, 1),
             vec![
                 Arg::Ptr(row_loss),
                 Arg::Ptr(lab),
@@ -980,14 +987,15 @@ impl RunLowering<'_, '_> {
             y,
             "embedding_bwd_scan",
             (1, 1, 1),
-            (1024, 1, 1),
+            (row_threads(vocab, 1024), 1, 1),
             vec![Arg::Ptr(counts), Arg::I64(vocab as i64), Arg::Ptr(starts)],
         )?;
         self.launch(
             y,
             "embedding_bwd_fill",
             (vocab.div_ceil(256).max(1) as u32, 1, 1),
-            (1024, 1, 1),
+            // One warp per 32 positions (each warp scans a slice of them), up to 32 warps.
+            (row_threads(n, 1024), 1, 1),
             vec![
                 Arg::Ptr(ip),
                 Arg::I64(n as i64),
@@ -1064,7 +1072,7 @@ impl RunLowering<'_, '_> {
             y,
             "grad_norm_finalize",
             (1, 1, 1),
-            (1024, 1, 1),
+            (row_threads(n_chunks, 1024), 1, 1),
             vec![
                 Arg::Ptr(partials),
                 Arg::I32(n_chunks as i32),
@@ -1240,12 +1248,19 @@ fn chunk_rows(chunks: &mut Vec<Vec<Field>>, t: usize, numel: usize) {
     }
 }
 
+/// Threads for a block that works through `len` elements with block reductions: one per
+/// element in whole warps, at most `most`. A row shorter than `most` gets a smaller block:
+/// threads past its end would only join the reductions (their barriers and shuffles).
+fn row_threads(len: usize, most: u32) -> u32 {
+    (len.div_ceil(32) * 32).clamp(32, most as usize) as u32
+}
+
 /// Threads per row block of the cross-entropy kernels (512 for large vocabularies).
 fn ce_block(v: usize) -> u32 {
     if v >= 16_384 {
         512
     } else {
-        ROW_BLOCK
+        row_threads(v, ROW_BLOCK)
     }
 }
 
@@ -1254,6 +1269,6 @@ fn norm_block(h: usize) -> u32 {
     if h > 8192 {
         1024
     } else {
-        ROW_BLOCK
+        row_threads(h, ROW_BLOCK)
     }
 }

@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""Everything castor checks and measures on a GPU, in two runs that each end well inside ten
+minutes (the GPU machine has CUDA 13 and PyTorch but no Rust: build with bench/gpu/pack.sh
+first, then run from the repository root):
+
+    python3 bench/gpu/check.py OUT --part tests    # device layer, kernels, training steps
+                                                   # (CUDA graphs on and off), sanitizers,
+                                                   # demo, a training run with save/resume
+    python3 bench/gpu/check.py OUT --part bench    # castor vs PyTorch (bench/gpu/bench.py)
+    python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
+
+Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
+NVRTC 13.0.x (refusing an NVRTC newer than the driver, whose PTX the driver cannot load), sets
+LD_LIBRARY_PATH and CASTOR_NVRTC_DIR for what follows, and prints what it found. Every step
+runs with CASTOR_REQUIRE_GPU=1, so nothing skips silently. Logs are written to a temporary
+folder and packed into OUT/logs-<part>.tar.gz, beside a short OUT/summary-<part>.txt; the exit
+status is non-zero when any step failed, ran out of time or could not start.
+"""
+
+import argparse
+import ctypes
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACK = ROOT / "gpu-pack"
+
+
+class PreflightError(Exception):
+    pass
+
+
+def site_dirs():
+    """Python package folders where pip puts NVIDIA's wheels (nvidia/cu13/...)."""
+    import site
+
+    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
+    return [Path(d) for d in dirs if d and Path(d).is_dir()]
+
+
+def find_library(name, extra_dirs):
+    """The first folder holding `name`: LD_LIBRARY_PATH, the extra folders, then ldconfig."""
+    dirs = [d for d in os.environ.get("LD_LIBRARY_PATH", "").split(":") if d] + extra_dirs
+    for d in dirs:
+        if (Path(d) / name).exists():
+            return Path(d)
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True).stdout
+    except OSError:
+        out = ""
+    for line in out.splitlines():
+        if line.strip().startswith(name + " ") and "=>" in line:
+            return Path(line.split("=>")[1].strip()).parent
+    return None
+
+
+def cuda_dirs():
+    """CUDA toolkit and pip-wheel library folders, most specific first."""
+    roots = [os.environ.get(v) for v in ("CASTOR_NVRTC_DIR", "CUDA_HOME", "CUDA_PATH")]
+    roots = [Path(r) for r in roots if r] + [Path("/usr/local/cuda")]
+    roots += [Path(p) for p in sorted(glob.glob("/usr/local/cuda-13*"), reverse=True)]
+    libs = []
+    for r in roots:
+        libs += [r / "lib64", r / "lib", r / "nvidia/cu13/lib", r / "targets/x86_64-linux/lib"]
+    for s in site_dirs():
+        libs += [s / "nvidia/cu13/lib", s / "nvidia/cublas/lib", s / "nvidia/cuda_nvrtc/lib"]
+    return roots, [str(d) for d in libs if d.is_dir()]
+
+
+def nvrtc_root(lib_dir):
+    """The folder castor's NVRTC discovery takes (CASTOR_NVRTC_DIR) for the folder holding
+    libnvrtc.so.13: the pip root for .../nvidia/cu13/lib, else the folder above lib or lib64;
+    None when the CUDA headers are not beside it."""
+    lib_dir = Path(lib_dir)
+    if lib_dir.parts[-3:] == ("nvidia", "cu13", "lib"):
+        root = lib_dir.parents[2]
+    else:
+        root = lib_dir.parent
+    return root if (lib_dir.parent / "include" / "cuda_fp16.h").is_file() else None
+
+
+def preflight(env):
+    """Finds and checks the libraries; returns lines describing them. Raises PreflightError
+    with what is missing and how to fix it."""
+    lines = []
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise PreflightError(f"no CUDA driver: libcuda.so.1 cannot be loaded ({e}); this check "
+                             "needs a machine with an NVIDIA GPU and its driver")
+    rc = cuda.cuInit(0)
+    if rc != 0:
+        raise PreflightError(f"the CUDA driver failed to start: cuInit returned {rc}")
+    count, version = ctypes.c_int(0), ctypes.c_int(0)
+    cuda.cuDeviceGetCount(ctypes.byref(count))
+    cuda.cuDriverGetVersion(ctypes.byref(version))
+    if count.value < 1:
+        raise PreflightError("the CUDA driver found no device")
+    driver = (version.value // 1000, (version.value % 1000) // 10)
+    name = ctypes.create_string_buffer(256)
+    cuda.cuDeviceGetName(name, 256, 0)
+    lines.append(f"driver     CUDA {driver[0]}.{driver[1]}, {count.value} device(s), "
+                 f"device 0: {name.value.decode()}")
+
+    roots, lib_dirs = cuda_dirs()
+    found = {}
+    for lib in ["libcublas.so.13", "libcublasLt.so.13", "libnvrtc.so.13"]:
+        d = find_library(lib, lib_dirs)
+        if d is None:
+            raise PreflightError(f"{lib} not found in LD_LIBRARY_PATH, {', '.join(lib_dirs) or '(no CUDA folders)'} "
+                                 "or the loader cache; install the CUDA 13 toolkit or "
+                                 "pip install \"nvidia-cublas==13.*\" \"nvidia-cuda-nvrtc==13.0.*\"")
+        found[lib] = d
+        lines.append(f"{lib:<18} {d}")
+    nvrtc = ctypes.CDLL(str(found["libnvrtc.so.13"] / "libnvrtc.so.13"))
+    major, minor = ctypes.c_int(0), ctypes.c_int(0)
+    nvrtc.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor))
+    lines.append(f"NVRTC      {major.value}.{minor.value}")
+    if (major.value, minor.value) > driver:
+        raise PreflightError(
+            f"NVRTC {major.value}.{minor.value} ({found['libnvrtc.so.13']}) is newer than the CUDA "
+            f"driver ({driver[0]}.{driver[1]}), which cannot load the PTX it writes; use NVRTC "
+            f"{driver[0]}.{driver[1]} or update the driver")
+    root = nvrtc_root(found["libnvrtc.so.13"])
+    if root is None:
+        raise PreflightError(f"no CUDA headers (cuda_fp16.h) beside {found['libnvrtc.so.13']}: "
+                             "install nvidia-cuda-runtime==13.0.* next to NVRTC")
+    env["CASTOR_NVRTC_DIR"] = str(root)
+    lines.append(f"CASTOR_NVRTC_DIR={root}")
+    dirs = []
+    for d in found.values():
+        if str(d) not in dirs:
+            dirs.append(str(d))
+    env["LD_LIBRARY_PATH"] = ":".join(dirs + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p])
+    sanitizer = shutil.which("compute-sanitizer") or next(
+        (str(r / "bin/compute-sanitizer") for r in roots if (r / "bin/compute-sanitizer").exists()), None)
+    env["CASTOR_SANITIZER"] = sanitizer or ""
+    lines.append(f"compute-sanitizer  {sanitizer or 'not found (the sanitizer steps will fail)'}")
+    return lines
+
+
+class Steps:
+    """Runs named commands with a time limit each and an overall deadline; records results."""
+
+    def __init__(self, logs, env, deadline):
+        self.logs, self.env, self.deadline = logs, env, deadline
+        self.rows, self.failed = [], False
+
+    def run(self, name, cmd, limit, env=None):
+        left = self.deadline - time.monotonic()
+        if left < 5:
+            self.rows.append(f"{name:<28} NOT RUN (out of time)")
+            self.failed = True
+            return False
+        limit = min(limit, left)
+        t0 = time.monotonic()
+        log = self.logs / f"{name}.log"
+        with open(log, "w") as f:
+            f.write("$ " + " ".join(map(str, cmd)) + "\n")
+            f.flush()
+            try:
+                p = subprocess.run([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT,
+                                   env={**self.env, **(env or {})}, cwd=ROOT, timeout=limit)
+                rc = p.returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            except OSError as e:
+                f.write(f"cannot start: {e}\n")
+                rc = "cannot start"
+        ok = rc == 0
+        self.failed |= not ok
+        self.rows.append(f"{name:<28} {'ok' if ok else 'FAILED'} (exit {rc}, {time.monotonic() - t0:.0f} s)")
+        return ok
+
+
+def part_tests(steps, out_dir):
+    castor = PACK / "castor"
+    gpu_tests = PACK / "cuda_gpu"
+    steps.run("device_layer", [PACK / "runtime_tests", "--test-threads", "1", "cuda::device"], 120)
+    steps.run("kernels_and_steps", [gpu_tests, "--test-threads", "1", "--nocapture"], 240)
+    steps.run("kernels_and_steps_no_graphs", [gpu_tests, "--test-threads", "1", "--nocapture"], 240,
+              env={"CASTOR_CUDA_GRAPHS": "0"})
+    sanitizer = steps.env.get("CASTOR_SANITIZER") or "compute-sanitizer"
+    one_step = [castor, "train", "tests/fixtures/gpt2_lm", "--data",
+                "tests/fixtures/gpt2_lm/input.safetensors", "--steps", "1", "--precision", "bf16",
+                "--device", "cuda"]
+    for tool in ["memcheck", "racecheck", "initcheck"]:
+        steps.run(f"sanitize_{tool}_kernels",
+                  [sanitizer, "--tool", tool, "--error-exitcode", "1", gpu_tests,
+                   "--test-threads", "1", "every_kernel_family"], 150)
+        steps.run(f"sanitize_{tool}_train_step",
+                  [sanitizer, "--tool", tool, "--error-exitcode", "1"] + one_step, 120)
+    steps.run("demo", [castor, "demo", "--device", "cuda", "--out", out_dir / "demo"], 120)
+    run = out_dir / "run"
+    common = [castor, "train", "assets/tiny-gpt2.json", "--data", "assets/corpus.txt",
+              "--batch", "8", "--seq", "64", "--precision", "bf16", "--device", "cuda",
+              "--val-fraction", "0.05", "--eval-every", "20", "--profile"]
+    steps.run("train_save", common + ["--steps", "40", "--log", run / "full.jsonl", "--save",
+                                      run / "full", "--save-every", "20", "--keep", "3"], 120)
+    steps.run("train_resume", common + ["--steps", "40", "--log", run / "resumed.jsonl",
+                                         "--resume", run / "full" / "step-000020", "--save",
+                                         run / "resumed"], 120)
+    steps.run("resume_matches", [sys.executable, "-c", RESUME_MATCHES,
+                                 run / "full" / "model.safetensors",
+                                 run / "resumed" / "model.safetensors"], 30)
+
+
+# A resumed run must end with the weights of the uninterrupted one, byte for byte.
+RESUME_MATCHES = """
+import sys
+a, b = (open(p, 'rb').read() for p in sys.argv[1:3])
+print('identical' if a == b else 'the resumed run ends with other weights')
+sys.exit(0 if a == b else 1)
+"""
+
+
+def part_bench(steps, out_dir):
+    steps.run("bench", [sys.executable, "bench/gpu/bench.py", "--out", out_dir / "bench",
+                        "--castor", PACK / "castor", "--require-castor"], 540)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--part", choices=["tests", "bench"], default="tests")
+    ap.add_argument("--preflight", action="store_true", help="only check the CUDA libraries")
+    ap.add_argument("--budget", type=float, default=540,
+                    help="seconds the part may take in all (default 540)")
+    args = ap.parse_args()
+    started = time.monotonic()
+    out_dir = args.out.resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "CASTOR_REQUIRE_GPU": "1", "CASTOR_BIN": str(PACK / "castor"),
+           "PYTHONUNBUFFERED": "1"}
+    env.setdefault("CASTOR_CACHE_DIR", str(out_dir / "ptx-cache"))
+    label = "preflight" if args.preflight else args.part
+    summary = [f"castor GPU check, part {label}, {time.strftime('%Y-%m-%d %H:%M:%S')}"]
+    try:
+        summary += preflight(env)
+    except PreflightError as e:
+        summary.append(f"preflight FAILED: {e}")
+        (out_dir / f"summary-{label}.txt").write_text("\n".join(summary) + "\n")
+        print("\n".join(summary), file=sys.stderr)
+        return 1
+    if args.preflight:
+        (out_dir / f"summary-{label}.txt").write_text("\n".join(summary) + "\n")
+        print("\n".join(summary))
+        return 0
+    missing = [p for p in [PACK / "castor", PACK / "cuda_gpu", PACK / "runtime_tests"] if not p.exists()]
+    if missing:
+        summary.append(f"FAILED: {', '.join(map(str, missing))} missing: run bench/gpu/pack.sh "
+                       "on the build machine first")
+        (out_dir / f"summary-{label}.txt").write_text("\n".join(summary) + "\n")
+        print("\n".join(summary), file=sys.stderr)
+        return 1
+    logs = Path(tempfile.mkdtemp(prefix=f"castor-gpu-{label}-"))
+    steps = Steps(logs, env, started + args.budget)
+    subprocess.run(["nvidia-smi"], stdout=open(logs / "nvidia-smi.txt", "w"),
+                   stderr=subprocess.STDOUT)
+    (part_tests if args.part == "tests" else part_bench)(steps, out_dir)
+    summary += steps.rows
+    summary.append(f"{'FAILED' if steps.failed else 'passed'} in {time.monotonic() - started:.0f} s")
+    if args.part == "bench" and (out_dir / "bench" / "table.txt").exists():
+        summary += ["", (out_dir / "bench" / "table.txt").read_text()]
+    with tarfile.open(out_dir / f"logs-{label}.tar.gz", "w:gz") as tar:
+        tar.add(logs, arcname=f"logs-{label}")
+    (out_dir / f"summary-{label}.txt").write_text("\n".join(summary) + "\n")
+    print("\n".join(summary))
+    return 1 if steps.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,397 @@
+//! Operations, their classes, their attributes and their typing rules.
+//!
+//! The op set is small on purpose: it is what the GPT-2, BERT and LLaMA families need in the
+//! forward pass and what their backward passes are written in. Every op has exactly one
+//! [`OpClass`]; the precision passes decide dtypes by class.
+//!
+//! Each op is declared once, in the table below: its variant (fields are its attributes), its
+//! mnemonic, class, arity and typing rule. The macros in `define.rs` generate the enum and
+//! the per-op properties from it, so adding an op is one entry (plus its typing rule in
+//! `typing.rs` when no existing one fits).
+
+mod attr;
+mod define;
+mod typing;
+
+pub use attr::Attr;
+pub(crate) use attr::{AttrReader, AttrValue};
+
+use crate::{DType, TensorType};
+use define::{define_family, define_ops};
+use std::fmt;
+use OpClass::{Contraction, Elementwise, Layout, Normalization};
+
+/// The four classes the precision passes reason about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OpClass {
+    /// Matrix products: the work tensor cores do. Natural candidates for low precision.
+    Contraction,
+    /// Normalizations, reductions and numerically sensitive maths (softmax, exp, ...).
+    Normalization,
+    /// Pointwise arithmetic.
+    Elementwise,
+    /// Data movement with no arithmetic (reshape, transpose, gather, graph sources).
+    Layout,
+}
+
+impl OpClass {
+    pub const ALL: [OpClass; 4] = [Contraction, Normalization, Elementwise, Layout];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Contraction => "contraction",
+            Normalization => "normalization",
+            Elementwise => "elementwise",
+            Layout => "layout",
+        }
+    }
+}
+
+impl fmt::Display for OpClass {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+define_family! {
+    /// Pointwise functions of one float operand.
+    UnaryOp with grad_name {
+        /// GELU with the tanh approximation (GPT-2's `gelu_new`).
+        GeluTanh = "gelu_tanh",
+        /// Exact GELU with erf (BERT's `gelu`).
+        GeluErf = "gelu_erf",
+        Silu = "silu",
+        Tanh = "tanh",
+        Exp = "exp",
+        Rsqrt = "rsqrt",
+        Neg = "neg",
+    }
+}
+
+impl UnaryOp {
+    /// Exponentials and reciprocal square roots are numerically sensitive (normalization
+    /// class, computed in F32); the activations are elementwise.
+    pub fn class(self) -> OpClass {
+        match self {
+            UnaryOp::Exp | UnaryOp::Rsqrt => Normalization,
+            _ => Elementwise,
+        }
+    }
+}
+
+define_family! {
+    /// Pointwise functions of two float operands, with NumPy broadcasting.
+    BinaryOp {
+        Add = "add",
+        Sub = "sub",
+        Mul = "mul",
+        Div = "div",
+    }
+}
+
+define_family! {
+    /// Reductions over a set of axes.
+    ReduceOp {
+        Sum = "sum",
+        Mean = "mean",
+        Max = "max",
+    }
+}
+
+define_ops! {
+    // The names the generated code gives the operand types (which typing rules read), the
+    // attribute reader and the mnemonic being parsed.
+    operands: inputs, reader: attrs_in, mnemonic: mnemonic;
+
+    /// A graph input (token ids, masks), bound by its value name when the graph runs.
+    Input => "input", class Layout, arity (0, 0), typing typing::source();
+    /// A model parameter, bound by its value name to a checkpoint tensor.
+    Param => "param", class Layout, arity (0, 0), typing typing::source();
+    /// Persistent training state that is not a model parameter (optimizer moments, accumulated
+    /// gradients, the step count, the loss scale), bound by its value name like a parameter.
+    State => "state", class Layout, arity (0, 0), typing typing::source();
+    /// `(table [V, H], ids [..]) -> [.., H]`: row gather.
+    Embedding => "embedding", class Layout, arity (2, 2), typing typing::embedding(inputs);
+    /// `(a [.., M, K], b [.., K, N]) -> [.., M, N]`, batch dims broadcast; `transpose_a/b`
+    /// swap the last two dims of an operand first.
+    MatMul { transpose_a: bool, transpose_b: bool } => "matmul", class Contraction,
+        arity (2, 2), typing typing::matmul(inputs, *transpose_a, *transpose_b);
+    Unary(u: UnaryOp) => family name, class u.class(), arity (1, 1),
+        typing typing::pointwise(inputs);
+    Binary(b: BinaryOp) => family name, class Elementwise, arity (2, 2),
+        typing typing::binary(inputs);
+    /// `x * factor`.
+    Scale { factor: f64 } => "scale", class Elementwise, arity (1, 1),
+        typing typing::pointwise(inputs);
+    /// `(x [.., H], weight [H], bias [H])`: normalizes over the last axis.
+    LayerNorm { eps: f64 } => "layer_norm", class Normalization, arity (3, 3),
+        typing typing::norm(inputs);
+    /// `(x [.., H], weight [H])`: `x / sqrt(mean(x^2) + eps) * weight` (LLaMA's RMSNorm).
+    RmsNorm { eps: f64 } => "rms_norm", class Normalization, arity (2, 2),
+        typing typing::norm(inputs);
+    /// Softmax over the last axis of `x [.., Tq, Tk]`, with an optional causal mask (query i
+    /// sees keys up to `i + Tk - Tq`) and an optional bool operand broadcast to `x` (false =
+    /// masked out). A row with every key masked becomes uniform, as with a finite `-inf`.
+    Softmax { causal: bool } => "softmax", class Normalization, arity (1, 2),
+        typing typing::softmax(inputs, *causal);
+    /// Scaled dot-product attention in one op, as FlashAttention computes it: `(q [.., T, D],
+    /// k [.., S, D], v [.., S, Dv][, mask]) -> (o [.., T, Dv], lse f32 [.., T])`, with
+    /// `o = softmax(scale * q k^T, causal, mask) v` and `lse` each row's log-sum-exp of the
+    /// scaled scores (saved for the backward). The batch dims of `k`, `v` and the bool `mask`
+    /// (`[.., T, S]`, false = masked out) broadcast to `q`'s, which expresses grouped-query
+    /// attention without repeating `k` and `v`. With `causal`, query `i` sees keys
+    /// `j <= i + S - T`. A row with every key masked attends uniformly to all `S` keys, as a
+    /// finite `-inf` mask gives. No `[T, S]` tensor exists outside the op.
+    Attention { causal: bool, scale: f64 } => "attention", class Contraction, arity (3, 4),
+        typing typing::attention(inputs, *causal);
+    /// Rotary position embedding of `x [.., T, D]` at positions `0..T`, rotate-half layout
+    /// (LLaMA's `apply_rotary_pos_emb`), frequencies `theta^(-2i/D)`.
+    Rope { theta: f64 } => "rope", class Elementwise, arity (1, 1),
+        typing typing::rope(inputs);
+    Reshape { shape: Vec<usize> } => "reshape", class Layout, arity (1, 1),
+        typing typing::reshape(inputs, shape);
+    Transpose { perm: Vec<usize> } => "transpose", class Layout, arity (1, 1),
+        typing typing::transpose(inputs, perm);
+    /// Elements `start..end` along `axis`.
+    Slice { axis: usize, start: usize, end: usize } => "slice", class Layout, arity (1, 1),
+        typing typing::slice(inputs, *axis, *start, *end);
+    Concat { axis: usize } => "concat", class Layout, arity (1, usize::MAX),
+        typing typing::concat(inputs, *axis);
+    /// One output per entry of `sizes`, consecutive pieces along `axis`.
+    Split { axis: usize, sizes: Vec<usize> } => "split", class Layout, arity (1, 1),
+        typing typing::split(inputs, *axis, sizes);
+    Reduce { op: ReduceOp => family name; axes: Vec<usize>, keepdim: bool } =>
+        class Normalization, arity (1, 1), typing typing::reduce(inputs, axes, *keepdim);
+    /// `(logits [N, V], labels [N] int) -> f32[]`: mean over labels != ignore_index.
+    CrossEntropy { ignore_index: i64 } => "cross_entropy", class Normalization, arity (2, 2),
+        typing typing::cross_entropy(inputs);
+    /// Converts to the output value's dtype (ints to bool: nonzero is true).
+    Cast { to: DType } => "cast", class Elementwise, arity (1, 1),
+        typing typing::cast(inputs, *to);
+    /// The persistent low-precision working copy of a parameter, beside its F32 master (the
+    /// operand, which must be a `param`). It is plan state, not work of the step: the optimizer
+    /// writes it when it updates the master, so reading it never casts a weight in the step.
+    /// Its values are the master rounded to `to`.
+    ParamCopy { to: DType } => "param_copy", class Layout, arity (1, 1),
+        typing typing::param_copy(inputs, *to);
+    /// A tensor with every element `value`: zero gradients, the seed of the backward pass.
+    Full { value: f64, dtype: DType, shape: Vec<usize> } => "full", class Layout,
+        arity (0, 0), typing typing::full(*dtype, shape);
+
+    // Gradient ops: the vector-Jacobian products the autodiff pass emits.
+
+    /// `(x, dy) -> dx = f'(x) * dy` for the unary op `f`.
+    UnaryGrad(u: UnaryOp) => family grad_name, class u.class(), arity (2, 2),
+        typing typing::pointwise_grad(inputs);
+    /// `(x [.., H], weight [H], dy [.., H]) -> (dx, dweight [H], dbias [H])` of [`Op::LayerNorm`].
+    LayerNormGrad { eps: f64 } => "layer_norm_grad", class Normalization, arity (3, 3),
+        typing typing::norm_grad(inputs, true);
+    /// `(x [.., H], weight [H], dy [.., H]) -> (dx, dweight [H])` of [`Op::RmsNorm`].
+    RmsNormGrad { eps: f64 } => "rms_norm_grad", class Normalization, arity (3, 3),
+        typing typing::norm_grad(inputs, false);
+    /// `(y, dy) -> dx = y * (dy - sum(dy * y))` over the last axis, `y` being the softmax
+    /// output (masked entries have `y = 0`, so they get no gradient).
+    SoftmaxGrad => "softmax_grad", class Normalization, arity (2, 2),
+        typing typing::pointwise_grad(inputs);
+    /// `(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)` of [`Op::Attention`], from its saved
+    /// output and log-sum-exp (FlashAttention-2's backward: the probabilities are recomputed,
+    /// never stored); `dk` and `dv` are summed over the batch dims `k` and `v` broadcast.
+    AttentionGrad { causal: bool, scale: f64 } => "attention_grad", class Contraction,
+        arity (6, 7), typing typing::attention_grad(inputs, *causal);
+    /// The transpose of [`Op::Rope`]: rotation by the negated angles.
+    RopeGrad { theta: f64 } => "rope_grad", class Elementwise, arity (1, 1),
+        typing typing::rope(inputs);
+    /// Zeros before and after along `axis`: the transpose of [`Op::Slice`].
+    Pad { axis: usize, before: usize, after: usize } => "pad", class Layout, arity (1, 1),
+        typing typing::pad(inputs, *axis, *before, *after);
+    /// NumPy broadcast to `shape`: the transpose of a sum over broadcast dims.
+    BroadcastTo { shape: Vec<usize> } => "broadcast_to", class Layout, arity (1, 1),
+        typing typing::broadcast_to(inputs, shape);
+    /// `(ids [..], dy [.., H]) -> dtable [vocab, H]`: rows of `dy` added into the rows their
+    /// ids name, in a fixed order (deterministic); the transpose of [`Op::Embedding`].
+    EmbeddingGrad { vocab: usize } => "embedding_grad", class Normalization, arity (2, 2),
+        typing typing::embedding_grad(inputs, *vocab);
+    /// `(logits [N, V], labels [N], dloss []) -> dlogits [N, V]` of [`Op::CrossEntropy`]:
+    /// `(softmax(logits) - onehot(label)) * dloss / count` on counted rows, 0 on ignored ones.
+    CrossEntropyGrad { ignore_index: i64 } => "cross_entropy_grad", class Normalization,
+        arity (3, 3), typing typing::cross_entropy_grad(inputs);
+
+    // Training-step ops: the optimizer and loss-scaling logic of a training plan, as graph ops
+    // so that no host round trip decides a skipped step.
+
+    /// `(g1, .., gn, scale []) -> f32[]`: the global L2 norm of the gradients divided by
+    /// `scale`, accumulated in F64. It is not finite when any gradient is inf or NaN, which is
+    /// the found-inf test: optimizer steps are skipped then.
+    GradNorm => "grad_norm", class Normalization, arity (2, usize::MAX),
+        typing typing::grad_norm(inputs);
+    /// One fused AdamW step (torch.optim.AdamW: decoupled weight decay, bias correction) of one
+    /// F32 parameter buffer: `(master, grad, m, v, lr [], step [], scale [], grad_norm []) ->
+    /// (master', m', v'[, copy'])`. The gradient is unscaled by `1/scale` and, when
+    /// `max_grad_norm > 0`, multiplied by `min(1, max_grad_norm / (grad_norm + 1e-6))`; `step`
+    /// counts earlier steps. When `grad_norm` is not finite every output equals its input.
+    /// `copy` names the dtype of the parameter's working copy, written in the same pass.
+    AdamW {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        max_grad_norm: f64,
+        copy: Option<DType>,
+    } => "adamw", class Elementwise, arity (8, 8), typing typing::optimizer(inputs, 2, *copy);
+    /// One fused SGD step with momentum (torch.optim.SGD, dampening 0, coupled weight decay)
+    /// with the operands and rules of [`Op::AdamW`] and one moment: `(master, grad, momentum,
+    /// lr [], step [], scale [], grad_norm []) -> (master', momentum'[, copy'])`.
+    Sgd {
+        momentum: f64,
+        weight_decay: f64,
+        max_grad_norm: f64,
+        copy: Option<DType>,
+    } => "sgd", class Elementwise, arity (7, 7), typing typing::optimizer(inputs, 1, *copy);
+    /// `(step [], grad_norm []) -> step'`: counts the optimizer steps that were not skipped.
+    CountStep => "count_step", class Elementwise, arity (2, 2),
+        typing typing::count_step(inputs);
+    /// Dynamic loss scaling (torch.amp.GradScaler, with DeepSpeed's hysteresis):
+    /// `(scale [], counters [2], grad_norm []) -> (scale', counters')`, counters = (clean steps
+    /// since the last change, overflows still tolerated). On an overflow (`grad_norm` not finite)
+    /// the scale is multiplied by `backoff_factor` once `hysteresis` overflows have been seen
+    /// since the last growth, and the clean-step count restarts; after `growth_interval`
+    /// clean steps in a row it is multiplied by `growth_factor`, up to `max_scale`.
+    LossScaleUpdate {
+        growth_factor: f64,
+        backoff_factor: f64,
+        growth_interval: usize,
+        hysteresis: usize,
+        max_scale: f64,
+    } => "loss_scale_update", class Elementwise, arity (3, 3),
+        typing typing::loss_scale_update(inputs);
+}
+
+impl Op {
+    /// True for the graph's sources, which have no operands.
+    pub fn is_source(&self) -> bool {
+        matches!(self, Op::Input | Op::Param | Op::State)
+    }
+
+    /// True if the output dtype may differ from the natural one that [`Op::infer`] gives:
+    /// contractions and normalizations may write a different float dtype than they read
+    /// (a BF16 matmul writing F32, a layer norm reading F32 and writing BF16).
+    pub fn output_dtype_is_free(&self) -> bool {
+        matches!(self.class(), Contraction | Normalization)
+            && !matches!(self, Op::CrossEntropy { .. })
+    }
+
+    /// The output types of the op applied to operands of the given types, or a message
+    /// saying which typing rule is broken. Sources have no operands and no inferred type.
+    pub fn infer(&self, inputs: &[&TensorType]) -> Result<Vec<TensorType>, String> {
+        let (lo, hi) = self.arity();
+        if inputs.len() < lo || inputs.len() > hi {
+            return Err(if lo == hi {
+                format!(
+                    "`{}` takes {lo} operand(s), found {}",
+                    self.mnemonic(),
+                    inputs.len()
+                )
+            } else {
+                format!(
+                    "`{}` takes {lo} to {hi} operands, found {}",
+                    self.mnemonic(),
+                    inputs.len()
+                )
+            });
+        }
+        self.typing(inputs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every op prints and parses back to itself, attributes in declaration order.
+    #[test]
+    fn mnemonics_and_attributes_round_trip() {
+        let ops = [
+            Op::Input,
+            Op::MatMul {
+                transpose_a: true,
+                transpose_b: false,
+            },
+            Op::Unary(UnaryOp::GeluErf),
+            Op::UnaryGrad(UnaryOp::Silu),
+            Op::Binary(BinaryOp::Div),
+            Op::Reduce {
+                op: ReduceOp::Max,
+                axes: vec![0, 2],
+                keepdim: true,
+            },
+            Op::Full {
+                value: -0.5,
+                dtype: DType::BF16,
+                shape: vec![2, 3],
+            },
+            Op::AdamW {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.0,
+                max_grad_norm: 1.0,
+                copy: None,
+            },
+            Op::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.1,
+                max_grad_norm: 0.0,
+                copy: Some(DType::F16),
+            },
+            Op::CrossEntropy { ignore_index: -100 },
+        ];
+        for op in ops {
+            let attrs = op
+                .attrs()
+                .into_iter()
+                .map(|(k, v)| (k.to_string(), v))
+                .collect();
+            assert_eq!(Op::from_parts(op.mnemonic(), attrs), Ok(op.clone()));
+        }
+        assert_eq!(
+            Op::Reduce {
+                op: ReduceOp::Mean,
+                axes: vec![1],
+                keepdim: false
+            }
+            .mnemonic(),
+            "mean"
+        );
+        assert_eq!(
+            Op::UnaryGrad(UnaryOp::GeluTanh).mnemonic(),
+            "gelu_tanh_grad"
+        );
+        assert_eq!(Op::Unary(UnaryOp::Exp).class(), Normalization);
+        assert_eq!(Op::UnaryGrad(UnaryOp::Tanh).class(), Elementwise);
+    }
+
+    #[test]
+    fn attribute_errors_name_the_attribute() {
+        let a = |k: &str, v: Attr| vec![(k.to_string(), v)];
+        assert_eq!(
+            Op::from_parts("softmax", vec![]),
+            Err("`softmax` needs attribute `causal`".into())
+        );
+        assert_eq!(
+            Op::from_parts("softmax", a("causal", Attr::Int(1))),
+            Err("attribute `causal` must be true or false, found `1`".into())
+        );
+        assert_eq!(
+            Op::from_parts("exp", a("axis", Attr::Int(1))),
+            Err("`exp` has no attribute `axis`".into())
+        );
+        assert_eq!(
+            Op::from_parts("slice", a("axis", Attr::Int(-1))),
+            Err("attribute `axis` must be non-negative, found -1".into())
+        );
+        assert_eq!(
+            Op::from_parts("frobnicate", vec![]),
+            Err("unknown op `frobnicate`".into())
+        );
+    }
+}

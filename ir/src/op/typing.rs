@@ -1,0 +1,591 @@
+//! The ops' typing rules: output types from operand types (whose count [`super::Op::infer`]
+//! has already checked), or a message saying which rule is broken. The op table names one
+//! rule per op.
+
+use crate::{DType, Shape, TensorType};
+
+type Types = Result<Vec<TensorType>, String>;
+
+fn one(t: TensorType) -> Types {
+    Ok(vec![t])
+}
+
+fn require_float(what: &str, t: &TensorType) -> Result<(), String> {
+    if t.dtype.is_float() {
+        Ok(())
+    } else {
+        Err(format!("{what} must be a float tensor, found {}", t.dtype))
+    }
+}
+
+fn require_f32_scalar(what: &str, t: &TensorType) -> Result<(), String> {
+    if t.dtype == DType::F32 && t.shape.rank() == 0 {
+        Ok(())
+    } else {
+        Err(format!("{what} must be an f32 scalar, found {t}"))
+    }
+}
+
+fn bad_axis(axis: usize, shape: &Shape) -> String {
+    format!("axis {axis} out of range for {shape}")
+}
+
+/// Sources are typed by their declaration, not inferred.
+pub fn source() -> Types {
+    Err("sources have no inferred type".into())
+}
+
+/// A float operand, the result like it (`gelu`, `scale`).
+pub fn pointwise(inputs: &[&TensorType]) -> Types {
+    require_float("operand", inputs[0])?;
+    one(inputs[0].clone())
+}
+
+/// Two float operands of one dtype, broadcast.
+pub fn binary(inputs: &[&TensorType]) -> Types {
+    let (a, b) = (inputs[0], inputs[1]);
+    require_float("lhs", a)?;
+    require_float("rhs", b)?;
+    if a.dtype != b.dtype {
+        return Err(format!(
+            "operands differ in dtype: {} and {}",
+            a.dtype, b.dtype
+        ));
+    }
+    let shape = Shape::broadcast(&a.shape, &b.shape)
+        .ok_or_else(|| format!("shapes {} and {} do not broadcast", a.shape, b.shape))?;
+    one(TensorType::new(a.dtype, shape))
+}
+
+/// `(g1, .., gn, scale) -> f32[]`.
+pub fn grad_norm(inputs: &[&TensorType]) -> Types {
+    let (scale, grads) = inputs.split_last().ok_or("grad_norm needs operands")?;
+    for g in grads {
+        require_float("gradient", g)?;
+    }
+    require_f32_scalar("loss scale", scale)?;
+    one(TensorType::new(DType::F32, Shape::scalar()))
+}
+
+/// AdamW (two moments) and SGD (one): `(master, grad, moments.., lr, step, scale, grad_norm)
+/// -> (master', moments'..[, copy'])`.
+pub fn optimizer(inputs: &[&TensorType], moments: usize, copy: Option<DType>) -> Types {
+    let master = inputs[0];
+    if master.dtype != DType::F32 {
+        return Err(format!("the master weights must be f32, found {master}"));
+    }
+    for (i, t) in inputs[1..2 + moments].iter().enumerate() {
+        let what = if i == 0 {
+            "gradient"
+        } else {
+            "optimizer moment"
+        };
+        if *t != master {
+            return Err(format!(
+                "{what} must be {master} like the master, found {t}"
+            ));
+        }
+    }
+    for (what, t) in ["lr", "step", "loss scale", "grad norm"]
+        .iter()
+        .zip(&inputs[2 + moments..])
+    {
+        require_f32_scalar(what, t)?;
+    }
+    let mut outs = vec![master.clone(); 1 + moments];
+    if let Some(to) = copy {
+        if !to.is_float() {
+            return Err(format!(
+                "a parameter copy must be a float dtype, found {to}"
+            ));
+        }
+        outs.push(TensorType::new(to, master.shape.clone()));
+    }
+    Ok(outs)
+}
+
+/// `(step, grad_norm) -> step'`.
+pub fn count_step(inputs: &[&TensorType]) -> Types {
+    require_f32_scalar("step", inputs[0])?;
+    require_f32_scalar("grad norm", inputs[1])?;
+    one(inputs[0].clone())
+}
+
+/// `(scale, counters [2], grad_norm) -> (scale', counters')`.
+pub fn loss_scale_update(inputs: &[&TensorType]) -> Types {
+    let (scale, counters, norm) = (inputs[0], inputs[1], inputs[2]);
+    require_f32_scalar("loss scale", scale)?;
+    require_f32_scalar("grad norm", norm)?;
+    if *counters != TensorType::new(DType::F32, [2]) {
+        return Err(format!(
+            "loss-scale counters must be f32[2], found {counters}"
+        ));
+    }
+    Ok(vec![scale.clone(), counters.clone()])
+}
+
+/// `(table [V, H], ids [..]) -> [.., H]`.
+pub fn embedding(inputs: &[&TensorType]) -> Types {
+    let (table, ids) = (inputs[0], inputs[1]);
+    require_float("table", table)?;
+    if table.shape.rank() != 2 {
+        return Err(format!(
+            "embedding table must be 2-D, found {}",
+            table.shape
+        ));
+    }
+    if !ids.dtype.is_int() {
+        return Err(format!(
+            "embedding ids must be i32 or i64, found {}",
+            ids.dtype
+        ));
+    }
+    let mut dims = ids.shape.0.clone();
+    dims.push(table.shape.0[1]);
+    one(TensorType::new(table.dtype, dims))
+}
+
+/// (rows, cols) of the last two dims, after an optional transpose.
+fn last_two(s: &Shape, transpose: bool) -> (usize, usize) {
+    let d = s.dims();
+    let (r, c) = (d[d.len() - 2], d[d.len() - 1]);
+    if transpose {
+        (c, r)
+    } else {
+        (r, c)
+    }
+}
+
+/// `(a [.., M, K], b [.., K, N]) -> [.., M, N]`, batch dims broadcast.
+pub fn matmul(inputs: &[&TensorType], transpose_a: bool, transpose_b: bool) -> Types {
+    let (a, b) = (inputs[0], inputs[1]);
+    require_float("lhs", a)?;
+    require_float("rhs", b)?;
+    if a.dtype != b.dtype {
+        return Err(format!(
+            "matmul operands differ in dtype: {} and {}",
+            a.dtype, b.dtype
+        ));
+    }
+    if a.shape.rank() < 2 || b.shape.rank() < 2 {
+        return Err(format!(
+            "matmul operands must be at least 2-D, found {} and {}",
+            a.shape, b.shape
+        ));
+    }
+    let (m, ka) = last_two(&a.shape, transpose_a);
+    let (kb, n) = last_two(&b.shape, transpose_b);
+    if ka != kb {
+        return Err(format!(
+            "matmul inner dimensions differ: {} (lhs{}) vs {} (rhs{})",
+            ka,
+            if transpose_a { ", transposed" } else { "" },
+            kb,
+            if transpose_b { ", transposed" } else { "" }
+        ));
+    }
+    let ba = Shape(a.shape.0[..a.shape.rank() - 2].to_vec());
+    let bb = Shape(b.shape.0[..b.shape.rank() - 2].to_vec());
+    let mut batch = Shape::broadcast(&ba, &bb)
+        .ok_or_else(|| format!("matmul batch dims do not broadcast: {ba} and {bb}"))?;
+    batch.0.extend([m, n]);
+    one(TensorType::new(a.dtype, batch))
+}
+
+/// `(x [.., H], weight [H][, bias [H]]) -> like x`.
+pub fn norm(inputs: &[&TensorType]) -> Types {
+    let x = inputs[0];
+    require_float("input", x)?;
+    if x.shape.rank() == 0 {
+        return Err("normalized input must have at least one dim".into());
+    }
+    let h = x.shape.last();
+    for (i, p) in inputs[1..].iter().enumerate() {
+        let what = if i == 0 { "weight" } else { "bias" };
+        require_float(what, p)?;
+        if p.shape.0 != [h] {
+            return Err(format!("{what} must be [{h}], found {}", p.shape));
+        }
+    }
+    one(x.clone())
+}
+
+/// Softmax over the last axis, with an optional causal mask and bool mask operand.
+pub fn softmax(inputs: &[&TensorType], causal: bool) -> Types {
+    let x = inputs[0];
+    require_float("input", x)?;
+    if causal {
+        if x.shape.rank() < 2 {
+            return Err("causal softmax needs a [.., Tq, Tk] input".into());
+        }
+        let d = x.shape.dims();
+        if d[d.len() - 2] > d[d.len() - 1] {
+            return Err(format!("causal softmax needs Tq <= Tk, found {}", x.shape));
+        }
+    } else if x.shape.rank() == 0 {
+        return Err("softmax input must have at least one dim".into());
+    }
+    if let Some(mask) = inputs.get(1) {
+        if mask.dtype != DType::Bool {
+            return Err(format!("softmax mask must be bool, found {}", mask.dtype));
+        }
+        if Shape::broadcast(&mask.shape, &x.shape).as_ref() != Some(&x.shape) {
+            return Err(format!(
+                "softmax mask {} does not broadcast to {}",
+                mask.shape, x.shape
+            ));
+        }
+    }
+    one(x.clone())
+}
+
+/// The batch dims (all but the last two) of a shape.
+fn batch_of(s: &Shape) -> Shape {
+    Shape(s.0[..s.rank().saturating_sub(2)].to_vec())
+}
+
+/// `(q [.., T, D], k [.., S, D], v [.., S, Dv][, mask bool [.., T, S]]) -> (o [.., T, Dv],
+/// lse f32 [.., T])`; the batch dims of k, v and the mask broadcast to q's.
+pub fn attention(inputs: &[&TensorType], causal: bool) -> Types {
+    let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+    for (what, t) in [("query", q), ("key", k), ("value", v)] {
+        require_float(what, t)?;
+        if t.shape.rank() < 2 {
+            return Err(format!(
+                "attention {what} must be at least 2-D, found {}",
+                t.shape
+            ));
+        }
+    }
+    if k.dtype != q.dtype || v.dtype != q.dtype {
+        return Err(format!(
+            "attention operands differ in dtype: {}, {} and {}",
+            q.dtype, k.dtype, v.dtype
+        ));
+    }
+    let (qd, kd, vd) = (q.shape.dims(), k.shape.dims(), v.shape.dims());
+    let (t, d) = (qd[qd.len() - 2], qd[qd.len() - 1]);
+    let (s, dk) = (kd[kd.len() - 2], kd[kd.len() - 1]);
+    if dk != d {
+        return Err(format!(
+            "attention query {} and key {} differ in head dim",
+            q.shape, k.shape
+        ));
+    }
+    if vd[vd.len() - 2] != s {
+        return Err(format!(
+            "attention key {} and value {} differ in length",
+            k.shape, v.shape
+        ));
+    }
+    let batch = batch_of(&q.shape);
+    for (what, t) in [("key", k), ("value", v)] {
+        let b = batch_of(&t.shape);
+        if Shape::broadcast(&b, &batch).as_ref() != Some(&batch) {
+            return Err(format!(
+                "attention {what} batch dims {b} do not broadcast to the query's {batch}"
+            ));
+        }
+    }
+    if causal && t > s {
+        return Err(format!(
+            "causal attention needs T <= S, found T = {t}, S = {s}"
+        ));
+    }
+    if let Some(mask) = inputs.get(3) {
+        if mask.dtype != DType::Bool {
+            return Err(format!("attention mask must be bool, found {}", mask.dtype));
+        }
+        let mut scores = batch.clone();
+        scores.0.extend([t, s]);
+        if Shape::broadcast(&mask.shape, &scores).as_ref() != Some(&scores) {
+            return Err(format!(
+                "attention mask {} does not broadcast to the scores {scores}",
+                mask.shape
+            ));
+        }
+    }
+    let mut o = batch.clone();
+    o.0.extend([t, vd[vd.len() - 1]]);
+    let mut lse = batch;
+    lse.0.push(t);
+    Ok(vec![
+        TensorType::new(q.dtype, o),
+        TensorType::new(DType::F32, lse),
+    ])
+}
+
+/// `(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)` like q, k and v.
+pub fn attention_grad(inputs: &[&TensorType], causal: bool) -> Types {
+    let (q, k, v, o, lse, d_o) = (
+        inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
+    );
+    let mut forward = vec![q, k, v];
+    forward.extend(inputs.get(6));
+    let outs = attention(&forward, causal)?;
+    if o.shape != outs[0].shape || d_o.shape != o.shape {
+        return Err(format!(
+            "attention output {} and its gradient {} should be {}",
+            o.shape, d_o.shape, outs[0].shape
+        ));
+    }
+    require_float("output gradient", d_o)?;
+    if lse.dtype != DType::F32 || lse.shape != outs[1].shape {
+        return Err(format!(
+            "attention log-sum-exp should be {}, found {lse}",
+            outs[1]
+        ));
+    }
+    Ok(vec![q.clone(), k.clone(), v.clone()])
+}
+
+/// Rotary embedding (and its transpose) of `x [.., T, D]`, D even.
+pub fn rope(inputs: &[&TensorType]) -> Types {
+    let x = inputs[0];
+    require_float("input", x)?;
+    if x.shape.rank() < 2 || !x.shape.last().is_multiple_of(2) {
+        return Err(format!(
+            "rope needs [.., T, D] with even D, found {}",
+            x.shape
+        ));
+    }
+    one(x.clone())
+}
+
+pub fn reshape(inputs: &[&TensorType], shape: &[usize]) -> Types {
+    let x = inputs[0];
+    let to = Shape(shape.to_vec());
+    if x.shape.numel() != to.numel() {
+        return Err(format!(
+            "cannot reshape {} into {to}: element counts differ",
+            x.shape
+        ));
+    }
+    one(TensorType::new(x.dtype, to))
+}
+
+pub fn transpose(inputs: &[&TensorType], perm: &[usize]) -> Types {
+    let x = inputs[0];
+    let mut seen = vec![false; x.shape.rank()];
+    if perm.len() != x.shape.rank()
+        || perm
+            .iter()
+            .any(|&p| p >= seen.len() || std::mem::replace(&mut seen[p], true))
+    {
+        return Err(format!(
+            "{perm:?} is not a permutation of the axes of {}",
+            x.shape
+        ));
+    }
+    let dims = perm.iter().map(|&p| x.shape.0[p]).collect::<Vec<_>>();
+    one(TensorType::new(x.dtype, dims))
+}
+
+pub fn slice(inputs: &[&TensorType], axis: usize, start: usize, end: usize) -> Types {
+    let x = inputs[0];
+    let len = *x
+        .shape
+        .0
+        .get(axis)
+        .ok_or_else(|| bad_axis(axis, &x.shape))?;
+    if start > end || end > len {
+        return Err(format!(
+            "slice {start}..{end} out of range for axis {axis} of {}",
+            x.shape
+        ));
+    }
+    let mut dims = x.shape.0.clone();
+    dims[axis] = end - start;
+    one(TensorType::new(x.dtype, dims))
+}
+
+pub fn concat(inputs: &[&TensorType], axis: usize) -> Types {
+    let first = inputs[0];
+    if axis >= first.shape.rank() {
+        return Err(bad_axis(axis, &first.shape));
+    }
+    let mut dims = first.shape.0.clone();
+    dims[axis] = 0;
+    for t in inputs {
+        let same_rest = t.shape.rank() == first.shape.rank()
+            && (0..dims.len()).all(|i| i == axis || t.shape.0[i] == first.shape.0[i]);
+        if t.dtype != first.dtype || !same_rest {
+            return Err(format!(
+                "concat operands must agree except on axis {axis}: {first} vs {t}"
+            ));
+        }
+        dims[axis] += t.shape.0[axis];
+    }
+    one(TensorType::new(first.dtype, dims))
+}
+
+pub fn split(inputs: &[&TensorType], axis: usize, sizes: &[usize]) -> Types {
+    let x = inputs[0];
+    let len = *x
+        .shape
+        .0
+        .get(axis)
+        .ok_or_else(|| bad_axis(axis, &x.shape))?;
+    if sizes.is_empty() || sizes.iter().sum::<usize>() != len {
+        return Err(format!(
+            "split sizes {sizes:?} do not add up to {len} (axis {axis} of {})",
+            x.shape
+        ));
+    }
+    Ok(sizes
+        .iter()
+        .map(|&s| {
+            let mut dims = x.shape.0.clone();
+            dims[axis] = s;
+            TensorType::new(x.dtype, dims)
+        })
+        .collect())
+}
+
+pub fn reduce(inputs: &[&TensorType], axes: &[usize], keepdim: bool) -> Types {
+    let x = inputs[0];
+    require_float("input", x)?;
+    let mut seen = vec![false; x.shape.rank()];
+    for &a in axes {
+        if a >= seen.len() || std::mem::replace(&mut seen[a], true) {
+            return Err(format!(
+                "bad or repeated reduction axis {a} for {}",
+                x.shape
+            ));
+        }
+    }
+    let dims = x
+        .shape
+        .0
+        .iter()
+        .enumerate()
+        .filter_map(|(i, &d)| match (seen[i], keepdim) {
+            (false, _) => Some(d),
+            (true, true) => Some(1),
+            (true, false) => None,
+        })
+        .collect::<Vec<_>>();
+    one(TensorType::new(x.dtype, dims))
+}
+
+/// `(logits [N, V], labels [N] int) -> f32[]`.
+pub fn cross_entropy(inputs: &[&TensorType]) -> Types {
+    let (logits, labels) = (inputs[0], inputs[1]);
+    require_float("logits", logits)?;
+    if !labels.dtype.is_int() {
+        return Err(format!("labels must be i32 or i64, found {}", labels.dtype));
+    }
+    if logits.shape.rank() != 2 || labels.shape.0 != logits.shape.0[..1] {
+        return Err(format!(
+            "cross_entropy needs logits [N, V] and labels [N], found {} and {}",
+            logits.shape, labels.shape
+        ));
+    }
+    one(TensorType::new(DType::F32, Shape::scalar()))
+}
+
+pub fn cast(inputs: &[&TensorType], to: DType) -> Types {
+    one(TensorType::new(to, inputs[0].shape.clone()))
+}
+
+pub fn param_copy(inputs: &[&TensorType], to: DType) -> Types {
+    require_float("master", inputs[0])?;
+    if !to.is_float() {
+        return Err(format!(
+            "a parameter copy must be a float dtype, found {to}"
+        ));
+    }
+    one(TensorType::new(to, inputs[0].shape.clone()))
+}
+
+pub fn full(dtype: DType, shape: &[usize]) -> Types {
+    one(TensorType::new(dtype, shape.to_vec()))
+}
+
+/// `(x, dy) -> dx` like `dy` (unary and softmax gradients).
+pub fn pointwise_grad(inputs: &[&TensorType]) -> Types {
+    let (x, dy) = (inputs[0], inputs[1]);
+    require_float("input", x)?;
+    require_float("gradient", dy)?;
+    if x.shape != dy.shape {
+        return Err(format!(
+            "gradient {} does not match input {}",
+            dy.shape, x.shape
+        ));
+    }
+    one(dy.clone())
+}
+
+/// `(x [.., H], weight [H], dy) -> (dx, dweight [H][, dbias [H]])`.
+pub fn norm_grad(inputs: &[&TensorType], with_bias: bool) -> Types {
+    let (x, w, dy) = (inputs[0], inputs[1], inputs[2]);
+    require_float("input", x)?;
+    require_float("weight", w)?;
+    require_float("gradient", dy)?;
+    let h = x.shape.last();
+    if x.shape.rank() == 0 || w.shape.0 != [h] || dy.shape != x.shape {
+        return Err(format!(
+            "norm gradient needs x [.., H], weight [H], dy like x; found {}, {}, {}",
+            x.shape, w.shape, dy.shape
+        ));
+    }
+    let dw = TensorType::new(DType::F32, [h]);
+    let mut outs = vec![TensorType::new(dy.dtype, x.shape.clone()), dw.clone()];
+    if with_bias {
+        outs.push(dw);
+    }
+    Ok(outs)
+}
+
+pub fn pad(inputs: &[&TensorType], axis: usize, before: usize, after: usize) -> Types {
+    let x = inputs[0];
+    if axis >= x.shape.rank() {
+        return Err(bad_axis(axis, &x.shape));
+    }
+    let mut dims = x.shape.0.clone();
+    dims[axis] += before + after;
+    one(TensorType::new(x.dtype, dims))
+}
+
+pub fn broadcast_to(inputs: &[&TensorType], shape: &[usize]) -> Types {
+    let x = inputs[0];
+    let to = Shape(shape.to_vec());
+    if Shape::broadcast(&x.shape, &to).as_ref() != Some(&to) {
+        return Err(format!("{} does not broadcast to {to}", x.shape));
+    }
+    one(TensorType::new(x.dtype, to))
+}
+
+/// `(ids [..], dy [.., H]) -> dtable [vocab, H]` in F32.
+pub fn embedding_grad(inputs: &[&TensorType], vocab: usize) -> Types {
+    let (ids, dy) = (inputs[0], inputs[1]);
+    if !ids.dtype.is_int() {
+        return Err(format!(
+            "embedding ids must be i32 or i64, found {}",
+            ids.dtype
+        ));
+    }
+    require_float("gradient", dy)?;
+    if dy.shape.rank() != ids.shape.rank() + 1 || dy.shape.0[..ids.shape.rank()] != ids.shape.0[..]
+    {
+        return Err(format!(
+            "gradient {} does not match ids {} plus a row dim",
+            dy.shape, ids.shape
+        ));
+    }
+    one(TensorType::new(DType::F32, [vocab, dy.shape.last()]))
+}
+
+/// `(logits, labels, dloss []) -> dlogits` like the logits.
+pub fn cross_entropy_grad(inputs: &[&TensorType]) -> Types {
+    let (logits, labels, dloss) = (inputs[0], inputs[1], inputs[2]);
+    cross_entropy(&[logits, labels])?;
+    require_float("loss gradient", dloss)?;
+    if dloss.shape.rank() != 0 {
+        return Err(format!(
+            "loss gradient must be a scalar, found {}",
+            dloss.shape
+        ));
+    }
+    one(logits.clone())
+}

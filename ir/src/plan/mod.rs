@@ -1,0 +1,364 @@
+//! Training plans: one training step as data.
+//!
+//! A [`TrainingPlan`] is two graphs and a table of persistent state. The *micro step*
+//! (forward and backward of one micro-batch) runs `grad_accum` times per step; the *optimizer
+//! step* (global gradient norm, one fused update per parameter buffer, step counter, loss-scale
+//! update) runs once. Each graph's sources are bound by name: `input`s to the batch (and the
+//! learning rate), `param`s and `state`s to the state table. After a graph runs, each of its
+//! [`Write`]s stores an output into a state entry, which is how a step updates the masters,
+//! moments, gradients and scaler.
+//!
+//! The control entries (step, loss scale, scaler counters) and the optimizer step's
+//! learning-rate input and gradient-norm output are named once, in [`control`], and
+//! [`TrainingPlan::check`] requires them: an executor never falls back to a default.
+//!
+//! Plans serialize to JSON, with each graph in the IR text format (the one format that
+//! prints and parses), so a plan written by `castor compile` runs anywhere.
+
+mod control;
+mod settings;
+
+pub use control::{ControlState, GRAD_NORM, LEARNING_RATE};
+pub use settings::{LossScaling, OptimizerKind, Remat, TrainSettings};
+
+use crate::{text, DType, Graph, IrError, Shape, TensorType};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+
+/// The format tag written into every plan file.
+pub const PLAN_FORMAT: &str = "castor-training-plan/2";
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainingPlan {
+    pub format: String,
+    pub settings: TrainSettings,
+    /// Forward and backward of one micro-batch.
+    #[serde(with = "graph_text")]
+    pub micro_step: Graph,
+    /// The first `forward_nodes` nodes of the micro step are the forward pass (the loss);
+    /// the rest is the backward pass, recomputation and gradient accumulation.
+    pub forward_nodes: usize,
+    /// Outputs of the micro step stored into state after every micro-batch.
+    pub micro_step_writes: Vec<Write>,
+    /// The update, once per step after `grad_accum` micro steps.
+    #[serde(with = "graph_text")]
+    pub optimizer_step: Graph,
+    pub optimizer_step_writes: Vec<Write>,
+    /// Every persistent buffer, in a fixed order.
+    pub state: Vec<StateSpec>,
+    /// Groups of pointwise nodes that run as one generated kernel each.
+    #[serde(default)]
+    pub fused_kernels: Vec<FusedKernel>,
+}
+
+/// A group of pointwise nodes of one graph that runs as one kernel: the members in order (by
+/// their first result's name), which read the group's inputs and each other, and the CUDA C
+/// source generated for them. Its results are the members' values that are read outside the
+/// group. Each member's result is rounded to its dtype exactly where the unfused graph stores
+/// it, so fused and unfused execution agree bit for bit.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FusedKernel {
+    /// The kernel's entry point.
+    pub name: String,
+    /// `micro_step` or `optimizer_step`.
+    pub graph: String,
+    pub members: Vec<String>,
+    pub source: String,
+}
+
+/// Output `output` of a graph is stored into the state entry `state`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Write {
+    pub output: String,
+    pub state: String,
+}
+
+/// One persistent buffer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateSpec {
+    pub name: String,
+    #[serde(with = "type_text")]
+    pub ty: TensorType,
+    pub role: StateRole,
+    pub init: StateInit,
+}
+
+/// What a persistent buffer is for (the rows of the memory anatomy).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateRole {
+    /// F32 master weights.
+    Master,
+    /// A low-precision working copy of a master.
+    WorkingCopy,
+    /// F32 gradients (accumulated over micro-batches).
+    Gradient,
+    /// Optimizer moments.
+    OptimizerState,
+    /// Step count and loss-scaler state.
+    Control,
+}
+
+/// How a persistent buffer starts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum StateInit {
+    /// The checkpoint tensor of this name.
+    Checkpoint(String),
+    /// The named master rounded to the buffer's dtype.
+    CopyOf(String),
+    Zeros,
+    /// These values, one per element.
+    Values(Vec<f64>),
+}
+
+/// A plan file that cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanError {
+    #[error("not a castor training plan: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("training plan format `{found}` is not supported (expected `{PLAN_FORMAT}`)")]
+    Format { found: String },
+    #[error("training plan: {graph} graph: {source}")]
+    Graph {
+        graph: &'static str,
+        #[source]
+        source: IrError,
+    },
+    #[error("training plan: {0}")]
+    Inconsistent(String),
+}
+
+impl TrainingPlan {
+    pub fn to_json(&self) -> String {
+        // A plan holds only strings, numbers and lists: serialization cannot fail.
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    /// Parses and checks a plan: both graphs verify, every source and write names a state
+    /// entry (or, for sources, a graph input) of the right type.
+    pub fn from_json(text: &str) -> Result<TrainingPlan, PlanError> {
+        let plan: TrainingPlan = serde_json::from_str(text)?;
+        if plan.format != PLAN_FORMAT {
+            return Err(PlanError::Format {
+                found: plan.format.clone(),
+            });
+        }
+        plan.check()?;
+        Ok(plan)
+    }
+
+    pub fn state_spec(&self, name: &str) -> Option<&StateSpec> {
+        self.state.iter().find(|s| s.name == name)
+    }
+
+    /// The state entry of a control value; [`TrainingPlan::check`] guarantees it for every
+    /// entry the plan's loss scaling requires.
+    pub fn control(&self, c: ControlState) -> Result<&StateSpec, PlanError> {
+        self.state_spec(c.name())
+            .filter(|s| s.role == StateRole::Control)
+            .ok_or_else(|| PlanError::Inconsistent(format!("the plan has no control entry `{c}`")))
+    }
+
+    /// The structural invariants `from_json` relies on, and the control contract: every
+    /// control entry the loss scaling requires exists with its type, every entry of role
+    /// control is one castor knows, and the optimizer step takes the learning rate and
+    /// returns the gradient norm.
+    pub fn check(&self) -> Result<(), PlanError> {
+        let bad = |m: String| Err(PlanError::Inconsistent(m));
+        let mut by_name: HashMap<&str, &StateSpec> = HashMap::with_capacity(self.state.len());
+        for s in &self.state {
+            if by_name.insert(s.name.as_str(), s).is_some() {
+                return bad(format!("state `{}` is listed twice", s.name));
+            }
+            if s.role == StateRole::Control && ControlState::from_name(&s.name).is_none() {
+                let known: Vec<&str> = ControlState::ALL.iter().map(|c| c.name()).collect();
+                return bad(format!(
+                    "state `{}` has role control but is no control entry castor knows ({})",
+                    s.name,
+                    known.join(", ")
+                ));
+            }
+            if let StateInit::Values(v) = &s.init {
+                if Some(v.len()) != s.ty.shape.numel() {
+                    return bad(format!(
+                        "state `{}` ({}) has {} initial values",
+                        s.name,
+                        s.ty,
+                        v.len()
+                    ));
+                }
+            }
+        }
+        for c in ControlState::ALL {
+            match by_name.get(c.name()) {
+                Some(s) if s.role == StateRole::Control && s.ty == c.ty() => {}
+                Some(s) => {
+                    return bad(format!(
+                        "control entry `{c}` must be {} with role control, found {} ({:?})",
+                        c.ty(),
+                        s.ty,
+                        s.role
+                    ))
+                }
+                None if c.required(&self.settings.loss_scaling) => {
+                    return bad(format!("the plan has no control entry `{c}`"))
+                }
+                None => {}
+            }
+        }
+        if self.forward_nodes > self.micro_step.num_nodes() {
+            return bad(format!(
+                "the forward pass has {} nodes but the micro step only {}",
+                self.forward_nodes,
+                self.micro_step.num_nodes()
+            ));
+        }
+        let scalar = TensorType::new(DType::F32, Shape::scalar());
+        let lr = self.optimizer_step.lookup(LEARNING_RATE);
+        if lr.is_none_or(|v| {
+            self.optimizer_step
+                .node(self.optimizer_step.value(v).producer)
+                .op
+                != crate::Op::Input
+                || self.optimizer_step.ty(v) != &scalar
+        }) {
+            return bad(format!(
+                "the optimizer step must take the learning rate as an f32[] input `%{LEARNING_RATE}`"
+            ));
+        }
+        if !self.optimizer_step.outputs().iter().any(|&v| {
+            self.optimizer_step.name(v) == GRAD_NORM && self.optimizer_step.ty(v) == &scalar
+        }) {
+            return bad(format!(
+                "the optimizer step must return the gradient norm as an f32[] output `%{GRAD_NORM}`"
+            ));
+        }
+        for (label, g, writes) in [
+            ("micro-step", &self.micro_step, &self.micro_step_writes),
+            (
+                "optimizer-step",
+                &self.optimizer_step,
+                &self.optimizer_step_writes,
+            ),
+        ] {
+            crate::verify(g).map_err(|source| PlanError::Graph {
+                graph: label,
+                source,
+            })?;
+            for (_, node) in g.nodes() {
+                if !matches!(node.op, crate::Op::Param | crate::Op::State) {
+                    continue;
+                }
+                let v = node.outputs[0];
+                match by_name.get(g.name(v)) {
+                    Some(s) if &s.ty == g.ty(v) => {}
+                    Some(s) => {
+                        return bad(format!(
+                            "{label} graph reads `%{}` as {} but the state holds {}",
+                            g.name(v),
+                            g.ty(v),
+                            s.ty
+                        ))
+                    }
+                    None => {
+                        return bad(format!(
+                            "{label} graph reads `%{}`, which is not in the state table",
+                            g.name(v)
+                        ))
+                    }
+                }
+            }
+            let outputs: HashMap<&str, crate::Value> =
+                g.outputs().iter().map(|&v| (g.name(v), v)).collect();
+            for w in writes {
+                let Some(v) = outputs.get(w.output.as_str()) else {
+                    return bad(format!(
+                        "{label} graph has no output `%{}` to write to `{}`",
+                        w.output, w.state
+                    ));
+                };
+                match by_name.get(w.state.as_str()) {
+                    Some(s) if &s.ty == g.ty(*v) => {}
+                    _ => {
+                        return bad(format!(
+                            "{label} graph output `%{}` ({}) does not fit state `{}`",
+                            w.output,
+                            g.ty(*v),
+                            w.state
+                        ))
+                    }
+                }
+            }
+        }
+        if self.settings.grad_accum == 0 {
+            return bad("grad_accum must be at least 1".into());
+        }
+        Ok(())
+    }
+
+    /// Bytes of persistent state by role.
+    pub fn state_bytes(&self, role: StateRole) -> u64 {
+        self.state
+            .iter()
+            .filter(|s| s.role == role)
+            .map(|s| s.ty.size_bytes().unwrap_or(0) as u64)
+            .sum()
+    }
+}
+
+impl StateRole {
+    pub fn describe(self) -> &'static str {
+        match self {
+            StateRole::Master => "F32 master weights",
+            StateRole::WorkingCopy => "low-precision weights",
+            StateRole::Gradient => "gradients",
+            StateRole::OptimizerState => "optimizer state",
+            StateRole::Control => "step and loss-scale state",
+        }
+    }
+}
+
+/// Graphs as IR text inside the JSON.
+mod graph_text {
+    use super::*;
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(g: &Graph, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&text::print(g))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Graph, D::Error> {
+        let src = String::deserialize(d)?;
+        text::parse(&src).map_err(serde::de::Error::custom)
+    }
+}
+
+/// Types as their IR text (`bf16[768, 768]`).
+mod type_text {
+    use super::*;
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &TensorType, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&t.to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<TensorType, D::Error> {
+        let src = String::deserialize(d)?;
+        parse_type(&src).ok_or_else(|| serde::de::Error::custom(format!("bad tensor type `{src}`")))
+    }
+
+    fn parse_type(s: &str) -> Option<TensorType> {
+        let (dtype, rest) = s.split_once('[')?;
+        let dtype: DType = dtype.trim().parse().ok()?;
+        let dims = rest.strip_suffix(']')?;
+        let dims = if dims.trim().is_empty() {
+            Vec::new()
+        } else {
+            dims.split(',')
+                .map(|d| d.trim().parse::<usize>().ok())
+                .collect::<Option<Vec<_>>>()?
+        };
+        Some(TensorType::new(dtype, dims))
+    }
+}

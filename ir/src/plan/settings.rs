@@ -1,0 +1,134 @@
+//! The settings a plan was built with: precision, objective, shapes, optimizer, loss
+//! scaling, recomputation.
+
+use crate::Precision;
+use serde::{Deserialize, Serialize};
+
+/// The settings a plan was built with: recorded for logs and checkpoints; the graphs hold
+/// everything the step computes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainSettings {
+    pub precision: Precision,
+    pub objective: String,
+    pub batch: usize,
+    pub seq: usize,
+    pub grad_accum: usize,
+    pub optimizer: OptimizerKind,
+    /// Global-norm clipping threshold; 0 = none.
+    pub max_grad_norm: f64,
+    pub loss_scaling: LossScaling,
+    /// Parameters that are not trained.
+    pub frozen: Vec<String>,
+    /// Parameters trained without weight decay.
+    pub no_decay: Vec<String>,
+    /// Weight gradients computed in the working copy's dtype (then widened to F32), as
+    /// PyTorch autocast does, rather than written in F32 by their contractions.
+    #[serde(default)]
+    pub param_grads_in_compute_dtype: bool,
+    /// What the micro step recomputes in its backward part instead of keeping.
+    #[serde(default, skip_serializing_if = "Remat::is_none")]
+    pub remat: Remat,
+}
+
+/// Rematerialization: which forward values the backward part recomputes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Remat {
+    /// Keep every forward value the backward part reads.
+    #[default]
+    None,
+    /// Keep each transformer block's input; recompute the rest of the block.
+    Full,
+    /// Recompute the attention scores and softmax and cheap pointwise and layout ops; keep
+    /// contraction and normalization outputs.
+    Selective,
+    /// Keep what fits: the step's simulated peak stays within this many bytes.
+    Budget(u64),
+}
+
+impl Remat {
+    pub fn is_none(&self) -> bool {
+        *self == Remat::None
+    }
+}
+
+impl std::fmt::Display for Remat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Remat::None => f.write_str("none"),
+            Remat::Full => f.write_str("full"),
+            Remat::Selective => f.write_str("selective"),
+            Remat::Budget(b) => write!(f, "budget:{b}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Remat {
+    type Err = String;
+
+    /// `none`, `full`, `selective` or `budget:<bytes>`, the bytes a number with an optional
+    /// unit (`B`, `KB`/`MB`/`GB`/`TB` = powers of 1000, `KiB`/`MiB`/`GiB`/`TiB` = of 1024).
+    fn from_str(s: &str) -> Result<Remat, String> {
+        match s.trim() {
+            "none" => Ok(Remat::None),
+            "full" => Ok(Remat::Full),
+            "selective" => Ok(Remat::Selective),
+            other => match other.strip_prefix("budget:") {
+                Some(b) => crate::parse_bytes(b).map(Remat::Budget).ok_or_else(|| {
+                    format!(
+                        "`{other}`: the budget must be a byte count such as 20GiB, 1.5GB or 123456"
+                    )
+                }),
+                None => Err(format!(
+                    "`{other}`: expected none, full, selective or budget:<bytes>"
+                )),
+            },
+        }
+    }
+}
+
+impl Serialize for Remat {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Remat {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Remat, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum OptimizerKind {
+    AdamW {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
+    Sgd {
+        momentum: f64,
+        weight_decay: f64,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "kind")]
+pub enum LossScaling {
+    None,
+    Static {
+        scale: f64,
+    },
+    Dynamic {
+        init_scale: f64,
+        growth_factor: f64,
+        backoff_factor: f64,
+        growth_interval: usize,
+        hysteresis: usize,
+        max_scale: f64,
+        /// Training stops with an error when the scale falls below this.
+        min_scale: f64,
+    },
+}

@@ -1,0 +1,130 @@
+// host_model.cu: kernels for kernels/tests/host.rs, which checks the host build's execution
+// model (host/castor_host.h, host/runtime.cpp) against CUDA's documented semantics, and
+// kernels with seeded bugs it must catch. Not part of castor's kernels.
+
+// Every warp operation, each lane's results in out[12 * thread ..]: the shuffles with `width`,
+// the votes, the matches.
+extern "C" __global__ void warp_ops(const int* in, int* out, int width) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const int v = in[t];
+    int* o = out + 12 * t;
+    o[0] = __shfl_sync(0xffffffffu, v, 3, width);
+    o[1] = __shfl_up_sync(0xffffffffu, v, 1, width);
+    o[2] = __shfl_down_sync(0xffffffffu, v, 2, width);
+    o[3] = __shfl_xor_sync(0xffffffffu, v, 5, width);
+    o[4] = __all_sync(0xffffffffu, v > 0);
+    o[5] = __any_sync(0xffffffffu, v > 90);
+    o[6] = int(__ballot_sync(0xffffffffu, v & 1));
+    o[7] = int(__match_any_sync(0xffffffffu, v % 4));
+    int pred = -1;
+    o[8] = int(__match_all_sync(0xffffffffu, v / 1000, &pred));
+    o[9] = pred;
+    o[10] = __shfl_sync(0xffffffffu, (long long)v * 3000000000ll, 7) / 1000000;  // 8 bytes
+    o[11] = int(__activemask() >> (threadIdx.x & 31) & 1u);  // the active mask holds the caller
+}
+
+// Two half-warps, each with its own mask: lanes 0-15 and 16-31 exchange separately.
+extern "C" __global__ void half_warps(const int* in, int* out) {
+    const unsigned lane = threadIdx.x & 31;
+    const unsigned mask = lane < 16 ? 0x0000ffffu : 0xffff0000u;
+    const int v = in[threadIdx.x];
+    out[threadIdx.x] = __shfl_xor_sync(mask, v, 1) + 1000 * __popc(__ballot_sync(mask, v & 1));
+}
+
+// Shared memory and barriers: the block's values reversed, twice through shared memory.
+extern "C" __global__ void reverse_block(const float* in, float* out) {
+    __shared__ float s[1024];
+    const int n = blockDim.x;
+    const int i = threadIdx.x;
+    s[i] = in[blockIdx.x * n + i];
+    __syncthreads();
+    const float r = s[n - 1 - i];
+    __syncthreads();
+    s[i] = r * 2.0f;
+    __syncthreads();
+    out[blockIdx.x * n + i] = s[n - 1 - i];
+}
+
+// The seeded race: reverse_block's first barrier missing. A thread reads a value another
+// thread may not have written yet.
+extern "C" __global__ void reverse_block_racy(const float* in, float* out) {
+    __shared__ float s[1024];
+    const int n = blockDim.x;
+    const int i = threadIdx.x;
+    s[i] = in[blockIdx.x * n + i];
+    const float r = s[n - 1 - i];
+    __syncthreads();
+    s[i] = r * 2.0f;
+    __syncthreads();
+    out[blockIdx.x * n + i] = s[n - 1 - i];
+}
+
+// Atomics across the grid: counts of each value mod 7, the minimum, a CAS chain.
+extern "C" __global__ void atomics(const int* in, int n, int* counts, int* minimum,
+                                   unsigned long long* sum, int* cas_hits) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        atomicAdd(&counts[in[i] % 7], 1);
+        atomicMin(minimum, in[i]);
+        atomicAdd(sum, (unsigned long long)in[i]);
+        // Exactly one thread swaps 0 -> 1.
+        if (atomicCAS(&cas_hits[1], 0, 1) == 0) atomicAdd(&cas_hits[0], 1);
+    }
+}
+
+// Each float in, every conversion of castor_host.h: 8 halves and bfloat16s (rn, rz, rd, ru
+// each), and the integer conversions.
+extern "C" __global__ void conversions(const float* x, int n, unsigned short* h, long long* ll,
+                                       float* back) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        const float v = x[i];
+        unsigned short* o = h + 8 * i;
+        o[0] = __half_as_ushort(__float2half_rn(v));
+        o[1] = __half_as_ushort(__float2half_rz(v));
+        o[2] = __half_as_ushort(__float2half_rd(v));
+        o[3] = __half_as_ushort(__float2half_ru(v));
+        o[4] = __bfloat16_as_ushort(__float2bfloat16_rn(v));
+        o[5] = __bfloat16_as_ushort(__float2bfloat16_rz(v));
+        o[6] = __bfloat16_as_ushort(__float2bfloat16_rd(v));
+        o[7] = __bfloat16_as_ushort(__float2bfloat16_ru(v));
+        ll[i] = isnan(v) ? 0 : __float2ll_rz(v);
+        back[2 * i] = __ll2float_rn(ll[i]);
+        back[2 * i + 1] = __half2float(__float2half_rn(v));
+    }
+}
+
+// Every half and bfloat16 bit pattern widened to F32.
+extern "C" __global__ void widen(int n, float* f16, float* bf16) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        f16[i] = __half2float(__ushort_as_half((unsigned short)i));
+        bf16[i] = __bfloat162float(__ushort_as_bfloat16((unsigned short)i));
+    }
+}
+
+// Misuse the device leaves undefined, each of which must be an error naming the thread.
+// kind 0: a shuffle naming lanes that exited; 1: a shuffle naming a lane that waits at
+// __syncthreads; 2: a mask without the calling lane; 3: two lanes of a warp at different warp
+// operations; 4: a shuffle reading a lane outside its mask.
+extern "C" __global__ void misuse(int kind, int* out) {
+    const int lane = threadIdx.x & 31;
+    int v = lane;
+    if (kind == 0) {
+        if (lane >= 16) return;
+        v = __shfl_sync(0xffffffffu, v, 0);
+    } else if (kind == 1) {
+        if (lane == 0) __syncthreads();
+        v = __shfl_sync(0xffffffffu, v, 0);
+    } else if (kind == 2) {
+        v = __shfl_sync(1u << ((lane + 1) & 31), v, 0);
+    } else if (kind == 3) {
+        v = lane < 8 ? __shfl_xor_sync(0xffffffffu, v, 1) : __shfl_up_sync(0xffffffffu, v, 1);
+    } else if (kind == 4) {
+        if (lane < 16) v = __shfl_sync(0x0000ffffu, v, 20);
+    }
+    out[threadIdx.x] = v;
+}
+
+// The seeded out-of-bounds write: one element past the end of `out` (n elements).
+extern "C" __global__ void write_past_end(float* out, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i <= n) out[i] = 1.0f;
+}

@@ -1,0 +1,442 @@
+//! From a precision-assigned loss graph to a [`TrainingPlan`], as a pipeline of plan passes.
+//!
+//! The plan starts as the loss graph (the micro step's forward part) and grows pass by pass:
+//!
+//! 1. `autodiff` appends the backward pass, seeded with `loss_scale / grad_accum` (so gradients
+//!    come out scaled, and averaged over micro-batches);
+//! 2. `accumulate` writes each trainable parameter's F32 gradient into its `grad.<name>` state
+//!    (added to it when gradients accumulate over several micro-batches);
+//! 3. `optimizer` builds the state table (masters, working copies, gradients, moments, control)
+//!    and the optimizer step: the global gradient norm of the unscaled gradients (its
+//!    finiteness is the found-inf flag), one fused AdamW or SGD op per parameter buffer
+//!    (unscale, clip, update master and moments, write the working copy), the step count
+//!    unless skipped, the loss-scale update;
+//! 4. `remat` rewrites the micro step under `--remat`, the budget measured against the whole
+//!    step's planned peak;
+//! 5. `fusion` records the pointwise groups that run as one kernel each.
+//!
+//! Every decision that depends on the step's data is a graph op, so nothing is decided on the
+//! host. Like the precision [`crate::Pipeline`], the training pipeline verifies both graphs
+//! after every pass (in debug builds, tests and with `--verify`) and keeps the IR text after a
+//! named pass (`--dump-after`); the finished plan is checked against its contract.
+
+mod gradients;
+mod optimizer;
+
+use crate::{PassError, PassReport};
+use castor_ir::{text, verify, Graph, TrainSettings, TrainingPlan, Value, PLAN_FORMAT};
+use wildmatch::WildMatch;
+
+/// A plan under construction: the plan so far, the loss graph it was started from, and the
+/// parameters' roles decided from the settings.
+pub struct PlanBuild {
+    pub plan: TrainingPlan,
+    /// The precision-assigned loss graph (the micro step's first `plan.forward_nodes` nodes).
+    pub forward: Graph,
+    /// Every parameter of the loss graph, in order.
+    params: Vec<Value>,
+    /// The parameters that are trained (not frozen).
+    trainable: Vec<Value>,
+    /// Trained without weight decay.
+    no_decay: Vec<Value>,
+}
+
+impl PlanBuild {
+    /// A plan whose micro step is the loss graph (first output: the scalar loss) and which has
+    /// no optimizer step or state yet. `--freeze` and `--no-decay` globs must each match a
+    /// parameter.
+    pub fn new(forward: &Graph, settings: TrainSettings) -> Result<PlanBuild, PassError> {
+        if settings.grad_accum == 0 {
+            return Err(bad("--grad-accum must be at least 1".into()));
+        }
+        let params: Vec<Value> = forward.params().collect();
+        let frozen = matching(forward, &params, &settings.frozen, "--freeze")?;
+        let no_decay = matching(forward, &params, &settings.no_decay, "--no-decay")?;
+        let trainable: Vec<Value> = params
+            .iter()
+            .copied()
+            .filter(|p| !frozen.contains(p))
+            .collect();
+        if trainable.is_empty() {
+            return Err(bad("every parameter is frozen: nothing to train".into()));
+        }
+        let mut micro_step = forward.clone();
+        micro_step.name = "micro_step".into();
+        Ok(PlanBuild {
+            plan: TrainingPlan {
+                format: PLAN_FORMAT.into(),
+                settings,
+                micro_step,
+                forward_nodes: forward.num_nodes(),
+                micro_step_writes: Vec::new(),
+                optimizer_step: Graph::new("optimizer_step"),
+                optimizer_step_writes: Vec::new(),
+                state: Vec::new(),
+                fused_kernels: Vec::new(),
+            },
+            forward: forward.clone(),
+            params,
+            trainable,
+            no_decay,
+        })
+    }
+
+    fn frozen(&self) -> usize {
+        self.params.len() - self.trainable.len()
+    }
+}
+
+/// One step of the training build.
+pub trait PlanPass {
+    /// The name used by `--dump-after` and in reports.
+    fn name(&self) -> &'static str;
+    fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError>;
+}
+
+/// The training build's passes, in order.
+pub struct TrainingPipeline {
+    passes: Vec<Box<dyn PlanPass>>,
+    verify_each: bool,
+    dump_after: Option<String>,
+}
+
+/// The plan, each pass's report, and the requested dump.
+pub struct TrainingOutput {
+    pub plan: TrainingPlan,
+    pub reports: Vec<(&'static str, PassReport)>,
+    /// Both graphs' IR text after the pass named by [`TrainingPipeline::dump_after`].
+    pub dump: Option<String>,
+}
+
+impl Default for TrainingPipeline {
+    /// autodiff, accumulate, optimizer, remat, fusion.
+    fn default() -> Self {
+        TrainingPipeline::new(vec![
+            Box::new(gradients::Differentiate),
+            Box::new(gradients::Accumulate),
+            Box::new(optimizer::OptimizerStep),
+            Box::new(Rematerialize),
+            Box::new(Fuse),
+        ])
+    }
+}
+
+impl TrainingPipeline {
+    pub fn new(passes: Vec<Box<dyn PlanPass>>) -> Self {
+        TrainingPipeline {
+            passes,
+            verify_each: cfg!(debug_assertions),
+            dump_after: None,
+        }
+    }
+
+    pub fn pass_names(&self) -> Vec<&'static str> {
+        self.passes.iter().map(|p| p.name()).collect()
+    }
+
+    /// Verify both graphs after every pass (on by default in debug builds and tests).
+    pub fn verify_each(mut self, on: bool) -> Self {
+        self.verify_each = on;
+        self
+    }
+
+    /// Keep the plan's IR text after the pass called `name`.
+    pub fn dump_after(mut self, name: Option<&str>) -> Result<Self, PassError> {
+        if let Some(n) = name {
+            if !self.passes.iter().any(|p| p.name() == n) {
+                return Err(PassError::UnknownPass {
+                    name: n.to_string(),
+                    available: self.pass_names().join(", "),
+                });
+            }
+        }
+        self.dump_after = name.map(str::to_string);
+        Ok(self)
+    }
+
+    /// Builds the plan of `forward` (first output: the scalar loss; dtypes assigned by the
+    /// precision passes) and checks it against the plan contract.
+    pub fn run(
+        &self,
+        forward: &Graph,
+        settings: TrainSettings,
+    ) -> Result<TrainingOutput, PassError> {
+        let mut build = PlanBuild::new(forward, settings)?;
+        let mut reports = Vec::new();
+        let mut dump = None;
+        for pass in &self.passes {
+            let report = pass.run(&mut build)?;
+            let plan = &build.plan;
+            if self.verify_each {
+                for g in [&plan.micro_step, &plan.optimizer_step] {
+                    verify(g).map_err(|source| PassError::Verify {
+                        pass: pass.name().to_string(),
+                        source,
+                    })?;
+                }
+            }
+            if self.dump_after.as_deref() == Some(pass.name()) {
+                let mut text = text::print(&plan.micro_step);
+                // The optimizer step exists from the `optimizer` pass on.
+                if plan.optimizer_step.num_nodes() > 0 {
+                    text.push('\n');
+                    text.push_str(&text::print(&plan.optimizer_step));
+                }
+                dump = Some(text);
+            }
+            reports.push((pass.name(), report));
+        }
+        build
+            .plan
+            .check()
+            .map_err(|e| internal("training", format!("the plan is inconsistent: {e}")))?;
+        Ok(TrainingOutput {
+            plan: build.plan,
+            reports,
+            dump,
+        })
+    }
+}
+
+/// Builds the training plan for `forward` with the default pipeline; the report sums up the
+/// plan in one line.
+pub fn build_training_plan(
+    forward: &Graph,
+    settings: TrainSettings,
+) -> Result<(TrainingPlan, PassReport), PassError> {
+    let out = TrainingPipeline::default().run(forward, settings)?;
+    let report = PassReport::new(plan_summary(&out.plan, &out.reports));
+    Ok((out.plan, report))
+}
+
+/// `training plan: 6 of 6 parameter buffers trained; micro step 31 nodes (2 fused into 1
+/// kernel(s)), optimizer step 35 nodes[; remat ...]`.
+fn plan_summary(plan: &TrainingPlan, reports: &[(&'static str, PassReport)]) -> String {
+    let params = plan.micro_step.params().count();
+    let trained = plan.micro_step_writes.len();
+    let fused: usize = plan.fused_kernels.iter().map(|k| k.members.len()).sum();
+    let mut s = format!(
+        "training plan: {trained} of {params} parameter buffers trained{}; micro step {} nodes{} ({fused} fused into {} kernel(s)), optimizer step {} nodes",
+        if trained < params {
+            format!(" ({} frozen)", params - trained)
+        } else {
+            String::new()
+        },
+        plan.micro_step.num_nodes(),
+        if plan.settings.grad_accum > 1 {
+            format!(" (x{} per step)", plan.settings.grad_accum)
+        } else {
+            String::new()
+        },
+        plan.fused_kernels.len(),
+        plan.optimizer_step.num_nodes()
+    );
+    if !plan.settings.remat.is_none() {
+        if let Some((_, r)) = reports.iter().find(|(n, _)| *n == "remat") {
+            s.push_str("; ");
+            s.push_str(&r.summary);
+        }
+    }
+    s
+}
+
+/// `remat`: recomputation in the micro step's backward part, the budget measured against the
+/// whole step's planned peak (state, micro step, optimizer step).
+struct Rematerialize;
+
+impl PlanPass for Rematerialize {
+    fn name(&self) -> &'static str {
+        "remat"
+    }
+
+    fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
+        let plan = &build.plan;
+        let ctx = crate::remat::RematContext::of_plan(plan, crate::cost::GpuSpec::default());
+        let out = crate::remat::rematerialize(&plan.micro_step, plan.settings.remat, &ctx)?;
+        build.plan.micro_step = out.graph;
+        Ok(PassReport::new(out.summary))
+    }
+}
+
+/// `fusion`: the micro step's pointwise groups, one generated kernel each.
+struct Fuse;
+
+impl PlanPass for Fuse {
+    fn name(&self) -> &'static str {
+        "fusion"
+    }
+
+    fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
+        let kernels = crate::fusion::fused_kernels(&build.plan.micro_step, "micro_step", "fused_");
+        let fused: usize = kernels.iter().map(|k| k.members.len()).sum();
+        let plan = &build.plan;
+        let report = format!(
+            "micro step {} nodes{}: {fused} pointwise node(s) fused into {} kernel(s)",
+            plan.micro_step.num_nodes(),
+            if plan.settings.grad_accum > 1 {
+                format!(" (x{} per step)", plan.settings.grad_accum)
+            } else {
+                String::new()
+            },
+            kernels.len()
+        );
+        build.plan.fused_kernels = kernels;
+        Ok(PassReport::new(report))
+    }
+}
+
+/// Parameters whose names match one of `globs`; a glob that matches nothing is an error (a
+/// typo would otherwise silently train or decay everything).
+fn matching(
+    g: &Graph,
+    params: &[Value],
+    globs: &[String],
+    flag: &str,
+) -> Result<Vec<Value>, PassError> {
+    let mut out = Vec::new();
+    for glob in globs {
+        let w = WildMatch::new(glob);
+        let hits: Vec<Value> = params
+            .iter()
+            .copied()
+            .filter(|&p| w.matches(g.name(p)))
+            .collect();
+        if hits.is_empty() {
+            let suggestions = crate::names::suggest(glob, params.iter().map(|&p| g.name(p)));
+            return Err(bad(format!(
+                "{flag} `{glob}` matches no parameter; did you mean {}?",
+                suggestions
+                    .iter()
+                    .map(|s| format!("`{s}`"))
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            )));
+        }
+        for p in hits {
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn bad(message: String) -> PassError {
+    PassError::Training(message)
+}
+
+fn internal(pass: &'static str, message: String) -> PassError {
+    PassError::Internal { pass, message }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use castor_ir::{LossScaling, OptimizerKind, Precision, Remat};
+
+    fn settings() -> TrainSettings {
+        TrainSettings {
+            precision: Precision::Fp32,
+            objective: "first-output".into(),
+            batch: 1,
+            seq: 2,
+            grad_accum: 2,
+            optimizer: OptimizerKind::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            max_grad_norm: 0.0,
+            loss_scaling: LossScaling::None,
+            frozen: vec![],
+            no_decay: vec![],
+            param_grads_in_compute_dtype: false,
+            remat: Remat::None,
+        }
+    }
+
+    fn loss_graph() -> Graph {
+        castor_ir::text::parse(
+            "graph g {
+               %x: f32[2,3] = input
+               %w: f32[3,3] = param
+               %y: f32[2,3] = matmul(%x, %w) {transpose_a=false, transpose_b=false, acc=f32}
+               %t: f32[2,3] = tanh(%y)
+               %loss: f32[] = sum(%t) {axes=[0,1], keepdim=false, acc=f32}
+               return %loss
+             }",
+        )
+        .unwrap()
+    }
+
+    /// Turns the micro step's first operation into one with a wrong result type.
+    struct Breaks;
+
+    impl PlanPass for Breaks {
+        fn name(&self) -> &'static str {
+            "breaks"
+        }
+
+        fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
+            let y = build.plan.micro_step.lookup("y").unwrap();
+            build.plan.micro_step.retype(y, castor_ir::DType::BF16);
+            build
+                .plan
+                .micro_step
+                .set_acc(build.plan.micro_step.value(y).producer, None);
+            let t = build.plan.micro_step.lookup("t").unwrap();
+            build.plan.micro_step.retype(t, castor_ir::DType::F16);
+            Ok(PassReport::new("broke it"))
+        }
+    }
+
+    #[test]
+    fn every_pass_reports_and_can_be_dumped() {
+        let names = TrainingPipeline::default().pass_names();
+        assert_eq!(
+            names,
+            ["autodiff", "accumulate", "optimizer", "remat", "fusion"]
+        );
+        for name in names {
+            let out = TrainingPipeline::default()
+                .dump_after(Some(name))
+                .unwrap()
+                .run(&loss_graph(), settings())
+                .unwrap();
+            assert_eq!(out.reports.len(), 5);
+            let dump = out.dump.unwrap();
+            assert!(dump.starts_with("graph micro_step {"), "{name}: {dump}");
+            // Accumulation over two micro-batches adds the gradient to its state.
+            assert_eq!(
+                dump.contains("%grad.w.sum"),
+                name != "autodiff",
+                "{name}: {dump}"
+            );
+            assert_eq!(
+                dump.contains("graph optimizer_step {"),
+                !matches!(name, "autodiff" | "accumulate"),
+                "{name}: {dump}"
+            );
+        }
+        let err = TrainingPipeline::default()
+            .dump_after(Some("autocast"))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            err.contains("autodiff, accumulate, optimizer, remat, fusion"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_pass_that_breaks_the_graph_is_named() {
+        let pipeline =
+            TrainingPipeline::new(vec![Box::new(gradients::Differentiate), Box::new(Breaks)])
+                .verify_each(true);
+        let err = pipeline.run(&loss_graph(), settings()).err().unwrap();
+        assert!(
+            matches!(&err, PassError::Verify { pass, .. } if pass == "breaks"),
+            "{err}"
+        );
+    }
+}

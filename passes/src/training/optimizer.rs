@@ -1,0 +1,231 @@
+//! `optimizer`: the state table (masters, working copies, gradients, moments, control) and the
+//! optimizer step: the global gradient norm of the unscaled gradients (its finiteness is the
+//! found-inf flag), one fused AdamW or SGD op per parameter buffer (unscale, clip, update
+//! master and moments, write the working copy), the step count unless the step was skipped,
+//! and the loss-scale update.
+
+use super::{PlanBuild, PlanPass};
+use crate::autodiff::grad_name;
+use crate::{PassError, PassReport};
+use castor_ir::{
+    ControlState, DType, Graph, GraphBuilder, LossScaling, Op, OptimizerKind, Shape, StateInit,
+    StateRole, StateSpec, TensorType, TrainSettings, Value, Write, GRAD_NORM, LEARNING_RATE,
+};
+
+pub(super) struct OptimizerStep;
+
+impl PlanPass for OptimizerStep {
+    fn name(&self) -> &'static str {
+        "optimizer"
+    }
+
+    fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
+        let fwd = &build.forward;
+        let settings = &build.plan.settings;
+        let (params, trainable) = (&build.params, &build.trainable);
+        let mut state = Vec::new();
+        for &p in params {
+            state.push(StateSpec {
+                name: fwd.name(p).to_string(),
+                ty: fwd.ty(p).clone(),
+                role: StateRole::Master,
+                init: StateInit::Checkpoint(fwd.name(p).to_string()),
+            });
+        }
+        let copies = working_copies(fwd);
+        for (master, copy) in &copies {
+            state.push(StateSpec {
+                name: fwd.name(*copy).to_string(),
+                ty: fwd.ty(*copy).clone(),
+                role: StateRole::WorkingCopy,
+                init: StateInit::CopyOf(fwd.name(*master).to_string()),
+            });
+        }
+        for &p in trainable {
+            state.push(StateSpec {
+                name: grad_name(fwd.name(p)),
+                ty: TensorType::new(DType::F32, fwd.ty(p).shape.clone()),
+                role: StateRole::Gradient,
+                init: StateInit::Zeros,
+            });
+        }
+        let moments: &[&str] = match settings.optimizer {
+            OptimizerKind::AdamW { .. } => &["adamw.m", "adamw.v"],
+            OptimizerKind::Sgd { .. } => &["sgd.momentum"],
+        };
+        for &p in trainable {
+            for m in moments {
+                state.push(StateSpec {
+                    name: format!("{m}.{}", fwd.name(p)),
+                    ty: TensorType::new(DType::F32, fwd.ty(p).shape.clone()),
+                    role: StateRole::OptimizerState,
+                    init: StateInit::Zeros,
+                });
+            }
+        }
+        // Every control entry, the counters included when they stay unused, so the state table
+        // has one shape whatever the loss scaling.
+        for c in ControlState::ALL {
+            state.push(StateSpec {
+                name: c.name().into(),
+                ty: c.ty(),
+                role: StateRole::Control,
+                init: StateInit::Values(c.initial(&settings.loss_scaling)),
+            });
+        }
+
+        let (graph, writes) =
+            optimizer_graph(fwd, settings, trainable, &build.no_decay, &copies, moments)?;
+        let report = format!(
+            "{} update(s) of {} parameter buffer(s){}; state: {} entries; optimizer step {} nodes",
+            match settings.optimizer {
+                OptimizerKind::AdamW { .. } => "AdamW",
+                OptimizerKind::Sgd { .. } => "SGD",
+            },
+            trainable.len(),
+            match build.frozen() {
+                0 => String::new(),
+                f => format!(" ({f} frozen)"),
+            },
+            state.len(),
+            graph.num_nodes()
+        );
+        build.plan.state = state;
+        build.plan.optimizer_step = graph;
+        build.plan.optimizer_step_writes = writes;
+        Ok(PassReport::new(report))
+    }
+}
+
+/// `(master, copy)` for every `param_copy` in the forward graph.
+fn working_copies(g: &Graph) -> Vec<(Value, Value)> {
+    g.nodes()
+        .filter(|(_, n)| matches!(n.op, Op::ParamCopy { .. }))
+        .map(|(_, n)| (n.inputs[0], n.outputs[0]))
+        .collect()
+}
+
+fn optimizer_graph(
+    fwd: &Graph,
+    settings: &TrainSettings,
+    trainable: &[Value],
+    no_decay: &[Value],
+    copies: &[(Value, Value)],
+    moments: &[&str],
+) -> Result<(Graph, Vec<Write>), PassError> {
+    let scalar = TensorType::new(DType::F32, Shape::scalar());
+    let mut b = GraphBuilder::new("optimizer_step");
+    let lr = b.input(LEARNING_RATE, scalar)?;
+    let step = b.state(ControlState::Step.name(), ControlState::Step.ty())?;
+    let scale = b.state(ControlState::LossScale.name(), ControlState::LossScale.ty())?;
+    let mut grads = Vec::new();
+    for &p in trainable {
+        let ty = TensorType::new(DType::F32, fwd.ty(p).shape.clone());
+        grads.push(b.state(&grad_name(fwd.name(p)), ty)?);
+    }
+    let mut operands = grads.clone();
+    operands.push(scale);
+    let norm = b.op(GRAD_NORM, Op::GradNorm, &operands)?;
+    if b.graph().name(norm) != GRAD_NORM {
+        return Err(internal("the gradient norm could not take its name".into()));
+    }
+
+    let mut outputs = vec![norm];
+    let mut writes = Vec::new();
+    let mut write = |b: &mut GraphBuilder, v: Value, state: &str| -> Result<(), PassError> {
+        let name = format!("{state}.next");
+        b.rename(v, &name)?;
+        outputs.push(v);
+        writes.push(Write {
+            output: name,
+            state: state.to_string(),
+        });
+        Ok(())
+    };
+    for (&p, &grad) in trainable.iter().zip(&grads) {
+        let pname = fwd.name(p);
+        let master = b.param(pname, fwd.ty(p).clone())?;
+        let mut ins = vec![master, grad];
+        for m in moments {
+            let ty = fwd.ty(p).clone();
+            ins.push(b.state(&format!("{m}.{pname}"), ty)?);
+        }
+        ins.extend([lr, step, scale, norm]);
+        let copy = copies.iter().find(|(m, _)| *m == p).map(|&(_, c)| c);
+        let decay = !no_decay.contains(&p);
+        let op = match settings.optimizer {
+            OptimizerKind::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay: if decay { weight_decay } else { 0.0 },
+                max_grad_norm: settings.max_grad_norm,
+                copy: copy.map(|c| fwd.ty(c).dtype),
+            },
+            OptimizerKind::Sgd {
+                momentum,
+                weight_decay,
+            } => Op::Sgd {
+                momentum,
+                weight_decay: if decay { weight_decay } else { 0.0 },
+                max_grad_norm: settings.max_grad_norm,
+                copy: copy.map(|c| fwd.ty(c).dtype),
+            },
+        };
+        let n_out = 1 + moments.len() + usize::from(copy.is_some());
+        let outs = b.op_multi(&format!("update.{pname}"), op, &ins)?;
+        if outs.len() != n_out {
+            return Err(internal(format!(
+                "the update of `{pname}` has {} results",
+                outs.len()
+            )));
+        }
+        write(&mut b, outs[0], pname)?;
+        for (m, &v) in moments.iter().zip(&outs[1..]) {
+            write(&mut b, v, &format!("{m}.{pname}"))?;
+        }
+        if let Some(c) = copy {
+            write(&mut b, outs[n_out - 1], fwd.name(c))?;
+        }
+    }
+    let next_step = b.op("count_step", Op::CountStep, &[step, norm])?;
+    write(&mut b, next_step, ControlState::Step.name())?;
+    if let LossScaling::Dynamic {
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis,
+        max_scale,
+        ..
+    } = settings.loss_scaling
+    {
+        let counters = b.state(
+            ControlState::LossScaleCounters.name(),
+            ControlState::LossScaleCounters.ty(),
+        )?;
+        let op = Op::LossScaleUpdate {
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            max_scale,
+        };
+        let outs = b.op_multi("loss_scale_update", op, &[scale, counters, norm])?;
+        write(&mut b, outs[0], ControlState::LossScale.name())?;
+        write(&mut b, outs[1], ControlState::LossScaleCounters.name())?;
+    }
+    b.set_outputs(outputs);
+    Ok((b.finish(), writes))
+}
+
+fn internal(message: String) -> PassError {
+    PassError::Internal {
+        pass: "optimizer",
+        message,
+    }
+}

@@ -1,0 +1,130 @@
+//! `--device emulate` from the command line: `train` and `eval` run the CUDA program that
+//! `--device cuda` would run, on the host emulator, and give what `--device cpu` gives. On
+//! these fixtures the emulated programs are bit-identical to the CPU executor (see
+//! `tests/cuda_emulated.rs`), so the logged losses and the saved weights must be equal, byte
+//! for byte, under every precision and remat mode.
+
+mod common;
+
+use common::cuda_cases::midway_budget;
+use common::{castor, eval, fixture, path_str, stderr};
+
+fn losses(log: &std::path::Path) -> Vec<String> {
+    std::fs::read_to_string(log)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            format!("{} {}", v["step"], v["loss"])
+        })
+        .collect()
+}
+
+#[test]
+fn train_on_the_emulator_logs_and_saves_what_the_cpu_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut failures = Vec::new();
+    let mut runs = 0;
+    for family in ["gpt2_lm", "bert_mlm", "llama_gqa"] {
+        let model = fixture(family);
+        let data = model.join("input.safetensors");
+        let objective = if family == "bert_mlm" { "sum" } else { "auto" };
+        for precision in ["fp32", "tf32", "bf16", "fp16"] {
+            let budget = format!(
+                "budget:{}",
+                midway_budget(family, &format!("--precision {precision}"))
+            );
+            for remat in ["none", "full", "selective", budget.as_str()] {
+                let mut saved = Vec::new();
+                let mut logged = Vec::new();
+                for device in ["cpu", "emulate"] {
+                    let tag = format!("{family}-{precision}-{}-{device}", remat.replace(':', "_"));
+                    let (log, save) = (
+                        tmp.path().join(format!("{tag}.jsonl")),
+                        tmp.path().join(&tag),
+                    );
+                    let o = castor(&[
+                        "train",
+                        path_str(&model),
+                        "--data",
+                        path_str(&data),
+                        "--objective",
+                        objective,
+                        "--steps",
+                        "3",
+                        "--precision",
+                        precision,
+                        "--remat",
+                        remat,
+                        "--device",
+                        device,
+                        "--log",
+                        path_str(&log),
+                        "--save",
+                        path_str(&save),
+                    ]);
+                    if !o.status.success() {
+                        failures.push(format!("{tag}: {}", stderr(&o)));
+                        continue;
+                    }
+                    runs += 1;
+                    logged.push(losses(&log));
+                    saved.push(std::fs::read(save.join("model.safetensors")).unwrap());
+                }
+                let case = format!("{family} {precision} --remat {remat}");
+                if logged.len() == 2 && logged[0] != logged[1] {
+                    failures.push(format!(
+                        "{case}: losses differ\n  cpu     {:?}\n  emulate {:?}",
+                        logged[0], logged[1]
+                    ));
+                }
+                if saved.len() == 2 && saved[0] != saved[1] {
+                    failures.push(format!("{case}: the saved weights differ"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    println!("{runs} training runs, the emulator's equal to the CPU's");
+}
+
+#[test]
+fn eval_on_the_emulator_writes_what_the_cpu_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    for family in ["gpt2_lm", "bert_mlm", "llama_gqa"] {
+        let model = fixture(family);
+        let input = model.join("input.safetensors");
+        for precision in ["fp32", "bf16", "fp16"] {
+            let mut outs = Vec::new();
+            for device in ["cpu", "emulate"] {
+                let out = tmp
+                    .path()
+                    .join(format!("{family}-{precision}-{device}.safetensors"));
+                let o = eval(
+                    &model,
+                    &input,
+                    &out,
+                    &[
+                        "--precision",
+                        precision,
+                        "--device",
+                        device,
+                        "--grad",
+                        "--objective",
+                        "sum",
+                    ],
+                );
+                assert!(
+                    o.status.success(),
+                    "{family} {precision} {device}: {}",
+                    stderr(&o)
+                );
+                outs.push(std::fs::read(&out).unwrap());
+            }
+            assert!(
+                outs[0] == outs[1],
+                "{family} {precision}: eval --grad on the emulator differs from the CPU"
+            );
+        }
+    }
+}
