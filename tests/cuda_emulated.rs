@@ -303,7 +303,10 @@ fn forward_passes_match_the_cpu_executor() {
                     .read(o.place, o.ty.size_bytes().unwrap_or(0) as u64)
                     .unwrap();
                 let got = from_bytes(&o.ty, &bytes).unwrap();
-                rows.push(format!("{variant:<10} {precision:<5} %{:<12} equal", o.name));
+                rows.push(format!(
+                    "{variant:<10} {precision:<5} %{:<12} equal",
+                    o.name
+                ));
                 if let Some((i, a, b)) = first_difference(&as_f32(&got), &as_f32(w)) {
                     panic!(
                         "{variant} {precision} %{}: element {i} is {a:e}, the CPU's {b:e}",
