@@ -165,7 +165,7 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
                         float* lse, int t, int s, int d, int group, int mask_group, int causal,
                         float scale) {
     constexpr int LD = P + ATT_PAD, NT = ATT_KEYS / 8, DT = P / 16, OT = P / 8;
-    extern __shared__ __align__(16) unsigned char att_smem[];
+    CASTOR_DYNAMIC_SHARED(att_smem);
     T* qs = reinterpret_cast<T*>(att_smem);
     T* ks = qs + ATT_ROWS * LD;
     T* vs = ks + ATT_KEYS * LD;
@@ -305,7 +305,7 @@ __device__ void att_dq(const T* q, const T* k, const T* v, const unsigned char* 
                        const T* d_o, const float* lse, const float* delta, T* dq, int t, int s,
                        int d, int group, int mask_group, int causal, float scale) {
     constexpr int LD = P + ATT_PAD, NT = ATT_KEYS / 8, DT = P / 16, OT = P / 8;
-    extern __shared__ __align__(16) unsigned char att_smem[];
+    CASTOR_DYNAMIC_SHARED(att_smem);
     T* qs = reinterpret_cast<T*>(att_smem);
     T* dos = qs + ATT_ROWS * LD;
     T* ks = dos + ATT_ROWS * LD;
@@ -418,7 +418,7 @@ __device__ void att_dkdv(const T* q, const T* k, const T* v, const unsigned char
                          const T* d_o, const float* lse, const float* delta, T* dk, T* dv, int t,
                          int s, int d, int group, int mask_group, int causal, float scale) {
     constexpr int LD = P + ATT_PAD, NQ = ATT_QROWS / 8, DT = P / 16, OT = P / 8;
-    extern __shared__ __align__(16) unsigned char att_smem[];
+    CASTOR_DYNAMIC_SHARED(att_smem);
     T* ks = reinterpret_cast<T*>(att_smem);
     T* vs = ks + ATT_ROWS * LD;
     T* qs = vs + ATT_ROWS * LD;
@@ -566,7 +566,7 @@ __device__ __forceinline__ void lane_row(float (&x)[ATT_LANE_DIMS], const float*
 
 __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
                             const unsigned char* mask, float* o, float* lse, int t, int s, int d,
-                            int group, int mask_group, int causal, float scale) {
+                            int group, int mask_group, int causal, double scale) {
     __shared__ int first_slot;
     const i64 b = blockIdx.y;
     const int r = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -607,7 +607,7 @@ __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
 __device__ void att_dq_f32(const float* q, const float* k, const float* v,
                            const unsigned char* mask, const float* d_o, const float* lse,
                            const float* delta, float* dq, int t, int s, int d, int group,
-                           int mask_group, int causal, float scale) {
+                           int mask_group, int causal, double scale) {
     __shared__ int first_slot;
     const i64 b = blockIdx.y;
     const int r = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -648,7 +648,7 @@ __device__ void att_dq_f32(const float* q, const float* k, const float* v,
 __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
                              const unsigned char* mask, const float* d_o, const float* lse,
                              const float* delta, float* dk, float* dv, int t, int s, int d,
-                             int group, int mask_group, int causal, float scale) {
+                             int group, int mask_group, int causal, double scale) {
     __shared__ int first_slot;
     const i64 bk = blockIdx.y;
     const int j = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -699,58 +699,58 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
 
 // ---- entry points --------------------------------------------------------------------------
 
-#define CASTOR_ATTENTION(T, sfx, P)                                                            \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_fwd_##sfx##_d##P(      \
-        const T* q, const T* k, const T* v, const unsigned char* mask, T* o, float* lse,       \
-        i64 bq, int t, int s, int d, int group, int mask_group, int causal, float scale) {     \
-        att_fwd<T, P>(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, scale);       \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_bwd_dq_##sfx##_d##P(   \
-        const T* q, const T* k, const T* v, const unsigned char* mask, const T* d_o,           \
-        const float* lse, const float* delta, T* dq, i64 bq, int t, int s, int d, int group,   \
-        int mask_group, int causal, float scale) {                                             \
-        att_dq<T, P>(q, k, v, mask, d_o, lse, delta, dq, t, s, d, group, mask_group, causal,   \
-                     scale);                                                                   \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_bwd_dkdv_##sfx##_d##P( \
-        const T* q, const T* k, const T* v, const unsigned char* mask, const T* d_o,           \
-        const float* lse, const float* delta, T* dk, T* dv, i64 bkv, int t, int s, int d,      \
-        int group, int mask_group, int causal, float scale) {                                  \
-        att_dkdv<T, P>(q, k, v, mask, d_o, lse, delta, dk, dv, t, s, d, group, mask_group,     \
-                       causal, scale);                                                         \
+#define CASTOR_ATTENTION(T, sfx, P)                                                                \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_fwd_##sfx##_d##P(       \
+        const T* q, const T* k, const T* v, const unsigned char* mask, T* o, float* lse,           \
+        i64 bq, int t, int s, int d, int group, int mask_group, int causal, double scale) {        \
+        att_fwd<T, P>(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, float(scale));    \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_bwd_dq_##sfx##_d##P(    \
+        const T* q, const T* k, const T* v, const unsigned char* mask, const T* d_o,               \
+        const float* lse, const float* delta, T* dq, i64 bq, int t, int s, int d, int group,       \
+        int mask_group, int causal, double scale) {                                                \
+        att_dq<T, P>(q, k, v, mask, d_o, lse, delta, dq, t, s, d, group, mask_group, causal,       \
+                     float(scale));                                                                \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_bwd_dkdv_##sfx##_d##P(  \
+        const T* q, const T* k, const T* v, const unsigned char* mask, const T* d_o,               \
+        const float* lse, const float* delta, T* dk, T* dv, i64 bkv, int t, int s, int d,          \
+        int group, int mask_group, int causal, double scale) {                                     \
+        att_dkdv<T, P>(q, k, v, mask, d_o, lse, delta, dk, dv, t, s, d, group, mask_group,         \
+                       causal, float(scale));                                                      \
     }
 
 // Each (dtype, P) of the tensor-core kernels is its own instantiation. A program compiles the
 // one it uses: the CUDA lowering puts `#define CASTOR_ATTENTION_VARIANT CASTOR_ATTENTION(T,
 // sfx, P)` in front of this file; without it (the offline compile check) every variant is
 // built.
-#define CASTOR_ATTENTION_DELTA(T, sfx)                                                         \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_delta_##sfx(       \
-        const T* o, const T* d_o, float* delta, i64 rows, int d) {                             \
-        att_delta<T>(o, d_o, delta, rows, d);                                                  \
+#define CASTOR_ATTENTION_DELTA(T, sfx)                                                             \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_delta_##sfx(           \
+        const T* o, const T* d_o, float* delta, i64 rows, int d) {                                 \
+        att_delta<T>(o, d_o, delta, rows, d);                                                      \
     }
 
-#define CASTOR_ATTENTION_F32                                                                   \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_fwd_f32(               \
-        const float* q, const float* k, const float* v, const unsigned char* mask, float* o,   \
-        float* lse, i64 bq, int t, int s, int d, int group, int mask_group, int causal,        \
-        float scale) {                                                                         \
-        att_fwd_f32(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, scale);         \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dq_f32(            \
-        const float* q, const float* k, const float* v, const unsigned char* mask,             \
-        const float* d_o, const float* lse, const float* delta, float* dq, i64 bq, int t,      \
-        int s, int d, int group, int mask_group, int causal, float scale) {                    \
-        att_dq_f32(q, k, v, mask, d_o, lse, delta, dq, t, s, d, group, mask_group, causal,     \
-                   scale);                                                                     \
-    }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dkdv_f32(          \
-        const float* q, const float* k, const float* v, const unsigned char* mask,             \
-        const float* d_o, const float* lse, const float* delta, float* dk, float* dv, i64 bkv, \
-        int t, int s, int d, int group, int mask_group, int causal, float scale) {             \
-        att_dkdv_f32(q, k, v, mask, d_o, lse, delta, dk, dv, t, s, d, group, mask_group,       \
-                     causal, scale);                                                           \
-    }                                                                                          \
+#define CASTOR_ATTENTION_F32                                                                       \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_fwd_f32(                   \
+        const float* q, const float* k, const float* v, const unsigned char* mask, float* o,       \
+        float* lse, i64 bq, int t, int s, int d, int group, int mask_group, int causal,            \
+        double scale) {                                                                            \
+        att_fwd_f32(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, scale);             \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dq_f32(                \
+        const float* q, const float* k, const float* v, const unsigned char* mask,                 \
+        const float* d_o, const float* lse, const float* delta, float* dq, i64 bq, int t,          \
+        int s, int d, int group, int mask_group, int causal, double scale) {                       \
+        att_dq_f32(q, k, v, mask, d_o, lse, delta, dq, t, s, d, group, mask_group, causal,         \
+                   scale);                                                                         \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dkdv_f32(              \
+        const float* q, const float* k, const float* v, const unsigned char* mask,                 \
+        const float* d_o, const float* lse, const float* delta, float* dk, float* dv, i64 bkv,     \
+        int t, int s, int d, int group, int mask_group, int causal, double scale) {                \
+        att_dkdv_f32(q, k, v, mask, d_o, lse, delta, dk, dv, t, s, d, group, mask_group,           \
+                     causal, scale);                                                               \
+    }                                                                                              \
     CASTOR_ATTENTION_DELTA(float, f32)
 
 #ifdef CASTOR_ATTENTION_VARIANT

@@ -28,6 +28,12 @@ typedef unsigned long long u64;
 #define F32_INF __int_as_float(0x7f800000)
 #define F32_NEG_INF __int_as_float(0xff800000)
 
+// A block's dynamic shared memory: 16-byte aligned bytes, as many as the launch's
+// shared_bytes. The host build (castor_host.h) defines its own.
+#ifndef CASTOR_DYNAMIC_SHARED
+#define CASTOR_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
+
 // ---- dtype conversion ----------------------------------------------------------------------
 
 __device__ __forceinline__ float to_f32(float x) { return x; }
@@ -287,16 +293,6 @@ __device__ __forceinline__ void warp_mma_shuffle(float (&d)[4], const float (&a)
     for (int i = 0; i < 4; ++i) d[i] += acc[i];
 }
 
-template <typename H> __device__ __forceinline__ unsigned pack2(float lo, float hi);
-template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const unsigned*>(&h);
-}
-template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const unsigned*>(&h);
-}
-
 template <typename T>
 __device__ __forceinline__ void warp_mma(float (&d)[4], const float (&a)[8], const float (&b)[4]);
 
@@ -312,6 +308,17 @@ template <> __device__ __forceinline__ void warp_mma<float>(float (&d)[4], const
     }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(CASTOR_WARP_MMA_SHUFFLE)
+// Two values rounded to the operand dtype and packed into the 32-bit register a fragment holds.
+template <typename H> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, float hi) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const unsigned*>(&h);
+}
+
 #define CASTOR_WARP_MMA_BODY(T, PTX_TYPE)                                                      \
     const unsigned ra[4] = {pack2<T>(a[0], a[1]), pack2<T>(a[2], a[3]), pack2<T>(a[4], a[5]),  \
                             pack2<T>(a[6], a[7])};                                             \

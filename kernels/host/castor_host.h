@@ -14,8 +14,10 @@
 // operations, a barrier that some threads never reach (deadlock).
 //
 // Memory: `__shared__` variables are `thread_local` statics, one instance per OS thread, so
-// one per running block (blocks of a launch run in sequence); dynamic shared memory (`extern
-// __shared__`) is not provided (no castor kernel uses it; a launch asking for it is refused).
+// one per running block (blocks of a launch run in sequence). Dynamic shared memory is
+// declared through `CASTOR_DYNAMIC_SHARED(name)` (castor_common.cuh: `extern __shared__` on the
+// device); here the name is the runtime's buffer of exactly the launch's `shared_bytes`, filled
+// with 0xFF before each block (up to the device's 227 KiB per block).
 // Atomics are the host's atomics with CUDA's relaxed ordering.
 //
 // Arithmetic: compiled with -ffp-contract=off (the device build uses --fmad=false), IEEE
@@ -118,11 +120,15 @@ CASTOR_HOST_API unsigned long long warp_op(Collective kind, unsigned mask, unsig
                            int width);
 // The lanes of the calling thread's warp that have not exited.
 CASTOR_HOST_API unsigned active_mask();
+// The running block's dynamic shared memory (null when the launch asked for none).
+CASTOR_HOST_API unsigned char* dynamic_shared();
 // F32 functions the host process supplies (the CPU executor's), see castor_host_set_math.
 extern CASTOR_HOST_API float (*host_expf)(float);
 extern CASTOR_HOST_API float (*host_erff)(float);
 
 }  // namespace castor_host
+
+#define CASTOR_DYNAMIC_SHARED(name) unsigned char* const name = ::castor_host::dynamic_shared()
 
 #define threadIdx (::castor_host::tls_thread->idx)
 #define blockIdx (::castor_host::tls_block->idx)

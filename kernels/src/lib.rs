@@ -8,6 +8,7 @@
 // Data from files and users must never reach an unwrap: errors are values here.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
+pub mod attention;
 pub mod cache;
 pub mod host;
 pub mod nvrtc;

@@ -318,12 +318,6 @@ fn launch(
     if u64::from(bx) * u64::from(by) * u64::from(bz) > 1024 || bz > 64 {
         return Err(format!("block {:?} exceeds CUDA's limits", l.block));
     }
-    if l.shared_bytes > 0 {
-        return Err(format!(
-            "{} bytes of dynamic shared memory: no castor kernel declares any",
-            l.shared_bytes
-        ));
-    }
     let module = program
         .modules
         .get(l.module)
@@ -372,6 +366,7 @@ fn launch(
                         module.name, l.entry
                     )
                 })?;
+            contracts::no_dynamic_shared(l)?;
             contracts::generated(mem, l, kernel, entry)?
         }
     };

@@ -702,6 +702,12 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         let Some(&last) = members.last() else {
             return Ok(());
         };
+        if outputs.is_empty() {
+            // Nothing reads what the group makes (a value the graph computes and never uses,
+            // as BERT's logits under the `sum` objective): no kernel, which would have no
+            // outputs and not compile.
+            return Ok(());
+        }
         let root = g.node(last).outputs[0];
         let n = g.ty(root).shape.numel().unwrap_or(0);
         let source = fusion::cuda_source(g, &self.users, members, name);

@@ -7,6 +7,7 @@
 //! These are the header comments' contracts, not the kernels' arithmetic: the kernels
 //! themselves run from their sources (`super::launch`).
 
+mod attention;
 mod cross_entropy;
 mod elementwise;
 mod embedding;
@@ -24,6 +25,7 @@ use super::memory::{check_uses, Mem, Use};
 use super::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use castor_kernels::attention::Kernel as attention_kernel;
 
 /// Kernels whose block reductions need `blockDim = (32 k, 1, 1)`, `k <= 32`.
 fn row_block(l: &Launch) -> R<()> {
@@ -33,6 +35,17 @@ fn row_block(l: &Launch) -> R<()> {
             "block {:?}: the kernel needs blockDim.x a multiple of 32 (at most 1024) and a 1-D \
              block",
             l.block
+        ));
+    }
+    Ok(())
+}
+
+/// Kernels that declare no dynamic shared memory.
+pub(super) fn no_dynamic_shared(l: &Launch) -> R<()> {
+    if l.shared_bytes != 0 {
+        return Err(format!(
+            "{} bytes of dynamic shared memory: the kernel declares none",
+            l.shared_bytes
         ));
     }
     Ok(())
@@ -85,6 +98,16 @@ fn io(s: &str) -> R<(DType, DType)> {
 /// The buffers a launch of a `kernels/*.cu` entry point uses, by the entry point's name.
 pub(super) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
     let e = l.entry.as_str();
+    if let Some((kernel, v)) = attention::parse(e)? {
+        return match kernel {
+            Some(attention_kernel::Forward) => attention::forward(m, l, v),
+            Some(attention_kernel::Dq) => attention::dq(m, l, v),
+            Some(attention_kernel::DkDv) => attention::dkdv(m, l, v),
+            None => attention::delta(m, l, v.dtype),
+        };
+    }
+    // Only the attention kernels declare dynamic shared memory.
+    no_dynamic_shared(l)?;
     if let Some(s) = e.strip_prefix("cast_") {
         let (a, b) = s
             .split_once('_')

@@ -14,6 +14,7 @@
 //! too, and each buffer is exactly the size the kernel may touch: under AddressSanitizer
 //! (`kernel_tests_pass_under_the_sanitizers`) a byte outside it is reported.
 
+mod attention;
 mod cast_layout;
 mod cross_entropy;
 mod elementwise;
@@ -186,6 +187,7 @@ pub(super) struct Launcher {
     data: Vec<Vec<u8>>,
     skews: Vec<u64>,
     tables: Vec<Table>,
+    shared_bytes: u32,
 }
 
 /// A buffer of a [`Launcher`].
@@ -200,7 +202,13 @@ impl Launcher {
             data: Vec::new(),
             skews: Vec::new(),
             tables: Vec::new(),
+            shared_bytes: 0,
         }
+    }
+
+    /// Launches with `bytes` of dynamic shared memory.
+    pub(super) fn shared(&mut self, bytes: u32) {
+        self.shared_bytes = bytes;
     }
 
     /// A buffer holding `bytes`, `skew` bytes past a 256-byte boundary.
@@ -274,7 +282,7 @@ impl Launcher {
                     entry: entry.into(),
                     grid,
                     block,
-                    shared_bytes: 0,
+                    shared_bytes: self.shared_bytes,
                     args,
                 })],
                 ..Run::default()
@@ -322,6 +330,7 @@ pub(super) fn grid_1d(work: usize, block: u32) -> ((u32, u32, u32), (u32, u32, u
 /// Every entry point the family tests launch, by file.
 fn covered() -> Vec<String> {
     [
+        attention::entries(),
         cast_layout::entries(),
         elementwise::entries(),
         norm::entries(),

@@ -1,0 +1,253 @@
+//! `attention.cu`: the fused attention forward, its `delta` row sums, and the dq and dk/dv
+//! backward kernels. Launch shapes and dynamic shared memory are `castor_kernels::attention`'s.
+
+use super::checked;
+use crate::cuda::emulate::args::Args;
+use crate::cuda::emulate::memory::{use_, Io, Mem, Ptr, Use};
+use crate::cuda::emulate::R;
+use crate::cuda::program::Launch;
+use castor_ir::DType;
+use castor_kernels::attention::{self as geometry, Kernel};
+
+/// The operands' dtype and the head-dim tile (`None`: the F32 warp-per-row kernels).
+#[derive(Clone, Copy)]
+pub(super) struct Variant {
+    pub(super) dtype: DType,
+    pub(super) tile: Option<u32>,
+}
+
+/// The shape arguments every attention kernel takes after its pointers.
+struct Shape {
+    /// Query batches (or, for dk/dv, key batches times `group`).
+    bq: usize,
+    t: usize,
+    s: usize,
+    d: usize,
+    group: usize,
+    mask_group: usize,
+}
+
+impl Shape {
+    fn read(a: &mut Args, kernel: Kernel) -> R<Shape> {
+        let batches = a.count(if kernel == Kernel::DkDv { "bkv" } else { "bq" })?;
+        let t = a.count32("t")?;
+        let s = a.count32("s")?;
+        let d = a.count32("d")?;
+        let group = a.count32("group")?;
+        let mask_group = a.count32("mask_group")?;
+        a.i32("causal")?;
+        let scale = a.f64("scale")?;
+        if group == 0 || mask_group == 0 {
+            return Err(format!(
+                "group {group} and mask_group {mask_group} must be positive"
+            ));
+        }
+        if !scale.is_finite() {
+            return Err(format!("scale {scale} is not finite"));
+        }
+        let bq = if kernel == Kernel::DkDv {
+            batches * group
+        } else {
+            batches
+        };
+        if bq % group != 0 || bq % mask_group != 0 {
+            return Err(format!(
+                "{bq} query batches are not whole groups of {group} (kv) and {mask_group} (mask)"
+            ));
+        }
+        if d == 0 {
+            return Err("head dim 0".into());
+        }
+        Ok(Shape {
+            bq,
+            t,
+            s,
+            d,
+            group,
+            mask_group,
+        })
+    }
+
+    fn check_launch(&self, l: &Launch, kernel: Kernel, v: Variant) -> R<()> {
+        let tensor_cores = v.tile.is_some();
+        match v.tile {
+            Some(p) if self.d > p as usize => {
+                return Err(format!(
+                    "head dim {} is wider than the variant's tile {p}",
+                    self.d
+                ))
+            }
+            None if self.d > geometry::F32_MAX_HEAD_DIM => {
+                return Err(format!(
+                    "head dim {} is wider than the F32 kernels' {}",
+                    self.d,
+                    geometry::F32_MAX_HEAD_DIM
+                ))
+            }
+            _ => {}
+        }
+        let grid = geometry::grid(
+            kernel,
+            tensor_cores,
+            self.bq as u32,
+            self.group as u32,
+            self.t as u32,
+            self.s as u32,
+        );
+        let shared = v.tile.map_or(0, |p| {
+            geometry::shared_bytes(kernel, p, v.dtype.size_bytes() as u32)
+        });
+        expect_shape(l, grid, shared)
+    }
+
+    fn q_bytes(&self, elem: usize) -> u64 {
+        (self.bq * self.t * self.d * elem) as u64
+    }
+
+    fn kv_bytes(&self, elem: usize) -> u64 {
+        (self.bq / self.group * self.s * self.d * elem) as u64
+    }
+
+    fn mask_bytes(&self) -> u64 {
+        (self.bq / self.mask_group * self.s) as u64
+    }
+
+    fn rows(&self) -> u64 {
+        (self.bq * self.t) as u64
+    }
+}
+
+/// The launch must be `(grid, (128, 1, 1))` with exactly `shared` bytes of dynamic shared
+/// memory.
+fn expect_shape(l: &Launch, grid: (u32, u32, u32), shared: u32) -> R<()> {
+    let block = (geometry::THREADS, 1, 1);
+    if l.grid != grid || l.block != block || l.shared_bytes != shared {
+        return Err(format!(
+            "launch grid {:?} block {:?} with {} bytes of dynamic shared memory; the kernel \
+             needs grid {grid:?} block {block:?} and {shared} bytes",
+            l.grid, l.block, l.shared_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// The pointers the three main kernels read first: q, k, v and the nullable mask.
+fn operands(a: &mut Args, m: &Mem) -> R<[Option<Ptr>; 4]> {
+    Ok([
+        Some(a.need(m, "q")?),
+        Some(a.need(m, "k")?),
+        Some(a.need(m, "v")?),
+        a.ptr(m, "mask")?,
+    ])
+}
+
+fn operand_uses(sh: &Shape, p: [Option<Ptr>; 4], elem: usize) -> Vec<Option<Use>> {
+    vec![
+        use_("q", p[0], sh.q_bytes(elem), elem, Io::R),
+        use_("k", p[1], sh.kv_bytes(elem), elem, Io::R),
+        use_("v", p[2], sh.kv_bytes(elem), elem, Io::R),
+        use_("mask", p[3], sh.mask_bytes(), 1, Io::R),
+    ]
+}
+
+pub(super) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let ops = operands(&mut a, m)?;
+    let o = a.need(m, "o")?;
+    let lse = a.need(m, "lse")?;
+    let sh = Shape::read(&mut a, Kernel::Forward)?;
+    a.end()?;
+    sh.check_launch(l, Kernel::Forward, v)?;
+    let elem = v.dtype.size_bytes();
+    let mut uses = operand_uses(&sh, ops, elem);
+    uses.push(use_("o", Some(o), sh.q_bytes(elem), elem, Io::W));
+    uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::W));
+    checked(m, uses, &[])
+}
+
+pub(super) fn dq(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let ops = operands(&mut a, m)?;
+    let d_o = a.need(m, "do")?;
+    let lse = a.need(m, "lse")?;
+    let delta = a.need(m, "delta")?;
+    let dq = a.need(m, "dq")?;
+    let sh = Shape::read(&mut a, Kernel::Dq)?;
+    a.end()?;
+    sh.check_launch(l, Kernel::Dq, v)?;
+    let elem = v.dtype.size_bytes();
+    let mut uses = operand_uses(&sh, ops, elem);
+    uses.push(use_("do", Some(d_o), sh.q_bytes(elem), elem, Io::R));
+    uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("dq", Some(dq), sh.q_bytes(elem), elem, Io::W));
+    checked(m, uses, &[])
+}
+
+pub(super) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let ops = operands(&mut a, m)?;
+    let d_o = a.need(m, "do")?;
+    let lse = a.need(m, "lse")?;
+    let delta = a.need(m, "delta")?;
+    let dk = a.need(m, "dk")?;
+    let dv = a.need(m, "dv")?;
+    let sh = Shape::read(&mut a, Kernel::DkDv)?;
+    a.end()?;
+    sh.check_launch(l, Kernel::DkDv, v)?;
+    let elem = v.dtype.size_bytes();
+    let mut uses = operand_uses(&sh, ops, elem);
+    uses.push(use_("do", Some(d_o), sh.q_bytes(elem), elem, Io::R));
+    uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("dk", Some(dk), sh.kv_bytes(elem), elem, Io::W));
+    uses.push(use_("dv", Some(dv), sh.kv_bytes(elem), elem, Io::W));
+    checked(m, uses, &[])
+}
+
+pub(super) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let o = a.need(m, "o")?;
+    let d_o = a.need(m, "do")?;
+    let delta = a.need(m, "delta")?;
+    let rows = a.count("rows")?;
+    let d = a.count32("d")?;
+    a.end()?;
+    expect_shape(l, geometry::delta_grid(rows as u64), 0)?;
+    let elem = dtype.size_bytes();
+    let bytes = (rows * d * elem) as u64;
+    checked(
+        m,
+        vec![
+            use_("o", Some(o), bytes, elem, Io::R),
+            use_("do", Some(d_o), bytes, elem, Io::R),
+            use_("delta", Some(delta), 4 * rows as u64, 4, Io::W),
+        ],
+        &[],
+    )
+}
+
+/// The kernel and variant an entry point names: `attention_fwd_bf16_d64`, `attention_bwd_dq_f32`,
+/// `attention_bwd_delta_f16` (`None` for `delta`'s kernel).
+pub(super) fn parse(entry: &str) -> R<Option<(Option<Kernel>, Variant)>> {
+    let Some(rest) = entry.strip_prefix("attention_") else {
+        return Ok(None);
+    };
+    let (kernel, rest) = if let Some(r) = rest.strip_prefix("fwd_") {
+        (Some(Kernel::Forward), r)
+    } else if let Some(r) = rest.strip_prefix("bwd_dq_") {
+        (Some(Kernel::Dq), r)
+    } else if let Some(r) = rest.strip_prefix("bwd_dkdv_") {
+        (Some(Kernel::DkDv), r)
+    } else if let Some(r) = rest.strip_prefix("bwd_delta_") {
+        (None, r)
+    } else {
+        return Err(format!("`{entry}`: no such attention kernel"));
+    };
+    let (dtype, tile) = match rest.split_once("_d") {
+        Some((t, p)) => (t, Some(p.parse::<u32>().map_err(|_| format!("`{entry}`"))?)),
+        None => (rest, None),
+    };
+    let dtype = super::float(dtype)?;
+    Ok(Some((kernel, Variant { dtype, tile })))
+}
