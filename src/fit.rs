@@ -13,8 +13,8 @@
 //! says how much the persistent state alone needs. When the persistent state with SGD's single
 //! moment already exceeds the memory, nothing is planned: no change can fit.
 
+use crate::report::counted_bytes;
 use crate::CliError;
-use castor_ir::human_bytes;
 use castor_ir::{OptimizerKind, Remat, TrainSettings, TrainingPlan};
 use castor_passes::cost::{GpuSpec, StepCost};
 use castor_passes::memory::Anatomy;
@@ -135,9 +135,9 @@ impl Verdict {
     pub fn lines(&self) -> Vec<String> {
         let mut out = vec![format!(
             "fit         planned peak {} on {}, {}: {}",
-            human_bytes(self.peak),
+            counted_bytes(self.peak),
             self.target.name,
-            human_bytes(self.target.bytes),
+            counted_bytes(self.target.bytes),
             self.headline()
         )];
         for (i, c) in self.candidates.iter().enumerate() {
@@ -145,7 +145,7 @@ impl Verdict {
                 "  {} {:<44} planned peak {}, step {:.1} ms estimated",
                 if i == 0 { "would fit:" } else { "          " },
                 c.change,
-                human_bytes(c.peak),
+                counted_bytes(c.peak),
                 c.seconds * 1e3
             ));
         }
@@ -197,8 +197,8 @@ pub fn verdict(
             "no change castor makes fits: the persistent state alone (weights, master weights, \
              gradients, optimizer state) is {}, and {} with SGD's single moment; this model \
              needs more memory than one such device.",
-            human_bytes(anatomy.persistent()),
-            human_bytes(floor)
+            counted_bytes(anatomy.persistent()),
+            counted_bytes(floor)
         ));
         return v;
     }
@@ -298,8 +298,8 @@ pub fn verdict(
                 "no change castor makes fits: with {change} the step still needs {}; the \
                  persistent state alone (weights, master weights, gradients, optimizer \
                  state) is {}.",
-                human_bytes(peak),
-                human_bytes(anatomy.persistent())
+                counted_bytes(peak),
+                counted_bytes(anatomy.persistent())
             ));
         }
         None => {

@@ -10,9 +10,9 @@
 
 use crate::fit::Verdict;
 use crate::plot::{smooth, unit_for, LossHistory};
+use crate::report::counted_bytes;
 use crate::report::thousands;
 use crate::CliError;
-use castor_ir::human_bytes;
 use castor_ir::{StateRole, TrainingPlan};
 use castor_passes::cost::{GpuSpec, StepCost};
 use castor_passes::memory::Anatomy;
@@ -496,8 +496,8 @@ fn memory_section(h: &mut String, m: &Memory) {
         "<p>Planned peak: <b>{}</b>: the persistent state from the training plan, then the \
          memory planner's arena (saved activations and the other temporaries live at the \
          peak; lower bound {}).</p>",
-        esc(&human_bytes(total)),
-        esc(&human_bytes(m.lower_bound))
+        esc(&counted_bytes(total)),
+        esc(&counted_bytes(m.lower_bound))
     );
     // One bar across the whole width; segments in proportion.
     const W: f64 = 1000.0;
@@ -519,7 +519,7 @@ fn memory_section(h: &mut String, m: &Memory) {
              {}</title></rect>",
             COLOURS[i % COLOURS.len()],
             esc(what),
-            esc(&human_bytes(*bytes))
+            esc(&counted_bytes(*bytes))
         );
         if w > 70.0 {
             let _ = write!(
@@ -575,9 +575,9 @@ fn verdict_section(h: &mut String, v: &Verdict) {
     let _ = writeln!(
         h,
         "<p>Planned peak {} on {} ({}): <span class=\"{}\">{}</span>.</p>",
-        esc(&human_bytes(v.peak)),
+        esc(&counted_bytes(v.peak)),
         esc(&v.target.name),
-        esc(&human_bytes(v.target.bytes)),
+        esc(&counted_bytes(v.target.bytes)),
         if v.fits() { "fits" } else { "nofit" },
         esc(&v.headline())
     );
@@ -592,7 +592,7 @@ fn verdict_section(h: &mut String, v: &Verdict) {
                 "<tr><td><code>{}</code></td><td class=\"num\">{}</td>\
                  <td class=\"num\">{:.1} ms</td></tr>",
                 esc(&c.change),
-                esc(&human_bytes(c.peak)),
+                esc(&counted_bytes(c.peak)),
                 c.seconds * 1e3
             );
         }

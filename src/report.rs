@@ -18,6 +18,15 @@ pub fn thousands(n: u64) -> String {
     out
 }
 
+/// A byte count people read at a glance and can check exactly: `8,000,000 bytes (7.63 MiB)`.
+pub fn counted_bytes(bytes: u64) -> String {
+    format!(
+        "{} bytes ({})",
+        thousands(bytes),
+        castor_ir::human_bytes(bytes)
+    )
+}
+
 /// The model's key dimensions in one line.
 pub fn config_line(config: &ModelConfig) -> String {
     match config {
