@@ -15,6 +15,7 @@
 //! 4. **Commands.** Each unit becomes kernel launches of `kernels/*.cu` or of a generated
 //!    module, a cuBLAS product, copies or memsets (see `ops.rs`).
 
+mod attention;
 mod copies;
 mod gemm;
 mod ops;
@@ -201,13 +202,14 @@ impl Lowerer {
         (module, name.to_string())
     }
 
-    /// A launch of the hand-written kernel `entry`.
+    /// A launch of the hand-written kernel `entry` with `shared_bytes` of dynamic shared memory.
     fn kernel(
         &mut self,
         node: &str,
         entry: &str,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
+        shared_bytes: u32,
         args: Vec<Arg>,
     ) -> Result<Command, LowerError> {
         let file = castor_kernels::file_of(entry).ok_or_else(|| LowerError {
@@ -223,7 +225,7 @@ impl Lowerer {
             entry: entry.into(),
             grid,
             block,
-            shared_bytes: 0,
+            shared_bytes,
             args,
         }))
     }
@@ -481,6 +483,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                 &entry,
                 grid_1d(n, 256),
                 (256, 1, 1),
+                0,
                 vec![
                     Arg::Ptr(Place::Slot {
                         slot: mslot,
@@ -682,8 +685,23 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         block: (u32, u32, u32),
         args: Vec<Arg>,
     ) -> Result<(), LowerError> {
+        self.launch_shared(v, entry, grid, block, 0, args)
+    }
+
+    /// [`Self::launch`] with dynamic shared memory.
+    fn launch_shared(
+        &mut self,
+        v: Value,
+        entry: &str,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_bytes: u32,
+        args: Vec<Arg>,
+    ) -> Result<(), LowerError> {
         let node = self.g.name(v).to_string();
-        let cmd = self.l.kernel(&node, entry, grid, block, args)?;
+        let cmd = self
+            .l
+            .kernel(&node, entry, grid, block, shared_bytes, args)?;
         self.commands.push(cmd);
         Ok(())
     }
@@ -785,6 +803,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                 "fill_b4",
                 (1, 1, 1),
                 (32, 1, 1),
+                0,
                 vec![Arg::Ptr(f.place), Arg::I64(1), Arg::U32(i32::MAX as u32)],
             )?;
             commands.push(cmd);

@@ -29,12 +29,8 @@ impl RunLowering<'_, '_> {
         let numel = |v: Value| g.ty(v).shape.numel().unwrap_or(0);
         match &node.op {
             Op::Input | Op::Param | Op::State | Op::ParamCopy { .. } => {}
-            Op::Attention { .. } | Op::AttentionGrad { .. } => {
-                return Err(self.err(
-                    y,
-                    "fused attention has no CUDA kernel yet (the model front ends do not emit it)",
-                ));
-            }
+            Op::Attention { .. } => self.attention(n)?,
+            Op::AttentionGrad { .. } => self.attention_grad(n)?,
             Op::Reshape { .. }
             | Op::Transpose { .. }
             | Op::Slice { .. }

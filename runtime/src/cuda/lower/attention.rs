@@ -1,0 +1,288 @@
+//! Fused attention: `attention.cu`'s forward, and its backward as three launches (`delta`, the
+//! query gradient, the key and value gradients). Launch shapes and dynamic shared memory come
+//! from `castor_kernels::attention`, as the emulator's contract reads them.
+
+use super::super::program::Arg;
+use super::{sfx, LowerError, RunLowering};
+use castor_ir::{Accum, DType, Node, Op, Value};
+use castor_kernels::attention::{self as geometry, Kernel};
+
+/// An attention op as the kernels see it: `bq` query batches of `t` rows and head dim `d`;
+/// query batch `b` reads key/value batch `b / group` (`s` keys) and mask row
+/// `b / mask_group`.
+struct Problem {
+    bq: usize,
+    t: usize,
+    s: usize,
+    d: usize,
+    group: usize,
+    mask_group: usize,
+    dtype: DType,
+    /// The tensor-core tile (`None`: the F32 kernels).
+    tile: Option<u32>,
+}
+
+/// How many consecutive query batches share one batch of an operand whose batch dims are
+/// `other` (right-aligned against the query's `qb`): `other` must equal `qb` up to some dim and
+/// be 1 after it (grouped-query heads, or a mask per sequence shared by its heads).
+fn sharing(qb: &[usize], other: &[usize]) -> Option<usize> {
+    if other.len() > qb.len() {
+        return None;
+    }
+    let mut o = vec![1; qb.len() - other.len()];
+    o.extend_from_slice(other);
+    let j = o.iter().rposition(|&x| x != 1).map_or(0, |p| p + 1);
+    (o[..j] == qb[..j]).then(|| qb[j..].iter().product())
+}
+
+impl RunLowering<'_, '_> {
+    /// The kernels' view of attention node `n` (operands `q, k, v` at `ins[..3]`, the mask at
+    /// `mask`).
+    fn attention_problem(
+        &self,
+        n: Node,
+        y: Value,
+        mask: Option<Value>,
+    ) -> Result<Problem, LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (q, k, v) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+        let dims = |x: Value| g.ty(x).shape.dims().to_vec();
+        let (qd, kd, vd) = (dims(q), dims(k), dims(v));
+        let dtype = g.ty(q).dtype;
+        if g.ty(k).dtype != dtype || g.ty(v).dtype != dtype || !dtype.is_float() {
+            return Err(self.err(
+                y,
+                "the attention kernels take q, k and v in one float dtype",
+            ));
+        }
+        if node.acc == Some(Accum::Tf32) {
+            return Err(self.err(
+                y,
+                "the attention kernels have no TF32 form (F32 attention is exact F32; compile \
+                 the attention in F32 or in a 16-bit dtype)",
+            ));
+        }
+        let (r, rk) = (qd.len(), kd.len());
+        let (t, d, s) = (qd[r - 2], qd[r - 1], kd[rk - 2]);
+        if vd[vd.len() - 1] != d || vd[vd.len() - 2] != s || kd[rk - 1] != d {
+            return Err(self.err(
+                y,
+                "the attention kernels need k and v of q's head dim and as many keys as values",
+            ));
+        }
+        let qb = &qd[..r - 2];
+        let group = sharing(qb, &kd[..rk - 2])
+            .filter(|_| kd[..rk - 2] == vd[..vd.len() - 2])
+            .ok_or_else(|| {
+                self.err(
+                    y,
+                    "k and v broadcast over q's batch dims in a way the attention kernels cannot \
+                     index (they share a key batch among consecutive query batches)",
+                )
+            })?;
+        let mask_group = match mask {
+            None => 1,
+            Some(m) => {
+                let md = dims(m);
+                let keys_only = md.len() < 2 || md[md.len() - 2] == 1;
+                if g.ty(m).dtype != DType::Bool || !keys_only || md.last() != Some(&s) {
+                    return Err(self.err(
+                        y,
+                        "the attention kernels take a key-padding mask (bool [.., 1, S]); \
+                         a mask per query row needs the unfused softmax",
+                    ));
+                }
+                let batch = &md[..md.len().saturating_sub(2)];
+                sharing(qb, batch).ok_or_else(|| {
+                    self.err(
+                        y,
+                        "the mask broadcasts over q's batch dims in a way the kernels cannot index",
+                    )
+                })?
+            }
+        };
+        let tile = match dtype {
+            DType::F32 if d <= geometry::F32_MAX_HEAD_DIM => None,
+            DType::F32 => {
+                return Err(self.err(
+                    y,
+                    format!(
+                        "head dim {d}: the F32 attention kernel takes at most {}",
+                        geometry::F32_MAX_HEAD_DIM
+                    ),
+                ))
+            }
+            _ => Some(geometry::tile(d).ok_or_else(|| {
+                self.err(
+                    y,
+                    format!("head dim {d}: the tensor-core attention kernels take at most 128"),
+                )
+            })?),
+        };
+        Ok(Problem {
+            bq: qb.iter().product(),
+            t,
+            s,
+            d,
+            group,
+            mask_group,
+            dtype,
+            tile,
+        })
+    }
+
+    /// The entry point of `kernel` (`fwd`, `bwd_dq`, `bwd_dkdv`) for the problem's variant.
+    fn attention_launch(
+        &mut self,
+        y: Value,
+        p: &Problem,
+        kernel: Kernel,
+        mut args: Vec<Arg>,
+        causal: bool,
+        scale: f64,
+    ) -> Result<(), LowerError> {
+        let name = match kernel {
+            Kernel::Forward => "fwd",
+            Kernel::Dq => "bwd_dq",
+            Kernel::DkDv => "bwd_dkdv",
+        };
+        let entry = match p.tile {
+            Some(tile) => format!("attention_{name}_{}_d{tile}", sfx(p.dtype)),
+            None => format!("attention_{name}_f32"),
+        };
+        let batches = if kernel == Kernel::DkDv {
+            p.bq / p.group
+        } else {
+            p.bq
+        };
+        args.extend([
+            Arg::I64(batches as i64),
+            Arg::I32(p.t as i32),
+            Arg::I32(p.s as i32),
+            Arg::I32(p.d as i32),
+            Arg::I32(p.group as i32),
+            Arg::I32(p.mask_group as i32),
+            Arg::I32(i32::from(causal)),
+            Arg::F64(scale),
+        ]);
+        let grid = geometry::grid(
+            kernel,
+            p.tile.is_some(),
+            p.bq as u32,
+            p.group as u32,
+            p.t as u32,
+            p.s as u32,
+        );
+        let shared = p.tile.map_or(0, |tile| {
+            geometry::shared_bytes(kernel, tile, p.dtype.size_bytes() as u32)
+        });
+        self.launch_shared(y, &entry, grid, (geometry::THREADS, 1, 1), shared, args)
+    }
+
+    fn mask_arg(&self, mask: Option<Value>) -> Result<Arg, LowerError> {
+        Ok(match mask {
+            Some(m) => Arg::Ptr(self.at(m)?),
+            None => Arg::Null,
+        })
+    }
+
+    /// `attention(q, k, v[, mask]) -> (o, lse)`.
+    pub(super) fn attention(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let Op::Attention { causal, scale } = node.op else {
+            return Err(self.err(node.outputs[0], "not an attention node"));
+        };
+        let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
+        let (o, lse) = (outs[0], outs[1]);
+        let mask = ins.get(3).copied();
+        let p = self.attention_problem(n, o, mask)?;
+        if g.ty(o).dtype != p.dtype || g.ty(lse).dtype != DType::F32 {
+            return Err(self.err(o, "attention writes o in q's dtype and lse in F32"));
+        }
+        let args = vec![
+            Arg::Ptr(self.at(ins[0])?),
+            Arg::Ptr(self.at(ins[1])?),
+            Arg::Ptr(self.at(ins[2])?),
+            self.mask_arg(mask)?,
+            Arg::Ptr(self.out(o)?),
+            Arg::Ptr(self.out(lse)?),
+        ];
+        self.attention_launch(o, &p, Kernel::Forward, args, causal, scale)
+    }
+
+    /// `attention_grad(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)`: the row sums
+    /// `delta = rowsum(do * o)`, then the query gradient, then the key and value gradients.
+    pub(super) fn attention_grad(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let Op::AttentionGrad { causal, scale } = node.op else {
+            return Err(self.err(node.outputs[0], "not an attention gradient node"));
+        };
+        let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
+        let (dq, dk, dv) = (outs[0], outs[1], outs[2]);
+        let mask = ins.get(6).copied();
+        let p = self.attention_problem(n, dq, mask)?;
+        let same = |v: Value| g.ty(v).dtype == p.dtype;
+        if !(same(ins[3]) && same(ins[5]) && same(dq) && same(dk) && same(dv))
+            || g.ty(ins[4]).dtype != DType::F32
+        {
+            return Err(self.err(
+                dq,
+                "the attention backward takes o, do and writes dq, dk, dv in q's dtype, lse in F32",
+            ));
+        }
+        let rows = p.bq * p.t;
+        let delta = self.scratch(rows as u64 * 4);
+        let (o_at, do_at) = (self.at(ins[3])?, self.at(ins[5])?);
+        self.launch_shared(
+            dq,
+            &format!("attention_bwd_delta_{}", sfx(p.dtype)),
+            geometry::delta_grid(rows as u64),
+            (geometry::THREADS, 1, 1),
+            0,
+            vec![
+                Arg::Ptr(o_at),
+                Arg::Ptr(do_at),
+                Arg::Ptr(delta),
+                Arg::I64(rows as i64),
+                Arg::I32(p.d as i32),
+            ],
+        )?;
+        let common = vec![
+            Arg::Ptr(self.at(ins[0])?),
+            Arg::Ptr(self.at(ins[1])?),
+            Arg::Ptr(self.at(ins[2])?),
+            self.mask_arg(mask)?,
+            Arg::Ptr(do_at),
+            Arg::Ptr(self.at(ins[4])?),
+            Arg::Ptr(delta),
+        ];
+        let mut args = common.clone();
+        args.push(Arg::Ptr(self.out(dq)?));
+        self.attention_launch(dq, &p, Kernel::Dq, args, causal, scale)?;
+        let mut args = common;
+        args.push(Arg::Ptr(self.out(dk)?));
+        args.push(Arg::Ptr(self.out(dv)?));
+        self.attention_launch(dk, &p, Kernel::DkDv, args, causal, scale)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sharing;
+
+    #[test]
+    fn query_batches_share_key_batches_only_in_runs() {
+        // [B, H] against [B, H]: no sharing; [B, Hkv, G] against [B, Hkv, 1]: groups of G.
+        assert_eq!(sharing(&[2, 4], &[2, 4]), Some(1));
+        assert_eq!(sharing(&[2, 2, 3], &[2, 2, 1]), Some(3));
+        // A mask per sequence, [B, 1, 1] against [B, H, ..]: groups of H.
+        assert_eq!(sharing(&[2, 4], &[2, 1]), Some(4));
+        assert_eq!(sharing(&[2, 4], &[]), Some(8));
+        // One key batch per head, shared across sequences: not consecutive.
+        assert_eq!(sharing(&[2, 4], &[1, 4]), None);
+        assert_eq!(sharing(&[2, 4], &[3, 4]), None);
+    }
+}
