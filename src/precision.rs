@@ -30,6 +30,31 @@ pub struct PrecisionArgs {
     /// that matches nothing is an error.
     #[arg(long = "force-low", value_name = "GLOB")]
     pub force_low: Vec<String>,
+    /// How the attention core is built: `eager` (q k^T, scale, masked softmax, p v: a
+    /// [.., T, S] score tensor per layer) or `fused` (one FlashAttention-2 op: no [.., T, S]
+    /// tensor; the backward recomputes the probabilities), as transformers'
+    /// attn_implementation chooses.
+    #[arg(long, value_enum, default_value_t = Attention::Eager, help_heading = "Model")]
+    #[serde(default)]
+    pub attention: Attention,
+}
+
+/// `--attention`: the front end's [`castor_models::AttentionImpl`].
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Attention {
+    #[default]
+    Eager,
+    Fused,
+}
+
+impl From<Attention> for castor_models::AttentionImpl {
+    fn from(a: Attention) -> Self {
+        match a {
+            Attention::Eager => castor_models::AttentionImpl::Eager,
+            Attention::Fused => castor_models::AttentionImpl::Fused,
+        }
+    }
 }
 
 /// Parses `--precision` (and the precision of demo-like commands).

@@ -198,11 +198,11 @@ pub fn check_plan_flags(
     given: &Given,
     path: &Path,
 ) -> anyhow::Result<()> {
-    for id in ["keep_f32", "force_low", "policy"] {
+    for id in ["keep_f32", "force_low", "policy", "attention"] {
         if given.has(id) {
             return Err(CliError::InvalidInput(format!(
-                "{} cannot change the plan `{}`: its precision decisions are compiled into it; \
-                 give the flag to `castor compile --emit plan` instead",
+                "{} cannot change the plan `{}`: its graphs are compiled with it; give the \
+                 flag to `castor compile --emit plan` instead",
                 Given::flag(id),
                 path.display()
             ))

@@ -1,5 +1,6 @@
 //! `castor eval` on every fixture, compared with transformers' F32 outputs:
-//! relative error ‖a−b‖/‖b‖ below 1e-4 for every output tensor.
+//! relative error ‖a−b‖/‖b‖ below 1e-4 for every output tensor, with the attention core built
+//! as eager ops and as the fused `attention` op.
 
 mod common;
 
@@ -10,14 +11,16 @@ use common::*;
 #[test]
 fn eval_matches_transformers_on_every_fixture() {
     let out_dir = tempfile::tempdir().unwrap();
-    for variant in VARIANTS {
+    for (variant, attention) in VARIANTS.iter().flat_map(|v| [(*v, "eager"), (*v, "fused")]) {
         let dir = fixture(variant);
-        let out = out_dir.path().join(format!("{variant}.safetensors"));
+        let out = out_dir
+            .path()
+            .join(format!("{variant}-{attention}.safetensors"));
         let o = eval(
             &dir,
             &dir.join("input.safetensors"),
             &out,
-            &["--device", "cpu"],
+            &["--device", "cpu", "--attention", attention],
         );
         assert!(
             o.status.success(),
@@ -39,7 +42,7 @@ fn eval_matches_transformers_on_every_fixture() {
                 "{variant}.{key}"
             );
             let err = relative_error(&g, &w);
-            println!("{variant:12} {key:20} relative error {err:.2e}");
+            println!("{variant:12} {attention:5} {key:20} relative error {err:.2e}");
             assert!(
                 err < 1e-4,
                 "{variant}.{key}: relative error {err:.3e} >= 1e-4"

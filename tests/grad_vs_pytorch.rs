@@ -1,7 +1,8 @@
 //! `castor eval --grad` against PyTorch autograd on every fixture, F32: the loss within a
 //! relative error of 1e-5 (for `sum`, relative to the sum of the magnitudes it adds up) and
 //! every parameter's gradient within 1e-3, for the variant's own objective (lm, mlm or sum) and
-//! for `sum`. References come from
+//! for `sum`; the variant's own objective also with the attention core as the fused
+//! `attention` op. References come from
 //! tests/fixtures/generate_training.py (`training.safetensors`).
 
 mod common;
@@ -13,6 +14,7 @@ use common::*;
 fn check(
     variant: &str,
     objective: &str,
+    attention: &str,
     reference: &SafetensorsFile,
     info: &serde_json::Value,
     out_dir: &std::path::Path,
@@ -20,12 +22,20 @@ fn check(
     let dir = fixture(variant);
     let batch = batch_with_labels(variant, objective, out_dir);
 
-    let out = out_dir.join(format!("{variant}-{objective}-out.safetensors"));
+    let out = out_dir.join(format!("{variant}-{objective}-{attention}-out.safetensors"));
     let o = eval(
         &dir,
         &batch,
         &out,
-        &["--device", "cpu", "--grad", "--objective", objective],
+        &[
+            "--device",
+            "cpu",
+            "--grad",
+            "--objective",
+            objective,
+            "--attention",
+            attention,
+        ],
     );
     assert!(o.status.success(), "{variant} {objective}: {}", stderr(&o));
     let got = SafetensorsFile::open(&out).unwrap();
@@ -43,7 +53,7 @@ fn check(
         _ => relative_error(&loss, &want),
     };
     println!(
-        "{variant:12} {objective:4} loss {:.6} vs {:.6}: {err:.2e}",
+        "{variant:12} {objective:4} {attention:5} loss {:.6} vs {:.6}: {err:.2e}",
         loss[0], want[0]
     );
     assert!(
@@ -114,9 +124,24 @@ fn f32_gradients_match_pytorch_on_every_fixture() {
             .as_str()
             .unwrap_or("sum")
             .to_string();
-        check(variant, &default, &reference, &info, out_dir.path());
+        check(
+            variant,
+            &default,
+            "eager",
+            &reference,
+            &info,
+            out_dir.path(),
+        );
+        check(
+            variant,
+            &default,
+            "fused",
+            &reference,
+            &info,
+            out_dir.path(),
+        );
         if default != "sum" && reference.contains("sum.loss") {
-            check(variant, "sum", &reference, &info, out_dir.path());
+            check(variant, "sum", "eager", &reference, &info, out_dir.path());
         }
     }
 }

@@ -28,6 +28,21 @@ pub(crate) struct Ctx<'m> {
     pub cache: Option<usize>,
     /// The cache outputs, in layer order (key, value), appended after the model's outputs.
     presents: Vec<Value>,
+    /// How the attention core is built.
+    pub attention: AttentionImpl,
+}
+
+/// How a model's attention core is built, as transformers' `attn_implementation` chooses it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttentionImpl {
+    /// The ops of the textbook formula: `q k^T`, scale, masked softmax, `p v` (a `[.., T, S]`
+    /// score and probability tensor per layer).
+    #[default]
+    Eager,
+    /// One `attention` op (FlashAttention-2: no `[.., T, S]` tensor; the backward recomputes
+    /// the probabilities from the saved log-sum-exp).
+    Fused,
 }
 
 impl<'m> Ctx<'m> {
@@ -47,6 +62,7 @@ impl<'m> Ctx<'m> {
             seq,
             cache: None,
             presents: Vec::new(),
+            attention: AttentionImpl::Eager,
         }
     }
 
@@ -325,7 +341,9 @@ impl<'m> Ctx<'m> {
 
     /// The attention core: `scores = q k^T`, each factor of `scales` applied in turn
     /// (`scores.scaled`, `scores.scaled.1`, ...), `probs = softmax(scores, causal, mask)`,
-    /// `context = probs v`. Works for any matching batch dims (4-D heads, 5-D GQA groups).
+    /// `context = probs v`; or, with [`AttentionImpl::Fused`], one `attention` op scaled by the
+    /// product of the factors (`context`, with its log-sum-exp `context.1`). Works for any
+    /// matching batch dims (4-D heads, 5-D GQA groups).
     pub fn attention(
         &mut self,
         q: Value,
@@ -335,6 +353,12 @@ impl<'m> Ctx<'m> {
         scales: &[f64],
         causal: bool,
     ) -> Result<Value, ModelError> {
+        if self.attention == AttentionImpl::Fused {
+            let scale = scales.iter().product();
+            let out =
+                self.op_multi("context", Op::Attention { causal, scale }, &[q, k, v, mask])?;
+            return Ok(out[0]);
+        }
         let mut s = self.op(
             "scores",
             Op::MatMul {

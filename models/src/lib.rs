@@ -37,6 +37,7 @@ mod objective;
 pub mod safetensors;
 pub mod writer;
 
+pub use build::AttentionImpl;
 pub use checkpoint::Checkpoint;
 pub use config::{Activation, BertConfig, Config, Family, Gpt2Config, LlamaConfig, ModelConfig};
 pub use error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};

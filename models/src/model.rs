@@ -10,7 +10,7 @@
 //!   architecture does not use are warnings, split into known buffers, tied copies and the
 //!   rest, as transformers' "Some weights of the checkpoint were not used".
 
-use crate::build::Ctx;
+use crate::build::{AttentionImpl, Ctx};
 use crate::checkpoint::{Checkpoint, CONFIG_FILE};
 use crate::config::{Config, Family, ModelConfig, MAX_PARAMETERS};
 use crate::error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
@@ -112,6 +112,7 @@ pub struct Model {
     /// Canonical names, parallel to `params` (they differ for `LayerNorm.gamma/beta`).
     canonical: Vec<String>,
     report: LoadReport,
+    attention: AttentionImpl,
 }
 
 impl Model {
@@ -222,6 +223,7 @@ impl Model {
             params,
             canonical,
             report: LoadReport::default(),
+            attention: AttentionImpl::Eager,
         };
         if let Some(ckpt) = checkpoint {
             model.report = model.check_against(&ckpt)?;
@@ -495,6 +497,15 @@ impl Model {
             })
     }
 
+    /// Builds the attention core as `attention` says from now on.
+    pub fn set_attention(&mut self, attention: AttentionImpl) {
+        self.attention = attention;
+    }
+
+    pub fn attention(&self) -> AttentionImpl {
+        self.attention
+    }
+
     /// The F32 forward graph (eval mode) for `batch` sequences of `seq` tokens.
     pub fn build_graph(&self, batch: usize, seq: usize) -> Result<Graph, ModelError> {
         self.build(batch, seq, None)
@@ -562,6 +573,7 @@ impl Model {
             .collect();
         let mut ctx = Ctx::new(self.architecture(), params, batch, seq);
         ctx.cache = cache;
+        ctx.attention = self.attention;
         let outputs = arch.build(self.head, &self.prefix, &mut ctx)?;
         Ok(ctx.finish(outputs, arch.shape(batch, seq)))
     }

@@ -444,7 +444,11 @@ fn assign(
             out.set_note(new_node, Some(reason));
             let class = node.op.class();
             if matches!(class, OpClass::Contraction | OpClass::Normalization) {
-                let tf32 = policy.precision == Precision::Tf32 && class == OpClass::Contraction;
+                // TF32 is for matrix products; fused attention has no TF32 form and stays
+                // exact F32 (its kernels' F32 path), as PyTorch's fused SDPA kernels do.
+                let tf32 = policy.precision == Precision::Tf32
+                    && class == OpClass::Contraction
+                    && !matches!(node.op, Op::Attention { .. } | Op::AttentionGrad { .. });
                 out.set_acc(new_node, Some(if tf32 { Accum::Tf32 } else { Accum::F32 }));
             }
         }

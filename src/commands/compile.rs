@@ -118,7 +118,8 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
             model: None,
         });
     }
-    let model = Model::load(path)?;
+    let mut model = Model::load(path)?;
+    model.set_attention(args.precision.attention.into());
     crate::report::warn_unused(&model);
     let seq = args.seq.unwrap_or_else(|| model.max_positions());
     let g = if train {

@@ -113,7 +113,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let device = crate::device::select(args.device)?;
 
-    let model = Model::load(&args.model)?;
+    let mut model = Model::load(&args.model)?;
+    model.set_attention(args.precision.attention.into());
     crate::report::warn_unused(&model);
     let tokenizer = match &args.text {
         Some(_) => Some(TextTokenizer::for_model(&model)?),

@@ -77,7 +77,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ))
         .into());
     }
-    let model = Model::load(&args.model)?;
+    let mut model = Model::load(&args.model)?;
+    model.set_attention(args.precision.attention.into());
     crate::report::warn_unused(&model);
     if model.head() != castor_models::Head::CausalLm {
         return Err(CliError::InvalidInput(format!(

@@ -207,7 +207,8 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
     args.run.total_steps = Some(args.run.total_steps.unwrap_or(total));
 
     let model_path = resume_dir.as_deref().unwrap_or(&args.model);
-    let model = Model::load(model_path)?;
+    let mut model = Model::load(model_path)?;
+    model.set_attention(args.precision.attention.into());
     crate::report::warn_unused(&model);
     let config_json = std::fs::read_to_string(&model.config().file)
         .with_context(|| format!("cannot read `{}`", model.config().file.display()))?;
