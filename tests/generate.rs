@@ -26,6 +26,7 @@ fn policy(precision: Precision) -> PrecisionArgs {
         policy: None,
         keep_f32: Vec::new(),
         force_low: Vec::new(),
+        attention: Default::default(),
     }
 }
 
