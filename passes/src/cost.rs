@@ -86,7 +86,7 @@ impl GpuSpec {
     }
 
     /// The peak FLOP/s of the unit that runs `node`.
-    fn peak_for(&self, g: &Graph, node: &NodeData) -> f64 {
+    pub fn peak_for(&self, g: &Graph, node: &NodeData) -> f64 {
         if node.op.class() != OpClass::Contraction {
             return self.f32_flops;
         }

@@ -391,14 +391,15 @@ fn print_memory_and_cost(
         toln!(say, "{line}");
     }
     toln!(say);
-    toln!(say, "{}", cuda_line(plan));
+    toln!(say, "{}", cuda_line(plan, gpu));
 }
 
 /// What the CUDA executor would run for one step: kernel launches, cuBLAS products, copies
-/// and memsets per run, the kernel modules to compile, and the arena as the executor places
-/// it (live ranges per kernel, so fused values take no memory), or why it cannot run it.
-fn cuda_line(plan: &castor_ir::TrainingPlan) -> String {
-    use castor_runtime::cuda::{lower::lower_plan, program::Command};
+/// and memsets per run, the kernel modules to compile, the arena as the executor places it
+/// (live ranges per kernel, so fused values take no memory) and the program's roofline on
+/// `gpu` (kernel units as they run); or why it cannot run it.
+fn cuda_line(plan: &castor_ir::TrainingPlan, gpu: &castor_passes::cost::GpuSpec) -> String {
+    use castor_runtime::cuda::{lower::lower_plan, program::Command, roofline::roofline_of};
     match lower_plan(plan) {
         Ok(p) => {
             let count = |f: &dyn Fn(&Command) -> bool| -> usize {
@@ -411,11 +412,20 @@ fn cuda_line(plan: &castor_ir::TrainingPlan) -> String {
             let launches = count(&|c| matches!(c, Command::Launch(_)));
             let gemms = count(&|c| matches!(c, Command::Gemm(_)));
             let other = count(&|c| matches!(c, Command::Copy { .. } | Command::Memset { .. }));
+            let r = roofline_of(plan, &p, gpu);
+            let mfu = r
+                .mfu()
+                .map_or("MFU n/a".to_string(), |m| format!("MFU {:.1}%", 100.0 * m));
             format!(
                 "cuda        {launches} kernel launches, {gemms} cuBLAS products, {other} copies/memsets \
-                 per step; {} modules; arena {} at kernel granularity",
+                 per step; {} modules; arena {} at kernel granularity; program roofline \
+                 {:.3} ms per step, {:.0} tokens/s, {mfu} (kernel units at peak, {:.0} µs per \
+                 command)",
                 p.modules.len(),
-                castor_ir::human_bytes(p.arena_bytes)
+                castor_ir::human_bytes(p.arena_bytes),
+                r.seconds() * 1e3,
+                r.tokens_per_second(),
+                castor_runtime::cuda::roofline::LAUNCH_SECONDS * 1e6
             )
         }
         Err(e) => format!("cuda        cannot run on the CUDA executor: {e}"),

@@ -286,6 +286,67 @@ struct Saved {
     count: Option<Place>,
 }
 
+/// How a graph's nodes run as kernel units: pointwise groups, optimizer batches and norms
+/// with their fused residual adds each run as one unit, where their last member stands; every
+/// other non-source node is a unit of its own.
+pub(crate) struct KernelUnits {
+    /// The multi-node units' members, and what kind of unit each is.
+    groups: Vec<Vec<Node>>,
+    kinds: Vec<UnitKind>,
+    /// The group of each node, if any.
+    group_of: Vec<Option<usize>>,
+    /// The unit of each node, in emission order from 1 (sources: 0).
+    pub(crate) unit_of: Vec<usize>,
+    /// Units plus one (unit 0 holds the sources).
+    pub(crate) count: usize,
+}
+
+pub(crate) fn kernel_units(g: &Graph, users: &[Vec<Node>]) -> KernelUnits {
+    let mut groups = fusion::fusion_groups(g);
+    let norm_units = norm_fusions(g, users, &mut groups);
+    let mut kinds = vec![UnitKind::Pointwise; groups.len()];
+    for (members, kind) in norm_units {
+        groups.push(members);
+        kinds.push(kind);
+    }
+    let batches = ops::optimizer_batches(g, users);
+    kinds.extend(std::iter::repeat_n(UnitKind::Optimizer, batches.len()));
+    groups.extend(batches);
+    let mut group_of = vec![None; g.num_nodes()];
+    for (gi, members) in groups.iter().enumerate() {
+        for &m in members {
+            group_of[m.index()] = Some(gi);
+        }
+    }
+    let mut unit_of = vec![0usize; g.num_nodes()];
+    let mut count = 1usize;
+    for (n, node) in g.nodes() {
+        if node.op.is_source() {
+            continue;
+        }
+        match group_of[n.index()] {
+            Some(gi) if groups[gi].last() != Some(&n) => {}
+            Some(gi) => {
+                for &m in &groups[gi] {
+                    unit_of[m.index()] = count;
+                }
+                count += 1;
+            }
+            None => {
+                unit_of[n.index()] = count;
+                count += 1;
+            }
+        }
+    }
+    KernelUnits {
+        groups,
+        kinds,
+        group_of,
+        unit_of,
+        count,
+    }
+}
+
 struct RunLowering<'l, 'g> {
     l: &'l mut Lowerer,
     g: &'g Graph,
@@ -329,45 +390,13 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         stored: &'g HashMap<String, String>,
     ) -> Result<Self, LowerError> {
         let users = g.users();
-        // Pointwise groups, optimizer batches and norms with their fused residual adds: each
-        // runs as one unit, where its last member stands.
-        let mut groups = fusion::fusion_groups(g);
-        let norm_units = norm_fusions(g, &users, &mut groups);
-        let mut kinds = vec![UnitKind::Pointwise; groups.len()];
-        for (members, kind) in norm_units {
-            groups.push(members);
-            kinds.push(kind);
-        }
-        let batches = ops::optimizer_batches(g, &users);
-        kinds.extend(std::iter::repeat_n(UnitKind::Optimizer, batches.len()));
-        groups.extend(batches);
-        let mut group_of = vec![None; g.num_nodes()];
-        for (gi, members) in groups.iter().enumerate() {
-            for &m in members {
-                group_of[m.index()] = Some(gi);
-            }
-        }
-        // Units in emission order: a group at its last member.
-        let mut unit_of = vec![0usize; g.num_nodes()];
-        let mut units = 1usize;
-        for (n, node) in g.nodes() {
-            if node.op.is_source() {
-                continue;
-            }
-            match group_of[n.index()] {
-                Some(gi) if groups[gi].last() != Some(&n) => {}
-                Some(gi) => {
-                    for &m in &groups[gi] {
-                        unit_of[m.index()] = units;
-                    }
-                    units += 1;
-                }
-                None => {
-                    unit_of[n.index()] = units;
-                    units += 1;
-                }
-            }
-        }
+        let KernelUnits {
+            groups,
+            kinds,
+            group_of,
+            unit_of,
+            count: units,
+        } = kernel_units(g, &users);
         // Layout results as views of the buffer they read: kept virtual when only other
         // layout ops read them (the chain is copied once, composed), aliased when their
         // elements are contiguous, else copied into a buffer of their own.
@@ -871,7 +900,7 @@ fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
 
 /// How a layout result is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Storage {
+pub(crate) enum Storage {
     /// A buffer of its own (every value that is not a layout result, too).
     Own,
     /// Never stored: only layout ops read it, each composing its view.
@@ -899,7 +928,7 @@ fn reads_views(op: &Op) -> bool {
 /// ops) and how it is stored. Graph outputs and values written to state have buffers of
 /// their own.
 #[allow(clippy::type_complexity)]
-fn layout_views(
+pub(crate) fn layout_views(
     g: &Graph,
     users: &[Vec<Node>],
     stored: &HashMap<String, String>,

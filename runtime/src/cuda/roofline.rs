@@ -1,0 +1,208 @@
+//! The roofline of the program that runs: the plan's graphs costed as the CUDA lowering runs
+//! them, kernel unit by kernel unit, rather than node by node.
+//!
+//! A unit (a fused pointwise group, a norm with its fused residual add, a multi-tensor
+//! optimizer batch, a fused attention, a cuBLAS product, any other kernel) takes
+//! `max(Σ flops / peak, bytes / bandwidth)`: its members' FLOPs at the peak of the unit that
+//! runs each (tensor cores by operand dtype), and the bytes it moves, which are only the values
+//! it reads from outside and writes for others; values inside a fused kernel move nothing.
+//! Layout ops the lowering turns into views (never stored, or aliased) cost nothing. Each
+//! command of the lowered program then adds [`LAUNCH_SECONDS`], the gap between kernels
+//! inside a CUDA graph.
+
+use super::lower::{kernel_units, layout_views, lower_plan, LowerError, Storage};
+use super::lower::{MICRO_STEP, OPTIMIZER_STEP};
+use super::program::Program;
+use castor_ir::{Graph, OpClass, TrainingPlan, Value};
+use castor_passes::cost::{node_flops, GpuSpec, StepCost};
+use std::collections::{HashMap, HashSet};
+
+/// Seconds per command of a run replayed as a CUDA graph: the launch-to-launch gap between
+/// dependent kernels, about a microsecond on Hopper.
+pub const LAUNCH_SECONDS: f64 = 1e-6;
+
+/// One run's roofline.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RunRoofline {
+    /// Units that do work (views excluded).
+    pub units: usize,
+    /// Commands of the lowered run (launches, cuBLAS products, copies, memsets).
+    pub commands: usize,
+    pub flops: f64,
+    pub bytes: f64,
+    /// Σ per unit of max(compute, memory), then the launch gaps.
+    pub seconds: f64,
+}
+
+/// The step's program-level roofline.
+#[derive(Clone, Debug)]
+pub struct ProgramRoofline {
+    pub micro_step: RunRoofline,
+    pub optimizer_step: RunRoofline,
+    pub grad_accum: usize,
+    pub tokens: u64,
+    /// 6N + 6·L·C·T per token, when the model's shape is known.
+    pub rule_flops_per_token: Option<f64>,
+    pub gpu: GpuSpec,
+}
+
+impl ProgramRoofline {
+    pub fn seconds(&self) -> f64 {
+        self.micro_step.seconds * self.grad_accum as f64 + self.optimizer_step.seconds
+    }
+
+    pub fn tokens_per_second(&self) -> f64 {
+        self.tokens as f64 / self.seconds().max(f64::MIN_POSITIVE)
+    }
+
+    /// 6N + 6·L·C·T per token over the program's step time, as a fraction of the BF16
+    /// tensor-core peak (the node-level figure's definition).
+    pub fn mfu(&self) -> Option<f64> {
+        let rule = self.rule_flops_per_token?;
+        (self.tokens > 0 && self.seconds() > 0.0)
+            .then(|| rule * self.tokens as f64 / self.seconds() / self.gpu.low_precision_flops)
+    }
+}
+
+/// The roofline of `plan` as `lower_plan` runs it on `gpu`.
+pub fn program_roofline(plan: &TrainingPlan, gpu: &GpuSpec) -> Result<ProgramRoofline, LowerError> {
+    Ok(roofline_of(plan, &lower_plan(plan)?, gpu))
+}
+
+/// The roofline of `plan` given its lowered `program`.
+pub fn roofline_of(plan: &TrainingPlan, program: &Program, gpu: &GpuSpec) -> ProgramRoofline {
+    let stored = |writes: &[castor_ir::Write]| -> HashMap<String, String> {
+        writes
+            .iter()
+            .map(|w| (w.output.clone(), w.state.clone()))
+            .collect()
+    };
+    let step = StepCost::of_plan(plan, gpu);
+    ProgramRoofline {
+        micro_step: run_roofline(
+            &plan.micro_step,
+            &stored(&plan.micro_step_writes),
+            program,
+            MICRO_STEP,
+            gpu,
+        ),
+        optimizer_step: run_roofline(
+            &plan.optimizer_step,
+            &stored(&plan.optimizer_step_writes),
+            program,
+            OPTIMIZER_STEP,
+            gpu,
+        ),
+        grad_accum: plan.settings.grad_accum.max(1),
+        tokens: step.tokens,
+        rule_flops_per_token: step.flops_per_token_rule(),
+        gpu: gpu.clone(),
+    }
+}
+
+fn value_bytes(g: &Graph, v: Value) -> f64 {
+    g.ty(v).size_bytes().unwrap_or(0) as f64
+}
+
+/// One graph's units, costed; `run` names its commands in `program`.
+pub(crate) fn run_roofline(
+    g: &Graph,
+    stored: &HashMap<String, String>,
+    program: &Program,
+    run: &str,
+    gpu: &GpuSpec,
+) -> RunRoofline {
+    let users = g.users();
+    let units = kernel_units(g, &users);
+    let (_, storage) = layout_views(g, &users, stored);
+    let outputs: HashSet<Value> = g.outputs().iter().copied().collect();
+    // Per unit: compute seconds, FLOPs, the values it reads from outside, the values it writes.
+    let n = units.count;
+    let mut compute = vec![0f64; n];
+    let mut flops = vec![0f64; n];
+    let mut reads: Vec<HashSet<Value>> = vec![HashSet::new(); n];
+    let mut writes: Vec<HashSet<Value>> = vec![HashSet::new(); n];
+    let mut works = vec![false; n];
+    for (node_id, node) in g.nodes() {
+        if node.op.is_source() {
+            continue;
+        }
+        let u = units.unit_of[node_id.index()];
+        let is_view = node
+            .outputs
+            .iter()
+            .all(|v| matches!(storage[v.index()], Storage::Virtual | Storage::Alias))
+            && node.op.class() == OpClass::Layout;
+        if is_view {
+            continue;
+        }
+        works[u] = true;
+        let f = node_flops(g, node);
+        flops[u] += f;
+        compute[u] += f / gpu.peak_for(g, node);
+        for &v in &node.inputs {
+            if units.unit_of[g.value(v).producer.index()] != u {
+                reads[u].insert(v);
+            }
+        }
+        for &v in &node.outputs {
+            let read_outside = users[v.index()]
+                .iter()
+                .any(|r| units.unit_of[r.index()] != u);
+            if read_outside || outputs.contains(&v) || stored.contains_key(g.name(v)) {
+                writes[u].insert(v);
+            }
+        }
+    }
+    let mut out = RunRoofline {
+        commands: program
+            .run(run)
+            .map_or(0, |r| program.runs[r].commands.len()),
+        ..RunRoofline::default()
+    };
+    for u in (1..n).filter(|&u| works[u]) {
+        let bytes: f64 = reads[u]
+            .iter()
+            .chain(&writes[u])
+            .map(|&v| value_bytes(g, v))
+            .sum();
+        out.units += 1;
+        out.flops += flops[u];
+        out.bytes += bytes;
+        out.seconds += compute[u].max(bytes / gpu.memory_bandwidth);
+    }
+    out.seconds += out.commands as f64 * LAUNCH_SECONDS;
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::lower::lower_graph;
+
+    /// Two pointwise ops fused into one kernel move the input and the output once: half the
+    /// bytes the node-level model counts (each node reading and writing).
+    #[test]
+    fn a_fused_group_moves_only_what_crosses_its_boundary() {
+        let src = "graph g {\n  %x: f32[1048576] = input\n  %e: f32[1048576] = exp(%x)\n  %y: f32[1048576] = scale(%e) {factor=2.0}\n  return %y\n}\n";
+        let g = castor_ir::text::parse(src).unwrap();
+        let program = lower_graph(&g).unwrap();
+        let gpu = GpuSpec::default();
+        let r = run_roofline(&g, &HashMap::new(), &program, &program.runs[0].name, &gpu);
+        let elements = 1_048_576f64 * 4.0;
+        assert_eq!(r.units, 1);
+        assert_eq!(r.bytes, 2.0 * elements);
+        let node_level: f64 = g
+            .nodes()
+            .filter(|(_, n)| !n.op.is_source())
+            .map(|(id, _)| castor_passes::cost::node_cost(&g, id, &gpu).bytes)
+            .sum();
+        assert_eq!(node_level, 4.0 * elements);
+        let expected = 2.0 * elements / gpu.memory_bandwidth + r.commands as f64 * LAUNCH_SECONDS;
+        assert!(
+            (r.seconds - expected).abs() < 1e-12,
+            "{} vs {expected}",
+            r.seconds
+        );
+    }
+}
