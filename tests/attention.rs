@@ -341,3 +341,38 @@ fn fused_attention_plans_hold_no_score_tensor() {
         "MFU fused {fused_mfu} vs eager {eager_mfu}"
     );
 }
+
+/// The GPU test's attention case (`ATTENTION_CASES`: head dim 64, grouped-query heads, a
+/// padding mask, 33 queries and 40 keys) on the emulator, within the kernels' bounds, so the
+/// case a GPU runs is known to lower and run.
+#[test]
+fn the_gpu_attention_case_runs_on_the_emulator() {
+    use castor_runtime::cuda::emulate::Emulator;
+    use castor_runtime::cuda::lower::lower_graph;
+    use castor_runtime::cuda::runner::{from_bytes, input_bytes};
+    use common::cuda_cases::{as_f32, case_graph, inputs, ATTENTION_CASES};
+    for (name, body) in ATTENTION_CASES {
+        for (t, bound) in [("f32", 3e-7), ("f16", 2e-4), ("bf16", 6e-4)] {
+            let g = case_graph(name, body, t);
+            let data = inputs(&g, 37, 0x5eed);
+            let want = CpuExecutor::new().run(&g, &|n| data.get(n)).unwrap();
+            let program = lower_graph(&g).unwrap();
+            let mut emu = Emulator::new(&program);
+            emu.set_poison(true);
+            for (slot, bytes) in input_bytes(&program, 0, &data).unwrap() {
+                emu.write_slot(slot, &bytes).unwrap();
+            }
+            emu.run_prologue().unwrap();
+            emu.run(0).unwrap_or_else(|e| panic!("{name} {t}: {e}"));
+            for (o, w) in program.runs[0].outputs.iter().zip(&want) {
+                let bytes = emu
+                    .read(o.place, o.ty.size_bytes().unwrap_or(0) as u64)
+                    .unwrap();
+                let got = from_bytes(&o.ty, &bytes).unwrap();
+                let err = relative_error(&as_f32(&got), &as_f32(w));
+                println!("{name} {t} %{}: {err:.2e}", o.name);
+                assert!(err <= bound, "{name} {t} %{}: {err:.3e}", o.name);
+            }
+        }
+    }
+}

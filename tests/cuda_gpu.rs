@@ -23,7 +23,7 @@ use castor_runtime::cuda::{CudaGraphRunner, CudaPlanRunner};
 use castor_runtime::{cuda_probe, PlanRunner};
 use common::cuda_cases::{
     as_f32, batch, case_graph, compare_state, exact_zero_slices, inputs, load_params, plan,
-    plan_matrix, CASES, PLAN_FAMILIES, PLAN_OPTIONS, PLAN_PRECISIONS, PLAN_REMATS,
+    plan_matrix, ATTENTION_CASES, CASES, PLAN_FAMILIES, PLAN_OPTIONS, PLAN_PRECISIONS, PLAN_REMATS,
 };
 use std::collections::HashMap;
 
@@ -51,7 +51,7 @@ fn every_kernel_family_matches_the_cpu_executor() {
     let mut rows = Vec::new();
     let mut failures = Vec::new();
     let mut checked = 0;
-    for (name, body) in CASES {
+    for (name, body) in CASES.iter().chain(ATTENTION_CASES) {
         for t in ["f32", "bf16", "f16"] {
             let g = case_graph(name, body, t);
             let data = inputs(&g, 37, 0x5eed + rows.len() as u64);
@@ -100,7 +100,7 @@ fn every_kernel_family_matches_the_cpu_executor() {
 
 /// The plans run on the GPU, per family: every precision with the defaults, then each
 /// remat mode and each option once, spread over the precisions (the emulator runs the whole
-/// matrix; GPU time is scarce).
+/// matrix; GPU time is scarce), and the fused attention in BF16.
 fn gpu_plans(family: &str) -> Vec<String> {
     let mut out: Vec<String> = PLAN_PRECISIONS
         .iter()
@@ -119,6 +119,7 @@ fn gpu_plans(family: &str) -> Vec<String> {
             .unwrap_or_else(|| panic!("{family}: no plan {want} --remat {remat}"));
         out.push(flags);
     }
+    out.push("--precision bf16 --attention fused".into());
     out
 }
 
