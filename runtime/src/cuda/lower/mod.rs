@@ -17,8 +17,11 @@
 
 mod attention;
 mod copies;
+mod cross_entropy;
 mod gemm;
+mod norm;
 mod ops;
+mod optimizer;
 
 use super::program::{
     Arg, Command, ErrorFlag, Field, GeneratedKernel, InputExtent, Launch, Module, Output, Place,
@@ -309,7 +312,7 @@ pub(crate) fn kernel_units(g: &Graph, users: &[Vec<Node>]) -> KernelUnits {
         groups.push(members);
         kinds.push(kind);
     }
-    let batches = ops::optimizer_batches(g, users);
+    let batches = optimizer::optimizer_batches(g, users);
     kinds.extend(std::iter::repeat_n(UnitKind::Optimizer, batches.len()));
     groups.extend(batches);
     let mut group_of = vec![None; g.num_nodes()];

@@ -1,0 +1,299 @@
+//! Layer and RMS norms: `norm.cu`'s forward (with a fused residual add), statistics-only
+//! recomputation, and backward with its weight-gradient reduction.
+use super::super::program::Arg;
+use super::ops::{row_threads, BLOCK, ROW_BLOCK};
+use super::{grid_1d, grid_rows, io, sfx, LowerError, RunLowering, Saved};
+use castor_ir::{DType, Node, Op, Value};
+
+/// Rows per group of the norms' weight-gradient partial sums.
+const ROWS_PER_GROUP: usize = 256;
+
+impl RunLowering<'_, '_> {
+    /// A norm node, with the residual add that makes its input when `prologue` names it: the
+    /// kernel reads the add's operands (`x`, `res`) and writes their sum (`sum_out`).
+    pub(super) fn norm_unit(&mut self, n: Node, prologue: Option<Node>) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (rms, eps) = match node.op {
+            Op::LayerNorm { eps } => (false, eps),
+            Op::RmsNorm { eps } => (true, eps),
+            _ => return Err(self.err(node.outputs[0], "not a norm")),
+        };
+        let ins = node.inputs.clone();
+        self.norm(node.outputs[0], &ins, rms, eps, prologue)
+    }
+
+    /// A norm-gradient node, with the add of another gradient to its input gradient when
+    /// `epilogue` names it: the kernel adds `dadd` and writes the add's result.
+    pub(super) fn norm_grad_unit(
+        &mut self,
+        n: Node,
+        epilogue: Option<Node>,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (rms, eps) = match node.op {
+            Op::LayerNormGrad { eps } => (false, eps),
+            Op::RmsNormGrad { eps } => (true, eps),
+            _ => return Err(self.err(node.outputs[0], "not a norm gradient")),
+        };
+        let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
+        self.norm_grad(&ins, &outs, rms, eps, epilogue)
+    }
+
+    fn norm(
+        &mut self,
+        y: Value,
+        ins: &[Value],
+        rms: bool,
+        eps: f64,
+        prologue: Option<Node>,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let x = ins[0];
+        let h = g.ty(x).shape.last();
+        let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
+        for &w in &ins[1..] {
+            if g.ty(w).dtype != DType::F32 {
+                return Err(self.err(y, "norm weights and biases must be f32 on CUDA"));
+            }
+        }
+        let key = (x, ins[1]);
+        let until = self.saved_until.get(&key).copied().unwrap_or(self.unit);
+        let mean = if rms {
+            None
+        } else {
+            Some(self.arena(rows as u64 * 4, until))
+        };
+        let rstd = self.arena(rows as u64 * 4, until);
+        self.saved.insert(
+            key,
+            Saved {
+                a: mean.unwrap_or(rstd),
+                b: rstd,
+                count: None,
+            },
+        );
+        let (xp, res, sum_out) = match prologue {
+            Some(add) => {
+                let a = g.node(add).inputs.clone();
+                (
+                    self.at(a[0])?,
+                    Arg::Ptr(self.at(a[1])?),
+                    Arg::Ptr(self.out(x)?),
+                )
+            }
+            None => (self.at(x)?, Arg::Null, Arg::Null),
+        };
+        let w = self.at(ins[1])?;
+        let out = self.out(y)?;
+        let suffix = io(g.ty(x).dtype, g.ty(y).dtype);
+        let mut args = vec![Arg::Ptr(xp), res, sum_out, Arg::Ptr(w)];
+        if let (false, Some(m)) = (rms, mean) {
+            let b = self.at(ins[2])?;
+            args.extend([Arg::Ptr(b), Arg::Ptr(out), Arg::Ptr(m)]);
+        } else {
+            args.push(Arg::Ptr(out));
+        }
+        args.extend([
+            Arg::Ptr(rstd),
+            Arg::I64(rows as i64),
+            Arg::I32(h as i32),
+            Arg::F64(eps),
+        ]);
+        let kind = if rms { "rms_norm" } else { "layer_norm" };
+        self.launch(
+            y,
+            &format!("{kind}_fwd_{suffix}"),
+            grid_rows(rows),
+            (norm_block(h), 1, 1),
+            args,
+        )
+    }
+
+    /// Saved statistics of the forward `(x, weight)`, or recomputed by a forward launch into
+    /// scratch when the graph has no such forward node.
+    fn norm_stats(
+        &mut self,
+        ins: &[Value],
+        y_dtype: DType,
+        rms: bool,
+        eps: f64,
+        at: Value,
+    ) -> Result<Saved, LowerError> {
+        if let Some(s) = self.saved.get(&(ins[0], ins[1])) {
+            return Ok(*s);
+        }
+        let g = self.g;
+        let x = ins[0];
+        let h = g.ty(x).shape.last();
+        let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
+        let mean = self.scratch(rows as u64 * 4);
+        let rstd = self.scratch(rows as u64 * 4);
+        let (xp, w) = (self.at(x)?, self.at(ins[1])?);
+        // A null `y` makes the kernel compute the statistics only: it then reads neither the
+        // weight nor the bias, which the backward does not have.
+        let mut args = vec![Arg::Ptr(xp), Arg::Null, Arg::Null, Arg::Ptr(w)];
+        if rms {
+            args.push(Arg::Null);
+        } else {
+            args.extend([Arg::Null, Arg::Null, Arg::Ptr(mean)]);
+        }
+        args.extend([
+            Arg::Ptr(rstd),
+            Arg::I64(rows as i64),
+            Arg::I32(h as i32),
+            Arg::F64(eps),
+        ]);
+        let kind = if rms { "rms_norm" } else { "layer_norm" };
+        self.launch(
+            at,
+            &format!("{kind}_fwd_{}", io(g.ty(x).dtype, y_dtype)),
+            grid_rows(rows),
+            (norm_block(h), 1, 1),
+            args,
+        )?;
+        Ok(Saved {
+            a: if rms { rstd } else { mean },
+            b: rstd,
+            count: None,
+        })
+    }
+
+    fn norm_grad(
+        &mut self,
+        ins: &[Value],
+        outs: &[Value],
+        rms: bool,
+        eps: f64,
+        epilogue: Option<Node>,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let (x, w, dy) = (ins[0], ins[1], ins[2]);
+        let dx = outs[0];
+        let (ti, to) = (g.ty(x).dtype, g.ty(dy).dtype);
+        if g.ty(dx).dtype != ti {
+            return Err(self.err(dx, "a norm's input gradient must have the input's dtype"));
+        }
+        let h = g.ty(x).shape.last();
+        let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
+        let stats = self.norm_stats(ins, to, rms, eps, dx)?;
+        let kind = if rms { "rms_norm" } else { "layer_norm" };
+        let suffix = io(ti, to);
+        let (xp, wp, dyp) = (self.at(x)?, self.at(w)?, self.at(dy)?);
+        // Weight gradients first: the input gradient may be written over dy.
+        let groups = rows.div_ceil(ROWS_PER_GROUP).max(1);
+        let dw_part = self.scratch((groups * h * 8) as u64);
+        let db_part = if rms {
+            None
+        } else {
+            Some(self.scratch((groups * h * 8) as u64))
+        };
+        let mut args = vec![Arg::Ptr(xp), Arg::Ptr(dyp)];
+        if !rms {
+            args.push(Arg::Ptr(stats.a));
+        }
+        args.push(Arg::Ptr(stats.b));
+        args.push(Arg::Ptr(dw_part));
+        if let Some(p) = db_part {
+            args.push(Arg::Ptr(p));
+        }
+        args.extend([
+            Arg::I64(rows as i64),
+            Arg::I32(h as i32),
+            Arg::I32(ROWS_PER_GROUP as i32),
+        ]);
+        self.launch(
+            dx,
+            &format!("{kind}_bwd_weight_{suffix}"),
+            (
+                h.div_ceil(BLOCK as usize) as u32,
+                groups.min(65_535) as u32,
+                1,
+            ),
+            (BLOCK, 1, 1),
+            args,
+        )?;
+        if groups > 65_535 {
+            return Err(self.err(dx, "too many rows for the norm weight-gradient launch"));
+        }
+        let parts = [Some(dw_part), db_part];
+        for (k, part) in parts.iter().enumerate() {
+            let (Some(part), Some(&out)) = (part, outs.get(k + 1)) else {
+                continue;
+            };
+            if self.users[out.index()].is_empty()
+                && !g.outputs().contains(&out)
+                && !self.stored.contains_key(g.name(out))
+            {
+                continue;
+            }
+            let od = g.ty(out).dtype;
+            let target = if od == DType::F32 {
+                self.out(out)?
+            } else {
+                self.scratch(h as u64 * 4)
+            };
+            self.launch(
+                out,
+                "norm_weight_grad_reduce",
+                grid_1d(h, BLOCK),
+                (BLOCK, 1, 1),
+                vec![
+                    Arg::Ptr(*part),
+                    Arg::I32(groups as i32),
+                    Arg::I32(h as i32),
+                    Arg::Ptr(target),
+                ],
+            )?;
+            if od != DType::F32 {
+                let o = self.out(out)?;
+                self.launch(
+                    out,
+                    &format!("cast_f32_{}", sfx(od)),
+                    grid_1d(h, BLOCK),
+                    (BLOCK, 1, 1),
+                    vec![Arg::Ptr(target), Arg::Ptr(o), Arg::I64(h as i64)],
+                )?;
+            }
+        }
+        // With an epilogue the kernel writes the add's result and dx itself is never stored.
+        let (dadd, dxp) = match epilogue {
+            Some(add) => {
+                let a = g.node(add);
+                let other = a.inputs.iter().copied().find(|&v| v != dx);
+                let other = other.ok_or_else(|| self.err(dx, "an epilogue add of dx to itself"))?;
+                self.loc[dx.index()] = super::Loc::InKernel;
+                (Arg::Ptr(self.at(other)?), self.out(a.outputs[0])?)
+            }
+            None => (Arg::Null, self.out(dx)?),
+        };
+        let mut args = vec![Arg::Ptr(xp), Arg::Ptr(dyp), Arg::Ptr(wp)];
+        if !rms {
+            args.push(Arg::Ptr(stats.a));
+        }
+        args.extend([
+            Arg::Ptr(stats.b),
+            dadd,
+            Arg::Ptr(dxp),
+            Arg::I64(rows as i64),
+            Arg::I32(h as i32),
+        ]);
+        self.launch(
+            dx,
+            &format!("{kind}_bwd_{suffix}"),
+            grid_rows(rows),
+            (norm_block(h), 1, 1),
+            args,
+        )
+    }
+}
+
+/// Threads per row block of the norms.
+fn norm_block(h: usize) -> u32 {
+    if h > 8192 {
+        1024
+    } else {
+        row_threads(h, ROW_BLOCK)
+    }
+}

@@ -1,0 +1,214 @@
+//! The optimizer step: the gradient norm and the multi-tensor AdamW/SGD launches of
+//! `optimizer.cu` and `grad_norm.cu`.
+use super::super::program::{Arg, Command, Field, Place};
+use super::ops::{row_threads, BLOCK};
+use super::{sfx, LowerError, RunLowering};
+use castor_ir::{DType, Node, Op, Value};
+
+/// Elements per chunk of the multi-tensor kernels (the grad-norm's F64 partial sums group
+/// 16384 elements, as the CPU twin does).
+const CHUNK: usize = 16_384;
+
+impl RunLowering<'_, '_> {
+    pub(super) fn grad_norm(&mut self, y: Value, ins: &[Value]) -> Result<(), LowerError> {
+        let g = self.g;
+        let Some((&scale, grads)) = ins.split_last() else {
+            return Err(self.err(y, "grad_norm has no operands"));
+        };
+        let mut tensors = Vec::new();
+        let mut chunks = Vec::new();
+        for (t, &gv) in grads.iter().enumerate() {
+            let code = match g.ty(gv).dtype {
+                DType::F32 => 0,
+                DType::F16 => 1,
+                DType::BF16 => 2,
+                other => return Err(self.err(y, format!("a {} gradient", other.name()))),
+            };
+            let numel = g.ty(gv).shape.numel().unwrap_or(0);
+            tensors.push(vec![
+                Field::Ptr(self.at(gv)?),
+                Field::I64(numel as i64),
+                Field::I32(code),
+                Field::I32(0),
+            ]);
+            chunk_rows(&mut chunks, t, numel);
+        }
+        let n_chunks = chunks.len();
+        let tt = self.l.table(tensors);
+        let ct = self.l.table(chunks);
+        let partials = self.scratch(n_chunks.max(1) as u64 * 8);
+        let sp = self.at(scale)?;
+        self.launch(
+            y,
+            "grad_norm_partials",
+            (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
+            (BLOCK, 1, 1),
+            vec![
+                Arg::Table(tt),
+                Arg::Table(ct),
+                Arg::I32(n_chunks as i32),
+                Arg::Ptr(sp),
+                Arg::Ptr(partials),
+            ],
+        )?;
+        let out = self.out(y)?;
+        self.launch(
+            y,
+            "grad_norm_finalize",
+            (1, 1, 1),
+            (row_threads(n_chunks, 1024), 1, 1),
+            vec![
+                Arg::Ptr(partials),
+                Arg::I32(n_chunks as i32),
+                Arg::Ptr(out),
+                Arg::Null,
+            ],
+        )
+    }
+
+    /// One multi-tensor launch for a batch of AdamW (or SGD) nodes (see
+    /// [`optimizer_batches`]), at the unit of its last member.
+    pub(super) fn optimizer(&mut self, batch: &[Node]) -> Result<(), LowerError> {
+        let g = self.g;
+        let Some(&n) = batch.last() else {
+            return Ok(());
+        };
+        let node = g.node(n);
+        let y = node.outputs[0];
+        let adamw = matches!(node.op, Op::AdamW { .. });
+        let mut rows = Vec::new();
+        let mut chunks = Vec::new();
+        for (t, &m) in batch.iter().enumerate() {
+            let md = g.node(m);
+            let k = if adamw { 4 } else { 3 };
+            let numel = g.ty(md.inputs[0]).shape.numel().unwrap_or(0);
+            // State updated in place: outputs written where the inputs are, copied there first
+            // when the plan stores them elsewhere.
+            let mut row = Vec::new();
+            for i in 0..k {
+                if i == 1 {
+                    row.push(Field::Ptr(self.at(md.inputs[1])?));
+                    continue;
+                }
+                let out_idx = if i == 0 { 0 } else { i - 1 };
+                let src = self.at(md.inputs[i])?;
+                let dst = self.out(md.outputs[out_idx])?;
+                if dst != src {
+                    let bytes = g.ty(md.inputs[i]).size_bytes().unwrap_or(0) as u64;
+                    self.commands.push(Command::Copy { dst, src, bytes });
+                }
+                row.push(Field::Ptr(dst));
+            }
+            let copy = match md.outputs.get(if adamw { 3 } else { 2 }) {
+                Some(&c) => Field::Ptr(self.out(c)?),
+                None => Field::Null,
+            };
+            let wd = match md.op {
+                Op::AdamW { weight_decay, .. } | Op::Sgd { weight_decay, .. } => weight_decay,
+                _ => 0.0,
+            };
+            row.extend([copy, Field::I64(numel as i64), Field::F64(wd)]);
+            rows.push(row);
+            chunk_rows(&mut chunks, t, numel);
+        }
+        let k = node.inputs.len();
+        let scalars: Vec<Place> = node.inputs[k - 4..]
+            .iter()
+            .map(|&v| self.at(v))
+            .collect::<Result<_, _>>()?;
+        let n_chunks = chunks.len();
+        let tt = self.l.table(rows);
+        let ct = self.l.table(chunks);
+        let mut args = vec![Arg::Table(tt), Arg::Table(ct), Arg::I32(n_chunks as i32)];
+        args.extend(scalars.into_iter().map(Arg::Ptr));
+        let (entry, copy) = match &node.op {
+            Op::AdamW {
+                beta1,
+                beta2,
+                eps,
+                max_grad_norm,
+                copy,
+                ..
+            } => {
+                args.extend([
+                    Arg::F64(*beta1),
+                    Arg::F64(*beta2),
+                    Arg::F64(*eps),
+                    Arg::F64(*max_grad_norm),
+                ]);
+                ("adamw", copy)
+            }
+            Op::Sgd {
+                momentum,
+                max_grad_norm,
+                copy,
+                ..
+            } => {
+                args.extend([Arg::F64(*momentum), Arg::F64(*max_grad_norm)]);
+                ("sgd", copy)
+            }
+            _ => return Err(self.err(y, "not an optimizer node")),
+        };
+        self.launch(
+            y,
+            &format!("{entry}_{}", sfx(copy.unwrap_or(DType::F32))),
+            (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
+            (BLOCK, 1, 1),
+            args,
+        )
+    }
+}
+
+/// The optimizer nodes that can run as one multi-tensor launch: same op and hyperparameters,
+/// the same scalar operands (lr, step, scale, grad norm), and no result read before the last
+/// member. Nodes that do not batch are batches of one.
+pub(super) fn optimizer_batches(g: &castor_ir::Graph, users: &[Vec<Node>]) -> Vec<Vec<Node>> {
+    let mut batches: Vec<Vec<Node>> = Vec::new();
+    for (n, node) in g.nodes() {
+        if !matches!(node.op, Op::AdamW { .. } | Op::Sgd { .. }) {
+            continue;
+        }
+        let k = node.inputs.len();
+        let joins = |b: &Vec<Node>| {
+            let first = g.node(b[0]);
+            first.op == node.op
+                && first.inputs.len() == k
+                && k >= 4
+                && first.inputs[k - 4..] == node.inputs[k - 4..]
+        };
+        match batches.iter_mut().find(|b| joins(b)) {
+            Some(b) => b.push(n),
+            None => batches.push(vec![n]),
+        }
+    }
+    let mut out = Vec::new();
+    for b in batches {
+        let Some(&last) = b.last() else { continue };
+        let early_read = b.iter().any(|&m| {
+            g.node(m)
+                .outputs
+                .iter()
+                .any(|o| users[o.index()].iter().any(|&u| u <= last))
+        });
+        if early_read {
+            out.extend(b.into_iter().map(|m| vec![m]));
+        } else {
+            out.push(b);
+        }
+    }
+    out
+}
+
+/// The chunk rows `{tensor, len, start}` of tensor `t` with `numel` elements.
+fn chunk_rows(chunks: &mut Vec<Vec<Field>>, t: usize, numel: usize) {
+    let mut start = 0;
+    while start < numel {
+        let len = CHUNK.min(numel - start);
+        chunks.push(vec![
+            Field::I32(t as i32),
+            Field::I32(len as i32),
+            Field::I64(start as i64),
+        ]);
+        start += len;
+    }
+}
