@@ -2,9 +2,11 @@
 // backward.
 //
 // Forward, one block per row (grid-stride over rows):
-//   softmax_fwd_<io>(x, y, rows, tk, tq, heads, causal, mask, mask_sb, mask_sh, mask_sq, mask_sk)
+//   softmax_fwd_<io>(x, y, rows, tk, tq, heads, causal, window, mask, mask_sb, mask_sh, mask_sq,
+//                    mask_sk)
 //     x, y: [B, heads, tq, tk] (any leading shape folded into B and heads; rows = B*heads*tq).
-//     causal != 0: query q (row % tq) sees keys j <= q + tk - tq.
+//     causal != 0: query q (row % tq) sees keys j <= q + tk - tq; window > 0 (with causal, a
+//     sliding window) narrows that to the last `window` of them, j > q + tk - tq - window.
 //     mask (nullable): bytes, nonzero = keep, broadcast over x through element strides
 //     (mask_sb, mask_sh, mask_sq, mask_sk), 0 along broadcast axes: the keep bit of (b, h, q, j)
 //     is mask[b*sb + h*sh + q*sq + j*sk].
@@ -26,7 +28,8 @@
 
 template <typename TI, typename TO>
 __device__ __forceinline__ void softmax_fwd(const TI* x, TO* y, i64 rows, int tk, int tq, int heads,
-                                            int causal, const unsigned char* __restrict__ mask,
+                                            int causal, int window,
+                                            const unsigned char* __restrict__ mask,
                                             i64 msb, i64 msh, i64 msq, i64 msk) {
     __shared__ float fscratch[32];
     __shared__ double dscratch[32];
@@ -41,11 +44,14 @@ __device__ __forceinline__ void softmax_fwd(const TI* x, TO* y, i64 rows, int tk
         const unsigned char* mr = mask ? mask + bb * msb + hh * msh + i64(q) * msq : nullptr;
         int visible = tk;
         if (causal) visible = max(0, min(tk, q + 1 + tk - tq));
-        auto keep = [&](int j) { return j < visible && (mr == nullptr || mr[i64(j) * msk] != 0); };
+        const int first = window > 0 ? max(0, visible - window) : 0;
+        auto keep = [&](int j) {
+            return j >= first && j < visible && (mr == nullptr || mr[i64(j) * msk] != 0);
+        };
 
         float m = F32_NEG_INF;
         int kept = 0;
-        for (int j = tid; j < visible; j += nt) {
+        for (int j = first + tid; j < visible; j += nt) {
             if (keep(j)) {
                 m = max_nan(m, to_f32(xr[j]));
                 kept = 1;
@@ -59,7 +65,7 @@ __device__ __forceinline__ void softmax_fwd(const TI* x, TO* y, i64 rows, int tk
             continue;
         }
         double s = 0.0;
-        for (int j = tid; j < visible; j += nt)
+        for (int j = first + tid; j < visible; j += nt)
             if (keep(j)) s += double(expf(to_f32(xr[j]) - m));
         const float inv = float(1.0 / block_sum(s, dscratch));
         // Reads of this row by other threads finished before the reductions' barriers, so
@@ -106,10 +112,11 @@ __device__ __forceinline__ void softmax_bwd(const TO* __restrict__ y, const TO* 
 
 #define SOFTMAX(TI, TO, io)                                                                    \
     extern "C" __global__ void softmax_fwd_##io(const TI* x, TO* y, i64 rows, int tk, int tq,  \
-                                                int heads, int causal,                         \
+                                                int heads, int causal, int window,             \
                                                 const unsigned char* mask, i64 msb, i64 msh,   \
                                                 i64 msq, i64 msk) {                            \
-        softmax_fwd<TI, TO>(x, y, rows, tk, tq, heads, causal, mask, msb, msh, msq, msk);      \
+        softmax_fwd<TI, TO>(x, y, rows, tk, tq, heads, causal, window, mask, msb, msh, msq,    \
+                            msk);                                                              \
     }                                                                                          \
     extern "C" __global__ void softmax_bwd_##io(const TO* y, const TO* dy, TI* dx, i64 rows,   \
                                                 int n) {                                       \

@@ -45,18 +45,36 @@ pub fn config_line(config: &ModelConfig) -> String {
             c.type_vocab_size,
             c.hidden_act
         ),
-        ModelConfig::Llama(c) => format!(
-            "layers {}, hidden {}, heads {} (kv {}), head dim {}, mlp {}, vocab {}, rope theta {}, {}",
-            c.num_hidden_layers,
-            c.hidden_size,
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-            c.intermediate_size,
-            c.vocab_size,
-            c.rope_theta,
-            c.hidden_act
-        ),
+        ModelConfig::Llama(c) => {
+            let mut line = format!(
+                "layers {}, hidden {}, heads {} (kv {}), head dim {}, mlp {}, vocab {}, rope theta {}, {}",
+                c.num_hidden_layers,
+                c.hidden_size,
+                c.num_attention_heads,
+                c.num_key_value_heads,
+                c.head_dim,
+                c.intermediate_size,
+                c.vocab_size,
+                c.rope_theta,
+                c.hidden_act
+            );
+            match c.rope_scaling {
+                castor_ir::RopeScaling::None => {}
+                castor_ir::RopeScaling::Linear { factor } => {
+                    line += &format!(", rope scaling linear x{factor}")
+                }
+                castor_ir::RopeScaling::Llama3 {
+                    factor, original, ..
+                } => line += &format!(", rope scaling llama3 x{factor} from {original} positions"),
+            }
+            if let Some(w) = c.sliding_window {
+                line += &format!(", sliding window {}", w.size);
+                if w.first_layer > 0 {
+                    line += &format!(" from layer {}", w.first_layer);
+                }
+            }
+            line
+        }
     }
 }
 

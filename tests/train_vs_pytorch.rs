@@ -88,7 +88,10 @@ fn updates(variant: &str, run: &str, saved: Option<&Path>) -> Vec<f32> {
 #[test]
 fn three_optimizer_steps_match_torch_optim() {
     let tmp = tempfile::tempdir().unwrap();
-    for variant in ["gpt2_lm", "llama_tied"] {
+    let variants = ["gpt2_lm", "llama_tied"]
+        .into_iter()
+        .chain(common::NEW_DECODERS);
+    for variant in variants {
         let info = info(variant);
         for (run, flags, tolerance) in [
             ("adamw", &[][..], 1e-2),

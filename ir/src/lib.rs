@@ -20,6 +20,7 @@ mod graph;
 mod op;
 mod plan;
 mod precision;
+mod rope;
 mod shape;
 mod structure;
 mod tensor;
@@ -39,6 +40,7 @@ pub use plan::{
     StateSpec, TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
 };
 pub use precision::Precision;
+pub use rope::{rope_inv_freq, RopeScaling};
 pub use shape::Shape;
 pub use structure::ModelShape;
 pub use tensor::{relative_error, round_to, Tensor, TensorData};

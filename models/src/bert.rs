@@ -19,7 +19,7 @@
 //! `cls.predictions.transform.{dense,act,LayerNorm}`, `cls.predictions.decoder.matmul`,
 //! `logits`.
 
-use crate::build::Ctx;
+use crate::build::{Ctx, KeysSeen};
 use crate::config::BertConfig;
 use crate::error::{ModelError, ParamSpec};
 use crate::model::{pre, Arch, Head};
@@ -323,7 +323,7 @@ fn layer(
             qkv.push(ctx.split_heads(role, y, heads, d)?);
         }
         let scale = 1.0 / (d as f64).sqrt();
-        let context = ctx.attention(qkv[0], qkv[1], qkv[2], mask, &[scale], false)?;
+        let context = ctx.attention(qkv[0], qkv[1], qkv[2], mask, &[scale], KeysSeen::All)?;
         let merged = ctx.merge_heads("context", context)?;
         let y = ctx.linear(
             "output.dense",

@@ -9,7 +9,9 @@
 //! end in `.weight` or `.bias`, so they cannot collide with parameter names.
 
 use crate::error::ModelError;
-use castor_ir::{BinaryOp, DType, Graph, GraphBuilder, IrError, ModelShape, Op, TensorType, Value};
+use castor_ir::{
+    BinaryOp, DType, Graph, GraphBuilder, IrError, ModelShape, Op, RopeScaling, TensorType, Value,
+};
 use std::collections::HashMap;
 
 pub(crate) struct Ctx<'m> {
@@ -131,10 +133,16 @@ impl<'m> Ctx<'m> {
     /// cached positions pads `past` zero rows in front, rotates, and keeps the last `T` rows:
     /// the rotation at position `p` is then computed exactly as the full sequence computes
     /// it (the padding's rows cost what the attention over the cache costs anyway).
-    pub fn rope(&mut self, name: &str, x: Value, theta: f64) -> Result<Value, ModelError> {
+    pub fn rope(
+        &mut self,
+        name: &str,
+        x: Value,
+        theta: f64,
+        scaling: RopeScaling,
+    ) -> Result<Value, ModelError> {
         let past = self.past();
         if past == 0 {
-            return self.op(name, Op::Rope { theta }, &[x]);
+            return self.op(name, Op::Rope { theta, scaling }, &[x]);
         }
         let axis = self.ty(x).shape.rank() - 2;
         let padded = self.op(
@@ -146,7 +154,11 @@ impl<'m> Ctx<'m> {
             },
             &[x],
         )?;
-        let rotated = self.op(&format!("{name}.all"), Op::Rope { theta }, &[padded])?;
+        let rotated = self.op(
+            &format!("{name}.all"),
+            Op::Rope { theta, scaling },
+            &[padded],
+        )?;
         self.op(
             name,
             Op::Slice {
@@ -351,12 +363,21 @@ impl<'m> Ctx<'m> {
         v: Value,
         mask: Value,
         scales: &[f64],
-        causal: bool,
+        keys: KeysSeen,
     ) -> Result<Value, ModelError> {
+        let (causal, window) = match keys {
+            KeysSeen::All => (false, None),
+            KeysSeen::Causal => (true, None),
+            KeysSeen::Window(w) => (true, Some(w)),
+        };
         if self.attention == AttentionImpl::Fused {
             let scale = scales.iter().product();
-            let out =
-                self.op_multi("context", Op::Attention { causal, scale }, &[q, k, v, mask])?;
+            let op = Op::Attention {
+                causal,
+                window,
+                scale,
+            };
+            let out = self.op_multi("context", op, &[q, k, v, mask])?;
             return Ok(out[0]);
         }
         let mut s = self.op(
@@ -370,7 +391,7 @@ impl<'m> Ctx<'m> {
         for &factor in scales {
             s = self.op("scores.scaled", Op::Scale { factor }, &[s])?;
         }
-        let p = self.op("probs", Op::Softmax { causal }, &[s, mask])?;
+        let p = self.op("probs", Op::Softmax { causal, window }, &[s, mask])?;
         self.op(
             "context",
             Op::MatMul {
@@ -380,4 +401,15 @@ impl<'m> Ctx<'m> {
             &[p, v],
         )
     }
+}
+
+/// Which keys each query sees, besides the padding mask.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeysSeen {
+    /// Every key (BERT).
+    All,
+    /// Keys up to the query's position.
+    Causal,
+    /// The last `n` keys up to the query's position (a sliding window).
+    Window(usize),
 }

@@ -3,12 +3,14 @@
 //! Fields are read one at a time from the parsed JSON (serde_json) rather than through derived
 //! structs so that an error names the field and shows what was found. Missing or `null`
 //! fields take the defaults of the transformers config classes (`GPT2Config`, `BertConfig`,
-//! `LlamaConfig`). Sizes are checked here, before anything is allocated from them: positive,
+//! `LlamaConfig`, `Qwen2Config`, `MistralConfig`, `GemmaConfig`). A field castor does not
+//! implement (another rope scaling, soft-capping, a sliding window where the family has none)
+//! is an error naming it, never a silent approximation. Sizes are checked here, before anything is allocated from them: positive,
 //! heads dividing the hidden size, kv heads dividing heads, and no absurd values (each size
 //! below 2^31, at most [`MAX_LAYERS`] layers), so later arithmetic cannot overflow.
 
 use crate::error::ModelError;
-use castor_ir::UnaryOp;
+use castor_ir::{RopeScaling, UnaryOp};
 use serde_json::{Map, Value};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -26,10 +28,23 @@ pub enum Family {
     Gpt2,
     Bert,
     Llama,
+    /// Qwen2 / Qwen2.5: LLaMA's layers with biases on q, k and v.
+    Qwen2,
+    /// Mistral: LLaMA's layers with an optional sliding attention window.
+    Mistral,
+    /// Gemma (1): GeGLU MLP, RMSNorm scaled by `1 + weight`, embeddings scaled by √hidden.
+    Gemma,
 }
 
 impl Family {
-    pub const ALL: [Family; 3] = [Family::Gpt2, Family::Bert, Family::Llama];
+    pub const ALL: [Family; 6] = [
+        Family::Gpt2,
+        Family::Bert,
+        Family::Llama,
+        Family::Qwen2,
+        Family::Mistral,
+        Family::Gemma,
+    ];
 
     /// The `model_type` string.
     pub fn model_type(self) -> &'static str {
@@ -37,6 +52,9 @@ impl Family {
             Family::Gpt2 => "gpt2",
             Family::Bert => "bert",
             Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Mistral => "mistral",
+            Family::Gemma => "gemma",
         }
     }
 
@@ -139,9 +157,13 @@ pub struct BertConfig {
     pub initializer_range: f64,
 }
 
-/// `LlamaConfig`, resolved.
+/// A LLaMA-style decoder's config, resolved: `LlamaConfig`, and the families built from the
+/// same layers (`Qwen2Config`, `MistralConfig`, `GemmaConfig`), which differ in the fields
+/// after `initializer_range`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
+    /// Which decoder family (`llama`, `qwen2`, `mistral`, `gemma`).
+    pub family: Family,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
@@ -156,9 +178,26 @@ pub struct LlamaConfig {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub tie_word_embeddings: bool,
+    /// Biases on all four attention projections (LLaMA's `attention_bias`).
     pub attention_bias: bool,
     pub mlp_bias: bool,
     pub initializer_range: f64,
+    /// Biases on q, k and v only (Qwen2).
+    pub qkv_bias: bool,
+    /// `rope_scaling`: how the rotary frequencies are rescaled.
+    pub rope_scaling: RopeScaling,
+    /// The sliding attention window, and the first layer that uses it (Mistral: every layer;
+    /// Qwen2: layers from `max_window_layers` on, when `use_sliding_window`).
+    pub sliding_window: Option<SlidingWindow>,
+    /// Gemma: RMSNorm multiplies by `1 + weight` and the embeddings by `√hidden_size`.
+    pub gemma_norm_and_embed: bool,
+}
+
+/// A sliding attention window over the layers from `first_layer` on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlidingWindow {
+    pub size: usize,
+    pub first_layer: usize,
 }
 
 /// A family's resolved config.
@@ -284,7 +323,9 @@ impl Config {
         let model = match family {
             Family::Gpt2 => ModelConfig::Gpt2(gpt2(&f)?),
             Family::Bert => ModelConfig::Bert(bert(&f)?),
-            Family::Llama => ModelConfig::Llama(llama(&f)?),
+            Family::Llama | Family::Qwen2 | Family::Mistral | Family::Gemma => {
+                ModelConfig::Llama(llama(&f, family)?)
+            }
         };
         Ok(Config {
             file: file.to_path_buf(),
@@ -348,15 +389,77 @@ fn bert(f: &Fields) -> Result<BertConfig, ModelError> {
     })
 }
 
-fn llama(f: &Fields) -> Result<LlamaConfig, ModelError> {
-    let hidden_size = f.size("hidden_size", 4096)?;
-    let heads = f.size("num_attention_heads", 32)?;
+/// The defaults of one decoder family's transformers config class.
+struct DecoderDefaults {
+    hidden: usize,
+    intermediate: usize,
+    layers: usize,
+    heads: usize,
+    /// `None`: as many as `heads`.
+    kv_heads: Option<usize>,
+    /// `None`: `hidden / heads`.
+    head_dim: Option<usize>,
+    vocab: usize,
+    act: &'static str,
+    positions: usize,
+    tie: bool,
+}
+
+impl DecoderDefaults {
+    fn of(family: Family) -> DecoderDefaults {
+        let llama = DecoderDefaults {
+            hidden: 4096,
+            intermediate: 11008,
+            layers: 32,
+            heads: 32,
+            kv_heads: None,
+            head_dim: None,
+            vocab: 32000,
+            act: "silu",
+            positions: 2048,
+            tie: false,
+        };
+        match family {
+            Family::Qwen2 => DecoderDefaults {
+                intermediate: 22016,
+                kv_heads: Some(32),
+                vocab: 151936,
+                positions: 32768,
+                ..llama
+            },
+            Family::Mistral => DecoderDefaults {
+                intermediate: 14336,
+                kv_heads: Some(8),
+                positions: 4096 * 32,
+                ..llama
+            },
+            Family::Gemma => DecoderDefaults {
+                hidden: 3072,
+                intermediate: 24576,
+                layers: 28,
+                heads: 16,
+                kv_heads: Some(16),
+                head_dim: Some(256),
+                vocab: 256000,
+                act: "gelu_pytorch_tanh",
+                positions: 8192,
+                tie: true,
+            },
+            _ => llama,
+        }
+    }
+}
+
+fn llama(f: &Fields, family: Family) -> Result<LlamaConfig, ModelError> {
+    let def = DecoderDefaults::of(family);
+    let hidden_size = f.size("hidden_size", def.hidden)?;
+    let heads = f.size("num_attention_heads", def.heads)?;
     let kv = match f.opt_size("num_key_value_heads")? {
         Some(kv) => kv,
-        None => heads,
+        None => def.kv_heads.unwrap_or(heads),
     };
     f.divides("num_key_value_heads", kv, "num_attention_heads", heads)?;
-    let head_dim = match f.opt_size("head_dim")? {
+    let head_dim = match f.opt_size("head_dim")?.or(def.head_dim) {
         Some(d) => d,
         None => {
             f.divides("num_attention_heads", heads, "hidden_size", hidden_size)?;
@@ -370,31 +473,134 @@ fn llama(f: &Fields) -> Result<LlamaConfig, ModelError> {
         ));
     }
     f.dim_product("num_attention_heads", heads, head_dim)?;
-    let rope_theta = rope_theta(f)?;
+    let (rope_theta, rope_scaling) = rope(f)?;
+    for field in [
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "query_pre_attn_scalar",
+    ] {
+        if let Some(v) = f.get(field) {
+            return Err(ModelError::UnsupportedFeature {
+                file: f.file.to_path_buf(),
+                field: field.into(),
+                what: format!(
+                    "{field} = {} (Gemma 2's soft-capping and query scaling)",
+                    short(v)
+                ),
+            });
+        }
+    }
+    let num_hidden_layers = f.layers("num_hidden_layers", def.layers)?;
+    let mut hidden_act = f.activation("hidden_act", def.act)?;
+    if family == Family::Gemma {
+        // GemmaConfig reads the released checkpoints' `gelu` as the tanh approximation.
+        if hidden_act == Activation::GeluErf {
+            hidden_act = Activation::GeluTanh;
+        }
+        f.forbid_true("use_bidirectional_attention", "bidirectional attention")?;
+    }
     Ok(LlamaConfig {
-        vocab_size: f.size("vocab_size", 32000)?,
+        family,
+        vocab_size: f.size("vocab_size", def.vocab)?,
         hidden_size,
-        intermediate_size: f.size("intermediate_size", 11008)?,
-        num_hidden_layers: f.layers("num_hidden_layers", 32)?,
+        intermediate_size: f.size("intermediate_size", def.intermediate)?,
+        num_hidden_layers,
         num_attention_heads: heads,
         num_key_value_heads: kv,
         head_dim,
-        hidden_act: f.activation("hidden_act", "silu")?,
-        max_position_embeddings: f.size("max_position_embeddings", 2048)?,
+        hidden_act,
+        max_position_embeddings: f.size("max_position_embeddings", def.positions)?,
         rms_norm_eps: f.eps("rms_norm_eps", 1e-6)?,
         rope_theta,
-        tie_word_embeddings: f.boolean("tie_word_embeddings", false)?,
+        tie_word_embeddings: f.boolean("tie_word_embeddings", def.tie)?,
         attention_bias: f.boolean("attention_bias", false)?,
         mlp_bias: f.boolean("mlp_bias", false)?,
         initializer_range: f.eps("initializer_range", 0.02)?,
+        qkv_bias: family == Family::Qwen2,
+        rope_scaling,
+        sliding_window: sliding_window(f, family, num_hidden_layers)?,
+        gemma_norm_and_embed: family == Family::Gemma,
     })
 }
 
-/// The rotary base, refusing any rope scaling. transformers 4 writes `rope_theta` and
-/// `rope_scaling` (null for plain rope); transformers 5 writes `rope_parameters:
-/// {"rope_type": "default", "rope_theta": ...}`. A scaling of type `default` is plain rope.
-fn rope_theta(f: &Fields) -> Result<f64, ModelError> {
+/// The sliding window as each family declares it: Mistral's `sliding_window` on every layer;
+/// Qwen2's, when `use_sliding_window`, on the layers from `max_window_layers` on. transformers
+/// 4.53+ also writes `layer_types`, which must agree. Other families have none, and a config
+/// that sets one is refused.
+fn sliding_window(
+    f: &Fields,
+    family: Family,
+    layers: usize,
+) -> Result<Option<SlidingWindow>, ModelError> {
+    let window = match family {
+        // MistralConfig's default is 4096 when the field is absent; `null` turns it off.
+        Family::Mistral => match f.obj.get("sliding_window") {
+            None => Some(4096),
+            Some(_) => f.opt_size("sliding_window")?,
+        }
+        .map(|size| SlidingWindow {
+            size,
+            first_layer: 0,
+        }),
+        Family::Qwen2 => {
+            if f.boolean("use_sliding_window", false)? {
+                let size = f.size("sliding_window", 4096)?;
+                let first_layer = f.size_or_zero("max_window_layers", 28)?.min(layers);
+                (first_layer < layers).then_some(SlidingWindow { size, first_layer })
+            } else {
+                None
+            }
+        }
+        _ => {
+            if let Some(v) = f.get("sliding_window") {
+                return Err(ModelError::UnsupportedFeature {
+                    file: f.file.to_path_buf(),
+                    field: "sliding_window".into(),
+                    what: format!(
+                        "a sliding window ({}) on {family}, which declares none",
+                        short(v)
+                    ),
+                });
+            }
+            None
+        }
+    };
+    if let Some(v) = f.get("layer_types") {
+        let types = v
+            .as_array()
+            .filter(|a| a.len() == layers)
+            .ok_or_else(|| f.bad("layer_types", &format!("a list of {layers} names"), v))?;
+        let expected: Vec<&str> = (0..layers)
+            .map(|i| match window {
+                Some(w) if i >= w.first_layer => "sliding_attention",
+                _ => "full_attention",
+            })
+            .collect();
+        let found: Vec<Option<&str>> = types.iter().map(Value::as_str).collect();
+        if found.iter().zip(&expected).any(|(f, e)| *f != Some(*e)) {
+            return Err(f.field_err(
+                "layer_types",
+                format!(
+                    "{} disagrees with the sliding window the other fields give ({})",
+                    short(v),
+                    match window {
+                        Some(w) => format!("{} keys from layer {}", w.size, w.first_layer),
+                        None => "none".into(),
+                    }
+                ),
+            ));
+        }
+    }
+    Ok(window)
+}
+
+/// The rotary base and scaling. transformers 4 writes `rope_theta` and `rope_scaling` (null
+/// for plain rope); transformers 5 writes `rope_parameters: {"rope_type": "default",
+/// "rope_theta": ...}`. Types `default`, `linear` and `llama3` are implemented; any other
+/// (`dynamic`, `yarn`, `longrope`, ...) is refused by name.
+fn rope(f: &Fields) -> Result<(f64, RopeScaling), ModelError> {
     let mut theta = f.number("rope_theta", 10000.0)?;
+    let mut scaling = RopeScaling::None;
     for field in ["rope_scaling", "rope_parameters"] {
         let Some(v) = f.get(field) else { continue };
         let unsupported = |what: String| ModelError::UnsupportedFeature {
@@ -410,11 +616,51 @@ fn rope_theta(f: &Fields) -> Result<f64, ModelError> {
             .or_else(|| obj.get("type"))
             .and_then(Value::as_str)
             .unwrap_or("default");
-        if kind != "default" {
-            return Err(unsupported(format!(
-                "rope scaling `{kind}` ({}; only plain rotary embeddings)",
-                short(v)
-            )));
+        let number = |key: &str| -> Result<f64, ModelError> {
+            let x = obj.get(key).ok_or_else(|| {
+                f.field_err(
+                    &format!("{field}.{key}"),
+                    format!("rope scaling `{kind}` needs `{key}`"),
+                )
+            })?;
+            x.as_f64()
+                .ok_or_else(|| f.bad(&format!("{field}.{key}"), "a number", x))
+        };
+        let found = match kind {
+            "default" => RopeScaling::None,
+            "linear" => RopeScaling::Linear {
+                factor: number("factor")?,
+            },
+            "llama3" => {
+                let original = number("original_max_position_embeddings")?;
+                RopeScaling::from_numbers(&[
+                    number("factor")?,
+                    number("low_freq_factor")?,
+                    number("high_freq_factor")?,
+                    original,
+                ])
+                .map_err(|e| f.field_err(field, e))?
+            }
+            other => {
+                return Err(unsupported(format!(
+                    "rope scaling `{other}` ({}; castor implements default, linear and llama3)",
+                    short(v)
+                )))
+            }
+        };
+        if let RopeScaling::Linear { factor } = found {
+            RopeScaling::from_numbers(&[factor]).map_err(|e| f.field_err(field, e))?;
+        }
+        if found != RopeScaling::None {
+            scaling = found;
+        }
+        if let Some(a) = obj.get("attention_factor").filter(|a| !a.is_null()) {
+            if a.as_f64() != Some(1.0) {
+                return Err(unsupported(format!(
+                    "rope attention_factor {} (castor scales attention by 1)",
+                    short(a)
+                )));
+            }
         }
         if let Some(t) = obj.get("rope_theta") {
             theta = t
@@ -436,7 +682,7 @@ fn rope_theta(f: &Fields) -> Result<f64, ModelError> {
             format!("expected a positive number, found {theta}"),
         ));
     }
-    Ok(theta)
+    Ok((theta, scaling))
 }
 
 /// Typed access to config.json fields with defaults and field-naming errors.
@@ -484,6 +730,14 @@ impl Fields<'_> {
 
     fn size(&self, key: &str, default: usize) -> Result<usize, ModelError> {
         Ok(self.opt_size(key)?.unwrap_or(default))
+    }
+
+    /// A count that may be 0 (`max_window_layers`).
+    fn size_or_zero(&self, key: &str, default: usize) -> Result<usize, ModelError> {
+        match self.get(key) {
+            Some(v) if v.as_u64() == Some(0) => Ok(0),
+            _ => self.size(key, default),
+        }
     }
 
     fn layers(&self, key: &str, default: usize) -> Result<usize, ModelError> {

@@ -12,7 +12,7 @@
 //! `attn.context.merged`, `attn.proj`, `attn_residual`, `ln_2`, `mlp.fc`, `mlp.act`,
 //! `mlp.proj`, `mlp_residual`; then `ln_f` (or `last_hidden_state`) and `logits`.
 
-use crate::build::Ctx;
+use crate::build::{Ctx, KeysSeen};
 use crate::config::Gpt2Config;
 use crate::error::{ModelError, ParamSpec};
 use crate::model::{pre, Arch, Head};
@@ -222,7 +222,7 @@ fn block(
         if c.scale_attn_by_inverse_layer_idx {
             scales.push(1.0 / (layer + 1) as f64);
         }
-        let context = ctx.attention(q, k, v, mask, &scales, true)?;
+        let context = ctx.attention(q, k, v, mask, &scales, KeysSeen::Causal)?;
         let merged = ctx.merge_heads("context", context)?;
         ctx.linear(
             "proj",

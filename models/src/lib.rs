@@ -39,7 +39,9 @@ pub mod writer;
 
 pub use build::AttentionImpl;
 pub use checkpoint::Checkpoint;
-pub use config::{Activation, BertConfig, Config, Family, Gpt2Config, LlamaConfig, ModelConfig};
+pub use config::{
+    Activation, BertConfig, Config, Family, Gpt2Config, LlamaConfig, ModelConfig, SlidingWindow,
+};
 pub use error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
 pub use finite::{find_non_finite, NonFinite};
 pub use init::init_param;

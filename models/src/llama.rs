@@ -1,5 +1,8 @@
 //! LLaMA (`LlamaModel`, `LlamaForCausalLM`), as transformers' `modeling_llama` computes it
-//! in eval mode.
+//! in eval mode, and the families built from its layers: Qwen2 (biases on q, k and v),
+//! Mistral (a sliding attention window) and Gemma (GeGLU, RMSNorm by `1 + weight`, embeddings
+//! scaled by √hidden, a head size apart from hidden / heads), each as its own
+//! `modeling_<family>` computes it. Rotary frequencies follow `rope_scaling`.
 //!
 //! Pre-RMSNorm layers, rotary embeddings on q and k in `[B, H, T, D]` layout, SwiGLU MLP.
 //! Grouped-query attention is expressed without repeating k and v: q goes to
@@ -16,18 +19,32 @@
 //! `mlp.act`, `mlp.up_proj`, `mlp.gated`, `mlp.down_proj`, `mlp_residual`; then `norm` (or
 //! `last_hidden_state`) and `logits`.
 
-use crate::build::Ctx;
-use crate::config::LlamaConfig;
+use crate::build::{Ctx, KeysSeen};
+use crate::config::{Family, LlamaConfig};
 use crate::error::{ModelError, ParamSpec};
 use crate::model::{pre, Arch, Head};
 use castor_ir::{BinaryOp, DType, ModelShape, Op, TensorType, Value};
 
 impl Arch for LlamaConfig {
     fn architectures(&self) -> &'static [(&'static str, Head)] {
-        &[
-            ("LlamaForCausalLM", Head::CausalLm),
-            ("LlamaModel", Head::Base),
-        ]
+        match self.family {
+            Family::Qwen2 => &[
+                ("Qwen2ForCausalLM", Head::CausalLm),
+                ("Qwen2Model", Head::Base),
+            ],
+            Family::Mistral => &[
+                ("MistralForCausalLM", Head::CausalLm),
+                ("MistralModel", Head::Base),
+            ],
+            Family::Gemma => &[
+                ("GemmaForCausalLM", Head::CausalLm),
+                ("GemmaModel", Head::Base),
+            ],
+            _ => &[
+                ("LlamaForCausalLM", Head::CausalLm),
+                ("LlamaModel", Head::Base),
+            ],
+        }
     }
 
     fn base_prefix(&self) -> &'static str {
@@ -73,7 +90,7 @@ impl Arch for LlamaConfig {
                     l(&format!("self_attn.{proj}.weight")),
                     [o, inp],
                 ));
-                if self.attention_bias {
+                if self.proj_bias(proj) {
                     out.push(ParamSpec::new(l(&format!("self_attn.{proj}.bias")), [o]));
                 }
             }
@@ -143,6 +160,11 @@ impl Arch for LlamaConfig {
 
         let emb = ctx.param(&p("embed_tokens.weight"))?;
         let mut h = ctx.op("embed_tokens", Op::Embedding, &[emb, ids])?;
+        if self.gemma_norm_and_embed {
+            // Gemma scales the embeddings by √hidden (in the activation dtype).
+            let factor = f64::from((self.hidden_size as f32).sqrt());
+            h = ctx.op("embed_tokens.scaled", Op::Scale { factor }, &[h])?;
+        }
         for i in 0..self.num_hidden_layers {
             let l = p(&format!("layers.{i}."));
             h = ctx.block(i, &format!("layers.{i}"), |ctx| {
@@ -154,9 +176,7 @@ impl Arch for LlamaConfig {
         } else {
             "last_hidden_state"
         };
-        let w = ctx.param(&p("norm.weight"))?;
-        let eps = self.rms_norm_eps;
-        let h = ctx.op_exact(final_name, Op::RmsNorm { eps }, &[h, w])?;
+        let h = rms_norm(self, ctx, final_name, &p("norm.weight"), h, true)?;
         if head != Head::CausalLm {
             return Ok(vec![h]);
         }
@@ -190,19 +210,29 @@ fn layer(
     let (b, t, keys) = (ctx.batch, ctx.seq, ctx.keys());
     let (heads, kv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let groups = heads / kv;
-    let eps = c.rms_norm_eps;
     let w = |name: &str| format!("{l}{name}");
     let bias = |on: bool, name: &str| on.then(|| w(name));
+    // The window matters only when the keys reach past it.
+    let keys_seen = match c.sliding_window {
+        Some(sw) if index >= sw.first_layer && sw.size < keys => KeysSeen::Window(sw.size),
+        _ => KeysSeen::Causal,
+    };
 
-    let g = ctx.param(&w("input_layernorm.weight"))?;
-    let x = ctx.op("input_layernorm", Op::RmsNorm { eps }, &[h, g])?;
+    let x = rms_norm(
+        c,
+        ctx,
+        "input_layernorm",
+        &w("input_layernorm.weight"),
+        h,
+        false,
+    )?;
     let attn = ctx.scoped("self_attn", |ctx| -> Result<Value, ModelError> {
         let proj = |ctx: &mut Ctx, name: &str, role: &str, n: usize| {
             let y = ctx.linear(
                 name,
                 x,
                 &w(&format!("self_attn.{name}.weight")),
-                bias(c.attention_bias, &format!("self_attn.{name}.bias")).as_deref(),
+                bias(c.proj_bias(name), &format!("self_attn.{name}.bias")).as_deref(),
                 true,
             )?;
             ctx.split_heads(role, y, n, d)
@@ -210,9 +240,9 @@ fn layer(
         let q = proj(ctx, "q_proj", "q", heads)?;
         let k = proj(ctx, "k_proj", "k", kv)?;
         let v = proj(ctx, "v_proj", "v", kv)?;
-        let theta = c.rope_theta;
-        let q = ctx.rope("q.rope", q, theta)?;
-        let k = ctx.rope("k.rope", k, theta)?;
+        let (theta, scaling) = (c.rope_theta, c.rope_scaling);
+        let q = ctx.rope("q.rope", q, theta, scaling)?;
+        let k = ctx.rope("k.rope", k, theta, scaling)?;
         let (k, v) = ctx.cache_kv(index, k, v)?;
         let q = ctx.op(
             "q.groups",
@@ -236,7 +266,7 @@ fn layer(
             &[v],
         )?;
         let scale = 1.0 / (d as f64).sqrt();
-        let context = ctx.attention(q, k, v, mask, &[scale], true)?;
+        let context = ctx.attention(q, k, v, mask, &[scale], keys_seen)?;
         let context = ctx.op(
             "context.heads",
             Op::Reshape {
@@ -249,14 +279,20 @@ fn layer(
             "o_proj",
             merged,
             &w("self_attn.o_proj.weight"),
-            bias(c.attention_bias, "self_attn.o_proj.bias").as_deref(),
+            bias(c.proj_bias("o_proj"), "self_attn.o_proj.bias").as_deref(),
             true,
         )
     })?;
     let h = ctx.add("attn_residual", h, attn)?;
 
-    let g = ctx.param(&w("post_attention_layernorm.weight"))?;
-    let x = ctx.op("post_attention_layernorm", Op::RmsNorm { eps }, &[h, g])?;
+    let x = rms_norm(
+        c,
+        ctx,
+        "post_attention_layernorm",
+        &w("post_attention_layernorm.weight"),
+        h,
+        false,
+    )?;
     let mlp = ctx.scoped("mlp", |ctx| -> Result<Value, ModelError> {
         let gate = ctx.linear(
             "gate_proj",
@@ -283,4 +319,49 @@ fn layer(
         )
     })?;
     ctx.add("mlp_residual", h, mlp)
+}
+
+impl LlamaConfig {
+    /// Whether attention projection `proj` (`q_proj`, ..., `o_proj`) has a bias.
+    fn proj_bias(&self, proj: &str) -> bool {
+        self.attention_bias || (self.qkv_bias && proj != "o_proj")
+    }
+}
+
+/// RMSNorm of `x` by the weight `weight`: `x / rms(x) * weight`, or for Gemma
+/// `x / rms(x) * (1 + weight)` (the sum in F32, `name.gain`). `exact` keeps the node's name
+/// as given (a graph output).
+fn rms_norm(
+    c: &LlamaConfig,
+    ctx: &mut Ctx,
+    name: &str,
+    weight: &str,
+    x: Value,
+    exact: bool,
+) -> Result<Value, ModelError> {
+    let mut g = ctx.param(weight)?;
+    if c.gemma_norm_and_embed {
+        let one = ctx.op(
+            &format!("{name}.one"),
+            Op::Full {
+                value: 1.0,
+                dtype: DType::F32,
+                shape: vec![c.hidden_size],
+            },
+            &[],
+        )?;
+        g = ctx.op(
+            &format!("{name}.gain"),
+            Op::Binary(BinaryOp::Add),
+            &[one, g],
+        )?;
+    }
+    let op = Op::RmsNorm {
+        eps: c.rms_norm_eps,
+    };
+    if exact {
+        ctx.op_exact(name, op, &[x, g])
+    } else {
+        ctx.op(name, op, &[x, g])
+    }
 }

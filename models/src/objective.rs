@@ -71,7 +71,13 @@ impl Model {
         match (self.family(), self.head()) {
             (_, Head::Base | Head::Pooler) => "last_hidden_state".into(),
             (crate::Family::Gpt2, _) => "ln_f".into(),
-            (crate::Family::Llama, _) => "norm".into(),
+            (
+                crate::Family::Llama
+                | crate::Family::Qwen2
+                | crate::Family::Mistral
+                | crate::Family::Gemma,
+                _,
+            ) => "norm".into(),
             (crate::Family::Bert, _) => match &self.config().model {
                 crate::ModelConfig::Bert(c) => {
                     format!(

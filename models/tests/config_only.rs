@@ -93,7 +93,13 @@ fn gpt2_124m_count_and_graph() {
         g.ty(g.lookup("h.3.attn.q").unwrap()).shape.0,
         vec![2, 12, 7, 64]
     );
-    assert_eq!(op_of(&g, "h.0.attn.probs"), &Op::Softmax { causal: true });
+    assert_eq!(
+        op_of(&g, "h.0.attn.probs"),
+        &Op::Softmax {
+            causal: true,
+            window: None
+        }
+    );
     assert_eq!(
         op_of(&g, "h.0.mlp.act"),
         &Op::Unary(castor_ir::UnaryOp::GeluTanh)
@@ -198,7 +204,10 @@ fn llama_gqa_shapes_and_tied_count() {
     assert_eq!(shape("attention_mask.keys"), vec![2, 1, 1, 1, 3]);
     assert_eq!(
         op_of(&g, "layers.0.self_attn.q.rope"),
-        &Op::Rope { theta: 500000.0 }
+        &Op::Rope {
+            theta: 500000.0,
+            scaling: castor_ir::RopeScaling::None
+        }
     );
     let logits = g.node(g.value(g.lookup("logits").unwrap()).producer);
     assert_eq!(g.name(logits.inputs[1]), "model.embed_tokens.weight");
@@ -244,7 +253,10 @@ fn bert_base_counts_and_graph() {
     );
     assert_eq!(
         op_of(&g, "encoder.layer.0.attention.probs"),
-        &Op::Softmax { causal: false }
+        &Op::Softmax {
+            causal: false,
+            window: None
+        }
     );
     assert_eq!(
         g.ty(g.lookup("pooler_output").unwrap()).shape.0,
@@ -308,8 +320,15 @@ fn config_errors() {
         &["num_key_value_heads = 5 does not divide num_attention_heads = 32"],
     );
     assert_contains(
-        &model_err(r#"{"model_type": "llama", "rope_scaling": {"type": "linear", "factor": 2.0}}"#),
-        &["`rope_scaling`", "not supported", "linear"],
+        &model_err(
+            r#"{"model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0}}"#,
+        ),
+        &[
+            "`rope_scaling`",
+            "not supported",
+            "dynamic",
+            "default, linear and llama3",
+        ],
     );
     assert_contains(
         &model_err(r#"{"model_type": "gpt2", "activation_function": "relu"}"#),
@@ -391,10 +410,135 @@ fn rope_parameters_of_transformers_5() {
             "{base}, \"rope_parameters\": {{\"rope_type\": \"llama3\", \"factor\": 8.0}}}}"
         )),
         &[
-            "`rope_parameters`",
-            "rope scaling `llama3`",
-            "not supported",
+            "`rope_parameters.original_max_position_embeddings`",
+            "rope scaling `llama3` needs",
         ],
+    );
+}
+
+/// Every unimplemented field is refused by name, with its value.
+#[test]
+fn decoder_family_features_castor_lacks_are_errors() {
+    for (json, words) in [
+        (
+            r#"{"model_type": "llama", "sliding_window": 4096}"#,
+            &["`sliding_window`", "4096", "llama, which declares none"][..],
+        ),
+        (
+            r#"{"model_type": "gemma", "attn_logit_softcapping": 50.0}"#,
+            &["`attn_logit_softcapping`", "50.0", "soft-capping"][..],
+        ),
+        (
+            r#"{"model_type": "gemma", "use_bidirectional_attention": true}"#,
+            &["`use_bidirectional_attention`", "bidirectional"][..],
+        ),
+        (
+            r#"{"model_type": "mistral", "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}"#,
+            &["`rope_parameters`", "rope scaling `yarn`", "not supported"][..],
+        ),
+        (
+            r#"{"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                "low_freq_factor": 4.0, "high_freq_factor": 1.0,
+                "original_max_position_embeddings": 8192}}"#,
+            &["`rope_scaling`", "low_freq_factor < high_freq_factor"][..],
+        ),
+        (
+            r#"{"model_type": "qwen2", "num_hidden_layers": 2, "use_sliding_window": true,
+                "max_window_layers": 1,
+                "layer_types": ["full_attention", "full_attention"]}"#,
+            &["`layer_types`", "disagrees", "from layer 1"][..],
+        ),
+        (
+            r#"{"model_type": "mistral", "num_hidden_layers": 2, "hidden_act": "relu"}"#,
+            &["`hidden_act`", "unsupported activation `relu`"][..],
+        ),
+    ] {
+        assert_contains(&model_err(json), words);
+    }
+}
+
+/// Each family's defaults are its transformers config class's, and the windows land on the
+/// layers the family puts them on.
+#[test]
+fn decoder_family_defaults_and_windows() {
+    let config = |json: &str| match model(json).config().model.clone() {
+        castor_models::ModelConfig::Llama(c) => c,
+        other => panic!("{other:?}"),
+    };
+    let gemma = config(r#"{"model_type": "gemma", "hidden_act": "gelu"}"#);
+    assert_eq!(
+        (gemma.head_dim, gemma.vocab_size, gemma.tie_word_embeddings),
+        (256, 256000, true)
+    );
+    assert_eq!(gemma.hidden_act, castor_models::Activation::GeluTanh);
+    assert!(gemma.gemma_norm_and_embed);
+    let mistral = config(r#"{"model_type": "mistral"}"#);
+    assert_eq!(mistral.num_key_value_heads, 8);
+    assert_eq!(
+        mistral.sliding_window,
+        Some(castor_models::SlidingWindow {
+            size: 4096,
+            first_layer: 0
+        })
+    );
+    assert_eq!(
+        config(r#"{"model_type": "mistral", "sliding_window": null}"#).sliding_window,
+        None
+    );
+    let qwen = config(r#"{"model_type": "qwen2", "sliding_window": 4096}"#);
+    assert!(qwen.qkv_bias && !qwen.attention_bias);
+    assert_eq!(
+        qwen.sliding_window, None,
+        "use_sliding_window defaults to false"
+    );
+    let qwen = config(
+        r#"{"model_type": "qwen2", "num_hidden_layers": 4, "use_sliding_window": true,
+            "sliding_window": 64, "max_window_layers": 2,
+            "layer_types": ["full_attention", "full_attention", "sliding_attention",
+                            "sliding_attention"]}"#,
+    );
+    assert_eq!(
+        qwen.sliding_window,
+        Some(castor_models::SlidingWindow {
+            size: 64,
+            first_layer: 2
+        })
+    );
+    let g = model(
+        r#"{"model_type": "qwen2", "num_hidden_layers": 4, "hidden_size": 32,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 8,
+            "vocab_size": 9, "use_sliding_window": true, "sliding_window": 3,
+            "max_window_layers": 2}"#,
+    )
+    .build_graph(1, 8)
+    .unwrap();
+    assert_eq!(
+        op_of(&g, "layers.1.self_attn.probs"),
+        &Op::Softmax {
+            causal: true,
+            window: None
+        }
+    );
+    assert_eq!(
+        op_of(&g, "layers.2.self_attn.probs"),
+        &Op::Softmax {
+            causal: true,
+            window: Some(3)
+        }
+    );
+    let llama31 = config(
+        r#"{"model_type": "llama", "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}}"#,
+    );
+    assert_eq!(
+        llama31.rope_scaling,
+        castor_ir::RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original: 8192
+        }
     );
 }
 

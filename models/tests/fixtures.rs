@@ -158,7 +158,11 @@ fn fixtures_load_and_build() {
                 .collect();
             assert!(!ropes.is_empty());
             assert!(
-                ropes.iter().all(|op| **op == Op::Rope { theta }),
+                ropes.iter().all(|op| **op
+                    == Op::Rope {
+                        theta,
+                        scaling: castor_ir::RopeScaling::None
+                    }),
                 "{}",
                 v.name
             );

@@ -449,7 +449,11 @@ impl Backward<'_> {
                     }
                 }
             }
-            Op::Attention { causal, scale } => {
+            Op::Attention {
+                causal,
+                window,
+                scale,
+            } => {
                 let Some(dy) = dy else { return Ok(()) };
                 if !(need(0) || need(1) || need(2)) {
                     return Ok(());
@@ -461,6 +465,7 @@ impl Backward<'_> {
                 operands.extend(x.get(3));
                 let op = Op::AttentionGrad {
                     causal: *causal,
+                    window: *window,
                     scale: *scale,
                 };
                 let outs = self.b.op_multi(&name, op, &operands)?;
@@ -477,9 +482,13 @@ impl Backward<'_> {
                     self.contribute(x[0], d)?;
                 }
             }
-            Op::Rope { theta } => {
+            Op::Rope { theta, scaling } => {
                 if let (true, Some(dy)) = (need(0), dy) {
-                    let d = self.b.op(&name, Op::RopeGrad { theta: *theta }, &[dy])?;
+                    let op = Op::RopeGrad {
+                        theta: *theta,
+                        scaling: *scaling,
+                    };
+                    let d = self.b.op(&name, op, &[dy])?;
                     self.contribute(x[0], d)?;
                 }
             }

@@ -139,7 +139,7 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
             };
             2.0 * out * k as f64
         }
-        Op::Attention { causal, .. } | Op::AttentionGrad { causal, .. } => {
+        Op::Attention { causal, window, .. } | Op::AttentionGrad { causal, window, .. } => {
             let (q, v) = (
                 g.ty(node.inputs[0]).shape.dims(),
                 g.ty(node.inputs[2]).shape.dims(),
@@ -147,7 +147,7 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
             let (t, d) = (q[q.len() - 2], q[q.len() - 1] as f64);
             let (s, dv) = (v[v.len() - 2], v[v.len() - 1] as f64);
             let heads = q[..q.len() - 2].iter().product::<usize>() as f64;
-            let pairs = heads * attended_pairs(t, s, *causal);
+            let pairs = heads * attended_pairs(t, s, *causal, *window);
             if matches!(node.op, Op::Attention { .. }) {
                 // q k^T and p v, and the online softmax's ~5 operations per score.
                 pairs * (2.0 * d + 2.0 * dv + 5.0)
@@ -209,11 +209,16 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
 
 /// The (query, key) pairs an attention computes: all `T x S`, or under a causal mask those
 /// with `j <= i + S - T`, which a fused kernel skips the rest of.
-fn attended_pairs(t: usize, s: usize, causal: bool) -> f64 {
+fn attended_pairs(t: usize, s: usize, causal: bool, window: Option<usize>) -> f64 {
     if !causal {
         return (t * s) as f64;
     }
-    (0..t).map(|i| (i + 1 + s - t).min(s) as f64).sum()
+    (0..t)
+        .map(|i| {
+            let visible = (i + 1 + s - t).min(s);
+            window.map_or(visible, |w| visible.min(w)) as f64
+        })
+        .sum()
 }
 
 /// Bytes one node reads and writes in device memory.

@@ -350,12 +350,19 @@ fn table_ops() -> Vec<Op> {
         Op::Scale { factor: 1.0 },
         Op::LayerNorm { eps: 0.0 },
         Op::RmsNorm { eps: 0.0 },
-        Op::Softmax { causal: false },
+        Op::Softmax {
+            causal: false,
+            window: None,
+        },
         Op::Attention {
             causal: false,
+            window: None,
             scale: 1.0,
         },
-        Op::Rope { theta: 0.0 },
+        Op::Rope {
+            theta: 0.0,
+            scaling: castor_ir::RopeScaling::None,
+        },
         Op::Reshape { shape: vec![] },
         Op::Transpose { perm: vec![] },
         Op::Slice {
@@ -423,7 +430,13 @@ mod tests {
             }),
             Rule::Allow
         );
-        assert_eq!(rule(Op::Softmax { causal: true }), Rule::Deny);
+        assert_eq!(
+            rule(Op::Softmax {
+                causal: true,
+                window: None
+            }),
+            Rule::Deny
+        );
         assert_eq!(rule(Op::Unary(UnaryOp::Exp)), Rule::Deny);
         assert_eq!(rule(Op::Unary(UnaryOp::GeluTanh)), Rule::Infer);
         assert_eq!(rule(Op::Reshape { shape: vec![1] }), Rule::Clear);

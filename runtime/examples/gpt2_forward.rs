@@ -75,7 +75,14 @@ impl Gpt2 {
         let s = self.op(&p("attn.scores"), matmul(false, true), &[q, k])?;
         let factor = 1.0 / ((HIDDEN / HEADS) as f64).sqrt();
         let s = self.op(&p("attn.scores.scaled"), Op::Scale { factor }, &[s])?;
-        let probs = self.op(&p("attn.probs"), Op::Softmax { causal: true }, &[s, mask])?;
+        let probs = self.op(
+            &p("attn.probs"),
+            Op::Softmax {
+                causal: true,
+                window: None,
+            },
+            &[s, mask],
+        )?;
         let ctx = self.op(&p("attn.context"), matmul(false, false), &[probs, v])?;
         let perm = vec![0, 2, 1, 3];
         let ctx = self.op(&p("attn.context.t"), Op::Transpose { perm }, &[ctx])?;

@@ -8,14 +8,23 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Every fixture variant made by tests/fixtures/generate.py.
-pub const VARIANTS: [&str; 6] = [
+pub const VARIANTS: [&str; 10] = [
     "gpt2_lm",
     "gpt2_base",
     "bert_base",
     "bert_mlm",
     "llama_gqa",
     "llama_tied",
+    "qwen2_bias",
+    "mistral_window",
+    "gemma_tiny",
+    "llama31_rope",
 ];
+
+/// The decoder families beyond LLaMA itself (tests/fixtures/generate.py): Qwen2 with linear
+/// rope scaling, Mistral with a window shorter than the sequence, Gemma, LLaMA 3.1 rope scaling
+/// past the original context.
+pub const NEW_DECODERS: [&str; 4] = ["qwen2_bias", "mistral_window", "gemma_tiny", "llama31_rope"];
 
 /// The repository: where the tests were built, or (test binaries copied to another machine,
 /// such as a GPU machine without Rust) the current folder when that is a checkout.

@@ -2,7 +2,7 @@
 //! and parses ([`AttrValue`]), and the reader that takes attributes by name so that missing,
 //! mistyped and unknown ones are all reported.
 
-use crate::DType;
+use crate::{DType, RopeScaling};
 use std::fmt;
 
 /// An attribute value in the text format.
@@ -12,6 +12,8 @@ pub enum Attr {
     Float(f64),
     Bool(bool),
     Ints(Vec<i64>),
+    /// A list with at least one number that is not an integer.
+    Floats(Vec<f64>),
     Ident(String),
 }
 
@@ -32,20 +34,99 @@ impl fmt::Display for Attr {
                 }
                 f.write_str("]")
             }
+            Attr::Floats(v) => {
+                f.write_str("[")?;
+                for (i, x) in v.iter().enumerate() {
+                    if i > 0 {
+                        f.write_str(",")?;
+                    }
+                    write!(f, "{x:?}")?;
+                }
+                f.write_str("]")
+            }
             Attr::Ident(s) => f.write_str(s),
         }
     }
 }
 
 /// A field type that is an op attribute: how it prints and how it is read back.
+///
+/// A type may have an *absent* value (no sliding window, no rope scaling): it is not printed,
+/// and a missing attribute reads as it, so that a feature only some models use adds nothing
+/// to the text of the graphs that do not use it.
 pub(crate) trait AttrValue: Sized {
     fn to_attr(&self) -> Attr;
     fn from_attr(key: &str, attr: Attr) -> Result<Self, String>;
 
+    /// The value a missing attribute stands for, if the type has one.
+    fn absent() -> Option<Self> {
+        None
+    }
+
+    /// The attribute as printed: `None` for the absent value.
+    fn printed(&self) -> Option<Attr> {
+        Some(self.to_attr())
+    }
+
     /// Takes the attribute `key` from the reader as this type.
     fn take(reader: &mut AttrReader<'_>, key: &str) -> Result<Self, String> {
-        let attr = reader.take(key)?;
-        Self::from_attr(key, attr)
+        match (reader.take_if_given(key), Self::absent()) {
+            (Some(attr), _) => Self::from_attr(key, attr),
+            (None, Some(absent)) => Ok(absent),
+            (None, None) => Err(reader.missing(key)),
+        }
+    }
+}
+
+/// A count that only some ops have (a sliding attention window): omitted when `None`.
+impl AttrValue for Option<usize> {
+    fn to_attr(&self) -> Attr {
+        Attr::Int(self.map_or(0, |n| n as i64))
+    }
+
+    fn from_attr(key: &str, attr: Attr) -> Result<Option<usize>, String> {
+        match usize::from_attr(key, attr)? {
+            0 => Err(format!(
+                "attribute `{key}` must be positive (leave it out for none), found 0"
+            )),
+            n => Ok(Some(n)),
+        }
+    }
+
+    fn absent() -> Option<Self> {
+        Some(None)
+    }
+
+    fn printed(&self) -> Option<Attr> {
+        self.map(|n| Attr::Int(n as i64))
+    }
+}
+
+/// Rotary frequency scaling as its numbers (see [`RopeScaling::numbers`]); omitted when none.
+impl AttrValue for RopeScaling {
+    fn to_attr(&self) -> Attr {
+        Attr::Floats(self.numbers())
+    }
+
+    fn from_attr(key: &str, attr: Attr) -> Result<RopeScaling, String> {
+        let numbers = match attr {
+            Attr::Floats(v) => v,
+            Attr::Ints(v) => v.into_iter().map(|i| i as f64).collect(),
+            other => {
+                return Err(format!(
+                    "attribute `{key}` must be a list of numbers, found `{other}`"
+                ))
+            }
+        };
+        RopeScaling::from_numbers(&numbers).map_err(|e| format!("attribute `{key}`: {e}"))
+    }
+
+    fn absent() -> Option<Self> {
+        Some(RopeScaling::None)
+    }
+
+    fn printed(&self) -> Option<Attr> {
+        (*self != RopeScaling::None).then(|| self.to_attr())
     }
 }
 
@@ -173,13 +254,13 @@ impl<'a> AttrReader<'a> {
         AttrReader { attrs, op }
     }
 
-    fn take(&mut self, key: &str) -> Result<Attr, String> {
-        let pos = self
-            .attrs
-            .iter()
-            .position(|(k, _)| k == key)
-            .ok_or_else(|| format!("`{}` needs attribute `{key}`", self.op))?;
-        Ok(self.attrs.remove(pos).1)
+    fn take_if_given(&mut self, key: &str) -> Option<Attr> {
+        let pos = self.attrs.iter().position(|(k, _)| k == key)?;
+        Some(self.attrs.remove(pos).1)
+    }
+
+    fn missing(&self, key: &str) -> String {
+        format!("`{}` needs attribute `{key}`", self.op)
     }
 
     /// Every attribute was taken: anything left is unknown to the op.

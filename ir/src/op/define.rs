@@ -40,7 +40,8 @@ macro_rules! define_ops {
             [$($mn)* Op::$V { $k, .. } => $k.$method(),]
             [$($cl)* Op::$V { .. } => $class,]
             [$($ar)* Op::$V { .. } => $arity,]
-            [$($at)* Op::$V { $($f,)* .. } => vec![$( (stringify!($f), AttrValue::to_attr($f)) ),*],]
+            [$($at)* Op::$V { $($f,)* .. } => [$( (stringify!($f), AttrValue::printed($f)) ),*]
+                .into_iter().filter_map(|(k, a)| Some((k, a?))).collect(),]
             [$($pa)*]
             [$($fp)*
                 if let Some($k) = <$K>::ALL.into_iter().find(|x| x.$method() == $mnv) {
@@ -71,7 +72,8 @@ macro_rules! define_ops {
             [$($mn)* Op::$V { .. } => $name,]
             [$($cl)* Op::$V { .. } => $class,]
             [$($ar)* Op::$V { .. } => $arity,]
-            [$($at)* Op::$V { $($f),* } => vec![$( (stringify!($f), AttrValue::to_attr($f)) ),*],]
+            [$($at)* Op::$V { $($f),* } => [$( (stringify!($f), AttrValue::printed($f)) ),*]
+                .into_iter().filter_map(|(k, a)| Some((k, a?))).collect(),]
             [$($pa)* $name => Op::$V { $( $f: AttrValue::take(&mut $rd, stringify!($f))? ),* },]
             [$($fp)*]
             [$($ty)* Op::$V { $($f),* } => $typing,];

@@ -16,7 +16,7 @@ mod typing;
 pub use attr::Attr;
 pub(crate) use attr::{AttrReader, AttrValue};
 
-use crate::{DType, TensorType};
+use crate::{DType, RopeScaling, TensorType};
 use define::{define_family, define_ops};
 use std::fmt;
 use OpClass::{Contraction, Elementwise, Layout, Normalization};
@@ -130,23 +130,27 @@ define_ops! {
     RmsNorm { eps: f64 } => "rms_norm", class Normalization, arity (2, 2),
         typing typing::norm(inputs);
     /// Softmax over the last axis of `x [.., Tq, Tk]`, with an optional causal mask (query i
-    /// sees keys up to `i + Tk - Tq`) and an optional bool operand broadcast to `x` (false =
-    /// masked out). A row with every key masked becomes uniform, as with a finite `-inf`.
-    Softmax { causal: bool } => "softmax", class Normalization, arity (1, 2),
-        typing typing::softmax(inputs, *causal);
+    /// sees keys up to `i + Tk - Tq`), narrowed by a sliding `window` when given (query i sees
+    /// only the `window` keys ending there, as Mistral's sliding-window attention), and an
+    /// optional bool operand broadcast to `x` (false = masked out). A row with every key masked
+    /// becomes uniform, as with a finite `-inf`.
+    Softmax { causal: bool, window: Option<usize> } => "softmax", class Normalization,
+        arity (1, 2), typing typing::softmax(inputs, *causal, *window);
     /// Scaled dot-product attention in one op, as FlashAttention computes it: `(q [.., T, D],
     /// k [.., S, D], v [.., S, Dv][, mask]) -> (o [.., T, Dv], lse f32 [.., T])`, with
     /// `o = softmax(scale * q k^T, causal, mask) v` and `lse` each row's log-sum-exp of the
     /// scaled scores (saved for the backward). The batch dims of `k`, `v` and the bool `mask`
     /// (`[.., T, S]`, false = masked out) broadcast to `q`'s, which expresses grouped-query
     /// attention without repeating `k` and `v`. With `causal`, query `i` sees keys
-    /// `j <= i + S - T`. A row with every key masked attends uniformly to all `S` keys, as a
-    /// finite `-inf` mask gives. No `[T, S]` tensor exists outside the op.
-    Attention { causal: bool, scale: f64 } => "attention", class Contraction, arity (3, 4),
-        typing typing::attention(inputs, *causal);
+    /// `j <= i + S - T`, and with a sliding `window` also only `j > i + S - T - window`. A row
+    /// with every key masked attends uniformly to all `S` keys, as a finite `-inf` mask gives.
+    /// No `[T, S]` tensor exists outside the op.
+    Attention { causal: bool, window: Option<usize>, scale: f64 } => "attention",
+        class Contraction, arity (3, 4), typing typing::attention(inputs, *causal, *window);
     /// Rotary position embedding of `x [.., T, D]` at positions `0..T`, rotate-half layout
-    /// (LLaMA's `apply_rotary_pos_emb`), frequencies `theta^(-2i/D)`.
-    Rope { theta: f64 } => "rope", class Elementwise, arity (1, 1),
+    /// (LLaMA's `apply_rotary_pos_emb`), frequencies `theta^(-2i/D)` rescaled as `scaling`
+    /// says ([`crate::rope_inv_freq`]).
+    Rope { theta: f64, scaling: RopeScaling } => "rope", class Elementwise, arity (1, 1),
         typing typing::rope(inputs);
     Reshape { shape: Vec<usize> } => "reshape", class Layout, arity (1, 1),
         typing typing::reshape(inputs, shape);
@@ -196,10 +200,12 @@ define_ops! {
     /// `(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)` of [`Op::Attention`], from its saved
     /// output and log-sum-exp (FlashAttention-2's backward: the probabilities are recomputed,
     /// never stored); `dk` and `dv` are summed over the batch dims `k` and `v` broadcast.
-    AttentionGrad { causal: bool, scale: f64 } => "attention_grad", class Contraction,
-        arity (6, 7), typing typing::attention_grad(inputs, *causal);
+    AttentionGrad { causal: bool, window: Option<usize>, scale: f64 } => "attention_grad",
+        class Contraction, arity (6, 7),
+        typing typing::attention_grad(inputs, *causal, *window);
     /// The transpose of [`Op::Rope`]: rotation by the negated angles.
-    RopeGrad { theta: f64 } => "rope_grad", class Elementwise, arity (1, 1),
+    RopeGrad { theta: f64, scaling: RopeScaling } => "rope_grad", class Elementwise,
+        arity (1, 1),
         typing typing::rope(inputs);
     /// Zeros before and after along `axis`: the transpose of [`Op::Slice`].
     Pad { axis: usize, before: usize, after: usize } => "pad", class Layout, arity (1, 1),
@@ -344,6 +350,28 @@ mod tests {
                 copy: Some(DType::F16),
             },
             Op::CrossEntropy { ignore_index: -100 },
+            Op::Softmax {
+                causal: true,
+                window: Some(4096),
+            },
+            Op::AttentionGrad {
+                causal: true,
+                window: Some(3),
+                scale: 0.125,
+            },
+            Op::Rope {
+                theta: 500000.0,
+                scaling: RopeScaling::Llama3 {
+                    factor: 8.0,
+                    low_freq_factor: 1.0,
+                    high_freq_factor: 4.0,
+                    original: 8192,
+                },
+            },
+            Op::RopeGrad {
+                theta: 1e6,
+                scaling: RopeScaling::Linear { factor: 2.0 },
+            },
         ];
         for op in ops {
             let attrs = op
@@ -368,6 +396,54 @@ mod tests {
         );
         assert_eq!(Op::Unary(UnaryOp::Exp).class(), Normalization);
         assert_eq!(Op::UnaryGrad(UnaryOp::Tanh).class(), Elementwise);
+    }
+
+    /// A feature only some models use (no window, no rope scaling) prints nothing, and its
+    /// absence reads back as "none".
+    #[test]
+    fn absent_attributes_are_not_printed() {
+        let plain = Op::Rope {
+            theta: 1e4,
+            scaling: RopeScaling::None,
+        };
+        assert_eq!(plain.attrs(), vec![("theta", Attr::Float(1e4))]);
+        assert_eq!(
+            Op::from_parts("rope", vec![("theta".into(), Attr::Float(1e4))]),
+            Ok(plain)
+        );
+        let softmax = Op::Softmax {
+            causal: true,
+            window: None,
+        };
+        assert_eq!(softmax.attrs(), vec![("causal", Attr::Bool(true))]);
+        let scaled = Op::Rope {
+            theta: 1e4,
+            scaling: RopeScaling::Linear { factor: 4.0 },
+        };
+        assert_eq!(scaled.attrs()[1], ("scaling", Attr::Floats(vec![4.0])));
+        let a = |k: &str, v: Attr| vec![("causal".to_string(), Attr::Bool(true)), (k.into(), v)];
+        assert_eq!(
+            Op::from_parts("softmax", a("window", Attr::Int(0))),
+            Err("attribute `window` must be positive (leave it out for none), found 0".into())
+        );
+        assert!(Op::from_parts(
+            "rope",
+            vec![
+                ("theta".into(), Attr::Float(1e4)),
+                ("scaling".into(), Attr::Floats(vec![1.0, 2.0])),
+            ]
+        )
+        .is_err_and(|e| e.contains("found 2 numbers")));
+    }
+
+    #[test]
+    fn a_window_needs_a_causal_mask() {
+        let x = TensorType::new(DType::F32, [2, 4, 4]);
+        let op = Op::Softmax {
+            causal: false,
+            window: Some(2),
+        };
+        assert!(op.infer(&[&x]).is_err_and(|e| e.contains("no causal mask")));
     }
 
     #[test]

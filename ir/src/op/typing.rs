@@ -210,10 +210,23 @@ pub fn norm(inputs: &[&TensorType]) -> Types {
     one(x.clone())
 }
 
-/// Softmax over the last axis, with an optional causal mask and bool mask operand.
-pub fn softmax(inputs: &[&TensorType], causal: bool) -> Types {
+/// A sliding window narrows a causal mask: it means nothing without one.
+fn window_needs_causal(what: &str, causal: bool, window: Option<usize>) -> Result<(), String> {
+    match window {
+        Some(w) if !causal => Err(format!(
+            "{what} has a sliding window ({w}) but no causal mask: a window is the keys ending \
+             at each query's causal limit"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Softmax over the last axis, with an optional causal mask (narrowed by a sliding window)
+/// and bool mask operand.
+pub fn softmax(inputs: &[&TensorType], causal: bool, window: Option<usize>) -> Types {
     let x = inputs[0];
     require_float("input", x)?;
+    window_needs_causal("softmax", causal, window)?;
     if causal {
         if x.shape.rank() < 2 {
             return Err("causal softmax needs a [.., Tq, Tk] input".into());
@@ -246,8 +259,9 @@ fn batch_of(s: &Shape) -> Shape {
 
 /// `(q [.., T, D], k [.., S, D], v [.., S, Dv][, mask bool [.., T, S]]) -> (o [.., T, Dv],
 /// lse f32 [.., T])`; the batch dims of k, v and the mask broadcast to q's.
-pub fn attention(inputs: &[&TensorType], causal: bool) -> Types {
+pub fn attention(inputs: &[&TensorType], causal: bool, window: Option<usize>) -> Types {
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+    window_needs_causal("attention", causal, window)?;
     for (what, t) in [("query", q), ("key", k), ("value", v)] {
         require_float(what, t)?;
         if t.shape.rank() < 2 {
@@ -316,13 +330,13 @@ pub fn attention(inputs: &[&TensorType], causal: bool) -> Types {
 }
 
 /// `(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)` like q, k and v.
-pub fn attention_grad(inputs: &[&TensorType], causal: bool) -> Types {
+pub fn attention_grad(inputs: &[&TensorType], causal: bool, window: Option<usize>) -> Types {
     let (q, k, v, o, lse, d_o) = (
         inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
     );
     let mut forward = vec![q, k, v];
     forward.extend(inputs.get(6));
-    let outs = attention(&forward, causal)?;
+    let outs = attention(&forward, causal, window)?;
     if o.shape != outs[0].shape || d_o.shape != o.shape {
         return Err(format!(
             "attention output {} and its gradient {} should be {}",

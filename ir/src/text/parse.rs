@@ -459,6 +459,7 @@ impl Cursor {
 
     fn attr(&mut self) -> Result<Attr, IrError> {
         if self.eat('[') {
+            // Integers, unless some entry is not: then every entry is a float.
             let mut v = Vec::new();
             if !self.eat(']') {
                 loop {
@@ -466,14 +467,12 @@ impl Cursor {
                     let loc = self.loc();
                     // Lists are flat: a `[` here is reported, not parsed (no recursion).
                     match self.scalar()? {
-                        Attr::Int(i) => v.push(i),
+                        number @ (Attr::Int(_) | Attr::Float(_)) => v.push(number),
                         other => {
                             return Err(err(
                                 loc.line,
                                 loc.column,
-                                &format!(
-                                    "expected an integer in a list attribute, found `{other}`"
-                                ),
+                                &format!("expected a number in a list attribute, found `{other}`"),
                             ))
                         }
                     }
@@ -483,7 +482,25 @@ impl Cursor {
                     self.punct(',')?;
                 }
             }
-            return Ok(Attr::Ints(v));
+            let ints: Option<Vec<i64>> = v
+                .iter()
+                .map(|a| match a {
+                    Attr::Int(i) => Some(*i),
+                    _ => None,
+                })
+                .collect();
+            return Ok(match ints {
+                Some(ints) => Attr::Ints(ints),
+                None => Attr::Floats(
+                    v.iter()
+                        .map(|a| match a {
+                            Attr::Int(i) => *i as f64,
+                            Attr::Float(x) => *x,
+                            _ => f64::NAN,
+                        })
+                        .collect(),
+                ),
+            });
         }
         self.scalar()
     }

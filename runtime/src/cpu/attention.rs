@@ -44,6 +44,8 @@ pub struct Problem<'a> {
     pub v: &'a [usize],
     pub mask: Option<(&'a [bool], &'a [usize])>,
     pub causal: bool,
+    /// A sliding window narrowing the causal mask: only the last `window` causal keys.
+    pub window: Option<usize>,
     pub scale: f64,
     pub operand: Operand,
 }
@@ -67,6 +69,7 @@ struct Layout<'a> {
     /// `[batch.., T]`: the dims whose rows are query rows.
     rows_dims: Vec<usize>,
     causal: bool,
+    window: Option<usize>,
     scale: f64,
     operand: Operand,
 }
@@ -96,6 +99,7 @@ impl<'a> Layout<'a> {
                 .map(|(data, shape)| (data, broadcast_strides(shape, &scores))),
             rows_dims,
             causal: p.causal,
+            window: p.window,
             scale: p.scale,
             operand: p.operand,
         }
@@ -109,14 +113,15 @@ impl<'a> Layout<'a> {
         offset(b, self.batch, &self.v_batch)
     }
 
-    /// Which keys query row `i` of batch `b` sees (causally and through the mask), or `None`
-    /// when it sees none (the row is then uniform over all keys).
+    /// Which keys query row `i` of batch `b` sees (causally, in its window and through the
+    /// mask), or `None` when it sees none (the row is then uniform over all keys).
     fn keys(&self, b: usize, i: usize) -> Option<Vec<bool>> {
         let visible = if self.causal {
             (i + 1 + self.s - self.t).min(self.s)
         } else {
             self.s
         };
+        let first = self.window.map_or(0, |w| visible.saturating_sub(w));
         let mut keep = vec![false; self.s];
         let (row, last) = match &self.mask {
             Some((_, strides)) => {
@@ -129,7 +134,7 @@ impl<'a> Layout<'a> {
             None => (0, 0),
         };
         let mut any = false;
-        for (j, k) in keep.iter_mut().enumerate().take(visible) {
+        for (j, k) in keep.iter_mut().enumerate().take(visible).skip(first) {
             *k = self
                 .mask
                 .as_ref()

@@ -172,7 +172,7 @@ pub fn execute(
             norm::rms_norm(&mut x, args.f32(1)?, *eps);
             float(args, x)?
         }
-        Op::Softmax { causal } => {
+        Op::Softmax { causal, window } => {
             let mut x = args.take_f32(0)?;
             let mask = if args.len() > 1 {
                 Some(softmax::Mask {
@@ -182,13 +182,18 @@ pub fn execute(
             } else {
                 None
             };
-            softmax::softmax(&mut x, out.shape.dims(), *causal, mask);
+            softmax::softmax(&mut x, out.shape.dims(), *causal, *window, mask);
             float(args, x)?
         }
-        Op::Attention { causal, scale } => {
+        Op::Attention {
+            causal,
+            window,
+            scale,
+        } => {
             let ops = attention_operands(args, acc, &[0, 1, 2])?;
             let mask = args.len() > 3;
-            let problem = attention_problem(args, acc, mask.then_some(3), *causal, *scale)?;
+            let problem =
+                attention_problem(args, acc, mask.then_some(3), (*causal, *window), *scale)?;
             let (o, lse) = attention::attention(&ops[0], &ops[1], &ops[2], &problem);
             return [o, lse]
                 .into_iter()
@@ -196,10 +201,15 @@ pub fn execute(
                 .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
                 .collect();
         }
-        Op::AttentionGrad { causal, scale } => {
+        Op::AttentionGrad {
+            causal,
+            window,
+            scale,
+        } => {
             let ops = attention_operands(args, acc, &[0, 1, 2, 5])?;
             let mask = args.len() > 6;
-            let problem = attention_problem(args, acc, mask.then_some(6), *causal, *scale)?;
+            let problem =
+                attention_problem(args, acc, mask.then_some(6), (*causal, *window), *scale)?;
             let (dq, dk, dv) = attention::attention_grad(
                 &ops[0],
                 &ops[1],
@@ -215,10 +225,10 @@ pub fn execute(
                 .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
                 .collect();
         }
-        Op::Rope { theta } => {
+        Op::Rope { theta, scaling } => {
             let mut x = args.take_f32(0)?;
             let d = out.shape.dims();
-            rope::rope(&mut x, d[d.len() - 2], d[d.len() - 1], *theta);
+            rope::rope(&mut x, d[d.len() - 2], d[d.len() - 1], *theta, *scaling);
             float(args, x)?
         }
         Op::Reshape { .. } => {
@@ -316,10 +326,10 @@ pub fn execute(
             softmax::softmax_grad(args.f32(0)?, &mut dy, n);
             float(args, dy)?
         }
-        Op::RopeGrad { theta } => {
+        Op::RopeGrad { theta, scaling } => {
             let mut dy = args.take_f32(0)?;
             let d = out.shape.dims();
-            rope::rope_grad(&mut dy, d[d.len() - 2], d[d.len() - 1], *theta);
+            rope::rope_grad(&mut dy, d[d.len() - 2], d[d.len() - 1], *theta, *scaling);
             float(args, dy)?
         }
         Op::Pad {
@@ -430,7 +440,7 @@ fn attention_problem<'a>(
     args: &'a Args,
     acc: Option<Accum>,
     mask: Option<usize>,
-    causal: bool,
+    (causal, window): (bool, Option<usize>),
     scale: f64,
 ) -> Result<attention::Problem<'a>, RuntimeError> {
     let mask = match mask {
@@ -448,6 +458,7 @@ fn attention_problem<'a>(
         v: args.shape(2)?,
         mask,
         causal,
+        window,
         scale,
         operand,
     })

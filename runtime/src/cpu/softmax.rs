@@ -36,8 +36,15 @@ impl Keep<'_> {
 }
 
 /// Softmax of `x` (shape `dims`, at least 1-D) over its last axis. With `causal`, query `i`
-/// of `Tq` (the second-to-last axis) sees keys `j <= i + Tk - Tq`.
-pub fn softmax(x: &mut [f32], dims: &[usize], causal: bool, mask: Option<Mask>) {
+/// of `Tq` (the second-to-last axis) sees keys `j <= i + Tk - Tq`, and with a sliding
+/// `window` only the last `window` of those.
+pub fn softmax(
+    x: &mut [f32],
+    dims: &[usize],
+    causal: bool,
+    window: Option<usize>,
+    mask: Option<Mask>,
+) {
     if x.is_empty() {
         return;
     }
@@ -64,6 +71,7 @@ pub fn softmax(x: &mut [f32], dims: &[usize], causal: bool, mask: Option<Mask>) 
         } else {
             tk
         };
+        let first = window.map_or(0, |w| visible.saturating_sub(w));
         let keep = match &mask {
             None => Keep::All,
             Some((data, strides, first_false)) => {
@@ -75,26 +83,28 @@ pub fn softmax(x: &mut [f32], dims: &[usize], causal: bool, mask: Option<Mask>) 
                 }
             }
         };
-        softmax_row(row, visible, keep);
+        softmax_row(row, first, visible, keep);
     });
 }
 
 multiversion! {
-/// Softmax of one row over the first `visible` entries that `keep` keeps; zeros elsewhere.
-fn softmax_row(row: &mut [f32], visible: usize, keep: Keep) {
+/// Softmax of one row over the entries `first..visible` that `keep` keeps; zeros elsewhere.
+fn softmax_row(row: &mut [f32], first: usize, visible: usize, keep: Keep) {
     let keep = match keep {
         // Rows without padding among the visible keys take the unmasked path.
         Keep::Slice(_, first_false) if first_false >= visible => Keep::All,
         k => k,
     };
-    let (seen, hidden) = row.split_at_mut(visible);
+    let (head, hidden) = row.split_at_mut(visible);
     hidden.fill(0.0);
+    let (before, seen) = head.split_at_mut(first);
+    before.fill(0.0);
     let keep_all = matches!(keep, Keep::All | Keep::Scalar(true));
     let max = if keep_all {
-        (visible > 0).then(|| math::max(seen))
+        (visible > first).then(|| math::max(seen))
     } else {
-        (0..visible)
-            .filter(|&j| keep.get(j))
+        (0..seen.len())
+            .filter(|&j| keep.get(first + j))
             .map(|j| seen[j])
             .reduce(math::max2)
     };
@@ -108,7 +118,7 @@ fn softmax_row(row: &mut [f32], visible: usize, keep: Keep) {
         seen.iter_mut().for_each(|v| *v = math::exp(*v - max));
     } else {
         for (j, v) in seen.iter_mut().enumerate() {
-            *v = if keep.get(j) {
+            *v = if keep.get(first + j) {
                 math::exp(*v - max)
             } else {
                 0.0

@@ -228,7 +228,10 @@ fn softmax_grad_matches_finite_differences() {
     for (shape, causal) in cases {
         let x = scaled(&mut rng, shape, 2.0, 0.0);
         let r = rng.tensor(DType::F32, shape);
-        let forward = Op::Softmax { causal };
+        let forward = Op::Softmax {
+            causal,
+            window: None,
+        };
         let y = run_op(forward.clone(), &[&x]).expect("forward runs");
         let dx = run_op(Op::SoftmaxGrad, &[&y, &r]).expect("grad runs");
         let want = numeric_grad(&forward, &[&x], 0, f32s(&r), H);
@@ -246,7 +249,10 @@ fn softmax_grad_through_a_padding_mask() {
     let keep: Vec<bool> = (0..14).map(|i| i % 7 < 4 + i / 7).collect();
     let mask = Tensor::from_bool([2, 1, 7], keep);
     let r = rng.tensor(DType::F32, &[2, 3, 7]);
-    let forward = Op::Softmax { causal: false };
+    let forward = Op::Softmax {
+        causal: false,
+        window: None,
+    };
     let y = run_op(forward.clone(), &[&x, &mask]).expect("forward runs");
     let dx = run_op(Op::SoftmaxGrad, &[&y, &r]).expect("grad runs");
     let want = numeric_grad(&forward, &[&x, &mask], 0, f32s(&r), H);
@@ -266,8 +272,24 @@ fn rope_grad_matches_finite_differences() {
         let theta = 10_000.0;
         let x = rng.tensor(DType::F32, shape);
         let r = rng.tensor(DType::F32, shape);
-        let dx = run_op(Op::RopeGrad { theta }, &[&r]).expect("grad runs");
-        let want = numeric_grad(&Op::Rope { theta }, &[&x], 0, f32s(&r), H);
+        let dx = run_op(
+            Op::RopeGrad {
+                theta,
+                scaling: castor_ir::RopeScaling::None,
+            },
+            &[&r],
+        )
+        .expect("grad runs");
+        let want = numeric_grad(
+            &Op::Rope {
+                theta,
+                scaling: castor_ir::RopeScaling::None,
+            },
+            &[&x],
+            0,
+            f32s(&r),
+            H,
+        );
         assert_grad("rope_grad", &dx, &want, TOL);
     }
 }
@@ -279,8 +301,26 @@ fn rope_grad_inverts_rope() {
     let x = rng.tensor(DType::F32, &[2, 3, 9, 8]);
     let mut b = GraphBuilder::new("round_trip");
     let xv = b.input("x", x.ty().clone()).expect("name");
-    let y = b.op("y", Op::Rope { theta }, &[xv]).expect("typed");
-    let z = b.op("z", Op::RopeGrad { theta }, &[y]).expect("typed");
+    let y = b
+        .op(
+            "y",
+            Op::Rope {
+                theta,
+                scaling: castor_ir::RopeScaling::None,
+            },
+            &[xv],
+        )
+        .expect("typed");
+    let z = b
+        .op(
+            "z",
+            Op::RopeGrad {
+                theta,
+                scaling: castor_ir::RopeScaling::None,
+            },
+            &[y],
+        )
+        .expect("typed");
     b.set_outputs(vec![z]);
     let z = run(&b.finish(), &[("x", &x)]).expect("runs").remove(0);
     let want: Vec<f64> = f32s(&x).iter().map(|&v| v as f64).collect();
@@ -566,9 +606,15 @@ fn empty_shapes_give_empty_gradients() {
     assert!(g.iter().all(|t| t.numel() == 0));
     assert_eq!(run_op(Op::SoftmaxGrad, &[&x, &x]).expect("runs").numel(), 0);
     assert_eq!(
-        run_op(Op::RopeGrad { theta: 1e4 }, &[&x])
-            .expect("runs")
-            .numel(),
+        run_op(
+            Op::RopeGrad {
+                theta: 1e4,
+                scaling: castor_ir::RopeScaling::None
+            },
+            &[&x]
+        )
+        .expect("runs")
+        .numel(),
         0
     );
     let ids = Tensor::from_i64(DType::I64, [3], vec![0, 1, 1]);
@@ -614,14 +660,28 @@ fn large_grads() -> Vec<Vec<Tensor>> {
         .collect();
     let labels = Tensor::from_i64(DType::I64, [64], labels);
     let dloss = Tensor::from_f32(DType::F32, Vec::<usize>::new(), vec![1.0]);
-    let y = run_op(Op::Softmax { causal: false }, &[&x]).expect("runs");
+    let y = run_op(
+        Op::Softmax {
+            causal: false,
+            window: None,
+        },
+        &[&x],
+    )
+    .expect("runs");
     let x4 = x.clone().reshaped([3, 100, 200]);
     vec![
         run_multi(Op::LayerNormGrad { eps: 1e-5 }, &[&x, &w, &dy]).expect("runs"),
         run_multi(Op::RmsNormGrad { eps: 1e-6 }, &[&x, &w, &dy]).expect("runs"),
         run_multi(Op::SoftmaxGrad, &[&y, &dy]).expect("runs"),
         run_multi(Op::UnaryGrad(UnaryOp::GeluTanh), &[&x, &dy]).expect("runs"),
-        run_multi(Op::RopeGrad { theta: 1e4 }, &[&x4]).expect("runs"),
+        run_multi(
+            Op::RopeGrad {
+                theta: 1e4,
+                scaling: castor_ir::RopeScaling::None,
+            },
+            &[&x4],
+        )
+        .expect("runs"),
         run_multi(Op::EmbeddingGrad { vocab: 97 }, &[&ids, &dy_e]).expect("runs"),
         run_multi(
             Op::CrossEntropyGrad { ignore_index: -100 },

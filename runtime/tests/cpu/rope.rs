@@ -8,7 +8,14 @@ fn rope_matches_direct_formula() {
     let mut rng = Rng::new(60);
     let (t, d, theta) = (7, 8, 10_000.0f64);
     let x = rng.tensor(DType::F32, &[2, 3, t, d]);
-    let y = run_op(Op::Rope { theta }, &[&x]).expect("runs");
+    let y = run_op(
+        Op::Rope {
+            theta,
+            scaling: castor_ir::RopeScaling::None,
+        },
+        &[&x],
+    )
+    .expect("runs");
     let half = d / 2;
     let want: Vec<f64> = f32s(&x)
         .chunks(d)
@@ -33,6 +40,13 @@ fn rope_matches_direct_formula() {
 fn position_zero_is_identity_and_position_one_rotates() {
     // D = 2: one frequency, 1; position 1 rotates (1, 0) by one radian.
     let x = Tensor::from_f32(DType::F32, [2, 2], vec![1.0, 0.0, 1.0, 0.0]);
-    let y = run_op(Op::Rope { theta: 10_000.0 }, &[&x]).expect("runs");
+    let y = run_op(
+        Op::Rope {
+            theta: 10_000.0,
+            scaling: castor_ir::RopeScaling::None,
+        },
+        &[&x],
+    )
+    .expect("runs");
     assert_close(f32s(&y), &[1.0, 0.0, 1f64.cos(), 1f64.sin()], 1e-7);
 }

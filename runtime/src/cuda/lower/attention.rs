@@ -180,6 +180,21 @@ impl RunLowering<'_, '_> {
         self.launch_shared(y, &entry, grid, (geometry::THREADS, 1, 1), shared, args)
     }
 
+    /// The fused kernels have no sliding window yet: such a model runs `--attention eager`,
+    /// whose softmax kernel takes the window.
+    fn no_window(&self, y: Value, window: Option<usize>) -> Result<(), LowerError> {
+        match window {
+            None => Ok(()),
+            Some(w) => Err(self.err(
+                y,
+                format!(
+                    "sliding-window attention (window {w}) has no fused CUDA kernel yet; use \
+                     --attention eager"
+                ),
+            )),
+        }
+    }
+
     fn mask_arg(&self, mask: Option<Value>) -> Result<Arg, LowerError> {
         Ok(match mask {
             Some(m) => Arg::Ptr(self.at(m)?),
@@ -191,9 +206,15 @@ impl RunLowering<'_, '_> {
     pub(super) fn attention(&mut self, n: Node) -> Result<(), LowerError> {
         let g = self.g;
         let node = g.node(n);
-        let Op::Attention { causal, scale } = node.op else {
+        let Op::Attention {
+            causal,
+            window,
+            scale,
+        } = node.op
+        else {
             return Err(self.err(node.outputs[0], "not an attention node"));
         };
+        self.no_window(node.outputs[0], window)?;
         let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
         let (o, lse) = (outs[0], outs[1]);
         let mask = ins.get(3).copied();
@@ -217,9 +238,15 @@ impl RunLowering<'_, '_> {
     pub(super) fn attention_grad(&mut self, n: Node) -> Result<(), LowerError> {
         let g = self.g;
         let node = g.node(n);
-        let Op::AttentionGrad { causal, scale } = node.op else {
+        let Op::AttentionGrad {
+            causal,
+            window,
+            scale,
+        } = node.op
+        else {
             return Err(self.err(node.outputs[0], "not an attention gradient node"));
         };
+        self.no_window(node.outputs[0], window)?;
         let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
         let (dq, dk, dv) = (outs[0], outs[1], outs[2]);
         let mask = ins.get(6).copied();

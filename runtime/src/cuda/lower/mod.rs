@@ -1122,6 +1122,11 @@ fn io(ti: DType, to: DType) -> String {
     }
 }
 
+/// A sliding attention window as a kernel argument: its length, 0 for none.
+fn window_arg(window: Option<usize>) -> i32 {
+    window.map_or(0, |w| w.min(i32::MAX as usize) as i32)
+}
+
 /// A 1-D grid-stride launch over `work` items.
 fn grid_1d(work: usize, block: u32) -> (u32, u32, u32) {
     let blocks = work.div_ceil(block as usize).clamp(1, 65_535 * 4);

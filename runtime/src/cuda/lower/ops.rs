@@ -2,8 +2,8 @@
 //! its arguments, in the order and meaning each kernel file's header comment gives.
 
 use super::super::program::{Arg, Command, Place, SlotKind};
-use super::{copies, gemm, grid_1d, grid_rows, io, sfx, LowerError, RunLowering};
-use castor_ir::{Accum, DType, Node, Op, ReduceOp, Value};
+use super::{copies, gemm, grid_1d, grid_rows, io, sfx, window_arg, LowerError, RunLowering};
+use castor_ir::{Accum, DType, Node, Op, ReduceOp, RopeScaling, Value};
 
 /// Threads per block of the row kernels (norms, softmax, cross-entropy, embeddings).
 pub(super) const ROW_BLOCK: u32 = 256;
@@ -86,7 +86,7 @@ impl RunLowering<'_, '_> {
             Op::EmbeddingGrad { vocab } => self.embedding_grad(y, ins[0], ins[1], *vocab)?,
             Op::LayerNorm { .. } | Op::RmsNorm { .. } => self.norm_unit(n, None)?,
             Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. } => self.norm_grad_unit(n, None)?,
-            Op::Softmax { causal } => self.softmax(y, &ins, *causal)?,
+            Op::Softmax { causal, window } => self.softmax(y, &ins, *causal, *window)?,
             Op::SoftmaxGrad => {
                 let (yv, dy) = (ins[0], ins[1]);
                 let n = g.ty(yv).shape.last();
@@ -107,7 +107,7 @@ impl RunLowering<'_, '_> {
                     ],
                 )?;
             }
-            Op::Rope { theta } | Op::RopeGrad { theta } => {
+            Op::Rope { theta, scaling } | Op::RopeGrad { theta, scaling } => {
                 let backward = matches!(node.op, Op::RopeGrad { .. });
                 let d = dims(ins[0]);
                 if d.len() < 2 || d[d.len() - 1] % 2 != 0 {
@@ -115,7 +115,7 @@ impl RunLowering<'_, '_> {
                 }
                 let (t, hd) = (d[d.len() - 2], d[d.len() - 1]);
                 let rows = numel(ins[0]) / hd.max(1);
-                let table = self.rope_table(t, hd, *theta)?;
+                let table = self.rope_table(t, hd, *theta, *scaling)?;
                 let (x, out) = (self.at(ins[0])?, self.out(y)?);
                 let dir = if backward { "bwd" } else { "fwd" };
                 self.launch(
@@ -316,14 +316,24 @@ impl RunLowering<'_, '_> {
         )
     }
 
-    /// The RoPE `(cos, sin)` table for `(t, d, theta)`: the CPU twin's values, uploaded once.
-    fn rope_table(&mut self, t: usize, d: usize, theta: f64) -> Result<Place, LowerError> {
-        let name = format!("rope.table.{t}.{d}.{theta}");
+    /// The RoPE `(cos, sin)` table for `(t, d, theta, scaling)`: the CPU twin's values,
+    /// uploaded once.
+    fn rope_table(
+        &mut self,
+        t: usize,
+        d: usize,
+        theta: f64,
+        scaling: RopeScaling,
+    ) -> Result<Place, LowerError> {
+        let name = match scaling {
+            RopeScaling::None => format!("rope.table.{t}.{d}.{theta}"),
+            s => format!("rope.table.{t}.{d}.{theta}.scaled{:?}", s.numbers()),
+        };
         if let Some(slot) = self.l.find_slot(&name) {
             return Ok(Place::Slot { slot, offset: 0 });
         }
         let mut bytes = Vec::with_capacity(t * d * 4);
-        for (c, s) in crate::cpu::rope::rope_table(t, d, theta) {
+        for (c, s) in crate::cpu::rope::rope_table(t, d, theta, scaling) {
             bytes.extend(c.to_le_bytes());
             bytes.extend(s.to_le_bytes());
         }
@@ -331,7 +341,13 @@ impl RunLowering<'_, '_> {
         Ok(Place::Slot { slot, offset: 0 })
     }
 
-    fn softmax(&mut self, y: Value, ins: &[Value], causal: bool) -> Result<(), LowerError> {
+    fn softmax(
+        &mut self,
+        y: Value,
+        ins: &[Value],
+        causal: bool,
+        window: Option<usize>,
+    ) -> Result<(), LowerError> {
         let g = self.g;
         let x = ins[0];
         let d = g.ty(x).shape.dims().to_vec();
@@ -403,6 +419,7 @@ impl RunLowering<'_, '_> {
                 Arg::I32(tq as i32),
                 Arg::I32(heads as i32),
                 Arg::I32(i32::from(causal)),
+                Arg::I32(window_arg(window)),
                 mask,
                 Arg::I64(strides[0]),
                 Arg::I64(strides[1]),

@@ -17,6 +17,9 @@ pub(super) fn softmax_fwd(m: &Mem, l: &Launch, ti: DType, to: DType) -> R<Vec<Us
     let tq = a.count32("tq")?;
     let heads = a.count32("heads")?;
     a.i32("causal")?;
+    if a.i32("window")? < 0 {
+        return Err("a negative sliding window".into());
+    }
     let mask = a.ptr(m, "mask")?;
     let strides = [
         a.i64("mask_sb")?,

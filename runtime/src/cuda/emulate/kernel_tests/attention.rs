@@ -173,6 +173,7 @@ fn run_case(
         v: &kv_shape,
         mask: c.masked.then_some((&keep[..], &mask_shape[..])),
         causal: c.causal,
+        window: None,
         scale,
         operand: Operand::Dtype(dtype),
     };

@@ -5,7 +5,7 @@
 use super::{check, dec, enc, grid_1d, i32, i64, Launcher, Rng, FLOATS};
 use crate::cpu::rope::{rope, rope_grad, rope_table};
 use crate::cuda::program::Arg;
-use castor_ir::{round_to, DType};
+use castor_ir::{round_to, DType, RopeScaling};
 
 pub(super) fn entries() -> Vec<String> {
     let mut out = vec!["rope_table".to_string()];
@@ -24,7 +24,7 @@ fn the_table_and_both_rotations_equal_the_twin() {
         (31, 16, 500_000.0),
         (33, 130, 10_000.0),
     ] {
-        let table = rope_table(t, d, theta);
+        let table = rope_table(t, d, theta, RopeScaling::None);
         let want: Vec<f32> = table.iter().flat_map(|&(c, s)| [c, s]).collect();
         let mut l = Launcher::new("rope.cu");
         let cs = l.out(t * d / 2 * 8, 0);
@@ -51,9 +51,9 @@ fn the_table_and_both_rotations_equal_the_twin() {
             for bwd in [false, true] {
                 let mut y = x.clone();
                 if bwd {
-                    rope_grad(&mut y, t, d, theta);
+                    rope_grad(&mut y, t, d, theta, RopeScaling::None);
                 } else {
-                    rope(&mut y, t, d, theta);
+                    rope(&mut y, t, d, theta, RopeScaling::None);
                 }
                 let y: Vec<f32> = y.iter().map(|&v| round_to(dt, v)).collect();
                 let name = format!("rope_{}_{s}", if bwd { "bwd" } else { "fwd" });

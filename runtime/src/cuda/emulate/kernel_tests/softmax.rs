@@ -24,7 +24,13 @@ fn softmax_with_masks_and_its_gradient_agree_with_the_twin() {
     for (ti, to) in norm::pairs() {
         let s = super::io(ti, to);
         for (tq, tk) in [(1usize, 1usize), (5, 31), (4, 33), (3, 1025)] {
-            for causal in [false, true] {
+            // Causal masks with and without a sliding window (2 keys, 17 keys).
+            for (causal, window) in [
+                (false, None),
+                (true, None),
+                (true, Some(2)),
+                (true, Some(17)),
+            ] {
                 for masked in [false, true] {
                     let rows = batch * heads * tq;
                     let n = rows * tk;
@@ -39,7 +45,7 @@ fn softmax_with_masks_and_its_gradient_agree_with_the_twin() {
                         data: &keep,
                         shape: &mask_shape,
                     });
-                    softmax(&mut y, &dims, causal, mask);
+                    softmax(&mut y, &dims, causal, window, mask);
                     let y: Vec<f32> = y.iter().map(|&v| round_to(to, v)).collect();
 
                     let block = if tk > 2048 {
@@ -60,6 +66,7 @@ fn softmax_with_masks_and_its_gradient_agree_with_the_twin() {
                         i32(tq),
                         i32(heads),
                         i32(usize::from(causal)),
+                        i32(window.unwrap_or(0)),
                         mask_arg,
                         i64(tk),
                         i64(0),
@@ -67,7 +74,7 @@ fn softmax_with_masks_and_its_gradient_agree_with_the_twin() {
                         i64(1),
                     ];
                     let what =
-                        format!("softmax_fwd_{s} tq={tq} tk={tk} causal={causal} mask={masked}");
+                        format!("softmax_fwd_{s} tq={tq} tk={tk} causal={causal} window={window:?} mask={masked}");
                     let out = l
                         .run(
                             &format!("softmax_fwd_{s}"),
