@@ -5,13 +5,16 @@
 // flattens q's batch dims; query batch b reads key/value batch b / group (grouped-query
 // attention: `group` consecutive query heads share a kv head). mask (nullable): bytes,
 // nonzero = keep, one row of s per mask batch; query batch b reads row b / mask_group.
-// causal != 0: query i sees keys j <= i + s - t. A row that sees no kept key attends
-// uniformly to all s keys (its scores are all the mask's finite minimum in PyTorch), with the
-// gradient of that uniform softmax, as the CPU twin (runtime/src/cpu/attention.rs) and the
-// unfused softmax do.
+// causal != 0: query i sees keys j <= i + s - t; window > 0 (with causal: a sliding window)
+// narrows that to the last `window` of them, j > i + s - t - window, whose key tiles are then
+// skipped too. A row that sees no kept key attends uniformly to all s keys (its scores are all
+// the mask's finite minimum in PyTorch), with the gradient of that uniform softmax, as the CPU
+// twin (runtime/src/cpu/attention.rs) and the unfused softmax do; with a window and a mask,
+// whether a row sees a kept key is found by one warp scanning the row's window of the mask.
 //
 // Forward, one block of 4 warps per (64 query rows, query batch):
-//   attention_fwd_<t>_d<P>(q, k, v, mask, o, lse, bq, t, s, d, group, mask_group, causal, scale)
+//   attention_fwd_<t>_d<P>(q, k, v, mask, o, lse, bq, t, s, d, group, mask_group, causal,
+//                          window, scale)
 //     Q, K and V tiles of 64 rows in shared memory; each warp owns 16 query rows and keeps
 //     their scores (16 x 64), running max, running sum and output (16 x d) in registers:
 //     S = scale * Q K^T (warp_mma), online softmax, O += P V with P rounded to <t> as it
@@ -20,11 +23,11 @@
 // Backward (the probabilities recomputed from lse, never stored):
 //   attention_bwd_delta_<t>(o, do, delta, rows, d): delta = sum(do * o) per row, F64 sum.
 //   attention_bwd_dq_<t>_d<P>(q, k, v, mask, do, lse, delta, dq, bq, t, s, d, group,
-//                             mask_group, causal, scale)
+//                             mask_group, causal, window, scale)
 //     per (64 query rows, query batch): P = exp(S - lse), dP = dO V^T, dS = P (dP - delta),
 //     dQ = scale * sum over key tiles of dS K.
 //   attention_bwd_dkdv_<t>_d<P>(q, k, v, mask, do, lse, delta, dk, dv, bkv, t, s, d, group,
-//                               mask_group, causal, scale)
+//                               mask_group, causal, window, scale)
 //     per (64 keys, kv batch): every query batch of the group and every 32-row query tile in
 //     order: S^T = K Q^T, P^T, dP^T = V dO^T, dS^T; dV += P^T dO, dK += scale * dS^T Q.
 //     Deterministic: each block owns its keys' gradients; no atomics.
@@ -77,6 +80,22 @@ __device__ __forceinline__ int first_kept(const unsigned char* m, int s, int* sh
 // Keys query row r sees under the causal mask (all s without it).
 __device__ __forceinline__ int visible_keys(int r, int t, int s, int causal) {
     return causal ? min(s, r + 1 + s - t) : s;
+}
+
+// The first key query row r sees: past the sliding window's start (0 without a window).
+__device__ __forceinline__ int first_visible_key(int r, int t, int s, int causal, int window) {
+    return window > 0 ? max(0, visible_keys(r, t, s, causal) - window) : 0;
+}
+
+// Whether mask row `m` keeps no key in [lo, end): the calling warp scans it, 32 bytes at a
+// time, and stops at the first kept one (so a row that keeps most keys costs one step).
+__device__ __forceinline__ bool warp_keeps_none(const unsigned char* m, int lo, int end) {
+    const int lane = threadIdx.x & 31;
+    for (int j0 = lo; j0 < end; j0 += 32) {
+        const int j = j0 + lane;
+        if (__any_sync(FULL_WARP, j < end && m[j] != 0)) return false;
+    }
+    return true;
 }
 
 // Copies rows [r0, r0 + rows) of a [n, d] matrix into shared memory as [rows][P + PAD],
@@ -145,25 +164,59 @@ __device__ __forceinline__ float quad_sum(float v) {
 
 // Whether query row r (of t) keeps key j (of s), and whether it sees no key at all.
 struct Visibility {
-    int t, s, causal, first;  // first: the first key the row's mask keeps
+    int t, s, causal, window, first;  // first: the first key the row's mask keeps
     const unsigned char* keep;  // the mask bytes of the current key tile (shared), or null
     int key0;                   // the tile's first key
+    // With a window and a mask: per-row flags of rows [row0, ..) that see no kept key in their
+    // window (window_rows fills them); null otherwise.
+    const unsigned char* empty_rows = nullptr;
+    int row0 = 0;
+    __device__ __forceinline__ int lo(int r) const {
+        return first_visible_key(r, t, s, causal, window);
+    }
     __device__ __forceinline__ bool none(int r) const {
-        return r >= t || first >= visible_keys(r, t, s, causal);
+        return r >= t || first >= visible_keys(r, t, s, causal) ||
+               (empty_rows != nullptr && empty_rows[r - row0] != 0);
     }
     __device__ __forceinline__ bool kept(int r, int j) const {
         if (j >= s) return false;
         if (none(r)) return true;  // uniform over every key
-        return j < visible_keys(r, t, s, causal) && (keep == nullptr || keep[j - key0] != 0);
+        return j >= lo(r) && j < visible_keys(r, t, s, causal) &&
+               (keep == nullptr || keep[j - key0] != 0);
+    }
+    // none(r) for the calling warp's own row, scanning the window's mask bytes when needed
+    // (the F32 kernels, one warp per row).
+    __device__ __forceinline__ bool warp_none(int r, const unsigned char* mrow) const {
+        if (none(r)) return true;
+        return window > 0 && mrow != nullptr &&
+               warp_keeps_none(mrow, lo(r), visible_keys(r, t, s, causal));
     }
 };
+
+// Fills `flags[i]` for rows row0 + i (i < n): 1 when the row's window holds no kept key of mask
+// row `mrow`, one warp per row; then points `vis` at them. Only with a window and a mask.
+__device__ __forceinline__ void window_rows(Visibility& vis, unsigned char* flags,
+                                            const unsigned char* mrow, int row0, int n) {
+    if (vis.window <= 0 || mrow == nullptr) return;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    __syncthreads();  // the previous tile's flags are no longer read
+    for (int i = warp; i < n; i += ATT_THREADS / 32) {
+        const int r = row0 + i;
+        const bool empty = r < vis.t && warp_keeps_none(mrow, vis.lo(r),
+                                                       visible_keys(r, vis.t, vis.s, vis.causal));
+        if (lane == 0) flags[i] = empty;
+    }
+    __syncthreads();
+    vis.empty_rows = flags;
+    vis.row0 = row0;
+}
 
 // ---- forward -----------------------------------------------------------------------------
 
 template <typename T, int P>
 __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char* mask, T* o,
                         float* lse, int t, int s, int d, int group, int mask_group, int causal,
-                        float scale) {
+                        int window, float scale) {
     constexpr int LD = P + ATT_PAD, NT = ATT_KEYS / 8, DT = P / 16, OT = P / 8;
     CASTOR_DYNAMIC_SHARED(att_smem);
     T* qs = reinterpret_cast<T*>(att_smem);
@@ -171,6 +224,7 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
     T* vs = ks + ATT_KEYS * LD;
     unsigned char* keep = reinterpret_cast<unsigned char*>(vs + ATT_KEYS * LD);
     __shared__ int first_slot;
+    __shared__ unsigned char empty_rows[ATT_ROWS];
 
     const i64 b = blockIdx.y;
     const int r0 = blockIdx.x * ATT_ROWS;
@@ -179,14 +233,18 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
     const T* kb = k + (b / group) * i64(s) * d;
     const T* vb = v + (b / group) * i64(s) * d;
     const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
-    Visibility vis{t, s, causal, first_kept(mrow, s, &first_slot), mrow ? keep : nullptr, 0};
+    Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), mrow ? keep : nullptr,
+                   0};
+    window_rows(vis, empty_rows, mrow, r0, ATT_ROWS);
 
     load_tile<T, P>(qs, qb, r0, ATT_ROWS, t, d);
-    // Keys the block needs: up to the last key its last row sees, or all when a row sees none.
+    // Keys the block needs: from the first key its first row sees to the last key its last
+    // row sees, or all when a row sees none.
     const int last_row = min(r0 + ATT_ROWS, t) - 1;
     bool uniform = false;
     for (int r = r0; r <= last_row; ++r) uniform |= vis.none(r);
     const int kend = uniform ? s : visible_keys(last_row, t, s, causal);
+    const int kstart = uniform ? 0 : vis.lo(r0) / ATT_KEYS * ATT_KEYS;
 
     const int rows[2] = {r0 + warp * 16 + g, r0 + warp * 16 + g + 8};
     float m[2] = {F32_NEG_INF, F32_NEG_INF}, l[2] = {0.0f, 0.0f};
@@ -194,7 +252,7 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
 #pragma unroll
     for (int i = 0; i < OT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    for (int key0 = 0; key0 < kend; key0 += ATT_KEYS) {
+    for (int key0 = kstart; key0 < kend; key0 += ATT_KEYS) {
         __syncthreads();  // the previous tile is no longer read
         load_tile<T, P>(ks, kb, key0, ATT_KEYS, s, d);
         load_tile<T, P>(vs, vb, key0, ATT_KEYS, s, d);
@@ -303,7 +361,7 @@ __device__ void att_delta(const T* o, const T* d_o, float* delta, i64 rows, int 
 template <typename T, int P>
 __device__ void att_dq(const T* q, const T* k, const T* v, const unsigned char* mask,
                        const T* d_o, const float* lse, const float* delta, T* dq, int t, int s,
-                       int d, int group, int mask_group, int causal, float scale) {
+                       int d, int group, int mask_group, int causal, int window, float scale) {
     constexpr int LD = P + ATT_PAD, NT = ATT_KEYS / 8, DT = P / 16, OT = P / 8;
     CASTOR_DYNAMIC_SHARED(att_smem);
     T* qs = reinterpret_cast<T*>(att_smem);
@@ -312,6 +370,7 @@ __device__ void att_dq(const T* q, const T* k, const T* v, const unsigned char* 
     T* vs = ks + ATT_KEYS * LD;
     unsigned char* keep = reinterpret_cast<unsigned char*>(vs + ATT_KEYS * LD);
     __shared__ int first_slot;
+    __shared__ unsigned char empty_rows[ATT_ROWS];
 
     const i64 b = blockIdx.y;
     const int r0 = blockIdx.x * ATT_ROWS;
@@ -319,7 +378,9 @@ __device__ void att_dq(const T* q, const T* k, const T* v, const unsigned char* 
     const T* kb = k + (b / group) * i64(s) * d;
     const T* vb = v + (b / group) * i64(s) * d;
     const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
-    Visibility vis{t, s, causal, first_kept(mrow, s, &first_slot), mrow ? keep : nullptr, 0};
+    Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), mrow ? keep : nullptr,
+                   0};
+    window_rows(vis, empty_rows, mrow, r0, ATT_ROWS);
 
     load_tile<T, P>(qs, q + b * i64(t) * d, r0, ATT_ROWS, t, d);
     load_tile<T, P>(dos, d_o + b * i64(t) * d, r0, ATT_ROWS, t, d);
@@ -327,6 +388,7 @@ __device__ void att_dq(const T* q, const T* k, const T* v, const unsigned char* 
     bool uniform = false;
     for (int r = r0; r <= last_row; ++r) uniform |= vis.none(r);
     const int kend = uniform ? s : visible_keys(last_row, t, s, causal);
+    const int kstart = uniform ? 0 : vis.lo(r0) / ATT_KEYS * ATT_KEYS;
 
     const int rows[2] = {r0 + warp * 16 + g, r0 + warp * 16 + g + 8};
     float row_lse[2], row_delta[2];
@@ -340,7 +402,7 @@ __device__ void att_dq(const T* q, const T* k, const T* v, const unsigned char* 
 #pragma unroll
     for (int i = 0; i < OT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
 
-    for (int key0 = 0; key0 < kend; key0 += ATT_KEYS) {
+    for (int key0 = kstart; key0 < kend; key0 += ATT_KEYS) {
         __syncthreads();
         load_tile<T, P>(ks, kb, key0, ATT_KEYS, s, d);
         load_tile<T, P>(vs, vb, key0, ATT_KEYS, s, d);
@@ -416,7 +478,8 @@ __device__ void att_dq(const T* q, const T* k, const T* v, const unsigned char* 
 template <typename T, int P>
 __device__ void att_dkdv(const T* q, const T* k, const T* v, const unsigned char* mask,
                          const T* d_o, const float* lse, const float* delta, T* dk, T* dv, int t,
-                         int s, int d, int group, int mask_group, int causal, float scale) {
+                         int s, int d, int group, int mask_group, int causal, int window,
+                         float scale) {
     constexpr int LD = P + ATT_PAD, NQ = ATT_QROWS / 8, DT = P / 16, OT = P / 8;
     CASTOR_DYNAMIC_SHARED(att_smem);
     T* ks = reinterpret_cast<T*>(att_smem);
@@ -427,6 +490,7 @@ __device__ void att_dkdv(const T* q, const T* k, const T* v, const unsigned char
     float* delta_s = lse_s + ATT_QROWS;
     unsigned char* keep = reinterpret_cast<unsigned char*>(delta_s + ATT_QROWS);
     __shared__ int first_slot;
+    __shared__ unsigned char empty_rows[ATT_QROWS];
 
     const i64 bk = blockIdx.y;
     const int key0 = blockIdx.x * ATT_ROWS;
@@ -448,12 +512,16 @@ __device__ void att_dkdv(const T* q, const T* k, const T* v, const unsigned char
             for (int j = threadIdx.x; j < ATT_ROWS; j += ATT_THREADS)
                 keep[j] = key0 + j < s ? mrow[key0 + j] : 0;
         }
-        Visibility vis{t, s, causal, first_kept(mrow, s, &first_slot), mrow ? keep : nullptr,
-                       key0};
+        Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot),
+                       mrow ? keep : nullptr, key0};
         for (int q0 = 0; q0 < t; q0 += ATT_QROWS) {
-            // A query tile whose rows see none of these keys (and none is uniform) is skipped.
+            // A query tile whose rows see none of these keys (and none is uniform) is skipped:
+            // its last row's causal limit is before them, or its first row's window starts
+            // after them.
+            window_rows(vis, empty_rows, mrow, q0, ATT_QROWS);
             const int last_row = min(q0 + ATT_QROWS, t) - 1;
-            bool needed = visible_keys(last_row, t, s, causal) > key0;
+            bool needed =
+                visible_keys(last_row, t, s, causal) > key0 && vis.lo(q0) < key0 + ATT_ROWS;
             for (int r = q0; r <= last_row && !needed; ++r) needed = vis.none(r);
             if (!needed) continue;
             __syncthreads();
@@ -566,12 +634,12 @@ __device__ __forceinline__ void lane_row(float (&x)[ATT_LANE_DIMS], const float*
 
 __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
                             const unsigned char* mask, float* o, float* lse, int t, int s, int d,
-                            int group, int mask_group, int causal, double scale) {
+                            int group, int mask_group, int causal, int window, double scale) {
     __shared__ int first_slot;
     const i64 b = blockIdx.y;
     const int r = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
-    const Visibility vis{t, s, causal, first_kept(mrow, s, &first_slot), nullptr, 0};
+    const Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
     if (r >= t) return;
     const float* kb = k + (b / group) * i64(s) * d;
     const float* vb = v + (b / group) * i64(s) * d;
@@ -579,10 +647,10 @@ __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
     lane_row(qi, q + (b * t + r) * i64(d), d);
 #pragma unroll
     for (int u = 0; u < ATT_LANE_DIMS; ++u) acc[u] = 0.0f;
-    const bool none = vis.none(r);
+    const bool none = vis.warp_none(r, mrow);
     const int end = none ? s : visible_keys(r, t, s, causal);
     float m = F32_NEG_INF, l = 0.0f;
-    for (int j = 0; j < end; ++j) {
+    for (int j = none ? 0 : vis.lo(r); j < end; ++j) {
         if (!none && mrow != nullptr && mrow[j] == 0) continue;
         const float x = none ? 0.0f : float(warp_dot(qi, kb + i64(j) * d, d) * double(scale));
         const float mn = fmaxf(m, x);
@@ -607,12 +675,12 @@ __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
 __device__ void att_dq_f32(const float* q, const float* k, const float* v,
                            const unsigned char* mask, const float* d_o, const float* lse,
                            const float* delta, float* dq, int t, int s, int d, int group,
-                           int mask_group, int causal, double scale) {
+                           int mask_group, int causal, int window, double scale) {
     __shared__ int first_slot;
     const i64 b = blockIdx.y;
     const int r = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
-    const Visibility vis{t, s, causal, first_kept(mrow, s, &first_slot), nullptr, 0};
+    const Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
     if (r >= t) return;
     const float* kb = k + (b / group) * i64(s) * d;
     const float* vb = v + (b / group) * i64(s) * d;
@@ -623,9 +691,9 @@ __device__ void att_dq_f32(const float* q, const float* k, const float* v,
     double acc[ATT_LANE_DIMS];
 #pragma unroll
     for (int u = 0; u < ATT_LANE_DIMS; ++u) acc[u] = 0.0;
-    const bool none = vis.none(r);
+    const bool none = vis.warp_none(r, mrow);
     const int end = none ? s : visible_keys(r, t, s, causal);
-    for (int j = 0; j < end; ++j) {
+    for (int j = none ? 0 : vis.lo(r); j < end; ++j) {
         if (!none && mrow != nullptr && mrow[j] == 0) continue;
         const float x = none ? 0.0f : float(warp_dot(qi, kb + i64(j) * d, d) * double(scale));
         const float p = expf(x - lse[row]);
@@ -648,7 +716,7 @@ __device__ void att_dq_f32(const float* q, const float* k, const float* v,
 __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
                              const unsigned char* mask, const float* d_o, const float* lse,
                              const float* delta, float* dk, float* dv, int t, int s, int d,
-                             int group, int mask_group, int causal, double scale) {
+                             int group, int mask_group, int causal, int window, double scale) {
     __shared__ int first_slot;
     const i64 bk = blockIdx.y;
     const int j = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -663,12 +731,13 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
     for (i64 b = bk * group; b < (bk + 1) * group; ++b) {
         const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
         __syncthreads();  // first_slot is about to be rewritten
-        const Visibility vis{t, s, causal, first_kept(mrow, s, &first_slot), nullptr, 0};
+        const Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
         if (j >= s) continue;
         const bool key_kept = mrow == nullptr || mrow[j] != 0;
         for (int r = 0; r < t; ++r) {
-            const bool none = vis.none(r);
-            if (!none && (!key_kept || j >= visible_keys(r, t, s, causal))) continue;
+            const bool none = vis.warp_none(r, mrow);
+            if (!none && (!key_kept || j >= visible_keys(r, t, s, causal) || j < vis.lo(r)))
+                continue;
             const i64 row = b * t + r;
             const float* qr = q + row * d;
             const float* dor = d_o + row * d;
@@ -702,22 +771,24 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
 #define CASTOR_ATTENTION(T, sfx, P)                                                                \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_fwd_##sfx##_d##P(       \
         const T* q, const T* k, const T* v, const unsigned char* mask, T* o, float* lse,           \
-        i64 bq, int t, int s, int d, int group, int mask_group, int causal, double scale) {        \
-        att_fwd<T, P>(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, float(scale));    \
+        i64 bq, int t, int s, int d, int group, int mask_group, int causal, int window,            \
+        double scale) {                                                                            \
+        att_fwd<T, P>(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, window,           \
+                      float(scale));                                                               \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_bwd_dq_##sfx##_d##P(    \
         const T* q, const T* k, const T* v, const unsigned char* mask, const T* d_o,               \
         const float* lse, const float* delta, T* dq, i64 bq, int t, int s, int d, int group,       \
-        int mask_group, int causal, double scale) {                                                \
+        int mask_group, int causal, int window, double scale) {                                    \
         att_dq<T, P>(q, k, v, mask, d_o, lse, delta, dq, t, s, d, group, mask_group, causal,       \
-                     float(scale));                                                                \
+                     window, float(scale));                                                        \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS, 1) attention_bwd_dkdv_##sfx##_d##P(  \
         const T* q, const T* k, const T* v, const unsigned char* mask, const T* d_o,               \
         const float* lse, const float* delta, T* dk, T* dv, i64 bkv, int t, int s, int d,          \
-        int group, int mask_group, int causal, double scale) {                                     \
+        int group, int mask_group, int causal, int window, double scale) {                         \
         att_dkdv<T, P>(q, k, v, mask, d_o, lse, delta, dk, dv, t, s, d, group, mask_group,         \
-                       causal, float(scale));                                                      \
+                       causal, window, float(scale));                                              \
     }
 
 // Each (dtype, P) of the tensor-core kernels is its own instantiation, and the file builds
@@ -733,22 +804,22 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_fwd_f32(                   \
         const float* q, const float* k, const float* v, const unsigned char* mask, float* o,       \
         float* lse, i64 bq, int t, int s, int d, int group, int mask_group, int causal,            \
-        double scale) {                                                                            \
-        att_fwd_f32(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, scale);             \
+        int window, double scale) {                                                                \
+        att_fwd_f32(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, window, scale);     \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dq_f32(                \
         const float* q, const float* k, const float* v, const unsigned char* mask,                 \
         const float* d_o, const float* lse, const float* delta, float* dq, i64 bq, int t,          \
-        int s, int d, int group, int mask_group, int causal, double scale) {                       \
+        int s, int d, int group, int mask_group, int causal, int window, double scale) {           \
         att_dq_f32(q, k, v, mask, d_o, lse, delta, dq, t, s, d, group, mask_group, causal,         \
-                   scale);                                                                         \
+                   window, scale);                                                                 \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dkdv_f32(              \
         const float* q, const float* k, const float* v, const unsigned char* mask,                 \
         const float* d_o, const float* lse, const float* delta, float* dk, float* dv, i64 bkv,     \
-        int t, int s, int d, int group, int mask_group, int causal, double scale) {                \
+        int t, int s, int d, int group, int mask_group, int causal, int window, double scale) {    \
         att_dkdv_f32(q, k, v, mask, d_o, lse, delta, dk, dv, t, s, d, group, mask_group,           \
-                     causal, scale);                                                               \
+                     causal, window, scale);                                                       \
     }                                                                                              \
     CASTOR_ATTENTION_DELTA(float, f32)
 

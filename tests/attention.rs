@@ -134,7 +134,8 @@ fn fused_attention_in_bf16_is_no_less_accurate_than_the_unfused_graph() {
 /// shapes) on the emulator beside the CPU executor, forward and backward, in F32, BF16 and F16:
 /// the loss and the gradients of q, k and v. The kernels sum in other orders than the CPU twin
 /// (see `attention.cu`), so the bound is their documented one: the kernel tests' measured worst
-/// (1.6e-7 F32, 6.6e-5 F16, 2.3e-4 BF16 relative) with a margin, here 3e-7, 2e-4 and 6e-4.
+/// without a window (1.6e-7 F32, 7.9e-5 F16, 2.3e-4 BF16 relative) with a margin, here 3e-7,
+/// 2e-4 and 6e-4.
 #[test]
 fn fused_attention_runs_as_the_cuda_program_on_the_emulator() {
     use castor_runtime::cuda::emulate::Emulator;
@@ -213,6 +214,12 @@ fn fused_attention_runs_as_the_cuda_program_on_the_emulator() {
 /// 4.1e-4; fp16 1.7e-4, 4.4e-3. Bounds, about 3x those: see `bounds`. Slices that are zero in
 /// exact arithmetic (the key biases' gradients: rounding noise on both sides, ~1e-4 in BF16)
 /// are left out.
+/// Key biases (Qwen2's `k_proj.bias`) get a gradient only through the rotary rotation: the
+/// softmax's gradient sums to zero over each row's keys, and the rotation's angles are small
+/// at the low frequencies, so most of the gradient cancels and AdamW's `g / sqrt(v)` carries
+/// the kernels' summation noise at its own size. Measured 3.3e-5 in fp32; bounded at 1e-4.
+const CANCELLING_STATE_BOUND: f64 = 1e-4;
+
 fn bounds(precision: &str) -> (f64, f64) {
     match precision {
         "fp32" => (1e-6, 1e-5),
@@ -230,7 +237,8 @@ fn fused_attention_training_plans_on_the_emulator_stay_within_bounds() {
         as_f32, batch, exact_zero_slices, load_params, mask_exact_zero, plan, state_error,
     };
     let mut failures = Vec::new();
-    for variant in ["gpt2_lm", "bert_mlm", "llama_gqa", "llama_tied"] {
+    let variants = ["gpt2_lm", "bert_mlm", "llama_gqa", "llama_tied"];
+    for variant in variants.into_iter().chain(common::NEW_DECODERS) {
         let params = load_params(variant);
         let noise = exact_zero_slices(variant);
         for precision in ["fp32", "tf32", "bf16", "fp16"] {
@@ -261,7 +269,12 @@ fn fused_attention_training_plans_on_the_emulator_stay_within_bounds() {
                 let (mut x, mut y) = (as_f32(&emulated[name]), as_f32(t));
                 mask_exact_zero(&noise, name, t.shape().dims(), &mut x, &mut y);
                 let err = state_error(&x, &y);
-                if err.is_nan() || err > state_bound {
+                let bound = if name.contains("self_attn.k_proj.bias") {
+                    state_bound.max(CANCELLING_STATE_BOUND)
+                } else {
+                    state_bound
+                };
+                if err.is_nan() || err > bound {
                     failures.push(format!("{case}: state {name} error {err:.3e}"));
                 }
                 worst_state = worst_state.max(err);

@@ -35,7 +35,7 @@ use common::cuda_cases::{
     as_f32, batch, case_graph, compare_state, exact_zero_slices, inputs, load_params, plan,
     plan_matrix, CASES,
 };
-use common::{castor, fixture, path_str, stderr};
+use common::{castor, fixture, path_str, stderr, NEW_DECODERS};
 use std::collections::HashMap;
 
 /// Writes the tensors a run's input slots name, as the device runner does.
@@ -227,6 +227,26 @@ fn tied_llama_training_plans_match_the_cpu_executor() {
 }
 
 #[test]
+fn qwen2_training_plans_match_the_cpu_executor() {
+    family_matrix("qwen2_bias");
+}
+
+#[test]
+fn mistral_sliding_window_training_plans_match_the_cpu_executor() {
+    family_matrix("mistral_window");
+}
+
+#[test]
+fn gemma_training_plans_match_the_cpu_executor() {
+    family_matrix("gemma_tiny");
+}
+
+#[test]
+fn llama31_rope_scaling_training_plans_match_the_cpu_executor() {
+    family_matrix("llama31_rope");
+}
+
+#[test]
 fn loss_scaler_paths_match_the_cpu_executor() {
     let mut failures = Vec::new();
     for &(variant, flags) in SCALER_PLANS {
@@ -261,7 +281,8 @@ fn prologue_targets(program: &Program) -> Vec<usize> {
 #[test]
 fn forward_passes_match_the_cpu_executor() {
     let mut rows = Vec::new();
-    for variant in ["gpt2_lm", "bert_mlm", "llama_gqa", "llama_tied"] {
+    let variants = ["gpt2_lm", "bert_mlm", "llama_gqa", "llama_tied"];
+    for variant in variants.into_iter().chain(NEW_DECODERS) {
         let params = load_params(variant);
         for precision in ["fp32", "bf16", "fp16"] {
             let dir = tempfile::tempdir().unwrap();

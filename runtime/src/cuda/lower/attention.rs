@@ -3,7 +3,7 @@
 //! from `castor_kernels::attention`, as the emulator's contract reads them.
 
 use super::super::program::Arg;
-use super::{sfx, LowerError, RunLowering};
+use super::{sfx, window_arg, LowerError, RunLowering};
 use castor_ir::{Accum, DType, Node, Op, Value};
 use castor_kernels::attention::{self as geometry, Kernel};
 
@@ -139,7 +139,7 @@ impl RunLowering<'_, '_> {
         p: &Problem,
         kernel: Kernel,
         mut args: Vec<Arg>,
-        causal: bool,
+        (causal, window): (bool, Option<usize>),
         scale: f64,
     ) -> Result<(), LowerError> {
         let name = match kernel {
@@ -164,6 +164,7 @@ impl RunLowering<'_, '_> {
             Arg::I32(p.group as i32),
             Arg::I32(p.mask_group as i32),
             Arg::I32(i32::from(causal)),
+            Arg::I32(window_arg(window)),
             Arg::F64(scale),
         ]);
         let grid = geometry::grid(
@@ -178,21 +179,6 @@ impl RunLowering<'_, '_> {
             geometry::shared_bytes(kernel, tile, p.dtype.size_bytes() as u32)
         });
         self.launch_shared(y, &entry, grid, (geometry::THREADS, 1, 1), shared, args)
-    }
-
-    /// The fused kernels have no sliding window yet: such a model runs `--attention eager`,
-    /// whose softmax kernel takes the window.
-    fn no_window(&self, y: Value, window: Option<usize>) -> Result<(), LowerError> {
-        match window {
-            None => Ok(()),
-            Some(w) => Err(self.err(
-                y,
-                format!(
-                    "sliding-window attention (window {w}) has no fused CUDA kernel yet; use \
-                     --attention eager"
-                ),
-            )),
-        }
     }
 
     fn mask_arg(&self, mask: Option<Value>) -> Result<Arg, LowerError> {
@@ -214,7 +200,6 @@ impl RunLowering<'_, '_> {
         else {
             return Err(self.err(node.outputs[0], "not an attention node"));
         };
-        self.no_window(node.outputs[0], window)?;
         let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
         let (o, lse) = (outs[0], outs[1]);
         let mask = ins.get(3).copied();
@@ -230,7 +215,7 @@ impl RunLowering<'_, '_> {
             Arg::Ptr(self.out(o)?),
             Arg::Ptr(self.out(lse)?),
         ];
-        self.attention_launch(o, &p, Kernel::Forward, args, causal, scale)
+        self.attention_launch(o, &p, Kernel::Forward, args, (causal, window), scale)
     }
 
     /// `attention_grad(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)`: the row sums
@@ -246,7 +231,6 @@ impl RunLowering<'_, '_> {
         else {
             return Err(self.err(node.outputs[0], "not an attention gradient node"));
         };
-        self.no_window(node.outputs[0], window)?;
         let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
         let (dq, dk, dv) = (outs[0], outs[1], outs[2]);
         let mask = ins.get(6).copied();
@@ -288,11 +272,11 @@ impl RunLowering<'_, '_> {
         ];
         let mut args = common.clone();
         args.push(Arg::Ptr(self.out(dq)?));
-        self.attention_launch(dq, &p, Kernel::Dq, args, causal, scale)?;
+        self.attention_launch(dq, &p, Kernel::Dq, args, (causal, window), scale)?;
         let mut args = common;
         args.push(Arg::Ptr(self.out(dk)?));
         args.push(Arg::Ptr(self.out(dv)?));
-        self.attention_launch(dk, &p, Kernel::DkDv, args, causal, scale)
+        self.attention_launch(dk, &p, Kernel::DkDv, args, (causal, window), scale)
     }
 }
 

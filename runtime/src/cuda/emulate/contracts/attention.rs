@@ -36,6 +36,9 @@ impl Shape {
         let group = a.count32("group")?;
         let mask_group = a.count32("mask_group")?;
         a.i32("causal")?;
+        if a.i32("window")? < 0 {
+            return Err("a negative sliding window".into());
+        }
         let scale = a.f64("scale")?;
         if group == 0 || mask_group == 0 {
             return Err(format!(
