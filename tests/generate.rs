@@ -1,6 +1,7 @@
 //! Incremental decoding with a KV cache (`castor generate`, the demo's samples):
 //! - each step's logits equal the whole sequence's forward graph at that position, within F32
-//!   rounding (relative error below 1e-5), under the fp32 and the bf16 policy;
+//!   rounding (relative error below 1e-5) under the fp32 policy, and under the bf16 policy
+//!   within one BF16 rounding of an intermediate ([`BF16_FLIP_BOUND`]);
 //! - they match transformers' own KV-cache decoding (tests/fixtures/generate_decoding.py) and
 //!   pick the same greedy tokens;
 //! - the command: text in and out through the model's tokenizer, seeded sampling, and clear
@@ -18,7 +19,21 @@ use castor_runtime::cpu::CpuExecutor;
 use common::*;
 use std::collections::HashMap;
 
-const CAUSAL: [&str; 3] = ["gpt2_lm", "llama_gqa", "llama_tied"];
+const CAUSAL: [&str; 7] = [
+    "gpt2_lm",
+    "llama_gqa",
+    "llama_tied",
+    "qwen2_bias",
+    "mistral_window",
+    "gemma_tiny",
+    "llama31_rope",
+];
+
+/// Under the bf16 policy the two graphs' F32 differences (products of other shapes, so sums
+/// in other orders) almost always vanish in the BF16 roundings (measured 5e-8 and below), but a
+/// value on a rounding boundary now and then lands one BF16 ulp (2^-8) apart and carries into
+/// the logits: measured 4.0e-5 once (llama31_rope at position 14). Bound 1e-4.
+const BF16_FLIP_BOUND: f64 = 1e-4;
 
 fn policy(precision: Precision) -> PrecisionArgs {
     PrecisionArgs {
@@ -97,8 +112,13 @@ fn kv_decoding_matches_the_full_forward_token_for_token() {
                 let full = full_forward_last(&model, &weights, precision, &seq);
                 let err = relative_error(kv, &full);
                 worst = worst.max(err);
+                let bound = if precision == Precision::Fp32 {
+                    1e-5
+                } else {
+                    BF16_FLIP_BOUND
+                };
                 assert!(
-                    err < 1e-5,
+                    err < bound,
                     "{variant} {precision} at position {}: KV vs full forward {err:.2e}",
                     seq.len()
                 );
