@@ -29,7 +29,7 @@ fn final_loss(losses: &[f64]) -> f64 {
 #[test]
 fn saved_checkpoints_load_in_transformers() {
     let tmp = tempfile::tempdir().unwrap();
-    for variant in ["gpt2_lm", "llama_tied"] {
+    for variant in ["gpt2_lm", "llama_tied"].into_iter().chain(NEW_DECODERS) {
         let dir = fixture(variant);
         let input = dir.join("input.safetensors");
         let saved = tmp.path().join(variant);
