@@ -213,7 +213,7 @@ impl ModelConfig {
         match self {
             ModelConfig::Gpt2(_) => Family::Gpt2,
             ModelConfig::Bert(_) => Family::Bert,
-            ModelConfig::Llama(_) => Family::Llama,
+            ModelConfig::Llama(c) => c.family,
         }
     }
 

@@ -569,3 +569,21 @@ fn load_accepts_a_bare_config_file() {
         &["no such file or folder"],
     );
 }
+
+/// The shipped configs of the families people fine-tune now, counted as transformers'
+/// `num_parameters()` counts them (measured with each `*ForCausalLM` on the meta device).
+#[test]
+fn new_family_configs_count_as_transformers() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../assets/configs");
+    for (file, count) in [
+        ("qwen2.5-7b.json", 7_615_616_512u64),
+        ("mistral-7b.json", 7_241_732_096),
+        ("gemma-7b.json", 8_537_680_896),
+        ("llama-3.1-8b.json", 8_030_261_248),
+    ] {
+        let m = Model::load(root.join(file)).unwrap();
+        assert_eq!(m.parameter_count(), count, "{file}");
+        let g = m.build_graph(1, 8).unwrap();
+        check_graph(&m, &g, 1, 8);
+    }
+}
