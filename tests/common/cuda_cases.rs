@@ -190,8 +190,17 @@ pub fn load_params(variant: &str) -> HashMap<String, Tensor> {
 }
 
 /// The training-plan families the CUDA tests run: one per model family, plus LLaMA with a tied
-/// head.
-pub const PLAN_FAMILIES: [&str; 4] = ["gpt2_lm", "bert_mlm", "llama_gqa", "llama_tied"];
+/// head and LLaMA 3.1's rope scaling.
+pub const PLAN_FAMILIES: [&str; 8] = [
+    "gpt2_lm",
+    "bert_mlm",
+    "llama_gqa",
+    "llama_tied",
+    "qwen2_bias",
+    "mistral_window",
+    "gemma_tiny",
+    "llama31_rope",
+];
 pub const PLAN_PRECISIONS: [&str; 4] = ["fp32", "tf32", "bf16", "fp16"];
 /// The rematerialization modes; `budget` is resolved per plan by [`midway_budget`].
 pub const PLAN_REMATS: [&str; 4] = ["none", "full", "selective", "budget"];
