@@ -84,6 +84,11 @@ pub(super) fn place(
     let mut arena = 0u64;
     for &i in order {
         let (start, end, size) = (buffers[i].start, buffers[i].end, reserve[i]);
+        if size == 0 {
+            // An empty buffer occupies nothing: it goes at 0 and is not recorded.
+            buffers[i].offset = 0;
+            continue;
+        }
         occupied.clear();
         index.occupied(start, end, &mut occupied);
         // Each node's pieces come sorted; the stable sort, which uses such runs, measured
@@ -179,11 +184,11 @@ impl IndexLayout {
 }
 
 /// The address ranges of the buffers placed so far, kept at their live ranges' nodes. A node
-/// keeps the union of its ranges, as sorted disjoint pieces (ranges that overlap merge; ranges
-/// that only touch, and empty ones outside others, stay apart, because best fit weighs the
-/// gaps between them), so a query gathers a few pieces per node rather than every buffer:
-/// the union of the gathered pieces is the union of the overlapping buffers' ranges, which is
-/// all that best fit reads.
+/// keeps the union of its ranges, as sorted disjoint pieces (ranges that overlap or touch
+/// merge: best fit packs buffers side by side, and a zero gap between touching ranges holds
+/// nothing a non-empty buffer needs), so a query gathers a few pieces per node rather than
+/// every buffer: the union of the gathered pieces is the union of the overlapping buffers'
+/// ranges, which is all that best fit reads.
 struct TimeIndex<'a> {
     layout: &'a IndexLayout,
     pieces: Vec<Vec<(u64, u64)>>,
@@ -211,12 +216,12 @@ impl<'a> TimeIndex<'a> {
     }
 }
 
-/// Adds `(lo, hi)` to sorted disjoint pieces, merging it with every piece it overlaps
-/// (`piece.lo < hi && lo < piece.hi`).
+/// Adds `(lo, hi)` to sorted disjoint pieces, merging it with every piece it overlaps or
+/// touches (`piece.lo <= hi && lo <= piece.hi`).
 fn merge_piece(pieces: &mut Vec<(u64, u64)>, (lo, hi): (u64, u64)) {
-    // Pieces are disjoint and sorted, so both ends increase along the list.
-    let first = pieces.partition_point(|p| p.1 <= lo);
-    let last = first + pieces[first..].partition_point(|p| p.0 < hi);
+    // Pieces are disjoint, apart and sorted, so both ends increase along the list.
+    let first = pieces.partition_point(|p| p.1 < lo);
+    let last = first + pieces[first..].partition_point(|p| p.0 <= hi);
     if first == last {
         pieces.insert(first, (lo, hi));
     } else {
@@ -241,6 +246,10 @@ mod tests {
         let mut arena = 0u64;
         for &i in order {
             let (start, end, size) = (buffers[i].start, buffers[i].end, reserve[i]);
+            if size == 0 {
+                buffers[i].offset = 0;
+                continue;
+            }
             overlap.clear();
             for j in 0..p_start.len() {
                 if p_start[j] <= end && start <= p_end[j] {

@@ -111,26 +111,100 @@ impl Field {
     }
 }
 
-/// A constant table in device memory: rows of fields, each row laid out as its C struct
-/// (fields in order, naturally aligned; every struct here is made of 8-byte fields or pairs of
-/// 4-byte ones, so there is no padding to insert).
-#[derive(Clone, Debug, PartialEq, Default)]
-pub struct Table {
-    pub rows: Vec<Vec<Field>>,
+/// A constant table in device memory.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Table {
+    /// Rows of fields, each row laid out as its C struct (fields in order, naturally aligned;
+    /// every struct here is made of 8-byte fields or pairs of 4-byte ones, so there is no
+    /// padding to insert).
+    Rows(Vec<Vec<Field>>),
+    /// The chunk rows of a multi-tensor kernel, `{i32 tensor, i32 len, i64 start}` for each
+    /// piece of at most `chunk` elements of each tensor in turn, kept as the tensors' sizes:
+    /// a 70B-parameter model has millions of such rows, which are only made when the table is
+    /// encoded for a device.
+    Chunks { numels: Vec<u64>, chunk: u64 },
+}
+
+impl Default for Table {
+    fn default() -> Table {
+        Table::Rows(Vec::new())
+    }
 }
 
 impl Table {
+    /// The chunk table of tensors of `numels` elements.
+    pub fn chunks(numels: Vec<u64>, chunk: u64) -> Table {
+        Table::Chunks {
+            numels,
+            chunk: chunk.max(1),
+        }
+    }
+
+    /// Rows in the table.
+    pub fn len(&self) -> usize {
+        match self {
+            Table::Rows(rows) => rows.len(),
+            Table::Chunks { numels, chunk } => {
+                numels.iter().map(|n| n.div_ceil(*chunk) as usize).sum()
+            }
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of the encoded table.
+    pub fn byte_len(&self) -> usize {
+        match self {
+            Table::Rows(rows) => rows.iter().flatten().map(Field::bytes).sum(),
+            Table::Chunks { .. } => 16 * self.len(),
+        }
+    }
+
+    /// The fields of every row (none for a chunk table, which holds no address).
+    pub fn fields(&self) -> impl Iterator<Item = &Field> {
+        let rows: &[Vec<Field>] = match self {
+            Table::Rows(rows) => rows,
+            Table::Chunks { .. } => &[],
+        };
+        rows.iter().flatten()
+    }
+
+    /// The fields of every row, to rewrite places.
+    pub fn fields_mut(&mut self) -> impl Iterator<Item = &mut Field> {
+        let rows: &mut [Vec<Field>] = match self {
+            Table::Rows(rows) => rows,
+            Table::Chunks { .. } => &mut [],
+        };
+        rows.iter_mut().flatten()
+    }
+
     /// The table as bytes, with `address` resolving places.
     pub fn encode(&self, address: &dyn Fn(Place) -> u64) -> Vec<u8> {
-        let mut out = Vec::new();
-        for row in &self.rows {
-            for f in row {
-                match f {
-                    Field::Ptr(p) => out.extend(address(*p).to_le_bytes()),
-                    Field::Null => out.extend(0u64.to_le_bytes()),
-                    Field::I32(x) => out.extend(x.to_le_bytes()),
-                    Field::I64(x) => out.extend(x.to_le_bytes()),
-                    Field::F64(x) => out.extend(x.to_le_bytes()),
+        let mut out = Vec::with_capacity(self.byte_len());
+        match self {
+            Table::Rows(rows) => {
+                for f in rows.iter().flatten() {
+                    match f {
+                        Field::Ptr(p) => out.extend(address(*p).to_le_bytes()),
+                        Field::Null => out.extend(0u64.to_le_bytes()),
+                        Field::I32(x) => out.extend(x.to_le_bytes()),
+                        Field::I64(x) => out.extend(x.to_le_bytes()),
+                        Field::F64(x) => out.extend(x.to_le_bytes()),
+                    }
+                }
+            }
+            Table::Chunks { numels, chunk } => {
+                for (t, &numel) in numels.iter().enumerate() {
+                    let mut start = 0u64;
+                    while start < numel {
+                        let len = (*chunk).min(numel - start);
+                        out.extend((t as i32).to_le_bytes());
+                        out.extend((len as i32).to_le_bytes());
+                        out.extend((start as i64).to_le_bytes());
+                        start += len;
+                    }
                 }
             }
         }
@@ -306,7 +380,7 @@ impl Program {
         let tables: u64 = self
             .tables
             .iter()
-            .map(|t| super::align(t.encode(&|_| 0).len() as u64))
+            .map(|t| super::align(t.byte_len() as u64))
             .sum();
         self.arena_bytes + slots + tables + self.workspace_bytes
     }
@@ -436,7 +510,7 @@ impl Program {
             let _ = writeln!(s, "slot s{i} {} ({} bytes, {kind})", sl.name, sl.bytes);
         }
         for (i, t) in self.tables.iter().enumerate() {
-            let _ = writeln!(s, "table{i}: {} rows", t.rows.len());
+            let _ = writeln!(s, "table{i}: {} rows", t.len());
         }
         let mut section = |name: &str, commands: &[Command]| {
             let _ = writeln!(s, "\n{name}:");
@@ -449,5 +523,28 @@ impl Program {
             section(&format!("run {}", r.name), &r.commands);
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod table_tests {
+    use super::Table;
+
+    /// A chunk table encodes `{tensor, len, start}` per piece, tensor by tensor, and its row
+    /// and byte counts agree with the encoding.
+    #[test]
+    fn chunk_tables_encode_their_rows() {
+        let t = Table::chunks(vec![5, 0, 8], 4);
+        let bytes = t.encode(&|_| 0);
+        let rows: Vec<(i32, i32, i64)> = bytes
+            .chunks(16)
+            .map(|r| {
+                let i = |a: usize| i32::from_le_bytes(r[a..a + 4].try_into().unwrap());
+                (i(0), i(4), i64::from_le_bytes(r[8..16].try_into().unwrap()))
+            })
+            .collect();
+        assert_eq!(rows, vec![(0, 4, 0), (0, 1, 4), (2, 4, 0), (2, 4, 4)]);
+        assert_eq!((t.len(), t.byte_len()), (4, bytes.len()));
+        assert_eq!(t.fields().count(), 0);
     }
 }

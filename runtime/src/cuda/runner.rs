@@ -542,7 +542,7 @@ fn run_reads_slot(program: &Program, run: usize, slot: usize) -> bool {
     }) || program
         .tables
         .iter()
-        .flat_map(|t| t.rows.iter().flatten())
+        .flat_map(|t| t.fields())
         .any(|f| matches!(f, super::program::Field::Ptr(p) if hit(p)))
 }
 

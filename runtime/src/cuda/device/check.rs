@@ -5,7 +5,7 @@
 use super::args::arg_bytes;
 use super::{blas_sys, CudaError};
 use crate::cuda::program::{
-    Arg, Command, Field, Gemm, GemmCompute, Launch, Place, Program, SlotKind,
+    Arg, Command, Field, Gemm, GemmCompute, Launch, Place, Program, SlotKind, Table,
 };
 use castor_ir::DType;
 
@@ -161,11 +161,13 @@ pub(super) fn check_program(program: &Program) -> Result<(), CudaError> {
         }
     }
     for (t, table) in program.tables.iter().enumerate() {
-        for (r, row) in table.rows.iter().enumerate() {
-            for f in row {
-                if let Field::Ptr(p) = f {
-                    ext.check(*p, 0)
-                        .map_err(|why| bad(&format!("table {t} row {r}"), why))?;
+        if let Table::Rows(rows) = table {
+            for (r, row) in rows.iter().enumerate() {
+                for f in row {
+                    if let Field::Ptr(p) = f {
+                        ext.check(*p, 0)
+                            .map_err(|why| bad(&format!("table {t} row {r}"), why))?;
+                    }
                 }
             }
         }

@@ -257,7 +257,7 @@ impl Loaded {
             .program
             .tables
             .iter()
-            .map(|t| allocation_bytes(t.encode(&|_| 0).len() as u64))
+            .map(|t| allocation_bytes(t.byte_len() as u64))
             .sum();
         let slots: u64 = self
             .program

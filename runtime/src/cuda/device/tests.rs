@@ -343,15 +343,13 @@ if (k < n) x[k] *= by;
     };
     layout.shape[7] = 1000;
     layout.src_stride[1] = 20;
-    let table = Table {
-        rows: vec![
-            vec![Field::Null, Field::I64(0)],
-            vec![
-                Field::Ptr(Place::Slot { slot: 4, offset: 0 }),
-                Field::I64(7),
-            ],
+    let table = Table::Rows(vec![
+        vec![Field::Null, Field::I64(0)],
+        vec![
+            Field::Ptr(Place::Slot { slot: 4, offset: 0 }),
+            Field::I64(7),
         ],
-    };
+    ]);
     let f32_gemm = |a: Place, b: Place, c: Place| Gemm {
         node: "c".into(),
         // Row-major c[2x2] = a[2x3] @ b[3x2] as column-major cᵀ = bᵀ aᵀ.

@@ -233,8 +233,8 @@ impl Lowerer {
         }))
     }
 
-    fn table(&mut self, rows: Vec<Vec<Field>>) -> usize {
-        self.program.tables.push(Table { rows });
+    fn table(&mut self, table: Table) -> usize {
+        self.program.tables.push(table);
         self.program.tables.len() - 1
     }
 
@@ -845,11 +845,9 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             map_places(c, &resolve);
         }
         for t in &mut self.l.program.tables[self.tables_before..] {
-            for row in &mut t.rows {
-                for f in row {
-                    if let Field::Ptr(p) = f {
-                        *p = resolve(*p);
-                    }
+            for f in t.fields_mut() {
+                if let Field::Ptr(p) = f {
+                    *p = resolve(*p);
                 }
             }
         }

@@ -1,13 +1,13 @@
 //! The optimizer step: the gradient norm and the multi-tensor AdamW/SGD launches of
 //! `optimizer.cu` and `grad_norm.cu`.
-use super::super::program::{Arg, Command, Field, Place};
+use super::super::program::{Arg, Command, Field, Place, Table};
 use super::ops::{row_threads, BLOCK};
 use super::{sfx, LowerError, RunLowering};
 use castor_ir::{DType, Node, Op, Value};
 
 /// Elements per chunk of the multi-tensor kernels (the grad-norm's F64 partial sums group
 /// 16384 elements, as the CPU twin does).
-const CHUNK: usize = 16_384;
+const CHUNK: u64 = 16_384;
 
 impl RunLowering<'_, '_> {
     pub(super) fn grad_norm(&mut self, y: Value, ins: &[Value]) -> Result<(), LowerError> {
@@ -16,8 +16,8 @@ impl RunLowering<'_, '_> {
             return Err(self.err(y, "grad_norm has no operands"));
         };
         let mut tensors = Vec::new();
-        let mut chunks = Vec::new();
-        for (t, &gv) in grads.iter().enumerate() {
+        let mut numels = Vec::new();
+        for &gv in grads {
             let code = match g.ty(gv).dtype {
                 DType::F32 => 0,
                 DType::F16 => 1,
@@ -31,10 +31,11 @@ impl RunLowering<'_, '_> {
                 Field::I32(code),
                 Field::I32(0),
             ]);
-            chunk_rows(&mut chunks, t, numel);
+            numels.push(numel as u64);
         }
+        let chunks = Table::chunks(numels, CHUNK);
         let n_chunks = chunks.len();
-        let tt = self.l.table(tensors);
+        let tt = self.l.table(Table::Rows(tensors));
         let ct = self.l.table(chunks);
         let partials = self.scratch(n_chunks.max(1) as u64 * 8);
         let sp = self.at(scale)?;
@@ -77,8 +78,8 @@ impl RunLowering<'_, '_> {
         let y = node.outputs[0];
         let adamw = matches!(node.op, Op::AdamW { .. });
         let mut rows = Vec::new();
-        let mut chunks = Vec::new();
-        for (t, &m) in batch.iter().enumerate() {
+        let mut numels = Vec::new();
+        for &m in batch {
             let md = g.node(m);
             let k = if adamw { 4 } else { 3 };
             let numel = g.ty(md.inputs[0]).shape.numel().unwrap_or(0);
@@ -109,15 +110,16 @@ impl RunLowering<'_, '_> {
             };
             row.extend([copy, Field::I64(numel as i64), Field::F64(wd)]);
             rows.push(row);
-            chunk_rows(&mut chunks, t, numel);
+            numels.push(numel as u64);
         }
         let k = node.inputs.len();
         let scalars: Vec<Place> = node.inputs[k - 4..]
             .iter()
             .map(|&v| self.at(v))
             .collect::<Result<_, _>>()?;
+        let chunks = Table::chunks(numels, CHUNK);
         let n_chunks = chunks.len();
-        let tt = self.l.table(rows);
+        let tt = self.l.table(Table::Rows(rows));
         let ct = self.l.table(chunks);
         let mut args = vec![Arg::Table(tt), Arg::Table(ct), Arg::I32(n_chunks as i32)];
         args.extend(scalars.into_iter().map(Arg::Ptr));
@@ -197,18 +199,4 @@ pub(super) fn optimizer_batches(g: &castor_ir::Graph, users: &[Vec<Node>]) -> Ve
         }
     }
     out
-}
-
-/// The chunk rows `{tensor, len, start}` of tensor `t` with `numel` elements.
-fn chunk_rows(chunks: &mut Vec<Vec<Field>>, t: usize, numel: usize) {
-    let mut start = 0;
-    while start < numel {
-        let len = CHUNK.min(numel - start);
-        chunks.push(vec![
-            Field::I32(t as i32),
-            Field::I32(len as i32),
-            Field::I64(start as i64),
-        ]);
-        start += len;
-    }
 }

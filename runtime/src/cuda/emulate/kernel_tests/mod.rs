@@ -244,7 +244,7 @@ impl Launcher {
 
     /// A device table (rows of fields), as the multi-tensor kernels take.
     pub(super) fn table(&mut self, rows: Vec<Vec<Field>>) -> Arg {
-        self.tables.push(Table { rows });
+        self.tables.push(Table::Rows(rows));
         Arg::Table(self.tables.len() - 1)
     }
 
