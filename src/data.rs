@@ -180,11 +180,9 @@ impl Data {
                 .into());
             }
             let mut tensors = b.tensors.clone();
+            model.derive_inputs(&mut tensors)?;
             if objective.needs_labels() {
-                tensors.insert(
-                    "labels".into(),
-                    read_labels(path, &b, objective, model.vocab_size())?,
-                );
+                tensors.insert("labels".into(), read_labels(path, &b, objective, model)?);
             }
             return Ok(Data::Fixed {
                 tensors,

@@ -27,6 +27,10 @@ impl Arch for LlamaConfig {
         &[
             ("LlamaForCausalLM", Head::CausalLm),
             ("LlamaModel", Head::Base),
+            (
+                "LlamaForSequenceClassification",
+                Head::SequenceClassification,
+            ),
         ]
     }
 
@@ -39,7 +43,7 @@ impl Arch for LlamaConfig {
     }
 
     fn canonical_prefix(&self, head: Head) -> &'static str {
-        if head == Head::CausalLm {
+        if matches!(head, Head::CausalLm | Head::SequenceClassification) {
             "model."
         } else {
             ""
@@ -47,7 +51,9 @@ impl Arch for LlamaConfig {
     }
 
     fn guess_head(&self, has: &dyn Fn(&str) -> bool, prefix: &str) -> Head {
-        if has("lm_head.weight") || prefix == "model." {
+        if has("score.weight") {
+            Head::SequenceClassification
+        } else if has("lm_head.weight") || prefix == "model." {
             Head::CausalLm
         } else {
             Head::Base

@@ -8,13 +8,16 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Every fixture variant made by tests/fixtures/generate.py.
-pub const VARIANTS: [&str; 6] = [
+pub const VARIANTS: [&str; 9] = [
     "gpt2_lm",
     "gpt2_base",
     "bert_base",
     "bert_mlm",
     "llama_gqa",
     "llama_tied",
+    "bert_cls",
+    "bert_reg",
+    "llama_cls",
 ];
 
 /// The repository: where the tests were built, or (test binaries copied to another machine,
