@@ -6,7 +6,7 @@
 
 use crate::CliError;
 use castor_ir::{DType, Tensor};
-use castor_models::{Objective, SafetensorsFile, IGNORE_INDEX};
+use castor_models::{Model, Objective, ProblemType, SafetensorsFile, IGNORE_INDEX};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -99,13 +99,18 @@ pub fn read_batch(path: &Path, input_names: &[&str], vocab: usize) -> anyhow::Re
 
 /// The `labels` a training objective reads: the file's `labels` (I64 or I32 `[B, T]`, -100 =
 /// ignored) if it has them; for `lm` without them, the input ids with padded positions ignored
-/// (what transformers' language-modelling collator produces).
+/// (what transformers' language-modelling collator produces). For `classify`, one label per
+/// sequence: see [`read_class_labels`].
 pub fn read_labels(
     path: &Path,
     batch: &Batch,
     objective: Objective,
-    vocab: usize,
+    model: &Model,
 ) -> anyhow::Result<Tensor> {
+    if objective == Objective::Classify {
+        return read_class_labels(path, batch.batch, model);
+    }
+    let vocab = model.vocab_size();
     let file = SafetensorsFile::open(path)?;
     let bad = |m: String| CliError::InvalidInput(format!("`{}`: {m}", path.display()));
     let (b, t) = (batch.batch, batch.seq);
@@ -153,4 +158,52 @@ pub fn read_labels(
         }
     };
     Ok(Tensor::from_i64(DType::I64, [b, t], labels))
+}
+
+/// A classifier's `labels`: class ids (I64 or I32 `[B]`, each in `0..num_labels` or -100 =
+/// ignored) for single-label classification, float targets (`[B, num_labels]`, or `[B]` for
+/// one label) for regression.
+pub fn read_class_labels(path: &Path, b: usize, model: &Model) -> anyhow::Result<Tensor> {
+    let file = SafetensorsFile::open(path)?;
+    let bad = |m: String| CliError::InvalidInput(format!("`{}`: {m}", path.display()));
+    let n = model.labels().num_labels;
+    let info = file.info("labels").ok_or_else(|| {
+        bad(format!(
+            "objective `classify` needs a `labels` tensor (one per sequence, {b} of them)"
+        ))
+    })?;
+    match model.labels().problem() {
+        ProblemType::Regression => {
+            if info.shape != [b, n] && !(n == 1 && info.shape == [b]) {
+                return Err(bad(format!(
+                    "`labels` is {:?}, expected [{b}, {n}] regression targets",
+                    info.shape
+                ))
+                .into());
+            }
+            let v = file.read_f32("labels")?;
+            Ok(Tensor::from_f32(DType::F32, [b, n], v))
+        }
+        _ => {
+            if info.shape != [b] {
+                return Err(bad(format!(
+                    "`labels` is {:?}, expected [{b}]: one class id per sequence",
+                    info.shape
+                ))
+                .into());
+            }
+            let labels = file.read_i64("labels")?;
+            if let Some((i, l)) = labels
+                .iter()
+                .enumerate()
+                .find(|(_, &l)| l != IGNORE_INDEX && (l < 0 || l as u64 >= n as u64))
+            {
+                return Err(bad(format!(
+                    "`labels`[{i}] = {l} is neither {IGNORE_INDEX} nor a class id in [0, {n})"
+                ))
+                .into());
+            }
+            Ok(Tensor::from_i64(DType::I64, [b], labels))
+        }
+    }
 }

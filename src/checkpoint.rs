@@ -26,12 +26,13 @@ pub const OPTIMIZER_STATE: &str = "optimizer.safetensors";
 pub const MODEL_WEIGHTS: &str = "model.safetensors";
 
 /// Files a Hugging Face checkpoint carries besides config and weights, copied along.
-const TOKENIZER_FILES: [&str; 6] = [
+const TOKENIZER_FILES: [&str; 7] = [
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",
+    "vocab.txt",
     "generation_config.json",
 ];
 

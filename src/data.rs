@@ -25,6 +25,7 @@
 //! draws for mlm).
 
 use crate::batch::{read_batch, read_labels};
+use crate::labelled::{is_labelled_file, Labelled, LabelledOptions};
 use crate::rng::Rng;
 use crate::tokenizer::TextTokenizer;
 use crate::CliError;
@@ -50,7 +51,7 @@ pub enum DataOrder {
 }
 
 /// Purposes of derived random streams.
-const SHUFFLE: u64 = 1;
+pub(crate) const SHUFFLE: u64 = 1;
 const MASKING: u64 = 2;
 const VALIDATION_MASKING: u64 = 3;
 
@@ -112,6 +113,8 @@ pub enum Data {
     },
     /// A token stream cut into windows.
     Stream(Box<Stream>),
+    /// Labelled examples for a sequence classifier (`labelled.rs`).
+    Labelled(Box<Labelled>),
 }
 
 pub struct Stream {
@@ -142,6 +145,8 @@ pub struct DataOptions {
     pub val_fraction: f64,
     pub order: DataOrder,
     pub seed: u64,
+    /// A validation file (labelled data), instead of `val_fraction`.
+    pub validation: Option<std::path::PathBuf>,
 }
 
 impl Data {
@@ -162,7 +167,47 @@ impl Data {
             ))
             .into());
         }
-        if path.extension().is_some_and(|e| e == "safetensors") {
+        let classifier = model.head() == castor_models::Head::SequenceClassification;
+        let safetensors = path.extension().is_some_and(|e| e == "safetensors");
+        if objective == Objective::Classify && !safetensors {
+            if !is_labelled_file(path) {
+                return Err(invalid(
+                    path,
+                    "objective `classify` trains on labelled text: a .jsonl file (one \
+                     {\"text\": ..., \"label\": ...} per line) or a .csv file with `text` and \
+                     `label` columns, or a safetensors batch with `labels`"
+                        .into(),
+                ));
+            }
+            let o = LabelledOptions {
+                batch,
+                seq,
+                validation: options.validation.as_deref(),
+                val_fraction: options.val_fraction,
+                order: options.order,
+                seed: options.seed,
+            };
+            return Ok(Data::Labelled(Box::new(Labelled::open(path, model, &o)?)));
+        }
+        if options.validation.is_some() {
+            return Err(CliError::InvalidInput(
+                "--validation FILE is for labelled data (objective `classify`); token streams \
+                 hold out --val-fraction"
+                    .into(),
+            )
+            .into());
+        }
+        if classifier && !safetensors {
+            return Err(invalid(
+                path,
+                format!(
+                    "{} reads labelled examples; objective `{objective}` would train it on a \
+                     token stream, which castor does not do for a classifier",
+                    model.architecture()
+                ),
+            ));
+        }
+        if safetensors {
             if options.val_fraction > 0.0 {
                 return Err(CliError::InvalidInput(
                     "--val-fraction needs a token stream (text or .bin), not a fixed batch".into(),
@@ -180,11 +225,9 @@ impl Data {
                 .into());
             }
             let mut tensors = b.tensors.clone();
+            model.derive_inputs(&mut tensors)?;
             if objective.needs_labels() {
-                tensors.insert(
-                    "labels".into(),
-                    read_labels(path, &b, objective, model.vocab_size())?,
-                );
+                tensors.insert("labels".into(), read_labels(path, &b, objective, model)?);
             }
             return Ok(Data::Fixed {
                 tensors,
@@ -294,6 +337,7 @@ impl Data {
         match self {
             Data::Fixed { batch, seq, .. } => (*batch, *seq),
             Data::Stream(s) => (s.batch, s.seq),
+            Data::Labelled(l) => l.shape(),
         }
     }
 
@@ -303,6 +347,7 @@ impl Data {
         match self {
             Data::Fixed { .. } => 0,
             Data::Stream(s) => s.tokens.len(),
+            Data::Labelled(l) => l.training_tokens(),
         }
     }
 
@@ -310,6 +355,7 @@ impl Data {
     pub fn describe(&self) -> String {
         match self {
             Data::Fixed { batch, seq, .. } => format!("a fixed [{batch}, {seq}] batch"),
+            Data::Labelled(l) => l.describe(),
             Data::Stream(s) => {
                 let mut out = format!(
                     "{}: {} training tokens",
@@ -344,20 +390,24 @@ impl Data {
         match self {
             Data::Fixed { .. } => 0,
             Data::Stream(s) => s.read as usize,
+            Data::Labelled(l) => l.position(),
         }
     }
 
     /// Continues after `windows` windows.
     pub fn seek(&mut self, windows: usize) {
-        if let Data::Stream(s) = self {
-            s.read = windows as u64;
+        match self {
+            Data::Stream(s) => s.read = windows as u64,
+            Data::Labelled(l) => l.seek(windows),
+            Data::Fixed { .. } => {}
         }
     }
 
     /// The next micro-batch: graph inputs by name (`input_ids`, `attention_mask`, `labels`).
-    pub fn next_batch(&mut self, input_names: &[&str]) -> HashMap<String, Tensor> {
-        match self {
+    pub fn next_batch(&mut self, input_names: &[&str]) -> anyhow::Result<HashMap<String, Tensor>> {
+        Ok(match self {
             Data::Fixed { tensors, .. } => tensors.clone(),
+            Data::Labelled(l) => l.next_batch(input_names)?,
             Data::Stream(s) => {
                 let (b, t) = (s.batch, s.seq);
                 let mut ids = Vec::with_capacity(b * t);
@@ -376,12 +426,21 @@ impl Data {
                 }
                 window_batch(ids, labels, b, t, input_names)
             }
-        }
+        })
     }
 
     /// Whether there is held-out data to evaluate on.
     pub fn has_validation(&self) -> bool {
-        matches!(self, Data::Stream(s) if !s.validation.is_empty())
+        match self {
+            Data::Stream(s) => !s.validation.is_empty(),
+            Data::Labelled(l) => l.has_validation(),
+            Data::Fixed { .. } => false,
+        }
+    }
+
+    /// Whether validation reports an accuracy (labelled classes, not regression targets).
+    pub fn has_classes(&self) -> bool {
+        matches!(self, Data::Labelled(l) if l.has_classes())
     }
 
     /// Up to `max_batches` micro-batches of consecutive held-out windows (at least one; rows
@@ -390,17 +449,19 @@ impl Data {
         &self,
         input_names: &[&str],
         max_batches: usize,
-    ) -> Vec<HashMap<String, Tensor>> {
-        let Data::Stream(s) = self else {
-            return Vec::new();
+    ) -> anyhow::Result<Vec<HashMap<String, Tensor>>> {
+        let s = match self {
+            Data::Stream(s) => s,
+            Data::Labelled(l) => return l.validation_batches(input_names, max_batches),
+            Data::Fixed { .. } => return Ok(Vec::new()),
         };
         let (b, t) = (s.batch, s.seq);
         if s.validation.len() < t {
-            return Vec::new();
+            return Ok(Vec::new());
         }
         let windows = s.validation.len() / t;
         let count = (windows / b).clamp(1, max_batches.max(1));
-        (0..count)
+        Ok((0..count)
             .map(|i| {
                 let mut ids = Vec::with_capacity(b * t);
                 let mut labels = Vec::with_capacity(b * t);
@@ -419,7 +480,7 @@ impl Data {
                 }
                 window_batch(ids, labels, b, t, input_names)
             })
-            .collect()
+            .collect())
     }
 }
 
@@ -716,7 +777,7 @@ mod tests {
         let first_ids = |b: &HashMap<String, Tensor>| b["input_ids"].as_i64().unwrap()[0];
         let pass = |d: &mut Data| -> Vec<i64> {
             (0..10)
-                .map(|_| first_ids(&d.next_batch(&["input_ids"])) / 10)
+                .map(|_| first_ids(&d.next_batch(&["input_ids"]).unwrap()) / 10)
                 .collect()
         };
         let a = pass(&mut data);

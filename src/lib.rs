@@ -18,6 +18,7 @@ pub mod fit;
 pub mod generate;
 pub mod given;
 pub mod html;
+pub mod labelled;
 pub mod outputs;
 pub mod plot;
 pub mod precision;

@@ -1,10 +1,11 @@
 //! What `castor eval --text` says about a text: for a causal LM the loss of predicting each
 //! token from the ones before it and the most likely next tokens; for a masked LM the most
-//! likely tokens at each mask token. Probabilities are the softmax of the F32 logits, in F64.
+//! likely tokens at each mask token; for a sequence classifier each label's probability (or
+//! the regression outputs). Probabilities are the softmax of the F32 logits, in F64.
 
 use crate::tokenizer::TextTokenizer;
 use castor_ir::Tensor;
-use castor_models::{Head, Model};
+use castor_models::{Head, Model, ProblemType};
 
 /// How many predictions a row lists.
 const TOP: usize = 5;
@@ -36,6 +37,9 @@ pub fn print(model: &Model, tok: &TextTokenizer, ids: &[u32], logits: &Tensor) {
     let Some(values) = logits.as_f32() else {
         return;
     };
+    if model.head() == Head::SequenceClassification {
+        return print_labels(model, values);
+    }
     let t = ids.len();
     let vocab = values.len() / t.max(1);
     let row = |i: usize| &values[i * vocab..(i + 1) * vocab];
@@ -68,6 +72,35 @@ pub fn print(model: &Model, tok: &TextTokenizer, ids: &[u32], logits: &Tensor) {
                 outln!("mask {i:<6} {}", top(tok, row(i)));
             }
         }
-        Head::Base | Head::Pooler => {}
+        Head::Base | Head::Pooler | Head::SequenceClassification => {}
     }
+}
+
+/// A classifier's logits `[1, labels]`: each label's probability, most likely first, or
+/// the regression outputs.
+fn print_labels(model: &Model, logits: &[f32]) {
+    let names = &model.labels().id2label;
+    let name = |i: usize| {
+        names
+            .get(i)
+            .cloned()
+            .unwrap_or_else(|| format!("LABEL_{i}"))
+    };
+    if model.labels().problem() == ProblemType::Regression {
+        let shown: Vec<String> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, v)| format!("{} {v:.4}", name(i)))
+            .collect();
+        outln!("regression  {}", shown.join("  "));
+        return;
+    }
+    let lp = log_softmax(logits);
+    let mut idx: Vec<usize> = (0..lp.len()).collect();
+    idx.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
+    let shown: Vec<String> = idx
+        .iter()
+        .map(|&i| format!("{} {:.1}%", name(i), lp[i].exp() * 100.0))
+        .collect();
+    outln!("label       {}", shown.join("  "));
 }

@@ -140,6 +140,8 @@ pub struct LoopOutcome {
     pub interrupted: bool,
     /// Steps whose validation loss was computed (1-based step numbers).
     pub evaluated_at: Option<u64>,
+    /// The last validation accuracy of a classifier (a fraction).
+    pub accuracy: Option<f64>,
 }
 
 /// The validation loss: the plan's micro step (forward and backward of one micro-batch) run
@@ -167,6 +169,53 @@ pub fn validation_loss(
     Ok(Some(sum / batches.len() as f64))
 }
 
+/// A classifier's validation loss and accuracy: the micro step with its `logits` as a second
+/// output, run on each held-out batch with the runner's state. The loss is the mean over the
+/// counted rows (batches weighted by them), the accuracy the fraction of counted rows whose
+/// most likely class is the label (labels of -100, the rows that fill out the last batch,
+/// are not counted).
+pub fn classification_eval(
+    runner: &PlanRunner,
+    batches: &[HashMap<String, Tensor>],
+) -> anyhow::Result<(f64, f64)> {
+    let mut graph = runner.plan().micro_step.clone();
+    let loss = *graph
+        .outputs()
+        .first()
+        .context("the micro step has no loss output")?;
+    let logits = graph
+        .lookup("logits")
+        .context("the micro step has no `logits`")?;
+    graph.set_outputs(vec![loss, logits]);
+    let executor = CpuExecutor::new();
+    let (mut loss_sum, mut correct, mut counted) = (0.0, 0usize, 0usize);
+    for batch in batches {
+        let bind = |name: &str| batch.get(name).or_else(|| runner.state(name));
+        let outputs = executor.run(&graph, &bind)?;
+        let (Some(l), Some(z), Some(labels)) = (
+            outputs.first().and_then(|t| t.as_f32()),
+            outputs.get(1).and_then(|t| t.as_f32()),
+            batch.get("labels").and_then(|t| t.as_i64()),
+        ) else {
+            anyhow::bail!("a classification batch without loss, logits or class labels");
+        };
+        let classes = z.len() / labels.len().max(1);
+        let mut n = 0;
+        for (row, &label) in z.chunks(classes).zip(labels) {
+            if label == castor_models::IGNORE_INDEX {
+                continue;
+            }
+            let best = (0..classes).fold(0, |b, c| if row[c] > row[b] { c } else { b });
+            correct += usize::from(best as i64 == label);
+            n += 1;
+        }
+        loss_sum += f64::from(l[0]) * n as f64;
+        counted += n;
+    }
+    let counted = counted.max(1) as f64;
+    Ok((loss_sum / counted, correct as f64 / counted))
+}
+
 /// Redraws the picture and the report. A failed write is a warning: the paths were checked
 /// writable before the run, and losing a picture must not lose the run.
 pub fn redraw(opts: &LoopOptions, history: &LossHistory) {
@@ -192,7 +241,8 @@ pub fn train_loop(
     let settings = runner.plan().settings.clone();
     let (batch, seq) = (settings.batch, settings.seq);
     let tokens_per_step = (batch * seq * settings.grad_accum) as f64;
-    let val_batches = data.validation_batches(opts.input_names, opts.eval_batches);
+    let val_batches = data.validation_batches(opts.input_names, opts.eval_batches)?;
+    let accuracy = data.has_classes();
     let progress = Progress::new(opts.first_step, opts.steps, &opts.label);
     let start = Instant::now();
     let mut out = LoopOutcome {
@@ -204,6 +254,7 @@ pub fn train_loop(
         tokens: 0.0,
         interrupted: false,
         evaluated_at: None,
+        accuracy: None,
     };
     let end = opts.first_step + opts.steps;
     let (mut queued, mut last_report) = (0u64, Instant::now());
@@ -211,7 +262,7 @@ pub fn train_loop(
         let lr = opts.lr.at(step);
         let micro: Vec<HashMap<String, Tensor>> = (0..settings.grad_accum)
             .map(|_| data.next_batch(opts.input_names))
-            .collect();
+            .collect::<anyhow::Result<_>>()?;
         // Steps are numbered from 1 everywhere people and files see them.
         let done = step + 1;
         let last_step = done == end;
@@ -245,16 +296,28 @@ pub fn train_loop(
             .loss_scale
             .push((done, f64::from(report.loss_scale)));
 
-        let val_loss = if eval_now {
+        let (val_loss, val_accuracy) = if eval_now && accuracy {
+            // Accuracy needs the logits, which the device's validation run does not return:
+            // the host copy of the weights runs the forward.
+            let (v, a) = classification_eval(runner.host()?, &val_batches)?;
+            history.validation.push((done, v));
+            out.evaluated_at = Some(done);
+            out.accuracy = Some(a);
+            progress.println(&format!(
+                "eval   {done:>6}  validation loss {v:.4}, accuracy {:.1}%",
+                a * 100.0
+            ));
+            (Some(v), Some(a))
+        } else if eval_now {
             let v = runner.validation_loss(&val_batches)?;
             if let Some(v) = v {
                 history.validation.push((done, v));
                 out.evaluated_at = Some(done);
                 progress.println(&format!("eval   {done:>6}  validation loss {v:.4}"));
             }
-            v
+            (v, None)
         } else {
-            None
+            (None, None)
         };
         if let Some(f) = opts.log.as_mut() {
             let mut line = serde_json::json!({
@@ -268,6 +331,9 @@ pub fn train_loop(
             });
             if let Some(v) = val_loss {
                 line["val_loss"] = serde_json::json!(v);
+            }
+            if let Some(a) = val_accuracy {
+                line["val_accuracy"] = serde_json::json!(a);
             }
             writeln!(f, "{line}").context("cannot write the training log")?;
         }

@@ -29,14 +29,17 @@ fn final_loss(losses: &[f64]) -> f64 {
 #[test]
 fn saved_checkpoints_load_in_transformers() {
     let tmp = tempfile::tempdir().unwrap();
-    for variant in ["gpt2_lm", "llama_tied"].into_iter().chain(NEW_DECODERS) {
+    let variants = ["gpt2_lm", "llama_tied", "bert_cls", "llama_cls"];
+    for variant in variants.into_iter().chain(NEW_DECODERS) {
         let dir = fixture(variant);
         let input = dir.join("input.safetensors");
         let saved = tmp.path().join(variant);
+        // The classifiers train on their reference labels (the batch the generator used).
+        let data = batch_with_labels(variant, "classify", tmp.path());
         train(&[
             path_str(&dir),
             "--data",
-            path_str(&input),
+            path_str(&data),
             "--steps",
             "3",
             "--save",
@@ -55,6 +58,24 @@ fn saved_checkpoints_load_in_transformers() {
             v
         };
         assert_eq!(names(&before), names(&after), "{variant}: layout changed");
+        // What from_pretrained reads to build the same class: the config as it was.
+        let config = |d: &std::path::Path| -> serde_json::Value {
+            serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).unwrap()).unwrap()
+        };
+        let (was, is) = (config(&dir), config(&saved));
+        for field in [
+            "architectures",
+            "id2label",
+            "label2id",
+            "problem_type",
+            "pad_token_id",
+        ] {
+            assert_eq!(
+                was.get(field),
+                is.get(field),
+                "{variant}: config field {field}"
+            );
+        }
 
         let out = tmp.path().join(format!("{variant}-logits.safetensors"));
         let o = eval(&saved, &input, &out, &["--device", "cpu"]);
@@ -210,4 +231,73 @@ fn resumed_runs_are_bit_identical() {
             );
         }
     }
+}
+
+/// The tiny BERT classifier fixture, with the synthetic set's vocabulary, fine-tuned on
+/// tests/fixtures/classify (the label is decided by one key word; chance is 1/3) and judged on
+/// held-out examples it never trained on.
+#[test]
+fn a_classification_fine_tune_beats_chance_on_held_out_examples() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = copy_fixture("bert_cls");
+    let data = fixture("classify");
+    std::fs::copy(data.join("vocab.txt"), model.path().join("vocab.txt")).unwrap();
+    let log = tmp.path().join("log.jsonl");
+    let saved = tmp.path().join("saved");
+    let out = train(&[
+        path_str(model.path()),
+        "--data",
+        path_str(&data.join("train.jsonl")),
+        "--validation",
+        path_str(&data.join("val.csv")),
+        "--steps",
+        "40",
+        "--batch",
+        "16",
+        "--lr",
+        "3e-3",
+        "--eval-every",
+        "20",
+        "--log",
+        path_str(&log),
+        "--save",
+        path_str(&saved),
+    ]);
+    assert!(out.contains("objective classify"), "{out}");
+    assert!(out.contains("192 labelled examples (3 labels"), "{out}");
+    let evals: Vec<(f64, f64)> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter_map(|v| Some((v["val_loss"].as_f64()?, v["val_accuracy"].as_f64()?)))
+        .collect();
+    assert_eq!(evals.len(), 2, "evaluated at steps 20 and 40: {out}");
+    let (loss, accuracy) = evals[1];
+    println!("validation after 40 steps: loss {loss:.4}, accuracy {accuracy:.3}");
+    assert!(accuracy > 0.8, "accuracy {accuracy} (chance 1/3)");
+    assert!(
+        loss < (3f64).ln(),
+        "validation loss {loss} is no better than uniform"
+    );
+    assert!(out.contains("accuracy"), "{out}");
+    // The saved classifier, with its tokenizer, labels a new text with its key word's label.
+    let o = castor(&[
+        "eval",
+        path_str(&saved),
+        "--text",
+        "w3 w40 good w17",
+        "--device",
+        "cpu",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let label_line = stdout(&o)
+        .lines()
+        .find(|l| l.starts_with("label"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(
+        label_line.starts_with("label       positive"),
+        "{}",
+        stdout(&o)
+    );
 }

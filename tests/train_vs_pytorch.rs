@@ -27,7 +27,11 @@ fn info(variant: &str) -> serde_json::Value {
 /// `castor train` on the fixture batch; returns the log lines.
 fn train(variant: &str, steps: u32, save: &Path, extra: &[&str]) -> Vec<serde_json::Value> {
     let tmp = save.parent().unwrap();
-    let batch = batch_with_labels(variant, "lm", tmp);
+    let objective = info(variant)["default_objective"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let batch = batch_with_labels(variant, &objective, tmp);
     let log = save.with_extension("jsonl");
     let _ = std::fs::remove_file(&log);
     let model = fixture(variant);
@@ -88,7 +92,7 @@ fn updates(variant: &str, run: &str, saved: Option<&Path>) -> Vec<f32> {
 #[test]
 fn three_optimizer_steps_match_torch_optim() {
     let tmp = tempfile::tempdir().unwrap();
-    let variants = ["gpt2_lm", "llama_tied"]
+    let variants = ["gpt2_lm", "llama_tied", "bert_cls"]
         .into_iter()
         .chain(common::NEW_DECODERS);
     for variant in variants {

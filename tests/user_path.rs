@@ -778,3 +778,64 @@ fn help_is_grouped_by_topic_and_lists_every_choice() {
     }
     assert!(h.contains("as transformers' max_steps"), "{h}");
 }
+
+// ---- labelled data -----------------------------------------------------------------------------
+
+/// Bad examples for a classifier are refused before training, naming the file, the line and
+/// the field: a class outside num_labels, a missing `text` or `label`, an unknown label name,
+/// a CSV without a `label` column.
+#[test]
+fn bad_labelled_examples_name_file_line_and_field() {
+    let model = copy_fixture("bert_cls");
+    let classify = fixture("classify");
+    std::fs::copy(classify.join("vocab.txt"), model.path().join("vocab.txt")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let good = r#"{"text": "w1 good", "label": "positive"}"#;
+    for (name, body, words) in [
+        (
+            "range.jsonl",
+            format!("{good}\n{{\"text\": \"w2 bad\", \"label\": 3}}\n"),
+            "range.jsonl`: line 2: field `label`: class 3 is outside the model's 3 labels",
+        ),
+        (
+            "no_text.jsonl",
+            format!("{good}\n{good}\n{{\"label\": 1}}\n"),
+            "no_text.jsonl`: line 3: expected a string field `text`",
+        ),
+        (
+            "no_label.jsonl",
+            format!("{{\"text\": \"w1\"}}\n{good}\n"),
+            "no_label.jsonl`: line 1: expected a field `label`",
+        ),
+        (
+            "unknown.jsonl",
+            format!("{good}\n{{\"text\": \"w2\", \"label\": \"great\"}}\n"),
+            "unknown.jsonl`: line 2: field `label`: unknown label `great` (config.json's \
+             label2id has: negative, neutral, positive)",
+        ),
+        (
+            "columns.csv",
+            "text,class\nw1 good,2\n".to_string(),
+            "columns.csv`: line 1: the header has no `label` column",
+        ),
+        (
+            "range.csv",
+            "text,label\nw1 good,2\nw2 bad,-1\n".to_string(),
+            "range.csv`: line 3: field `label`: class -1 is outside the model's 3 labels",
+        ),
+    ] {
+        let path = tmp.path().join(name);
+        std::fs::write(&path, body).unwrap();
+        let o = castor(&[
+            "train",
+            path_str(model.path()),
+            "--data",
+            path_str(&path),
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+        ]);
+        fails(&o, 3, words);
+    }
+}

@@ -30,6 +30,10 @@ impl Arch for BertConfig {
         &[
             ("BertForMaskedLM", Head::MaskedLm),
             ("BertModel", Head::Pooler),
+            (
+                "BertForSequenceClassification",
+                Head::SequenceClassification,
+            ),
         ]
     }
 
@@ -42,7 +46,7 @@ impl Arch for BertConfig {
     }
 
     fn canonical_prefix(&self, head: Head) -> &'static str {
-        if head == Head::MaskedLm {
+        if matches!(head, Head::MaskedLm | Head::SequenceClassification) {
             "bert."
         } else {
             ""
@@ -52,6 +56,8 @@ impl Arch for BertConfig {
     fn guess_head(&self, has: &dyn Fn(&str) -> bool, prefix: &str) -> Head {
         if has("cls.predictions.bias") {
             Head::MaskedLm
+        } else if has("classifier.weight") {
+            Head::SequenceClassification
         } else {
             self.confirm_head(Head::Pooler, has, prefix)
         }
@@ -104,7 +110,8 @@ impl Arch for BertConfig {
             ]);
         }
         match head {
-            Head::Pooler => out.extend([
+            // The classifier itself is `classify.rs`'s.
+            Head::Pooler | Head::SequenceClassification => out.extend([
                 ParamSpec::new(p("pooler.dense.weight"), [h, h]),
                 ParamSpec::new(p("pooler.dense.bias"), [h]),
             ]),
@@ -194,7 +201,7 @@ impl Arch for BertConfig {
 
         let n = self.num_hidden_layers;
         for i in 0..n {
-            let last = i + 1 == n && matches!(head, Head::Base | Head::Pooler);
+            let last = i + 1 == n && head != Head::MaskedLm;
             let l = p(&format!("encoder.layer.{i}."));
             h = ctx.block(i, &format!("encoder.layer.{i}"), |ctx| {
                 layer(self, ctx, &l, h, mask, last)
@@ -203,7 +210,7 @@ impl Arch for BertConfig {
 
         match head {
             Head::Base | Head::CausalLm => Ok(vec![h]),
-            Head::Pooler => {
+            Head::Pooler | Head::SequenceClassification => {
                 let pooled = ctx.scoped("pooler", |ctx| -> Result<Value, ModelError> {
                     let first = ctx.op(
                         "first_token",

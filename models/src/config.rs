@@ -253,6 +253,8 @@ pub struct Config {
     /// `architectures`, empty when absent.
     pub architectures: Vec<String>,
     pub model: ModelConfig,
+    /// The classification fields (`num_labels`, `id2label`, `problem_type`, `pad_token_id`).
+    pub labels: crate::classify::Labels,
 }
 
 impl Config {
@@ -331,6 +333,7 @@ impl Config {
             file: file.to_path_buf(),
             architectures,
             model,
+            labels: crate::classify::Labels::read(obj, file)?,
         })
     }
 }

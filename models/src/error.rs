@@ -166,6 +166,14 @@ pub enum ModelError {
     )]
     NotCausal { architecture: String },
 
+    /// A decoder classifier without `pad_token_id` cannot tell which token ends each row.
+    #[error(
+        "the config has no `pad_token_id`, so the classifier cannot find the last token of \
+         each of {batch} sequences (transformers allows a batch of one only): set \
+         `pad_token_id` in config.json"
+    )]
+    NoPadToken { batch: usize },
+
     /// The IR builder rejected a node: a bug in this crate, reported rather than panicking.
     #[error("building the {architecture} graph failed: {source}")]
     Graph {

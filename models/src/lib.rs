@@ -26,6 +26,7 @@
 mod bert;
 mod build;
 pub mod checkpoint;
+pub mod classify;
 pub mod config;
 mod error;
 pub mod finite;
@@ -39,6 +40,7 @@ pub mod writer;
 
 pub use build::AttentionImpl;
 pub use checkpoint::Checkpoint;
+pub use classify::{Labels, ProblemType};
 pub use config::{
     Activation, BertConfig, Config, Family, Gpt2Config, LlamaConfig, ModelConfig, SlidingWindow,
 };

@@ -31,18 +31,34 @@ impl Arch for LlamaConfig {
             Family::Qwen2 => &[
                 ("Qwen2ForCausalLM", Head::CausalLm),
                 ("Qwen2Model", Head::Base),
+                (
+                    "Qwen2ForSequenceClassification",
+                    Head::SequenceClassification,
+                ),
             ],
             Family::Mistral => &[
                 ("MistralForCausalLM", Head::CausalLm),
                 ("MistralModel", Head::Base),
+                (
+                    "MistralForSequenceClassification",
+                    Head::SequenceClassification,
+                ),
             ],
             Family::Gemma => &[
                 ("GemmaForCausalLM", Head::CausalLm),
                 ("GemmaModel", Head::Base),
+                (
+                    "GemmaForSequenceClassification",
+                    Head::SequenceClassification,
+                ),
             ],
             _ => &[
                 ("LlamaForCausalLM", Head::CausalLm),
                 ("LlamaModel", Head::Base),
+                (
+                    "LlamaForSequenceClassification",
+                    Head::SequenceClassification,
+                ),
             ],
         }
     }
@@ -56,7 +72,7 @@ impl Arch for LlamaConfig {
     }
 
     fn canonical_prefix(&self, head: Head) -> &'static str {
-        if head == Head::CausalLm {
+        if matches!(head, Head::CausalLm | Head::SequenceClassification) {
             "model."
         } else {
             ""
@@ -64,7 +80,9 @@ impl Arch for LlamaConfig {
     }
 
     fn guess_head(&self, has: &dyn Fn(&str) -> bool, prefix: &str) -> Head {
-        if has("lm_head.weight") || prefix == "model." {
+        if has("score.weight") {
+            Head::SequenceClassification
+        } else if has("lm_head.weight") || prefix == "model." {
             Head::CausalLm
         } else {
             Head::Base

@@ -31,6 +31,8 @@ pub enum Head {
     CausalLm,
     /// `BertForMaskedLM`.
     MaskedLm,
+    /// `BertForSequenceClassification`, `LlamaForSequenceClassification` (`classify.rs`).
+    SequenceClassification,
 }
 
 impl fmt::Display for Head {
@@ -40,6 +42,7 @@ impl fmt::Display for Head {
             Head::Pooler => "pooler",
             Head::CausalLm => "causal-lm",
             Head::MaskedLm => "masked-lm",
+            Head::SequenceClassification => "sequence-classification",
         })
     }
 }
@@ -194,7 +197,12 @@ impl Model {
             .unwrap_or_else(|| arch.canonical_prefix(head))
             .to_string();
 
-        let canonical_specs = arch.params(head, &prefix);
+        let mut canonical_specs = arch.params(head, &prefix);
+        if head == Head::SequenceClassification {
+            let hidden = arch.shape(1, 1).width;
+            let family = config.model.family();
+            canonical_specs.extend(crate::classify::params(family, &config.labels, hidden));
+        }
         let total: u128 = canonical_specs.iter().map(|p| p.numel() as u128).sum();
         if total > MAX_PARAMETERS as u128 {
             return Err(ModelError::Config {
@@ -383,8 +391,9 @@ impl Model {
         dtypes.all(|d| d == first).then_some(first)
     }
 
-    /// Graph inputs, in order: `input_ids`, `attention_mask` and, for BERT, `token_type_ids`
-    /// (all i64 `[B, T]`).
+    /// Graph inputs a batch provides, in order: `input_ids`, `attention_mask` and, for BERT,
+    /// `token_type_ids` (all i64 `[B, T]`). A decoder classifier's graph also reads inputs
+    /// computed from these ([`Model::derive_inputs`]).
     pub fn input_names(&self) -> &'static [&'static str] {
         match self.family() {
             Family::Bert => &["input_ids", "attention_mask", "token_type_ids"],
@@ -397,8 +406,41 @@ impl Model {
         match self.head {
             Head::Base => &["last_hidden_state"],
             Head::Pooler => &["last_hidden_state", "pooler_output"],
-            Head::CausalLm | Head::MaskedLm => &["logits"],
+            Head::CausalLm | Head::MaskedLm | Head::SequenceClassification => &["logits"],
         }
+    }
+
+    /// The classification fields of config.json (`num_labels`, `problem_type`, ...).
+    pub fn labels(&self) -> &crate::classify::Labels {
+        &self.config.labels
+    }
+
+    /// Adds the graph inputs computed from a batch's inputs: a decoder classifier's
+    /// `last_token_rows` (each row's last non-padding token, from `input_ids` and
+    /// `pad_token_id`). Nothing for other models.
+    pub fn derive_inputs(&self, inputs: &mut HashMap<String, Tensor>) -> Result<(), ModelError> {
+        if self.head != Head::SequenceClassification || self.family() == Family::Bert {
+            return Ok(());
+        }
+        // Without token ids the executor reports the missing `input_ids` itself.
+        let Some(ids) = inputs.get("input_ids") else {
+            return Ok(());
+        };
+        let (b, t) = match ids.shape().0.as_slice() {
+            &[b, t] => (b, t),
+            _ => (0, 0),
+        };
+        let rows = crate::classify::last_token_rows(
+            ids.as_i64().unwrap_or(&[]),
+            b,
+            t,
+            self.config.labels.pad_token_id,
+        )?;
+        inputs.insert(
+            crate::classify::LAST_TOKEN_ROWS.to_string(),
+            Tensor::from_i64(DType::I64, [b], rows),
+        );
+        Ok(())
     }
 
     /// One parameter as an F32 master tensor (upcast exactly from F16/BF16).
@@ -574,7 +616,10 @@ impl Model {
         let mut ctx = Ctx::new(self.architecture(), params, batch, seq);
         ctx.cache = cache;
         ctx.attention = self.attention;
-        let outputs = arch.build(self.head, &self.prefix, &mut ctx)?;
+        let mut outputs = arch.build(self.head, &self.prefix, &mut ctx)?;
+        if self.head == Head::SequenceClassification {
+            outputs = crate::classify::build(self.family(), &mut ctx, outputs)?;
+        }
         Ok(ctx.finish(outputs, arch.shape(batch, seq)))
     }
 }

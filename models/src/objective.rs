@@ -5,9 +5,13 @@
 //!   mean over the counted tokens.
 //! - `mlm`: masked language modelling: every position with a label other than -100 counts.
 //! - `sum`: the sum of the base model's last hidden state (a head-free benchmark objective).
+//! - `classify`: a sequence classification head's loss, as its `forward` computes it with
+//!   `labels=`: cross-entropy over the labels (labels i64 `[B]`, -100 ignored) for
+//!   `single_label_classification`, the mean squared error (labels f32 `[B, num_labels]`)
+//!   for `regression`; `multi_label_classification` is refused.
 
-use crate::{Head, Model, ModelError};
-use castor_ir::{DType, Graph, GraphBuilder, IrError, Op, ReduceOp, TensorType, Value};
+use crate::{Head, Model, ModelError, ProblemType};
+use castor_ir::{BinaryOp, DType, Graph, GraphBuilder, IrError, Op, ReduceOp, TensorType, Value};
 use std::fmt;
 use std::str::FromStr;
 
@@ -19,6 +23,7 @@ pub enum Objective {
     Lm,
     Mlm,
     Sum,
+    Classify,
 }
 
 impl Objective {
@@ -27,14 +32,16 @@ impl Objective {
             Objective::Lm => "lm",
             Objective::Mlm => "mlm",
             Objective::Sum => "sum",
+            Objective::Classify => "classify",
         }
     }
 
-    /// `lm` or `mlm` when the model has that head, else `sum`.
+    /// `lm`, `mlm` or `classify` when the model has that head, else `sum`.
     pub fn auto(model: &Model) -> Objective {
         match model.head() {
             Head::CausalLm => Objective::Lm,
             Head::MaskedLm => Objective::Mlm,
+            Head::SequenceClassification => Objective::Classify,
             Head::Base | Head::Pooler => Objective::Sum,
         }
     }
@@ -58,8 +65,9 @@ impl FromStr for Objective {
             "lm" => Ok(Objective::Lm),
             "mlm" => Ok(Objective::Mlm),
             "sum" => Ok(Objective::Sum),
+            "classify" => Ok(Objective::Classify),
             other => Err(format!(
-                "unknown objective `{other}` (expected lm, mlm or sum)"
+                "unknown objective `{other}` (expected lm, mlm, classify or sum)"
             )),
         }
     }
@@ -69,7 +77,9 @@ impl Model {
     /// The name of the value holding the base model's last hidden state in the forward graph.
     fn hidden_state_name(&self) -> String {
         match (self.family(), self.head()) {
-            (_, Head::Base | Head::Pooler) => "last_hidden_state".into(),
+            (_, Head::Base | Head::Pooler | Head::SequenceClassification) => {
+                "last_hidden_state".into()
+            }
             (crate::Family::Gpt2, _) => "ln_f".into(),
             (
                 crate::Family::Llama
@@ -91,7 +101,8 @@ impl Model {
     }
 
     /// The forward graph with a scalar loss as its only output. `lm` and `mlm` add an input
-    /// `labels` (i64 `[B, T]`).
+    /// `labels` (i64 `[B, T]`); `classify` an input `labels` of one class id per sequence
+    /// (i64 `[B]`) or, for regression, `num_labels` targets per sequence (f32 `[B, labels]`).
     pub fn build_loss_graph(
         &self,
         batch: usize,
@@ -126,6 +137,28 @@ impl Model {
                     &[h],
                 )
                 .map_err(graph_err)?
+            }
+            Objective::Classify => {
+                if self.head() != Head::SequenceClassification {
+                    return Err(wrong(format!(
+                        "needs a {} head; this model's head is {}",
+                        Head::SequenceClassification,
+                        self.head()
+                    )));
+                }
+                let logits = b
+                    .graph()
+                    .lookup("logits")
+                    .ok_or_else(|| wrong("no `logits` in the graph".into()))?;
+                classification_loss(&mut b, logits, self.labels(), batch).map_err(|e| match e {
+                    LossError::Ir(source) => graph_err(source),
+                    LossError::MultiLabel => wrong(
+                        "config field `problem_type` is `multi_label_classification`, whose \
+                         loss (binary cross-entropy per label) castor does not implement; \
+                         `single_label_classification` and `regression` train"
+                            .into(),
+                    ),
+                })?
             }
             Objective::Lm | Objective::Mlm => {
                 let expected = if objective == Objective::Lm {
@@ -187,6 +220,50 @@ impl Model {
         };
         b.set_outputs(vec![loss]);
         Ok(b.finish())
+    }
+}
+
+enum LossError {
+    Ir(IrError),
+    MultiLabel,
+}
+
+impl From<IrError> for LossError {
+    fn from(e: IrError) -> Self {
+        LossError::Ir(e)
+    }
+}
+
+/// The loss of `*ForSequenceClassification.forward` on `logits` `[B, labels]`.
+fn classification_loss(
+    b: &mut GraphBuilder,
+    logits: Value,
+    labels: &crate::Labels,
+    batch: usize,
+) -> Result<Value, LossError> {
+    let n = labels.num_labels;
+    match labels.problem() {
+        ProblemType::SingleLabel => {
+            let t = b.input("labels", TensorType::new(DType::I64, [batch]))?;
+            let ce = Op::CrossEntropy {
+                ignore_index: IGNORE_INDEX,
+            };
+            Ok(b.op("loss", ce, &[logits, t])?)
+        }
+        // MSELoss: the mean over every element (transformers squeezes a single label away,
+        // which leaves the same mean).
+        ProblemType::Regression => {
+            let t = b.input("labels", TensorType::new(DType::F32, [batch, n]))?;
+            let d = b.op("loss.diff", Op::Binary(BinaryOp::Sub), &[logits, t])?;
+            let sq = b.op("loss.squared", Op::Binary(BinaryOp::Mul), &[d, d])?;
+            let mean = Op::Reduce {
+                op: ReduceOp::Mean,
+                axes: vec![0, 1],
+                keepdim: false,
+            };
+            Ok(b.op("loss", mean, &[sq])?)
+        }
+        ProblemType::MultiLabel => Err(LossError::MultiLabel),
     }
 }
 

@@ -339,10 +339,10 @@ fn config_errors() {
         ],
     );
     assert_contains(
-        &model_err(r#"{"model_type": "bert", "architectures": ["BertForSequenceClassification"]}"#),
+        &model_err(r#"{"model_type": "bert", "architectures": ["BertForTokenClassification"]}"#),
         &[
-            "BertForSequenceClassification",
-            "BertForMaskedLM, BertModel",
+            "BertForTokenClassification",
+            "BertForMaskedLM, BertModel, BertForSequenceClassification",
         ],
     );
     assert_contains(

@@ -120,11 +120,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(_) => Some(TextTokenizer::for_model(&model)?),
         None => None,
     };
-    let batch = match (&args.input, &args.text, &tokenizer) {
+    let mut batch = match (&args.input, &args.text, &tokenizer) {
         (Some(input), _, _) => read_batch(input, model.input_names(), model.vocab_size())?,
         (None, Some(text), Some(tok)) => text_batch(&model, tok, text)?,
         _ => return Err(CliError::InvalidInput("give --input FILE or --text TEXT".into()).into()),
     };
+    model.derive_inputs(&mut batch.tensors)?;
     let graph = model.build_graph(batch.batch, batch.seq)?;
     castor_ir::verify(&graph).context("the front end built an invalid graph")?;
     let compiled = args.precision.compile(graph, Some(&model), None, false)?;
@@ -205,7 +206,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         };
         let labels = match (&args.input, objective.needs_labels()) {
             (_, false) => None,
-            (Some(input), true) => Some(read_labels(input, &batch, objective, model.vocab_size())?),
+            (Some(input), true) => Some(read_labels(input, &batch, objective, &model)?),
             (None, true) if objective == Objective::Lm => batch.tensors.get("input_ids").cloned(),
             (None, true) => {
                 return Err(CliError::InvalidInput(format!(

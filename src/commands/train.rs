@@ -80,6 +80,11 @@ pub struct Args {
     /// text files (one document each) or a .jsonl file (one `text` per line).
     #[arg(long, help_heading = "Data")]
     pub data: PathBuf,
+    /// Labelled validation examples (.jsonl or .csv, as --data for a classifier): the loss and
+    /// accuracy are reported on them at --eval-every and at the end (instead of
+    /// --val-fraction).
+    #[arg(long, value_name = "FILE", help_heading = "Data")]
+    pub validation: Option<PathBuf>,
     #[command(flatten)]
     pub run: RunArgs,
     #[command(flatten)]
@@ -184,9 +189,9 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         }
         None => None,
     };
-    if args.eval_every.is_some() && args.run.val_fraction <= 0.0 {
+    if args.eval_every.is_some() && args.run.val_fraction <= 0.0 && args.validation.is_none() {
         return Err(CliError::InvalidInput(
-            "--eval-every needs held-out data: give --val-fraction".into(),
+            "--eval-every needs held-out data: give --val-fraction (or --validation FILE)".into(),
         )
         .into());
     }
@@ -223,6 +228,7 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         val_fraction: args.run.val_fraction,
         order: args.run.data_order,
         seed: args.run.seed,
+        validation: args.validation.clone(),
     };
     let (planned, mut data) = match &args.plan {
         Some(path) => {
@@ -434,8 +440,12 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         ));
     }
     if let Some((_, v)) = out.history.validation.last() {
+        let accuracy = out
+            .accuracy
+            .map(|a| format!(", accuracy {:.1}%", a * 100.0))
+            .unwrap_or_default();
         outcome.push(format!(
-            "validation  loss {v:.4} at step {}",
+            "validation  loss {v:.4}{accuracy} at step {}",
             out.evaluated_at.unwrap_or(0)
         ));
     }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Every fixture variant made by tests/fixtures/generate.py.
-pub const VARIANTS: [&str; 10] = [
+pub const VARIANTS: [&str; 13] = [
     "gpt2_lm",
     "gpt2_base",
     "bert_base",
@@ -19,6 +19,9 @@ pub const VARIANTS: [&str; 10] = [
     "mistral_window",
     "gemma_tiny",
     "llama31_rope",
+    "bert_cls",
+    "bert_reg",
+    "llama_cls",
 ];
 
 /// The decoder families beyond LLaMA itself (tests/fixtures/generate.py): Qwen2 with linear
