@@ -29,7 +29,13 @@ fn final_loss(losses: &[f64]) -> f64 {
 #[test]
 fn saved_checkpoints_load_in_transformers() {
     let tmp = tempfile::tempdir().unwrap();
-    let variants = ["gpt2_lm", "llama_tied", "bert_cls", "llama_cls"];
+    let variants = [
+        "gpt2_lm",
+        "llama_tied",
+        "bert_cls",
+        "llama_cls",
+        "qwen2_cls",
+    ];
     for variant in variants.into_iter().chain(NEW_DECODERS) {
         let dir = fixture(variant);
         let input = dir.join("input.safetensors");

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 /// Every fixture variant made by tests/fixtures/generate.py.
-pub const VARIANTS: [&str; 13] = [
+pub const VARIANTS: [&str; 14] = [
     "gpt2_lm",
     "gpt2_base",
     "bert_base",
@@ -22,6 +22,7 @@ pub const VARIANTS: [&str; 13] = [
     "bert_cls",
     "bert_reg",
     "llama_cls",
+    "qwen2_cls",
 ];
 
 /// The decoder families beyond LLaMA itself (tests/fixtures/generate.py): Qwen2 with linear
