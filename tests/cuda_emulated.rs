@@ -246,6 +246,28 @@ fn llama31_rope_scaling_training_plans_match_the_cpu_executor() {
     family_matrix("llama31_rope");
 }
 
+/// The sequence classifiers (BERT's pooler + classifier, with class ids and regression
+/// targets; a decoder's score on each row's last token, LLaMA and Qwen2) under every precision,
+/// with and without recomputation: bit-identical to the CPU executor.
+#[test]
+fn classifier_training_plans_match_the_cpu_executor() {
+    let mut failures = Vec::new();
+    for variant in ["bert_cls", "bert_reg", "llama_cls", "qwen2_cls"] {
+        for precision in ["fp32", "tf32", "bf16", "fp16"] {
+            for remat in ["none", "full"] {
+                let flags = format!("--precision {precision} --remat {remat}");
+                println!("{}", compare_training(variant, &flags, &mut failures));
+            }
+        }
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failure(s):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
 #[test]
 fn loss_scaler_paths_match_the_cpu_executor() {
     let mut failures = Vec::new();
