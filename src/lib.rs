@@ -11,6 +11,7 @@ pub mod out;
 pub mod anatomy;
 pub mod batch;
 pub mod checkpoint;
+pub mod classifier;
 pub mod commands;
 pub mod data;
 pub mod device;

@@ -155,6 +155,16 @@ pub fn model_summary(
 /// Warns (stderr) about checkpoint tensors the architecture does not read: every command that
 /// loads a model says so, as transformers' "Some weights of the checkpoint were not used".
 pub fn warn_unused(model: &Model) {
+    let initialized = &model.report().initialized;
+    if !initialized.is_empty() {
+        crate::errln!(
+            "note: {} is a new head for this checkpoint: {} initialized (normal with \
+             initializer_range, zero biases), train it before use: {}",
+            model.architecture(),
+            initialized.len(),
+            initialized.join(", ")
+        );
+    }
     let unused = &model.report().unused;
     if !unused.is_empty() {
         crate::errln!(

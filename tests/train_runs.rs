@@ -307,3 +307,121 @@ fn a_classification_fine_tune_beats_chance_on_held_out_examples() {
         stdout(&o)
     );
 }
+
+/// A masked-LM checkpoint fine-tuned as a classifier with `--labels`, as
+/// `AutoModelForSequenceClassification.from_pretrained(path, num_labels=3)` does: the pooler
+/// and classifier it lacks are initialized (and said so), its MLM head goes unused, it learns
+/// the synthetic set, and the saved checkpoint is a `BertForSequenceClassification` with the
+/// label names and the new tensors (transformers loads it with that class: checked with
+/// transformers 5.24 when this was written).
+#[test]
+fn a_masked_lm_checkpoint_becomes_a_classifier_with_a_new_head() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = copy_fixture("bert_mlm");
+    let data = fixture("classify");
+    std::fs::copy(data.join("vocab.txt"), model.path().join("vocab.txt")).unwrap();
+    let log = tmp.path().join("log.jsonl");
+    let saved = tmp.path().join("saved");
+    let (train_set, val_set) = (data.join("train.jsonl"), data.join("val.csv"));
+    let args = [
+        "train",
+        path_str(model.path()),
+        "--labels",
+        "negative,neutral,positive",
+        "--data",
+        path_str(&train_set),
+        "--validation",
+        path_str(&val_set),
+        "--steps",
+        "40",
+        "--batch",
+        "16",
+        "--lr",
+        "3e-3",
+        "--eval-every",
+        "40",
+        "--log",
+        path_str(&log),
+        "--save",
+        path_str(&saved),
+        "--device",
+        "cpu",
+    ];
+    let o = castor(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let err = stderr(&o);
+    assert!(
+        err.contains(
+            "BertForSequenceClassification is a new head for this checkpoint: 4 initialized"
+        ) && err.contains("bert.pooler.dense.weight")
+            && err.contains("classifier.weight"),
+        "{err}"
+    );
+    assert!(
+        err.contains("not used by BertForSequenceClassification: cls.predictions"),
+        "{err}"
+    );
+    let accuracy = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["val_accuracy"].as_f64())
+        .next_back()
+        .expect("a validation accuracy");
+    assert!(accuracy > 0.8, "accuracy {accuracy} (chance 1/3)");
+
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(saved.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["architectures"][0], "BertForSequenceClassification");
+    assert_eq!(config["id2label"]["2"], "positive");
+    assert_eq!(config["label2id"]["neutral"], 1);
+    let tensors = castor_models::SafetensorsFile::open(saved.join("model.safetensors")).unwrap();
+    let names: Vec<&String> = tensors.tensors().keys().collect();
+    for want in [
+        "classifier.weight",
+        "classifier.bias",
+        "bert.pooler.dense.weight",
+    ] {
+        assert!(
+            names.iter().any(|n| *n == want),
+            "{want} not saved: {names:?}"
+        );
+    }
+    assert!(!names.iter().any(|n| n.starts_with("cls.")), "{names:?}");
+    // The saved classifier loads as one; asking it for another label count is an error.
+    let o = castor(&[
+        "eval",
+        path_str(&saved),
+        "--text",
+        "w3 good w17",
+        "--device",
+        "cpu",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = castor(&[
+        "eval",
+        path_str(&saved),
+        "--num-labels",
+        "4",
+        "--text",
+        "good",
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("with 3 labels, not 4"),
+        "{}",
+        stderr(&o)
+    );
+    // A family castor has no classification head for says so.
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--num-labels",
+        "2",
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("no sequence classification head for gpt2"),
+        "{}",
+        stderr(&o)
+    );
+}

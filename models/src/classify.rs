@@ -33,7 +33,7 @@ use std::path::Path;
 pub const LAST_TOKEN_ROWS: &str = "last_token_rows";
 
 /// Labels above this are refused as absurd (the head is `[labels, hidden]`).
-const MAX_LABELS: usize = 1 << 20;
+pub(crate) const MAX_LABELS: usize = 1 << 20;
 
 /// `problem_type`: which loss a classification head trains with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

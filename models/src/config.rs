@@ -258,6 +258,89 @@ pub struct Config {
 }
 
 impl Config {
+    /// This config as a sequence classifier over `labels` (class names, at least one): the
+    /// family's `*ForSequenceClassification` architecture, `id2label`/`label2id` from the
+    /// names, the problem type left to the head (one label: regression), the padding token
+    /// kept. A config that already is such a classifier must name as many labels.
+    pub fn with_new_classifier(&self, labels: &[String]) -> Result<Config, ModelError> {
+        let err = |message: String| ModelError::Config {
+            file: self.file.clone(),
+            field: "architectures".into(),
+            message,
+        };
+        if labels.is_empty() || labels.len() > crate::classify::MAX_LABELS {
+            return Err(err(format!(
+                "a classifier needs 1 to {} labels, found {}",
+                crate::classify::MAX_LABELS,
+                labels.len()
+            )));
+        }
+        let class = self
+            .model
+            .arch()
+            .architectures()
+            .iter()
+            .find(|(_, h)| *h == crate::Head::SequenceClassification)
+            .map(|(n, _)| *n)
+            .ok_or_else(|| {
+                err(format!(
+                    "castor has no sequence classification head for {}",
+                    self.model.family()
+                ))
+            })?;
+        let mut out = self.clone();
+        if self.architectures.iter().any(|a| a == class) {
+            if self.labels.num_labels != labels.len() {
+                return Err(err(format!(
+                    "the checkpoint is a {class} with {} labels, not {}",
+                    self.labels.num_labels,
+                    labels.len()
+                )));
+            }
+            return Ok(out);
+        }
+        out.architectures = vec![class.to_string()];
+        out.labels = crate::classify::Labels {
+            num_labels: labels.len(),
+            problem_type: None,
+            pad_token_id: self.labels.pad_token_id,
+            id2label: labels.to_vec(),
+            label2id: labels
+                .iter()
+                .enumerate()
+                .map(|(i, n)| (n.clone(), i as i64))
+                .collect(),
+        };
+        Ok(out)
+    }
+
+    /// config.json `text` rewritten for [`Config::with_new_classifier`]'s classifier:
+    /// `architectures`, `id2label` and `label2id` replaced (`num_labels` follows them, as
+    /// transformers reads it), `problem_type` dropped; every other field kept as written.
+    pub fn classifier_json(text: &str, class: &str, labels: &[String]) -> Result<String, String> {
+        let mut value: Value =
+            serde_json::from_str(text).map_err(|e| format!("config.json is not JSON: {e}"))?;
+        let obj = value
+            .as_object_mut()
+            .ok_or("config.json is not a JSON object")?;
+        obj.insert("architectures".into(), Value::from(vec![class.to_string()]));
+        let id2label: Map<String, Value> = labels
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (i.to_string(), Value::from(n.clone())))
+            .collect();
+        let label2id: Map<String, Value> = labels
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.clone(), Value::from(i)))
+            .collect();
+        obj.insert("id2label".into(), Value::Object(id2label));
+        obj.insert("label2id".into(), Value::Object(label2id));
+        obj.remove("num_labels");
+        obj.remove("problem_type");
+        serde_json::to_string_pretty(&value).map_err(|e| e.to_string())
+    }
+
     /// Reads and parses a config.json file.
     pub fn read(path: impl AsRef<Path>) -> Result<Config, ModelError> {
         let path = path.as_ref();

@@ -15,7 +15,7 @@ use crate::checkpoint::{Checkpoint, CONFIG_FILE};
 use crate::config::{Config, Family, ModelConfig, MAX_PARAMETERS};
 use crate::error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
 use crate::finite::{find_non_finite, NonFinite};
-use castor_ir::{DType, Graph, ModelShape, Tensor, Value};
+use castor_ir::{DType, Graph, ModelShape, Shape, Tensor, Value};
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::path::Path;
@@ -58,6 +58,9 @@ pub struct LoadReport {
     pub ignored_buffers: Vec<String>,
     /// Stored copies of tied weights (`lm_head.weight` tied to the embeddings, ...).
     pub tied_copies: Vec<String>,
+    /// Parameters of a new classification head that the checkpoint lacks, initialized as
+    /// transformers initializes them (like its "Some weights ... were newly initialized").
+    pub initialized: Vec<String>,
 }
 
 /// What each family tells the generic loader.
@@ -116,6 +119,9 @@ pub struct Model {
     canonical: Vec<String>,
     report: LoadReport,
     attention: AttentionImpl,
+    /// With a new classification head: the parameters it may initialize when the checkpoint
+    /// lacks them (the head's and, for BERT, the pooler's), by checkpoint name.
+    new_head_params: BTreeSet<String>,
 }
 
 impl Model {
@@ -166,12 +172,40 @@ impl Model {
         Model::new(config, None)
     }
 
+    /// The model at `path` with a sequence classification head over `labels` (class names;
+    /// `LABEL_i` when only a count is known), as `AutoModelForSequenceClassification
+    /// .from_pretrained(path, num_labels=...)` builds it: a checkpoint without the head (a
+    /// base or language model) gets it initialized, with the BERT pooler when that is missing
+    /// too ([`LoadReport::initialized`] lists them), and its other heads' tensors are unused.
+    /// A checkpoint that is already such a classifier must have as many labels.
+    pub fn load_as_classifier(
+        path: impl AsRef<Path>,
+        labels: &[String],
+    ) -> Result<Model, ModelError> {
+        let path = path.as_ref();
+        let plain = Model::load(path)?;
+        let config = plain.config.with_new_classifier(labels)?;
+        if plain.head == Head::SequenceClassification {
+            return Ok(plain);
+        }
+        let checkpoint = plain.checkpoint;
+        Model::assemble(config, checkpoint, true)
+    }
+
     /// A model from a parsed config and an opened checkpoint, checked against each other.
     pub fn with_checkpoint(config: Config, checkpoint: Checkpoint) -> Result<Model, ModelError> {
         Model::new(config, Some(checkpoint))
     }
 
     fn new(config: Config, checkpoint: Option<Checkpoint>) -> Result<Model, ModelError> {
+        Model::assemble(config, checkpoint, false)
+    }
+
+    fn assemble(
+        config: Config,
+        checkpoint: Option<Checkpoint>,
+        new_head: bool,
+    ) -> Result<Model, ModelError> {
         let arch = config.model.arch();
         let has = |n: &str| checkpoint.as_ref().is_some_and(|c| c.contains(n));
 
@@ -215,6 +249,20 @@ impl Model {
             });
         }
         let canonical: Vec<String> = canonical_specs.iter().map(|p| p.name.clone()).collect();
+        let new_head_params: BTreeSet<String> = if new_head {
+            let base: BTreeSet<String> = arch
+                .params(Head::Base, &prefix)
+                .into_iter()
+                .map(|p| p.name)
+                .collect();
+            canonical
+                .iter()
+                .filter(|n| !base.contains(*n))
+                .cloned()
+                .collect()
+        } else {
+            BTreeSet::new()
+        };
         let params: Vec<ParamSpec> = canonical_specs
             .into_iter()
             .map(|p| ParamSpec {
@@ -232,6 +280,7 @@ impl Model {
             canonical,
             report: LoadReport::default(),
             attention: AttentionImpl::Eager,
+            new_head_params,
         };
         if let Some(ckpt) = checkpoint {
             model.report = model.check_against(&ckpt)?;
@@ -252,9 +301,14 @@ impl Model {
             unused: Vec::new(),
             extra_params: Vec::new(),
         };
+        let mut initialized = Vec::new();
         for p in &self.params {
             let Some(info) = ckpt.info(&p.name) else {
-                problems.missing.push(p.clone());
+                if self.new_head_params.contains(&p.name) {
+                    initialized.push(p.name.clone());
+                } else {
+                    problems.missing.push(p.clone());
+                }
                 continue;
             };
             if info.shape != p.shape {
@@ -286,7 +340,10 @@ impl Model {
             .iter()
             .filter_map(|p| p.name.rsplit_once('.').map(|(m, _)| m))
             .collect();
-        let mut report = LoadReport::default();
+        let mut report = LoadReport {
+            initialized,
+            ..LoadReport::default()
+        };
         for name in ckpt.names().filter(|n| !expected.contains(n)) {
             let list = if tied.contains(name) {
                 &mut report.tied_copies
@@ -451,6 +508,24 @@ impl Model {
                 tensor: name.to_string(),
             });
         }
+        self.stored_or_initialized(name)
+    }
+
+    /// A parameter from the checkpoint, or, for a new head's parameter it lacks, its
+    /// initial value (normal with `initializer_range`, zero biases: transformers'
+    /// `_init_weights`; seeded by name, so the same on every run).
+    fn stored_or_initialized(&self, name: &str) -> Result<Tensor, ModelError> {
+        if self.report.initialized.iter().any(|n| n == name) {
+            let std = self.config.model.initializer_range() as f32;
+            if let Some(p) = self.params.iter().find(|p| p.name == name) {
+                return Ok(crate::init::init_param(
+                    name,
+                    &Shape(p.shape.clone()),
+                    std,
+                    0,
+                ));
+            }
+        }
         self.weights("load_param")?.tensor_f32(name)
     }
 
@@ -484,10 +559,10 @@ impl Model {
 
     /// Every parameter as an F32 master tensor, keyed by its graph `param` name.
     pub fn load_params(&self) -> Result<HashMap<String, Tensor>, ModelError> {
-        let ckpt = self.weights("load_params")?;
+        self.weights("load_params")?;
         self.params
             .iter()
-            .map(|p| Ok((p.name.clone(), ckpt.tensor_f32(&p.name)?)))
+            .map(|p| Ok((p.name.clone(), self.stored_or_initialized(&p.name)?)))
             .collect()
     }
 

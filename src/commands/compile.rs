@@ -33,6 +33,8 @@ pub struct Args {
     pub model: PathBuf,
     #[command(flatten)]
     pub precision: PrecisionArgs,
+    #[command(flatten)]
+    pub classifier: crate::classifier::ClassifierArgs,
     /// What to write: `summary` (the report), `ir` (the compiled IR text), `dot` (a Graphviz
     /// graph coloured by dtype), `plan` (the training plan as JSON, for `castor train
     /// --plan`) or `cuda` (the CUDA program of the training step). Without -o the result goes
@@ -118,7 +120,7 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
             model: None,
         });
     }
-    let mut model = Model::load(path)?;
+    let mut model = args.classifier.load(path)?;
     model.set_attention(args.precision.attention.into());
     crate::report::warn_unused(&model);
     let seq = args.seq.unwrap_or_else(|| model.max_positions());

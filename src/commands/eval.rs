@@ -45,6 +45,8 @@ pub struct Args {
     pub out: Option<PathBuf>,
     #[command(flatten)]
     pub precision: PrecisionArgs,
+    #[command(flatten)]
+    pub classifier: crate::classifier::ClassifierArgs,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
     /// Also compute the loss and the gradient of every parameter, written as `loss` (F32
@@ -113,7 +115,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let device = crate::device::select(args.device)?;
 
-    let mut model = Model::load(&args.model)?;
+    let mut model = args.classifier.load(&args.model)?;
     model.set_attention(args.precision.attention.into());
     crate::report::warn_unused(&model);
     let tokenizer = match &args.text {

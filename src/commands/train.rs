@@ -90,6 +90,8 @@ pub struct Args {
     #[command(flatten)]
     pub precision: PrecisionArgs,
     #[command(flatten)]
+    pub classifier: crate::classifier::ClassifierArgs,
+    #[command(flatten)]
     pub training: TrainingArgs,
     /// Run a plan written by `castor compile --emit plan` instead of compiling one (flags
     /// that disagree with the plan are an error).
@@ -212,11 +214,12 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
     args.run.total_steps = Some(args.run.total_steps.unwrap_or(total));
 
     let model_path = resume_dir.as_deref().unwrap_or(&args.model);
-    let mut model = Model::load(model_path)?;
+    let mut model = args.classifier.load(model_path)?;
     model.set_attention(args.precision.attention.into());
     crate::report::warn_unused(&model);
     let config_json = std::fs::read_to_string(&model.config().file)
         .with_context(|| format!("cannot read `{}`", model.config().file.display()))?;
+    let config_json = args.classifier.saved_config(&model, config_json)?;
     let files = CheckpointFiles::new(config_json, model.config().file.parent());
     if let Some(dir) = &resume_dir {
         outln!("resume      {} (step {first_step})", dir.display());
