@@ -37,6 +37,21 @@ pub struct PrecisionArgs {
     #[arg(long, value_enum, default_value_t = Attention::Eager, help_heading = "Model")]
     #[serde(default)]
     pub attention: Attention,
+    /// The residual stream's dtype: `f32` (autocast's choice: the adds between blocks stay
+    /// F32) or `low` (the policy's BF16/FP16, as llm.c and Apex O2 keep it: less memory and
+    /// traffic, more rounding; BENCHMARKS.md has both side by side).
+    #[arg(long, value_enum, default_value_t = Residual::F32)]
+    #[serde(default)]
+    pub residual: Residual,
+}
+
+/// `--residual`: where the residual stream is kept.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Residual {
+    #[default]
+    F32,
+    Low,
 }
 
 /// `--attention`: the front end's [`castor_models::AttentionImpl`].
@@ -86,6 +101,9 @@ impl PrecisionArgs {
         }
         for g in &self.force_low {
             policy.add_rule(g, Target::Low, "--force-low")?;
+        }
+        if self.residual == Residual::Low {
+            policy.set_residual_low()?;
         }
         if let Some(path) = &self.policy {
             let text = std::fs::read_to_string(path).map_err(|e| {

@@ -268,6 +268,22 @@ fn classifier_training_plans_match_the_cpu_executor() {
     );
 }
 
+/// `--residual low` (the residual stream in the low dtype) in every family, bf16 and fp16,
+/// with and without recomputation: bit-identical to the CPU executor.
+#[test]
+fn low_residual_plans_match_the_cpu_executor() {
+    let mut failures = Vec::new();
+    for variant in ["gpt2_lm", "bert_mlm", "llama_gqa", "gemma_tiny"] {
+        for precision in ["bf16", "fp16"] {
+            for remat in ["none", "selective"] {
+                let flags = format!("--precision {precision} --residual low --remat {remat}");
+                println!("{}", compare_training(variant, &flags, &mut failures));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 #[test]
 fn loss_scaler_paths_match_the_cpu_executor() {
     let mut failures = Vec::new();

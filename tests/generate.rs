@@ -42,6 +42,7 @@ fn policy(precision: Precision) -> PrecisionArgs {
         keep_f32: Vec::new(),
         force_low: Vec::new(),
         attention: Default::default(),
+        residual: Default::default(),
     }
 }
 

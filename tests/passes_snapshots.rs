@@ -6,7 +6,7 @@
 mod common;
 
 use castor::precision::PrecisionArgs;
-use castor_ir::{text, verify, Accum, Graph, Op, OpClass};
+use castor_ir::{text, verify, Accum, DType, Graph, Op, OpClass};
 use castor_models::Model;
 use castor_passes::{Autocast, Classify, FoldCasts, Pass, Precision};
 use clap::Parser;
@@ -167,4 +167,77 @@ fn check_invariants(g: &Graph, precision: Precision, what: &str) {
             g.name(v)
         );
     }
+}
+
+/// `--residual low`: the residual stream, found by structure in every family (pre-norm adds,
+/// post-norm residual adds, the embeddings that start it), computes and stores in the low
+/// dtype and says why; the default keeps it F32; without a low dtype it is an error.
+#[test]
+fn residual_low_keeps_the_stream_in_the_low_dtype() {
+    for (variant, adds) in [
+        (
+            "gpt2_lm",
+            &["embeddings", "h.0.attn_residual", "h.1.mlp_residual"][..],
+        ),
+        (
+            "llama_gqa",
+            &[
+                "embed_tokens",
+                "layers.0.attn_residual",
+                "layers.1.mlp_residual",
+            ][..],
+        ),
+        (
+            "bert_mlm",
+            &[
+                "embeddings.with_token_types",
+                "encoder.layer.0.attention.output.residual",
+            ][..],
+        ),
+    ] {
+        for (residual, dtype) in [("low", DType::BF16), ("f32", DType::F32)] {
+            let o = castor(&[
+                "compile",
+                path_str(&fixture(variant)),
+                "--precision",
+                "bf16",
+                "--residual",
+                residual,
+                "--seq",
+                "7",
+                "--emit",
+                "ir",
+            ]);
+            assert!(o.status.success(), "{}", stderr(&o));
+            let g = castor_ir::text::parse(&stdout(&o)).unwrap();
+            for name in adds {
+                let v = g
+                    .lookup(name)
+                    .unwrap_or_else(|| panic!("{variant}: no %{name}"));
+                assert_eq!(
+                    g.ty(v).dtype,
+                    dtype,
+                    "{variant} --residual {residual}: %{name}"
+                );
+                if residual == "low" {
+                    let note = g.node(g.value(v).producer).note.clone().unwrap_or_default();
+                    assert!(note.contains("--residual low"), "{variant} %{name}: {note}");
+                }
+            }
+        }
+    }
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--precision",
+        "fp32",
+        "--residual",
+        "low",
+    ]);
+    assert_eq!(o.status.code(), Some(3));
+    assert!(
+        stderr(&o).contains("needs a low-precision dtype"),
+        "{}",
+        stderr(&o)
+    );
 }

@@ -100,8 +100,13 @@ impl Autocast {
     /// Table rule and name rule for every node the policy governs.
     fn initial_paint(&self, g: &Graph) -> Result<Vec<Option<Paint>>, PassError> {
         let low = self.policy.precision.low();
+        let residual = if self.policy.residual_low() {
+            residual_stream(g)
+        } else {
+            BTreeSet::new()
+        };
         g.nodes()
-            .map(|(_, node)| {
+            .map(|(n, node)| {
                 let Some((rule, origin)) = self.policy.rule_for(&node.op) else {
                     return Ok(None);
                 };
@@ -130,6 +135,15 @@ impl Autocast {
                         }),
                         reason: format!("override: {}", r.describe(low)),
                     },
+                    None if residual.contains(&n) => Paint {
+                        rule: Rule::Allow,
+                        forced: true,
+                        colour: Some(Colour::Low),
+                        reason: format!(
+                            "residual stream in {} (--residual low)",
+                            low.map_or("low precision".to_string(), |d| d.to_string())
+                        ),
+                    },
                     None => Paint {
                         rule,
                         forced: false,
@@ -141,6 +155,41 @@ impl Autocast {
             })
             .collect()
     }
+}
+
+/// The residual stream, found by structure: every `add` whose sum a normalization reads as
+/// its input (pre-norm models: the stream itself; post-norm: the residual adds) or that sums
+/// embeddings, and every embedding that feeds one of those or a normalization directly (where
+/// the stream starts).
+fn residual_stream(g: &Graph) -> BTreeSet<Node> {
+    let users = g.users();
+    let normalized = |v: Value| {
+        users[v.index()].iter().any(|&u| {
+            let node = g.node(u);
+            matches!(node.op, Op::LayerNorm { .. } | Op::RmsNorm { .. }) && node.inputs[0] == v
+        })
+    };
+    let is_add = |op: &Op| *op == Op::Binary(castor_ir::BinaryOp::Add);
+    let embedded = |v: Value| g.node(g.value(v).producer).op == Op::Embedding;
+    // The stream's adds, and sums of embeddings (BERT's words + token types) before them.
+    let adds: BTreeSet<Node> = g
+        .nodes()
+        .filter(|(_, node)| {
+            is_add(&node.op)
+                && (normalized(node.outputs[0]) || node.inputs.iter().all(|&v| embedded(v)))
+        })
+        .map(|(n, _)| n)
+        .collect();
+    let starts = g
+        .nodes()
+        .filter(|(_, node)| {
+            node.op == Op::Embedding && {
+                let v = node.outputs[0];
+                normalized(v) || users[v.index()].iter().any(|u| adds.contains(u))
+            }
+        })
+        .map(|(n, _)| n);
+    adds.iter().copied().chain(starts).collect()
 }
 
 /// Steps 1-6 of the module doc, for a policy with a low-precision dtype.

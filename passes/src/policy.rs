@@ -122,6 +122,9 @@ pub struct Policy {
     /// Op kind -> rule, and where the entry came from (`default: contraction`, a file edit).
     table: BTreeMap<&'static str, (Rule, String)>,
     rules: Vec<NameRule>,
+    /// Keep the residual stream in the low dtype (llm.c's and Apex O2's choice) rather than
+    /// autocast's F32 (see [`Policy::set_residual_low`]).
+    residual_low: bool,
 }
 
 impl Policy {
@@ -141,7 +144,31 @@ impl Policy {
             precision,
             table,
             rules: Vec::new(),
+            residual_low: false,
         }
+    }
+
+    /// Stores the residual stream in the policy's low dtype: the adds whose sum a
+    /// normalization reads (a pre-norm model's stream, a post-norm model's residual adds) and
+    /// the embeddings that start it compute and store low, as llm.c and Apex O2 keep them;
+    /// autocast's default keeps them F32. Name rules still decide the nodes they match.
+    pub fn set_residual_low(&mut self) -> Result<(), PassError> {
+        if self.precision.low().is_none() {
+            return Err(PassError::Policy {
+                source_name: "--residual".into(),
+                message: format!(
+                    "a low-precision residual stream needs a low-precision dtype; --precision \
+                     {} has none (use bf16 or fp16)",
+                    self.precision
+                ),
+            });
+        }
+        self.residual_low = true;
+        Ok(())
+    }
+
+    pub fn residual_low(&self) -> bool {
+        self.residual_low
     }
 
     /// The rule for an op kind and where it came from; `None` for ops the table does not
