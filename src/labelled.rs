@@ -1,7 +1,8 @@
 //! Labelled text for sequence classification: one example per JSON line (`{"text": ...,
 //! "label": ...}`) or CSV record (a header naming `text` and `label` columns), tokenized with
 //! the model's tokenizer (framed as it frames a text: `[CLS] ... [SEP]` for BERT, `<s> ...`
-//! for LLaMA), cut to `--seq` tokens and right-padded with `pad_token_id` (0 without one),
+//! for LLaMA), cut to `--seq` tokens as transformers' `truncation=True` cuts (the text's tail
+//! goes, the framing stays) and right-padded with `pad_token_id` (0 without one),
 //! with an attention mask of 1 on the tokens. Right padding is what BERT expects; a decoder
 //! classifier reads each row's last token that is not `pad_token_id`, which right padding
 //! leaves in place.
@@ -35,7 +36,29 @@ enum Label {
 #[derive(Clone, Debug)]
 struct Example {
     ids: Vec<i64>,
+    /// How many of `ids` the tokenizer's framing puts before and after the text's own tokens
+    /// (`[CLS]` and `[SEP]` for BERT, `<s>` for LLaMA), which truncation keeps.
+    frame: (usize, usize),
     label: Label,
+}
+
+impl Example {
+    /// Cuts the example to `seq` tokens as transformers' `truncation=True` does: the text's
+    /// own tokens lose their tail, the framing stays (`[CLS] ... [SEP]`). A `seq` too short
+    /// for the framing and one text token keeps the first `seq` tokens.
+    fn truncate(&mut self, seq: usize) {
+        let (before, after) = self.frame;
+        if self.ids.len() <= seq {
+            return;
+        }
+        if seq <= before + after {
+            self.ids.truncate(seq);
+            return;
+        }
+        let tail = self.ids.split_off(self.ids.len() - after);
+        self.ids.truncate(seq - after);
+        self.ids.extend(tail);
+    }
 }
 
 /// Labelled examples, tokenized, with their batch shape and read position.
@@ -144,7 +167,7 @@ impl Labelled {
             source: format!("`{}` ({})", path.display(), tokenizer.describe()),
         };
         for e in out.train.iter_mut().chain(out.validation.iter_mut()) {
-            e.ids.truncate(seq);
+            e.truncate(seq);
         }
         Ok(out)
     }
@@ -383,13 +406,17 @@ fn read_examples(
         .map(|(line, text, label)| {
             let label =
                 parse_label(&label, model).map_err(|m| at(line, format!("field `label`: {m}")))?;
-            let ids = tokenizer
-                .encode(&text, true)
-                .map_err(|e| at(line, format!("field `text`: {e}")))?;
+            let encode = |special: bool| {
+                tokenizer
+                    .encode(&text, special)
+                    .map_err(|e| at(line, format!("field `text`: {e}")))
+            };
+            let (ids, own) = (encode(true)?, encode(false)?);
             if ids.is_empty() {
                 return Err(at(line, "field `text` has no tokens".into()));
             }
             Ok(Example {
+                frame: framing(&ids, &own),
                 ids: ids.into_iter().map(i64::from).collect(),
                 label,
             })
@@ -450,4 +477,52 @@ fn parse_label(v: &serde_json::Value, model: &Model) -> Result<Label, String> {
         ));
     }
     Ok(Label::Class(id))
+}
+
+/// Where a text's own tokens `own` sit inside its framed encoding `ids`: the framing tokens
+/// before and after them ((0, 0) when they cannot be found as one run, so nothing is kept).
+fn framing(ids: &[u32], own: &[u32]) -> (usize, usize) {
+    if own.is_empty() || own.len() > ids.len() {
+        return (0, 0);
+    }
+    match ids.windows(own.len()).position(|w| w == own) {
+        Some(before) => (before, ids.len() - before - own.len()),
+        None => (0, 0),
+    }
+}
+
+#[cfg(test)]
+mod truncation_tests {
+    use super::{framing, Example, Label};
+
+    #[test]
+    fn truncation_keeps_the_framing_as_transformers_does() {
+        // [CLS]=101 a b c d e [SEP]=102, cut to 5: [CLS] a b c [SEP].
+        let ids = [101, 1, 2, 3, 4, 5, 102];
+        let frame = framing(&ids, &[1, 2, 3, 4, 5]);
+        assert_eq!(frame, (1, 1));
+        let mut e = Example {
+            ids: ids.iter().map(|&i| i64::from(i)).collect(),
+            frame,
+            label: Label::Class(0),
+        };
+        e.truncate(5);
+        assert_eq!(e.ids, vec![101, 1, 2, 3, 102]);
+        // LLaMA's <s> before the text only.
+        let mut e = Example {
+            ids: vec![1, 7, 8, 9],
+            frame: framing(&[1, 7, 8, 9], &[7, 8, 9]),
+            label: Label::Class(0),
+        };
+        e.truncate(3);
+        assert_eq!(e.ids, vec![1, 7, 8]);
+        // Too short for the framing and a token: the first tokens.
+        let mut e = Example {
+            ids: ids.iter().map(|&i| i64::from(i)).collect(),
+            frame,
+            label: Label::Class(0),
+        };
+        e.truncate(2);
+        assert_eq!(e.ids, vec![101, 1]);
+    }
 }

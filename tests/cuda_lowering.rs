@@ -243,7 +243,11 @@ fn every_launch_matches_its_kernels_parameters_in_ptx() {
     let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
     let nvrtc = match Nvrtc::from_env() {
         Ok(Some(n)) => n,
-        other if ci => panic!("CI=true but NVRTC is unavailable: {:?}", other.err()),
+        Ok(None) if ci => panic!(
+            "CI=true but NVRTC is unavailable: CASTOR_NVRTC_DIR is not set (.ci/run installs \
+             NVRTC 13.0 and sets it)"
+        ),
+        Err(e) if ci => panic!("CI=true but NVRTC is unavailable: {e}"),
         _ => {
             eprintln!("skipped: CASTOR_NVRTC_DIR is not set");
             return;
