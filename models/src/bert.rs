@@ -181,9 +181,10 @@ impl Arch for BertConfig {
 
         let mut h = ctx.scoped("embeddings", |ctx| -> Result<Value, ModelError> {
             let we = ctx.param(&p("embeddings.word_embeddings.weight"))?;
-            let words = ctx.op("words", Op::Embedding, &[we, ids])?;
+            let padding = self.pad_token_id;
+            let words = ctx.op("words", Op::Embedding { padding }, &[we, ids])?;
             let te = ctx.param(&p("embeddings.token_type_embeddings.weight"))?;
-            let types = ctx.op("token_types", Op::Embedding, &[te, tt])?;
+            let types = ctx.op("token_types", Op::Embedding { padding: None }, &[te, tt])?;
             let x = ctx.add("with_token_types", words, types)?;
             let pe = ctx.param(&p("embeddings.position_embeddings.weight"))?;
             let pos = ctx.op(

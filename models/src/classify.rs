@@ -264,7 +264,11 @@ pub(crate) fn build(
                 &[h],
             )?;
             let picked = ctx.input(LAST_TOKEN_ROWS, TensorType::new(DType::I64, [b]))?;
-            let last = ctx.op_exact("score.last_token", Op::Embedding, &[rows, picked])?;
+            let last = ctx.op_exact(
+                "score.last_token",
+                Op::Embedding { padding: None },
+                &[rows, picked],
+            )?;
             let w = ctx.param("score.weight")?;
             Ok(vec![ctx.op_exact("logits", linear, &[last, w])?])
         }

@@ -155,6 +155,8 @@ pub struct BertConfig {
     pub layer_norm_eps: f64,
     pub tie_word_embeddings: bool,
     pub initializer_range: f64,
+    /// The word embeddings' `padding_idx` (`pad_token_id`, 0 by default): no gradient.
+    pub pad_token_id: Option<usize>,
 }
 
 /// A LLaMA-style decoder's config, resolved: `LlamaConfig`, and the families built from the
@@ -191,6 +193,9 @@ pub struct LlamaConfig {
     pub sliding_window: Option<SlidingWindow>,
     /// Gemma: RMSNorm multiplies by `1 + weight` and the embeddings by `√hidden_size`.
     pub gemma_norm_and_embed: bool,
+    /// The token embeddings' `padding_idx` (`pad_token_id`; 0 by default for Gemma, none for
+    /// the others): that row gets no gradient.
+    pub pad_token_id: Option<usize>,
 }
 
 /// A sliding attention window over the layers from `first_layer` on.
@@ -472,6 +477,7 @@ fn bert(f: &Fields) -> Result<BertConfig, ModelError> {
         layer_norm_eps: f.eps("layer_norm_eps", 1e-12)?,
         tie_word_embeddings: f.boolean("tie_word_embeddings", true)?,
         initializer_range: f.eps("initializer_range", 0.02)?,
+        pad_token_id: f.padding_index(Some(0)),
     })
 }
 
@@ -606,6 +612,7 @@ fn llama(f: &Fields, family: Family) -> Result<LlamaConfig, ModelError> {
         rope_scaling,
         sliding_window: sliding_window(f, family, num_hidden_layers)?,
         gemma_norm_and_embed: family == Family::Gemma,
+        pad_token_id: f.padding_index((family == Family::Gemma).then_some(0)),
     })
 }
 
@@ -816,6 +823,15 @@ impl Fields<'_> {
 
     fn size(&self, key: &str, default: usize) -> Result<usize, ModelError> {
         Ok(self.opt_size(key)?.unwrap_or(default))
+    }
+
+    /// `pad_token_id` as an embedding's `padding_idx`: `default` when the field is absent,
+    /// none when it is null or not a row index (a negative id pads nothing).
+    fn padding_index(&self, default: Option<usize>) -> Option<usize> {
+        match self.obj.get("pad_token_id") {
+            None => default,
+            Some(v) => v.as_u64().and_then(|n| usize::try_from(n).ok()),
+        }
     }
 
     /// A count that may be 0 (`max_window_layers`).

@@ -125,7 +125,7 @@ impl Arch for Gpt2Config {
         let mask = ctx.key_mask(am, 4)?;
 
         let wte = ctx.param(&p("wte.weight"))?;
-        let tokens = ctx.op("wte", Op::Embedding, &[wte, ids])?;
+        let tokens = ctx.op("wte", Op::Embedding { padding: None }, &[wte, ids])?;
         let wpe = ctx.param(&p("wpe.weight"))?;
         let past = ctx.past();
         let positions = ctx.op(

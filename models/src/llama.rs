@@ -177,7 +177,8 @@ impl Arch for LlamaConfig {
         let mask = ctx.key_mask(am, 5)?;
 
         let emb = ctx.param(&p("embed_tokens.weight"))?;
-        let mut h = ctx.op("embed_tokens", Op::Embedding, &[emb, ids])?;
+        let padding = self.pad_token_id;
+        let mut h = ctx.op("embed_tokens", Op::Embedding { padding }, &[emb, ids])?;
         if self.gemma_norm_and_embed {
             // Gemma scales the embeddings by √hidden (in the activation dtype).
             let factor = f64::from((self.hidden_size as f32).sqrt());

@@ -170,7 +170,7 @@ fn residual_stream(g: &Graph) -> BTreeSet<Node> {
         })
     };
     let is_add = |op: &Op| *op == Op::Binary(castor_ir::BinaryOp::Add);
-    let embedded = |v: Value| g.node(g.value(v).producer).op == Op::Embedding;
+    let embedded = |v: Value| matches!(g.node(g.value(v).producer).op, Op::Embedding { .. });
     // The stream's adds, and sums of embeddings (BERT's words + token types) before them.
     let adds: BTreeSet<Node> = g
         .nodes()
@@ -183,7 +183,7 @@ fn residual_stream(g: &Graph) -> BTreeSet<Node> {
     let starts = g
         .nodes()
         .filter(|(_, node)| {
-            node.op == Op::Embedding && {
+            matches!(node.op, Op::Embedding { .. }) && {
                 let v = node.outputs[0];
                 normalized(v) || users[v.index()].iter().any(|u| adds.contains(u))
             }

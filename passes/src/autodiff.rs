@@ -310,10 +310,14 @@ impl Backward<'_> {
             };
         match &node.op {
             Op::Input | Op::Param | Op::Full { .. } => {}
-            Op::Embedding => {
+            Op::Embedding { padding } => {
                 if let (true, Some(dy)) = (need(0), dy) {
                     let vocab = self.fwd.ty(x[0]).shape.0[0];
-                    let d = self.b.op(&name, Op::EmbeddingGrad { vocab }, &[x[1], dy])?;
+                    let op = Op::EmbeddingGrad {
+                        vocab,
+                        padding: *padding,
+                    };
+                    let d = self.b.op(&name, op, &[x[1], dy])?;
                     self.contribute(x[0], d)?;
                 }
             }

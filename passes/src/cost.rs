@@ -194,7 +194,7 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         | Op::Param
         | Op::State
         | Op::ParamCopy { .. }
-        | Op::Embedding
+        | Op::Embedding { .. }
         | Op::Reshape { .. }
         | Op::Transpose { .. }
         | Op::Slice { .. }
@@ -229,7 +229,7 @@ pub fn node_bytes(g: &Graph, node: &NodeData) -> f64 {
         Op::Input | Op::Param | Op::State | Op::ParamCopy { .. } | Op::Reshape { .. } => 0.0,
         Op::Full { .. } | Op::Pad { .. } | Op::BroadcastTo { .. } => outs + ins,
         // A gather reads the rows it writes and the ids; a slice reads what it keeps.
-        Op::Embedding => 2.0 * outs + node.inputs.get(1).map_or(0.0, |&v| size(g, v)),
+        Op::Embedding { .. } => 2.0 * outs + node.inputs.get(1).map_or(0.0, |&v| size(g, v)),
         Op::Slice { .. } => 2.0 * outs,
         _ => ins + outs,
     }

@@ -369,7 +369,7 @@ impl Policy {
 /// Ops the table governs: one representative per op kind.
 fn table_ops() -> Vec<Op> {
     let mut ops = vec![
-        Op::Embedding,
+        Op::Embedding { padding: None },
         Op::MatMul {
             transpose_a: false,
             transpose_b: false,

@@ -128,7 +128,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mask = m.op("mask", Op::Reshape { shape }, &[keep])?;
     let wte = m.param("wte.weight", &[VOCAB, HIDDEN])?;
     let wpe = m.param("wpe.weight", &[POSITIONS, HIDDEN])?;
-    let tokens = m.op("wte", Op::Embedding, &[wte, ids])?;
+    let tokens = m.op("wte", Op::Embedding { padding: None }, &[wte, ids])?;
     let slice = Op::Slice {
         axis: 0,
         start: 0,

@@ -29,13 +29,13 @@ pub fn int_limit(g: &Graph, v: castor_ir::Value, limit: i64) -> i64 {
     for &u in &users[v.index()] {
         let node = g.node(u);
         let dim = match node.op {
-            castor_ir::Op::Embedding if node.inputs[1] == v => (node.inputs[0], 0),
+            castor_ir::Op::Embedding { .. } if node.inputs[1] == v => (node.inputs[0], 0),
             castor_ir::Op::CrossEntropy { .. } | castor_ir::Op::CrossEntropyGrad { .. }
                 if node.inputs[1] == v =>
             {
                 (node.inputs[0], 1)
             }
-            castor_ir::Op::EmbeddingGrad { vocab } if node.inputs[0] == v => {
+            castor_ir::Op::EmbeddingGrad { vocab, .. } if node.inputs[0] == v => {
                 bound = bound.min(vocab as i64);
                 continue;
             }

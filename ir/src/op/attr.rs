@@ -78,19 +78,15 @@ pub(crate) trait AttrValue: Sized {
     }
 }
 
-/// A count that only some ops have (a sliding attention window): omitted when `None`.
+/// A size or index that only some ops have (a sliding window, a padding row): omitted when
+/// `None`.
 impl AttrValue for Option<usize> {
     fn to_attr(&self) -> Attr {
         Attr::Int(self.map_or(0, |n| n as i64))
     }
 
     fn from_attr(key: &str, attr: Attr) -> Result<Option<usize>, String> {
-        match usize::from_attr(key, attr)? {
-            0 => Err(format!(
-                "attribute `{key}` must be positive (leave it out for none), found 0"
-            )),
-            n => Ok(Some(n)),
-        }
+        usize::from_attr(key, attr).map(Some)
     }
 
     fn absent() -> Option<Self> {

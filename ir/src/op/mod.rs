@@ -110,8 +110,10 @@ define_ops! {
     /// Persistent training state that is not a model parameter (optimizer moments, accumulated
     /// gradients, the step count, the loss scale), bound by its value name like a parameter.
     State => "state", class Layout, arity (0, 0), typing typing::source();
-    /// `(table [V, H], ids [..]) -> [.., H]`: row gather.
-    Embedding => "embedding", class Layout, arity (2, 2), typing typing::embedding(inputs);
+    /// `(table [V, H], ids [..]) -> [.., H]`: row gather. `padding` is the row of a
+    /// `torch.nn.Embedding(padding_idx=...)`: read like any other, but it gets no gradient.
+    Embedding { padding: Option<usize> } => "embedding", class Layout, arity (2, 2),
+        typing typing::embedding(inputs);
     /// `(a [.., M, K], b [.., K, N]) -> [.., M, N]`, batch dims broadcast; `transpose_a/b`
     /// swap the last two dims of an operand first.
     MatMul { transpose_a: bool, transpose_b: bool } => "matmul", class Contraction,
@@ -215,7 +217,8 @@ define_ops! {
         typing typing::broadcast_to(inputs, shape);
     /// `(ids [..], dy [.., H]) -> dtable [vocab, H]`: rows of `dy` added into the rows their
     /// ids name, in a fixed order (deterministic); the transpose of [`Op::Embedding`].
-    EmbeddingGrad { vocab: usize } => "embedding_grad", class Normalization, arity (2, 2),
+    EmbeddingGrad { vocab: usize, padding: Option<usize> } => "embedding_grad",
+        class Normalization, arity (2, 2),
         typing typing::embedding_grad(inputs, *vocab);
     /// `(logits [N, V], labels [N], dloss []) -> dlogits [N, V]` of [`Op::CrossEntropy`]:
     /// `(softmax(logits) - onehot(label)) * dloss / count` on counted rows, 0 on ignored ones.
@@ -423,8 +426,8 @@ mod tests {
         assert_eq!(scaled.attrs()[1], ("scaling", Attr::Floats(vec![4.0])));
         let a = |k: &str, v: Attr| vec![("causal".to_string(), Attr::Bool(true)), (k.into(), v)];
         assert_eq!(
-            Op::from_parts("softmax", a("window", Attr::Int(0))),
-            Err("attribute `window` must be positive (leave it out for none), found 0".into())
+            Op::from_parts("softmax", a("window", Attr::Int(-1))),
+            Err("attribute `window` must be non-negative, found -1".into())
         );
         assert!(Op::from_parts(
             "rope",
@@ -444,6 +447,13 @@ mod tests {
             window: Some(2),
         };
         assert!(op.infer(&[&x]).is_err_and(|e| e.contains("no causal mask")));
+        let op = Op::Softmax {
+            causal: true,
+            window: Some(0),
+        };
+        assert!(op
+            .infer(&[&x])
+            .is_err_and(|e| e.contains("window of 0 keys")));
     }
 
     #[test]

@@ -213,6 +213,7 @@ pub fn norm(inputs: &[&TensorType]) -> Types {
 /// A sliding window narrows a causal mask: it means nothing without one.
 fn window_needs_causal(what: &str, causal: bool, window: Option<usize>) -> Result<(), String> {
     match window {
+        Some(0) => Err(format!("{what} has a sliding window of 0 keys")),
         Some(w) if !causal => Err(format!(
             "{what} has a sliding window ({w}) but no causal mask: a window is the keys ending \
              at each query's causal limit"

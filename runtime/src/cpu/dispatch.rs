@@ -110,7 +110,7 @@ pub fn execute(
                 .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
                 .collect();
         }
-        Op::Embedding => {
+        Op::Embedding { .. } => {
             let (table, ids) = (args.f32(0)?, args.values::<i64>(1)?);
             let (v, h) = (args.shape(0)?[0], args.shape(0)?[1]);
             let rows = embedding::embedding(table, v, h, ids).map_err(|e| {
@@ -344,10 +344,10 @@ pub fn execute(
             let data = by_storage!(out.dtype, broadcast_to(args, shape))?;
             make(args, out, data)?
         }
-        Op::EmbeddingGrad { vocab } => {
+        Op::EmbeddingGrad { vocab, padding } => {
             let (ids, dy) = (args.values::<i64>(0)?, args.f32(1)?);
             let h = out.shape.last();
-            let table = embedding::embedding_grad(ids, dy, *vocab, h).map_err(|e| {
+            let mut table = embedding::embedding_grad(ids, dy, *vocab, h).map_err(|e| {
                 RuntimeError::IndexOutOfRange {
                     node: args.node.to_string(),
                     what: "token id",
@@ -356,6 +356,10 @@ pub fn execute(
                     limit: *vocab,
                 }
             })?;
+            // torch's padding_idx: that row gets no gradient.
+            if let Some(row) = table.get_mut(padding.unwrap_or(usize::MAX).saturating_mul(h)..) {
+                row.iter_mut().take(h).for_each(|x| *x = 0.0);
+            }
             float(args, table)?
         }
         Op::CrossEntropyGrad { ignore_index } => {

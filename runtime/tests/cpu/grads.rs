@@ -383,9 +383,22 @@ fn embedding_grad_matches_finite_differences() {
     let table = rng.tensor(DType::F32, &[5, 3]);
     let ids = Tensor::from_i64(DType::I64, [2, 4], vec![1, 4, 1, 0, 4, 4, 2, 1]);
     let r = rng.tensor(DType::F32, &[2, 4, 3]);
-    let dt = run_op(Op::EmbeddingGrad { vocab: 5 }, &[&ids, &r]).expect("grad runs");
+    let dt = run_op(
+        Op::EmbeddingGrad {
+            vocab: 5,
+            padding: None,
+        },
+        &[&ids, &r],
+    )
+    .expect("grad runs");
     assert_eq!(dt.shape().dims(), &[5, 3]);
-    let want = numeric_grad(&Op::Embedding, &[&table, &ids], 0, f32s(&r), H);
+    let want = numeric_grad(
+        &Op::Embedding { padding: None },
+        &[&table, &ids],
+        0,
+        f32s(&r),
+        H,
+    );
     assert_grad("embedding_grad", &dt, &want, TOL);
 }
 
@@ -508,7 +521,14 @@ fn embedding_grad_sums_repeated_ids() {
         [4, 2],
         vec![1.0, 2.0, 10.0, 20.0, 0.5, 0.25, -4.0, 8.0],
     );
-    let dt = run_op(Op::EmbeddingGrad { vocab: 4 }, &[&ids, &dy]).expect("runs");
+    let dt = run_op(
+        Op::EmbeddingGrad {
+            vocab: 4,
+            padding: None,
+        },
+        &[&ids, &dy],
+    )
+    .expect("runs");
     assert_eq!(dt.dtype(), DType::F32);
     assert_eq!(
         f32s(&dt),
@@ -521,7 +541,14 @@ fn embedding_grad_rejects_out_of_range_ids() {
     let dy = Tensor::from_f32(DType::F32, [3, 2], vec![1.0; 6]);
     for bad in [4, -1, i64::MAX] {
         let ids = Tensor::from_i64(DType::I64, [3], vec![0, bad, 7]);
-        let err = run_op(Op::EmbeddingGrad { vocab: 4 }, &[&ids, &dy]).expect_err("bad id");
+        let err = run_op(
+            Op::EmbeddingGrad {
+                vocab: 4,
+                padding: None,
+            },
+            &[&ids, &dy],
+        )
+        .expect_err("bad id");
         assert_eq!(
             err,
             RuntimeError::IndexOutOfRange {
@@ -618,12 +645,26 @@ fn empty_shapes_give_empty_gradients() {
         0
     );
     let ids = Tensor::from_i64(DType::I64, [3], vec![0, 1, 1]);
-    let t = run_op(Op::EmbeddingGrad { vocab: 2 }, &[&ids, &x]).expect("runs");
+    let t = run_op(
+        Op::EmbeddingGrad {
+            vocab: 2,
+            padding: None,
+        },
+        &[&ids, &x],
+    )
+    .expect("runs");
     assert_eq!(t.shape().dims(), &[2, 0]);
     // No rows at all: a zero table.
     let ids = Tensor::from_i64(DType::I64, [0], vec![]);
     let dy = Tensor::from_f32(DType::F32, [0, 3], vec![]);
-    let t = run_op(Op::EmbeddingGrad { vocab: 2 }, &[&ids, &dy]).expect("runs");
+    let t = run_op(
+        Op::EmbeddingGrad {
+            vocab: 2,
+            padding: None,
+        },
+        &[&ids, &dy],
+    )
+    .expect("runs");
     assert_eq!(f32s(&t), &[0.0; 6][..]);
     let logits = Tensor::from_f32(DType::F32, [0, 4], vec![]);
     let labels = Tensor::from_i64(DType::I64, [0], vec![]);
@@ -682,7 +723,14 @@ fn large_grads() -> Vec<Vec<Tensor>> {
             &[&x4],
         )
         .expect("runs"),
-        run_multi(Op::EmbeddingGrad { vocab: 97 }, &[&ids, &dy_e]).expect("runs"),
+        run_multi(
+            Op::EmbeddingGrad {
+                vocab: 97,
+                padding: None,
+            },
+            &[&ids, &dy_e],
+        )
+        .expect("runs"),
         run_multi(
             Op::CrossEntropyGrad { ignore_index: -100 },
             &[&logits, &labels, &dloss],

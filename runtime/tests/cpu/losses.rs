@@ -100,7 +100,7 @@ fn embedding_gathers_rows() {
         vec![0.0, 1.0, 10.0, 11.0, 20.0, 21.0, 30.0, 31.0],
     );
     let ids = Tensor::from_i64(DType::I32, [2, 2], vec![3, 0, 1, 3]);
-    let y = run_op(Op::Embedding, &[&table, &ids]).expect("runs");
+    let y = run_op(Op::Embedding { padding: None }, &[&table, &ids]).expect("runs");
     assert_eq!(y.shape().dims(), &[2, 2, 2]);
     assert_eq!(f32s(&y), &[30.0, 31.0, 0.0, 1.0, 10.0, 11.0, 30.0, 31.0]);
 }
@@ -110,7 +110,7 @@ fn embedding_rejects_out_of_range_ids() {
     let table = Tensor::from_f32(DType::F32, [4, 2], vec![0.0; 8]);
     for bad in [4, -2, i64::MAX] {
         let ids = Tensor::from_i64(DType::I64, [3], vec![0, 1, bad]);
-        let err = run_op(Op::Embedding, &[&table, &ids]).unwrap_err();
+        let err = run_op(Op::Embedding { padding: None }, &[&table, &ids]).unwrap_err();
         assert_eq!(
             err,
             RuntimeError::IndexOutOfRange {

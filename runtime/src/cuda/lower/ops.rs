@@ -53,7 +53,7 @@ impl RunLowering<'_, '_> {
                 .map_err(|m| self.err(y, m))?;
                 self.commands.extend(gm.into_iter().map(Command::Gemm));
             }
-            Op::Embedding => {
+            Op::Embedding { .. } => {
                 let (table, ids) = (ins[0], ins[1]);
                 if dt(ids) != DType::I64 {
                     return Err(self.err(y, "token ids must be i64 on the CUDA executor"));
@@ -83,7 +83,9 @@ impl RunLowering<'_, '_> {
                     ],
                 )?;
             }
-            Op::EmbeddingGrad { vocab } => self.embedding_grad(y, ins[0], ins[1], *vocab)?,
+            Op::EmbeddingGrad { vocab, padding } => {
+                self.embedding_grad(y, ins[0], ins[1], *vocab, *padding)?
+            }
             Op::LayerNorm { .. } | Op::RmsNorm { .. } => self.norm_unit(n, None)?,
             Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. } => self.norm_grad_unit(n, None)?,
             Op::Softmax { causal, window } => self.softmax(y, &ins, *causal, *window)?,
@@ -531,6 +533,7 @@ impl RunLowering<'_, '_> {
         ids: Value,
         dy: Value,
         vocab: usize,
+        padding: Option<usize>,
     ) -> Result<(), LowerError> {
         let g = self.g;
         if g.ty(ids).dtype != DType::I64 {
@@ -601,7 +604,17 @@ impl RunLowering<'_, '_> {
                 Arg::I32(h as i32),
                 Arg::Ptr(out),
             ],
-        )
+        )?;
+        // torch's padding_idx: that row gets no gradient (zero bytes are 0.0 in every dtype).
+        if let Some(row) = padding.filter(|&p| p < vocab) {
+            let bytes = (h * g.ty(y).dtype.size_bytes()) as u64;
+            self.commands.push(Command::Memset {
+                dst: out.plus(row as u64 * bytes),
+                bytes,
+                byte: 0,
+            });
+        }
+        Ok(())
     }
 }
 
