@@ -51,7 +51,7 @@ pub enum DataOrder {
 }
 
 /// Purposes of derived random streams.
-pub(crate) const SHUFFLE: u64 = 1;
+const SHUFFLE: u64 = 1;
 const MASKING: u64 = 2;
 const VALIDATION_MASKING: u64 = 3;
 
@@ -493,23 +493,35 @@ impl Stream {
     /// The window the `k`-th read takes.
     fn window(&mut self, k: u64) -> u64 {
         let n = self.windows();
-        let (pass, i) = (k / n, k % n);
-        match self.order {
-            DataOrder::Sequential => i,
-            DataOrder::Shuffle => {
-                if self.permutation.as_ref().is_none_or(|(p, _)| *p != pass) {
-                    // Fisher-Yates over the windows, from (seed, pass).
-                    let mut rng = Rng::derive(self.seed, SHUFFLE, pass);
-                    let mut order: Vec<u32> = (0..n as u32).collect();
-                    for j in (1..order.len()).rev() {
-                        order.swap(j, rng.below(j as u64 + 1) as usize);
-                    }
-                    self.permutation = Some((pass, order));
+        read_index(self.order, self.seed, &mut self.permutation, n, k)
+    }
+}
+
+/// Which of `n` items the `k`-th read takes: in turn, or through a permutation that is new
+/// every pass over them (Fisher-Yates from `(seed, pass)`), kept in `permutation` while its
+/// pass lasts. Token windows and labelled examples are read this way.
+pub(crate) fn read_index(
+    order: DataOrder,
+    seed: u64,
+    permutation: &mut Option<(u64, Vec<u32>)>,
+    n: u64,
+    k: u64,
+) -> u64 {
+    let (pass, i) = (k / n, k % n);
+    match order {
+        DataOrder::Sequential => i,
+        DataOrder::Shuffle => {
+            if permutation.as_ref().is_none_or(|(p, _)| *p != pass) {
+                let mut rng = Rng::derive(seed, SHUFFLE, pass);
+                let mut items: Vec<u32> = (0..n as u32).collect();
+                for j in (1..items.len()).rev() {
+                    items.swap(j, rng.below(j as u64 + 1) as usize);
                 }
-                self.permutation
-                    .as_ref()
-                    .map_or(i, |(_, order)| u64::from(order[i as usize]))
+                *permutation = Some((pass, items));
             }
+            permutation
+                .as_ref()
+                .map_or(i, |(_, items)| u64::from(items[i as usize]))
         }
     }
 }

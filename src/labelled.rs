@@ -17,8 +17,7 @@
 //! own file, or the last `--val-fraction` of the examples) is cut into fixed micro-batches;
 //! the rows that fill the last one out are repeats whose labels are ignored.
 
-use crate::data::{DataOrder, SHUFFLE};
-use crate::rng::Rng;
+use crate::data::{read_index, DataOrder};
 use crate::tokenizer::TextTokenizer;
 use crate::CliError;
 use castor_ir::{DType, Tensor};
@@ -262,23 +261,7 @@ impl Labelled {
     /// The `k`-th example read.
     fn example(&mut self, k: u64) -> u64 {
         let n = self.train.len() as u64;
-        let (pass, i) = (k / n, k % n);
-        match self.order {
-            DataOrder::Sequential => i,
-            DataOrder::Shuffle => {
-                if self.permutation.as_ref().is_none_or(|(p, _)| *p != pass) {
-                    let mut rng = Rng::derive(self.seed, SHUFFLE, pass);
-                    let mut order: Vec<u32> = (0..n as u32).collect();
-                    for j in (1..order.len()).rev() {
-                        order.swap(j, rng.below(j as u64 + 1) as usize);
-                    }
-                    self.permutation = Some((pass, order));
-                }
-                self.permutation
-                    .as_ref()
-                    .map_or(i, |(_, order)| u64::from(order[i as usize]))
-            }
-        }
+        read_index(self.order, self.seed, &mut self.permutation, n, k)
     }
 
     /// Rows `(example, filler)` as graph inputs; a filler row's class label is ignored.
