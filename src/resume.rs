@@ -198,7 +198,7 @@ pub fn check_plan_flags(
     given: &Given,
     path: &Path,
 ) -> anyhow::Result<()> {
-    for id in ["keep_f32", "force_low", "policy", "attention"] {
+    for id in ["keep_f32", "force_low", "policy", "attention", "residual"] {
         if given.has(id) {
             return Err(CliError::InvalidInput(format!(
                 "{} cannot change the plan `{}`: its graphs are compiled with it; give the \

@@ -403,6 +403,11 @@ fn flags_against_a_plan_name_the_setting_and_both_values() {
         3,
         "--attention cannot change the plan",
     );
+    fails(
+        &run(&["--residual", "low"]),
+        3,
+        "--residual cannot change the plan",
+    );
     // Flags that agree, and flags the plan does not fix (the learning rate), are fine.
     ok(&run(&["--precision", "FP16", "--lr", "0.01"]));
 }
