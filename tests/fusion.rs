@@ -1,8 +1,11 @@
 //! The fusion pass on every model family under bf16 and fp16 training plans:
-//! - every generated kernel compiles with NVRTC 13.0 to PTX for sm_90 (with no GPU; skipped
-//!   with a message when NVRTC is absent, except in CI where it must be present);
-//! - running the micro step in fused order (each group's members back to back where the
-//!   group's last member stood) gives bit-identical losses and gradients, so the groups are
+//! - the plan's kernel units are what runs: the CUDA lowering prints one generated kernel per
+//!   pointwise unit with outputs (each distinct body once), and every one compiles with NVRTC
+//!   13.0 to PTX for sm_90 (with no GPU; skipped with a message when NVRTC is absent, except
+//!   in CI where it must be present);
+//! - a plan file whose unit does not say what its members compute is refused by name;
+//! - running the micro step in fused order (each unit's members back to back where the
+//!   unit's last member stood) gives bit-identical losses and gradients, so the groups are
 //!   legal and each fused kernel rounds where the unfused graph stores;
 //! - the grouping decisions are snapshots.
 
@@ -10,10 +13,12 @@ mod common;
 
 use castor::precision::PrecisionArgs;
 use castor::training::TrainingArgs;
-use castor_ir::TrainingPlan;
+use castor_ir::{Step, TrainingPlan, UnitKind};
 use castor_models::{Model, Objective};
-use castor_passes::fusion::{fused_order, fusion_groups};
+use castor_passes::fusion::{fused_order, schedule};
 use castor_runtime::cpu::CpuExecutor;
+use castor_runtime::cuda::lower::{lower_plan, GENERATED_MODULE};
+use castor_runtime::cuda::program::Command;
 use clap::Parser;
 use common::*;
 use std::fmt::Write;
@@ -63,14 +68,41 @@ fn generated_kernels_compile_to_ptx() {
     for variant in FAMILIES {
         for precision in ["bf16", "fp16"] {
             let (_, plan) = plan(variant, precision);
-            assert!(!plan.fused_kernels.is_empty(), "{variant} {precision}");
-            for k in &plan.fused_kernels {
-                let ptx = nvrtc
-                    .compile_kernel(&k.name, &k.source, castor_kernels::DEFAULT_ARCH)
-                    .unwrap_or_else(|e| {
-                        panic!("{variant} {precision} {}: {e}\n{}", k.name, k.source)
-                    });
-                assert!(ptx.contains(&format!(".entry {}", k.name)), "{}", k.name);
+            let program = lower_plan(&plan).unwrap();
+            let module = program
+                .modules
+                .iter()
+                .find(|m| m.name == GENERATED_MODULE)
+                .unwrap_or_else(|| panic!("{variant} {precision}: no generated module"));
+            // Every pointwise unit with a result is launched, by an entry of the module.
+            let entries: Vec<&str> = module.generated.iter().map(|k| k.entry.as_str()).collect();
+            let launched: std::collections::HashSet<&str> = program
+                .runs
+                .iter()
+                .flat_map(|r| &r.commands)
+                .filter_map(|c| match c {
+                    Command::Launch(l) if entries.contains(&l.entry.as_str()) => {
+                        Some(l.entry.as_str())
+                    }
+                    _ => None,
+                })
+                .collect();
+            let with_results = plan
+                .kernel_units
+                .iter()
+                .filter(|u| matches!(&u.kind, UnitKind::Pointwise(b) if !b.outputs.is_empty()))
+                .count();
+            assert!(launched.len() <= with_results, "{variant} {precision}");
+            assert_eq!(launched.len(), entries.len(), "{variant} {precision}");
+            let ptx = nvrtc
+                .compile_kernel(
+                    GENERATED_MODULE,
+                    &module.source,
+                    castor_kernels::DEFAULT_ARCH,
+                )
+                .unwrap_or_else(|e| panic!("{variant} {precision}: {e}\n{}", module.source));
+            for entry in &entries {
+                assert!(ptx.contains(&format!(".entry {entry}")), "{entry}");
                 compiled += 1;
             }
         }
@@ -79,13 +111,41 @@ fn generated_kernels_compile_to_ptx() {
 }
 
 #[test]
+fn a_unit_that_misstates_its_body_is_refused() {
+    let (_, mut plan) = plan("gpt2_lm", "bf16");
+    let unit = plan
+        .kernel_units
+        .iter_mut()
+        .find(|u| u.name.starts_with("fused_"))
+        .unwrap();
+    let name = unit.name.clone();
+    let UnitKind::Pointwise(body) = &mut unit.kind else {
+        panic!("{name} is not pointwise")
+    };
+    let last = body.steps.len() - 1;
+    if let Step::Round { to, .. } = &mut body.steps[last] {
+        *to = castor_ir::DType::F16;
+    } else {
+        panic!("{name} does not end with a round");
+    }
+    let json = plan.to_json();
+    let plan = TrainingPlan::from_json(&json).unwrap();
+    let e = lower_plan(&plan).unwrap_err().to_string();
+    assert!(
+        e.contains(&format!("kernel unit `{name}`")) && e.contains("not what its members compute"),
+        "{e}"
+    );
+}
+
+#[test]
 fn fused_order_is_bit_identical() {
     for variant in FAMILIES {
         for precision in ["bf16", "fp16"] {
             let (model, plan) = plan(variant, precision);
             let g = &plan.micro_step;
-            let groups = fusion_groups(g);
-            let fused = fused_order(g, &groups).unwrap();
+            // Every unit of the plan (pointwise, norm), its members run back to back.
+            let units = schedule(g, plan.units_of("micro_step")).unwrap();
+            let fused = fused_order(g, &units.members).unwrap();
             castor_ir::verify(&fused).unwrap();
             let batch = castor::batch::read_batch(
                 &fixture(variant).join("input.safetensors"),
@@ -122,9 +182,26 @@ fn fusion_decisions() {
         let mut out = String::new();
         for variant in FAMILIES {
             let (_, plan) = plan(variant, precision);
-            let _ = writeln!(out, "== {variant} ({} kernels)", plan.fused_kernels.len());
-            for k in &plan.fused_kernels {
-                let _ = writeln!(out, "{}: {}", k.name, k.members.join(" + "));
+            let fused: Vec<_> = plan
+                .kernel_units
+                .iter()
+                .filter(|u| u.members.len() > 1)
+                .collect();
+            let _ = writeln!(
+                out,
+                "== {variant} ({} units, {} of several nodes)",
+                plan.kernel_units.len(),
+                fused.len()
+            );
+            for u in fused {
+                let _ = writeln!(
+                    out,
+                    "{} {} {}: {}",
+                    u.graph,
+                    u.kind.name(),
+                    u.name,
+                    u.members.join(" + ")
+                );
             }
         }
         insta::assert_snapshot!(format!("fusion_{precision}"), out);

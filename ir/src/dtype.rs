@@ -81,6 +81,20 @@ impl FromStr for DType {
     }
 }
 
+/// Plans store a dtype by its IR name (`bf16`).
+impl serde::Serialize for DType {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for DType {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<DType, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// A tensor's static type: element type and shape.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct TensorType {

@@ -25,6 +25,7 @@ mod shape;
 mod structure;
 mod tensor;
 pub mod text;
+mod units;
 mod verify;
 
 pub use builder::{is_name_char, sanitize_name, GraphBuilder};
@@ -36,12 +37,15 @@ pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};
 pub use op::{Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
 pub use plan::{
-    ControlState, FusedKernel, LossScaling, OptimizerKind, PlanError, Remat, StateInit, StateRole,
-    StateSpec, TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
+    ControlState, LossScaling, OptimizerKind, PlanError, Remat, StateInit, StateRole, StateSpec,
+    TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
 };
 pub use precision::Precision;
 pub use rope::{rope_inv_freq, RopeScaling};
 pub use shape::Shape;
 pub use structure::ModelShape;
 pub use tensor::{relative_error, round_to, Tensor, TensorData};
+pub use units::{
+    IndexMap, IndexTerm, KernelUnit, PointwiseBody, Step, UnitInput, UnitKind, UnitOutput,
+};
 pub use verify::verify;

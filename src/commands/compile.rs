@@ -311,9 +311,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let emitted = match (args.emit, &plan) {
         (Emit::Summary, _) => None,
         (Emit::Ir, Some(plan)) => Some(format!(
-            "# micro step: forward and backward of one micro-batch\n{}\n# optimizer step\n{}",
+            "# micro step: forward and backward of one micro-batch\n{}\n# optimizer step\n{}\n{}",
             text::print(&plan.micro_step),
-            text::print(&plan.optimizer_step)
+            text::print(&plan.optimizer_step),
+            units_text(plan)
         )),
         (Emit::Ir, None) => Some(text::print(&out.graph)),
         (Emit::Dot, Some(plan)) => Some(castor_ir::to_dot(&plan.micro_step)),
@@ -396,14 +397,28 @@ fn print_memory_and_cost(
     toln!(say, "{}", cuda_line(plan, gpu));
 }
 
+/// The plan's kernel units as comment lines after its graphs (see [`castor_ir::KernelUnit`]).
+fn units_text(plan: &castor_ir::TrainingPlan) -> String {
+    let mut out =
+        String::from("# kernel units: what runs as one kernel (a node in no unit runs alone)\n");
+    for unit in &plan.kernel_units {
+        for line in unit.to_string().lines() {
+            out.push_str("# ");
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 /// What the CUDA executor would run for one step: kernel launches, cuBLAS products, copies
 /// and memsets per run, the kernel modules to compile, the arena as the executor places it
 /// (live ranges per kernel, so fused values take no memory) and the program's roofline on
 /// `gpu` (kernel units as they run); or why it cannot run it.
 fn cuda_line(plan: &castor_ir::TrainingPlan, gpu: &castor_passes::cost::GpuSpec) -> String {
     use castor_runtime::cuda::{lower::lower_plan, program::Command, roofline::roofline_of};
-    match lower_plan(plan) {
-        Ok(p) => {
+    match lower_plan(plan).and_then(|p| Ok((roofline_of(plan, &p, gpu)?, p))) {
+        Ok((r, p)) => {
             let count = |f: &dyn Fn(&Command) -> bool| -> usize {
                 p.runs
                     .iter()
@@ -414,7 +429,6 @@ fn cuda_line(plan: &castor_ir::TrainingPlan, gpu: &castor_passes::cost::GpuSpec)
             let launches = count(&|c| matches!(c, Command::Launch(_)));
             let gemms = count(&|c| matches!(c, Command::Gemm(_)));
             let other = count(&|c| matches!(c, Command::Copy { .. } | Command::Memset { .. }));
-            let r = roofline_of(plan, &p, gpu);
             let mfu = r
                 .mfu()
                 .map_or("MFU n/a".to_string(), |m| format!("MFU {:.1}%", 100.0 * m));

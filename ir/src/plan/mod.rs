@@ -21,12 +21,12 @@ mod settings;
 pub use control::{ControlState, GRAD_NORM, LEARNING_RATE};
 pub use settings::{LossScaling, OptimizerKind, Remat, TrainSettings};
 
-use crate::{text, DType, Graph, IrError, Shape, TensorType};
+use crate::{text, DType, Graph, IrError, KernelUnit, Shape, TensorType};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 
 /// The format tag written into every plan file.
-pub const PLAN_FORMAT: &str = "castor-training-plan/2";
+pub const PLAN_FORMAT: &str = "castor-training-plan/3";
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainingPlan {
@@ -46,24 +46,9 @@ pub struct TrainingPlan {
     pub optimizer_step_writes: Vec<Write>,
     /// Every persistent buffer, in a fixed order.
     pub state: Vec<StateSpec>,
-    /// Groups of pointwise nodes that run as one generated kernel each.
-    #[serde(default)]
-    pub fused_kernels: Vec<FusedKernel>,
-}
-
-/// A group of pointwise nodes of one graph that runs as one kernel: the members in order (by
-/// their first result's name), which read the group's inputs and each other, and the CUDA C
-/// source generated for them. Its results are the members' values that are read outside the
-/// group. Each member's result is rounded to its dtype exactly where the unfused graph stores
-/// it, so fused and unfused execution agree bit for bit.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct FusedKernel {
-    /// The kernel's entry point.
-    pub name: String,
-    /// `micro_step` or `optimizer_step`.
-    pub graph: String,
-    pub members: Vec<String>,
-    pub source: String,
+    /// What runs as one kernel in each graph (see [`crate::KernelUnit`]), in the order the
+    /// units run; a node in no unit runs on its own.
+    pub kernel_units: Vec<KernelUnit>,
 }
 
 /// Output `output` of a graph is stored into the state entry `state`.
@@ -291,10 +276,41 @@ impl TrainingPlan {
                 }
             }
         }
+        for unit in &self.kernel_units {
+            let g = match unit.graph.as_str() {
+                "micro_step" => &self.micro_step,
+                "optimizer_step" => &self.optimizer_step,
+                other => {
+                    return bad(format!(
+                        "kernel unit `{}` belongs to graph `{other}`, which the plan does not have",
+                        unit.name
+                    ))
+                }
+            };
+            if let Some(m) = unit.members.iter().find(|m| g.lookup(m).is_none()) {
+                return bad(format!(
+                    "kernel unit `{}` has member `%{m}`, which the {} graph does not make",
+                    unit.name, unit.graph
+                ));
+            }
+            if let crate::UnitKind::Pointwise(body) = &unit.kind {
+                body.check()
+                    .or_else(|m| bad(format!("kernel unit `{}`: {m}", unit.name)))?;
+            }
+        }
         if self.settings.grad_accum == 0 {
             return bad("grad_accum must be at least 1".into());
         }
         Ok(())
+    }
+
+    /// The kernel units of graph `graph` (`micro_step`, `optimizer_step`).
+    pub fn units_of(&self, graph: &str) -> Vec<KernelUnit> {
+        self.kernel_units
+            .iter()
+            .filter(|u| u.graph == graph)
+            .cloned()
+            .collect()
     }
 
     /// Bytes of persistent state by role.

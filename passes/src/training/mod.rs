@@ -13,7 +13,8 @@
 //!    unless skipped, the loss-scale update;
 //! 4. `remat` rewrites the micro step under `--remat`, the budget measured against the whole
 //!    step's planned peak;
-//! 5. `fusion` records the pointwise groups that run as one kernel each.
+//! 5. `fusion` records what runs as one kernel in each graph (pointwise groups with their
+//!    typed bodies, norms with an absorbed add, optimizer batches) as the plan's kernel units.
 //!
 //! Every decision that depends on the step's data is a graph op, so nothing is decided on the
 //! host. Like the precision [`crate::Pipeline`], the training pipeline verifies both graphs
@@ -72,7 +73,7 @@ impl PlanBuild {
                 optimizer_step: Graph::new("optimizer_step"),
                 optimizer_step_writes: Vec::new(),
                 state: Vec::new(),
-                fused_kernels: Vec::new(),
+                kernel_units: Vec::new(),
             },
             forward: forward.clone(),
             params,
@@ -214,7 +215,7 @@ pub fn build_training_plan(
 fn plan_summary(plan: &TrainingPlan, reports: &[(&'static str, PassReport)]) -> String {
     let params = plan.micro_step.params().count();
     let trained = plan.micro_step_writes.len();
-    let fused: usize = plan.fused_kernels.iter().map(|k| k.members.len()).sum();
+    let (fused, kernels) = crate::fusion::fused_counts(&plan.units_of("micro_step"));
     let mut s = format!(
         "training plan: {trained} of {params} parameter buffers trained{}; micro step {} nodes{} ({fused} fused into {} kernel(s)), optimizer step {} nodes",
         if trained < params {
@@ -228,7 +229,7 @@ fn plan_summary(plan: &TrainingPlan, reports: &[(&'static str, PassReport)]) -> 
         } else {
             String::new()
         },
-        plan.fused_kernels.len(),
+        kernels,
         plan.optimizer_step.num_nodes()
     );
     if !plan.settings.remat.is_none() {
@@ -258,7 +259,7 @@ impl PlanPass for Rematerialize {
     }
 }
 
-/// `fusion`: the micro step's pointwise groups, one generated kernel each.
+/// `fusion`: what runs as one kernel in each graph, recorded as the plan's kernel units.
 struct Fuse;
 
 impl PlanPass for Fuse {
@@ -267,20 +268,24 @@ impl PlanPass for Fuse {
     }
 
     fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
-        let kernels = crate::fusion::fused_kernels(&build.plan.micro_step, "micro_step", "fused_");
-        let fused: usize = kernels.iter().map(|k| k.members.len()).sum();
-        let plan = &build.plan;
+        let plan = &mut build.plan;
+        let mut units = crate::fusion::kernel_units(&plan.micro_step, "micro_step");
+        let (fused, kernels) = crate::fusion::fused_counts(&units);
+        units.extend(crate::fusion::kernel_units(
+            &plan.optimizer_step,
+            "optimizer_step",
+        ));
         let report = format!(
-            "micro step {} nodes{}: {fused} pointwise node(s) fused into {} kernel(s)",
+            "micro step {} nodes{}: {fused} pointwise node(s) fused into {kernels} kernel(s); {} kernel unit(s) in all",
             plan.micro_step.num_nodes(),
             if plan.settings.grad_accum > 1 {
                 format!(" (x{} per step)", plan.settings.grad_accum)
             } else {
                 String::new()
             },
-            kernels.len()
+            units.len()
         );
-        build.plan.fused_kernels = kernels;
+        plan.kernel_units = units;
         Ok(PassReport::new(report))
     }
 }

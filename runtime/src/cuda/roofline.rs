@@ -10,11 +10,12 @@
 //! command of the lowered program then adds [`LAUNCH_SECONDS`], the gap between kernels
 //! inside a CUDA graph.
 
-use super::lower::{kernel_units, layout_views, lower_plan, LowerError, Storage};
+use super::lower::{layout_views, lower_plan, unit_schedule, LowerError, Storage};
 use super::lower::{MICRO_STEP, OPTIMIZER_STEP};
 use super::program::Program;
 use castor_ir::{Graph, OpClass, TrainingPlan, Value};
 use castor_passes::cost::{node_flops, GpuSpec, StepCost};
+use castor_passes::fusion::UnitSchedule;
 use std::collections::{HashMap, HashSet};
 
 /// Seconds per command of a run replayed as a CUDA graph: the launch-to-launch gap between
@@ -66,11 +67,15 @@ impl ProgramRoofline {
 
 /// The roofline of `plan` as `lower_plan` runs it on `gpu`.
 pub fn program_roofline(plan: &TrainingPlan, gpu: &GpuSpec) -> Result<ProgramRoofline, LowerError> {
-    Ok(roofline_of(plan, &lower_plan(plan)?, gpu))
+    roofline_of(plan, &lower_plan(plan)?, gpu)
 }
 
-/// The roofline of `plan` given its lowered `program`.
-pub fn roofline_of(plan: &TrainingPlan, program: &Program, gpu: &GpuSpec) -> ProgramRoofline {
+/// The roofline of `plan` given its lowered `program`, over the plan's kernel units.
+pub fn roofline_of(
+    plan: &TrainingPlan,
+    program: &Program,
+    gpu: &GpuSpec,
+) -> Result<ProgramRoofline, LowerError> {
     let stored = |writes: &[castor_ir::Write]| -> HashMap<String, String> {
         writes
             .iter()
@@ -78,9 +83,10 @@ pub fn roofline_of(plan: &TrainingPlan, program: &Program, gpu: &GpuSpec) -> Pro
             .collect()
     };
     let step = StepCost::of_plan(plan, gpu);
-    ProgramRoofline {
+    Ok(ProgramRoofline {
         micro_step: run_roofline(
             &plan.micro_step,
+            &unit_schedule(&plan.micro_step, plan.units_of(MICRO_STEP))?,
             &stored(&plan.micro_step_writes),
             program,
             MICRO_STEP,
@@ -88,6 +94,7 @@ pub fn roofline_of(plan: &TrainingPlan, program: &Program, gpu: &GpuSpec) -> Pro
         ),
         optimizer_step: run_roofline(
             &plan.optimizer_step,
+            &unit_schedule(&plan.optimizer_step, plan.units_of(OPTIMIZER_STEP))?,
             &stored(&plan.optimizer_step_writes),
             program,
             OPTIMIZER_STEP,
@@ -97,7 +104,7 @@ pub fn roofline_of(plan: &TrainingPlan, program: &Program, gpu: &GpuSpec) -> Pro
         tokens: step.tokens,
         rule_flops_per_token: step.flops_per_token_rule(),
         gpu: gpu.clone(),
-    }
+    })
 }
 
 fn value_bytes(g: &Graph, v: Value) -> f64 {
@@ -107,17 +114,17 @@ fn value_bytes(g: &Graph, v: Value) -> f64 {
 /// One graph's units, costed; `run` names its commands in `program`.
 pub(crate) fn run_roofline(
     g: &Graph,
+    units: &UnitSchedule,
     stored: &HashMap<String, String>,
     program: &Program,
     run: &str,
     gpu: &GpuSpec,
 ) -> RunRoofline {
     let users = g.users();
-    let units = kernel_units(g, &users);
     let (_, storage) = layout_views(g, &users, stored);
     let outputs: HashSet<Value> = g.outputs().iter().copied().collect();
     // Per unit: compute seconds, FLOPs, the values it reads from outside, the values it writes.
-    let n = units.count;
+    let n = units.steps;
     let mut compute = vec![0f64; n];
     let mut flops = vec![0f64; n];
     let mut reads: Vec<HashSet<Value>> = vec![HashSet::new(); n];
@@ -127,7 +134,7 @@ pub(crate) fn run_roofline(
         if node.op.is_source() {
             continue;
         }
-        let u = units.unit_of[node_id.index()];
+        let u = units.step_of[node_id.index()];
         let is_view = node
             .outputs
             .iter()
@@ -141,14 +148,14 @@ pub(crate) fn run_roofline(
         flops[u] += f;
         compute[u] += f / gpu.peak_for(g, node);
         for &v in &node.inputs {
-            if units.unit_of[g.value(v).producer.index()] != u {
+            if units.step_of[g.value(v).producer.index()] != u {
                 reads[u].insert(v);
             }
         }
         for &v in &node.outputs {
             let read_outside = users[v.index()]
                 .iter()
-                .any(|r| units.unit_of[r.index()] != u);
+                .any(|r| units.step_of[r.index()] != u);
             if read_outside || outputs.contains(&v) || stored.contains_key(g.name(v)) {
                 writes[u].insert(v);
             }
@@ -188,7 +195,15 @@ mod tests {
         let g = castor_ir::text::parse(src).unwrap();
         let program = lower_graph(&g).unwrap();
         let gpu = GpuSpec::default();
-        let r = run_roofline(&g, &HashMap::new(), &program, &program.runs[0].name, &gpu);
+        let units = castor_passes::fusion::schedule_of(&g).unwrap();
+        let r = run_roofline(
+            &g,
+            &units,
+            &HashMap::new(),
+            &program,
+            &program.runs[0].name,
+            &gpu,
+        );
         let elements = 1_048_576f64 * 4.0;
         assert_eq!(r.units, 1);
         assert_eq!(r.bytes, 2.0 * elements);

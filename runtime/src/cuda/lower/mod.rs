@@ -1,10 +1,12 @@
 //! Lowering: a graph or training plan to a [`Program`] of device commands.
 //!
 //! Per graph (one [`Run`]):
-//! 1. **Units.** Every non-source node is one unit of work, except that the fusion pass's
-//!    pointwise groups ([`castor_passes::fusion::fusion_groups`]) are one unit each, run where
-//!    their last member stands; a pointwise node in no group is a one-member kernel from the
-//!    same generator. Values made and read only inside a group get no buffer.
+//! 1. **Units.** The fusion pass's kernel units (a plan's own, checked by
+//!    [`castor_passes::fusion::schedule`]; for a single graph, the pass run on it) each run
+//!    where their last member stands: pointwise units as kernels printed from their typed
+//!    bodies (`pointwise.rs`), norm units as norm kernels with their absorbed add, optimizer
+//!    batches as one multi-tensor launch. Every other non-source node is a unit of its own.
+//!    Values made and read only inside a unit get no buffer.
 //! 2. **Places.** Sources and values written to state live in persistent slots (updates are in
 //!    place when that is safe, else computed in the arena and copied at the end of the run);
 //!    graph outputs get slots of their own so they outlive the arena's next use; a `reshape`
@@ -22,13 +24,16 @@ mod gemm;
 mod norm;
 mod ops;
 mod optimizer;
+mod pointwise;
 
 use super::program::{
     Arg, Command, ErrorFlag, Field, GeneratedKernel, InputExtent, Launch, Module, Output, Place,
     Program, Run, Slot, SlotKind, Table,
 };
-use castor_ir::{DType, Graph, Node, Op, StateRole, TensorType, TrainingPlan, Value};
-use castor_passes::fusion;
+use castor_ir::{
+    DType, Graph, KernelUnit, Node, Op, StateRole, TensorType, TrainingPlan, UnitKind, Value,
+};
+use castor_passes::fusion::{self, UnitSchedule};
 use castor_passes::memory::{place_buffers, Buffer};
 use std::collections::HashMap;
 
@@ -79,22 +84,33 @@ pub fn lower_plan(plan: &TrainingPlan) -> Result<Program, LowerError> {
     l.lower_run(
         &plan.micro_step,
         MICRO_STEP,
+        plan.units_of(MICRO_STEP),
         &stored(&plan.micro_step_writes),
     )?;
     l.lower_run(
         &plan.optimizer_step,
         OPTIMIZER_STEP,
+        plan.units_of(OPTIMIZER_STEP),
         &stored(&plan.optimizer_step_writes),
     )?;
     Ok(l.program)
 }
 
 /// Lowers one graph (a forward pass, a test graph): inputs are input slots, params and state
-/// bound slots, every output a slot of its own.
+/// bound slots, every output a slot of its own. Its kernel units are the fusion pass's.
 pub fn lower_graph(graph: &Graph) -> Result<Program, LowerError> {
     let mut l = Lowerer::default();
-    l.lower_run(graph, FORWARD, &HashMap::new())?;
+    let units = fusion::kernel_units(graph, FORWARD);
+    l.lower_run(graph, FORWARD, units, &HashMap::new())?;
     Ok(l.program)
+}
+
+/// The schedule of `units` over `g`, or why they cannot run.
+pub(crate) fn unit_schedule(g: &Graph, units: Vec<KernelUnit>) -> Result<UnitSchedule, LowerError> {
+    fusion::schedule(g, units).map_err(|e| LowerError {
+        node: g.name.clone(),
+        message: e.to_string(),
+    })
 }
 
 fn bytes_of(ty: &TensorType, name: &str) -> Result<u64, LowerError> {
@@ -242,13 +258,15 @@ impl Lowerer {
         &mut self,
         g: &Graph,
         run: &str,
+        units: Vec<KernelUnit>,
         stored: &HashMap<String, String>,
     ) -> Result<(), LowerError> {
         castor_ir::verify(g).map_err(|e| LowerError {
             node: g.name.clone(),
             message: format!("invalid graph: {e}"),
         })?;
-        let mut r = RunLowering::new(self, g, run, stored)?;
+        let schedule = unit_schedule(g, units)?;
+        let mut r = RunLowering::new(self, g, run, schedule, stored)?;
         r.assign_sources()?;
         r.emit_all()?;
         let run = r.finish()?;
@@ -289,80 +307,16 @@ struct Saved {
     count: Option<Place>,
 }
 
-/// How a graph's nodes run as kernel units: pointwise groups, optimizer batches and norms
-/// with their fused residual adds each run as one unit, where their last member stands; every
-/// other non-source node is a unit of its own.
-pub(crate) struct KernelUnits {
-    /// The multi-node units' members, and what kind of unit each is.
-    groups: Vec<Vec<Node>>,
-    kinds: Vec<UnitKind>,
-    /// The group of each node, if any.
-    group_of: Vec<Option<usize>>,
-    /// The unit of each node, in emission order from 1 (sources: 0).
-    pub(crate) unit_of: Vec<usize>,
-    /// Units plus one (unit 0 holds the sources).
-    pub(crate) count: usize,
-}
-
-pub(crate) fn kernel_units(g: &Graph, users: &[Vec<Node>]) -> KernelUnits {
-    let mut groups = fusion::fusion_groups(g);
-    let norm_units = norm_fusions(g, users, &mut groups);
-    let mut kinds = vec![UnitKind::Pointwise; groups.len()];
-    for (members, kind) in norm_units {
-        groups.push(members);
-        kinds.push(kind);
-    }
-    let batches = optimizer::optimizer_batches(g, users);
-    kinds.extend(std::iter::repeat_n(UnitKind::Optimizer, batches.len()));
-    groups.extend(batches);
-    let mut group_of = vec![None; g.num_nodes()];
-    for (gi, members) in groups.iter().enumerate() {
-        for &m in members {
-            group_of[m.index()] = Some(gi);
-        }
-    }
-    let mut unit_of = vec![0usize; g.num_nodes()];
-    let mut count = 1usize;
-    for (n, node) in g.nodes() {
-        if node.op.is_source() {
-            continue;
-        }
-        match group_of[n.index()] {
-            Some(gi) if groups[gi].last() != Some(&n) => {}
-            Some(gi) => {
-                for &m in &groups[gi] {
-                    unit_of[m.index()] = count;
-                }
-                count += 1;
-            }
-            None => {
-                unit_of[n.index()] = count;
-                count += 1;
-            }
-        }
-    }
-    KernelUnits {
-        groups,
-        kinds,
-        group_of,
-        unit_of,
-        count,
-    }
-}
-
 struct RunLowering<'l, 'g> {
     l: &'l mut Lowerer,
     g: &'g Graph,
     run: String,
     stored: &'g HashMap<String, String>,
     users: Vec<Vec<Node>>,
-    /// The unit of each node (sources: 0).
+    /// Each node's place in the run (sources: 0); a kernel unit's members share one.
     unit_of: Vec<usize>,
-    /// The pointwise group of each node, if any.
-    group_of: Vec<Option<usize>>,
-    /// Nodes that run as one unit (at the last member), and what kind of unit each is.
-    groups: Vec<Vec<Node>>,
-    kinds: Vec<UnitKind>,
+    /// The kernel units (see [`castor_passes::fusion`]), each run at its last member.
+    schedule: UnitSchedule,
     /// Per value: the last unit that reads it or any view of it (for view roots).
     end_of: Vec<usize>,
     /// Per value: the value whose buffer it shares (itself unless a view).
@@ -390,16 +344,12 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         l: &'l mut Lowerer,
         g: &'g Graph,
         run: &str,
+        schedule: UnitSchedule,
         stored: &'g HashMap<String, String>,
     ) -> Result<Self, LowerError> {
         let users = g.users();
-        let KernelUnits {
-            groups,
-            kinds,
-            group_of,
-            unit_of,
-            count: units,
-        } = kernel_units(g, &users);
+        let unit_of = schedule.step_of.clone();
+        let units = schedule.steps;
         // Layout results as views of the buffer they read: kept virtual when only other
         // layout ops read them (the chain is copied once, composed), aliased when their
         // elements are contiguous, else copied into a buffer of their own.
@@ -442,9 +392,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             stored,
             users,
             unit_of,
-            group_of,
-            groups,
-            kinds,
+            schedule,
             end_of,
             root,
             views,
@@ -547,26 +495,22 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                 continue;
             }
             self.unit = self.unit_of[n.index()];
-            if let Some(gi) = self.group_of[n.index()] {
-                if self.groups[gi].last() == Some(&n) {
-                    let members = self.groups[gi].clone();
-                    match self.kinds[gi] {
-                        UnitKind::Pointwise => {
-                            let name = format!("{}_fused_{gi}", self.run);
-                            self.pointwise(&members, &name)?;
+            if let Some(ui) = self.schedule.unit_of[n.index()] {
+                if self.schedule.members[ui].last() == Some(&n) {
+                    let members = self.schedule.members[ui].clone();
+                    match &self.schedule.units[ui].kind {
+                        UnitKind::Pointwise(body) => {
+                            let body = body.clone();
+                            let name = format!("{}_{}", self.run, self.schedule.units[ui].name);
+                            self.pointwise(&members, &body, &name)?;
                         }
-                        UnitKind::Optimizer => self.optimizer(&members)?,
+                        UnitKind::OptimizerBatch => self.optimizer(&members)?,
                         UnitKind::NormPrologue => self.norm_unit(members[1], Some(members[0]))?,
                         UnitKind::NormEpilogue => {
                             self.norm_grad_unit(members[0], Some(members[1]))?
                         }
                     }
                 }
-                continue;
-            }
-            if is_pointwise(g, n) {
-                let name = format!("{}_pw_{}", self.run, n.index());
-                self.pointwise(&[n], &name)?;
                 continue;
             }
             self.node(n)?;
@@ -636,7 +580,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                 Op::AdamW { .. } | Op::Sgd { .. } | Op::CountStep | Op::LossScaleUpdate { .. } => {
                     true
                 }
-                _ => is_pointwise(g, u) && g.ty(old).shape == g.ty(node.outputs[0]).shape,
+                _ => fusion::is_pointwise(g, u) && g.ty(old).shape == g.ty(node.outputs[0]).shape,
             }
         })
     }
@@ -735,58 +679,6 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             .l
             .kernel(&node, entry, grid, block, shared_bytes, args)?;
         self.commands.push(cmd);
-        Ok(())
-    }
-
-    /// One fused kernel over `members` (a group, or a single pointwise node).
-    fn pointwise(&mut self, members: &[Node], name: &str) -> Result<(), LowerError> {
-        let g = self.g;
-        let inputs = fusion::group_inputs(g, members);
-        let outputs = fusion::group_outputs(g, &self.users, members);
-        for &m in members {
-            let v = g.node(m).outputs[0];
-            if !outputs.contains(&v) {
-                self.loc[v.index()] = Loc::InKernel;
-            }
-        }
-        let Some(&last) = members.last() else {
-            return Ok(());
-        };
-        if outputs.is_empty() {
-            // Nothing reads what the group makes (a value the graph computes and never uses,
-            // as BERT's logits under the `sum` objective): no kernel, which would have no
-            // outputs and not compile.
-            return Ok(());
-        }
-        let root = g.node(last).outputs[0];
-        let n = g.ty(root).shape.numel().unwrap_or(0);
-        let source = fusion::cuda_source(g, &self.users, members, name);
-        // The same code is the same shapes for broadcast operands; full-size ones follow `n`.
-        let extents = inputs
-            .iter()
-            .map(|&v| match g.ty(v).shape.numel().unwrap_or(0) {
-                k if k == n => InputExtent::Full,
-                k => InputExtent::Elements(k as u64),
-            })
-            .collect();
-        let (module, entry) = self.l.generated(name, &source, extents);
-        let mut args = Vec::new();
-        for &v in &inputs {
-            args.push(Arg::Ptr(self.at(v)?));
-        }
-        for &v in &outputs {
-            args.push(Arg::Ptr(self.out(v)?));
-        }
-        args.push(Arg::I64(n as i64));
-        self.commands.push(Command::Launch(Launch {
-            node: g.name(root).into(),
-            module,
-            entry,
-            grid: grid_1d(n.div_ceil(8), 256),
-            block: (256, 1, 1),
-            shared_bytes: 0,
-            args,
-        }));
         Ok(())
     }
 
@@ -989,114 +881,6 @@ pub(crate) fn layout_views(
         }
     }
     (views, storage)
-}
-
-/// What a unit of several nodes is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum UnitKind {
-    /// A pointwise group: one generated kernel.
-    Pointwise,
-    /// AdamW/SGD nodes sharing their scalars: one multi-tensor launch.
-    Optimizer,
-    /// `[add, norm]`: the residual add that makes a norm's input, computed by the norm
-    /// kernel (`res`, `sum_out`), which writes the sum on its way.
-    NormPrologue,
-    /// `[norm_grad, add]`: the add of another gradient to a norm's input gradient, done by
-    /// the backward kernel (`dadd`) before it stores.
-    NormEpilogue,
-}
-
-/// The norm prologues and epilogues of `g` (see [`UnitKind`]), with the adds they absorb
-/// taken out of `groups` (an add is absorbed only when it reads nothing its group makes, so
-/// the rest of the group still runs where it did).
-///
-/// A prologue needs an `add` of two operands of the norm input's dtype and shape, whose sum
-/// nothing reads before the norm. An epilogue needs the input gradient's only reader to be an
-/// `add` of a gradient of the same dtype and shape, and nothing to read the norm gradient's
-/// other results before that add (the unit runs there). The kernels round exactly where the
-/// separate ops do (the sum to the input dtype; `dx` to its dtype before the add), so fused
-/// and unfused results are identical.
-fn norm_fusions(
-    g: &Graph,
-    users: &[Vec<Node>],
-    groups: &mut [Vec<Node>],
-) -> Vec<(Vec<Node>, UnitKind)> {
-    let mut out = Vec::new();
-    let mut claimed = std::collections::HashSet::new();
-    let same_as = |v: Value, of: Value| g.ty(v) == g.ty(of);
-    // Takes `add` out of its pointwise group, unless it reads a value the group makes (the
-    // group, which runs at its last member, would make it too late). The rest of the group
-    // reads the add's result from memory, written by the norm kernel; those readers come
-    // after the add, so after the norm unit.
-    let take = |add: Node, groups: &mut [Vec<Node>]| -> bool {
-        for members in groups.iter_mut() {
-            let Some(pos) = members.iter().position(|&m| m == add) else {
-                continue;
-            };
-            let made_inside = |v: &Value| {
-                members
-                    .iter()
-                    .any(|&m| m != add && g.node(m).outputs.contains(v))
-            };
-            if g.node(add).inputs.iter().any(made_inside) {
-                return false;
-            }
-            members.remove(pos);
-        }
-        true
-    };
-    for (n, node) in g.nodes() {
-        match node.op {
-            Op::LayerNorm { .. } | Op::RmsNorm { .. } => {
-                let x = node.inputs[0];
-                let p = g.value(x).producer;
-                let pn = g.node(p);
-                let is_add = matches!(pn.op, Op::Binary(castor_ir::BinaryOp::Add))
-                    && pn.inputs.len() == 2
-                    && pn.inputs.iter().all(|&v| same_as(v, x))
-                    && g.ty(x).dtype.is_float();
-                let read_later = users[x.index()].iter().all(|&u| u >= n);
-                if is_add && read_later && !claimed.contains(&p) && take(p, groups) {
-                    claimed.insert(p);
-                    out.push((vec![p, n], UnitKind::NormPrologue));
-                }
-            }
-            Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. } => {
-                let dx = node.outputs[0];
-                let [e] = users[dx.index()].as_slice() else {
-                    continue;
-                };
-                let en = g.node(*e);
-                let other = en.inputs.iter().copied().find(|&v| v != dx);
-                let is_add = matches!(en.op, Op::Binary(castor_ir::BinaryOp::Add))
-                    && en.inputs.len() == 2
-                    && other.is_some_and(|o| same_as(o, dx))
-                    && same_as(en.outputs[0], dx)
-                    && !g.outputs().contains(&dx);
-                let rest_later = node.outputs[1..]
-                    .iter()
-                    .all(|o| users[o.index()].iter().all(|&u| u > *e));
-                if is_add && rest_later && !claimed.contains(e) && take(*e, groups) {
-                    claimed.insert(*e);
-                    out.push((vec![n, *e], UnitKind::NormEpilogue));
-                }
-            }
-            _ => {}
-        }
-    }
-    out
-}
-
-/// The nodes the fusion pass's code generator handles.
-fn is_pointwise(g: &Graph, n: Node) -> bool {
-    let node = g.node(n);
-    let float = |v: &Value| g.ty(*v).dtype.is_float();
-    matches!(
-        node.op,
-        Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Scale { .. } | Op::Cast { .. }
-    ) && node.inputs.iter().all(float)
-        && node.outputs.len() == 1
-        && node.outputs.iter().all(float)
 }
 
 /// Kernel-name suffix of a float dtype.

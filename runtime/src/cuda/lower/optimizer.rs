@@ -68,7 +68,7 @@ impl RunLowering<'_, '_> {
     }
 
     /// One multi-tensor launch for a batch of AdamW (or SGD) nodes (see
-    /// [`optimizer_batches`]), at the unit of its last member.
+    /// `castor_passes::fusion`'s optimizer batches), at the unit of its last member.
     pub(super) fn optimizer(&mut self, batch: &[Node]) -> Result<(), LowerError> {
         let g = self.g;
         let Some(&n) = batch.last() else {
@@ -159,44 +159,4 @@ impl RunLowering<'_, '_> {
             args,
         )
     }
-}
-
-/// The optimizer nodes that can run as one multi-tensor launch: same op and hyperparameters,
-/// the same scalar operands (lr, step, scale, grad norm), and no result read before the last
-/// member. Nodes that do not batch are batches of one.
-pub(super) fn optimizer_batches(g: &castor_ir::Graph, users: &[Vec<Node>]) -> Vec<Vec<Node>> {
-    let mut batches: Vec<Vec<Node>> = Vec::new();
-    for (n, node) in g.nodes() {
-        if !matches!(node.op, Op::AdamW { .. } | Op::Sgd { .. }) {
-            continue;
-        }
-        let k = node.inputs.len();
-        let joins = |b: &Vec<Node>| {
-            let first = g.node(b[0]);
-            first.op == node.op
-                && first.inputs.len() == k
-                && k >= 4
-                && first.inputs[k - 4..] == node.inputs[k - 4..]
-        };
-        match batches.iter_mut().find(|b| joins(b)) {
-            Some(b) => b.push(n),
-            None => batches.push(vec![n]),
-        }
-    }
-    let mut out = Vec::new();
-    for b in batches {
-        let Some(&last) = b.last() else { continue };
-        let early_read = b.iter().any(|&m| {
-            g.node(m)
-                .outputs
-                .iter()
-                .any(|o| users[o.index()].iter().any(|&u| u <= last))
-        });
-        if early_read {
-            out.extend(b.into_iter().map(|m| vec![m]));
-        } else {
-            out.push(b);
-        }
-    }
-    out
 }

@@ -1,0 +1,164 @@
+//! Units beside the pointwise groups: normalizations that absorb a residual add, and batches
+//! of optimizer updates. Each rule is one predicate, used both to decide the units and to
+//! check the units a plan file brings.
+
+use castor_ir::{BinaryOp, Graph, Node, Op, Value};
+use std::collections::HashSet;
+
+fn is_norm(op: &Op) -> bool {
+    matches!(op, Op::LayerNorm { .. } | Op::RmsNorm { .. })
+}
+
+fn is_norm_grad(op: &Op) -> bool {
+    matches!(op, Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. })
+}
+
+fn is_add(op: &Op) -> bool {
+    matches!(op, Op::Binary(BinaryOp::Add))
+}
+
+/// `[add, norm]` can be a norm prologue: `add` sums two operands of the norm input's dtype
+/// and shape into the norm's input, and nothing reads the sum before the norm. The norm
+/// kernel rounds the sum to the input dtype exactly where the separate add stores it.
+pub(super) fn prologue_ok(g: &Graph, users: &[Vec<Node>], add: Node, norm: Node) -> bool {
+    let nn = g.node(norm);
+    let an = g.node(add);
+    if !is_norm(&nn.op) || !is_add(&an.op) || an.inputs.len() != 2 {
+        return false;
+    }
+    let x = nn.inputs[0];
+    an.outputs.first() == Some(&x)
+        && g.ty(x).dtype.is_float()
+        && an.inputs.iter().all(|&v| g.ty(v) == g.ty(x))
+        && users[x.index()].iter().all(|&u| u >= norm)
+}
+
+/// `[norm_grad, add]` can be a norm epilogue: the input gradient's only reader is an `add` of
+/// another gradient of its type, the gradient is not a graph output, and nothing reads the
+/// norm gradient's other results before the add (the unit runs there). The kernel rounds
+/// `dx` to its dtype before the add, as the separate ops do.
+pub(super) fn epilogue_ok(g: &Graph, users: &[Vec<Node>], grad: Node, add: Node) -> bool {
+    let node = g.node(grad);
+    let en = g.node(add);
+    if !is_norm_grad(&node.op) || !is_add(&en.op) || en.inputs.len() != 2 {
+        return false;
+    }
+    let dx = node.outputs[0];
+    let other = en.inputs.iter().copied().find(|&v| v != dx);
+    users[dx.index()].as_slice() == [add]
+        && other.is_some_and(|o| g.ty(o) == g.ty(dx))
+        && g.ty(en.outputs[0]) == g.ty(dx)
+        && !g.outputs().contains(&dx)
+        && node.outputs[1..]
+            .iter()
+            .all(|o| users[o.index()].iter().all(|&u| u > add))
+}
+
+/// The norm prologues and epilogues of `g`, with each absorbed add taken out of its pointwise
+/// group in `groups` (an add is absorbed only when it reads nothing its group makes, so the
+/// rest of the group still runs where it did: its readers of the sum come after the add, so
+/// after the norm unit, and read the sum the norm kernel writes).
+pub(super) fn norm_units(
+    g: &Graph,
+    users: &[Vec<Node>],
+    groups: &mut [Vec<Node>],
+) -> Vec<(Vec<Node>, bool)> {
+    let mut out = Vec::new();
+    let mut claimed = HashSet::new();
+    let take = |add: Node, groups: &mut [Vec<Node>]| -> bool {
+        for members in groups.iter_mut() {
+            let Some(pos) = members.iter().position(|&m| m == add) else {
+                continue;
+            };
+            let made_inside = |v: &Value| {
+                members
+                    .iter()
+                    .any(|&m| m != add && g.node(m).outputs.contains(v))
+            };
+            if g.node(add).inputs.iter().any(made_inside) {
+                return false;
+            }
+            members.remove(pos);
+        }
+        true
+    };
+    for (n, node) in g.nodes() {
+        if is_norm(&node.op) {
+            let p = g.value(node.inputs[0]).producer;
+            if prologue_ok(g, users, p, n) && !claimed.contains(&p) && take(p, groups) {
+                claimed.insert(p);
+                out.push((vec![p, n], true));
+            }
+        } else if is_norm_grad(&node.op) {
+            let [e] = users[node.outputs[0].index()].as_slice() else {
+                continue;
+            };
+            if epilogue_ok(g, users, n, *e) && !claimed.contains(e) && take(*e, groups) {
+                claimed.insert(*e);
+                out.push((vec![n, *e], false));
+            }
+        }
+    }
+    out
+}
+
+/// True when `n` and `first` (AdamW, or SGD) update with the same scalars (learning rate,
+/// step, loss scale, gradient norm: the last four operands), so one launch serves both.
+fn shares_scalars(g: &Graph, first: Node, n: Node) -> bool {
+    let a = g.node(first);
+    let b = g.node(n);
+    let k = b.inputs.len();
+    let update = matches!(b.op, Op::AdamW { .. } | Op::Sgd { .. });
+    if first == n {
+        return update;
+    }
+    update
+        && a.op == b.op
+        && a.inputs.len() == k
+        && k >= 4
+        && a.inputs[k - 4..] == b.inputs[k - 4..]
+}
+
+/// True when nothing reads the batch's results before its last member (where it runs).
+fn batch_runs_at_end(g: &Graph, users: &[Vec<Node>], batch: &[Node]) -> bool {
+    let Some(&last) = batch.last() else {
+        return true;
+    };
+    batch.iter().all(|&m| {
+        g.node(m)
+            .outputs
+            .iter()
+            .all(|o| users[o.index()].iter().all(|&u| u > last))
+    })
+}
+
+/// `batch` (in node order) can run as one multi-tensor launch.
+pub(super) fn batch_ok(g: &Graph, users: &[Vec<Node>], batch: &[Node]) -> bool {
+    batch.first().is_some_and(|&first| {
+        batch.iter().all(|&n| shares_scalars(g, first, n)) && batch_runs_at_end(g, users, batch)
+    })
+}
+
+/// AdamW/SGD nodes grouped by shared scalars; a batch whose results are read before its last
+/// member splits into one launch per node.
+pub(super) fn optimizer_batches(g: &Graph, users: &[Vec<Node>]) -> Vec<Vec<Node>> {
+    let mut batches: Vec<Vec<Node>> = Vec::new();
+    for (n, node) in g.nodes() {
+        if !matches!(node.op, Op::AdamW { .. } | Op::Sgd { .. }) {
+            continue;
+        }
+        match batches.iter_mut().find(|b| shares_scalars(g, b[0], n)) {
+            Some(b) => b.push(n),
+            None => batches.push(vec![n]),
+        }
+    }
+    let mut out = Vec::new();
+    for b in batches {
+        if batch_ok(g, users, &b) {
+            out.push(b);
+        } else {
+            out.extend(b.into_iter().map(|m| vec![m]));
+        }
+    }
+    out
+}

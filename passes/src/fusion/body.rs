@@ -1,0 +1,88 @@
+//! The typed body of a pointwise unit, built from its members.
+
+use super::groups::{group_inputs, group_outputs};
+use castor_ir::{Graph, IndexMap, Node, Op, PointwiseBody, Step, UnitInput, UnitOutput, Value};
+use std::collections::HashMap;
+
+/// The body of the pointwise unit `members` (in node order): each input loaded once through
+/// its index map, each member's op applied to F32 registers and rounded to the member's dtype
+/// (so fused and unfused execution agree bit for bit), and the members read outside the unit
+/// stored.
+pub fn pointwise_body(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> PointwiseBody {
+    let inputs = group_inputs(g, members);
+    let outputs = group_outputs(g, users, members);
+    let dims = members
+        .last()
+        .map(|&m| g.ty(g.node(m).outputs[0]).shape.dims().to_vec())
+        .unwrap_or_default();
+    let space = castor_ir::Shape::from(dims.clone());
+    let mut steps = Vec::new();
+    let mut reg: HashMap<Value, usize> = HashMap::new();
+    for (k, &v) in inputs.iter().enumerate() {
+        steps.push(Step::Load { input: k });
+        reg.insert(v, k);
+    }
+    for &m in members {
+        let node = g.node(m);
+        let v = node.outputs[0];
+        // Operands come from inputs or earlier members: both have registers.
+        let r = |i: usize| {
+            node.inputs
+                .get(i)
+                .and_then(|x| reg.get(x))
+                .copied()
+                .unwrap_or(0)
+        };
+        let op = match &node.op {
+            Op::Unary(op) => Some(Step::Unary { op: *op, x: r(0) }),
+            Op::UnaryGrad(op) => Some(Step::UnaryGrad {
+                op: *op,
+                x: r(0),
+                dy: r(1),
+            }),
+            Op::Binary(op) => Some(Step::Binary {
+                op: *op,
+                a: r(0),
+                b: r(1),
+            }),
+            Op::Scale { factor } => Some(Step::Scale {
+                x: r(0),
+                factor: *factor,
+            }),
+            // A float cast is only its rounding.
+            _ => None,
+        };
+        let x = match op {
+            Some(step) => {
+                steps.push(step);
+                steps.len() - 1
+            }
+            None => r(0),
+        };
+        steps.push(Step::Round {
+            x,
+            to: g.ty(v).dtype,
+        });
+        reg.insert(v, steps.len() - 1);
+    }
+    PointwiseBody {
+        dims,
+        inputs: inputs
+            .iter()
+            .map(|&v| UnitInput {
+                value: g.name(v).to_string(),
+                dtype: g.ty(v).dtype,
+                index: IndexMap::of(&g.ty(v).shape, &space),
+            })
+            .collect(),
+        steps,
+        outputs: outputs
+            .iter()
+            .map(|&v| UnitOutput {
+                value: g.name(v).to_string(),
+                dtype: g.ty(v).dtype,
+                step: reg.get(&v).copied().unwrap_or(0),
+            })
+            .collect(),
+    }
+}
