@@ -13,9 +13,11 @@ pub mod cache;
 pub mod host;
 pub mod nvrtc;
 pub mod ptxas;
+pub mod signature;
 
 pub use cache::{CacheError, KernelCache, Outcome};
 pub use nvrtc::{Nvrtc, NvrtcError};
+pub use signature::{signature, Param, ParamKind, Signature, SignatureError};
 
 /// The GPU architecture kernels are built for (H100, H200).
 pub const DEFAULT_ARCH: &str = "sm_90";

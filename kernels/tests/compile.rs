@@ -8,7 +8,7 @@
 
 use std::collections::BTreeSet;
 
-use castor_kernels::{ptxas, Nvrtc, DEFAULT_ARCH, FILES};
+use castor_kernels::{ptxas, signature, Nvrtc, ParamKind, DEFAULT_ARCH, FILES};
 
 fn nvrtc() -> Option<Nvrtc> {
     let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
@@ -24,6 +24,59 @@ fn nvrtc() -> Option<Nvrtc> {
             eprintln!("skipped: {e}");
             None
         }
+    }
+}
+
+/// Each `.entry` of a PTX module with its parameters as (PTX type, bytes): `.u64` pointers and
+/// integers, `.f64`, `.b8 name[N]` structs by value.
+fn ptx_params(ptx: &str) -> Vec<(String, Vec<(String, usize)>)> {
+    let mut out: Vec<(String, Vec<(String, usize)>)> = Vec::new();
+    // Inside an entry's parameter list (the body's `.param`s are call arguments).
+    let mut in_list = false;
+    for line in ptx.lines() {
+        let line = line.trim();
+        if let Some(rest) = line.split(".entry ").nth(1) {
+            out.push((rest.trim_end_matches('(').trim().to_string(), Vec::new()));
+            in_list = true;
+            continue;
+        }
+        if line.starts_with(')') {
+            in_list = false;
+        }
+        let (true, Some((_, params)), Some(rest)) =
+            (in_list, out.last_mut(), line.strip_prefix(".param "))
+        else {
+            continue;
+        };
+        let param = if let Some(open) = rest.find('[') {
+            (
+                "struct".to_string(),
+                rest[open + 1..rest.find(']').unwrap()].parse().unwrap(),
+            )
+        } else {
+            let ty = rest.split_whitespace().next().unwrap_or("");
+            let bytes = ty
+                .trim_start_matches(".u")
+                .trim_start_matches(".s")
+                .trim_start_matches(".f")
+                .trim_start_matches(".b");
+            (ty.to_string(), bytes.parse::<usize>().unwrap_or(0) / 8)
+        };
+        params.push(param);
+    }
+    out
+}
+
+/// The PTX type and size a parameter of `kind` compiles to (a struct's size is its own).
+fn ptx_form(kind: ParamKind) -> (&'static str, Option<usize>) {
+    match kind {
+        ParamKind::Ptr | ParamKind::U64 => (".u64", Some(8)),
+        ParamKind::I64 => (".u64", Some(8)),
+        ParamKind::I32 => (".u32", Some(4)),
+        ParamKind::U32 => (".u32", Some(4)),
+        ParamKind::U16 => (".u16", Some(2)),
+        ParamKind::F64 => (".f64", Some(8)),
+        ParamKind::Layout => ("struct", None),
     }
 }
 
@@ -59,6 +112,40 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// The signature table (read from the declarations) is what NVRTC compiled: every entry
+/// point's parameters in count, PTX type and size.
+#[test]
+fn every_signature_matches_its_ptx_parameters() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for f in FILES {
+        let ptx = nvrtc
+            .compile(f, DEFAULT_ARCH)
+            .unwrap_or_else(|e| panic!("{e}"));
+        for (entry, params) in ptx_params(&ptx) {
+            let sig = signature(&entry).unwrap_or_else(|e| panic!("{e}"));
+            let want: Vec<_> = sig.params.iter().map(|p| ptx_form(p.kind)).collect();
+            let fits = want.len() == params.len()
+                && want
+                    .iter()
+                    .zip(&params)
+                    .all(|((ty, bytes), (got_ty, got_bytes))| {
+                        ty == got_ty && bytes.is_none_or(|b| b == *got_bytes)
+                    });
+            if !fits {
+                failures.push(format!(
+                    "{entry}: the table says {:?}, PTX has {params:?}",
+                    sig.names()
+                ));
+            }
+            checked += 1;
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    println!("{checked} entry points match their signatures");
 }
 
 #[test]

@@ -1,4 +1,9 @@
-//! A launch's arguments, read and type-checked in the kernel's parameter order.
+//! A launch's arguments, read by parameter name and type-checked.
+//!
+//! A hand-written kernel's parameters come from its signature
+//! ([`castor_kernels::signature`], read from the declaration), so a contract reads each
+//! argument by the name the kernel gives it, in any order, and must read them all. A
+//! generated kernel (no signature) is read in order.
 
 use super::memory::{Mem, Ptr};
 use super::R;
@@ -7,17 +12,48 @@ use crate::cuda::program::{Arg, CopyLayout, Launch};
 /// The arguments of a launch, read in the kernel's parameter order.
 pub(super) struct Args<'a> {
     l: &'a Launch,
+    /// The kernel's parameters; `None` for a generated kernel.
+    signature: Option<&'static castor_kernels::Signature>,
+    /// Arguments read so far (by index).
+    read: Vec<bool>,
+    /// The next argument of a kernel read in order, and the one read last.
     next: usize,
+    last: usize,
 }
 
 impl<'a> Args<'a> {
     pub(super) fn new(l: &'a Launch) -> Self {
-        Args { l, next: 0 }
+        Args {
+            l,
+            signature: castor_kernels::signature(&l.entry).ok(),
+            read: vec![false; l.args.len()],
+            next: 0,
+            last: 0,
+        }
     }
 
     pub(super) fn arg(&mut self, what: &str) -> R<&'a Arg> {
-        let i = self.next;
-        self.next += 1;
+        let i = match self.signature {
+            Some(sig) => sig
+                .params
+                .iter()
+                .position(|p| p.name == what)
+                .ok_or_else(|| {
+                    format!(
+                        "`{}` has no parameter `{what}` (it takes {})",
+                        self.l.entry,
+                        sig.names().join(", ")
+                    )
+                })?,
+            None => {
+                self.next += 1;
+                self.next - 1
+            }
+        };
+        self.last = i;
+        if let Some(r) = self.read.get_mut(i) {
+            *r = true;
+        }
         self.l.args.get(i).ok_or_else(|| {
             format!(
                 "argument {i} `{what}` is missing ({} arguments given)",
@@ -29,7 +65,7 @@ impl<'a> Args<'a> {
     pub(super) fn bad(&self, what: &str, want: &str, got: &Arg) -> String {
         format!(
             "argument {} `{what}` must be {want}, found {got:?}",
-            self.next - 1
+            self.last
         )
     }
 
@@ -46,7 +82,7 @@ impl<'a> Args<'a> {
     /// A pointer that must not be null.
     pub(super) fn need(&mut self, m: &Mem, what: &str) -> R<Ptr> {
         self.ptr(m, what)?
-            .ok_or_else(|| format!("argument {} `{what}` must not be null", self.next - 1))
+            .ok_or_else(|| format!("argument {} `{what}` must not be null", self.last))
     }
 
     pub(super) fn i64(&mut self, what: &str) -> R<i64> {
@@ -110,13 +146,22 @@ impl<'a> Args<'a> {
         }
     }
 
-    /// Every argument was read.
+    /// Every argument was read, and the launch passes as many as the kernel takes.
     pub(super) fn end(&self) -> R<()> {
-        if self.l.args.len() != self.next {
+        let takes = self.signature.map_or(self.next, |s| s.params.len());
+        if self.l.args.len() != takes {
             return Err(format!(
-                "{} arguments given, the kernel takes {}",
-                self.l.args.len(),
-                self.next
+                "{} arguments given, the kernel takes {takes}",
+                self.l.args.len()
+            ));
+        }
+        if let Some(i) = self.read.iter().position(|r| !r) {
+            let name = self
+                .signature
+                .and_then(|s| s.params.get(i))
+                .map_or("?", |p| p.name.as_str());
+            return Err(format!(
+                "argument {i} `{name}` is passed but its contract never reads it"
             ));
         }
         Ok(())

@@ -138,7 +138,7 @@ impl RunLowering<'_, '_> {
         y: Value,
         p: &Problem,
         kernel: Kernel,
-        mut args: Vec<Arg>,
+        mut args: super::Args,
         (causal, window): (bool, Option<usize>),
         scale: f64,
     ) -> Result<(), LowerError> {
@@ -156,16 +156,17 @@ impl RunLowering<'_, '_> {
         } else {
             p.bq
         };
+        let batches_name = if kernel == Kernel::DkDv { "bkv" } else { "bq" };
         args.extend([
-            Arg::I64(batches as i64),
-            Arg::I32(p.t as i32),
-            Arg::I32(p.s as i32),
-            Arg::I32(p.d as i32),
-            Arg::I32(p.group as i32),
-            Arg::I32(p.mask_group as i32),
-            Arg::I32(i32::from(causal)),
-            Arg::I32(window_arg(window)),
-            Arg::F64(scale),
+            (batches_name, Arg::I64(batches as i64)),
+            ("t", Arg::I32(p.t as i32)),
+            ("s", Arg::I32(p.s as i32)),
+            ("d", Arg::I32(p.d as i32)),
+            ("group", Arg::I32(p.group as i32)),
+            ("mask_group", Arg::I32(p.mask_group as i32)),
+            ("causal", Arg::I32(i32::from(causal))),
+            ("window", Arg::I32(window_arg(window))),
+            ("scale", Arg::F64(scale)),
         ]);
         let grid = geometry::grid(
             kernel,
@@ -208,12 +209,12 @@ impl RunLowering<'_, '_> {
             return Err(self.err(o, "attention writes o in q's dtype and lse in F32"));
         }
         let args = vec![
-            Arg::Ptr(self.at(ins[0])?),
-            Arg::Ptr(self.at(ins[1])?),
-            Arg::Ptr(self.at(ins[2])?),
-            self.mask_arg(mask)?,
-            Arg::Ptr(self.out(o)?),
-            Arg::Ptr(self.out(lse)?),
+            ("q", Arg::Ptr(self.at(ins[0])?)),
+            ("k", Arg::Ptr(self.at(ins[1])?)),
+            ("v", Arg::Ptr(self.at(ins[2])?)),
+            ("mask", self.mask_arg(mask)?),
+            ("o", Arg::Ptr(self.out(o)?)),
+            ("lse", Arg::Ptr(self.out(lse)?)),
         ];
         self.attention_launch(o, &p, Kernel::Forward, args, (causal, window), scale)
     }
@@ -254,28 +255,28 @@ impl RunLowering<'_, '_> {
             (geometry::THREADS, 1, 1),
             0,
             vec![
-                Arg::Ptr(o_at),
-                Arg::Ptr(do_at),
-                Arg::Ptr(delta),
-                Arg::I64(rows as i64),
-                Arg::I32(p.d as i32),
+                ("o", Arg::Ptr(o_at)),
+                ("d_o", Arg::Ptr(do_at)),
+                ("delta", Arg::Ptr(delta)),
+                ("rows", Arg::I64(rows as i64)),
+                ("d", Arg::I32(p.d as i32)),
             ],
         )?;
         let common = vec![
-            Arg::Ptr(self.at(ins[0])?),
-            Arg::Ptr(self.at(ins[1])?),
-            Arg::Ptr(self.at(ins[2])?),
-            self.mask_arg(mask)?,
-            Arg::Ptr(do_at),
-            Arg::Ptr(self.at(ins[4])?),
-            Arg::Ptr(delta),
+            ("q", Arg::Ptr(self.at(ins[0])?)),
+            ("k", Arg::Ptr(self.at(ins[1])?)),
+            ("v", Arg::Ptr(self.at(ins[2])?)),
+            ("mask", self.mask_arg(mask)?),
+            ("d_o", Arg::Ptr(do_at)),
+            ("lse", Arg::Ptr(self.at(ins[4])?)),
+            ("delta", Arg::Ptr(delta)),
         ];
         let mut args = common.clone();
-        args.push(Arg::Ptr(self.out(dq)?));
+        args.push(("dq", Arg::Ptr(self.out(dq)?)));
         self.attention_launch(dq, &p, Kernel::Dq, args, (causal, window), scale)?;
         let mut args = common;
-        args.push(Arg::Ptr(self.out(dk)?));
-        args.push(Arg::Ptr(self.out(dv)?));
+        args.push(("dk", Arg::Ptr(self.out(dk)?)));
+        args.push(("dv", Arg::Ptr(self.out(dv)?)));
         self.attention_launch(dk, &p, Kernel::DkDv, args, (causal, window), scale)
     }
 }

@@ -45,6 +45,25 @@ pub struct LowerError {
     pub message: String,
 }
 
+/// A launch's arguments by kernel parameter name.
+pub(crate) type Args = Vec<(&'static str, Arg)>;
+
+/// True if `arg` can be passed for a parameter of `kind`.
+fn arg_fits(arg: &Arg, kind: castor_kernels::ParamKind) -> bool {
+    use castor_kernels::ParamKind as K;
+    matches!(
+        (arg, kind),
+        (Arg::Ptr(_) | Arg::Null | Arg::Table(_), K::Ptr)
+            | (Arg::I32(_), K::I32)
+            | (Arg::I64(_), K::I64)
+            | (Arg::U16(_), K::U16)
+            | (Arg::U32(_), K::U32)
+            | (Arg::U64(_), K::U64)
+            | (Arg::F64(_), K::F64)
+            | (Arg::Layout(_), K::Layout)
+    )
+}
+
 /// Names of the runs of a lowered training plan.
 pub const ZERO_GRADS: &str = "zero_grads";
 pub const MICRO_STEP: &str = "micro_step";
@@ -221,7 +240,9 @@ impl Lowerer {
         (module, name.to_string())
     }
 
-    /// A launch of the hand-written kernel `entry` with `shared_bytes` of dynamic shared memory.
+    /// A launch of the hand-written kernel `entry` with `shared_bytes` of dynamic shared
+    /// memory, its arguments given by parameter name (see [`castor_kernels::signature`]):
+    /// every parameter once, each of its kind.
     fn kernel(
         &mut self,
         node: &str,
@@ -229,14 +250,28 @@ impl Lowerer {
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         shared_bytes: u32,
-        args: Vec<Arg>,
+        args: Args,
     ) -> Result<Command, LowerError> {
-        let file = castor_kernels::file_of(entry).ok_or_else(|| LowerError {
+        let bad = |message: String| LowerError {
             node: node.into(),
-            message: format!(
+            message,
+        };
+        let file = castor_kernels::file_of(entry).ok_or_else(|| {
+            bad(format!(
                 "no kernel `{entry}` in kernels/ (a dtype combination the kernels do not cover)"
-            ),
+            ))
         })?;
+        let sig = castor_kernels::signature(entry).map_err(|e| bad(e.to_string()))?;
+        for (name, arg) in &args {
+            let param = sig.params.iter().find(|p| p.name == *name);
+            if let Some(p) = param.filter(|p| !arg_fits(arg, p.kind)) {
+                return Err(bad(format!(
+                    "`{entry}` takes `{name}` as {}, given {arg:?}",
+                    p.kind.name()
+                )));
+            }
+        }
+        let args = sig.order(entry, &args).map_err(|e| bad(e.to_string()))?;
         let module = self.module(file.name, file.source);
         Ok(Command::Launch(Launch {
             node: node.into(),
@@ -465,12 +500,15 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                 (256, 1, 1),
                 0,
                 vec![
-                    Arg::Ptr(Place::Slot {
-                        slot: mslot,
-                        offset: 0,
-                    }),
-                    Arg::Ptr(Place::Slot { slot, offset: 0 }),
-                    Arg::I64(n as i64),
+                    (
+                        "x",
+                        Arg::Ptr(Place::Slot {
+                            slot: mslot,
+                            offset: 0,
+                        }),
+                    ),
+                    ("y", Arg::Ptr(Place::Slot { slot, offset: 0 })),
+                    ("n", Arg::I64(n as i64)),
                 ],
             )?;
             self.l.program.prologue.push(cmd);
@@ -659,7 +697,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         entry: &str,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
-        args: Vec<Arg>,
+        args: Args,
     ) -> Result<(), LowerError> {
         self.launch_shared(v, entry, grid, block, 0, args)
     }
@@ -672,7 +710,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         shared_bytes: u32,
-        args: Vec<Arg>,
+        args: Args,
     ) -> Result<(), LowerError> {
         let node = self.g.name(v).to_string();
         let cmd = self
@@ -728,7 +766,11 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                 (1, 1, 1),
                 (32, 1, 1),
                 0,
-                vec![Arg::Ptr(f.place), Arg::I64(1), Arg::U32(i32::MAX as u32)],
+                vec![
+                    ("dst", Arg::Ptr(f.place)),
+                    ("n", Arg::I64(1)),
+                    ("value", Arg::U32(i32::MAX as u32)),
+                ],
             )?;
             commands.push(cmd);
         }
@@ -918,4 +960,46 @@ fn grid_1d(work: usize, block: u32) -> (u32, u32, u32) {
 /// One block per row (grid-stride over rows).
 fn grid_rows(rows: usize) -> (u32, u32, u32) {
     (rows.clamp(1, 65_535 * 4) as u32, 1, 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fill(args: Args) -> Result<Command, LowerError> {
+        Lowerer::default().kernel("x", "fill_b4", (1, 1, 1), (32, 1, 1), 0, args)
+    }
+
+    /// Launch arguments are given by the kernel's parameter names and kinds, and put in the
+    /// kernel's order.
+    #[test]
+    fn launches_take_their_arguments_by_name() {
+        let dst = Arg::Ptr(Place::Arena { offset: 0 });
+        let ok = fill(vec![
+            ("value", Arg::U32(7)),
+            ("dst", dst.clone()),
+            ("n", Arg::I64(1)),
+        ])
+        .unwrap();
+        let Command::Launch(l) = ok else {
+            panic!("not a launch")
+        };
+        assert_eq!(l.args, vec![dst.clone(), Arg::I64(1), Arg::U32(7)]);
+        let e = fill(vec![
+            ("dst", dst.clone()),
+            ("n", Arg::I64(1)),
+            ("valu", Arg::U32(7)),
+        ])
+        .unwrap_err();
+        assert!(e.message.contains("no parameter `valu`"), "{e}");
+        let e = fill(vec![("dst", dst.clone()), ("n", Arg::I64(1))]).unwrap_err();
+        assert!(e.message.contains("`value` is not given"), "{e}");
+        let e = fill(vec![
+            ("dst", dst),
+            ("n", Arg::I32(1)),
+            ("value", Arg::U32(7)),
+        ])
+        .unwrap_err();
+        assert!(e.message.contains("takes `n` as an i64"), "{e}");
+    }
 }

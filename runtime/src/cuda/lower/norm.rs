@@ -88,19 +88,21 @@ impl RunLowering<'_, '_> {
         let w = self.at(ins[1])?;
         let out = self.out(y)?;
         let suffix = io(g.ty(x).dtype, g.ty(y).dtype);
-        let mut args = vec![Arg::Ptr(xp), res, sum_out, Arg::Ptr(w)];
+        let mut args = vec![
+            ("x", Arg::Ptr(xp)),
+            ("res", res),
+            ("sum_out", sum_out),
+            ("w", Arg::Ptr(w)),
+            ("y", Arg::Ptr(out)),
+            ("rstd_out", Arg::Ptr(rstd)),
+            ("rows", Arg::I64(rows as i64)),
+            ("h", Arg::I32(h as i32)),
+            ("eps", Arg::F64(eps)),
+        ];
         if let (false, Some(m)) = (rms, mean) {
             let b = self.at(ins[2])?;
-            args.extend([Arg::Ptr(b), Arg::Ptr(out), Arg::Ptr(m)]);
-        } else {
-            args.push(Arg::Ptr(out));
+            args.extend([("b", Arg::Ptr(b)), ("mean_out", Arg::Ptr(m))]);
         }
-        args.extend([
-            Arg::Ptr(rstd),
-            Arg::I64(rows as i64),
-            Arg::I32(h as i32),
-            Arg::F64(eps),
-        ]);
         let kind = if rms { "rms_norm" } else { "layer_norm" };
         self.launch(
             y,
@@ -133,18 +135,20 @@ impl RunLowering<'_, '_> {
         let (xp, w) = (self.at(x)?, self.at(ins[1])?);
         // A null `y` makes the kernel compute the statistics only: it then reads neither the
         // weight nor the bias, which the backward does not have.
-        let mut args = vec![Arg::Ptr(xp), Arg::Null, Arg::Null, Arg::Ptr(w)];
-        if rms {
-            args.push(Arg::Null);
-        } else {
-            args.extend([Arg::Null, Arg::Null, Arg::Ptr(mean)]);
+        let mut args = vec![
+            ("x", Arg::Ptr(xp)),
+            ("res", Arg::Null),
+            ("sum_out", Arg::Null),
+            ("w", Arg::Ptr(w)),
+            ("y", Arg::Null),
+            ("rstd_out", Arg::Ptr(rstd)),
+            ("rows", Arg::I64(rows as i64)),
+            ("h", Arg::I32(h as i32)),
+            ("eps", Arg::F64(eps)),
+        ];
+        if !rms {
+            args.extend([("b", Arg::Null), ("mean_out", Arg::Ptr(mean))]);
         }
-        args.extend([
-            Arg::Ptr(rstd),
-            Arg::I64(rows as i64),
-            Arg::I32(h as i32),
-            Arg::F64(eps),
-        ]);
         let kind = if rms { "rms_norm" } else { "layer_norm" };
         self.launch(
             at,
@@ -189,20 +193,18 @@ impl RunLowering<'_, '_> {
         } else {
             Some(self.scratch((groups * h * 8) as u64))
         };
-        let mut args = vec![Arg::Ptr(xp), Arg::Ptr(dyp)];
-        if !rms {
-            args.push(Arg::Ptr(stats.a));
-        }
-        args.push(Arg::Ptr(stats.b));
-        args.push(Arg::Ptr(dw_part));
+        let mut args = vec![
+            ("s", Arg::Ptr(xp)),
+            ("dy", Arg::Ptr(dyp)),
+            ("rstd", Arg::Ptr(stats.b)),
+            ("dw_part", Arg::Ptr(dw_part)),
+            ("rows", Arg::I64(rows as i64)),
+            ("h", Arg::I32(h as i32)),
+            ("rows_per_group", Arg::I32(ROWS_PER_GROUP as i32)),
+        ];
         if let Some(p) = db_part {
-            args.push(Arg::Ptr(p));
+            args.extend([("mean", Arg::Ptr(stats.a)), ("db_part", Arg::Ptr(p))]);
         }
-        args.extend([
-            Arg::I64(rows as i64),
-            Arg::I32(h as i32),
-            Arg::I32(ROWS_PER_GROUP as i32),
-        ]);
         self.launch(
             dx,
             &format!("{kind}_bwd_weight_{suffix}"),
@@ -240,10 +242,10 @@ impl RunLowering<'_, '_> {
                 grid_1d(h, BLOCK),
                 (BLOCK, 1, 1),
                 vec![
-                    Arg::Ptr(*part),
-                    Arg::I32(groups as i32),
-                    Arg::I32(h as i32),
-                    Arg::Ptr(target),
+                    ("part", Arg::Ptr(*part)),
+                    ("groups", Arg::I32(groups as i32)),
+                    ("h", Arg::I32(h as i32)),
+                    ("out", Arg::Ptr(target)),
                 ],
             )?;
             if od != DType::F32 {
@@ -253,7 +255,11 @@ impl RunLowering<'_, '_> {
                     &format!("cast_f32_{}", sfx(od)),
                     grid_1d(h, BLOCK),
                     (BLOCK, 1, 1),
-                    vec![Arg::Ptr(target), Arg::Ptr(o), Arg::I64(h as i64)],
+                    vec![
+                        ("x", Arg::Ptr(target)),
+                        ("y", Arg::Ptr(o)),
+                        ("n", Arg::I64(h as i64)),
+                    ],
                 )?;
             }
         }
@@ -268,17 +274,19 @@ impl RunLowering<'_, '_> {
             }
             None => (Arg::Null, self.out(dx)?),
         };
-        let mut args = vec![Arg::Ptr(xp), Arg::Ptr(dyp), Arg::Ptr(wp)];
+        let mut args = vec![
+            ("s", Arg::Ptr(xp)),
+            ("dy", Arg::Ptr(dyp)),
+            ("w", Arg::Ptr(wp)),
+            ("rstd", Arg::Ptr(stats.b)),
+            ("dadd", dadd),
+            ("dx", Arg::Ptr(dxp)),
+            ("rows", Arg::I64(rows as i64)),
+            ("h", Arg::I32(h as i32)),
+        ];
         if !rms {
-            args.push(Arg::Ptr(stats.a));
+            args.push(("mean", Arg::Ptr(stats.a)));
         }
-        args.extend([
-            Arg::Ptr(stats.b),
-            dadd,
-            Arg::Ptr(dxp),
-            Arg::I64(rows as i64),
-            Arg::I32(h as i32),
-        ]);
         self.launch(
             dx,
             &format!("{kind}_bwd_{suffix}"),

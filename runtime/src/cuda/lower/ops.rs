@@ -73,13 +73,13 @@ impl RunLowering<'_, '_> {
                     grid_rows(rows),
                     (128, 1, 1),
                     vec![
-                        Arg::Ptr(tp),
-                        Arg::Ptr(ip),
-                        Arg::Ptr(out),
-                        Arg::I64(rows as i64),
-                        Arg::I64(v as i64),
-                        Arg::I32(h as i32),
-                        Arg::Ptr(bad),
+                        ("table", Arg::Ptr(tp)),
+                        ("ids", Arg::Ptr(ip)),
+                        ("out", Arg::Ptr(out)),
+                        ("n", Arg::I64(rows as i64)),
+                        ("v", Arg::I64(v as i64)),
+                        ("h", Arg::I32(h as i32)),
+                        ("bad", Arg::Ptr(bad)),
                     ],
                 )?;
             }
@@ -101,11 +101,11 @@ impl RunLowering<'_, '_> {
                     grid_rows(rows),
                     (row_threads(n, ROW_BLOCK), 1, 1),
                     vec![
-                        Arg::Ptr(yp),
-                        Arg::Ptr(dyp),
-                        Arg::Ptr(dx),
-                        Arg::I64(rows as i64),
-                        Arg::I32(n as i32),
+                        ("y", Arg::Ptr(yp)),
+                        ("dy", Arg::Ptr(dyp)),
+                        ("dx", Arg::Ptr(dx)),
+                        ("rows", Arg::I64(rows as i64)),
+                        ("n", Arg::I32(n as i32)),
                     ],
                 )?;
             }
@@ -119,19 +119,24 @@ impl RunLowering<'_, '_> {
                 let rows = numel(ins[0]) / hd.max(1);
                 let table = self.rope_table(t, hd, *theta, *scaling)?;
                 let (x, out) = (self.at(ins[0])?, self.out(y)?);
-                let dir = if backward { "bwd" } else { "fwd" };
+                // The kernels name their operand and result by direction.
+                let (dir, input, output) = if backward {
+                    ("bwd", "dy", "dx")
+                } else {
+                    ("fwd", "x", "y")
+                };
                 self.launch(
                     y,
                     &format!("rope_{dir}_{}", sfx(dt(y))),
                     grid_1d(rows * hd / 2, BLOCK),
                     (BLOCK, 1, 1),
                     vec![
-                        Arg::Ptr(x),
-                        Arg::Ptr(out),
-                        Arg::Ptr(table),
-                        Arg::I64(rows as i64),
-                        Arg::I32(t as i32),
-                        Arg::I32(hd as i32),
+                        (input, Arg::Ptr(x)),
+                        (output, Arg::Ptr(out)),
+                        ("cs", Arg::Ptr(table)),
+                        ("rows", Arg::I64(rows as i64)),
+                        ("t", Arg::I32(t as i32)),
+                        ("d", Arg::I32(hd as i32)),
                     ],
                 )?;
             }
@@ -190,7 +195,11 @@ impl RunLowering<'_, '_> {
                         &format!("cast_{}_{}", sfx(from), sfx(*to)),
                         grid_1d(n, BLOCK),
                         (BLOCK, 1, 1),
-                        vec![Arg::Ptr(x), Arg::Ptr(out), Arg::I64(n as i64)],
+                        vec![
+                            ("x", Arg::Ptr(x)),
+                            ("y", Arg::Ptr(out)),
+                            ("n", Arg::I64(n as i64)),
+                        ],
                     )?;
                 }
             }
@@ -210,7 +219,11 @@ impl RunLowering<'_, '_> {
                     entry,
                     grid_1d(n, BLOCK),
                     (BLOCK, 1, 1),
-                    vec![Arg::Ptr(out), Arg::I64(n as i64), bits],
+                    vec![
+                        ("dst", Arg::Ptr(out)),
+                        ("n", Arg::I64(n as i64)),
+                        ("value", bits),
+                    ],
                 )?;
             }
             Op::CrossEntropy { ignore_index } => {
@@ -229,7 +242,11 @@ impl RunLowering<'_, '_> {
                     "count_step",
                     (1, 1, 1),
                     (1, 1, 1),
-                    vec![Arg::Ptr(step), Arg::Ptr(gn), Arg::Ptr(out)],
+                    vec![
+                        ("step_in", Arg::Ptr(step)),
+                        ("grad_norm", Arg::Ptr(gn)),
+                        ("step_out", Arg::Ptr(out)),
+                    ],
                 )?;
             }
             Op::LossScaleUpdate {
@@ -247,16 +264,16 @@ impl RunLowering<'_, '_> {
                     (1, 1, 1),
                     (1, 1, 1),
                     vec![
-                        Arg::Ptr(s),
-                        Arg::Ptr(c),
-                        Arg::Ptr(gn),
-                        Arg::Ptr(so),
-                        Arg::Ptr(co),
-                        Arg::F64(*growth_factor),
-                        Arg::F64(*backoff_factor),
-                        Arg::I64(*growth_interval as i64),
-                        Arg::I64(*hysteresis as i64),
-                        Arg::F64(*max_scale),
+                        ("scale_in", Arg::Ptr(s)),
+                        ("counters_in", Arg::Ptr(c)),
+                        ("grad_norm", Arg::Ptr(gn)),
+                        ("scale_out", Arg::Ptr(so)),
+                        ("counters_out", Arg::Ptr(co)),
+                        ("growth_factor", Arg::F64(*growth_factor)),
+                        ("backoff_factor", Arg::F64(*backoff_factor)),
+                        ("growth_interval", Arg::I64(*growth_interval as i64)),
+                        ("hysteresis", Arg::I64(*hysteresis as i64)),
+                        ("max_scale", Arg::F64(*max_scale)),
                     ],
                 )?;
             }
@@ -314,7 +331,12 @@ impl RunLowering<'_, '_> {
             &format!("strided_copy_b{size}"),
             grid_1d(n as usize, BLOCK),
             (BLOCK, 1, 1),
-            vec![Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(n), Arg::Layout(l)],
+            vec![
+                ("src", Arg::Ptr(src)),
+                ("dst", Arg::Ptr(dst)),
+                ("n", Arg::I64(n)),
+                ("l", Arg::Layout(l)),
+            ],
         )
     }
 
@@ -414,19 +436,19 @@ impl RunLowering<'_, '_> {
             grid_rows(rows),
             (if tk > 2048 { 512 } else { row_threads(tk, 128) }, 1, 1),
             vec![
-                Arg::Ptr(xp),
-                Arg::Ptr(out),
-                Arg::I64(rows as i64),
-                Arg::I32(tk as i32),
-                Arg::I32(tq as i32),
-                Arg::I32(heads as i32),
-                Arg::I32(i32::from(causal)),
-                Arg::I32(window_arg(window)),
-                mask,
-                Arg::I64(strides[0]),
-                Arg::I64(strides[1]),
-                Arg::I64(strides[2]),
-                Arg::I64(strides[3]),
+                ("x", Arg::Ptr(xp)),
+                ("y", Arg::Ptr(out)),
+                ("rows", Arg::I64(rows as i64)),
+                ("tk", Arg::I32(tk as i32)),
+                ("tq", Arg::I32(tq as i32)),
+                ("heads", Arg::I32(heads as i32)),
+                ("causal", Arg::I32(i32::from(causal))),
+                ("window", Arg::I32(window_arg(window))),
+                ("mask", mask),
+                ("msb", Arg::I64(strides[0])),
+                ("msh", Arg::I64(strides[1])),
+                ("msq", Arg::I64(strides[2])),
+                ("msk", Arg::I64(strides[3])),
             ],
         )
     }
@@ -487,7 +509,12 @@ impl RunLowering<'_, '_> {
                     &format!("strided_copy_b{size}"),
                     grid_1d(n as usize, BLOCK),
                     (BLOCK, 1, 1),
-                    vec![Arg::Ptr(src), Arg::Ptr(t), Arg::I64(n), Arg::Layout(l)],
+                    vec![
+                        ("src", Arg::Ptr(src)),
+                        ("dst", Arg::Ptr(t)),
+                        ("n", Arg::I64(n)),
+                        ("l", Arg::Layout(l)),
+                    ],
                 )?;
                 src = t;
                 let kept = g.ty(y).shape.numel().unwrap_or(0);
@@ -518,11 +545,11 @@ impl RunLowering<'_, '_> {
             ),
             (32, 8, 1),
             vec![
-                Arg::Ptr(src),
-                Arg::Ptr(out),
-                Arg::I64(outer as i64),
-                Arg::I64(len as i64),
-                Arg::I64(inner as i64),
+                ("x", Arg::Ptr(src)),
+                ("y", Arg::Ptr(out)),
+                ("outer", Arg::I64(outer as i64)),
+                ("len", Arg::I64(len as i64)),
+                ("inner", Arg::I64(inner as i64)),
             ],
         )
     }
@@ -557,11 +584,11 @@ impl RunLowering<'_, '_> {
             grid_1d(n, BLOCK),
             (BLOCK, 1, 1),
             vec![
-                Arg::Ptr(ip),
-                Arg::I64(n as i64),
-                Arg::I64(vocab as i64),
-                Arg::Ptr(counts),
-                Arg::Ptr(bad),
+                ("ids", Arg::Ptr(ip)),
+                ("n", Arg::I64(n as i64)),
+                ("v", Arg::I64(vocab as i64)),
+                ("counts", Arg::Ptr(counts)),
+                ("bad", Arg::Ptr(bad)),
             ],
         )?;
         self.launch(
@@ -569,7 +596,11 @@ impl RunLowering<'_, '_> {
             "embedding_bwd_scan",
             (1, 1, 1),
             (row_threads(vocab, 1024), 1, 1),
-            vec![Arg::Ptr(counts), Arg::I64(vocab as i64), Arg::Ptr(starts)],
+            vec![
+                ("counts", Arg::Ptr(counts)),
+                ("v", Arg::I64(vocab as i64)),
+                ("starts", Arg::Ptr(starts)),
+            ],
         )?;
         self.launch(
             y,
@@ -578,11 +609,11 @@ impl RunLowering<'_, '_> {
             // One warp per 32 positions (each warp scans a slice of them), up to 32 warps.
             (row_threads(n, 1024), 1, 1),
             vec![
-                Arg::Ptr(ip),
-                Arg::I64(n as i64),
-                Arg::I64(vocab as i64),
-                Arg::Ptr(starts),
-                Arg::Ptr(positions),
+                ("ids", Arg::Ptr(ip)),
+                ("n", Arg::I64(n as i64)),
+                ("v", Arg::I64(vocab as i64)),
+                ("starts", Arg::Ptr(starts)),
+                ("positions", Arg::Ptr(positions)),
             ],
         )?;
         let dyp = self.at(dy)?;
@@ -597,12 +628,12 @@ impl RunLowering<'_, '_> {
             grid_rows(vocab),
             (128, 1, 1),
             vec![
-                Arg::Ptr(dyp),
-                Arg::Ptr(positions),
-                Arg::Ptr(starts),
-                Arg::I64(vocab as i64),
-                Arg::I32(h as i32),
-                Arg::Ptr(out),
+                ("dy", Arg::Ptr(dyp)),
+                ("positions", Arg::Ptr(positions)),
+                ("starts", Arg::Ptr(starts)),
+                ("v", Arg::I64(vocab as i64)),
+                ("h", Arg::I32(h as i32)),
+                ("dtable", Arg::Ptr(out)),
             ],
         )?;
         // torch's padding_idx: that row gets no gradient (zero bytes are 0.0 in every dtype).

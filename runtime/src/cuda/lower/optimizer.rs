@@ -45,11 +45,11 @@ impl RunLowering<'_, '_> {
             (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
             (BLOCK, 1, 1),
             vec![
-                Arg::Table(tt),
-                Arg::Table(ct),
-                Arg::I32(n_chunks as i32),
-                Arg::Ptr(sp),
-                Arg::Ptr(partials),
+                ("tensors", Arg::Table(tt)),
+                ("chunks", Arg::Table(ct)),
+                ("n_chunks", Arg::I32(n_chunks as i32)),
+                ("scale", Arg::Ptr(sp)),
+                ("partials", Arg::Ptr(partials)),
             ],
         )?;
         let out = self.out(y)?;
@@ -59,10 +59,10 @@ impl RunLowering<'_, '_> {
             (1, 1, 1),
             (row_threads(n_chunks, 1024), 1, 1),
             vec![
-                Arg::Ptr(partials),
-                Arg::I32(n_chunks as i32),
-                Arg::Ptr(out),
-                Arg::Null,
+                ("partials", Arg::Ptr(partials)),
+                ("n_chunks", Arg::I32(n_chunks as i32)),
+                ("grad_norm", Arg::Ptr(out)),
+                ("found_inf", Arg::Null),
             ],
         )
     }
@@ -121,8 +121,17 @@ impl RunLowering<'_, '_> {
         let n_chunks = chunks.len();
         let tt = self.l.table(Table::Rows(rows));
         let ct = self.l.table(chunks);
-        let mut args = vec![Arg::Table(tt), Arg::Table(ct), Arg::I32(n_chunks as i32)];
-        args.extend(scalars.into_iter().map(Arg::Ptr));
+        let mut args = vec![
+            ("tensors", Arg::Table(tt)),
+            ("chunks", Arg::Table(ct)),
+            ("n_chunks", Arg::I32(n_chunks as i32)),
+        ];
+        // The update's last four operands, as the kernels take them.
+        args.extend(
+            ["lr", "step", "scale", "grad_norm"]
+                .into_iter()
+                .zip(scalars.into_iter().map(Arg::Ptr)),
+        );
         let (entry, copy) = match &node.op {
             Op::AdamW {
                 beta1,
@@ -133,10 +142,10 @@ impl RunLowering<'_, '_> {
                 ..
             } => {
                 args.extend([
-                    Arg::F64(*beta1),
-                    Arg::F64(*beta2),
-                    Arg::F64(*eps),
-                    Arg::F64(*max_grad_norm),
+                    ("beta1", Arg::F64(*beta1)),
+                    ("beta2", Arg::F64(*beta2)),
+                    ("eps", Arg::F64(*eps)),
+                    ("max_grad_norm", Arg::F64(*max_grad_norm)),
                 ]);
                 ("adamw", copy)
             }
@@ -146,7 +155,10 @@ impl RunLowering<'_, '_> {
                 copy,
                 ..
             } => {
-                args.extend([Arg::F64(*momentum), Arg::F64(*max_grad_norm)]);
+                args.extend([
+                    ("momentum", Arg::F64(*momentum)),
+                    ("max_grad_norm", Arg::F64(*max_grad_norm)),
+                ]);
                 ("sgd", copy)
             }
             _ => return Err(self.err(y, "not an optimizer node")),

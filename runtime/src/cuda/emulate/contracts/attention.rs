@@ -171,7 +171,7 @@ pub(super) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
 pub(super) fn dq(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let mut a = Args::new(l);
     let ops = operands(&mut a, m)?;
-    let d_o = a.need(m, "do")?;
+    let d_o = a.need(m, "d_o")?;
     let lse = a.need(m, "lse")?;
     let delta = a.need(m, "delta")?;
     let dq = a.need(m, "dq")?;
@@ -190,7 +190,7 @@ pub(super) fn dq(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
 pub(super) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let mut a = Args::new(l);
     let ops = operands(&mut a, m)?;
-    let d_o = a.need(m, "do")?;
+    let d_o = a.need(m, "d_o")?;
     let lse = a.need(m, "lse")?;
     let delta = a.need(m, "delta")?;
     let dk = a.need(m, "dk")?;
@@ -211,7 +211,7 @@ pub(super) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
 pub(super) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
     let mut a = Args::new(l);
     let o = a.need(m, "o")?;
-    let d_o = a.need(m, "do")?;
+    let d_o = a.need(m, "d_o")?;
     let delta = a.need(m, "delta")?;
     let rows = a.count("rows")?;
     let d = a.count32("d")?;

@@ -10,8 +10,14 @@ use castor_ir::DType;
 /// `rope_fwd_<t>(x, y, ..)` and `rope_bwd_<t>(dy, dx, ..)`.
 pub(super) fn rope(m: &Mem, l: &Launch, dt: DType) -> R<Vec<Use>> {
     let mut a = Args::new(l);
-    let x = a.need(m, "x")?;
-    let y = a.need(m, "y")?;
+    // The backward names its operand and result by direction.
+    let (input, output) = if l.entry.starts_with("rope_bwd") {
+        ("dy", "dx")
+    } else {
+        ("x", "y")
+    };
+    let x = a.need(m, input)?;
+    let y = a.need(m, output)?;
     let cs = a.need(m, "cs")?;
     let rows = a.count("rows")?;
     let t = a.count32("t")?;
@@ -24,11 +30,11 @@ pub(super) fn rope(m: &Mem, l: &Launch, dt: DType) -> R<Vec<Use>> {
     checked(
         m,
         vec![
-            use_("x", Some(x), (rows * d * s) as u64, s, Io::R),
-            use_("y", Some(y), (rows * d * s) as u64, s, Io::W),
+            use_(input, Some(x), (rows * d * s) as u64, s, Io::R),
+            use_(output, Some(y), (rows * d * s) as u64, s, Io::W),
             use_("cs", Some(cs), (t * (d / 2) * 8) as u64, 8, Io::R),
         ],
-        &[("y", "x")],
+        &[(output, input)],
     )
 }
 

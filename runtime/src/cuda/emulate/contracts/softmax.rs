@@ -21,12 +21,7 @@ pub(super) fn softmax_fwd(m: &Mem, l: &Launch, ti: DType, to: DType) -> R<Vec<Us
         return Err("a negative sliding window".into());
     }
     let mask = a.ptr(m, "mask")?;
-    let strides = [
-        a.i64("mask_sb")?,
-        a.i64("mask_sh")?,
-        a.i64("mask_sq")?,
-        a.i64("mask_sk")?,
-    ];
+    let strides = [a.i64("msb")?, a.i64("msh")?, a.i64("msq")?, a.i64("msk")?];
     a.end()?;
     if tq == 0 || heads == 0 || rows % (tq * heads) != 0 {
         return Err(format!(
