@@ -11,8 +11,7 @@
 use castor_ir::{LossScaling, OptimizerKind, Remat, TrainSettings};
 use castor_models::{Model, Objective};
 use castor_passes::{
-    build_training_plan, cost::GpuSpec, cost::StepCost, memory::Anatomy, Autocast, Classify,
-    FoldCasts, Pass, Policy, Precision,
+    cost::GpuSpec, cost::StepCost, Autocast, Classify, FoldCasts, Pass, Policy, Precision,
 };
 use castor_runtime::cuda::{lower::lower_plan, program::Command};
 use std::path::PathBuf;
@@ -91,10 +90,10 @@ fn main() -> anyhow::Result<()> {
                 param_grads_in_compute_dtype: false,
                 remat,
             };
-            let (plan, _) = build_training_plan(&g, settings)?;
+            let (plan, _) = castor::memory::pipeline().build(&g, settings)?;
             times[4] = ms(t0);
             let t0 = Instant::now();
-            let anatomy = Anatomy::of_plan(&plan);
+            let anatomy = castor::memory::anatomy(&plan);
             times[5] = ms(t0);
             let t0 = Instant::now();
             let cost = StepCost::of_plan(&plan, &GpuSpec::default());

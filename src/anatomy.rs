@@ -4,7 +4,6 @@
 //! temporaries live at the peak. The rows add up to the planned peak of one step.
 
 use castor_ir::{StateRole, TrainingPlan};
-use castor_passes::memory::Anatomy;
 
 /// One row of the anatomy.
 #[derive(Clone, Debug)]
@@ -24,6 +23,9 @@ pub const STATE_ROLES: [StateRole; 5] = [
     StateRole::Control,
 ];
 
+/// The row of every buffer besides the state, the arena and the workspace.
+pub const OTHER_BUFFERS: &str = "other device buffers";
+
 /// The plan's persistent state by role, then the planned arena: saved activations (the plan
 /// records where its forward part ends) and the other temporaries at the peak.
 pub fn anatomy(plan: &TrainingPlan) -> Vec<AnatomyRow> {
@@ -35,7 +37,7 @@ pub fn anatomy(plan: &TrainingPlan) -> Vec<AnatomyRow> {
             estimate: false,
         })
         .collect();
-    let a = Anatomy::of_plan(plan);
+    let a = crate::memory::anatomy(plan);
     let saved = a.saved_activations.min(a.memory.arena_bytes);
     rows.push(AnatomyRow {
         what: "saved activations".into(),
@@ -45,6 +47,16 @@ pub fn anatomy(plan: &TrainingPlan) -> Vec<AnatomyRow> {
     rows.push(AnatomyRow {
         what: "other temporaries at the peak".into(),
         bytes: a.memory.arena_bytes - saved,
+        estimate: false,
+    });
+    rows.push(AnatomyRow {
+        what: "cuBLAS workspace".into(),
+        bytes: a.memory.workspace,
+        estimate: false,
+    });
+    rows.push(AnatomyRow {
+        what: OTHER_BUFFERS.into(),
+        bytes: a.memory.other,
         estimate: false,
     });
     rows

@@ -17,7 +17,6 @@ use crate::report::counted_bytes;
 use crate::CliError;
 use castor_ir::{OptimizerKind, Remat, TrainSettings, TrainingPlan};
 use castor_passes::cost::{GpuSpec, StepCost};
-use castor_passes::memory::Anatomy;
 use std::path::Path;
 
 /// The cost model's GPU for `--gpu`: a name from the built-in table, a spec file, or (none
@@ -158,7 +157,7 @@ impl Verdict {
 
 /// The planned peak of a training step: persistent state and arena.
 pub fn planned_peak(plan: &TrainingPlan) -> u64 {
-    Anatomy::of_plan(plan).total()
+    crate::memory::anatomy(plan).total()
 }
 
 /// Builds the plan of other settings (the command's own compile path; the settings carry the
@@ -187,7 +186,7 @@ pub fn verdict(
     // The persistent state is a floor no recomputation or micro-batch lowers; SGD's one
     // moment instead of AdamW's two is the most any change saves of it. Above that floor
     // nothing is worth planning (a 70B model's candidates would take minutes).
-    let anatomy = Anatomy::of_plan(plan);
+    let anatomy = crate::memory::anatomy(plan);
     let floor = match s.optimizer {
         OptimizerKind::AdamW { .. } => anatomy.persistent() - anatomy.optimizer_state / 2,
         OptimizerKind::Sgd { .. } => anatomy.persistent(),

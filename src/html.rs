@@ -8,6 +8,7 @@
 //! Pictures are drawn here as SVG with a `viewBox` and `width: 100%`, so they scale with the
 //! page; text in them stays text.
 
+use crate::anatomy::OTHER_BUFFERS;
 use crate::fit::Verdict;
 use crate::plot::{smooth, unit_for, LossHistory};
 use crate::report::counted_bytes;
@@ -15,7 +16,6 @@ use crate::report::thousands;
 use crate::CliError;
 use castor_ir::{StateRole, TrainingPlan};
 use castor_passes::cost::{GpuSpec, StepCost};
-use castor_passes::memory::Anatomy;
 use castor_passes::PrecisionSummary;
 use std::fmt::Write;
 use std::path::{Path, PathBuf};
@@ -89,7 +89,7 @@ impl Report {
         self.fact("loss scale", &crate::report::loss_scaling_text(s));
         self.fact("remat", &s.remat.to_string());
         self.precision = summary.cloned();
-        let a = Anatomy::of_plan(plan);
+        let a = crate::memory::anatomy(plan);
         let saved = a.saved_activations.min(a.memory.arena_bytes);
         let role = |r: StateRole| r.describe().to_string();
         self.memory = Some(Memory {
@@ -109,7 +109,8 @@ impl Report {
                     a.memory.arena_bytes - saved,
                     None,
                 ),
-                ("workspace".into(), a.workspace, None),
+                ("cuBLAS workspace".into(), a.memory.workspace, None),
+                (OTHER_BUFFERS.into(), a.memory.other, None),
             ],
             params: a.params,
             lower_bound: a.memory.lower_bound,

@@ -20,6 +20,7 @@ pub mod generate;
 pub mod given;
 pub mod html;
 pub mod labelled;
+pub mod memory;
 pub mod outputs;
 pub mod plot;
 pub mod precision;

@@ -279,16 +279,18 @@ pub fn anatomy_lines(a: &castor_passes::memory::Anatomy) -> Vec<String> {
             m.arena_bytes,
             "",
             &format!(
-                "lower bound {} (+{over:.1}%), {}",
+                "lower bound {} (+{over:.1}%), {}; {}",
                 thousands(m.lower_bound),
-                m.order.describe()
+                m.order.describe(),
+                m.model
             ),
         ),
+        row("cuBLAS workspace", m.workspace, "", ""),
         row(
-            "workspace",
-            a.workspace,
+            crate::anatomy::OTHER_BUFFERS,
+            m.other,
             "",
-            "cuBLAS workspace not modelled",
+            "batch, graph outputs, flags, tables, allocation rounding",
         ),
         row("total", a.total(), "18", "+ activations by the rule"),
     ]

@@ -167,6 +167,7 @@ fn every_launch_names_a_kernel_and_every_place_is_in_bounds() {
                             s.name
                         );
                     }
+                    Place::Buffer { .. } => panic!("{name}: an unplaced buffer in {c:?}"),
                 }
             }
         }

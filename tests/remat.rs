@@ -3,8 +3,8 @@
 //!   none|full|selective|budget`;
 //! - snapshots of what each mode keeps and recomputes for a GPT-2 and a LLaMA fixture;
 //! - blocks and the model shape come from the IR, not from value names;
-//! - on GPT-2 124M (config only, B=8, T=1024, bf16, AdamW): the arena stays within 5% of its
-//!   lower bound in every mode; saved activations per layer beside Megatron-LM's counts; a
+//! - on GPT-2 124M (config only, B=8, T=1024, bf16, AdamW), under the CUDA executor's memory
+//!   model: the arena stays within 5% of its lower bound in every mode; saved activations per layer beside Megatron-LM's counts; a
 //!   sweep of budgets where every planned peak fits, recompute time never rises with the
 //!   budget, and the minimum cut never recomputes more (in estimated time) than the former
 //!   greedy sequence at the same budget.
@@ -14,13 +14,13 @@ mod common;
 use castor_ir::{LossScaling, OptimizerKind, Remat, TrainSettings, TrainingPlan};
 use castor_models::{Model, Objective, SafetensorsFile};
 use castor_passes::{
-    build_training_plan,
     cost::{GpuSpec, StepCost},
-    memory::{saved_activations, saved_per_block, Anatomy},
+    memory::{saved_activations, saved_per_block},
     precision_pipeline,
     remat::{self, BudgetSearch},
     Policy, Precision,
 };
+use castor_runtime::cuda::memory::CudaMemory;
 use common::*;
 use std::path::Path;
 
@@ -70,11 +70,13 @@ fn try_plan(
         param_grads_in_compute_dtype: false,
         remat,
     };
-    build_training_plan(&g, settings).map(|(p, _)| p)
+    castor::memory::pipeline()
+        .build(&g, settings)
+        .map(|(p, _)| p)
 }
 
 fn peak(p: &TrainingPlan) -> u64 {
-    Anatomy::of_plan(p).total()
+    castor::memory::anatomy(p).total()
 }
 
 /// A budget halfway between the `none` and `full` peaks of a fixture.
@@ -301,7 +303,7 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
         (Remat::Full, "2"),
     ] {
         let p = plan(&config, b, t, mode);
-        let a = Anatomy::of_plan(&p);
+        let a = castor::memory::anatomy(&p);
         let m = &a.memory;
         assert!(
             m.arena_bytes as f64 <= 1.05 * m.lower_bound as f64,
@@ -341,7 +343,7 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
     // The same sweep under the former greedy sequence, from the plan without recomputation.
     let none = plan(&config, b, t, Remat::None);
     let gpu = GpuSpec::default();
-    let ctx = remat::RematContext::of_plan(&none, gpu.clone());
+    let ctx = remat::RematContext::of_plan(&none, gpu.clone(), &CudaMemory);
     println!();
     println!(
         "| budget | min-cut peak | recomputed values | recompute FLOP | recompute ms (est.) | candidates planned | greedy peak | greedy ms (est.) |"
@@ -351,7 +353,7 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
     for i in 0..10 {
         let budget = smallest + (none_peak - smallest) * i / 9;
         let p = plan(&config, b, t, Remat::Budget(budget));
-        let a = Anatomy::of_plan(&p);
+        let a = castor::memory::anatomy(&p);
         assert!(a.total() <= budget, "budget {budget}: peak {}", a.total());
         let cost = StepCost::of_plan(&p, &gpu);
         let secs = cost.recompute_seconds();

@@ -9,7 +9,7 @@ use crate::training::TrainingArgs;
 use anyhow::Context;
 use castor_ir::{text, verify, Graph};
 use castor_models::Model;
-use castor_passes::{explain, precision_summary, TrainingPipeline};
+use castor_passes::{explain, precision_summary};
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -180,7 +180,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         model,
     } = load_graph(&args, train)?;
     // --dump-after names a precision pass or, for a training step, a training-build pass.
-    let training = TrainingPipeline::default();
+    let training = crate::memory::pipeline();
     let dump_training = args
         .dump_after
         .as_deref()
@@ -359,7 +359,7 @@ fn replan(
         None if settings.batch != args.batch => anyhow::bail!("an IR file has one batch size"),
         _ => compiled.clone(),
     };
-    Ok(TrainingPipeline::default()
+    Ok(crate::memory::pipeline()
         .run(&graph, settings.clone())?
         .plan)
 }
@@ -371,7 +371,7 @@ fn print_memory_and_cost(
     plan: &castor_ir::TrainingPlan,
     gpu: &castor_passes::cost::GpuSpec,
 ) {
-    use castor_passes::{cost::StepCost, memory::Anatomy, remat};
+    use castor_passes::{cost::StepCost, remat};
     let (names, cost) = remat::recomputed(&plan.micro_step, gpu);
     let groups = remat::group_counts(&plan.micro_step, &names);
     toln!(
@@ -385,7 +385,7 @@ fn print_memory_and_cost(
         toln!(say, "  recompute {group} x{count}");
     }
     toln!(say);
-    for line in crate::report::anatomy_lines(&Anatomy::of_plan(plan)) {
+    for line in crate::report::anatomy_lines(&crate::memory::anatomy(plan)) {
         toln!(say, "{line}");
     }
     toln!(say);

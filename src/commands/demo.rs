@@ -21,7 +21,7 @@ use crate::training::TrainingArgs;
 use anyhow::Context;
 use castor_ir::{Graph, Tensor, TrainingPlan};
 use castor_models::{Config, Model, Objective};
-use castor_passes::{build_training_plan, precision_summary, Precision};
+use castor_passes::{precision_summary, Precision};
 use castor_runtime::PlanRunner;
 use clap::Parser;
 use std::collections::HashMap;
@@ -113,7 +113,7 @@ fn compile(
     castor_ir::verify(&loss_graph).context("the front end built an invalid graph")?;
     let compiled = f.precision.compile(loss_graph, Some(model), None, false)?;
     let settings = f.training.settings(precision, Objective::Lm, batch, seq)?;
-    let (plan, report) = build_training_plan(&compiled.graph, settings)?;
+    let (plan, report) = crate::memory::pipeline().build(&compiled.graph, settings)?;
     Ok(Compiled {
         precision,
         loss_graph: compiled.graph,

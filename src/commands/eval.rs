@@ -271,16 +271,14 @@ fn gradients(
         train
     } else {
         // Parameters are the persistent bytes; the gradients are outputs, live to the end.
-        let ctx = castor_passes::remat::RematContext {
-            forward_nodes: compiled.num_nodes(),
-            persistent_bytes: compiled
+        let ctx = castor_passes::remat::RematContext::of_graph(
+            compiled.num_nodes(),
+            compiled
                 .params()
                 .map(|p| compiled.ty(p).size_bytes().unwrap_or(0) as u64)
                 .sum(),
-            stored_outputs: Default::default(),
-            after: Vec::new(),
-            gpu: Default::default(),
-        };
+            Default::default(),
+        );
         let out = castor_passes::remat::rematerialize(&train, args.remat, &ctx)?;
         errln!("{}", out.summary);
         out.graph

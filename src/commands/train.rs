@@ -23,7 +23,6 @@ use crate::CliError;
 use anyhow::Context;
 use castor_ir::{TrainSettings, TrainingPlan};
 use castor_models::Model;
-use castor_passes::build_training_plan;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -485,7 +484,7 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
 /// The plan's planned memory per step (from the plan alone, so a plan file reports it too).
 fn memory_line(plan: &TrainingPlan) -> String {
     use castor_ir::human_bytes;
-    let a = castor_passes::memory::Anatomy::of_plan(plan);
+    let a = crate::memory::anatomy(plan);
     format!(
         "memory      {} planned per step: state {}, arena {} (saved activations {})",
         human_bytes(a.total()),
@@ -542,7 +541,7 @@ pub fn compile_plan(
         }
     }
     let summary = castor_passes::precision_summary(&compiled.graph, precision.precision.low());
-    let (plan, report) = build_training_plan(&compiled.graph, settings)?;
+    let (plan, report) = crate::memory::pipeline().build(&compiled.graph, settings)?;
     if say {
         outln!("plan        {}", report.summary);
     }

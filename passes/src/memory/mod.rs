@@ -20,8 +20,10 @@
 //! arena wins. Its lower bound is the largest total of live transient bytes (aligned sizes) at
 //! any point of the schedule.
 
+mod model;
 mod place;
 
+pub use model::{MemoryModel, NodeLevel, StepMemory};
 pub use place::PlacementOrder;
 
 use castor_ir::{Graph, Op, StateRole, TrainingPlan, Value};
@@ -226,11 +228,6 @@ pub fn place_buffers(buffers: Vec<Buffer>, len: usize) -> MemoryPlan {
     }
 }
 
-/// Plans the arena of a training plan's step.
-pub fn plan_memory(plan: &TrainingPlan) -> MemoryPlan {
-    plan_graphs(&step_graphs(plan))
-}
-
 /// Bytes of the persistent region: the state table.
 pub fn persistent_bytes(plan: &TrainingPlan) -> u64 {
     plan.state
@@ -284,14 +281,13 @@ pub struct Anatomy {
     pub control: u64,
     /// Forward values read by the backward pass (part of the arena).
     pub saved_activations: u64,
-    pub memory: MemoryPlan,
-    /// Library workspace (cuBLAS): not modelled, 0.
-    pub workspace: u64,
+    /// The rest of the step as `model` lays it out: arena, workspace, other buffers.
+    pub memory: StepMemory,
 }
 
 impl Anatomy {
-    pub fn of_plan(plan: &TrainingPlan) -> Anatomy {
-        let memory = plan_memory(plan);
+    /// The plan's state by role and its step's memory as `model` lays it out.
+    pub fn of_plan(plan: &TrainingPlan, model: &dyn MemoryModel) -> Anatomy {
         Anatomy {
             params: crate::cost::param_count(plan),
             low_precision_weights: plan.state_bytes(StateRole::WorkingCopy),
@@ -303,8 +299,7 @@ impl Anatomy {
                 .iter()
                 .map(|(_, b)| b)
                 .sum(),
-            memory,
-            workspace: 0,
+            memory: model.step(plan, &plan.micro_step),
         }
     }
 
@@ -316,8 +311,9 @@ impl Anatomy {
             + self.control
     }
 
-    /// Persistent state + arena + workspace: the step's simulated peak.
+    /// Persistent state + the step's memory: the step's planned peak, what the executor
+    /// allocates.
     pub fn total(&self) -> u64 {
-        self.persistent() + self.memory.arena_bytes + self.workspace
+        self.persistent() + self.memory.total()
     }
 }

@@ -18,8 +18,8 @@
 //!   sum's output is kept, as Megatron keeps its checkpointed region's output.
 //! - `budget:<bytes>`: what to keep and what to recompute is solved as minimum cuts of the
 //!   forward/backward graph over a range of prices of a saved byte ([`mincut`]), plus
-//!   `selective` and `full`. Each candidate is rewritten and its step planned by the memory
-//!   planner; the cheapest (by the cost model's recompute time) whose planned peak fits is
+//!   `selective` and `full`. Each candidate is rewritten and its step planned by the plan's
+//!   memory model (the CUDA executor's, from the command line); the cheapest (by the cost model's recompute time) whose planned peak fits is
 //!   chosen. The candidates do not depend on the budget, so a larger budget never costs more
 //!   recompute. The former fixed sequence of growing sets ([`BudgetSearch::Greedy`]) stays as
 //!   the baseline the cut is measured against.
@@ -32,7 +32,7 @@ mod mincut;
 mod select;
 
 use crate::cost::{node_cost, GpuSpec, NodeCost};
-use crate::memory::{plan_graphs, ScheduledGraph};
+use crate::memory::{plan_graphs, MemoryModel, ScheduledGraph};
 use crate::PassError;
 use castor_ir::{human_bytes, Graph, Node, Op, Remat, Value};
 use std::collections::{HashMap, HashSet};
@@ -66,33 +66,47 @@ pub fn group_name(g: &Graph, v: Value) -> String {
     parts.join(".")
 }
 
-/// What the budget search needs besides the micro step: the persistent bytes and the rest
-/// of the step's schedule.
+/// What the budget search needs besides the micro step: where the forward pass ends, the
+/// cost model's GPU, and the step's planned peak with a candidate as its micro step.
 pub struct RematContext<'a> {
     /// Nodes of the forward pass at the head of the micro step.
     pub forward_nodes: usize,
-    /// Bytes of the persistent region (the plan's state table).
-    pub persistent_bytes: u64,
-    /// Micro-step outputs stored into state (persistent).
-    pub stored_outputs: HashSet<&'a str>,
-    /// The graphs scheduled after the micro step (the optimizer step).
-    pub after: Vec<ScheduledGraph<'a>>,
     pub gpu: GpuSpec,
+    /// The planned peak (state and everything else the executor allocates) of the step with
+    /// this micro step.
+    pub peak: Box<dyn Fn(&Graph) -> u64 + 'a>,
 }
 
 impl<'a> RematContext<'a> {
-    /// The context of a plan's micro step: its state, writes and optimizer step.
-    pub fn of_plan(plan: &'a castor_ir::TrainingPlan, gpu: GpuSpec) -> RematContext<'a> {
-        let stored = |w: &'a [castor_ir::Write]| w.iter().map(|w| w.output.as_str()).collect();
+    /// The context of a plan's micro step: its state and the rest of its step as `model`
+    /// lays them out (the model the anatomy and the fit verdict read, so the budget holds
+    /// for the plan they report).
+    pub fn of_plan(
+        plan: &'a castor_ir::TrainingPlan,
+        gpu: GpuSpec,
+        model: &'a dyn MemoryModel,
+    ) -> RematContext<'a> {
+        let persistent = crate::memory::persistent_bytes(plan);
         RematContext {
             forward_nodes: plan.forward_nodes,
-            persistent_bytes: crate::memory::persistent_bytes(plan),
-            stored_outputs: stored(&plan.micro_step_writes),
-            after: vec![ScheduledGraph {
-                graph: &plan.optimizer_step,
-                stored_outputs: stored(&plan.optimizer_step_writes),
-            }],
             gpu,
+            peak: Box::new(move |g| persistent + model.step(plan, g).total()),
+        }
+    }
+
+    /// The context of a lone graph (a forward and backward with no optimizer step):
+    /// `persistent` bytes plus its node-level arena.
+    pub fn of_graph(forward_nodes: usize, persistent: u64, gpu: GpuSpec) -> RematContext<'a> {
+        RematContext {
+            forward_nodes,
+            gpu,
+            peak: Box::new(move |g| {
+                let graphs = [ScheduledGraph {
+                    graph: g,
+                    stored_outputs: HashSet::new(),
+                }];
+                persistent + plan_graphs(&graphs).arena_bytes
+            }),
         }
     }
 }
@@ -287,21 +301,6 @@ pub fn group_counts(g: &Graph, values: &[Value]) -> Vec<(String, usize)> {
         .collect()
 }
 
-/// Simulated peak of the step with `g` as its micro step.
-fn simulated_peak(g: &Graph, ctx: &RematContext<'_>) -> u64 {
-    let mut graphs = vec![ScheduledGraph {
-        graph: g,
-        stored_outputs: ctx.stored_outputs.clone(),
-    }];
-    for a in &ctx.after {
-        graphs.push(ScheduledGraph {
-            graph: a.graph,
-            stored_outputs: a.stored_outputs.clone(),
-        });
-    }
-    ctx.persistent_bytes + plan_graphs(&graphs).arena_bytes
-}
-
 /// Which recompute sets a budget search plans.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BudgetSearch {
@@ -350,7 +349,7 @@ pub fn fit_budget(
     let mut best: Option<(f64, u64, Graph)> = None;
     let mut consider = |graph: Graph, best: &mut Option<(f64, u64, Graph)>| {
         evaluated += 1;
-        let peak = simulated_peak(&graph, ctx);
+        let peak = (ctx.peak)(&graph);
         min_peak = min_peak.min(peak);
         if peak <= budget {
             let (_, cost) = recomputed(&graph, &ctx.gpu);

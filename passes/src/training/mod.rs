@@ -24,8 +24,10 @@
 mod gradients;
 mod optimizer;
 
+use crate::memory::{MemoryModel, NodeLevel};
 use crate::{PassError, PassReport};
 use castor_ir::{text, verify, Graph, TrainSettings, TrainingPlan, Value, PLAN_FORMAT};
+use std::sync::Arc;
 use wildmatch::WildMatch;
 
 /// A plan under construction: the plan so far, the loss graph it was started from, and the
@@ -40,6 +42,8 @@ pub struct PlanBuild {
     trainable: Vec<Value>,
     /// Trained without weight decay.
     no_decay: Vec<Value>,
+    /// How the executor lays out the step's memory (the remat budget is checked against it).
+    pub memory: Arc<dyn MemoryModel>,
 }
 
 impl PlanBuild {
@@ -79,6 +83,7 @@ impl PlanBuild {
             params,
             trainable,
             no_decay,
+            memory: Arc::new(NodeLevel),
         })
     }
 
@@ -99,6 +104,7 @@ pub struct TrainingPipeline {
     passes: Vec<Box<dyn PlanPass>>,
     verify_each: bool,
     dump_after: Option<String>,
+    memory: Arc<dyn MemoryModel>,
 }
 
 /// The plan, each pass's report, and the requested dump.
@@ -128,7 +134,15 @@ impl TrainingPipeline {
             passes,
             verify_each: cfg!(debug_assertions),
             dump_after: None,
+            memory: Arc::new(NodeLevel),
         }
+    }
+
+    /// The memory model the remat budget is checked against (default: [`NodeLevel`]; the
+    /// command line gives the CUDA executor's).
+    pub fn memory_model(mut self, model: Arc<dyn MemoryModel>) -> Self {
+        self.memory = model;
+        self
     }
 
     pub fn pass_names(&self) -> Vec<&'static str> {
@@ -155,6 +169,17 @@ impl TrainingPipeline {
         Ok(self)
     }
 
+    /// [`Self::run`], with the plan summed up in one line.
+    pub fn build(
+        &self,
+        forward: &Graph,
+        settings: TrainSettings,
+    ) -> Result<(TrainingPlan, PassReport), PassError> {
+        let out = self.run(forward, settings)?;
+        let report = PassReport::new(plan_summary(&out.plan, &out.reports));
+        Ok((out.plan, report))
+    }
+
     /// Builds the plan of `forward` (first output: the scalar loss; dtypes assigned by the
     /// precision passes) and checks it against the plan contract.
     pub fn run(
@@ -163,6 +188,7 @@ impl TrainingPipeline {
         settings: TrainSettings,
     ) -> Result<TrainingOutput, PassError> {
         let mut build = PlanBuild::new(forward, settings)?;
+        build.memory = Arc::clone(&self.memory);
         let mut reports = Vec::new();
         let mut dump = None;
         for pass in &self.passes {
@@ -205,9 +231,7 @@ pub fn build_training_plan(
     forward: &Graph,
     settings: TrainSettings,
 ) -> Result<(TrainingPlan, PassReport), PassError> {
-    let out = TrainingPipeline::default().run(forward, settings)?;
-    let report = PassReport::new(plan_summary(&out.plan, &out.reports));
-    Ok((out.plan, report))
+    TrainingPipeline::default().build(forward, settings)
 }
 
 /// `training plan: 6 of 6 parameter buffers trained; micro step 31 nodes (2 fused into 1
@@ -242,7 +266,8 @@ fn plan_summary(plan: &TrainingPlan, reports: &[(&'static str, PassReport)]) -> 
 }
 
 /// `remat`: recomputation in the micro step's backward part, the budget measured against the
-/// whole step's planned peak (state, micro step, optimizer step).
+/// whole step's planned peak (state, micro step, optimizer step) under the build's memory
+/// model.
 struct Rematerialize;
 
 impl PlanPass for Rematerialize {
@@ -252,8 +277,13 @@ impl PlanPass for Rematerialize {
 
     fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
         let plan = &build.plan;
-        let ctx = crate::remat::RematContext::of_plan(plan, crate::cost::GpuSpec::default());
+        let ctx = crate::remat::RematContext::of_plan(
+            plan,
+            crate::cost::GpuSpec::default(),
+            build.memory.as_ref(),
+        );
         let out = crate::remat::rematerialize(&plan.micro_step, plan.settings.remat, &ctx)?;
+        drop(ctx);
         build.plan.micro_step = out.graph;
         Ok(PassReport::new(out.summary))
     }

@@ -10,6 +10,7 @@
 pub mod device;
 pub mod emulate;
 pub mod lower;
+pub mod memory;
 pub mod program;
 pub mod roofline;
 pub mod runner;

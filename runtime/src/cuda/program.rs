@@ -16,13 +16,25 @@ pub enum Place {
     Arena { offset: u64 },
     /// `offset` bytes into persistent slot `slot` (a state entry, a bound tensor, an input).
     Slot { slot: usize, offset: u64 },
+    /// `offset` bytes into arena buffer `buffer` before the arena is placed: only inside the
+    /// lowering, which resolves every one to [`Place::Arena`]; a program holds none (the
+    /// device's check and the emulator refuse one).
+    Buffer { buffer: BufferId, offset: u64 },
 }
+
+/// An arena buffer of a run being lowered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BufferId(pub u32);
 
 impl Place {
     /// The place `bytes` further on.
     pub fn plus(self, bytes: u64) -> Place {
         match self {
             Place::Arena { offset } => Place::Arena {
+                offset: offset + bytes,
+            },
+            Place::Buffer { buffer, offset } => Place::Buffer {
+                buffer,
                 offset: offset + bytes,
             },
             Place::Slot { slot, offset } => Place::Slot {
@@ -250,6 +262,79 @@ pub struct Gemm {
     pub compute: GemmCompute,
 }
 
+impl Gemm {
+    /// The operands' extents in bytes, `(a, b, c)` from their places in column-major terms,
+    /// or why cuBLAS refuses the call: `cublasGemmEx`'s type table for the 32-bit compute
+    /// types (A and B of one type, C of that type or F32, F32 operands only into F32, TF32
+    /// only for F32), negative sizes or strides, leading dimensions below the rows an operand
+    /// stores, and batch entries whose outputs overlap. The device checks every product with
+    /// it before issuing, and the emulator before computing.
+    pub fn check(&self) -> Result<(u64, u64, u64), String> {
+        let g = self;
+        let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
+        let types_ok = float(g.a_dtype)
+            && float(g.c_dtype)
+            && g.a_dtype == g.b_dtype
+            && (g.c_dtype == g.a_dtype || g.c_dtype == DType::F32)
+            && (g.a_dtype != DType::F32 || g.c_dtype == DType::F32)
+            && (g.compute != GemmCompute::Tf32 || g.a_dtype == DType::F32);
+        if !types_ok {
+            return Err(format!(
+                "cuBLAS has no product of {} x {} into {} with {:?} compute",
+                g.a_dtype, g.b_dtype, g.c_dtype, g.compute
+            ));
+        }
+        let (m, n, k, batch) = (
+            i128::from(g.m),
+            i128::from(g.n),
+            i128::from(g.k),
+            i128::from(g.batch),
+        );
+        if m < 0 || n < 0 || k < 0 || batch < 0 {
+            return Err(format!("negative size m={m} n={n} k={k} batch={batch}"));
+        }
+        // (rows, cols) as stored, leading dimension, batch stride, element size.
+        let operand = |name: &str, rows: i128, cols: i128, ld: i64, stride: i64, d: DType| {
+            let (ld, stride) = (i128::from(ld), i128::from(stride));
+            if ld < rows.max(1) {
+                return Err(format!(
+                    "ld{name} = {ld} is less than the {rows} rows {name} stores (cuBLAS refuses the call)"
+                ));
+            }
+            if stride < 0 {
+                return Err(format!("stride_{name} = {stride} is negative"));
+            }
+            let one = if rows == 0 || cols == 0 {
+                0
+            } else {
+                (cols - 1) * ld + rows
+            };
+            let elems = if one == 0 || batch == 0 {
+                0
+            } else {
+                (batch - 1) * stride + one
+            };
+            u64::try_from(elems * d.size_bytes() as i128)
+                .map_err(|_| format!("operand {name} spans more than 2^64 bytes"))
+        };
+        let (ar, ac) = if g.transa { (k, m) } else { (m, k) };
+        let (br, bc) = if g.transb { (n, k) } else { (k, n) };
+        let extents = (
+            operand("a", ar, ac, g.lda, g.stride_a, g.a_dtype)?,
+            operand("b", br, bc, g.ldb, g.stride_b, g.b_dtype)?,
+            operand("c", m, n, g.ldc, g.stride_c, g.c_dtype)?,
+        );
+        let ldc_n = i128::from(g.ldc) * n;
+        if batch > 1 && i128::from(g.stride_c) < ldc_n && m * n > 0 {
+            return Err(format!(
+                "stride_c {} < ldc * n = {ldc_n}: the batch entries' outputs overlap",
+                g.stride_c
+            ));
+        }
+        Ok(extents)
+    }
+}
+
 /// One kernel launch.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Launch {
@@ -356,11 +441,54 @@ pub struct Program {
     /// Bytes of the one transient arena (every offset is 256-byte aligned). Runs never
     /// overlap in time, so each places its buffers from offset 0.
     pub arena_bytes: u64,
+    /// The arena's lower bound (the most bytes live at once in any run) and the placement
+    /// order that won in the run that sets its size.
+    pub arena_lower_bound: u64,
+    pub arena_order: Option<castor_passes::memory::PlacementOrder>,
     /// Bytes of cuBLAS workspace the products may use.
     pub workspace_bytes: u64,
     /// Run once after the state is loaded (working copies from masters, constant tables).
     pub prologue: Vec<Command>,
     pub runs: Vec<Run>,
+}
+
+/// The least cuBLAS workspace a program with products gets (cuBLAS may fail with
+/// `CUBLAS_STATUS_ALLOC_FAILED` below 16 KiB).
+pub const MIN_WORKSPACE: u64 = 1 << 20;
+
+/// The device bytes of one allocation of `bytes`: 256-byte aligned and at least 256, as the
+/// device layer allocates every buffer.
+pub fn allocated(bytes: u64) -> u64 {
+    super::align(bytes).max(256)
+}
+
+/// What the device allocates for a program, by kind ([`Program::allocation`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Allocation {
+    pub arena: u64,
+    /// Bound slots: the state table (masters, working copies, gradients, moments, control).
+    pub state: u64,
+    /// Batch inputs and the learning rate.
+    pub inputs: u64,
+    /// Graph outputs and error flags.
+    pub internal: u64,
+    /// Constant tables uploaded at load (RoPE).
+    pub constants: u64,
+    /// Device tables of the multi-tensor kernels.
+    pub tables: u64,
+    pub workspace: u64,
+}
+
+impl Allocation {
+    pub fn total(&self) -> u64 {
+        self.arena
+            + self.state
+            + self.inputs
+            + self.internal
+            + self.constants
+            + self.tables
+            + self.workspace
+    }
 }
 
 impl Program {
@@ -374,15 +502,31 @@ impl Program {
         self.runs.iter().position(|r| r.name == name)
     }
 
-    /// Device bytes the program needs: arena, slots, tables, workspace.
-    pub fn device_bytes(&self) -> u64 {
-        let slots: u64 = self.slots.iter().map(|s| super::align(s.bytes)).sum();
-        let tables: u64 = self
+    /// What the device allocates for this program, by kind: one allocation for the arena,
+    /// one per slot and table, and the cuBLAS workspace when there are products.
+    pub fn allocation(&self) -> Allocation {
+        let mut a = Allocation {
+            arena: allocated(self.arena_bytes),
+            ..Allocation::default()
+        };
+        for s in &self.slots {
+            let bytes = allocated(s.bytes);
+            match s.kind {
+                SlotKind::Bound(_) => a.state += bytes,
+                SlotKind::Input(_) => a.inputs += bytes,
+                SlotKind::Internal => a.internal += bytes,
+                SlotKind::Constant(_) => a.constants += bytes,
+            }
+        }
+        a.tables = self
             .tables
             .iter()
-            .map(|t| super::align(t.byte_len() as u64))
+            .map(|t| allocated(t.byte_len() as u64))
             .sum();
-        self.arena_bytes + slots + tables + self.workspace_bytes
+        if self.all_commands().any(|c| matches!(c, Command::Gemm(_))) {
+            a.workspace = allocated(self.workspace_bytes).max(MIN_WORKSPACE);
+        }
+        a
     }
 
     /// Every command of the prologue and the runs.
@@ -398,6 +542,7 @@ impl Place {
     fn short(self) -> String {
         match self {
             Place::Arena { offset } => format!("a+{offset}"),
+            Place::Buffer { buffer, offset } => format!("unplaced b{}+{offset}", buffer.0),
             Place::Slot { slot, offset: 0 } => format!("s{slot}"),
             Place::Slot { slot, offset } => format!("s{slot}+{offset}"),
         }

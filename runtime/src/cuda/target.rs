@@ -132,6 +132,6 @@ impl Target for Emulator {
         Ok(())
     }
     fn allocated_bytes(&self) -> u64 {
-        self.program().device_bytes()
+        self.program().allocation().total()
     }
 }

@@ -30,25 +30,15 @@ pub(super) struct GemmParams {
     pub(super) ldc: i32,
 }
 
-/// The cuBLAS types and 32-bit leading dimensions of `g`, or why cuBLAS cannot run it.
+/// The cuBLAS types and 32-bit leading dimensions of `g`, or why cuBLAS cannot run it
+/// ([`Gemm::check`], then cuBLAS's 32-bit arguments).
 pub(super) fn gemm_params(g: &Gemm) -> Result<GemmParams, CudaError> {
     let unsupported = |why: String| CudaError::Unsupported(format!("node `%{}`: {why}", g.node));
+    g.check().map_err(unsupported)?;
     let ty = |d: DType| {
         blas_type(d).ok_or_else(|| unsupported(format!("a matrix product of {d} operands")))
     };
     let (a_type, b_type, c_type) = (ty(g.a_dtype)?, ty(g.b_dtype)?, ty(g.c_dtype)?);
-    // cublasGemmEx's table for CUBLAS_COMPUTE_32F: A and B of one type, C of that type or F32;
-    // the TF32 compute type takes F32 only.
-    let types_ok = g.a_dtype == g.b_dtype
-        && (g.c_dtype == g.a_dtype || g.c_dtype == DType::F32)
-        && (g.a_dtype != DType::F32 || g.c_dtype == DType::F32)
-        && (g.compute != GemmCompute::Tf32 || g.a_dtype == DType::F32);
-    if !types_ok {
-        return Err(unsupported(format!(
-            "cuBLAS has no product of {} x {} into {} with {:?} compute",
-            g.a_dtype, g.b_dtype, g.c_dtype, g.compute
-        )));
-    }
     let compute = match g.compute {
         GemmCompute::F32 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         GemmCompute::Tf32 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
@@ -67,50 +57,6 @@ pub(super) fn gemm_params(g: &Gemm) -> Result<GemmParams, CudaError> {
     })
 }
 
-/// The bytes each operand of `g` spans from its place: `(a, b, c)`, in column-major terms.
-pub(super) fn gemm_extents(g: &Gemm) -> Result<(u64, u64, u64), String> {
-    let (m, n, k, batch) = (
-        i128::from(g.m),
-        i128::from(g.n),
-        i128::from(g.k),
-        i128::from(g.batch),
-    );
-    if m < 0 || n < 0 || k < 0 || batch < 0 {
-        return Err(format!("negative size m={m} n={n} k={k} batch={batch}"));
-    }
-    // (rows, cols) as stored, leading dimension, batch stride, element size.
-    let operand = |name: &str, rows: i128, cols: i128, ld: i64, stride: i64, d: DType| {
-        let (ld, stride) = (i128::from(ld), i128::from(stride));
-        if ld < rows.max(1) {
-            return Err(format!(
-                "ld{name} = {ld} is less than the {rows} rows {name} stores"
-            ));
-        }
-        if stride < 0 {
-            return Err(format!("stride_{name} = {stride} is negative"));
-        }
-        let one = if rows == 0 || cols == 0 {
-            0
-        } else {
-            (cols - 1) * ld + rows
-        };
-        let elems = if one == 0 || batch == 0 {
-            0
-        } else {
-            (batch - 1) * stride + one
-        };
-        u64::try_from(elems * d.size_bytes() as i128)
-            .map_err(|_| format!("operand {name} spans more than 2^64 bytes"))
-    };
-    let (ar, ac) = if g.transa { (k, m) } else { (m, k) };
-    let (br, bc) = if g.transb { (n, k) } else { (k, n) };
-    Ok((
-        operand("a", ar, ac, g.lda, g.stride_a, g.a_dtype)?,
-        operand("b", br, bc, g.ldb, g.stride_b, g.b_dtype)?,
-        operand("c", m, n, g.ldc, g.stride_c, g.c_dtype)?,
-    ))
-}
-
 /// Buffer sizes of a program: the arena, then each slot.
 pub(super) struct Extents<'p> {
     pub(super) program: &'p Program,
@@ -121,6 +67,12 @@ impl Extents<'_> {
     pub(super) fn check(&self, p: Place, bytes: u64) -> Result<(), String> {
         let (size, offset, what) = match p {
             Place::Arena { offset } => (self.program.arena_bytes, offset, "the arena".to_string()),
+            Place::Buffer { buffer, .. } => {
+                return Err(format!(
+                    "arena buffer {} was never placed (a lowering bug)",
+                    buffer.0
+                ))
+            }
             Place::Slot { slot, offset } => match self.program.slots.get(slot) {
                 Some(s) => (s.bytes, offset, format!("slot {slot} (`{}`)", s.name)),
                 None => {
@@ -216,7 +168,7 @@ pub(super) fn check_program(program: &Program) -> Result<(), CudaError> {
                 Command::Gemm(g) => {
                     let at = at(&g.node);
                     gemm_params(g)?;
-                    let (a, b, c) = gemm_extents(g).map_err(|why| bad(&at, why))?;
+                    let (a, b, c) = g.check().map_err(|why| bad(&at, why))?;
                     for (p, bytes) in [(g.a, a), (g.b, b), (g.c, c)] {
                         ext.check(p, bytes).map_err(|why| bad(&at, why))?;
                     }

@@ -4,7 +4,8 @@
 use super::check::{check_args, check_program, Extents};
 use super::open::{Device, Inner};
 use super::staging::Staging;
-use super::{drv, CudaError, DEFAULT_MAX_SHARED, GRAPHS_VAR, MEMORY_MARGIN, MIN_WORKSPACE};
+use super::{drv, CudaError, DEFAULT_MAX_SHARED, GRAPHS_VAR, MEMORY_MARGIN};
+use crate::cuda::program::allocated as allocation_bytes;
 use crate::cuda::program::{Command, Launch, Place, Program, SlotKind};
 use castor_kernels::{CacheError, NvrtcError};
 use cudarc::driver::result as cu;
@@ -23,18 +24,10 @@ impl Device {
         dev.bind()?;
         check_program(program)?;
 
-        let has_gemm = program
-            .all_commands()
-            .any(|c| matches!(c, Command::Gemm(_)));
-        let workspace_bytes = if has_gemm {
-            crate::cuda::align(program.workspace_bytes).max(MIN_WORKSPACE)
-        } else {
-            0
-        };
+        let allocation = program.allocation();
+        let workspace_bytes = allocation.workspace;
         let (free, total) = self.mem_info()?;
-        let needed = program.device_bytes()
-            + workspace_bytes.saturating_sub(program.workspace_bytes)
-            + MEMORY_MARGIN;
+        let needed = allocation.total() + MEMORY_MARGIN;
         if needed > free {
             return Err(CudaError::OutOfMemory {
                 needed,
@@ -245,32 +238,11 @@ pub struct Loaded {
 }
 
 /// What one allocation of `bytes` takes on the device: 256-byte granules, at least one.
-fn allocation_bytes(bytes: u64) -> u64 {
-    crate::cuda::align(bytes).max(256)
-}
-
 impl Loaded {
-    /// Device memory this program holds: the arena, every slot and table, and the cuBLAS
-    /// workspace, as allocated (each rounded up to 256 bytes).
+    /// Device memory this program holds: [`Program::allocation`], which is what `load`
+    /// allocated.
     pub fn allocated_bytes(&self) -> u64 {
-        let tables: u64 = self
-            .program
-            .tables
-            .iter()
-            .map(|t| allocation_bytes(t.byte_len() as u64))
-            .sum();
-        let slots: u64 = self
-            .program
-            .slots
-            .iter()
-            .map(|s| allocation_bytes(s.bytes))
-            .sum();
-        let workspace = if self.workspace != 0 {
-            allocation_bytes(self.workspace_bytes)
-        } else {
-            0
-        };
-        allocation_bytes(self.program.arena_bytes) + slots + tables + workspace
+        self.program.allocation().total()
     }
 
     /// The program this was loaded from.
@@ -284,6 +256,7 @@ impl Loaded {
         match p {
             Place::Arena { offset } => self.arena + offset,
             Place::Slot { slot, offset } => self.slots.get(slot).map_or(0, |base| base + offset),
+            Place::Buffer { .. } => 0,
         }
     }
 

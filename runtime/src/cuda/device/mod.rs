@@ -51,10 +51,6 @@ use castor_ir::human_bytes;
 /// handle and the driver's own allocations.
 pub const MEMORY_MARGIN: u64 = 64 << 20;
 
-/// The least cuBLAS workspace given to a program with products (cuBLAS may fail with
-/// `CUBLAS_STATUS_ALLOC_FAILED` below 16 KiB).
-pub const MIN_WORKSPACE: u64 = 1 << 20;
-
 /// Set to `0` to issue every run's commands directly instead of capturing a CUDA graph.
 pub const GRAPHS_VAR: &str = "CASTOR_CUDA_GRAPHS";
 

@@ -1,5 +1,5 @@
 use super::args::{arg_bytes, to_words};
-use super::check::{check_args, check_program, gemm_extents, gemm_params};
+use super::check::{check_args, check_program, gemm_params};
 use super::*;
 use crate::cuda::program::{
     Arg, Command, CopyLayout, Field, Gemm, GemmCompute, Launch, Module, Place, Program, Run, Slot,
@@ -40,6 +40,7 @@ fn argument_bytes_have_the_parameters_sizes() {
     let address = |p: Place| match p {
         Place::Arena { offset } => 0x1000 + offset,
         Place::Slot { slot, offset } => 0x10_0000 * (slot as u64 + 1) + offset,
+        Place::Buffer { .. } => 0,
     };
     let table = |i: usize| 0xdead_0000 + i as u64;
     let bytes = |a: &Arg| arg_bytes(a, &address, &table);
@@ -126,14 +127,14 @@ fn gemm(m: i32, n: i32, k: i32) -> Gemm {
 fn gemm_extents_in_column_major_terms() {
     let g = gemm(4, 3, 2);
     // A 4x2 F16, B 2x3 F16, C 4x3 F32.
-    assert_eq!(gemm_extents(&g), Ok((16, 12, 48)));
+    assert_eq!(g.check(), Ok((16, 12, 48)));
     let t = Gemm {
         transa: true,
         lda: 2,
         ..g.clone()
     };
     // A stored 2x4 with lda 2: 8 elements.
-    assert_eq!(gemm_extents(&t), Ok((16, 12, 48)));
+    assert_eq!(t.check(), Ok((16, 12, 48)));
     let batched = Gemm {
         batch: 5,
         stride_a: 8,
@@ -142,15 +143,15 @@ fn gemm_extents_in_column_major_terms() {
         ..g.clone()
     };
     assert_eq!(
-        gemm_extents(&batched),
+        batched.check(),
         Ok(((4 * 8 + 8) * 2, 12, (4 * 12 + 12) * 4))
     );
     let bad_ld = Gemm {
         lda: 3,
         ..g.clone()
     };
-    assert!(gemm_extents(&bad_ld).is_err());
-    assert_eq!(gemm_extents(&gemm(0, 3, 2)), Ok((0, 12, 0)));
+    assert!(bad_ld.check().is_err());
+    assert_eq!(gemm(0, 3, 2).check(), Ok((0, 12, 0)));
 }
 
 #[test]
@@ -392,6 +393,8 @@ if (k < n) x[k] *= by;
         ],
         tables: vec![table],
         arena_bytes: 512,
+        arena_lower_bound: 512,
+        arena_order: None,
         workspace_bytes: 1 << 20,
         prologue: vec![Command::Memset {
             dst: Place::Slot {

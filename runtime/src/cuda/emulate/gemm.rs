@@ -13,83 +13,19 @@ use castor_ir::{round_tf32, DType};
 /// operands (rounded to TF32 first under [`GemmCompute::Tf32`], as the CPU executor rounds
 /// them), the result rounded to `c_dtype` (beta = 0).
 pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
-    let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
-    if g.a_dtype != g.b_dtype || !float(g.a_dtype) || !float(g.c_dtype) {
-        return Err(format!(
-            "cuBLAS has no {} x {} -> {} product",
-            g.a_dtype.name(),
-            g.b_dtype.name(),
-            g.c_dtype.name()
-        ));
-    }
-    if g.c_dtype != g.a_dtype && g.c_dtype != DType::F32 {
-        return Err(format!(
-            "a {} product cannot write {}",
-            g.a_dtype.name(),
-            g.c_dtype.name()
-        ));
-    }
-    let dims = [g.m, g.n, g.k, g.batch];
-    if dims.iter().any(|&d| d < 0) {
-        return Err(format!("negative sizes m, n, k, batch = {dims:?}"));
-    }
+    let (ea_bytes, eb_bytes, ec_bytes) = g.check()?;
     let (mm, nn, kk, batch) = (g.m as i64, g.n as i64, g.k as i64, g.batch as i64);
-    // cuBLAS's CUBLAS_STATUS_INVALID_VALUE conditions on the leading dimensions.
-    let (a_rows, a_cols) = if g.transa { (kk, mm) } else { (mm, kk) };
-    let (b_rows, b_cols) = if g.transb { (nn, kk) } else { (kk, nn) };
-    if g.lda < a_rows.max(1) || g.ldb < b_rows.max(1) || g.ldc < mm.max(1) {
-        return Err(format!(
-            "leading dimensions lda {} ldb {} ldc {} below the rows {a_rows}, {b_rows}, {mm} \
-             (cuBLAS refuses the call)",
-            g.lda, g.ldb, g.ldc
-        ));
-    }
-    if g.stride_a < 0 || g.stride_b < 0 || g.stride_c < 0 {
-        return Err("negative batch strides".into());
-    }
-    if batch > 1 && g.stride_c < g.ldc * nn && mm * nn > 0 {
-        return Err(format!(
-            "stride_c {} < ldc * n = {}: the batch entries' outputs overlap",
-            g.stride_c,
-            g.ldc * nn
-        ));
-    }
     if mm * nn * batch == 0 {
         return Ok(());
     }
     let (pa, pb, pc) = (m.place(g.a), m.place(g.b), m.place(g.c));
-    let extent = |rows: i64, cols: i64, ld: i64, stride: i64| -> u64 {
-        if rows * cols == 0 {
-            0
-        } else {
-            ((batch - 1) * stride + (cols - 1) * ld + rows) as u64
-        }
-    };
     let (ea, ec) = (g.a_dtype.size_bytes(), g.c_dtype.size_bytes());
     check_uses(
         m,
         &[
-            use_(
-                "A",
-                Some(pa),
-                extent(a_rows, a_cols, g.lda, g.stride_a) * ea as u64,
-                ea,
-                Io::R,
-            ),
-            use_(
-                "B",
-                Some(pb),
-                extent(b_rows, b_cols, g.ldb, g.stride_b) * ea as u64,
-                ea,
-                Io::R,
-            ),
-            use_(
-                "C",
-                Some(pc),
-                extent(mm, nn, g.ldc, g.stride_c) * ec as u64,
-                ec,
-                Io::W,
-            ),
+            use_("A", Some(pa), ea_bytes, ea, Io::R),
+            use_("B", Some(pb), eb_bytes, ea, Io::R),
+            use_("C", Some(pc), ec_bytes, ec, Io::W),
         ],
         &[],
     )?;

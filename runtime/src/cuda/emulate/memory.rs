@@ -51,6 +51,11 @@ impl Mem {
                 buf: 1 + slot,
                 off: offset,
             },
+            // No buffer has this index: any access through it is refused as out of range.
+            Place::Buffer { .. } => Ptr {
+                buf: usize::MAX,
+                off: 0,
+            },
         }
     }
 

@@ -193,7 +193,9 @@ mod tests {
 
     fn elems(p: Place) -> usize {
         match p {
-            Place::Slot { offset, .. } | Place::Arena { offset } => offset as usize / 4,
+            Place::Slot { offset, .. } | Place::Arena { offset } | Place::Buffer { offset, .. } => {
+                offset as usize / 4
+            }
         }
     }
 

@@ -27,8 +27,8 @@ mod optimizer;
 mod pointwise;
 
 use super::program::{
-    Arg, Command, ErrorFlag, Field, GeneratedKernel, InputExtent, Launch, Module, Output, Place,
-    Program, Run, Slot, SlotKind, Table,
+    Arg, BufferId, Command, ErrorFlag, Field, GeneratedKernel, InputExtent, Launch, Module, Output,
+    Place, Program, Run, Slot, SlotKind, Table,
 };
 use castor_ir::{
     DType, Graph, KernelUnit, Node, Op, StateRole, TensorType, TrainingPlan, UnitKind, Value,
@@ -74,6 +74,22 @@ pub const FORWARD: &str = "graph";
 /// Lowers a training plan: runs `zero_grads` (only when gradients accumulate over several
 /// micro-batches), `micro_step` and `optimizer_step`, sharing the state slots.
 pub fn lower_plan(plan: &TrainingPlan) -> Result<Program, LowerError> {
+    lower_step(
+        plan,
+        &plan.micro_step,
+        plan.units_of(MICRO_STEP),
+        plan.units_of(OPTIMIZER_STEP),
+    )
+}
+
+/// Lowers `plan` with `micro_step` (and its kernel units) in place of its own micro step:
+/// what the memory model lowers for a candidate the remat pass weighs.
+pub fn lower_step(
+    plan: &TrainingPlan,
+    micro_step: &Graph,
+    micro_units: Vec<KernelUnit>,
+    optimizer_units: Vec<KernelUnit>,
+) -> Result<Program, LowerError> {
     let mut l = Lowerer::default();
     for spec in &plan.state {
         l.slot(&spec.name, SlotKind::Bound(spec.ty.clone()), &spec.name)?;
@@ -101,15 +117,15 @@ pub fn lower_plan(plan: &TrainingPlan) -> Result<Program, LowerError> {
             .collect()
     };
     l.lower_run(
-        &plan.micro_step,
+        micro_step,
         MICRO_STEP,
-        plan.units_of(MICRO_STEP),
+        micro_units,
         &stored(&plan.micro_step_writes),
     )?;
     l.lower_run(
         &plan.optimizer_step,
         OPTIMIZER_STEP,
-        plan.units_of(OPTIMIZER_STEP),
+        optimizer_units,
         &stored(&plan.optimizer_step_writes),
     )?;
     Ok(l.program)
@@ -321,16 +337,6 @@ enum Loc {
     /// Made and read inside one fused kernel: no buffer.
     InKernel,
     At(Place),
-}
-
-/// While lowering, an arena place names its buffer: `offset = (buffer + 1) << TAG_SHIFT |
-/// bytes into it`, rewritten to real offsets once the buffers are placed.
-const TAG_SHIFT: u32 = 40;
-
-fn tagged(buffer: usize) -> Place {
-    Place::Arena {
-        offset: ((buffer as u64) + 1) << TAG_SHIFT,
-    }
 }
 
 /// Statistics a forward kernel keeps for its backward (norm mean/rstd, cross-entropy row max
@@ -660,7 +666,10 @@ impl<'l, 'g> RunLowering<'l, 'g> {
     fn arena(&mut self, bytes: u64, end: usize) -> Place {
         self.buffers
             .push((bytes.max(1), self.unit, end.max(self.unit)));
-        tagged(self.buffers.len() - 1)
+        Place::Buffer {
+            buffer: BufferId((self.buffers.len() - 1) as u32),
+            offset: 0,
+        }
     }
 
     /// Scratch used only inside this unit.
@@ -740,20 +749,28 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             })
             .collect();
         let plan = place_buffers(bufs, len);
+        if plan.buffers.len() != self.buffers.len() {
+            return Err(LowerError {
+                node: self.g.name.clone(),
+                message: "the arena placement lost a buffer (a lowering bug)".into(),
+            });
+        }
         let mut offsets = vec![0u64; self.buffers.len()];
         for b in &plan.buffers {
             offsets[b.value.index()] = b.offset;
         }
-        self.l.program.arena_bytes = self.l.program.arena_bytes.max(plan.arena_bytes);
+        let program = &mut self.l.program;
+        if plan.arena_bytes >= program.arena_bytes {
+            program.arena_bytes = plan.arena_bytes;
+            program.arena_lower_bound = plan.lower_bound;
+            program.arena_order = Some(plan.order);
+        }
         let resolve = |p: Place| -> Place {
             match p {
-                Place::Arena { offset } if offset >> TAG_SHIFT > 0 => {
-                    let buf = (offset >> TAG_SHIFT) as usize - 1;
-                    Place::Arena {
-                        offset: offsets.get(buf).copied().unwrap_or(0)
-                            + (offset & ((1u64 << TAG_SHIFT) - 1)),
-                    }
-                }
+                // Ids are indices of `self.buffers`, every one placed (checked above).
+                Place::Buffer { buffer, offset } => Place::Arena {
+                    offset: offsets[buffer.0 as usize] + offset,
+                },
                 other => other,
             }
         };
