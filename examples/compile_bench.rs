@@ -90,10 +90,12 @@ fn main() -> anyhow::Result<()> {
                 param_grads_in_compute_dtype: false,
                 remat,
             };
-            let (plan, _) = castor::memory::pipeline().build(&g, settings)?;
+            let (plan, _) = castor::memory::Executor::Cuda
+                .pipeline()
+                .build(&g, settings)?;
             times[4] = ms(t0);
             let t0 = Instant::now();
-            let anatomy = castor::memory::anatomy(&plan);
+            let anatomy = castor::memory::Executor::Cuda.anatomy(&plan);
             times[5] = ms(t0);
             let t0 = Instant::now();
             let cost = StepCost::of_plan(&plan, &GpuSpec::default());

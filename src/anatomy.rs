@@ -1,8 +1,10 @@
 //! The memory anatomy of a training plan, as pictures and reports show it: the persistent
-//! state by role, then the transient arena the memory planner lays out
-//! (`castor_passes::memory`), split into the activations the backward pass reads and the other
-//! temporaries live at the peak. The rows add up to the planned peak of one step.
+//! state by role, then the transient arena as the executor's memory model lays it out
+//! (`crate::memory`), split into the activations the backward pass reads and the other
+//! temporaries live at the peak, and for the CUDA executor its cuBLAS workspace and other
+//! device buffers. The rows add up to the planned peak of one step.
 
+use crate::memory::Executor;
 use castor_ir::{StateRole, TrainingPlan};
 
 /// One row of the anatomy.
@@ -28,7 +30,7 @@ pub const OTHER_BUFFERS: &str = "other device buffers";
 
 /// The plan's persistent state by role, then the planned arena: saved activations (the plan
 /// records where its forward part ends) and the other temporaries at the peak.
-pub fn anatomy(plan: &TrainingPlan) -> Vec<AnatomyRow> {
+pub fn anatomy(plan: &TrainingPlan, executor: Executor) -> Vec<AnatomyRow> {
     let mut rows: Vec<AnatomyRow> = STATE_ROLES
         .iter()
         .map(|&role| AnatomyRow {
@@ -37,7 +39,7 @@ pub fn anatomy(plan: &TrainingPlan) -> Vec<AnatomyRow> {
             estimate: false,
         })
         .collect();
-    let a = crate::memory::anatomy(plan);
+    let a = executor.anatomy(plan);
     let saved = a.saved_activations.min(a.memory.arena_bytes);
     rows.push(AnatomyRow {
         what: "saved activations".into(),
@@ -49,15 +51,18 @@ pub fn anatomy(plan: &TrainingPlan) -> Vec<AnatomyRow> {
         bytes: a.memory.arena_bytes - saved,
         estimate: false,
     });
-    rows.push(AnatomyRow {
-        what: "cuBLAS workspace".into(),
-        bytes: a.memory.workspace,
-        estimate: false,
-    });
-    rows.push(AnatomyRow {
-        what: OTHER_BUFFERS.into(),
-        bytes: a.memory.other,
-        estimate: false,
-    });
+    // The CPU executor allocates nothing beside its values.
+    if executor == Executor::Cuda {
+        rows.push(AnatomyRow {
+            what: "cuBLAS workspace".into(),
+            bytes: a.memory.workspace,
+            estimate: false,
+        });
+        rows.push(AnatomyRow {
+            what: OTHER_BUFFERS.into(),
+            bytes: a.memory.other,
+            estimate: false,
+        });
+    }
     rows
 }

@@ -13,6 +13,7 @@
 //! says how much the persistent state alone needs. When the persistent state with SGD's single
 //! moment already exceeds the memory, nothing is planned: no change can fit.
 
+use crate::memory::Executor;
 use crate::report::counted_bytes;
 use crate::CliError;
 use castor_ir::{OptimizerKind, Remat, TrainSettings, TrainingPlan};
@@ -50,6 +51,8 @@ pub struct MemoryTarget {
     /// GPU)`, `host memory`.
     pub name: String,
     pub bytes: u64,
+    /// The executor whose memory model lays the step out on it.
+    pub executor: Executor,
 }
 
 impl MemoryTarget {
@@ -60,6 +63,7 @@ impl MemoryTarget {
             .map(|d| MemoryTarget {
                 name: format!("{} (this machine's GPU)", d.name),
                 bytes: d.total_memory,
+                executor: Executor::Cuda,
             })
     }
 
@@ -68,6 +72,7 @@ impl MemoryTarget {
         gpu.memory_bytes.map(|bytes| MemoryTarget {
             name: format!("{} ({how})", gpu.name),
             bytes,
+            executor: Executor::Cuda,
         })
     }
 
@@ -85,6 +90,7 @@ impl MemoryTarget {
         Some(MemoryTarget {
             name: "host memory (training on the CPU)".into(),
             bytes: kib * 1024,
+            executor: Executor::Cpu,
         })
     }
 }
@@ -155,9 +161,10 @@ impl Verdict {
     }
 }
 
-/// The planned peak of a training step: persistent state and arena.
-pub fn planned_peak(plan: &TrainingPlan) -> u64 {
-    crate::memory::anatomy(plan).total()
+/// The planned peak of a training step on `executor`: persistent state and everything else
+/// it allocates.
+pub fn planned_peak(plan: &TrainingPlan, executor: Executor) -> u64 {
+    executor.anatomy(plan).total()
 }
 
 /// Builds the plan of other settings (the command's own compile path; the settings carry the
@@ -171,7 +178,8 @@ pub fn verdict(
     gpu: &GpuSpec,
     replan: &Replan,
 ) -> Verdict {
-    let peak = planned_peak(plan);
+    let executor = target.executor;
+    let peak = planned_peak(plan, executor);
     let mut v = Verdict {
         peak,
         target,
@@ -186,7 +194,7 @@ pub fn verdict(
     // The persistent state is a floor no recomputation or micro-batch lowers; SGD's one
     // moment instead of AdamW's two is the most any change saves of it. Above that floor
     // nothing is worth planning (a 70B model's candidates would take minutes).
-    let anatomy = crate::memory::anatomy(plan);
+    let anatomy = executor.anatomy(plan);
     let floor = match s.optimizer {
         OptimizerKind::AdamW { .. } => anatomy.persistent() - anatomy.optimizer_state / 2,
         OptimizerKind::Sgd { .. } => anatomy.persistent(),
@@ -203,7 +211,10 @@ pub fn verdict(
     }
     let try_plan = |settings: TrainSettings| -> Option<(u64, f64)> {
         let p = replan(settings).ok()?;
-        Some((planned_peak(&p), StepCost::of_plan(&p, gpu).seconds()))
+        Some((
+            planned_peak(&p, executor),
+            StepCost::of_plan(&p, gpu).seconds(),
+        ))
     };
     let mut tried: Vec<(String, TrainSettings)> = Vec::new();
     for remat in [Remat::Selective, Remat::Full, Remat::Budget(memory)] {

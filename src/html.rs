@@ -8,7 +8,6 @@
 //! Pictures are drawn here as SVG with a `viewBox` and `width: 100%`, so they scale with the
 //! page; text in them stays text.
 
-use crate::anatomy::OTHER_BUFFERS;
 use crate::fit::Verdict;
 use crate::plot::{smooth, unit_for, LossHistory};
 use crate::report::counted_bytes;
@@ -75,7 +74,12 @@ impl Report {
     }
 
     /// The plan's settings and memory, and what the precision passes decided (when known).
-    pub fn training_plan(&mut self, plan: &TrainingPlan, summary: Option<&PrecisionSummary>) {
+    pub fn training_plan(
+        &mut self,
+        plan: &TrainingPlan,
+        summary: Option<&PrecisionSummary>,
+        executor: crate::memory::Executor,
+    ) {
         let s = &plan.settings;
         self.fact("precision", s.precision.name());
         self.fact(
@@ -89,29 +93,27 @@ impl Report {
         self.fact("loss scale", &crate::report::loss_scaling_text(s));
         self.fact("remat", &s.remat.to_string());
         self.precision = summary.cloned();
-        let a = crate::memory::anatomy(plan);
-        let saved = a.saved_activations.min(a.memory.arena_bytes);
-        let role = |r: StateRole| r.describe().to_string();
+        let a = executor.anatomy(plan);
+        // The usual bytes per parameter of mixed-precision AdamW, beside the state's rows.
+        let rule = |what: &str| {
+            [
+                (StateRole::WorkingCopy, 2),
+                (StateRole::Master, 4),
+                (StateRole::Gradient, 4),
+                (StateRole::OptimizerState, 8),
+            ]
+            .into_iter()
+            .find(|(r, _)| r.describe() == what)
+            .map(|(_, b)| b)
+        };
         self.memory = Some(Memory {
-            rows: vec![
-                (
-                    role(StateRole::WorkingCopy),
-                    a.low_precision_weights,
-                    Some(2),
-                ),
-                (role(StateRole::Master), a.master_weights, Some(4)),
-                (role(StateRole::Gradient), a.gradients, Some(4)),
-                (role(StateRole::OptimizerState), a.optimizer_state, Some(8)),
-                (role(StateRole::Control), a.control, None),
-                ("saved activations".into(), saved, None),
-                (
-                    "other temporaries at the peak".into(),
-                    a.memory.arena_bytes - saved,
-                    None,
-                ),
-                ("cuBLAS workspace".into(), a.memory.workspace, None),
-                (OTHER_BUFFERS.into(), a.memory.other, None),
-            ],
+            rows: crate::anatomy::anatomy(plan, executor)
+                .into_iter()
+                .map(|r| {
+                    let b = rule(&r.what);
+                    (r.what, r.bytes, b)
+                })
+                .collect(),
             params: a.params,
             lower_bound: a.memory.lower_bound,
         });
@@ -495,8 +497,8 @@ fn memory_section(h: &mut String, m: &Memory) {
     let _ = writeln!(
         h,
         "<p>Planned peak: <b>{}</b>: the persistent state from the training plan, then the \
-         memory planner's arena (saved activations and the other temporaries live at the \
-         peak; lower bound {}).</p>",
+         executor's arena (saved activations and the other temporaries live at the peak; \
+         lower bound {}) and, on CUDA, its cuBLAS workspace and other buffers.</p>",
         esc(&counted_bytes(total)),
         esc(&counted_bytes(m.lower_bound))
     );

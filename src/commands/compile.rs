@@ -2,6 +2,7 @@
 
 use crate::fit::{self, MemoryTarget};
 use crate::html::{self, Report};
+use crate::memory::Executor;
 use crate::out::Stream;
 use crate::precision::PrecisionArgs;
 use crate::report::thousands;
@@ -180,7 +181,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         model,
     } = load_graph(&args, train)?;
     // --dump-after names a precision pass or, for a training step, a training-build pass.
-    let training = crate::memory::pipeline();
+    let training = Executor::Cuda.pipeline();
     let dump_training = args
         .dump_after
         .as_deref()
@@ -298,7 +299,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 &format!("Training step plan: {}", args.model.display()),
             );
             r.fact("model", &format!("{} ({what})", args.model.display()));
-            r.training_plan(&plan, Some(&summary));
+            r.training_plan(&plan, Some(&summary), Executor::Cuda);
             r.verdict = verdict.clone();
             r.cost(&plan, &gpu);
             r.write(None)?;
@@ -359,7 +360,8 @@ fn replan(
         None if settings.batch != args.batch => anyhow::bail!("an IR file has one batch size"),
         _ => compiled.clone(),
     };
-    Ok(crate::memory::pipeline()
+    Ok(Executor::Cuda
+        .pipeline()
         .run(&graph, settings.clone())?
         .plan)
 }
@@ -385,7 +387,7 @@ fn print_memory_and_cost(
         toln!(say, "  recompute {group} x{count}");
     }
     toln!(say);
-    for line in crate::report::anatomy_lines(&crate::memory::anatomy(plan)) {
+    for line in crate::report::anatomy_lines(&Executor::Cuda.anatomy(plan)) {
         toln!(say, "{line}");
     }
     toln!(say);

@@ -11,6 +11,7 @@ use crate::checkpoint::{self, CheckpointFiles};
 use crate::data::Data;
 use crate::generate::{Generator, Sampling};
 use crate::html::Report;
+use crate::memory::Executor;
 use crate::plot::{self, AnatomyBar, LossHistory};
 use crate::precision::PrecisionArgs;
 use crate::report::{model_summary, printable_byte, thousands};
@@ -107,13 +108,14 @@ fn compile(
     precision: Precision,
     batch: usize,
     seq: usize,
+    executor: Executor,
 ) -> anyhow::Result<Compiled> {
     let f = flags(precision)?;
     let loss_graph = model.build_loss_graph(batch, seq, Objective::Lm)?;
     castor_ir::verify(&loss_graph).context("the front end built an invalid graph")?;
     let compiled = f.precision.compile(loss_graph, Some(model), None, false)?;
     let settings = f.training.settings(precision, Objective::Lm, batch, seq)?;
-    let (plan, report) = crate::memory::pipeline().build(&compiled.graph, settings)?;
+    let (plan, report) = executor.pipeline().build(&compiled.graph, settings)?;
     Ok(Compiled {
         precision,
         loss_graph: compiled.graph,
@@ -123,7 +125,7 @@ fn compile(
 }
 
 /// The compile report of one precision: table, casts, loss scaling, remat, memory.
-fn print_report(c: &Compiled, params: u64) {
+fn print_report(c: &Compiled, params: u64, executor: Executor) {
     let summary = precision_summary(&c.loss_graph, c.precision.low());
     outln!();
     outln!(
@@ -150,7 +152,7 @@ fn print_report(c: &Compiled, params: u64) {
     outln!("remat       none (every activation is kept for the backward pass)");
     outln!("memory      planned peak of one step: persistent state by role, then the arena (bytes/param vs. the usual 18 of mixed-precision AdamW for the state)");
     let mut total = 0;
-    for row in anatomy(&c.plan) {
+    for row in anatomy(&c.plan, executor) {
         total += row.bytes;
         outln!("              {}", memory_row(&row, params));
     }
@@ -214,6 +216,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     crate::outputs::check_folder("--out", &args.out)?;
     let device = crate::device::select(args.device)?;
+    let executor = Executor::of(&device);
     outln!(
         "device      {}",
         match &device {
@@ -241,11 +244,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // What the compiler decides, in each precision.
     let mut compiled = Vec::new();
     for precision in [Precision::Fp32, Precision::Bf16, Precision::Fp16] {
-        compiled.push(compile(&model, precision, batch, seq)?);
+        compiled.push(compile(&model, precision, batch, seq, executor)?);
     }
     let n_params = model.parameter_count();
     for c in compiled.iter().filter(|c| c.precision.low().is_some()) {
-        print_report(c, n_params);
+        print_report(c, n_params, executor);
     }
     let out = &args.out;
     std::fs::create_dir_all(out)
@@ -257,7 +260,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             label: c.precision.to_string(),
             // Every row, zeros too, so each row keeps its colour; the 16 bytes of step and
             // loss-scale state would not show.
-            segments: anatomy(&c.plan)
+            segments: anatomy(&c.plan, executor)
                 .into_iter()
                 .filter(|r| r.what != castor_ir::StateRole::Control.describe())
                 .map(|r| (r.what, r.bytes))
@@ -331,6 +334,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             &trained.loss_graph,
             args.precision.low(),
         )),
+        executor,
     );
     let gpu = castor_passes::cost::GpuSpec::default();
     report.verdict = crate::fit::MemoryTarget::host().map(|target| {

@@ -10,6 +10,7 @@ use crate::data::{Data, DataOptions, DataOrder};
 use crate::fit::{self, MemoryTarget};
 use crate::given::Given;
 use crate::html::{self, Report};
+use crate::memory::Executor;
 use crate::plot::{self, LossHistory};
 use crate::precision::PrecisionArgs;
 use crate::resume::{self, RunFlags};
@@ -163,6 +164,7 @@ fn check_outputs(args: &Args) -> anyhow::Result<()> {
 pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
     check_outputs(&args)?;
     let device = crate::device::select(args.device)?;
+    let executor = Executor::of(&device);
     if args.save_every.is_some() && args.save.is_none() {
         return Err(CliError::InvalidInput(
             "--save-every needs --save DIR (step folders go into DIR)".into(),
@@ -256,11 +258,14 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
             let settings =
                 args.training
                     .settings(args.precision.precision, objective, batch, seq)?;
-            (compile_plan(&args.precision, &model, settings, true)?, data)
+            (
+                compile_plan(&args.precision, &model, settings, true, executor)?,
+                data,
+            )
         }
     };
     outln!("data        {}", data.describe());
-    outln!("{}", memory_line(&planned.plan));
+    outln!("{}", memory_line(&planned.plan, executor));
     if args.eval_every.is_some() && !data.has_validation() {
         return Err(CliError::InvalidInput("--eval-every: no held-out data".into()).into());
     }
@@ -283,7 +288,7 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
             })
         } else {
             fit::verdict(this, target, &gpu, &|settings| {
-                compile_plan(&args.precision, &model, settings, false).map(|c| c.plan)
+                compile_plan(&args.precision, &model, settings, false, executor).map(|c| c.plan)
             })
         }
     });
@@ -383,7 +388,7 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         );
         r.fact("data", &data.describe());
         r.fact("device", &runner.device());
-        r.training_plan(&planned.plan, planned.summary.as_ref());
+        r.training_plan(&planned.plan, planned.summary.as_ref(), executor);
         r.verdict = verdict.clone();
         r.cost(&planned.plan, &gpu);
         r
@@ -482,9 +487,9 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
 }
 
 /// The plan's planned memory per step (from the plan alone, so a plan file reports it too).
-fn memory_line(plan: &TrainingPlan) -> String {
+fn memory_line(plan: &TrainingPlan, executor: Executor) -> String {
     use castor_ir::human_bytes;
-    let a = crate::memory::anatomy(plan);
+    let a = executor.anatomy(plan);
     format!(
         "memory      {} planned per step: state {}, arena {} (saved activations {})",
         human_bytes(a.total()),
@@ -529,6 +534,7 @@ pub fn compile_plan(
     model: &Model,
     settings: TrainSettings,
     say: bool,
+    executor: Executor,
 ) -> anyhow::Result<CompiledPlan> {
     let objective: castor_models::Objective =
         settings.objective.parse().map_err(CliError::InvalidInput)?;
@@ -541,7 +547,7 @@ pub fn compile_plan(
         }
     }
     let summary = castor_passes::precision_summary(&compiled.graph, precision.precision.low());
-    let (plan, report) = crate::memory::pipeline().build(&compiled.graph, settings)?;
+    let (plan, report) = executor.pipeline().build(&compiled.graph, settings)?;
     if say {
         outln!("plan        {}", report.summary);
     }

@@ -20,11 +20,17 @@
 mod attention;
 mod copies;
 mod cross_entropy;
+mod embedding;
 mod gemm;
+mod layout;
+mod loss_scale;
 mod norm;
 mod ops;
 mod optimizer;
 mod pointwise;
+mod reduce;
+mod rope;
+mod softmax;
 
 use super::program::{
     Arg, BufferId, Command, ErrorFlag, Field, GeneratedKernel, InputExtent, Launch, Module, Output,

@@ -1,0 +1,191 @@
+//! `layout.cu`: layout results as views or one strided copy each, concatenation and padding
+//! as copies into place, integer and boolean casts, fills.
+
+use super::super::program::{Arg, Command, Place};
+use super::ops::BLOCK;
+use super::{grid_1d, sfx, LowerError, RunLowering};
+use castor_ir::{DType, Node, Op, Value};
+
+impl RunLowering<'_, '_> {
+    /// A layout op's result `o` (of operand `x`): nothing when it stays a view read by other
+    /// layout ops, an alias of its operand's buffer when its elements are contiguous there,
+    /// else one strided copy of the composed view into a buffer of its own.
+    pub(super) fn layout_result(&mut self, o: Value, x: Value) -> Result<(), LowerError> {
+        let g = self.g;
+        let named = !self.users[o.index()].is_empty()
+            || g.outputs().contains(&o)
+            || self.stored.contains_key(g.name(o));
+        if !named {
+            return Ok(()); // a split piece nothing reads
+        }
+        match (self.storage[o.index()], self.views[o.index()].clone()) {
+            (super::Storage::Virtual, _) => Ok(()),
+            (super::Storage::Alias, Some((root, view))) => {
+                let bytes = view.offset as u64 * g.ty(o).dtype.size_bytes() as u64;
+                let place = self.at(root)?.plus(bytes);
+                self.loc[o.index()] = super::Loc::At(place);
+                Ok(())
+            }
+            (_, view) => {
+                // A reshape that no view expresses copies its operand's elements in order.
+                let (root, view) = match view {
+                    Some(rv) => rv,
+                    None => self.source(x),
+                };
+                let l = view.materialize().map_err(|m| self.err(o, m))?;
+                let (src, dst) = (self.at(root)?, self.out(o)?);
+                self.copy(o, src, dst, l)
+            }
+        }
+    }
+
+    /// A strided copy of elements of `y`'s dtype.
+    pub(super) fn copy(
+        &mut self,
+        y: Value,
+        src: Place,
+        dst: Place,
+        l: super::super::program::CopyLayout,
+    ) -> Result<(), LowerError> {
+        let size = self.g.ty(y).dtype.size_bytes();
+        let n: i64 = l.shape[..l.rank.max(0) as usize].iter().product();
+        self.launch(
+            y,
+            &format!("strided_copy_b{size}"),
+            grid_1d(n as usize, BLOCK),
+            (BLOCK, 1, 1),
+            vec![
+                ("src", Arg::Ptr(src)),
+                ("dst", Arg::Ptr(dst)),
+                ("n", Arg::I64(n)),
+                ("l", Arg::Layout(l)),
+            ],
+        )
+    }
+
+    pub(super) fn concat(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let ins = node.inputs.clone();
+        let y = node.outputs[0];
+        let dims = |v: Value| g.ty(v).shape.dims().to_vec();
+        let Op::Concat { axis } = &node.op else {
+            return Err(self.err(y, "not a concat node"));
+        };
+        let out_dims = dims(y);
+        let dst = self.out(y)?;
+        let mut start = 0;
+        for &x in &ins {
+            let (root, view) = self.source(x);
+            let l = view
+                .place_into(&out_dims, *axis, start)
+                .map_err(|m| self.err(y, m))?;
+            start += dims(x)[*axis];
+            let src = self.at(root)?;
+            self.copy(y, src, dst, l)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn pad(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let ins = node.inputs.clone();
+        let y = node.outputs[0];
+        let dims = |v: Value| g.ty(v).shape.dims().to_vec();
+        let Op::Pad {
+            axis,
+            before,
+            after,
+        } = &node.op
+        else {
+            return Err(self.err(y, "not a pad node"));
+        };
+        let bytes = super::bytes_of(g.ty(y), g.name(y))?;
+        let dst = self.out(y)?;
+        // Zeros only where the copy below does not write.
+        if before + after > 0 {
+            self.commands.push(Command::Memset {
+                dst,
+                bytes,
+                byte: 0,
+            });
+        }
+        let (root, view) = self.source(ins[0]);
+        let l = view
+            .place_into(&dims(y), *axis, *before)
+            .map_err(|m| self.err(y, m))?;
+        let src = self.at(root)?;
+        self.copy(y, src, dst, l)?;
+        Ok(())
+    }
+
+    pub(super) fn cast(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let ins = node.inputs.clone();
+        let y = node.outputs[0];
+        let dt = |v: Value| g.ty(v).dtype;
+        let numel = |v: Value| g.ty(v).shape.numel().unwrap_or(0);
+        let Op::Cast { to } = &node.op else {
+            return Err(self.err(y, "not a cast node"));
+        };
+        // Float-to-float casts are pointwise kernels; these involve ints or bools.
+        let from = dt(ins[0]);
+        let n = numel(y);
+        let (x, out) = (self.at(ins[0])?, self.out(y)?);
+        if from == *to {
+            let bytes = super::bytes_of(g.ty(y), g.name(y))?;
+            self.commands.push(Command::Copy {
+                dst: out,
+                src: x,
+                bytes,
+            });
+        } else {
+            self.launch(
+                y,
+                &format!("cast_{}_{}", sfx(from), sfx(*to)),
+                grid_1d(n, BLOCK),
+                (BLOCK, 1, 1),
+                vec![
+                    ("x", Arg::Ptr(x)),
+                    ("y", Arg::Ptr(out)),
+                    ("n", Arg::I64(n as i64)),
+                ],
+            )?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn fill(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let y = node.outputs[0];
+        let numel = |v: Value| g.ty(v).shape.numel().unwrap_or(0);
+        let Op::Full { value, dtype, .. } = &node.op else {
+            return Err(self.err(y, "not a fill node"));
+        };
+        let n = numel(y);
+        let (entry, bits) = match dtype {
+            DType::F32 => ("fill_b4", Arg::U32((*value as f32).to_bits())),
+            DType::F16 => ("fill_b2", Arg::U16(half::f16::from_f64(*value).to_bits())),
+            DType::BF16 => ("fill_b2", Arg::U16(half::bf16::from_f64(*value).to_bits())),
+            DType::I64 => ("fill_b8", Arg::U64(*value as i64 as u64)),
+            DType::I32 => ("fill_b4", Arg::U32(*value as i32 as u32)),
+            DType::Bool => ("fill_b1", Arg::U32(u32::from(*value != 0.0))),
+        };
+        let out = self.out(y)?;
+        self.launch(
+            y,
+            entry,
+            grid_1d(n, BLOCK),
+            (BLOCK, 1, 1),
+            vec![
+                ("dst", Arg::Ptr(out)),
+                ("n", Arg::I64(n as i64)),
+                ("value", bits),
+            ],
+        )?;
+        Ok(())
+    }
+}
