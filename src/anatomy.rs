@@ -6,6 +6,7 @@
 
 use crate::memory::Executor;
 use castor_ir::{StateRole, TrainingPlan};
+use castor_passes::memory::Anatomy;
 
 /// One row of the anatomy.
 #[derive(Clone, Debug)]
@@ -31,6 +32,11 @@ pub const OTHER_BUFFERS: &str = "other device buffers";
 /// The plan's persistent state by role, then the planned arena: saved activations (the plan
 /// records where its forward part ends) and the other temporaries at the peak.
 pub fn anatomy(plan: &TrainingPlan, executor: Executor) -> Vec<AnatomyRow> {
+    rows(plan, &executor.anatomy(plan), executor)
+}
+
+/// [`anatomy`] of an anatomy already laid out by `executor`'s model.
+pub fn rows(plan: &TrainingPlan, a: &Anatomy, executor: Executor) -> Vec<AnatomyRow> {
     let mut rows: Vec<AnatomyRow> = STATE_ROLES
         .iter()
         .map(|&role| AnatomyRow {
@@ -39,7 +45,6 @@ pub fn anatomy(plan: &TrainingPlan, executor: Executor) -> Vec<AnatomyRow> {
             estimate: false,
         })
         .collect();
-    let a = executor.anatomy(plan);
     let saved = a.saved_activations.min(a.memory.arena_bytes);
     rows.push(AnatomyRow {
         what: "saved activations".into(),

@@ -18,6 +18,7 @@ use crate::report::counted_bytes;
 use crate::CliError;
 use castor_ir::{OptimizerKind, Remat, TrainSettings, TrainingPlan};
 use castor_passes::cost::{GpuSpec, StepCost};
+use castor_passes::memory::Anatomy;
 use std::path::Path;
 
 /// The cost model's GPU for `--gpu`: a name from the built-in table, a spec file, or (none
@@ -171,15 +172,17 @@ pub fn planned_peak(plan: &TrainingPlan, executor: Executor) -> u64 {
 /// micro-batch shape).
 pub type Replan<'a> = dyn Fn(TrainSettings) -> anyhow::Result<TrainingPlan> + 'a;
 
-/// The verdict of `plan` on `target`; when it does not fit, the changes that would.
+/// The verdict of `plan` (its `anatomy` under `target`'s executor) on `target`; when it does
+/// not fit, the changes that would.
 pub fn verdict(
     plan: &TrainingPlan,
+    anatomy: &Anatomy,
     target: MemoryTarget,
     gpu: &GpuSpec,
     replan: &Replan,
 ) -> Verdict {
     let executor = target.executor;
-    let peak = planned_peak(plan, executor);
+    let peak = anatomy.total();
     let mut v = Verdict {
         peak,
         target,
@@ -194,7 +197,6 @@ pub fn verdict(
     // The persistent state is a floor no recomputation or micro-batch lowers; SGD's one
     // moment instead of AdamW's two is the most any change saves of it. Above that floor
     // nothing is worth planning (a 70B model's candidates would take minutes).
-    let anatomy = executor.anatomy(plan);
     let floor = match s.optimizer {
         OptimizerKind::AdamW { .. } => anatomy.persistent() - anatomy.optimizer_state / 2,
         OptimizerKind::Sgd { .. } => anatomy.persistent(),

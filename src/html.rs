@@ -78,6 +78,7 @@ impl Report {
         &mut self,
         plan: &TrainingPlan,
         summary: Option<&PrecisionSummary>,
+        anatomy: &castor_passes::memory::Anatomy,
         executor: crate::memory::Executor,
     ) {
         let s = &plan.settings;
@@ -93,7 +94,6 @@ impl Report {
         self.fact("loss scale", &crate::report::loss_scaling_text(s));
         self.fact("remat", &s.remat.to_string());
         self.precision = summary.cloned();
-        let a = executor.anatomy(plan);
         // The usual bytes per parameter of mixed-precision AdamW, beside the state's rows.
         let rule = |what: &str| {
             [
@@ -107,15 +107,15 @@ impl Report {
             .map(|(_, b)| b)
         };
         self.memory = Some(Memory {
-            rows: crate::anatomy::anatomy(plan, executor)
+            rows: crate::anatomy::rows(plan, anatomy, executor)
                 .into_iter()
                 .map(|r| {
                     let b = rule(&r.what);
                     (r.what, r.bytes, b)
                 })
                 .collect(),
-            params: a.params,
-            lower_bound: a.memory.lower_bound,
+            params: anatomy.params,
+            lower_bound: anatomy.memory.lower_bound,
         });
     }
 

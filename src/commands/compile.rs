@@ -10,7 +10,11 @@ use crate::training::TrainingArgs;
 use anyhow::Context;
 use castor_ir::{text, verify, Graph};
 use castor_models::Model;
+use castor_passes::memory::Anatomy;
 use castor_passes::{explain, precision_summary};
+use castor_runtime::cuda::lower::{lower_plan, LowerError};
+use castor_runtime::cuda::memory::step_memory;
+use castor_runtime::cuda::program::Program;
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -267,7 +271,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "loss scale  {}",
             crate::report::loss_scaling_text(&built.plan.settings)
         );
-        print_memory_and_cost(say, &built.plan, &gpu);
+        // The step lowered once: its allocation is the anatomy's memory, its commands the
+        // cuda line.
+        let lowered = lower_plan(&built.plan);
+        let anatomy = match &lowered {
+            Ok(program) => Anatomy::with_memory(&built.plan, step_memory(&built.plan, program)),
+            Err(_) => Executor::Cuda.anatomy(&built.plan),
+        };
+        print_memory_and_cost(say, &built.plan, &anatomy, &lowered, &gpu);
         if let Some(dump) = &built.dump {
             toln!(
                 say,
@@ -283,7 +294,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .or_else(|| MemoryTarget::of_spec(&gpu, "default target; --gpu names another")),
         };
         let verdict = target.map(|target| {
-            fit::verdict(&plan, target, &gpu, &|settings| {
+            fit::verdict(&plan, &anatomy, target, &gpu, &|settings| {
                 replan(&args, model.as_ref(), &out.graph, &settings)
             })
         });
@@ -299,7 +310,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 &format!("Training step plan: {}", args.model.display()),
             );
             r.fact("model", &format!("{} ({what})", args.model.display()));
-            r.training_plan(&plan, Some(&summary), Executor::Cuda);
+            r.training_plan(&plan, Some(&summary), &anatomy, Executor::Cuda);
             r.verdict = verdict.clone();
             r.cost(&plan, &gpu);
             r.write(None)?;
@@ -371,6 +382,8 @@ fn replan(
 fn print_memory_and_cost(
     say: Stream,
     plan: &castor_ir::TrainingPlan,
+    anatomy: &Anatomy,
+    lowered: &Result<Program, LowerError>,
     gpu: &castor_passes::cost::GpuSpec,
 ) {
     use castor_passes::{cost::StepCost, remat};
@@ -387,7 +400,7 @@ fn print_memory_and_cost(
         toln!(say, "  recompute {group} x{count}");
     }
     toln!(say);
-    for line in crate::report::anatomy_lines(&Executor::Cuda.anatomy(plan)) {
+    for line in crate::report::anatomy_lines(anatomy) {
         toln!(say, "{line}");
     }
     toln!(say);
@@ -396,7 +409,7 @@ fn print_memory_and_cost(
         toln!(say, "{line}");
     }
     toln!(say);
-    toln!(say, "{}", cuda_line(plan, gpu));
+    toln!(say, "{}", cuda_line(plan, lowered, gpu));
 }
 
 /// The plan's kernel units as comment lines after its graphs (see [`castor_ir::KernelUnit`]).
@@ -417,9 +430,16 @@ fn units_text(plan: &castor_ir::TrainingPlan) -> String {
 /// and memsets per run, the kernel modules to compile, the arena as the executor places it
 /// (live ranges per kernel, so fused values take no memory) and the program's roofline on
 /// `gpu` (kernel units as they run); or why it cannot run it.
-fn cuda_line(plan: &castor_ir::TrainingPlan, gpu: &castor_passes::cost::GpuSpec) -> String {
-    use castor_runtime::cuda::{lower::lower_plan, program::Command, roofline::roofline_of};
-    match lower_plan(plan).and_then(|p| Ok((roofline_of(plan, &p, gpu)?, p))) {
+fn cuda_line(
+    plan: &castor_ir::TrainingPlan,
+    lowered: &Result<Program, LowerError>,
+    gpu: &castor_passes::cost::GpuSpec,
+) -> String {
+    use castor_runtime::cuda::{program::Command, roofline::roofline_of};
+    match lowered
+        .clone()
+        .and_then(|p| Ok((roofline_of(plan, &p, gpu)?, p)))
+    {
         Ok((r, p)) => {
             let count = |f: &dyn Fn(&Command) -> bool| -> usize {
                 p.runs

@@ -328,17 +328,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     report.fact("data", &data.describe());
     report.fact("device", &on);
+    let anatomy = executor.anatomy(&trained.plan);
     report.training_plan(
         &trained.plan,
         Some(&precision_summary(
             &trained.loss_graph,
             args.precision.low(),
         )),
+        &anatomy,
         executor,
     );
     let gpu = castor_passes::cost::GpuSpec::default();
     report.verdict = crate::fit::MemoryTarget::host().map(|target| {
-        crate::fit::verdict(&trained.plan, target, &gpu, &|_| {
+        let on_host = Executor::Cpu.anatomy(&trained.plan);
+        crate::fit::verdict(&trained.plan, &on_host, target, &gpu, &|_| {
             anyhow::bail!("the demo fits")
         })
     });

@@ -265,7 +265,8 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         }
     };
     outln!("data        {}", data.describe());
-    outln!("{}", memory_line(&planned.plan, executor));
+    let anatomy = executor.anatomy(&planned.plan);
+    outln!("{}", memory_line(&anatomy));
     if args.eval_every.is_some() && !data.has_validation() {
         return Err(CliError::InvalidInput("--eval-every: no held-out data".into()).into());
     }
@@ -281,13 +282,20 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
     };
     let verdict = target.map(|target| {
         let this = &planned.plan;
+        // Laid out again only when the target's executor is another (the CPU, judged
+        // against a GPU's memory).
+        let on_target = if target.executor == executor {
+            anatomy.clone()
+        } else {
+            target.executor.anatomy(this)
+        };
         if planned.summary.is_none() {
             // A plan from a file is not recompiled with other settings here.
-            fit::verdict(this, target, &gpu, &|_| {
+            fit::verdict(this, &on_target, target, &gpu, &|_| {
                 anyhow::bail!("plans from files are not recompiled")
             })
         } else {
-            fit::verdict(this, target, &gpu, &|settings| {
+            fit::verdict(this, &on_target, target, &gpu, &|settings| {
                 compile_plan(&args.precision, &model, settings, false, executor).map(|c| c.plan)
             })
         }
@@ -388,7 +396,7 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         );
         r.fact("data", &data.describe());
         r.fact("device", &runner.device());
-        r.training_plan(&planned.plan, planned.summary.as_ref(), executor);
+        r.training_plan(&planned.plan, planned.summary.as_ref(), &anatomy, executor);
         r.verdict = verdict.clone();
         r.cost(&planned.plan, &gpu);
         r
@@ -487,9 +495,8 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
 }
 
 /// The plan's planned memory per step (from the plan alone, so a plan file reports it too).
-fn memory_line(plan: &TrainingPlan, executor: Executor) -> String {
+fn memory_line(a: &castor_passes::memory::Anatomy) -> String {
     use castor_ir::human_bytes;
-    let a = executor.anatomy(plan);
     format!(
         "memory      {} planned per step: state {}, arena {} (saved activations {})",
         human_bytes(a.total()),

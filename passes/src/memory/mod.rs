@@ -288,6 +288,11 @@ pub struct Anatomy {
 impl Anatomy {
     /// The plan's state by role and its step's memory as `model` lays it out.
     pub fn of_plan(plan: &TrainingPlan, model: &dyn MemoryModel) -> Anatomy {
+        Anatomy::with_memory(plan, model.step(plan, &plan.micro_step))
+    }
+
+    /// The plan's state by role beside step memory already laid out (`memory`).
+    pub fn with_memory(plan: &TrainingPlan, memory: StepMemory) -> Anatomy {
         Anatomy {
             params: crate::cost::param_count(plan),
             low_precision_weights: plan.state_bytes(StateRole::WorkingCopy),
@@ -299,7 +304,7 @@ impl Anatomy {
                 .iter()
                 .map(|(_, b)| b)
                 .sum(),
-            memory: model.step(plan, &plan.micro_step),
+            memory,
         }
     }
 
