@@ -13,7 +13,8 @@
 //!     the tokenizer frames a text and ended with its end-of-text (or separator) token;
 //!   - a pre-tokenized `.bin` file: llm.c's format (a header of 256 little-endian int32, magic
 //!     20240520, version 1 = u16 tokens, version 2 = u32 tokens, then the token count) or, when
-//!     the magic is absent, nanoGPT's raw little-endian u16 tokens.
+//!     the magic is absent, nanoGPT's raw little-endian u16 tokens; mapped, not read
+//!     (`crate::tokens`).
 //! - For masked-LM training (`--objective mlm` on a stream) each window is masked as
 //!   transformers' `DataCollatorForLanguageModeling` masks: 15% of the tokens that are not
 //!   special are chosen (their labels are the tokens, every other label -100); of those, 80%
@@ -35,9 +36,8 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
-/// llm.c's token file header: 256 int32, the first three magic, version, token count.
-pub const LLMC_MAGIC: i32 = 20240520;
-pub const LLMC_HEADER_INTS: usize = 256;
+use crate::tokens::{map_token_file, Tokens};
+pub use crate::tokens::{LLMC_HEADER_INTS, LLMC_MAGIC};
 
 /// The order windows are read in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -118,9 +118,9 @@ pub enum Data {
 }
 
 pub struct Stream {
-    tokens: Vec<i64>,
+    tokens: Tokens,
     /// Held-out tokens (the stream's tail), empty without a validation split.
-    validation: Vec<i64>,
+    validation: Tokens,
     batch: usize,
     seq: usize,
     order: DataOrder,
@@ -242,13 +242,11 @@ impl Data {
             Some(TextTokenizer::for_model(model)?)
         };
         let (tokens, source) = match &tokenizer {
-            Some(tok) if !is_bin => (read_text(path, tok)?, tok.describe().to_string()),
-            _ => {
-                let bytes = std::fs::read(path).map_err(|e| {
-                    CliError::InvalidInput(format!("cannot read data `{}`: {e}", path.display()))
-                })?;
-                read_token_file(path, &bytes)?
-            }
+            Some(tok) if !is_bin => (
+                Tokens::owned(read_text(path, tok)?),
+                tok.describe().to_string(),
+            ),
+            _ => map_token_file(path)?,
         };
         check_range(path, &tokens, model.vocab_size())?;
         let masking = match (&tokenizer, objective) {
@@ -257,7 +255,7 @@ impl Data {
         };
         let seq = seq.unwrap_or(64).min(positions);
         let batch = batch.unwrap_or(8);
-        let mut data = Data::from_tokens(
+        let mut data = Data::stream(
             tokens,
             batch,
             seq,
@@ -275,7 +273,17 @@ impl Data {
     /// A stream over `tokens` with the last `val_fraction` of them held out, read in order
     /// (see [`Data::with_order`]).
     pub fn from_tokens(
-        mut tokens: Vec<i64>,
+        tokens: Vec<i64>,
+        batch: usize,
+        seq: usize,
+        val_fraction: f64,
+        source: String,
+    ) -> anyhow::Result<Data> {
+        Data::stream(Tokens::owned(tokens), batch, seq, val_fraction, source)
+    }
+
+    fn stream(
+        tokens: Tokens,
         batch: usize,
         seq: usize,
         val_fraction: f64,
@@ -293,7 +301,7 @@ impl Data {
             .into());
         }
         let held = (tokens.len() as f64 * val_fraction).ceil() as usize;
-        let validation = tokens.split_off(tokens.len() - held);
+        let (tokens, validation) = tokens.split_at(tokens.len() - held);
         if tokens.len() < seq {
             return Err(CliError::InvalidInput(format!(
                 "{source} has {} training tokens, fewer than one sequence of {seq}",
@@ -415,7 +423,7 @@ impl Data {
                 for _ in 0..b {
                     let k = s.read;
                     let w = s.window(k) as usize;
-                    let mut row = s.tokens[w * t..(w + 1) * t].to_vec();
+                    let mut row = s.tokens.to_vec(w * t, (w + 1) * t);
                     let row_labels = match &s.masking {
                         Some(m) => m.apply(&mut row, &mut Rng::derive(s.seed, MASKING, k)),
                         None => row.clone(),
@@ -467,7 +475,7 @@ impl Data {
                 let mut labels = Vec::with_capacity(b * t);
                 for row in 0..b {
                     let w = (i * b + row) % windows;
-                    let mut r = s.validation[w * t..(w + 1) * t].to_vec();
+                    let mut r = s.validation.to_vec(w * t, (w + 1) * t);
                     let l = match &s.masking {
                         Some(m) => m.apply(
                             &mut r,
@@ -636,72 +644,9 @@ fn read_text(path: &Path, tokenizer: &TextTokenizer) -> anyhow::Result<Vec<i64>>
     Ok(tokens)
 }
 
-/// Reads a `.bin` token file: llm.c's (by its magic) or nanoGPT's raw u16 tokens.
-pub fn read_token_file(path: &Path, bytes: &[u8]) -> anyhow::Result<(Vec<i64>, String)> {
-    let header_bytes = LLMC_HEADER_INTS * 4;
-    let int = |i: usize| -> Option<i32> {
-        let b = bytes.get(i * 4..i * 4 + 4)?;
-        Some(i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-    };
-    if bytes.len() >= header_bytes && int(0) == Some(LLMC_MAGIC) {
-        let version = int(1).unwrap_or(0);
-        let width = match version {
-            1 => 2,
-            2 => 4,
-            v => {
-                return Err(invalid(
-                    path,
-                    format!("llm.c token file version {v}; known: 1 (u16 tokens), 2 (u32 tokens)"),
-                ))
-            }
-        };
-        let count = usize::try_from(int(2).unwrap_or(-1))
-            .map_err(|_| invalid(path, "llm.c header has a negative token count".to_string()))?;
-        let body = &bytes[header_bytes..];
-        if body.len() != count * width {
-            return Err(invalid(
-                path,
-                format!(
-                    "llm.c header says {count} tokens of {width} bytes, but {} bytes follow it",
-                    body.len()
-                ),
-            ));
-        }
-        let tokens = if width == 2 {
-            body.chunks_exact(2)
-                .map(|c| i64::from(u16::from_le_bytes([c[0], c[1]])))
-                .collect()
-        } else {
-            body.chunks_exact(4)
-                .map(|c| i64::from(u32::from_le_bytes([c[0], c[1], c[2], c[3]])))
-                .collect()
-        };
-        return Ok((tokens, format!("llm.c tokens, version {version}")));
-    }
-    if !bytes.len().is_multiple_of(2) {
-        return Err(invalid(
-            path,
-            format!(
-                "no llm.c header (magic {LLMC_MAGIC}), and {} bytes is not a whole number of \
-                 raw u16 tokens",
-                bytes.len()
-            ),
-        ));
-    }
-    let tokens = bytes
-        .chunks_exact(2)
-        .map(|c| i64::from(u16::from_le_bytes([c[0], c[1]])))
-        .collect();
-    Ok((tokens, "raw u16 tokens".to_string()))
-}
-
 /// Every token must be a row of the embedding.
-fn check_range(path: &Path, tokens: &[i64], vocab: usize) -> anyhow::Result<()> {
-    if let Some((i, &t)) = tokens
-        .iter()
-        .enumerate()
-        .find(|(_, &t)| t < 0 || t as u64 >= vocab as u64)
-    {
+fn check_range(path: &Path, tokens: &Tokens, vocab: usize) -> anyhow::Result<()> {
+    if let Some((i, t)) = tokens.first_outside(vocab) {
         return Err(invalid(
             path,
             format!(

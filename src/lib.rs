@@ -30,6 +30,7 @@ pub mod resume;
 pub mod rng;
 pub mod text_eval;
 pub mod tokenizer;
+pub mod tokens;
 pub mod train_loop;
 pub mod trainer;
 pub mod training;
