@@ -225,3 +225,42 @@ fn training_steps_match_the_cpu_executor() {
         failures.join("\n")
     );
 }
+
+/// What the device allocates for a plan is the planned peak: loading each family's bf16 plan
+/// (no recomputation, and selective) takes at least `Program::allocation` of the device's free
+/// memory, and at most that plus the driver's rounding of each allocation to its 2 MiB pages
+/// and the loaded modules' code (64 MiB). The anatomy, the fit verdict and `--remat budget:`
+/// state `Program::allocation` (`tests/memory_model.rs`).
+#[test]
+fn the_device_allocates_the_planned_peak() {
+    if !gpu() {
+        return;
+    }
+    let device = castor_runtime::cuda::device::Device::open().unwrap();
+    let mut failures = Vec::new();
+    for family in PLAN_FAMILIES {
+        for remat in ["none", "selective"] {
+            let p = plan(
+                family,
+                &["--train", "--precision", "bf16", "--remat", remat],
+            );
+            let program = lower_plan(&p).unwrap();
+            let planned = program.allocation().total();
+            let allocations = (program.slots.len() + program.tables.len() + 2) as u64;
+            let (before, _) = device.mem_info().unwrap();
+            let loaded = device.load(&program).unwrap();
+            let (after, _) = device.mem_info().unwrap();
+            let taken = before - after;
+            let slack = allocations * (2 << 20) + (64 << 20);
+            println!("{family} {remat}: planned {planned} bytes, the device gave {taken}");
+            if taken < planned || taken > planned + slack {
+                failures.push(format!(
+                    "{family} {remat}: planned {planned} bytes, loading took {taken}"
+                ));
+            }
+            assert_eq!(loaded.allocated_bytes(), planned);
+            drop(loaded);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
