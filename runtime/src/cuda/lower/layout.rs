@@ -47,7 +47,19 @@ impl RunLowering<'_, '_> {
         dst: Place,
         l: super::super::program::CopyLayout,
     ) -> Result<(), LowerError> {
-        let size = self.g.ty(y).dtype.size_bytes();
+        self.strided_copy(y, self.g.ty(y).dtype, src, dst, l)
+    }
+
+    /// A strided copy of `dtype` elements, launched for node `y`.
+    pub(super) fn strided_copy(
+        &mut self,
+        y: Value,
+        dtype: DType,
+        src: Place,
+        dst: Place,
+        l: super::super::program::CopyLayout,
+    ) -> Result<(), LowerError> {
+        let size = dtype.size_bytes();
         let n: i64 = l.shape[..l.rank.max(0) as usize].iter().product();
         self.launch(
             y,

@@ -2,8 +2,7 @@
 //! axes are not one run.
 
 use super::super::program::Arg;
-use super::ops::BLOCK;
-use super::{copies, grid_1d, io, LowerError, RunLowering};
+use super::{copies, io, LowerError, RunLowering};
 use castor_ir::{ReduceOp, Value};
 
 impl RunLowering<'_, '_> {
@@ -56,20 +55,7 @@ impl RunLowering<'_, '_> {
                 let l = copies::transpose(&d, &perm).map_err(|m| self.err(y, m))?;
                 let bytes = g.ty(x).size_bytes().unwrap_or(0) as u64;
                 let t = self.scratch(bytes);
-                let size = ti.size_bytes();
-                let n: i64 = l.shape[..l.rank as usize].iter().product();
-                self.launch(
-                    y,
-                    &format!("strided_copy_b{size}"),
-                    grid_1d(n as usize, BLOCK),
-                    (BLOCK, 1, 1),
-                    vec![
-                        ("src", Arg::Ptr(src)),
-                        ("dst", Arg::Ptr(t)),
-                        ("n", Arg::I64(n)),
-                        ("l", Arg::Layout(l)),
-                    ],
-                )?;
+                self.strided_copy(y, ti, src, t, l)?;
                 src = t;
                 let kept = g.ty(y).shape.numel().unwrap_or(0);
                 (kept, 1)
