@@ -203,31 +203,6 @@ fn ctrl_c_finishes_the_step_saves_and_exits_cleanly() {
     assert_eq!(folders.last().map(|f| f.0), Some(step));
 }
 
-/// The peak resident memory of a `castor` run, from its own rusage (wait4).
-fn peak_rss_kib(args: &[&str]) -> u64 {
-    let child = Command::new(castor_bin())
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let pid = child.id() as libc::pid_t;
-    // SAFETY: wait4 on our own child, writing the status and rusage it is given; the child is
-    // reaped here, so its `Child` handle is only dropped afterwards.
-    let (status, usage) = unsafe {
-        let mut status = 0;
-        let mut usage: libc::rusage = std::mem::zeroed();
-        assert_eq!(libc::wait4(pid, &mut status, 0, &mut usage), pid);
-        (status, usage)
-    };
-    drop(child);
-    assert!(
-        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
-        "castor {args:?} failed"
-    );
-    usage.ru_maxrss as u64
-}
-
 /// Saving streams tensor by tensor: GPT-2 124M's checkpoint (498 MB of weights, 996 MB of
 /// optimizer state) is written without the process holding either file whole. A run that
 /// saves peaks no more than 64 MB above the same run without saving; a whole-file buffer would
@@ -256,10 +231,15 @@ fn saving_a_large_checkpoint_streams_it() {
         "--device",
         "cpu",
     ];
-    let without = peak_rss_kib(&args);
+    let peak = |args: &[&str]| {
+        let (o, kib) = castor_peak_rss(args);
+        assert!(o.status.success(), "castor {args:?}: {}", stderr(&o));
+        kib
+    };
+    let without = peak(&args);
     let mut saving = args.to_vec();
     saving.extend(["--save", path_str(&save)]);
-    let with = peak_rss_kib(&saving);
+    let with = peak(&saving);
     let optimizer = std::fs::metadata(save.join("optimizer.safetensors"))
         .unwrap()
         .len();

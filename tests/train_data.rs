@@ -412,7 +412,7 @@ fn token_files_are_mapped_not_read_whole() {
         .collect();
     std::fs::write(&data, &bytes).unwrap();
     drop(bytes);
-    let o = castor(&[
+    let (o, peak_kib) = castor_peak_rss(&[
         "train",
         path_str(&tiny_config()),
         "--data",
@@ -432,12 +432,6 @@ fn token_files_are_mapped_not_read_whole() {
         "{}",
         stdout(&o)
     );
-    // SAFETY: getrusage writes the struct it is given.
-    let peak_kib = unsafe {
-        let mut usage: libc::rusage = std::mem::zeroed();
-        assert_eq!(libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage), 0);
-        usage.ru_maxrss as u64
-    };
     assert!(
         peak_kib < 320 * 1024,
         "training on a 128 MB token file peaked at {peak_kib} KiB"

@@ -139,3 +139,33 @@ pub fn log_losses(log: &Path) -> Vec<f64> {
         })
         .collect()
 }
+
+/// Runs `castor` with `args`: its output, and its own peak resident memory in KiB (the child's
+/// rusage from wait4, so other tests' processes do not count).
+pub fn castor_peak_rss(args: &[&str]) -> (Output, u64) {
+    use std::os::unix::process::ExitStatusExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let child = Command::new(castor_bin())
+        .args(args)
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(&err).unwrap())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as libc::pid_t;
+    // SAFETY: wait4 on our own child, writing the status and rusage it is given; the child is
+    // reaped here, so its `Child` handle is only dropped afterwards.
+    let (status, usage) = unsafe {
+        let mut status = 0;
+        let mut usage: libc::rusage = std::mem::zeroed();
+        assert_eq!(libc::wait4(pid, &mut status, 0, &mut usage), pid);
+        (status, usage)
+    };
+    drop(child);
+    let output = Output {
+        status: std::process::ExitStatus::from_raw(status),
+        stdout: std::fs::read(&out).unwrap(),
+        stderr: std::fs::read(&err).unwrap(),
+    };
+    (output, usage.ru_maxrss as u64)
+}
