@@ -88,6 +88,7 @@ fn main() -> anyhow::Result<()> {
                 frozen: vec![],
                 no_decay: vec![],
                 param_grads_in_compute_dtype: false,
+                optimizer_state: castor_ir::DType::F32,
                 remat,
             };
             let (plan, _) = castor::memory::Executor::Cuda

@@ -10,6 +10,8 @@
 //   adamw_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2, eps,
 //             max_grad_norm)
 //   sgd_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, momentum, max_grad_norm)
+//   adamw_bf16state_<c>, sgd_bf16state_<c>: the same with the moments stored in BF16 (read
+//             and widened, updated in F32, rounded to nearest even when stored).
 //   tensors: device table of AdamWTensor / SgdTensor (layouts below), chunks: TensorChunk
 //   (castor_common.cuh). lr, step (optimizer steps taken before this one), scale, grad_norm:
 //   device F32 scalars. Hyperparameters are F64 arguments, weight decay per tensor.
@@ -34,12 +36,13 @@
 // chunk's tail.
 #include "castor_common.cuh"
 
-// Host layout: 5 pointers, i64 numel, f64 weight decay (56 bytes).
+// Host layout: 5 pointers, i64 numel, f64 weight decay (56 bytes). The moments are float or
+// __nv_bfloat16 as the entry point says.
 struct AdamWTensor {
     float* master;
     const float* grad;
-    float* m;
-    float* v;
+    void* m;
+    void* v;
     void* copy;
     i64 numel;
     double weight_decay;
@@ -49,7 +52,7 @@ struct AdamWTensor {
 struct SgdTensor {
     float* master;
     const float* grad;
-    float* buf;
+    void* buf;
     void* copy;
     i64 numel;
     double weight_decay;
@@ -107,6 +110,17 @@ __device__ __forceinline__ bool aligned_to(const void* p, u64 bytes) {
     return (reinterpret_cast<u64>(p) & (bytes - 1)) == 0;
 }
 
+// Four consecutive moments, widened to F32 (16-byte loads for float, 8-byte for BF16).
+template <typename S> __device__ __forceinline__ float4 load4(const S* p);
+template <> __device__ __forceinline__ float4 load4<float>(const float* p) {
+    return *reinterpret_cast<const float4*>(p);
+}
+template <> __device__ __forceinline__ float4 load4<__nv_bfloat16>(const __nv_bfloat16* p) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const __nv_bfloat16* e = reinterpret_cast<const __nv_bfloat16*>(&raw);
+    return make_float4(to_f32(e[0]), to_f32(e[1]), to_f32(e[2]), to_f32(e[3]));
+}
+
 struct AdamWScalars {
     float decay, w1, b2, w2, step_size, bias2_sqrt, eps;
 };
@@ -120,7 +134,7 @@ __device__ __forceinline__ void adamw_elem(float& p, float g, float& m, float& v
     p += -s.step_size * (m / denom);
 }
 
-template <typename C>
+template <typename C, typename S>
 __device__ __forceinline__ void adamw(const AdamWTensor* __restrict__ tensors,
                                       const TensorChunk* __restrict__ chunks, int n_chunks,
                                       const float* lr, const float* step, const float* scale,
@@ -143,33 +157,33 @@ __device__ __forceinline__ void adamw(const AdamWTensor* __restrict__ tensors,
         s.decay = float(1.0 - lr64 * tt.weight_decay);
         float* P = tt.master + ch.start;
         const float* G = tt.grad + ch.start;
-        float* M = tt.m + ch.start;
-        float* V = tt.v + ch.start;
+        S* M = static_cast<S*>(tt.m) + ch.start;
+        S* V = static_cast<S*>(tt.v) + ch.start;
         C* K = tt.copy ? static_cast<C*>(tt.copy) + ch.start : nullptr;
         const int len = int(min(i64(ch.len), tt.numel - ch.start));
-        const bool vec = aligned16(P) && aligned16(G) && aligned16(M) && aligned16(V) &&
-                         (!K || aligned_to(K, 4 * sizeof(C)));
+        const bool vec = aligned16(P) && aligned16(G) && aligned_to(M, 4 * sizeof(S)) &&
+                         aligned_to(V, 4 * sizeof(S)) && (!K || aligned_to(K, 4 * sizeof(C)));
         const int units = vec ? len / 4 : 0;
         for (int u = threadIdx.x; u < units; u += blockDim.x) {
             float4 p = reinterpret_cast<float4*>(P)[u];
             const float4 g = reinterpret_cast<const float4*>(G)[u];
-            float4 m = reinterpret_cast<float4*>(M)[u];
-            float4 v = reinterpret_cast<float4*>(V)[u];
+            float4 m = load4<S>(M + 4 * u);
+            float4 v = load4<S>(V + 4 * u);
             adamw_elem(p.x, g.x * f.inv_scale * f.clip, m.x, v.x, s);
             adamw_elem(p.y, g.y * f.inv_scale * f.clip, m.y, v.y, s);
             adamw_elem(p.z, g.z * f.inv_scale * f.clip, m.z, v.z, s);
             adamw_elem(p.w, g.w * f.inv_scale * f.clip, m.w, v.w, s);
             reinterpret_cast<float4*>(P)[u] = p;
-            reinterpret_cast<float4*>(M)[u] = m;
-            reinterpret_cast<float4*>(V)[u] = v;
+            store4<S>(M + 4 * u, m);
+            store4<S>(V + 4 * u, v);
             if (K) store4<C>(K + 4 * u, p);
         }
         for (int i = units * 4 + threadIdx.x; i < len; i += blockDim.x) {
-            float p = P[i], m = M[i], v = V[i];
+            float p = P[i], m = to_f32(M[i]), v = to_f32(V[i]);
             adamw_elem(p, G[i] * f.inv_scale * f.clip, m, v, s);
             P[i] = p;
-            M[i] = m;
-            V[i] = v;
+            M[i] = from_f32<S>(m);
+            V[i] = from_f32<S>(v);
             if (K) K[i] = from_f32<C>(p);
         }
     }
@@ -182,7 +196,7 @@ __device__ __forceinline__ void sgd_elem(float& p, float g, float& b, float wd, 
     p += -lr * b;
 }
 
-template <typename C>
+template <typename C, typename S>
 __device__ __forceinline__ void sgd(const SgdTensor* __restrict__ tensors,
                                     const TensorChunk* __restrict__ chunks, int n_chunks,
                                     const float* lr, const float* step, const float* scale,
@@ -197,49 +211,54 @@ __device__ __forceinline__ void sgd(const SgdTensor* __restrict__ tensors,
         const float wd = float(tt.weight_decay);
         float* P = tt.master + ch.start;
         const float* G = tt.grad + ch.start;
-        float* B = tt.buf + ch.start;
+        S* B = static_cast<S*>(tt.buf) + ch.start;
         C* K = tt.copy ? static_cast<C*>(tt.copy) + ch.start : nullptr;
         const int len = int(min(i64(ch.len), tt.numel - ch.start));
-        const bool vec = aligned16(P) && aligned16(G) && aligned16(B) &&
+        const bool vec = aligned16(P) && aligned16(G) && aligned_to(B, 4 * sizeof(S)) &&
                          (!K || aligned_to(K, 4 * sizeof(C)));
         const int units = vec ? len / 4 : 0;
         for (int u = threadIdx.x; u < units; u += blockDim.x) {
             float4 p = reinterpret_cast<float4*>(P)[u];
             const float4 g = reinterpret_cast<const float4*>(G)[u];
-            float4 b = reinterpret_cast<float4*>(B)[u];
+            float4 b = load4<S>(B + 4 * u);
             sgd_elem(p.x, g.x * f.inv_scale * f.clip, b.x, wd, mom, lrf);
             sgd_elem(p.y, g.y * f.inv_scale * f.clip, b.y, wd, mom, lrf);
             sgd_elem(p.z, g.z * f.inv_scale * f.clip, b.z, wd, mom, lrf);
             sgd_elem(p.w, g.w * f.inv_scale * f.clip, b.w, wd, mom, lrf);
             reinterpret_cast<float4*>(P)[u] = p;
-            reinterpret_cast<float4*>(B)[u] = b;
+            store4<S>(B + 4 * u, b);
             if (K) store4<C>(K + 4 * u, p);
         }
         for (int i = units * 4 + threadIdx.x; i < len; i += blockDim.x) {
-            float p = P[i], b = B[i];
+            float p = P[i], b = to_f32(B[i]);
             sgd_elem(p, G[i] * f.inv_scale * f.clip, b, wd, mom, lrf);
             P[i] = p;
-            B[i] = b;
+            B[i] = from_f32<S>(b);
             if (K) K[i] = from_f32<C>(p);
         }
     }
 }
 
-#define OPTIMIZER(C, c)                                                                        \
-    extern "C" __global__ void adamw_##c(const AdamWTensor* tensors, const TensorChunk* chunks,\
-                                         int n_chunks, const float* lr, const float* step,     \
-                                         const float* scale, const float* grad_norm,           \
-                                         double beta1, double beta2, double eps,               \
-                                         double max_grad_norm) {                               \
-        adamw<C>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2, eps,     \
-                 max_grad_norm);                                                               \
+// `name` names the entry points of moments stored as S.
+#define OPTIMIZER_STATE(C, c, S, name)                                                         \
+    extern "C" __global__ void adamw_##name##c(                                                \
+        const AdamWTensor* tensors, const TensorChunk* chunks, int n_chunks, const float* lr,  \
+        const float* step, const float* scale, const float* grad_norm, double beta1,           \
+        double beta2, double eps, double max_grad_norm) {                                      \
+        adamw<C, S>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2, eps,  \
+                    max_grad_norm);                                                            \
     }                                                                                          \
-    extern "C" __global__ void sgd_##c(const SgdTensor* tensors, const TensorChunk* chunks,    \
-                                       int n_chunks, const float* lr, const float* step,       \
-                                       const float* scale, const float* grad_norm,             \
-                                       double momentum, double max_grad_norm) {                \
-        sgd<C>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, momentum,                \
-               max_grad_norm);                                                                 \
+    extern "C" __global__ void sgd_##name##c(const SgdTensor* tensors,                         \
+                                             const TensorChunk* chunks, int n_chunks,          \
+                                             const float* lr, const float* step,               \
+                                             const float* scale, const float* grad_norm,       \
+                                             double momentum, double max_grad_norm) {          \
+        sgd<C, S>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, momentum,             \
+                  max_grad_norm);                                                              \
     }
+
+#define OPTIMIZER(C, c)                                                                        \
+    OPTIMIZER_STATE(C, c, float, )                                                             \
+    OPTIMIZER_STATE(C, c, __nv_bfloat16, bf16state_)
 
 CASTOR_FOR_EACH_T(OPTIMIZER)

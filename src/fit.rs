@@ -6,12 +6,13 @@
 //! `memory_bytes`); training on the CPU is checked against the host's memory. The changes
 //! tried are the ones that trade time for memory without changing what is learnt: a
 //! recomputation mode (`--remat selective`, `full`, or a budget of the device's memory), a
-//! smaller micro-batch with gradient accumulation over the same tokens per step, and SGD with
-//! momentum instead of AdamW (one moment instead of two). Each is planned for real (the memory
-//! planner's peak, not an estimate) and ranked by the cost model's step time; when no single
-//! change fits, all of them together are tried, and when even that does not fit the verdict
-//! says how much the persistent state alone needs. When the persistent state with SGD's single
-//! moment already exceeds the memory, nothing is planned: no change can fit.
+//! smaller micro-batch with gradient accumulation over the same tokens per step, SGD with
+//! momentum instead of AdamW (one moment instead of two), and Adafactor (factored second
+//! moments, nearly no state). Each is planned for real (the memory planner's peak, not an
+//! estimate) and ranked by the cost model's step time; when no single change fits, all of
+//! them together are tried, and when even that does not fit the verdict says how much the
+//! persistent state alone needs. When the persistent state without any optimizer state
+//! already exceeds the memory, nothing is planned: no change can fit.
 
 use crate::memory::Executor;
 use crate::report::counted_bytes;
@@ -194,18 +195,16 @@ pub fn verdict(
     }
     let s = &plan.settings;
     let memory = v.target.bytes;
-    // The persistent state is a floor no recomputation or micro-batch lowers; SGD's one
-    // moment instead of AdamW's two is the most any change saves of it. Above that floor
-    // nothing is worth planning (a 70B model's candidates would take minutes).
-    let floor = match s.optimizer {
-        OptimizerKind::AdamW { .. } => anatomy.persistent() - anatomy.optimizer_state / 2,
-        OptimizerKind::Sgd { .. } => anatomy.persistent(),
-    };
+    // The persistent state is a floor no recomputation or micro-batch lowers; Adafactor's
+    // factored moments (a row and a column per matrix) are the most any change saves of it.
+    // Above that floor nothing is worth planning (a 70B model's candidates would take
+    // minutes).
+    let floor = anatomy.persistent() - anatomy.optimizer_state;
     if floor > memory {
         v.note = Some(format!(
             "no change castor makes fits: the persistent state alone (weights, master weights, \
-             gradients, optimizer state) is {}, and {} with SGD's single moment; this model \
-             needs more memory than one such device.",
+             gradients, optimizer state) is {}, and more than {} even with Adafactor's factored \
+             moments; this model needs more memory than one such device.",
             counted_bytes(anatomy.persistent()),
             counted_bytes(floor)
         ));
@@ -213,6 +212,12 @@ pub fn verdict(
     }
     let try_plan = |settings: TrainSettings| -> Option<(u64, f64)> {
         let p = replan(settings).ok()?;
+        // A change the executor cannot run is no remedy.
+        if matches!(executor, Executor::Cuda)
+            && castor_runtime::cuda::lower::lower_plan(&p).is_err()
+        {
+            return None;
+        }
         Some((
             planned_peak(&p, executor),
             StepCost::of_plan(&p, gpu).seconds(),
@@ -266,6 +271,11 @@ pub fn verdict(
         let mut t = s.clone();
         sgd(&mut t);
         tried.push(("--optimizer sgd".into(), t));
+    }
+    if !matches!(s.optimizer, OptimizerKind::Adafactor { .. }) {
+        let mut t = s.clone();
+        t.optimizer = OptimizerKind::adafactor(true);
+        tried.push(("--optimizer adafactor".into(), t));
     }
     v.candidates = found;
     for (change, t) in tried {

@@ -187,7 +187,7 @@ pub fn printable_byte(id: u32) -> String {
 /// The optimizer of a plan in one phrase.
 pub fn optimizer_text(s: &castor_ir::TrainSettings) -> String {
     use castor_ir::OptimizerKind;
-    let optimizer = match s.optimizer {
+    let optimizer = match s.optimizer.clone() {
         OptimizerKind::AdamW {
             beta1,
             beta2,
@@ -198,16 +198,55 @@ pub fn optimizer_text(s: &castor_ir::TrainSettings) -> String {
             momentum,
             weight_decay,
         } => format!("SGD (momentum {momentum}; weight decay {weight_decay})"),
+        OptimizerKind::Adafactor {
+            beta1,
+            decay_rate,
+            clip_threshold,
+            weight_decay,
+            relative_step,
+            warmup_init,
+            ..
+        } => format!(
+            "Adafactor ({}; first moment {}; decay rate {decay_rate}; clip threshold \
+             {clip_threshold}; weight decay {weight_decay})",
+            match (relative_step, warmup_init) {
+                (true, false) => "relative step",
+                (true, true) => "relative step with warm-up",
+                (false, _) => "the given learning rate",
+            },
+            beta1.map_or("none".to_string(), |b| b.to_string()),
+        ),
     };
     let clip = if s.max_grad_norm > 0.0 {
         format!(", clip global norm at {}", s.max_grad_norm)
     } else {
         String::new()
     };
+    let state = if s.optimizer_state == castor_ir::DType::F32 {
+        String::new()
+    } else {
+        format!(", moments in {}", s.optimizer_state)
+    };
     format!(
-        "{optimizer} on F32 master weights{clip}; objective {}; {} micro-batch(es) per step",
+        "{optimizer} on F32 master weights{state}{clip}; objective {}; {} micro-batch(es) per step",
         s.objective, s.grad_accum
     )
+}
+
+/// What a plan's optimizer state holds, per trained parameter.
+fn state_text(s: &castor_ir::TrainSettings) -> String {
+    use castor_ir::OptimizerKind;
+    let d = s.optimizer_state;
+    match &s.optimizer {
+        OptimizerKind::AdamW { .. } => format!("AdamW moments m, v in {d}"),
+        OptimizerKind::Sgd { .. } => format!("SGD momentum in {d}"),
+        OptimizerKind::Adafactor { beta1, .. } => {
+            format!(
+            "Adafactor: {}row and column second moments per matrix, full ones per vector, in {d}",
+            if beta1.is_some() { "first moment, " } else { "" }
+        )
+        }
+    }
 }
 
 /// The loss scaling of a plan in one phrase.
@@ -232,8 +271,12 @@ pub fn loss_scaling_text(s: &castor_ir::TrainSettings) -> String {
 
 /// The memory anatomy of a training plan beside the 18 bytes/parameter rule of mixed-precision
 /// AdamW (2 low-precision weights + 4 F32 master + 4 gradients + 8 moments); bytes exact and
-/// in the unit of the total (GiB for real models).
-pub fn anatomy_lines(a: &castor_passes::memory::Anatomy) -> Vec<String> {
+/// in the unit of the total (GiB for real models). `settings` names what the optimizer state
+/// holds.
+pub fn anatomy_lines(
+    a: &castor_passes::memory::Anatomy,
+    settings: &castor_ir::TrainSettings,
+) -> Vec<String> {
     let (unit, unit_name) = crate::plot::unit_for(a.total().max(1));
     let per = |b: u64| {
         if a.params > 0 {
@@ -266,7 +309,12 @@ pub fn anatomy_lines(a: &castor_passes::memory::Anatomy) -> Vec<String> {
         row("low-precision weights", a.low_precision_weights, "2", ""),
         row("F32 master weights", a.master_weights, "4", ""),
         row("gradients", a.gradients, "4", ""),
-        row("optimizer state", a.optimizer_state, "8", ""),
+        row(
+            "optimizer state",
+            a.optimizer_state,
+            "8",
+            &state_text(settings),
+        ),
         row("step and loss-scale state", a.control, "", ""),
         row(
             "saved activations",

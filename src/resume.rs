@@ -155,7 +155,7 @@ pub fn check_same_model(model: &Path, dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Which flags feed each plan setting.
-const SETTING_FLAGS: [(&str, &[&str]); 12] = [
+const SETTING_FLAGS: [(&str, &[&str]); 13] = [
     ("precision", &["precision"]),
     ("objective", &["objective"]),
     ("batch", &["batch"]),
@@ -170,8 +170,14 @@ const SETTING_FLAGS: [(&str, &[&str]); 12] = [
             "eps",
             "weight_decay",
             "momentum",
+            "clip_threshold",
+            "decay_rate",
+            "warmup_init",
+            // Adafactor takes its relative step exactly when no rate is given.
+            "lr",
         ],
     ),
+    ("optimizer_state", &["optimizer_state"]),
     ("max_grad_norm", &["grad_clip"]),
     (
         "loss_scaling",

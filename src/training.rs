@@ -18,6 +18,9 @@ pub enum OptimizerChoice {
     Adamw,
     /// torch.optim.SGD with momentum.
     Sgd,
+    /// transformers' Adafactor: factored second moments, no first moment unless --beta1 is
+    /// given; without --lr, its relative step.
+    Adafactor,
 }
 
 #[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
@@ -30,11 +33,14 @@ pub struct TrainingArgs {
     pub objective: String,
     #[arg(long, value_enum, default_value_t = OptimizerChoice::Adamw, help_heading = "Optimizer")]
     pub optimizer: OptimizerChoice,
-    /// Learning rate (the peak rate when a schedule is used).
-    #[arg(long, default_value_t = 1e-3, help_heading = "Optimizer")]
-    pub lr: f64,
-    #[arg(long, default_value_t = 0.9, help_heading = "Optimizer")]
-    pub beta1: f64,
+    /// Learning rate (the peak rate when a schedule is used). Default 1e-3; Adafactor without
+    /// it takes its relative step, min(1e-2, 1/sqrt(step)) times the parameter's RMS.
+    #[arg(long, help_heading = "Optimizer")]
+    pub lr: Option<f64>,
+    /// AdamW's first-moment decay (default 0.9); Adafactor keeps a first moment only when it
+    /// is given.
+    #[arg(long, help_heading = "Optimizer")]
+    pub beta1: Option<f64>,
     #[arg(long, default_value_t = 0.999, help_heading = "Optimizer")]
     pub beta2: f64,
     #[arg(long, default_value_t = 1e-8, help_heading = "Optimizer")]
@@ -45,6 +51,19 @@ pub struct TrainingArgs {
     /// SGD momentum.
     #[arg(long, default_value_t = 0.9, help_heading = "Optimizer")]
     pub momentum: f64,
+    /// Adafactor: the update is divided by max(1, RMS(update) / this).
+    #[arg(long, default_value_t = 1.0, help_heading = "Optimizer")]
+    pub clip_threshold: f64,
+    /// Adafactor: the second-moment decay is 1 - step^this.
+    #[arg(long, default_value_t = -0.8, allow_negative_numbers = true, help_heading = "Optimizer")]
+    pub decay_rate: f64,
+    /// Adafactor's relative step warm-up: min(1e-6 * step, 1/sqrt(step)) (without --lr only).
+    #[arg(long, help_heading = "Optimizer")]
+    pub warmup_init: bool,
+    /// The dtype optimizer moments are stored in: f32, or bf16 (half the bytes; updated in
+    /// F32 and rounded to nearest even when stored).
+    #[arg(long, value_enum, default_value_t = StateDtype::F32, help_heading = "Optimizer")]
+    pub optimizer_state: StateDtype,
     /// Clip the global gradient norm to this value (torch.nn.utils.clip_grad_norm_).
     #[arg(long, value_name = "MAX_NORM", help_heading = "Optimizer")]
     pub grad_clip: Option<f64>,
@@ -92,12 +111,27 @@ pub fn parse_remat(s: &str) -> Result<Remat, String> {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+pub enum StateDtype {
+    F32,
+    Bf16,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum ParamGrads {
     F32,
     Compute,
 }
 
+/// The learning rate without `--lr`.
+const DEFAULT_LR: f64 = 1e-3;
+
 impl TrainingArgs {
+    /// The learning rate: `--lr`, else the default.
+    pub fn lr(&self) -> f64 {
+        self.lr.unwrap_or(DEFAULT_LR)
+    }
+
     /// The objective, resolving `auto` for the model (IR files use their own loss).
     pub fn objective(&self, model: Option<&Model>) -> anyhow::Result<Objective> {
         match (self.objective.as_str(), model) {
@@ -180,7 +214,7 @@ impl TrainingArgs {
     ) -> anyhow::Result<TrainSettings> {
         let optimizer = match self.optimizer {
             OptimizerChoice::Adamw => OptimizerKind::AdamW {
-                beta1: self.beta1,
+                beta1: self.beta1.unwrap_or(0.9),
                 beta2: self.beta2,
                 eps: self.eps,
                 weight_decay: self.weight_decay.unwrap_or(0.01),
@@ -189,7 +223,44 @@ impl TrainingArgs {
                 momentum: self.momentum,
                 weight_decay: self.weight_decay.unwrap_or(0.0),
             },
+            // transformers' pairing: the relative step scales by the parameter's RMS, a given
+            // rate does not.
+            OptimizerChoice::Adafactor => {
+                let mut kind = OptimizerKind::adafactor(self.lr.is_none());
+                if let OptimizerKind::Adafactor {
+                    beta1,
+                    decay_rate,
+                    clip_threshold,
+                    weight_decay,
+                    warmup_init,
+                    ..
+                } = &mut kind
+                {
+                    *beta1 = self.beta1;
+                    *decay_rate = self.decay_rate;
+                    *clip_threshold = self.clip_threshold;
+                    *weight_decay = self.weight_decay.unwrap_or(0.0);
+                    *warmup_init = self.warmup_init;
+                }
+                kind
+            }
         };
+        if self.warmup_init
+            && !matches!(
+                optimizer,
+                OptimizerKind::Adafactor {
+                    relative_step: true,
+                    ..
+                }
+            )
+        {
+            return Err(CliError::InvalidInput(
+                "--warmup-init is Adafactor's relative-step warm-up: use it with --optimizer \
+                 adafactor and no --lr"
+                    .into(),
+            )
+            .into());
+        }
         if self.grad_accum == 0 {
             return Err(CliError::InvalidInput("--grad-accum must be at least 1".into()).into());
         }
@@ -205,6 +276,10 @@ impl TrainingArgs {
             frozen: self.freeze.clone(),
             no_decay: self.no_decay.clone(),
             param_grads_in_compute_dtype: self.param_grads == ParamGrads::Compute,
+            optimizer_state: match self.optimizer_state {
+                StateDtype::F32 => castor_ir::DType::F32,
+                StateDtype::Bf16 => castor_ir::DType::BF16,
+            },
             remat: self.remat,
         })
     }

@@ -103,8 +103,9 @@ fn every_kernel_family_matches_the_cpu_executor() {
     }
 }
 
-/// Beyond the matrix of [`plan_matrix`]: the loss scaler's other paths.
-const SCALER_PLANS: &[(&str, &str)] = &[
+/// Beyond the matrix of [`plan_matrix`]: the loss scaler's other paths, and moments stored
+/// in BF16.
+const EXTRA_PLANS: &[(&str, &str)] = &[
     // Overflowing steps: tolerated (hysteresis 2), then backing off; clipping.
     (
         "gpt2_lm",
@@ -119,6 +120,11 @@ const SCALER_PLANS: &[(&str, &str)] = &[
     (
         "llama_gqa",
         "--precision bf16 --optimizer sgd --momentum 0.9 --grad-accum 3",
+    ),
+    ("gpt2_lm", "--precision bf16 --optimizer-state bf16"),
+    (
+        "llama_tied",
+        "--precision fp16 --optimizer sgd --optimizer-state bf16 --grad-clip 1",
     ),
 ];
 
@@ -285,9 +291,9 @@ fn low_residual_plans_match_the_cpu_executor() {
 }
 
 #[test]
-fn loss_scaler_paths_match_the_cpu_executor() {
+fn loss_scaler_and_bf16_moment_paths_match_the_cpu_executor() {
     let mut failures = Vec::new();
-    for &(variant, flags) in SCALER_PLANS {
+    for &(variant, flags) in EXTRA_PLANS {
         println!("{}", compare_training(variant, flags, &mut failures));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -31,6 +31,7 @@ fn settings(precision: Precision, loss_scaling: LossScaling) -> TrainSettings {
         frozen: vec![],
         no_decay: vec![],
         param_grads_in_compute_dtype: false,
+        optimizer_state: castor_ir::DType::F32,
         remat: Remat::None,
     }
 }

@@ -68,6 +68,7 @@ fn try_plan(
         frozen: vec![],
         no_decay: vec![],
         param_grads_in_compute_dtype: false,
+        optimizer_state: castor_ir::DType::F32,
         remat,
     };
     castor::memory::Executor::Cuda

@@ -1,8 +1,9 @@
 //! `castor train` against torch.optim and torch.amp.GradScaler, with references from
 //! tests/fixtures/generate_training.py:
-//! - three AdamW steps, three SGD-momentum steps (F32) and three AdamW steps under the bf16
+//! - three AdamW steps, three SGD-momentum steps, three Adafactor steps (transformers'
+//!   `Adafactor`, lr 1e-3, no relative step) (F32) and three AdamW steps under the bf16
 //!   policy (vs CPU bf16 autocast) on one batch: the updates (new - old parameters, over all
-//!   parameters) within a relative error of 1e-2 (F32) and 5e-2 (bf16). AdamW's first steps
+//!   parameters) within a relative error of 1e-2 (F32; 1e-3 for Adafactor) and 5e-2 (bf16). AdamW's first steps
 //!   move each weight by about `lr * sign(gradient)`, so a gradient at rounding-noise level
 //!   flips its weight's update: the bf16 bound is therefore 5e-2 or, where PyTorch's own bf16
 //!   and F32 runs differ by more than that, 1.1 times their difference (the noise floor).
@@ -105,6 +106,12 @@ fn three_optimizer_steps_match_torch_optim() {
                 1e-2,
             ),
             ("adamw_bf16", &["--precision", "bf16"][..], 5e-2),
+            // Measured at most 5.5e-4 (gpt2_lm; vectors' first updates are sign-like).
+            (
+                "adafactor",
+                &["--optimizer", "adafactor", "--lr", "1e-3"][..],
+                1e-3,
+            ),
         ] {
             let save = tmp.path().join(format!("{variant}-{run}"));
             let log = train(variant, 3, &save, flags);

@@ -35,7 +35,7 @@ pub use dtype::{round_tf32, Accum, DType, TensorType};
 pub use entities::{Node, Value};
 pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};
-pub use op::{Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
+pub use op::{adafactor_moments, Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
 pub use plan::{
     ControlState, LossScaling, OptimizerKind, PlanError, Remat, StateInit, StateRole, StateSpec,
     TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,

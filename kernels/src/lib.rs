@@ -243,9 +243,15 @@ pub const FILES: &[KernelFile] = &[
         "optimizer.cu",
         [
             "adamw_bf16",
+            "adamw_bf16state_bf16",
+            "adamw_bf16state_f16",
+            "adamw_bf16state_f32",
             "adamw_f16",
             "adamw_f32",
             "sgd_bf16",
+            "sgd_bf16state_bf16",
+            "sgd_bf16state_f16",
+            "sgd_bf16state_f32",
             "sgd_f16",
             "sgd_f32",
         ]

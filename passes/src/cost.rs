@@ -189,6 +189,8 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         }
         Op::AdamW { .. } => 15.0 * in0,
         Op::Sgd { .. } => 6.0 * in0,
+        // Unscale, square, the row and column sums, the factored update, its RMS, the step.
+        Op::Adafactor { .. } => 14.0 * in0,
         Op::CountStep | Op::LossScaleUpdate { .. } => 4.0,
         Op::Input
         | Op::Param

@@ -400,7 +400,7 @@ fn print_memory_and_cost(
         toln!(say, "  recompute {group} x{count}");
     }
     toln!(say);
-    for line in crate::report::anatomy_lines(anatomy) {
+    for line in crate::report::anatomy_lines(anatomy, &plan.settings) {
         toln!(say, "{line}");
     }
     toln!(say);

@@ -411,7 +411,7 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         first_step,
         steps,
         lr: LrSchedule {
-            peak: args.training.lr,
+            peak: args.training.lr(),
             warmup: args.run.warmup,
             schedule: args.run.schedule,
             min_lr: args.run.min_lr,

@@ -185,6 +185,26 @@ impl AttrValue for f64 {
     }
 }
 
+/// A rate only some configurations have (Adafactor's first-moment `beta1`): omitted when
+/// `None`.
+impl AttrValue for Option<f64> {
+    fn to_attr(&self) -> Attr {
+        Attr::Float(self.unwrap_or(0.0))
+    }
+
+    fn from_attr(key: &str, attr: Attr) -> Result<Option<f64>, String> {
+        f64::from_attr(key, attr).map(Some)
+    }
+
+    fn absent() -> Option<Self> {
+        Some(None)
+    }
+
+    fn printed(&self) -> Option<Attr> {
+        self.map(Attr::Float)
+    }
+}
+
 /// Shapes, permutations and axis lists: `[1,2]`.
 impl AttrValue for Vec<usize> {
     fn to_attr(&self) -> Attr {

@@ -15,6 +15,7 @@ mod typing;
 
 pub use attr::Attr;
 pub(crate) use attr::{AttrReader, AttrValue};
+pub use typing::adafactor_moments;
 
 use crate::{DType, RopeScaling, TensorType};
 use define::{define_family, define_ops};
@@ -256,6 +257,30 @@ define_ops! {
         max_grad_norm: f64,
         copy: Option<DType>,
     } => "sgd", class Elementwise, arity (7, 7), typing typing::optimizer(inputs, 1, *copy);
+    /// One Adafactor step (transformers' `Adafactor`, Shazeer & Stern 2018) of one F32
+    /// parameter buffer, with the gradient rules of [`Op::AdamW`]: `(master, grad[, exp_avg],
+    /// row, col | exp_avg_sq, lr [], step [], scale [], grad_norm []) -> (master'[,
+    /// exp_avg'], row', col' | exp_avg_sq'[, copy'])`. A parameter of rank 2 or more keeps
+    /// factored second moments (`row`: its shape without the last axis, `col`: without the
+    /// one before), a vector the full `exp_avg_sq`; `exp_avg` exists when `beta1` is given.
+    /// Under `relative_step` the `lr` operand is ignored for `min(1e-2, 1/sqrt(t))` (or
+    /// `1e-6 t` with `warmup_init`); `scale_parameter` multiplies the step by
+    /// `max(eps2, rms(master))`. The update is divided by `max(1, rms(update) /
+    /// clip_threshold)`.
+    Adafactor {
+        beta1: Option<f64>,
+        decay_rate: f64,
+        eps1: f64,
+        eps2: f64,
+        clip_threshold: f64,
+        weight_decay: f64,
+        relative_step: bool,
+        scale_parameter: bool,
+        warmup_init: bool,
+        max_grad_norm: f64,
+        copy: Option<DType>,
+    } => "adafactor", class Elementwise, arity (7, 9),
+        typing typing::adafactor(inputs, beta1.is_some(), *copy);
     /// `(step [], grad_norm []) -> step'`: counts the optimizer steps that were not skipped.
     CountStep => "count_step", class Elementwise, arity (2, 2),
         typing typing::count_step(inputs);
@@ -351,6 +376,19 @@ mod tests {
                 weight_decay: 0.1,
                 max_grad_norm: 0.0,
                 copy: Some(DType::F16),
+            },
+            Op::Adafactor {
+                beta1: Some(0.9),
+                decay_rate: -0.8,
+                eps1: 1e-30,
+                eps2: 1e-3,
+                clip_threshold: 1.0,
+                weight_decay: 0.0,
+                relative_step: true,
+                scale_parameter: true,
+                warmup_init: false,
+                max_grad_norm: 0.0,
+                copy: Some(DType::BF16),
             },
             Op::CrossEntropy { ignore_index: -100 },
             Op::Softmax {

@@ -68,31 +68,78 @@ pub fn grad_norm(inputs: &[&TensorType]) -> Types {
 }
 
 /// AdamW (two moments) and SGD (one): `(master, grad, moments.., lr, step, scale, grad_norm)
-/// -> (master', moments'..[, copy'])`.
+/// -> (master', moments'..[, copy'])`. Moments are stored in F32 or BF16 (computed in F32
+/// either way).
 pub fn optimizer(inputs: &[&TensorType], moments: usize, copy: Option<DType>) -> Types {
+    let master = inputs[0];
+    let shapes = vec![master.shape.clone(); moments];
+    optimizer_state(inputs, &shapes, copy)
+}
+
+/// `(master, grad[, exp_avg], row, col | exp_avg_sq, lr, step, scale, grad_norm)`: the
+/// moments' shapes follow from the master's ([`adafactor_moments`]).
+pub fn adafactor(inputs: &[&TensorType], first_moment: bool, copy: Option<DType>) -> Types {
+    let master = inputs[0];
+    let mut shapes = Vec::new();
+    if first_moment {
+        shapes.push(master.shape.clone());
+    }
+    shapes.extend(adafactor_moments(&master.shape));
+    if inputs.len() != 2 + shapes.len() + 4 {
+        return Err(format!(
+            "adafactor of {master} takes {} operands, found {}",
+            2 + shapes.len() + 4,
+            inputs.len()
+        ));
+    }
+    optimizer_state(inputs, &shapes, copy)
+}
+
+/// Adafactor's second-moment shapes for a parameter: for rank 2 or more, the row statistics
+/// (the shape without its last axis) and the column statistics (without the one before);
+/// for a vector or scalar, the full shape.
+pub fn adafactor_moments(param: &Shape) -> Vec<Shape> {
+    let d = param.dims();
+    match d.len() {
+        0 | 1 => vec![param.clone()],
+        r => {
+            let row = Shape::from(&d[..r - 1]);
+            let mut col = d[..r - 2].to_vec();
+            col.push(d[r - 1]);
+            vec![row, Shape::from(col)]
+        }
+    }
+}
+
+/// The common rule: an F32 master, an F32 gradient of its shape, moments of the given shapes
+/// in F32 or BF16, the four F32 scalars; results master', moments' (each in its own dtype)
+/// and the optional working copy.
+fn optimizer_state(inputs: &[&TensorType], moments: &[Shape], copy: Option<DType>) -> Types {
     let master = inputs[0];
     if master.dtype != DType::F32 {
         return Err(format!("the master weights must be f32, found {master}"));
     }
-    for (i, t) in inputs[1..2 + moments].iter().enumerate() {
-        let what = if i == 0 {
-            "gradient"
-        } else {
-            "optimizer moment"
-        };
-        if *t != master {
+    if inputs[1] != master {
+        return Err(format!(
+            "gradient must be {master} like the master, found {}",
+            inputs[1]
+        ));
+    }
+    let mut outs = vec![master.clone()];
+    for (t, shape) in inputs[2..2 + moments.len()].iter().zip(moments) {
+        if t.shape != *shape || !matches!(t.dtype, DType::F32 | DType::BF16) {
             return Err(format!(
-                "{what} must be {master} like the master, found {t}"
+                "optimizer moment must be f32 or bf16 of shape {shape}, found {t}"
             ));
         }
+        outs.push((*t).clone());
     }
     for (what, t) in ["lr", "step", "loss scale", "grad norm"]
         .iter()
-        .zip(&inputs[2 + moments..])
+        .zip(&inputs[2 + moments.len()..])
     {
         require_f32_scalar(what, t)?;
     }
-    let mut outs = vec![master.clone(); 1 + moments];
     if let Some(to) = copy {
         if !to.is_float() {
             return Err(format!(

@@ -25,9 +25,21 @@ pub struct TrainSettings {
     /// PyTorch autocast does, rather than written in F32 by their contractions.
     #[serde(default)]
     pub param_grads_in_compute_dtype: bool,
+    /// The dtype optimizer moments are stored in: F32, or BF16 (updated in F32, rounded to
+    /// nearest even when stored).
+    #[serde(default = "f32_state", skip_serializing_if = "is_f32")]
+    pub optimizer_state: crate::DType,
     /// What the micro step recomputes in its backward part instead of keeping.
     #[serde(default, skip_serializing_if = "Remat::is_none")]
     pub remat: Remat,
+}
+
+fn f32_state() -> crate::DType {
+    crate::DType::F32
+}
+
+fn is_f32(d: &crate::DType) -> bool {
+    *d == crate::DType::F32
 }
 
 /// Rematerialization: which forward values the backward part recomputes.
@@ -112,6 +124,47 @@ pub enum OptimizerKind {
         momentum: f64,
         weight_decay: f64,
     },
+    /// transformers' `Adafactor`; `lr: None` is its relative step (with parameter scaling),
+    /// `Some` a fixed rate from the learning-rate input (without).
+    Adafactor {
+        beta1: Option<f64>,
+        decay_rate: f64,
+        eps1: f64,
+        eps2: f64,
+        clip_threshold: f64,
+        weight_decay: f64,
+        relative_step: bool,
+        scale_parameter: bool,
+        warmup_init: bool,
+    },
+}
+
+impl OptimizerKind {
+    /// transformers' `Adafactor` defaults: eps (1e-30, 1e-3), clip threshold 1, decay rate
+    /// -0.8, no first moment, no weight decay; the relative step with parameter scaling, or
+    /// (`relative_step` false) the learning-rate input without it.
+    pub fn adafactor(relative_step: bool) -> OptimizerKind {
+        OptimizerKind::Adafactor {
+            beta1: None,
+            decay_rate: -0.8,
+            eps1: 1e-30,
+            eps2: 1e-3,
+            clip_threshold: 1.0,
+            weight_decay: 0.0,
+            relative_step,
+            scale_parameter: relative_step,
+            warmup_init: false,
+        }
+    }
+
+    /// The optimizer's name as `--optimizer` takes it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            OptimizerKind::AdamW { .. } => "adamw",
+            OptimizerKind::Sgd { .. } => "sgd",
+            OptimizerKind::Adafactor { .. } => "adafactor",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -385,6 +385,7 @@ mod tests {
             frozen: vec![],
             no_decay: vec![],
             param_grads_in_compute_dtype: false,
+            optimizer_state: castor_ir::DType::F32,
             remat: Remat::None,
         }
     }

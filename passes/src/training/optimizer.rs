@@ -1,15 +1,16 @@
 //! `optimizer`: the state table (masters, working copies, gradients, moments, control) and the
 //! optimizer step: the global gradient norm of the unscaled gradients (its finiteness is the
-//! found-inf flag), one fused AdamW or SGD op per parameter buffer (unscale, clip, update
-//! master and moments, write the working copy), the step count unless the step was skipped,
-//! and the loss-scale update.
+//! found-inf flag), one fused AdamW, SGD or Adafactor op per parameter buffer (unscale, clip,
+//! update master and moments, write the working copy), the step count unless the step was
+//! skipped, and the loss-scale update.
 
 use super::{PlanBuild, PlanPass};
 use crate::autodiff::grad_name;
 use crate::{PassError, PassReport};
 use castor_ir::{
-    ControlState, DType, Graph, GraphBuilder, LossScaling, Op, OptimizerKind, Shape, StateInit,
-    StateRole, StateSpec, TensorType, TrainSettings, Value, Write, GRAD_NORM, LEARNING_RATE,
+    adafactor_moments, ControlState, DType, Graph, GraphBuilder, LossScaling, Op, OptimizerKind,
+    Shape, StateInit, StateRole, StateSpec, TensorType, TrainSettings, Value, Write, GRAD_NORM,
+    LEARNING_RATE,
 };
 
 pub(super) struct OptimizerStep;
@@ -49,15 +50,11 @@ impl PlanPass for OptimizerStep {
                 init: StateInit::Zeros,
             });
         }
-        let moments: &[&str] = match settings.optimizer {
-            OptimizerKind::AdamW { .. } => &["adamw.m", "adamw.v"],
-            OptimizerKind::Sgd { .. } => &["sgd.momentum"],
-        };
         for &p in trainable {
-            for m in moments {
+            for (name, ty) in moments(settings, fwd.name(p), &fwd.ty(p).shape) {
                 state.push(StateSpec {
-                    name: format!("{m}.{}", fwd.name(p)),
-                    ty: TensorType::new(DType::F32, fwd.ty(p).shape.clone()),
+                    name,
+                    ty,
                     role: StateRole::OptimizerState,
                     init: StateInit::Zeros,
                 });
@@ -74,13 +71,13 @@ impl PlanPass for OptimizerStep {
             });
         }
 
-        let (graph, writes) =
-            optimizer_graph(fwd, settings, trainable, &build.no_decay, &copies, moments)?;
+        let (graph, writes) = optimizer_graph(fwd, settings, trainable, &build.no_decay, &copies)?;
         let report = format!(
             "{} update(s) of {} parameter buffer(s){}; state: {} entries; optimizer step {} nodes",
             match settings.optimizer {
                 OptimizerKind::AdamW { .. } => "AdamW",
                 OptimizerKind::Sgd { .. } => "SGD",
+                OptimizerKind::Adafactor { .. } => "Adafactor",
             },
             trainable.len(),
             match build.frozen() {
@@ -97,6 +94,39 @@ impl PlanPass for OptimizerStep {
     }
 }
 
+/// The optimizer state of the parameter `name`: each moment's state name and type, in the
+/// order its update op takes them.
+fn moments(settings: &TrainSettings, name: &str, shape: &Shape) -> Vec<(String, TensorType)> {
+    let full = |m: &str| (m.to_string(), shape.clone());
+    let named: Vec<(String, Shape)> = match &settings.optimizer {
+        OptimizerKind::AdamW { .. } => vec![full("adamw.m"), full("adamw.v")],
+        OptimizerKind::Sgd { .. } => vec![full("sgd.momentum")],
+        OptimizerKind::Adafactor { beta1, .. } => {
+            let mut m: Vec<(String, Shape)> = beta1
+                .map(|_| full("adafactor.exp_avg"))
+                .into_iter()
+                .collect();
+            let second = adafactor_moments(shape);
+            let names: &[&str] = if second.len() == 2 {
+                &["adafactor.exp_avg_sq_row", "adafactor.exp_avg_sq_col"]
+            } else {
+                &["adafactor.exp_avg_sq"]
+            };
+            m.extend(names.iter().map(|n| n.to_string()).zip(second));
+            m
+        }
+    };
+    named
+        .into_iter()
+        .map(|(m, shape)| {
+            (
+                format!("{m}.{name}"),
+                TensorType::new(settings.optimizer_state, shape),
+            )
+        })
+        .collect()
+}
+
 /// `(master, copy)` for every `param_copy` in the forward graph.
 fn working_copies(g: &Graph) -> Vec<(Value, Value)> {
     g.nodes()
@@ -111,7 +141,6 @@ fn optimizer_graph(
     trainable: &[Value],
     no_decay: &[Value],
     copies: &[(Value, Value)],
-    moments: &[&str],
 ) -> Result<(Graph, Vec<Write>), PassError> {
     let scalar = TensorType::new(DType::F32, Shape::scalar());
     let mut b = GraphBuilder::new("optimizer_step");
@@ -146,14 +175,14 @@ fn optimizer_graph(
         let pname = fwd.name(p);
         let master = b.param(pname, fwd.ty(p).clone())?;
         let mut ins = vec![master, grad];
-        for m in moments {
-            let ty = fwd.ty(p).clone();
-            ins.push(b.state(&format!("{m}.{pname}"), ty)?);
+        let moments = moments(settings, pname, &fwd.ty(p).shape);
+        for (m, ty) in &moments {
+            ins.push(b.state(m, ty.clone())?);
         }
         ins.extend([lr, step, scale, norm]);
         let copy = copies.iter().find(|(m, _)| *m == p).map(|&(_, c)| c);
         let decay = !no_decay.contains(&p);
-        let op = match settings.optimizer {
+        let op = match settings.optimizer.clone() {
             OptimizerKind::AdamW {
                 beta1,
                 beta2,
@@ -176,6 +205,29 @@ fn optimizer_graph(
                 max_grad_norm: settings.max_grad_norm,
                 copy: copy.map(|c| fwd.ty(c).dtype),
             },
+            OptimizerKind::Adafactor {
+                beta1,
+                decay_rate,
+                eps1,
+                eps2,
+                clip_threshold,
+                weight_decay,
+                relative_step,
+                scale_parameter,
+                warmup_init,
+            } => Op::Adafactor {
+                beta1,
+                decay_rate,
+                eps1,
+                eps2,
+                clip_threshold,
+                weight_decay: if decay { weight_decay } else { 0.0 },
+                relative_step,
+                scale_parameter,
+                warmup_init,
+                max_grad_norm: settings.max_grad_norm,
+                copy: copy.map(|c| fwd.ty(c).dtype),
+            },
         };
         let n_out = 1 + moments.len() + usize::from(copy.is_some());
         let outs = b.op_multi(&format!("update.{pname}"), op, &ins)?;
@@ -186,8 +238,8 @@ fn optimizer_graph(
             )));
         }
         write(&mut b, outs[0], pname)?;
-        for (m, &v) in moments.iter().zip(&outs[1..]) {
-            write(&mut b, v, &format!("{m}.{pname}"))?;
+        for ((m, _), &v) in moments.iter().zip(&outs[1..]) {
+            write(&mut b, v, m)?;
         }
         if let Some(c) = copy {
             write(&mut b, outs[n_out - 1], fwd.name(c))?;

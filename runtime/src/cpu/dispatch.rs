@@ -4,8 +4,8 @@
 
 use super::operand::{Args, Storage};
 use super::{
-    attention, cast, elementwise, embedding, layout, loss, matmul, norm, optimizer, pool, reduce,
-    rope, softmax,
+    adafactor, attention, cast, elementwise, embedding, layout, loss, matmul, norm, optimizer,
+    pool, reduce, rope, softmax,
 };
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
@@ -79,6 +79,59 @@ pub fn execute(
             let (mut p, mut buf) = (args.take_f32(0)?, args.take_f32(2)?);
             optimizer::sgd(&h, c, &mut p, args.f32(1)?, &mut buf);
             return updated(args, outs, p, vec![buf], *copy);
+        }
+        Op::Adafactor {
+            beta1,
+            decay_rate,
+            eps1,
+            eps2,
+            clip_threshold,
+            weight_decay,
+            relative_step,
+            scale_parameter,
+            warmup_init,
+            max_grad_norm,
+            copy,
+        } => {
+            let h = adafactor::Adafactor {
+                beta1: *beta1,
+                decay_rate: *decay_rate,
+                eps1: *eps1,
+                eps2: *eps2,
+                clip_threshold: *clip_threshold,
+                weight_decay: *weight_decay,
+                relative_step: *relative_step,
+                scale_parameter: *scale_parameter,
+                warmup_init: *warmup_init,
+                max_grad_norm: *max_grad_norm,
+            };
+            let dims = args.shape(0)?.to_vec();
+            let n_moments = args.len() - 6;
+            let c = control(args, 2 + n_moments)?;
+            let mut p = args.take_f32(0)?;
+            let mut moments = (2..2 + n_moments)
+                .map(|i| args.take_f32(i))
+                .collect::<Result<Vec<_>, _>>()?;
+            let (first, second) = moments.split_at_mut(usize::from(beta1.is_some()));
+            let second = match (second, dims.as_slice()) {
+                ([row, col], [.., rows, cols]) => adafactor::SecondMoment::Factored {
+                    rows: *rows,
+                    cols: *cols,
+                    row,
+                    col,
+                },
+                ([v], _) => adafactor::SecondMoment::Full(v),
+                _ => return Err(args.internal("adafactor's moments do not fit its parameter")),
+            };
+            adafactor::adafactor(
+                &h,
+                c,
+                &mut p,
+                args.f32(1)?,
+                first.first_mut().map(|m| m.as_mut_slice()),
+                second,
+            );
+            return updated(args, outs, p, moments, *copy);
         }
         Op::CountStep => {
             let step = optimizer::count_step(scalar(args, 0)?, scalar(args, 1)?);

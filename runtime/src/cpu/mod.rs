@@ -11,6 +11,7 @@
 //! records for it (round-to-nearest-even, `castor_ir::round_to`), exactly where a GPU would
 //! store it. Kernels live in one module per op family and parallelize with rayon.
 
+pub(crate) mod adafactor;
 pub(crate) mod attention;
 pub(crate) mod cast;
 mod dispatch;

@@ -52,7 +52,7 @@ impl Control {
 
     /// What each raw gradient is multiplied by: the loss-scale inverse (in F32, as
     /// GradScaler's unscale does) and the clipping coefficient of `clip_grad_norm_`.
-    fn grad_factor(&self, max_grad_norm: f64) -> (f32, f32) {
+    pub(crate) fn grad_factor(&self, max_grad_norm: f64) -> (f32, f32) {
         let inv_scale = 1.0f32 / self.scale;
         let clip = if max_grad_norm > 0.0 {
             let coef = max_grad_norm as f32 / (self.grad_norm + 1e-6);

@@ -77,11 +77,25 @@ impl RunLowering<'_, '_> {
         let node = g.node(n);
         let y = node.outputs[0];
         let adamw = matches!(node.op, Op::AdamW { .. });
+        let state = g.ty(node.inputs[2]).dtype;
+        let state_name = match state {
+            DType::F32 => "",
+            DType::BF16 => "bf16state_",
+            other => {
+                return Err(self.err(
+                    y,
+                    format!("optimizer moments in {other} have no CUDA kernel"),
+                ))
+            }
+        };
         let mut rows = Vec::new();
         let mut numels = Vec::new();
         for &m in batch {
             let md = g.node(m);
             let k = if adamw { 4 } else { 3 };
+            if md.inputs[2..k].iter().any(|&v| g.ty(v).dtype != state) {
+                return Err(self.err(y, "one launch's moments must share one dtype"));
+            }
             let numel = g.ty(md.inputs[0]).shape.numel().unwrap_or(0);
             // State updated in place: outputs written where the inputs are, copied there first
             // when the plan stores them elsewhere.
@@ -165,7 +179,7 @@ impl RunLowering<'_, '_> {
         };
         self.launch(
             y,
-            &format!("{entry}_{}", sfx(copy.unwrap_or(DType::F32))),
+            &format!("{entry}_{state_name}{}", sfx(copy.unwrap_or(DType::F32))),
             (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
             (BLOCK, 1, 1),
             args,

@@ -188,11 +188,15 @@ pub(super) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
     if let Some(s) = e.strip_prefix("rope_bwd_") {
         return rope::rope(m, l, float(s)?);
     }
-    if let Some(s) = e.strip_prefix("adamw_") {
-        return optimizer::multi_tensor_update(m, l, true, float(s)?);
-    }
-    if let Some(s) = e.strip_prefix("sgd_") {
-        return optimizer::multi_tensor_update(m, l, false, float(s)?);
+    for (prefix, adamw, state) in [
+        ("adamw_bf16state_", true, DType::BF16),
+        ("adamw_", true, DType::F32),
+        ("sgd_bf16state_", false, DType::BF16),
+        ("sgd_", false, DType::F32),
+    ] {
+        if let Some(s) = e.strip_prefix(prefix) {
+            return optimizer::multi_tensor_update(m, l, adamw, state, float(s)?);
+        }
     }
     for prefix in ["gelu_tanh_", "gelu_erf_", "silu_"] {
         if let Some(rest) = e.strip_prefix(prefix) {

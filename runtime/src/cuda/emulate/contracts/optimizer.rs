@@ -80,8 +80,14 @@ fn table_rows(
     Ok(n)
 }
 
-/// `adamw_<c>` and `sgd_<c>`.
-pub(super) fn multi_tensor_update(m: &Mem, l: &Launch, adamw: bool, copy_dt: DType) -> R<Vec<Use>> {
+/// `adamw_<c>` and `sgd_<c>`, and their `bf16state_` twins (moments of `state_dt`).
+pub(super) fn multi_tensor_update(
+    m: &Mem,
+    l: &Launch,
+    adamw: bool,
+    state_dt: DType,
+    copy_dt: DType,
+) -> R<Vec<Use>> {
     let mut a = Args::new(l);
     let tensors = a.need(m, "tensors")?;
     let chunk_table = a.need(m, "chunks")?;
@@ -141,11 +147,13 @@ pub(super) fn multi_tensor_update(m: &Mem, l: &Launch, adamw: bool, copy_dt: DTy
         }
         for (k, (name, &p)) in names.iter().zip(&ptrs).enumerate() {
             let io = if k == 1 { Io::R } else { Io::Rw };
+            // Master and gradient are F32; the moments are of the entry's state dtype.
+            let size = if k < 2 { 4 } else { state_dt.size_bytes() };
             uses.push(use_(
                 format!("tensor {t} {name}"),
                 Some(p),
-                n as u64 * 4,
-                4,
+                n as u64 * size as u64,
+                size,
                 io,
             ));
         }

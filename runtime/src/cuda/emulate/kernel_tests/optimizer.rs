@@ -17,8 +17,10 @@ pub(super) fn entries() -> Vec<String> {
     .map(String::from)
     .to_vec();
     for (_, s) in FLOATS {
-        out.push(format!("adamw_{s}"));
-        out.push(format!("sgd_{s}"));
+        for state in ["", "bf16state_"] {
+            out.push(format!("adamw_{state}{s}"));
+            out.push(format!("sgd_{state}{s}"));
+        }
     }
     out
 }
@@ -51,11 +53,16 @@ fn f32s(v: &[f32]) -> Vec<u8> {
     enc(DType::F32, v)
 }
 
+/// Moments in F32 and in BF16: the twin updates in F32 and the executor rounds the stored
+/// moments, which the kernel must match bit for bit.
 #[test]
 fn adamw_and_sgd_updates_equal_the_twin() {
     let mut rng = Rng::new(12);
     for (c, s) in FLOATS {
-        for adamw in [true, false] {
+        for (adamw, state) in [true, false]
+            .into_iter()
+            .flat_map(|a| [(a, DType::F32), (a, DType::BF16)])
+        {
             // A plain step; clipped with a loss scale; skipped (an inf grad norm).
             for (grad_norm, scale, max_norm) in [
                 (0.7f32, 1.0f32, 0.0),
@@ -76,12 +83,8 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                     let wd = if t % 2 == 0 { 0.01 } else { 0.0 };
                     let p = rng.values(n, 1.0, DType::F32);
                     let g = rng.values(n, scale, DType::F32);
-                    let m = rng.values(n, 0.1, DType::F32);
-                    let v: Vec<f32> = rng
-                        .values(n, 0.01, DType::F32)
-                        .iter()
-                        .map(|x| x.abs())
-                        .collect();
+                    let m = rng.values(n, 0.1, state);
+                    let v: Vec<f32> = rng.values(n, 0.01, state).iter().map(|x| x.abs()).collect();
                     let (mut p2, mut m2, mut v2) = (p.clone(), m.clone(), v.clone());
                     if adamw {
                         let h = AdamW {
@@ -100,15 +103,18 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                         };
                         opt::sgd(&h, control, &mut p2, &g, &mut m2);
                     }
+                    for x in m2.iter_mut().chain(v2.iter_mut()) {
+                        *x = round_to(state, *x);
+                    }
                     // The tensors' buffers, the first misaligned (scalar paths), a copy on
                     // every tensor but the last.
                     let skew = if t == 0 { 4 } else { 0 };
                     let (bp, bg, bm) = (
                         l.buf(f32s(&p), skew),
                         l.buf(f32s(&g), skew),
-                        l.buf(f32s(&m), skew),
+                        l.buf(enc(state, &m), skew),
                     );
-                    let bv = l.buf(f32s(&v), skew);
+                    let bv = l.buf(enc(state, &v), skew);
                     let copy = (t + 1 < SIZES.len()).then(|| l.out(n * c.size_bytes(), 0));
                     let mut row = vec![
                         Field::Ptr(l.place(bp)),
@@ -149,7 +155,15 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                     args.push(Arg::F64(0.9));
                 }
                 args.push(Arg::F64(max_norm));
-                let entry = format!("{}_{s}", if adamw { "adamw" } else { "sgd" });
+                let entry = format!(
+                    "{}_{}{s}",
+                    if adamw { "adamw" } else { "sgd" },
+                    if state == DType::BF16 {
+                        "bf16state_"
+                    } else {
+                        ""
+                    }
+                );
                 let what = format!("{entry} grad_norm={grad_norm} scale={scale}");
                 let out = l
                     .run(&entry, (3, 1, 1), (128, 1, 1), args)
@@ -164,19 +178,13 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                     );
                     check(
                         &format!("{what} moment"),
-                        DType::F32,
-                        &dec(DType::F32, &out[bm.0]),
+                        state,
+                        &dec(state, &out[bm.0]),
                         m,
                         0,
                     );
                     if adamw {
-                        check(
-                            &format!("{what} v"),
-                            DType::F32,
-                            &dec(DType::F32, &out[bv.0]),
-                            v,
-                            0,
-                        );
+                        check(&format!("{what} v"), state, &dec(state, &out[bv.0]), v, 0);
                     }
                     if let Some(cb) = copy {
                         let got = dec(c, &out[cb.0]);
