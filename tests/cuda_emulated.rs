@@ -103,8 +103,9 @@ fn every_kernel_family_matches_the_cpu_executor() {
     }
 }
 
-/// Beyond the matrix of [`plan_matrix`]: the loss scaler's other paths, and moments stored
-/// in BF16.
+/// Beyond the matrix of [`plan_matrix`]: the loss scaler's other paths, moments stored in
+/// BF16, and Adafactor (relative step; a given rate with a first moment, weight decay,
+/// clipping and fp16 overflows).
 const EXTRA_PLANS: &[(&str, &str)] = &[
     // Overflowing steps: tolerated (hysteresis 2), then backing off; clipping.
     (
@@ -125,6 +126,16 @@ const EXTRA_PLANS: &[(&str, &str)] = &[
     (
         "llama_tied",
         "--precision fp16 --optimizer sgd --optimizer-state bf16 --grad-clip 1",
+    ),
+    ("llama_tied", "--precision bf16 --optimizer adafactor"),
+    (
+        "gpt2_lm",
+        "--precision fp16 --init-scale 1099511627776 --optimizer adafactor --lr 1e-3 \
+         --beta1 0.9 --weight-decay 0.01 --grad-clip 1",
+    ),
+    (
+        "qwen2_bias",
+        "--precision fp32 --optimizer adafactor --remat selective",
     ),
 ];
 
@@ -291,7 +302,7 @@ fn low_residual_plans_match_the_cpu_executor() {
 }
 
 #[test]
-fn loss_scaler_and_bf16_moment_paths_match_the_cpu_executor() {
+fn loss_scaler_and_optimizer_paths_match_the_cpu_executor() {
     let mut failures = Vec::new();
     for &(variant, flags) in EXTRA_PLANS {
         println!("{}", compare_training(variant, flags, &mut failures));

@@ -262,6 +262,20 @@ pub const FILES: &[KernelFile] = &[
     ),
     kernel_file!("loss_scale.cu", ["count_step", "loss_scale_update",]),
     kernel_file!(
+        "adafactor.cu",
+        [
+            "adafactor_apply_bf16",
+            "adafactor_apply_f16",
+            "adafactor_apply_f32",
+            "adafactor_cols",
+            "adafactor_finalize",
+            "adafactor_full",
+            "adafactor_partials",
+            "adafactor_row_mean",
+            "adafactor_rows",
+        ]
+    ),
+    kernel_file!(
         "layout.cu",
         [
             "cast_bool_bf16",

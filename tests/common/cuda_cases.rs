@@ -205,11 +205,13 @@ pub const PLAN_PRECISIONS: [&str; 4] = ["fp32", "tf32", "bf16", "fp16"];
 /// The rematerialization modes; `budget` is resolved per plan by [`midway_budget`].
 pub const PLAN_REMATS: [&str; 4] = ["none", "full", "selective", "budget"];
 /// The training options that change what the step launches.
-pub const PLAN_OPTIONS: [&str; 4] = [
+pub const PLAN_OPTIONS: [&str; 6] = [
     "",
     "--grad-accum 2",
     "--optimizer sgd --momentum 0.9",
     "--param-grads compute",
+    "--optimizer adafactor",
+    "--optimizer-state bf16",
 ];
 
 /// Every (family, flags) of the plan matrix for `family`: each precision x remat mode x

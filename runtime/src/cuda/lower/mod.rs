@@ -17,6 +17,7 @@
 //! 4. **Commands.** Each unit becomes kernel launches of `kernels/*.cu` or of a generated
 //!    module, a cuBLAS product, copies or memsets (see `ops.rs`).
 
+mod adafactor;
 mod attention;
 mod copies;
 mod cross_entropy;
@@ -627,9 +628,11 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             }
             let node = g.node(u);
             match node.op {
-                Op::AdamW { .. } | Op::Sgd { .. } | Op::CountStep | Op::LossScaleUpdate { .. } => {
-                    true
-                }
+                Op::AdamW { .. }
+                | Op::Sgd { .. }
+                | Op::Adafactor { .. }
+                | Op::CountStep
+                | Op::LossScaleUpdate { .. } => true,
                 _ => fusion::is_pointwise(g, u) && g.ty(old).shape == g.ty(node.outputs[0]).shape,
             }
         })

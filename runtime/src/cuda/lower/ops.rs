@@ -1,6 +1,6 @@
 //! The per-op dispatch: each non-pointwise op to its kernel family's lowering, one file per
 //! family mirroring `kernels/*.cu` (`norm.rs`, `softmax.rs`, `embedding.rs`, `rope.rs`,
-//! `reduce.rs`, `layout.rs`, `loss_scale.rs`, `cross_entropy.rs`, `optimizer.rs`,
+//! `reduce.rs`, `layout.rs`, `loss_scale.rs`, `cross_entropy.rs`, `optimizer.rs`, `adafactor.rs`,
 //! `attention.rs`), products to `gemm.rs`; and the helpers they share.
 
 use super::super::program::Command;
@@ -75,9 +75,7 @@ impl RunLowering<'_, '_> {
             }
             Op::GradNorm => self.grad_norm(y, &ins)?,
             Op::AdamW { .. } | Op::Sgd { .. } => self.optimizer(&[n])?,
-            Op::Adafactor { .. } => {
-                return Err(self.err(y, "Adafactor has no CUDA kernel; train it on the CPU"))
-            }
+            Op::Adafactor { .. } => self.adafactor(n)?,
             Op::CountStep => self.count_step(n)?,
             Op::LossScaleUpdate { .. } => self.loss_scale_update(n)?,
             Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Scale { .. } => {

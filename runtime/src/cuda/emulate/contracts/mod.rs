@@ -7,6 +7,7 @@
 //! These are the header comments' contracts, not the kernels' arithmetic: the kernels
 //! themselves run from their sources (`super::launch`).
 
+mod adafactor;
 mod attention;
 mod cross_entropy;
 mod elementwise;
@@ -187,6 +188,20 @@ pub(super) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
     }
     if let Some(s) = e.strip_prefix("rope_bwd_") {
         return rope::rope(m, l, float(s)?);
+    }
+    if let Some(rest) = e.strip_prefix("adafactor_") {
+        return match rest {
+            "rows" => adafactor::rows(m, l),
+            "cols" => adafactor::cols(m, l),
+            "full" => adafactor::full(m, l),
+            "row_mean" => adafactor::row_mean(m, l),
+            "partials" => adafactor::partials(m, l),
+            "finalize" => adafactor::finalize(m, l),
+            other => match other.strip_prefix("apply_") {
+                Some(s) => adafactor::apply(m, l, float(s)?),
+                None => Err(format!("no contract for `{e}`")),
+            },
+        };
     }
     for (prefix, adamw, state) in [
         ("adamw_bf16state_", true, DType::BF16),

@@ -14,6 +14,7 @@
 //! too, and each buffer is exactly the size the kernel may touch: under AddressSanitizer
 //! (`kernel_tests_pass_under_the_sanitizers`) a byte outside it is reported.
 
+mod adafactor;
 mod attention;
 mod cast_layout;
 mod cross_entropy;
@@ -330,6 +331,7 @@ pub(super) fn grid_1d(work: usize, block: u32) -> ((u32, u32, u32), (u32, u32, u
 /// Every entry point the family tests launch, by file.
 fn covered() -> Vec<String> {
     [
+        adafactor::entries(),
         attention::entries(),
         cast_layout::entries(),
         elementwise::entries(),
