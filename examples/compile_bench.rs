@@ -89,6 +89,7 @@ fn main() -> anyhow::Result<()> {
                 no_decay: vec![],
                 param_grads_in_compute_dtype: false,
                 optimizer_state: castor_ir::DType::F32,
+                update_in_backward: false,
                 remat,
             };
             let (plan, _) = castor::memory::Executor::Cuda

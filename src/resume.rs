@@ -155,7 +155,7 @@ pub fn check_same_model(model: &Path, dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Which flags feed each plan setting.
-const SETTING_FLAGS: [(&str, &[&str]); 13] = [
+const SETTING_FLAGS: [(&str, &[&str]); 14] = [
     ("precision", &["precision"]),
     ("objective", &["objective"]),
     ("batch", &["batch"]),
@@ -178,6 +178,7 @@ const SETTING_FLAGS: [(&str, &[&str]); 13] = [
         ],
     ),
     ("optimizer_state", &["optimizer_state"]),
+    ("update_in_backward", &["update_in_backward"]),
     ("max_grad_norm", &["grad_clip"]),
     (
         "loss_scaling",

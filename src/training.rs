@@ -97,6 +97,12 @@ pub struct TrainingArgs {
     /// `compute` (the working copy's dtype, then widened, as PyTorch autocast does).
     #[arg(long, value_enum, default_value_t = ParamGrads::F32)]
     pub param_grads: ParamGrads,
+    /// Apply each parameter's update in the backward pass, right after its gradient is
+    /// complete, so gradients never persist (one micro-batch per step and no loss scaling;
+    /// --grad-clip then clips each tensor by its own norm, and a non-finite gradient skips its
+    /// own tensor's update).
+    #[arg(long, help_heading = "Optimizer")]
+    pub update_in_backward: bool,
     /// Rematerialization: `none`, `full` (keep each block's input, recompute the block),
     /// `selective` (recompute attention scores/softmax and cheap pointwise ops) or
     /// `budget:<bytes>` (recompute the least that fits the step's peak in the budget).
@@ -276,6 +282,7 @@ impl TrainingArgs {
             frozen: self.freeze.clone(),
             no_decay: self.no_decay.clone(),
             param_grads_in_compute_dtype: self.param_grads == ParamGrads::Compute,
+            update_in_backward: self.update_in_backward,
             optimizer_state: match self.optimizer_state {
                 StateDtype::F32 => castor_ir::DType::F32,
                 StateDtype::Bf16 => castor_ir::DType::BF16,

@@ -104,8 +104,8 @@ fn every_kernel_family_matches_the_cpu_executor() {
 }
 
 /// Beyond the matrix of [`plan_matrix`]: the loss scaler's other paths, moments stored in
-/// BF16, and Adafactor (relative step; a given rate with a first moment, weight decay,
-/// clipping and fp16 overflows).
+/// BF16, Adafactor (relative step; a given rate with a first moment, weight decay, clipping
+/// and fp16 overflows), and updates applied inside the backward pass.
 const EXTRA_PLANS: &[(&str, &str)] = &[
     // Overflowing steps: tolerated (hysteresis 2), then backing off; clipping.
     (
@@ -136,6 +136,19 @@ const EXTRA_PLANS: &[(&str, &str)] = &[
     (
         "qwen2_bias",
         "--precision fp32 --optimizer adafactor --remat selective",
+    ),
+    // Updates inside the backward pass: per-tensor clipping, remat, tied weights.
+    (
+        "llama_tied",
+        "--precision bf16 --update-in-backward --optimizer adafactor",
+    ),
+    (
+        "gpt2_lm",
+        "--precision fp32 --update-in-backward --grad-clip 0.05",
+    ),
+    (
+        "qwen2_bias",
+        "--precision bf16 --update-in-backward --remat full --optimizer-state bf16",
     ),
 ];
 

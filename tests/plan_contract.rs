@@ -32,6 +32,7 @@ fn settings(precision: Precision, loss_scaling: LossScaling) -> TrainSettings {
         no_decay: vec![],
         param_grads_in_compute_dtype: false,
         optimizer_state: castor_ir::DType::F32,
+        update_in_backward: false,
         remat: Remat::None,
     }
 }

@@ -69,6 +69,7 @@ fn try_plan(
         no_decay: vec![],
         param_grads_in_compute_dtype: false,
         optimizer_state: castor_ir::DType::F32,
+        update_in_backward: false,
         remat,
     };
     castor::memory::Executor::Cuda

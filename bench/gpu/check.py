@@ -5,7 +5,9 @@ first, then run from the repository root):
 
     python3 bench/gpu/check.py OUT --part tests    # device layer, kernels, training steps
                                                    # (CUDA graphs on and off), sanitizers,
-                                                   # demo, a training run with save/resume
+                                                   # demo, a training run with save/resume,
+                                                   # one step of the LLaMA-2-7B fine-tuning
+                                                   # plan with its measured device peak
     python3 bench/gpu/check.py OUT --part bench    # castor vs PyTorch (bench/gpu/bench.py)
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
@@ -210,6 +212,12 @@ def part_tests(steps, out_dir):
     steps.run("resume_matches", [sys.executable, "-c", RESUME_MATCHES,
                                  run / "full" / "model.safetensors",
                                  run / "resumed" / "model.safetensors"], 30)
+    # The README's 7B recipe: one step on the card, its peak device memory (polled with
+    # nvidia-smi) against the planned peak `castor compile` reports.
+    recipe = ["assets/configs/llama-2-7b.json", "--precision", "bf16", "--batch", "1", "--seq",
+              "4096", "--remat", "selective", "--optimizer", "adafactor", "--update-in-backward"]
+    steps.run("llama_7b_step", [sys.executable, "-c", PEAK_AGAINST_PLAN, castor,
+                                str(run / "llama-7b.jsonl")] + recipe, 300)
 
 
 # A resumed run must end with the weights of the uninterrupted one, byte for byte.
@@ -218,6 +226,41 @@ import sys
 a, b = (open(p, 'rb').read() for p in sys.argv[1:3])
 print('identical' if a == b else 'the resumed run ends with other weights')
 sys.exit(0 if a == b else 1)
+"""
+
+
+# One training step of a plan while nvidia-smi polls the device's used memory; the peak above
+# the idle level must not exceed the planned peak (plus 1 GiB for the CUDA context, module code
+# and the driver's rounding), and must reach 90% of it (the plan is what runs).
+PEAK_AGAINST_PLAN = """
+import array, os, subprocess, sys, threading, time
+castor, log, model, flags = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+os.makedirs(os.path.dirname(log), exist_ok=True)
+# A u16 token file (llm.c's format): the model has no tokenizer files beside its config.
+tokens = log + '.tokens.bin'
+array.array('H', [(i * 7919) % 32000 for i in range(3 * 4096)]).tofile(open(tokens, 'wb'))
+out = subprocess.run([castor, 'compile', model, '--train'] + flags, capture_output=True,
+                     text=True, check=True).stdout
+planned = next(int(l.split()[1].replace(',', '')) for l in out.splitlines()
+               if l.strip().startswith('total '))
+def used():
+    q = ['nvidia-smi', '--query-gpu=memory.used', '--format=csv,noheader,nounits']
+    return int(subprocess.run(q, capture_output=True, text=True).stdout.split()[0]) << 20
+idle, peak, done = used(), [0], threading.Event()
+def poll():
+    while not done.is_set():
+        peak[0] = max(peak[0], used())
+        time.sleep(0.05)
+t = threading.Thread(target=poll)
+t.start()
+r = subprocess.run([castor, 'train', model, '--data', tokens, '--steps', '1',
+                    '--device', 'cuda', '--log', log] + flags)
+done.set()
+t.join()
+measured = peak[0] - idle
+print(f'planned {planned} bytes, measured {measured} bytes above idle '
+      f'({measured / planned:.3f} of the plan)')
+sys.exit(r.returncode or (0 if 0.9 * planned <= measured <= planned + (1 << 30) else 1))
 """
 
 

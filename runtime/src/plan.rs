@@ -165,19 +165,27 @@ impl PlanRunner {
             }
         }
         let mut loss_sum = 0.0f64;
+        // The learning rate, for the optimizer step and for a micro step that applies the
+        // updates itself (`--update-in-backward`).
+        let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
         for batch in micro_batches {
             let graph = &self.plan.micro_step;
             let outputs = {
                 let state = &self.state;
-                let bind = |name: &str| batch.get(name).or_else(|| state.get(name));
+                let bind = |name: &str| {
+                    if name == LEARNING_RATE {
+                        return Some(&lr_tensor);
+                    }
+                    batch.get(name).or_else(|| state.get(name))
+                };
                 self.executor.run(graph, &bind)?
             };
             let named = name_outputs(graph, outputs);
             loss_sum += f64::from(first_f32(&named, graph.name(graph.outputs()[0])));
-            store(&mut self.state, &self.plan.micro_step_writes, named);
+            let writes = self.stored_writes(&self.plan.micro_step_writes);
+            store(&mut self.state, &writes, named);
         }
 
-        let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
         let graph = &self.plan.optimizer_step;
         let outputs = {
             let state = &self.state;
@@ -192,17 +200,7 @@ impl PlanRunner {
         };
         let named = name_outputs(graph, outputs);
         let grad_norm = first_f32(&named, GRAD_NORM);
-        let writes: Vec<_> = self
-            .plan
-            .optimizer_step_writes
-            .iter()
-            .filter(|w| {
-                self.plan
-                    .state_spec(&w.state)
-                    .is_some_and(|s| s.role != StateRole::WorkingCopy)
-            })
-            .cloned()
-            .collect();
+        let writes = self.stored_writes(&self.plan.optimizer_step_writes);
         store(&mut self.state, &writes, named);
         Ok(StepReport {
             loss: (loss_sum / accum as f64) as f32,
@@ -212,6 +210,20 @@ impl PlanRunner {
             grad_norm,
             device_time: None,
         })
+    }
+
+    /// The writes this runner keeps: all but the working copies, which the micro step derives
+    /// from the masters itself (`param_copy`).
+    fn stored_writes(&self, writes: &[castor_ir::Write]) -> Vec<castor_ir::Write> {
+        writes
+            .iter()
+            .filter(|w| {
+                self.plan
+                    .state_spec(&w.state)
+                    .is_some_and(|s| s.role != StateRole::WorkingCopy)
+            })
+            .cloned()
+            .collect()
     }
 
     /// The minimum loss scale of a dynamic plan.

@@ -29,6 +29,11 @@ pub struct TrainSettings {
     /// nearest even when stored).
     #[serde(default = "f32_state", skip_serializing_if = "is_f32")]
     pub optimizer_state: crate::DType,
+    /// Each parameter's update runs in the micro step as soon as its gradient is complete, so
+    /// gradients are transient values rather than persistent state (one micro-batch per
+    /// step; no loss scaling; clipping and the found-inf skip per tensor).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub update_in_backward: bool,
     /// What the micro step recomputes in its backward part instead of keeping.
     #[serde(default, skip_serializing_if = "Remat::is_none")]
     pub remat: Remat,

@@ -10,7 +10,8 @@
 //!    and the optimizer step: the global gradient norm of the unscaled gradients (its
 //!    finiteness is the found-inf flag), one fused AdamW or SGD op per parameter buffer
 //!    (unscale, clip, update master and moments, write the working copy), the step count
-//!    unless skipped, the loss-scale update;
+//!    unless skipped, the loss-scale update; under `--update-in-backward` it then moves each
+//!    update into the micro step right after its gradient (`in_backward.rs`);
 //! 4. `remat` rewrites the micro step under `--remat`, the budget measured against the whole
 //!    step's planned peak;
 //! 5. `fusion` records what runs as one kernel in each graph (pointwise groups with their
@@ -22,6 +23,7 @@
 //! named pass (`--dump-after`); the finished plan is checked against its contract.
 
 mod gradients;
+mod in_backward;
 mod optimizer;
 
 use crate::memory::{MemoryModel, NodeLevel};
@@ -386,6 +388,7 @@ mod tests {
             no_decay: vec![],
             param_grads_in_compute_dtype: false,
             optimizer_state: castor_ir::DType::F32,
+            update_in_backward: false,
             remat: Remat::None,
         }
     }

@@ -90,6 +90,10 @@ impl PlanPass for OptimizerStep {
         build.plan.state = state;
         build.plan.optimizer_step = graph;
         build.plan.optimizer_step_writes = writes;
+        if build.plan.settings.update_in_backward {
+            let moved = super::in_backward::apply(build)?;
+            return Ok(PassReport::new(format!("{report}; {moved}")));
+        }
         Ok(PassReport::new(report))
     }
 }

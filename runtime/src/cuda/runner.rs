@@ -230,12 +230,21 @@ impl<T: Target> LoweredPlanRunner<T> {
             .first()
             .map(|o| o.place)
             .ok_or_else(|| RuntimeError::Cuda("the micro step has no loss output".into()))?;
+        let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
+        // A micro step that applies the updates itself (`--update-in-backward`) reads the
+        // learning rate too.
+        let micro_reads_lr = self.plan.micro_step.lookup(LEARNING_RATE).is_some();
         for (i, batch) in micro_batches.iter().enumerate() {
-            self.write_inputs(self.micro, batch)?;
+            if micro_reads_lr {
+                let mut with_lr = batch.clone();
+                with_lr.insert(LEARNING_RATE.to_string(), lr_tensor.clone());
+                self.write_inputs(self.micro, &with_lr)?;
+            } else {
+                self.write_inputs(self.micro, batch)?;
+            }
             self.target.run(self.micro)?;
             self.target.copy(log.plus(4 * i as u64), loss_place, 4)?;
         }
-        let lr_tensor = Tensor::from_f32(DType::F32, castor_ir::Shape::scalar(), vec![lr]);
         let mut inputs = HashMap::new();
         inputs.insert(LEARNING_RATE.to_string(), lr_tensor);
         if self.timing {

@@ -1,0 +1,308 @@
+//! `--update-in-backward`: every parameter's update moves from the optimizer step into the
+//! micro step, right after the node that completes its gradient, so no gradient outlives its
+//! update and the full gradient set never exists at once (its bytes leave the persistent
+//! state for the arena, where a few layers' gradients are live at a time).
+//!
+//! What this rules out, and what replaces it:
+//! - accumulation over micro-batches (an update needs the whole step's gradient): refused;
+//! - the global gradient norm of the current step, which only exists once every gradient
+//!   does. Each update reads its own tensor's norm instead: `--grad-clip` clips each tensor
+//!   by its own norm, and a tensor whose gradient is not finite skips its own update;
+//! - loss scaling, whose overflow must skip the whole step before any update is applied:
+//!   refused (fp16 needs the ordinary plan).
+//!
+//! The update ops are the optimizer step's own, with the same operands, so where every
+//! gradient is finite and nothing is clipped the results equal the ordinary plan's bit for
+//! bit. The optimizer step keeps the step count; the gradient norm it reports is the norm of
+//! the per-tensor norms, which the micro step leaves in the state entry
+//! [`NORM_STATE`].
+
+use super::PlanBuild;
+use crate::PassError;
+use castor_ir::{
+    ControlState, DType, Graph, GraphBuilder, LossScaling, Node, Op, OpClass, Shape, StateInit,
+    StateRole, StateSpec, TensorType, Value, Write, GRAD_NORM, LEARNING_RATE,
+};
+use std::collections::{HashMap, HashSet};
+
+/// The state entry holding the last step's gradient norm (of the per-tensor norms).
+pub const NORM_STATE: &str = "update_in_backward.grad_norm";
+
+/// Moves the optimizer step's updates into the micro step; returns the report's phrase.
+pub(super) fn apply(build: &mut PlanBuild) -> Result<String, PassError> {
+    let settings = &build.plan.settings;
+    if settings.grad_accum != 1 {
+        return Err(refused(format!(
+            "--update-in-backward applies each update as soon as its gradient is complete, so \
+             it cannot accumulate gradients over {} micro-batches: use --grad-accum 1 (a larger \
+             --batch, with --remat to fit it)",
+            settings.grad_accum
+        )));
+    }
+    if settings.loss_scaling != LossScaling::None {
+        return Err(refused(
+            "--update-in-backward cannot use loss scaling: an overflow must skip the whole \
+             step, which is only known once every gradient exists, and by then the updates \
+             are applied. Use bf16 (no loss scaling) or leave --update-in-backward out"
+                .into(),
+        ));
+    }
+    let plan = &mut build.plan;
+    let micro = std::mem::take(&mut plan.micro_step);
+    let opt = std::mem::replace(&mut plan.optimizer_step, Graph::new("optimizer_step"));
+    // The gradient each `grad.<name>` write stored.
+    let grad_of: HashMap<String, Value> = plan
+        .micro_step_writes
+        .iter()
+        .filter_map(|w| micro.lookup(&w.output).map(|v| (w.state.clone(), v)))
+        .collect();
+    let deps = state_readers(&micro);
+    let first_new = micro.num_nodes();
+    let loss = micro.outputs()[0];
+    let scalar = TensorType::new(DType::F32, Shape::scalar());
+
+    let mut b = GraphBuilder::from_graph(micro);
+    let one = b.op(
+        "update_in_backward.one",
+        Op::Full {
+            value: 1.0,
+            dtype: DType::F32,
+            shape: vec![],
+        },
+        &[],
+    )?;
+    let mut outputs = vec![loss];
+    let mut writes = Vec::new();
+    let mut norms = Vec::new();
+    let mut after: HashMap<Node, Vec<Node>> = HashMap::new();
+    let opt_writes: HashMap<&str, &str> = plan
+        .optimizer_step_writes
+        .iter()
+        .map(|w| (w.output.as_str(), w.state.as_str()))
+        .collect();
+    for (_, node) in opt.nodes() {
+        if !matches!(
+            node.op,
+            Op::AdamW { .. } | Op::Sgd { .. } | Op::Adafactor { .. }
+        ) {
+            continue;
+        }
+        let master = opt.name(node.inputs[0]).to_string();
+        let grad_state = opt.name(node.inputs[1]);
+        let grad = *grad_of
+            .get(grad_state)
+            .ok_or_else(|| internal(format!("the micro step writes no gradient `{grad_state}`")))?;
+        let scale = source(&mut b, &opt, node.inputs[node.inputs.len() - 2])?;
+        let norm = b.op(&format!("grad_norm.{master}"), Op::GradNorm, &[grad, scale])?;
+        norms.push(norm);
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for (i, &v) in node.inputs.iter().enumerate() {
+            ins.push(match (i, opt.name(v)) {
+                (1, _) => grad,
+                (_, GRAD_NORM) => norm,
+                _ => source(&mut b, &opt, v)?,
+            });
+        }
+        let outs = b.op_multi(&format!("update.{master}"), node.op.clone(), &ins)?;
+        for (&old, &new) in node.outputs.iter().zip(&outs) {
+            let name = opt.name(old);
+            b.rename(new, name)?;
+            let state = opt_writes
+                .get(name)
+                .ok_or_else(|| internal(format!("`%{name}` is written to no state")))?;
+            writes.push(Write {
+                output: name.to_string(),
+                state: state.to_string(),
+            });
+            outputs.push(new);
+        }
+        let update = b.graph().value(outs[0]).producer;
+        after.insert(
+            update,
+            deps.get(master.as_str()).cloned().unwrap_or_default(),
+        );
+    }
+    let mut norm_operands = norms.clone();
+    norm_operands.push(one);
+    let total = b.op(&format!("{NORM_STATE}.next"), Op::GradNorm, &norm_operands)?;
+    outputs.push(total);
+    writes.push(Write {
+        output: format!("{NORM_STATE}.next"),
+        state: NORM_STATE.into(),
+    });
+    b.set_outputs(outputs);
+    plan.micro_step = place_early(&b.finish(), first_new, &after)?;
+    plan.micro_step_writes = writes;
+
+    // The optimizer step: the norm the micro step left, and the step count.
+    let mut o = GraphBuilder::new("optimizer_step");
+    o.input(LEARNING_RATE, scalar.clone())?;
+    let last = o.state(NORM_STATE, scalar.clone())?;
+    let norm = o.op(GRAD_NORM, Op::Scale { factor: 1.0 }, &[last])?;
+    let step = o.state(ControlState::Step.name(), ControlState::Step.ty())?;
+    let next = o.op("count_step", Op::CountStep, &[step, norm])?;
+    let next_name = format!("{}.next", ControlState::Step.name());
+    o.rename(next, &next_name)?;
+    o.set_outputs(vec![norm, next]);
+    plan.optimizer_step = o.finish();
+    plan.optimizer_step_writes = vec![Write {
+        output: next_name,
+        state: ControlState::Step.name().into(),
+    }];
+
+    // Gradients are no longer state; the norm is.
+    plan.state.retain(|s| s.role != StateRole::Gradient);
+    plan.state.push(StateSpec {
+        name: NORM_STATE.into(),
+        ty: scalar,
+        role: StateRole::OptimizerState,
+        init: StateInit::Zeros,
+    });
+    Ok(format!(
+        "{} update(s) in the micro step, each after its gradient (per-tensor norms for \
+         clipping and the found-inf skip); state now {} entries, no gradients",
+        norms.len(),
+        plan.state.len()
+    ))
+}
+
+/// For each parameter (by name): the micro-step nodes that read its master or working copy,
+/// directly or through layout views. Its update must come after all of them, so that it can
+/// write the master and copy in place.
+fn state_readers(g: &Graph) -> HashMap<String, Vec<Node>> {
+    let users = g.users();
+    let mut out = HashMap::new();
+    for p in g.params() {
+        let mut readers = Vec::new();
+        let mut seen = HashSet::new();
+        let mut todo = vec![p];
+        while let Some(v) = todo.pop() {
+            for &u in &users[v.index()] {
+                if !seen.insert(u) {
+                    continue;
+                }
+                readers.push(u);
+                let op = &g.node(u).op;
+                if matches!(op, Op::ParamCopy { .. }) || op.class() == OpClass::Layout {
+                    todo.extend(g.node(u).outputs.iter().copied());
+                }
+            }
+        }
+        out.insert(g.name(p).to_string(), readers);
+    }
+    out
+}
+
+/// `g` with its nodes from `first_new` on moved as early as they can run: each right after
+/// the last of its operands' producers and of the nodes `after` names for it, and each new
+/// source (a state, parameter, input or constant) right before its first new user. The
+/// nodes before `first_new` keep their order.
+fn place_early(
+    g: &Graph,
+    first_new: usize,
+    after: &HashMap<Node, Vec<Node>>,
+) -> Result<Graph, PassError> {
+    let mut out = Graph::empty_like(g);
+    let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
+    let mut emitted = vec![false; g.num_nodes()];
+    let is_source = |n: Node| g.node(n).inputs.is_empty();
+    let new: Vec<Node> = g.nodes().map(|(n, _)| n).skip(first_new).collect();
+    let mut pending: Vec<Node> = new.iter().copied().filter(|&n| !is_source(n)).collect();
+
+    fn emit(
+        g: &Graph,
+        out: &mut Graph,
+        map: &mut [Option<Value>],
+        emitted: &mut [bool],
+        n: Node,
+    ) -> Result<(), PassError> {
+        let d = g.node(n);
+        let inputs = d
+            .inputs
+            .iter()
+            .map(|&v| map[v.index()].ok_or_else(|| internal("operand placed later".into())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let outputs = d
+            .outputs
+            .iter()
+            .map(|&v| (g.name(v).to_string(), g.ty(v).clone()))
+            .collect();
+        let nn = out.push_copy(g, n, inputs, outputs)?;
+        for (&old, &new) in d.outputs.iter().zip(&out.node(nn).outputs) {
+            map[old.index()] = Some(new);
+        }
+        emitted[n.index()] = true;
+        Ok(())
+    }
+
+    let ready = |emitted: &[bool], n: Node| -> bool {
+        g.node(n).inputs.iter().all(|&v| {
+            let p = g.value(v).producer;
+            emitted[p.index()] || (p.index() >= first_new && is_source(p))
+        }) && after
+            .get(&n)
+            .is_none_or(|deps| deps.iter().all(|d| emitted[d.index()]))
+    };
+    let flush = |out: &mut Graph,
+                 map: &mut Vec<Option<Value>>,
+                 emitted: &mut Vec<bool>,
+                 pending: &mut Vec<Node>|
+     -> Result<(), PassError> {
+        loop {
+            let Some(i) = pending.iter().position(|&n| ready(emitted, n)) else {
+                return Ok(());
+            };
+            let n = pending.remove(i);
+            for &v in &g.node(n).inputs {
+                let p = g.value(v).producer;
+                if !emitted[p.index()] {
+                    emit(g, out, map, emitted, p)?;
+                }
+            }
+            emit(g, out, map, emitted, n)?;
+        }
+    };
+    for (n, _) in g.nodes().take(first_new) {
+        emit(g, &mut out, &mut map, &mut emitted, n)?;
+        flush(&mut out, &mut map, &mut emitted, &mut pending)?;
+    }
+    if let Some(&n) = pending.first() {
+        return Err(internal(format!(
+            "`%{}` could not be placed",
+            g.name(g.node(n).outputs[0])
+        )));
+    }
+    let outputs = g
+        .outputs()
+        .iter()
+        .map(|&v| map[v.index()].ok_or_else(|| internal("an output was not placed".into())))
+        .collect::<Result<Vec<_>, _>>()?;
+    out.set_outputs(outputs);
+    Ok(out)
+}
+
+/// The micro step's value for the optimizer step's source `v` (a state, parameter or input),
+/// made as the same kind of source when the micro step has none of that name.
+fn source(b: &mut GraphBuilder, from: &Graph, v: Value) -> Result<Value, PassError> {
+    let name = from.name(v);
+    if let Some(existing) = b.graph().lookup(name) {
+        return Ok(existing);
+    }
+    let ty = from.ty(v).clone();
+    Ok(match from.node(from.value(v).producer).op {
+        Op::Param => b.param(name, ty)?,
+        Op::Input => b.input(name, ty)?,
+        _ => b.state(name, ty)?,
+    })
+}
+
+fn refused(message: String) -> PassError {
+    PassError::Training(message)
+}
+
+fn internal(message: String) -> PassError {
+    PassError::Internal {
+        pass: "optimizer",
+        message,
+    }
+}
