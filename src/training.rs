@@ -98,9 +98,10 @@ pub struct TrainingArgs {
     #[arg(long, value_enum, default_value_t = ParamGrads::F32)]
     pub param_grads: ParamGrads,
     /// Apply each parameter's update in the backward pass, right after its gradient is
-    /// complete, so gradients never persist (one micro-batch per step and no loss scaling;
-    /// --grad-clip then clips each tensor by its own norm, and a non-finite gradient skips its
-    /// own tensor's update).
+    /// complete, so gradients never persist (one micro-batch per step). Without loss scaling
+    /// --grad-clip clips each tensor by its own norm and a non-finite gradient skips its own
+    /// tensor's update; with loss scaling (fp16) the backward pass runs twice, the first
+    /// forming the global norm, so an overflow skips the whole step and clipping is global.
     #[arg(long, help_heading = "Optimizer")]
     pub update_in_backward: bool,
     /// Rematerialization: `none`, `full` (keep each block's input, recompute the block),

@@ -6,16 +6,22 @@
 //! What this rules out, and what replaces it:
 //! - accumulation over micro-batches (an update needs the whole step's gradient): refused;
 //! - the global gradient norm of the current step, which only exists once every gradient
-//!   does. Each update reads its own tensor's norm instead: `--grad-clip` clips each tensor
-//!   by its own norm, and a tensor whose gradient is not finite skips its own update;
-//! - loss scaling, whose overflow must skip the whole step before any update is applied:
-//!   refused (fp16 needs the ordinary plan).
+//!   does. Without loss scaling each update reads its own tensor's norm instead:
+//!   `--grad-clip` clips each tensor by its own norm, and a tensor whose gradient is not
+//!   finite skips its own update;
+//! - with loss scaling (fp16) an overflow must skip the whole step before any update is
+//!   applied. The micro step then runs the backward pass twice over the same saved
+//!   activations (a re-run): the first pass only forms the global norm (each gradient's
+//!   norm as soon as it exists, then the norm of those norms), the second applies the
+//!   updates, every one reading that global norm. An overflow anywhere skips every update
+//!   and backs the scale off, exactly as the ordinary plan does, for the cost of one more
+//!   backward pass; `--grad-clip` clips by the global norm.
 //!
 //! The update ops are the optimizer step's own, with the same operands, so where every
 //! gradient is finite and nothing is clipped the results equal the ordinary plan's bit for
-//! bit. The optimizer step keeps the step count; the gradient norm it reports is the norm of
-//! the per-tensor norms, which the micro step leaves in the state entry
-//! [`NORM_STATE`].
+//! bit (skipped steps included). The optimizer step keeps the step count and the loss-scale
+//! update; the gradient norm it reports is the norm of the per-tensor norms, which the micro
+//! step leaves in the state entry [`NORM_STATE`].
 
 use super::PlanBuild;
 use crate::PassError;
@@ -39,27 +45,30 @@ pub(super) fn apply(build: &mut PlanBuild) -> Result<String, PassError> {
             settings.grad_accum
         )));
     }
-    if settings.loss_scaling != LossScaling::None {
-        return Err(refused(
-            "--update-in-backward cannot use loss scaling: an overflow must skip the whole \
-             step, which is only known once every gradient exists, and by then the updates \
-             are applied. Use bf16 (no loss scaling) or leave --update-in-backward out"
-                .into(),
-        ));
-    }
+    // With loss scaling the step needs its global norm before the first update: a first
+    // backward pass forms it.
+    let pre_pass = settings.loss_scaling != LossScaling::None;
     let plan = &mut build.plan;
     let micro = std::mem::take(&mut plan.micro_step);
     let opt = std::mem::replace(&mut plan.optimizer_step, Graph::new("optimizer_step"));
-    // The gradient each `grad.<name>` write stored.
-    let grad_of: HashMap<String, Value> = plan
+    // The gradients, in the order the micro step wrote them, by their `grad.<name>` state.
+    let written: Vec<(String, Value)> = plan
         .micro_step_writes
         .iter()
         .filter_map(|w| micro.lookup(&w.output).map(|v| (w.state.clone(), v)))
         .collect();
+    let grads: Vec<Value> = written.iter().map(|(_, v)| *v).collect();
+    let grad_of: HashMap<String, Value> = written.into_iter().collect();
     let deps = state_readers(&micro);
     let first_new = micro.num_nodes();
+    let forward_nodes = plan.forward_nodes;
     let loss = micro.outputs()[0];
     let scalar = TensorType::new(DType::F32, Shape::scalar());
+    let (micro, pre_grads) = if pre_pass {
+        backward_again(micro, forward_nodes, &grads)?
+    } else {
+        (micro, Vec::new())
+    };
 
     let mut b = GraphBuilder::from_graph(micro);
     let one = b.op(
@@ -74,6 +83,21 @@ pub(super) fn apply(build: &mut PlanBuild) -> Result<String, PassError> {
     let mut outputs = vec![loss];
     let mut writes = Vec::new();
     let mut norms = Vec::new();
+    let global = if pre_pass {
+        let scale = match b.graph().lookup(ControlState::LossScale.name()) {
+            Some(v) => v,
+            None => b.state(ControlState::LossScale.name(), ControlState::LossScale.ty())?,
+        };
+        let mut operands = Vec::with_capacity(pre_grads.len() + 1);
+        for &g in &pre_grads {
+            let name = format!("grad_norm.{}", b.graph().name(g));
+            operands.push(b.op(&name, Op::GradNorm, &[g, scale])?);
+        }
+        operands.push(one);
+        Some(b.op(&format!("{NORM_STATE}.next"), Op::GradNorm, &operands)?)
+    } else {
+        None
+    };
     let mut after: HashMap<Node, Vec<Node>> = HashMap::new();
     let opt_writes: HashMap<&str, &str> = plan
         .optimizer_step_writes
@@ -92,9 +116,15 @@ pub(super) fn apply(build: &mut PlanBuild) -> Result<String, PassError> {
         let grad = *grad_of
             .get(grad_state)
             .ok_or_else(|| internal(format!("the micro step writes no gradient `{grad_state}`")))?;
-        let scale = source(&mut b, &opt, node.inputs[node.inputs.len() - 2])?;
-        let norm = b.op(&format!("grad_norm.{master}"), Op::GradNorm, &[grad, scale])?;
-        norms.push(norm);
+        let norm = match global {
+            Some(global) => global,
+            None => {
+                let scale = source(&mut b, &opt, node.inputs[node.inputs.len() - 2])?;
+                let norm = b.op(&format!("grad_norm.{master}"), Op::GradNorm, &[grad, scale])?;
+                norms.push(norm);
+                norm
+            }
+        };
         let mut ins = Vec::with_capacity(node.inputs.len());
         for (i, &v) in node.inputs.iter().enumerate() {
             ins.push(match (i, opt.name(v)) {
@@ -122,33 +152,59 @@ pub(super) fn apply(build: &mut PlanBuild) -> Result<String, PassError> {
             deps.get(master.as_str()).cloned().unwrap_or_default(),
         );
     }
-    let mut norm_operands = norms.clone();
-    norm_operands.push(one);
-    let total = b.op(&format!("{NORM_STATE}.next"), Op::GradNorm, &norm_operands)?;
+    let total = match global {
+        Some(global) => global,
+        None => {
+            let mut operands = norms.clone();
+            operands.push(one);
+            b.op(&format!("{NORM_STATE}.next"), Op::GradNorm, &operands)?
+        }
+    };
     outputs.push(total);
     writes.push(Write {
         output: format!("{NORM_STATE}.next"),
         state: NORM_STATE.into(),
     });
     b.set_outputs(outputs);
-    plan.micro_step = place_early(&b.finish(), first_new, &after)?;
+    plan.micro_step = place_early(&b.finish(), forward_nodes, first_new, &after)?;
     plan.micro_step_writes = writes;
 
-    // The optimizer step: the norm the micro step left, and the step count.
+    // The optimizer step: the norm the micro step left, the step count and the loss-scale
+    // update, as the ordinary plan's.
     let mut o = GraphBuilder::new("optimizer_step");
     o.input(LEARNING_RATE, scalar.clone())?;
     let last = o.state(NORM_STATE, scalar.clone())?;
     let norm = o.op(GRAD_NORM, Op::Scale { factor: 1.0 }, &[last])?;
-    let step = o.state(ControlState::Step.name(), ControlState::Step.ty())?;
-    let next = o.op("count_step", Op::CountStep, &[step, norm])?;
-    let next_name = format!("{}.next", ControlState::Step.name());
-    o.rename(next, &next_name)?;
-    o.set_outputs(vec![norm, next]);
+    let mut o_outputs = vec![norm];
+    let mut o_writes = Vec::new();
+    for (_, node) in opt.nodes() {
+        if !matches!(node.op, Op::CountStep | Op::LossScaleUpdate { .. }) {
+            continue;
+        }
+        let mut ins = Vec::with_capacity(node.inputs.len());
+        for &v in &node.inputs {
+            ins.push(match opt.name(v) {
+                GRAD_NORM => norm,
+                _ => source(&mut o, &opt, v)?,
+            });
+        }
+        let outs = o.op_multi(node.op.mnemonic(), node.op.clone(), &ins)?;
+        for (&old, &new) in node.outputs.iter().zip(&outs) {
+            let name = opt.name(old);
+            o.rename(new, name)?;
+            let state = opt_writes
+                .get(name)
+                .ok_or_else(|| internal(format!("`%{name}` is written to no state")))?;
+            o_writes.push(Write {
+                output: name.to_string(),
+                state: state.to_string(),
+            });
+            o_outputs.push(new);
+        }
+    }
+    o.set_outputs(o_outputs);
     plan.optimizer_step = o.finish();
-    plan.optimizer_step_writes = vec![Write {
-        output: next_name,
-        state: ControlState::Step.name().into(),
-    }];
+    plan.optimizer_step_writes = o_writes;
 
     // Gradients are no longer state; the norm is.
     plan.state.retain(|s| s.role != StateRole::Gradient);
@@ -159,9 +215,14 @@ pub(super) fn apply(build: &mut PlanBuild) -> Result<String, PassError> {
         init: StateInit::Zeros,
     });
     Ok(format!(
-        "{} update(s) in the micro step, each after its gradient (per-tensor norms for \
-         clipping and the found-inf skip); state now {} entries, no gradients",
-        norms.len(),
+        "{} update(s) in the micro step, each after its gradient ({}); state now {} entries, \
+         no gradients",
+        after.len(),
+        if pre_pass {
+            "a first backward pass forms the global norm, for the whole-step skip and clipping"
+        } else {
+            "per-tensor norms for clipping and the found-inf skip"
+        },
         plan.state.len()
     ))
 }
@@ -193,12 +254,54 @@ fn state_readers(g: &Graph) -> HashMap<String, Vec<Node>> {
     out
 }
 
-/// `g` with its nodes from `first_new` on moved as early as they can run: each right after
-/// the last of its operands' producers and of the nodes `after` names for it, and each new
-/// source (a state, parameter, input or constant) right before its first new user. The
-/// nodes before `first_new` keep their order.
+/// `g` with a second copy of its backward part (the nodes from `forward_nodes` on, reading the
+/// same forward values and sources; results named `<name>.pre`), appended; and the copies of
+/// `grads`.
+fn backward_again(
+    g: Graph,
+    forward_nodes: usize,
+    grads: &[Value],
+) -> Result<(Graph, Vec<Value>), PassError> {
+    let mut out = g.clone();
+    let mut map: HashMap<Value, Value> = HashMap::new();
+    for (n, d) in g.nodes().skip(forward_nodes) {
+        if d.inputs.is_empty() {
+            continue; // sources and constants are shared
+        }
+        let inputs = d
+            .inputs
+            .iter()
+            .map(|v| map.get(v).copied().unwrap_or(*v))
+            .collect();
+        let outputs = d
+            .outputs
+            .iter()
+            .map(|&v| (format!("{}.pre", g.name(v)), g.ty(v).clone()))
+            .collect();
+        let nn = out.push_copy(&g, n, inputs, outputs)?;
+        for (&old, &new) in d.outputs.iter().zip(&out.node(nn).outputs) {
+            map.insert(old, new);
+        }
+    }
+    let pre = grads
+        .iter()
+        .map(|g| {
+            map.get(g)
+                .copied()
+                .ok_or_else(|| internal("a gradient outside the backward pass".into()))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((out, pre))
+}
+
+/// `g` with its nodes from `first_new` on moved as early as they can run (never among the
+/// first `not_before` nodes, the forward part): each right after the last of its operands'
+/// producers and of the nodes `after` names for it, and each new source (a state, parameter,
+/// input or constant) right before its first new user. The nodes before `first_new` keep
+/// their order.
 fn place_early(
     g: &Graph,
+    not_before: usize,
     first_new: usize,
     after: &HashMap<Node, Vec<Node>>,
 ) -> Result<Graph, PassError> {
@@ -264,7 +367,9 @@ fn place_early(
     };
     for (n, _) in g.nodes().take(first_new) {
         emit(g, &mut out, &mut map, &mut emitted, n)?;
-        flush(&mut out, &mut map, &mut emitted, &mut pending)?;
+        if n.index() + 1 >= not_before {
+            flush(&mut out, &mut map, &mut emitted, &mut pending)?;
+        }
     }
     if let Some(&n) = pending.first() {
         return Err(internal(format!(
