@@ -103,32 +103,38 @@ fn saved_checkpoints_load_in_transformers() {
     }
 }
 
+/// The embedded tiny GPT-2, 300 steps of 8 x 64 bytes of assets/corpus.txt in order, with
+/// `flags`; the loss of every step, logged to `log`.
+fn convergence_run(log: &std::path::Path, flags: &[&str]) -> Vec<f64> {
+    let config = root().join("assets").join("tiny-gpt2.json");
+    let corpus = root().join("assets").join("corpus.txt");
+    let mut args = vec![
+        path_str(&config),
+        "--data",
+        path_str(&corpus),
+        "--steps",
+        "300",
+        "--batch",
+        "8",
+        "--seq",
+        "64",
+        "--data-order",
+        "sequential",
+        "--log",
+        path_str(log),
+    ];
+    args.extend_from_slice(flags);
+    train(&args);
+    log_losses(log)
+}
+
 #[test]
 fn tiny_gpt2_converges_in_every_precision() {
     let tmp = tempfile::tempdir().unwrap();
-    let config = root().join("assets").join("tiny-gpt2.json");
-    let corpus = root().join("assets").join("corpus.txt");
     let mut finals = Vec::new();
     for precision in ["fp32", "bf16", "fp16"] {
         let log = tmp.path().join(format!("{precision}.jsonl"));
-        train(&[
-            path_str(&config),
-            "--data",
-            path_str(&corpus),
-            "--steps",
-            "300",
-            "--batch",
-            "8",
-            "--seq",
-            "64",
-            "--precision",
-            precision,
-            "--data-order",
-            "sequential",
-            "--log",
-            path_str(&log),
-        ]);
-        let losses = log_losses(&log);
+        let losses = convergence_run(&log, &["--precision", precision]);
         assert_eq!(losses.len(), 300);
         finals.push((precision, losses[0], final_loss(&losses)));
     }
@@ -164,8 +170,6 @@ fn tiny_gpt2_converges_in_every_precision() {
 #[test]
 fn tiny_gpt2_converges_with_every_optimizer() {
     let tmp = tempfile::tempdir().unwrap();
-    let config = root().join("assets").join("tiny-gpt2.json");
-    let corpus = root().join("assets").join("corpus.txt");
     let runs: [(&str, &[&str]); 5] = [
         ("adamw", &["--optimizer", "adamw"]),
         (
@@ -182,24 +186,7 @@ fn tiny_gpt2_converges_with_every_optimizer() {
     let mut finals = Vec::new();
     for (i, (run, flags)) in runs.iter().enumerate() {
         let log = tmp.path().join(format!("{i}.jsonl"));
-        let mut args = vec![
-            path_str(&config),
-            "--data",
-            path_str(&corpus),
-            "--steps",
-            "300",
-            "--batch",
-            "8",
-            "--seq",
-            "64",
-            "--data-order",
-            "sequential",
-            "--log",
-            path_str(&log),
-        ];
-        args.extend_from_slice(flags);
-        train(&args);
-        let losses = log_losses(&log);
+        let losses = convergence_run(&log, flags);
         assert_eq!(losses.len(), 300, "{run}");
         let (first, last) = (losses[0], final_loss(&losses));
         println!("{run:26} loss {first:.4} -> {last:.4} (mean of the last 10 steps)");

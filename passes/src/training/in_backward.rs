@@ -125,27 +125,14 @@ pub(super) fn apply(build: &mut PlanBuild) -> Result<String, PassError> {
                 norm
             }
         };
-        let mut ins = Vec::with_capacity(node.inputs.len());
-        for (i, &v) in node.inputs.iter().enumerate() {
-            ins.push(match (i, opt.name(v)) {
-                (1, _) => grad,
-                (_, GRAD_NORM) => norm,
-                _ => source(&mut b, &opt, v)?,
-            });
-        }
-        let outs = b.op_multi(&format!("update.{master}"), node.op.clone(), &ins)?;
-        for (&old, &new) in node.outputs.iter().zip(&outs) {
-            let name = opt.name(old);
-            b.rename(new, name)?;
-            let state = opt_writes
-                .get(name)
-                .ok_or_else(|| internal(format!("`%{name}` is written to no state")))?;
-            writes.push(Write {
-                output: name.to_string(),
-                state: state.to_string(),
-            });
-            outputs.push(new);
-        }
+        let operand = |b: &mut GraphBuilder, i: usize, v: Value| match (i, opt.name(v)) {
+            (1, _) => Ok(grad),
+            (_, GRAD_NORM) => Ok(norm),
+            _ => source(b, &opt, v),
+        };
+        let name = format!("update.{master}");
+        let outs = replicate(&mut b, &opt, node, &name, operand, &opt_writes, &mut writes)?;
+        outputs.extend(&outs);
         let update = b.graph().value(outs[0]).producer;
         after.insert(
             update,
@@ -181,26 +168,21 @@ pub(super) fn apply(build: &mut PlanBuild) -> Result<String, PassError> {
         if !matches!(node.op, Op::CountStep | Op::LossScaleUpdate { .. }) {
             continue;
         }
-        let mut ins = Vec::with_capacity(node.inputs.len());
-        for &v in &node.inputs {
-            ins.push(match opt.name(v) {
-                GRAD_NORM => norm,
-                _ => source(&mut o, &opt, v)?,
-            });
-        }
-        let outs = o.op_multi(node.op.mnemonic(), node.op.clone(), &ins)?;
-        for (&old, &new) in node.outputs.iter().zip(&outs) {
-            let name = opt.name(old);
-            o.rename(new, name)?;
-            let state = opt_writes
-                .get(name)
-                .ok_or_else(|| internal(format!("`%{name}` is written to no state")))?;
-            o_writes.push(Write {
-                output: name.to_string(),
-                state: state.to_string(),
-            });
-            o_outputs.push(new);
-        }
+        let operand = |o: &mut GraphBuilder, _: usize, v: Value| match opt.name(v) {
+            GRAD_NORM => Ok(norm),
+            _ => source(o, &opt, v),
+        };
+        let name = node.op.mnemonic();
+        let outs = replicate(
+            &mut o,
+            &opt,
+            node,
+            name,
+            operand,
+            &opt_writes,
+            &mut o_writes,
+        )?;
+        o_outputs.extend(outs);
     }
     o.set_outputs(o_outputs);
     plan.optimizer_step = o.finish();
@@ -384,6 +366,37 @@ fn place_early(
         .collect::<Result<Vec<_>, _>>()?;
     out.set_outputs(outputs);
     Ok(out)
+}
+
+/// A copy in `b` of the optimizer step's `node` with operands from `operand` (by position and
+/// value), its results named and written to state as the optimizer step's were (the writes
+/// pushed to `writes`); returns the results.
+fn replicate(
+    b: &mut GraphBuilder,
+    opt: &Graph,
+    node: &castor_ir::NodeData,
+    name: &str,
+    operand: impl Fn(&mut GraphBuilder, usize, Value) -> Result<Value, PassError>,
+    opt_writes: &HashMap<&str, &str>,
+    writes: &mut Vec<Write>,
+) -> Result<Vec<Value>, PassError> {
+    let mut ins = Vec::with_capacity(node.inputs.len());
+    for (i, &v) in node.inputs.iter().enumerate() {
+        ins.push(operand(b, i, v)?);
+    }
+    let outs = b.op_multi(name, node.op.clone(), &ins)?;
+    for (&old, &new) in node.outputs.iter().zip(&outs) {
+        let name = opt.name(old);
+        b.rename(new, name)?;
+        let state = opt_writes
+            .get(name)
+            .ok_or_else(|| internal(format!("`%{name}` is written to no state")))?;
+        writes.push(Write {
+            output: name.to_string(),
+            state: state.to_string(),
+        });
+    }
+    Ok(outs)
 }
 
 /// The micro step's value for the optimizer step's source `v` (a state, parameter or input),
