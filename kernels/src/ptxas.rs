@@ -51,16 +51,19 @@ pub fn report(
     ptx: &str,
     arch: &str,
 ) -> Result<Vec<KernelResources>, PtxasError> {
-    let dir = std::env::temp_dir().join(format!("castor-ptxas-{}", std::process::id()));
     let write_err = |path: &Path, source| PtxasError::Write {
         file: file.into(),
         path: path.to_path_buf(),
         source,
     };
-    std::fs::create_dir_all(&dir).map_err(|e| write_err(&dir, e))?;
+    // Removed, with what ptxas wrote into it, when it goes out of scope.
+    let dir = tempfile::Builder::new()
+        .prefix("castor-ptxas-")
+        .tempdir()
+        .map_err(|e| write_err(&std::env::temp_dir(), e))?;
     let stem = file.trim_end_matches(".cu");
-    let input = dir.join(format!("{stem}.ptx"));
-    let output = dir.join(format!("{stem}.cubin"));
+    let input = dir.path().join(format!("{stem}.ptx"));
+    let output = dir.path().join(format!("{stem}.cubin"));
     std::fs::write(&input, ptx).map_err(|e| write_err(&input, e))?;
     let out = Command::new(ptxas)
         .arg(format!("-arch={arch}"))
@@ -73,8 +76,6 @@ pub fn report(
             path: ptxas.to_path_buf(),
             source,
         })?;
-    let _ = std::fs::remove_file(&input);
-    let _ = std::fs::remove_file(&output);
     let log = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
