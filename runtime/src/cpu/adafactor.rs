@@ -22,6 +22,43 @@ pub struct Adafactor {
     pub max_grad_norm: f64,
 }
 
+impl Adafactor {
+    /// The hyperparameters and the working copy's dtype of an `adafactor` op (`None` for
+    /// another op): the one reading of its attributes, for both executors.
+    pub fn of(op: &castor_ir::Op) -> Option<(Adafactor, Option<castor_ir::DType>)> {
+        match *op {
+            castor_ir::Op::Adafactor {
+                beta1,
+                decay_rate,
+                eps1,
+                eps2,
+                clip_threshold,
+                weight_decay,
+                relative_step,
+                scale_parameter,
+                warmup_init,
+                max_grad_norm,
+                copy,
+            } => Some((
+                Adafactor {
+                    beta1,
+                    decay_rate,
+                    eps1,
+                    eps2,
+                    clip_threshold,
+                    weight_decay,
+                    relative_step,
+                    scale_parameter,
+                    warmup_init,
+                    max_grad_norm,
+                },
+                copy,
+            )),
+            _ => None,
+        }
+    }
+}
+
 /// The second-moment state of one parameter.
 pub enum SecondMoment<'a> {
     /// Row and column statistics of a parameter of rank 2 or more, seen as `lead` matrices of

@@ -80,30 +80,9 @@ pub fn execute(
             optimizer::sgd(&h, c, &mut p, args.f32(1)?, &mut buf);
             return updated(args, outs, p, vec![buf], *copy);
         }
-        Op::Adafactor {
-            beta1,
-            decay_rate,
-            eps1,
-            eps2,
-            clip_threshold,
-            weight_decay,
-            relative_step,
-            scale_parameter,
-            warmup_init,
-            max_grad_norm,
-            copy,
-        } => {
-            let h = adafactor::Adafactor {
-                beta1: *beta1,
-                decay_rate: *decay_rate,
-                eps1: *eps1,
-                eps2: *eps2,
-                clip_threshold: *clip_threshold,
-                weight_decay: *weight_decay,
-                relative_step: *relative_step,
-                scale_parameter: *scale_parameter,
-                warmup_init: *warmup_init,
-                max_grad_norm: *max_grad_norm,
+        Op::Adafactor { .. } => {
+            let Some((h, copy)) = adafactor::Adafactor::of(op) else {
+                return Err(args.internal("not an adafactor op"));
             };
             let dims = args.shape(0)?.to_vec();
             let n_moments = args.len() - 6;
@@ -112,7 +91,7 @@ pub fn execute(
             let mut moments = (2..2 + n_moments)
                 .map(|i| args.take_f32(i))
                 .collect::<Result<Vec<_>, _>>()?;
-            let (first, second) = moments.split_at_mut(usize::from(beta1.is_some()));
+            let (first, second) = moments.split_at_mut(usize::from(h.beta1.is_some()));
             let second = match (second, dims.as_slice()) {
                 ([row, col], [.., rows, cols]) => adafactor::SecondMoment::Factored {
                     rows: *rows,
@@ -131,7 +110,7 @@ pub fn execute(
                 first.first_mut().map(|m| m.as_mut_slice()),
                 second,
             );
-            return updated(args, outs, p, moments, *copy);
+            return updated(args, outs, p, moments, copy);
         }
         Op::CountStep => {
             let step = optimizer::count_step(scalar(args, 0)?, scalar(args, 1)?);

@@ -3,7 +3,8 @@
 //! update), state updated in place.
 use super::super::program::{Arg, Command};
 use super::{sfx, LowerError, RunLowering};
-use castor_ir::{DType, Node, Op};
+use crate::cpu::adafactor::Adafactor;
+use castor_ir::{DType, Node};
 
 /// Threads of the reducing launches: `ADAFACTOR_THREADS` in `adafactor.cu`, whose sums the
 /// CPU twin reproduces in this shape.
@@ -17,20 +18,7 @@ impl RunLowering<'_, '_> {
     pub(super) fn adafactor(&mut self, n: Node) -> Result<(), LowerError> {
         let g = self.g;
         let node = g.node(n);
-        let Op::Adafactor {
-            beta1,
-            decay_rate,
-            eps1,
-            eps2,
-            clip_threshold,
-            weight_decay,
-            relative_step,
-            scale_parameter,
-            warmup_init,
-            max_grad_norm,
-            copy,
-        } = node.op.clone()
-        else {
+        let Some((h, copy)) = Adafactor::of(&node.op) else {
             return Err(self.err(node.outputs[0], "not an Adafactor node"));
         };
         let y = node.outputs[0];
@@ -65,7 +53,7 @@ impl RunLowering<'_, '_> {
         }
         let master = state[0];
         let moments = &state[1..];
-        let (exp_avg, second) = if beta1.is_some() {
+        let (exp_avg, second) = if h.beta1.is_some() {
             (Some(moments[0]), &moments[1..])
         } else {
             (None, moments)
@@ -94,10 +82,10 @@ impl RunLowering<'_, '_> {
                 (moment, Arg::Ptr(p)),
                 ("scale", Arg::Ptr(scale)),
                 ("grad_norm", Arg::Ptr(grad_norm)),
-                ("max_grad_norm", Arg::F64(max_grad_norm)),
-                ("eps1", Arg::F64(eps1)),
+                ("max_grad_norm", Arg::F64(h.max_grad_norm)),
+                ("eps1", Arg::F64(h.eps1)),
                 ("step", Arg::Ptr(step)),
-                ("decay_rate", Arg::F64(decay_rate)),
+                ("decay_rate", Arg::F64(h.decay_rate)),
             ]
         };
         // Factored: (row, col, row means, rows, cols); full: v.
@@ -174,7 +162,7 @@ impl RunLowering<'_, '_> {
                 ("cols", Arg::I32(cols as i32)),
                 ("scale", Arg::Ptr(scale)),
                 ("grad_norm", Arg::Ptr(grad_norm)),
-                ("max_grad_norm", Arg::F64(max_grad_norm)),
+                ("max_grad_norm", Arg::F64(h.max_grad_norm)),
             ])
         };
         let mut args = vec![
@@ -204,11 +192,11 @@ impl RunLowering<'_, '_> {
                 ("lr", Arg::Ptr(lr)),
                 ("step", Arg::Ptr(step)),
                 ("grad_norm", Arg::Ptr(grad_norm)),
-                ("eps2", Arg::F64(eps2)),
-                ("clip_threshold", Arg::F64(clip_threshold)),
-                ("relative_step", flag(relative_step)),
-                ("scale_parameter", flag(scale_parameter)),
-                ("warmup_init", flag(warmup_init)),
+                ("eps2", Arg::F64(h.eps2)),
+                ("clip_threshold", Arg::F64(h.clip_threshold)),
+                ("relative_step", flag(h.relative_step)),
+                ("scale_parameter", flag(h.scale_parameter)),
+                ("warmup_init", flag(h.warmup_init)),
                 ("factors", Arg::Ptr(factors)),
             ],
         )?;
@@ -222,8 +210,8 @@ impl RunLowering<'_, '_> {
             ("exp_avg", exp_avg.map_or(Arg::Null, Arg::Ptr)),
             ("copy", copy_arg),
             ("factors", Arg::Ptr(factors)),
-            ("beta1", Arg::F64(beta1.unwrap_or(0.0))),
-            ("weight_decay", Arg::F64(weight_decay)),
+            ("beta1", Arg::F64(h.beta1.unwrap_or(0.0))),
+            ("weight_decay", Arg::F64(h.weight_decay)),
         ];
         u_args(&mut args);
         let entry = format!("adafactor_apply_{}", sfx(copy.unwrap_or(DType::F32)));
