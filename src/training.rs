@@ -23,6 +23,17 @@ pub enum OptimizerChoice {
     Adafactor,
 }
 
+impl OptimizerChoice {
+    /// The name `--optimizer` takes.
+    pub fn name(self) -> &'static str {
+        match self {
+            OptimizerChoice::Adamw => "adamw",
+            OptimizerChoice::Sgd => "sgd",
+            OptimizerChoice::Adafactor => "adafactor",
+        }
+    }
+}
+
 #[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
 #[command(next_help_heading = "Training step")]
 pub struct TrainingArgs {
@@ -41,22 +52,24 @@ pub struct TrainingArgs {
     /// is given.
     #[arg(long, help_heading = "Optimizer")]
     pub beta1: Option<f64>,
-    #[arg(long, default_value_t = 0.999, help_heading = "Optimizer")]
-    pub beta2: f64,
-    #[arg(long, default_value_t = 1e-8, help_heading = "Optimizer")]
-    pub eps: f64,
+    /// AdamW's second-moment decay (default 0.999).
+    #[arg(long, help_heading = "Optimizer")]
+    pub beta2: Option<f64>,
+    /// AdamW's epsilon (default 1e-8).
+    #[arg(long, help_heading = "Optimizer")]
+    pub eps: Option<f64>,
     /// Weight decay (default: 0.01 for AdamW, as torch; 0 for SGD).
     #[arg(long, help_heading = "Optimizer")]
     pub weight_decay: Option<f64>,
-    /// SGD momentum.
-    #[arg(long, default_value_t = 0.9, help_heading = "Optimizer")]
-    pub momentum: f64,
-    /// Adafactor: the update is divided by max(1, RMS(update) / this).
-    #[arg(long, default_value_t = 1.0, help_heading = "Optimizer")]
-    pub clip_threshold: f64,
-    /// Adafactor: the second-moment decay is 1 - step^this.
-    #[arg(long, default_value_t = -0.8, allow_negative_numbers = true, help_heading = "Optimizer")]
-    pub decay_rate: f64,
+    /// SGD momentum (default 0.9).
+    #[arg(long, help_heading = "Optimizer")]
+    pub momentum: Option<f64>,
+    /// Adafactor: the update is divided by max(1, RMS(update) / this) (default 1).
+    #[arg(long, help_heading = "Optimizer")]
+    pub clip_threshold: Option<f64>,
+    /// Adafactor: the second-moment decay is 1 - step^this (default -0.8).
+    #[arg(long, allow_negative_numbers = true, help_heading = "Optimizer")]
+    pub decay_rate: Option<f64>,
     /// Adafactor's relative step warm-up: min(1e-6 * step, 1/sqrt(step)) (without --lr only).
     #[arg(long, help_heading = "Optimizer")]
     pub warmup_init: bool,
@@ -212,6 +225,36 @@ impl TrainingArgs {
         })
     }
 
+    /// A flag of another optimizer than the chosen one is an error naming it: it would
+    /// change nothing.
+    fn check_optimizer_flags(&self) -> anyhow::Result<()> {
+        use OptimizerChoice::{Adafactor, Adamw, Sgd};
+        let flags: [(&str, bool, &[OptimizerChoice]); 6] = [
+            ("--beta1", self.beta1.is_some(), &[Adamw, Adafactor]),
+            ("--beta2", self.beta2.is_some(), &[Adamw]),
+            ("--eps", self.eps.is_some(), &[Adamw]),
+            ("--momentum", self.momentum.is_some(), &[Sgd]),
+            (
+                "--clip-threshold",
+                self.clip_threshold.is_some(),
+                &[Adafactor],
+            ),
+            ("--decay-rate", self.decay_rate.is_some(), &[Adafactor]),
+        ];
+        for (flag, given, applies) in flags {
+            if given && !applies.contains(&self.optimizer) {
+                let names: Vec<&str> = applies.iter().map(|o| o.name()).collect();
+                return Err(CliError::InvalidInput(format!(
+                    "{flag} is a setting of --optimizer {}, not of --optimizer {}: leave it out",
+                    names.join(" or "),
+                    self.optimizer.name()
+                ))
+                .into());
+            }
+        }
+        Ok(())
+    }
+
     pub fn settings(
         &self,
         precision: Precision,
@@ -222,12 +265,12 @@ impl TrainingArgs {
         let optimizer = match self.optimizer {
             OptimizerChoice::Adamw => OptimizerKind::AdamW {
                 beta1: self.beta1.unwrap_or(0.9),
-                beta2: self.beta2,
-                eps: self.eps,
+                beta2: self.beta2.unwrap_or(0.999),
+                eps: self.eps.unwrap_or(1e-8),
                 weight_decay: self.weight_decay.unwrap_or(0.01),
             },
             OptimizerChoice::Sgd => OptimizerKind::Sgd {
-                momentum: self.momentum,
+                momentum: self.momentum.unwrap_or(0.9),
                 weight_decay: self.weight_decay.unwrap_or(0.0),
             },
             // transformers' pairing: the relative step scales by the parameter's RMS, a given
@@ -244,14 +287,15 @@ impl TrainingArgs {
                 } = &mut kind
                 {
                     *beta1 = self.beta1;
-                    *decay_rate = self.decay_rate;
-                    *clip_threshold = self.clip_threshold;
+                    *decay_rate = self.decay_rate.unwrap_or(*decay_rate);
+                    *clip_threshold = self.clip_threshold.unwrap_or(*clip_threshold);
                     *weight_decay = self.weight_decay.unwrap_or(0.0);
                     *warmup_init = self.warmup_init;
                 }
                 kind
             }
         };
+        self.check_optimizer_flags()?;
         if self.warmup_init
             && !matches!(
                 optimizer,

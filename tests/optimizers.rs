@@ -314,6 +314,50 @@ fn update_in_backward_refuses_accumulation_and_reruns_the_backward_for_loss_scal
     assert!(stdout(&o).contains("a first backward pass forms the global norm"));
 }
 
+/// A flag of another optimizer than the chosen one would change nothing: an error naming it.
+#[test]
+fn flags_of_another_optimizer_are_refused() {
+    let config = root().join("assets").join("tiny-gpt2.json");
+    for (optimizer, flag, value, want) in [
+        (
+            "adafactor",
+            "--momentum",
+            "0.5",
+            "--momentum is a setting of --optimizer sgd, not of --optimizer adafactor",
+        ),
+        (
+            "adamw",
+            "--decay-rate",
+            "-0.5",
+            "--decay-rate is a setting of --optimizer adafactor, not of --optimizer adamw",
+        ),
+        (
+            "sgd",
+            "--beta1",
+            "0.8",
+            "--beta1 is a setting of --optimizer adamw or adafactor, not of --optimizer sgd",
+        ),
+        (
+            "adafactor",
+            "--eps",
+            "1e-6",
+            "--eps is a setting of --optimizer adamw, not of --optimizer adafactor",
+        ),
+    ] {
+        let o = castor(&[
+            "compile",
+            path_str(&config),
+            "--train",
+            "--optimizer",
+            optimizer,
+            flag,
+            value,
+        ]);
+        assert!(!o.status.success(), "{optimizer} {flag}");
+        assert!(stderr(&o).contains(want), "{}", stderr(&o));
+    }
+}
+
 /// The README's recipe: full fine-tuning of LLaMA-2-7B (config only; every parameter
 /// trained, F32 masters, batch 1 x 4096, bf16, selective recomputation) plans at most 76 GB
 /// with Adafactor and the updates inside the backward pass, on the CUDA executor's memory
