@@ -7,8 +7,8 @@
 //! tried are the ones that trade time for memory without changing what is learnt: a
 //! recomputation mode (`--remat selective`, `full`, or a budget of the device's memory), a
 //! smaller micro-batch with gradient accumulation over the same tokens per step, SGD with
-//! momentum instead of AdamW (one moment instead of two), and Adafactor (factored second
-//! moments, nearly no state). Each is planned for real (the memory planner's peak, not an
+//! momentum instead of AdamW (one moment instead of two), 8-bit AdamW (AdamW's moments in a
+//! byte each), and Adafactor (factored second moments, nearly no state). Each is planned for real (the memory planner's peak, not an
 //! estimate) and ranked by the cost model's step time; when no single change fits, all of
 //! them together are tried, and when even that does not fit the verdict says how much the
 //! persistent state alone needs. When the persistent state without any optimizer state
@@ -267,10 +267,24 @@ pub fn verdict(
             };
         }
     };
-    if matches!(s.optimizer, OptimizerKind::AdamW { .. }) {
+    if let OptimizerKind::AdamW {
+        beta1,
+        beta2,
+        eps,
+        weight_decay,
+    } = s.optimizer
+    {
         let mut t = s.clone();
         sgd(&mut t);
         tried.push(("--optimizer sgd".into(), t));
+        let mut t = s.clone();
+        t.optimizer = OptimizerKind::AdamW8bit {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        };
+        tried.push(("--optimizer adamw8bit".into(), t));
     }
     if !matches!(s.optimizer, OptimizerKind::Adafactor { .. }) {
         let mut t = s.clone();

@@ -194,6 +194,17 @@ pub fn optimizer_text(s: &castor_ir::TrainSettings) -> String {
             eps,
             weight_decay,
         } => format!("AdamW (betas {beta1}, {beta2}; eps {eps:e}; weight decay {weight_decay})"),
+        OptimizerKind::AdamW8bit {
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => format!(
+            "8-bit AdamW (betas {beta1}, {beta2}; eps {eps:e}; weight decay {weight_decay}; \
+             moments in blocks of {} 8-bit codes from {} values up)",
+            castor_ir::quant::QUANT_BLOCK,
+            castor_ir::quant::MIN_QUANTIZED_NUMEL
+        ),
         OptimizerKind::Sgd {
             momentum,
             weight_decay,
@@ -239,6 +250,11 @@ fn state_text(s: &castor_ir::TrainSettings) -> String {
     let d = s.optimizer_state;
     match &s.optimizer {
         OptimizerKind::AdamW { .. } => format!("AdamW moments m, v in {d}"),
+        OptimizerKind::AdamW8bit { .. } => format!(
+            "8-bit AdamW moments m, v: a byte each plus an F32 maximum per {} values; F32 below {} values",
+            castor_ir::quant::QUANT_BLOCK,
+            castor_ir::quant::MIN_QUANTIZED_NUMEL
+        ),
         OptimizerKind::Sgd { .. } => format!("SGD momentum in {d}"),
         OptimizerKind::Adafactor { beta1, .. } => {
             format!(

@@ -16,6 +16,9 @@ const MAX_SCALE: f64 = 16_777_216.0; // 2^24
 pub enum OptimizerChoice {
     /// torch.optim.AdamW (decoupled weight decay).
     Adamw,
+    /// bitsandbytes' AdamW8bit: AdamW with both moments in 8-bit block-wise codes (a byte per
+    /// value plus an F32 maximum per 256); parameters under 4096 values keep F32 moments.
+    Adamw8bit,
     /// torch.optim.SGD with momentum.
     Sgd,
     /// transformers' Adafactor: factored second moments, no first moment unless --beta1 is
@@ -28,6 +31,7 @@ impl OptimizerChoice {
     pub fn name(self) -> &'static str {
         match self {
             OptimizerChoice::Adamw => "adamw",
+            OptimizerChoice::Adamw8bit => "adamw8bit",
             OptimizerChoice::Sgd => "sgd",
             OptimizerChoice::Adafactor => "adafactor",
         }
@@ -48,7 +52,7 @@ pub struct TrainingArgs {
     /// it takes its relative step, min(1e-2, 1/sqrt(step)) times the parameter's RMS.
     #[arg(long, help_heading = "Optimizer")]
     pub lr: Option<f64>,
-    /// AdamW's first-moment decay (default 0.9); Adafactor keeps a first moment only when it
+    /// AdamW's (and 8-bit AdamW's) first-moment decay (default 0.9); Adafactor keeps a first moment only when it
     /// is given.
     #[arg(long, help_heading = "Optimizer")]
     pub beta1: Option<f64>,
@@ -58,7 +62,8 @@ pub struct TrainingArgs {
     /// AdamW's epsilon (default 1e-8).
     #[arg(long, help_heading = "Optimizer")]
     pub eps: Option<f64>,
-    /// Weight decay (default: 0.01 for AdamW, as torch; 0 for SGD).
+    /// Weight decay (default: 0.01 for AdamW and 8-bit AdamW, as torch and bitsandbytes; 0 for
+    /// SGD and Adafactor).
     #[arg(long, help_heading = "Optimizer")]
     pub weight_decay: Option<f64>,
     /// SGD momentum (default 0.9).
@@ -228,11 +233,15 @@ impl TrainingArgs {
     /// A flag of another optimizer than the chosen one is an error naming it: it would
     /// change nothing.
     fn check_optimizer_flags(&self) -> anyhow::Result<()> {
-        use OptimizerChoice::{Adafactor, Adamw, Sgd};
+        use OptimizerChoice::{Adafactor, Adamw, Adamw8bit, Sgd};
         let flags: [(&str, bool, &[OptimizerChoice]); 6] = [
-            ("--beta1", self.beta1.is_some(), &[Adamw, Adafactor]),
-            ("--beta2", self.beta2.is_some(), &[Adamw]),
-            ("--eps", self.eps.is_some(), &[Adamw]),
+            (
+                "--beta1",
+                self.beta1.is_some(),
+                &[Adamw, Adamw8bit, Adafactor],
+            ),
+            ("--beta2", self.beta2.is_some(), &[Adamw, Adamw8bit]),
+            ("--eps", self.eps.is_some(), &[Adamw, Adamw8bit]),
             ("--momentum", self.momentum.is_some(), &[Sgd]),
             (
                 "--clip-threshold",
@@ -264,6 +273,12 @@ impl TrainingArgs {
     ) -> anyhow::Result<TrainSettings> {
         let optimizer = match self.optimizer {
             OptimizerChoice::Adamw => OptimizerKind::AdamW {
+                beta1: self.beta1.unwrap_or(0.9),
+                beta2: self.beta2.unwrap_or(0.999),
+                eps: self.eps.unwrap_or(1e-8),
+                weight_decay: self.weight_decay.unwrap_or(0.01),
+            },
+            OptimizerChoice::Adamw8bit => OptimizerKind::AdamW8bit {
                 beta1: self.beta1.unwrap_or(0.9),
                 beta2: self.beta2.unwrap_or(0.999),
                 eps: self.eps.unwrap_or(1e-8),
@@ -314,6 +329,14 @@ impl TrainingArgs {
         }
         if self.grad_accum == 0 {
             return Err(CliError::InvalidInput("--grad-accum must be at least 1".into()).into());
+        }
+        if self.optimizer == OptimizerChoice::Adamw8bit && self.optimizer_state != StateDtype::F32 {
+            return Err(CliError::InvalidInput(
+                "--optimizer-state chooses the dtype of F32 moments; --optimizer adamw8bit \
+                 stores them in 8 bits already (and keeps small tensors' in F32): leave it out"
+                    .into(),
+            )
+            .into());
         }
         Ok(TrainSettings {
             precision,

@@ -171,8 +171,9 @@ fn tiny_gpt2_converges_in_every_precision() {
 #[test]
 fn tiny_gpt2_converges_with_every_optimizer() {
     let tmp = tempfile::tempdir().unwrap();
-    let runs: [(&str, &[&str]); 5] = [
+    let runs: [(&str, &[&str]); 6] = [
         ("adamw", &["--optimizer", "adamw"]),
+        ("adamw8bit", &["--optimizer", "adamw8bit"]),
         (
             "adamw, bf16 moments",
             &["--optimizer", "adamw", "--optimizer-state", "bf16"],
@@ -197,11 +198,13 @@ fn tiny_gpt2_converges_with_every_optimizer() {
         );
         finals.push(last);
     }
-    let (f32_moments, bf16_moments) = (finals[0], finals[1]);
-    assert!(
-        (bf16_moments - f32_moments).abs() / f32_moments < 0.03,
-        "AdamW with bf16 moments {bf16_moments:.4} vs f32 moments {f32_moments:.4}"
-    );
+    let f32_moments = finals[0];
+    for (run, last) in [("8-bit", finals[1]), ("bf16", finals[2])] {
+        assert!(
+            (last - f32_moments).abs() / f32_moments < 0.03,
+            "AdamW with {run} moments {last:.4} vs f32 moments {f32_moments:.4}"
+        );
+    }
 }
 
 #[test]

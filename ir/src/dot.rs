@@ -14,6 +14,7 @@ pub fn dtype_colour(d: DType) -> &'static str {
         DType::F16 => "#fb6a4a",
         DType::I32 | DType::I64 => "#d9d9d9",
         DType::Bool => "#f0f0f0",
+        DType::U8 => "#bcbddc",
     }
 }
 

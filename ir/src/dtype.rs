@@ -15,16 +15,19 @@ pub enum DType {
     I32,
     I64,
     Bool,
+    /// Unsigned bytes: the codes of block-wise quantized optimizer moments.
+    U8,
 }
 
 impl DType {
-    pub const ALL: [DType; 6] = [
+    pub const ALL: [DType; 7] = [
         DType::F32,
         DType::F16,
         DType::BF16,
         DType::I32,
         DType::I64,
         DType::Bool,
+        DType::U8,
     ];
 
     /// The name used in the IR text (`f32`, `bf16`, ...).
@@ -36,6 +39,7 @@ impl DType {
             DType::I32 => "i32",
             DType::I64 => "i64",
             DType::Bool => "bool",
+            DType::U8 => "u8",
         }
     }
 
@@ -58,7 +62,7 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::I64 => 8,
-            DType::Bool => 1,
+            DType::Bool | DType::U8 => 1,
         }
     }
 }
@@ -76,7 +80,7 @@ impl FromStr for DType {
             .into_iter()
             .find(|d| d.name() == s)
             .ok_or_else(|| {
-                format!("unknown dtype `{s}` (expected one of f32, f16, bf16, i32, i64, bool)")
+                format!("unknown dtype `{s}` (expected one of f32, f16, bf16, i32, i64, bool, u8)")
             })
     }
 }

@@ -20,6 +20,7 @@ mod graph;
 mod op;
 mod plan;
 mod precision;
+pub mod quant;
 mod rope;
 mod shape;
 mod structure;

@@ -12,6 +12,7 @@ pub enum TensorData {
     F32(Vec<f32>),
     I64(Vec<i64>),
     Bool(Vec<bool>),
+    U8(Vec<u8>),
 }
 
 /// A tensor in host memory.
@@ -113,6 +114,20 @@ impl Tensor {
         }
     }
 
+    /// A byte tensor (U8: quantized codes).
+    pub fn from_u8(shape: impl Into<Shape>, data: Vec<u8>) -> Tensor {
+        let shape = shape.into();
+        assert_eq!(
+            shape.numel(),
+            Some(data.len()),
+            "data length does not match {shape}"
+        );
+        Tensor {
+            ty: TensorType::new(DType::U8, shape),
+            data: TensorData::U8(data),
+        }
+    }
+
     pub fn ty(&self) -> &TensorType {
         &self.ty
     }
@@ -130,6 +145,7 @@ impl Tensor {
             TensorData::F32(v) => v.len(),
             TensorData::I64(v) => v.len(),
             TensorData::Bool(v) => v.len(),
+            TensorData::U8(v) => v.len(),
         }
     }
 
@@ -159,6 +175,13 @@ impl Tensor {
     pub fn as_bool(&self) -> Option<&[bool]> {
         match &self.data {
             TensorData::Bool(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    pub fn as_u8(&self) -> Option<&[u8]> {
+        match &self.data {
+            TensorData::U8(v) => Some(v),
             _ => None,
         }
     }

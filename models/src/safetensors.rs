@@ -57,6 +57,7 @@ pub fn ir_dtype(d: Dtype) -> Option<DType> {
         Dtype::I64 => Some(DType::I64),
         Dtype::I32 => Some(DType::I32),
         Dtype::BOOL => Some(DType::Bool),
+        Dtype::U8 => Some(DType::U8),
         _ => None,
     }
 }
@@ -213,6 +214,7 @@ impl SafetensorsFile {
                 let data = self.bytes(name)?.iter().map(|&b| b != 0).collect();
                 Ok(Tensor::from_bool(shape, data))
             }
+            Dtype::U8 => Ok(Tensor::from_u8(shape, self.bytes(name)?.to_vec())),
             other => Err(self.dtype_err(name, other, "an IR tensor")),
         }
     }

@@ -108,6 +108,7 @@ fn storage(t: &Tensor) -> (&'static str, usize) {
         (DType::I32, TensorData::I64(_)) => ("I32", 4),
         (_, TensorData::I64(_)) => ("I64", 8),
         (_, TensorData::Bool(_)) => ("BOOL", 1),
+        (_, TensorData::U8(_)) => ("U8", 1),
         (_, TensorData::F32(_)) => ("F32", 4),
     }
 }
@@ -143,6 +144,7 @@ fn write_data(t: &Tensor, w: &mut impl Write, chunk: &mut Vec<u8>) -> std::io::R
         }
         (_, TensorData::I64(v)) => each(v, w, chunk, |x, c| c.extend(x.to_le_bytes())),
         (_, TensorData::Bool(v)) => each(v, w, chunk, |x, c| c.push(u8::from(x))),
+        (_, TensorData::U8(v)) => w.write_all(v),
     }
 }
 

@@ -188,6 +188,8 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
                 .sum::<f64>()
         }
         Op::AdamW { .. } => 15.0 * in0,
+        // AdamW's arithmetic, two decodes, two block maxima and two 8-step code searches.
+        Op::AdamW8bit { .. } => 40.0 * in0,
         Op::Sgd { .. } => 6.0 * in0,
         // Unscale, square, the row and column sums, the factored update, its RMS, the step.
         Op::Adafactor { .. } => 14.0 * in0,

@@ -267,11 +267,14 @@ fn store(
 }
 
 pub(crate) fn zeros(ty: &TensorType) -> Tensor {
-    Tensor::from_f32(
-        ty.dtype,
-        ty.shape.clone(),
-        vec![0.0; ty.shape.numel().unwrap_or(0)],
-    )
+    let n = ty.shape.numel().unwrap_or(0);
+    let shape = ty.shape.clone();
+    match ty.dtype {
+        d if d.is_float() => Tensor::from_f32(d, shape, vec![0.0; n]),
+        d if d.is_int() => Tensor::from_i64(d, shape, vec![0; n]),
+        DType::Bool => Tensor::from_bool(shape, vec![false; n]),
+        _ => Tensor::from_u8(shape, vec![0; n]),
+    }
 }
 
 /// A checkpoint tensor as an F32 master of type `ty`.

@@ -248,6 +248,25 @@ define_ops! {
         max_grad_norm: f64,
         copy: Option<DType>,
     } => "adamw", class Elementwise, arity (8, 8), typing typing::optimizer(inputs, 2, *copy);
+    /// One 8-bit AdamW step (bitsandbytes' `AdamW8bit`) of one F32 parameter buffer, with the
+    /// gradient rules of [`Op::AdamW`]: `(master, grad, m, m_absmax, v, v_absmax, code_maps,
+    /// lr [], step [], scale [], grad_norm []) -> (master', m', m_absmax', v', v_absmax'[,
+    /// copy'])`. The moments are U8 codes of the parameter's shape, quantized block-wise
+    /// ([`crate::quant`]: blocks of `block` values, each with its F32 absolute maximum), the
+    /// first against the signed dynamic map (`code_maps` row 0), the second against the
+    /// unsigned one (row 1). Each block is dequantized, updated in F32 as bitsandbytes does
+    /// (decay, `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`, `p -= lr/(1 - b1^t) * m /
+    /// (sqrt(v) / sqrt(1 - b2^t) + eps)`) and quantized again to the nearest codes.
+    AdamW8bit {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        max_grad_norm: f64,
+        block: usize,
+        copy: Option<DType>,
+    } => "adamw8bit", class Elementwise, arity (11, 11),
+        typing typing::adamw8bit(inputs, *block, *copy);
     /// One fused SGD step with momentum (torch.optim.SGD, dampening 0, coupled weight decay)
     /// with the operands and rules of [`Op::AdamW`] and one moment: `(master, grad, momentum,
     /// lr [], step [], scale [], grad_norm []) -> (master', momentum'[, copy'])`.
@@ -301,6 +320,15 @@ define_ops! {
 }
 
 impl Op {
+    /// True for the optimizer updates of one parameter buffer (`(master, grad, state..,
+    /// lr, step, scale, grad_norm) -> (master', state'..[, copy'])`).
+    pub fn updates_parameter(&self) -> bool {
+        matches!(
+            self,
+            Op::AdamW { .. } | Op::AdamW8bit { .. } | Op::Sgd { .. } | Op::Adafactor { .. }
+        )
+    }
+
     /// True for the graph's sources, which have no operands.
     pub fn is_source(&self) -> bool {
         matches!(self, Op::Input | Op::Param | Op::State)
@@ -370,6 +398,15 @@ mod tests {
                 weight_decay: 0.0,
                 max_grad_norm: 1.0,
                 copy: None,
+            },
+            Op::AdamW8bit {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.01,
+                max_grad_norm: 0.0,
+                block: 256,
+                copy: Some(DType::BF16),
             },
             Op::Sgd {
                 momentum: 0.9,

@@ -95,6 +95,38 @@ pub fn adafactor(inputs: &[&TensorType], first_moment: bool, copy: Option<DType>
     optimizer_state(inputs, &shapes, copy)
 }
 
+/// `(master, grad, m, m_absmax, v, v_absmax, code_maps, lr, step, scale, grad_norm)`: U8
+/// moments of the master's shape, an F32 absolute maximum per block of `block` values, the
+/// two F32 code maps `[2, 256]`.
+pub fn adamw8bit(inputs: &[&TensorType], block: usize, copy: Option<DType>) -> Types {
+    let master = master_and_grad(inputs)?;
+    if block == 0 {
+        return Err("the quantization block must hold at least one value".into());
+    }
+    let numel = master
+        .shape
+        .numel()
+        .ok_or("the master has too many elements")?;
+    let codes = TensorType::new(DType::U8, master.shape.clone());
+    let absmax = TensorType::new(DType::F32, Shape::from(vec![numel.div_ceil(block)]));
+    for (what, t, want) in [
+        ("first moment", inputs[2], &codes),
+        ("first moment's block maxima", inputs[3], &absmax),
+        ("second moment", inputs[4], &codes),
+        ("second moment's block maxima", inputs[5], &absmax),
+    ] {
+        if t != want {
+            return Err(format!("the {what} must be {want}, found {t}"));
+        }
+    }
+    let maps = TensorType::new(DType::F32, Shape::from(vec![2, crate::quant::CODES]));
+    if inputs[6] != &maps {
+        return Err(format!("the code maps must be {maps}, found {}", inputs[6]));
+    }
+    let outs = vec![master.clone(), codes.clone(), absmax.clone(), codes, absmax];
+    scalars_and_copy(&inputs[7..], master, copy, outs)
+}
+
 /// Adafactor's second-moment shapes for a parameter: for rank 2 or more, the row statistics
 /// (the shape without its last axis) and the column statistics (without the one before);
 /// for a vector or scalar, the full shape.
@@ -115,6 +147,21 @@ pub fn adafactor_moments(param: &Shape) -> Vec<Shape> {
 /// in F32 or BF16, the four F32 scalars; results master', moments' (each in its own dtype)
 /// and the optional working copy.
 fn optimizer_state(inputs: &[&TensorType], moments: &[Shape], copy: Option<DType>) -> Types {
+    let master = master_and_grad(inputs)?;
+    let mut outs = vec![master.clone()];
+    for (t, shape) in inputs[2..2 + moments.len()].iter().zip(moments) {
+        if t.shape != *shape || !matches!(t.dtype, DType::F32 | DType::BF16) {
+            return Err(format!(
+                "optimizer moment must be f32 or bf16 of shape {shape}, found {t}"
+            ));
+        }
+        outs.push((*t).clone());
+    }
+    scalars_and_copy(&inputs[2 + moments.len()..], master, copy, outs)
+}
+
+/// Every update's first two operands: the F32 master and its gradient, of one type.
+fn master_and_grad<'a>(inputs: &[&'a TensorType]) -> Result<&'a TensorType, String> {
     let master = inputs[0];
     if master.dtype != DType::F32 {
         return Err(format!("the master weights must be f32, found {master}"));
@@ -125,18 +172,20 @@ fn optimizer_state(inputs: &[&TensorType], moments: &[Shape], copy: Option<DType
             inputs[1]
         ));
     }
-    let mut outs = vec![master.clone()];
-    for (t, shape) in inputs[2..2 + moments.len()].iter().zip(moments) {
-        if t.shape != *shape || !matches!(t.dtype, DType::F32 | DType::BF16) {
-            return Err(format!(
-                "optimizer moment must be f32 or bf16 of shape {shape}, found {t}"
-            ));
-        }
-        outs.push((*t).clone());
-    }
+    Ok(master)
+}
+
+/// Every update's last four operands (lr, step, loss scale, grad norm: F32 scalars), and its
+/// results `outs` followed by the working copy when there is one.
+fn scalars_and_copy(
+    scalars: &[&TensorType],
+    master: &TensorType,
+    copy: Option<DType>,
+    mut outs: Vec<TensorType>,
+) -> Types {
     for (what, t) in ["lr", "step", "loss scale", "grad norm"]
         .iter()
-        .zip(&inputs[2 + moments.len()..])
+        .zip(scalars)
     {
         require_f32_scalar(what, t)?;
     }

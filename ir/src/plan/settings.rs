@@ -125,6 +125,15 @@ pub enum OptimizerKind {
         eps: f64,
         weight_decay: f64,
     },
+    /// bitsandbytes' `AdamW8bit`: AdamW with both moments quantized block-wise to 8 bits
+    /// ([`crate::quant`]); parameters of fewer than [`crate::quant::MIN_QUANTIZED_NUMEL`]
+    /// values keep F32 moments.
+    AdamW8bit {
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+    },
     Sgd {
         momentum: f64,
         weight_decay: f64,
@@ -166,6 +175,7 @@ impl OptimizerKind {
     pub fn name(&self) -> &'static str {
         match self {
             OptimizerKind::AdamW { .. } => "adamw",
+            OptimizerKind::AdamW8bit { .. } => "adamw8bit",
             OptimizerKind::Sgd { .. } => "sgd",
             OptimizerKind::Adafactor { .. } => "adafactor",
         }

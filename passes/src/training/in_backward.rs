@@ -105,10 +105,7 @@ pub(super) fn apply(build: &mut PlanBuild) -> Result<String, PassError> {
         .map(|w| (w.output.as_str(), w.state.as_str()))
         .collect();
     for (_, node) in opt.nodes() {
-        if !matches!(
-            node.op,
-            Op::AdamW { .. } | Op::Sgd { .. } | Op::Adafactor { .. }
-        ) {
+        if !node.op.updates_parameter() {
             continue;
         }
         let master = opt.name(node.inputs[0]).to_string();

@@ -8,9 +8,9 @@ use super::{PlanBuild, PlanPass};
 use crate::autodiff::grad_name;
 use crate::{PassError, PassReport};
 use castor_ir::{
-    adafactor_moments, ControlState, DType, Graph, GraphBuilder, LossScaling, Op, OptimizerKind,
-    Shape, StateInit, StateRole, StateSpec, TensorType, TrainSettings, Value, Write, GRAD_NORM,
-    LEARNING_RATE,
+    adafactor_moments, quant, ControlState, DType, Graph, GraphBuilder, LossScaling, Op,
+    OptimizerKind, Shape, StateInit, StateRole, StateSpec, TensorType, TrainSettings, Value, Write,
+    GRAD_NORM, LEARNING_RATE,
 };
 
 pub(super) struct OptimizerStep;
@@ -60,6 +60,18 @@ impl PlanPass for OptimizerStep {
                 });
             }
         }
+        // The code maps every 8-bit update reads, once for the plan.
+        if trainable
+            .iter()
+            .any(|&p| quantized(settings, &fwd.ty(p).shape))
+        {
+            state.push(StateSpec {
+                name: CODE_MAPS.into(),
+                ty: code_maps_type(),
+                role: StateRole::OptimizerState,
+                init: StateInit::Values(quant::code_maps().into_iter().map(f64::from).collect()),
+            });
+        }
         // Every control entry, the counters included when they stay unused, so the state table
         // has one shape whatever the loss scaling.
         for c in ControlState::ALL {
@@ -76,6 +88,7 @@ impl PlanPass for OptimizerStep {
             "{} update(s) of {} parameter buffer(s){}; state: {} entries; optimizer step {} nodes",
             match settings.optimizer {
                 OptimizerKind::AdamW { .. } => "AdamW",
+                OptimizerKind::AdamW8bit { .. } => "8-bit AdamW",
                 OptimizerKind::Sgd { .. } => "SGD",
                 OptimizerKind::Adafactor { .. } => "Adafactor",
             },
@@ -101,12 +114,26 @@ impl PlanPass for OptimizerStep {
 /// The optimizer state of the parameter `name`: each moment's state name and type, in the
 /// order its update op takes them.
 fn moments(settings: &TrainSettings, name: &str, shape: &Shape) -> Vec<(String, TensorType)> {
-    let full = |m: &str| (m.to_string(), shape.clone());
-    let named: Vec<(String, Shape)> = match &settings.optimizer {
-        OptimizerKind::AdamW { .. } => vec![full("adamw.m"), full("adamw.v")],
+    let state = settings.optimizer_state;
+    let full = |m: &str| (m.to_string(), TensorType::new(state, shape.clone()));
+    let named: Vec<(String, TensorType)> = match &settings.optimizer {
+        OptimizerKind::AdamW8bit { .. } if quantized(settings, shape) => {
+            let codes = TensorType::new(DType::U8, shape.clone());
+            let blocks = quant::quant_blocks(shape.numel().unwrap_or(0));
+            let absmax = TensorType::new(DType::F32, Shape::from(vec![blocks]));
+            vec![
+                ("adamw8bit.m".into(), codes.clone()),
+                ("adamw8bit.m_absmax".into(), absmax.clone()),
+                ("adamw8bit.v".into(), codes),
+                ("adamw8bit.v_absmax".into(), absmax),
+            ]
+        }
+        OptimizerKind::AdamW { .. } | OptimizerKind::AdamW8bit { .. } => {
+            vec![full("adamw.m"), full("adamw.v")]
+        }
         OptimizerKind::Sgd { .. } => vec![full("sgd.momentum")],
         OptimizerKind::Adafactor { beta1, .. } => {
-            let mut m: Vec<(String, Shape)> = beta1
+            let mut m: Vec<(String, TensorType)> = beta1
                 .map(|_| full("adafactor.exp_avg"))
                 .into_iter()
                 .collect();
@@ -116,19 +143,26 @@ fn moments(settings: &TrainSettings, name: &str, shape: &Shape) -> Vec<(String, 
             } else {
                 &["adafactor.exp_avg_sq"]
             };
-            m.extend(names.iter().map(|n| n.to_string()).zip(second));
+            m.extend(
+                names
+                    .iter()
+                    .zip(second)
+                    .map(|(n, s)| (n.to_string(), TensorType::new(state, s))),
+            );
             m
         }
     };
     named
         .into_iter()
-        .map(|(m, shape)| {
-            (
-                format!("{m}.{name}"),
-                TensorType::new(settings.optimizer_state, shape),
-            )
-        })
+        .map(|(m, ty)| (format!("{m}.{name}"), ty))
         .collect()
+}
+
+/// True when the parameter of `shape` keeps 8-bit moments: under AdamW8bit, from
+/// [`quant::MIN_QUANTIZED_NUMEL`] values up, as bitsandbytes' `min_8bit_size`.
+fn quantized(settings: &TrainSettings, shape: &Shape) -> bool {
+    matches!(settings.optimizer, OptimizerKind::AdamW8bit { .. })
+        && shape.numel().unwrap_or(0) >= quant::MIN_QUANTIZED_NUMEL
 }
 
 /// `(master, copy)` for every `param_copy` in the forward graph.
@@ -175,6 +209,7 @@ fn optimizer_graph(
         });
         Ok(())
     };
+    let mut code_maps = None;
     for (&p, &grad) in trainable.iter().zip(&grads) {
         let pname = fwd.name(p);
         let master = b.param(pname, fwd.ty(p).clone())?;
@@ -183,11 +218,39 @@ fn optimizer_graph(
         for (m, ty) in &moments {
             ins.push(b.state(m, ty.clone())?);
         }
+        let quantized = quantized(settings, &fwd.ty(p).shape);
+        if quantized {
+            let maps = match code_maps {
+                Some(maps) => maps,
+                None => *code_maps.insert(b.state(CODE_MAPS, code_maps_type())?),
+            };
+            ins.push(maps);
+        }
         ins.extend([lr, step, scale, norm]);
         let copy = copies.iter().find(|(m, _)| *m == p).map(|&(_, c)| c);
         let decay = !no_decay.contains(&p);
         let op = match settings.optimizer.clone() {
+            OptimizerKind::AdamW8bit {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } if quantized => Op::AdamW8bit {
+                beta1,
+                beta2,
+                eps,
+                weight_decay: if decay { weight_decay } else { 0.0 },
+                max_grad_norm: settings.max_grad_norm,
+                block: quant::QUANT_BLOCK,
+                copy: copy.map(|c| fwd.ty(c).dtype),
+            },
             OptimizerKind::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            }
+            | OptimizerKind::AdamW8bit {
                 beta1,
                 beta2,
                 eps,
@@ -277,6 +340,13 @@ fn optimizer_graph(
     }
     b.set_outputs(outputs);
     Ok((b.finish(), writes))
+}
+
+/// The state entry holding the 8-bit updates' code maps (signed, unsigned).
+pub const CODE_MAPS: &str = "adamw8bit.code_maps";
+
+fn code_maps_type() -> TensorType {
+    TensorType::new(DType::F32, Shape::from(vec![2, quant::CODES]))
 }
 
 fn internal(message: String) -> PassError {

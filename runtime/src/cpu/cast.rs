@@ -3,7 +3,7 @@
 //! Float to float keeps the F32 value (the executor rounds it to the target dtype where it is
 //! stored); int to bool and float to bool test for nonzero; bool to a number is 0 or 1; float
 //! to int truncates toward zero (saturating, NaN to 0, as Rust's `as`); int to I32 wraps to 32
-//! bits, as PyTorch's `.to(torch.int32)`.
+//! bits, as PyTorch's `.to(torch.int32)`, and to U8 to 8 bits, as `.to(torch.uint8)`.
 
 use castor_ir::{DType, TensorData};
 
@@ -38,5 +38,18 @@ pub fn cast(data: TensorData, to: DType) -> TensorData {
             TensorData::I64(v.into_iter().map(i64::from).collect())
         }
         (v @ TensorData::Bool(_), DType::Bool) => v,
+        (TensorData::F32(v), DType::U8) => TensorData::U8(v.into_iter().map(|x| x as u8).collect()),
+        (TensorData::I64(v), DType::U8) => TensorData::U8(v.into_iter().map(|x| x as u8).collect()),
+        (TensorData::Bool(v), DType::U8) => TensorData::U8(v.into_iter().map(u8::from).collect()),
+        (TensorData::U8(v), DType::F32 | DType::F16 | DType::BF16) => {
+            TensorData::F32(v.into_iter().map(f32::from).collect())
+        }
+        (TensorData::U8(v), DType::I32 | DType::I64) => {
+            TensorData::I64(v.into_iter().map(i64::from).collect())
+        }
+        (TensorData::U8(v), DType::Bool) => {
+            TensorData::Bool(v.into_iter().map(|x| x != 0).collect())
+        }
+        (v @ TensorData::U8(_), DType::U8) => v,
     }
 }

@@ -4,8 +4,8 @@
 
 use super::operand::{Args, Storage};
 use super::{
-    adafactor, attention, cast, elementwise, embedding, layout, loss, matmul, norm, optimizer,
-    pool, reduce, rope, softmax,
+    adafactor, adamw8bit, attention, cast, elementwise, embedding, layout, loss, matmul, norm,
+    optimizer, pool, reduce, rope, softmax,
 };
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
@@ -17,6 +17,7 @@ macro_rules! by_storage {
             DType::F32 | DType::F16 | DType::BF16 => $f::<f32>($($arg),*),
             DType::I32 | DType::I64 => $f::<i64>($($arg),*),
             DType::Bool => $f::<bool>($($arg),*),
+            DType::U8 => $f::<u8>($($arg),*),
         }
     };
 }
@@ -63,6 +64,37 @@ pub fn execute(
             let (mut p, mut m, mut v) = (args.take_f32(0)?, args.take_f32(2)?, args.take_f32(3)?);
             optimizer::adamw(&h, c, &mut p, args.f32(1)?, &mut m, &mut v);
             return updated(args, outs, p, vec![m, v], *copy);
+        }
+        Op::AdamW8bit { .. } => {
+            let Some((h, copy)) = adamw8bit::AdamW8bit::of(op) else {
+                return Err(args.internal("not an adamw8bit op"));
+            };
+            let c = control(args, 7)?;
+            let mut p = args.take_f32(0)?;
+            let (mut mq, mut vq) = (take_u8(args, 2)?, take_u8(args, 4)?);
+            let (mut ma, mut va) = (args.take_f32(3)?, args.take_f32(5)?);
+            let m = adamw8bit::Quantized {
+                codes: &mut mq,
+                absmax: &mut ma,
+            };
+            let v = adamw8bit::Quantized {
+                codes: &mut vq,
+                absmax: &mut va,
+            };
+            adamw8bit::adamw8bit(&h, c, args.f32(6)?, &mut p, args.f32(1)?, m, v);
+            let copy = copy.map(|_| TensorData::F32(p.clone()));
+            return [
+                TensorData::F32(p),
+                TensorData::U8(mq),
+                TensorData::F32(ma),
+                TensorData::U8(vq),
+                TensorData::F32(va),
+            ]
+            .into_iter()
+            .chain(copy)
+            .zip(outs)
+            .map(|(data, ty)| make(args, ty, data))
+            .collect();
         }
         Op::Sgd {
             momentum,
@@ -327,6 +359,7 @@ pub fn execute(
                     make(args, out, TensorData::I64(vec![*value as i64; n]))?
                 }
                 DType::Bool => make(args, out, TensorData::Bool(vec![*value != 0.0; n]))?,
+                DType::U8 => make(args, out, TensorData::U8(vec![*value as u8; n]))?,
             }
         }
         Op::UnaryGrad(u) => {
@@ -424,6 +457,14 @@ fn scalar(args: &Args, i: usize) -> Result<f32, RuntimeError> {
 }
 
 /// The scalars `(lr, step, scale, grad_norm)` that follow an optimizer op's buffers.
+/// Operand `i`'s bytes (U8 codes), moved if owned, copied if borrowed.
+fn take_u8(args: &mut Args, i: usize) -> Result<Vec<u8>, RuntimeError> {
+    match args.take(i)? {
+        (_, TensorData::U8(v)) => Ok(v),
+        (ty, _) => Err(args.internal(format!("operand {i} ({ty}) has the wrong storage"))),
+    }
+}
+
 fn control(args: &Args, first: usize) -> Result<optimizer::Control, RuntimeError> {
     Ok(optimizer::Control {
         lr: scalar(args, first)?,
@@ -511,6 +552,7 @@ fn make(args: &Args, ty: &TensorType, data: TensorData) -> Result<Tensor, Runtim
         TensorData::F32(v) => v.len(),
         TensorData::I64(v) => v.len(),
         TensorData::Bool(v) => v.len(),
+        TensorData::U8(v) => v.len(),
     };
     if ty.shape.numel() != Some(len) {
         return Err(args.internal(format!("a kernel made {len} elements for {ty}")));
@@ -519,6 +561,7 @@ fn make(args: &Args, ty: &TensorType, data: TensorData) -> Result<Tensor, Runtim
         (TensorData::F32(v), d) if d.is_float() => Ok(Tensor::from_f32(d, shape, v)),
         (TensorData::I64(v), d) if d.is_int() => Ok(Tensor::from_i64(d, shape, v)),
         (TensorData::Bool(v), DType::Bool) => Ok(Tensor::from_bool(shape, v)),
+        (TensorData::U8(v), DType::U8) => Ok(Tensor::from_u8(shape, v)),
         _ => Err(args.internal(format!("a kernel made the wrong storage for {ty}"))),
     }
 }

@@ -12,6 +12,7 @@
 //! store it. Kernels live in one module per op family and parallelize with rayon.
 
 pub(crate) mod adafactor;
+pub(crate) mod adamw8bit;
 pub(crate) mod attention;
 pub(crate) mod cast;
 mod dispatch;

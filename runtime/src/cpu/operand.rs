@@ -47,6 +47,18 @@ impl Storage for i64 {
     }
 }
 
+impl Storage for u8 {
+    fn view(data: &TensorData) -> Option<&[u8]> {
+        match data {
+            TensorData::U8(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn wrap(values: Vec<u8>) -> TensorData {
+        TensorData::U8(values)
+    }
+}
+
 impl Storage for bool {
     fn view(data: &TensorData) -> Option<&[bool]> {
         match data {
@@ -132,6 +144,7 @@ impl<'a> Args<'a> {
                     TensorData::F32(v) => TensorData::F32(par::copy(v)),
                     TensorData::I64(v) => TensorData::I64(par::copy(v)),
                     TensorData::Bool(v) => TensorData::Bool(par::copy(v)),
+                    TensorData::U8(v) => TensorData::U8(par::copy(v)),
                 };
                 Ok((t.ty().clone(), data))
             }

@@ -101,3 +101,9 @@ impl Elem for bool {
         vec![false; len]
     }
 }
+
+impl Elem for u8 {
+    fn buffer(len: usize) -> Vec<u8> {
+        vec![0; len]
+    }
+}

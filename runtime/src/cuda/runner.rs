@@ -670,6 +670,7 @@ pub fn to_bytes(t: &Tensor) -> Vec<u8> {
         }
         (TensorData::I64(v), _) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
         (TensorData::Bool(v), _) => v.iter().map(|&b| u8::from(b)).collect(),
+        (TensorData::U8(v), _) => v.clone(),
         (TensorData::F32(v), _) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
     }
 }
@@ -721,6 +722,7 @@ pub fn from_bytes(ty: &TensorType, b: &[u8]) -> Result<Tensor, RuntimeError> {
                 .collect(),
         ),
         DType::Bool => Tensor::from_bool(shape, b.iter().map(|&x| x != 0).collect()),
+        DType::U8 => Tensor::from_u8(shape, b.to_vec()),
     })
 }
 

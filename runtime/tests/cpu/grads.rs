@@ -442,6 +442,7 @@ fn pad_then_slice_round_trips_every_storage() {
             castor_ir::TensorData::F32(v) => v.iter().map(|&v| v != 0.0).collect(),
             castor_ir::TensorData::I64(v) => v.iter().map(|&v| v != 0).collect(),
             castor_ir::TensorData::Bool(v) => v.clone(),
+            castor_ir::TensorData::U8(v) => v.iter().map(|&v| v != 0).collect(),
         };
         let want: Vec<bool> = (0..24).map(|k| (2..5).contains(&(k / 2 % 6))).collect();
         assert_eq!(nonzero, want);

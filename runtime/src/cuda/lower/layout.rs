@@ -185,6 +185,7 @@ impl RunLowering<'_, '_> {
             DType::I64 => ("fill_b8", Arg::U64(*value as i64 as u64)),
             DType::I32 => ("fill_b4", Arg::U32(*value as i32 as u32)),
             DType::Bool => ("fill_b1", Arg::U32(u32::from(*value != 0.0))),
+            DType::U8 => ("fill_b1", Arg::U32(u32::from(*value as u8))),
         };
         let out = self.out(y)?;
         self.launch(

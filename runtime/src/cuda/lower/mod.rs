@@ -628,11 +628,8 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             }
             let node = g.node(u);
             match node.op {
-                Op::AdamW { .. }
-                | Op::Sgd { .. }
-                | Op::Adafactor { .. }
-                | Op::CountStep
-                | Op::LossScaleUpdate { .. } => true,
+                Op::CountStep | Op::LossScaleUpdate { .. } => true,
+                _ if node.op.updates_parameter() => true,
                 _ => fusion::is_pointwise(g, u) && g.ty(old).shape == g.ty(node.outputs[0]).shape,
             }
         })
@@ -960,6 +957,7 @@ fn sfx(d: DType) -> &'static str {
         DType::I64 => "i64",
         DType::I32 => "i32",
         DType::Bool => "bool",
+        DType::U8 => "u8",
     }
 }
 

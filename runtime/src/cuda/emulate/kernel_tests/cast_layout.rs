@@ -93,6 +93,7 @@ fn bytes(d: DType, v: &TensorData) -> Vec<u8> {
         }
         TensorData::I64(i) => enc_i64(i),
         TensorData::Bool(b) => b.iter().map(|&x| u8::from(x)).collect(),
+        TensorData::U8(b) => b.clone(),
     }
 }
 
