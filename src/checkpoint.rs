@@ -270,8 +270,9 @@ pub fn load_resume_state(dir: &Path) -> anyhow::Result<(Vec<(String, Tensor)>, T
     let file = SafetensorsFile::open(dir.join(OPTIMIZER_STATE))?;
     let names: Vec<String> = file.names().map(str::to_string).collect();
     let mut tensors = Vec::with_capacity(names.len());
+    // Each entry in its stored dtype (F32, BF16 moments, 8-bit codes), as the plan holds it.
     for name in names {
-        let t = file.tensor_f32(&name)?;
+        let t = file.tensor(&name)?;
         tensors.push((name, t));
     }
     Ok((tensors, state))

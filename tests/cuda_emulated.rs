@@ -137,6 +137,12 @@ const EXTRA_PLANS: &[(&str, &str)] = &[
         "qwen2_bias",
         "--precision fp32 --optimizer adafactor --remat selective",
     ),
+    // 8-bit AdamW: 8-bit moments for the matrices of 4096 values and more, F32 below.
+    ("gpt2_lm", "--precision bf16 --optimizer adamw8bit"),
+    (
+        "bert_mlm",
+        "--precision fp16 --optimizer adamw8bit --grad-clip 1 --remat selective",
+    ),
     // Updates inside the backward pass: per-tensor clipping, remat, tied weights.
     (
         "llama_tied",
@@ -154,6 +160,10 @@ const EXTRA_PLANS: &[(&str, &str)] = &[
     (
         "qwen2_bias",
         "--precision bf16 --update-in-backward --remat full --optimizer-state bf16",
+    ),
+    (
+        "gpt2_lm",
+        "--precision bf16 --update-in-backward --optimizer adamw8bit",
     ),
 ];
 

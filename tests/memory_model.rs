@@ -1,8 +1,9 @@
 //! One memory model: the planned peak `castor compile` reports (the anatomy's total, which the
 //! remat budget and the fit verdict read too) is what the CUDA executor allocates for the plan
 //! (its program's allocation: arena, cuBLAS workspace, state and every other buffer), byte for
-//! byte, for every plan family under every remat mode and optimizer choice (Adafactor, BF16
-//! moments, updates inside the backward pass); a budget plan stays within its budget.
+//! byte, for every plan family under every remat mode and optimizer choice (Adafactor, 8-bit
+//! AdamW, BF16 moments, updates inside the backward pass); a budget plan stays within its
+//! budget.
 
 mod common;
 
@@ -24,6 +25,7 @@ fn the_planned_peak_is_what_the_device_allocates() {
                 "none --optimizer adafactor".into(),
                 "selective --optimizer-state bf16".into(),
                 "selective --optimizer adafactor --update-in-backward".into(),
+                "none --optimizer adamw8bit --update-in-backward".into(),
             ] {
                 let flags = format!("{base} --remat {remat}");
                 let peak = planned_peak(family, &flags);

@@ -262,6 +262,10 @@ pub const FILES: &[KernelFile] = &[
     ),
     kernel_file!("loss_scale.cu", ["count_step", "loss_scale_update",]),
     kernel_file!(
+        "adamw8bit.cu",
+        ["adamw8bit_bf16", "adamw8bit_f16", "adamw8bit_f32",]
+    ),
+    kernel_file!(
         "adafactor.cu",
         [
             "adafactor_apply_bf16",

@@ -3,7 +3,7 @@
 //! graphs of every kernel family, and fixture plans compiled by the CLI.
 
 use super::{castor, fixture, path_str, stderr};
-use castor_ir::{relative_error, DType, Graph, Tensor, TrainingPlan};
+use castor_ir::{relative_error, DType, Graph, Tensor, TensorData, TrainingPlan};
 use std::collections::HashMap;
 
 /// A deterministic generator for test data.
@@ -107,11 +107,11 @@ pub fn batch(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
 }
 
 pub fn as_f32(t: &Tensor) -> Vec<f32> {
-    match (t.as_f32(), t.as_i64(), t.as_bool()) {
-        (Some(v), _, _) => v.to_vec(),
-        (_, Some(v), _) => v.iter().map(|&x| x as f32).collect(),
-        (_, _, Some(v)) => v.iter().map(|&b| f32::from(u8::from(b))).collect(),
-        _ => Vec::new(),
+    match t.data() {
+        TensorData::F32(v) => v.to_vec(),
+        TensorData::I64(v) => v.iter().map(|&x| x as f32).collect(),
+        TensorData::Bool(v) => v.iter().map(|&b| f32::from(u8::from(b))).collect(),
+        TensorData::U8(v) => v.iter().map(|&b| f32::from(b)).collect(),
     }
 }
 

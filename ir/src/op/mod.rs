@@ -252,7 +252,7 @@ define_ops! {
     /// gradient rules of [`Op::AdamW`]: `(master, grad, m, m_absmax, v, v_absmax, code_maps,
     /// lr [], step [], scale [], grad_norm []) -> (master', m', m_absmax', v', v_absmax'[,
     /// copy'])`. The moments are U8 codes of the parameter's shape, quantized block-wise
-    /// ([`crate::quant`]: blocks of `block` values, each with its F32 absolute maximum), the
+    /// ([`crate::quant`]: blocks of `quant_block` values, each with its F32 absolute maximum), the
     /// first against the signed dynamic map (`code_maps` row 0), the second against the
     /// unsigned one (row 1). Each block is dequantized, updated in F32 as bitsandbytes does
     /// (decay, `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`, `p -= lr/(1 - b1^t) * m /
@@ -263,10 +263,10 @@ define_ops! {
         eps: f64,
         weight_decay: f64,
         max_grad_norm: f64,
-        block: usize,
+        quant_block: usize,
         copy: Option<DType>,
     } => "adamw8bit", class Elementwise, arity (11, 11),
-        typing typing::adamw8bit(inputs, *block, *copy);
+        typing typing::adamw8bit(inputs, *quant_block, *copy);
     /// One fused SGD step with momentum (torch.optim.SGD, dampening 0, coupled weight decay)
     /// with the operands and rules of [`Op::AdamW`] and one moment: `(master, grad, momentum,
     /// lr [], step [], scale [], grad_norm []) -> (master', momentum'[, copy'])`.
@@ -405,7 +405,7 @@ mod tests {
                 eps: 1e-8,
                 weight_decay: 0.01,
                 max_grad_norm: 0.0,
-                block: 256,
+                quant_block: 256,
                 copy: Some(DType::BF16),
             },
             Op::Sgd {
@@ -452,11 +452,17 @@ mod tests {
             },
         ];
         for op in ops {
-            let attrs = op
+            let attrs: Vec<(String, Attr)> = op
                 .attrs()
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
                 .collect();
+            // `acc` and `block` are the node's own attributes in the text format.
+            assert!(
+                attrs.iter().all(|(k, _)| k != "acc" && k != "block"),
+                "{} has an attribute the text format keeps for the node",
+                op.mnemonic()
+            );
             assert_eq!(Op::from_parts(op.mnemonic(), attrs), Ok(op.clone()));
         }
         assert_eq!(

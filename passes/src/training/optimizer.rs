@@ -241,7 +241,7 @@ fn optimizer_graph(
                 eps,
                 weight_decay: if decay { weight_decay } else { 0.0 },
                 max_grad_norm: settings.max_grad_norm,
-                block: quant::QUANT_BLOCK,
+                quant_block: quant::QUANT_BLOCK,
                 copy: copy.map(|c| fwd.ty(c).dtype),
             },
             OptimizerKind::AdamW {

@@ -39,7 +39,7 @@ impl AdamW8bit {
                 eps,
                 weight_decay,
                 max_grad_norm,
-                block,
+                quant_block: block,
                 copy,
             } => Some((
                 AdamW8bit {

@@ -18,6 +18,7 @@
 //!    module, a cuBLAS product, copies or memsets (see `ops.rs`).
 
 mod adafactor;
+mod adamw8bit;
 mod attention;
 mod copies;
 mod cross_entropy;

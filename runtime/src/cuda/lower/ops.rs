@@ -76,9 +76,7 @@ impl RunLowering<'_, '_> {
             Op::GradNorm => self.grad_norm(y, &ins)?,
             Op::AdamW { .. } | Op::Sgd { .. } => self.optimizer(&[n])?,
             Op::Adafactor { .. } => self.adafactor(n)?,
-            Op::AdamW8bit { .. } => {
-                return Err(self.err(y, "8-bit AdamW has no CUDA kernel; train it on the CPU"));
-            }
+            Op::AdamW8bit { .. } => self.adamw8bit(n)?,
             Op::CountStep => self.count_step(n)?,
             Op::LossScaleUpdate { .. } => self.loss_scale_update(n)?,
             Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Scale { .. } => {

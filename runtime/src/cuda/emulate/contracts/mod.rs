@@ -8,6 +8,7 @@
 //! themselves run from their sources (`super::launch`).
 
 mod adafactor;
+mod adamw8bit;
 mod attention;
 mod cross_entropy;
 mod elementwise;
@@ -202,6 +203,9 @@ pub(super) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
                 None => Err(format!("no contract for `{e}`")),
             },
         };
+    }
+    if let Some(s) = e.strip_prefix("adamw8bit_") {
+        return adamw8bit::update(m, l, float(s)?);
     }
     for (prefix, adamw, state) in [
         ("adamw_bf16state_", true, DType::BF16),

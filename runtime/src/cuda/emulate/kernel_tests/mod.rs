@@ -15,6 +15,7 @@
 //! (`kernel_tests_pass_under_the_sanitizers`) a byte outside it is reported.
 
 mod adafactor;
+mod adamw8bit;
 mod attention;
 mod cast_layout;
 mod cross_entropy;
@@ -332,6 +333,7 @@ pub(super) fn grid_1d(work: usize, block: u32) -> ((u32, u32, u32), (u32, u32, u
 fn covered() -> Vec<String> {
     [
         adafactor::entries(),
+        adamw8bit::entries(),
         attention::entries(),
         cast_layout::entries(),
         elementwise::entries(),
