@@ -91,6 +91,7 @@ fn main() -> anyhow::Result<()> {
                 optimizer_state: castor_ir::DType::F32,
                 update_in_backward: false,
                 remat,
+                classifier: castor_ir::Classifier::Eager,
             };
             let (plan, _) = castor::memory::Executor::Cuda
                 .pipeline()

@@ -155,7 +155,7 @@ pub fn check_same_model(model: &Path, dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Which flags feed each plan setting.
-const SETTING_FLAGS: [(&str, &[&str]); 14] = [
+const SETTING_FLAGS: [(&str, &[&str]); 15] = [
     ("precision", &["precision"]),
     ("objective", &["objective"]),
     ("batch", &["batch"]),
@@ -194,6 +194,7 @@ const SETTING_FLAGS: [(&str, &[&str]); 14] = [
     ("no_decay", &["no_decay"]),
     ("param_grads_in_compute_dtype", &["param_grads"]),
     ("remat", &["remat"]),
+    ("classifier", &["classifier"]),
 ];
 
 /// `--plan`: the plan decides every setting; a flag that disagrees with it is an error naming

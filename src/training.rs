@@ -1,7 +1,7 @@
 //! The training flags `compile --train` and `train` share, and the settings they describe.
 
 use crate::CliError;
-use castor_ir::{LossScaling, OptimizerKind, Remat, TrainSettings};
+use castor_ir::{Classifier, LossScaling, OptimizerKind, Remat, TrainSettings};
 use castor_models::{Model, Objective};
 use castor_passes::Precision;
 use serde::{Deserialize, Serialize};
@@ -127,6 +127,17 @@ pub struct TrainingArgs {
     /// `budget:<bytes>` (recompute the least that fits the step's peak in the budget).
     #[arg(long, default_value = "none", value_name = "MODE", value_parser = parse_remat)]
     pub remat: Remat,
+    /// The LM head and its loss: `eager` (the head's product stores the [rows, vocab] logits),
+    /// `fused` (one op over chunks of rows, 32 Mi logits per chunk, recomputed in the
+    /// backward) or `fused:<rows per chunk>`.
+    #[arg(long, default_value = "eager", value_name = "MODE", value_parser = parse_classifier)]
+    #[serde(default)]
+    pub classifier: Classifier,
+}
+
+/// Parses `--classifier`.
+pub fn parse_classifier(s: &str) -> Result<Classifier, String> {
+    s.parse()
 }
 
 /// Parses `--remat`.
@@ -356,6 +367,7 @@ impl TrainingArgs {
                 StateDtype::Bf16 => castor_ir::DType::BF16,
             },
             remat: self.remat,
+            classifier: self.classifier,
         })
     }
 }

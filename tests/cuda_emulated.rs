@@ -143,6 +143,13 @@ const EXTRA_PLANS: &[(&str, &str)] = &[
         "bert_mlm",
         "--precision fp16 --optimizer adamw8bit --grad-clip 1 --remat selective",
     ),
+    // The fused classifier: chunks of rows (several, and one), tied and untied heads.
+    ("gpt2_lm", "--precision bf16 --classifier fused:7"),
+    (
+        "llama_tied",
+        "--precision fp16 --classifier fused:5 --remat selective --grad-clip 1",
+    ),
+    ("qwen2_bias", "--precision fp32 --classifier fused"),
     // Updates inside the backward pass: per-tensor clipping, remat, tied weights.
     (
         "llama_tied",

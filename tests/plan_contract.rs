@@ -34,6 +34,7 @@ fn settings(precision: Precision, loss_scaling: LossScaling) -> TrainSettings {
         optimizer_state: castor_ir::DType::F32,
         update_in_backward: false,
         remat: Remat::None,
+        classifier: castor_ir::Classifier::Eager,
     }
 }
 

@@ -71,6 +71,7 @@ fn try_plan(
         optimizer_state: castor_ir::DType::F32,
         update_in_backward: false,
         remat,
+        classifier: castor_ir::Classifier::Eager,
     };
     castor::memory::Executor::Cuda
         .pipeline()

@@ -98,34 +98,55 @@ fn three_optimizer_steps_match_torch_optim() {
         .chain(common::NEW_DECODERS);
     for variant in variants {
         let info = info(variant);
-        for (run, flags, tolerance) in [
-            ("adamw", &[][..], 1e-2),
+        // (run, PyTorch's reference run, flags, tolerance): the fused classifier against the
+        // same references as the eager head, in chunks of 5 rows.
+        for (run, reference, flags, tolerance) in [
+            ("adamw", "adamw", &[][..], 1e-2),
             (
+                "sgd",
                 "sgd",
                 &["--optimizer", "sgd", "--lr", "0.01", "--momentum", "0.9"][..],
                 1e-2,
             ),
-            ("adamw_bf16", &["--precision", "bf16"][..], 5e-2),
+            (
+                "adamw_bf16",
+                "adamw_bf16",
+                &["--precision", "bf16"][..],
+                5e-2,
+            ),
             // Measured at most 5.5e-4 (gpt2_lm; vectors' first updates are sign-like).
             (
+                "adafactor",
                 "adafactor",
                 &["--optimizer", "adafactor", "--lr", "1e-3"][..],
                 1e-3,
             ),
+            (
+                "adamw_fused",
+                "adamw",
+                &["--classifier", "fused:5"][..],
+                1e-2,
+            ),
+            (
+                "adamw_bf16_fused",
+                "adamw_bf16",
+                &["--precision", "bf16", "--classifier", "fused:5"][..],
+                5e-2,
+            ),
         ] {
             let save = tmp.path().join(format!("{variant}-{run}"));
             let log = train(variant, 3, &save, flags);
-            let ours = updates(variant, run, Some(&save));
-            let theirs = updates(variant, run, None);
+            let ours = updates(variant, reference, Some(&save));
+            let theirs = updates(variant, reference, None);
             let err = relative_error(&ours, &theirs);
-            let tolerance = if run == "adamw_bf16" {
+            let tolerance = if reference == "adamw_bf16" {
                 let floor = relative_error(&theirs, &updates(variant, "adamw", None));
                 println!("{variant:10} {run:10} PyTorch bf16 vs F32: {floor:.2e}");
                 f64::max(tolerance, 1.1 * floor)
             } else {
                 tolerance
             };
-            let want: Vec<f64> = info["optimizers"][run]["losses"]
+            let want: Vec<f64> = info["optimizers"][reference]["losses"]
                 .as_array()
                 .unwrap()
                 .iter()

@@ -154,6 +154,12 @@ impl GraphBuilder {
         Ok(v)
     }
 
+    /// Sets the accumulation of the node that produces `v`.
+    pub fn set_acc(&mut self, v: Value, acc: Option<crate::Accum>) {
+        let node = self.graph.value(v).producer;
+        self.graph.set_acc(node, acc);
+    }
+
     /// Renames a value (an output that must carry an exact name, such as `grad.<param>`).
     pub fn rename(&mut self, v: Value, name: &str) -> Result<(), IrError> {
         self.graph.rename(v, name)

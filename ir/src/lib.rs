@@ -38,14 +38,14 @@ pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};
 pub use op::{adafactor_moments, Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
 pub use plan::{
-    ControlState, LossScaling, OptimizerKind, PlanError, Remat, StateInit, StateRole, StateSpec,
-    TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
+    Classifier, ControlState, LossScaling, OptimizerKind, PlanError, Remat, StateInit, StateRole,
+    StateSpec, TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
 };
 pub use precision::Precision;
 pub use rope::{rope_inv_freq, RopeScaling};
 pub use shape::Shape;
 pub use structure::ModelShape;
-pub use tensor::{relative_error, round_to, Tensor, TensorData};
+pub use tensor::{relative_error, round_slice, round_to, Tensor, TensorData};
 pub use units::{
     IndexMap, IndexTerm, KernelUnit, PointwiseBody, Step, UnitInput, UnitKind, UnitOutput,
 };

@@ -625,6 +625,30 @@ impl Backward<'_> {
                     self.contribute(x[0], d)?;
                 }
             }
+            // The fused classifier's gradient recomputes each chunk's logits with the forward's
+            // accumulation; its dhidden and dweight products accumulate in F32, as the eager
+            // backward's.
+            Op::LinearCrossEntropy {
+                ignore_index,
+                chunk_rows,
+                logits,
+            } => {
+                if let (true, Some(dy)) = (need(0) || need(1), dy) {
+                    let op = Op::LinearCrossEntropyGrad {
+                        ignore_index: *ignore_index,
+                        chunk_rows: *chunk_rows,
+                        logits: *logits,
+                    };
+                    let d = self.b.op_multi(&name, op, &[x[0], x[1], x[2], dy])?;
+                    self.b.set_acc(d[0], node.acc);
+                    if need(0) {
+                        self.contribute(x[0], d[0])?;
+                    }
+                    if need(1) {
+                        self.contribute(x[1], d[1])?;
+                    }
+                }
+            }
             Op::Cast { .. } | Op::ParamCopy { .. } => {
                 if let (true, Some(dy)) = (need(0), dy) {
                     self.contribute(x[0], dy)?;

@@ -226,6 +226,28 @@ define_ops! {
     CrossEntropyGrad { ignore_index: i64 } => "cross_entropy_grad", class Normalization,
         arity (3, 3), typing typing::cross_entropy_grad(inputs);
 
+    /// The LM head's product and the softmax cross-entropy as one op (a fused classifier):
+    /// `(hidden [N, C], weight [V, C], labels [N] i64) -> loss []`, the mean over counted rows
+    /// of `cross_entropy(round_logits(hidden @ weight^T), labels)`, computed `chunk_rows` rows
+    /// at a time so no more than a chunk of logits ever exists, each chunk rounded to `logits`
+    /// as the separate product would store it.
+    LinearCrossEntropy {
+        ignore_index: i64,
+        chunk_rows: usize,
+        logits: DType,
+    } => "linear_cross_entropy", class Contraction, arity (3, 3),
+        typing typing::linear_cross_entropy(inputs, *chunk_rows, *logits);
+    /// The gradients of [`Op::LinearCrossEntropy`]: `(hidden, weight, labels, dloss []) ->
+    /// (dhidden [N, C] in hidden's dtype, dweight [V, C] F32)`, chunk by chunk: the chunk's
+    /// logits recomputed, `dlogits = (softmax - onehot) * dloss / count` rounded to `logits`,
+    /// `dhidden = dlogits @ weight` and `dweight += dlogits^T @ hidden` (F32, chunk by chunk).
+    LinearCrossEntropyGrad {
+        ignore_index: i64,
+        chunk_rows: usize,
+        logits: DType,
+    } => "linear_cross_entropy_grad", class Contraction, arity (4, 4),
+        typing typing::linear_cross_entropy_grad(inputs, *chunk_rows, *logits);
+
     // Training-step ops: the optimizer and loss-scaling logic of a training plan, as graph ops
     // so that no host round trip decides a skipped step.
 
@@ -428,6 +450,16 @@ mod tests {
                 copy: Some(DType::BF16),
             },
             Op::CrossEntropy { ignore_index: -100 },
+            Op::LinearCrossEntropy {
+                ignore_index: -100,
+                chunk_rows: 640,
+                logits: DType::BF16,
+            },
+            Op::LinearCrossEntropyGrad {
+                ignore_index: -100,
+                chunk_rows: 3,
+                logits: DType::F32,
+            },
             Op::Softmax {
                 causal: true,
                 window: Some(4096),

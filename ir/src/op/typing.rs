@@ -127,6 +127,59 @@ pub fn adamw8bit(inputs: &[&TensorType], block: usize, copy: Option<DType>) -> T
     scalars_and_copy(&inputs[7..], master, copy, outs)
 }
 
+/// `(hidden [N, C], weight [V, C], labels [N] i64) -> loss [] f32`: hidden and weight of one
+/// float dtype (the product's operands), logits a float dtype, chunks of at least one row.
+pub fn linear_cross_entropy(inputs: &[&TensorType], chunk_rows: usize, logits: DType) -> Types {
+    classifier_operands(inputs, chunk_rows, logits)?;
+    one(TensorType::new(DType::F32, Shape::scalar()))
+}
+
+/// `(hidden, weight, labels, dloss []) -> (dhidden like hidden, dweight [V, C] f32)`.
+pub fn linear_cross_entropy_grad(
+    inputs: &[&TensorType],
+    chunk_rows: usize,
+    logits: DType,
+) -> Types {
+    classifier_operands(inputs, chunk_rows, logits)?;
+    require_f32_scalar("loss gradient", inputs[3])?;
+    Ok(vec![
+        inputs[0].clone(),
+        TensorType::new(DType::F32, inputs[1].shape.clone()),
+    ])
+}
+
+fn classifier_operands(
+    inputs: &[&TensorType],
+    chunk_rows: usize,
+    logits: DType,
+) -> Result<(), String> {
+    let (h, w, labels) = (inputs[0], inputs[1], inputs[2]);
+    let (hd, wd) = (h.shape.dims(), w.shape.dims());
+    if hd.len() != 2 || wd.len() != 2 || hd[1] != wd[1] {
+        return Err(format!(
+            "the classifier takes hidden [N, C] and weight [V, C], found {h} and {w}"
+        ));
+    }
+    if h.dtype != w.dtype || !h.dtype.is_float() {
+        return Err(format!(
+            "hidden and weight must share one float dtype, found {} and {}",
+            h.dtype, w.dtype
+        ));
+    }
+    if labels.dtype != DType::I64 || labels.shape.dims() != [hd[0]] {
+        return Err(format!("labels must be i64[{}], found {labels}", hd[0]));
+    }
+    if !logits.is_float() {
+        return Err(format!(
+            "the logits dtype must be a float dtype, found {logits}"
+        ));
+    }
+    if chunk_rows == 0 {
+        return Err("a chunk must hold at least one row".into());
+    }
+    Ok(())
+}
+
 /// Adafactor's second-moment shapes for a parameter: for rank 2 or more, the row statistics
 /// (the shape without its last axis) and the column statistics (without the one before);
 /// for a vector or scalar, the full shape.

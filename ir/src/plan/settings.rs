@@ -37,6 +37,70 @@ pub struct TrainSettings {
     /// What the micro step recomputes in its backward part instead of keeping.
     #[serde(default, skip_serializing_if = "Remat::is_none")]
     pub remat: Remat,
+    /// Whether the LM head's product and the cross-entropy run as one chunked op.
+    #[serde(default, skip_serializing_if = "Classifier::is_eager")]
+    pub classifier: Classifier,
+}
+
+/// How the LM head's product and its cross-entropy run.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Classifier {
+    /// A product that stores the `[rows, vocab]` logits, then the loss.
+    #[default]
+    Eager,
+    /// One `linear_cross_entropy` op over chunks of rows (`None`: 32 Mi logits per chunk).
+    Fused { chunk_rows: Option<usize> },
+}
+
+impl Classifier {
+    pub fn is_eager(&self) -> bool {
+        *self == Classifier::Eager
+    }
+}
+
+impl std::fmt::Display for Classifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Classifier::Eager => f.write_str("eager"),
+            Classifier::Fused { chunk_rows: None } => f.write_str("fused"),
+            Classifier::Fused {
+                chunk_rows: Some(r),
+            } => write!(f, "fused:{r}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Classifier {
+    type Err = String;
+
+    /// `eager`, `fused`, or `fused:<rows per chunk>`.
+    fn from_str(s: &str) -> Result<Classifier, String> {
+        match s.trim() {
+            "eager" => Ok(Classifier::Eager),
+            "fused" => Ok(Classifier::Fused { chunk_rows: None }),
+            other => match other.strip_prefix("fused:").map(str::parse::<usize>) {
+                Some(Ok(r)) if r > 0 => Ok(Classifier::Fused {
+                    chunk_rows: Some(r),
+                }),
+                _ => Err(format!(
+                    "`{other}`: expected eager, fused or fused:<rows per chunk, at least 1>"
+                )),
+            },
+        }
+    }
+}
+
+impl Serialize for Classifier {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Classifier {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Classifier, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 fn f32_state() -> crate::DType {

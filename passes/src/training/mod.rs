@@ -2,6 +2,8 @@
 //!
 //! The plan starts as the loss graph (the micro step's forward part) and grows pass by pass:
 //!
+//! 0. `classifier` fuses the LM head's product and its cross-entropy into one chunked op
+//!    under `--classifier fused` (`classifier.rs`);
 //! 1. `autodiff` appends the backward pass, seeded with `loss_scale / grad_accum` (so gradients
 //!    come out scaled, and averaged over micro-batches);
 //! 2. `accumulate` writes each trainable parameter's F32 gradient into its `grad.<name>` state
@@ -22,6 +24,7 @@
 //! after every pass (in debug builds, tests and with `--verify`) and keeps the IR text after a
 //! named pass (`--dump-after`); the finished plan is checked against its contract.
 
+mod classifier;
 mod gradients;
 mod in_backward;
 mod optimizer;
@@ -118,9 +121,10 @@ pub struct TrainingOutput {
 }
 
 impl Default for TrainingPipeline {
-    /// autodiff, accumulate, optimizer, remat, fusion.
+    /// classifier, autodiff, accumulate, optimizer, remat, fusion.
     fn default() -> Self {
         TrainingPipeline::new(vec![
+            Box::new(classifier::FuseClassifier),
             Box::new(gradients::Differentiate),
             Box::new(gradients::Accumulate),
             Box::new(optimizer::OptimizerStep),
@@ -390,6 +394,7 @@ mod tests {
             optimizer_state: castor_ir::DType::F32,
             update_in_backward: false,
             remat: Remat::None,
+            classifier: castor_ir::Classifier::Eager,
         }
     }
 

@@ -4,8 +4,8 @@
 
 use super::operand::{Args, Storage};
 use super::{
-    adafactor, adamw8bit, attention, cast, elementwise, embedding, layout, loss, matmul, norm,
-    optimizer, pool, reduce, rope, softmax,
+    adafactor, adamw8bit, attention, cast, classifier, elementwise, embedding, layout, loss,
+    matmul, norm, optimizer, pool, reduce, rope, softmax,
 };
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
@@ -346,6 +346,29 @@ pub fn execute(
             })?;
             float(args, vec![loss])?
         }
+        Op::LinearCrossEntropy {
+            ignore_index,
+            chunk_rows,
+            logits,
+        } => {
+            let p = classifier_problem(args, acc, *ignore_index, *chunk_rows, *logits)?;
+            let loss = classifier::loss(&p).map_err(|e| bad_label(args, &p, e))?;
+            float(args, vec![loss])?
+        }
+        Op::LinearCrossEntropyGrad {
+            ignore_index,
+            chunk_rows,
+            logits,
+        } => {
+            let p = classifier_problem(args, acc, *ignore_index, *chunk_rows, *logits)?;
+            let dloss = scalar(args, 3)?;
+            let (dh, dw) =
+                classifier::grad(&p, dloss, outs[0].dtype).map_err(|e| bad_label(args, &p, e))?;
+            return Ok(vec![
+                make(args, outs[0], TensorData::F32(dh))?,
+                make(args, outs[1], TensorData::F32(dw))?,
+            ]);
+        }
         // A parameter's working copy holds its master rounded to the copy's dtype.
         Op::Cast { to } | Op::ParamCopy { to } => {
             let (_, data) = args.take(0)?;
@@ -457,6 +480,38 @@ fn scalar(args: &Args, i: usize) -> Result<f32, RuntimeError> {
 }
 
 /// The scalars `(lr, step, scale, grad_norm)` that follow an optimizer op's buffers.
+/// A classifier op's operands: hidden `[N, C]`, weight `[V, C]`, labels `[N]`.
+fn classifier_problem<'a>(
+    args: &'a Args,
+    acc: Option<Accum>,
+    ignore_index: i64,
+    chunk_rows: usize,
+    logits: DType,
+) -> Result<classifier::Classifier<'a>, RuntimeError> {
+    let wd = args.shape(1)?;
+    Ok(classifier::Classifier {
+        hidden: args.f32(0)?,
+        weight: args.f32(1)?,
+        labels: args.values::<i64>(2)?,
+        width: wd[1],
+        vocab: wd[0],
+        chunk_rows,
+        ignore_index,
+        logits,
+        tf32: acc == Some(Accum::Tf32),
+    })
+}
+
+fn bad_label(args: &Args, p: &classifier::Classifier, e: loss::BadLabel) -> RuntimeError {
+    RuntimeError::IndexOutOfRange {
+        node: args.node.to_string(),
+        what: "label",
+        index: e.label,
+        position: e.position,
+        limit: p.vocab,
+    }
+}
+
 /// Operand `i`'s bytes (U8 codes), moved if owned, copied if borrowed.
 fn take_u8(args: &mut Args, i: usize) -> Result<Vec<u8>, RuntimeError> {
     match args.take(i)? {

@@ -25,7 +25,20 @@ pub fn cross_entropy(
 ) -> Result<f32, BadLabel> {
     check(v, labels, ignore_index)?;
     let mut losses = vec![0f64; labels.len()];
-    for_each_block(&mut losses, 1, v, |i, dst| {
+    row_losses(logits, v, labels, ignore_index, &mut losses);
+    Ok(mean(&losses, labels, ignore_index))
+}
+
+/// Each row's `logsumexp(row) - row[label]` into `out` (0 on ignored rows), in parallel.
+/// Labels are checked.
+pub(crate) fn row_losses(
+    logits: &[f32],
+    v: usize,
+    labels: &[i64],
+    ignore_index: i64,
+    out: &mut [f64],
+) {
+    for_each_block(out, 1, v, |i, dst| {
         let label = labels[i];
         if label == ignore_index {
             return;
@@ -33,12 +46,16 @@ pub fn cross_entropy(
         let row = &logits[i * v..(i + 1) * v];
         dst[0] = log_sum_exp(row) - f64::from(row[label as usize]);
     });
+}
+
+/// The mean of the row losses over the counted rows: summed serially in F64, in row order.
+pub(crate) fn mean(row_losses: &[f64], labels: &[i64], ignore_index: i64) -> f32 {
     let counted = labels.iter().filter(|&&l| l != ignore_index).count();
-    Ok((losses.iter().sum::<f64>() / counted as f64) as f32)
+    (row_losses.iter().sum::<f64>() / counted as f64) as f32
 }
 
 /// The first label that is neither in `[0, v)` nor `ignore_index`, if any.
-fn check(v: usize, labels: &[i64], ignore_index: i64) -> Result<(), BadLabel> {
+pub(crate) fn check(v: usize, labels: &[i64], ignore_index: i64) -> Result<(), BadLabel> {
     let valid = |l: i64| usize::try_from(l).is_ok_and(|l| l < v);
     match labels
         .iter()
@@ -63,9 +80,26 @@ pub fn cross_entropy_grad(
     dloss: f32,
 ) -> Result<(), BadLabel> {
     check(v, labels, ignore_index)?;
+    let scale = grad_scale(labels, ignore_index, dloss);
+    row_grads(logits, v, labels, ignore_index, scale);
+    Ok(())
+}
+
+/// What each counted row's gradient is scaled by: PyTorch divides the (F32) incoming gradient
+/// by the (F32) count of counted rows.
+pub(crate) fn grad_scale(labels: &[i64], ignore_index: i64, dloss: f32) -> f32 {
     let counted = labels.iter().filter(|&&l| l != ignore_index).count();
-    // PyTorch divides the (F32) incoming gradient by the (F32) count.
-    let scale = dloss / counted as f32;
+    dloss / counted as f32
+}
+
+/// Each row's gradient in place, `scale` from [`grad_scale`]. Labels are checked.
+pub(crate) fn row_grads(
+    logits: &mut [f32],
+    v: usize,
+    labels: &[i64],
+    ignore_index: i64,
+    scale: f32,
+) {
     for_each_block(logits, v, 2 * v, |i, row| {
         let label = labels[i];
         if label == ignore_index {
@@ -74,7 +108,6 @@ pub fn cross_entropy_grad(
             cross_entropy_grad_row(row, label as usize, scale);
         }
     });
-    Ok(())
 }
 
 multiversion! {

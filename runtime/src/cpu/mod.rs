@@ -15,6 +15,7 @@ pub(crate) mod adafactor;
 pub(crate) mod adamw8bit;
 pub(crate) mod attention;
 pub(crate) mod cast;
+pub(crate) mod classifier;
 mod dispatch;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;

@@ -260,6 +260,9 @@ pub struct Gemm {
     pub stride_c: i64,
     pub batch: i32,
     pub compute: GemmCompute,
+    /// `C += op(A) op(B)` (cuBLAS's beta = 1) instead of `C = op(A) op(B)`: a product summed
+    /// over chunks (the fused classifier's weight gradient).
+    pub accumulate: bool,
 }
 
 impl Gemm {
@@ -418,6 +421,9 @@ pub struct ErrorFlag {
     pub limit: usize,
     /// An index value allowed outside the range (cross-entropy's `ignore_index`).
     pub ignore: Option<i64>,
+    /// Positions of the whole index tensor before `indices` (a chunk's first row): added to
+    /// the position the kernel reports.
+    pub first: usize,
 }
 
 /// One sequence of commands the host launches as a unit (captured once as a CUDA graph and

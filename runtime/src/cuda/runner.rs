@@ -570,7 +570,7 @@ fn check_flag<T: Target>(target: &T, f: &ErrorFlag) -> Result<(), RuntimeError> 
         node: f.node.clone(),
         what: f.what,
         index,
-        position: pos as usize,
+        position: f.first + pos as usize,
         limit: f.limit,
     })
 }
@@ -740,6 +740,7 @@ mod tests {
             indices: Place::Slot { slot: 0, offset: 0 },
             limit: 10,
             ignore,
+            first: 0,
         };
         let mut program = Program::default();
         program.runs.push(Run {

@@ -182,7 +182,7 @@ impl Loaded {
             }
         };
         let alpha = 1.0f32;
-        let beta = 0.0f32;
+        let beta = if g.accumulate { 1.0f32 } else { 0.0f32 };
         let ptr =
             |place: Place| std::ptr::without_provenance_mut::<c_void>(self.address(place) as usize);
         // SAFETY: the handle is live and bound to our stream, with this program's workspace;

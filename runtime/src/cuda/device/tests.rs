@@ -120,6 +120,7 @@ fn gemm(m: i32, n: i32, k: i32) -> Gemm {
         stride_c: 0,
         batch: 1,
         compute: GemmCompute::F32,
+        accumulate: false,
     }
 }
 
@@ -373,6 +374,7 @@ if (k < n) x[k] *= by;
         stride_c: 0,
         batch: 1,
         compute: GemmCompute::F32,
+        accumulate: false,
     };
     let program = Program {
         modules: vec![Module {

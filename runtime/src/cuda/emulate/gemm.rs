@@ -11,7 +11,8 @@ use castor_ir::{round_tf32, DType};
 
 /// `C[i] = op(A[i]) · op(B[i])` in column-major terms: the CPU executor's product of the
 /// operands (rounded to TF32 first under [`GemmCompute::Tf32`], as the CPU executor rounds
-/// them), the result rounded to `c_dtype` (beta = 0).
+/// them), the result rounded to `c_dtype`; under `accumulate` (beta = 1) the product is added
+/// to C in F32 and then rounded, as the CPU executor adds a chunk's product to its sum.
 pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
     let (ea_bytes, eb_bytes, ec_bytes) = g.check()?;
     let (mm, nn, kk, batch) = (g.m as i64, g.n as i64, g.k as i64, g.batch as i64);
@@ -25,7 +26,13 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
         &[
             use_("A", Some(pa), ea_bytes, ea, Io::R),
             use_("B", Some(pb), eb_bytes, ea, Io::R),
-            use_("C", Some(pc), ec_bytes, ec, Io::W),
+            use_(
+                "C",
+                Some(pc),
+                ec_bytes,
+                ec,
+                if g.accumulate { Io::Rw } else { Io::W },
+            ),
         ],
         &[],
     )?;
@@ -86,8 +93,12 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
         let co = b as i64 * g.stride_c;
         for j in 0..nu {
             for i in 0..mu {
-                let v = out[(b * nu + j) * mu + i];
-                m.set_f(pc, co + i as i64 + j as i64 * g.ldc, g.c_dtype, v)?;
+                let at = co + i as i64 + j as i64 * g.ldc;
+                let mut v = out[(b * nu + j) * mu + i];
+                if g.accumulate {
+                    v += m.f(pc, at, g.c_dtype)?;
+                }
+                m.set_f(pc, at, g.c_dtype, v)?;
             }
         }
     }

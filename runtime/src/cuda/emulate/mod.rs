@@ -240,8 +240,11 @@ impl Emulator {
             }
             let index = self.mem.i64_at(self.mem.place(f.indices), i64::from(pos))?;
             return Err(format!(
-                "%{}: {} {index} at position {pos} is out of range (limit {})",
-                f.node, f.what, f.limit
+                "%{}: {} {index} at position {} is out of range (limit {})",
+                f.node,
+                f.what,
+                f.first + pos as usize,
+                f.limit
             ));
         }
         Ok(())

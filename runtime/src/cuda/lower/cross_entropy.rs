@@ -84,6 +84,22 @@ impl RunLowering<'_, '_> {
                 ("bad", Arg::Ptr(bad)),
             ],
         )?;
+        self.cross_entropy_finalize(y, row_loss, lab, rows, ignore, loss, count)
+    }
+
+    /// The mean of the row losses over the counted rows into `loss`, their count into
+    /// `count`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn cross_entropy_finalize(
+        &mut self,
+        y: Value,
+        row_loss: Place,
+        labels: Place,
+        rows: usize,
+        ignore: i64,
+        loss: Place,
+        count: Place,
+    ) -> Result<(), LowerError> {
         self.launch(
             y,
             "cross_entropy_finalize",
@@ -91,7 +107,7 @@ impl RunLowering<'_, '_> {
             (row_threads(rows, ROW_BLOCK), 1, 1),
             vec![
                 ("row_loss", Arg::Ptr(row_loss)),
-                ("labels", Arg::Ptr(lab)),
+                ("labels", Arg::Ptr(labels)),
                 ("rows", Arg::I64(rows as i64)),
                 ("ignore_index", Arg::I64(ignore)),
                 ("loss", Arg::Ptr(loss)),
@@ -158,7 +174,7 @@ impl RunLowering<'_, '_> {
 }
 
 /// Threads per row block of the cross-entropy kernels (512 for large vocabularies).
-fn ce_block(v: usize) -> u32 {
+pub(super) fn ce_block(v: usize) -> u32 {
     if v >= 16_384 {
         512
     } else {

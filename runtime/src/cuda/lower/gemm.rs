@@ -177,6 +177,7 @@ pub fn matmul(
             } else {
                 GemmCompute::F32
             },
+            accumulate: false,
         });
     }
     Ok(gemms)

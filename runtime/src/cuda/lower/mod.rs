@@ -20,6 +20,7 @@
 mod adafactor;
 mod adamw8bit;
 mod attention;
+mod classifier;
 mod copies;
 mod cross_entropy;
 mod embedding;
@@ -428,6 +429,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                     (node.inputs[0], node.inputs[1])
                 }
                 Op::CrossEntropyGrad { .. } => (node.inputs[0], node.inputs[1]),
+                Op::LinearCrossEntropyGrad { .. } => (node.inputs[0], node.inputs[2]),
                 _ => continue,
             };
             let e = saved_until.entry(key).or_insert(0usize);
@@ -693,7 +695,23 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         limit: usize,
         ignore: Option<i64>,
     ) -> Place {
-        let name = format!("{}.flag.{}", self.run, self.g.name(node));
+        self.chunk_flag(node, what, (indices, 0), limit, ignore)
+    }
+
+    /// An error flag for the indices of one chunk, which starts at position `first` of the
+    /// whole index tensor: a flag of its own, whose reported positions count from `first`.
+    fn chunk_flag(
+        &mut self,
+        node: Value,
+        what: &'static str,
+        (indices, first): (Place, usize),
+        limit: usize,
+        ignore: Option<i64>,
+    ) -> Place {
+        let mut name = format!("{}.flag.{}", self.run, self.g.name(node));
+        if first > 0 {
+            name.push_str(&format!(".from{first}"));
+        }
         let slot = self.l.internal(&name, 4);
         let place = Place::Slot { slot, offset: 0 };
         self.flags.push(ErrorFlag {
@@ -703,6 +721,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             indices,
             limit,
             ignore,
+            first,
         });
         place
     }

@@ -73,6 +73,8 @@ impl RunLowering<'_, '_> {
             Op::CrossEntropyGrad { ignore_index } => {
                 self.cross_entropy_grad(y, &ins, *ignore_index)?
             }
+            Op::LinearCrossEntropy { .. } => self.linear_cross_entropy(n)?,
+            Op::LinearCrossEntropyGrad { .. } => self.linear_cross_entropy_grad(n)?,
             Op::GradNorm => self.grad_norm(y, &ins)?,
             Op::AdamW { .. } | Op::Sgd { .. } => self.optimizer(&[n])?,
             Op::Adafactor { .. } => self.adafactor(n)?,

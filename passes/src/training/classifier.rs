@@ -1,0 +1,239 @@
+//! `classifier`: under `--classifier fused`, the LM head's product and the cross-entropy of
+//! the loss graph become one `linear_cross_entropy` op that runs a chunk of rows at a time, so
+//! the `[rows, vocab]` logits (and their gradient, shifted and padded copies) never exist
+//! whole: a chunk of logits is the head's working memory.
+//!
+//! The pattern is the language-model loss the model builder writes:
+//! `logits = matmul(hidden, weight^T)` (weight `[V, C]`), then for the causal LM
+//! `slice(logits, axis 1, 0..T-1)`, then `reshape [rows, V]`, then `cross_entropy` with the
+//! labels' rows, each value read once. It becomes `slice(hidden)` (causal LM), `reshape
+//! [rows, C]` and the fused op, the product's accumulation and the logits' dtype carried
+//! over, so a chunk's logits round as the product stored them. A head with a bias (BERT's MLM
+//! decoder) or a loss of another shape stays eager, and the report says why; so do weight
+//! gradients in the compute dtype (`--param-grads compute`), which the fused gradient writes
+//! in F32 only.
+
+use super::{PlanBuild, PlanPass};
+use crate::{PassError, PassReport};
+use castor_ir::{Classifier, Graph, Node, Op, Shape, TensorType, Value};
+
+/// Logits per chunk when `--classifier fused` names no row count: 32 Mi values (64 MiB in
+/// BF16), rounded down to a multiple of 64 rows.
+const CHUNK_VALUES: usize = 1 << 25;
+
+pub(super) struct FuseClassifier;
+
+impl PlanPass for FuseClassifier {
+    fn name(&self) -> &'static str {
+        "classifier"
+    }
+
+    fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
+        let settings = build.plan.settings.clone();
+        let Classifier::Fused { chunk_rows } = settings.classifier else {
+            return Ok(PassReport::new(
+                "eager: the LM head's logits are stored whole",
+            ));
+        };
+        if settings.param_grads_in_compute_dtype {
+            return Ok(PassReport::new(
+                "eager: --param-grads compute (the fused gradient writes the weight's in F32)",
+            ));
+        }
+        let head = match find_head(&build.forward) {
+            Ok(head) => head,
+            Err(why) => return Ok(PassReport::new(format!("eager: {why}"))),
+        };
+        let (graph, report) = fuse(&build.forward, &head, chunk_rows)?;
+        let memory = std::sync::Arc::clone(&build.memory);
+        *build = PlanBuild::new(&graph, settings)?;
+        build.memory = memory;
+        Ok(PassReport::new(report))
+    }
+}
+
+/// The nodes of the LM head and loss that the fused op replaces.
+struct Head {
+    matmul: Node,
+    /// The causal LM's shift of the logits by one position.
+    shift: Option<Node>,
+    rows: Node,
+    loss: Node,
+}
+
+/// The LM head and cross-entropy of `g`, or why there is none to fuse.
+fn find_head(g: &Graph) -> Result<Head, String> {
+    let users = g.users();
+    let loss_value = *g.outputs().first().ok_or("the loss graph has no output")?;
+    let loss = g.value(loss_value).producer;
+    let only_reader = |v: Value| -> Result<Node, String> {
+        match users[v.index()].as_slice() {
+            [n] if !g.outputs().contains(&v) => Ok(*n),
+            _ => Err(format!("`%{}` is read more than once", g.name(v))),
+        }
+    };
+    let producer = |v: Value| g.value(v).producer;
+    let Op::CrossEntropy { .. } = g.node(loss).op else {
+        return Err("the loss is not a cross-entropy".into());
+    };
+    let rows = producer(g.node(loss).inputs[0]);
+    if !matches!(g.node(rows).op, Op::Reshape { .. }) {
+        return Err("the cross-entropy does not read rows of logits".into());
+    }
+    only_reader(g.node(rows).outputs[0])?;
+    let mut logits_user = rows;
+    let mut shift = None;
+    let mut v = g.node(rows).inputs[0];
+    if let Op::Slice {
+        axis: 1, start: 0, ..
+    } = g.node(producer(v)).op
+    {
+        shift = Some(producer(v));
+        only_reader(v)?;
+        logits_user = producer(v);
+        v = g.node(producer(v)).inputs[0];
+    }
+    let matmul = producer(v);
+    match g.node(matmul).op {
+        Op::MatMul {
+            transpose_a: false,
+            transpose_b: true,
+        } => {}
+        Op::Binary(_) => return Err("the LM head adds a bias to its product".into()),
+        _ => return Err("the logits are not a product with the head's weight".into()),
+    }
+    if only_reader(v)? != logits_user {
+        return Err("the logits feed something besides the loss".into());
+    }
+    let (h, w) = (g.node(matmul).inputs[0], g.node(matmul).inputs[1]);
+    if g.ty(w).shape.rank() != 2 || g.ty(h).shape.rank() < 2 {
+        return Err("the head's weight is not a matrix".into());
+    }
+    Ok(Head {
+        matmul,
+        shift,
+        rows,
+        loss,
+    })
+}
+
+/// `g` with the head's nodes replaced by the hidden rows and the fused op; the pass report.
+fn fuse(g: &Graph, head: &Head, chunk_rows: Option<usize>) -> Result<(Graph, String), PassError> {
+    let internal = |message: String| PassError::Internal {
+        pass: "classifier",
+        message,
+    };
+    let mm = g.node(head.matmul);
+    let (h, w) = (mm.inputs[0], mm.inputs[1]);
+    let logits_dtype = g.ty(mm.outputs[0]).dtype;
+    let ce = g.node(head.loss);
+    let Op::CrossEntropy { ignore_index } = ce.op else {
+        return Err(internal("the loss is not a cross-entropy".into()));
+    };
+    let rows = g.ty(g.node(head.rows).outputs[0]).shape.dims()[0];
+    let (vocab, width) = {
+        let d = g.ty(w).shape.dims();
+        (d[0], d[1])
+    };
+    let chunk = chunk_rows
+        .unwrap_or_else(|| (CHUNK_VALUES / vocab.max(1)) / 64 * 64)
+        .clamp(1, rows.max(1));
+
+    let mut out = Graph::empty_like(g);
+    let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
+    let skipped = [Some(head.matmul), head.shift, Some(head.rows)];
+    for (n, node) in g.nodes() {
+        if skipped.contains(&Some(n)) {
+            continue;
+        }
+        let mapped = |v: Value| {
+            map[v.index()].ok_or_else(|| internal(format!("`%{}` is unmapped", g.name(v))))
+        };
+        if n == head.loss {
+            // hidden (shifted for the causal LM) as rows, then the fused op in the loss's place.
+            let mut hidden = mapped(h)?;
+            let ty = |d: Vec<usize>| TensorType::new(g.ty(h).dtype, Shape::from(d));
+            if let Some(shift) = head.shift {
+                let mut dims = g.ty(h).shape.dims().to_vec();
+                let Op::Slice { start, end, .. } = g.node(shift).op else {
+                    return Err(internal("the shift is not a slice".into()));
+                };
+                dims[1] = end - start;
+                let op = Op::Slice {
+                    axis: 1,
+                    start,
+                    end,
+                };
+                let s = out.push_node(
+                    op,
+                    vec![hidden],
+                    vec![("loss.hidden.shifted".into(), ty(dims))],
+                )?;
+                out.set_block(s, g.node(shift).block);
+                hidden = out.node(s).outputs[0];
+            }
+            let reshape = Op::Reshape {
+                shape: vec![rows, width],
+            };
+            let r = out.push_node(
+                reshape,
+                vec![hidden],
+                vec![("loss.hidden.rows".into(), ty(vec![rows, width]))],
+            )?;
+            out.set_block(r, g.node(head.rows).block);
+            let fused = Op::LinearCrossEntropy {
+                ignore_index,
+                chunk_rows: chunk,
+                logits: logits_dtype,
+            };
+            let (weight, labels) = (mapped(w)?, mapped(node.inputs[1])?);
+            let results = node
+                .outputs
+                .iter()
+                .map(|&v| (g.name(v).to_string(), g.ty(v).clone()))
+                .collect();
+            let f = out.push_node(fused, vec![out.node(r).outputs[0], weight, labels], results)?;
+            out.set_acc(f, mm.acc);
+            out.set_block(f, mm.block);
+            out.set_note(
+                f,
+                Some(format!(
+                    "fused classifier: {chunk} of {rows} rows per chunk, logits in {logits_dtype}"
+                )),
+            );
+            for (&old, &new) in node.outputs.iter().zip(&out.node(f).outputs) {
+                map[old.index()] = Some(new);
+            }
+            continue;
+        }
+        let ins: Vec<Value> = node
+            .inputs
+            .iter()
+            .map(|&v| mapped(v))
+            .collect::<Result<_, _>>()?;
+        let results = node
+            .outputs
+            .iter()
+            .map(|&v| (g.name(v).to_string(), g.ty(v).clone()))
+            .collect();
+        let copy = out.push_copy(g, n, ins, results)?;
+        for (&old, &new) in node.outputs.iter().zip(&out.node(copy).outputs) {
+            map[old.index()] = Some(new);
+        }
+    }
+    let outputs = g
+        .outputs()
+        .iter()
+        .map(|v| map[v.index()].ok_or_else(|| internal("an output is unmapped".into())))
+        .collect::<Result<_, _>>()?;
+    out.set_outputs(outputs);
+    let logits_bytes = rows * vocab * logits_dtype.size_bytes();
+    let chunk_bytes = chunk * vocab * logits_dtype.size_bytes();
+    let report = format!(
+        "fused the LM head and its cross-entropy: {rows} rows x {vocab} logits in chunks of \
+         {chunk} rows ({} of {logits_dtype} logits at a time instead of {})",
+        castor_ir::human_bytes(chunk_bytes as u64),
+        castor_ir::human_bytes(logits_bytes as u64),
+    );
+    Ok((out, report))
+}

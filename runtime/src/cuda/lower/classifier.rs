@@ -1,0 +1,256 @@
+//! The fused classifier (`linear_cross_entropy` and its gradient), chunk by chunk: per chunk of
+//! rows a cuBLAS product into one chunk-sized logits buffer and `cross_entropy.cu`'s row
+//! kernels on it, so no `[rows, vocab]` buffer exists. The forward keeps each row's max and
+//! inverse sum for the backward; the backward recomputes a chunk's logits, turns them into
+//! `dlogits` in place, then `dhidden = dlogits @ weight` into the chunk's rows and
+//! `dweight += dlogits^T @ hidden` (the first chunk writes, the others accumulate).
+
+use super::super::program::{Arg, Command, Place};
+use super::cross_entropy::ce_block;
+use super::{gemm, grid_rows, sfx, LowerError, RunLowering, Saved};
+use castor_ir::{Accum, DType, Node, Op, Shape, Value};
+
+/// A classifier node's operands and shapes.
+struct Problem {
+    hidden: Value,
+    weight: Value,
+    labels: Value,
+    rows: usize,
+    width: usize,
+    vocab: usize,
+    chunk: usize,
+    ignore: i64,
+    logits: DType,
+    tf32: bool,
+}
+
+impl RunLowering<'_, '_> {
+    fn classifier_problem(&self, n: Node) -> Result<Problem, LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let y = node.outputs[0];
+        let (ignore, chunk, logits) = match node.op {
+            Op::LinearCrossEntropy {
+                ignore_index,
+                chunk_rows,
+                logits,
+            }
+            | Op::LinearCrossEntropyGrad {
+                ignore_index,
+                chunk_rows,
+                logits,
+            } => (ignore_index, chunk_rows, logits),
+            _ => return Err(self.err(y, "not a classifier node")),
+        };
+        let (hidden, weight, labels) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+        if g.ty(labels).dtype != DType::I64 {
+            return Err(self.err(y, "labels must be i64 on the CUDA executor"));
+        }
+        if logits != g.ty(weight).dtype {
+            return Err(self.err(
+                y,
+                format!(
+                    "the fused classifier's logits ({logits}) must be in the weight's dtype ({}) \
+                     on the CUDA executor",
+                    g.ty(weight).dtype
+                ),
+            ));
+        }
+        let wd = g.ty(weight).shape.dims();
+        Ok(Problem {
+            hidden,
+            weight,
+            labels,
+            rows: g.ty(hidden).shape.dims()[0],
+            width: wd[1],
+            vocab: wd[0],
+            chunk: chunk.max(1),
+            ignore,
+            logits,
+            tf32: node.acc == Some(Accum::Tf32),
+        })
+    }
+
+    /// The chunks' first rows and lengths, in order.
+    fn chunks(p: &Problem) -> Vec<(usize, usize)> {
+        (0..p.rows)
+            .step_by(p.chunk)
+            .map(|r| (r, p.chunk.min(p.rows - r)))
+            .collect()
+    }
+
+    /// The product of rows `[first, first + len)` of hidden with the weight, into `buf`.
+    fn chunk_logits(
+        &mut self,
+        y: Value,
+        p: &Problem,
+        (first, len): (usize, usize),
+        buf: Place,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let hd = g.ty(p.hidden).dtype;
+        let h = self
+            .at(p.hidden)?
+            .plus((first * p.width * hd.size_bytes()) as u64);
+        let w = self.at(p.weight)?;
+        let gm = gemm::matmul(
+            g.name(y),
+            (h, &Shape::from(vec![len, p.width]), hd),
+            (w, &g.ty(p.weight).shape, g.ty(p.weight).dtype),
+            (buf, p.logits),
+            false,
+            true,
+            p.tf32,
+        )
+        .map_err(|m| self.err(y, m))?;
+        self.commands.extend(gm.into_iter().map(Command::Gemm));
+        Ok(())
+    }
+
+    /// Every chunk's logits and row statistics, then the mean loss into `loss` and the counted
+    /// rows into `count`; the statistics into `stats` (`[rows]` F32 each).
+    fn classifier_forward(
+        &mut self,
+        y: Value,
+        p: &Problem,
+        (row_max, row_inv): (Place, Place),
+        loss: Place,
+        count: Place,
+    ) -> Result<(), LowerError> {
+        let buf = self.scratch((p.chunk * p.vocab * p.logits.size_bytes()) as u64);
+        let row_loss = self.scratch(p.rows as u64 * 8);
+        let lab = self.at(p.labels)?;
+        for (first, len) in Self::chunks(p) {
+            self.chunk_logits(y, p, (first, len), buf)?;
+            let labels = lab.plus(first as u64 * 8);
+            let bad = self.chunk_flag(y, "label", (labels, first), p.vocab, Some(p.ignore));
+            self.launch(
+                y,
+                &format!("cross_entropy_fwd_{}", sfx(p.logits)),
+                grid_rows(len),
+                (ce_block(p.vocab), 1, 1),
+                vec![
+                    ("logits", Arg::Ptr(buf)),
+                    ("labels", Arg::Ptr(labels)),
+                    ("rows", Arg::I64(len as i64)),
+                    ("v", Arg::I32(p.vocab as i32)),
+                    ("ignore_index", Arg::I64(p.ignore)),
+                    ("row_loss", Arg::Ptr(row_loss.plus(first as u64 * 8))),
+                    ("row_max", Arg::Ptr(row_max.plus(first as u64 * 4))),
+                    ("row_inv", Arg::Ptr(row_inv.plus(first as u64 * 4))),
+                    ("bad", Arg::Ptr(bad)),
+                ],
+            )?;
+        }
+        self.cross_entropy_finalize(y, row_loss, lab, p.rows, p.ignore, loss, count)
+    }
+
+    pub(super) fn linear_cross_entropy(&mut self, n: Node) -> Result<(), LowerError> {
+        let p = self.classifier_problem(n)?;
+        let y = self.g.node(n).outputs[0];
+        let key = (p.hidden, p.labels);
+        let until = self.saved_until.get(&key).copied().unwrap_or(self.unit);
+        let stats = (
+            self.arena(p.rows as u64 * 4, until),
+            self.arena(p.rows as u64 * 4, until),
+        );
+        let count = self.arena(4, until);
+        let loss = self.out(y)?;
+        self.classifier_forward(y, &p, stats, loss, count)?;
+        self.saved.insert(
+            key,
+            Saved {
+                a: stats.0,
+                b: stats.1,
+                count: Some(count),
+            },
+        );
+        Ok(())
+    }
+
+    pub(super) fn linear_cross_entropy_grad(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let p = self.classifier_problem(n)?;
+        let node = g.node(n);
+        let (dh, dw) = (node.outputs[0], node.outputs[1]);
+        let dloss = self.at(node.inputs[3])?;
+        let saved = match self.saved.get(&(p.hidden, p.labels)) {
+            Some(s) => *s,
+            None => {
+                // No forward in this graph: run it into scratch for the statistics and count.
+                let stats = (
+                    self.scratch(p.rows as u64 * 4),
+                    self.scratch(p.rows as u64 * 4),
+                );
+                let (loss, count) = (self.scratch(4), self.scratch(4));
+                self.classifier_forward(dh, &p, stats, loss, count)?;
+                Saved {
+                    a: stats.0,
+                    b: stats.1,
+                    count: Some(count),
+                }
+            }
+        };
+        let count = saved
+            .count
+            .ok_or_else(|| self.err(dh, "the classifier's count is missing"))?;
+        let buf = self.scratch((p.chunk * p.vocab * p.logits.size_bytes()) as u64);
+        let (h, lab) = (self.at(p.hidden)?, self.at(p.labels)?);
+        let (dh_at, dw_at) = (self.out(dh)?, self.out(dw)?);
+        let (hd, dhd) = (g.ty(p.hidden).dtype, g.ty(dh).dtype);
+        for (first, len) in Self::chunks(&p) {
+            self.chunk_logits(dh, &p, (first, len), buf)?;
+            self.launch(
+                dh,
+                &format!("cross_entropy_bwd_{}", sfx(p.logits)),
+                grid_rows(len),
+                (ce_block(p.vocab), 1, 1),
+                vec![
+                    ("logits", Arg::Ptr(buf)),
+                    ("labels", Arg::Ptr(lab.plus(first as u64 * 8))),
+                    ("rows", Arg::I64(len as i64)),
+                    ("v", Arg::I32(p.vocab as i32)),
+                    ("ignore_index", Arg::I64(p.ignore)),
+                    ("row_max", Arg::Ptr(saved.a.plus(first as u64 * 4))),
+                    ("row_inv", Arg::Ptr(saved.b.plus(first as u64 * 4))),
+                    ("dloss", Arg::Ptr(dloss)),
+                    ("count", Arg::Ptr(count)),
+                    ("dlogits", Arg::Ptr(buf)),
+                ],
+            )?;
+            let dlogits = Shape::from(vec![len, p.vocab]);
+            let rows_of = |at: Place, d: DType| at.plus((first * p.width * d.size_bytes()) as u64);
+            let mut products = gemm::matmul(
+                g.name(dh),
+                (buf, &dlogits, p.logits),
+                (
+                    self.at(p.weight)?,
+                    &g.ty(p.weight).shape,
+                    g.ty(p.weight).dtype,
+                ),
+                (rows_of(dh_at, dhd), dhd),
+                false,
+                false,
+                false,
+            )
+            .map_err(|m| self.err(dh, m))?;
+            let mut weight_grad = gemm::matmul(
+                g.name(dw),
+                (buf, &dlogits, p.logits),
+                (rows_of(h, hd), &Shape::from(vec![len, p.width]), hd),
+                (dw_at, g.ty(dw).dtype),
+                true,
+                false,
+                false,
+            )
+            .map_err(|m| self.err(dw, m))?;
+            for gm in &mut weight_grad {
+                gm.accumulate = first > 0;
+            }
+            products.append(&mut weight_grad);
+            self.commands
+                .extend(products.into_iter().map(Command::Gemm));
+        }
+        Ok(())
+    }
+}

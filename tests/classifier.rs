@@ -1,0 +1,173 @@
+//! The fused classifier (`--classifier fused`): the LM head's product and its cross-entropy
+//! as one op over chunks of rows.
+//! - It trains what the eager head trains: in one chunk bit for bit; in several chunks the
+//!   same losses and every tensor bit for bit but the head's weight, whose gradient sums the
+//!   chunks' products in chunk order (within 1e-6 relative after 3 steps).
+//! - It bounds the head's memory: GPT-2 124M at batch 8 x 1024 in bf16 with fused attention
+//!   plans at most 60% of the eager plan's peak.
+//! - A head it cannot fuse stays eager and the report says why.
+//!
+//! Against PyTorch, `tests/train_vs_pytorch.rs` runs it on every decoder fixture; on CUDA,
+//! `tests/cuda_emulated.rs` runs its chunked program beside the CPU executor.
+
+mod common;
+
+use castor_ir::relative_error;
+use castor_models::SafetensorsFile;
+use common::*;
+
+/// The tiny GPT-2 trained 3 bf16 steps with `--classifier mode`: the losses, and the folder.
+fn train_tiny(dir: &std::path::Path, mode: &str) -> Vec<f64> {
+    let save = dir.join(mode.replace(':', "_"));
+    let log = dir.join(format!("{}.jsonl", mode.replace(':', "_")));
+    let o = castor(&[
+        "train",
+        path_str(&root().join("assets/tiny-gpt2.json")),
+        "--data",
+        path_str(&root().join("assets/corpus.txt")),
+        "--steps",
+        "3",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--precision",
+        "bf16",
+        "--device",
+        "cpu",
+        "--classifier",
+        mode,
+        "--save",
+        path_str(&save),
+        "--log",
+        path_str(&log),
+    ]);
+    assert!(o.status.success(), "{mode}: {}", stderr(&o));
+    log_losses(&log)
+}
+
+#[test]
+fn the_fused_classifier_trains_what_the_eager_head_trains() {
+    let tmp = tempfile::tempdir().unwrap();
+    let eager_losses = train_tiny(tmp.path(), "eager");
+    let eager = SafetensorsFile::open(tmp.path().join("eager/model.safetensors")).unwrap();
+    // 30 rows: one chunk, then chunks of 5.
+    for mode in ["fused", "fused:5"] {
+        assert_eq!(train_tiny(tmp.path(), mode), eager_losses, "{mode}: losses");
+        let dir = tmp.path().join(mode.replace(':', "_"));
+        let fused = SafetensorsFile::open(dir.join("model.safetensors")).unwrap();
+        for name in eager.names() {
+            let (a, b) = (eager.read_f32(name).unwrap(), fused.read_f32(name).unwrap());
+            let err = relative_error(&b, &a);
+            if mode == "fused" || name != "transformer.wte.weight" {
+                assert_eq!(err, 0.0, "{mode}: `{name}` differs ({err:e})");
+            } else {
+                println!("{mode}: the tied head weight differs from eager by {err:.1e}");
+                assert!(err <= 1e-6, "{mode}: `{name}` relative error {err:e}");
+            }
+        }
+    }
+}
+
+/// The planned peak (the anatomy's total) and the classifier pass's line of a GPT-2 124M
+/// compile at batch 8 x 1024, bf16, fused attention.
+fn gpt2_124m(classifier: &str) -> (u64, String) {
+    let o = castor(&[
+        "compile",
+        path_str(&root().join("assets/configs/gpt2-124m.json")),
+        "--train",
+        "--precision",
+        "bf16",
+        "--batch",
+        "8",
+        "--seq",
+        "1024",
+        "--attention",
+        "fused",
+        "--classifier",
+        classifier,
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    let total = out
+        .lines()
+        .find(|l| l.trim_start().starts_with("total "))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .map(|b| b.replace(',', "").parse().unwrap())
+        .unwrap_or_else(|| panic!("no anatomy total in\n{out}"));
+    let pass = out
+        .lines()
+        .find(|l| l.starts_with("pass        classifier"))
+        .unwrap_or_else(|| panic!("no classifier pass in\n{out}"))
+        .to_string();
+    (total, pass)
+}
+
+#[test]
+fn the_fused_classifier_bounds_the_heads_memory() {
+    // Eager attention and head: the plan the fused kernels are measured against.
+    let o = castor(&[
+        "compile",
+        path_str(&root().join("assets/configs/gpt2-124m.json")),
+        "--train",
+        "--precision",
+        "bf16",
+        "--batch",
+        "8",
+        "--seq",
+        "1024",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let eager: u64 = stdout(&o)
+        .lines()
+        .find(|l| l.trim_start().starts_with("total "))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .map(|b| b.replace(',', "").parse().unwrap())
+        .unwrap();
+    let (attention_only, eager_line) = gpt2_124m("eager");
+    let (fused, line) = gpt2_124m("fused");
+    println!(
+        "GPT-2 124M: eager {eager}, fused attention {attention_only}, and fused classifier \
+         {fused} bytes\n{line}"
+    );
+    assert!(eager_line.contains("eager: the LM head's logits are stored whole"));
+    assert!(
+        line.contains("8184 rows x 50257 logits in chunks of 640 rows"),
+        "{line}"
+    );
+    assert!(
+        fused as f64 <= 0.6 * eager as f64,
+        "fused {fused} is more than 60% of eager {eager}"
+    );
+}
+
+#[test]
+fn a_head_that_cannot_be_fused_stays_eager_and_says_why() {
+    for (variant, why) in [
+        ("bert_mlm", "eager: the LM head adds a bias to its product"),
+        ("bert_cls", "eager: the cross-entropy does not read rows of logits"),
+    ] {
+        let o = castor(&[
+            "compile",
+            path_str(&fixture(variant)),
+            "--train",
+            "--classifier",
+            "fused",
+        ]);
+        assert!(o.status.success(), "{variant}: {}", stderr(&o));
+        assert!(stdout(&o).contains(why), "{variant}: {}", stdout(&o));
+    }
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--train",
+        "--classifier",
+        "fused:0",
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("expected eager, fused or fused:<rows per chunk, at least 1>"),
+        "{}",
+        stderr(&o)
+    );
+}
