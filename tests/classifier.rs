@@ -145,7 +145,10 @@ fn the_fused_classifier_bounds_the_heads_memory() {
 fn a_head_that_cannot_be_fused_stays_eager_and_says_why() {
     for (variant, why) in [
         ("bert_mlm", "eager: the LM head adds a bias to its product"),
-        ("bert_cls", "eager: the cross-entropy does not read rows of logits"),
+        (
+            "bert_cls",
+            "eager: the cross-entropy does not read rows of logits",
+        ),
     ] {
         let o = castor(&[
             "compile",

@@ -100,7 +100,8 @@ fn every_kernel_family_matches_the_cpu_executor() {
 
 /// The plans run on the GPU, per family: every precision with the defaults, then each
 /// remat mode and each option once, spread over the precisions (the emulator runs the whole
-/// matrix; GPU time is scarce), and the fused attention in BF16.
+/// matrix; GPU time is scarce), the fused attention, BF16 moments, 8-bit AdamW and the fused
+/// classifier in BF16.
 fn gpu_plans(family: &str) -> Vec<String> {
     let mut out: Vec<String> = PLAN_PRECISIONS
         .iter()
@@ -120,6 +121,11 @@ fn gpu_plans(family: &str) -> Vec<String> {
         out.push(flags);
     }
     out.push("--precision bf16 --attention fused".into());
+    // The choices the remat rows leave out, once each: BF16 moments, 8-bit AdamW, and the
+    // fused classifier in chunks small enough that a fixture's head takes several.
+    out.push("--precision bf16 --optimizer-state bf16".into());
+    out.push("--precision bf16 --optimizer adamw8bit".into());
+    out.push("--precision bf16 --classifier fused:5".into());
     out
 }
 
