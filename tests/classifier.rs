@@ -70,11 +70,12 @@ fn the_fused_classifier_trains_what_the_eager_head_trains() {
 }
 
 /// The planned peak (the anatomy's total) and the classifier pass's line of a GPT-2 124M
-/// compile at batch 8 x 1024, bf16, fused attention.
-fn gpt2_124m(classifier: &str) -> (u64, String) {
-    let o = castor(&[
+/// compile at batch 8 x 1024 in bf16 with `flags`.
+fn gpt2_124m(flags: &[&str]) -> (u64, String) {
+    let config = root().join("assets/configs/gpt2-124m.json");
+    let mut args = vec![
         "compile",
-        path_str(&root().join("assets/configs/gpt2-124m.json")),
+        path_str(&config),
         "--train",
         "--precision",
         "bf16",
@@ -82,50 +83,25 @@ fn gpt2_124m(classifier: &str) -> (u64, String) {
         "8",
         "--seq",
         "1024",
-        "--attention",
-        "fused",
-        "--classifier",
-        classifier,
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
+    ];
+    args.extend_from_slice(flags);
+    let o = castor(&args);
+    assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
     let out = stdout(&o);
-    let total = out
-        .lines()
-        .find(|l| l.trim_start().starts_with("total "))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .map(|b| b.replace(',', "").parse().unwrap())
-        .unwrap_or_else(|| panic!("no anatomy total in\n{out}"));
     let pass = out
         .lines()
         .find(|l| l.starts_with("pass        classifier"))
         .unwrap_or_else(|| panic!("no classifier pass in\n{out}"))
         .to_string();
-    (total, pass)
+    (anatomy_total(&out), pass)
 }
 
 #[test]
 fn the_fused_classifier_bounds_the_heads_memory() {
     // Eager attention and head: the plan the fused kernels are measured against.
-    let o = castor(&[
-        "compile",
-        path_str(&root().join("assets/configs/gpt2-124m.json")),
-        "--train",
-        "--precision",
-        "bf16",
-        "--batch",
-        "8",
-        "--seq",
-        "1024",
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let eager: u64 = stdout(&o)
-        .lines()
-        .find(|l| l.trim_start().starts_with("total "))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .map(|b| b.replace(',', "").parse().unwrap())
-        .unwrap();
-    let (attention_only, eager_line) = gpt2_124m("eager");
-    let (fused, line) = gpt2_124m("fused");
+    let (eager, eager_line) = gpt2_124m(&[]);
+    let (attention_only, _) = gpt2_124m(&["--attention", "fused"]);
+    let (fused, line) = gpt2_124m(&["--attention", "fused", "--classifier", "fused"]);
     println!(
         "GPT-2 124M: eager {eager}, fused attention {attention_only}, and fused classifier \
          {fused} bytes\n{line}"

@@ -30,6 +30,33 @@ fn reference() -> (SafetensorsFile, serde_json::Value) {
     (file, serde_json::from_str(&text).unwrap())
 }
 
+/// The shape the reference's `shapes` gives parameter `p`.
+fn shape_of(info: &serde_json::Value, p: &str) -> Shape {
+    Shape::from(
+        info["shapes"][p]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap() as usize)
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// Binds one step's control scalars: the rate, the steps taken, no loss scale, a finite norm.
+fn bind_controls(values: &mut HashMap<String, Tensor>, lr: f32, step: usize) {
+    for (n, v) in [
+        ("lr", lr),
+        ("step", step as f32),
+        ("scale", 1.0),
+        ("grad_norm", 1.0),
+    ] {
+        values.insert(
+            n.into(),
+            Tensor::from_f32(DType::F32, Shape::scalar(), vec![v]),
+        );
+    }
+}
+
 /// The op for one of the reference's parameter groups.
 fn adafactor_op(group: &serde_json::Value) -> Op {
     let f = |k: &str| group[k].as_f64().unwrap();
@@ -81,14 +108,7 @@ fn adafactor_matches_transformers() {
             .map(|n| b.input(n, scalar.clone()).unwrap())
             .collect();
         for p in PARAMS {
-            let shape = Shape::from(
-                info["shapes"][p]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|d| d.as_u64().unwrap() as usize)
-                    .collect::<Vec<_>>(),
-            );
+            let shape = shape_of(&info, p);
             let ty = TensorType::new(DType::F32, shape.clone());
             let mut ins = vec![
                 b.input(p, ty.clone()).unwrap(),
@@ -141,17 +161,7 @@ fn adafactor_matches_transformers() {
         }
         let lr = group["lr"].as_f64().unwrap_or(0.0) as f32;
         for step in 0..steps {
-            for (n, v) in [
-                ("lr", lr),
-                ("step", step as f32),
-                ("scale", 1.0),
-                ("grad_norm", 1.0),
-            ] {
-                values.insert(
-                    n.into(),
-                    Tensor::from_f32(DType::F32, Shape::scalar(), vec![v]),
-                );
-            }
+            bind_controls(&mut values, lr, step);
             for p in PARAMS {
                 let grad = file.read_f32(&format!("grad.{step}.{p}")).unwrap();
                 values.insert(
@@ -250,16 +260,7 @@ fn adamw8bit_matches_bitsandbytes() {
         info["betas"][1].as_f64().unwrap(),
     );
     let scalar = TensorType::new(DType::F32, Shape::scalar());
-    let shape_of = |p: &str| {
-        Shape::from(
-            info["shapes"][p]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|d| d.as_u64().unwrap() as usize)
-                .collect::<Vec<_>>(),
-        )
-    };
+    let shape_of = |p: &str| shape_of(&info, p);
     let params = ["w", "t", "b"];
     let quantized = |p: &str| shape_of(p).numel().unwrap() >= quant::MIN_QUANTIZED_NUMEL;
     let state_names = |p: &str| -> &[&str] {
@@ -348,17 +349,7 @@ fn adamw8bit_matches_bitsandbytes() {
     let mut worst_update = 0f64;
     let mut ties = 0;
     for step in 0..info["steps"].as_u64().unwrap() as usize {
-        for (n, v) in [
-            ("lr", f("lr") as f32),
-            ("step", step as f32),
-            ("scale", 1.0),
-            ("grad_norm", 1.0),
-        ] {
-            values.insert(
-                n.into(),
-                Tensor::from_f32(DType::F32, Shape::scalar(), vec![v]),
-            );
-        }
+        bind_controls(&mut values, f("lr") as f32, step);
         // Each step starts from bitsandbytes' own state after the step before, so a code
         // that differs is that step's, not carried along.
         if step > 0 {
@@ -696,12 +687,7 @@ fn llama_2_7b_full_fine_tuning_plans_within_76_gb() {
         assert!(o.status.success(), "{optimizer}: {}", stderr(&o));
         let out = stdout(&o);
         assert!(out.contains("CUDA executor: kernel units"), "{out}");
-        let total: u64 = out
-            .lines()
-            .find(|l| l.trim_start().starts_with("total "))
-            .and_then(|l| l.split_whitespace().nth(1))
-            .map(|b| b.replace(',', "").parse().unwrap())
-            .unwrap_or_else(|| panic!("no anatomy total in\n{out}"));
+        let total = anatomy_total(&out);
         let gradients = out
             .lines()
             .find(|l| l.trim_start().starts_with("gradients "))

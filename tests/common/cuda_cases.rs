@@ -2,7 +2,7 @@
 //! range for what they index, training batches with ignored labels and padding, the single-op
 //! graphs of every kernel family, and fixture plans compiled by the CLI.
 
-use super::{castor, fixture, path_str, stderr};
+use super::{anatomy_total, castor, fixture, path_str, stderr};
 use castor_ir::{relative_error, DType, Graph, Tensor, TensorData, TrainingPlan};
 use std::collections::HashMap;
 
@@ -241,17 +241,7 @@ pub fn planned_peak(variant: &str, flags: &str) -> u64 {
     args.extend(flags.split_whitespace());
     let o = castor(&args);
     assert!(o.status.success(), "{variant} {flags}: {}", stderr(&o));
-    let text = String::from_utf8_lossy(&o.stdout).into_owned();
-    text.lines()
-        .find_map(|l| {
-            let rest = l.trim_start().strip_prefix("total")?;
-            rest.split_whitespace()
-                .next()?
-                .replace(',', "")
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("{variant} {flags}: no anatomy total in\n{text}"))
+    anatomy_total(&String::from_utf8_lossy(&o.stdout))
 }
 
 /// A byte budget halfway between the `none` and `full` planned peaks, so `budget` recomputes

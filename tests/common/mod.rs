@@ -169,3 +169,18 @@ pub fn castor_peak_rss(args: &[&str]) -> (Output, u64) {
     };
     (output, usage.ru_maxrss as u64)
 }
+
+/// The anatomy's `total` row of a `compile --train` report: the planned peak in bytes.
+pub fn anatomy_total(report: &str) -> u64 {
+    report
+        .lines()
+        .find_map(|l| {
+            let rest = l.trim_start().strip_prefix("total")?;
+            rest.split_whitespace()
+                .next()?
+                .replace(',', "")
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no anatomy total in\n{report}"))
+}
