@@ -17,7 +17,8 @@ Measures, in order, on one machine:
 4. Memory: max_memory_allocated and step time with and without gradient checkpointing, beside
    castor's planned peak for each --remat mode (from `castor compile --train`).
 5. castor's side of every row, where its CUDA executor can run (`castor ... --device cuda`):
-   steady-state ms/step and tokens/s (bf16, fp16, and bf16 with --remat selective), the
+   steady-state ms/step and tokens/s (bf16, fp16, bf16 with --remat selective, and bf16 with
+   --attention fused --classifier fused), the
    device time of the optimizer step, the device memory castor allocated beside its planned
    peak, and the forward at one ~150-token sequence in F32 and F16. When castor cannot run a
    row, the row says why, nothing is made up, and --require-castor makes the exit status
@@ -233,17 +234,18 @@ def median(xs):
     return xs[len(xs) // 2] if xs else None
 
 
-def castor_train(args, exe, cfg_path, corpus, out_dir, precision, remat, steps):
+def castor_train(args, exe, cfg_path, corpus, out_dir, precision, remat, steps, extra=(),
+                 tag=""):
     """One `castor train` run on the chosen device, timed from its JSON log: steady-state
     tokens/s (the first quarter of the steps holds NVRTC compiles and graph captures), the
     device time of the micro steps and of the optimizer step (--profile), and the device memory
-    castor allocated for the plan."""
-    log = out_dir / f"castor-train-{precision}-{remat}.jsonl"
+    castor allocated for the plan. `extra` flags, named by `tag` in the log's file name."""
+    log = out_dir / f"castor-train-{precision}-{remat}{tag}.jsonl"
     log.unlink(missing_ok=True)
     code, so, se = run([exe, "train", cfg_path, "--data", corpus, "--steps", steps,
                         "--batch", args.batch, "--seq", args.seq, "--precision", precision,
                         "--remat", remat, "--device", args.castor_device, "--log", log,
-                        "--profile"])
+                        "--profile", *extra])
     row = {"exit": code, "stdout": so[-2000:], "stderr": se[-2000:]}
     if code != 0 or not log.exists():
         return row
@@ -311,6 +313,10 @@ def castor_side(args, out_dir):
     for precision, remat in [("bf16", "none"), ("fp16", "none"), ("bf16", "selective")]:
         res[f"train_{precision}_{remat}"] = castor_train(args, exe, cfg_path, corpus, out_dir,
                                                          precision, remat, steps)
+    # The fused kernels (flash attention, the chunked classifier), not yet the defaults.
+    res["train_bf16_fused"] = castor_train(args, exe, cfg_path, corpus, out_dir, "bf16", "none",
+                                           steps, ["--attention", "fused", "--classifier",
+                                                   "fused"], "-fused")
     for precision in ["fp32", "fp16"]:
         res[f"forward_{precision}"] = castor_forward(args, exe, out_dir, precision)
     return res
@@ -415,6 +421,16 @@ def main():
         else:
             lines.append(f"castor {args.castor_device:<9} {precision}          "
                          + ((r.get("stderr") or "").strip().splitlines() or ["did not run"])[-1])
+    fused = cs.get("train_bf16_fused", {})
+    if "tokens_per_s" in fused:
+        mfu = flops_per_token * fused["tokens_per_s"] / H100_BF16_PEAK
+        comp = t.get("bf16_compile", {}).get("tokens_per_s")
+        lines.append(f"castor fused attn+classifier bf16 {fused['ms_per_step']:8.2f}  "
+                     f"{fused['tokens_per_s']:9.0f}  {100 * mfu:5.1f}%  "
+                     f"{fused['tokens_per_s'] / comp if comp else float('nan'):6.2f}x")
+    elif fused:
+        lines.append("castor fused attn+classifier bf16 "
+                     + ((fused.get("stderr") or "").strip().splitlines() or ["did not run"])[-1])
     none, sel = cs.get("train_bf16_none", {}), cs.get("train_bf16_selective", {})
     if "ms_per_step" in none and "ms_per_step" in sel:
         lines.append(f"castor --remat selective bf16    {sel['ms_per_step']:8.2f} ms/step "
