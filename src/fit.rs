@@ -8,7 +8,8 @@
 //! recomputation mode (`--remat selective`, `full`, or a budget of the device's memory), a
 //! smaller micro-batch with gradient accumulation over the same tokens per step, SGD with
 //! momentum instead of AdamW (one moment instead of two), 8-bit AdamW (AdamW's moments in a
-//! byte each), and Adafactor (factored second moments, nearly no state). Each is planned for real (the memory planner's peak, not an
+//! byte each), Adafactor (factored second moments, nearly no state), and the fused classifier
+//! (the LM head's logits a chunk at a time). Each is planned for real (the memory planner's peak, not an
 //! estimate) and ranked by the cost model's step time; when no single change fits, all of
 //! them together are tried, and when even that does not fit the verdict says how much the
 //! persistent state alone needs. When the persistent state without any optimizer state
@@ -17,7 +18,7 @@
 use crate::memory::Executor;
 use crate::report::counted_bytes;
 use crate::CliError;
-use castor_ir::{OptimizerKind, Remat, TrainSettings, TrainingPlan};
+use castor_ir::{Classifier, OptimizerKind, Remat, TrainSettings, TrainingPlan};
 use castor_passes::cost::{GpuSpec, StepCost};
 use castor_passes::memory::Anatomy;
 use std::path::Path;
@@ -235,6 +236,12 @@ pub fn verdict(
             tried.push((flag, t));
         }
     }
+    // The LM head's logits in chunks: the same training, a bounded head.
+    if s.classifier.is_eager() {
+        let mut t = s.clone();
+        t.classifier = Classifier::Fused { chunk_rows: None };
+        tried.push(("--classifier fused".into(), t));
+    }
     // The largest smaller micro-batch that fits, with the accumulation that keeps the tokens
     // per step.
     let mut found: Vec<Candidate> = Vec::new();
@@ -313,12 +320,18 @@ pub fn verdict(
     t.remat = Remat::Full;
     t.grad_accum = s.grad_accum * s.batch;
     t.batch = 1;
+    t.classifier = Classifier::Fused { chunk_rows: None };
     sgd(&mut t);
     let change = format!(
-        "--remat full --batch 1 --grad-accum {}{}",
+        "--remat full --batch 1 --grad-accum {}{}{}",
         t.grad_accum,
         if t.optimizer != s.optimizer {
             " --optimizer sgd"
+        } else {
+            ""
+        },
+        if s.classifier.is_eager() {
+            " --classifier fused"
         } else {
             ""
         }

@@ -474,3 +474,38 @@ fn compile_train_writes_a_report_with_the_verdict() {
         check_layout(&r, false);
     }
 }
+
+/// Where the LM head's logits are what does not fit, the verdict offers the fused classifier:
+/// GPT-2 124M at batch 8 x 1024 in bf16 with fused attention plans 6.83 GB eager and 5.42 GB
+/// with `--classifier fused`, so a 6 GB device takes it.
+#[test]
+fn the_verdict_offers_the_fused_classifier() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gpu = small_gpu(tmp.path(), 6_000_000_000);
+    let o = castor(&[
+        "compile",
+        path_str(&root().join("assets/configs/gpt2-124m.json")),
+        "--train",
+        "--precision",
+        "bf16",
+        "--batch",
+        "8",
+        "--seq",
+        "1024",
+        "--attention",
+        "fused",
+        "--gpu",
+        path_str(&gpu),
+    ]);
+    ok(&o);
+    let out = stdout(&o);
+    assert!(out.contains(": does not fit by "), "{out}");
+    let offer = out
+        .lines()
+        .find(|l| l.contains("--classifier fused "))
+        .unwrap_or_else(|| panic!("no fused-classifier offer in\n{out}"));
+    assert!(
+        offer.contains("planned peak 5,416,732,672 bytes"),
+        "{offer}"
+    );
+}
