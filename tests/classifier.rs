@@ -43,6 +43,13 @@ fn train_tiny(dir: &std::path::Path, mode: &str) -> Vec<f64> {
         path_str(&log),
     ]);
     assert!(o.status.success(), "{mode}: {}", stderr(&o));
+    // The plan line says what the classifier pass did when it was asked for.
+    assert_eq!(
+        stdout(&o).contains("fused the LM head and its cross-entropy"),
+        mode != "eager",
+        "{mode}: {}",
+        stdout(&o)
+    );
     log_losses(&log)
 }
 

@@ -262,8 +262,13 @@ fn plan_summary(plan: &TrainingPlan, reports: &[(&'static str, PassReport)]) -> 
         kernels,
         plan.optimizer_step.num_nodes()
     );
-    if !plan.settings.remat.is_none() {
-        if let Some((_, r)) = reports.iter().find(|(n, _)| *n == "remat") {
+    // The passes a flag asked for say what they did (a fused classifier that stayed eager
+    // says why).
+    for (pass, asked) in [
+        ("classifier", !plan.settings.classifier.is_eager()),
+        ("remat", !plan.settings.remat.is_none()),
+    ] {
+        if let Some((_, r)) = reports.iter().find(|(n, _)| asked && *n == pass) {
             s.push_str("; ");
             s.push_str(&r.summary);
         }
