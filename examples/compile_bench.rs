@@ -92,6 +92,7 @@ fn main() -> anyhow::Result<()> {
                 update_in_backward: false,
                 remat,
                 classifier: castor_ir::Classifier::Eager,
+                epilogues: castor_ir::Epilogues::Eager,
             };
             let (plan, _) = castor::memory::Executor::Cuda
                 .pipeline()

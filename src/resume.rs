@@ -155,7 +155,7 @@ pub fn check_same_model(model: &Path, dir: &Path) -> anyhow::Result<()> {
 }
 
 /// Which flags feed each plan setting.
-const SETTING_FLAGS: [(&str, &[&str]); 15] = [
+const SETTING_FLAGS: [(&str, &[&str]); 16] = [
     ("precision", &["precision"]),
     ("objective", &["objective"]),
     ("batch", &["batch"]),
@@ -195,6 +195,7 @@ const SETTING_FLAGS: [(&str, &[&str]); 15] = [
     ("param_grads_in_compute_dtype", &["param_grads"]),
     ("remat", &["remat"]),
     ("classifier", &["classifier"]),
+    ("epilogues", &["epilogues"]),
 ];
 
 /// `--plan`: the plan decides every setting; a flag that disagrees with it is an error naming

@@ -1,7 +1,7 @@
 //! The training flags `compile --train` and `train` share, and the settings they describe.
 
 use crate::CliError;
-use castor_ir::{Classifier, LossScaling, OptimizerKind, Remat, TrainSettings};
+use castor_ir::{Classifier, Epilogues, LossScaling, OptimizerKind, Remat, TrainSettings};
 use castor_models::{Model, Objective};
 use castor_passes::Precision;
 use serde::{Deserialize, Serialize};
@@ -133,6 +133,18 @@ pub struct TrainingArgs {
     #[arg(long, default_value = "eager", value_name = "MODE", value_parser = parse_classifier)]
     #[serde(default)]
     pub classifier: Classifier,
+    /// Bias adds after products, the tanh GELU that follows them and their gradients:
+    /// `eager` (separate kernels, each rounding its result) or `fused` (in the product's
+    /// accumulator, as cuBLASLt's BIAS, GELU_AUX_BIAS and DGELU_BGRAD epilogues do: one
+    /// rounding, as PyTorch's addmm, and no pass over memory).
+    #[arg(long, default_value = "eager", value_name = "MODE", value_parser = parse_epilogues)]
+    #[serde(default)]
+    pub epilogues: Epilogues,
+}
+
+/// Parses `--epilogues`.
+pub fn parse_epilogues(s: &str) -> Result<Epilogues, String> {
+    s.parse()
 }
 
 /// Parses `--classifier`.
@@ -368,6 +380,7 @@ impl TrainingArgs {
             },
             remat: self.remat,
             classifier: self.classifier,
+            epilogues: self.epilogues,
         })
     }
 }

@@ -150,6 +150,21 @@ const EXTRA_PLANS: &[(&str, &str)] = &[
         "--precision fp16 --classifier fused:5 --remat selective --grad-clip 1",
     ),
     ("qwen2_bias", "--precision fp32 --classifier fused"),
+    // Epilogues: bias, bias + GELU and GELU gradient + bias gradient products (GPT-2), bias
+    // products beside an erf GELU (BERT), transposed weights with q/k/v biases (Qwen2).
+    (
+        "gpt2_lm",
+        "--precision bf16 --epilogues fused --classifier fused",
+    ),
+    (
+        "gpt2_lm",
+        "--precision fp16 --epilogues fused --remat selective --grad-accum 2",
+    ),
+    (
+        "bert_mlm",
+        "--precision bf16 --epilogues fused --remat full",
+    ),
+    ("qwen2_bias", "--precision tf32 --epilogues fused"),
     // Updates inside the backward pass: per-tensor clipping, remat, tied weights.
     (
         "llama_tied",

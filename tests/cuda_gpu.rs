@@ -121,11 +121,13 @@ fn gpu_plans(family: &str) -> Vec<String> {
         out.push(flags);
     }
     out.push("--precision bf16 --attention fused".into());
-    // The choices the remat rows leave out, once each: BF16 moments, 8-bit AdamW, and the
-    // fused classifier in chunks small enough that a fixture's head takes several.
+    // The choices the remat rows leave out, once each: BF16 moments, 8-bit AdamW, the fused
+    // classifier in chunks small enough that a fixture's head takes several, and epilogues.
     out.push("--precision bf16 --optimizer-state bf16".into());
     out.push("--precision bf16 --optimizer adamw8bit".into());
     out.push("--precision bf16 --classifier fused:5".into());
+    // cuBLASLt's epilogues (bias, bias + GELU, GELU gradient + bias gradient).
+    out.push("--precision bf16 --epilogues fused".into());
     out
 }
 

@@ -35,6 +35,7 @@ fn settings(precision: Precision, loss_scaling: LossScaling) -> TrainSettings {
         update_in_backward: false,
         remat: Remat::None,
         classifier: castor_ir::Classifier::Eager,
+        epilogues: castor_ir::Epilogues::Eager,
     }
 }
 

@@ -72,6 +72,7 @@ fn try_plan(
         update_in_backward: false,
         remat,
         classifier: castor_ir::Classifier::Eager,
+        epilogues: castor_ir::Epilogues::Eager,
     };
     castor::memory::Executor::Cuda
         .pipeline()

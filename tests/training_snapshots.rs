@@ -32,6 +32,15 @@ fn fp16_dynamic_loss_scaling_plan() {
     plan_snapshot("train_fp16_dynamic", &["--precision", "fp16"]);
 }
 
+/// Bias add, GELU and their gradients in the products' epilogues (one rounding each).
+#[test]
+fn bf16_epilogues_plan() {
+    plan_snapshot(
+        "train_bf16_epilogues",
+        &["--precision", "bf16", "--epilogues", "fused"],
+    );
+}
+
 #[test]
 fn every_optimizer_option() {
     plan_snapshot(

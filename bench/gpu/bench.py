@@ -18,7 +18,7 @@ Measures, in order, on one machine:
    castor's planned peak for each --remat mode (from `castor compile --train`).
 5. castor's side of every row, where its CUDA executor can run (`castor ... --device cuda`):
    steady-state ms/step and tokens/s (bf16, fp16, bf16 with --remat selective, and bf16 with
-   --attention fused --classifier fused), the
+   --attention fused --classifier fused --epilogues fused), the
    device time of the optimizer step, the device memory castor allocated beside its planned
    peak, and the forward at one ~150-token sequence in F32 and F16. When castor cannot run a
    row, the row says why, nothing is made up, and --require-castor makes the exit status
@@ -313,10 +313,11 @@ def castor_side(args, out_dir):
     for precision, remat in [("bf16", "none"), ("fp16", "none"), ("bf16", "selective")]:
         res[f"train_{precision}_{remat}"] = castor_train(args, exe, cfg_path, corpus, out_dir,
                                                          precision, remat, steps)
-    # The fused kernels (flash attention, the chunked classifier), not yet the defaults.
+    # The fused kernels (flash attention, the chunked classifier, cuBLASLt epilogues), not
+    # yet the defaults.
     res["train_bf16_fused"] = castor_train(args, exe, cfg_path, corpus, out_dir, "bf16", "none",
                                            steps, ["--attention", "fused", "--classifier",
-                                                   "fused"], "-fused")
+                                                   "fused", "--epilogues", "fused"], "-fused")
     for precision in ["fp32", "fp16"]:
         res[f"forward_{precision}"] = castor_forward(args, exe, out_dir, precision)
     return res
@@ -425,11 +426,11 @@ def main():
     if "tokens_per_s" in fused:
         mfu = flops_per_token * fused["tokens_per_s"] / H100_BF16_PEAK
         comp = t.get("bf16_compile", {}).get("tokens_per_s")
-        lines.append(f"castor fused attn+classifier bf16 {fused['ms_per_step']:8.2f}  "
+        lines.append(f"castor fused attn+cls+epilogues  {fused['ms_per_step']:8.2f}  "
                      f"{fused['tokens_per_s']:9.0f}  {100 * mfu:5.1f}%  "
                      f"{fused['tokens_per_s'] / comp if comp else float('nan'):6.2f}x")
     elif fused:
-        lines.append("castor fused attn+classifier bf16 "
+        lines.append("castor fused attn+cls+epilogues  "
                      + ((fused.get("stderr") or "").strip().splitlines() or ["did not run"])[-1])
     none, sel = cs.get("train_bf16_none", {}), cs.get("train_bf16_selective", {})
     if "ms_per_step" in none and "ms_per_step" in sel:

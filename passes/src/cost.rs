@@ -129,15 +129,17 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
     let out = node.outputs.first().map_or(0.0, |&v| numel(g, v));
     let in0 = node.inputs.first().map_or(0.0, |&v| numel(g, v));
     match &node.op {
-        Op::MatMul { transpose_a, .. } => {
-            let a = g.ty(node.inputs[0]).shape.dims();
-            let k = match (a.len(), transpose_a) {
-                (0, _) => 1,
-                (1, _) => a[0],
-                (n, false) => a[n - 1],
-                (n, true) => a[n - 2],
-            };
-            2.0 * out * k as f64
+        Op::MatMul { transpose_a, .. } => 2.0 * out * product_depth(g, node, *transpose_a),
+        // The product, then per element the bias add (and the GELU or its gradient, as the
+        // separate ops count it; the bias gradient's sum one more).
+        Op::MatMulBias { transpose_a, .. } => {
+            (2.0 * product_depth(g, node, *transpose_a) + 1.0) * out
+        }
+        Op::MatMulBiasGelu { transpose_a, .. } => {
+            (2.0 * product_depth(g, node, *transpose_a) + 11.0) * out
+        }
+        Op::MatMulGeluGrad { transpose_a, .. } => {
+            (2.0 * product_depth(g, node, *transpose_a) + 21.0) * out
         }
         // The head's product (and, for the gradient, its recomputation and the two gradient
         // products) plus the cross-entropy's few operations per logit.
@@ -223,6 +225,17 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         | Op::Pad { .. }
         | Op::BroadcastTo { .. } => 0.0,
     }
+}
+
+/// The inner dimension of a product node's `matmul`: each output element's multiply-adds.
+fn product_depth(g: &Graph, node: &NodeData, transpose_a: bool) -> f64 {
+    let a = g.ty(node.inputs[0]).shape.dims();
+    (match (a.len(), transpose_a) {
+        (0, _) => 1,
+        (1, _) => a[0],
+        (n, false) => a[n - 1],
+        (n, true) => a[n - 2],
+    }) as f64
 }
 
 /// The (query, key) pairs an attention computes: all `T x S`, or under a causal mask those

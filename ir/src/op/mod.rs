@@ -119,6 +119,24 @@ define_ops! {
     /// swap the last two dims of an operand first.
     MatMul { transpose_a: bool, transpose_b: bool } => "matmul", class Contraction,
         arity (2, 2), typing typing::matmul(inputs, *transpose_a, *transpose_b);
+    /// A product with a bias-add epilogue (cuBLASLt's `BIAS`): `(a [.., M, K], b [K, N],
+    /// bias [N]) -> [.., M, N]`, `op(a)·op(b) + bias` with the bias added to the F32
+    /// accumulator and the sum rounded once, as PyTorch's `addmm` stores it.
+    MatMulBias { transpose_a: bool, transpose_b: bool } => "matmul_bias", class Contraction,
+        arity (3, 3), typing typing::matmul_bias(inputs, *transpose_a, *transpose_b, 1);
+    /// A product with a bias + tanh-GELU epilogue (cuBLASLt's `GELU_AUX_BIAS`): `(a, b, bias)
+    /// -> (pre, out)`, both `[.., M, N]`: `pre` is `op(a)·op(b) + bias` rounded once (kept for
+    /// the backward), `out` is `gelu_tanh` of the unrounded sum, rounded once.
+    MatMulBiasGelu { transpose_a: bool, transpose_b: bool } => "matmul_bias_gelu",
+        class Contraction, arity (3, 3),
+        typing typing::matmul_bias(inputs, *transpose_a, *transpose_b, 2);
+    /// A product with the tanh-GELU gradient and bias-gradient epilogue (cuBLASLt's
+    /// `DGELU_BGRAD`): `(dy [.., M, K], w [K, N], pre [.., M, N]) -> (dpre [.., M, N], dbias [N]
+    /// f32)`: `dpre` is `gelu_tanh_grad(pre, op(dy)·op(w))` on the unrounded product, rounded
+    /// once; `dbias` sums the stored `dpre` over every row, as the separate `sum` would.
+    MatMulGeluGrad { transpose_a: bool, transpose_b: bool } => "matmul_gelu_grad",
+        class Contraction, arity (3, 3),
+        typing typing::matmul_gelu_grad(inputs, *transpose_a, *transpose_b);
     Unary(u: UnaryOp) => family name, class u.class(), arity (1, 1),
         typing typing::pointwise(inputs);
     Binary(b: BinaryOp) => family name, class Elementwise, arity (2, 2),
@@ -399,6 +417,18 @@ mod tests {
             Op::MatMul {
                 transpose_a: true,
                 transpose_b: false,
+            },
+            Op::MatMulBias {
+                transpose_a: false,
+                transpose_b: true,
+            },
+            Op::MatMulBiasGelu {
+                transpose_a: false,
+                transpose_b: false,
+            },
+            Op::MatMulGeluGrad {
+                transpose_a: false,
+                transpose_b: true,
             },
             Op::Unary(UnaryOp::GeluErf),
             Op::UnaryGrad(UnaryOp::Silu),

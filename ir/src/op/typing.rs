@@ -341,6 +341,64 @@ pub fn matmul(inputs: &[&TensorType], transpose_a: bool, transpose_b: bool) -> T
     one(TensorType::new(a.dtype, batch))
 }
 
+/// `(a, b [K, N], bias [N]) -> outputs x [.., M, N]`: a product by a matrix (a weight) whose
+/// bias has one value per output column, of the operands' dtype.
+pub fn matmul_bias(
+    inputs: &[&TensorType],
+    transpose_a: bool,
+    transpose_b: bool,
+    outputs: usize,
+) -> Types {
+    let out = epilogue_product(inputs, transpose_a, transpose_b)?;
+    let bias = inputs[2];
+    let n = out.shape.dims()[out.shape.rank() - 1];
+    // The bias has the stored result's type: the operands' or, for a product that writes
+    // F32 from 16-bit operands, F32.
+    if !(bias.dtype == out.dtype || bias.dtype == DType::F32) || bias.shape.dims() != [n] {
+        return Err(format!(
+            "the bias must be {}[{n}] or f32[{n}] (one value per output column), found {bias}",
+            out.dtype
+        ));
+    }
+    Ok(vec![out; outputs])
+}
+
+/// `(dy, w [K, N], pre [.., M, N]) -> (dpre like pre, dbias [N] f32)`.
+pub fn matmul_gelu_grad(inputs: &[&TensorType], transpose_a: bool, transpose_b: bool) -> Types {
+    let out = epilogue_product(inputs, transpose_a, transpose_b)?;
+    let pre = inputs[2];
+    if pre.shape != out.shape || !pre.dtype.is_float() {
+        return Err(format!(
+            "the GELU input must be a float tensor of the product's shape {}, found {pre}",
+            out.shape
+        ));
+    }
+    let n = out.shape.dims()[out.shape.rank() - 1];
+    Ok(vec![
+        pre.clone(),
+        TensorType::new(DType::F32, Shape(vec![n])),
+    ])
+}
+
+/// The product of an epilogue op: `b` a matrix (the epilogue's vector runs along its
+/// columns), `a` not transposed so its leading dims are rows of one product.
+fn epilogue_product(
+    inputs: &[&TensorType],
+    transpose_a: bool,
+    transpose_b: bool,
+) -> Result<TensorType, String> {
+    if inputs[1].shape.rank() != 2 || transpose_a {
+        return Err(format!(
+            "an epilogue product multiplies rows by a matrix: lhs not transposed, rhs 2-D, found {}{} and {}",
+            inputs[0].shape,
+            if transpose_a { " (transposed)" } else { "" },
+            inputs[1].shape
+        ));
+    }
+    let mut out = matmul(&inputs[..2], transpose_a, transpose_b)?;
+    Ok(out.remove(0))
+}
+
 /// `(x [.., H], weight [H][, bias [H]]) -> like x`.
 pub fn norm(inputs: &[&TensorType]) -> Types {
     let x = inputs[0];

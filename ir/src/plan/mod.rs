@@ -19,7 +19,7 @@ mod control;
 mod settings;
 
 pub use control::{ControlState, GRAD_NORM, LEARNING_RATE};
-pub use settings::{Classifier, LossScaling, OptimizerKind, Remat, TrainSettings};
+pub use settings::{Classifier, Epilogues, LossScaling, OptimizerKind, Remat, TrainSettings};
 
 use crate::{text, DType, Graph, IrError, KernelUnit, Shape, TensorType};
 use serde::{Deserialize, Serialize};

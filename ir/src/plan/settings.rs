@@ -40,6 +40,48 @@ pub struct TrainSettings {
     /// Whether the LM head's product and the cross-entropy run as one chunked op.
     #[serde(default, skip_serializing_if = "Classifier::is_eager")]
     pub classifier: Classifier,
+    /// Whether bias adds, GELUs and bias gradients run in their products' epilogues.
+    #[serde(default, skip_serializing_if = "Epilogues::is_eager")]
+    pub epilogues: Epilogues,
+}
+
+/// Where the work that follows a product by a weight runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Epilogues {
+    /// Bias adds, GELUs and bias gradients as their own kernels (each rounds its result).
+    #[default]
+    Eager,
+    /// In the product's accumulator, as cuBLASLt's epilogues: one rounding, no pass over
+    /// memory.
+    Fused,
+}
+
+impl Epilogues {
+    pub fn is_eager(&self) -> bool {
+        *self == Epilogues::Eager
+    }
+}
+
+impl std::str::FromStr for Epilogues {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Epilogues, String> {
+        match s.trim() {
+            "eager" => Ok(Epilogues::Eager),
+            "fused" => Ok(Epilogues::Fused),
+            other => Err(format!("`{other}`: expected eager or fused")),
+        }
+    }
+}
+
+impl std::fmt::Display for Epilogues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Epilogues::Eager => "eager",
+            Epilogues::Fused => "fused",
+        })
+    }
 }
 
 /// How the LM head's product and its cross-entropy run.

@@ -6,6 +6,8 @@
 //!    under `--classifier fused` (`classifier.rs`);
 //! 1. `autodiff` appends the backward pass, seeded with `loss_scale / grad_accum` (so gradients
 //!    come out scaled, and averaged over micro-batches);
+//!    Then `epilogue` moves bias adds, GELUs and bias gradients into their products'
+//!    epilogues under `--epilogues fused` (`epilogue.rs`);
 //! 2. `accumulate` writes each trainable parameter's F32 gradient into its `grad.<name>` state
 //!    (added to it when gradients accumulate over several micro-batches);
 //! 3. `optimizer` builds the state table (masters, working copies, gradients, moments, control)
@@ -25,6 +27,7 @@
 //! named pass (`--dump-after`); the finished plan is checked against its contract.
 
 mod classifier;
+mod epilogue;
 mod gradients;
 mod in_backward;
 mod optimizer;
@@ -39,7 +42,9 @@ use wildmatch::WildMatch;
 /// parameters' roles decided from the settings.
 pub struct PlanBuild {
     pub plan: TrainingPlan,
-    /// The precision-assigned loss graph (the micro step's first `plan.forward_nodes` nodes).
+    /// The precision-assigned loss graph: the micro step's first `plan.forward_nodes` nodes
+    /// until `epilogue` fuses some of them; its sources (parameters, copies) stay the micro
+    /// step's.
     pub forward: Graph,
     /// Every parameter of the loss graph, in order.
     params: Vec<Value>,
@@ -121,11 +126,12 @@ pub struct TrainingOutput {
 }
 
 impl Default for TrainingPipeline {
-    /// classifier, autodiff, accumulate, optimizer, remat, fusion.
+    /// classifier, autodiff, epilogue, accumulate, optimizer, remat, fusion.
     fn default() -> Self {
         TrainingPipeline::new(vec![
             Box::new(classifier::FuseClassifier),
             Box::new(gradients::Differentiate),
+            Box::new(epilogue::FuseEpilogues),
             Box::new(gradients::Accumulate),
             Box::new(optimizer::OptimizerStep),
             Box::new(Rematerialize),
@@ -400,6 +406,7 @@ mod tests {
             update_in_backward: false,
             remat: Remat::None,
             classifier: castor_ir::Classifier::Eager,
+            epilogues: castor_ir::Epilogues::Eager,
         }
     }
 

@@ -4,8 +4,8 @@
 
 use super::operand::{Args, Storage};
 use super::{
-    adafactor, adamw8bit, attention, cast, classifier, elementwise, embedding, layout, loss,
-    matmul, norm, optimizer, pool, reduce, rope, softmax,
+    adafactor, adamw8bit, attention, cast, classifier, elementwise, embedding, epilogue, layout,
+    loss, matmul, norm, optimizer, pool, reduce, rope, softmax,
 };
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
@@ -191,26 +191,39 @@ pub fn execute(
         Op::MatMul {
             transpose_a,
             transpose_b,
+        } => float(args, product(args, acc, out, *transpose_a, *transpose_b)?)?,
+        Op::MatMulBias {
+            transpose_a,
+            transpose_b,
         } => {
-            // TF32 contractions see their operands rounded to TF32, as tensor cores do.
-            let tf32 = acc == Some(Accum::Tf32);
-            let (a_tf32, b_tf32) = if tf32 {
-                (to_tf32(args.f32(0)?), to_tf32(args.f32(1)?))
-            } else {
-                (Vec::new(), Vec::new())
-            };
-            let a = matmul::Operand {
-                data: if tf32 { &a_tf32 } else { args.f32(0)? },
-                shape: args.shape(0)?,
-                transpose: *transpose_a,
-            };
-            let b = matmul::Operand {
-                data: if tf32 { &b_tf32 } else { args.f32(1)? },
-                shape: args.shape(1)?,
-                transpose: *transpose_b,
-            };
-            let product = matmul::matmul(&a, &b, out.shape.dims());
-            float(args, product)?
+            let mut sum = product(args, acc, out, *transpose_a, *transpose_b)?;
+            epilogue::add_bias(&mut sum, args.f32(2)?);
+            float(args, sum)?
+        }
+        Op::MatMulBiasGelu {
+            transpose_a,
+            transpose_b,
+        } => {
+            let mut pre = product(args, acc, out, *transpose_a, *transpose_b)?;
+            let act = epilogue::bias_gelu(&mut pre, args.f32(2)?);
+            return [pre, act]
+                .into_iter()
+                .zip(outs)
+                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+                .collect();
+        }
+        Op::MatMulGeluGrad {
+            transpose_a,
+            transpose_b,
+        } => {
+            let mut grad = product(args, acc, out, *transpose_a, *transpose_b)?;
+            let n = outs[1].shape.numel().unwrap_or(0);
+            let dbias = epilogue::gelu_grad_bias(&mut grad, args.f32(2)?, n, out.dtype);
+            return [grad, dbias]
+                .into_iter()
+                .zip(outs)
+                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+                .collect();
         }
         Op::Unary(u) => {
             let mut x = args.take_f32(0)?;
@@ -480,6 +493,34 @@ fn scalar(args: &Args, i: usize) -> Result<f32, RuntimeError> {
 }
 
 /// The scalars `(lr, step, scale, grad_norm)` that follow an optimizer op's buffers.
+/// The F32 product `op(a) · op(b)` of operands 0 and 1, unrounded (TF32 contractions see
+/// their operands rounded to TF32, as tensor cores do).
+fn product(
+    args: &Args,
+    acc: Option<Accum>,
+    out: &TensorType,
+    transpose_a: bool,
+    transpose_b: bool,
+) -> Result<Vec<f32>, RuntimeError> {
+    let tf32 = acc == Some(Accum::Tf32);
+    let (a_tf32, b_tf32) = if tf32 {
+        (to_tf32(args.f32(0)?), to_tf32(args.f32(1)?))
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let a = matmul::Operand {
+        data: if tf32 { &a_tf32 } else { args.f32(0)? },
+        shape: args.shape(0)?,
+        transpose: transpose_a,
+    };
+    let b = matmul::Operand {
+        data: if tf32 { &b_tf32 } else { args.f32(1)? },
+        shape: args.shape(1)?,
+        transpose: transpose_b,
+    };
+    Ok(matmul::matmul(&a, &b, out.shape.dims()))
+}
+
 /// A classifier op's operands: hidden `[N, C]`, weight `[V, C]`, labels `[N]`.
 fn classifier_problem<'a>(
     args: &'a Args,

@@ -19,6 +19,7 @@ pub(crate) mod classifier;
 mod dispatch;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
+pub(crate) mod epilogue;
 pub(crate) mod layout;
 pub(crate) mod loss;
 pub(crate) mod math;

@@ -263,9 +263,118 @@ pub struct Gemm {
     /// `C += op(A) op(B)` (cuBLAS's beta = 1) instead of `C = op(A) op(B)`: a product summed
     /// over chunks (the fused classifier's weight gradient).
     pub accumulate: bool,
+    /// What the product does in its accumulator before storing C (a cuBLASLt epilogue).
+    pub epilogue: Epilogue,
+}
+
+/// A cuBLASLt epilogue: work done on the F32 accumulator of a single product (`batch` 1)
+/// before C is stored, so it costs no pass over memory and C is rounded once. Vectors hold
+/// one value per row of C in cuBLAS's column-major terms (`m` values: one per output column
+/// of the IR's row-major product); the auxiliary matrix has C's shape, type and `ldc`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Epilogue {
+    /// `C = acc`.
+    #[default]
+    None,
+    /// `C = acc + bias` (`BIAS`; the bias in C's type).
+    Bias { bias: Place },
+    /// `aux = acc + bias`, `C = gelu_tanh(acc + bias)` (`GELU_AUX_BIAS`).
+    BiasGelu { bias: Place, aux: Place },
+    /// `C = gelu_tanh'(aux) · acc`, `bias_grad` (F32) = the sum of each row of C as stored
+    /// (`DGELU_BGRAD`).
+    GeluGradBias { aux: Place, bias_grad: Place },
+}
+
+/// How an epilogue buffer is used.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EpilogueUse {
+    /// A vector of `m` values (bias or bias gradient).
+    Vector,
+    /// A matrix shaped and laid out as C.
+    Matrix,
+}
+
+impl Epilogue {
+    /// Its buffers: name, place, shape, element type, written (else read).
+    pub fn buffers(&self, c_dtype: DType) -> Vec<(&'static str, Place, EpilogueUse, DType, bool)> {
+        match *self {
+            Epilogue::None => vec![],
+            Epilogue::Bias { bias } => vec![("bias", bias, EpilogueUse::Vector, c_dtype, false)],
+            Epilogue::BiasGelu { bias, aux } => vec![
+                ("bias", bias, EpilogueUse::Vector, c_dtype, false),
+                ("aux", aux, EpilogueUse::Matrix, c_dtype, true),
+            ],
+            Epilogue::GeluGradBias { aux, bias_grad } => vec![
+                ("aux", aux, EpilogueUse::Matrix, c_dtype, false),
+                (
+                    "bias_grad",
+                    bias_grad,
+                    EpilogueUse::Vector,
+                    DType::F32,
+                    true,
+                ),
+            ],
+        }
+    }
+
+    /// The same epilogue with every place mapped by `f`.
+    pub fn map(self, f: &dyn Fn(Place) -> Place) -> Epilogue {
+        match self {
+            Epilogue::None => Epilogue::None,
+            Epilogue::Bias { bias } => Epilogue::Bias { bias: f(bias) },
+            Epilogue::BiasGelu { bias, aux } => Epilogue::BiasGelu {
+                bias: f(bias),
+                aux: f(aux),
+            },
+            Epilogue::GeluGradBias { aux, bias_grad } => Epilogue::GeluGradBias {
+                aux: f(aux),
+                bias_grad: f(bias_grad),
+            },
+        }
+    }
+
+    /// cuBLASLt's name for it, as the listing prints it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Epilogue::None => "default",
+            Epilogue::Bias { .. } => "bias",
+            Epilogue::BiasGelu { .. } => "gelu_aux_bias",
+            Epilogue::GeluGradBias { .. } => "dgelu_bgrad",
+        }
+    }
 }
 
 impl Gemm {
+    /// The epilogue's buffers with their extents in bytes, or why cuBLASLt refuses them: an
+    /// epilogue needs a single product (`batch` 1) that overwrites C.
+    pub fn epilogue_extents(&self) -> Result<Vec<(&'static str, Place, u64, bool)>, String> {
+        if self.epilogue == Epilogue::None {
+            return Ok(vec![]);
+        }
+        if self.batch != 1 || self.accumulate {
+            return Err(format!(
+                "the {} epilogue needs one product that overwrites C (batch {}, accumulate {})",
+                self.epilogue.name(),
+                self.batch,
+                self.accumulate
+            ));
+        }
+        let (m, n) = (self.m.max(0) as u64, self.n.max(0) as u64);
+        Ok(self
+            .epilogue
+            .buffers(self.c_dtype)
+            .into_iter()
+            .map(|(name, place, usage, dtype, written)| {
+                let elems = match usage {
+                    EpilogueUse::Vector => m,
+                    EpilogueUse::Matrix if m * n == 0 => 0,
+                    EpilogueUse::Matrix => (n - 1) * self.ldc.max(0) as u64 + m,
+                };
+                (name, place, elems * dtype.size_bytes() as u64, written)
+            })
+            .collect())
+    }
+
     /// The operands' extents in bytes, `(a, b, c)` from their places in column-major terms,
     /// or why cuBLAS refuses the call: `cublasGemmEx`'s type table for the 32-bit compute
     /// types (A and B of one type, C of that type or F32, F32 operands only into F32, TF32
@@ -596,7 +705,7 @@ impl Command {
             ),
             Command::Gemm(g) => format!(
                 "gemm {}{} x {}{} -> {} m={} n={} k={} batch={} A={} lda={} sA={} B={} ldb={} \
-                 sB={} C={} ldc={} sC={} {}  # %{}",
+                 sB={} C={} ldc={} sC={} {}{}  # %{}",
                 g.a_dtype.name(),
                 if g.transa { "ᵀ" } else { "" },
                 g.b_dtype.name(),
@@ -618,6 +727,18 @@ impl Command {
                 match g.compute {
                     GemmCompute::F32 => "f32",
                     GemmCompute::Tf32 => "tf32",
+                },
+                match g.epilogue {
+                    Epilogue::None => String::new(),
+                    e => format!(
+                        " epilogue={}({})",
+                        e.name(),
+                        e.buffers(g.c_dtype)
+                            .iter()
+                            .map(|(name, p, ..)| format!("{name}={}", p.short()))
+                            .collect::<Vec<_>>()
+                            .join(" ")
+                    ),
                 },
                 g.node
             ),

@@ -13,7 +13,7 @@
 use super::lower::{layout_views, lower_plan, unit_schedule, LowerError, Storage};
 use super::lower::{MICRO_STEP, OPTIMIZER_STEP};
 use super::program::Program;
-use castor_ir::{Graph, OpClass, TrainingPlan, Value};
+use castor_ir::{Graph, Op, OpClass, TrainingPlan, Value};
 use castor_passes::cost::{node_flops, GpuSpec, StepCost};
 use castor_passes::fusion::UnitSchedule;
 use std::collections::{HashMap, HashSet};
@@ -131,7 +131,9 @@ pub(crate) fn run_roofline(
     let mut writes: Vec<HashSet<Value>> = vec![HashSet::new(); n];
     let mut works = vec![false; n];
     for (node_id, node) in g.nodes() {
-        if node.op.is_source() {
+        // Working copies are state: the prologue fills them and the optimizer's update
+        // rewrites them, so a run reads them as it reads any other state.
+        if node.op.is_source() || matches!(node.op, Op::ParamCopy { .. }) {
             continue;
         }
         let u = units.step_of[node_id.index()];

@@ -545,7 +545,14 @@ fn run_reads_slot(program: &Program, run: usize, slot: usize) -> bool {
     let hit = |p: &Place| matches!(p, Place::Slot { slot: s, .. } if *s == slot);
     program.runs[run].commands.iter().any(|c| match c {
         Command::Launch(l) => l.args.iter().any(|a| matches!(a, Arg::Ptr(p) if hit(p))),
-        Command::Gemm(g) => hit(&g.a) || hit(&g.b),
+        Command::Gemm(g) => {
+            hit(&g.a)
+                || hit(&g.b)
+                || g.epilogue
+                    .buffers(g.c_dtype)
+                    .iter()
+                    .any(|(_, p, _, _, written)| !written && hit(p))
+        }
         Command::Copy { src, .. } => hit(src),
         Command::Memset { .. } => false,
     }) || program

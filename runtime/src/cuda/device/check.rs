@@ -172,6 +172,9 @@ pub(super) fn check_program(program: &Program) -> Result<(), CudaError> {
                     for (p, bytes) in [(g.a, a), (g.b, b), (g.c, c)] {
                         ext.check(p, bytes).map_err(|why| bad(&at, why))?;
                     }
+                    for (_, p, bytes, _) in g.epilogue_extents().map_err(|why| bad(&at, why))? {
+                        ext.check(p, bytes).map_err(|why| bad(&at, why))?;
+                    }
                 }
                 Command::Copy { dst, src, bytes } => {
                     let at = at("copy");

@@ -5,7 +5,7 @@ use super::args::{arg_bytes, to_words};
 use super::check::gemm_params;
 use super::load::Loaded;
 use super::{blas, blas_check, blas_sys, drv, CudaError};
-use crate::cuda::program::{Command, Gemm, Launch, Place};
+use crate::cuda::program::{Command, Epilogue, Gemm, Launch, Place};
 use cudarc::driver::result as cu;
 use std::ffi::c_void;
 
@@ -174,6 +174,9 @@ impl Loaded {
 
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
         let p = gemm_params(g)?;
+        if g.epilogue != Epilogue::None {
+            return self.gemm_lt(g, &p);
+        }
         let op = |t: bool| {
             if t {
                 blas_sys::cublasOperation_t::CUBLAS_OP_T

@@ -30,6 +30,7 @@ mod check;
 mod host;
 mod issue;
 mod load;
+mod lt;
 mod open;
 mod staging;
 #[cfg(test)]
@@ -63,8 +64,8 @@ pub enum CudaError {
     #[error("no usable CUDA device: {0}")]
     NoCuda(#[from] NoCuda),
     #[error(
-        "cuBLAS not found: no libcublas.so.13 (nor libcublas.so) could be loaded; install the \
-         CUDA 13 toolkit or `pip install \"nvidia-cublas==13.*\"` and put its lib folder on \
+        "cuBLAS not found: libcublas.so.13 and libcublasLt.so.13 (or their unversioned \
+         names) must both load; install the CUDA 13 toolkit or `pip install \"nvidia-cublas==13.*\"` and put its lib folder on \
          LD_LIBRARY_PATH"
     )]
     NoCublas,

@@ -1,6 +1,7 @@
 //! Opening the GPU: the driver, cuBLAS and NVRTC libraries, a context, one stream and one
 //! cuBLAS handle.
 
+use super::lt::LtHandle;
 use super::{blas, blas_check, blas_sys, drv, CudaError, NoCuda};
 use castor_kernels::{KernelCache, Nvrtc};
 use cudarc::driver::result as cu;
@@ -21,8 +22,9 @@ impl Drop for BlasHandle {
 
 /// What a [`Device`] and the programs loaded on it share.
 pub(super) struct Inner {
-    // Fields drop in order: the cuBLAS handle, then the stream, then the context.
+    // Fields drop in order: the cuBLAS handles, then the stream, then the context.
     pub(super) blas: BlasHandle,
+    pub(super) lt: LtHandle,
     pub(super) stream: Arc<CudaStream>,
     pub(super) ctx: Arc<CudaContext>,
     pub(super) nvrtc: &'static Nvrtc,
@@ -77,6 +79,10 @@ impl Device {
         }
         // SAFETY: as above, for cuBLAS.
         if !unsafe { blas_sys::is_culib_present() } {
+            return Err(CudaError::NoCublas);
+        }
+        // SAFETY: as above, for cuBLASLt (products with epilogues).
+        if !unsafe { cudarc::cublaslt::sys::is_culib_present() } {
             return Err(CudaError::NoCublas);
         }
         if probe.driver_version < 13000 {
@@ -150,6 +156,7 @@ impl Device {
         Ok(Device {
             inner: Rc::new(Inner {
                 blas: handle,
+                lt: LtHandle::create()?,
                 stream,
                 ctx,
                 nvrtc,

@@ -121,6 +121,7 @@ fn gemm(m: i32, n: i32, k: i32) -> Gemm {
         batch: 1,
         compute: GemmCompute::F32,
         accumulate: false,
+        epilogue: Default::default(),
     }
 }
 
@@ -375,6 +376,7 @@ if (k < n) x[k] *= by;
         batch: 1,
         compute: GemmCompute::F32,
         accumulate: false,
+        epilogue: Default::default(),
     };
     let program = Program {
         modules: vec![Module {

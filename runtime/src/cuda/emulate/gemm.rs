@@ -5,8 +5,9 @@
 
 use super::memory::{check_uses, use_, Io, Mem, Ptr};
 use super::R;
+use crate::cpu::epilogue;
 use crate::cpu::matmul::{matmul, Operand};
-use crate::cuda::program::{Gemm, GemmCompute};
+use crate::cuda::program::{Epilogue, Gemm, GemmCompute, Place};
 use castor_ir::{round_tf32, DType};
 
 /// `C[i] = op(A[i]) · op(B[i])` in column-major terms: the CPU executor's product of the
@@ -21,21 +22,24 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
     }
     let (pa, pb, pc) = (m.place(g.a), m.place(g.b), m.place(g.c));
     let (ea, ec) = (g.a_dtype.size_bytes(), g.c_dtype.size_bytes());
-    check_uses(
-        m,
-        &[
-            use_("A", Some(pa), ea_bytes, ea, Io::R),
-            use_("B", Some(pb), eb_bytes, ea, Io::R),
-            use_(
-                "C",
-                Some(pc),
-                ec_bytes,
-                ec,
-                if g.accumulate { Io::Rw } else { Io::W },
-            ),
-        ],
-        &[],
-    )?;
+    let extras = g.epilogue_extents()?;
+    let mut uses = vec![
+        use_("A", Some(pa), ea_bytes, ea, Io::R),
+        use_("B", Some(pb), eb_bytes, ea, Io::R),
+        use_(
+            "C",
+            Some(pc),
+            ec_bytes,
+            ec,
+            if g.accumulate { Io::Rw } else { Io::W },
+        ),
+    ];
+    for &(name, place, bytes, written) in &extras {
+        let size = if name == "bias_grad" { 4 } else { ec };
+        let io = if written { Io::W } else { Io::R };
+        uses.push(use_(name, Some(m.place(place)), bytes, size, io));
+    }
+    check_uses(m, &uses, &[])?;
     let tf32 = g.compute == GemmCompute::Tf32;
     let load = |m: &Mem, p: Ptr, i: i64, d: DType| -> R<f32> {
         let v = m.f(p, i, d)?;
@@ -88,6 +92,44 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
             transpose: g.transa,
         };
         out.extend(matmul(&l, &r, &[rows, mu]));
+    }
+    // The epilogue, on the F32 product of the single entry (row-major [n, m] here).
+    let vector = |m: &Mem, p: Place, d: DType| -> R<Vec<f32>> {
+        let p = m.place(p);
+        (0..mu as i64).map(|i| m.f(p, i, d)).collect()
+    };
+    let matrix = |m: &Mem, p: Place| -> R<Vec<f32>> {
+        let p = m.place(p);
+        let mut v = Vec::with_capacity(nu * mu);
+        for j in 0..nu as i64 {
+            for i in 0..mu as i64 {
+                v.push(m.f(p, i + j * g.ldc, g.c_dtype)?);
+            }
+        }
+        Ok(v)
+    };
+    match g.epilogue {
+        Epilogue::None => {}
+        Epilogue::Bias { bias } => epilogue::add_bias(&mut out, &vector(m, bias, g.c_dtype)?),
+        Epilogue::BiasGelu { bias, aux } => {
+            let act = epilogue::bias_gelu(&mut out, &vector(m, bias, g.c_dtype)?);
+            let pa = m.place(aux);
+            for j in 0..nu {
+                for i in 0..mu {
+                    let at = i as i64 + j as i64 * g.ldc;
+                    m.set_f(pa, at, g.c_dtype, out[j * mu + i])?;
+                }
+            }
+            out = act;
+        }
+        Epilogue::GeluGradBias { aux, bias_grad } => {
+            let pre = matrix(m, aux)?;
+            let db = epilogue::gelu_grad_bias(&mut out, &pre, mu, g.c_dtype);
+            let pg = m.place(bias_grad);
+            for (i, v) in db.into_iter().enumerate() {
+                m.set_f(pg, i as i64, DType::F32, v)?;
+            }
+        }
     }
     for b in 0..batch as usize {
         let co = b as i64 * g.stride_c;

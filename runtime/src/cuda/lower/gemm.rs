@@ -7,7 +7,7 @@
 //! other operand's stride is 0; a plain `x @ W` with `x [.., M, K]` folds the batch into `M`,
 //! one large product).
 
-use super::super::program::{Gemm, GemmCompute, Place};
+use super::super::program::{Epilogue, Gemm, GemmCompute, Place};
 use castor_ir::{DType, Shape};
 
 /// The product `out = op(a) · op(b)` as one or more cuBLAS calls, or why cuBLAS cannot run
@@ -178,6 +178,7 @@ pub fn matmul(
                 GemmCompute::F32
             },
             accumulate: false,
+            epilogue: Epilogue::None,
         });
     }
     Ok(gemms)

@@ -867,6 +867,7 @@ fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
             gm.a = f(gm.a);
             gm.b = f(gm.b);
             gm.c = f(gm.c);
+            gm.epilogue = gm.epilogue.map(f);
         }
         Command::Copy { dst, src, .. } => {
             *dst = f(*dst);

@@ -3,7 +3,7 @@
 //! `reduce.rs`, `layout.rs`, `loss_scale.rs`, `cross_entropy.rs`, `optimizer.rs`, `adafactor.rs`,
 //! `attention.rs`), products to `gemm.rs`; and the helpers they share.
 
-use super::super::program::Command;
+use super::super::program::{Command, Epilogue};
 use super::{gemm, LowerError, RunLowering};
 use castor_ir::{Accum, Node, Op, Value};
 
@@ -52,6 +52,9 @@ impl RunLowering<'_, '_> {
                 )
                 .map_err(|m| self.err(y, m))?;
                 self.commands.extend(gm.into_iter().map(Command::Gemm));
+            }
+            Op::MatMulBias { .. } | Op::MatMulBiasGelu { .. } | Op::MatMulGeluGrad { .. } => {
+                self.epilogue_product(n)?
             }
             Op::Embedding { .. } => self.embedding(n)?,
             Op::EmbeddingGrad { vocab, padding } => {
@@ -113,4 +116,72 @@ pub(super) fn fold(dims: &[usize], strides: &[i64]) -> Option<i64> {
 /// threads past its end would only join the reductions (their barriers and shuffles).
 pub(super) fn row_threads(len: usize, most: u32) -> u32 {
     (len.div_ceil(32) * 32).clamp(32, most as usize) as u32
+}
+
+impl RunLowering<'_, '_> {
+    /// A product with a cuBLASLt epilogue: one call (the op's rhs is a matrix and its lhs is
+    /// not transposed, so every leading dim folds into the product's rows).
+    fn epilogue_product(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
+        let dt = |v: Value| g.ty(v).dtype;
+        let (transpose_a, transpose_b) = match node.op {
+            Op::MatMulBias {
+                transpose_a,
+                transpose_b,
+            }
+            | Op::MatMulBiasGelu {
+                transpose_a,
+                transpose_b,
+            }
+            | Op::MatMulGeluGrad {
+                transpose_a,
+                transpose_b,
+            } => (transpose_a, transpose_b),
+            _ => unreachable!("epilogue_product is called for epilogue products"),
+        };
+        // The stored result: the activation of a GELU product, else the first output.
+        let y = match node.op {
+            Op::MatMulBiasGelu { .. } => outs[1],
+            _ => outs[0],
+        };
+        let (a, b) = (self.at(ins[0])?, self.at(ins[1])?);
+        let c = self.out(y)?;
+        let epilogue = match node.op {
+            Op::MatMulBias { .. } => Epilogue::Bias {
+                bias: self.at(ins[2])?,
+            },
+            Op::MatMulBiasGelu { .. } => Epilogue::BiasGelu {
+                bias: self.at(ins[2])?,
+                aux: self.out(outs[0])?,
+            },
+            _ => Epilogue::GeluGradBias {
+                aux: self.at(ins[2])?,
+                bias_grad: self.out(outs[1])?,
+            },
+        };
+        let mut gm = gemm::matmul(
+            g.name(y),
+            (a, &g.ty(ins[0]).shape, dt(ins[0])),
+            (b, &g.ty(ins[1]).shape, dt(ins[1])),
+            (c, dt(y)),
+            transpose_a,
+            transpose_b,
+            node.acc == Some(Accum::Tf32),
+        )
+        .map_err(|m| self.err(y, m))?;
+        if gm.len() != 1 || gm[0].batch != 1 {
+            return Err(self.err(
+                y,
+                format!(
+                    "an epilogue product must be one cuBLASLt call, found {} call(s)",
+                    gm.len()
+                ),
+            ));
+        }
+        gm[0].epilogue = epilogue;
+        self.commands.push(Command::Gemm(gm.remove(0)));
+        Ok(())
+    }
 }

@@ -1,0 +1,303 @@
+//! `epilogue`: under `--epilogues fused`, the work that follows a product by a weight runs in
+//! the product's accumulator, as cuBLASLt's epilogues do it, instead of as separate passes
+//! over memory:
+//!
+//! - `add(matmul(x, W), bias)` becomes `matmul_bias(x, W, bias)` (cuBLASLt `BIAS`);
+//! - followed by `gelu_tanh`, `matmul_bias_gelu(x, W, bias)` with both the pre-activation
+//!   (which the backward reads) and the activation as results (`GELU_AUX_BIAS`);
+//! - in the backward, `gelu_tanh_grad(pre, matmul(dy, W^T))` and the bias gradient's `sum`
+//!   of it become `matmul_gelu_grad(dy, W, pre)` (`DGELU_BGRAD`).
+//!
+//! Under `--remat selective` or a budget the forward GELU stays a separate kernel, so that
+//! recomputation can rebuild the activation from the kept pre-activation.
+//!
+//! Each fused result is rounded once, from the F32 accumulator, where the separate ops round
+//! the product and then the sum: PyTorch's `addmm` (every `nn.Linear` and GPT-2 `Conv1D`)
+//! rounds once too. In F32 plans the results are bit-identical to the separate ops. The pass
+//! runs right after `autodiff` because its backward pattern is the VJP's; it fuses a product
+//! only when the product is read by nothing else, by weights (a 2-D right operand, a left
+//! operand not transposed, so one cuBLASLt call covers every row), and keeps every dtype the
+//! precision passes chose (a product, its bias and the sum all of one dtype).
+
+use super::{PlanBuild, PlanPass};
+use crate::{PassError, PassReport};
+use castor_ir::{BinaryOp, Epilogues, Graph, Node, Op, ReduceOp, Remat, UnaryOp, Value};
+
+pub(super) struct FuseEpilogues;
+
+impl PlanPass for FuseEpilogues {
+    fn name(&self) -> &'static str {
+        "epilogue"
+    }
+
+    fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
+        if build.plan.settings.epilogues == Epilogues::Eager {
+            return Ok(PassReport::new(
+                "eager: bias adds, GELUs and bias gradients run as their own kernels",
+            ));
+        }
+        let g = &build.plan.micro_step;
+        // Selective and budgeted recomputation recompute a GELU from its input instead of
+        // keeping its output; in an epilogue the activation would only come back with the
+        // product, so there the GELU stays a kernel of its own.
+        let gelu = matches!(build.plan.settings.remat, Remat::None | Remat::Full);
+        let fusions = find(g, gelu);
+        let (graph, forward_nodes) = rewrite(g, &fusions, build.plan.forward_nodes)?;
+        build.plan.micro_step = graph;
+        build.plan.forward_nodes = forward_nodes;
+        let count = |f: fn(&Fusion) -> bool| fusions.iter().filter(|x| f(x)).count();
+        Ok(PassReport::new(format!(
+            "{} bias add(s), {} bias + GELU(s) and {} GELU gradient + bias gradient(s) fused \
+             into their products' epilogues (one rounding each){}",
+            count(|f| matches!(f, Fusion::Bias { gelu: None, .. })),
+            count(|f| matches!(f, Fusion::Bias { gelu: Some(_), .. })),
+            count(|f| matches!(f, Fusion::GeluGrad { .. })),
+            if gelu {
+                ""
+            } else {
+                "; forward GELUs stay separate kernels, which --remat recomputes"
+            }
+        )))
+    }
+}
+
+/// One product and the nodes its epilogue absorbs.
+enum Fusion {
+    /// `add(matmul, bias)` at node `add`, optionally followed by `gelu_tanh` at `gelu`.
+    Bias {
+        matmul: Node,
+        add: Node,
+        bias: Value,
+        gelu: Option<Node>,
+    },
+    /// `gelu_tanh_grad(pre, matmul)` at node `grad`, summed into the bias gradient by `sum`.
+    GeluGrad { matmul: Node, grad: Node, sum: Node },
+}
+
+impl Fusion {
+    /// Where the fused node goes: every operand is defined before it and every result is
+    /// read after it.
+    fn at(&self) -> Node {
+        match *self {
+            Fusion::Bias { add, .. } => add,
+            Fusion::GeluGrad { grad, .. } => grad,
+        }
+    }
+
+    fn absorbed(&self) -> Vec<Node> {
+        match *self {
+            Fusion::Bias {
+                matmul, add, gelu, ..
+            } => [Some(matmul), Some(add), gelu]
+                .into_iter()
+                .flatten()
+                .collect(),
+            Fusion::GeluGrad { matmul, grad, sum } => vec![matmul, grad, sum],
+        }
+    }
+}
+
+/// A product by a weight whose one reader is `reader`: `(lhs, weight)` and its transposes.
+fn weight_product(g: &Graph, users: &[Vec<Node>], v: Value, reader: Node) -> Option<Node> {
+    let m = g.value(v).producer;
+    let Op::MatMul {
+        transpose_a: false, ..
+    } = g.node(m).op
+    else {
+        return None;
+    };
+    let only_read_here = users[v.index()] == [reader] && !g.outputs().contains(&v);
+    (only_read_here && g.ty(g.node(m).inputs[1]).shape.rank() == 2).then_some(m)
+}
+
+/// The fusions in `g`; forward GELUs join their bias products only when `gelu`.
+fn find(g: &Graph, gelu: bool) -> Vec<Fusion> {
+    let users = g.users();
+    let mut found = Vec::new();
+    for (n, node) in g.nodes() {
+        match node.op {
+            Op::Binary(BinaryOp::Add) => {
+                let y = node.outputs[0];
+                let dt = g.ty(y).dtype;
+                let width = *g.ty(y).shape.dims().last().unwrap_or(&0);
+                let is_bias = |v: Value| g.ty(v).dtype == dt && g.ty(v).shape.dims() == [width];
+                let (m, bias) = match (node.inputs[0], node.inputs[1]) {
+                    (p, b) if is_bias(b) => (weight_product(g, &users, p, n), b),
+                    (b, p) if is_bias(b) => (weight_product(g, &users, p, n), b),
+                    _ => continue,
+                };
+                let Some(matmul) = m else { continue };
+                if g.ty(g.node(matmul).outputs[0]) != g.ty(y) {
+                    continue;
+                }
+                let gelu = users[y.index()]
+                    .iter()
+                    .copied()
+                    .filter(|_| gelu)
+                    .find(|&r| {
+                        g.node(r).op == Op::Unary(UnaryOp::GeluTanh)
+                            && g.ty(g.node(r).outputs[0]) == g.ty(y)
+                    });
+                found.push(Fusion::Bias {
+                    matmul,
+                    add: n,
+                    bias,
+                    gelu,
+                });
+            }
+            Op::UnaryGrad(UnaryOp::GeluTanh) => {
+                let (pre, d, out) = (node.inputs[0], node.inputs[1], node.outputs[0]);
+                let Some(matmul) = weight_product(g, &users, d, n) else {
+                    continue;
+                };
+                if g.ty(d) != g.ty(pre) || g.ty(out) != g.ty(pre) {
+                    continue;
+                }
+                let rank = g.ty(out).shape.rank();
+                let leading: Vec<usize> = (0..rank.saturating_sub(1)).collect();
+                let sum = users[out.index()].iter().copied().find(|&r| {
+                    matches!(&g.node(r).op, Op::Reduce { op: ReduceOp::Sum, axes, keepdim: false }
+                        if *axes == leading)
+                        && g.ty(g.node(r).outputs[0]).dtype == castor_ir::DType::F32
+                });
+                if let Some(sum) = sum {
+                    found.push(Fusion::GeluGrad {
+                        matmul,
+                        grad: n,
+                        sum,
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+    found
+}
+
+/// `g` with each fusion's nodes replaced by its fused node; the new forward node count.
+fn rewrite(
+    g: &Graph,
+    fusions: &[Fusion],
+    forward_nodes: usize,
+) -> Result<(Graph, usize), PassError> {
+    let internal = |message: String| PassError::Internal {
+        pass: "epilogue",
+        message,
+    };
+    let mut at: Vec<Option<&Fusion>> = vec![None; g.num_nodes()];
+    let mut absorbed = vec![false; g.num_nodes()];
+    for f in fusions {
+        at[f.at().index()] = Some(f);
+        for n in f.absorbed() {
+            absorbed[n.index()] = true;
+        }
+    }
+    let mut out = Graph::empty_like(g);
+    let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
+    let mut new_forward = 0;
+    for (n, node) in g.nodes() {
+        let mapped = |map: &[Option<Value>], v: Value| {
+            map[v.index()].ok_or_else(|| internal(format!("`%{}` is unmapped", g.name(v))))
+        };
+        let result = |v: Value| (g.name(v).to_string(), g.ty(v).clone());
+        let pushed = if let Some(f) = at[n.index()] {
+            let (op, ins, olds, anchor, note) = match *f {
+                Fusion::Bias {
+                    matmul,
+                    add,
+                    bias,
+                    gelu,
+                } => {
+                    let mm = g.node(matmul);
+                    let Op::MatMul {
+                        transpose_a,
+                        transpose_b,
+                    } = mm.op
+                    else {
+                        return Err(internal("a fused product is not a matmul".into()));
+                    };
+                    let ins = vec![mm.inputs[0], mm.inputs[1], bias];
+                    let pre = g.node(add).outputs[0];
+                    match gelu {
+                        None => (
+                            Op::MatMulBias {
+                                transpose_a,
+                                transpose_b,
+                            },
+                            ins,
+                            vec![pre],
+                            matmul,
+                            "epilogue: bias added in the product's F32 accumulator, rounded once (cuBLASLt BIAS, as addmm)",
+                        ),
+                        Some(gl) => (
+                            Op::MatMulBiasGelu {
+                                transpose_a,
+                                transpose_b,
+                            },
+                            ins,
+                            vec![pre, g.node(gl).outputs[0]],
+                            matmul,
+                            "epilogue: bias and tanh GELU in the product's F32 accumulator; the pre-activation kept for the backward (cuBLASLt GELU_AUX_BIAS)",
+                        ),
+                    }
+                }
+                Fusion::GeluGrad { matmul, grad, sum } => {
+                    let mm = g.node(matmul);
+                    let Op::MatMul {
+                        transpose_a,
+                        transpose_b,
+                    } = mm.op
+                    else {
+                        return Err(internal("a fused product is not a matmul".into()));
+                    };
+                    (
+                        Op::MatMulGeluGrad {
+                            transpose_a,
+                            transpose_b,
+                        },
+                        vec![mm.inputs[0], mm.inputs[1], g.node(grad).inputs[0]],
+                        vec![g.node(grad).outputs[0], g.node(sum).outputs[0]],
+                        matmul,
+                        "epilogue: tanh GELU gradient and the bias gradient in the product's F32 accumulator (cuBLASLt DGELU_BGRAD)",
+                    )
+                }
+            };
+            let ins = ins
+                .iter()
+                .map(|&v| mapped(&map, v))
+                .collect::<Result<Vec<_>, _>>()?;
+            let f = out.push_node(op, ins, olds.iter().map(|&v| result(v)).collect())?;
+            out.set_acc(f, g.node(anchor).acc);
+            out.set_block(f, g.node(anchor).block);
+            out.set_note(f, Some(note.to_string()));
+            for (&old, &new) in olds.iter().zip(&out.node(f).outputs) {
+                map[old.index()] = Some(new);
+            }
+            true
+        } else if absorbed[n.index()] {
+            false
+        } else {
+            let ins = node
+                .inputs
+                .iter()
+                .map(|&v| mapped(&map, v))
+                .collect::<Result<Vec<_>, _>>()?;
+            let copy =
+                out.push_copy(g, n, ins, node.outputs.iter().map(|&v| result(v)).collect())?;
+            for (&old, &new) in node.outputs.iter().zip(&out.node(copy).outputs) {
+                map[old.index()] = Some(new);
+            }
+            true
+        };
+        if pushed && n.index() < forward_nodes {
+            new_forward += 1;
+        }
+    }
+    let outputs = g
+        .outputs()
+        .iter()
+        .map(|v| map[v.index()].ok_or_else(|| internal("an output is unmapped".into())))
+        .collect::<Result<_, _>>()?;
+    out.set_outputs(outputs);
+    Ok((out, new_forward))
+}

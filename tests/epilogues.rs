@@ -1,0 +1,209 @@
+//! Epilogues (`--epilogues fused`): bias adds, the tanh GELU after them and the GELU's
+//! gradient with the bias gradient run in their products' accumulators.
+//! - In F32 the fused ops are the separate ops bit for bit: three training steps leave every
+//!   state entry identical.
+//! - In 16-bit precisions each fused result is rounded once (as PyTorch's `addmm`), so plans
+//!   differ from the eager ones by those roundings; `tests/train_vs_pytorch.rs` holds them to
+//!   the existing tolerances against PyTorch, and `tests/cuda_emulated.rs` runs their cuBLASLt
+//!   programs bit-identical to the CPU executor.
+//! - The pass fuses what it should: on GPT-2 every bias add after a product, every MLP GELU
+//!   and its gradient; the CUDA listing shows each product's epilogue.
+
+mod common;
+
+use castor_runtime::PlanRunner;
+use common::cuda_cases::{as_f32, batch, exact_zero_slices, load_params, mask_exact_zero, plan};
+use common::*;
+
+/// The eager and fused bf16 plans' weights after three steps: measured at most 6.3e-3, on
+/// GPT-2's attention biases (vectors of 32 and 96 values, so one changed update shows); the
+/// matrices move less.
+const BF16_STATE_BOUND: f64 = 1e-2;
+
+/// Three steps of `variant` under `flags`, eager and fused: every state entry, each pair.
+fn train_both(variant: &str, flags: &[&str]) -> Vec<(String, Vec<f32>, Vec<f32>)> {
+    let params = load_params(variant);
+    let run = |mode: &str| {
+        let mut f = flags.to_vec();
+        f.extend(["--epilogues", mode]);
+        let p = plan(variant, &f);
+        let mut r = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
+        for step in 0..3u64 {
+            r.step(&[batch(&p.micro_step, 5 + step)], 1e-3).unwrap();
+        }
+        r.state_entries()
+            .into_iter()
+            .map(|(n, t)| (n.to_string(), as_f32(t)))
+            .collect::<Vec<_>>()
+    };
+    let (eager, fused) = (run("eager"), run("fused"));
+    assert_eq!(eager.len(), fused.len(), "{variant}: state tables differ");
+    eager
+        .into_iter()
+        .zip(fused)
+        .map(|((n, a), (m, b))| {
+            assert_eq!(n, m, "{variant}: state order");
+            (n, a, b)
+        })
+        .collect()
+}
+
+#[test]
+fn in_f32_fused_epilogues_train_bit_identical_to_the_separate_ops() {
+    for variant in ["gpt2_lm", "bert_mlm", "qwen2_bias"] {
+        for (name, eager, fused) in train_both(variant, &["--precision", "fp32"]) {
+            let same = eager
+                .iter()
+                .zip(&fused)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{variant}: state `{name}` differs");
+        }
+    }
+}
+
+#[test]
+fn in_bf16_only_the_roundings_differ() {
+    // One rounding instead of two moves a 16-bit result by at most one ulp; three AdamW steps
+    // carry that into the weights at the learning rate's scale. The key biases' slices, zero
+    // in exact arithmetic (AdamW turns their rounding noise into full steps), are left out.
+    let noise = exact_zero_slices("gpt2_lm");
+    let shapes = load_params("gpt2_lm");
+    let (mut changed, mut worst) = (0, 0f64);
+    for (name, mut eager, mut fused) in train_both("gpt2_lm", &["--precision", "bf16"]) {
+        // The weights (F32 masters); gradients and moments differ at BF16's own resolution.
+        let Some(t) = shapes.get(&name) else {
+            continue;
+        };
+        mask_exact_zero(&noise, &name, t.shape().dims(), &mut fused, &mut eager);
+        let err = castor_ir::relative_error(&fused, &eager);
+        worst = worst.max(err);
+        assert!(
+            err < BF16_STATE_BOUND,
+            "state `{name}`: relative difference {err:.2e}"
+        );
+        changed += usize::from(err > 0.0);
+    }
+    println!("worst state difference {worst:.2e}");
+    assert!(changed > 0, "the bf16 plans should round differently");
+}
+
+#[test]
+fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
+    let compile = |mode: &str| {
+        let o = castor(&[
+            "compile",
+            path_str(&fixture("gpt2_lm")),
+            "--train",
+            "--precision",
+            "bf16",
+            "--epilogues",
+            mode,
+            "--emit",
+            "ir",
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stdout(&o), stderr(&o))
+    };
+    let (ir, report) = compile("fused");
+    let layers = 2;
+    let count = |op: &str| ir.matches(&format!("= {op}(")).count();
+    assert_eq!(count("matmul_bias"), 3 * layers, "{ir}");
+    assert_eq!(count("matmul_bias_gelu"), layers);
+    assert_eq!(count("matmul_gelu_grad"), layers);
+    assert_eq!(count("gelu_tanh"), 0, "every GELU is in an epilogue");
+    assert_eq!(count("gelu_tanh_grad"), 0, "and every GELU gradient");
+    assert!(
+        report.contains("6 bias add(s), 2 bias + GELU(s) and 2 GELU gradient"),
+        "{report}"
+    );
+    let (eager_ir, eager_report) = compile("eager");
+    assert_eq!(eager_ir.matches("matmul_bias").count(), 0);
+    assert!(eager_report.contains("epilogue    eager"), "{eager_report}");
+
+    // The CUDA program runs each as one cuBLASLt product with its epilogue.
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--precision",
+        "bf16",
+        "--epilogues",
+        "fused",
+        "--emit",
+        "cuda",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let listing = stdout(&o);
+    for (epilogue, n) in [
+        ("epilogue=bias(", 3 * layers),
+        ("epilogue=gelu_aux_bias(", layers),
+        ("epilogue=dgelu_bgrad(", layers),
+    ] {
+        assert_eq!(listing.matches(epilogue).count(), n, "{epilogue}");
+    }
+}
+
+#[test]
+fn a_model_without_biases_is_left_as_it_is() {
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("llama_gqa")),
+        "--train",
+        "--precision",
+        "bf16",
+        "--epilogues",
+        "fused",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("0 bias add(s), 0 bias + GELU(s) and 0 GELU gradient"),
+        "{}",
+        stdout(&o)
+    );
+}
+
+/// GPT-2 124M, B=8, T=1024, bf16 with fused attention and classifier: the epilogues take the
+/// program roofline from 14.4 ms (MFU 46.2%) to 12.8 ms (51.8%) at the same planned peak
+/// (the README's figures; held here to 0.1 points).
+#[test]
+fn gpt2_124m_epilogues_shorten_the_program_roofline_at_the_same_peak() {
+    let config = root().join("assets/configs/gpt2-124m.json");
+    let report = |mode: &str| {
+        let o = castor(&[
+            "compile",
+            path_str(&config),
+            "--train",
+            "--precision",
+            "bf16",
+            "--batch",
+            "8",
+            "--seq",
+            "1024",
+            "--attention",
+            "fused",
+            "--classifier",
+            "fused",
+            "--epilogues",
+            mode,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        let text = stdout(&o);
+        let cuda = text
+            .lines()
+            .find(|l| l.starts_with("cuda "))
+            .unwrap_or_else(|| panic!("no cuda line: {text}"))
+            .to_string();
+        let mfu: f64 = cuda
+            .split("MFU ")
+            .nth(1)
+            .and_then(|r| r.split('%').next())
+            .and_then(|x| x.parse().ok())
+            .unwrap_or_else(|| panic!("no MFU on `{cuda}`"));
+        (mfu, anatomy_total(&text))
+    };
+    let (eager, eager_peak) = report("eager");
+    let (fused, fused_peak) = report("fused");
+    println!("MFU {eager}% eager, {fused}% fused; peaks {eager_peak}, {fused_peak}");
+    assert!((eager - 46.2).abs() <= 0.1, "eager MFU {eager}%");
+    assert!((fused - 51.8).abs() <= 0.1, "fused MFU {fused}%");
+    assert_eq!(eager_peak, fused_peak);
+}
