@@ -157,3 +157,34 @@ fn a_head_that_cannot_be_fused_stays_eager_and_says_why() {
         stderr(&o)
     );
 }
+
+/// In a training step the fused head and its gradient are one op (`classifier_step`), so each
+/// chunk's logits are computed once per step; the loss it returns is the step's loss.
+#[test]
+fn a_training_step_computes_each_chunks_logits_once() {
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--train",
+        "--precision",
+        "bf16",
+        "--classifier",
+        "fused:7",
+        "--emit",
+        "ir",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ir = stdout(&o);
+    assert_eq!(
+        ir.matches("= linear_cross_entropy_step(").count(),
+        1,
+        "{ir}"
+    );
+    assert_eq!(ir.matches("= linear_cross_entropy(").count(), 0);
+    assert_eq!(ir.matches("= linear_cross_entropy_grad(").count(), 0);
+    assert!(
+        stderr(&o).contains("classifier_step the fused classifier's loss and gradient in one pass"),
+        "{}",
+        stderr(&o)
+    );
+}

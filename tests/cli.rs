@@ -320,8 +320,8 @@ fn compile_emits_ir_and_dot_and_dumps_after_a_pass() {
     assert_eq!(o.status.code(), Some(3));
     assert!(
         stderr(&o).contains(
-            "(passes: input, classify, autocast, fold_casts; training: classifier, autodiff, epilogue, \
-             accumulate, optimizer, remat, fusion)"
+            "(passes: input, classify, autocast, fold_casts; training: classifier, autodiff, \
+             classifier_step, epilogue, accumulate, optimizer, remat, fusion)"
         ),
         "{}",
         stderr(&o)

@@ -162,7 +162,7 @@ fn a_model_without_biases_is_left_as_it_is() {
 }
 
 /// GPT-2 124M, B=8, T=1024, bf16 with fused attention and classifier: the epilogues take the
-/// program roofline from 14.4 ms (MFU 46.2%) to 12.8 ms (51.8%) at the same planned peak
+/// program roofline from 13.8 ms (MFU 48.4%) to 12.2 ms (54.6%) at the same planned peak
 /// (the README's figures; held here to 0.1 points).
 #[test]
 fn gpt2_124m_epilogues_shorten_the_program_roofline_at_the_same_peak() {
@@ -203,7 +203,7 @@ fn gpt2_124m_epilogues_shorten_the_program_roofline_at_the_same_peak() {
     let (eager, eager_peak) = report("eager");
     let (fused, fused_peak) = report("fused");
     println!("MFU {eager}% eager, {fused}% fused; peaks {eager_peak}, {fused_peak}");
-    assert!((eager - 46.2).abs() <= 0.1, "eager MFU {eager}%");
-    assert!((fused - 51.8).abs() <= 0.1, "fused MFU {fused}%");
+    assert!((eager - 48.4).abs() <= 0.1, "eager MFU {eager}%");
+    assert!((fused - 54.6).abs() <= 0.1, "fused MFU {fused}%");
     assert_eq!(eager_peak, fused_peak);
 }

@@ -505,7 +505,7 @@ fn the_verdict_offers_the_fused_classifier() {
         .find(|l| l.contains("--classifier fused "))
         .unwrap_or_else(|| panic!("no fused-classifier offer in\n{out}"));
     assert!(
-        offer.contains("planned peak 5,416,732,672 bytes"),
+        offer.contains("planned peak 5,416,798,208 bytes"),
         "{offer}"
     );
 }

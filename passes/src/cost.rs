@@ -143,16 +143,19 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         }
         // The head's product (and, for the gradient, its recomputation and the two gradient
         // products) plus the cross-entropy's few operations per logit.
-        Op::LinearCrossEntropy { .. } | Op::LinearCrossEntropyGrad { .. } => {
+        Op::LinearCrossEntropy { .. }
+        | Op::LinearCrossEntropyGrad { .. }
+        | Op::LinearCrossEntropyStep { .. } => {
             let (h, w) = (
                 g.ty(node.inputs[0]).shape.dims(),
                 g.ty(node.inputs[1]).shape.dims(),
             );
             let logits = (h[0] * w[0]) as f64;
-            if matches!(node.op, Op::LinearCrossEntropy { .. }) {
-                2.0 * logits * w[1] as f64 + 5.0 * logits
-            } else {
-                6.0 * logits * w[1] as f64 + 6.0 * logits
+            match node.op {
+                Op::LinearCrossEntropy { .. } => 2.0 * logits * w[1] as f64 + 5.0 * logits,
+                Op::LinearCrossEntropyGrad { .. } => 6.0 * logits * w[1] as f64 + 6.0 * logits,
+                // The logits once, the two gradient products, the loss and its gradient.
+                _ => 6.0 * logits * w[1] as f64 + 11.0 * logits,
             }
         }
         Op::Attention { causal, window, .. } | Op::AttentionGrad { causal, window, .. } => {

@@ -62,7 +62,8 @@ pub struct Args {
     #[arg(long, value_name = "GLOB", help_heading = "Output")]
     pub explain: Vec<String>,
     /// Print the IR after the named pass (`input`, `classify`, `autocast`, `fold_casts`; with
-    /// --train also `classifier`, `autodiff`, `epilogue`, `accumulate`, `optimizer`, `remat`, `fusion`).
+    /// --train also `classifier`, `autodiff`, `classifier_step`, `epilogue`, `accumulate`,
+    /// `optimizer`, `remat`, `fusion`).
     #[arg(long, value_name = "PASS", help_heading = "Output")]
     pub dump_after: Option<String>,
     /// Run the IR verifier after every pass (always on in debug builds).

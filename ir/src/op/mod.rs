@@ -265,6 +265,16 @@ define_ops! {
         logits: DType,
     } => "linear_cross_entropy_grad", class Contraction, arity (4, 4),
         typing typing::linear_cross_entropy_grad(inputs, *chunk_rows, *logits);
+    /// The fused classifier's loss and gradients in one pass over the chunks, each chunk's
+    /// logits computed once (a training step's head: the loss is read only as the step's
+    /// output): `(hidden, weight, labels, dloss []) -> (loss [] f32, dhidden, dweight [V, C]
+    /// f32)`, bit for bit what [`Op::LinearCrossEntropy`] and its gradient compute.
+    LinearCrossEntropyStep {
+        ignore_index: i64,
+        chunk_rows: usize,
+        logits: DType,
+    } => "linear_cross_entropy_step", class Contraction, arity (4, 4),
+        typing typing::linear_cross_entropy_step(inputs, *chunk_rows, *logits);
 
     // Training-step ops: the optimizer and loss-scaling logic of a training plan, as graph ops
     // so that no host round trip decides a skipped step.
@@ -489,6 +499,11 @@ mod tests {
                 ignore_index: -100,
                 chunk_rows: 3,
                 logits: DType::F32,
+            },
+            Op::LinearCrossEntropyStep {
+                ignore_index: 0,
+                chunk_rows: 64,
+                logits: DType::F16,
             },
             Op::Softmax {
                 causal: true,

@@ -148,6 +148,17 @@ pub fn linear_cross_entropy_grad(
     ])
 }
 
+/// `(hidden, weight, labels, dloss []) -> (loss [] f32, dhidden like hidden, dweight f32)`.
+pub fn linear_cross_entropy_step(
+    inputs: &[&TensorType],
+    chunk_rows: usize,
+    logits: DType,
+) -> Types {
+    let mut out = linear_cross_entropy_grad(inputs, chunk_rows, logits)?;
+    out.insert(0, TensorType::new(DType::F32, Shape::scalar()));
+    Ok(out)
+}
+
 fn classifier_operands(
     inputs: &[&TensorType],
     chunk_rows: usize,

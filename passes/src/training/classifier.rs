@@ -237,3 +237,125 @@ fn fuse(g: &Graph, head: &Head, chunk_rows: Option<usize>) -> Result<(Graph, Str
     );
     Ok((out, report))
 }
+
+/// `classifier_step`: after autodiff, a fused head whose loss is read only as the step's
+/// output and whose gradient reads the same operands becomes one `linear_cross_entropy_step`
+/// op, where the gradient was: each chunk's logits are computed once per step instead of
+/// twice. The loss then comes out of the backward part, which nothing in a step reads.
+pub(super) struct ClassifierStep;
+
+impl PlanPass for ClassifierStep {
+    fn name(&self) -> &'static str {
+        "classifier_step"
+    }
+
+    fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
+        let g = &build.plan.micro_step;
+        let Some((forward, grad)) = find_pair(g) else {
+            return Ok(PassReport::new(
+                "no fused classifier to merge with its gradient",
+            ));
+        };
+        let merged = merge(g, forward, grad)?;
+        build.plan.micro_step = merged;
+        build.plan.forward_nodes -= 1;
+        Ok(PassReport::new(
+            "the fused classifier's loss and gradient in one pass: each chunk's logits once per \
+             step",
+        ))
+    }
+}
+
+/// The fused head and its gradient, when they can be one op.
+fn find_pair(g: &Graph) -> Option<(Node, Node)> {
+    let users = g.users();
+    let forward = g.nodes().find_map(|(n, node)| {
+        let loss = node.outputs[0];
+        let read_only_as_output = users[loss.index()].is_empty() && g.outputs().contains(&loss);
+        (matches!(node.op, Op::LinearCrossEntropy { .. }) && read_only_as_output).then_some(n)
+    })?;
+    let f = g.node(forward);
+    let grad = g.nodes().find_map(|(n, node)| {
+        let same = match (&node.op, &f.op) {
+            (
+                Op::LinearCrossEntropyGrad {
+                    ignore_index: a,
+                    chunk_rows: b,
+                    logits: c,
+                },
+                Op::LinearCrossEntropy {
+                    ignore_index: x,
+                    chunk_rows: y,
+                    logits: z,
+                },
+            ) => (a, b, c) == (x, y, z) && node.inputs[..3] == f.inputs[..] && node.acc == f.acc,
+            _ => false,
+        };
+        same.then_some(n)
+    })?;
+    Some((forward, grad))
+}
+
+fn merge(g: &Graph, forward: Node, grad: Node) -> Result<Graph, PassError> {
+    let internal = |message: String| PassError::Internal {
+        pass: "classifier_step",
+        message,
+    };
+    let mut out = Graph::empty_like(g);
+    let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
+    for (n, node) in g.nodes() {
+        if n == forward {
+            continue;
+        }
+        let ins: Vec<Value> = node
+            .inputs
+            .iter()
+            .map(|&v| {
+                map[v.index()].ok_or_else(|| internal(format!("`%{}` is unmapped", g.name(v))))
+            })
+            .collect::<Result<_, _>>()?;
+        let result = |v: Value| (g.name(v).to_string(), g.ty(v).clone());
+        let (new, olds): (Node, Vec<Value>) = if n == grad {
+            let Op::LinearCrossEntropyGrad {
+                ignore_index,
+                chunk_rows,
+                logits,
+            } = node.op
+            else {
+                return Err(internal("the gradient is not the classifier's".into()));
+            };
+            let f = g.node(forward);
+            let olds: Vec<Value> = std::iter::once(f.outputs[0])
+                .chain(node.outputs.iter().copied())
+                .collect();
+            let op = Op::LinearCrossEntropyStep {
+                ignore_index,
+                chunk_rows,
+                logits,
+            };
+            let s = out.push_node(op, ins, olds.iter().map(|&v| result(v)).collect())?;
+            out.set_acc(s, f.acc);
+            out.set_block(s, f.block);
+            out.set_note(
+                s,
+                Some(format!(
+                    "fused classifier, loss and gradient in one pass: {chunk_rows} rows per chunk, logits in {logits}"
+                )),
+            );
+            (s, olds)
+        } else {
+            let outs = node.outputs.iter().map(|&v| result(v)).collect();
+            (out.push_copy(g, n, ins, outs)?, node.outputs.clone())
+        };
+        for (&old, &v) in olds.iter().zip(&out.node(new).outputs) {
+            map[old.index()] = Some(v);
+        }
+    }
+    let outputs = g
+        .outputs()
+        .iter()
+        .map(|v| map[v.index()].ok_or_else(|| internal("an output is unmapped".into())))
+        .collect::<Result<_, _>>()?;
+    out.set_outputs(outputs);
+    Ok(out)
+}

@@ -6,7 +6,8 @@
 //!    under `--classifier fused` (`classifier.rs`);
 //! 1. `autodiff` appends the backward pass, seeded with `loss_scale / grad_accum` (so gradients
 //!    come out scaled, and averaged over micro-batches);
-//!    Then `epilogue` moves bias adds, GELUs and bias gradients into their products'
+//!    Then `classifier_step` merges a fused head with its gradient (each chunk's logits once
+//!    per step) and `epilogue` moves bias adds, GELUs and bias gradients into their products'
 //!    epilogues under `--epilogues fused` (`epilogue.rs`);
 //! 2. `accumulate` writes each trainable parameter's F32 gradient into its `grad.<name>` state
 //!    (added to it when gradients accumulate over several micro-batches);
@@ -126,11 +127,12 @@ pub struct TrainingOutput {
 }
 
 impl Default for TrainingPipeline {
-    /// classifier, autodiff, epilogue, accumulate, optimizer, remat, fusion.
+    /// classifier, autodiff, classifier_step, epilogue, accumulate, optimizer, remat, fusion.
     fn default() -> Self {
         TrainingPipeline::new(vec![
             Box::new(classifier::FuseClassifier),
             Box::new(gradients::Differentiate),
+            Box::new(classifier::ClassifierStep),
             Box::new(epilogue::FuseEpilogues),
             Box::new(gradients::Accumulate),
             Box::new(optimizer::OptimizerStep),

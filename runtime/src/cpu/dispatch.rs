@@ -382,6 +382,24 @@ pub fn execute(
                 make(args, outs[1], TensorData::F32(dw))?,
             ]);
         }
+        // The loss and the gradients as the two ops compute them (the CPU recomputes each
+        // chunk's logits; the device does not need to).
+        Op::LinearCrossEntropyStep {
+            ignore_index,
+            chunk_rows,
+            logits,
+        } => {
+            let p = classifier_problem(args, acc, *ignore_index, *chunk_rows, *logits)?;
+            let loss = classifier::loss(&p).map_err(|e| bad_label(args, &p, e))?;
+            let dloss = scalar(args, 3)?;
+            let (dh, dw) =
+                classifier::grad(&p, dloss, outs[1].dtype).map_err(|e| bad_label(args, &p, e))?;
+            return [vec![loss], dh, dw]
+                .into_iter()
+                .zip(outs)
+                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+                .collect();
+        }
         // A parameter's working copy holds its master rounded to the copy's dtype.
         Op::Cast { to } | Op::ParamCopy { to } => {
             let (_, data) = args.take(0)?;

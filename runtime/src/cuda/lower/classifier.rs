@@ -39,6 +39,11 @@ impl RunLowering<'_, '_> {
                 ignore_index,
                 chunk_rows,
                 logits,
+            }
+            | Op::LinearCrossEntropyStep {
+                ignore_index,
+                chunk_rows,
+                logits,
             } => (ignore_index, chunk_rows, logits),
             _ => return Err(self.err(y, "not a classifier node")),
         };
@@ -195,62 +200,129 @@ impl RunLowering<'_, '_> {
             .count
             .ok_or_else(|| self.err(dh, "the classifier's count is missing"))?;
         let buf = self.scratch((p.chunk * p.vocab * p.logits.size_bytes()) as u64);
-        let (h, lab) = (self.at(p.hidden)?, self.at(p.labels)?);
-        let (dh_at, dw_at) = (self.out(dh)?, self.out(dw)?);
-        let (hd, dhd) = (g.ty(p.hidden).dtype, g.ty(dh).dtype);
+        for chunk in Self::chunks(&p) {
+            self.chunk_logits(dh, &p, chunk, buf)?;
+            self.chunk_backward(&p, chunk, buf, (saved.a, saved.b), (dloss, count), (dh, dw))?;
+        }
+        Ok(())
+    }
+
+    /// A training step's head (`linear_cross_entropy_step`): the count of labelled rows
+    /// first (the gradient's scale needs it before the first chunk), then per chunk the
+    /// logits once, the forward row kernel (losses and statistics) and the backward, and
+    /// last the mean loss: the forward and gradient ops' commands minus the recomputed
+    /// products, so the same bits.
+    pub(super) fn linear_cross_entropy_step(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let p = self.classifier_problem(n)?;
+        let node = g.node(n);
+        let (loss, dh, dw) = (node.outputs[0], node.outputs[1], node.outputs[2]);
+        let dloss = self.at(node.inputs[3])?;
+        let lab = self.at(p.labels)?;
+        let row_loss = self.scratch(p.rows as u64 * 8);
+        let stats = (
+            self.scratch(p.rows as u64 * 4),
+            self.scratch(p.rows as u64 * 4),
+        );
+        let (count, loss_at) = (self.scratch(4), self.out(loss)?);
+        self.commands.push(Command::Memset {
+            dst: row_loss,
+            bytes: p.rows as u64 * 8,
+            byte: 0,
+        });
+        self.cross_entropy_finalize(loss, row_loss, lab, p.rows, p.ignore, loss_at, count)?;
+        let buf = self.scratch((p.chunk * p.vocab * p.logits.size_bytes()) as u64);
         for (first, len) in Self::chunks(&p) {
-            self.chunk_logits(dh, &p, (first, len), buf)?;
+            self.chunk_logits(loss, &p, (first, len), buf)?;
+            let labels = lab.plus(first as u64 * 8);
+            let bad = self.chunk_flag(loss, "label", (labels, first), p.vocab, Some(p.ignore));
             self.launch(
-                dh,
-                &format!("cross_entropy_bwd_{}", sfx(p.logits)),
+                loss,
+                &format!("cross_entropy_fwd_{}", sfx(p.logits)),
                 grid_rows(len),
                 (ce_block(p.vocab), 1, 1),
                 vec![
                     ("logits", Arg::Ptr(buf)),
-                    ("labels", Arg::Ptr(lab.plus(first as u64 * 8))),
+                    ("labels", Arg::Ptr(labels)),
                     ("rows", Arg::I64(len as i64)),
                     ("v", Arg::I32(p.vocab as i32)),
                     ("ignore_index", Arg::I64(p.ignore)),
-                    ("row_max", Arg::Ptr(saved.a.plus(first as u64 * 4))),
-                    ("row_inv", Arg::Ptr(saved.b.plus(first as u64 * 4))),
-                    ("dloss", Arg::Ptr(dloss)),
-                    ("count", Arg::Ptr(count)),
-                    ("dlogits", Arg::Ptr(buf)),
+                    ("row_loss", Arg::Ptr(row_loss.plus(first as u64 * 8))),
+                    ("row_max", Arg::Ptr(stats.0.plus(first as u64 * 4))),
+                    ("row_inv", Arg::Ptr(stats.1.plus(first as u64 * 4))),
+                    ("bad", Arg::Ptr(bad)),
                 ],
             )?;
-            let dlogits = Shape::from(vec![len, p.vocab]);
-            let rows_of = |at: Place, d: DType| at.plus((first * p.width * d.size_bytes()) as u64);
-            let mut products = gemm::matmul(
-                g.name(dh),
-                (buf, &dlogits, p.logits),
-                (
-                    self.at(p.weight)?,
-                    &g.ty(p.weight).shape,
-                    g.ty(p.weight).dtype,
-                ),
-                (rows_of(dh_at, dhd), dhd),
-                false,
-                false,
-                false,
-            )
-            .map_err(|m| self.err(dh, m))?;
-            let mut weight_grad = gemm::matmul(
-                g.name(dw),
-                (buf, &dlogits, p.logits),
-                (rows_of(h, hd), &Shape::from(vec![len, p.width]), hd),
-                (dw_at, g.ty(dw).dtype),
-                true,
-                false,
-                false,
-            )
-            .map_err(|m| self.err(dw, m))?;
-            for gm in &mut weight_grad {
-                gm.accumulate = first > 0;
-            }
-            products.append(&mut weight_grad);
-            self.commands
-                .extend(products.into_iter().map(Command::Gemm));
+            self.chunk_backward(&p, (first, len), buf, stats, (dloss, count), (dh, dw))?;
         }
+        self.cross_entropy_finalize(loss, row_loss, lab, p.rows, p.ignore, loss_at, count)
+    }
+
+    /// One chunk's backward, its logits in `buf`: `dlogits` in place, then `dhidden` into the
+    /// chunk's rows and `dweight` (written by the first chunk, accumulated by the others).
+    fn chunk_backward(
+        &mut self,
+        p: &Problem,
+        (first, len): (usize, usize),
+        buf: Place,
+        (row_max, row_inv): (Place, Place),
+        (dloss, count): (Place, Place),
+        (dh, dw): (Value, Value),
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let (h, lab) = (self.at(p.hidden)?, self.at(p.labels)?);
+        let (dh_at, dw_at) = (self.out(dh)?, self.out(dw)?);
+        let (hd, dhd) = (g.ty(p.hidden).dtype, g.ty(dh).dtype);
+        self.launch(
+            dh,
+            &format!("cross_entropy_bwd_{}", sfx(p.logits)),
+            grid_rows(len),
+            (ce_block(p.vocab), 1, 1),
+            vec![
+                ("logits", Arg::Ptr(buf)),
+                ("labels", Arg::Ptr(lab.plus(first as u64 * 8))),
+                ("rows", Arg::I64(len as i64)),
+                ("v", Arg::I32(p.vocab as i32)),
+                ("ignore_index", Arg::I64(p.ignore)),
+                ("row_max", Arg::Ptr(row_max.plus(first as u64 * 4))),
+                ("row_inv", Arg::Ptr(row_inv.plus(first as u64 * 4))),
+                ("dloss", Arg::Ptr(dloss)),
+                ("count", Arg::Ptr(count)),
+                ("dlogits", Arg::Ptr(buf)),
+            ],
+        )?;
+        let dlogits = Shape::from(vec![len, p.vocab]);
+        let rows_of = |at: Place, d: DType| at.plus((first * p.width * d.size_bytes()) as u64);
+        let mut products = gemm::matmul(
+            g.name(dh),
+            (buf, &dlogits, p.logits),
+            (
+                self.at(p.weight)?,
+                &g.ty(p.weight).shape,
+                g.ty(p.weight).dtype,
+            ),
+            (rows_of(dh_at, dhd), dhd),
+            false,
+            false,
+            false,
+        )
+        .map_err(|m| self.err(dh, m))?;
+        let mut weight_grad = gemm::matmul(
+            g.name(dw),
+            (buf, &dlogits, p.logits),
+            (rows_of(h, hd), &Shape::from(vec![len, p.width]), hd),
+            (dw_at, g.ty(dw).dtype),
+            true,
+            false,
+            false,
+        )
+        .map_err(|m| self.err(dw, m))?;
+        for gm in &mut weight_grad {
+            gm.accumulate = first > 0;
+        }
+        products.append(&mut weight_grad);
+        self.commands
+            .extend(products.into_iter().map(Command::Gemm));
         Ok(())
     }
 }

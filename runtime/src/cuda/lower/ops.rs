@@ -78,6 +78,7 @@ impl RunLowering<'_, '_> {
             }
             Op::LinearCrossEntropy { .. } => self.linear_cross_entropy(n)?,
             Op::LinearCrossEntropyGrad { .. } => self.linear_cross_entropy_grad(n)?,
+            Op::LinearCrossEntropyStep { .. } => self.linear_cross_entropy_step(n)?,
             Op::GradNorm => self.grad_norm(y, &ins)?,
             Op::AdamW { .. } | Op::Sgd { .. } => self.optimizer(&[n])?,
             Op::Adafactor { .. } => self.adafactor(n)?,
