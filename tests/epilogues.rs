@@ -7,7 +7,7 @@
 //!   the existing tolerances against PyTorch, and `tests/cuda_emulated.rs` runs their cuBLASLt
 //!   programs bit-identical to the CPU executor.
 //! - The pass fuses what it should: on GPT-2 every bias add after a product, every MLP GELU
-//!   and its gradient; the CUDA listing shows each product's epilogue.
+//!   and its gradient, every bias gradient; the CUDA listing shows each product's epilogue.
 
 mod common;
 
@@ -110,10 +110,23 @@ fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
     assert_eq!(count("matmul_bias"), 3 * layers, "{ir}");
     assert_eq!(count("matmul_bias_gelu"), layers);
     assert_eq!(count("matmul_gelu_grad"), layers);
+    assert_eq!(
+        count("matmul_bias_grad"),
+        3 * layers,
+        "the other bias gradients"
+    );
+    let bias_sums = ir
+        .lines()
+        .filter(|l| l.contains("= sum(") && l.contains(".bias:"))
+        .count();
+    assert_eq!(bias_sums, 0, "every bias gradient is in an epilogue");
     assert_eq!(count("gelu_tanh"), 0, "every GELU is in an epilogue");
     assert_eq!(count("gelu_tanh_grad"), 0, "and every GELU gradient");
     assert!(
-        report.contains("6 bias add(s), 2 bias + GELU(s) and 2 GELU gradient"),
+        report.contains(
+            "6 bias add(s), 2 bias + GELU(s), 2 GELU gradient + bias gradient(s) and 6 bias \
+             gradient(s)"
+        ),
         "{report}"
     );
     let (eager_ir, eager_report) = compile("eager");
@@ -137,6 +150,7 @@ fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
         ("epilogue=bias(", 3 * layers),
         ("epilogue=gelu_aux_bias(", layers),
         ("epilogue=dgelu_bgrad(", layers),
+        ("epilogue=bgrada(", 3 * layers),
     ] {
         assert_eq!(listing.matches(epilogue).count(), n, "{epilogue}");
     }
@@ -155,17 +169,20 @@ fn a_model_without_biases_is_left_as_it_is() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(
-        stdout(&o).contains("0 bias add(s), 0 bias + GELU(s) and 0 GELU gradient"),
+        stdout(&o).contains(
+            "0 bias add(s), 0 bias + GELU(s), 0 GELU gradient + bias gradient(s) and 0 bias \
+             gradient(s)"
+        ),
         "{}",
         stdout(&o)
     );
 }
 
 /// GPT-2 124M, B=8, T=1024, bf16 with fused attention and classifier: the epilogues take the
-/// program roofline from 13.8 ms (MFU 48.4%) to 12.2 ms (54.6%) at the same planned peak
+/// program roofline from 13.0 ms (MFU 51.0%) to 11.2 ms (59.3%) at no higher planned peak
 /// (the README's figures; held here to 0.1 points).
 #[test]
-fn gpt2_124m_epilogues_shorten_the_program_roofline_at_the_same_peak() {
+fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
     let config = root().join("assets/configs/gpt2-124m.json");
     let report = |mode: &str| {
         let o = castor(&[
@@ -203,7 +220,57 @@ fn gpt2_124m_epilogues_shorten_the_program_roofline_at_the_same_peak() {
     let (eager, eager_peak) = report("eager");
     let (fused, fused_peak) = report("fused");
     println!("MFU {eager}% eager, {fused}% fused; peaks {eager_peak}, {fused_peak}");
-    assert!((eager - 48.4).abs() <= 0.1, "eager MFU {eager}%");
-    assert!((fused - 54.6).abs() <= 0.1, "fused MFU {fused}%");
-    assert_eq!(eager_peak, fused_peak);
+    assert!((eager - 51.0).abs() <= 0.1, "eager MFU {eager}%");
+    assert!((fused - 59.3).abs() <= 0.1, "fused MFU {fused}%");
+    assert!(fused_peak <= eager_peak, "{fused_peak} > {eager_peak}");
+}
+
+/// The program roofline's MFU of `config` under `flags` (bf16, fused attention, classifier
+/// and epilogues, BF16 moments).
+fn fully_fused_mfu(config: &str, flags: &[&str]) -> f64 {
+    let config = root().join("assets/configs").join(config);
+    let mut args = vec![
+        "compile",
+        path_str(&config),
+        "--train",
+        "--precision",
+        "bf16",
+        "--attention",
+        "fused",
+        "--classifier",
+        "fused",
+        "--epilogues",
+        "fused",
+        "--optimizer-state",
+        "bf16",
+    ];
+    args.extend_from_slice(flags);
+    let o = castor(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    let cuda = text
+        .lines()
+        .find(|l| l.starts_with("cuda "))
+        .unwrap()
+        .to_string();
+    cuda.split("MFU ")
+        .nth(1)
+        .and_then(|r| r.split('%').next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or_else(|| panic!("no MFU on `{cuda}`"))
+}
+
+/// The roofline targets: GPT-2 124M (B=8, T=1024, no remat) at least 60% MFU and LLaMA-2-7B
+/// (B=1, T=4096, selective remat) at least 65%, with everything fused and BF16 moments
+/// (measured 60.9% and 66.2%; with F32 moments 59.3% and 62.5%, BENCHMARKS.md).
+#[test]
+fn the_fully_fused_plans_reach_the_roofline_targets() {
+    let gpt2 = fully_fused_mfu("gpt2-124m.json", &["--batch", "8", "--seq", "1024"]);
+    let llama = fully_fused_mfu(
+        "llama-2-7b.json",
+        &["--batch", "1", "--seq", "4096", "--remat", "selective"],
+    );
+    println!("GPT-2 124M {gpt2}%, LLaMA-2-7B {llama}%");
+    assert!(gpt2 >= 60.0, "GPT-2 124M MFU {gpt2}%");
+    assert!(llama >= 65.0, "LLaMA-2-7B MFU {llama}%");
 }

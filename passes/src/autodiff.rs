@@ -445,7 +445,14 @@ impl Backward<'_> {
                 } else {
                     Op::RmsNormGrad { eps: *eps }
                 };
-                let dy = self.convert(dy, self.fwd.ty(x[0]).dtype, &name)?;
+                // The norm's backward reads dy in its own dtype when that is narrower than the
+                // input's: widening to F32 is exact, so a cast would only copy the values.
+                let xd = self.fwd.ty(x[0]).dtype;
+                let dy = if widens_exactly(self.b.ty(dy).dtype, xd) {
+                    dy
+                } else {
+                    self.convert(dy, xd, &name)?
+                };
                 let outs = self.b.op_multi(&name, op, &[x[0], x[1], dy])?;
                 for (i, &d) in outs.iter().enumerate() {
                     if need(i) {
@@ -732,4 +739,9 @@ impl Backward<'_> {
         };
         Ok(self.b.op_with_dtype(name, op, &operands, dtype)?)
     }
+}
+
+/// Whether every `from` value is exactly a `to` value (a 16-bit float widened to F32).
+fn widens_exactly(from: DType, to: DType) -> bool {
+    from == to || (matches!(from, DType::F16 | DType::BF16) && to == DType::F32)
 }

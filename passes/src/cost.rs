@@ -138,6 +138,12 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         Op::MatMulBiasGelu { transpose_a, .. } => {
             (2.0 * product_depth(g, node, *transpose_a) + 11.0) * out
         }
+        // The product and the bias gradient's one addition per summed element.
+        Op::MatMulBiasGrad { lhs } => {
+            let k = g.ty(node.inputs[0]).shape.dims()[0] as f64;
+            let summed = numel(g, node.inputs[usize::from(!*lhs)]);
+            2.0 * out * k + summed
+        }
         Op::MatMulGeluGrad { transpose_a, .. } => {
             (2.0 * product_depth(g, node, *transpose_a) + 21.0) * out
         }

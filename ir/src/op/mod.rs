@@ -134,6 +134,12 @@ define_ops! {
     /// `DGELU_BGRAD`): `(dy [.., M, K], w [K, N], pre [.., M, N]) -> (dpre [.., M, N], dbias [N]
     /// f32)`: `dpre` is `gelu_tanh_grad(pre, op(dy)·op(w))` on the unrounded product, rounded
     /// once; `dbias` sums the stored `dpre` over every row, as the separate `sum` would.
+    /// A weight gradient with the bias-gradient epilogue (cuBLASLt's `BGRADA`/`BGRADB`):
+    /// `(a [K, M], b [K, N]) -> (a^T b [M, N], dbias f32)`, `dbias` summing the rows of the
+    /// operand that holds the output gradient (`lhs`: `a`, else `b`) in F32 as the separate
+    /// `sum` would; `transpose_a` is always set (the rows are the product's inner dim).
+    MatMulBiasGrad { lhs: bool } => "matmul_bias_grad", class Contraction, arity (2, 2),
+        typing typing::matmul_bias_grad(inputs, *lhs);
     MatMulGeluGrad { transpose_a: bool, transpose_b: bool } => "matmul_gelu_grad",
         class Contraction, arity (3, 3),
         typing typing::matmul_gelu_grad(inputs, *transpose_a, *transpose_b);
@@ -440,6 +446,7 @@ mod tests {
                 transpose_a: false,
                 transpose_b: true,
             },
+            Op::MatMulBiasGrad { lhs: true },
             Op::Unary(UnaryOp::GeluErf),
             Op::UnaryGrad(UnaryOp::Silu),
             Op::Binary(BinaryOp::Div),

@@ -374,6 +374,24 @@ pub fn matmul_bias(
     Ok(vec![out; outputs])
 }
 
+/// `(a [K, M], b [K, N]) -> (a^T b [M, N], dbias [M or N] f32)`: the bias gradient sums the
+/// rows of `a` when `lhs`, else of `b`.
+pub fn matmul_bias_grad(inputs: &[&TensorType], lhs: bool) -> Types {
+    let (a, b) = (inputs[0], inputs[1]);
+    if a.shape.rank() != 2 || b.shape.rank() != 2 {
+        return Err(format!(
+            "a weight gradient with its bias gradient takes two matrices, found {} and {}",
+            a.shape, b.shape
+        ));
+    }
+    let product = matmul(inputs, true, false)?.remove(0);
+    let summed = if lhs { a } else { b };
+    Ok(vec![
+        product,
+        TensorType::new(DType::F32, Shape(vec![summed.shape.dims()[1]])),
+    ])
+}
+
 /// `(dy, w [K, N], pre [.., M, N]) -> (dpre like pre, dbias [N] f32)`.
 pub fn matmul_gelu_grad(inputs: &[&TensorType], transpose_a: bool, transpose_b: bool) -> Types {
     let out = epilogue_product(inputs, transpose_a, transpose_b)?;
@@ -762,8 +780,9 @@ pub fn norm_grad(inputs: &[&TensorType], with_bias: bool) -> Types {
             x.shape, w.shape, dy.shape
         ));
     }
+    // dx has the input's dtype; dy may be narrower (read widened, exactly).
     let dw = TensorType::new(DType::F32, [h]);
-    let mut outs = vec![TensorType::new(dy.dtype, x.shape.clone()), dw.clone()];
+    let mut outs = vec![TensorType::new(x.dtype, x.shape.clone()), dw.clone()];
     if with_bias {
         outs.push(dw);
     }

@@ -6,7 +6,9 @@
 //! - followed by `gelu_tanh`, `matmul_bias_gelu(x, W, bias)` with both the pre-activation
 //!   (which the backward reads) and the activation as results (`GELU_AUX_BIAS`);
 //! - in the backward, `gelu_tanh_grad(pre, matmul(dy, W^T))` and the bias gradient's `sum`
-//!   of it become `matmul_gelu_grad(dy, W, pre)` (`DGELU_BGRAD`).
+//!   of it become `matmul_gelu_grad(dy, W, pre)` (`DGELU_BGRAD`);
+//! - every other bias gradient, `sum(dy)` over the rows, joins the weight gradient's product
+//!   that reads the same `dy` as rows: `matmul_bias_grad(x, dy)` (`BGRADA`/`BGRADB`).
 //!
 //! Under `--remat selective` or a budget the forward GELU stays a separate kernel, so that
 //! recomputation can rebuild the activation from the kept pre-activation.
@@ -47,11 +49,12 @@ impl PlanPass for FuseEpilogues {
         build.plan.forward_nodes = forward_nodes;
         let count = |f: fn(&Fusion) -> bool| fusions.iter().filter(|x| f(x)).count();
         Ok(PassReport::new(format!(
-            "{} bias add(s), {} bias + GELU(s) and {} GELU gradient + bias gradient(s) fused \
-             into their products' epilogues (one rounding each){}",
+            "{} bias add(s), {} bias + GELU(s), {} GELU gradient + bias gradient(s) and {} \
+             bias gradient(s) fused into their products' epilogues (one rounding each){}",
             count(|f| matches!(f, Fusion::Bias { gelu: None, .. })),
             count(|f| matches!(f, Fusion::Bias { gelu: Some(_), .. })),
             count(|f| matches!(f, Fusion::GeluGrad { .. })),
+            count(|f| matches!(f, Fusion::BiasGrad { .. })),
             if gelu {
                 ""
             } else {
@@ -72,6 +75,9 @@ enum Fusion {
     },
     /// `gelu_tanh_grad(pre, matmul)` at node `grad`, summed into the bias gradient by `sum`.
     GeluGrad { matmul: Node, grad: Node, sum: Node },
+    /// `sum(dy)` over the rows at node `sum`, and the weight gradient `matmul` whose operand
+    /// (`lhs` or not) holds the same `dy` as rows.
+    BiasGrad { matmul: Node, sum: Node, lhs: bool },
 }
 
 impl Fusion {
@@ -81,6 +87,7 @@ impl Fusion {
         match *self {
             Fusion::Bias { add, .. } => add,
             Fusion::GeluGrad { grad, .. } => grad,
+            Fusion::BiasGrad { matmul, .. } => matmul,
         }
     }
 
@@ -93,6 +100,7 @@ impl Fusion {
                 .flatten()
                 .collect(),
             Fusion::GeluGrad { matmul, grad, sum } => vec![matmul, grad, sum],
+            Fusion::BiasGrad { matmul, sum, .. } => vec![matmul, sum],
         }
     }
 }
@@ -114,6 +122,8 @@ fn weight_product(g: &Graph, users: &[Vec<Node>], v: Value, reader: Node) -> Opt
 fn find(g: &Graph, gelu: bool) -> Vec<Fusion> {
     let users = g.users();
     let mut found = Vec::new();
+    // Bias-gradient sums a GELU gradient's epilogue already computes.
+    let mut claimed = Vec::new();
     for (n, node) in g.nodes() {
         match node.op {
             Op::Binary(BinaryOp::Add) => {
@@ -161,6 +171,7 @@ fn find(g: &Graph, gelu: bool) -> Vec<Fusion> {
                         && g.ty(g.node(r).outputs[0]).dtype == castor_ir::DType::F32
                 });
                 if let Some(sum) = sum {
+                    claimed.push(sum);
                     found.push(Fusion::GeluGrad {
                         matmul,
                         grad: n,
@@ -168,10 +179,67 @@ fn find(g: &Graph, gelu: bool) -> Vec<Fusion> {
                     });
                 }
             }
+            Op::Reduce {
+                op: ReduceOp::Sum,
+                ref axes,
+                keepdim: false,
+            } if !claimed.contains(&n) => {
+                if let Some((matmul, lhs)) = weight_gradient_of(g, &users, n, axes) {
+                    found.push(Fusion::BiasGrad {
+                        matmul,
+                        sum: n,
+                        lhs,
+                    });
+                }
+            }
             _ => {}
         }
     }
     found
+}
+
+/// The weight gradient `matmul(x, dy) {transpose_a}` (or `matmul(dy, x)`) whose `dy` operand,
+/// as `[rows, n]`, holds the rows the bias-gradient `sum` adds: the product and whether `dy`
+/// is its lhs. The sum's result must not be read before the product runs.
+fn weight_gradient_of(
+    g: &Graph,
+    users: &[Vec<Node>],
+    sum: Node,
+    axes: &[usize],
+) -> Option<(Node, bool)> {
+    let (v, out) = (g.node(sum).inputs[0], g.node(sum).outputs[0]);
+    let dims = g.ty(v).shape.dims();
+    let n = *dims.last()?;
+    let leading: Vec<usize> = (0..dims.len() - 1).collect();
+    if axes != leading.as_slice() || g.ty(out).dtype != castor_ir::DType::F32 {
+        return None;
+    }
+    let rows = [dims.iter().product::<usize>() / n.max(1), n];
+    // `dy` itself, or a reshape of it to `[rows, n]`.
+    let mut as_rows = vec![v];
+    as_rows.extend(users[v.index()].iter().filter_map(|&r| {
+        let o = g.node(r).outputs[0];
+        (matches!(g.node(r).op, Op::Reshape { .. }) && g.ty(o).shape.dims() == rows).then_some(o)
+    }));
+    let matmul = as_rows.iter().find_map(|&x| {
+        users[x.index()].iter().find_map(|&m| {
+            let node = g.node(m);
+            let is_weight_grad = node.op
+                == Op::MatMul {
+                    transpose_a: true,
+                    transpose_b: false,
+                }
+                && node.inputs.iter().all(|&i| g.ty(i).shape.rank() == 2)
+                && g.ty(x).shape.dims() == rows;
+            let lhs = node.inputs[0] == x;
+            (is_weight_grad && (lhs || node.inputs[1] == x)).then_some((m, lhs))
+        })
+    })?;
+    // The fused node runs where the product does: nothing may read the sum before.
+    let read_early = users[out.index()]
+        .iter()
+        .any(|r| r.index() < matmul.0.index());
+    (!read_early && matmul.0.index() > sum.index()).then_some(matmul)
 }
 
 /// `g` with each fusion's nodes replaced by its fused node; the new forward node count.
@@ -241,6 +309,13 @@ fn rewrite(
                         ),
                     }
                 }
+                Fusion::BiasGrad { matmul, sum, lhs } => (
+                    Op::MatMulBiasGrad { lhs },
+                    g.node(matmul).inputs.clone(),
+                    vec![g.node(matmul).outputs[0], g.node(sum).outputs[0]],
+                    matmul,
+                    "epilogue: the bias gradient summed from the product's output-gradient operand (cuBLASLt BGRADA/BGRADB)",
+                ),
                 Fusion::GeluGrad { matmul, grad, sum } => {
                     let mm = g.node(matmul);
                     let Op::MatMul {

@@ -455,6 +455,8 @@ mod tests {
             [
                 "classifier",
                 "autodiff",
+                "classifier_step",
+                "epilogue",
                 "accumulate",
                 "optimizer",
                 "remat",
@@ -467,18 +469,24 @@ mod tests {
                 .unwrap()
                 .run(&loss_graph(), settings())
                 .unwrap();
-            assert_eq!(out.reports.len(), 6);
+            assert_eq!(out.reports.len(), 8);
             let dump = out.dump.unwrap();
             assert!(dump.starts_with("graph micro_step {"), "{name}: {dump}");
             // Accumulation over two micro-batches adds the gradient to its state.
             assert_eq!(
                 dump.contains("%grad.w.sum"),
-                !matches!(name, "classifier" | "autodiff"),
+                !matches!(
+                    name,
+                    "classifier" | "autodiff" | "classifier_step" | "epilogue"
+                ),
                 "{name}: {dump}"
             );
             assert_eq!(
                 dump.contains("graph optimizer_step {"),
-                !matches!(name, "classifier" | "autodiff" | "accumulate"),
+                !matches!(
+                    name,
+                    "classifier" | "autodiff" | "classifier_step" | "epilogue" | "accumulate"
+                ),
                 "{name}: {dump}"
             );
         }
@@ -488,7 +496,9 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(
-            err.contains("autodiff, accumulate, optimizer, remat, fusion"),
+            err.contains(
+                "autodiff, classifier_step, epilogue, accumulate, optimizer, remat, fusion"
+            ),
             "{err}"
         );
     }

@@ -212,6 +212,17 @@ pub fn execute(
                 .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
                 .collect();
         }
+        Op::MatMulBiasGrad { lhs } => {
+            let product = product(args, acc, out, true, false)?;
+            let i = usize::from(!*lhs);
+            let (k, n) = (args.shape(i)?[0], args.shape(i)?[1]);
+            let dbias = epilogue::bias_grad(args.f32(i)?, k, n);
+            return [product, dbias]
+                .into_iter()
+                .zip(outs)
+                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+                .collect();
+        }
         Op::MatMulGeluGrad {
             transpose_a,
             transpose_b,

@@ -43,6 +43,13 @@ pub fn gelu_grad_bias(acc: &mut [f32], pre: &[f32], n: usize, dtype: DType) -> V
     reduce::reduce(ReduceOp::Sum, acc, &[rows, n], &[0]).unwrap_or_default()
 }
 
+/// `BGRADA`/`BGRADB`: the bias gradient of a weight gradient's product, the sum over the `k`
+/// rows of the operand `[k, n]` that holds the output gradient (F64 sums as every reduction's,
+/// so the separate `sum` of the same values gives the same bits).
+pub fn bias_grad(operand: &[f32], k: usize, n: usize) -> Vec<f32> {
+    reduce::reduce(ReduceOp::Sum, operand, &[k, n], &[0]).unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

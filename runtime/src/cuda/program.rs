@@ -283,6 +283,12 @@ pub enum Epilogue {
     /// `C = gelu_tanh'(aux) · acc`, `bias_grad` (F32) = the sum of each row of C as stored
     /// (`DGELU_BGRAD`).
     GeluGradBias { aux: Place, bias_grad: Place },
+    /// `C = acc`, `bias_grad` (F32, `m` values) = the sum of `op(A)` over the inner dim
+    /// (`BGRADA`: A holds the output gradient of a weight gradient).
+    BiasGradA { bias_grad: Place },
+    /// `C = acc`, `bias_grad` (F32, `n` values) = the sum of `op(B)` over the inner dim
+    /// (`BGRADB`).
+    BiasGradB { bias_grad: Place },
 }
 
 /// How an epilogue buffer is used.
@@ -290,6 +296,8 @@ pub enum Epilogue {
 pub enum EpilogueUse {
     /// A vector of `m` values (bias or bias gradient).
     Vector,
+    /// A vector of `n` values (the bias gradient of B).
+    VectorN,
     /// A matrix shaped and laid out as C.
     Matrix,
 }
@@ -314,6 +322,24 @@ impl Epilogue {
                     true,
                 ),
             ],
+            Epilogue::BiasGradA { bias_grad } => {
+                vec![(
+                    "bias_grad",
+                    bias_grad,
+                    EpilogueUse::Vector,
+                    DType::F32,
+                    true,
+                )]
+            }
+            Epilogue::BiasGradB { bias_grad } => {
+                vec![(
+                    "bias_grad",
+                    bias_grad,
+                    EpilogueUse::VectorN,
+                    DType::F32,
+                    true,
+                )]
+            }
         }
     }
 
@@ -330,6 +356,12 @@ impl Epilogue {
                 aux: f(aux),
                 bias_grad: f(bias_grad),
             },
+            Epilogue::BiasGradA { bias_grad } => Epilogue::BiasGradA {
+                bias_grad: f(bias_grad),
+            },
+            Epilogue::BiasGradB { bias_grad } => Epilogue::BiasGradB {
+                bias_grad: f(bias_grad),
+            },
         }
     }
 
@@ -340,6 +372,8 @@ impl Epilogue {
             Epilogue::Bias { .. } => "bias",
             Epilogue::BiasGelu { .. } => "gelu_aux_bias",
             Epilogue::GeluGradBias { .. } => "dgelu_bgrad",
+            Epilogue::BiasGradA { .. } => "bgrada",
+            Epilogue::BiasGradB { .. } => "bgradb",
         }
     }
 }
@@ -367,6 +401,7 @@ impl Gemm {
             .map(|(name, place, usage, dtype, written)| {
                 let elems = match usage {
                     EpilogueUse::Vector => m,
+                    EpilogueUse::VectorN => n,
                     EpilogueUse::Matrix if m * n == 0 => 0,
                     EpilogueUse::Matrix => (n - 1) * self.ldc.max(0) as u64 + m,
                 };

@@ -184,8 +184,10 @@ fn rms_norm_grad_matches_finite_differences() {
     }
 }
 
+/// A norm's backward reads a 16-bit output gradient widened (exactly) and writes dx in the
+/// input's dtype: the same bits as after a cast of dy to F32, so autodiff makes no cast.
 #[test]
-fn norm_grads_write_dx_in_the_gradient_dtype() {
+fn norm_grads_read_a_narrower_dy_exactly_and_write_dx_in_the_input_dtype() {
     let mut rng = Rng::new(904);
     let x = rng.tensor(DType::F32, &[3, 8]);
     let w = rng.tensor(DType::F32, &[8]);
@@ -195,16 +197,11 @@ fn norm_grads_write_dx_in_the_gradient_dtype() {
         Op::LayerNormGrad { eps: 1e-5 },
         Op::RmsNormGrad { eps: 1e-5 },
     ] {
-        let exact = run_multi(op.clone(), &[&x, &w, &dy16.clone().to_f32()]).expect("runs");
+        let cast = run_multi(op.clone(), &[&x, &w, &dy16.clone().to_f32()]).expect("runs");
         let low = run_multi(op, &[&x, &w, &dy16]).expect("runs");
-        assert_eq!(low[0].dtype(), DType::BF16);
-        let rounded: Vec<f32> = f32s(&exact[0])
-            .iter()
-            .map(|&v| castor_ir::round_to(DType::BF16, v))
-            .collect();
-        assert_eq!(f32s(&low[0]), rounded.as_slice());
-        for (l, e) in low[1..].iter().zip(&exact[1..]) {
-            assert_eq!(l.dtype(), DType::F32);
+        assert_eq!(low[0].dtype(), DType::F32);
+        for (l, e) in low.iter().zip(&cast) {
+            assert_eq!(l.dtype(), e.dtype());
             assert_eq!(l, e);
         }
     }

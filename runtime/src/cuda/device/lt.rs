@@ -124,6 +124,18 @@ impl Loaded {
                 Some(aux),
                 Some(lt_sys::cudaDataType::CUDA_R_32F),
             ),
+            Epilogue::BiasGradA { bias_grad } => (
+                E::CUBLASLT_EPILOGUE_BGRADA,
+                Some(bias_grad),
+                None,
+                Some(lt_sys::cudaDataType::CUDA_R_32F),
+            ),
+            Epilogue::BiasGradB { bias_grad } => (
+                E::CUBLASLT_EPILOGUE_BGRADB,
+                Some(bias_grad),
+                None,
+                Some(lt_sys::cudaDataType::CUDA_R_32F),
+            ),
         };
         set(
             A::CUBLASLT_MATMUL_DESC_EPILOGUE,

@@ -93,6 +93,23 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
         };
         out.extend(matmul(&l, &r, &[rows, mu]));
     }
+    // An operand stored `[k, cols]` with leading dimension `ld`, row-major, as loaded.
+    let raw = |m: &Mem, p: Ptr, cols: usize, ld: i64, d: DType| -> R<Vec<f32>> {
+        let mut v = Vec::with_capacity(ku * cols);
+        for r in 0..ku as i64 {
+            for c in 0..cols as i64 {
+                v.push(m.f(p, r * ld + c, d)?);
+            }
+        }
+        Ok(v)
+    };
+    let store_vector = |m: &mut Mem, p: Place, v: &[f32]| -> R<()> {
+        let p = m.place(p);
+        for (i, &x) in v.iter().enumerate() {
+            m.set_f(p, i as i64, DType::F32, x)?;
+        }
+        Ok(())
+    };
     // The epilogue, on the F32 product of the single entry (row-major [n, m] here).
     let vector = |m: &Mem, p: Place, d: DType| -> R<Vec<f32>> {
         let p = m.place(p);
@@ -125,10 +142,23 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
         Epilogue::GeluGradBias { aux, bias_grad } => {
             let pre = matrix(m, aux)?;
             let db = epilogue::gelu_grad_bias(&mut out, &pre, mu, g.c_dtype);
-            let pg = m.place(bias_grad);
-            for (i, v) in db.into_iter().enumerate() {
-                m.set_f(pg, i as i64, DType::F32, v)?;
-            }
+            store_vector(m, bias_grad, &db)?;
+        }
+        // The summed operand as the IR stores it, `[k, len]` (the inner dim first: A not
+        // transposed, B transposed), its values unrounded even under TF32.
+        Epilogue::BiasGradA { bias_grad } if !g.transa => {
+            let a = raw(m, pa, mu, g.lda, g.a_dtype)?;
+            store_vector(m, bias_grad, &epilogue::bias_grad(&a, ku, mu))?;
+        }
+        Epilogue::BiasGradB { bias_grad } if g.transb => {
+            let b = raw(m, pb, nu, g.ldb, g.b_dtype)?;
+            store_vector(m, bias_grad, &epilogue::bias_grad(&b, ku, nu))?;
+        }
+        Epilogue::BiasGradA { .. } | Epilogue::BiasGradB { .. } => {
+            return Err(format!(
+                "the {} epilogue sums an operand stored with its inner dim first",
+                g.epilogue.name()
+            ));
         }
     }
     for b in 0..batch as usize {

@@ -196,6 +196,23 @@ impl View {
         )
     }
 
+    /// The copy of this view into `dst`, a view of the same dims in the destination buffer.
+    pub fn copy_to(&self, dst: &View) -> Result<CopyLayout, String> {
+        if dst.dims != self.dims {
+            return Err(format!(
+                "copying a view {:?} into {:?}",
+                self.dims, dst.dims
+            ));
+        }
+        layout(
+            &self.dims,
+            &self.strides,
+            &dst.strides,
+            self.offset,
+            dst.offset,
+        )
+    }
+
     /// The copy of this view into elements `start..` of `out` along `axis` (a concat input,
     /// a pad's interior).
     pub fn place_into(

@@ -3,7 +3,7 @@
 
 use super::super::program::{Arg, Command, Place};
 use super::ops::BLOCK;
-use super::{grid_1d, sfx, LowerError, RunLowering};
+use super::{copies, grid_1d, sfx, LowerError, RunLowering};
 use castor_ir::{DType, Node, Op, Value};
 
 impl RunLowering<'_, '_> {
@@ -89,9 +89,17 @@ impl RunLowering<'_, '_> {
         let mut start = 0;
         for &x in &ins {
             let (root, view) = self.source(x);
-            let l = view
-                .place_into(&out_dims, *axis, start)
-                .map_err(|m| self.err(y, m))?;
+            let l = if view.dims == dims(x) {
+                view.place_into(&out_dims, *axis, start)
+            } else {
+                // A reshape read through its operand's view: the slot reshaped to match.
+                copies::View::contiguous(&out_dims)
+                    .slice(*axis, start, dims(x)[*axis])
+                    .reshape(&view.dims)
+                    .ok_or_else(|| format!("the slot of `%{}` cannot take its view", g.name(x)))
+                    .and_then(|dst| view.copy_to(&dst))
+            }
+            .map_err(|m| self.err(y, m))?;
             start += dims(x)[*axis];
             let src = self.at(root)?;
             self.copy(y, src, dst, l)?;

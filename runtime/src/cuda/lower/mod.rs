@@ -944,7 +944,16 @@ pub(crate) fn layout_views(
                     })
                     .collect()
             }
-            Op::Reshape { .. } => vec![(node.outputs[0], base.reshape(&dims(node.outputs[0])))],
+            Op::Reshape { .. } => {
+                let o = node.outputs[0];
+                // A reshape no view expresses, read only by concats: each concat copies the
+                // operand's view straight into its slot, reshaped (a reshape keeps row-major
+                // order), so nothing is stored in between.
+                let view = base
+                    .reshape(&dims(o))
+                    .or_else(|| into_concats(g, users, o, &base).then(|| base.clone()));
+                vec![(o, view)]
+            }
             Op::BroadcastTo { .. } => {
                 vec![(node.outputs[0], base.broadcast(&dims(node.outputs[0])))]
             }
@@ -967,6 +976,31 @@ pub(crate) fn layout_views(
         }
     }
     (views, storage)
+}
+
+/// Whether every reader of `o` is a concat that can take `view` (`o`'s elements in row-major
+/// order over other dims) into its slot: the slot reshaped to the view's dims is a view.
+fn into_concats(g: &Graph, users: &[Vec<Node>], o: Value, view: &copies::View) -> bool {
+    let readers = &users[o.index()];
+    !readers.is_empty()
+        && readers.iter().all(|&u| {
+            let node = g.node(u);
+            let Op::Concat { axis } = node.op else {
+                return false;
+            };
+            let out = g.ty(node.outputs[0]).shape.dims().to_vec();
+            let mut start = 0;
+            node.inputs.iter().all(|&x| {
+                let len = g.ty(x).shape.dims()[axis];
+                let fits = x != o
+                    || copies::View::contiguous(&out)
+                        .slice(axis, start, len)
+                        .reshape(&view.dims)
+                        .is_some();
+                start += len;
+                fits
+            })
+        })
 }
 
 /// Kernel-name suffix of a float dtype.

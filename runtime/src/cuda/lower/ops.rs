@@ -53,9 +53,10 @@ impl RunLowering<'_, '_> {
                 .map_err(|m| self.err(y, m))?;
                 self.commands.extend(gm.into_iter().map(Command::Gemm));
             }
-            Op::MatMulBias { .. } | Op::MatMulBiasGelu { .. } | Op::MatMulGeluGrad { .. } => {
-                self.epilogue_product(n)?
-            }
+            Op::MatMulBias { .. }
+            | Op::MatMulBiasGelu { .. }
+            | Op::MatMulGeluGrad { .. }
+            | Op::MatMulBiasGrad { .. } => self.epilogue_product(n)?,
             Op::Embedding { .. } => self.embedding(n)?,
             Op::EmbeddingGrad { vocab, padding } => {
                 self.embedding_grad(y, ins[0], ins[1], *vocab, *padding)?
@@ -140,6 +141,7 @@ impl RunLowering<'_, '_> {
                 transpose_a,
                 transpose_b,
             } => (transpose_a, transpose_b),
+            Op::MatMulBiasGrad { .. } => (true, false),
             _ => unreachable!("epilogue_product is called for epilogue products"),
         };
         // The stored result: the activation of a GELU product, else the first output.
@@ -156,6 +158,13 @@ impl RunLowering<'_, '_> {
             Op::MatMulBiasGelu { .. } => Epilogue::BiasGelu {
                 bias: self.at(ins[2])?,
                 aux: self.out(outs[0])?,
+            },
+            // The IR's lhs is cuBLAS's B.
+            Op::MatMulBiasGrad { lhs: true } => Epilogue::BiasGradB {
+                bias_grad: self.out(outs[1])?,
+            },
+            Op::MatMulBiasGrad { lhs: false } => Epilogue::BiasGradA {
+                bias_grad: self.out(outs[1])?,
             },
             _ => Epilogue::GeluGradBias {
                 aux: self.at(ins[2])?,
