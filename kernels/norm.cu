@@ -12,13 +12,15 @@
 //     y (nullable): when null, only the statistics are computed (a backward recomputing
 //     them): the normalize pass is skipped and w and b are not read (b may be null then).
 // Backward, dx, one block per row:
-//   layer_norm_bwd_<io>(s, dy, w, mean, rstd, dadd, dx, rows, h)
+//   layer_norm_bwd_<io>(s, dy, w, mean, rstd, dadd, dx, dx_low, rows, h)
 //     g = dy * w, xhat = (s - mean) * rstd,
 //     dx = rstd * (g - mean(g) - xhat * mean(g * xhat))             (native_layer_norm_backward)
-//   rms_norm_bwd_<io>(s, dy, w, rstd, dadd, dx, rows, h)
+//   rms_norm_bwd_<io>(s, dy, w, rstd, dadd, dx, dx_low, rows, h)
 //     dx = rstd * (g - s * rstd^2 * mean(g * s))
 //   dadd (nullable, TI): another gradient of s, added after dx is rounded to TI (the graph's
 //   add of the residual branch's gradient), dx = TI(TI(dx) + dadd).
+//   dx_low (nullable, TO): dx as stored, rounded again to TO (the graph's cast of the residual
+//   stream's gradient to the products' dtype), dx_low = TO(dx).
 // Backward, weight gradients, deterministic in two stages (no atomics):
 //   layer_norm_bwd_weight_<io>(s, dy, mean, rstd, dw_part, db_part, rows, h, rows_per_group)
 //   rms_norm_bwd_weight_<io>  (s, dy, rstd, dw_part, rows, h, rows_per_group)
@@ -145,7 +147,7 @@ template <typename TI, typename TO, bool RMS>
 __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
                                          const float* __restrict__ w, const float* __restrict__ mean,
                                          const float* __restrict__ rstd, const TI* dadd, TI* dx,
-                                         i64 rows, int h) {
+                                         TO* dx_low, i64 rows, int h) {
     __shared__ double scratch[32];
     const int tid = threadIdx.x, nt = blockDim.x;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -154,10 +156,11 @@ __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
         const TO* dyr = dy + off;
         const TI* ar = dadd ? dadd + off : nullptr;
         TI* dxr = dx + off;
+        TO* lr = dx_low ? dx_low + off : nullptr;
         const float m = RMS ? 0.0f : mean[row];
         const float r = rstd[row];
         const bool vec = aligned16(sr) && aligned16(dyr) && aligned16(dxr) && aligned16(w) &&
-                         (!ar || aligned16(ar));
+                         (!ar || aligned16(ar)) && (!lr || aligned16(lr));
         const int units = vec ? h / UNIT : 0;
         const int tail = units * UNIT;
 
@@ -216,6 +219,11 @@ __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
                 for (int k = 0; k < UNIT; ++k) dv[k] = round_to<TI>(dv[k]) + av[k];
             }
             store8(dxr + j, dv);
+            if (lr) {
+#pragma unroll
+                for (int k = 0; k < UNIT; ++k) dv[k] = round_to<TI>(dv[k]);
+                store8(lr + j, dv);
+            }
         }
         for (int j = tail + tid; j < h; j += nt) {
             const float xv = to_f32(sr[j]);
@@ -224,6 +232,7 @@ __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
             float v = RMS ? r * (d * w[j] - xv * c) : r * (d * w[j] - mean_g - xhat * mean_gx);
             if (ar) v = round_to<TI>(v) + to_f32(ar[j]);
             dxr[j] = from_f32<TI>(v);
+            if (lr) lr[j] = from_f32<TO>(round_to<TI>(v));
         }
     }
 }
@@ -276,13 +285,14 @@ extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ pa
     }                                                                                          \
     extern "C" __global__ void layer_norm_bwd_##io(const TI* s, const TO* dy, const float* w,  \
                                                    const float* mean, const float* rstd,       \
-                                                   const TI* dadd, TI* dx, i64 rows, int h) {  \
-        norm_bwd<TI, TO, false>(s, dy, w, mean, rstd, dadd, dx, rows, h);                      \
+                                                   const TI* dadd, TI* dx, TO* dx_low,         \
+                                                   i64 rows, int h) {                          \
+        norm_bwd<TI, TO, false>(s, dy, w, mean, rstd, dadd, dx, dx_low, rows, h);              \
     }                                                                                          \
     extern "C" __global__ void rms_norm_bwd_##io(const TI* s, const TO* dy, const float* w,    \
                                                  const float* rstd, const TI* dadd, TI* dx,    \
-                                                 i64 rows, int h) {                            \
-        norm_bwd<TI, TO, true>(s, dy, w, nullptr, rstd, dadd, dx, rows, h);                    \
+                                                 TO* dx_low, i64 rows, int h) {                \
+        norm_bwd<TI, TO, true>(s, dy, w, nullptr, rstd, dadd, dx, dx_low, rows, h);            \
     }                                                                                          \
     extern "C" __global__ void layer_norm_bwd_weight_##io(                                     \
         const TI* s, const TO* dy, const float* mean, const float* rstd, double* dw_part,      \

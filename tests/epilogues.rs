@@ -179,7 +179,7 @@ fn a_model_without_biases_is_left_as_it_is() {
 }
 
 /// GPT-2 124M, B=8, T=1024, bf16 with fused attention and classifier: the epilogues take the
-/// program roofline from 13.0 ms (MFU 51.0%) to 11.2 ms (59.3%) at no higher planned peak
+/// program roofline from 12.9 ms (MFU 51.8%) to 11.0 ms (60.4%) at no higher planned peak
 /// (the README's figures; held here to 0.1 points).
 #[test]
 fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
@@ -220,8 +220,8 @@ fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
     let (eager, eager_peak) = report("eager");
     let (fused, fused_peak) = report("fused");
     println!("MFU {eager}% eager, {fused}% fused; peaks {eager_peak}, {fused_peak}");
-    assert!((eager - 51.0).abs() <= 0.1, "eager MFU {eager}%");
-    assert!((fused - 59.3).abs() <= 0.1, "fused MFU {fused}%");
+    assert!((eager - 51.8).abs() <= 0.1, "eager MFU {eager}%");
+    assert!((fused - 60.4).abs() <= 0.1, "fused MFU {fused}%");
     assert!(fused_peak <= eager_peak, "{fused_peak} > {eager_peak}");
 }
 
@@ -262,7 +262,7 @@ fn fully_fused_mfu(config: &str, flags: &[&str]) -> f64 {
 
 /// The roofline targets: GPT-2 124M (B=8, T=1024, no remat) at least 60% MFU and LLaMA-2-7B
 /// (B=1, T=4096, selective remat) at least 65%, with everything fused and BF16 moments
-/// (measured 60.9% and 66.2%; with F32 moments 59.3% and 62.5%, BENCHMARKS.md).
+/// (measured 62.0% and 66.5%; with F32 moments 60.4% and 62.8%, BENCHMARKS.md).
 #[test]
 fn the_fully_fused_plans_reach_the_roofline_targets() {
     let gpt2 = fully_fused_mfu("gpt2-124m.json", &["--batch", "8", "--seq", "1024"]);
@@ -273,4 +273,40 @@ fn the_fully_fused_plans_reach_the_roofline_targets() {
     println!("GPT-2 124M {gpt2}%, LLaMA-2-7B {llama}%");
     assert!(gpt2 >= 60.0, "GPT-2 124M MFU {gpt2}%");
     assert!(llama >= 65.0, "LLaMA-2-7B MFU {llama}%");
+}
+
+/// `train`'s plan line says what the epilogue pass did when `--epilogues fused` asked for it.
+#[test]
+fn train_says_what_the_epilogue_pass_did() {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |mode: &str| {
+        let o = castor(&[
+            "train",
+            path_str(&root().join("assets/tiny-gpt2.json")),
+            "--data",
+            path_str(&root().join("assets/corpus.txt")),
+            "--steps",
+            "1",
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--precision",
+            "bf16",
+            "--device",
+            "cpu",
+            "--epilogues",
+            mode,
+            "--save",
+            path_str(&tmp.path().join(mode)),
+        ]);
+        assert!(o.status.success(), "{mode}: {}", stderr(&o));
+        let out = stdout(&o);
+        out.lines()
+            .find(|l| l.starts_with("plan "))
+            .unwrap_or_else(|| panic!("no plan line: {out}"))
+            .to_string()
+    };
+    assert!(run("fused").contains("bias gradient(s) fused into their products' epilogues"));
+    assert!(!run("eager").contains("epilogue"));
 }

@@ -3,7 +3,7 @@
 //! The fusion pass (`castor_passes::fusion`) decides which nodes of a graph run together, and
 //! a [`KernelUnit`] records each decision: a pointwise group with its typed body, a
 //! normalization with the residual add it absorbs in front ([`UnitKind::NormPrologue`]) or the
-//! gradient add it absorbs behind ([`UnitKind::NormEpilogue`]), or a batch of optimizer
+//! gradient add (and the sum's cast) it absorbs behind ([`UnitKind::NormEpilogue`]), or a batch of optimizer
 //! updates that share their scalars. A unit runs where its last member stands. Nodes in no
 //! unit run as one kernel (or product, or copy) each. Executors read the units; none decides
 //! fusion again, so what a plan says is fused is exactly what runs.
@@ -41,8 +41,9 @@ pub enum UnitKind {
     /// `[add, norm]`: the norm kernel computes the residual add that makes its input and
     /// writes the sum on its way.
     NormPrologue,
-    /// `[norm_grad, add]`: the norm's backward kernel adds another gradient to its input
-    /// gradient before it stores.
+    /// `[norm_grad, add]` or `[norm_grad, add, cast]`: the norm's backward kernel adds another
+    /// gradient to its input gradient before it stores, and writes the sum's cast to the
+    /// output gradient's 16-bit dtype beside it.
     NormEpilogue,
     /// AdamW or SGD nodes sharing their scalars: one multi-tensor launch.
     OptimizerBatch,

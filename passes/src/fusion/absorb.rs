@@ -2,7 +2,7 @@
 //! of optimizer updates. Each rule is one predicate, used both to decide the units and to
 //! check the units a plan file brings.
 
-use castor_ir::{BinaryOp, Graph, Node, Op, Value};
+use castor_ir::{BinaryOp, DType, Graph, Node, NodeData, Op, Value};
 use std::collections::HashSet;
 
 fn is_norm(op: &Op) -> bool {
@@ -37,21 +37,56 @@ pub(super) fn prologue_ok(g: &Graph, users: &[Vec<Node>], add: Node, norm: Node)
 /// another gradient of its type, the gradient is not a graph output, and nothing reads the
 /// norm gradient's other results before the add (the unit runs there). The kernel rounds
 /// `dx` to its dtype before the add, as the separate ops do.
-pub(super) fn epilogue_ok(g: &Graph, users: &[Vec<Node>], grad: Node, add: Node) -> bool {
+///
+/// `[norm_grad, add, cast]` also takes the cast of the sum to the norm's output-gradient dtype
+/// (the residual stream's gradient going back into the products' dtype), which the kernel
+/// writes beside the sum; then nothing may read the sum before the cast either.
+pub(super) fn epilogue_ok(
+    g: &Graph,
+    users: &[Vec<Node>],
+    grad: Node,
+    add: Node,
+    cast: Option<Node>,
+) -> bool {
     let node = g.node(grad);
     let en = g.node(add);
     if !is_norm_grad(&node.op) || !is_add(&en.op) || en.inputs.len() != 2 {
         return false;
     }
     let dx = node.outputs[0];
+    let sum = en.outputs[0];
+    let last = cast.unwrap_or(add);
     let other = en.inputs.iter().copied().find(|&v| v != dx);
+    let cast_ok = cast.is_none_or(|c| low_copy_ok(g, users, node, sum, c));
     users[dx.index()].as_slice() == [add]
         && other.is_some_and(|o| g.ty(o) == g.ty(dx))
-        && g.ty(en.outputs[0]) == g.ty(dx)
+        && g.ty(sum) == g.ty(dx)
         && !g.outputs().contains(&dx)
+        && cast_ok
         && node.outputs[1..]
             .iter()
-            .all(|o| users[o.index()].iter().all(|&u| u > add))
+            .all(|o| users[o.index()].iter().all(|&u| u > last))
+}
+
+/// `cast` narrows the epilogue's `sum` to the norm's output-gradient dtype (a 16-bit float),
+/// and every other reader of the sum comes after it.
+fn low_copy_ok(g: &Graph, users: &[Vec<Node>], grad: &NodeData, sum: Value, cast: Node) -> bool {
+    let c = g.node(cast);
+    let low = g.ty(grad.inputs[2]).dtype;
+    matches!(c.op, Op::Cast { to } if to == low)
+        && c.inputs.as_slice() == [sum]
+        && matches!(low, DType::F16 | DType::BF16)
+        && g.ty(sum).dtype != low
+        && users[sum.index()].iter().all(|&u| u >= cast)
+}
+
+/// The cast that can join the epilogue `[grad, add]`: the first narrowing cast of the sum.
+fn low_copy(g: &Graph, users: &[Vec<Node>], grad: Node, add: Node) -> Option<Node> {
+    let sum = g.node(add).outputs[0];
+    users[sum.index()]
+        .iter()
+        .copied()
+        .find(|&c| low_copy_ok(g, users, g.node(grad), sum, c))
 }
 
 /// The norm prologues and epilogues of `g`, with each absorbed add taken out of its pointwise
@@ -93,10 +128,19 @@ pub(super) fn norm_units(
             let [e] = users[node.outputs[0].index()].as_slice() else {
                 continue;
             };
-            if epilogue_ok(g, users, n, *e) && !claimed.contains(e) && take(*e, groups) {
-                claimed.insert(*e);
-                out.push((vec![n, *e], false));
+            if !(epilogue_ok(g, users, n, *e, None) && !claimed.contains(e) && take(*e, groups)) {
+                continue;
             }
+            claimed.insert(*e);
+            let mut members = vec![n, *e];
+            if let Some(c) = low_copy(g, users, n, *e) {
+                if epilogue_ok(g, users, n, *e, Some(c)) && !claimed.contains(&c) && take(c, groups)
+                {
+                    claimed.insert(c);
+                    members.push(c);
+                }
+            }
+            out.push((members, false));
         }
     }
     out

@@ -160,7 +160,14 @@ pub fn schedule(g: &Graph, units: Vec<KernelUnit>) -> Result<UnitSchedule, UnitE
                 members.len() == 2 && absorb::prologue_ok(g, &users, members[0], members[1])
             }
             UnitKind::NormEpilogue => {
-                members.len() == 2 && absorb::epilogue_ok(g, &users, members[0], members[1])
+                (2..=3).contains(&members.len())
+                    && absorb::epilogue_ok(
+                        g,
+                        &users,
+                        members[0],
+                        members[1],
+                        members.get(2).copied(),
+                    )
             }
             UnitKind::OptimizerBatch => absorb::batch_ok(g, &users, &members),
         };

@@ -274,6 +274,7 @@ fn plan_summary(plan: &TrainingPlan, reports: &[(&'static str, PassReport)]) -> 
     // says why).
     for (pass, asked) in [
         ("classifier", !plan.settings.classifier.is_eager()),
+        ("epilogue", !plan.settings.epilogues.is_eager()),
         ("remat", !plan.settings.remat.is_none()),
     ] {
         if let Some((_, r)) = reports.iter().find(|(n, _)| asked && *n == pass) {

@@ -24,11 +24,12 @@ impl RunLowering<'_, '_> {
     }
 
     /// A norm-gradient node, with the add of another gradient to its input gradient when
-    /// `epilogue` names it: the kernel adds `dadd` and writes the add's result.
+    /// `epilogue` names it: the kernel adds `dadd` and writes the add's result, and with the
+    /// cast of that result to the output gradient's dtype when named: `dx_low`.
     pub(super) fn norm_grad_unit(
         &mut self,
         n: Node,
-        epilogue: Option<Node>,
+        epilogue: Option<(Node, Option<Node>)>,
     ) -> Result<(), LowerError> {
         let g = self.g;
         let node = g.node(n);
@@ -170,7 +171,7 @@ impl RunLowering<'_, '_> {
         outs: &[Value],
         rms: bool,
         eps: f64,
-        epilogue: Option<Node>,
+        epilogue: Option<(Node, Option<Node>)>,
     ) -> Result<(), LowerError> {
         let g = self.g;
         let (x, w, dy) = (ins[0], ins[1], ins[2]);
@@ -264,15 +265,19 @@ impl RunLowering<'_, '_> {
             }
         }
         // With an epilogue the kernel writes the add's result and dx itself is never stored.
-        let (dadd, dxp) = match epilogue {
-            Some(add) => {
+        let (dadd, dxp, dx_low) = match epilogue {
+            Some((add, cast)) => {
                 let a = g.node(add);
                 let other = a.inputs.iter().copied().find(|&v| v != dx);
                 let other = other.ok_or_else(|| self.err(dx, "an epilogue add of dx to itself"))?;
                 self.loc[dx.index()] = super::Loc::InKernel;
-                (Arg::Ptr(self.at(other)?), self.out(a.outputs[0])?)
+                let low = match cast {
+                    Some(c) => Arg::Ptr(self.out(g.node(c).outputs[0])?),
+                    None => Arg::Null,
+                };
+                (Arg::Ptr(self.at(other)?), self.out(a.outputs[0])?, low)
             }
-            None => (Arg::Null, self.out(dx)?),
+            None => (Arg::Null, self.out(dx)?, Arg::Null),
         };
         let mut args = vec![
             ("s", Arg::Ptr(xp)),
@@ -281,6 +286,7 @@ impl RunLowering<'_, '_> {
             ("rstd", Arg::Ptr(stats.b)),
             ("dadd", dadd),
             ("dx", Arg::Ptr(dxp)),
+            ("dx_low", dx_low),
             ("rows", Arg::I64(rows as i64)),
             ("h", Arg::I32(h as i32)),
         ];

@@ -58,6 +58,7 @@ pub(super) fn norm_bwd(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DType) -> 
     let rstd = a.need(m, "rstd")?;
     let dadd = a.ptr(m, "dadd")?;
     let dx = a.need(m, "dx")?;
+    let dx_low = a.ptr(m, "dx_low")?;
     let rows = a.count("rows")?;
     let h = a.count32("h")?;
     a.end()?;
@@ -73,6 +74,7 @@ pub(super) fn norm_bwd(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DType) -> 
             use_("rstd", Some(rstd), rows as u64 * 4, 4, Io::R),
             use_("dadd", dadd, big(si), si, Io::R),
             use_("dx", Some(dx), big(si), si, Io::W),
+            use_("dx_low", dx_low, big(so), so, Io::W),
         ],
         &[("dx", "dy"), ("dx", "s")],
     )

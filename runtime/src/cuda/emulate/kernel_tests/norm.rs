@@ -184,16 +184,26 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                     } else {
                         l.out(n * ti.size_bytes(), skew)
                     };
+                    // The low copy of dx (the cast to the products' dtype) on every other
+                    // width, so the null pointer is covered too.
+                    let low = (h % 4 == 1).then(|| l.out(n * to.size_bytes(), oskew));
                     let mut args = vec![l.ptr(bs_), l.ptr(bdy), l.ptr(bw)];
                     if !rms {
                         args.push(l.ptr(bm));
                     }
-                    args.extend([l.ptr(br), l.ptr(ba), l.ptr(bdx), i64(ROWS), i32(h)]);
+                    args.extend([l.ptr(br), l.ptr(ba), l.ptr(bdx)]);
+                    args.push(low.map_or(Arg::Null, |b| l.ptr(b)));
+                    args.extend([i64(ROWS), i32(h)]);
                     let what = format!("{kind}_bwd_{s} h={h} block={block}");
                     let out = l
                         .run(&format!("{kind}_bwd_{s}"), (3, 1, 1), (block, 1, 1), args)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
                     differ += check(&what, ti, &dec(ti, &out[bdx.0]), &dx, 1);
+                    if let Some(b) = low {
+                        let want: Vec<f32> = dx.iter().map(|&v| round_to(to, v)).collect();
+                        differ +=
+                            check(&format!("{what} dx_low"), to, &dec(to, &out[b.0]), &want, 1);
+                    }
 
                     let per = 2usize;
                     let groups = ROWS.div_ceil(per);
