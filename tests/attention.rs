@@ -320,17 +320,7 @@ fn fused_attention_plans_hold_no_score_tensor() {
             .and_then(|l| l.split_whitespace().nth(1))
             .map(|n| n.replace(',', "").parse::<u64>().unwrap())
             .unwrap_or_else(|| panic!("no total in:\n{report}"));
-        let cuda = report
-            .lines()
-            .find(|l| l.starts_with("cuda "))
-            .unwrap_or_else(|| panic!("no cuda line in:\n{report}"));
-        let mfu: f64 = cuda
-            .split("program roofline ")
-            .nth(1)
-            .and_then(|r| r.split("MFU ").nth(1))
-            .and_then(|m| m.split('%').next())
-            .and_then(|m| m.parse().ok())
-            .unwrap_or_else(|| panic!("no program roofline MFU in: {cuda}"));
+        let mfu = common::program_mfu(&report);
         let plan =
             castor_ir::TrainingPlan::from_json(&std::fs::read_to_string(&out).unwrap()).unwrap();
         let g = &plan.micro_step;

@@ -204,18 +204,7 @@ fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
         ]);
         assert!(o.status.success(), "{}", stderr(&o));
         let text = stdout(&o);
-        let cuda = text
-            .lines()
-            .find(|l| l.starts_with("cuda "))
-            .unwrap_or_else(|| panic!("no cuda line: {text}"))
-            .to_string();
-        let mfu: f64 = cuda
-            .split("MFU ")
-            .nth(1)
-            .and_then(|r| r.split('%').next())
-            .and_then(|x| x.parse().ok())
-            .unwrap_or_else(|| panic!("no MFU on `{cuda}`"));
-        (mfu, anatomy_total(&text))
+        (program_mfu(&text), anatomy_total(&text))
     };
     let (eager, eager_peak) = report("eager");
     let (fused, fused_peak) = report("fused");
@@ -247,17 +236,7 @@ fn fully_fused_mfu(config: &str, flags: &[&str]) -> f64 {
     args.extend_from_slice(flags);
     let o = castor(&args);
     assert!(o.status.success(), "{}", stderr(&o));
-    let text = stdout(&o);
-    let cuda = text
-        .lines()
-        .find(|l| l.starts_with("cuda "))
-        .unwrap()
-        .to_string();
-    cuda.split("MFU ")
-        .nth(1)
-        .and_then(|r| r.split('%').next())
-        .and_then(|x| x.parse().ok())
-        .unwrap_or_else(|| panic!("no MFU on `{cuda}`"))
+    program_mfu(&stdout(&o))
 }
 
 /// The roofline targets: GPT-2 124M (B=8, T=1024, no remat) at least 60% MFU and LLaMA-2-7B

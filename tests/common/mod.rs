@@ -184,3 +184,17 @@ pub fn anatomy_total(report: &str) -> u64 {
         })
         .unwrap_or_else(|| panic!("no anatomy total in\n{report}"))
 }
+
+/// The program roofline's MFU, in percent, from the `cuda` line of a `compile --train` report.
+pub fn program_mfu(report: &str) -> f64 {
+    let cuda = report
+        .lines()
+        .find(|l| l.starts_with("cuda "))
+        .unwrap_or_else(|| panic!("no cuda line in:\n{report}"));
+    cuda.split("program roofline ")
+        .nth(1)
+        .and_then(|r| r.split("MFU ").nth(1))
+        .and_then(|m| m.split('%').next())
+        .and_then(|m| m.parse().ok())
+        .unwrap_or_else(|| panic!("no program roofline MFU in: {cuda}"))
+}

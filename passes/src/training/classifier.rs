@@ -13,7 +13,7 @@
 //! gradients in the compute dtype (`--param-grads compute`), which the fused gradient writes
 //! in F32 only.
 
-use super::{PlanBuild, PlanPass};
+use super::{set_mapped_outputs, PlanBuild, PlanPass};
 use crate::{PassError, PassReport};
 use castor_ir::{Classifier, Graph, Node, Op, Shape, TensorType, Value};
 
@@ -221,12 +221,7 @@ fn fuse(g: &Graph, head: &Head, chunk_rows: Option<usize>) -> Result<(Graph, Str
             map[old.index()] = Some(new);
         }
     }
-    let outputs = g
-        .outputs()
-        .iter()
-        .map(|v| map[v.index()].ok_or_else(|| internal("an output is unmapped".into())))
-        .collect::<Result<_, _>>()?;
-    out.set_outputs(outputs);
+    set_mapped_outputs(g, &mut out, &map).map_err(internal)?;
     let logits_bytes = rows * vocab * logits_dtype.size_bytes();
     let chunk_bytes = chunk * vocab * logits_dtype.size_bytes();
     let report = format!(
@@ -351,11 +346,6 @@ fn merge(g: &Graph, forward: Node, grad: Node) -> Result<Graph, PassError> {
             map[old.index()] = Some(v);
         }
     }
-    let outputs = g
-        .outputs()
-        .iter()
-        .map(|v| map[v.index()].ok_or_else(|| internal("an output is unmapped".into())))
-        .collect::<Result<_, _>>()?;
-    out.set_outputs(outputs);
+    set_mapped_outputs(g, &mut out, &map).map_err(internal)?;
     Ok(out)
 }

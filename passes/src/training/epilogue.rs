@@ -21,7 +21,7 @@
 //! operand not transposed, so one cuBLASLt call covers every row), and keeps every dtype the
 //! precision passes chose (a product, its bias and the sum all of one dtype).
 
-use super::{PlanBuild, PlanPass};
+use super::{set_mapped_outputs, PlanBuild, PlanPass};
 use crate::{PassError, PassReport};
 use castor_ir::{BinaryOp, Epilogues, Graph, Node, Op, ReduceOp, Remat, UnaryOp, Value};
 
@@ -242,6 +242,17 @@ fn weight_gradient_of(
     (!read_early && matmul.0.index() > sum.index()).then_some(matmul)
 }
 
+/// A fused product's transposes.
+fn transposes(op: &Op) -> Result<(bool, bool), String> {
+    match *op {
+        Op::MatMul {
+            transpose_a,
+            transpose_b,
+        } => Ok((transpose_a, transpose_b)),
+        _ => Err("a fused product is not a matmul".into()),
+    }
+}
+
 /// `g` with each fusion's nodes replaced by its fused node; the new forward node count.
 fn rewrite(
     g: &Graph,
@@ -277,13 +288,7 @@ fn rewrite(
                     gelu,
                 } => {
                     let mm = g.node(matmul);
-                    let Op::MatMul {
-                        transpose_a,
-                        transpose_b,
-                    } = mm.op
-                    else {
-                        return Err(internal("a fused product is not a matmul".into()));
-                    };
+                    let (transpose_a, transpose_b) = transposes(&mm.op).map_err(internal)?;
                     let ins = vec![mm.inputs[0], mm.inputs[1], bias];
                     let pre = g.node(add).outputs[0];
                     match gelu {
@@ -318,13 +323,7 @@ fn rewrite(
                 ),
                 Fusion::GeluGrad { matmul, grad, sum } => {
                     let mm = g.node(matmul);
-                    let Op::MatMul {
-                        transpose_a,
-                        transpose_b,
-                    } = mm.op
-                    else {
-                        return Err(internal("a fused product is not a matmul".into()));
-                    };
+                    let (transpose_a, transpose_b) = transposes(&mm.op).map_err(internal)?;
                     (
                         Op::MatMulGeluGrad {
                             transpose_a,
@@ -368,11 +367,6 @@ fn rewrite(
             new_forward += 1;
         }
     }
-    let outputs = g
-        .outputs()
-        .iter()
-        .map(|v| map[v.index()].ok_or_else(|| internal("an output is unmapped".into())))
-        .collect::<Result<_, _>>()?;
-    out.set_outputs(outputs);
+    set_mapped_outputs(g, &mut out, &map).map_err(internal)?;
     Ok((out, new_forward))
 }

@@ -376,6 +376,18 @@ fn matching(
     Ok(out)
 }
 
+/// Gives `out`, a graph rebuilt from `g` with `map` from `g`'s values to its own, `g`'s
+/// outputs; an unmapped output is the rebuilding pass's bug.
+fn set_mapped_outputs(g: &Graph, out: &mut Graph, map: &[Option<Value>]) -> Result<(), String> {
+    let outputs = g
+        .outputs()
+        .iter()
+        .map(|v| map[v.index()].ok_or_else(|| format!("the output `%{}` is unmapped", g.name(*v))))
+        .collect::<Result<_, _>>()?;
+    out.set_outputs(outputs);
+    Ok(())
+}
+
 fn bad(message: String) -> PassError {
     PassError::Training(message)
 }

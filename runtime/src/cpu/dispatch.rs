@@ -168,11 +168,7 @@ pub fn execute(
             };
             let (scale, counters) =
                 optimizer::loss_scale_update(&h, scalar(args, 0)?, counters, scalar(args, 2)?);
-            return [vec![scale], counters.to_vec()]
-                .into_iter()
-                .zip(outs)
-                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
-                .collect();
+            return f32_results(args, outs, [vec![scale], counters.to_vec()]);
         }
         Op::Embedding { .. } => {
             let (table, ids) = (args.f32(0)?, args.values::<i64>(1)?);
@@ -206,22 +202,14 @@ pub fn execute(
         } => {
             let mut pre = product(args, acc, out, *transpose_a, *transpose_b)?;
             let act = epilogue::bias_gelu(&mut pre, args.f32(2)?);
-            return [pre, act]
-                .into_iter()
-                .zip(outs)
-                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
-                .collect();
+            return f32_results(args, outs, [pre, act]);
         }
         Op::MatMulBiasGrad { lhs } => {
             let product = product(args, acc, out, true, false)?;
             let i = usize::from(!*lhs);
             let (k, n) = (args.shape(i)?[0], args.shape(i)?[1]);
             let dbias = epilogue::bias_grad(args.f32(i)?, k, n);
-            return [product, dbias]
-                .into_iter()
-                .zip(outs)
-                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
-                .collect();
+            return f32_results(args, outs, [product, dbias]);
         }
         Op::MatMulGeluGrad {
             transpose_a,
@@ -230,11 +218,7 @@ pub fn execute(
             let mut grad = product(args, acc, out, *transpose_a, *transpose_b)?;
             let n = outs[1].shape.numel().unwrap_or(0);
             let dbias = epilogue::gelu_grad_bias(&mut grad, args.f32(2)?, n, out.dtype);
-            return [grad, dbias]
-                .into_iter()
-                .zip(outs)
-                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
-                .collect();
+            return f32_results(args, outs, [grad, dbias]);
         }
         Op::Unary(u) => {
             let mut x = args.take_f32(0)?;
@@ -283,11 +267,7 @@ pub fn execute(
             let problem =
                 attention_problem(args, acc, mask.then_some(3), (*causal, *window), *scale)?;
             let (o, lse) = attention::attention(&ops[0], &ops[1], &ops[2], &problem);
-            return [o, lse]
-                .into_iter()
-                .zip(outs)
-                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
-                .collect();
+            return f32_results(args, outs, [o, lse]);
         }
         Op::AttentionGrad {
             causal,
@@ -307,11 +287,7 @@ pub fn execute(
                 &ops[3],
                 &problem,
             );
-            return [dq, dk, dv]
-                .into_iter()
-                .zip(outs)
-                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
-                .collect();
+            return f32_results(args, outs, [dq, dk, dv]);
         }
         Op::Rope { theta, scaling } => {
             let mut x = args.take_f32(0)?;
@@ -405,11 +381,7 @@ pub fn execute(
             let dloss = scalar(args, 3)?;
             let (dh, dw) =
                 classifier::grad(&p, dloss, outs[1].dtype).map_err(|e| bad_label(args, &p, e))?;
-            return [vec![loss], dh, dw]
-                .into_iter()
-                .zip(outs)
-                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
-                .collect();
+            return f32_results(args, outs, [vec![loss], dh, dw]);
         }
         // A parameter's working copy holds its master rounded to the copy's dtype.
         Op::Cast { to } | Op::ParamCopy { to } => {
@@ -435,20 +407,12 @@ pub fn execute(
         Op::LayerNormGrad { eps } => {
             let mut dy = args.take_f32(2)?;
             let (dw, db) = norm::layer_norm_grad(args.f32(0)?, args.f32(1)?, &mut dy, *eps);
-            return [dy, dw, db]
-                .into_iter()
-                .zip(outs)
-                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
-                .collect();
+            return f32_results(args, outs, [dy, dw, db]);
         }
         Op::RmsNormGrad { eps } => {
             let mut dy = args.take_f32(2)?;
             let dw = norm::rms_norm_grad(args.f32(0)?, args.f32(1)?, &mut dy, *eps);
-            return [dy, dw]
-                .into_iter()
-                .zip(outs)
-                .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
-                .collect();
+            return f32_results(args, outs, [dy, dw]);
         }
         Op::SoftmaxGrad => {
             let mut dy = args.take_f32(1)?;
@@ -671,6 +635,19 @@ fn to_tf32(x: &[f32]) -> Vec<f32> {
 }
 
 /// A tensor of type `ty` holding `data`; float data is rounded to `ty`'s dtype.
+/// A multi-output node's F32-computed results, each stored in its output's dtype.
+fn f32_results<const N: usize>(
+    args: &Args,
+    outs: &[&TensorType],
+    values: [Vec<f32>; N],
+) -> Result<Vec<Tensor>, RuntimeError> {
+    values
+        .into_iter()
+        .zip(outs)
+        .map(|(v, ty)| make(args, ty, TensorData::F32(v)))
+        .collect()
+}
+
 fn make(args: &Args, ty: &TensorType, data: TensorData) -> Result<Tensor, RuntimeError> {
     let shape = ty.shape.clone();
     let len = match &data {
