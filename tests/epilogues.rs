@@ -289,3 +289,25 @@ fn train_says_what_the_epilogue_pass_did() {
     assert!(run("fused").contains("bias gradient(s) fused into their products' epilogues"));
     assert!(!run("eager").contains("epilogue"));
 }
+
+/// `compile --epilogues fused` (or `--classifier fused`) without `--train` compiles the
+/// training step the flag is about, as `--remat` does, rather than ignoring the flag.
+#[test]
+fn asking_for_epilogues_asks_for_a_training_step() {
+    for flag in ["--epilogues", "--classifier"] {
+        let o = castor(&[
+            "compile",
+            path_str(&fixture("gpt2_lm")),
+            "--precision",
+            "bf16",
+            flag,
+            "fused",
+        ]);
+        assert!(o.status.success(), "{flag}: {}", stderr(&o));
+        assert!(
+            stdout(&o).contains("pass        autodiff"),
+            "{flag}: {}",
+            stdout(&o)
+        );
+    }
+}

@@ -77,7 +77,8 @@ pub struct Args {
     pub seq: Option<usize>,
     /// Compile a training step (loss, backward, optimizer, loss scaling, memory plan) rather
     /// than the forward pass. For an IR file, its first output is the loss. Implied by
-    /// `--emit plan|cuda`, `--report` and by a `--remat` mode other than `none`.
+    /// `--emit plan|cuda`, `--report`, a `--remat` mode other than `none`, `--classifier
+    /// fused` and `--epilogues fused`.
     #[arg(long, help_heading = "Training step")]
     pub train: bool,
     #[command(flatten)]
@@ -166,10 +167,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         html::check_report_path(path)?;
         crate::outputs::check_file("--report", path)?;
     }
-    // Recomputation only means something for a training step, so asking for it asks for one.
+    // Recomputation, the fused classifier and epilogues only mean something for a training
+    // step, so asking for one of them asks for one.
     let train = args.train
         || matches!(args.emit, Emit::Plan | Emit::Cuda)
         || args.training.remat != castor_ir::Remat::None
+        || !args.training.classifier.is_eager()
+        || !args.training.epilogues.is_eager()
         || args.report.is_some();
     // A result on stdout goes there alone; the report then goes to stderr.
     let say = if args.emit != Emit::Summary && args.out.is_none() {

@@ -821,3 +821,37 @@ fn large_norm_weight_grads_match_naive_sums() {
     }
     assert_close(f32s(&grads[5][0]), &table, 1e-6);
 }
+
+/// A weight gradient's bias-gradient epilogue (`matmul_bias_grad`) gives the separate `sum`
+/// of the output gradient's rows bit for bit, in BF16 as in F32, from either operand; the
+/// product is the plain `matmul`'s.
+#[test]
+fn bias_gradient_epilogue_gives_the_separate_sums_bits() {
+    let mut rng = Rng::new(77);
+    for dtype in [DType::F32, DType::BF16] {
+        let x = rng.tensor(dtype, &[37, 5]);
+        let dy = rng.tensor(dtype, &[37, 9]);
+        let sum = Op::Reduce {
+            op: ReduceOp::Sum,
+            axes: vec![0],
+            keepdim: false,
+        };
+        // The plan's sum writes F32 from the gradient's values (widened exactly).
+        let wide = Tensor::from_f32(DType::F32, dy.shape().clone(), f32s(&dy).to_vec());
+        let want = run_op(sum, &[&wide]).expect("sum runs");
+        for lhs in [false, true] {
+            let ins: [&Tensor; 2] = if lhs { [&dy, &x] } else { [&x, &dy] };
+            let fused = run_multi(Op::MatMulBiasGrad { lhs }, &ins).expect("runs");
+            let product = run_op(
+                Op::MatMul {
+                    transpose_a: true,
+                    transpose_b: false,
+                },
+                &ins,
+            )
+            .expect("matmul runs");
+            assert_eq!(fused[0], product, "{dtype} lhs={lhs}: product");
+            assert_eq!(fused[1], want, "{dtype} lhs={lhs}: bias gradient");
+        }
+    }
+}
