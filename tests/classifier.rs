@@ -20,28 +20,7 @@ use common::*;
 fn train_tiny(dir: &std::path::Path, mode: &str) -> Vec<f64> {
     let save = dir.join(mode.replace(':', "_"));
     let log = dir.join(format!("{}.jsonl", mode.replace(':', "_")));
-    let o = castor(&[
-        "train",
-        path_str(&root().join("assets/tiny-gpt2.json")),
-        "--data",
-        path_str(&root().join("assets/corpus.txt")),
-        "--steps",
-        "3",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--precision",
-        "bf16",
-        "--device",
-        "cpu",
-        "--classifier",
-        mode,
-        "--save",
-        path_str(&save),
-        "--log",
-        path_str(&log),
-    ]);
+    let o = train_tiny_gpt2(3, &save, &["--classifier", mode, "--log", path_str(&log)]);
     assert!(o.status.success(), "{mode}: {}", stderr(&o));
     // The plan line says what the classifier pass did when it was asked for.
     assert_eq!(

@@ -259,26 +259,7 @@ fn the_fully_fused_plans_reach_the_roofline_targets() {
 fn train_says_what_the_epilogue_pass_did() {
     let tmp = tempfile::tempdir().unwrap();
     let run = |mode: &str| {
-        let o = castor(&[
-            "train",
-            path_str(&root().join("assets/tiny-gpt2.json")),
-            "--data",
-            path_str(&root().join("assets/corpus.txt")),
-            "--steps",
-            "1",
-            "--batch",
-            "2",
-            "--seq",
-            "16",
-            "--precision",
-            "bf16",
-            "--device",
-            "cpu",
-            "--epilogues",
-            mode,
-            "--save",
-            path_str(&tmp.path().join(mode)),
-        ]);
+        let o = train_tiny_gpt2(1, &tmp.path().join(mode), &["--epilogues", mode]);
         assert!(o.status.success(), "{mode}: {}", stderr(&o));
         let out = stdout(&o);
         out.lines()

@@ -198,3 +198,33 @@ pub fn program_mfu(report: &str) -> f64 {
         .and_then(|m| m.parse().ok())
         .unwrap_or_else(|| panic!("no program roofline MFU in: {cuda}"))
 }
+
+/// The embedded tiny GPT-2 trained `steps` bf16 steps on the CPU (batch 2 x 16 tokens of the
+/// embedded corpus), saved to `save`, with `extra` flags.
+pub fn train_tiny_gpt2(steps: u32, save: &Path, extra: &[&str]) -> Output {
+    let (config, corpus) = (
+        root().join("assets/tiny-gpt2.json"),
+        root().join("assets/corpus.txt"),
+    );
+    let steps = steps.to_string();
+    let mut args = vec![
+        "train",
+        path_str(&config),
+        "--data",
+        path_str(&corpus),
+        "--steps",
+        &steps,
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--precision",
+        "bf16",
+        "--device",
+        "cpu",
+        "--save",
+        path_str(save),
+    ];
+    args.extend_from_slice(extra);
+    castor(&args)
+}
