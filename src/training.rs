@@ -135,7 +135,7 @@ pub struct TrainingArgs {
     pub classifier: Classifier,
     /// Bias adds after products, the tanh GELU that follows them and their gradients:
     /// `eager` (separate kernels, each rounding its result) or `fused` (in the product's
-    /// accumulator, as cuBLASLt's BIAS, GELU_AUX_BIAS, DGELU_BGRAD and BGRADA/B epilogues do:
+    /// accumulator, as cuBLASLt's BIAS, GELU_AUX_BIAS, DGELU and BGRADA/B epilogues do:
     /// one rounding, as PyTorch's addmm, and no pass over memory).
     #[arg(long, default_value = "eager", value_name = "MODE", value_parser = parse_epilogues)]
     #[serde(default)]

@@ -131,7 +131,7 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
     match &node.op {
         Op::MatMul { transpose_a, .. } => 2.0 * out * product_depth(g, node, *transpose_a),
         // The product, then per element the bias add (and the GELU or its gradient, as the
-        // separate ops count it; the bias gradient's sum one more).
+        // separate ops count them).
         Op::MatMulBias { transpose_a, .. } => {
             (2.0 * product_depth(g, node, *transpose_a) + 1.0) * out
         }
@@ -145,7 +145,7 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
             2.0 * out * k + summed
         }
         Op::MatMulGeluGrad { transpose_a, .. } => {
-            (2.0 * product_depth(g, node, *transpose_a) + 21.0) * out
+            (2.0 * product_depth(g, node, *transpose_a) + 20.0) * out
         }
         // The head's product (and, for the gradient, its recomputation and the two gradient
         // products) plus the cross-entropy's few operations per logit.

@@ -130,10 +130,11 @@ define_ops! {
     MatMulBiasGelu { transpose_a: bool, transpose_b: bool } => "matmul_bias_gelu",
         class Contraction, arity (3, 3),
         typing typing::matmul_bias(inputs, *transpose_a, *transpose_b, 2);
-    /// A product with the tanh-GELU gradient and bias-gradient epilogue (cuBLASLt's
-    /// `DGELU_BGRAD`): `(dy [.., M, K], w [K, N], pre [.., M, N]) -> (dpre [.., M, N], dbias [N]
-    /// f32)`: `dpre` is `gelu_tanh_grad(pre, op(dy)·op(w))` on the unrounded product, rounded
-    /// once; `dbias` sums the stored `dpre` over every row, as the separate `sum` would.
+    /// A product with the tanh-GELU gradient epilogue (cuBLASLt's `DGELU`): `(dy [.., M, K],
+    /// w [K, N], pre [.., M, N]) -> dpre [.., M, N]`, `gelu_tanh_grad(pre, op(dy)·op(w))` on the
+    /// unrounded product, rounded once. The bias gradient is not summed here: `DGELU_BGRAD`
+    /// writes it in the output's type, and castor's bias gradients are F32, so the weight
+    /// gradient's product that reads `dpre` sums it (`matmul_bias_grad`).
     /// A weight gradient with the bias-gradient epilogue (cuBLASLt's `BGRADA`/`BGRADB`):
     /// `(a [K, M], b [K, N]) -> (a^T b [M, N], dbias f32)`, `dbias` summing the rows of the
     /// operand that holds the output gradient (`lhs`: `a`, else `b`) in F32 as the separate

@@ -392,7 +392,7 @@ pub fn matmul_bias_grad(inputs: &[&TensorType], lhs: bool) -> Types {
     ])
 }
 
-/// `(dy, w [K, N], pre [.., M, N]) -> (dpre like pre, dbias [N] f32)`.
+/// `(dy, w [K, N], pre [.., M, N]) -> dpre like pre`.
 pub fn matmul_gelu_grad(inputs: &[&TensorType], transpose_a: bool, transpose_b: bool) -> Types {
     let out = epilogue_product(inputs, transpose_a, transpose_b)?;
     let pre = inputs[2];
@@ -402,11 +402,7 @@ pub fn matmul_gelu_grad(inputs: &[&TensorType], transpose_a: bool, transpose_b: 
             out.shape
         ));
     }
-    let n = out.shape.dims()[out.shape.rank() - 1];
-    Ok(vec![
-        pre.clone(),
-        TensorType::new(DType::F32, Shape(vec![n])),
-    ])
+    Ok(vec![pre.clone()])
 }
 
 /// The product of an epilogue op: `b` a matrix (the epilogue's vector runs along its

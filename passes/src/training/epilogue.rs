@@ -5,10 +5,12 @@
 //! - `add(matmul(x, W), bias)` becomes `matmul_bias(x, W, bias)` (cuBLASLt `BIAS`);
 //! - followed by `gelu_tanh`, `matmul_bias_gelu(x, W, bias)` with both the pre-activation
 //!   (which the backward reads) and the activation as results (`GELU_AUX_BIAS`);
-//! - in the backward, `gelu_tanh_grad(pre, matmul(dy, W^T))` and the bias gradient's `sum`
-//!   of it become `matmul_gelu_grad(dy, W, pre)` (`DGELU_BGRAD`);
-//! - every other bias gradient, `sum(dy)` over the rows, joins the weight gradient's product
-//!   that reads the same `dy` as rows: `matmul_bias_grad(x, dy)` (`BGRADA`/`BGRADB`).
+//! - in the backward, `gelu_tanh_grad(pre, matmul(dy, W^T))` becomes
+//!   `matmul_gelu_grad(dy, W, pre)` (`DGELU`);
+//! - every bias gradient, `sum(dy)` over the rows, joins the weight gradient's product that
+//!   reads the same `dy` as rows: `matmul_bias_grad(x, dy)` (`BGRADA`/`BGRADB`). The GELU
+//!   gradient's bias gradient too: cuBLASLt's `DGELU_BGRAD` would write it in the product's
+//!   type (BF16 under the bf16 policy), and bias gradients are F32.
 //!
 //! Under `--remat selective` or a budget the forward GELU stays a separate kernel, so that
 //! recomputation can rebuild the activation from the kept pre-activation.
@@ -49,8 +51,8 @@ impl PlanPass for FuseEpilogues {
         build.plan.forward_nodes = forward_nodes;
         let count = |f: fn(&Fusion) -> bool| fusions.iter().filter(|x| f(x)).count();
         Ok(PassReport::new(format!(
-            "{} bias add(s), {} bias + GELU(s), {} GELU gradient + bias gradient(s) and {} \
-             bias gradient(s) fused into their products' epilogues (one rounding each){}",
+            "{} bias add(s), {} bias + GELU(s), {} GELU gradient(s) and {} bias gradient(s) \
+             fused into their products' epilogues (one rounding each){}",
             count(|f| matches!(f, Fusion::Bias { gelu: None, .. })),
             count(|f| matches!(f, Fusion::Bias { gelu: Some(_), .. })),
             count(|f| matches!(f, Fusion::GeluGrad { .. })),
@@ -73,8 +75,8 @@ enum Fusion {
         bias: Value,
         gelu: Option<Node>,
     },
-    /// `gelu_tanh_grad(pre, matmul)` at node `grad`, summed into the bias gradient by `sum`.
-    GeluGrad { matmul: Node, grad: Node, sum: Node },
+    /// `gelu_tanh_grad(pre, matmul)` at node `grad`.
+    GeluGrad { matmul: Node, grad: Node },
     /// `sum(dy)` over the rows at node `sum`, and the weight gradient `matmul` whose operand
     /// (`lhs` or not) holds the same `dy` as rows.
     BiasGrad { matmul: Node, sum: Node, lhs: bool },
@@ -99,7 +101,7 @@ impl Fusion {
                 .into_iter()
                 .flatten()
                 .collect(),
-            Fusion::GeluGrad { matmul, grad, sum } => vec![matmul, grad, sum],
+            Fusion::GeluGrad { matmul, grad } => vec![matmul, grad],
             Fusion::BiasGrad { matmul, sum, .. } => vec![matmul, sum],
         }
     }
@@ -122,8 +124,6 @@ fn weight_product(g: &Graph, users: &[Vec<Node>], v: Value, reader: Node) -> Opt
 fn find(g: &Graph, gelu: bool) -> Vec<Fusion> {
     let users = g.users();
     let mut found = Vec::new();
-    // Bias-gradient sums a GELU gradient's epilogue already computes.
-    let mut claimed = Vec::new();
     for (n, node) in g.nodes() {
         match node.op {
             Op::Binary(BinaryOp::Add) => {
@@ -160,30 +160,15 @@ fn find(g: &Graph, gelu: bool) -> Vec<Fusion> {
                 let Some(matmul) = weight_product(g, &users, d, n) else {
                     continue;
                 };
-                if g.ty(d) != g.ty(pre) || g.ty(out) != g.ty(pre) {
-                    continue;
-                }
-                let rank = g.ty(out).shape.rank();
-                let leading: Vec<usize> = (0..rank.saturating_sub(1)).collect();
-                let sum = users[out.index()].iter().copied().find(|&r| {
-                    matches!(&g.node(r).op, Op::Reduce { op: ReduceOp::Sum, axes, keepdim: false }
-                        if *axes == leading)
-                        && g.ty(g.node(r).outputs[0]).dtype == castor_ir::DType::F32
-                });
-                if let Some(sum) = sum {
-                    claimed.push(sum);
-                    found.push(Fusion::GeluGrad {
-                        matmul,
-                        grad: n,
-                        sum,
-                    });
+                if g.ty(d) == g.ty(pre) && g.ty(out) == g.ty(pre) {
+                    found.push(Fusion::GeluGrad { matmul, grad: n });
                 }
             }
             Op::Reduce {
                 op: ReduceOp::Sum,
                 ref axes,
                 keepdim: false,
-            } if !claimed.contains(&n) => {
+            } => {
                 if let Some((matmul, lhs)) = weight_gradient_of(g, &users, n, axes) {
                     found.push(Fusion::BiasGrad {
                         matmul,
@@ -321,7 +306,7 @@ fn rewrite(
                     matmul,
                     "epilogue: the bias gradient summed from the product's output-gradient operand (cuBLASLt BGRADA/BGRADB)",
                 ),
-                Fusion::GeluGrad { matmul, grad, sum } => {
+                Fusion::GeluGrad { matmul, grad } => {
                     let mm = g.node(matmul);
                     let (transpose_a, transpose_b) = transposes(&mm.op).map_err(internal)?;
                     (
@@ -330,9 +315,9 @@ fn rewrite(
                             transpose_b,
                         },
                         vec![mm.inputs[0], mm.inputs[1], g.node(grad).inputs[0]],
-                        vec![g.node(grad).outputs[0], g.node(sum).outputs[0]],
+                        vec![g.node(grad).outputs[0]],
                         matmul,
-                        "epilogue: tanh GELU gradient and the bias gradient in the product's F32 accumulator (cuBLASLt DGELU_BGRAD)",
+                        "epilogue: tanh GELU gradient in the product's F32 accumulator (cuBLASLt DGELU)",
                     )
                 }
             };

@@ -216,9 +216,8 @@ pub fn execute(
             transpose_b,
         } => {
             let mut grad = product(args, acc, out, *transpose_a, *transpose_b)?;
-            let n = outs[1].shape.numel().unwrap_or(0);
-            let dbias = epilogue::gelu_grad_bias(&mut grad, args.f32(2)?, n, out.dtype);
-            return f32_results(args, outs, [grad, dbias]);
+            epilogue::gelu_grad(&mut grad, args.f32(2)?);
+            float(args, grad)?
         }
         Op::Unary(u) => {
             let mut x = args.take_f32(0)?;
@@ -634,7 +633,6 @@ fn to_tf32(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| castor_ir::round_tf32(v)).collect()
 }
 
-/// A tensor of type `ty` holding `data`; float data is rounded to `ty`'s dtype.
 /// A multi-output node's F32-computed results, each stored in its output's dtype.
 fn f32_results<const N: usize>(
     args: &Args,
@@ -648,6 +646,7 @@ fn f32_results<const N: usize>(
         .collect()
 }
 
+/// A tensor of type `ty` holding `data`; float data is rounded to `ty`'s dtype.
 fn make(args: &Args, ty: &TensorType, data: TensorData) -> Result<Tensor, RuntimeError> {
     let shape = ty.shape.clone();
     let len = match &data {

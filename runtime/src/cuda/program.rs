@@ -280,9 +280,9 @@ pub enum Epilogue {
     Bias { bias: Place },
     /// `aux = acc + bias`, `C = gelu_tanh(acc + bias)` (`GELU_AUX_BIAS`).
     BiasGelu { bias: Place, aux: Place },
-    /// `C = gelu_tanh'(aux) · acc`, `bias_grad` (F32) = the sum of each row of C as stored
-    /// (`DGELU_BGRAD`).
-    GeluGradBias { aux: Place, bias_grad: Place },
+    /// `C = gelu_tanh'(aux) · acc` (`DGELU`). Not `DGELU_BGRAD`: its bias gradient has C's
+    /// type, and castor's are F32 (a `BiasGradA`/`BiasGradB` product sums them).
+    GeluGrad { aux: Place },
     /// `C = acc`, `bias_grad` (F32, `m` values) = the sum of `op(A)` over the inner dim
     /// (`BGRADA`: A holds the output gradient of a weight gradient).
     BiasGradA { bias_grad: Place },
@@ -312,16 +312,7 @@ impl Epilogue {
                 ("bias", bias, EpilogueUse::Vector, c_dtype, false),
                 ("aux", aux, EpilogueUse::Matrix, c_dtype, true),
             ],
-            Epilogue::GeluGradBias { aux, bias_grad } => vec![
-                ("aux", aux, EpilogueUse::Matrix, c_dtype, false),
-                (
-                    "bias_grad",
-                    bias_grad,
-                    EpilogueUse::Vector,
-                    DType::F32,
-                    true,
-                ),
-            ],
+            Epilogue::GeluGrad { aux } => vec![("aux", aux, EpilogueUse::Matrix, c_dtype, false)],
             Epilogue::BiasGradA { bias_grad } => {
                 vec![(
                     "bias_grad",
@@ -352,10 +343,7 @@ impl Epilogue {
                 bias: f(bias),
                 aux: f(aux),
             },
-            Epilogue::GeluGradBias { aux, bias_grad } => Epilogue::GeluGradBias {
-                aux: f(aux),
-                bias_grad: f(bias_grad),
-            },
+            Epilogue::GeluGrad { aux } => Epilogue::GeluGrad { aux: f(aux) },
             Epilogue::BiasGradA { bias_grad } => Epilogue::BiasGradA {
                 bias_grad: f(bias_grad),
             },
@@ -371,7 +359,7 @@ impl Epilogue {
             Epilogue::None => "default",
             Epilogue::Bias { .. } => "bias",
             Epilogue::BiasGelu { .. } => "gelu_aux_bias",
-            Epilogue::GeluGradBias { .. } => "dgelu_bgrad",
+            Epilogue::GeluGrad { .. } => "dgelu",
             Epilogue::BiasGradA { .. } => "bgrada",
             Epilogue::BiasGradB { .. } => "bgradb",
         }

@@ -117,13 +117,8 @@ impl Loaded {
                 Some(aux),
                 None,
             ),
-            // The bias gradient is F32 whatever C's type.
-            Epilogue::GeluGradBias { aux, bias_grad } => (
-                E::CUBLASLT_EPILOGUE_DGELU_BGRAD,
-                Some(bias_grad),
-                Some(aux),
-                Some(lt_sys::cudaDataType::CUDA_R_32F),
-            ),
+            Epilogue::GeluGrad { aux } => (E::CUBLASLT_EPILOGUE_DGELU, None, Some(aux), None),
+            // The bias gradients are F32 whatever C's type.
             Epilogue::BiasGradA { bias_grad } => (
                 E::CUBLASLT_EPILOGUE_BGRADA,
                 Some(bias_grad),

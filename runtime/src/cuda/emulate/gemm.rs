@@ -139,11 +139,7 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
             }
             out = act;
         }
-        Epilogue::GeluGradBias { aux, bias_grad } => {
-            let pre = matrix(m, aux)?;
-            let db = epilogue::gelu_grad_bias(&mut out, &pre, mu, g.c_dtype);
-            store_vector(m, bias_grad, &db)?;
-        }
+        Epilogue::GeluGrad { aux } => epilogue::gelu_grad(&mut out, &matrix(m, aux)?),
         // The summed operand as the IR stores it, `[k, len]` (the inner dim first: A not
         // transposed, B transposed), its values unrounded even under TF32.
         Epilogue::BiasGradA { bias_grad } if !g.transa => {

@@ -166,9 +166,8 @@ impl RunLowering<'_, '_> {
             Op::MatMulBiasGrad { lhs: false } => Epilogue::BiasGradA {
                 bias_grad: self.out(outs[1])?,
             },
-            _ => Epilogue::GeluGradBias {
+            _ => Epilogue::GeluGrad {
                 aux: self.at(ins[2])?,
-                bias_grad: self.out(outs[1])?,
             },
         };
         let mut gm = gemm::matmul(
