@@ -5,10 +5,12 @@
 //! below 1e-5 in F32, 2e-2 in F16/BF16). Training: three steps of every family fixture's plan
 //! under fp32 (TF32 off), tf32, bf16 and fp16 (dynamic loss scaling), and each remat mode and
 //! training option once, on both executors; the losses, the updated masters and moments must
-//! agree (F32 < 1e-4, TF32 and low precision < 2e-2) and the loss-scale sequences must be
-//! equal. Slices whose gradient is zero in exact arithmetic (the fixtures list them) hold
-//! rounding noise that cuBLAS rounds differently: they must be tiny and are otherwise left out,
-//! as in the comparisons with PyTorch. Every failure is collected and reported at the end.
+//! agree (F32 < 1e-4, TF32 < 2e-2, BF16/F16 < 5e-2, or for BF16 1.1 times the largest
+//! distance between the CPU executor's own BF16 and F32 runs where that is larger) and the
+//! loss-scale sequences must be equal. Slices whose gradient is zero in exact arithmetic (the
+//! fixtures list them) hold rounding noise that cuBLAS rounds differently: it must stay below
+//! the tolerance times the largest gradient, and is otherwise left out, as in the comparisons
+//! with PyTorch. Every failure is collected and reported at the end.
 //!
 //! Without a GPU the graphs are still parsed, run on the CPU and lowered (so the cases stay
 //! valid), and the GPU comparison is skipped with the probe's reason; with
@@ -23,7 +25,8 @@ use castor_runtime::cuda::{CudaGraphRunner, CudaPlanRunner};
 use castor_runtime::{cuda_probe, PlanRunner};
 use common::cuda_cases::{
     as_f32, batch, case_graph, compare_state, exact_zero_slices, inputs, load_params, plan,
-    plan_matrix, ATTENTION_CASES, CASES, PLAN_FAMILIES, PLAN_OPTIONS, PLAN_PRECISIONS, PLAN_REMATS,
+    plan_matrix, Bounds, ATTENTION_CASES, CASES, PLAN_FAMILIES, PLAN_OPTIONS, PLAN_PRECISIONS,
+    PLAN_REMATS,
 };
 use std::collections::HashMap;
 
@@ -126,18 +129,74 @@ fn gpu_plans(family: &str) -> Vec<String> {
     out.push("--precision bf16 --optimizer-state bf16".into());
     out.push("--precision bf16 --optimizer adamw8bit".into());
     out.push("--precision bf16 --classifier fused:5".into());
-    // cuBLASLt's epilogues (bias, bias + GELU, GELU gradient + bias gradient).
+    // cuBLASLt's epilogues (bias, bias + GELU, GELU gradient, bias gradients).
     out.push("--precision bf16 --epilogues fused".into());
     out
 }
 
 /// The largest relative error allowed on the GPU: F32 1e-4 (cuBLAS sums in another order;
-/// TF32 off), BF16/F16 and TF32 (operands rounded to 11 significant bits) 2e-2.
+/// TF32 off), TF32 (operands rounded to 11 significant bits) 2e-2, BF16/F16 5e-2, the bound
+/// the comparisons with PyTorch hold: where cuBLAS rounds a 16-bit product differently, the
+/// difference travels through three steps, and AdamW's first steps move a weight by about
+/// `lr * sign(gradient)`, so a gradient at rounding-noise level flips its update.
 fn gpu_tolerance(flags: &str) -> f64 {
     if flags.contains("fp32") {
         1e-4
-    } else {
+    } else if flags.contains("tf32") {
         2e-2
+    } else {
+        5e-2
+    }
+}
+
+/// For a BF16 plan, its noise floor: the largest distance, over the state, between the CPU
+/// executor's own BF16 run and its F32 run of the same plan (`--precision fp32`, same
+/// batches). Two BF16 executors that round differently can lie that far apart (times 1.1)
+/// without a fault, as the comparisons with PyTorch take their noise floor from PyTorch's BF16
+/// and F32 runs. F16 plans get none: their gradients are loss-scaled, which the F32 run has no
+/// counterpart of.
+fn bf16_noise_floor(
+    family: &str,
+    flags: &str,
+    params: &HashMap<String, Tensor>,
+    low: &HashMap<String, Tensor>,
+) -> f64 {
+    if !flags.contains("--precision bf16") {
+        return 0.0;
+    }
+    let twin = flags.replace("--precision bf16", "--precision fp32");
+    let split: Vec<&str> = twin.split_whitespace().collect();
+    let p = plan(family, &split);
+    let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
+    for step in 0..3u64 {
+        let batches: Vec<_> = (0..p.settings.grad_accum as u64)
+            .map(|i| batch(&p.micro_step, 77 + 10 * step + i))
+            .collect();
+        cpu.step(&batches, 1e-3).unwrap();
+    }
+    cpu.state_entries()
+        .into_iter()
+        .filter_map(|(name, t)| {
+            let l = low.get(name).filter(|l| l.shape() == t.shape())?;
+            Some(relative_error(&as_f32(l), &as_f32(t)))
+        })
+        .filter(|e| e.is_finite())
+        .fold(0.0, f64::max)
+}
+
+/// The bounds of one plan's state comparison: `tol`, or the BF16 noise floor where larger;
+/// in the slices whose gradient is zero in exact arithmetic, noise up to `tol` times the
+/// largest gradient anywhere in the state (the noise of a sum scales with what it sums, and
+/// F16 gradients are loss-scaled), and never under 1e-5.
+fn state_bounds(tol: f64, floor: f64, cpu_state: &HashMap<String, Tensor>) -> Bounds {
+    let grad_peak = cpu_state
+        .iter()
+        .filter(|(n, _)| n.starts_with("grad."))
+        .flat_map(|(_, t)| as_f32(t))
+        .fold(0f32, |m, v| m.max(v.abs()));
+    Bounds {
+        tol: f64::max(tol, 1.1 * floor),
+        noise: f64::max(1e-5, tol * f64::from(grad_peak)),
     }
 }
 
@@ -205,6 +264,13 @@ fn training_steps_match_the_cpu_executor() {
             if !ok {
                 continue;
             }
+            let cpu_state: HashMap<String, Tensor> = cpu
+                .state_entries()
+                .into_iter()
+                .map(|(n, t)| (n.to_string(), t.clone()))
+                .collect();
+            let floor = bf16_noise_floor(family, &flags, &params, &cpu_state);
+            let bounds = state_bounds(tol, floor, &cpu_state);
             let device_state: HashMap<String, Tensor> = match gpu.state_entries() {
                 Ok(s) => s.into_iter().collect(),
                 Err(e) => {
@@ -217,10 +283,13 @@ fn training_steps_match_the_cpu_executor() {
                     failures.push(format!("{case}: no device state `{name}`"));
                     continue;
                 };
-                let err = compare_state(&case, name, d, t, &noise, tol, &mut failures);
+                let err = compare_state(&case, name, d, t, &noise, &bounds, &mut failures);
                 worst = worst.max(err);
             }
-            rows.push(format!("{case:<70} worst {worst:.2e}"));
+            rows.push(format!(
+                "{case:<70} worst {worst:.2e} (bound {:.2e})",
+                bounds.tol
+            ));
         }
     }
     for r in &rows {

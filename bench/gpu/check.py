@@ -3,20 +3,22 @@
 minutes (the GPU machine has CUDA 13 and PyTorch but no Rust: build with bench/gpu/pack.sh
 first, then run from the repository root):
 
-    python3 bench/gpu/check.py OUT --part tests    # device layer, kernels, training steps
-                                                   # (CUDA graphs on and off), sanitizers,
+    python3 bench/gpu/check.py OUT --part tests    # device layer, kernels, training steps,
                                                    # demo, a training run with save/resume,
-                                                   # one step of the LLaMA-2-7B fine-tuning
-                                                   # plan with its measured device peak
+                                                   # CUDA graphs off, one step of the
+                                                   # LLaMA-2-7B fine-tuning plan with its
+                                                   # measured device peak, sanitizers
     python3 bench/gpu/check.py OUT --part bench    # castor vs PyTorch (bench/gpu/bench.py)
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
 Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
 NVRTC 13.0.x (refusing an NVRTC newer than the driver, whose PTX the driver cannot load), sets
 LD_LIBRARY_PATH and CASTOR_NVRTC_DIR for what follows, and prints what it found. Every step
-runs with CASTOR_REQUIRE_GPU=1, so nothing skips silently. Logs are written to a temporary
-folder and packed into OUT/logs-<part>.tar.gz, beside a short OUT/summary-<part>.txt; the exit
-status is non-zero when any step failed, ran out of time or could not start.
+runs with CASTOR_REQUIRE_GPU=1, so nothing skips silently; steps run in the order above until
+--budget seconds run out, and the rest are listed as not run. Logs and what the steps write are
+kept in a temporary folder and packed (files up to 1 MiB) into OUT/logs-<part>.tar.gz, beside a
+short OUT/summary-<part>.txt; the exit status is non-zero when any step failed, ran out of time
+or could not start.
 """
 
 import argparse
@@ -33,6 +35,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PACK = ROOT / "gpu-pack"
+
+
+# Files larger than this are listed in the archive's left-out.txt instead of packed.
+ARCHIVED_FILE_LIMIT = 1 << 20
 
 
 class PreflightError(Exception):
@@ -183,41 +189,46 @@ class Steps:
 
 
 def part_tests(steps, out_dir):
+    """In order of what a short lease must show first: the device layer, every kernel family
+    and training steps against the CPU executor, the demo and a training run with save/resume;
+    then CUDA graphs off, the 7B step and the sanitizers. What the budget cuts off is listed as
+    not run."""
     castor = PACK / "castor"
     gpu_tests = PACK / "cuda_gpu"
-    steps.run("device_layer", [PACK / "runtime_tests", "--test-threads", "1", "cuda::device"], 120)
-    steps.run("kernels_and_steps", [gpu_tests, "--test-threads", "1", "--nocapture"], 240)
-    steps.run("kernels_and_steps_no_graphs", [gpu_tests, "--test-threads", "1", "--nocapture"], 240,
-              env={"CASTOR_CUDA_GRAPHS": "0"})
-    sanitizer = steps.env.get("CASTOR_SANITIZER") or "compute-sanitizer"
-    one_step = [castor, "train", "tests/fixtures/gpt2_lm", "--data",
-                "tests/fixtures/gpt2_lm/input.safetensors", "--steps", "1", "--precision", "bf16",
-                "--device", "cuda"]
-    for tool in ["memcheck", "racecheck", "initcheck"]:
-        steps.run(f"sanitize_{tool}_kernels",
-                  [sanitizer, "--tool", tool, "--error-exitcode", "1", gpu_tests,
-                   "--test-threads", "1", "every_kernel_family"], 150)
-        steps.run(f"sanitize_{tool}_train_step",
-                  [sanitizer, "--tool", tool, "--error-exitcode", "1"] + one_step, 120)
-    steps.run("demo", [castor, "demo", "--device", "cuda", "--out", out_dir / "demo"], 120)
+    steps.run("device_layer", [PACK / "runtime_tests", "--test-threads", "1", "cuda::device"], 90)
+    steps.run("kernels_and_steps", [gpu_tests, "--test-threads", "1", "--nocapture"], 180)
+    steps.run("demo", [castor, "demo", "--device", "cuda", "--out", out_dir / "demo"], 90)
     run = out_dir / "run"
+    run.mkdir(parents=True, exist_ok=True)
     common = [castor, "train", "assets/tiny-gpt2.json", "--data", "assets/corpus.txt",
               "--batch", "8", "--seq", "64", "--precision", "bf16", "--device", "cuda",
               "--val-fraction", "0.05", "--eval-every", "20", "--profile"]
     steps.run("train_save", common + ["--steps", "40", "--log", run / "full.jsonl", "--save",
-                                      run / "full", "--save-every", "20", "--keep", "3"], 120)
+                                      run / "full", "--save-every", "20", "--keep", "3"], 90)
     steps.run("train_resume", common + ["--steps", "40", "--log", run / "resumed.jsonl",
                                          "--resume", run / "full" / "step-000020", "--save",
-                                         run / "resumed"], 120)
+                                         run / "resumed"], 90)
     steps.run("resume_matches", [sys.executable, "-c", RESUME_MATCHES,
                                  run / "full" / "model.safetensors",
                                  run / "resumed" / "model.safetensors"], 30)
+    steps.run("kernels_and_steps_no_graphs", [gpu_tests, "--test-threads", "1", "--nocapture"], 180,
+              env={"CASTOR_CUDA_GRAPHS": "0"})
     # The README's 7B recipe: one step on the card, its peak device memory (polled with
     # nvidia-smi) against the planned peak `castor compile` reports.
     recipe = ["assets/configs/llama-2-7b.json", "--precision", "bf16", "--batch", "1", "--seq",
               "4096", "--remat", "selective", "--optimizer", "adafactor", "--update-in-backward"]
     steps.run("llama_7b_step", [sys.executable, "-c", PEAK_AGAINST_PLAN, castor,
                                 str(run / "llama-7b.jsonl")] + recipe, 300)
+    sanitizer = steps.env.get("CASTOR_SANITIZER") or "compute-sanitizer"
+    one_step = [castor, "train", "tests/fixtures/gpt2_lm", "--data",
+                "tests/fixtures/gpt2_lm/input.safetensors", "--steps", "1", "--precision", "bf16",
+                "--device", "cuda"]
+    for tool in ["memcheck", "racecheck", "initcheck"]:
+        steps.run(f"sanitize_{tool}_train_step",
+                  [sanitizer, "--tool", tool, "--error-exitcode", "1"] + one_step, 120)
+        steps.run(f"sanitize_{tool}_kernels",
+                  [sanitizer, "--tool", tool, "--error-exitcode", "1", gpu_tests,
+                   "--test-threads", "1", "every_kernel_family"], 150)
 
 
 # A resumed run must end with the weights of the uninterrupted one, byte for byte.
@@ -283,7 +294,8 @@ def main():
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CASTOR_REQUIRE_GPU": "1", "CASTOR_BIN": str(PACK / "castor"),
            "PYTHONUNBUFFERED": "1"}
-    env.setdefault("CASTOR_CACHE_DIR", str(out_dir / "ptx-cache"))
+    # Compiled PTX stays on the machine; only the summary and the log archive go to OUT.
+    env.setdefault("CASTOR_CACHE_DIR", tempfile.mkdtemp(prefix="castor-ptx-"))
     label = "preflight" if args.preflight else args.part
     summary = [f"castor GPU check, part {label}, {time.strftime('%Y-%m-%d %H:%M:%S')}"]
     try:
@@ -308,13 +320,22 @@ def main():
     steps = Steps(logs, env, started + args.budget)
     subprocess.run(["nvidia-smi"], stdout=open(logs / "nvidia-smi.txt", "w"),
                    stderr=subprocess.STDOUT)
-    (part_tests if args.part == "tests" else part_bench)(steps, out_dir)
+    # What the steps write (demo, training runs, benchmark results) lands beside their logs,
+    # in the archive.
+    work = logs / "work"
+    (part_tests if args.part == "tests" else part_bench)(steps, work)
     summary += steps.rows
     summary.append(f"{'FAILED' if steps.failed else 'passed'} in {time.monotonic() - started:.0f} s")
-    if args.part == "bench" and (out_dir / "bench" / "table.txt").exists():
-        summary += ["", (out_dir / "bench" / "table.txt").read_text()]
+    if args.part == "bench" and (work / "bench" / "table.txt").exists():
+        summary += ["", (work / "bench" / "table.txt").read_text()]
+    # Model weights, logits and token files stay behind: only so much comes back from the
+    # GPU machine, and the logs and results are what is read.
+    left = [p for p in logs.rglob("*") if p.is_file() and p.stat().st_size > ARCHIVED_FILE_LIMIT]
+    (logs / "left-out.txt").write_text("".join(f"{p.relative_to(logs)} {p.stat().st_size} bytes\n"
+                                               for p in left))
     with tarfile.open(out_dir / f"logs-{label}.tar.gz", "w:gz") as tar:
-        tar.add(logs, arcname=f"logs-{label}")
+        tar.add(logs, arcname=f"logs-{label}",
+                filter=lambda t: None if t.size > ARCHIVED_FILE_LIMIT else t)
     (out_dir / f"summary-{label}.txt").write_text("\n".join(summary) + "\n")
     print("\n".join(summary))
     return 1 if steps.failed else 0

@@ -323,27 +323,36 @@ pub fn mask_exact_zero(
     most
 }
 
+/// How closely another executor's state must match the CPU executor's.
+pub struct Bounds {
+    /// The largest relative error of an entry, the noise slices left out.
+    pub tol: f64,
+    /// The largest magnitude a gradient may hold where it is zero in exact arithmetic.
+    pub noise: f64,
+}
+
 /// Compares one state entry of another executor (`got`) with the CPU executor's (`want`):
-/// the exact-zero noise slices are left out (a gradient there must stay below 1e-5), the rest
-/// must agree within `tol`. Disagreements are pushed to `failures`; returns the error.
+/// the exact-zero noise slices are left out (a gradient there must stay below `bounds.noise`),
+/// the rest must agree within `bounds.tol`. Disagreements are pushed to `failures`; returns
+/// the error.
 pub fn compare_state(
     case: &str,
     name: &str,
     got: &Tensor,
     want: &Tensor,
     noise: &HashMap<String, (usize, usize)>,
-    tol: f64,
+    bounds: &Bounds,
     failures: &mut Vec<String>,
 ) -> f64 {
     let (mut x, mut y) = (as_f32(got), as_f32(want));
     let noise_peak = mask_exact_zero(noise, name, want.shape().dims(), &mut x, &mut y);
-    if name.starts_with("grad.") && noise_peak > 1e-5 {
+    if name.starts_with("grad.") && f64::from(noise_peak) > bounds.noise {
         failures.push(format!(
             "{case}: {name} holds {noise_peak:.2e} where it is zero in exact arithmetic"
         ));
     }
     let err = state_error(&x, &y);
-    if err.is_nan() || err >= tol {
+    if err.is_nan() || err >= bounds.tol {
         failures.push(format!("{case}: state {name} error {err:.3e}"));
     }
     err
