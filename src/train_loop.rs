@@ -107,6 +107,8 @@ pub struct LoopOptions {
     pub input_names: &'static [&'static str],
     /// The progress bar's prefix.
     pub label: String,
+    /// Profile the last step command by command (`--profile-kernels`).
+    pub profile_last_step: bool,
 }
 
 /// The parts of a [`TrainerState`] fixed for a run.
@@ -277,6 +279,9 @@ pub fn train_loop(
         // A device step's report is read back only when something shows or keeps it.
         let wanted =
             print || eval_now || save_now || stop || opts.log.is_some() || opts.report.is_some();
+        if last_step && opts.profile_last_step {
+            runner.profile_next_step();
+        }
         let stepped = runner.step(&micro, lr as f32, wanted)?;
         out.steps_done += 1;
         let Some(report) = stepped else {

@@ -8,6 +8,7 @@
 
 use crate::device::Selected;
 use castor_ir::{StateInit, Tensor, TrainingPlan};
+use castor_runtime::cuda::profile::KernelProfile;
 use castor_runtime::cuda::{CudaPlanRunner, EmulatedPlanRunner, LoweredPlanRunner, Target};
 use castor_runtime::{PlanRunner, RuntimeError, StepReport};
 use std::collections::HashMap;
@@ -27,6 +28,8 @@ trait Lowered {
     fn device_name(&self) -> String;
     fn allocated_bytes(&self) -> u64;
     fn set_timing(&mut self, on: bool);
+    fn profile_next_step(&mut self);
+    fn take_kernel_profile(&mut self) -> Option<KernelProfile>;
 }
 
 impl<T: Target> Lowered for LoweredPlanRunner<T> {
@@ -60,6 +63,12 @@ impl<T: Target> Lowered for LoweredPlanRunner<T> {
     }
     fn set_timing(&mut self, on: bool) {
         LoweredPlanRunner::set_timing(self, on)
+    }
+    fn profile_next_step(&mut self) {
+        LoweredPlanRunner::profile_next_step(self)
+    }
+    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
+        LoweredPlanRunner::take_kernel_profile(self)
     }
 }
 
@@ -119,6 +128,21 @@ impl Trainer {
         if let Some((c, _)) = &mut self.lowered {
             c.set_timing(on);
         }
+    }
+
+    /// Profiles the next step command by command (GPU only; see
+    /// `LoweredPlanRunner::profile_next_step`).
+    pub fn profile_next_step(&mut self) {
+        if let Some((c, _)) = &mut self.lowered {
+            c.profile_next_step();
+        }
+    }
+
+    /// The last profiled step's commands and device times, if one was profiled on a GPU.
+    pub fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
+        self.lowered
+            .as_mut()
+            .and_then(|(c, _)| c.take_kernel_profile())
     }
 
     /// `"cpu"`, `"cuda (<device>)"` or `"emulate (<the emulator>)"`.

@@ -341,3 +341,76 @@ fn the_device_allocates_the_planned_peak() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// `--profile-kernels`: a profiled step times every command of its runs and changes nothing:
+/// the state after it is bit-identical to a twin runner's that replayed its graphs. From the
+/// command line the profile prints its table and writes one CSV row per command.
+#[test]
+fn a_profiled_step_times_every_command_and_gives_the_same_state() {
+    if !gpu() {
+        return;
+    }
+    let family = "gpt2_lm";
+    let params = load_params(family);
+    let p = plan(family, &["--precision", "bf16"]);
+    let program = lower_plan(&p).unwrap();
+    let commands: usize = program.runs.iter().map(|r| r.commands.len()).sum();
+    let mut plain = CudaPlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
+    let mut profiled = CudaPlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
+    for step in 0..2u64 {
+        let batches = vec![batch(&p.micro_step, 77 + step)];
+        plain.step(&batches, 1e-3).unwrap();
+        if step == 1 {
+            profiled.profile_next_step();
+        }
+        profiled.step(&batches, 1e-3).unwrap();
+    }
+    let profile = profiled
+        .take_kernel_profile()
+        .expect("a profile on the GPU");
+    assert!(profiled.take_kernel_profile().is_none(), "taken once");
+    // Every command of the step's runs (the validation run is not part of a step).
+    let validation: usize = program
+        .runs
+        .iter()
+        .filter(|r| !["zero_grads", "micro_step", "optimizer_step"].contains(&r.name.as_str()))
+        .map(|r| r.commands.len())
+        .sum();
+    assert_eq!(profile.commands.len(), commands - validation);
+    assert!(profile
+        .commands
+        .iter()
+        .all(|c| c.ms.is_finite() && c.ms >= 0.0));
+    assert!(profile.total_ms() > 0.0);
+    let a: HashMap<String, Tensor> = plain.state_entries().unwrap().into_iter().collect();
+    for (name, t) in profiled.state_entries().unwrap() {
+        assert_eq!(
+            as_f32(&t),
+            as_f32(&a[&name]),
+            "{name} differs after the profiled step"
+        );
+    }
+
+    let tmp = tempfile::tempdir().unwrap();
+    let csv = tmp.path().join("kernels.csv");
+    let model = common::fixture(family);
+    let o = common::castor(&[
+        "train",
+        common::path_str(&model),
+        "--data",
+        common::path_str(&model.join("input.safetensors")),
+        "--steps",
+        "2",
+        "--precision",
+        "bf16",
+        "--device",
+        "cuda",
+        "--profile-kernels",
+        common::path_str(&csv),
+    ]);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let out = common::stdout(&o);
+    assert!(out.contains("kernels     step 2,"), "{out}");
+    let rows = std::fs::read_to_string(&csv).unwrap();
+    assert_eq!(rows.lines().count(), 1 + commands - validation, "{rows}");
+}

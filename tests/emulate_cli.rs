@@ -128,3 +128,34 @@ fn eval_on_the_emulator_writes_what_the_cpu_does() {
         }
     }
 }
+
+/// A kernel profile reads the GPU's clock: on the emulator or the CPU the run is refused
+/// before any work, with the device exit code, and no profile file appears.
+#[test]
+fn a_kernel_profile_needs_a_gpu() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = fixture("gpt2_lm");
+    let data = model.join("input.safetensors");
+    let csv = tmp.path().join("kernels.csv");
+    for device in ["emulate", "cpu"] {
+        let o = castor(&[
+            "train",
+            path_str(&model),
+            "--data",
+            path_str(&data),
+            "--steps",
+            "1",
+            "--device",
+            device,
+            "--profile-kernels",
+            path_str(&csv),
+        ]);
+        assert_eq!(o.status.code(), Some(5), "{device}: {}", stderr(&o));
+        assert!(
+            stderr(&o).contains("--profile-kernels times each command on the GPU's clock"),
+            "{}",
+            stderr(&o)
+        );
+        assert!(!csv.exists());
+    }
+}

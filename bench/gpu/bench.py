@@ -263,6 +263,20 @@ def castor_train(args, exe, cfg_path, corpus, out_dir, precision, remat, steps, 
     return row
 
 
+def castor_kernels(args, exe, cfg_path, corpus, out_dir, extra, tag):
+    """`castor train --profile-kernels` for 3 bf16 steps: the printed table of the kinds of
+    command that took the most device time in the last one; every command goes to
+    OUT/castor-kernels-bf16<tag>.csv."""
+    csv = out_dir / f"castor-kernels-bf16{tag}.csv"
+    code, so, se = run([exe, "train", cfg_path, "--data", corpus, "--steps", 3, "--batch",
+                        args.batch, "--seq", args.seq, "--precision", "bf16", "--device",
+                        args.castor_device, "--profile-kernels", csv, *extra])
+    lines = so.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith("kernels ")), None)
+    table = [] if start is None else [l for l in lines[start:] if not l.startswith("profile ")]
+    return {"exit": code, "table": table, "stderr": se[-2000:]}
+
+
 def castor_forward(args, exe, out_dir, precision):
     """`castor eval --repeat` on a random GPT-2 checkpoint, one ~150-token sequence: the median
     forward time, as the user measured it."""
@@ -315,9 +329,14 @@ def castor_side(args, out_dir):
                                                          precision, remat, steps)
     # The fused kernels (flash attention, the chunked classifier, cuBLASLt epilogues), not
     # yet the defaults.
+    fused = ["--attention", "fused", "--classifier", "fused", "--epilogues", "fused"]
     res["train_bf16_fused"] = castor_train(args, exe, cfg_path, corpus, out_dir, "bf16", "none",
-                                           steps, ["--attention", "fused", "--classifier",
-                                                   "fused", "--epilogues", "fused"], "-fused")
+                                           steps, fused, "-fused")
+    # Where the device time of a bf16 step goes, command by command (a GPU clock only).
+    if args.castor_device == "cuda":
+        for tag, extra in [("", []), ("_fused", fused)]:
+            res[f"kernels_bf16{tag}"] = castor_kernels(args, exe, cfg_path, corpus, out_dir,
+                                                       extra, tag)
     for precision in ["fp32", "fp16"]:
         res[f"forward_{precision}"] = castor_forward(args, exe, out_dir, precision)
     return res
@@ -452,6 +471,12 @@ def main():
         if alloc and planned:
             lines.append(f"castor {key}: allocated {alloc} vs planned {planned} "
                          f"({100 * (alloc / planned - 1):+.1f}%)")
+    for key, title in [("kernels_bf16", "castor bf16 step, kernel by kernel"),
+                       ("kernels_bf16_fused", "castor bf16 fused step, kernel by kernel")]:
+        k = cs.get(key)
+        if k:
+            lines += ["", title] + (k["table"] or [((k.get("stderr") or "").strip().splitlines()
+                                                     or ["did not run"])[-1]])
     table = "\n".join(lines)
     (args.out / "table.txt").write_text(table + "\n")
     print(table)

@@ -114,6 +114,11 @@ pub struct Args {
     /// optimizer step), written to the JSON log as `micro_steps_ms` and `optimizer_step_ms`.
     #[arg(long, help_heading = "Device")]
     pub profile: bool,
+    /// Profile the last step kernel by kernel (CUDA only): its commands are issued one by one
+    /// between CUDA events; prints the kinds of command that took the most device time and
+    /// writes every command to FILE as CSV (run, index, what, node, size, ms).
+    #[arg(long, value_name = "FILE", help_heading = "Device")]
+    pub profile_kernels: Option<PathBuf>,
     /// Write a checkpoint here at the end (a Hugging Face folder plus optimizer state).
     #[arg(long, value_name = "DIR", help_heading = "Outputs")]
     pub save: Option<PathBuf>,
@@ -158,6 +163,9 @@ fn check_outputs(args: &Args) -> anyhow::Result<()> {
         html::check_report_path(path)?;
         crate::outputs::check_file("--report", path)?;
     }
+    if let Some(path) = &args.profile_kernels {
+        crate::outputs::check_file("--profile-kernels", path)?;
+    }
     Ok(())
 }
 
@@ -165,6 +173,17 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
     check_outputs(&args)?;
     let device = crate::device::select(args.device)?;
     let executor = Executor::of(&device);
+    if args.profile_kernels.is_some() && !matches!(device, crate::device::Selected::Cuda(_)) {
+        let here = match device {
+            crate::device::Selected::Emulated => "the emulator",
+            _ => "the CPU",
+        };
+        return Err(CliError::DeviceUnavailable(format!(
+            "--profile-kernels times each command on the GPU's clock: it needs --device cuda \
+             (this run is on {here}, which has none)"
+        ))
+        .into());
+    }
     if args.save_every.is_some() && args.save.is_none() {
         return Err(CliError::InvalidInput(
             "--save-every needs --save DIR (step folders go into DIR)".into(),
@@ -439,8 +458,12 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         },
         input_names: model.input_names(),
         label: "train".into(),
+        profile_last_step: args.profile_kernels.is_some(),
     };
     let out = train_loop(&mut runner, &mut data, &mut opts, history)?;
+    if let (Some(path), Some(profile)) = (&args.profile_kernels, runner.take_kernel_profile()) {
+        write_kernel_profile(path, &profile, step_of_profile(first_step, out.steps_done))?;
+    }
     let step = first_step + out.steps_done;
     let mut outcome = Vec::new();
     if let Some(r) = &out.last {
@@ -491,6 +514,36 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
             None => outln!("interrupted after step {step}; nothing saved (no --save DIR)"),
         }
     }
+    Ok(())
+}
+
+/// The step `--profile-kernels` profiled: the last one run.
+fn step_of_profile(first_step: u64, steps_done: u64) -> u64 {
+    first_step + steps_done
+}
+
+/// Prints the kinds of command that took the most device time in the profiled step and
+/// writes every command to `path` as CSV.
+fn write_kernel_profile(
+    path: &std::path::Path,
+    profile: &castor_runtime::cuda::profile::KernelProfile,
+    step: u64,
+) -> anyhow::Result<()> {
+    std::fs::write(path, profile.to_csv()).map_err(|e| {
+        CliError::Output(format!(
+            "--profile-kernels `{}`: cannot write: {e}",
+            path.display()
+        ))
+    })?;
+    outln!(
+        "kernels     step {step}, {} commands issued one by one, {:.3} ms of device time:",
+        profile.commands.len(),
+        profile.total_ms()
+    );
+    for line in profile.table(15).lines() {
+        outln!("              {line}");
+    }
+    outln!("profile     {}", path.display());
     Ok(())
 }
 

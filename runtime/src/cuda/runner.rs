@@ -13,6 +13,7 @@
 use super::device::CudaError;
 use super::emulate::Emulator;
 use super::lower::{self, LowerError, MICRO_STEP, OPTIMIZER_STEP, ZERO_GRADS};
+use super::profile::{CommandTime, KernelProfile};
 use super::program::{ErrorFlag, Place, Program, SlotKind};
 use super::target::{Gpu, Target};
 use crate::{DeviceTime, RuntimeError, StepReport};
@@ -65,6 +66,10 @@ pub struct LoweredPlanRunner<T: Target> {
     steps_queued: u64,
     /// Time each step's runs on the device (see [`Self::set_timing`]).
     timing: bool,
+    /// The kernel profile of the step being queued, when one was asked for
+    /// ([`Self::profile_next_step`]), and of the last profiled step.
+    profiling: Option<KernelProfile>,
+    profiled: Option<KernelProfile>,
 }
 
 /// The timing marks of a step: before the micro steps, after them, after the optimizer step.
@@ -118,6 +123,8 @@ impl<T: Target> LoweredPlanRunner<T> {
             target,
             steps_queued: 0,
             timing: false,
+            profiling: None,
+            profiled: None,
         };
         let state = initial_state(&runner.plan, checkpoint)?;
         runner.upload(state)?;
@@ -142,6 +149,42 @@ impl<T: Target> LoweredPlanRunner<T> {
     /// optimizer step; on the GPU only), reported in [`StepReport::device_time`].
     pub fn set_timing(&mut self, on: bool) {
         self.timing = on;
+    }
+
+    /// Issues the next step command by command with each command's device time recorded
+    /// (GPU only: the emulator has no device clock), for [`Self::take_kernel_profile`]. That
+    /// step waits for the device; its results are those of any other step.
+    pub fn profile_next_step(&mut self) {
+        self.profiling = Some(KernelProfile::default());
+    }
+
+    /// The last profiled step's commands and their device times, if a step was profiled.
+    pub fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
+        self.profiled.take()
+    }
+
+    /// Issues run `run`: timed command by command while a step is profiled.
+    fn issue_run(&mut self, run: usize) -> Result<(), RuntimeError> {
+        if self.profiling.is_none() {
+            return self.target.run(run);
+        }
+        match self.target.run_timed(run)? {
+            Some(times) => {
+                let r = &self.program.runs[run];
+                if let Some(p) = self.profiling.as_mut() {
+                    p.commands.extend(
+                        r.commands
+                            .iter()
+                            .zip(times)
+                            .enumerate()
+                            .map(|(i, (c, ms))| CommandTime::of(&r.name, i, c, ms)),
+                    );
+                }
+            }
+            // No device clock: nothing to profile.
+            None => self.profiling = None,
+        }
+        Ok(())
     }
 
     /// The lowered program (for `--emit`-style inspection and the tests).
@@ -223,7 +266,7 @@ impl<T: Target> LoweredPlanRunner<T> {
             self.target.mark(MARK_START)?;
         }
         if let Some(z) = self.zero_grads {
-            self.target.run(z)?;
+            self.issue_run(z)?;
         }
         let loss_place = self.program.runs[self.micro]
             .outputs
@@ -242,7 +285,7 @@ impl<T: Target> LoweredPlanRunner<T> {
             } else {
                 self.write_inputs(self.micro, batch)?;
             }
-            self.target.run(self.micro)?;
+            self.issue_run(self.micro)?;
             self.target.copy(log.plus(4 * i as u64), loss_place, 4)?;
         }
         let mut inputs = HashMap::new();
@@ -251,9 +294,12 @@ impl<T: Target> LoweredPlanRunner<T> {
             self.target.mark(MARK_MICRO)?;
         }
         self.write_inputs(self.optimizer, &inputs)?;
-        self.target.run(self.optimizer)?;
+        self.issue_run(self.optimizer)?;
         if self.timing {
             self.target.mark(MARK_OPTIMIZER)?;
+        }
+        if let Some(p) = self.profiling.take() {
+            self.profiled = Some(p);
         }
         self.steps_queued += 1;
         Ok(())

@@ -44,6 +44,12 @@ pub trait Target: Sized {
     fn elapsed_ms(&self, _from: usize, _to: usize) -> Result<Option<f32>, RuntimeError> {
         Ok(None)
     }
+    /// Runs run `run` command by command, timing each, and waits for it: each command's
+    /// device time in milliseconds, or `None` (having run it) where there is no device clock.
+    fn run_timed(&mut self, run: usize) -> Result<Option<Vec<f32>>, RuntimeError> {
+        self.run(run)?;
+        Ok(None)
+    }
 }
 
 /// The first CUDA device, with a program resident on it.
@@ -93,6 +99,9 @@ impl Target for Gpu {
     }
     fn elapsed_ms(&self, from: usize, to: usize) -> Result<Option<f32>, RuntimeError> {
         Ok(Some(self.loaded.elapsed_ms(from, to)?))
+    }
+    fn run_timed(&mut self, run: usize) -> Result<Option<Vec<f32>>, RuntimeError> {
+        Ok(Some(self.loaded.run_timed(run)?))
     }
 }
 

@@ -52,6 +52,7 @@ impl Device {
             use_graphs: std::env::var(GRAPHS_VAR).map_or(true, |v| v.trim() != "0"),
             staging: Staging::default(),
             marks: Vec::new(),
+            command_marks: Vec::new(),
         };
 
         for m in &program.modules {
@@ -235,9 +236,10 @@ pub struct Loaded {
     pub(super) staging: Staging,
     /// Timing events (`mark`), made on first use.
     pub(super) marks: Vec<cu_sys::CUevent>,
+    /// Events around each command of a timed run (`run_timed`), made on first use.
+    pub(super) command_marks: Vec<cu_sys::CUevent>,
 }
 
-/// What one allocation of `bytes` takes on the device: 256-byte granules, at least one.
 impl Loaded {
     /// Device memory this program holds: [`Program::allocation`], which is what `load`
     /// allocated.
@@ -371,7 +373,7 @@ impl Drop for Loaded {
             for m in self.modules.drain(..) {
                 let _ = cu::module::unload(m);
             }
-            for e in self.marks.drain(..) {
+            for e in self.marks.drain(..).chain(self.command_marks.drain(..)) {
                 let _ = cu::event::destroy(e);
             }
         }

@@ -1,0 +1,301 @@
+//! What each command of a profiled training step took on the GPU (`castor train
+//! --profile-kernels`): every command with its device time, a table of the kinds of command
+//! that took the most, and a CSV of the whole step. The step is issued command by command
+//! with a CUDA event between commands (not as a graph), so the times add up to a little more
+//! than a graph replay takes: the launch gaps a graph closes are inside them.
+
+use super::program::{Command, Epilogue};
+use std::collections::HashMap;
+use std::fmt::Write;
+
+/// One command of a profiled step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommandTime {
+    /// The run it belongs to (`zero_grads`, `micro_step`, `optimizer_step`).
+    pub run: String,
+    /// Its index in the run.
+    pub index: usize,
+    /// What ran: a kernel's entry point, `cublas <A>x<B>-><C>` (with the epilogue) for a
+    /// product, `copy` or `memset`.
+    pub what: String,
+    /// The node it belongs to (empty for copies and fills).
+    pub node: String,
+    /// Its size: a launch's grid and block, a product's `m x n x k` (and batch), a copy's or
+    /// fill's bytes.
+    pub size: String,
+    /// Device time, milliseconds.
+    pub ms: f32,
+}
+
+impl CommandTime {
+    /// The row of command `index` of run `run`, which took `ms`.
+    pub fn of(run: &str, index: usize, command: &Command, ms: f32) -> CommandTime {
+        let (what, node, size) = match command {
+            Command::Launch(l) => (
+                l.entry.clone(),
+                l.node.clone(),
+                format!(
+                    "grid {}x{}x{} block {}x{}x{}",
+                    l.grid.0, l.grid.1, l.grid.2, l.block.0, l.block.1, l.block.2
+                ),
+            ),
+            Command::Gemm(g) => {
+                let mut what = format!("cublas {}x{}->{}", g.a_dtype, g.b_dtype, g.c_dtype);
+                if g.epilogue != Epilogue::None {
+                    what.push_str(&format!(" {}", g.epilogue.name()));
+                }
+                let batch = if g.batch > 1 {
+                    format!(" batch {}", g.batch)
+                } else {
+                    String::new()
+                };
+                (
+                    what,
+                    g.node.clone(),
+                    format!("{} x {} x {}{batch}", g.m, g.n, g.k),
+                )
+            }
+            Command::Copy { bytes, .. } => ("copy".into(), String::new(), format!("{bytes} bytes")),
+            Command::Memset { bytes, .. } => {
+                ("memset".into(), String::new(), format!("{bytes} bytes"))
+            }
+        };
+        CommandTime {
+            run: run.to_string(),
+            index,
+            what,
+            node,
+            size,
+            ms,
+        }
+    }
+}
+
+/// Every command of one training step, in issue order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KernelProfile {
+    pub commands: Vec<CommandTime>,
+}
+
+/// One kind of command in the profile's table.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KindTime {
+    pub what: String,
+    pub count: usize,
+    pub ms: f64,
+}
+
+impl KernelProfile {
+    /// Device time of the whole step, milliseconds.
+    pub fn total_ms(&self) -> f64 {
+        self.commands.iter().map(|c| f64::from(c.ms)).sum()
+    }
+
+    /// The commands grouped by what ran, the most time first (ties by name).
+    pub fn by_kind(&self) -> Vec<KindTime> {
+        let mut kinds: HashMap<&str, KindTime> = HashMap::new();
+        for c in &self.commands {
+            let k = kinds.entry(&c.what).or_insert_with(|| KindTime {
+                what: c.what.clone(),
+                count: 0,
+                ms: 0.0,
+            });
+            k.count += 1;
+            k.ms += f64::from(c.ms);
+        }
+        let mut out: Vec<KindTime> = kinds.into_values().collect();
+        out.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.what.cmp(&b.what)));
+        out
+    }
+
+    /// A table of the `top` kinds of command by device time, the rest summed in one line,
+    /// and the total.
+    pub fn table(&self, top: usize) -> String {
+        let total = self.total_ms();
+        let share = |ms: f64| 100.0 * ms / total.max(f64::MIN_POSITIVE);
+        let mut s = format!(
+            "{:<48} {:>6} {:>10} {:>6}\n",
+            "what", "count", "ms", "share"
+        );
+        let kinds = self.by_kind();
+        for k in kinds.iter().take(top) {
+            let _ = writeln!(
+                s,
+                "{:<48} {:>6} {:>10.3} {:>5.1}%",
+                k.what,
+                k.count,
+                k.ms,
+                share(k.ms)
+            );
+        }
+        if kinds.len() > top {
+            let rest = &kinds[top..];
+            let ms: f64 = rest.iter().map(|k| k.ms).sum();
+            let count: usize = rest.iter().map(|k| k.count).sum();
+            let label = format!("({} other kinds)", rest.len());
+            let _ = writeln!(s, "{label:<48} {count:>6} {ms:>10.3} {:>5.1}%", share(ms));
+        }
+        let _ = write!(
+            s,
+            "{:<48} {:>6} {:>10.3} 100.0%",
+            "total",
+            self.commands.len(),
+            total
+        );
+        s
+    }
+
+    /// Every command as CSV: `run,index,what,node,size,ms`.
+    pub fn to_csv(&self) -> String {
+        let quote = |f: &str| {
+            if f.contains([',', '"', '\n']) {
+                format!("\"{}\"", f.replace('"', "\"\""))
+            } else {
+                f.to_string()
+            }
+        };
+        let mut s = String::from("run,index,what,node,size,ms\n");
+        for c in &self.commands {
+            let _ = writeln!(
+                s,
+                "{},{},{},{},{},{}",
+                quote(&c.run),
+                c.index,
+                quote(&c.what),
+                quote(&c.node),
+                quote(&c.size),
+                c.ms
+            );
+        }
+        s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::program::{Gemm, GemmCompute, Launch, Place};
+    use castor_ir::DType;
+
+    fn launch(entry: &str, node: &str) -> Command {
+        Command::Launch(Launch {
+            node: node.into(),
+            module: 0,
+            entry: entry.into(),
+            grid: (4, 1, 1),
+            block: (256, 1, 1),
+            shared_bytes: 0,
+            args: vec![],
+        })
+    }
+
+    fn gemm(epilogue: Epilogue) -> Command {
+        let at = Place::Arena { offset: 0 };
+        Command::Gemm(Gemm {
+            node: "h.0.mlp.fc".into(),
+            a: at,
+            b: at,
+            c: at,
+            a_dtype: DType::BF16,
+            b_dtype: DType::BF16,
+            c_dtype: DType::BF16,
+            transa: false,
+            transb: false,
+            m: 3072,
+            n: 8192,
+            k: 768,
+            lda: 3072,
+            ldb: 768,
+            ldc: 3072,
+            stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
+            batch: 1,
+            compute: GemmCompute::F32,
+            accumulate: false,
+            epilogue,
+        })
+    }
+
+    fn profile() -> KernelProfile {
+        let commands = [
+            (launch("layer_norm_fwd", "h.0.ln_1"), 0.5),
+            (gemm(Epilogue::None), 2.0),
+            (launch("layer_norm_fwd", "h.1.ln_1"), 0.25),
+            (
+                gemm(Epilogue::Bias {
+                    bias: Place::Arena { offset: 0 },
+                }),
+                1.0,
+            ),
+            (
+                Command::Copy {
+                    dst: Place::Arena { offset: 0 },
+                    src: Place::Arena { offset: 256 },
+                    bytes: 1024,
+                },
+                0.25,
+            ),
+        ];
+        KernelProfile {
+            commands: commands
+                .iter()
+                .enumerate()
+                .map(|(i, (c, ms))| CommandTime::of("micro_step", i, c, *ms))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn kinds_are_grouped_and_ranked_by_device_time() {
+        let p = profile();
+        assert_eq!(p.total_ms(), 4.0);
+        let kinds: Vec<(String, usize, f64)> = p
+            .by_kind()
+            .into_iter()
+            .map(|k| (k.what, k.count, k.ms))
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![
+                ("cublas bf16xbf16->bf16".to_string(), 1, 2.0),
+                ("cublas bf16xbf16->bf16 bias".to_string(), 1, 1.0),
+                ("layer_norm_fwd".to_string(), 2, 0.75),
+                ("copy".to_string(), 1, 0.25),
+            ]
+        );
+    }
+
+    #[test]
+    fn the_table_shows_the_top_kinds_the_rest_and_the_total() {
+        let table = profile().table(2);
+        let lines: Vec<&str> = table.lines().collect();
+        assert_eq!(lines.len(), 5, "{table}");
+        assert!(lines[1].starts_with("cublas bf16xbf16->bf16 ") && lines[1].ends_with("50.0%"));
+        assert!(lines[3].starts_with("(2 other kinds)"), "{table}");
+        assert!(
+            lines[3].contains(" 3 ") && lines[3].ends_with("25.0%"),
+            "{table}"
+        );
+        assert!(lines[4].starts_with("total") && lines[4].contains("4.000"));
+    }
+
+    #[test]
+    fn the_csv_has_every_command_and_quotes_what_needs_it() {
+        let mut p = profile();
+        p.commands[0].node = "a,b".into();
+        let csv = p.to_csv();
+        let lines: Vec<&str> = csv.lines().collect();
+        assert_eq!(lines[0], "run,index,what,node,size,ms");
+        assert_eq!(lines.len(), 6);
+        assert_eq!(
+            lines[1],
+            "micro_step,0,layer_norm_fwd,\"a,b\",grid 4x1x1 block 256x1x1,0.5"
+        );
+        assert_eq!(
+            lines[2],
+            "micro_step,1,cublas bf16xbf16->bf16,h.0.mlp.fc,3072 x 8192 x 768,2"
+        );
+        assert_eq!(lines[5], "micro_step,4,copy,,1024 bytes,0.25");
+    }
+}
