@@ -93,6 +93,7 @@ fn main() -> anyhow::Result<()> {
                 remat,
                 classifier: castor_ir::Classifier::Eager,
                 epilogues: castor_ir::Epilogues::Eager,
+                lora: None,
             };
             let (plan, _) = castor::memory::Executor::Cuda
                 .pipeline()

@@ -18,9 +18,10 @@ pub struct AnatomyRow {
 }
 
 /// The rows of the anatomy, in the order the compile report prints them.
-pub const STATE_ROLES: [StateRole; 5] = [
+pub const STATE_ROLES: [StateRole; 6] = [
     StateRole::WorkingCopy,
     StateRole::Master,
+    StateRole::Frozen,
     StateRole::Gradient,
     StateRole::OptimizerState,
     StateRole::Control,
@@ -39,6 +40,8 @@ pub fn anatomy(plan: &TrainingPlan, executor: Executor) -> Vec<AnatomyRow> {
 pub fn rows(plan: &TrainingPlan, a: &Anatomy, executor: Executor) -> Vec<AnatomyRow> {
     let mut rows: Vec<AnatomyRow> = STATE_ROLES
         .iter()
+        // Only a plan with a frozen base (LoRA) has that row.
+        .filter(|&&role| role != StateRole::Frozen || plan.state_bytes(role) > 0)
         .map(|&role| AnatomyRow {
             what: role.describe().to_string(),
             bytes: plan.state_bytes(role),

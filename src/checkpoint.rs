@@ -58,6 +58,9 @@ pub struct TrainerState {
 pub struct CheckpointFiles {
     pub config_json: String,
     pub extras: Vec<(String, Vec<u8>)>,
+    /// For a plan that trains LoRA adapters: the base they adapt. Its checkpoints are PEFT
+    /// adapter folders instead of model folders.
+    pub adapter: Option<crate::adapter::AdapterBase>,
 }
 
 impl CheckpointFiles {
@@ -78,6 +81,7 @@ impl CheckpointFiles {
         CheckpointFiles {
             config_json,
             extras,
+            adapter: None,
         }
     }
 }
@@ -101,8 +105,11 @@ fn write_files(
             .collect()
     };
     // Model weights last: in a folder written in place, a reader that finds new weights
-    // finds the rest of this checkpoint too.
-    write_atomically(&dir.join("config.json"), files.config_json.as_bytes())?;
+    // finds the rest of this checkpoint too. Adapters are saved alone, as PEFT saves them:
+    // the base is the checkpoint they were trained on.
+    if files.adapter.is_none() {
+        write_atomically(&dir.join("config.json"), files.config_json.as_bytes())?;
+    }
     for (name, bytes) in &files.extras {
         write_atomically(&dir.join(name), bytes)?;
     }
@@ -112,7 +119,12 @@ fn write_files(
     )?;
     let json = serde_json::to_string_pretty(state)?;
     write_atomically(&dir.join(TRAINER_STATE), json.as_bytes())?;
-    write_safetensors(&dir.join(MODEL_WEIGHTS), &by_role(&[StateRole::Master]))?;
+    match (&files.adapter, &plan.settings.lora) {
+        (Some(base), Some(lora)) => {
+            crate::adapter::save(dir, lora, base, &by_role(&[StateRole::Master]))?
+        }
+        _ => write_safetensors(&dir.join(MODEL_WEIGHTS), &by_role(&[StateRole::Master]))?,
+    }
     Ok(())
 }
 
@@ -267,6 +279,15 @@ pub fn read_trainer_state(dir: &Path) -> anyhow::Result<TrainerState> {
 /// Reads the optimizer state and the trainer state of a checkpoint folder.
 pub fn load_resume_state(dir: &Path) -> anyhow::Result<(Vec<(String, Tensor)>, TrainerState)> {
     let state = read_trainer_state(dir)?;
+    if dir.join(crate::adapter::CONFIG).is_file() {
+        return Err(crate::CliError::InvalidInput(format!(
+            "--resume `{}`: a LoRA adapter checkpoint cannot be resumed yet; continue training \
+             it with `castor train BASE --adapter {}` (its optimizer moments start over)",
+            dir.display(),
+            dir.display()
+        ))
+        .into());
+    }
     let file = SafetensorsFile::open(dir.join(OPTIMIZER_STATE))?;
     let names: Vec<String> = file.names().map(str::to_string).collect();
     let mut tensors = Vec::with_capacity(names.len());

@@ -87,6 +87,8 @@ pub struct Generator<'m> {
     cache: HashMap<String, Tensor>,
     /// Positions in the cache.
     past: usize,
+    /// LoRA adapters beside the model's products (`--adapter`), as the `lora` pass adds them.
+    lora: Option<castor_ir::LoraSettings>,
 }
 
 impl<'m> Generator<'m> {
@@ -97,7 +99,14 @@ impl<'m> Generator<'m> {
             executor: CpuExecutor::new(),
             cache: HashMap::new(),
             past: 0,
+            lora: None,
         }
+    }
+
+    /// Decodes with LoRA adapters (their weights are bound with the model's).
+    pub fn with_adapters(mut self, lora: Option<castor_ir::LoraSettings>) -> Self {
+        self.lora = lora;
+        self
     }
 
     /// Positions in the cache (tokens fed so far).
@@ -118,6 +127,7 @@ impl<'m> Generator<'m> {
     ) -> anyhow::Result<Vec<f32>> {
         let n = tokens.len();
         let graph = self.model.build_decode_graph(1, self.past, n)?;
+        let (graph, _) = crate::training::with_adapters(graph, self.lora.as_ref())?;
         let graph = self
             .precision
             .compile(graph, Some(self.model), None, false)?

@@ -8,6 +8,7 @@
 #[macro_use]
 pub mod out;
 
+pub mod adapter;
 pub mod anatomy;
 pub mod batch;
 pub mod checkpoint;

@@ -2,7 +2,7 @@
 // Data from files and users must never reach an unwrap: errors are values here.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
-use castor::commands::{compile, demo, eval, generate, inspect, train};
+use castor::commands::{compile, demo, eval, generate, inspect, merge, train};
 use castor::given::Given;
 use castor::{errln, error_message, exit_code};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -37,6 +37,8 @@ enum Command {
     Generate(generate::Args),
     /// Compile and train the embedded tiny GPT-2 end to end: no files, no GPU.
     Demo(demo::Args),
+    /// Fold a PEFT LoRA adapter into its base checkpoint: a full Hugging Face folder.
+    Merge(merge::Args),
 }
 
 fn main() -> ExitCode {
@@ -58,6 +60,7 @@ fn main() -> ExitCode {
         Command::Train(a) => train::run(*a, &given),
         Command::Generate(a) => generate::run(a),
         Command::Demo(a) => demo::run(a),
+        Command::Merge(a) => merge::run(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

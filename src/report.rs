@@ -5,18 +5,7 @@ use castor_ir::Graph;
 use castor_models::{Model, ModelConfig};
 use std::fmt::Write;
 
-/// `1234567` -> `1,234,567`.
-pub fn thousands(n: u64) -> String {
-    let s = n.to_string();
-    let mut out = String::new();
-    for (i, c) in s.chars().enumerate() {
-        if i > 0 && (s.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
-}
+pub use castor_ir::thousands;
 
 /// A byte count people read at a glance and can check exactly: `8,000,000 bytes (7.63 MiB)`.
 pub fn counted_bytes(bytes: u64) -> String {
@@ -317,7 +306,7 @@ pub fn anatomy_lines(
     } else {
         0.0
     };
-    vec![
+    let mut lines = vec![
         format!(
             "  {:<34} {:>19} {:>9} {:>7} {:>6}",
             "memory anatomy", "bytes", unit_name, "B/param", "rule"
@@ -357,7 +346,18 @@ pub fn anatomy_lines(
             "batch, graph outputs, flags, tables, allocation rounding",
         ),
         row("total", a.total(), "18", "+ activations by the rule"),
-    ]
+    ];
+    // Only a plan with a frozen base (LoRA) has the row.
+    if a.frozen_weights > 0 {
+        let frozen = row(
+            "frozen base weights",
+            a.frozen_weights,
+            "",
+            "not trained: stored once, in the dtype the step reads",
+        );
+        lines.insert(3, frozen);
+    }
+    lines
 }
 
 /// The cost model's lines: FLOPs per token against 6N + 6·L·C·T, step time, MFU. Without the

@@ -1,8 +1,11 @@
 //! The training flags `compile --train` and `train` share, and the settings they describe.
 
 use crate::CliError;
-use castor_ir::{Classifier, Epilogues, LossScaling, OptimizerKind, Remat, TrainSettings};
-use castor_models::{Model, Objective};
+use anyhow::Context;
+use castor_ir::{
+    Classifier, Epilogues, LoraSettings, LossScaling, OptimizerKind, Remat, TrainSettings,
+};
+use castor_models::{Family, Model, Objective};
 use castor_passes::Precision;
 use serde::{Deserialize, Serialize};
 
@@ -140,6 +143,27 @@ pub struct TrainingArgs {
     #[arg(long, default_value = "eager", value_name = "MODE", value_parser = parse_epilogues)]
     #[serde(default)]
     pub epilogues: Epilogues,
+    /// Train low-rank adapters of rank R beside the target products (PEFT's LoRA): only they
+    /// are trained; the rest of the model is the frozen base.
+    #[arg(long, value_name = "R", help_heading = "LoRA")]
+    #[serde(default)]
+    pub lora_rank: Option<usize>,
+    /// The adapters' alpha: their product is scaled by alpha / R (default: R, a scale of 1).
+    #[arg(long, value_name = "ALPHA", help_heading = "LoRA")]
+    #[serde(default)]
+    pub lora_alpha: Option<f64>,
+    /// The modules that get adapters, as PEFT's `target_modules`: comma-separated module-name
+    /// suffixes (`q_proj,v_proj` matches every layer's), globs on the whole module name, or
+    /// `all-linear`. Default: PEFT's for the family (GPT-2 `c_attn`; BERT `query,value`;
+    /// LLaMA, Mistral, Qwen2 and Gemma `q_proj,v_proj`).
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_delimiter = ',',
+        help_heading = "LoRA"
+    )]
+    #[serde(default)]
+    pub lora_targets: Vec<String>,
 }
 
 /// Parses `--epilogues`.
@@ -287,6 +311,53 @@ impl TrainingArgs {
         Ok(())
     }
 
+    /// The adapters `--lora-rank`, `--lora-alpha` and `--lora-targets` ask for; `family` gives
+    /// the default targets (an IR file has none: it must name them).
+    pub fn lora(&self, family: Option<Family>) -> anyhow::Result<Option<LoraSettings>> {
+        let Some(rank) = self.lora_rank else {
+            if self.lora_alpha.is_some() || !self.lora_targets.is_empty() {
+                return Err(CliError::InvalidInput(
+                    "--lora-alpha and --lora-targets shape the adapters --lora-rank asks for: \
+                     give --lora-rank R"
+                        .into(),
+                )
+                .into());
+            }
+            return Ok(None);
+        };
+        if rank == 0 {
+            return Err(CliError::InvalidInput("--lora-rank must be at least 1".into()).into());
+        }
+        let alpha = self.lora_alpha.unwrap_or(rank as f64);
+        if !(alpha.is_finite() && alpha > 0.0) {
+            return Err(CliError::InvalidInput(format!(
+                "--lora-alpha must be a positive number, found {alpha}"
+            ))
+            .into());
+        }
+        let targets: Vec<String> = match (&self.lora_targets[..], family) {
+            ([], Some(f)) => f.lora_targets().iter().map(|t| t.to_string()).collect(),
+            ([], None) => {
+                return Err(CliError::InvalidInput(
+                    "--lora-rank on an IR file: name the modules with --lora-targets".into(),
+                )
+                .into())
+            }
+            (given, _) => given.iter().map(|t| t.trim().to_string()).collect(),
+        };
+        if targets.iter().any(String::is_empty) {
+            return Err(CliError::InvalidInput(
+                "--lora-targets has an empty name: give module names separated by commas".into(),
+            )
+            .into());
+        }
+        Ok(Some(LoraSettings {
+            rank,
+            alpha,
+            targets,
+        }))
+    }
+
     pub fn settings(
         &self,
         precision: Precision,
@@ -381,6 +452,26 @@ impl TrainingArgs {
             remat: self.remat,
             classifier: self.classifier,
             epilogues: self.epilogues,
+            lora: None,
         })
     }
+}
+
+/// `graph` with the adapters `lora` asks for (the `lora` pass, run before the precision
+/// passes so the adapters' products are assigned like every other), and the pass's report.
+pub fn with_adapters(
+    graph: castor_ir::Graph,
+    lora: Option<&LoraSettings>,
+) -> anyhow::Result<(castor_ir::Graph, Option<castor_passes::PassReport>)> {
+    use castor_passes::Pass;
+    let Some(config) = lora else {
+        return Ok((graph, None));
+    };
+    let (graph, report) = castor_passes::lora::Lora {
+        config: config.clone(),
+    }
+    .run(&graph)
+    .map_err(|e| CliError::InvalidInput(e.to_string()))?;
+    castor_ir::verify(&graph).context("the lora pass built an invalid graph")?;
+    Ok((graph, Some(report)))
 }

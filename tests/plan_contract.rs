@@ -36,6 +36,7 @@ fn settings(precision: Precision, loss_scaling: LossScaling) -> TrainSettings {
         remat: Remat::None,
         classifier: castor_ir::Classifier::Eager,
         epilogues: castor_ir::Epilogues::Eager,
+        lora: None,
     }
 }
 

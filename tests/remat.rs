@@ -73,6 +73,7 @@ fn try_plan(
         remat,
         classifier: castor_ir::Classifier::Eager,
         epilogues: castor_ir::Epilogues::Eager,
+        lora: None,
     };
     castor::memory::Executor::Cuda
         .pipeline()

@@ -1,4 +1,18 @@
-//! Byte counts as people read and write them: one formatter and one parser for every crate.
+//! Counts and byte counts as people read and write them: one formatter and one parser for
+//! every crate.
+
+/// `1234567` -> `1,234,567`.
+pub fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
 
 /// `bytes` for people: plain bytes below 1 KiB (`1000 B`), else two decimals in the largest
 /// binary unit that keeps the number at least 1 (`1.50 GiB`).

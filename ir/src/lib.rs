@@ -30,7 +30,7 @@ mod units;
 mod verify;
 
 pub use builder::{is_name_char, sanitize_name, GraphBuilder};
-pub use bytes::{human_bytes, parse_bytes};
+pub use bytes::{human_bytes, parse_bytes, thousands};
 pub use dot::{dtype_colour, to_dot};
 pub use dtype::{round_tf32, Accum, DType, TensorType};
 pub use entities::{Node, Value};
@@ -38,9 +38,9 @@ pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};
 pub use op::{adafactor_moments, Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
 pub use plan::{
-    Classifier, ControlState, Epilogues, LossScaling, OptimizerKind, PlanError, Remat, StateInit,
-    StateRole, StateSpec, TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE,
-    PLAN_FORMAT,
+    Classifier, ControlState, Epilogues, LoraSettings, LossScaling, OptimizerKind, PlanError,
+    Remat, StateInit, StateRole, StateSpec, TrainSettings, TrainingPlan, Write, GRAD_NORM,
+    LEARNING_RATE, PLAN_FORMAT,
 };
 pub use precision::Precision;
 pub use rope::{rope_inv_freq, RopeScaling};

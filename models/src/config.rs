@@ -58,6 +58,18 @@ impl Family {
         }
     }
 
+    /// The modules PEFT gives adapters when `target_modules` is not set (its
+    /// `TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING`).
+    pub fn lora_targets(self) -> &'static [&'static str] {
+        match self {
+            Family::Gpt2 => &["c_attn"],
+            Family::Bert => &["query", "value"],
+            Family::Llama | Family::Qwen2 | Family::Mistral | Family::Gemma => {
+                &["q_proj", "v_proj"]
+            }
+        }
+    }
+
     pub fn from_model_type(s: &str) -> Option<Family> {
         Family::ALL.into_iter().find(|f| f.model_type() == s)
     }

@@ -24,6 +24,24 @@ pub fn init_param(name: &str, shape: &Shape, std: f32, seed: u64) -> Tensor {
     Tensor::from_f32(DType::F32, shape.clone(), data)
 }
 
+/// Initial values of a LoRA adapter, as PEFT initializes them: `lora_A` (`[r, in]`)
+/// Kaiming-uniform with `a = sqrt(5)`, which is uniform in `(-1/sqrt(in), 1/sqrt(in))`;
+/// `lora_B` zeros, so the adapted model starts as the base model. Seeded per tensor name as
+/// [`init_param`] is.
+pub fn init_adapter(name: &str, shape: &Shape, seed: u64) -> Tensor {
+    let n = shape.numel().unwrap_or(0);
+    let data = if name.ends_with(".lora_A.weight") && shape.rank() == 2 {
+        let bound = 1.0 / (shape.dims()[1] as f64).sqrt();
+        let mut rng = SplitMix64::new(seed ^ fnv1a(name));
+        (0..n)
+            .map(|_| ((2.0 * rng.uniform() - 1.0) * bound) as f32)
+            .collect()
+    } else {
+        vec![0.0; n]
+    };
+    Tensor::from_f32(DType::F32, shape.clone(), data)
+}
+
 /// SplitMix64: tiny, fast, and good enough for initialization; identical on every platform.
 struct SplitMix64 {
     state: u64,
@@ -73,6 +91,21 @@ fn fnv1a(s: &str) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn adapters_start_as_peft_starts_them() {
+        let a = init_adapter("h.0.attn.c_attn.lora_A.weight", &Shape(vec![8, 64]), 3);
+        let v = a.as_f32().unwrap();
+        let bound = 1.0 / 8.0;
+        assert!(v.iter().all(|&x| x.abs() <= bound && x != 0.0));
+        let spread = v.iter().fold(0f32, |m, &x| m.max(x.abs()));
+        assert!(
+            spread > 0.9 * bound,
+            "uniform over the whole range: {spread}"
+        );
+        let b = init_adapter("h.0.attn.c_attn.lora_B.weight", &Shape(vec![192, 8]), 3);
+        assert!(b.as_f32().unwrap().iter().all(|&x| x == 0.0));
+    }
 
     #[test]
     fn deterministic_and_shaped_like_transformers() {

@@ -46,7 +46,7 @@ pub use config::{
 };
 pub use error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
 pub use finite::{find_non_finite, NonFinite};
-pub use init::init_param;
+pub use init::{init_adapter, init_param};
 pub use model::{Head, LoadReport, Model};
 pub use objective::{Objective, IGNORE_INDEX};
 pub use safetensors::{SafetensorsFile, TensorInfo};

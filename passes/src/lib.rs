@@ -18,6 +18,7 @@ mod error;
 mod fold_casts;
 pub mod fusion;
 pub mod gpus;
+pub mod lora;
 pub mod memory;
 pub mod names;
 mod pass;

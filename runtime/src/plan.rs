@@ -64,7 +64,7 @@ impl PlanRunner {
                         name: name.clone(),
                         expected: spec.ty.clone(),
                     })?;
-                    to_f32_master(t, &spec.name, &spec.ty)?
+                    checkpoint_state(t, &spec.name, &spec.ty)?
                 }
                 StateInit::CopyOf(_) => continue,
                 StateInit::Zeros => zeros(&spec.ty),
@@ -277,8 +277,9 @@ pub(crate) fn zeros(ty: &TensorType) -> Tensor {
     }
 }
 
-/// A checkpoint tensor as an F32 master of type `ty`.
-pub(crate) fn to_f32_master(
+/// A checkpoint tensor as the state entry of type `ty`: an F32 master, or a frozen parameter
+/// in the dtype the step reads it in.
+pub(crate) fn checkpoint_state(
     t: Tensor,
     name: &str,
     ty: &TensorType,
@@ -297,11 +298,13 @@ pub(crate) fn to_f32_master(
             found: t.ty().clone(),
         });
     }
-    if t.dtype() == DType::F32 {
+    if t.dtype() == ty.dtype {
         return Ok(t);
     }
+    // A frozen parameter stored in BF16/F16 is rounded to nearest even here, as a working
+    // copy is rounded from its master.
     Ok(Tensor::from_f32(
-        DType::F32,
+        ty.dtype,
         ty.shape.clone(),
         values.to_vec(),
     ))

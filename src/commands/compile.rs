@@ -174,6 +174,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         || args.training.remat != castor_ir::Remat::None
         || !args.training.classifier.is_eager()
         || !args.training.epilogues.is_eager()
+        || args.training.lora_rank.is_some()
         || args.report.is_some();
     // A result on stdout goes there alone; the report then goes to stderr.
     let say = if args.emit != Emit::Summary && args.out.is_none() {
@@ -189,6 +190,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         seq,
         model,
     } = load_graph(&args, train)?;
+    let lora = match train {
+        true => args.training.lora(model.as_ref().map(|m| m.family()))?,
+        false => None,
+    };
+    let (graph, lora_report) = crate::training::with_adapters(graph, lora.as_ref())?;
     // --dump-after names a precision pass or, for a training step, a training-build pass.
     let training = Executor::Cuda.pipeline();
     let dump_training = args
@@ -221,6 +227,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     toln!(say, "precision   {}", args.precision.precision);
     for r in policy.name_rules() {
         toln!(say, "rule        {}", r.describe(policy.precision.low()));
+    }
+    if let Some(report) = &lora_report {
+        toln!(say, "pass        {:<11} {}", "lora", report.summary);
     }
     for (pass, report) in &out.reports {
         toln!(say, "pass        {pass:<11} {}", report.summary);
@@ -257,6 +266,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             // An IR file's loss is its first output, whatever --objective says.
             settings.objective = "first-output".into();
         }
+        settings.lora = lora;
         let mut pipeline = training.dump_after(dump_training)?;
         if args.verify {
             pipeline = pipeline.verify_each(true);

@@ -427,6 +427,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
          generate continues text with it)",
         ckpt.display()
     );
+    outln!(
+        "next        fine-tune it with LoRA adapters, saved as a PEFT adapter folder: castor \
+         train {} --data TEXT --lora-rank 8 --lora-targets c_attn,c_proj,c_fc --save DIR",
+        ckpt.display()
+    );
     outln!("done        in {:.1} s", start.elapsed().as_secs_f64());
     Ok(())
 }

@@ -47,6 +47,11 @@ pub struct Args {
     pub precision: PrecisionArgs,
     #[command(flatten)]
     pub classifier: crate::classifier::ClassifierArgs,
+    /// A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) to run
+    /// the model with: its adapters are added beside their target products, as
+    /// `PeftModel.from_pretrained` does (with --grad, their gradients are written too).
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
     #[arg(long, value_enum, default_value_t = Device::Auto)]
     pub device: Device,
     /// Also compute the loss and the gradient of every parameter, written as `loss` (F32
@@ -128,8 +133,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         _ => return Err(CliError::InvalidInput("give --input FILE or --text TEXT".into()).into()),
     };
     model.derive_inputs(&mut batch.tensors)?;
+    let adapter = match &args.adapter {
+        Some(dir) => Some(crate::adapter::load(dir)?),
+        None => None,
+    };
+    let lora = adapter.as_ref().map(|a| &a.lora);
     let graph = model.build_graph(batch.batch, batch.seq)?;
     castor_ir::verify(&graph).context("the front end built an invalid graph")?;
+    let (graph, lora_report) = crate::training::with_adapters(graph, lora)?;
+    if let Some(r) = &lora_report {
+        errln!("lora: {}", r.summary);
+    }
     let compiled = args.precision.compile(graph, Some(&model), None, false)?;
     let graph = compiled.graph;
     if let Some((_, report)) = compiled.reports.iter().find(|(p, _)| *p == "autocast") {
@@ -139,7 +153,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             report.summary
         );
     }
-    let params = model.load_params()?;
+    let mut params = model.load_params()?;
+    if let Some(crate::adapter::Loaded { tensors, .. }) = &adapter {
+        let wanted: Vec<(String, castor_ir::TensorType)> = graph
+            .params()
+            .map(|p| (graph.name(p).to_string(), graph.ty(p).clone()))
+            .collect();
+        params.extend(crate::adapter::initial(
+            &wanted,
+            Some(tensors),
+            args.adapter.as_deref(),
+            0,
+        )?);
+    }
     let non_finite = model.check_finite(&params, args.strict)?;
     if !non_finite.is_empty() {
         errln!(
@@ -218,8 +244,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 .into())
             }
         };
+        let loss_graph = model.build_loss_graph(batch.batch, batch.seq, objective)?;
+        let (loss_graph, _) = crate::training::with_adapters(loss_graph, lora)?;
+        errln!("objective: {objective}");
         named.extend(gradients(
-            &args, &model, &batch, objective, labels, &params, &device,
+            &args, &model, &batch, loss_graph, labels, &params, &device,
         )?);
     }
     if let Some(out) = &args.out {
@@ -250,23 +279,22 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The loss and every parameter's gradient under the objective, by the autodiff pass.
+/// The loss of `loss_graph` and every parameter's gradient, by the autodiff pass.
 fn gradients(
     args: &Args,
     model: &Model,
     batch: &crate::batch::Batch,
-    objective: Objective,
+    loss_graph: castor_ir::Graph,
     labels: Option<Tensor>,
     params: &std::collections::HashMap<String, Tensor>,
     device: &Selected,
 ) -> anyhow::Result<Vec<(String, Tensor)>> {
-    let loss_graph = model.build_loss_graph(batch.batch, batch.seq, objective)?;
     let compiled = args
         .precision
         .compile(loss_graph, Some(model), None, false)?
         .graph;
     let (train, report) = Autodiff::default().run(&compiled)?;
-    errln!("objective: {objective}; {}", report.summary);
+    errln!("{}", report.summary);
     let train = if args.remat.is_none() {
         train
     } else {

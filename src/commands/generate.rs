@@ -57,6 +57,9 @@ pub struct Args {
     pub seed: u64,
     #[command(flatten)]
     pub precision: PrecisionArgs,
+    /// A PEFT LoRA adapter folder to generate with (as `PeftModel.from_pretrained`).
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
     /// Where to run: `cpu` only for now (decoding is not lowered for the CUDA executor).
     #[arg(long, value_enum, default_value_t = GenerateDevice::Cpu, help_heading = "Device")]
     pub device: GenerateDevice,
@@ -111,7 +114,29 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         ))
         .into());
     }
-    let weights = model.load_params()?;
+    let mut weights = model.load_params()?;
+    let adapter = match &args.adapter {
+        Some(dir) => Some(crate::adapter::load(dir)?),
+        None => None,
+    };
+    if let Some(a) = &adapter {
+        // Every adapter the pass adds must be in the folder: check against the prompt's graph.
+        let graph = model.build_decode_graph(1, 0, prompt.len())?;
+        let (graph, report) = crate::training::with_adapters(graph, Some(&a.lora))?;
+        let wanted: Vec<(String, castor_ir::TensorType)> = graph
+            .params()
+            .map(|p| (graph.name(p).to_string(), graph.ty(p).clone()))
+            .collect();
+        weights.extend(crate::adapter::initial(
+            &wanted,
+            Some(&a.tensors),
+            args.adapter.as_deref(),
+            0,
+        )?);
+        if let Some(r) = report {
+            errln!("lora        {}", r.summary);
+        }
+    }
     errln!(
         "generate    {} on the CPU executor, {}; tokenizer {}; prompt {} tokens",
         model.architecture(),
@@ -124,7 +149,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         top_k: args.top_k,
         top_p: args.top_p,
     };
-    let mut generator = Generator::new(&model, args.precision.clone());
+    let mut generator =
+        Generator::new(&model, args.precision.clone()).with_adapters(adapter.map(|a| a.lora));
     let mut rng = Rng::new(args.seed);
     let end = tokenizer.end_of_text();
     // Decoded text is printed as it grows; a token that ends inside a UTF-8 character waits.

@@ -5,4 +5,5 @@ pub mod demo;
 pub mod eval;
 pub mod generate;
 pub mod inspect;
+pub mod merge;
 pub mod train;

@@ -93,6 +93,11 @@ pub struct Args {
     pub classifier: crate::classifier::ClassifierArgs,
     #[command(flatten)]
     pub training: TrainingArgs,
+    /// Continue training a PEFT LoRA adapter (a folder with adapter_config.json and
+    /// adapter_model.safetensors): its r, lora_alpha and target_modules shape the adapters
+    /// and its weights start them. --save then writes the adapter in the same format.
+    #[arg(long, value_name = "DIR", help_heading = "LoRA")]
+    pub adapter: Option<PathBuf>,
     /// Run a plan written by `castor compile --emit plan` instead of compiling one (flags
     /// that disagree with the plan are an error).
     #[arg(long, value_name = "PLAN.json", help_heading = "Run")]
@@ -240,7 +245,37 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
     let config_json = std::fs::read_to_string(&model.config().file)
         .with_context(|| format!("cannot read `{}`", model.config().file.display()))?;
     let config_json = args.classifier.saved_config(&model, config_json)?;
-    let files = CheckpointFiles::new(config_json, model.config().file.parent());
+    let mut files = CheckpointFiles::new(config_json, model.config().file.parent());
+    // An adapter to continue, and what a LoRA checkpoint's config records of the base.
+    let adapter = match &args.adapter {
+        Some(dir) => Some(crate::adapter::load(dir)?),
+        None => None,
+    };
+    let lora = match (&adapter, args.training.lora(Some(model.family()))?) {
+        (
+            Some(crate::adapter::Loaded {
+                lora: from_file, ..
+            }),
+            Some(given),
+        ) if *from_file != given => {
+            return Err(CliError::InvalidInput(format!(
+                "--adapter has r={}, lora_alpha={}, target_modules {:?}; --lora-* flags ask \
+                 for r={}, alpha={}, targets {:?}: leave them out to continue the adapter",
+                from_file.rank,
+                from_file.alpha,
+                from_file.targets,
+                given.rank,
+                given.alpha,
+                given.targets
+            ))
+            .into())
+        }
+        (Some(loaded), _) => Some(loaded.lora.clone()),
+        (None, given) => given,
+    };
+    if lora.is_some() {
+        files.adapter = Some(crate::adapter::AdapterBase::of(&model, &args.model));
+    }
     if let Some(dir) = &resume_dir {
         outln!("resume      {} (step {first_step})", dir.display());
     }
@@ -274,9 +309,10 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
             let objective = args.training.training_objective(&model)?;
             let data = Data::open(&args.data, &model, objective, &data_options)?;
             let (batch, seq) = data.shape();
-            let settings =
+            let mut settings =
                 args.training
                     .settings(args.precision.precision, objective, batch, seq)?;
+            settings.lora = lora.clone();
             (
                 compile_plan(&args.precision, &model, settings, true, executor)?,
                 data,
@@ -325,12 +361,27 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         }
     }
 
-    let params = if model.checkpoint().is_some() {
+    let mut params = if model.checkpoint().is_some() {
         model.load_params()?
     } else {
         errln!("weights: initialized from the config (seed {INIT_SEED:#x})");
         model.init_params(INIT_SEED)
     };
+    if planned.plan.settings.lora.is_some() {
+        let adapters: Vec<(String, castor_ir::TensorType)> = planned
+            .plan
+            .state
+            .iter()
+            .filter(|s| s.role == castor_ir::StateRole::Master)
+            .map(|s| (s.name.clone(), s.ty.clone()))
+            .collect();
+        params.extend(crate::adapter::initial(
+            &adapters,
+            adapter.as_ref().map(|a| &a.tensors),
+            args.adapter.as_deref(),
+            args.run.seed ^ INIT_SEED,
+        )?);
+    }
     let settings = planned.plan.settings.clone();
     let mut runner = Trainer::new(
         planned.plan.clone(),
@@ -600,6 +651,10 @@ pub fn compile_plan(
         settings.objective.parse().map_err(CliError::InvalidInput)?;
     let loss_graph = model.build_loss_graph(settings.batch, settings.seq, objective)?;
     castor_ir::verify(&loss_graph).context("the front end built an invalid graph")?;
+    let (loss_graph, lora) = crate::training::with_adapters(loss_graph, settings.lora.as_ref())?;
+    if let (true, Some(report)) = (say, &lora) {
+        outln!("lora        {}", report.summary);
+    }
     let compiled = precision.compile(loss_graph, Some(model), None, false)?;
     if say {
         if let Some((_, report)) = compiled.reports.iter().find(|(p, _)| *p == "autocast") {

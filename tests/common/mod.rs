@@ -88,12 +88,15 @@ pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
-/// Copies a fixture checkpoint into a fresh temporary folder tests may damage.
+/// Copies a fixture checkpoint's files (not its subfolders, such as its LoRA adapter) into
+/// a fresh temporary folder tests may damage.
 pub fn copy_fixture(variant: &str) -> tempfile::TempDir {
     let dir = tempfile::tempdir().expect("temp dir");
     for entry in std::fs::read_dir(fixture(variant)).expect("fixture exists") {
         let entry = entry.expect("dir entry");
-        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).expect("copy");
+        if entry.path().is_file() {
+            std::fs::copy(entry.path(), dir.path().join(entry.file_name())).expect("copy");
+        }
     }
     dir
 }

@@ -19,7 +19,9 @@ mod control;
 mod settings;
 
 pub use control::{ControlState, GRAD_NORM, LEARNING_RATE};
-pub use settings::{Classifier, Epilogues, LossScaling, OptimizerKind, Remat, TrainSettings};
+pub use settings::{
+    Classifier, Epilogues, LoraSettings, LossScaling, OptimizerKind, Remat, TrainSettings,
+};
 
 use crate::{text, DType, Graph, IrError, KernelUnit, Shape, TensorType};
 use serde::{Deserialize, Serialize};
@@ -76,6 +78,9 @@ pub enum StateRole {
     Master,
     /// A low-precision working copy of a master.
     WorkingCopy,
+    /// A parameter that is not trained (the base under LoRA adapters), stored once, in the
+    /// dtype the step reads it in, from the checkpoint: no master, gradient or moments.
+    Frozen,
     /// F32 gradients (accumulated over micro-batches).
     Gradient,
     /// Optimizer moments.
@@ -328,6 +333,7 @@ impl StateRole {
         match self {
             StateRole::Master => "F32 master weights",
             StateRole::WorkingCopy => "low-precision weights",
+            StateRole::Frozen => "frozen base weights",
             StateRole::Gradient => "gradients",
             StateRole::OptimizerState => "optimizer state",
             StateRole::Control => "step and loss-scale state",

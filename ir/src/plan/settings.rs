@@ -43,6 +43,44 @@ pub struct TrainSettings {
     /// Whether bias adds, GELUs and bias gradients run in their products' epilogues.
     #[serde(default, skip_serializing_if = "Epilogues::is_eager")]
     pub epilogues: Epilogues,
+    /// Low-rank adapters (`lora` pass): only they are trained; every other parameter is the
+    /// frozen base.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<LoraSettings>,
+}
+
+/// The adapters a plan trains: PEFT's `r`, `lora_alpha` and `target_modules` (given as a
+/// list: module-name suffixes, globs on the whole name, or `all-linear`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoraSettings {
+    pub rank: usize,
+    pub alpha: f64,
+    pub targets: Vec<String>,
+}
+
+impl LoraSettings {
+    /// `alpha / r`, PEFT's `scaling`.
+    pub fn scaling(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+
+    /// Whether `module` (a weight's name without `.weight`) is a target: it equals a target
+    /// or ends with `.` and the target, as PEFT matches a list; a target with `*` or `?` is a
+    /// glob on the whole name.
+    pub fn targets_module(&self, module: &str) -> bool {
+        self.targets.iter().any(|t| {
+            if t.contains(['*', '?']) {
+                wildmatch::WildMatch::new(t).matches(module)
+            } else {
+                module == t || module.ends_with(&format!(".{t}"))
+            }
+        })
+    }
+
+    /// `all-linear`: every product by a weight but the output layer.
+    pub fn all_linear(&self) -> bool {
+        self.targets.iter().any(|t| t == "all-linear")
+    }
 }
 
 /// Where the work that follows a product by a weight runs.

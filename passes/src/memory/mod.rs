@@ -276,6 +276,8 @@ pub struct Anatomy {
     pub params: u64,
     pub low_precision_weights: u64,
     pub master_weights: u64,
+    /// Parameters that are not trained, stored once (the base under LoRA adapters).
+    pub frozen_weights: u64,
     pub gradients: u64,
     pub optimizer_state: u64,
     pub control: u64,
@@ -297,6 +299,7 @@ impl Anatomy {
             params: crate::cost::param_count(plan),
             low_precision_weights: plan.state_bytes(StateRole::WorkingCopy),
             master_weights: plan.state_bytes(StateRole::Master),
+            frozen_weights: plan.state_bytes(StateRole::Frozen),
             gradients: plan.state_bytes(StateRole::Gradient),
             optimizer_state: plan.state_bytes(StateRole::OptimizerState),
             control: plan.state_bytes(StateRole::Control),
@@ -311,6 +314,7 @@ impl Anatomy {
     pub fn persistent(&self) -> u64 {
         self.low_precision_weights
             + self.master_weights
+            + self.frozen_weights
             + self.gradients
             + self.optimizer_state
             + self.control

@@ -65,8 +65,25 @@ impl PlanBuild {
         if settings.grad_accum == 0 {
             return Err(bad("--grad-accum must be at least 1".into()));
         }
+        // With adapters, they alone are trained: the rest is the frozen base, stored once in
+        // the dtype the step reads it in.
+        let based;
+        let forward = if settings.lora.is_some() {
+            based = frozen_base(forward)?;
+            &based
+        } else {
+            forward
+        };
         let params: Vec<Value> = forward.params().collect();
-        let frozen = matching(forward, &params, &settings.frozen, "--freeze")?;
+        let mut frozen = matching(forward, &params, &settings.frozen, "--freeze")?;
+        if settings.lora.is_some() {
+            frozen.extend(
+                params
+                    .iter()
+                    .copied()
+                    .filter(|&p| !crate::lora::is_adapter(forward.name(p))),
+            );
+        }
         let no_decay = matching(forward, &params, &settings.no_decay, "--no-decay")?;
         let trainable: Vec<Value> = params
             .iter()
@@ -101,6 +118,80 @@ impl PlanBuild {
     fn frozen(&self) -> usize {
         self.params.len() - self.trainable.len()
     }
+
+    /// Whether parameter `p` is trained.
+    fn is_trained(&self, p: Value) -> bool {
+        self.trainable.contains(&p)
+    }
+}
+
+/// `forward` with every base parameter (not an adapter) that the step reads only through
+/// working copies of one dtype turned into a parameter of that dtype, the copies removed: a
+/// frozen base needs no F32 master, since nothing updates it. The checkpoint is rounded to
+/// that dtype once, when the state is initialized, as the copies were rounded from it.
+fn frozen_base(forward: &Graph) -> Result<Graph, PassError> {
+    let users = forward.users();
+    let internal = |message: String| PassError::Internal {
+        pass: "lora",
+        message,
+    };
+    // Per base parameter read only by copies to one dtype: that dtype.
+    let mut low: Vec<Option<castor_ir::DType>> = vec![None; forward.num_values()];
+    for p in forward.params() {
+        if crate::lora::is_adapter(forward.name(p)) || forward.outputs().contains(&p) {
+            continue;
+        }
+        let copies: Vec<castor_ir::DType> = users[p.index()]
+            .iter()
+            .filter_map(|&u| match forward.node(u).op {
+                castor_ir::Op::ParamCopy { to } => Some(to),
+                _ => None,
+            })
+            .collect();
+        if !copies.is_empty()
+            && copies.len() == users[p.index()].len()
+            && copies.iter().all(|&d| d == copies[0])
+        {
+            low[p.index()] = Some(copies[0]);
+        }
+    }
+    let mut out = Graph::empty_like(forward);
+    let mut map: Vec<Option<Value>> = vec![None; forward.num_values()];
+    for (n, node) in forward.nodes() {
+        let first = node.outputs.first().copied();
+        if let (castor_ir::Op::ParamCopy { .. }, Some(&p)) = (&node.op, node.inputs.first()) {
+            if low[p.index()].is_some() {
+                if let Some(copy) = first {
+                    map[copy.index()] = map[p.index()];
+                }
+                continue;
+            }
+        }
+        let ins = node
+            .inputs
+            .iter()
+            .map(|&v| {
+                map[v.index()].ok_or_else(|| internal(format!("`%{}` unmapped", forward.name(v))))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let outs = node
+            .outputs
+            .iter()
+            .map(|&v| {
+                let mut ty = forward.ty(v).clone();
+                if let Some(d) = low[v.index()] {
+                    ty.dtype = d;
+                }
+                (forward.name(v).to_string(), ty)
+            })
+            .collect();
+        let copy = out.push_copy(forward, n, ins, outs)?;
+        for (&old, &new) in node.outputs.iter().zip(&out.node(copy).outputs) {
+            map[old.index()] = Some(new);
+        }
+    }
+    set_mapped_outputs(forward, &mut out, &map).map_err(internal)?;
+    Ok(out)
 }
 
 /// One step of the training build.
@@ -422,6 +513,7 @@ mod tests {
             remat: Remat::None,
             classifier: castor_ir::Classifier::Eager,
             epilogues: castor_ir::Epilogues::Eager,
+            lora: None,
         }
     }
 

@@ -26,10 +26,16 @@ impl PlanPass for OptimizerStep {
         let (params, trainable) = (&build.params, &build.trainable);
         let mut state = Vec::new();
         for &p in params {
+            // A base under adapters is stored once; a parameter `--freeze` names keeps its
+            // F32 master, which a full checkpoint saves as it was loaded.
+            let role = match build.is_trained(p) || settings.lora.is_none() {
+                true => StateRole::Master,
+                false => StateRole::Frozen,
+            };
             state.push(StateSpec {
                 name: fwd.name(p).to_string(),
                 ty: fwd.ty(p).clone(),
-                role: StateRole::Master,
+                role,
                 init: StateInit::Checkpoint(fwd.name(p).to_string()),
             });
         }

@@ -470,7 +470,7 @@ pub fn initial_state(
                     name: name.clone(),
                     expected: spec.ty.clone(),
                 })?;
-                crate::plan::to_f32_master(t, &spec.name, &spec.ty)?
+                crate::plan::checkpoint_state(t, &spec.name, &spec.ty)?
             }
             StateInit::CopyOf(_) => continue,
             StateInit::Zeros => crate::plan::zeros(&spec.ty),
