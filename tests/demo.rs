@@ -75,6 +75,25 @@ fn demo_trains_and_writes_pictures_and_a_checkpoint() {
         assert!(s.contains(line), "no `{line}` in\n{s}");
     }
     check_outputs(&out, 30);
+    // The LoRA fine-tuning it suggests runs on its checkpoint and writes a PEFT adapter.
+    let next = s
+        .lines()
+        .find_map(|l| {
+            l.split_once("castor train ")
+                .map(|(_, cmd)| cmd.to_string())
+        })
+        .unwrap_or_else(|| panic!("no LoRA suggestion in\n{s}"));
+    let adapters = tmp.path().join("adapters");
+    let cmd = next
+        .replace("TEXT", "assets/corpus.txt")
+        .replace("DIR", path_str(&adapters));
+    let mut args = vec!["train"];
+    args.extend(cmd.split_whitespace());
+    args.extend(["--steps", "3", "--batch", "2", "--seq", "32"]);
+    let o = castor(&args);
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    assert!(adapters.join("adapter_config.json").is_file());
+    assert!(adapters.join("adapter_model.safetensors").is_file());
     // Deterministic: the same command writes the same log.
     let again = tmp.path().join("again");
     let o = castor(&["demo", "--steps", "30", "--out", path_str(&again)]);
