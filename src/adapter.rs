@@ -183,7 +183,7 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
     let mut tensors = HashMap::new();
     for name in file.names() {
         let ours = name.strip_prefix(PREFIX).unwrap_or(name);
-        if !castor_passes::lora::is_adapter(ours) {
+        if !LoraSettings::is_adapter(ours) {
             return Err(bad(format!(
                 "{WEIGHTS} holds `{name}`, which is no LoRA A or B weight"
             ))
@@ -215,7 +215,7 @@ pub fn initial(
 ) -> anyhow::Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     for (name, ty) in plan_params {
-        if !castor_passes::lora::is_adapter(name) {
+        if !LoraSettings::is_adapter(name) {
             continue;
         }
         let t = match loaded {

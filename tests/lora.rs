@@ -12,6 +12,7 @@
 //!   logits within 1e-5 on every family, and greedy `generate` with `--adapter` writes the
 //!   merged model's text;
 //! - the frozen base has no master, gradient or moments: it is stored once, in the step's dtype;
+//! - `inspect --adapter`, `compile --explain` and `--emit dot` show the adapters and the base;
 //! - the embedded tiny GPT-2 fine-tuned with adapters on the embedded corpus lowers its loss.
 
 mod common;
@@ -513,4 +514,65 @@ fn generating_with_an_adapter_is_generating_with_the_merged_model() {
         generate(&base, &[]),
         "the adapters change the text"
     );
+}
+
+/// `inspect --adapter`, `compile --explain` and the DOT picture show the adapters and the
+/// frozen base.
+#[test]
+fn inspect_explain_and_dot_show_the_adapters() {
+    let dir = fixture("llama_gqa");
+    let o = castor(&[
+        "inspect",
+        path_str(&dir),
+        "--adapter",
+        path_str(&dir.join("lora")),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("PEFT LoRA, r=4, lora_alpha=8 (scale 2)") && out.contains("8 tensors"),
+        "{out}"
+    );
+    assert!(
+        out.contains(
+            "lora        r=4, alpha=8 (scale 2): adapters on 4 product(s) (q_proj x2, v_proj x2)"
+        ),
+        "{out}"
+    );
+    let o = castor(&[
+        "compile",
+        path_str(&dir),
+        "--lora-rank",
+        "4",
+        "--precision",
+        "bf16",
+        "--explain",
+        "layers.0.self_attn.q_proj.lora_a",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(
+        out.contains("%layers.0.self_attn.q_proj.lora_a = matmul [contraction]")
+            && out.contains("model.layers.0.self_attn.q_proj.lora_A.weight"),
+        "{out}"
+    );
+    let o = castor(&[
+        "compile",
+        path_str(&dir),
+        "--lora-rank",
+        "4",
+        "--emit",
+        "dot",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let dot = stdout(&o);
+    assert_eq!(
+        dot.matches("(LoRA adapter)").count(),
+        8,
+        "two per adapted product"
+    );
+    assert!(
+        dot.contains("model.layers.0.self_attn.k_proj.weight\\nparam\\nf32[32,64]\\n(frozen base)")
+    );
+    assert!(dot.contains("legend_adapter") && dot.contains("legend_frozen"));
 }

@@ -1,7 +1,8 @@
 //! Graphviz export: one box per node, coloured by the dtype it writes; casts are diamonds,
 //! persistent parameter copies are folders with a double border, and recomputed values
 //! (rematerialization: a note starting with `remat`, or a name ending in `.remat`) have a
-//! dashed red border.
+//! dashed red border. In a graph with LoRA adapters the adapter parameters have a thick green
+//! border and every other parameter, the frozen base, a dashed one.
 
 use crate::{DType, Graph, Op};
 use std::fmt::Write;
@@ -25,6 +26,9 @@ pub fn to_dot(g: &Graph) -> String {
     out.push_str("  rankdir=TB;\n  node [style=filled, fontname=\"Helvetica\", fontsize=10];\n");
     let mut used = Vec::new();
     let (mut copies, mut remats) = (false, false);
+    let lora = g
+        .params()
+        .any(|p| crate::LoraSettings::is_adapter(g.name(p)));
     for (n, data) in g.nodes() {
         let first = data.outputs[0];
         let ty = g.ty(first);
@@ -47,6 +51,15 @@ pub fn to_dot(g: &Graph) -> String {
         if matches!(data.op, Op::ParamCopy { .. }) {
             copies = true;
             extra.push_str(", peripheries=2");
+        }
+        if lora && data.op == Op::Param {
+            if crate::LoraSettings::is_adapter(g.name(first)) {
+                label.push_str("\\n(LoRA adapter)");
+                extra.push_str(ADAPTER_STYLE);
+            } else {
+                label.push_str("\\n(frozen base)");
+                extra.push_str(FROZEN_STYLE);
+            }
         }
         if is_remat(g, data) {
             remats = true;
@@ -92,9 +105,21 @@ pub fn to_dot(g: &Graph) -> String {
              fillcolor=white{REMAT_STYLE}];"
         );
     }
+    if lora {
+        let _ = writeln!(
+            out,
+            "    legend_adapter [label=\"LoRA adapter (trained)\", shape=note, \
+             fillcolor=white{ADAPTER_STYLE}];\n    legend_frozen [label=\"frozen base \
+             (not trained)\", shape=note, fillcolor=white{FROZEN_STYLE}];"
+        );
+    }
     out.push_str("  }\n}\n");
     out
 }
+
+/// How a LoRA adapter parameter and a frozen base parameter are drawn.
+const ADAPTER_STYLE: &str = ", color=\"#238b45\", penwidth=3";
+const FROZEN_STYLE: &str = ", style=\"filled,dashed\", color=\"#636363\"";
 
 /// How a recomputed value is drawn.
 const REMAT_STYLE: &str = ", style=\"filled,dashed\", color=\"#d62728\", penwidth=2.5";

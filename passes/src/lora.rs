@@ -17,16 +17,6 @@ use crate::{Pass, PassError, PassReport};
 use castor_ir::{BinaryOp, DType, Graph, LoraSettings, Node, Op, Shape, TensorType, Value};
 use std::collections::BTreeMap;
 
-/// An adapter parameter's name: `<module>.lora_A.weight` or `<module>.lora_B.weight`.
-pub fn adapter_name(module: &str, which: char) -> String {
-    format!("{module}.lora_{which}.weight")
-}
-
-/// True for the parameters the `lora` pass adds.
-pub fn is_adapter(param: &str) -> bool {
-    param.ends_with(".lora_A.weight") || param.ends_with(".lora_B.weight")
-}
-
 /// The `lora` pass.
 pub struct Lora {
     pub config: LoraSettings,
@@ -204,7 +194,7 @@ fn rewrite(g: &Graph, sites: &[Site], c: &LoraSettings) -> Result<Graph, PassErr
                 .push_node(
                     Op::Param,
                     vec![],
-                    vec![(adapter_name(&s.module, which), f32(dims))],
+                    vec![(LoraSettings::adapter_name(&s.module, which), f32(dims))],
                 )
                 .map_err(ir)?;
             Ok::<Value, PassError>(out.node(n).outputs[0])

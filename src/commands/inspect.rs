@@ -28,6 +28,11 @@ pub struct Args {
     /// config.json and the safetensors headers, never tensor data.
     #[arg(long)]
     pub strict: bool,
+    /// Also describe a PEFT LoRA adapter folder for this model: its settings, the products it
+    /// adapts and the parameters it trains against the frozen base (--ir then prints the
+    /// graph with the adapters).
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -65,6 +70,47 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Err(e) if has_tokenizer_files(&model) => return Err(e),
         Err(_) => toln!(say, "tokenizer   none (token files and batches only)"),
     }
+    let graph = match &args.adapter {
+        Some(dir) => {
+            let a = crate::adapter::load(dir)?;
+            let (graph, report) = crate::training::with_adapters(graph, Some(&a.lora))?;
+            let wanted: Vec<(String, castor_ir::TensorType)> = graph
+                .params()
+                .map(|p| (graph.name(p).to_string(), graph.ty(p).clone()))
+                .collect();
+            // Every adapter the model gets must be in the folder, shaped as the graph says.
+            let tensors = crate::adapter::initial(&wanted, Some(&a.tensors), Some(dir), 0)?;
+            for (name, ty) in &wanted {
+                if let Some(t) = tensors.get(name) {
+                    if t.shape() != &ty.shape {
+                        return Err(crate::CliError::InvalidInput(format!(
+                            "--adapter `{}`: `{name}` is {}, the model needs {}",
+                            dir.display(),
+                            t.shape(),
+                            ty.shape
+                        ))
+                        .into());
+                    }
+                }
+            }
+            toln!(
+                say,
+                "adapter     {}: PEFT LoRA, r={}, lora_alpha={} (scale {}), target_modules {}, \
+                 {} tensors",
+                dir.display(),
+                a.lora.rank,
+                a.lora.alpha,
+                a.lora.scaling(),
+                a.lora.targets.join(","),
+                a.tensors.len()
+            );
+            if let Some(r) = report {
+                toln!(say, "lora        {}", r.summary);
+            }
+            graph
+        }
+        None => graph,
+    };
     if args.strict {
         // `scan_weights(true)` fails on the first NaN or Inf found, naming every such tensor.
         model.scan_weights(true)?;

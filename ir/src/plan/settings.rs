@@ -81,6 +81,17 @@ impl LoraSettings {
     pub fn all_linear(&self) -> bool {
         self.targets.iter().any(|t| t == "all-linear")
     }
+
+    /// An adapter parameter's name: `<module>.lora_A.weight` or `<module>.lora_B.weight`
+    /// (PEFT's, without its `base_model.model.` prefix).
+    pub fn adapter_name(module: &str, which: char) -> String {
+        format!("{module}.lora_{which}.weight")
+    }
+
+    /// True for the parameters the `lora` pass adds.
+    pub fn is_adapter(param: &str) -> bool {
+        param.ends_with(".lora_A.weight") || param.ends_with(".lora_B.weight")
+    }
 }
 
 /// Where the work that follows a product by a weight runs.

@@ -81,7 +81,7 @@ impl PlanBuild {
                 params
                     .iter()
                     .copied()
-                    .filter(|&p| !crate::lora::is_adapter(forward.name(p))),
+                    .filter(|&p| !castor_ir::LoraSettings::is_adapter(forward.name(p))),
             );
         }
         let no_decay = matching(forward, &params, &settings.no_decay, "--no-decay")?;
@@ -138,7 +138,7 @@ fn frozen_base(forward: &Graph) -> Result<Graph, PassError> {
     // Per base parameter read only by copies to one dtype: that dtype.
     let mut low: Vec<Option<castor_ir::DType>> = vec![None; forward.num_values()];
     for p in forward.params() {
-        if crate::lora::is_adapter(forward.name(p)) || forward.outputs().contains(&p) {
+        if castor_ir::LoraSettings::is_adapter(forward.name(p)) || forward.outputs().contains(&p) {
             continue;
         }
         let copies: Vec<castor_ir::DType> = users[p.index()]
