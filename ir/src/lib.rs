@@ -17,6 +17,7 @@ mod dtype;
 mod entities;
 mod error;
 mod graph;
+pub mod nf4;
 mod op;
 mod plan;
 mod precision;
