@@ -13,7 +13,8 @@
 //!   values read after the block), so only each block's input is kept (Hugging Face's
 //!   gradient checkpointing).
 //! - `selective`: recompute the attention scores (the `q·kᵀ` product, its scaling and the
-//!   softmax) and every cheap pointwise and layout op of a block; keep contraction and
+//!   softmax) and every cheap pointwise and layout op of a block but a sum of two products (a
+//!   LoRA adapter's beside its base product: recomputing it would keep both); keep contraction and
 //!   normalization outputs (Megatron-LM's selective recomputation). The attention-weighted
 //!   sum's output is kept, as Megatron keeps its checkpointed region's output.
 //! - `budget:<bytes>`: what to keep and what to recompute is solved as minimum cuts of the

@@ -17,6 +17,9 @@ pub(super) fn select_selective(g: &Graph, f: &Forward) -> Vec<bool> {
             continue;
         }
         match d.op.class() {
+            // A sum of two products (a LoRA adapter's beside its base product) would keep
+            // both products to recompute one sum: twice the bytes, so it is kept instead.
+            OpClass::Elementwise if sum_of_products(g, d) => {}
             OpClass::Elementwise | OpClass::Layout => r[i] = true,
             _ => {}
         }
@@ -43,4 +46,16 @@ pub(super) fn select_selective(g: &Graph, f: &Forward) -> Vec<bool> {
         }
     }
     r
+}
+
+/// `add(a, b)` where both operands are products (directly, or through a scale).
+fn sum_of_products(g: &Graph, d: &castor_ir::NodeData) -> bool {
+    let product = |v: castor_ir::Value| {
+        let mut p = g.node(g.value(v).producer);
+        if matches!(p.op, Op::Scale { .. }) {
+            p = g.node(g.value(p.inputs[0]).producer);
+        }
+        p.op.class() == OpClass::Contraction
+    };
+    d.op == Op::Binary(castor_ir::BinaryOp::Add) && d.inputs.iter().all(|&v| product(v))
 }
