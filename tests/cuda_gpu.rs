@@ -414,3 +414,68 @@ fn a_profiled_step_times_every_command_and_gives_the_same_state() {
     let rows = std::fs::read_to_string(&csv).unwrap();
     assert_eq!(rows.lines().count(), 1 + commands - validation, "{rows}");
 }
+
+/// A LoRA plan on the GPU against the CPU executor, from the command line: three steps of
+/// each family's PEFT fixture adapter, the losses and the saved adapters within the plan
+/// bounds (F32 1e-4; BF16 5e-2).
+#[test]
+fn lora_trains_on_the_gpu_as_on_the_cpu() {
+    if !gpu() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let mut failures = Vec::new();
+    for family in ["gpt2_lm", "llama_gqa", "qwen2_bias"] {
+        let model = common::fixture(family);
+        for precision in ["fp32", "bf16"] {
+            let mut runs = Vec::new();
+            for device in ["cpu", "cuda"] {
+                let tag = format!("{family}-{precision}-{device}");
+                let (log, save) = (
+                    tmp.path().join(format!("{tag}.jsonl")),
+                    tmp.path().join(&tag),
+                );
+                let o = common::castor(&[
+                    "train",
+                    common::path_str(&model),
+                    "--data",
+                    common::path_str(&model.join("input.safetensors")),
+                    "--adapter",
+                    common::path_str(&model.join("lora")),
+                    "--steps",
+                    "3",
+                    "--precision",
+                    precision,
+                    "--device",
+                    device,
+                    "--log",
+                    common::path_str(&log),
+                    "--save",
+                    common::path_str(&save),
+                ]);
+                assert!(o.status.success(), "{tag}: {}", common::stderr(&o));
+                let f =
+                    castor_models::SafetensorsFile::open(save.join("adapter_model.safetensors"))
+                        .unwrap();
+                let mut names: Vec<String> = f.names().map(str::to_string).collect();
+                names.sort();
+                let adapters: Vec<f32> =
+                    names.iter().flat_map(|n| f.read_f32(n).unwrap()).collect();
+                let losses: Vec<f32> = common::log_losses(&log).iter().map(|&l| l as f32).collect();
+                runs.push((losses, adapters));
+            }
+            let tol = if precision == "fp32" { 1e-4 } else { 5e-2 };
+            for (what, a, b) in [
+                ("losses", &runs[0].0, &runs[1].0),
+                ("adapters", &runs[0].1, &runs[1].1),
+            ] {
+                let err = relative_error(b, a);
+                println!("{family:10} {precision} LoRA {what} {err:.2e}");
+                if err.is_nan() || err >= tol {
+                    failures.push(format!("{family} {precision}: LoRA {what} {err:.2e}"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
