@@ -542,11 +542,14 @@ impl Model {
 
     /// Deterministic initial F32 parameters, as transformers' `_init_weights` (normal with
     /// `initializer_range` for matrices and embeddings, ones for norm scales, zeros for
-    /// biases), keyed by graph `param` name; for models built from a config alone.
+    /// biases), keyed by graph `param` name; for models built from a config alone. Tensors
+    /// are drawn in parallel: each has its own generator (seeded by the seed and its name),
+    /// so the values do not depend on the order or the number of threads.
     pub fn init_params(&self, seed: u64) -> HashMap<String, Tensor> {
+        use rayon::prelude::*;
         let std = self.config.model.initializer_range() as f32;
         self.params
-            .iter()
+            .par_iter()
             .map(|p| {
                 let shape = castor_ir::Shape(p.shape.clone());
                 (
@@ -737,4 +740,27 @@ fn legacy_alias(name: &str, has: &dyn Fn(&str) -> bool) -> Option<String> {
 /// `prefix + name`.
 pub(crate) fn pre(prefix: &str, name: &str) -> String {
     format!("{prefix}{name}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Drawn in parallel, each tensor is what its own generator gives, call after call.
+    #[test]
+    fn parallel_initialization_is_each_tensors_own_draw() {
+        let config = concat!(env!("CARGO_MANIFEST_DIR"), "/../assets/tiny-gpt2.json");
+        let model = Model::load(config).unwrap();
+        let params = model.init_params(7);
+        assert_eq!(params.len(), model.params.len());
+        let std = model.config.model.initializer_range() as f32;
+        for p in &model.params {
+            let shape = castor_ir::Shape(p.shape.clone());
+            assert_eq!(
+                params[&p.name],
+                crate::init::init_param(&p.name, &shape, std, 7)
+            );
+        }
+        assert_eq!(params, model.init_params(7));
+    }
 }
