@@ -379,8 +379,42 @@ fn lora_flags_that_cannot_apply_are_refused() {
     let o = run(&["--adapter", path_str(&lora), "--lora-rank", "8"]);
     assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
     assert!(stderr(&o).contains("leave them out to continue the adapter"));
-    // A saved adapter is continued with --adapter, not resumed.
+    // A plan decides its adapters: flags that disagree are refused, and a LoRA plan saves a
+    // PEFT adapter folder.
     let tmp = tempfile::tempdir().unwrap();
+    let emit = |plan: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "compile",
+            path_str(&dir),
+            "--train",
+            "--batch",
+            "2",
+            "--seq",
+            "7",
+            "--emit",
+            "plan",
+            "-o",
+            path_str(plan),
+        ];
+        args.extend_from_slice(extra);
+        assert!(castor(&args).status.success());
+    };
+    let (full, adapted) = (tmp.path().join("full.json"), tmp.path().join("lora.json"));
+    emit(&full, &[]);
+    emit(&adapted, &["--lora-rank", "4"]);
+    let o = run(&["--plan", path_str(&full), "--adapter", path_str(&lora)]);
+    assert_eq!(o.status.code(), Some(3), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("its adapters are none, the flags give r=4, alpha=8, targets c_attn"),
+        "{}",
+        stderr(&o)
+    );
+    let planned = tmp.path().join("planned");
+    let o = run(&["--plan", path_str(&adapted), "--save", path_str(&planned)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(planned.join("adapter_model.safetensors").is_file());
+    assert!(!planned.join("model.safetensors").exists());
+    // A saved adapter is continued with --adapter, not resumed.
     let saved = tmp.path().join("saved");
     let o = run(&["--lora-rank", "4", "--save", path_str(&saved)]);
     assert!(o.status.success(), "{}", stderr(&o));

@@ -273,9 +273,6 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         (Some(loaded), _) => Some(loaded.lora.clone()),
         (None, given) => given,
     };
-    if lora.is_some() {
-        files.adapter = Some(crate::adapter::AdapterBase::of(&model, &args.model));
-    }
     if let Some(dir) = &resume_dir {
         outln!("resume      {} (step {first_step})", dir.display());
     }
@@ -296,6 +293,26 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
             let plan = TrainingPlan::from_json(&text)
                 .map_err(|e| CliError::InvalidInput(format!("`{}`: {e}", path.display())))?;
             resume::check_plan_flags(&plan.settings, &args, given, path)?;
+            let asked = args.adapter.is_some() || args.training.lora_rank.is_some();
+            if asked && lora != plan.settings.lora {
+                let show = |l: &Option<castor_ir::LoraSettings>| match l {
+                    Some(l) => format!(
+                        "r={}, alpha={}, targets {}",
+                        l.rank,
+                        l.alpha,
+                        l.targets.join(",")
+                    ),
+                    None => "none".into(),
+                };
+                return Err(CliError::InvalidInput(format!(
+                    "--adapter/--lora-* disagree with the plan `{}`: its adapters are {}, the \
+                     flags give {}; leave them out (the plan decides) or compile a new plan",
+                    path.display(),
+                    show(&plan.settings.lora),
+                    show(&lora)
+                ))
+                .into());
+            }
             let objective = plan_objective(&plan)?;
             let options = DataOptions {
                 batch: Some(plan.settings.batch),
@@ -319,6 +336,10 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
             )
         }
     };
+    // A plan that trains adapters saves them as a PEFT adapter folder.
+    if planned.plan.settings.lora.is_some() {
+        files.adapter = Some(crate::adapter::AdapterBase::of(&model, &args.model));
+    }
     outln!("data        {}", data.describe());
     let anatomy = executor.anatomy(&planned.plan);
     outln!("{}", memory_line(&anatomy));
