@@ -491,3 +491,29 @@ fn a_masked_lm_checkpoint_becomes_a_classifier_with_a_new_head() {
         stderr(&o)
     );
 }
+
+/// The plan line counts trained parameter buffers (those with a master), whatever the step
+/// writes: with the update inside the backward the micro step also writes the new masters and
+/// the optimizer state, and under LoRA the base is frozen.
+#[test]
+fn the_plan_line_counts_trained_parameters() {
+    let model = fixture("gpt2_lm");
+    let data = model.join("input.safetensors");
+    let cases: [(&[&str], &str); 3] = [
+        (&[], "28 of 28 parameter buffers trained;"),
+        (
+            &["--optimizer", "adafactor", "--update-in-backward"],
+            "28 of 28 parameter buffers trained;",
+        ),
+        (
+            &["--lora-rank", "4"],
+            "4 of 32 parameter buffers trained (28 frozen);",
+        ),
+    ];
+    for (flags, line) in cases {
+        let mut args = vec![path_str(&model), "--data", path_str(&data), "--steps", "1"];
+        args.extend_from_slice(flags);
+        let out = train(&args);
+        assert!(out.contains(line), "{flags:?}:\n{out}");
+    }
+}

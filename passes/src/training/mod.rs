@@ -343,7 +343,13 @@ pub fn build_training_plan(
 /// kernel(s)), optimizer step 35 nodes[; remat ...]`.
 fn plan_summary(plan: &TrainingPlan, reports: &[(&'static str, PassReport)]) -> String {
     let params = plan.micro_step.params().count();
-    let trained = plan.micro_step_writes.len();
+    // A trained parameter has an F32 master; the micro step's writes are not a count of them
+    // (with the update in the backward they hold the new masters and the optimizer state).
+    let trained = plan
+        .state
+        .iter()
+        .filter(|s| s.role == castor_ir::StateRole::Master)
+        .count();
     let (fused, kernels) = crate::fusion::fused_counts(&plan.units_of("micro_step"));
     let mut s = format!(
         "training plan: {trained} of {params} parameter buffers trained{}; micro step {} nodes{} ({fused} fused into {} kernel(s)), optimizer step {} nodes",
