@@ -10,6 +10,7 @@
 
 mod common;
 
+use castor_kernels::ptx;
 use castor_kernels::{KernelCache, Nvrtc, DEFAULT_ARCH};
 use castor_runtime::cuda::lower::lower_plan;
 use castor_runtime::cuda::program::{Arg, Command, Place, Program};
@@ -182,48 +183,26 @@ fn every_launch_names_a_kernel_and_every_place_is_in_bounds() {
     }
 }
 
-/// The `.entry` parameter lists of a PTX module: entry name -> (kind, bytes) per parameter.
+/// The `.entry` parameter lists of a PTX module: entry name -> (kind, bytes) per parameter,
+/// the kind as [`arg_signature`] names it.
 fn ptx_params(ptx: &str) -> HashMap<String, Vec<(String, usize)>> {
-    let mut out = HashMap::new();
-    let mut current: Option<(String, Vec<(String, usize)>)> = None;
-    for line in ptx.lines() {
-        let line = line.trim();
-        if let Some(rest) = line.split(".entry ").nth(1) {
-            if let Some((n, params)) = current.take() {
-                out.insert(n, params);
-            }
-            current = Some((rest.trim_end_matches('(').trim().to_string(), Vec::new()));
-            continue;
-        }
-        if let (Some((_, params)), Some(rest)) = (current.as_mut(), line.strip_prefix(".param ")) {
-            // `.param .u64 .ptr .align 1 name,` / `.param .align 8 .b8 name[216]`
-            let bytes = if let Some(open) = rest.find('[') {
-                rest[open + 1..rest.find(']').unwrap()].parse().unwrap()
-            } else if rest.contains("64") {
-                8
-            } else if rest.contains("32") {
-                4
-            } else if rest.contains("16") {
-                2
-            } else {
-                1
-            };
-            let kind = if rest.contains(".f64") {
-                "f64"
-            } else if rest.contains(".b8") {
-                "struct"
-            } else {
-                "int"
-            };
-            params.push((kind.into(), bytes));
-        }
-        if line.starts_with('{') {
-            if let Some((n, params)) = current.take() {
-                out.insert(n, params);
-            }
-        }
-    }
-    out
+    ptx::entry_params(ptx)
+        .into_iter()
+        .map(|(name, params)| {
+            let sig = params
+                .into_iter()
+                .map(|p| {
+                    let kind = match p.ty.as_str() {
+                        ".f64" => "f64",
+                        "struct" => "struct",
+                        _ => "int",
+                    };
+                    (kind.to_string(), p.bytes)
+                })
+                .collect();
+            (name, sig)
+        })
+        .collect()
 }
 
 fn arg_signature(a: &Arg) -> (&'static str, usize) {

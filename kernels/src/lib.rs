@@ -12,6 +12,7 @@ pub mod attention;
 pub mod cache;
 pub mod host;
 pub mod nvrtc;
+pub mod ptx;
 pub mod ptxas;
 pub mod signature;
 

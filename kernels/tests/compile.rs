@@ -8,6 +8,7 @@
 
 use std::collections::BTreeSet;
 
+use castor_kernels::ptx::entry_params;
 use castor_kernels::{ptxas, signature, Nvrtc, ParamKind, DEFAULT_ARCH, FILES};
 
 fn nvrtc() -> Option<Nvrtc> {
@@ -27,46 +28,6 @@ fn nvrtc() -> Option<Nvrtc> {
     }
 }
 
-/// Each `.entry` of a PTX module with its parameters as (PTX type, bytes): `.u64` pointers and
-/// integers, `.f64`, `.b8 name[N]` structs by value.
-fn ptx_params(ptx: &str) -> Vec<(String, Vec<(String, usize)>)> {
-    let mut out: Vec<(String, Vec<(String, usize)>)> = Vec::new();
-    // Inside an entry's parameter list (the body's `.param`s are call arguments).
-    let mut in_list = false;
-    for line in ptx.lines() {
-        let line = line.trim();
-        if let Some(rest) = line.split(".entry ").nth(1) {
-            out.push((rest.trim_end_matches('(').trim().to_string(), Vec::new()));
-            in_list = true;
-            continue;
-        }
-        if line.starts_with(')') {
-            in_list = false;
-        }
-        let (true, Some((_, params)), Some(rest)) =
-            (in_list, out.last_mut(), line.strip_prefix(".param "))
-        else {
-            continue;
-        };
-        let param = if let Some(open) = rest.find('[') {
-            (
-                "struct".to_string(),
-                rest[open + 1..rest.find(']').unwrap()].parse().unwrap(),
-            )
-        } else {
-            let ty = rest.split_whitespace().next().unwrap_or("");
-            let bytes = ty
-                .trim_start_matches(".u")
-                .trim_start_matches(".s")
-                .trim_start_matches(".f")
-                .trim_start_matches(".b");
-            (ty.to_string(), bytes.parse::<usize>().unwrap_or(0) / 8)
-        };
-        params.push(param);
-    }
-    out
-}
-
 /// The PTX type and size a parameter of `kind` compiles to (a struct's size is its own).
 fn ptx_form(kind: ParamKind) -> (&'static str, Option<usize>) {
     match kind {
@@ -82,9 +43,9 @@ fn ptx_form(kind: ParamKind) -> (&'static str, Option<usize>) {
 
 /// The `.entry` names a PTX module defines.
 fn ptx_entries(ptx: &str) -> BTreeSet<String> {
-    ptx.lines()
-        .filter_map(|l| l.split(".entry ").nth(1))
-        .map(|rest| rest.trim().trim_end_matches('(').trim().to_string())
+    entry_params(ptx)
+        .into_iter()
+        .map(|(name, _)| name)
         .collect()
 }
 
@@ -125,16 +86,13 @@ fn every_signature_matches_its_ptx_parameters() {
         let ptx = nvrtc
             .compile(f, DEFAULT_ARCH)
             .unwrap_or_else(|e| panic!("{e}"));
-        for (entry, params) in ptx_params(&ptx) {
+        for (entry, params) in entry_params(&ptx) {
             let sig = signature(&entry).unwrap_or_else(|e| panic!("{e}"));
             let want: Vec<_> = sig.params.iter().map(|p| ptx_form(p.kind)).collect();
             let fits = want.len() == params.len()
-                && want
-                    .iter()
-                    .zip(&params)
-                    .all(|((ty, bytes), (got_ty, got_bytes))| {
-                        ty == got_ty && bytes.is_none_or(|b| b == *got_bytes)
-                    });
+                && want.iter().zip(&params).all(|((ty, bytes), got)| {
+                    *ty == got.ty && bytes.is_none_or(|b| b == got.bytes)
+                });
             if !fits {
                 failures.push(format!(
                     "{entry}: the table says {:?}, PTX has {params:?}",

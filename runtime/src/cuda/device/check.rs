@@ -191,13 +191,8 @@ pub(super) fn check_program(program: &Program) -> Result<(), CudaError> {
     Ok(())
 }
 
-/// Checks a launch's arguments against its kernel's parameter sizes.
+/// Checks a launch's arguments against its kernel's parameter sizes (from its PTX).
 pub(super) fn check_args(l: &Launch, module: &str, sizes: &[usize]) -> Result<(), CudaError> {
-    // The driver reporting no parameters for a kernel launched with some is more likely a
-    // query it does not support than a kernel without parameters: let the launch decide.
-    if sizes.is_empty() && !l.args.is_empty() {
-        return Ok(());
-    }
     let at = || {
         format!(
             "node `%{}`: kernel `{}` of module `{module}`",

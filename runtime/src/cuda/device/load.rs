@@ -7,6 +7,7 @@ use super::staging::Staging;
 use super::{drv, CudaError, DEFAULT_MAX_SHARED, GRAPHS_VAR, MEMORY_MARGIN};
 use crate::cuda::program::allocated as allocation_bytes;
 use crate::cuda::program::{Command, Launch, Place, Program, SlotKind};
+use castor_kernels::ptx::entry_params;
 use castor_kernels::{CacheError, NvrtcError};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys as cu_sys;
@@ -55,6 +56,8 @@ impl Device {
             command_marks: Vec::new(),
         };
 
+        // Per module: entry name -> the size of each parameter, as its PTX declares them.
+        let mut params: Vec<HashMap<String, Vec<usize>>> = Vec::new();
         for m in &program.modules {
             let (ptx, _) = dev
                 .cache
@@ -69,8 +72,14 @@ impl Device {
             let module = load_module(&m.name, &ptx)?;
             loaded.modules.push(module);
             loaded.functions.push(HashMap::new());
+            params.push(
+                entry_params(&ptx)
+                    .into_iter()
+                    .map(|(entry, ps)| (entry, ps.into_iter().map(|p| p.bytes).collect()))
+                    .collect(),
+            );
         }
-        loaded.resolve_functions()?;
+        loaded.resolve_functions(&params)?;
 
         let alloc = |bytes: u64, what: &dyn Fn() -> String| -> Result<u64, CudaError> {
             let bytes = usize::try_from(allocation_bytes(bytes))
@@ -199,23 +208,6 @@ fn load_module(name: &str, ptx: &str) -> Result<cu_sys::CUmodule, CudaError> {
     }
 }
 
-/// The size of each parameter of `f`, or `None` when the driver cannot tell.
-fn param_sizes(f: cu_sys::CUfunction) -> Option<Vec<usize>> {
-    let mut sizes = Vec::new();
-    for i in 0..4096 {
-        let (mut offset, mut size) = (0usize, 0usize);
-        // SAFETY: `f` is a loaded function; two valid out-pointers.
-        let r = unsafe { cu_sys::cuFuncGetParamInfo(f, i, &mut offset, &mut size) };
-        match r {
-            cu_sys::CUresult::CUDA_SUCCESS => sizes.push(size),
-            // Past the last parameter.
-            cu_sys::CUresult::CUDA_ERROR_INVALID_VALUE => return Some(sizes),
-            _ => return None,
-        }
-    }
-    None
-}
-
 /// A program resident on the device: its modules loaded, its buffers allocated at fixed
 /// addresses, its runs captured as CUDA graphs on first use.
 pub struct Loaded {
@@ -276,10 +268,13 @@ impl Loaded {
     }
 
     /// Resolves every launch's kernel, loads it, opts it into the dynamic shared memory it
-    /// is launched with, and checks the launch's arguments against its parameters.
-    fn resolve_functions(&mut self) -> Result<(), CudaError> {
+    /// is launched with, and checks the launch's arguments against its parameters (`params`:
+    /// per module, each entry's parameter sizes from its PTX).
+    fn resolve_functions(
+        &mut self,
+        params: &[HashMap<String, Vec<usize>>],
+    ) -> Result<(), CudaError> {
         let mut shared: HashMap<(usize, String), u32> = HashMap::new();
-        let mut params: HashMap<(usize, String), Option<Vec<usize>>> = HashMap::new();
         let launches: Vec<&Launch> = self
             .program
             .all_commands()
@@ -315,7 +310,6 @@ impl Loaded {
                         format!("cuFuncLoad: kernel `{}` in module `{module_name}`", l.entry)
                     })?;
                     self.functions[l.module].insert(l.entry.clone(), f);
-                    params.insert(key.clone(), param_sizes(f));
                     f
                 }
             };
@@ -342,9 +336,13 @@ impl Loaded {
                     )?;
                 }
             }
-            if let Some(Some(sizes)) = params.get(&key) {
-                check_args(l, module_name, sizes)?;
-            }
+            let sizes = params[l.module].get(&l.entry).ok_or_else(|| {
+                CudaError::Data(format!(
+                    "kernel `{}` (node `%{}`) is not an entry point of module `{module_name}`'s PTX",
+                    l.entry, l.node
+                ))
+            })?;
+            check_args(l, module_name, sizes)?;
         }
         Ok(())
     }
