@@ -304,10 +304,13 @@ fn training_steps_match_the_cpu_executor() {
 }
 
 /// What the device allocates for a plan is the planned peak: loading each family's bf16 plan
-/// (no recomputation, and selective) takes at least `Program::allocation` of the device's free
-/// memory, and at most that plus the driver's rounding of each allocation to its 2 MiB pages
-/// and the loaded modules' code (64 MiB). The anatomy, the fit verdict and `--remat budget:`
-/// state `Program::allocation` (`tests/memory_model.rs`).
+/// (no recomputation, and selective) allocates exactly `Program::allocation` (castor's count),
+/// and takes from the device's free memory at most that plus the driver's rounding of each
+/// allocation to its 2 MiB pages and the loaded modules' code (64 MiB), and at least that less
+/// the allocations under 2 MiB: the driver serves those from pages it already holds (the first
+/// GPU run measured 32 MiB taken for a 32.64 MiB plan whose only large buffer is the 32 MiB
+/// cuBLAS workspace). The anatomy, the fit verdict and `--remat budget:` state
+/// `Program::allocation` (`tests/memory_model.rs`).
 #[test]
 fn the_device_allocates_the_planned_peak() {
     if !gpu() {
@@ -329,8 +332,17 @@ fn the_device_allocates_the_planned_peak() {
             let (after, _) = device.mem_info().unwrap();
             let taken = before - after;
             let slack = allocations * (2 << 20) + (64 << 20);
-            println!("{family} {remat}: planned {planned} bytes, the device gave {taken}");
-            if taken < planned || taken > planned + slack {
+            let small: u64 = std::iter::once(program.arena_bytes)
+                .chain(program.slots.iter().map(|s| s.bytes))
+                .chain(program.tables.iter().map(|t| t.byte_len() as u64))
+                .filter(|&b| b < (2 << 20))
+                .map(castor_runtime::cuda::program::allocated)
+                .sum();
+            println!(
+                "{family} {remat}: planned {planned} bytes ({small} in allocations under 2 MiB), \
+                 the device gave {taken}"
+            );
+            if taken + small < planned || taken > planned + slack {
                 failures.push(format!(
                     "{family} {remat}: planned {planned} bytes, loading took {taken}"
                 ));
@@ -391,14 +403,26 @@ fn a_profiled_step_times_every_command_and_gives_the_same_state() {
         );
     }
 
+    // From the command line, the same plan: windows of 32 tokens from a raw u16 token file,
+    // one per step, no attention mask (the fixture's batch file carries one, which adds
+    // commands).
     let tmp = tempfile::tempdir().unwrap();
     let csv = tmp.path().join("kernels.csv");
+    let tokens = tmp.path().join("tokens.bin");
+    let ids: Vec<u8> = (0..4 * 33u16)
+        .flat_map(|i| ((i * 37) % 99).to_le_bytes())
+        .collect();
+    std::fs::write(&tokens, ids).unwrap();
     let model = common::fixture(family);
     let o = common::castor(&[
         "train",
         common::path_str(&model),
         "--data",
-        common::path_str(&model.join("input.safetensors")),
+        common::path_str(&tokens),
+        "--batch",
+        "1",
+        "--seq",
+        "32",
         "--steps",
         "2",
         "--precision",
