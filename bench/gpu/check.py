@@ -9,6 +9,9 @@ first, then run from the repository root):
                                                    # LLaMA-2-7B fine-tuning plan with its
                                                    # measured device peak, sanitizers
     python3 bench/gpu/check.py OUT --part bench    # castor vs PyTorch (bench/gpu/bench.py)
+    python3 bench/gpu/check.py OUT --part profile  # where a GPT-2 124M bf16 step spends its
+                                                   # device time, command by command, for the
+                                                   # unfused and the fused plan
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
 Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
@@ -218,17 +221,17 @@ def part_tests(steps, out_dir):
     recipe = ["assets/configs/llama-2-7b.json", "--precision", "bf16", "--batch", "1", "--seq",
               "4096", "--remat", "selective", "--optimizer", "adafactor", "--update-in-backward"]
     steps.run("llama_7b_step", [sys.executable, "-c", PEAK_AGAINST_PLAN, castor,
-                                str(run / "llama-7b.jsonl")] + recipe, 300)
+                                str(run / "llama-7b.jsonl")] + recipe, 180)
     sanitizer = steps.env.get("CASTOR_SANITIZER") or "compute-sanitizer"
     one_step = [castor, "train", "tests/fixtures/gpt2_lm", "--data",
                 "tests/fixtures/gpt2_lm/input.safetensors", "--steps", "1", "--precision", "bf16",
                 "--device", "cuda"]
     for tool in ["memcheck", "racecheck", "initcheck"]:
         steps.run(f"sanitize_{tool}_train_step",
-                  [sanitizer, "--tool", tool, "--error-exitcode", "1"] + one_step, 120)
+                  [sanitizer, "--tool", tool, "--error-exitcode", "1"] + one_step, 90)
         steps.run(f"sanitize_{tool}_kernels",
                   [sanitizer, "--tool", tool, "--error-exitcode", "1", gpu_tests,
-                   "--test-threads", "1", "every_kernel_family"], 150)
+                   "--test-threads", "1", "every_kernel_family"], 120)
 
 
 # A resumed run must end with the weights of the uninterrupted one, byte for byte.
@@ -280,11 +283,30 @@ def part_bench(steps, out_dir):
                         "--castor", PACK / "castor", "--require-castor"], 540)
 
 
+def part_profile(steps, out_dir):
+    """`castor train --profile-kernels` on the benchmark's GPT-2 124M step (B=8, T=1024, bf16),
+    unfused and fused: the printed tables are in the logs, every command in the CSV files. The
+    quick way to see where castor's step time goes without the whole benchmark."""
+    castor = PACK / "castor"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # nanoGPT's raw u16 token file: the config has no tokenizer files beside it.
+    tokens = out_dir / "tokens.bin"
+    tokens.write_bytes(b"".join(((i * 7919) % 50257).to_bytes(2, "little")
+                                for i in range(16 * 1024)))
+    fused = ["--attention", "fused", "--classifier", "fused", "--epilogues", "fused"]
+    for tag, extra in [("unfused", []), ("fused", fused)]:
+        steps.run(f"profile_{tag}", [castor, "train", "assets/configs/gpt2-124m.json", "--data",
+                                     tokens, "--steps", "3", "--batch", "8", "--seq", "1024",
+                                     "--precision", "bf16", "--device", "cuda",
+                                     "--profile-kernels", out_dir / f"kernels-{tag}.csv"] + extra,
+                  120)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--part", choices=["tests", "bench"], default="tests")
+    ap.add_argument("--part", choices=["tests", "bench", "profile"], default="tests")
     ap.add_argument("--preflight", action="store_true", help="only check the CUDA libraries")
     ap.add_argument("--budget", type=float, default=540,
                     help="seconds the part may take in all (default 540)")
@@ -323,7 +345,7 @@ def main():
     # What the steps write (demo, training runs, benchmark results) lands beside their logs,
     # in the archive.
     work = logs / "work"
-    (part_tests if args.part == "tests" else part_bench)(steps, work)
+    {"tests": part_tests, "bench": part_bench, "profile": part_profile}[args.part](steps, work)
     summary += steps.rows
     summary.append(f"{'FAILED' if steps.failed else 'passed'} in {time.monotonic() - started:.0f} s")
     if args.part == "bench" and (work / "bench" / "table.txt").exists():
