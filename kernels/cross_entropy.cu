@@ -1,8 +1,11 @@
 // cross_entropy.cu: fused log-softmax + negative log-likelihood over large vocabularies, and
 // its backward, without materializing probabilities.
 //
-// Forward, one block per row of logits [rows, v] (grid-stride over rows):
-//   cross_entropy_fwd_<t>(logits, labels, rows, v, ignore_index, row_loss, row_max, row_inv, bad)
+// Forward, one block per row of logits [rows, v], row r at logits + r * ld (ld >= v: the fused
+// classifier pads its chunk's rows to a multiple of 64 elements so that every row, and every
+// operand of the cuBLAS products around it, is 16-byte aligned; the eager loss passes v):
+//   cross_entropy_fwd_<t>(logits, labels, rows, v, ld, ignore_index, row_loss, row_max, row_inv,
+//                         bad)
 //     Two passes over the row: M = the row's max (NaN-propagating), then
 //     S = sum of F32 expf(x - M) in F64. row_loss[r] = log(S) + M - x[label] in F64 (0 on
 //     ignored rows, NaN on a bad label); row_max[r] = M and row_inv[r] = F32(1 / S) are kept
@@ -13,13 +16,14 @@
 //     count = number of rows whose label is not ignore_index; loss = F32(sum(row_loss) / count)
 //     with the sum in F64 in a fixed order; 0 / 0 = NaN when no row counts (PyTorch's mean).
 // Backward, one block per row:
-//   cross_entropy_bwd_<t>(logits, labels, rows, v, ignore_index, row_max, row_inv, dloss,
+//   cross_entropy_bwd_<t>(logits, labels, rows, v, ld, ignore_index, row_max, row_inv, dloss,
 //                         count, dlogits)
 //     scale = *dloss / F32(*count) (device scalars, so the step needs no host sync);
 //     dlogits = T((exp(x - M) * inv) * scale - scale * onehot(label)) on counted rows, 0 on
 //     ignored rows (so with every row ignored the gradient is all zeros), NaN on bad labels.
 //     row_max/row_inv null: the block recomputes them with the forward's two passes. dlogits
-//     may be logits (in place).
+//     has the logits' row stride ld and may be logits (in place); the padding past v in each
+//     row is neither read nor written.
 // Dtypes: <t> is the logits' and dlogits' storage dtype; arithmetic F32, sums F64.
 // Rounding points: those of runtime/src/cpu/loss.rs (log_sum_exp, cross_entropy_grad), so with
 // the same expf (the host build's, castor_host.h; CUDA's is within 2 ulp of it) the results are
@@ -64,8 +68,9 @@ __device__ __forceinline__ bool label_ok(i64 label, int v) { return label >= 0 &
 
 template <typename T>
 __device__ __forceinline__ void ce_fwd(const T* __restrict__ logits, const i64* __restrict__ labels,
-                                       i64 rows, int v, i64 ignore_index, double* row_loss,
-                                       float* row_max, float* row_inv, int* bad) {
+                                       i64 rows, int v, i64 ld, i64 ignore_index,
+                                       double* row_loss, float* row_max, float* row_inv,
+                                       int* bad) {
     __shared__ float fscratch[32];
     __shared__ double dscratch[32];
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
@@ -79,7 +84,7 @@ __device__ __forceinline__ void ce_fwd(const T* __restrict__ logits, const i64* 
             }
             continue;
         }
-        const T* xr = logits + row * v;
+        const T* xr = logits + row * ld;
         float M;
         double S;
         row_stats(xr, v, M, S, fscratch, dscratch);
@@ -114,7 +119,7 @@ extern "C" __global__ void cross_entropy_finalize(const double* __restrict__ row
 
 template <typename T>
 __device__ __forceinline__ void ce_bwd(const T* logits, const i64* __restrict__ labels, i64 rows,
-                                       int v, i64 ignore_index, const float* row_max,
+                                       int v, i64 ld, i64 ignore_index, const float* row_max,
                                        const float* row_inv, const float* dloss, const int* count,
                                        T* dlogits) {
     __shared__ float fscratch[32];
@@ -123,8 +128,8 @@ __device__ __forceinline__ void ce_bwd(const T* logits, const i64* __restrict__ 
     const float scale = *dloss / float(*count);
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const i64 label = labels[row];
-        const T* xr = logits + row * v;
-        T* dr = dlogits + row * v;
+        const T* xr = logits + row * ld;
+        T* dr = dlogits + row * ld;
         const bool vec = aligned16(xr) && aligned16(dr);
         const int units = vec ? v / UNIT : 0;
         if (label == ignore_index || !label_ok(label, v)) {
@@ -166,16 +171,17 @@ __device__ __forceinline__ void ce_bwd(const T* logits, const i64* __restrict__ 
 
 #define CROSS_ENTROPY(T, t)                                                                    \
     extern "C" __global__ void cross_entropy_fwd_##t(const T* logits, const i64* labels,       \
-                                                     i64 rows, int v, i64 ignore_index,        \
-                                                     double* row_loss, float* row_max,         \
-                                                     float* row_inv, int* bad) {               \
-        ce_fwd<T>(logits, labels, rows, v, ignore_index, row_loss, row_max, row_inv, bad);     \
+                                                     i64 rows, int v, i64 ld,                  \
+                                                     i64 ignore_index, double* row_loss,       \
+                                                     float* row_max, float* row_inv,           \
+                                                     int* bad) {                               \
+        ce_fwd<T>(logits, labels, rows, v, ld, ignore_index, row_loss, row_max, row_inv, bad); \
     }                                                                                          \
     extern "C" __global__ void cross_entropy_bwd_##t(                                          \
-        const T* logits, const i64* labels, i64 rows, int v, i64 ignore_index,                 \
+        const T* logits, const i64* labels, i64 rows, int v, i64 ld, i64 ignore_index,         \
         const float* row_max, const float* row_inv, const float* dloss, const int* count,      \
         T* dlogits) {                                                                          \
-        ce_bwd<T>(logits, labels, rows, v, ignore_index, row_max, row_inv, dloss, count,       \
+        ce_bwd<T>(logits, labels, rows, v, ld, ignore_index, row_max, row_inv, dloss, count,   \
                   dlogits);                                                                    \
     }
 

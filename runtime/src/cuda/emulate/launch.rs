@@ -211,8 +211,10 @@ pub(super) fn run(
 ) -> R<()> {
     // Poison mode: what the kernel reads must have been written earlier in the run.
     for u in uses.iter().filter(|u| u.io != Io::W) {
-        m.bytes(u.p, 0, u.bytes)
-            .map_err(|e| format!("`{}`: {e}", u.what))?;
+        for (start, len) in u.touched() {
+            m.bytes(u.p, start as i64, len)
+                .map_err(|e| format!("`{}`: {e}", u.what))?;
+        }
     }
     let mut regions = regions(m, uses);
     // Pointers the contract does not name (an operand the launch does not read, such as a
@@ -319,8 +321,15 @@ pub(super) fn run(
         }
         m.bufs[r.buf][r.start as usize..r.end as usize].copy_from_slice(r.copy.bytes());
         for &i in &r.uses {
-            if uses[i].io != Io::R {
-                m.mark_written(uses[i].p, uses[i].bytes);
+            let u = &uses[i];
+            if u.io != Io::R {
+                for (start, len) in u.touched() {
+                    let p = Ptr {
+                        buf: u.p.buf,
+                        off: u.p.off + start,
+                    };
+                    m.mark_written(p, len);
+                }
             }
         }
     }

@@ -216,6 +216,23 @@ pub(super) struct Use {
     pub(super) elem: usize,
     pub(super) io: Io,
     pub(super) at: Ptr,
+    /// Rows inside the span: (bytes of a row, bytes from one row's start to the next's). The
+    /// kernel reads or writes the rows only; the padding between them is copied with the span
+    /// but neither needs to be written before nor counts as written after.
+    pub(super) rows: Option<(u64, u64)>,
+}
+
+impl Use {
+    /// The byte ranges (offsets from `p`, lengths) the kernel touches.
+    pub(super) fn touched(&self) -> Vec<(u64, u64)> {
+        match self.rows {
+            Some((row, stride)) if stride > row && row > 0 => (0..self.bytes)
+                .step_by(stride as usize)
+                .map(|start| (start, row.min(self.bytes - start)))
+                .collect(),
+            _ => vec![(0, self.bytes)],
+        }
+    }
 }
 
 pub(super) fn use_(
@@ -232,6 +249,27 @@ pub(super) fn use_(
         elem,
         io,
         at: p,
+        rows: None,
+    })
+}
+
+/// `rows` rows of `row` bytes, `stride` bytes apart from `p`: one span, of which the kernel
+/// touches the rows only.
+pub(super) fn rows_use(
+    what: impl Into<String>,
+    p: Ptr,
+    (rows, row, stride): (u64, u64, u64),
+    elem: usize,
+    io: Io,
+) -> Option<Use> {
+    let bytes = if rows == 0 {
+        0
+    } else {
+        (rows - 1) * stride + row
+    };
+    use_(what, Some(p), bytes, elem, io).map(|u| Use {
+        rows: Some((row, stride)),
+        ..u
     })
 }
 

@@ -23,7 +23,17 @@ fn cross_entropy_forward_finalize_and_backward_agree_with_the_twin() {
     let mut rng = Rng::new(8);
     let mut differ = 0;
     for (d, s) in FLOATS {
-        for (rows, v) in [(1usize, 1usize), (7, 31), (11, 33), (5, 1025)] {
+        // Packed rows, and rows `ld` apart with NaN padding that must be neither read nor
+        // written (the fused classifier's chunk).
+        for (rows, v, pad) in [
+            (1usize, 1usize, 0usize),
+            (7, 31, 0),
+            (11, 33, 0),
+            (5, 1025, 0),
+            (7, 31, 33),
+            (5, 1025, 63),
+        ] {
+            let ld = v + pad;
             for block in [(v.div_ceil(32) * 32).min(256) as u32, 512] {
                 let logits = rng.values(rows * v, 9.0, d);
                 let labels: Vec<i64> = (0..rows)
@@ -41,8 +51,15 @@ fn cross_entropy_forward_finalize_and_backward_agree_with_the_twin() {
                 let _ = cross_entropy_grad(&mut grad, v, &labels, IGNORE, dloss);
                 let grad: Vec<f32> = grad.iter().map(|&x| round_to(d, x)).collect();
 
+                let padded: Vec<f32> = logits
+                    .chunks(v)
+                    .flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(f32::NAN, pad)))
+                    .collect();
+                let unpad = |x: &[f32]| -> Vec<f32> {
+                    x.chunks(ld).flat_map(|r| r[..v].to_vec()).collect()
+                };
                 let mut l = Launcher::new("cross_entropy.cu");
-                let bx = l.buf(enc(d, &logits), d.size_bytes() as u64);
+                let bx = l.buf(enc(d, &padded), d.size_bytes() as u64);
                 let bl = l.buf(enc_i64(&labels), 0);
                 let (rl, rm, ri) = (l.out(rows * 8, 0), l.out(rows * 4, 0), l.out(rows * 4, 0));
                 let bad = l.buf(i32::MAX.to_le_bytes().to_vec(), 0);
@@ -51,13 +68,14 @@ fn cross_entropy_forward_finalize_and_backward_agree_with_the_twin() {
                     l.ptr(bl),
                     i64(rows),
                     i32(v),
+                    i64(ld),
                     Arg::I64(IGNORE),
                     l.ptr(rl),
                     l.ptr(rm),
                     l.ptr(ri),
                     l.ptr(bad),
                 ];
-                let what = format!("cross_entropy_fwd_{s} rows={rows} v={v} block={block}");
+                let what = format!("cross_entropy_fwd_{s} rows={rows} v={v} ld={ld} block={block}");
                 let fwd = l
                     .run(
                         &format!("cross_entropy_fwd_{s}"),
@@ -97,7 +115,7 @@ fn cross_entropy_forward_finalize_and_backward_agree_with_the_twin() {
                 // Backward with the forward's statistics, and recomputing them (null), in place.
                 for saved in [true, false] {
                     let mut l = Launcher::new("cross_entropy.cu");
-                    let bx = l.buf(enc(d, &logits), 0);
+                    let bx = l.buf(enc(d, &padded), 0);
                     let bl = l.buf(enc_i64(&labels), 0);
                     let bm = l.buf(fwd[rm.0].clone(), 0);
                     let bi = l.buf(fwd[ri.0].clone(), 0);
@@ -109,6 +127,7 @@ fn cross_entropy_forward_finalize_and_backward_agree_with_the_twin() {
                         l.ptr(bl),
                         i64(rows),
                         i32(v),
+                        i64(ld),
                         Arg::I64(IGNORE),
                         stat(bm),
                         stat(bi),
@@ -116,7 +135,8 @@ fn cross_entropy_forward_finalize_and_backward_agree_with_the_twin() {
                         l.ptr(bc),
                         l.ptr(bx),
                     ];
-                    let what = format!("cross_entropy_bwd_{s} rows={rows} v={v} saved={saved}");
+                    let what =
+                        format!("cross_entropy_bwd_{s} rows={rows} v={v} ld={ld} saved={saved}");
                     let out = l
                         .run(
                             &format!("cross_entropy_bwd_{s}"),
@@ -125,7 +145,12 @@ fn cross_entropy_forward_finalize_and_backward_agree_with_the_twin() {
                             args,
                         )
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
-                    differ += check(&what, d, &dec(d, &out[bx.0]), &grad, 1);
+                    let got = dec(d, &out[bx.0]);
+                    differ += check(&what, d, &unpad(&got), &grad, 1);
+                    assert!(
+                        got.chunks(ld).all(|r| r[v..].iter().all(|x| x.is_nan())),
+                        "{what}: the padding was written"
+                    );
                 }
             }
         }
@@ -149,6 +174,7 @@ fn bad_labels_are_reported_by_their_first_position() {
         l.ptr(bl),
         i64(rows),
         i32(v),
+        i64(v),
         Arg::I64(IGNORE),
         l.ptr(rl),
         Arg::Null,
