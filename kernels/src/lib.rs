@@ -301,6 +301,7 @@ pub const FILES: &[KernelFile] = &[
             "strided_copy_b2",
             "strided_copy_b4",
             "strided_copy_b8",
+            "strided_copy_b16",
         ]
     ),
     kernel_file!(

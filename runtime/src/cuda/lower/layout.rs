@@ -1,7 +1,7 @@
 //! `layout.cu`: layout results as views or one strided copy each, concatenation and padding
 //! as copies into place, integer and boolean casts, fills.
 
-use super::super::program::{Arg, Command, Place};
+use super::super::program::{Arg, Command, CopyLayout, Place, MAX_RANK};
 use super::ops::BLOCK;
 use super::{copies, grid_1d, sfx, LowerError, RunLowering};
 use castor_ir::{DType, Node, Op, Value};
@@ -59,7 +59,10 @@ impl RunLowering<'_, '_> {
         dst: Place,
         l: super::super::program::CopyLayout,
     ) -> Result<(), LowerError> {
-        let size = dtype.size_bytes();
+        let (size, l) = match in_units_of_16_bytes(&l, dtype.size_bytes(), src, dst) {
+            Some(wide) => (16, wide),
+            None => (dtype.size_bytes(), l),
+        };
         let n: i64 = l.shape[..l.rank.max(0) as usize].iter().product();
         self.launch(
             y,
@@ -209,4 +212,48 @@ impl RunLowering<'_, '_> {
         )?;
         Ok(())
     }
+}
+
+/// `l` (a copy of `size`-byte elements) as a copy of 16-byte units, when that is the same
+/// copy: the innermost dim contiguous on both sides and a whole number of units long, every
+/// other stride (of a dim longer than one), both offsets and both places' byte offsets multiples of 16 bytes (buffers
+/// start 256-byte aligned). One thread then moves 16 bytes with one index decomposition
+/// instead of one element.
+fn in_units_of_16_bytes(l: &CopyLayout, size: usize, src: Place, dst: Place) -> Option<CopyLayout> {
+    let rank = l.rank.clamp(0, MAX_RANK as i32) as usize;
+    let size = size as i64;
+    if rank == 0 || size >= 16 || 16 % size != 0 {
+        return None;
+    }
+    let per = 16 / size;
+    let last = rank - 1;
+    let aligned = |elements: i64| (elements * size) % 16 == 0;
+    let place_aligned = |p: Place| match p {
+        Place::Arena { offset } | Place::Slot { offset, .. } | Place::Buffer { offset, .. } => {
+            offset % 16 == 0
+        }
+    };
+    let fits = l.src_stride[last] == 1
+        && l.dst_stride[last] == 1
+        && l.shape[last] % per == 0
+        && (0..last)
+            .all(|k| l.shape[k] == 1 || aligned(l.src_stride[k]) && aligned(l.dst_stride[k]))
+        && aligned(l.src_offset)
+        && aligned(l.dst_offset)
+        && place_aligned(src)
+        && place_aligned(dst);
+    if !fits {
+        return None;
+    }
+    let mut wide = *l;
+    wide.shape[last] /= per;
+    for k in 0..last {
+        // A dim of one element never steps: its stride may be anything, and reads as 0.
+        let one = l.shape[k] == 1;
+        wide.src_stride[k] = if one { 0 } else { l.src_stride[k] / per };
+        wide.dst_stride[k] = if one { 0 } else { l.dst_stride[k] / per };
+    }
+    wide.src_offset /= per;
+    wide.dst_offset /= per;
+    Some(wide)
 }

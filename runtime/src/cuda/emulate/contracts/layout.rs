@@ -26,12 +26,21 @@ pub(super) fn cast(m: &Mem, l: &Launch, from: DType, to: DType) -> R<Vec<Use>> {
 }
 
 pub(super) fn strided_copy(m: &Mem, l: &Launch, w: usize) -> R<Vec<Use>> {
-    if ![1, 2, 4, 8].contains(&w) {
+    if ![1, 2, 4, 8, 16].contains(&w) {
         return Err(format!("no strided copy of {w}-byte elements"));
     }
     let mut a = Args::new(l);
     let src = a.need(m, "src")?;
     let dst = a.need(m, "dst")?;
+    // 16-byte units move as one vector load and store, which the device requires aligned.
+    for (what, p) in [("src", src), ("dst", dst)] {
+        if w == 16 && p.off % 16 != 0 {
+            return Err(format!(
+                "`{what}` at {} is not 16-byte aligned for 16-byte units",
+                m.describe(p)
+            ));
+        }
+    }
     let n = a.i64("n")?;
     let lay = a.layout("l")?;
     a.end()?;

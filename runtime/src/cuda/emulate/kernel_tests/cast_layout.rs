@@ -34,6 +34,7 @@ pub(super) fn entries() -> Vec<String> {
         out.push(format!("strided_copy_b{w}"));
         out.push(format!("fill_b{w}"));
     }
+    out.push("strided_copy_b16".into());
     out
 }
 
@@ -209,6 +210,27 @@ fn strided_copies_are_the_twins_transpose_slice_and_broadcast() {
             assert_eq!(out[by.0], to_bytes(&want), "strided_copy_b{w}: {what}");
         }
     }
+}
+
+/// 16-byte units: the attention heads' split, `[T, H, D] -> [H, T, D]` with rows of D values
+/// moved whole, is the twin's transpose of the elements.
+#[test]
+fn strided_copies_of_16_byte_units_are_the_twins_transpose() {
+    let mut rng = Rng::new(6);
+    let (t, h, d) = (5usize, 3usize, 8usize);
+    let x = rng.values(t * h * d, 100.0, DType::F32);
+    let want = layout::transpose(&x, &[t, h, d], &[1, 0, 2]);
+    // In units of four F32 values: [H, T, D/4] read with strides [D/4, H*D/4, 1].
+    let u = (d / 4) as i64;
+    let lay = layout_of(&[h, t, d / 4], &[u, h as i64 * u, 1], 0);
+    let n = h * t * d / 4;
+    let mut l = Launcher::new("layout.cu");
+    let bx = l.buf(enc(DType::F32, &x), 0);
+    let by = l.out(t * h * d * 4, 0);
+    let (grid, block) = grid_1d(n, 256);
+    let args = vec![l.ptr(bx), l.ptr(by), i64(n), Arg::Layout(lay)];
+    let out = l.run("strided_copy_b16", grid, block, args).unwrap();
+    assert_eq!(out[by.0], enc(DType::F32, &want));
 }
 
 #[test]
