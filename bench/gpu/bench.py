@@ -299,6 +299,14 @@ def castor_forward(args, exe, out_dir, precision):
     return row
 
 
+# (result tag, table label, flags) of the fused castor rows.
+FUSED_VARIANTS = [
+    ("_fused", "fused attn+cls+epilogues",
+     ["--attention", "fused", "--classifier", "fused", "--epilogues", "fused"]),
+    ("_cls_epi", "fused cls+epilogues     ", ["--classifier", "fused", "--epilogues", "fused"]),
+]
+
+
 def castor_side(args, out_dir):
     """castor's rows: the compile-time plan (works anywhere) and the runs on the device."""
     res = {}
@@ -328,13 +336,13 @@ def castor_side(args, out_dir):
         res[f"train_{precision}_{remat}"] = castor_train(args, exe, cfg_path, corpus, out_dir,
                                                          precision, remat, steps)
     # The fused kernels (flash attention, the chunked classifier, cuBLASLt epilogues), not
-    # yet the defaults.
-    fused = ["--attention", "fused", "--classifier", "fused", "--epilogues", "fused"]
-    res["train_bf16_fused"] = castor_train(args, exe, cfg_path, corpus, out_dir, "bf16", "none",
-                                           steps, fused, "-fused")
+    # yet the defaults: all three, and the classifier and epilogues with eager attention.
+    for tag, _, extra in FUSED_VARIANTS:
+        res[f"train_bf16{tag}"] = castor_train(args, exe, cfg_path, corpus, out_dir, "bf16",
+                                               "none", steps, extra, tag.replace("_", "-"))
     # Where the device time of a bf16 step goes, command by command (a GPU clock only).
     if args.castor_device == "cuda":
-        for tag, extra in [("", []), ("_fused", fused)]:
+        for tag, extra in [("", [])] + [(t, e) for t, _, e in FUSED_VARIANTS]:
             res[f"kernels_bf16{tag}"] = castor_kernels(args, exe, cfg_path, corpus, out_dir,
                                                        extra, tag)
     for precision in ["fp32", "fp16"]:
@@ -441,16 +449,17 @@ def main():
         else:
             lines.append(f"castor {args.castor_device:<9} {precision}          "
                          + ((r.get("stderr") or "").strip().splitlines() or ["did not run"])[-1])
-    fused = cs.get("train_bf16_fused", {})
-    if "tokens_per_s" in fused:
-        mfu = flops_per_token * fused["tokens_per_s"] / H100_BF16_PEAK
-        comp = t.get("bf16_compile", {}).get("tokens_per_s")
-        lines.append(f"castor fused attn+cls+epilogues  {fused['ms_per_step']:8.2f}  "
-                     f"{fused['tokens_per_s']:9.0f}  {100 * mfu:5.1f}%  "
-                     f"{fused['tokens_per_s'] / comp if comp else float('nan'):6.2f}x")
-    elif fused:
-        lines.append("castor fused attn+cls+epilogues  "
-                     + ((fused.get("stderr") or "").strip().splitlines() or ["did not run"])[-1])
+    for tag, label, _ in FUSED_VARIANTS:
+        fused = cs.get(f"train_bf16{tag}", {})
+        if "tokens_per_s" in fused:
+            mfu = flops_per_token * fused["tokens_per_s"] / H100_BF16_PEAK
+            comp = t.get("bf16_compile", {}).get("tokens_per_s")
+            lines.append(f"castor {label}  {fused['ms_per_step']:8.2f}  "
+                         f"{fused['tokens_per_s']:9.0f}  {100 * mfu:5.1f}%  "
+                         f"{fused['tokens_per_s'] / comp if comp else float('nan'):6.2f}x")
+        elif fused:
+            lines.append(f"castor {label}  "
+                         + ((fused.get("stderr") or "").strip().splitlines() or ["did not run"])[-1])
     none, sel = cs.get("train_bf16_none", {}), cs.get("train_bf16_selective", {})
     if "ms_per_step" in none and "ms_per_step" in sel:
         lines.append(f"castor --remat selective bf16    {sel['ms_per_step']:8.2f} ms/step "
@@ -471,8 +480,9 @@ def main():
         if alloc and planned:
             lines.append(f"castor {key}: allocated {alloc} vs planned {planned} "
                          f"({100 * (alloc / planned - 1):+.1f}%)")
-    for key, title in [("kernels_bf16", "castor bf16 step, kernel by kernel"),
-                       ("kernels_bf16_fused", "castor bf16 fused step, kernel by kernel")]:
+    for key, title in [("kernels_bf16", "castor bf16 step, kernel by kernel")] + [
+            (f"kernels_bf16{tag}", f"castor bf16 {label.strip()} step, kernel by kernel")
+            for tag, label, _ in FUSED_VARIANTS]:
         k = cs.get(key)
         if k:
             lines += ["", title] + (k["table"] or [((k.get("stderr") or "").strip().splitlines()

@@ -11,7 +11,7 @@ first, then run from the repository root):
     python3 bench/gpu/check.py OUT --part bench    # castor vs PyTorch (bench/gpu/bench.py)
     python3 bench/gpu/check.py OUT --part profile  # where a GPT-2 124M bf16 step spends its
                                                    # device time, command by command, for the
-                                                   # unfused and the fused plan
+                                                   # unfused and the fused plans
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
 Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
@@ -285,16 +285,18 @@ def part_bench(steps, out_dir):
 
 def part_profile(steps, out_dir):
     """`castor train --profile-kernels` on the benchmark's GPT-2 124M step (B=8, T=1024, bf16),
-    unfused and fused: the printed tables are in the logs, every command in the CSV files. The
-    quick way to see where castor's step time goes without the whole benchmark."""
+    unfused, with the fused classifier and epilogues, and with fused attention as well: the
+    printed tables are in the logs, every command in the CSV files. The quick way to see where
+    castor's step time goes without the whole benchmark."""
     castor = PACK / "castor"
     out_dir.mkdir(parents=True, exist_ok=True)
     # nanoGPT's raw u16 token file: the config has no tokenizer files beside it.
     tokens = out_dir / "tokens.bin"
     tokens.write_bytes(b"".join(((i * 7919) % 50257).to_bytes(2, "little")
                                 for i in range(16 * 1024)))
-    fused = ["--attention", "fused", "--classifier", "fused", "--epilogues", "fused"]
-    for tag, extra in [("unfused", []), ("fused", fused)]:
+    cls_epi = ["--classifier", "fused", "--epilogues", "fused"]
+    for tag, extra in [("unfused", []), ("cls-epi", cls_epi),
+                       ("fused", ["--attention", "fused"] + cls_epi)]:
         steps.run(f"profile_{tag}", [castor, "train", "assets/configs/gpt2-124m.json", "--data",
                                      tokens, "--steps", "3", "--batch", "8", "--seq", "1024",
                                      "--precision", "bf16", "--device", "cuda",
