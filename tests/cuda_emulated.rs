@@ -530,6 +530,7 @@ fn state_comparison_leaves_out_exact_zero_noise_only() {
         let bounds = Bounds {
             tol: 1e-4,
             noise: 1e-5,
+            raised: HashMap::new(),
         };
         compare_state(
             "case",

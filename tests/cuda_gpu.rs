@@ -24,9 +24,9 @@ use castor_runtime::cuda::lower::{lower_graph, lower_plan};
 use castor_runtime::cuda::{CudaGraphRunner, CudaPlanRunner};
 use castor_runtime::{cuda_probe, PlanRunner};
 use common::cuda_cases::{
-    as_f32, batch, case_graph, compare_state, exact_zero_slices, inputs, load_params, plan,
-    plan_matrix, Bounds, ATTENTION_CASES, CASES, PLAN_FAMILIES, PLAN_OPTIONS, PLAN_PRECISIONS,
-    PLAN_REMATS,
+    as_f32, batch, case_graph, compare_state, exact_zero_slices, inputs, load_params,
+    mask_exact_zero, plan, plan_matrix, state_error, Bounds, ATTENTION_CASES, CASES, PLAN_FAMILIES,
+    PLAN_OPTIONS, PLAN_PRECISIONS, PLAN_REMATS,
 };
 use std::collections::HashMap;
 
@@ -149,20 +149,24 @@ fn gpu_tolerance(flags: &str) -> f64 {
     }
 }
 
-/// For a BF16 plan, its noise floor: the largest distance, over the state, between the CPU
-/// executor's own BF16 run and its F32 run of the same plan (`--precision fp32`, same
-/// batches). Two BF16 executors that round differently can lie that far apart (times 1.1)
-/// without a fault, as the comparisons with PyTorch take their noise floor from PyTorch's BF16
-/// and F32 runs. F16 plans get none: their gradients are loss-scaled, which the F32 run has no
-/// counterpart of.
-fn bf16_noise_floor(
+/// For a BF16 plan, its noise floor per state entry: the distance between the CPU executor's
+/// own BF16 run and its F32 run of the same plan (`--precision fp32`, same batches), the
+/// exact-zero noise slices left out as in the comparison. Two BF16 executors that round
+/// differently can lie that far apart (times 1.1) without a fault, as the comparisons with
+/// PyTorch take their noise floor from PyTorch's BF16 and F32 runs. Per entry, because one
+/// entry driven by rounding noise (the moments of BERT's key bias, zero in exact arithmetic,
+/// lie 1e9 apart relative to the F32 run's) must not loosen the bound of every other; the
+/// first GPU run of per-plan floors found exactly that. F16 plans get none: their gradients
+/// are loss-scaled, which the F32 run has no counterpart of.
+fn bf16_noise_floors(
     family: &str,
     flags: &str,
     params: &HashMap<String, Tensor>,
     low: &HashMap<String, Tensor>,
-) -> f64 {
+    noise: &HashMap<String, (usize, usize)>,
+) -> HashMap<String, f64> {
     if !flags.contains("--precision bf16") {
-        return 0.0;
+        return HashMap::new();
     }
     let twin = flags.replace("--precision bf16", "--precision fp32");
     let split: Vec<&str> = twin.split_whitespace().collect();
@@ -178,25 +182,32 @@ fn bf16_noise_floor(
         .into_iter()
         .filter_map(|(name, t)| {
             let l = low.get(name).filter(|l| l.shape() == t.shape())?;
-            Some(relative_error(&as_f32(l), &as_f32(t)))
+            let (mut x, mut y) = (as_f32(l), as_f32(t));
+            mask_exact_zero(noise, name, t.shape().dims(), &mut x, &mut y);
+            let e = state_error(&x, &y);
+            e.is_finite().then(|| (name.to_string(), 1.1 * e))
         })
-        .filter(|e| e.is_finite())
-        .fold(0.0, f64::max)
+        .collect()
 }
 
-/// The bounds of one plan's state comparison: `tol`, or the BF16 noise floor where larger;
-/// in the slices whose gradient is zero in exact arithmetic, noise up to `tol` times the
-/// largest gradient anywhere in the state (the noise of a sum scales with what it sums, and
-/// F16 gradients are loss-scaled), and never under 1e-5.
-fn state_bounds(tol: f64, floor: f64, cpu_state: &HashMap<String, Tensor>) -> Bounds {
+/// The bounds of one plan's state comparison: `tol`, or an entry's BF16 noise floor where
+/// larger; in the slices whose gradient is zero in exact arithmetic, noise up to `tol` times
+/// the largest gradient anywhere in the state (the noise of a sum scales with what it sums,
+/// and F16 gradients are loss-scaled), and never under 1e-5.
+fn state_bounds(
+    tol: f64,
+    floors: HashMap<String, f64>,
+    cpu_state: &HashMap<String, Tensor>,
+) -> Bounds {
     let grad_peak = cpu_state
         .iter()
         .filter(|(n, _)| n.starts_with("grad."))
         .flat_map(|(_, t)| as_f32(t))
         .fold(0f32, |m, v| m.max(v.abs()));
     Bounds {
-        tol: f64::max(tol, 1.1 * floor),
+        tol,
         noise: f64::max(1e-5, tol * f64::from(grad_peak)),
+        raised: floors.into_iter().filter(|(_, f)| *f > tol).collect(),
     }
 }
 
@@ -269,8 +280,8 @@ fn training_steps_match_the_cpu_executor() {
                 .into_iter()
                 .map(|(n, t)| (n.to_string(), t.clone()))
                 .collect();
-            let floor = bf16_noise_floor(family, &flags, &params, &cpu_state);
-            let bounds = state_bounds(tol, floor, &cpu_state);
+            let floors = bf16_noise_floors(family, &flags, &params, &cpu_state, &noise);
+            let bounds = state_bounds(tol, floors, &cpu_state);
             let device_state: HashMap<String, Tensor> = match gpu.state_entries() {
                 Ok(s) => s.into_iter().collect(),
                 Err(e) => {
@@ -286,10 +297,17 @@ fn training_steps_match_the_cpu_executor() {
                 let err = compare_state(&case, name, d, t, &noise, &bounds, &mut failures);
                 worst = worst.max(err);
             }
-            rows.push(format!(
-                "{case:<70} worst {worst:.2e} (bound {:.2e})",
-                bounds.tol
-            ));
+            let raised = bounds.raised.values().fold(0f64, |a, &b| a.max(b));
+            rows.push(if bounds.raised.is_empty() {
+                format!("{case:<70} worst {worst:.2e} (bound {:.2e})", bounds.tol)
+            } else {
+                format!(
+                    "{case:<70} worst {worst:.2e} (bound {:.2e}; {} entries up to {raised:.2e} \
+                     by the BF16 noise floor)",
+                    bounds.tol,
+                    bounds.raised.len()
+                )
+            });
         }
     }
     for r in &rows {
