@@ -33,6 +33,39 @@ pub enum Schedule {
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 /// Installs the Ctrl-C handler (once per process).
+/// One step's line of the JSON log: the step's report, the learning rate and throughput, the
+/// validation figures when the step evaluated, and the device time of its runs when it was
+/// measured (`--profile` on a GPU).
+fn log_line(
+    done: u64,
+    report: &StepReport,
+    lr: f64,
+    tokens_per_s: f64,
+    val_loss: Option<f64>,
+    val_accuracy: Option<f64>,
+) -> serde_json::Value {
+    let mut line = serde_json::json!({
+        "step": done,
+        "loss": report.loss,
+        "loss_scale": report.loss_scale,
+        "skipped": report.skipped,
+        "grad_norm": if report.grad_norm.is_finite() { Some(report.grad_norm) } else { None },
+        "lr": lr,
+        "tokens_per_s": tokens_per_s,
+    });
+    if let Some(v) = val_loss {
+        line["val_loss"] = serde_json::json!(v);
+    }
+    if let Some(a) = val_accuracy {
+        line["val_accuracy"] = serde_json::json!(a);
+    }
+    if let Some(t) = report.device_time {
+        line["micro_steps_ms"] = serde_json::json!(t.micro_steps_ms);
+        line["optimizer_step_ms"] = serde_json::json!(t.optimizer_step_ms);
+    }
+    line
+}
+
 pub fn catch_interrupts() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -325,21 +358,7 @@ pub fn train_loop(
             (None, None)
         };
         if let Some(f) = opts.log.as_mut() {
-            let mut line = serde_json::json!({
-                "step": done,
-                "loss": report.loss,
-                "loss_scale": report.loss_scale,
-                "skipped": report.skipped,
-                "grad_norm": if report.grad_norm.is_finite() { Some(report.grad_norm) } else { None },
-                "lr": lr,
-                "tokens_per_s": tokens_per_s,
-            });
-            if let Some(v) = val_loss {
-                line["val_loss"] = serde_json::json!(v);
-            }
-            if let Some(a) = val_accuracy {
-                line["val_accuracy"] = serde_json::json!(a);
-            }
+            let line = log_line(done, &report, lr, tokens_per_s, val_loss, val_accuracy);
             writeln!(f, "{line}").context("cannot write the training log")?;
         }
         progress.step(
@@ -420,5 +439,36 @@ fn check_loss_scale(min_scale: Option<f64>, report: &StepReport, step: u64) -> a
             .into())
         }
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use castor_runtime::DeviceTime;
+
+    /// `--profile` promises the device time of each logged step in the JSON log; the first
+    /// GPU benchmark found it missing (the runner measured it, the log line dropped it).
+    #[test]
+    fn the_log_line_carries_the_measured_device_time() {
+        let mut report = StepReport {
+            loss: 2.5,
+            loss_scale: 1.0,
+            next_loss_scale: 1.0,
+            skipped: false,
+            grad_norm: 0.5,
+            device_time: None,
+        };
+        let plain = log_line(3, &report, 1e-3, 100.0, None, None);
+        assert!(plain.get("micro_steps_ms").is_none() && plain.get("optimizer_step_ms").is_none());
+        report.device_time = Some(DeviceTime {
+            micro_steps_ms: 12.5,
+            optimizer_step_ms: 1.25,
+        });
+        let timed = log_line(3, &report, 1e-3, 100.0, Some(2.0), None);
+        assert_eq!(timed["micro_steps_ms"], serde_json::json!(12.5));
+        assert_eq!(timed["optimizer_step_ms"], serde_json::json!(1.25));
+        assert_eq!(timed["val_loss"], serde_json::json!(2.0));
+        assert_eq!(timed["step"], serde_json::json!(3));
     }
 }
