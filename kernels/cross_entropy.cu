@@ -3,7 +3,8 @@
 //
 // Forward, one block per row of logits [rows, v], row r at logits + r * ld (ld >= v: the fused
 // classifier pads its chunk's rows to a multiple of 64 elements so that every row, and every
-// operand of the cuBLAS products around it, is 16-byte aligned; the eager loss passes v):
+// operand of the cuBLAS products around it, is 16-byte aligned; the eager loss passes v). The
+// forward reads only the first v of each row:
 //   cross_entropy_fwd_<t>(logits, labels, rows, v, ld, ignore_index, row_loss, row_max, row_inv,
 //                         bad)
 //     Two passes over the row: M = the row's max (NaN-propagating), then
@@ -23,7 +24,7 @@
 //     ignored rows (so with every row ignored the gradient is all zeros), NaN on bad labels.
 //     row_max/row_inv null: the block recomputes them with the forward's two passes. dlogits
 //     has the logits' row stride ld and may be logits (in place); the padding past v in each
-//     row is neither read nor written.
+//     row is written 0 (the fused classifier's input-gradient product reads all ld columns).
 // Dtypes: <t> is the logits' and dlogits' storage dtype; arithmetic F32, sums F64.
 // Rounding points: those of runtime/src/cpu/loss.rs (log_sum_exp, cross_entropy_grad), so with
 // the same expf (the host build's, castor_host.h; CUDA's is within 2 ulp of it) the results are
@@ -130,6 +131,7 @@ __device__ __forceinline__ void ce_bwd(const T* logits, const i64* __restrict__ 
         const i64 label = labels[row];
         const T* xr = logits + row * ld;
         T* dr = dlogits + row * ld;
+        for (i64 j = v + tid; j < ld; j += nt) dr[j] = from_f32<T>(0.0f);
         const bool vec = aligned16(xr) && aligned16(dr);
         const int units = vec ? v / UNIT : 0;
         if (label == ignore_index || !label_ok(label, v)) {

@@ -97,9 +97,12 @@ fn the_fused_classifier_bounds_the_heads_memory() {
         line.contains("8184 rows x 50257 logits in chunks of 640 rows"),
         "{line}"
     );
+    // 59.6% before the head's weight was padded to a multiple of 64 rows for cuBLAS's aligned
+    // kernels (a 77 MB scratch copy while the head runs, which the second GPU profile showed
+    // worth ~9 ms of a 43 ms step): 60.4% since.
     assert!(
-        fused as f64 <= 0.6 * eager as f64,
-        "fused {fused} is more than 60% of eager {eager}"
+        fused as f64 <= 0.61 * eager as f64,
+        "fused {fused} is more than 61% of eager {eager}"
     );
 }
 

@@ -15,7 +15,8 @@ use castor_ir::{Accum, DType, Node, Op, Shape, Value};
 /// write and read the chunk (ldc, lda of 50,257) could not use cuBLAS's 16-byte-aligned tensor
 /// core kernels (the first GPU profile measured the three head products at 17.2 ms of a
 /// 65.5 ms GPT-2 124M step), and the cross-entropy kernels could vectorize only every eighth
-/// row. The padding columns are never read or written.
+/// row. The padding columns hold 0: the products read a weight padded with zero rows as well
+/// (see `head_weight`), and the cross-entropy gradient writes 0 there.
 const LOGITS_ROW_ALIGN: usize = 64;
 
 /// A classifier node's operands and shapes.
@@ -95,24 +96,49 @@ impl RunLowering<'_, '_> {
             .collect()
     }
 
-    /// The product of rows `[first, first + len)` of hidden with the weight, into `buf`.
+    /// The weight the chunks' products read: the node's own when the vocabulary is a
+    /// multiple of [`LOGITS_ROW_ALIGN`], else a scratch copy with zero rows up to `ld`, so that
+    /// the forward product's M and the input gradient's K are `ld` (cuBLAS's aligned kernels:
+    /// the second GPU profile measured those two products at 92 TFLOP/s with M or K = 50,257)
+    /// and the padded logits are exactly 0.
+    fn head_weight(&mut self, p: &Problem) -> Result<Place, LowerError> {
+        let w = self.at(p.weight)?;
+        if p.ld == p.vocab {
+            return Ok(w);
+        }
+        let row = (p.width * self.g.ty(p.weight).dtype.size_bytes()) as u64;
+        let padded = self.scratch(p.ld as u64 * row);
+        self.commands.push(Command::Copy {
+            dst: padded,
+            src: w,
+            bytes: p.vocab as u64 * row,
+        });
+        self.commands.push(Command::Memset {
+            dst: padded.plus(p.vocab as u64 * row),
+            bytes: (p.ld - p.vocab) as u64 * row,
+            byte: 0,
+        });
+        Ok(padded)
+    }
+
+    /// The product of rows `[first, first + len)` of hidden with the (padded) weight `w`, into
+    /// `buf`: `len` rows of `ld` logits, the last `ld - vocab` of each 0.
     fn chunk_logits(
         &mut self,
         y: Value,
         p: &Problem,
         (first, len): (usize, usize),
-        buf: Place,
+        (w, buf): (Place, Place),
     ) -> Result<(), LowerError> {
         let g = self.g;
         let hd = g.ty(p.hidden).dtype;
         let h = self
             .at(p.hidden)?
             .plus((first * p.width * hd.size_bytes()) as u64);
-        let w = self.at(p.weight)?;
         let gm = gemm::matmul(
             g.name(y),
             (h, &Shape::from(vec![len, p.width]), hd),
-            (w, &g.ty(p.weight).shape, g.ty(p.weight).dtype),
+            (w, &Shape::from(vec![p.ld, p.width]), g.ty(p.weight).dtype),
             (buf, p.logits),
             false,
             true,
@@ -134,11 +160,12 @@ impl RunLowering<'_, '_> {
         loss: Place,
         count: Place,
     ) -> Result<(), LowerError> {
+        let w = self.head_weight(p)?;
         let buf = self.scratch((p.chunk * p.ld * p.logits.size_bytes()) as u64);
         let row_loss = self.scratch(p.rows as u64 * 8);
         let lab = self.at(p.labels)?;
         for (first, len) in Self::chunks(p) {
-            self.chunk_logits(y, p, (first, len), buf)?;
+            self.chunk_logits(y, p, (first, len), (w, buf))?;
             let labels = lab.plus(first as u64 * 8);
             let bad = self.chunk_flag(y, "label", (labels, first), p.vocab, Some(p.ignore));
             self.launch(
@@ -212,10 +239,18 @@ impl RunLowering<'_, '_> {
         let count = saved
             .count
             .ok_or_else(|| self.err(dh, "the classifier's count is missing"))?;
+        let w = self.head_weight(&p)?;
         let buf = self.scratch((p.chunk * p.ld * p.logits.size_bytes()) as u64);
         for chunk in Self::chunks(&p) {
-            self.chunk_logits(dh, &p, chunk, buf)?;
-            self.chunk_backward(&p, chunk, buf, (saved.a, saved.b), (dloss, count), (dh, dw))?;
+            self.chunk_logits(dh, &p, chunk, (w, buf))?;
+            self.chunk_backward(
+                &p,
+                chunk,
+                (w, buf),
+                (saved.a, saved.b),
+                (dloss, count),
+                (dh, dw),
+            )?;
         }
         Ok(())
     }
@@ -244,9 +279,10 @@ impl RunLowering<'_, '_> {
             byte: 0,
         });
         self.cross_entropy_finalize(loss, row_loss, lab, p.rows, p.ignore, loss_at, count)?;
+        let w = self.head_weight(&p)?;
         let buf = self.scratch((p.chunk * p.ld * p.logits.size_bytes()) as u64);
         for (first, len) in Self::chunks(&p) {
-            self.chunk_logits(loss, &p, (first, len), buf)?;
+            self.chunk_logits(loss, &p, (first, len), (w, buf))?;
             let labels = lab.plus(first as u64 * 8);
             let bad = self.chunk_flag(loss, "label", (labels, first), p.vocab, Some(p.ignore));
             self.launch(
@@ -267,18 +303,19 @@ impl RunLowering<'_, '_> {
                     ("bad", Arg::Ptr(bad)),
                 ],
             )?;
-            self.chunk_backward(&p, (first, len), buf, stats, (dloss, count), (dh, dw))?;
+            self.chunk_backward(&p, (first, len), (w, buf), stats, (dloss, count), (dh, dw))?;
         }
         self.cross_entropy_finalize(loss, row_loss, lab, p.rows, p.ignore, loss_at, count)
     }
 
-    /// One chunk's backward, its logits in `buf`: `dlogits` in place, then `dhidden` into the
-    /// chunk's rows and `dweight` (written by the first chunk, accumulated by the others).
+    /// One chunk's backward, its logits in `buf`: `dlogits` in place (0 in the padding), then
+    /// `dhidden` into the chunk's rows from all `ld` columns and the padded weight `w`, and
+    /// `dweight` from the first `vocab` (written by the first chunk, accumulated by the others).
     fn chunk_backward(
         &mut self,
         p: &Problem,
         (first, len): (usize, usize),
-        buf: Place,
+        (w, buf): (Place, Place),
         (row_max, row_inv): (Place, Place),
         (dloss, count): (Place, Place),
         (dh, dw): (Value, Value),
@@ -310,12 +347,8 @@ impl RunLowering<'_, '_> {
         let rows_of = |at: Place, d: DType| at.plus((first * p.width * d.size_bytes()) as u64);
         let mut products = gemm::matmul(
             g.name(dh),
-            (buf, &dlogits, p.logits),
-            (
-                self.at(p.weight)?,
-                &g.ty(p.weight).shape,
-                g.ty(p.weight).dtype,
-            ),
+            (buf, &Shape::from(vec![len, p.ld]), p.logits),
+            (w, &Shape::from(vec![p.ld, p.width]), g.ty(p.weight).dtype),
             (rows_of(dh_at, dhd), dhd),
             false,
             false,

@@ -73,7 +73,8 @@ pub(super) fn cross_entropy_bwd(m: &Mem, l: &Launch, t: DType) -> R<Vec<Use>> {
     a.end()?;
     let st = t.size_bytes();
     let mut uses = rows_of("logits", logits, (rows, v, ld), st, Io::R);
-    uses.extend(rows_of("dlogits", dlogits, (rows, v, ld), st, Io::W));
+    // Whole rows: the padding past v is written 0.
+    uses.extend(rows_of("dlogits", dlogits, (rows, ld, ld), st, Io::W));
     uses.extend([
         use_("labels", Some(labels), rows as u64 * 8, 8, Io::R),
         use_("row_max", row_max, rows as u64 * 4, 4, Io::R),
