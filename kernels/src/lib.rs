@@ -267,6 +267,14 @@ pub const FILES: &[KernelFile] = &[
         ["adamw8bit_bf16", "adamw8bit_f16", "adamw8bit_f32",]
     ),
     kernel_file!(
+        "nf4.cu",
+        [
+            "nf4_dequantize_bf16",
+            "nf4_dequantize_f16",
+            "nf4_dequantize_f32",
+        ]
+    ),
+    kernel_file!(
         "adafactor.cu",
         [
             "adafactor_apply_bf16",

@@ -147,6 +147,17 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         Op::MatMulGeluGrad { transpose_a, .. } => {
             (2.0 * product_depth(g, node, *transpose_a) + 20.0) * out
         }
+        // The product, and one multiply per weight element to dequantize it.
+        Op::Nf4MatMul { rows, cols, .. } => {
+            let k = g
+                .ty(node.inputs[0])
+                .shape
+                .dims()
+                .last()
+                .copied()
+                .unwrap_or(0) as f64;
+            2.0 * out * k + (rows * cols) as f64
+        }
         // The head's product (and, for the gradient, its recomputation and the two gradient
         // products) plus the cross-entropy's few operations per logit.
         Op::LinearCrossEntropy { .. }

@@ -141,6 +141,14 @@ define_ops! {
     /// `sum` would; `transpose_a` is always set (the rows are the product's inner dim).
     MatMulBiasGrad { lhs: bool } => "matmul_bias_grad", class Contraction, arity (2, 2),
         typing typing::matmul_bias_grad(inputs, *lhs);
+    /// A product by a frozen weight stored in NF4 ([`crate::nf4`], QLoRA's base): `(x [.., K],
+    /// codes u8 [ceil(rows * cols / 2)], absmax f32 [ceil(rows * cols / 64)]) -> [.., N]`, the
+    /// weight `[rows, cols]` dequantized (`code * absmax`, rounded to `x`'s dtype) and
+    /// multiplied as [`Op::MatMul`] would: `x W^T` (`transpose_b`, K = cols, N = rows) or
+    /// `x W` (K = rows, N = cols, the input gradient's product).
+    Nf4MatMul { transpose_b: bool, rows: usize, cols: usize } => "nf4_matmul",
+        class Contraction, arity (3, 3),
+        typing typing::nf4_matmul(inputs, *transpose_b, *rows, *cols);
     MatMulGeluGrad { transpose_a: bool, transpose_b: bool } => "matmul_gelu_grad",
         class Contraction, arity (3, 3),
         typing typing::matmul_gelu_grad(inputs, *transpose_a, *transpose_b);

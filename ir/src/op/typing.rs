@@ -352,6 +352,41 @@ pub fn matmul(inputs: &[&TensorType], transpose_a: bool, transpose_b: bool) -> T
     one(TensorType::new(a.dtype, batch))
 }
 
+/// `(x [.., K], codes u8, absmax f32) -> [.., N]` of a product by an NF4 weight `[rows, cols]`.
+pub fn nf4_matmul(inputs: &[&TensorType], transpose_b: bool, rows: usize, cols: usize) -> Types {
+    let (x, codes, absmax) = (inputs[0], inputs[1], inputs[2]);
+    require_float("x", x)?;
+    let numel = rows * cols;
+    let want_codes = Shape(vec![numel.div_ceil(2)]);
+    let want_absmax = Shape(vec![numel.div_ceil(crate::nf4::NF4_BLOCK)]);
+    if codes.dtype != DType::U8 || codes.shape != want_codes {
+        return Err(format!(
+            "nf4_matmul codes must be u8{want_codes} for a [{rows}, {cols}] weight, found {codes}"
+        ));
+    }
+    if absmax.dtype != DType::F32 || absmax.shape != want_absmax {
+        return Err(format!(
+            "nf4_matmul absmax must be f32{want_absmax} for a [{rows}, {cols}] weight, found \
+             {absmax}"
+        ));
+    }
+    let (k, n) = if transpose_b {
+        (cols, rows)
+    } else {
+        (rows, cols)
+    };
+    let dims = x.shape.dims();
+    if dims.last() != Some(&k) {
+        return Err(format!(
+            "nf4_matmul input {} does not end in the weight's inner dimension {k}",
+            x.shape
+        ));
+    }
+    let mut out = dims.to_vec();
+    *out.last_mut().unwrap_or(&mut 0) = n;
+    one(TensorType::new(x.dtype, Shape(out)))
+}
+
 /// `(a, b [K, N], bias [N]) -> outputs x [.., M, N]`: a product by a matrix (a weight) whose
 /// bias has one value per output column, of the operands' dtype.
 pub fn matmul_bias(

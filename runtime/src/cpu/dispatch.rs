@@ -188,6 +188,11 @@ pub fn execute(
             transpose_a,
             transpose_b,
         } => float(args, product(args, acc, out, *transpose_a, *transpose_b)?)?,
+        Op::Nf4MatMul {
+            transpose_b,
+            rows,
+            cols,
+        } => float(args, nf4_product(args, out, *transpose_b, (*rows, *cols))?)?,
         Op::MatMulBias {
             transpose_a,
             transpose_b,
@@ -511,6 +516,42 @@ fn product(
         transpose: transpose_b,
     };
     Ok(matmul::matmul(&a, &b, out.shape.dims()))
+}
+
+/// `x W^T` or `x W` of an NF4 weight `[rows, cols]` (codes operand 1, absmax operand 2):
+/// the weight dequantized and rounded to `x`'s dtype, then the product as `matmul` computes
+/// it, every row of `x` at once.
+fn nf4_product(
+    args: &Args,
+    out: &TensorType,
+    transpose_b: bool,
+    (rows, cols): (usize, usize),
+) -> Result<Vec<f32>, RuntimeError> {
+    let x = args.tensor(0)?;
+    let q = castor_ir::nf4::Nf4 {
+        packed: args.values::<u8>(1)?.to_vec(),
+        absmax: args.f32(2)?.to_vec(),
+        numel: rows * cols,
+    };
+    let dtype = x.dtype();
+    let weight: Vec<f32> = castor_ir::nf4::dequantize(&q, castor_ir::nf4::NF4_BLOCK)
+        .into_iter()
+        .map(|v| castor_ir::round_to(dtype, v))
+        .collect();
+    let k = *args.shape(0)?.last().unwrap_or(&0);
+    let m = args.shape(0)?.iter().product::<usize>() / k.max(1);
+    let n = *out.shape.dims().last().unwrap_or(&0);
+    let a = matmul::Operand {
+        data: args.f32(0)?,
+        shape: &[m, k],
+        transpose: false,
+    };
+    let b = matmul::Operand {
+        data: &weight,
+        shape: &[rows, cols],
+        transpose: transpose_b,
+    };
+    Ok(matmul::matmul(&a, &b, &[m, n]))
 }
 
 /// A classifier op's operands: hidden `[N, C]`, weight `[V, C]`, labels `[N]`.

@@ -27,6 +27,7 @@ mod embedding;
 mod gemm;
 mod layout;
 mod loss_scale;
+mod nf4;
 mod norm;
 mod ops;
 mod optimizer;

@@ -57,6 +57,7 @@ impl RunLowering<'_, '_> {
             | Op::MatMulBiasGelu { .. }
             | Op::MatMulGeluGrad { .. }
             | Op::MatMulBiasGrad { .. } => self.epilogue_product(n)?,
+            Op::Nf4MatMul { .. } => self.nf4_matmul(n)?,
             Op::Embedding { .. } => self.embedding(n)?,
             Op::EmbeddingGrad { vocab, padding } => {
                 self.embedding_grad(y, ins[0], ins[1], *vocab, *padding)?

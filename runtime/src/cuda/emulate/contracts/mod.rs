@@ -15,6 +15,7 @@ mod elementwise;
 mod embedding;
 mod generated;
 mod layout;
+mod nf4;
 mod norm;
 mod optimizer;
 mod reduce;
@@ -206,6 +207,9 @@ pub(super) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
     }
     if let Some(s) = e.strip_prefix("adamw8bit_") {
         return adamw8bit::update(m, l, float(s)?);
+    }
+    if let Some(s) = e.strip_prefix("nf4_dequantize_") {
+        return nf4::dequantize(m, l, float(s)?);
     }
     for (prefix, adamw, state) in [
         ("adamw_bf16state_", true, DType::BF16),

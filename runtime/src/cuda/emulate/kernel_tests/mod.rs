@@ -21,6 +21,7 @@ mod cast_layout;
 mod cross_entropy;
 mod elementwise;
 mod embedding;
+mod nf4;
 mod norm;
 mod optimizer;
 mod reduce;
@@ -334,6 +335,7 @@ fn covered() -> Vec<String> {
     [
         adafactor::entries(),
         adamw8bit::entries(),
+        nf4::entries(),
         attention::entries(),
         cast_layout::entries(),
         elementwise::entries(),
