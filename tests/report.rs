@@ -504,8 +504,10 @@ fn the_verdict_offers_the_fused_classifier() {
         .lines()
         .find(|l| l.contains("--classifier fused "))
         .unwrap_or_else(|| panic!("no fused-classifier offer in\n{out}"));
+    // The head's working memory includes its weight padded to 50,304 rows (77,302,528 bytes
+    // in BF16) for cuBLAS's aligned kernels.
     assert!(
-        offer.contains("planned peak 5,416,798,208 bytes"),
+        offer.contains("planned peak 5,494,100,736 bytes"),
         "{offer}"
     );
 }
