@@ -4,7 +4,7 @@
 //! (castor's parameter names are the checkpoint's, so only the prefix differs).
 
 use crate::CliError;
-use castor_ir::{LoraSettings, Tensor};
+use castor_ir::{LoraBase, LoraSettings, Tensor};
 use castor_models::{write_atomically, write_safetensors, SafetensorsFile};
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -199,6 +199,7 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
             rank,
             alpha,
             targets,
+            base: LoraBase::Compute,
         },
         tensors,
         fan_in_fan_out: field("fan_in_fan_out").and_then(Value::as_bool) == Some(true),

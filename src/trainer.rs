@@ -7,7 +7,7 @@
 //! until it is asked for.
 
 use crate::device::Selected;
-use castor_ir::{StateInit, Tensor, TrainingPlan};
+use castor_ir::{Tensor, TrainingPlan};
 use castor_runtime::cuda::profile::KernelProfile;
 use castor_runtime::cuda::{CudaPlanRunner, EmulatedPlanRunner, LoweredPlanRunner, Target};
 use castor_runtime::{PlanRunner, RuntimeError, StepReport};
@@ -211,22 +211,7 @@ impl Trainer {
             let entries = c.state_entries()?;
             match &mut self.host {
                 Some(h) => h.restore(entries)?,
-                None => {
-                    let by_name: HashMap<&str, &Tensor> =
-                        entries.iter().map(|(n, t)| (n.as_str(), t)).collect();
-                    // Masters are initialized by checkpoint name; find each one's entry.
-                    let plan = &self.plan;
-                    let checkpoint = |name: &str| {
-                        plan.state
-                            .iter()
-                            .find(|s| matches!(&s.init, StateInit::Checkpoint(n) if n == name))
-                            .and_then(|s| by_name.get(s.name.as_str()))
-                            .map(|t| (*t).clone())
-                    };
-                    let mut h = PlanRunner::new(plan.clone(), &checkpoint)?;
-                    h.restore(entries)?;
-                    self.host = Some(h);
-                }
+                None => self.host = Some(PlanRunner::with_state(self.plan.clone(), entries)?),
             }
             self.host_stale = false;
         }

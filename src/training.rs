@@ -3,7 +3,7 @@
 use crate::CliError;
 use anyhow::Context;
 use castor_ir::{
-    Classifier, Epilogues, LoraSettings, LossScaling, OptimizerKind, Remat, TrainSettings,
+    Classifier, Epilogues, LoraBase, LoraSettings, LossScaling, OptimizerKind, Remat, TrainSettings,
 };
 use castor_models::{Family, Model, Objective};
 use castor_passes::Precision;
@@ -164,6 +164,21 @@ pub struct TrainingArgs {
     )]
     #[serde(default)]
     pub lora_targets: Vec<String>,
+    /// How the frozen base's linear weights are stored: `compute` (the dtype the step reads
+    /// them in) or `nf4` (QLoRA: 4-bit NormalFloat in blocks of 64, as bitsandbytes stores
+    /// them, dequantized by each product; the LM head and embeddings stay). Needs --lora-rank.
+    #[arg(long, default_value = "compute", value_name = "BASE", value_parser = parse_base, help_heading = "LoRA")]
+    #[serde(default)]
+    pub base: LoraBase,
+}
+
+/// Parses `--base`.
+pub fn parse_base(s: &str) -> Result<LoraBase, String> {
+    match s {
+        "compute" => Ok(LoraBase::Compute),
+        "nf4" => Ok(LoraBase::Nf4),
+        other => Err(format!("`{other}`: the base is `compute` or `nf4`")),
+    }
 }
 
 /// Parses `--epilogues`.
@@ -311,6 +326,19 @@ impl TrainingArgs {
         Ok(())
     }
 
+    /// `--base nf4` quantizes the base under adapters: refused when the plan has none.
+    pub fn check_base(&self, lora: Option<&LoraSettings>) -> anyhow::Result<()> {
+        if self.base != LoraBase::Compute && lora.is_none() {
+            return Err(CliError::InvalidInput(
+                "--base nf4 quantizes the frozen base under LoRA adapters: give --lora-rank R \
+                 (or --adapter DIR)"
+                    .into(),
+            )
+            .into());
+        }
+        Ok(())
+    }
+
     /// The adapters `--lora-rank`, `--lora-alpha` and `--lora-targets` ask for; `family` gives
     /// the default targets (an IR file has none: it must name them).
     pub fn lora(&self, family: Option<Family>) -> anyhow::Result<Option<LoraSettings>> {
@@ -355,6 +383,7 @@ impl TrainingArgs {
             rank,
             alpha,
             targets,
+            base: self.base,
         }))
     }
 

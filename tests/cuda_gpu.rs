@@ -458,8 +458,8 @@ fn a_profiled_step_times_every_command_and_gives_the_same_state() {
 }
 
 /// A LoRA plan on the GPU against the CPU executor, from the command line: three steps of
-/// each family's PEFT fixture adapter, the losses and the saved adapters within the plan
-/// bounds (F32 1e-4; BF16 5e-2).
+/// each family's PEFT fixture adapter, on a base in its dtype and in NF4 (`--base nf4`), the losses
+/// and the saved adapters within the plan bounds (F32 1e-4; BF16 5e-2).
 #[test]
 fn lora_trains_on_the_gpu_as_on_the_cpu() {
     if !gpu() {
@@ -469,10 +469,10 @@ fn lora_trains_on_the_gpu_as_on_the_cpu() {
     let mut failures = Vec::new();
     for family in ["gpt2_lm", "llama_gqa", "qwen2_bias"] {
         let model = common::fixture(family);
-        for precision in ["fp32", "bf16"] {
+        for (precision, base) in [("fp32", "compute"), ("bf16", "compute"), ("bf16", "nf4")] {
             let mut runs = Vec::new();
             for device in ["cpu", "cuda"] {
-                let tag = format!("{family}-{precision}-{device}");
+                let tag = format!("{family}-{precision}-{base}-{device}");
                 let (log, save) = (
                     tmp.path().join(format!("{tag}.jsonl")),
                     tmp.path().join(&tag),
@@ -488,6 +488,8 @@ fn lora_trains_on_the_gpu_as_on_the_cpu() {
                     "3",
                     "--precision",
                     precision,
+                    "--base",
+                    base,
                     "--device",
                     device,
                     "--log",
@@ -512,9 +514,11 @@ fn lora_trains_on_the_gpu_as_on_the_cpu() {
                 ("adapters", &runs[0].1, &runs[1].1),
             ] {
                 let err = relative_error(b, a);
-                println!("{family:10} {precision} LoRA {what} {err:.2e}");
+                println!("{family:10} {precision} {base:7} LoRA {what} {err:.2e}");
                 if err.is_nan() || err >= tol {
-                    failures.push(format!("{family} {precision}: LoRA {what} {err:.2e}"));
+                    failures.push(format!(
+                        "{family} {precision} {base}: LoRA {what} {err:.2e}"
+                    ));
                 }
             }
         }

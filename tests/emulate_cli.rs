@@ -160,8 +160,9 @@ fn a_kernel_profile_needs_a_gpu() {
     }
 }
 
-/// A LoRA plan (adapters beside the products, the base frozen in the step's dtype) trains on
-/// the emulator as on the CPU: the same losses and the same saved adapter, byte for byte.
+/// A LoRA plan (adapters beside the products, the base frozen in the step's dtype or in NF4)
+/// trains on the emulator as on the CPU: the same losses and the same saved adapter, byte for
+/// byte.
 #[test]
 fn lora_trains_on_the_emulator_as_on_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
@@ -172,10 +173,16 @@ fn lora_trains_on_the_emulator_as_on_the_cpu() {
     ] {
         let model = fixture(family);
         let data = model.join("input.safetensors");
-        for precision in ["fp32", "bf16", "fp16"] {
+        for (precision, base) in [
+            ("fp32", "compute"),
+            ("bf16", "compute"),
+            ("fp16", "compute"),
+            ("fp32", "nf4"),
+            ("bf16", "nf4"),
+        ] {
             let mut runs = Vec::new();
             for device in ["cpu", "emulate"] {
-                let tag = format!("lora-{family}-{precision}-{device}");
+                let tag = format!("lora-{family}-{precision}-{base}-{device}");
                 let (log, save) = (
                     tmp.path().join(format!("{tag}.jsonl")),
                     tmp.path().join(&tag),
@@ -193,6 +200,8 @@ fn lora_trains_on_the_emulator_as_on_the_cpu() {
                     "3",
                     "--precision",
                     precision,
+                    "--base",
+                    base,
                     "--device",
                     device,
                     "--log",
@@ -206,10 +215,10 @@ fn lora_trains_on_the_emulator_as_on_the_cpu() {
                     std::fs::read(save.join("adapter_model.safetensors")).unwrap(),
                 ));
             }
-            assert_eq!(runs[0].0, runs[1].0, "{family} {precision}: losses");
+            assert_eq!(runs[0].0, runs[1].0, "{family} {precision} {base}: losses");
             assert!(
                 runs[0].1 == runs[1].1,
-                "{family} {precision}: saved adapters differ"
+                "{family} {precision} {base}: saved adapters differ"
             );
         }
     }

@@ -106,6 +106,19 @@ pub fn dequantize(q: &Nf4, block: usize) -> Vec<f32> {
         .collect()
 }
 
+/// The quantization error of `values` in NF4: `(sum (w - w')^2, sum w^2)` in F64, `w'` the
+/// dequantized values, so that errors over many weights add up to one relative error.
+pub fn squared_error(values: &[f32], block: usize) -> (f64, f64) {
+    let back = dequantize(&quantize(values, block), block);
+    values
+        .iter()
+        .zip(&back)
+        .fold((0.0, 0.0), |(e, n), (&w, &b)| {
+            let d = f64::from(w) - f64::from(b);
+            (e + d * d, n + f64::from(w) * f64::from(w))
+        })
+}
+
 /// Bytes an NF4 weight of `numel` values takes: its codes and its F32 absmaxes.
 pub fn nf4_bytes(numel: usize, block: usize) -> usize {
     numel.div_ceil(2) + 4 * numel.div_ceil(block.max(1))

@@ -314,6 +314,7 @@ mod tests {
                 rank: 2,
                 alpha: 8.0,
                 targets: targets.iter().map(|t| t.to_string()).collect(),
+                base: castor_ir::LoraBase::Compute,
             },
         }
     }

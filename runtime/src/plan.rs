@@ -66,6 +66,13 @@ impl PlanRunner {
                     })?;
                     checkpoint_state(t, &spec.name, &spec.ty)?
                 }
+                StateInit::Nf4 { tensor, part } => {
+                    let t = checkpoint(tensor).ok_or_else(|| RuntimeError::MissingBinding {
+                        name: tensor.clone(),
+                        expected: spec.ty.clone(),
+                    })?;
+                    nf4_state(t, &spec.name, *part, &spec.ty)?
+                }
                 StateInit::CopyOf(_) => continue,
                 StateInit::Zeros => zeros(&spec.ty),
                 StateInit::Values(v) => Tensor::from_f32(
@@ -75,6 +82,42 @@ impl PlanRunner {
                 ),
             };
             state.insert(spec.name.clone(), t);
+        }
+        Ok(PlanRunner {
+            plan,
+            state,
+            executor: CpuExecutor::new(),
+        })
+    }
+
+    /// A runner whose state is `entries` (another executor's, read back): every entry the
+    /// plan initializes must be there, with its type.
+    pub fn with_state(
+        plan: TrainingPlan,
+        entries: Vec<(String, Tensor)>,
+    ) -> Result<PlanRunner, RuntimeError> {
+        plan.check()?;
+        let state: HashMap<String, Tensor> = entries.into_iter().collect();
+        for spec in &plan.state {
+            if spec.role == StateRole::WorkingCopy || matches!(spec.init, StateInit::CopyOf(_)) {
+                continue;
+            }
+            match state.get(&spec.name) {
+                Some(t) if t.ty() == &spec.ty => {}
+                Some(t) => {
+                    return Err(RuntimeError::BindingMismatch {
+                        name: spec.name.clone(),
+                        expected: spec.ty.clone(),
+                        found: t.ty().clone(),
+                    })
+                }
+                None => {
+                    return Err(RuntimeError::MissingBinding {
+                        name: spec.name.clone(),
+                        expected: spec.ty.clone(),
+                    })
+                }
+            }
         }
         Ok(PlanRunner {
             plan,
@@ -279,6 +322,25 @@ pub(crate) fn zeros(ty: &TensorType) -> Tensor {
 
 /// A checkpoint tensor as the state entry of type `ty`: an F32 master, or a frozen parameter
 /// in the dtype the step reads it in.
+/// Part `part` of checkpoint tensor `t` (named `tensor`) quantized to NF4 for state entry
+/// `name` of type `ty`.
+pub(crate) fn nf4_state(
+    t: Tensor,
+    name: &str,
+    part: castor_ir::Nf4Part,
+    ty: &TensorType,
+) -> Result<Tensor, RuntimeError> {
+    let numel = t.shape().numel().unwrap_or(0);
+    match t.as_f32() {
+        Some(values) if &part.ty(numel) == ty => Ok(part.quantize(values)),
+        _ => Err(RuntimeError::BindingMismatch {
+            name: name.into(),
+            expected: ty.clone(),
+            found: t.ty().clone(),
+        }),
+    }
+}
+
 pub(crate) fn checkpoint_state(
     t: Tensor,
     name: &str,

@@ -194,6 +194,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         true => args.training.lora(model.as_ref().map(|m| m.family()))?,
         false => None,
     };
+    args.training.check_base(lora.as_ref())?;
     let (graph, lora_report) = crate::training::with_adapters(graph, lora.as_ref())?;
     // --dump-after names a precision pass or, for a training step, a training-build pass.
     let training = Executor::Cuda.pipeline();

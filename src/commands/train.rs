@@ -22,7 +22,7 @@ use crate::trainer::Trainer;
 use crate::training::TrainingArgs;
 use crate::CliError;
 use anyhow::Context;
-use castor_ir::{TrainSettings, TrainingPlan};
+use castor_ir::{LoraSettings, TrainSettings, TrainingPlan};
 use castor_models::Model;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
@@ -257,7 +257,11 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
                 lora: from_file, ..
             }),
             Some(given),
-        ) if *from_file != given => {
+        ) if (LoraSettings {
+            base: given.base,
+            ..from_file.clone()
+        }) != given =>
+        {
             return Err(CliError::InvalidInput(format!(
                 "--adapter has r={}, lora_alpha={}, target_modules {:?}; --lora-* flags ask \
                  for r={}, alpha={}, targets {:?}: leave them out to continue the adapter",
@@ -270,9 +274,16 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
             ))
             .into())
         }
-        (Some(loaded), _) => Some(loaded.lora.clone()),
+        // An adapter file does not say how the base was stored: --base does.
+        (Some(loaded), _) => Some(LoraSettings {
+            base: args.training.base,
+            ..loaded.lora.clone()
+        }),
         (None, given) => given,
     };
+    if args.plan.is_none() {
+        args.training.check_base(lora.as_ref())?;
+    }
     if let Some(dir) = &resume_dir {
         outln!("resume      {} (step {first_step})", dir.display());
     }
@@ -293,14 +304,20 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
             let plan = TrainingPlan::from_json(&text)
                 .map_err(|e| CliError::InvalidInput(format!("`{}`: {e}", path.display())))?;
             resume::check_plan_flags(&plan.settings, &args, given, path)?;
-            let asked = args.adapter.is_some() || args.training.lora_rank.is_some();
-            if asked && lora != plan.settings.lora {
+            let asked = args.adapter.is_some()
+                || args.training.lora_rank.is_some()
+                || !args.training.base.is_compute();
+            let plan_base = plan.settings.lora.as_ref().map(|l| l.base);
+            let base_differs = plan_base.is_some_and(|b| b != args.training.base)
+                || (plan_base.is_none() && !args.training.base.is_compute());
+            if asked && (lora != plan.settings.lora || base_differs) {
                 let show = |l: &Option<castor_ir::LoraSettings>| match l {
                     Some(l) => format!(
-                        "r={}, alpha={}, targets {}",
+                        "r={}, alpha={}, targets {}, base {:?}",
                         l.rank,
                         l.alpha,
-                        l.targets.join(",")
+                        l.targets.join(","),
+                        l.base
                     ),
                     None => "none".into(),
                 };
@@ -402,6 +419,9 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
             args.adapter.as_deref(),
             args.run.seed ^ INIT_SEED,
         )?);
+    }
+    if let Some(line) = nf4_error(&planned.plan, &params) {
+        outln!("{line}");
     }
     let settings = planned.plan.settings.clone();
     let mut runner = Trainer::new(
@@ -691,4 +711,49 @@ pub fn compile_plan(
         plan,
         summary: Some(summary),
     })
+}
+
+/// `--base nf4`: how far the quantized base is from the checkpoint's weights, over all of
+/// them (`||W - W'|| / ||W||`, `W'` the dequantized weights the products read) and for the
+/// worst one.
+fn nf4_error(
+    plan: &TrainingPlan,
+    params: &std::collections::HashMap<String, castor_ir::Tensor>,
+) -> Option<String> {
+    use rayon::prelude::*;
+    let mut names: Vec<&str> = plan
+        .state
+        .iter()
+        .filter_map(|s| match &s.init {
+            castor_ir::StateInit::Nf4 { tensor, .. } => Some(tensor.as_str()),
+            _ => None,
+        })
+        .collect();
+    names.dedup();
+    if names.is_empty() {
+        return None;
+    }
+    let errors: Vec<(&str, f64, f64)> = names
+        .par_iter()
+        .filter_map(|&n| {
+            let values = params.get(n)?.as_f32()?;
+            let (e, w) = castor_ir::nf4::squared_error(values, castor_ir::nf4::NF4_BLOCK);
+            Some((n, e, w))
+        })
+        .collect();
+    let (e, w) = errors
+        .iter()
+        .fold((0.0, 0.0), |(a, b), &(_, e, w)| (a + e, b + w));
+    let worst = errors
+        .iter()
+        .map(|&(n, e, w)| (n, (e / w.max(f64::MIN_POSITIVE)).sqrt()))
+        .max_by(|a, b| a.1.total_cmp(&b.1))?;
+    Some(format!(
+        "nf4         {} base weights quantized: relative error {:.4} over all of them \
+         (||W - W'|| / ||W||), worst {:.4} (`{}`)",
+        errors.len(),
+        (e / w.max(f64::MIN_POSITIVE)).sqrt(),
+        worst.1,
+        worst.0
+    ))
 }

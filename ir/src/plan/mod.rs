@@ -20,7 +20,7 @@ mod settings;
 
 pub use control::{ControlState, GRAD_NORM, LEARNING_RATE};
 pub use settings::{
-    Classifier, Epilogues, LoraSettings, LossScaling, OptimizerKind, Remat, TrainSettings,
+    Classifier, Epilogues, LoraBase, LoraSettings, LossScaling, OptimizerKind, Remat, TrainSettings,
 };
 
 use crate::{text, DType, Graph, IrError, KernelUnit, Shape, TensorType};
@@ -100,6 +100,58 @@ pub enum StateInit {
     Zeros,
     /// These values, one per element.
     Values(Vec<f64>),
+    /// One part of the checkpoint tensor `tensor` quantized to NF4 ([`crate::nf4`], blocks of
+    /// [`crate::nf4::NF4_BLOCK`]).
+    Nf4 {
+        tensor: String,
+        part: Nf4Part,
+    },
+}
+
+/// The two state entries of a weight stored in NF4.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Nf4Part {
+    /// The packed 4-bit codes, two per byte: u8 `[ceil(n / 2)]`.
+    Codes,
+    /// One F32 absolute maximum per block: f32 `[ceil(n / 64)]`.
+    Absmax,
+}
+
+impl Nf4Part {
+    /// The entry's name for weight `weight`.
+    pub fn name(self, weight: &str) -> String {
+        match self {
+            Nf4Part::Codes => format!("{weight}.nf4_codes"),
+            Nf4Part::Absmax => format!("{weight}.nf4_absmax"),
+        }
+    }
+
+    /// The entry's type for a weight of `numel` values.
+    pub fn ty(self, numel: usize) -> crate::TensorType {
+        match self {
+            Nf4Part::Codes => {
+                crate::TensorType::new(crate::DType::U8, crate::Shape(vec![numel.div_ceil(2)]))
+            }
+            Nf4Part::Absmax => crate::TensorType::new(
+                crate::DType::F32,
+                crate::Shape(vec![numel.div_ceil(crate::nf4::NF4_BLOCK)]),
+            ),
+        }
+    }
+
+    /// This part of `values` (a weight flattened row-major) quantized to NF4.
+    pub fn quantize(self, values: &[f32]) -> crate::Tensor {
+        let q = crate::nf4::quantize(values, crate::nf4::NF4_BLOCK);
+        match self {
+            Nf4Part::Codes => crate::Tensor::from_u8(crate::Shape(vec![q.packed.len()]), q.packed),
+            Nf4Part::Absmax => crate::Tensor::from_f32(
+                crate::DType::F32,
+                crate::Shape(vec![q.absmax.len()]),
+                q.absmax,
+            ),
+        }
+    }
 }
 
 /// A plan file that cannot be used.

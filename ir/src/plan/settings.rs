@@ -56,6 +56,26 @@ pub struct LoraSettings {
     pub rank: usize,
     pub alpha: f64,
     pub targets: Vec<String>,
+    /// How the frozen base is stored (`--base`).
+    #[serde(default, skip_serializing_if = "LoraBase::is_compute")]
+    pub base: LoraBase,
+}
+
+/// How a LoRA plan stores its frozen base's linear weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LoraBase {
+    /// In the dtype the step reads them in (the compute dtype under a 16-bit policy).
+    #[default]
+    Compute,
+    /// In NF4 ([`crate::nf4`]), dequantized by each product (QLoRA).
+    Nf4,
+}
+
+impl LoraBase {
+    pub fn is_compute(&self) -> bool {
+        *self == LoraBase::Compute
+    }
 }
 
 impl LoraSettings {

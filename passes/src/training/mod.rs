@@ -31,6 +31,7 @@ mod classifier;
 mod epilogue;
 mod gradients;
 mod in_backward;
+mod nf4;
 mod optimizer;
 
 use crate::memory::{MemoryModel, NodeLevel};
@@ -218,7 +219,8 @@ pub struct TrainingOutput {
 }
 
 impl Default for TrainingPipeline {
-    /// classifier, autodiff, classifier_step, epilogue, accumulate, optimizer, remat, fusion.
+    /// classifier, autodiff, classifier_step, epilogue, accumulate, optimizer, nf4, remat,
+    /// fusion.
     fn default() -> Self {
         TrainingPipeline::new(vec![
             Box::new(classifier::FuseClassifier),
@@ -227,6 +229,7 @@ impl Default for TrainingPipeline {
             Box::new(epilogue::FuseEpilogues),
             Box::new(gradients::Accumulate),
             Box::new(optimizer::OptimizerStep),
+            Box::new(nf4::Nf4Base),
             Box::new(Rematerialize),
             Box::new(Fuse),
         ])
@@ -570,6 +573,7 @@ mod tests {
                 "epilogue",
                 "accumulate",
                 "optimizer",
+                "nf4",
                 "remat",
                 "fusion"
             ]
@@ -580,7 +584,7 @@ mod tests {
                 .unwrap()
                 .run(&loss_graph(), settings())
                 .unwrap();
-            assert_eq!(out.reports.len(), 8);
+            assert_eq!(out.reports.len(), 9);
             let dump = out.dump.unwrap();
             assert!(dump.starts_with("graph micro_step {"), "{name}: {dump}");
             // Accumulation over two micro-batches adds the gradient to its state.
@@ -608,7 +612,7 @@ mod tests {
             .to_string();
         assert!(
             err.contains(
-                "autodiff, classifier_step, epilogue, accumulate, optimizer, remat, fusion"
+                "autodiff, classifier_step, epilogue, accumulate, optimizer, nf4, remat, fusion"
             ),
             "{err}"
         );

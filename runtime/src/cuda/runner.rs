@@ -472,6 +472,13 @@ pub fn initial_state(
                 })?;
                 crate::plan::checkpoint_state(t, &spec.name, &spec.ty)?
             }
+            StateInit::Nf4 { tensor, part } => {
+                let t = checkpoint(tensor).ok_or_else(|| RuntimeError::MissingBinding {
+                    name: tensor.clone(),
+                    expected: spec.ty.clone(),
+                })?;
+                crate::plan::nf4_state(t, &spec.name, *part, &spec.ty)?
+            }
             StateInit::CopyOf(_) => continue,
             StateInit::Zeros => crate::plan::zeros(&spec.ty),
             StateInit::Values(v) => Tensor::from_f32(
