@@ -19,24 +19,6 @@ use castor_models::{write_safetensors, Checkpoint};
 use common::*;
 use std::path::Path;
 
-/// The plan `compile --emit plan` writes for `model` with `flags`.
-fn compiled_plan(model: &Path, flags: &[&str]) -> TrainingPlan {
-    let tmp = tempfile::tempdir().unwrap();
-    let out = tmp.path().join("plan.json");
-    let mut args = vec![
-        "compile",
-        path_str(model),
-        "--emit",
-        "plan",
-        "-o",
-        path_str(&out),
-    ];
-    args.extend_from_slice(flags);
-    let o = castor(&args);
-    assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
-    TrainingPlan::from_json(&std::fs::read_to_string(&out).unwrap()).unwrap()
-}
-
 /// The checkpoint tensors an NF4 plan quantizes.
 fn quantized_names(plan: &TrainingPlan) -> Vec<String> {
     let mut names: Vec<String> = plan
@@ -102,8 +84,8 @@ fn an_nf4_base_trains_exactly_as_its_dequantized_weights() {
         let tmp = tempfile::tempdir().unwrap();
         let model = fixture(family);
         let adapter = model.join("lora");
-        let plan = compiled_plan(
-            &model,
+        let plan = cuda_cases::plan(
+            family,
             &["--lora-rank", "4", "--base", "nf4", "--objective", "sum"],
         );
         let names = quantized_names(&plan);
