@@ -83,17 +83,22 @@ fn demo_trains_and_writes_pictures_and_a_checkpoint() {
                 .map(|(_, cmd)| cmd.to_string())
         })
         .unwrap_or_else(|| panic!("no LoRA suggestion in\n{s}"));
-    let adapters = tmp.path().join("adapters");
-    let cmd = next
-        .replace("TEXT", "assets/corpus.txt")
-        .replace("DIR", path_str(&adapters));
-    let mut args = vec!["train"];
-    args.extend(cmd.split_whitespace());
-    args.extend(["--steps", "3", "--batch", "2", "--seq", "32"]);
-    let o = castor(&args);
-    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
-    assert!(adapters.join("adapter_config.json").is_file());
-    assert!(adapters.join("adapter_model.safetensors").is_file());
+    // And with the base in NF4, as the line after it says.
+    assert!(s.contains("as QLoRA: add --base nf4"), "{s}");
+    for (tag, extra) in [("adapters", &[][..]), ("qlora", &["--base", "nf4"][..])] {
+        let adapters = tmp.path().join(tag);
+        let cmd = next
+            .replace("TEXT", "assets/corpus.txt")
+            .replace("DIR", path_str(&adapters));
+        let mut args = vec!["train"];
+        args.extend(cmd.split_whitespace());
+        args.extend(["--steps", "3", "--batch", "2", "--seq", "32"]);
+        args.extend_from_slice(extra);
+        let o = castor(&args);
+        assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+        assert!(adapters.join("adapter_config.json").is_file());
+        assert!(adapters.join("adapter_model.safetensors").is_file());
+    }
     // Deterministic: the same command writes the same log.
     let again = tmp.path().join("again");
     let o = castor(&["demo", "--steps", "30", "--out", path_str(&again)]);

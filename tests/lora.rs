@@ -306,39 +306,45 @@ fn the_frozen_base_is_stored_once() {
 #[test]
 fn lora_fine_tuning_lowers_the_loss_of_the_tiny_model() {
     let tmp = tempfile::tempdir().unwrap();
-    let log = tmp.path().join("lora.jsonl");
-    let o = castor(&[
-        "train",
-        "assets/tiny-gpt2.json",
-        "--data",
-        "assets/corpus.txt",
-        "--lora-rank",
-        "8",
-        "--lora-alpha",
-        "16",
-        "--lora-targets",
-        "c_attn,c_proj,c_fc",
-        "--batch",
-        "8",
-        "--seq",
-        "64",
-        "--steps",
-        "40",
-        "--lr",
-        "3e-3",
-        "--device",
-        "cpu",
-        "--log",
-        path_str(&log),
-    ]);
-    assert!(o.status.success(), "{}", stderr(&o));
-    assert!(stdout(&o).contains("lora        r=8, alpha=16 (scale 2)"));
-    // The base is random and frozen (its embeddings too), so the adapters alone move the loss:
-    // measured 5.38 -> 5.21 over the first and last five steps.
-    let losses = log_losses(&log);
-    let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
-    let (first, last) = (mean(&losses[..5]), mean(&losses[losses.len() - 5..]));
-    assert!(last < first - 0.1, "loss {first:.3} -> {last:.3}");
+    // On a base in its dtype, and in NF4 (QLoRA).
+    for base in ["compute", "nf4"] {
+        let log = tmp.path().join(format!("lora-{base}.jsonl"));
+        let o = castor(&[
+            "train",
+            "assets/tiny-gpt2.json",
+            "--data",
+            "assets/corpus.txt",
+            "--lora-rank",
+            "8",
+            "--lora-alpha",
+            "16",
+            "--lora-targets",
+            "c_attn,c_proj,c_fc",
+            "--base",
+            base,
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--steps",
+            "40",
+            "--lr",
+            "3e-3",
+            "--device",
+            "cpu",
+            "--log",
+            path_str(&log),
+        ]);
+        assert!(o.status.success(), "{base}: {}", stderr(&o));
+        assert!(stdout(&o).contains("lora        r=8, alpha=16 (scale 2)"));
+        // The base is random and frozen (its embeddings too), so the adapters alone move the
+        // loss: measured 5.38 -> 5.21 over the first and last five steps (compute base).
+        let losses = log_losses(&log);
+        let mean = |s: &[f64]| s.iter().sum::<f64>() / s.len() as f64;
+        let (first, last) = (mean(&losses[..5]), mean(&losses[losses.len() - 5..]));
+        println!("{base}: loss {first:.3} -> {last:.3}");
+        assert!(last < first - 0.1, "{base}: loss {first:.3} -> {last:.3}");
+    }
 }
 
 #[test]

@@ -432,6 +432,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
          train {} --data TEXT --lora-rank 8 --lora-targets c_attn,c_proj,c_fc --save DIR",
         ckpt.display()
     );
+    outln!("            with its frozen base in 4 bits, as QLoRA: add --base nf4");
     outln!("done        in {:.1} s", start.elapsed().as_secs_f64());
     Ok(())
 }
