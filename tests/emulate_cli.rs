@@ -178,6 +178,7 @@ fn lora_trains_on_the_emulator_as_on_the_cpu() {
             ("bf16", "compute"),
             ("fp16", "compute"),
             ("fp32", "nf4"),
+            ("tf32", "nf4"),
             ("bf16", "nf4"),
         ] {
             let mut runs = Vec::new();

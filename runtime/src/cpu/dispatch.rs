@@ -192,7 +192,10 @@ pub fn execute(
             transpose_b,
             rows,
             cols,
-        } => float(args, nf4_product(args, out, *transpose_b, (*rows, *cols))?)?,
+        } => float(
+            args,
+            nf4_product(args, acc, out, *transpose_b, (*rows, *cols))?,
+        )?,
         Op::MatMulBias {
             transpose_a,
             transpose_b,
@@ -520,9 +523,10 @@ fn product(
 
 /// `x W^T` or `x W` of an NF4 weight `[rows, cols]` (codes operand 1, absmax operand 2):
 /// the weight dequantized and rounded to `x`'s dtype, then the product as `matmul` computes
-/// it, every row of `x` at once.
+/// it (with TF32 operands under TF32 accumulation, as [`product`]), every row of `x` at once.
 fn nf4_product(
     args: &Args,
+    acc: Option<Accum>,
     out: &TensorType,
     transpose_b: bool,
     (rows, cols): (usize, usize),
@@ -534,15 +538,22 @@ fn nf4_product(
         numel: rows * cols,
     };
     let dtype = x.dtype();
-    let weight: Vec<f32> = castor_ir::nf4::dequantize(&q, castor_ir::nf4::NF4_BLOCK)
+    let tf32 = acc == Some(Accum::Tf32);
+    let mut weight: Vec<f32> = castor_ir::nf4::dequantize(&q, castor_ir::nf4::NF4_BLOCK)
         .into_iter()
         .map(|v| castor_ir::round_to(dtype, v))
         .collect();
+    let x_tf32 = if tf32 {
+        weight = to_tf32(&weight);
+        to_tf32(args.f32(0)?)
+    } else {
+        Vec::new()
+    };
     let k = *args.shape(0)?.last().unwrap_or(&0);
     let m = args.shape(0)?.iter().product::<usize>() / k.max(1);
     let n = *out.shape.dims().last().unwrap_or(&0);
     let a = matmul::Operand {
-        data: args.f32(0)?,
+        data: if tf32 { &x_tf32 } else { args.f32(0)? },
         shape: &[m, k],
         transpose: false,
     };
