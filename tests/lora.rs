@@ -264,19 +264,7 @@ fn the_frozen_base_is_stored_once() {
     ]);
     assert!(o.status.success(), "{}", stderr(&o));
     let out = stdout(&o);
-    let bytes = |row: &str| -> u64 {
-        let line = out
-            .lines()
-            .find(|l| l.trim_start().starts_with(row))
-            .unwrap_or_else(|| panic!("no `{row}` row in\n{out}"));
-        line.trim_start()[row.len()..]
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .replace(',', "")
-            .parse()
-            .unwrap()
-    };
+    let bytes = |row: &str| anatomy_row(&out, row);
     let report = out
         .lines()
         .find(|l| l.contains("pass        lora"))

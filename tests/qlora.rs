@@ -136,20 +136,10 @@ fn frozen_and_total(model: &Path, flags: &[&str]) -> (u64, u64) {
     let o = castor(&args);
     assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
     let out = stdout(&o);
-    let row = |label: &str| -> u64 {
-        let line = out
-            .lines()
-            .find(|l| l.trim_start().starts_with(label))
-            .unwrap_or_else(|| panic!("no `{label}` row in\n{out}"));
-        line.trim_start()[label.len()..]
-            .split_whitespace()
-            .next()
-            .unwrap()
-            .replace(',', "")
-            .parse()
-            .unwrap()
-    };
-    (row("frozen base weights"), row("total"))
+    (
+        anatomy_row(&out, "frozen base weights"),
+        anatomy_total(&out),
+    )
 }
 
 /// LLaMA-2-7B, LoRA r=16 on every attention and MLP product, bf16, B=1, T=4096, selective

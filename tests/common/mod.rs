@@ -175,17 +175,23 @@ pub fn castor_peak_rss(args: &[&str]) -> (Output, u64) {
 
 /// The anatomy's `total` row of a `compile --train` report: the planned peak in bytes.
 pub fn anatomy_total(report: &str) -> u64 {
+    anatomy_row(report, "total")
+}
+
+/// The bytes of the anatomy row `label` (`frozen base weights`, `gradients`, ...) of a
+/// `compile --train` report.
+pub fn anatomy_row(report: &str, label: &str) -> u64 {
     report
         .lines()
         .find_map(|l| {
-            let rest = l.trim_start().strip_prefix("total")?;
+            let rest = l.trim_start().strip_prefix(label)?;
             rest.split_whitespace()
                 .next()?
                 .replace(',', "")
                 .parse()
                 .ok()
         })
-        .unwrap_or_else(|| panic!("no anatomy total in\n{report}"))
+        .unwrap_or_else(|| panic!("no anatomy row `{label}` in\n{report}"))
 }
 
 /// The program roofline's MFU, in percent, from the `cuda` line of a `compile --train` report.
