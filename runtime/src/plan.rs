@@ -56,6 +56,7 @@ impl PlanRunner {
     ) -> Result<PlanRunner, RuntimeError> {
         plan.check()?;
         let mut state = HashMap::new();
+        let mut nf4 = Nf4States::default();
         for spec in &plan.state {
             let t = match &spec.init {
                 _ if spec.role == StateRole::WorkingCopy => continue,
@@ -66,13 +67,7 @@ impl PlanRunner {
                     })?;
                     checkpoint_state(t, &spec.name, &spec.ty)?
                 }
-                StateInit::Nf4 { tensor, part } => {
-                    let t = checkpoint(tensor).ok_or_else(|| RuntimeError::MissingBinding {
-                        name: tensor.clone(),
-                        expected: spec.ty.clone(),
-                    })?;
-                    nf4_state(t, &spec.name, *part, &spec.ty)?
-                }
+                StateInit::Nf4 { tensor, part } => nf4.entry(checkpoint, tensor, *part, spec)?,
                 StateInit::CopyOf(_) => continue,
                 StateInit::Zeros => zeros(&spec.ty),
                 StateInit::Values(v) => Tensor::from_f32(
@@ -320,27 +315,58 @@ pub(crate) fn zeros(ty: &TensorType) -> Tensor {
     }
 }
 
-/// A checkpoint tensor as the state entry of type `ty`: an F32 master, or a frozen parameter
-/// in the dtype the step reads it in.
-/// Part `part` of checkpoint tensor `t` (named `tensor`) quantized to NF4 for state entry
-/// `name` of type `ty`.
-pub(crate) fn nf4_state(
-    t: Tensor,
-    name: &str,
-    part: castor_ir::Nf4Part,
-    ty: &TensorType,
-) -> Result<Tensor, RuntimeError> {
-    let numel = t.shape().numel().unwrap_or(0);
-    match t.as_f32() {
-        Some(values) if &part.ty(numel) == ty => Ok(part.quantize(values)),
-        _ => Err(RuntimeError::BindingMismatch {
-            name: name.into(),
-            expected: ty.clone(),
-            found: t.ty().clone(),
-        }),
+/// The NF4 state entries of a plan, each weight quantized once: its two entries (codes, block
+/// maxima) are adjacent in the plan's state, so the last weight quantized is kept for the
+/// second.
+#[derive(Default)]
+pub(crate) struct Nf4States {
+    last: Option<(String, castor_ir::nf4::Nf4)>,
+}
+
+impl Nf4States {
+    /// Part `part` of checkpoint tensor `tensor` in NF4, for state entry `spec`.
+    pub(crate) fn entry(
+        &mut self,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+        tensor: &str,
+        part: castor_ir::Nf4Part,
+        spec: &castor_ir::StateSpec,
+    ) -> Result<Tensor, RuntimeError> {
+        if self.last.as_ref().is_none_or(|(n, _)| n != tensor) {
+            let t = checkpoint(tensor).ok_or_else(|| RuntimeError::MissingBinding {
+                name: tensor.into(),
+                expected: spec.ty.clone(),
+            })?;
+            let numel = t.shape().numel().unwrap_or(0);
+            let values = t
+                .as_f32()
+                .filter(|_| part.ty(numel) == spec.ty)
+                .ok_or_else(|| RuntimeError::BindingMismatch {
+                    name: spec.name.clone(),
+                    expected: spec.ty.clone(),
+                    found: t.ty().clone(),
+                })?;
+            let q = castor_ir::nf4::quantize(values, castor_ir::nf4::NF4_BLOCK);
+            self.last = Some((tensor.to_string(), q));
+        }
+        let (_, q) = self.last.as_ref().ok_or_else(|| RuntimeError::Internal {
+            node: spec.name.clone(),
+            message: "no quantized weight".into(),
+        })?;
+        let t = part.of(q);
+        if t.ty() != &spec.ty {
+            return Err(RuntimeError::BindingMismatch {
+                name: spec.name.clone(),
+                expected: spec.ty.clone(),
+                found: t.ty().clone(),
+            });
+        }
+        Ok(t)
     }
 }
 
+/// A checkpoint tensor as the state entry of type `ty`: an F32 master, or a frozen parameter
+/// in the dtype the step reads it in.
 pub(crate) fn checkpoint_state(
     t: Tensor,
     name: &str,

@@ -140,15 +140,16 @@ impl Nf4Part {
         }
     }
 
-    /// This part of `values` (a weight flattened row-major) quantized to NF4.
-    pub fn quantize(self, values: &[f32]) -> crate::Tensor {
-        let q = crate::nf4::quantize(values, crate::nf4::NF4_BLOCK);
+    /// This part of the quantized weight `q`.
+    pub fn of(self, q: &crate::nf4::Nf4) -> crate::Tensor {
         match self {
-            Nf4Part::Codes => crate::Tensor::from_u8(crate::Shape(vec![q.packed.len()]), q.packed),
+            Nf4Part::Codes => {
+                crate::Tensor::from_u8(crate::Shape(vec![q.packed.len()]), q.packed.clone())
+            }
             Nf4Part::Absmax => crate::Tensor::from_f32(
                 crate::DType::F32,
                 crate::Shape(vec![q.absmax.len()]),
-                q.absmax,
+                q.absmax.clone(),
             ),
         }
     }

@@ -460,6 +460,7 @@ pub fn initial_state(
     checkpoint: &dyn Fn(&str) -> Option<Tensor>,
 ) -> Result<Vec<(String, Tensor)>, RuntimeError> {
     let mut state = Vec::new();
+    let mut nf4 = crate::plan::Nf4States::default();
     for spec in &plan.state {
         if spec.role == StateRole::WorkingCopy {
             continue; // the prologue derives copies from masters
@@ -472,13 +473,7 @@ pub fn initial_state(
                 })?;
                 crate::plan::checkpoint_state(t, &spec.name, &spec.ty)?
             }
-            StateInit::Nf4 { tensor, part } => {
-                let t = checkpoint(tensor).ok_or_else(|| RuntimeError::MissingBinding {
-                    name: tensor.clone(),
-                    expected: spec.ty.clone(),
-                })?;
-                crate::plan::nf4_state(t, &spec.name, *part, &spec.ty)?
-            }
+            StateInit::Nf4 { tensor, part } => nf4.entry(checkpoint, tensor, *part, spec)?,
             StateInit::CopyOf(_) => continue,
             StateInit::Zeros => crate::plan::zeros(&spec.ty),
             StateInit::Values(v) => Tensor::from_f32(
