@@ -8,7 +8,6 @@ use crate::CliError;
 use castor_ir::{DType, Tensor};
 use castor_models::{Model, Objective, ProblemType, SafetensorsFile, IGNORE_INDEX};
 use std::collections::HashMap;
-use std::path::Path;
 
 /// Graph inputs by name, all I64 `[B, T]`.
 pub struct Batch {
@@ -18,8 +17,12 @@ pub struct Batch {
 }
 
 /// Reads and checks a batch for a model that takes `input_names` and has `vocab` tokens.
-pub fn read_batch(path: &Path, input_names: &[&str], vocab: usize) -> anyhow::Result<Batch> {
-    let file = SafetensorsFile::open(path)?;
+pub fn read_batch(
+    file: &SafetensorsFile,
+    input_names: &[&str],
+    vocab: usize,
+) -> anyhow::Result<Batch> {
+    let path = file.path();
     let bad = |m: String| CliError::InvalidInput(format!("`{}`: {m}", path.display()));
     let ids_info = file
         .info("input_ids")
@@ -102,16 +105,16 @@ pub fn read_batch(path: &Path, input_names: &[&str], vocab: usize) -> anyhow::Re
 /// (what transformers' language-modelling collator produces). For `classify`, one label per
 /// sequence: see [`read_class_labels`].
 pub fn read_labels(
-    path: &Path,
+    file: &SafetensorsFile,
     batch: &Batch,
     objective: Objective,
     model: &Model,
 ) -> anyhow::Result<Tensor> {
     if objective == Objective::Classify {
-        return read_class_labels(path, batch.batch, model);
+        return read_class_labels(file, batch.batch, model);
     }
     let vocab = model.vocab_size();
-    let file = SafetensorsFile::open(path)?;
+    let path = file.path();
     let bad = |m: String| CliError::InvalidInput(format!("`{}`: {m}", path.display()));
     let (b, t) = (batch.batch, batch.seq);
     let labels = match file.info("labels") {
@@ -163,8 +166,12 @@ pub fn read_labels(
 /// A classifier's `labels`: class ids (I64 or I32 `[B]`, each in `0..num_labels` or -100 =
 /// ignored) for single-label classification, float targets (`[B, num_labels]`, or `[B]` for
 /// one label) for regression.
-pub fn read_class_labels(path: &Path, b: usize, model: &Model) -> anyhow::Result<Tensor> {
-    let file = SafetensorsFile::open(path)?;
+pub fn read_class_labels(
+    file: &SafetensorsFile,
+    b: usize,
+    model: &Model,
+) -> anyhow::Result<Tensor> {
+    let path = file.path();
     let bad = |m: String| CliError::InvalidInput(format!("`{}`: {m}", path.display()));
     let n = model.labels().num_labels;
     let info = file.info("labels").ok_or_else(|| {

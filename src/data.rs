@@ -214,7 +214,8 @@ impl Data {
                 )
                 .into());
             }
-            let b = read_batch(path, model.input_names(), model.vocab_size())?;
+            let file = castor_models::SafetensorsFile::open(path)?;
+            let b = read_batch(&file, model.input_names(), model.vocab_size())?;
             if batch.is_some_and(|x| x != b.batch) || seq.is_some_and(|x| x != b.seq) {
                 return Err(CliError::InvalidInput(format!(
                     "`{}` holds a [{}, {}] batch, but --batch/--seq ask for another shape",
@@ -227,7 +228,7 @@ impl Data {
             let mut tensors = b.tensors.clone();
             model.derive_inputs(&mut tensors)?;
             if objective.needs_labels() {
-                tensors.insert("labels".into(), read_labels(path, &b, objective, model)?);
+                tensors.insert("labels".into(), read_labels(&file, &b, objective, model)?);
             }
             return Ok(Data::Fixed {
                 tensors,

@@ -68,37 +68,97 @@ pub enum CliError {
     Output(String),
 }
 
-/// Maps an error chain to its exit code by the first typed error found in it.
-pub fn exit_code(e: &anyhow::Error) -> u8 {
-    for cause in e.chain() {
-        if let Some(castor_models::ModelError::Write { .. }) = cause.downcast_ref() {
-            return codes::FAILURE;
+/// What kind of failure an error chain is, by the first typed error found in it: the exit
+/// code of the CLI and the exception class of the Python API.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A checkpoint that cannot be read or does not match its config.
+    Checkpoint,
+    /// A config.json castor refuses, or a model it cannot build.
+    Config,
+    /// IR text, a plan file or a graph that does not verify.
+    Ir,
+    /// A precision policy or a training setting the passes refuse.
+    Policy,
+    /// Other invalid input: data, batches, flags that contradict each other.
+    Input,
+    /// The requested device is not available.
+    Device,
+    /// Execution failed (bad bindings, out-of-range data found while running, out of
+    /// memory).
+    Execution,
+    /// An output that cannot be written.
+    Output,
+    /// Something unexpected: a bug.
+    Internal,
+}
+
+impl ErrorKind {
+    pub fn of(e: &anyhow::Error) -> ErrorKind {
+        use castor_models::ModelError as M;
+        for cause in e.chain() {
+            if let Some(m) = cause.downcast_ref::<M>() {
+                return match m {
+                    M::Write { .. } => ErrorKind::Output,
+                    M::Config { .. }
+                    | M::UnsupportedModelType { .. }
+                    | M::UnsupportedArchitecture { .. }
+                    | M::UnsupportedActivation { .. }
+                    | M::UnsupportedFeature { .. }
+                    | M::Objective { .. }
+                    | M::GraphSize { .. }
+                    | M::NotCausal { .. }
+                    | M::NoPadToken { .. } => ErrorKind::Config,
+                    M::Graph { .. } => ErrorKind::Ir,
+                    _ => ErrorKind::Checkpoint,
+                };
+            }
+            if cause.is::<castor_ir::IrError>() || cause.is::<castor_ir::PlanError>() {
+                return ErrorKind::Ir;
+            }
+            if let Some(p) = cause.downcast_ref::<castor_passes::PassError>() {
+                return match p {
+                    castor_passes::PassError::Verify { .. }
+                    | castor_passes::PassError::Internal { .. } => ErrorKind::Internal,
+                    castor_passes::PassError::Ir(_) => ErrorKind::Ir,
+                    _ => ErrorKind::Policy,
+                };
+            }
+            if let Some(r) = cause.downcast_ref::<castor_runtime::RuntimeError>() {
+                return match r {
+                    castor_runtime::RuntimeError::DeviceUnavailable(_) => ErrorKind::Device,
+                    _ => ErrorKind::Execution,
+                };
+            }
+            if let Some(c) = cause.downcast_ref::<CliError>() {
+                return match c {
+                    CliError::InvalidInput(_) => ErrorKind::Input,
+                    CliError::DeviceUnavailable(_) => ErrorKind::Device,
+                    CliError::Output(_) => ErrorKind::Output,
+                };
+            }
         }
-        if cause.is::<castor_models::ModelError>() || cause.is::<castor_ir::IrError>() {
-            return codes::INVALID_INPUT;
-        }
-        if let Some(p) = cause.downcast_ref::<castor_passes::PassError>() {
-            return match p {
-                castor_passes::PassError::Verify { .. }
-                | castor_passes::PassError::Internal { .. } => codes::FAILURE,
-                _ => codes::INVALID_INPUT,
-            };
-        }
-        if let Some(r) = cause.downcast_ref::<castor_runtime::RuntimeError>() {
-            return match r {
-                castor_runtime::RuntimeError::DeviceUnavailable(_) => codes::DEVICE_UNAVAILABLE,
-                _ => codes::EXECUTION,
-            };
-        }
-        if let Some(c) = cause.downcast_ref::<CliError>() {
-            return match c {
-                CliError::InvalidInput(_) => codes::INVALID_INPUT,
-                CliError::DeviceUnavailable(_) => codes::DEVICE_UNAVAILABLE,
-                CliError::Output(_) => codes::FAILURE,
-            };
+        ErrorKind::Internal
+    }
+
+    /// The CLI's exit code (README.md).
+    pub fn exit_code(self) -> u8 {
+        match self {
+            ErrorKind::Checkpoint
+            | ErrorKind::Config
+            | ErrorKind::Ir
+            | ErrorKind::Policy
+            | ErrorKind::Input => codes::INVALID_INPUT,
+            ErrorKind::Device => codes::DEVICE_UNAVAILABLE,
+            ErrorKind::Execution => codes::EXECUTION,
+            ErrorKind::Output | ErrorKind::Internal => codes::FAILURE,
         }
     }
-    codes::FAILURE
+}
+
+/// Maps an error chain to its exit code by the first typed error found in it.
+pub fn exit_code(e: &anyhow::Error) -> u8 {
+    ErrorKind::of(e).exit_code()
 }
 
 /// An error chain as one line: each cause once. Errors that quote their source in their own

@@ -32,7 +32,20 @@ pub enum Schedule {
 /// Set by Ctrl-C: the loop finishes its step, saves and stops.
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
-/// Installs the Ctrl-C handler (once per process).
+/// A hook that sees each logged step's JSON log line.
+pub type StepHook = Box<dyn FnMut(&serde_json::Value)>;
+
+/// What a caller of the loop sees and decides besides its outputs (the Python API's callback
+/// and its KeyboardInterrupt).
+#[derive(Default)]
+pub struct Hooks {
+    /// Called with every logged step's JSON log line; with it, every step is logged.
+    pub on_step: Option<StepHook>,
+    /// Asked before every step: true makes it the run's last, as Ctrl-C does (the step
+    /// finishes, the run saves and stops).
+    pub stop: Option<Box<dyn FnMut() -> bool>>,
+}
+
 /// One step's line of the JSON log: the step's report, the learning rate and throughput, the
 /// validation figures when the step evaluated, and the device time of its runs when it was
 /// measured (`--profile` on a GPU).
@@ -66,6 +79,7 @@ fn log_line(
     line
 }
 
+/// Installs the Ctrl-C handler (once per process).
 pub fn catch_interrupts() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
@@ -142,6 +156,7 @@ pub struct LoopOptions {
     pub label: String,
     /// Profile the last step command by command (`--profile-kernels`).
     pub profile_last_step: bool,
+    pub hooks: Hooks,
 }
 
 /// The parts of a [`TrainerState`] fixed for a run.
@@ -304,14 +319,15 @@ pub fn train_loop(
         let eval_now = !val_batches.is_empty()
             && ((opts.eval_every > 0 && done.is_multiple_of(opts.eval_every)) || last_step);
         let print = (done - opts.first_step).is_multiple_of(opts.print_every) || last_step;
-        let stop = INTERRUPTED.load(Ordering::SeqCst);
+        let stop =
+            INTERRUPTED.load(Ordering::SeqCst) || opts.hooks.stop.as_mut().is_some_and(|f| f());
         let save_now = opts
             .saves
             .as_ref()
             .is_some_and(|s| s.every > 0 && (done.is_multiple_of(s.every) || last_step || stop));
+        let logged = opts.log.is_some() || opts.hooks.on_step.is_some();
         // A device step's report is read back only when something shows or keeps it.
-        let wanted =
-            print || eval_now || save_now || stop || opts.log.is_some() || opts.report.is_some();
+        let wanted = print || eval_now || save_now || stop || logged || opts.report.is_some();
         if last_step && opts.profile_last_step {
             runner.profile_next_step();
         }
@@ -357,9 +373,14 @@ pub fn train_loop(
         } else {
             (None, None)
         };
-        if let Some(f) = opts.log.as_mut() {
+        if logged {
             let line = log_line(done, &report, lr, tokens_per_s, val_loss, val_accuracy);
-            writeln!(f, "{line}").context("cannot write the training log")?;
+            if let Some(f) = opts.log.as_mut() {
+                writeln!(f, "{line}").context("cannot write the training log")?;
+            }
+            if let Some(on_step) = opts.hooks.on_step.as_mut() {
+                on_step(&line);
+            }
         }
         progress.step(
             &StepLine {

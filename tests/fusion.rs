@@ -147,12 +147,11 @@ fn fused_order_is_bit_identical() {
             let units = schedule(g, plan.units_of("micro_step")).unwrap();
             let fused = fused_order(g, &units.members).unwrap();
             castor_ir::verify(&fused).unwrap();
-            let batch = castor::batch::read_batch(
-                &fixture(variant).join("input.safetensors"),
-                model.input_names(),
-                model.vocab_size(),
-            )
-            .unwrap();
+            let input =
+                castor_models::SafetensorsFile::open(fixture(variant).join("input.safetensors"))
+                    .unwrap();
+            let batch =
+                castor::batch::read_batch(&input, model.input_names(), model.vocab_size()).unwrap();
             let ids = batch.tensors["input_ids"].clone();
             let params = model.load_params().unwrap();
             let scale = castor_ir::Tensor::from_f32(

@@ -65,7 +65,7 @@ pub fn ir_dtype(d: Dtype) -> Option<DType> {
 /// A memory-mapped, validated safetensors file.
 pub struct SafetensorsFile {
     path: PathBuf,
-    map: Mmap,
+    map: Bytes,
     /// Offset of the data region: 8 + header length.
     data_start: usize,
     tensors: BTreeMap<String, TensorInfo>,
@@ -81,7 +81,49 @@ impl fmt::Debug for SafetensorsFile {
     }
 }
 
+/// A file's bytes: mapped from disk, or built in memory.
+enum Bytes {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
 impl SafetensorsFile {
+    /// Safetensors bytes built in memory (arrays handed over by a caller), checked as a file
+    /// is; `name` stands for the path in messages.
+    pub fn from_bytes(
+        name: impl Into<PathBuf>,
+        bytes: Vec<u8>,
+    ) -> Result<SafetensorsFile, ModelError> {
+        let path = name.into();
+        if bytes.len() < 8 {
+            return Err(ModelError::Header {
+                file: path,
+                message: format!(
+                    "{} bytes, shorter than the 8-byte header length",
+                    bytes.len()
+                ),
+            });
+        }
+        let (data_start, tensors, metadata) = parse_header(&path, &bytes)?;
+        Ok(SafetensorsFile {
+            path,
+            map: Bytes::Owned(bytes),
+            data_start,
+            tensors,
+            metadata,
+        })
+    }
+
     /// Maps the file and validates its header; reads no tensor data.
     pub fn open(path: impl AsRef<Path>) -> Result<SafetensorsFile, ModelError> {
         let path = path.as_ref().to_path_buf();
@@ -107,7 +149,7 @@ impl SafetensorsFile {
         let (data_start, tensors, metadata) = parse_header(&path, &map)?;
         Ok(SafetensorsFile {
             path,
-            map,
+            map: Bytes::Mapped(map),
             data_start,
             tensors,
             metadata,

@@ -684,3 +684,36 @@ fn streamed_files_parse_with_the_safetensors_crate() {
     );
     assert_eq!(std::fs::read(&path).unwrap(), bytes);
 }
+
+/// Bytes built in memory are checked and read exactly as the same bytes in a file.
+#[test]
+fn in_memory_safetensors_read_as_files_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ids.safetensors");
+    let ids: Vec<u8> = [3i64, -1, 7].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let view = safetensors::tensor::TensorView::new(Dtype::I64, vec![1, 3], &ids).unwrap();
+    let bytes = safetensors::serialize([("input_ids", view)], None).unwrap();
+    std::fs::write(&path, &bytes).unwrap();
+    let file = SafetensorsFile::open(&path).unwrap();
+    let memory = SafetensorsFile::from_bytes("the arrays", bytes.clone()).unwrap();
+    assert_eq!(memory.path(), Path::new("the arrays"));
+    assert_eq!(memory.read_i64("input_ids").unwrap(), vec![3, -1, 7]);
+    assert_eq!(
+        memory.read_i64("input_ids").unwrap(),
+        file.read_i64("input_ids").unwrap()
+    );
+    // Broken bytes are refused, naming the stand-in for the path.
+    match SafetensorsFile::from_bytes("the arrays", bytes[..5].to_vec()) {
+        Err(ModelError::Header { file, .. }) => assert_eq!(file, Path::new("the arrays")),
+        other => panic!("expected a header error, got {other:?}"),
+    }
+    match SafetensorsFile::from_bytes("the arrays", bytes[..bytes.len() - 1].to_vec()) {
+        Err(ModelError::TensorEntry { file, tensor, .. }) => {
+            assert_eq!(
+                (file.as_path(), tensor.as_str()),
+                (Path::new("the arrays"), "input_ids")
+            )
+        }
+        other => panic!("expected a tensor entry error, got {other:?}"),
+    }
+}

@@ -38,7 +38,7 @@ pub use pipeline::{Pipeline, PipelineOutput};
 // The policy families are defined beside the plan that records them.
 pub use castor_ir::Precision;
 pub use policy::{NameRule, Policy, PolicyFileFormat, Rule, Target};
-pub use summary::{explain, precision_summary, PrecisionSummary};
+pub use summary::{decisions, explain, precision_summary, Decision, PrecisionSummary};
 pub use training::{build_training_plan, PlanBuild, PlanPass, TrainingOutput, TrainingPipeline};
 
 /// The passes `castor compile` runs, in order, for a policy.

@@ -1,7 +1,7 @@
 //! What the precision passes decided, for people: the summary line, the table per class and
 //! dtype, and per-node explanations.
 
-use castor_ir::{DType, Graph, NodeData, Op, OpClass};
+use castor_ir::{Accum, DType, Graph, NodeData, Op, OpClass};
 use std::collections::BTreeMap;
 use std::fmt::Write;
 use wildmatch::WildMatch;
@@ -165,36 +165,75 @@ impl PrecisionSummary {
     }
 }
 
-/// One line per node whose result name matches `glob`: its three dtypes and the reason.
-pub fn explain(g: &Graph, glob: &str) -> Vec<String> {
+/// One node's precision decision, as `compile --explain` shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Decision {
+    /// The node's (first) result name.
+    pub node: String,
+    /// The op's mnemonic (`matmul`, `layer_norm`, ...).
+    pub op: String,
+    pub op_class: OpClass,
+    /// Each input's name and dtype, in order.
+    pub reads: Vec<(String, DType)>,
+    /// The accumulator dtype, for ops that accumulate.
+    pub accumulates: Option<Accum>,
+    /// Each result's dtype.
+    pub writes: Vec<DType>,
+    /// The reason recorded by the pass that decided.
+    pub why: String,
+}
+
+impl std::fmt::Display for Decision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let reads: Vec<String> = self
+            .reads
+            .iter()
+            .map(|(name, dtype)| format!("%{name}: {dtype}"))
+            .collect();
+        let writes: Vec<String> = self.writes.iter().map(|d| d.to_string()).collect();
+        write!(
+            f,
+            "%{} = {} [{}]\n    reads {}\n    accumulates {}\n    writes {}\n    why: {}",
+            self.node,
+            self.op,
+            self.op_class,
+            if reads.is_empty() {
+                "nothing".to_string()
+            } else {
+                reads.join(", ")
+            },
+            self.accumulates.map_or("-".to_string(), |a| a.to_string()),
+            writes.join(", "),
+            self.why
+        )
+    }
+}
+
+/// The decisions of the nodes whose result name matches `glob`, in graph order.
+pub fn decisions(g: &Graph, glob: &str) -> Vec<Decision> {
     let m = WildMatch::new(glob);
     g.nodes()
         .filter(|(_, n)| n.outputs.iter().any(|&v| m.matches(g.name(v))))
-        .map(|(_, n)| {
-            let ins: Vec<String> = n
+        .map(|(_, n)| Decision {
+            node: g.name(n.outputs[0]).to_string(),
+            op: n.op.mnemonic().to_string(),
+            op_class: n.op.class(),
+            reads: n
                 .inputs
                 .iter()
-                .map(|&v| format!("%{}: {}", g.name(v), g.ty(v).dtype))
-                .collect();
-            let outs: Vec<String> = n
-                .outputs
-                .iter()
-                .map(|&v| g.ty(v).dtype.to_string())
-                .collect();
-            format!(
-                "%{} = {} [{}]\n    reads {}\n    accumulates {}\n    writes {}\n    why: {}",
-                g.name(n.outputs[0]),
-                n.op.mnemonic(),
-                n.op.class(),
-                if ins.is_empty() {
-                    "nothing".to_string()
-                } else {
-                    ins.join(", ")
-                },
-                n.acc.map_or("-".to_string(), |a| a.to_string()),
-                outs.join(", "),
-                n.note.as_deref().unwrap_or("(no decision recorded)")
-            )
+                .map(|&v| (g.name(v).to_string(), g.ty(v).dtype))
+                .collect(),
+            accumulates: n.acc,
+            writes: n.outputs.iter().map(|&v| g.ty(v).dtype).collect(),
+            why: n
+                .note
+                .clone()
+                .unwrap_or_else(|| "(no decision recorded)".to_string()),
         })
         .collect()
+}
+
+/// One text block per node whose result name matches `glob`: its three dtypes and the reason.
+pub fn explain(g: &Graph, glob: &str) -> Vec<String> {
+    decisions(g, glob).iter().map(|d| d.to_string()).collect()
 }

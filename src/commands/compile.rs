@@ -15,6 +15,7 @@ use castor_passes::{explain, precision_summary};
 use castor_runtime::cuda::lower::{lower_plan, LowerError};
 use castor_runtime::cuda::memory::step_memory;
 use castor_runtime::cuda::program::Program;
+use std::fmt::Write;
 use std::path::PathBuf;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -153,7 +154,28 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    // Outputs are checked before any work.
+    check_outputs(&args)?;
+    // A result on stdout goes there alone; the report then goes to stderr.
+    let say = if args.emit != Emit::Summary && args.out.is_none() {
+        Stream::Stderr
+    } else {
+        Stream::Stdout
+    };
+    let compiled = compile(&args)?;
+    say.write(format_args!("{}", compiled.report));
+    match (compiled.emit(args.emit)?, &args.out) {
+        (Some(text), Some(path)) => {
+            castor_models::write_atomically(path, text.as_bytes())?;
+            toln!(say, "\nwrote {}", path.display());
+        }
+        (Some(text), None) => crate::out!("{text}"),
+        (None, _) => {}
+    }
+    Ok(())
+}
+
+/// Checks `-o` and `--report` before any work.
+pub fn check_outputs(args: &Args) -> anyhow::Result<()> {
     if let Some(path) = &args.out {
         if args.emit == Emit::Summary {
             return Err(crate::CliError::InvalidInput(
@@ -167,21 +189,27 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         html::check_report_path(path)?;
         crate::outputs::check_file("--report", path)?;
     }
-    // Recomputation, the fused classifier and epilogues only mean something for a training
-    // step, so asking for one of them asks for one.
-    let train = args.train
+    Ok(())
+}
+
+/// Whether these arguments ask for a training step: recomputation, the fused classifier and
+/// epilogues, adapters and the report page only mean something for one, so asking for one
+/// of them asks for one.
+fn wants_training(args: &Args) -> bool {
+    args.train
         || matches!(args.emit, Emit::Plan | Emit::Cuda)
         || args.training.remat != castor_ir::Remat::None
         || !args.training.classifier.is_eager()
         || !args.training.epilogues.is_eager()
         || args.training.lora_rank.is_some()
-        || args.report.is_some();
-    // A result on stdout goes there alone; the report then goes to stderr.
-    let say = if args.emit != Emit::Summary && args.out.is_none() {
-        Stream::Stderr
-    } else {
-        Stream::Stdout
-    };
+        || args.report.is_some()
+}
+
+/// Runs the passes `args` ask for and writes the report page (`--report`); the report text
+/// is returned, not printed. Output paths are the caller's to check first.
+pub fn compile(args: &Args) -> anyhow::Result<Compiled> {
+    let train = wants_training(args);
+    let mut r = String::new();
     let gpu = fit::gpu_spec(args.gpu.as_deref())?;
     let Input {
         graph,
@@ -189,7 +217,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         batch,
         seq,
         model,
-    } = load_graph(&args, train)?;
+    } = load_graph(args, train)?;
     let lora = match train {
         true => args.training.lora(model.as_ref().map(|m| m.family()))?,
         false => None,
@@ -224,39 +252,39 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         })?;
     let policy = args.precision.policy()?;
 
-    toln!(say, "model       {} ({what})", args.model.display());
-    toln!(say, "precision   {}", args.precision.precision);
-    for r in policy.name_rules() {
-        toln!(say, "rule        {}", r.describe(policy.precision.low()));
+    writeln!(r, "model       {} ({what})", args.model.display())?;
+    writeln!(r, "precision   {}", args.precision.precision)?;
+    for rule in policy.name_rules() {
+        writeln!(r, "rule        {}", rule.describe(policy.precision.low()))?;
     }
     if let Some(report) = &lora_report {
-        toln!(say, "pass        {:<11} {}", "lora", report.summary);
+        writeln!(r, "pass        {:<11} {}", "lora", report.summary)?;
     }
     for (pass, report) in &out.reports {
-        toln!(say, "pass        {pass:<11} {}", report.summary);
+        writeln!(r, "pass        {pass:<11} {}", report.summary)?;
     }
     let summary = precision_summary(&out.graph, args.precision.precision.low());
-    toln!(say);
-    toln!(say, "{}", summary.headline());
+    writeln!(r)?;
+    writeln!(r, "{}", summary.headline())?;
     for line in summary.table_lines() {
-        toln!(say, "  {line}");
+        writeln!(r, "  {line}")?;
     }
     for glob in &args.explain {
         let lines = explain(&out.graph, glob);
         if lines.is_empty() {
-            toln!(say, "\nexplain '{glob}': no node matches");
+            writeln!(r, "\nexplain '{glob}': no node matches")?;
         }
         for l in lines {
-            toln!(say, "\n{l}");
+            writeln!(r, "\n{l}")?;
         }
     }
     if let Some(dump) = &out.dump {
-        toln!(
-            say,
+        writeln!(
+            r,
             "\n# IR after {}",
             args.dump_after.as_deref().unwrap_or("")
-        );
-        say.write(format_args!("{dump}"));
+        )?;
+        write!(r, "{dump}")?;
     }
     let plan = if train {
         let objective = args.training.objective(model.as_ref())?;
@@ -273,35 +301,31 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             pipeline = pipeline.verify_each(true);
         }
         let built = pipeline.run(&out.graph, settings)?;
-        toln!(say);
+        writeln!(r)?;
         for (pass, report) in &built.reports {
-            toln!(say, "pass        {pass:<11} {}", report.summary);
+            writeln!(r, "pass        {pass:<11} {}", report.summary)?;
         }
-        toln!(
-            say,
+        writeln!(
+            r,
             "optimizer   {}",
             crate::report::optimizer_text(&built.plan.settings)
-        );
-        toln!(
-            say,
+        )?;
+        writeln!(
+            r,
             "loss scale  {}",
             crate::report::loss_scaling_text(&built.plan.settings)
-        );
+        )?;
         // The step lowered once: its allocation is the anatomy's memory, its commands the
         // cuda line.
-        let lowered = lower_plan(&built.plan);
-        let anatomy = match &lowered {
-            Ok(program) => Anatomy::with_memory(&built.plan, step_memory(&built.plan, program)),
-            Err(_) => Executor::Cuda.anatomy(&built.plan),
-        };
-        print_memory_and_cost(say, &built.plan, &anatomy, &lowered, &gpu);
+        let (anatomy, lowered) = anatomy_of(&built.plan);
+        r.push_str(&memory_and_cost(&built.plan, &anatomy, &lowered, &gpu)?);
         if let Some(dump) = &built.dump {
-            toln!(
-                say,
+            writeln!(
+                r,
                 "\n# IR after {}",
                 args.dump_after.as_deref().unwrap_or("")
-            );
-            say.write(format_args!("{dump}"));
+            )?;
+            write!(r, "{dump}")?;
         }
         let plan = built.plan;
         let target = match &args.gpu {
@@ -311,59 +335,38 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         };
         let verdict = target.map(|target| {
             fit::verdict(&plan, &anatomy, target, &gpu, &|settings| {
-                replan(&args, model.as_ref(), &out.graph, &settings)
+                replan(args, model.as_ref(), &out.graph, &settings)
             })
         });
         if let Some(v) = &verdict {
-            toln!(say);
+            writeln!(r)?;
             for line in v.lines() {
-                toln!(say, "{line}");
+                writeln!(r, "{line}")?;
             }
         }
         if let Some(path) = &args.report {
-            let mut r = Report::new(
+            let mut page = Report::new(
                 path.clone(),
                 &format!("Training step plan: {}", args.model.display()),
             );
-            r.fact("model", &format!("{} ({what})", args.model.display()));
-            r.training_plan(&plan, Some(&summary), &anatomy, Executor::Cuda);
-            r.verdict = verdict.clone();
-            r.cost(&plan, &gpu);
-            r.write(None)?;
-            toln!(say, "\nreport      {}", path.display());
+            page.fact("model", &format!("{} ({what})", args.model.display()));
+            page.training_plan(&plan, Some(&summary), &anatomy, Executor::Cuda);
+            page.verdict = verdict.clone();
+            page.cost(&plan, &gpu);
+            page.write(None)?;
+            writeln!(r, "\nreport      {}", path.display())?;
         }
-        Some(plan)
+        Some((plan, anatomy))
     } else {
         None
     };
-    let emitted = match (args.emit, &plan) {
-        (Emit::Summary, _) => None,
-        (Emit::Ir, Some(plan)) => Some(format!(
-            "# micro step: forward and backward of one micro-batch\n{}\n# optimizer step\n{}\n{}",
-            text::print(&plan.micro_step),
-            text::print(&plan.optimizer_step),
-            units_text(plan)
-        )),
-        (Emit::Ir, None) => Some(text::print(&out.graph)),
-        (Emit::Dot, Some(plan)) => Some(castor_ir::to_dot(&plan.micro_step)),
-        (Emit::Dot, None) => Some(castor_ir::to_dot(&out.graph)),
-        (Emit::Plan, Some(plan)) => Some(plan.to_json()),
-        (Emit::Cuda, Some(plan)) => Some(
-            castor_runtime::cuda::lower::lower_plan(plan)
-                .map_err(|e| crate::CliError::InvalidInput(format!("--emit cuda: {e}")))?
-                .listing(),
-        ),
-        (Emit::Plan | Emit::Cuda, None) => None,
-    };
-    match (emitted, &args.out) {
-        (Some(text), Some(path)) => {
-            castor_models::write_atomically(path, text.as_bytes())?;
-            toln!(say, "\nwrote {}", path.display());
-        }
-        (Some(text), None) => crate::out!("{text}"),
-        (None, _) => {}
-    }
-    Ok(())
+    Ok(Compiled {
+        report: r,
+        graph: out.graph,
+        low: args.precision.precision.low(),
+        plan,
+        gpu,
+    })
 }
 
 /// The plan of other settings for the fit verdict: the same model and policy compiled again
@@ -395,37 +398,172 @@ fn replan(
 
 /// The remat decisions, the memory anatomy (persistent state by role, saved activations, the
 /// planned arena) and the cost model's estimate of the step.
-fn print_memory_and_cost(
-    say: Stream,
+fn memory_and_cost(
     plan: &castor_ir::TrainingPlan,
     anatomy: &Anatomy,
     lowered: &Result<Program, LowerError>,
     gpu: &castor_passes::cost::GpuSpec,
-) {
+) -> Result<String, std::fmt::Error> {
     use castor_passes::{cost::StepCost, remat};
+    let mut r = String::new();
     let (names, cost) = remat::recomputed(&plan.micro_step, gpu);
     let groups = remat::group_counts(&plan.micro_step, &names);
-    toln!(
-        say,
+    writeln!(
+        r,
         "remat       {}: {} value(s) recomputed in the backward part, +{:.3} GFLOP",
         plan.settings.remat,
         names.len(),
         cost.flops / 1e9
-    );
+    )?;
     for (group, count) in &groups {
-        toln!(say, "  recompute {group} x{count}");
+        writeln!(r, "  recompute {group} x{count}")?;
     }
-    toln!(say);
+    writeln!(r)?;
     for line in crate::report::anatomy_lines(anatomy, &plan.settings) {
-        toln!(say, "{line}");
+        writeln!(r, "{line}")?;
     }
-    toln!(say);
-    toln!(say, "cost model (roofline estimate)");
+    writeln!(r)?;
+    writeln!(r, "cost model (roofline estimate)")?;
     for line in crate::report::cost_lines(&StepCost::of_plan(plan, gpu)) {
-        toln!(say, "{line}");
+        writeln!(r, "{line}")?;
     }
-    toln!(say);
-    toln!(say, "{}", cuda_line(plan, lowered, gpu));
+    writeln!(r)?;
+    writeln!(r, "{}", cuda_line(plan, lowered, gpu))?;
+    Ok(r)
+}
+
+/// The step's memory anatomy, its allocation as the CUDA executor lays out the lowered
+/// program (the node-level model when the plan does not lower), and the lowering itself.
+fn anatomy_of(plan: &castor_ir::TrainingPlan) -> (Anatomy, Result<Program, LowerError>) {
+    let lowered = lower_plan(plan);
+    let anatomy = match &lowered {
+        Ok(program) => Anatomy::with_memory(plan, step_memory(plan, program)),
+        Err(_) => Executor::Cuda.anatomy(plan),
+    };
+    (anatomy, lowered)
+}
+
+/// What `compile` produced: the report it prints and what the report was made from.
+pub struct Compiled {
+    /// The report, as the CLI prints it.
+    pub report: String,
+    /// The graph after the precision passes (for a training step, the loss graph).
+    pub graph: Graph,
+    /// The precision's low dtype (none for fp32 and tf32).
+    pub low: Option<castor_ir::DType>,
+    /// The training plan and its memory anatomy, for a training step.
+    pub plan: Option<(castor_ir::TrainingPlan, Anatomy)>,
+    /// The GPU of the cost model.
+    pub gpu: castor_passes::cost::GpuSpec,
+}
+
+/// The file [`Compiled::save`] writes: the report, the compiled graph as IR text and the
+/// training plan as `--emit plan` writes it, so a loaded plan is the one saved.
+#[derive(serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SavedPlan {
+    format: String,
+    report: String,
+    low: Option<String>,
+    graph: String,
+    training_plan: Option<serde_json::Value>,
+    gpu: castor_passes::cost::GpuSpec,
+}
+
+const SAVED_PLAN_FORMAT: &str = "castor-compiled-plan/1";
+
+impl Compiled {
+    /// The precision summary: converted nodes, casts, the table by class.
+    pub fn summary(&self) -> castor_passes::PrecisionSummary {
+        precision_summary(&self.graph, self.low)
+    }
+
+    /// The cost model's estimate of the training step.
+    pub fn cost(&self) -> Option<castor_passes::cost::StepCost> {
+        self.plan
+            .as_ref()
+            .map(|(plan, _)| castor_passes::cost::StepCost::of_plan(plan, &self.gpu))
+    }
+
+    /// What `--emit` writes: none for `summary`, and none for `plan` and `cuda` without a
+    /// training step.
+    pub fn emit(&self, emit: Emit) -> anyhow::Result<Option<String>> {
+        let plan = self.plan.as_ref().map(|(plan, _)| plan);
+        Ok(match (emit, plan) {
+            (Emit::Summary, _) => None,
+            (Emit::Ir, Some(plan)) => Some(format!(
+                "# micro step: forward and backward of one micro-batch\n{}\n# optimizer step\n{}\n{}",
+                text::print(&plan.micro_step),
+                text::print(&plan.optimizer_step),
+                units_text(plan)
+            )),
+            (Emit::Ir, None) => Some(text::print(&self.graph)),
+            (Emit::Dot, Some(plan)) => Some(castor_ir::to_dot(&plan.micro_step)),
+            (Emit::Dot, None) => Some(castor_ir::to_dot(&self.graph)),
+            (Emit::Plan, Some(plan)) => Some(plan.to_json()),
+            (Emit::Cuda, Some(plan)) => Some(
+                lower_plan(plan)
+                    .map_err(|e| crate::CliError::InvalidInput(format!("--emit cuda: {e}")))?
+                    .listing(),
+            ),
+            (Emit::Plan | Emit::Cuda, None) => None,
+        })
+    }
+
+    /// Writes everything [`Compiled::load`] needs to give this plan back (atomically).
+    pub fn save(&self, path: &std::path::Path) -> anyhow::Result<()> {
+        let saved = SavedPlan {
+            format: SAVED_PLAN_FORMAT.into(),
+            report: self.report.clone(),
+            low: self.low.map(|d| d.to_string()),
+            graph: text::print(&self.graph),
+            training_plan: match &self.plan {
+                Some((plan, _)) => Some(serde_json::from_str(&plan.to_json())?),
+                None => None,
+            },
+            gpu: self.gpu.clone(),
+        };
+        let json = serde_json::to_string(&saved)?;
+        castor_models::write_atomically(path, json.as_bytes())?;
+        Ok(())
+    }
+
+    /// Reads a plan [`Compiled::save`] wrote.
+    pub fn load(path: &std::path::Path) -> anyhow::Result<Compiled> {
+        let bad = |m: String| crate::CliError::InvalidInput(format!("`{}`: {m}", path.display()));
+        let text = std::fs::read_to_string(path).map_err(|e| bad(format!("cannot read: {e}")))?;
+        let saved: SavedPlan = serde_json::from_str(&text)
+            .map_err(|e| bad(format!("not a saved castor plan: {e}")))?;
+        if saved.format != SAVED_PLAN_FORMAT {
+            return Err(bad(format!(
+                "format `{}`, this castor reads `{SAVED_PLAN_FORMAT}`",
+                saved.format
+            ))
+            .into());
+        }
+        let low = match saved.low {
+            Some(d) => Some(d.parse().map_err(|e: String| bad(e))?),
+            None => None,
+        };
+        let graph = text::parse(&saved.graph).with_context(|| format!("`{}`", path.display()))?;
+        verify(&graph).with_context(|| format!("`{}`", path.display()))?;
+        let plan = match saved.training_plan {
+            Some(json) => {
+                let plan = castor_ir::TrainingPlan::from_json(&json.to_string())
+                    .with_context(|| format!("`{}`", path.display()))?;
+                let (anatomy, _) = anatomy_of(&plan);
+                Some((plan, anatomy))
+            }
+            None => None,
+        };
+        Ok(Compiled {
+            report: saved.report,
+            graph,
+            low,
+            plan,
+            gpu: saved.gpu,
+        })
+    }
 }
 
 /// The plan's kernel units as comment lines after its graphs (see [`castor_ir::KernelUnit`]).

@@ -373,6 +373,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         input_names: model.input_names(),
         label: "demo".into(),
         profile_last_step: false,
+        hooks: Default::default(),
     };
     let run = train_loop::train_loop(&mut runner, &mut data, &mut opts, LossHistory::default())?;
     let first = run.history.train.first().map_or(f64::NAN, |p| p.1);

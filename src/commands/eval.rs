@@ -8,7 +8,7 @@ use crate::tokenizer::TextTokenizer;
 use crate::CliError;
 use anyhow::Context;
 use castor_ir::{DType, Tensor};
-use castor_models::{write_safetensors, Model, Objective};
+use castor_models::{write_safetensors, Model, Objective, SafetensorsFile};
 use castor_passes::{Autodiff, Pass};
 use castor_runtime::cpu::CpuExecutor;
 use castor_runtime::cuda::{CudaGraphRunner, EmulatedGraphRunner};
@@ -118,6 +118,61 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Some(out) = &args.out {
         crate::outputs::check_file("--out", out)?;
     }
+    let input = match &args.input {
+        Some(path) => Some(SafetensorsFile::open(path)?),
+        None => None,
+    };
+    let e = evaluate(&args, input.as_ref())?;
+    if let Some(out) = &args.out {
+        let refs: Vec<(&str, &Tensor)> = e.outputs.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        write_safetensors(out, &refs)?;
+    }
+    let grads = e
+        .outputs
+        .iter()
+        .filter(|(n, _)| n.starts_with("grad."))
+        .count();
+    for (name, t) in e.outputs.iter().filter(|(n, _)| !n.starts_with("grad.")) {
+        if t.shape().rank() == 0 {
+            outln!("{name}: {:.6}", t.as_f32().map_or(f32::NAN, |v| v[0]));
+        } else {
+            outln!("{name}: f32{}", t.shape());
+        }
+    }
+    if grads > 0 {
+        outln!("grad.*: {grads} parameter gradients (f32)");
+    }
+    outln!(
+        "forward on {}, {}, batch {} x seq {}: {:.2} ms (median of {})",
+        e.device,
+        args.precision.precision,
+        e.batch,
+        e.seq,
+        e.median_ms,
+        e.runs
+    );
+    if let Some(out) = &args.out {
+        outln!("wrote {}", out.display());
+    }
+    Ok(())
+}
+
+/// What one evaluation produced.
+pub struct Evaluation {
+    /// The graph's outputs, then (with `--grad`) `loss` and `grad.<name>`, all F32.
+    pub outputs: Vec<(String, Tensor)>,
+    /// Where the forward ran, for people.
+    pub device: &'static str,
+    pub batch: usize,
+    pub seq: usize,
+    /// The median forward time over `runs` runs.
+    pub median_ms: f64,
+    pub runs: usize,
+}
+
+/// Runs the evaluation `args` ask for on the batch in `input` (a safetensors file, or one
+/// built in memory) or on `--text`; writes nothing.
+pub fn evaluate(args: &Args, input: Option<&SafetensorsFile>) -> anyhow::Result<Evaluation> {
     let device = crate::device::select(args.device)?;
 
     let mut model = args.classifier.load(&args.model)?;
@@ -127,7 +182,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some(_) => Some(TextTokenizer::for_model(&model)?),
         None => None,
     };
-    let mut batch = match (&args.input, &args.text, &tokenizer) {
+    let mut batch = match (input, &args.text, &tokenizer) {
         (Some(input), _, _) => read_batch(input, model.input_names(), model.vocab_size())?,
         (None, Some(text), Some(tok)) => text_batch(&model, tok, text)?,
         _ => return Err(CliError::InvalidInput("give --input FILE or --text TEXT".into()).into()),
@@ -232,7 +287,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             "auto" => Objective::auto(&model),
             other => other.parse().map_err(CliError::InvalidInput)?,
         };
-        let labels = match (&args.input, objective.needs_labels()) {
+        let labels = match (input, objective.needs_labels()) {
             (_, false) => None,
             (Some(input), true) => Some(read_labels(input, &batch, objective, &model)?),
             (None, true) if objective == Objective::Lm => batch.tensors.get("input_ids").cloned(),
@@ -248,35 +303,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let (loss_graph, _) = crate::training::with_adapters(loss_graph, lora)?;
         errln!("objective: {objective}");
         named.extend(gradients(
-            &args, &model, &batch, loss_graph, labels, &params, &device,
+            args, &model, &batch, loss_graph, labels, &params, &device,
         )?);
     }
-    if let Some(out) = &args.out {
-        let refs: Vec<(&str, &Tensor)> = named.iter().map(|(n, t)| (n.as_str(), t)).collect();
-        write_safetensors(out, &refs)?;
-    }
-    let grads = named.iter().filter(|(n, _)| n.starts_with("grad.")).count();
-    for (name, t) in named.iter().filter(|(n, _)| !n.starts_with("grad.")) {
-        if t.shape().rank() == 0 {
-            outln!("{name}: {:.6}", t.as_f32().map_or(f32::NAN, |v| v[0]));
-        } else {
-            outln!("{name}: f32{}", t.shape());
-        }
-    }
-    if grads > 0 {
-        outln!("grad.*: {grads} parameter gradients (f32)");
-    }
-    outln!(
-        "forward on {on}, {}, batch {} x seq {}: {median_ms:.2} ms (median of {})",
-        args.precision.precision,
-        batch.batch,
-        batch.seq,
-        times.len()
-    );
-    if let Some(out) = &args.out {
-        outln!("wrote {}", out.display());
-    }
-    Ok(())
+    Ok(Evaluation {
+        outputs: named,
+        device: on,
+        batch: batch.batch,
+        seq: batch.seq,
+        median_ms,
+        runs: times.len(),
+    })
 }
 
 /// The loss of `loss_graph` and every parameter's gradient, by the autodiff pass.

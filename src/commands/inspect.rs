@@ -9,6 +9,7 @@ use crate::report::model_summary;
 use crate::tokenizer::TextTokenizer;
 use anyhow::Context;
 use castor_models::Model;
+use std::fmt::Write;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -36,18 +37,39 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let model = Model::load(&args.model)?;
-    crate::report::warn_unused(&model);
-    let seq = args.seq.unwrap_or_else(|| model.max_positions());
-    let graph = model.build_graph(args.batch, seq)?;
-    castor_ir::verify(&graph).context("the front end built an invalid graph")?;
+    let inspected = inspect(&args)?;
     // With --ir the IR is the result: it goes to stdout alone, the summary to stderr.
     let say = if args.ir {
         Stream::Stderr
     } else {
         Stream::Stdout
     };
-    say.write(format_args!(
+    say.write(format_args!("{}", inspected.report));
+    if args.ir {
+        crate::out!("{}", castor_ir::text::print(&inspected.graph));
+    }
+    Ok(())
+}
+
+/// What `inspect` found: the model, its report and its graph (with the adapters of
+/// `--adapter`).
+pub struct Inspected {
+    pub model: Model,
+    /// The summary, as the CLI prints it.
+    pub report: String,
+    pub graph: castor_ir::Graph,
+}
+
+/// Runs every check `inspect` makes and writes its report; printing is the caller's.
+pub fn inspect(args: &Args) -> anyhow::Result<Inspected> {
+    let mut r = String::new();
+    let model = Model::load(&args.model)?;
+    crate::report::warn_unused(&model);
+    let seq = args.seq.unwrap_or_else(|| model.max_positions());
+    let graph = model.build_graph(args.batch, seq)?;
+    castor_ir::verify(&graph).context("the front end built an invalid graph")?;
+    write!(
+        r,
         "{}",
         model_summary(
             &args.model.display().to_string(),
@@ -56,19 +78,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             args.batch,
             seq
         )
-    ));
+    )?;
     match TextTokenizer::for_model(&model) {
-        Ok(tok) => toln!(
-            say,
+        Ok(tok) => writeln!(
+            r,
             "tokenizer   {}, {} tokens (vocabulary {})",
             tok.describe(),
             tok.len(),
             model.vocab_size()
-        ),
+        )?,
         // A tokenizer that belongs to another model is invalid input; a missing one only
         // means text cannot be read.
         Err(e) if has_tokenizer_files(&model) => return Err(e),
-        Err(_) => toln!(say, "tokenizer   none (token files and batches only)"),
+        Err(_) => writeln!(r, "tokenizer   none (token files and batches only)")?,
     }
     let graph = match &args.adapter {
         Some(dir) => {
@@ -93,8 +115,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     }
                 }
             }
-            toln!(
-                say,
+            writeln!(
+                r,
                 "adapter     {}: PEFT LoRA, r={}, lora_alpha={} (scale {}), target_modules {}, \
                  {} tensors",
                 dir.display(),
@@ -103,9 +125,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                 a.lora.scaling(),
                 a.lora.targets.join(","),
                 a.tensors.len()
-            );
-            if let Some(r) = report {
-                toln!(say, "lora        {}", r.summary);
+            )?;
+            if let Some(lora) = report {
+                writeln!(r, "lora        {}", lora.summary)?;
             }
             graph
         }
@@ -114,16 +136,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if args.strict {
         // `scan_weights(true)` fails on the first NaN or Inf found, naming every such tensor.
         model.scan_weights(true)?;
-        toln!(
-            say,
+        writeln!(
+            r,
             "weights     all {} parameter tensors are finite",
             model.expected_params().len()
-        );
+        )?;
     }
-    if args.ir {
-        crate::out!("{}", castor_ir::text::print(&graph));
-    }
-    Ok(())
+    Ok(Inspected {
+        model,
+        report: r,
+        graph,
+    })
 }
 
 /// Whether the model's folder holds any tokenizer file.

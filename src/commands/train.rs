@@ -14,6 +14,7 @@ use crate::memory::Executor;
 use crate::plot::{self, LossHistory};
 use crate::precision::PrecisionArgs;
 use crate::resume::{self, RunFlags};
+pub use crate::train_loop::Hooks;
 use crate::train_loop::{
     catch_interrupts, history_from_log, redraw, train_loop, LoopOptions, LrSchedule, Saves,
     Schedule, StateTemplate,
@@ -174,7 +175,38 @@ fn check_outputs(args: &Args) -> anyhow::Result<()> {
     Ok(())
 }
 
-pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
+pub fn run(args: Args, given: &Given) -> anyhow::Result<()> {
+    // Ctrl-C finishes the step, saves and stops (a second one stops at once).
+    catch_interrupts();
+    train(args, given, Hooks::default()).map(|_| ())
+}
+
+/// What a run did, for callers that go on from it.
+#[derive(Clone, Debug)]
+pub struct TrainOutcome {
+    /// The step the run ended at (1-based; a resumed run counts its earlier steps).
+    pub step: u64,
+    /// Steps this run took.
+    pub steps_done: u64,
+    /// The last step's loss, when a step ran.
+    pub final_loss: Option<f64>,
+    /// The last validation loss and the step it was computed at.
+    pub validation: Option<(u64, f64)>,
+    /// Steps skipped for non-finite gradients.
+    pub skipped: u64,
+    pub seconds: f64,
+    pub tokens_per_second: f64,
+    /// Stopped early by Ctrl-C or by a hook.
+    pub interrupted: bool,
+    /// Where the final checkpoint went (`--save`).
+    pub saved: Option<PathBuf>,
+    /// Every step's training loss (1-based step, loss), this run's and the resumed ones'.
+    pub losses: Vec<(u64, f64)>,
+}
+
+/// Runs a training step loop the way [`run`] does; `hooks` see every logged step and can stop
+/// the run (which then saves as Ctrl-C does). Installs no signal handler.
+pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<TrainOutcome> {
     check_outputs(&args)?;
     let device = crate::device::select(args.device)?;
     let executor = Executor::of(&device);
@@ -489,7 +521,6 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
     if let Some(root) = &args.save {
         checkpoint::clean_stale(root);
     }
-    catch_interrupts();
     let title = format!(
         "{} on {} ({})",
         model.architecture(),
@@ -551,6 +582,7 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
         input_names: model.input_names(),
         label: "train".into(),
         profile_last_step: args.profile_kernels.is_some(),
+        hooks,
     };
     let out = train_loop(&mut runner, &mut data, &mut opts, history)?;
     if let (Some(path), Some(profile)) = (&args.profile_kernels, runner.take_kernel_profile()) {
@@ -606,7 +638,18 @@ pub fn run(mut args: Args, given: &Given) -> anyhow::Result<()> {
             None => outln!("interrupted after step {step}; nothing saved (no --save DIR)"),
         }
     }
-    Ok(())
+    Ok(TrainOutcome {
+        step,
+        steps_done: out.steps_done,
+        final_loss: out.last.as_ref().map(|r| f64::from(r.loss)),
+        validation: out.history.validation.last().copied(),
+        skipped: out.skipped,
+        seconds: out.seconds,
+        tokens_per_second: out.tokens / out.seconds.max(1e-9),
+        interrupted: out.interrupted,
+        saved: args.save.clone(),
+        losses: out.history.train.clone(),
+    })
 }
 
 /// The step `--profile-kernels` profiled: the last one run.
