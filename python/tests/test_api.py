@@ -407,3 +407,23 @@ def test_loading_what_is_not_a_plan_is_refused(tmp_path):
         castor.Plan.load(tmp_path / "p.json")
     with pytest.raises(castor.InputError, match="cannot read"):
         castor.Plan.load(tmp_path / "missing.json")
+
+
+def test_importing_loads_no_cuda_library():
+    import subprocess
+    import sys
+
+    code = "import castor; print(open('/proc/self/maps').read())"
+    maps = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout
+    for lib in ["libcuda", "libcudart", "libnvrtc", "libcublas"]:
+        assert lib not in maps, lib
+
+
+def test_asking_for_a_missing_gpu_is_a_device_error():
+    if os.environ.get("CASTOR_REQUIRE_GPU") == "1":
+        pytest.skip("a GPU is present")
+    batch = load_file(str(FIXTURES / "gpt2_lm" / "input.safetensors"))
+    with pytest.raises(castor.DeviceError) as e:
+        castor.eval(FIXTURES / "gpt2_lm", batch["input_ids"], device="cuda")
+    assert e.value.exit_code == 5
