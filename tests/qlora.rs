@@ -179,6 +179,60 @@ fn an_nf4_base_plans_the_7b_fine_tune_in_its_bytes() {
     println!("LLaMA-2-7B QLoRA r=16: planned peak {total_bf16} (bf16 base), {total_nf4} (NF4)");
 }
 
+/// The same QLoRA fine-tune under 16 GB: `--remat selective` cannot get there (it keeps every
+/// product's output the backward reads: 15.8 GB of activations beside a 4.4 GB base), but a
+/// 15 GB budget can, recomputing less than `--remat full` does.
+#[test]
+fn the_nf4_7b_fine_tune_fits_16_gb_with_a_recompute_budget() {
+    let config = root().join("assets/configs/llama-2-7b.json");
+    let plan = |remat: &str| {
+        let o = castor(&[
+            "compile",
+            path_str(&config),
+            "--train",
+            "--precision",
+            "bf16",
+            "--batch",
+            "1",
+            "--seq",
+            "4096",
+            "--remat",
+            remat,
+            "--lora-rank",
+            "16",
+            "--lora-alpha",
+            "32",
+            "--lora-targets",
+            "all-linear",
+            "--base",
+            "nf4",
+        ]);
+        assert!(o.status.success(), "{remat}: {}", stderr(&o));
+        let out = stdout(&o);
+        let gflop: f64 = out
+            .lines()
+            .find_map(|l| l.strip_prefix("remat       "))
+            .and_then(|l| l.split('+').nth(1))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{remat}: no remat line in\n{out}"));
+        (anatomy_total(&out), gflop)
+    };
+    let (budget, budget_gflop) = plan("budget:15000000000");
+    let (full, full_gflop) = plan("full");
+    let (selective, _) = plan("selective");
+    assert!(
+        budget <= 15_000_000_000 && budget < 16_000_000_000,
+        "{budget}"
+    );
+    assert!(selective > 16_000_000_000 && full < budget);
+    assert!(budget_gflop < full_gflop, "{budget_gflop} vs {full_gflop}");
+    println!(
+        "QLoRA 7B: selective {selective}, budget:15e9 {budget} (+{budget_gflop} GFLOP), full \
+         {full} (+{full_gflop} GFLOP)"
+    );
+}
+
 #[test]
 fn base_nf4_needs_adapters() {
     let model = fixture("gpt2_lm");
