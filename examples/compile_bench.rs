@@ -94,6 +94,7 @@ fn main() -> anyhow::Result<()> {
                 classifier: castor_ir::Classifier::Eager,
                 epilogues: castor_ir::Epilogues::Eager,
                 lora: None,
+                parallel: Default::default(),
             };
             let (plan, _) = castor::memory::Executor::Cuda
                 .pipeline()

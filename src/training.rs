@@ -170,6 +170,26 @@ pub struct TrainingArgs {
     #[arg(long, default_value = "compute", value_name = "BASE", value_parser = parse_base, help_heading = "LoRA")]
     #[serde(default)]
     pub base: LoraBase,
+    /// Ranks of a data-parallel group: each runs the plan on its own --batch sequences (the
+    /// global batch is batch x grad-accum x world size) and the gradients are averaged
+    /// across ranks as they complete. The plan, its anatomy and its cost are one rank's.
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_name = "N",
+        help_heading = "Data parallel"
+    )]
+    #[serde(default = "one")]
+    pub world_size: usize,
+    /// ZeRO stage with --world-size: 0 replicates the state (DDP), 1 shards the optimizer
+    /// moments, 2 also the gradients (reduce-scattered as they complete).
+    #[arg(long, default_value_t = 0, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=3), help_heading = "Data parallel")]
+    #[serde(default)]
+    pub zero: u8,
+}
+
+fn one() -> usize {
+    1
 }
 
 /// Parses `--base`.
@@ -453,6 +473,16 @@ impl TrainingArgs {
         if self.grad_accum == 0 {
             return Err(CliError::InvalidInput("--grad-accum must be at least 1".into()).into());
         }
+        if self.world_size == 0 {
+            return Err(CliError::InvalidInput("--world-size must be at least 1".into()).into());
+        }
+        if self.zero > 0 && self.world_size == 1 {
+            return Err(CliError::InvalidInput(format!(
+                "--zero {} shards state across ranks: give --world-size N (N > 1)",
+                self.zero
+            ))
+            .into());
+        }
         if self.optimizer == OptimizerChoice::Adamw8bit && self.optimizer_state != StateDtype::F32 {
             return Err(CliError::InvalidInput(
                 "--optimizer-state chooses the dtype of F32 moments; --optimizer adamw8bit \
@@ -482,6 +512,10 @@ impl TrainingArgs {
             classifier: self.classifier,
             epilogues: self.epilogues,
             lora: None,
+            parallel: castor_ir::Parallel {
+                world_size: self.world_size,
+                zero: self.zero,
+            },
         })
     }
 }

@@ -37,6 +37,7 @@ fn settings(precision: Precision, loss_scaling: LossScaling) -> TrainSettings {
         classifier: castor_ir::Classifier::Eager,
         epilogues: castor_ir::Epilogues::Eager,
         lora: None,
+        parallel: Default::default(),
     }
 }
 

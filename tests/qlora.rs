@@ -221,10 +221,8 @@ fn the_nf4_7b_fine_tune_fits_16_gb_with_a_recompute_budget() {
     let (budget, budget_gflop) = plan("budget:15000000000");
     let (full, full_gflop) = plan("full");
     let (selective, _) = plan("selective");
-    assert!(
-        budget <= 15_000_000_000 && budget < 16_000_000_000,
-        "{budget}"
-    );
+    // Within the budget, so under 16 GB.
+    assert!(budget <= 15_000_000_000, "{budget}");
     assert!(selective > 16_000_000_000 && full < budget);
     assert!(budget_gflop < full_gflop, "{budget_gflop} vs {full_gflop}");
     println!(

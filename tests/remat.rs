@@ -74,6 +74,7 @@ fn try_plan(
         classifier: castor_ir::Classifier::Eager,
         epilogues: castor_ir::Epilogues::Eager,
         lora: None,
+        parallel: Default::default(),
     };
     castor::memory::Executor::Cuda
         .pipeline()

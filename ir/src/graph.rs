@@ -271,7 +271,8 @@ impl Graph {
         users
     }
 
-    /// Number of nodes of each class, sources excluded.
+    /// Number of nodes of each class, sources excluded. The four compute classes are always
+    /// listed; communication only in the data-parallel plans that have it.
     pub fn class_counts(&self) -> Vec<(OpClass, usize)> {
         OpClass::ALL
             .iter()
@@ -283,6 +284,7 @@ impl Graph {
                     .count();
                 (c, count)
             })
+            .filter(|&(c, count)| count > 0 || c != OpClass::Communication)
             .collect()
     }
 }

@@ -37,11 +37,11 @@ pub use dtype::{round_tf32, Accum, DType, TensorType};
 pub use entities::{Node, Value};
 pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};
-pub use op::{adafactor_moments, Attr, BinaryOp, Op, OpClass, ReduceOp, UnaryOp};
+pub use op::{adafactor_moments, Attr, BinaryOp, CollectiveOp, Op, OpClass, ReduceOp, UnaryOp};
 pub use plan::{
     Classifier, ControlState, Epilogues, LoraBase, LoraSettings, LossScaling, Nf4Part,
-    OptimizerKind, PlanError, Remat, StateInit, StateRole, StateSpec, TrainSettings, TrainingPlan,
-    Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
+    OptimizerKind, Parallel, PlanError, Remat, StateInit, StateRole, StateSpec, TrainSettings,
+    TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
 };
 pub use precision::Precision;
 pub use rope::{rope_inv_freq, RopeScaling};

@@ -661,6 +661,58 @@ impl Backward<'_> {
                     self.contribute(x[0], dy)?;
                 }
             }
+            // Collectives: each rank's loss is its own, the gradient of the group's total
+            // flows back through the transposed exchange.
+            Op::AllReduce { reduce, world } if *reduce != castor_ir::CollectiveOp::Norm => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let op = Op::AllReduce {
+                        reduce: *reduce,
+                        world: *world,
+                    };
+                    let d = self.b.op(&name, op, &[dy])?;
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::ReduceScatter { world, average } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let shape = self.fwd.ty(x[0]).shape.0.clone();
+                    let op = Op::AllGather {
+                        world: *world,
+                        shape,
+                    };
+                    let mut d = self.b.op(&name, op, &[dy])?;
+                    if *average {
+                        let factor = 1.0 / *world as f64;
+                        d = self
+                            .b
+                            .op(&format!("{name}.mean"), Op::Scale { factor }, &[d])?;
+                    }
+                    self.contribute(x[0], d)?;
+                }
+            }
+            // A gathered (or sharded) value is the same on every rank: its gradient is the
+            // sum of the ranks' gradients, each rank keeping its shard (or gathering them).
+            Op::AllGather { world, .. } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let op = Op::ReduceScatter {
+                        world: *world,
+                        average: false,
+                    };
+                    let d = self.b.op(&name, op, &[dy])?;
+                    self.contribute(x[0], d)?;
+                }
+            }
+            Op::Shard { world } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let shape = self.fwd.ty(x[0]).shape.0.clone();
+                    let op = Op::AllGather {
+                        world: *world,
+                        shape,
+                    };
+                    let d = self.b.op(&name, op, &[dy])?;
+                    self.contribute(x[0], d)?;
+                }
+            }
             other => {
                 return Err(bad(&format!("no gradient rule for `{}`", other.mnemonic())));
             }

@@ -23,8 +23,10 @@ impl Pass for Classify {
                 .entry(node.op.mnemonic())
                 .or_default() += 1;
         }
+        // Communication only shows in data-parallel plans that have it.
         let counts: Vec<String> = OpClass::ALL
             .iter()
+            .filter(|&&c| c != OpClass::Communication || by_class.contains_key(&c))
             .map(|c| format!("{c} {}", by_class.get(c).map_or(0, |m| m.values().sum())))
             .collect();
         let mut report = PassReport::new(format!("classified: {}", counts.join(", ")));

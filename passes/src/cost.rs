@@ -37,6 +37,69 @@ pub struct GpuSpec {
     /// Device memory in bytes (optional: shown beside the anatomy's total).
     #[serde(default)]
     pub memory_bytes: Option<u64>,
+    /// How the GPUs of a data-parallel group reach each other (the collectives' time).
+    #[serde(default)]
+    pub interconnect: Interconnect,
+}
+
+/// A GPU's links to its peers, per GPU and per direction, in bytes/s.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Interconnect {
+    /// Within a node (NVLink, or PCIe).
+    pub link_bandwidth: f64,
+    /// Across nodes (InfiniBand or Ethernet, the share of one GPU).
+    pub network_bandwidth: f64,
+    /// GPUs in a node: a group of more spans nodes, and its rings run at the network's rate.
+    pub gpus_per_node: usize,
+}
+
+impl Default for Interconnect {
+    /// A PCIe 4.0 x16 card in an 8-GPU server on 100 Gb/s Ethernet: what a spec file that
+    /// says nothing about links gets.
+    fn default() -> Self {
+        Interconnect {
+            link_bandwidth: 25e9,
+            network_bandwidth: 12.5e9,
+            gpus_per_node: 8,
+        }
+    }
+}
+
+impl Interconnect {
+    /// An NVLink server (HGX) with one InfiniBand NIC per GPU.
+    pub fn nvlink(link_gb_s: f64, network_gbit_s: f64) -> Interconnect {
+        Interconnect {
+            link_bandwidth: link_gb_s * 1e9,
+            network_bandwidth: network_gbit_s * 1e9 / 8.0,
+            gpus_per_node: 8,
+        }
+    }
+
+    /// The bandwidth of a ring over `world` GPUs: the links within a node, the network when
+    /// the group spans nodes.
+    pub fn ring_bandwidth(&self, world: usize) -> f64 {
+        if world <= self.gpus_per_node.max(1) {
+            self.link_bandwidth
+        } else {
+            self.network_bandwidth
+        }
+    }
+
+    /// Ring-algorithm seconds of a collective over `world` GPUs: an all-reduce of `bytes`
+    /// sends `2 (world - 1) / world` of them, a reduce-scatter or all-gather of `bytes` (the
+    /// whole value) `(world - 1) / world`.
+    pub fn seconds(&self, op: &Op, bytes: f64) -> f64 {
+        let (world, passes) = match op {
+            Op::AllReduce { world, .. } => (*world, 2.0),
+            Op::ReduceScatter { world, .. } | Op::AllGather { world, .. } => (*world, 1.0),
+            _ => return 0.0,
+        };
+        if world <= 1 {
+            return 0.0;
+        }
+        passes * (world - 1) as f64 / world as f64 * bytes / self.ring_bandwidth(world)
+    }
 }
 
 impl Default for GpuSpec {
@@ -55,6 +118,8 @@ impl GpuSpec {
             f32_flops: 67e12,
             memory_bandwidth: 3.35e12,
             memory_bytes: Some(80 * (1 << 30)),
+            // NVLink 4 (900 GB/s both ways), one 400 Gb/s NDR NIC per GPU.
+            interconnect: Interconnect::nvlink(450.0, 400.0),
         }
     }
 
@@ -243,7 +308,12 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         | Op::Cast { .. }
         | Op::Full { .. }
         | Op::Pad { .. }
-        | Op::BroadcastTo { .. } => 0.0,
+        | Op::BroadcastTo { .. }
+        | Op::Shard { .. } => 0.0,
+        // The reduction's additions (an all-reduce of norms: a square and an add per rank).
+        Op::AllReduce { world, .. } => out * world.saturating_sub(1) as f64,
+        Op::ReduceScatter { world, .. } => in0 * world.saturating_sub(1) as f64 / *world as f64,
+        Op::AllGather { .. } => 0.0,
     }
 }
 
@@ -291,7 +361,16 @@ pub fn node_cost(g: &Graph, n: Node, gpu: &GpuSpec) -> NodeCost {
     let node = g.node(n);
     let flops = node_flops(g, node);
     let bytes = node_bytes(g, node);
-    let seconds = (flops / gpu.peak_for(g, node)).max(bytes / gpu.memory_bandwidth);
+    let seconds = if node.op.class() == OpClass::Communication {
+        // The wire, not the device's memory, bounds a collective: the whole value's bytes.
+        let moved = match node.op {
+            Op::ReduceScatter { .. } => size(g, node.inputs[0]),
+            _ => size(g, node.outputs[0]),
+        };
+        gpu.interconnect.seconds(&node.op, moved)
+    } else {
+        (flops / gpu.peak_for(g, node)).max(bytes / gpu.memory_bandwidth)
+    };
     NodeCost {
         flops,
         bytes,
@@ -308,6 +387,8 @@ pub struct GraphCost {
     pub recompute: NodeCost,
     /// The contractions among them.
     pub recompute_contractions: NodeCost,
+    /// Collectives (data parallelism): their seconds are the interconnect's.
+    pub communication: NodeCost,
 }
 
 pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
@@ -317,6 +398,9 @@ pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
         c.total += nc;
         if node.op.class() == OpClass::Contraction {
             c.contractions += nc;
+        }
+        if node.op.class() == OpClass::Communication {
+            c.communication += nc;
         }
         if node
             .outputs

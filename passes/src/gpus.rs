@@ -5,7 +5,7 @@
 //! F16-accumulate rate. Memory is the nominal size of the card (`80 GB` is 80 GiB of HBM); the
 //! driver and the CUDA context take a few hundred MiB of it.
 
-use crate::cost::GpuSpec;
+use crate::cost::{GpuSpec, Interconnect};
 
 const GIB: u64 = 1 << 30;
 
@@ -18,26 +18,56 @@ fn table() -> Vec<(&'static [&'static str], GpuSpec)> {
         f32_flops: f32 * 1e12,
         memory_bandwidth: tb_s * 1e12,
         memory_bytes: Some(gib * GIB),
+        // PCIe cards: the default (PCIe 4.0 x16, 100 Gb/s Ethernet); SXM parts set theirs.
+        interconnect: Interconnect::default(),
+    };
+    // SXM parts in HGX servers: NVLink per GPU and direction, one InfiniBand NIC per GPU.
+    let sxm = |s: GpuSpec, link_gb_s: f64, nic_gbit_s: f64| GpuSpec {
+        interconnect: Interconnect::nvlink(link_gb_s, nic_gbit_s),
+        ..s
+    };
+    // PCIe 5.0 x16.
+    let pcie5 = |s: GpuSpec| GpuSpec {
+        interconnect: Interconnect {
+            link_bandwidth: 50e9,
+            ..Interconnect::default()
+        },
+        ..s
     };
     vec![
         (&["h100", "h100-sxm", "h100-80gb"], GpuSpec::h100_sxm()),
         (
             &["h100-pcie"],
-            spec("H100 PCIe 80 GB", 756.0, 378.0, 51.0, 2.0, 80),
+            pcie5(spec("H100 PCIe 80 GB", 756.0, 378.0, 51.0, 2.0, 80)),
         ),
         (
             &["h200", "h200-sxm"],
-            spec("H200 SXM 141 GB", 989.0, 495.0, 67.0, 4.8, 141),
+            sxm(
+                spec("H200 SXM 141 GB", 989.0, 495.0, 67.0, 4.8, 141),
+                450.0,
+                400.0,
+            ),
         ),
         (
             &["a100", "a100-80gb", "a100-sxm"],
-            spec("A100 SXM 80 GB", 312.0, 156.0, 19.5, 2.039, 80),
+            sxm(
+                spec("A100 SXM 80 GB", 312.0, 156.0, 19.5, 2.039, 80),
+                300.0,
+                200.0,
+            ),
         ),
         (
             &["a100-40gb", "a100-40"],
-            spec("A100 40 GB", 312.0, 156.0, 19.5, 1.555, 40),
+            sxm(
+                spec("A100 40 GB", 312.0, 156.0, 19.5, 1.555, 40),
+                300.0,
+                200.0,
+            ),
         ),
-        (&["l40s"], spec("L40S 48 GB", 362.0, 183.0, 91.6, 0.864, 48)),
+        (
+            &["l40s"],
+            pcie5(spec("L40S 48 GB", 362.0, 183.0, 91.6, 0.864, 48)),
+        ),
         (&["l4"], spec("L4 24 GB", 121.0, 60.0, 30.3, 0.3, 24)),
         (
             &["a10", "a10g"],

@@ -57,7 +57,7 @@ impl Rule {
             OpClass::Contraction => Rule::Allow,
             OpClass::Normalization => Rule::Deny,
             OpClass::Elementwise => Rule::Infer,
-            OpClass::Layout => Rule::Clear,
+            OpClass::Layout | OpClass::Communication => Rule::Clear,
         }
     }
 }
@@ -403,6 +403,20 @@ fn table_ops() -> Vec<Op> {
             sizes: vec![],
         },
         Op::CrossEntropy { ignore_index: 0 },
+        // Collectives and a rank's shard: clear, like layout.
+        Op::AllReduce {
+            reduce: castor_ir::CollectiveOp::Sum,
+            world: 1,
+        },
+        Op::ReduceScatter {
+            world: 1,
+            average: false,
+        },
+        Op::AllGather {
+            world: 1,
+            shape: vec![],
+        },
+        Op::Shard { world: 1 },
     ];
     ops.extend(UnaryOp::ALL.map(Op::Unary));
     ops.extend(BinaryOp::ALL.map(Op::Binary));

@@ -125,6 +125,9 @@ impl PrecisionSummary {
         lines.push(header);
         for class in OpClass::ALL {
             let row = self.by_class.get(&class);
+            if class == OpClass::Communication && row.is_none() {
+                continue;
+            }
             let mut line = format!("{:<14}", class.name());
             for d in &dtypes {
                 let _ = write!(

@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod cuda_probe;
 mod error;
 mod plan;
+pub mod ranks;
 
 pub use error::RuntimeError;
 pub use plan::{DeviceTime, PlanRunner, StepReport};

@@ -54,6 +54,31 @@ impl PlanRunner {
         plan: TrainingPlan,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
     ) -> Result<PlanRunner, RuntimeError> {
+        PlanRunner::with_executor(plan, checkpoint, CpuExecutor::new())
+    }
+
+    /// One rank of a data-parallel plan (`castor_ir::Parallel`), its collectives exchanged
+    /// with the other members of `member`'s group. Sharded entries start as this rank's shard.
+    pub fn for_rank(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+        member: crate::cpu::collective::Member,
+    ) -> Result<PlanRunner, RuntimeError> {
+        let world = plan.settings.parallel.world_size;
+        if member.world() != world {
+            return Err(RuntimeError::Plan(format!(
+                "the plan is one rank's of {world}, the group has {}",
+                member.world()
+            )));
+        }
+        PlanRunner::with_executor(plan, checkpoint, CpuExecutor::ranked(member))
+    }
+
+    fn with_executor(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+        executor: CpuExecutor,
+    ) -> Result<PlanRunner, RuntimeError> {
         plan.check()?;
         let mut state = HashMap::new();
         let mut nf4 = Nf4States::default();
@@ -81,7 +106,7 @@ impl PlanRunner {
         Ok(PlanRunner {
             plan,
             state,
-            executor: CpuExecutor::new(),
+            executor,
         })
     }
 
@@ -97,19 +122,21 @@ impl PlanRunner {
             if spec.role == StateRole::WorkingCopy || matches!(spec.init, StateInit::CopyOf(_)) {
                 continue;
             }
+            // A sharded entry comes whole (the ranks' shards gathered): the host's copy.
+            let whole = spec.shard_of.as_ref().unwrap_or(&spec.ty);
             match state.get(&spec.name) {
-                Some(t) if t.ty() == &spec.ty => {}
+                Some(t) if t.ty() == whole => {}
                 Some(t) => {
                     return Err(RuntimeError::BindingMismatch {
                         name: spec.name.clone(),
-                        expected: spec.ty.clone(),
+                        expected: whole.clone(),
                         found: t.ty().clone(),
                     })
                 }
                 None => {
                     return Err(RuntimeError::MissingBinding {
                         name: spec.name.clone(),
-                        expected: spec.ty.clone(),
+                        expected: whole.clone(),
                     })
                 }
             }
@@ -248,6 +275,28 @@ impl PlanRunner {
             grad_norm,
             device_time: None,
         })
+    }
+
+    /// The mean loss of the micro step on `batches`, writing nothing (validation). The
+    /// micro step's gradients are computed and dropped; a data-parallel plan's collectives
+    /// run, so every rank must call this with the same number of batches.
+    pub fn micro_step_loss(
+        &self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        let graph = &self.plan.micro_step;
+        let mut sum = 0.0;
+        for batch in batches {
+            let bind = |name: &str| batch.get(name).or_else(|| self.state.get(name));
+            let outputs = self.executor.run(graph, &bind)?;
+            let loss = outputs
+                .first()
+                .and_then(|t| t.as_f32())
+                .and_then(|v| v.first().copied())
+                .ok_or_else(|| RuntimeError::Plan("the micro step has no loss output".into()))?;
+            sum += f64::from(loss);
+        }
+        Ok(sum / batches.len().max(1) as f64)
     }
 
     /// The writes this runner keeps: all but the working copies, which the micro step derives

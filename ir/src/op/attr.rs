@@ -238,6 +238,20 @@ impl AttrValue for DType {
     }
 }
 
+impl AttrValue for super::CollectiveOp {
+    fn to_attr(&self) -> Attr {
+        Attr::Ident(self.name().to_string())
+    }
+
+    fn from_attr(key: &str, attr: Attr) -> Result<super::CollectiveOp, String> {
+        let name = ident(key, attr)?;
+        super::CollectiveOp::ALL
+            .into_iter()
+            .find(|c| c.name() == name)
+            .ok_or_else(|| format!("`{key}` must be sum, mean or norm, found `{name}`"))
+    }
+}
+
 /// An optional dtype: its name, or `none`.
 impl AttrValue for Option<DType> {
     fn to_attr(&self) -> Attr {

@@ -20,9 +20,9 @@ pub use typing::adafactor_moments;
 use crate::{DType, RopeScaling, TensorType};
 use define::{define_family, define_ops};
 use std::fmt;
-use OpClass::{Contraction, Elementwise, Layout, Normalization};
+use OpClass::{Communication, Contraction, Elementwise, Layout, Normalization};
 
-/// The four classes the precision passes reason about.
+/// The classes the precision passes reason about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum OpClass {
     /// Matrix products: the work tensor cores do. Natural candidates for low precision.
@@ -33,10 +33,20 @@ pub enum OpClass {
     Elementwise,
     /// Data movement with no arithmetic (reshape, transpose, gather, graph sources).
     Layout,
+    /// Values exchanged between the ranks of a data-parallel group (all-reduce,
+    /// reduce-scatter, all-gather). The precision passes treat them as layout: they move
+    /// values, in the producer's dtype.
+    Communication,
 }
 
 impl OpClass {
-    pub const ALL: [OpClass; 4] = [Contraction, Normalization, Elementwise, Layout];
+    pub const ALL: [OpClass; 5] = [
+        Contraction,
+        Normalization,
+        Elementwise,
+        Layout,
+        Communication,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -44,6 +54,7 @@ impl OpClass {
             Normalization => "normalization",
             Elementwise => "elementwise",
             Layout => "layout",
+            Communication => "communication",
         }
     }
 }
@@ -87,6 +98,19 @@ define_family! {
         Sub = "sub",
         Mul = "mul",
         Div = "div",
+    }
+}
+
+define_family! {
+    /// How [`Op::AllReduce`] combines the ranks' values.
+    CollectiveOp {
+        /// The sum over ranks.
+        Sum = "sum",
+        /// The sum divided by the number of ranks (data-parallel gradients).
+        Mean = "mean",
+        /// `sqrt(sum of squares)` of the ranks' scalars, in F64: per-shard L2 norms combined
+        /// into the global norm (not finite when any rank's is not).
+        Norm = "norm",
     }
 }
 
@@ -217,6 +241,29 @@ define_ops! {
     /// A tensor with every element `value`: zero gradients, the seed of the backward pass.
     Full { value: f64, dtype: DType, shape: Vec<usize> } => "full", class Layout,
         arity (0, 0), typing typing::full(*dtype, shape);
+
+    // Collectives: a data-parallel group of `world` ranks runs the same graph, each on its
+    // own batch and its own shards of the state. A flat *shard* of a value is its elements in
+    // row-major order, padded with zeros to `world * ceil(n / world)`, cut in `world` equal
+    // pieces; rank r holds piece r.
+
+    /// `x -> x` combined over the ranks as `reduce` says; every rank gets the same result,
+    /// summed in rank order (so every rank's bits are equal).
+    AllReduce { reduce: CollectiveOp, world: usize } => "all_reduce", class Communication,
+        arity (1, 1), typing typing::all_reduce(inputs, *reduce);
+    /// `x [..] -> [ceil(n / world)]`: the sum over ranks (divided by `world` when `average`)
+    /// of this rank's flat shard (what an all-reduce followed by [`Op::Shard`] gives, with a
+    /// `1 / world` of the traffic).
+    ReduceScatter { world: usize, average: bool } => "reduce_scatter", class Communication,
+        arity (1, 1), typing typing::shard(inputs, *world);
+    /// `shard [ceil(n / world)] -> [shape]`: every rank's shard, in rank order, the padding
+    /// dropped: the value the shards were cut from.
+    AllGather { world: usize, shape: Vec<usize> } => "all_gather", class Communication,
+        arity (1, 1), typing typing::all_gather(inputs, *world, shape);
+    /// `x [..] -> [ceil(n / world)]`: this rank's flat shard of a value every rank holds
+    /// whole; no communication.
+    Shard { world: usize } => "shard", class Layout, arity (1, 1),
+        typing typing::shard(inputs, *world);
 
     // Gradient ops: the vector-Jacobian products the autodiff pass emits.
 

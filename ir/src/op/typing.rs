@@ -872,3 +872,42 @@ pub fn cross_entropy_grad(inputs: &[&TensorType]) -> Types {
     }
     one(logits.clone())
 }
+
+/// [`super::Op::AllReduce`]: the operand's type; `norm` combines F32 scalars.
+pub fn all_reduce(inputs: &[&TensorType], reduce: super::CollectiveOp) -> Types {
+    let x = inputs[0];
+    require_float("operand", x)?;
+    if reduce == super::CollectiveOp::Norm {
+        require_f32_scalar("a norm to combine", x)?;
+    }
+    one(x.clone())
+}
+
+/// The flat shard of one of `world` ranks: `[ceil(n / world)]`, the operand's dtype.
+pub fn shard(inputs: &[&TensorType], world: usize) -> Types {
+    if world == 0 {
+        return Err("world must be at least 1".into());
+    }
+    let x = inputs[0];
+    let numel = x.shape.numel().ok_or("the operand's size overflows")?;
+    one(TensorType::new(x.dtype, Shape(vec![numel.div_ceil(world)])))
+}
+
+/// [`super::Op::AllGather`]: a shard of a `shape` value from each of `world` ranks.
+pub fn all_gather(inputs: &[&TensorType], world: usize, shape: &[usize]) -> Types {
+    if world == 0 {
+        return Err("world must be at least 1".into());
+    }
+    let x = inputs[0];
+    let numel = Shape(shape.to_vec())
+        .numel()
+        .ok_or("the gathered shape's size overflows")?;
+    let want = numel.div_ceil(world);
+    if x.shape.0 != [want] {
+        return Err(format!(
+            "a shard of {:?} over {world} ranks is [{want}], found {}",
+            shape, x.shape
+        ));
+    }
+    one(TensorType::new(x.dtype, Shape(shape.to_vec())))
+}

@@ -20,7 +20,8 @@ mod settings;
 
 pub use control::{ControlState, GRAD_NORM, LEARNING_RATE};
 pub use settings::{
-    Classifier, Epilogues, LoraBase, LoraSettings, LossScaling, OptimizerKind, Remat, TrainSettings,
+    Classifier, Epilogues, LoraBase, LoraSettings, LossScaling, OptimizerKind, Parallel, Remat,
+    TrainSettings,
 };
 
 use crate::{text, DType, Graph, IrError, KernelUnit, Shape, TensorType};
@@ -68,6 +69,14 @@ pub struct StateSpec {
     pub ty: TensorType,
     pub role: StateRole,
     pub init: StateInit,
+    /// For an entry a data-parallel rank keeps a flat shard of (`castor_ir::Op::Shard`): the
+    /// type of the whole value, which the ranks' shards together hold.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "opt_type_text"
+    )]
+    pub shard_of: Option<TensorType>,
 }
 
 /// What a persistent buffer is for (the rows of the memory anatomy).
@@ -410,6 +419,26 @@ mod graph_text {
 }
 
 /// Types as their IR text (`bf16[768, 768]`).
+/// An optional tensor type in the IR text format, absent when none.
+mod opt_type_text {
+    use super::*;
+    use serde::{Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(t: &Option<TensorType>, s: S) -> Result<S::Ok, S::Error> {
+        match t {
+            Some(t) => s.serialize_str(&t.to_string()),
+            None => s.serialize_none(),
+        }
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<TensorType>, D::Error> {
+        let src = String::deserialize(d)?;
+        super::type_text::parse_type(&src)
+            .map(Some)
+            .ok_or_else(|| serde::de::Error::custom(format!("bad tensor type `{src}`")))
+    }
+}
+
 mod type_text {
     use super::*;
     use serde::{Deserializer, Serializer};
@@ -423,7 +452,7 @@ mod type_text {
         parse_type(&src).ok_or_else(|| serde::de::Error::custom(format!("bad tensor type `{src}`")))
     }
 
-    fn parse_type(s: &str) -> Option<TensorType> {
+    pub(super) fn parse_type(s: &str) -> Option<TensorType> {
         let (dtype, rest) = s.split_once('[')?;
         let dtype: DType = dtype.trim().parse().ok()?;
         let dims = rest.strip_suffix(']')?;

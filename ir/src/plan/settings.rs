@@ -47,6 +47,37 @@ pub struct TrainSettings {
     /// frozen base.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora: Option<LoraSettings>,
+    /// Data parallelism: the ranks that run the plan, and what they shard.
+    #[serde(default, skip_serializing_if = "Parallel::is_single")]
+    pub parallel: Parallel,
+}
+
+/// How a plan runs on a data-parallel group (`--world-size`, `--zero`): every rank runs the
+/// same graphs on its own `batch` of the global batch, and the plan's state table is one
+/// rank's (sharded entries hold that rank's shard).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Parallel {
+    /// Ranks in the group (1: one device, no collectives).
+    pub world_size: usize,
+    /// ZeRO stage: 0 replicates everything and averages the gradients (DDP); 1 also shards
+    /// the optimizer moments (each rank updates its shard and the ranks gather the updated
+    /// parameters); 2 also shards the gradients (reduce-scattered as they complete).
+    pub zero: u8,
+}
+
+impl Default for Parallel {
+    fn default() -> Self {
+        Parallel {
+            world_size: 1,
+            zero: 0,
+        }
+    }
+}
+
+impl Parallel {
+    pub fn is_single(&self) -> bool {
+        self.world_size <= 1
+    }
 }
 
 /// The adapters a plan trains: PEFT's `r`, `lora_alpha` and `target_modules` (given as a

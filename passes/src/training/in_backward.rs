@@ -188,6 +188,7 @@ pub(super) fn apply(build: &mut PlanBuild) -> Result<String, PassError> {
     // Gradients are no longer state; the norm is.
     plan.state.retain(|s| s.role != StateRole::Gradient);
     plan.state.push(StateSpec {
+        shard_of: None,
         name: NORM_STATE.into(),
         ty: scalar,
         role: StateRole::OptimizerState,

@@ -17,6 +17,9 @@
 //!    (unscale, clip, update master and moments, write the working copy), the step count
 //!    unless skipped, the loss-scale update; under `--update-in-backward` it then moves each
 //!    update into the micro step right after its gradient (`in_backward.rs`);
+//!    `nf4` stores a QLoRA base in NF4 (`nf4.rs`); `parallel` makes the plan one rank's of a
+//!    data-parallel group under `--world-size`: gradients averaged across ranks as they
+//!    complete, and under `--zero` the moments (and gradients) sharded (`parallel.rs`);
 //! 4. `remat` rewrites the micro step under `--remat`, the budget measured against the whole
 //!    step's planned peak;
 //! 5. `fusion` records what runs as one kernel in each graph (pointwise groups with their
@@ -33,6 +36,7 @@ mod gradients;
 mod in_backward;
 mod nf4;
 mod optimizer;
+mod parallel;
 
 use crate::memory::{MemoryModel, NodeLevel};
 use crate::{PassError, PassReport};
@@ -230,6 +234,7 @@ impl Default for TrainingPipeline {
             Box::new(gradients::Accumulate),
             Box::new(optimizer::OptimizerStep),
             Box::new(nf4::Nf4Base),
+            Box::new(parallel::DataParallel),
             Box::new(Rematerialize),
             Box::new(Fuse),
         ])
@@ -523,6 +528,7 @@ mod tests {
             classifier: castor_ir::Classifier::Eager,
             epilogues: castor_ir::Epilogues::Eager,
             lora: None,
+            parallel: Default::default(),
         }
     }
 
@@ -574,6 +580,7 @@ mod tests {
                 "accumulate",
                 "optimizer",
                 "nf4",
+                "parallel",
                 "remat",
                 "fusion"
             ]
@@ -584,7 +591,7 @@ mod tests {
                 .unwrap()
                 .run(&loss_graph(), settings())
                 .unwrap();
-            assert_eq!(out.reports.len(), 9);
+            assert_eq!(out.reports.len(), 10);
             let dump = out.dump.unwrap();
             assert!(dump.starts_with("graph micro_step {"), "{name}: {dump}");
             // Accumulation over two micro-batches adds the gradient to its state.
@@ -612,7 +619,7 @@ mod tests {
             .to_string();
         assert!(
             err.contains(
-                "autodiff, classifier_step, epilogue, accumulate, optimizer, nf4, remat, fusion"
+                "autodiff, classifier_step, epilogue, accumulate, optimizer, nf4, parallel, remat, fusion"
             ),
             "{err}"
         );

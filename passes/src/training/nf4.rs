@@ -68,6 +68,7 @@ impl PlanPass for Nf4Base {
             let n = spec.ty.shape.numel().unwrap_or(0);
             for part in [Nf4Part::Codes, Nf4Part::Absmax] {
                 state.push(StateSpec {
+                    shard_of: None,
                     name: part.name(&spec.name),
                     ty: part.ty(n),
                     role: StateRole::Frozen,

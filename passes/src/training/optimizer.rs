@@ -33,6 +33,7 @@ impl PlanPass for OptimizerStep {
                 false => StateRole::Frozen,
             };
             state.push(StateSpec {
+                shard_of: None,
                 name: fwd.name(p).to_string(),
                 ty: fwd.ty(p).clone(),
                 role,
@@ -42,6 +43,7 @@ impl PlanPass for OptimizerStep {
         let copies = working_copies(fwd);
         for (master, copy) in &copies {
             state.push(StateSpec {
+                shard_of: None,
                 name: fwd.name(*copy).to_string(),
                 ty: fwd.ty(*copy).clone(),
                 role: StateRole::WorkingCopy,
@@ -50,6 +52,7 @@ impl PlanPass for OptimizerStep {
         }
         for &p in trainable {
             state.push(StateSpec {
+                shard_of: None,
                 name: grad_name(fwd.name(p)),
                 ty: TensorType::new(DType::F32, fwd.ty(p).shape.clone()),
                 role: StateRole::Gradient,
@@ -59,6 +62,7 @@ impl PlanPass for OptimizerStep {
         for &p in trainable {
             for (name, ty) in moments(settings, fwd.name(p), &fwd.ty(p).shape) {
                 state.push(StateSpec {
+                    shard_of: None,
                     name,
                     ty,
                     role: StateRole::OptimizerState,
@@ -72,6 +76,7 @@ impl PlanPass for OptimizerStep {
             .any(|&p| quantized(settings, &fwd.ty(p).shape))
         {
             state.push(StateSpec {
+                shard_of: None,
                 name: CODE_MAPS.into(),
                 ty: code_maps_type(),
                 role: StateRole::OptimizerState,
@@ -82,6 +87,7 @@ impl PlanPass for OptimizerStep {
         // has one shape whatever the loss scaling.
         for c in ControlState::ALL {
             state.push(StateSpec {
+                shard_of: None,
                 name: c.name().into(),
                 ty: c.ty(),
                 role: StateRole::Control,

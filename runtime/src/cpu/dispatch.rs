@@ -37,6 +37,12 @@ pub fn execute(
         Op::Input | Op::Param | Op::State => {
             return Err(args.internal("sources are bound, not executed"))
         }
+        Op::AllReduce { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllGather { .. }
+        | Op::Shard { .. } => {
+            return Err(args.internal("collectives run in the executor, with its rank group"))
+        }
         Op::GradNorm => {
             let last = args.len() - 1;
             let scale = scalar(args, last)?;

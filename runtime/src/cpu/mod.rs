@@ -16,6 +16,7 @@ pub(crate) mod adamw8bit;
 pub(crate) mod attention;
 pub(crate) mod cast;
 pub(crate) mod classifier;
+pub mod collective;
 mod dispatch;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
@@ -36,12 +37,15 @@ pub(crate) mod softmax;
 mod strides;
 
 use crate::RuntimeError;
-use castor_ir::{Graph, Node, Tensor, TensorData, TensorType, Value};
+use castor_ir::{Graph, Node, Op, Tensor, TensorData, TensorType, Value};
 use operand::{Args, Operand};
 
 /// Runs graphs on the host. Holds no state between runs.
 #[derive(Clone, Debug, Default)]
-pub struct CpuExecutor {}
+pub struct CpuExecutor {
+    /// This executor's rank in a data-parallel group (none: a group of one).
+    member: Option<collective::Member>,
+}
 
 /// What the run holds for a value.
 enum Slot<'t> {
@@ -63,7 +67,15 @@ enum LastUse {
 
 impl CpuExecutor {
     pub fn new() -> Self {
-        CpuExecutor {}
+        CpuExecutor { member: None }
+    }
+
+    /// The executor of one rank of a data-parallel group: collectives exchange values with
+    /// the group's other ranks.
+    pub fn ranked(member: collective::Member) -> Self {
+        CpuExecutor {
+            member: Some(member),
+        }
     }
 
     /// Runs `graph` and returns its outputs, in order.
@@ -95,6 +107,41 @@ impl CpuExecutor {
                 continue;
             }
             let name = node.outputs.first().map_or("?", |&v| graph.name(v));
+            if matches!(
+                node.op,
+                Op::AllReduce { .. }
+                    | Op::ReduceScatter { .. }
+                    | Op::AllGather { .. }
+                    | Op::Shard { .. }
+            ) {
+                let x = match node.inputs.first().map(|v| &slots[v.index()]) {
+                    Some(Slot::Bound(t)) => *t,
+                    Some(Slot::Computed(t)) => t,
+                    _ => {
+                        return Err(RuntimeError::Internal {
+                            node: name.into(),
+                            message: "a collective's operand was never computed".into(),
+                        })
+                    }
+                };
+                let out = graph.ty(node.outputs[0]);
+                let t = collective::execute(&node.op, self.member.as_ref(), x, out, name)?;
+                let input = node.inputs[0];
+                if last_use[input.index()] == LastUse::Node(n) {
+                    if let Slot::Computed(t) =
+                        std::mem::replace(&mut slots[input.index()], Slot::Empty)
+                    {
+                        recycle(t);
+                    }
+                }
+                let v = node.outputs[0];
+                if last_use[v.index()] == LastUse::Unused {
+                    recycle(t);
+                } else {
+                    slots[v.index()] = Slot::Computed(t);
+                }
+                continue;
+            }
             let operands = operands(&mut slots, &node.inputs, n, &last_use);
             let mut args = Args::new(name, operands);
             let out_types: Vec<&TensorType> = node.outputs.iter().map(|&v| graph.ty(v)).collect();

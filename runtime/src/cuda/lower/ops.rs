@@ -24,6 +24,16 @@ impl RunLowering<'_, '_> {
         let dt = |v: Value| g.ty(v).dtype;
         match &node.op {
             Op::Input | Op::Param | Op::State | Op::ParamCopy { .. } => {}
+            Op::AllReduce { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGather { .. }
+            | Op::Shard { .. } => {
+                return Err(self.err(
+                    y,
+                    "a data-parallel plan's collectives run on NCCL, which the CUDA executor \
+                     does not drive yet (CPU ranks run it: --device cpu)",
+                ))
+            }
             Op::Attention { .. } => self.attention(n)?,
             Op::AttentionGrad { .. } => self.attention_grad(n)?,
             Op::Reshape { .. }

@@ -1,0 +1,350 @@
+//! `parallel`: a data-parallel plan (`--world-size N --zero S`), one rank's view of it.
+//!
+//! Every rank runs the same micro step on its own micro-batch; each gradient is averaged
+//! across the ranks right after the backward completes it (an all-reduce, or under ZeRO-2 a
+//! reduce-scatter that leaves each rank the mean of its shard), so the reductions of late layers
+//! overlap the backward of early ones, and the IR shows where each runs. ZeRO-1 shards the
+//! optimizer moments: each rank updates its shard of every master (its shard of the master and
+//! of the gradient cut locally, `shard`), and the ranks all-gather the updated master and its
+//! working copy. ZeRO-2 also keeps only the gradient's shard, and the global gradient norm
+//! (the clipping factor, and the found-inf test) combines the ranks' shard norms, so every rank
+//! skips or clips the same step. The F32 masters stay replicated: the micro step reads them
+//! (or their working copies) whole.
+//!
+//! Sharded state entries hold one rank's flat shard: `[ceil(n / world)]` (the IR's `shard`).
+
+use super::{PlanBuild, PlanPass};
+use crate::{PassError, PassReport};
+use castor_ir::{
+    CollectiveOp, Graph, Op, OptimizerKind, Shape, StateRole, TensorType, Value, GRAD_NORM,
+};
+use std::collections::{HashMap, HashSet};
+
+pub(super) struct DataParallel;
+
+impl PlanPass for DataParallel {
+    fn name(&self) -> &'static str {
+        "parallel"
+    }
+
+    fn run(&self, build: &mut PlanBuild) -> Result<PassReport, PassError> {
+        let plan = &mut build.plan;
+        let parallel = plan.settings.parallel;
+        if parallel.is_single() {
+            return Ok(PassReport::new("one rank: no collectives"));
+        }
+        let (world, zero) = (parallel.world_size, parallel.zero);
+        check(plan, zero)?;
+        let shard_ty = |ty: &TensorType| {
+            TensorType::new(
+                ty.dtype,
+                Shape(vec![ty.shape.numel().unwrap_or(0).div_ceil(world)]),
+            )
+        };
+        // The entries each rank keeps a shard of.
+        let mut sharded: HashMap<String, TensorType> = HashMap::new();
+        for spec in &mut plan.state {
+            let shard = match spec.role {
+                StateRole::OptimizerState => zero >= 1,
+                StateRole::Gradient => zero >= 2,
+                _ => false,
+            };
+            if shard {
+                spec.shard_of = Some(spec.ty.clone());
+                spec.ty = shard_ty(&spec.ty);
+                sharded.insert(spec.name.clone(), spec.ty.clone());
+            }
+        }
+        let gradients: HashSet<&str> = plan
+            .state
+            .iter()
+            .filter(|s| s.role == StateRole::Gradient)
+            .map(|s| s.name.as_str())
+            .collect();
+        // Micro step: each gradient reduced as soon as it is complete.
+        let micro = &plan.micro_step;
+        let mut targets = HashSet::new();
+        for w in plan
+            .micro_step_writes
+            .iter()
+            .filter(|w| gradients.contains(w.state.as_str()))
+        {
+            let out = micro
+                .lookup(&w.output)
+                .ok_or_else(|| internal(format!("no micro step output `{}`", w.output)))?;
+            targets.insert(accumulated(micro, out, &w.state));
+        }
+        let reduced = targets.len();
+        plan.micro_step = rebuild(micro, &sharded, |g, v, local| {
+            let name = g.name(v).to_string();
+            let ty = g.ty(v).clone();
+            let (op, ty) = if zero >= 2 {
+                (
+                    Op::ReduceScatter {
+                        world,
+                        average: true,
+                    },
+                    shard_ty(&ty),
+                )
+            } else {
+                (
+                    Op::AllReduce {
+                        reduce: CollectiveOp::Mean,
+                        world,
+                    },
+                    ty,
+                )
+            };
+            Ok(targets.contains(&v).then(|| vec![(op, local, name, ty)]))
+        })?;
+        // Optimizer step: the updates on shards.
+        if zero >= 1 {
+            plan.optimizer_step = shard_updates(&plan.optimizer_step, &sharded, world, zero)?;
+        }
+        let what = match zero {
+            0 => "state replicated",
+            1 => "optimizer moments sharded",
+            _ => "optimizer moments and gradients sharded",
+        };
+        Ok(PassReport::new(format!(
+            "{world} ranks, ZeRO-{zero} ({what}): {reduced} gradient(s) {} as they complete; \
+             {} state entries sharded",
+            if zero >= 2 {
+                "reduce-scattered"
+            } else {
+                "all-reduced"
+            },
+            sharded.len()
+        )))
+    }
+}
+
+/// What data parallelism does not support yet, refused with the reason.
+fn check(plan: &castor_ir::TrainingPlan, zero: u8) -> Result<(), PassError> {
+    let refuse = |m: &str| Err(PassError::Training(m.into()));
+    if zero >= 3 {
+        return refuse(
+            "--zero 3 (parameters sharded and gathered before use) is not built yet: stages 0, \
+             1 and 2 are",
+        );
+    }
+    if plan.settings.update_in_backward {
+        return refuse(
+            "--update-in-backward with --world-size: the update would run before the other \
+             ranks' gradients arrive",
+        );
+    }
+    if zero >= 1
+        && matches!(
+            plan.settings.optimizer,
+            OptimizerKind::AdamW8bit { .. } | OptimizerKind::Adafactor { .. }
+        )
+    {
+        return refuse(
+            "--zero 1 and 2 shard AdamW's and SGD's moments: 8-bit AdamW's quantization blocks \
+             and Adafactor's factored moments follow the parameter's shape (use --zero 0)",
+        );
+    }
+    Ok(())
+}
+
+/// The value the backward completes for gradient entry `state`: the written output, or with
+/// gradient accumulation the micro-batch's gradient added to the entry.
+fn accumulated(g: &Graph, out: Value, state: &str) -> Value {
+    let node = g.node(g.value(out).producer);
+    if node.op == Op::Binary(castor_ir::BinaryOp::Add) {
+        let is_entry = |v: Value| g.node(g.value(v).producer).op == Op::State && g.name(v) == state;
+        if let [a, b] = node.inputs[..] {
+            if is_entry(a) {
+                return b;
+            }
+            if is_entry(b) {
+                return a;
+            }
+        }
+    }
+    out
+}
+
+/// A node to insert after a value: its op, the name the value takes, the inserted node's
+/// result name and type.
+type Insert = (Op, String, String, TensorType);
+
+/// `g` rebuilt in the same order, state sources of `sharded` entries retyped, and after each
+/// value `after` names the nodes to insert: the value is renamed, the last inserted result
+/// takes its place for every later use.
+fn rebuild(
+    g: &Graph,
+    sharded: &HashMap<String, TensorType>,
+    mut after: impl FnMut(&Graph, Value, String) -> Result<Option<Vec<Insert>>, PassError>,
+) -> Result<Graph, PassError> {
+    let mut out = Graph::empty_like(g);
+    let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
+    for (n, node) in g.nodes() {
+        let inputs = node
+            .inputs
+            .iter()
+            .map(|v| map[v.index()].ok_or_else(|| internal("an operand out of order".into())))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut inserts = Vec::new();
+        let outputs = node
+            .outputs
+            .iter()
+            .map(|&v| {
+                let name = g.name(v).to_string();
+                let ty = match sharded.get(&name) {
+                    Some(ty) if node.op == Op::State => ty.clone(),
+                    _ => g.ty(v).clone(),
+                };
+                let local = format!("{name}.local");
+                match after(g, v, local.clone())? {
+                    Some(ins) => {
+                        let local_name = ins.first().map_or(local, |i| i.1.clone());
+                        inserts.push((v, ins));
+                        Ok((local_name, ty))
+                    }
+                    None => Ok((name, ty)),
+                }
+            })
+            .collect::<Result<Vec<_>, PassError>>()?;
+        let new = out.push_copy(g, n, inputs, outputs)?;
+        let new_outputs = out.node(new).outputs.clone();
+        for (&old, &fresh) in node.outputs.iter().zip(&new_outputs) {
+            map[old.index()] = Some(fresh);
+        }
+        for (v, ins) in inserts {
+            let mut current = map[v.index()].ok_or_else(|| internal("lost a value".into()))?;
+            for (op, _, name, ty) in ins {
+                let node = out.push_node(op, vec![current], vec![(name, ty)])?;
+                out.set_block(node, g.node(n).block);
+                current = out.node(node).outputs[0];
+            }
+            map[v.index()] = Some(current);
+        }
+    }
+    out.set_outputs(
+        g.outputs()
+            .iter()
+            .map(|v| map[v.index()].ok_or_else(|| internal("an output was lost".into())))
+            .collect::<Result<_, _>>()?,
+    );
+    Ok(out)
+}
+
+/// The optimizer step with every update on this rank's shards: masters (and under ZeRO-1 the
+/// gradients) cut locally before the update, the updated masters and working copies gathered
+/// after it; under ZeRO-2 the gradient norm combined across ranks.
+fn shard_updates(
+    g: &Graph,
+    sharded: &HashMap<String, TensorType>,
+    world: usize,
+    zero: u8,
+) -> Result<Graph, PassError> {
+    let mut out = Graph::empty_like(g);
+    let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
+    let get = |map: &[Option<Value>], v: Value| {
+        map[v.index()].ok_or_else(|| internal("an operand out of order".into()))
+    };
+    for (n, node) in g.nodes() {
+        let mut inputs = node
+            .inputs
+            .iter()
+            .map(|&v| get(&map, v))
+            .collect::<Result<Vec<_>, _>>()?;
+        if node.op.updates_parameter() {
+            // (master, grad, ..): cut what is whole.
+            let whole = if zero >= 2 { 1 } else { 2 };
+            for slot in inputs.iter_mut().take(whole) {
+                let name = format!("{}.shard", out.name(*slot));
+                let ty = out.ty(*slot);
+                let ty = TensorType::new(
+                    ty.dtype,
+                    Shape(vec![ty.shape.numel().unwrap_or(0).div_ceil(world)]),
+                );
+                let cut = out.push_node(Op::Shard { world }, vec![*slot], vec![(name, ty)])?;
+                *slot = out.node(cut).outputs[0];
+            }
+            let outputs: Vec<(String, TensorType)> = node
+                .outputs
+                .iter()
+                .map(|&v| {
+                    let ty = g.ty(v);
+                    let shard = TensorType::new(
+                        ty.dtype,
+                        Shape(vec![ty.shape.numel().unwrap_or(0).div_ceil(world)]),
+                    );
+                    let name = g.name(v).to_string();
+                    // Moments stay shards; the master and its copy are gathered.
+                    match sharded.contains_key(name.trim_end_matches(".next")) {
+                        true => (name, shard),
+                        false => (format!("{name}.shard"), shard),
+                    }
+                })
+                .collect();
+            let new = out.push_copy(g, n, inputs, outputs)?;
+            let fresh = out.node(new).outputs.clone();
+            for (&old, &f) in node.outputs.iter().zip(&fresh) {
+                let gathered = if out.name(f).ends_with(".shard") {
+                    let op = Op::AllGather {
+                        world,
+                        shape: g.ty(old).shape.0.clone(),
+                    };
+                    let node = out.push_node(
+                        op,
+                        vec![f],
+                        vec![(g.name(old).to_string(), g.ty(old).clone())],
+                    )?;
+                    out.node(node).outputs[0]
+                } else {
+                    f
+                };
+                map[old.index()] = Some(gathered);
+            }
+            continue;
+        }
+        let outputs: Vec<(String, TensorType)> = node
+            .outputs
+            .iter()
+            .map(|&v| {
+                let name = g.name(v).to_string();
+                let ty = match sharded.get(&name) {
+                    Some(ty) if node.op == Op::State => ty.clone(),
+                    _ => g.ty(v).clone(),
+                };
+                // Under ZeRO-2 each rank's norm is its shards'; the global one combines them.
+                if zero >= 2 && node.op == Op::GradNorm {
+                    return (format!("{name}.rank"), ty);
+                }
+                (name, ty)
+            })
+            .collect();
+        let new = out.push_copy(g, n, inputs, outputs)?;
+        let mut fresh = out.node(new).outputs[0..].to_vec();
+        if zero >= 2 && node.op == Op::GradNorm {
+            let op = Op::AllReduce {
+                reduce: CollectiveOp::Norm,
+                world,
+            };
+            let ty = out.ty(fresh[0]).clone();
+            let node = out.push_node(op, vec![fresh[0]], vec![(GRAD_NORM.to_string(), ty)])?;
+            fresh[0] = out.node(node).outputs[0];
+        }
+        for (&old, &f) in node.outputs.iter().zip(&fresh) {
+            map[old.index()] = Some(f);
+        }
+    }
+    out.set_outputs(
+        g.outputs()
+            .iter()
+            .map(|&v| get(&map, v))
+            .collect::<Result<_, _>>()?,
+    );
+    Ok(out)
+}
+
+fn internal(message: String) -> PassError {
+    PassError::Internal {
+        pass: "parallel",
+        message,
+    }
+}

@@ -1,0 +1,186 @@
+//! A data-parallel plan run by its ranks on the CPU: one thread and one [`PlanRunner`] per
+//! rank, their collectives exchanged through one [`RankGroup`] (castor's stand-in for NCCL,
+//! which checks every sharding mode without GPUs).
+//!
+//! A step takes `grad_accum x world` micro-batches: rank r gets the r-th run of `grad_accum`.
+//! The state as a whole ([`RankRunners::state_entries`]) is the single-rank layout: each
+//! sharded entry gathered from the ranks' shards, so a checkpoint saved from sharded state is
+//! the one a single rank would save, and [`RankRunners::restore`] shards it again.
+
+use crate::cpu::collective::{Member, RankGroup};
+use crate::{PlanRunner, RuntimeError, StepReport};
+use castor_ir::{Tensor, TrainingPlan};
+use std::collections::HashMap;
+
+pub struct RankRunners {
+    runners: Vec<PlanRunner>,
+    members: Vec<Member>,
+}
+
+impl RankRunners {
+    /// Every rank of `plan` (its `settings.parallel.world_size` of them), state initialized
+    /// from `checkpoint` and sharded.
+    pub fn new(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+    ) -> Result<RankRunners, RuntimeError> {
+        let world = plan.settings.parallel.world_size.max(1);
+        let members = RankGroup::members(world);
+        let runners = members
+            .iter()
+            .map(|m| PlanRunner::for_rank(plan.clone(), checkpoint, m.clone()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(RankRunners { runners, members })
+    }
+
+    pub fn world(&self) -> usize {
+        self.runners.len()
+    }
+
+    pub fn plan(&self) -> &TrainingPlan {
+        self.runners[0].plan()
+    }
+
+    /// Runs `f` on every rank at once; the first error (in rank order) wins, and a failing
+    /// rank breaks the group so no other waits for it.
+    fn on_every_rank<T: Send>(
+        &mut self,
+        f: impl Fn(usize, &mut PlanRunner) -> Result<T, RuntimeError> + Sync,
+    ) -> Result<Vec<T>, RuntimeError> {
+        let members = &self.members;
+        let results: Vec<Result<T, RuntimeError>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = self
+                .runners
+                .iter_mut()
+                .enumerate()
+                .map(|(rank, runner)| {
+                    let f = &f;
+                    scope.spawn(move || {
+                        let r = f(rank, runner);
+                        if r.is_err() {
+                            members[rank].abort();
+                        }
+                        r
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(RuntimeError::Plan("a rank's thread panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        // The rank that failed first is the one to report, not those it stopped.
+        let failed = results.iter().position(
+            |r| matches!(r, Err(e) if !e.to_string().contains("another rank of the group failed")),
+        );
+        let mut out = Vec::with_capacity(results.len());
+        for (i, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(v) => out.push(v),
+                Err(e) if failed.is_none_or(|f| f == i) => return Err(e),
+                Err(_) => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// One training step over `grad_accum x world` micro-batches. The loss is the mean of
+    /// the ranks' (each rank's mean over its micro-batches); the gradient norm, the loss
+    /// scale and the skip are the same on every rank.
+    pub fn step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<StepReport, RuntimeError> {
+        let world = self.world();
+        let accum = self.plan().settings.grad_accum;
+        if micro_batches.len() != accum * world {
+            return Err(RuntimeError::Plan(format!(
+                "a step of {world} ranks takes {} micro-batches ({accum} per rank), given {}",
+                accum * world,
+                micro_batches.len()
+            )));
+        }
+        let reports = self.on_every_rank(|rank, runner| {
+            runner.step(&micro_batches[rank * accum..(rank + 1) * accum], lr)
+        })?;
+        let mut report = reports[0];
+        report.loss =
+            (reports.iter().map(|r| f64::from(r.loss)).sum::<f64>() / world as f64) as f32;
+        Ok(report)
+    }
+
+    /// The mean loss of `batches` on every rank (each rank runs them all; the micro step's
+    /// collectives need every rank), none updating its state.
+    pub fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        let losses = self.on_every_rank(|_, runner| runner.micro_step_loss(batches))?;
+        Ok(losses[0])
+    }
+
+    /// The whole state in the single-rank layout: sharded entries gathered, rank order.
+    pub fn state_entries(&self) -> Vec<(String, Tensor)> {
+        let plan = self.plan();
+        let mut out = Vec::new();
+        for spec in &plan.state {
+            let Some(first) = self.runners[0].state(&spec.name) else {
+                continue;
+            };
+            let t = match &spec.shard_of {
+                None => first.clone(),
+                Some(whole) => {
+                    let n = whole.shape.numel().unwrap_or(0);
+                    let values: Vec<f32> = self
+                        .runners
+                        .iter()
+                        .filter_map(|r| r.state(&spec.name).and_then(|t| t.as_f32()))
+                        .flatten()
+                        .copied()
+                        .take(n)
+                        .collect();
+                    Tensor::from_f32(whole.dtype, whole.shape.clone(), values)
+                }
+            };
+            out.push((spec.name.clone(), t));
+        }
+        out
+    }
+
+    /// Replaces state entries given in the single-rank layout (a checkpoint): each rank
+    /// keeps its shard of a sharded entry.
+    pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        let world = self.world();
+        let plan = self.plan().clone();
+        for (rank, runner) in self.runners.iter_mut().enumerate() {
+            let mine = entries
+                .iter()
+                .map(|(name, t)| {
+                    let spec = plan.state_spec(name);
+                    match spec.and_then(|s| s.shard_of.as_ref().map(|w| (s, w))) {
+                        Some((spec, whole)) if t.ty() == whole => {
+                            let values = t.as_f32().unwrap_or(&[]);
+                            let len = spec.ty.shape.numel().unwrap_or(0);
+                            let shard: Vec<f32> = (rank * len..(rank + 1) * len)
+                                .map(|i| values.get(i).copied().unwrap_or(0.0))
+                                .collect();
+                            (
+                                name.clone(),
+                                Tensor::from_f32(spec.ty.dtype, spec.ty.shape.clone(), shard),
+                            )
+                        }
+                        _ => (name.clone(), t.clone()),
+                    }
+                })
+                .collect();
+            runner.restore(mine)?;
+        }
+        debug_assert!(world == self.runners.len());
+        Ok(())
+    }
+}
