@@ -411,7 +411,7 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
         ),
         None => "n/a (needs the model's shape and a token count)".into(),
     };
-    vec![
+    let mut lines = vec![
         format!(
             "  target GPU   {}: {:.0} TFLOP/s bf16/fp16, {:.0} tf32, {:.0} fp32; {:.2} TB/s",
             g.name,
@@ -434,5 +434,25 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
             c.optimizer_step.total.seconds * 1e3,
         ),
         format!("  MFU          {mfu}"),
-    ]
+    ];
+    if c.world_size > 1 {
+        let link = &g.interconnect;
+        let (over, bw) = if c.world_size <= link.gpus_per_node {
+            ("within a node", link.link_bandwidth)
+        } else {
+            ("across nodes", link.network_bandwidth)
+        };
+        lines.push(format!(
+            "  network      {:.3} ms of collectives a step, counted above: {} ranks {over} at {:.0} \
+             GB/s a GPU (ring); micro step {:.3} ms x{} (each gradient as the backward completes \
+             it, which later layers' backward can hide), optimizer {:.3} ms",
+            c.communication_seconds() * 1e3,
+            c.world_size,
+            bw / 1e9,
+            c.micro_step.communication.seconds * 1e3,
+            c.grad_accum,
+            c.optimizer_step.communication.seconds * 1e3,
+        ));
+    }
+    lines
 }

@@ -290,7 +290,9 @@ pub fn train_loop(
 ) -> anyhow::Result<LoopOutcome> {
     let settings = runner.plan().settings.clone();
     let (batch, seq) = (settings.batch, settings.seq);
-    let tokens_per_step = (batch * seq * settings.grad_accum) as f64;
+    // A data-parallel step takes a micro-batch per rank and micro step.
+    let micro_batches = settings.grad_accum * settings.parallel.world_size.max(1);
+    let tokens_per_step = (batch * seq * micro_batches) as f64;
     let val_batches = data.validation_batches(opts.input_names, opts.eval_batches)?;
     let accuracy = data.has_classes();
     let progress = Progress::new(opts.first_step, opts.steps, &opts.label);
@@ -310,7 +312,7 @@ pub fn train_loop(
     let (mut queued, mut last_report) = (0u64, Instant::now());
     for step in opts.first_step..end {
         let lr = opts.lr.at(step);
-        let micro: Vec<HashMap<String, Tensor>> = (0..settings.grad_accum)
+        let micro: Vec<HashMap<String, Tensor>> = (0..micro_batches)
             .map(|_| data.next_batch(opts.input_names))
             .collect::<anyhow::Result<_>>()?;
         // Steps are numbered from 1 everywhere people and files see them.

@@ -10,6 +10,7 @@ use crate::device::Selected;
 use castor_ir::{Tensor, TrainingPlan};
 use castor_runtime::cuda::profile::KernelProfile;
 use castor_runtime::cuda::{CudaPlanRunner, EmulatedPlanRunner, LoweredPlanRunner, Target};
+use castor_runtime::ranks::RankRunners;
 use castor_runtime::{PlanRunner, RuntimeError, StepReport};
 use std::collections::HashMap;
 
@@ -72,6 +73,50 @@ impl<T: Target> Lowered for LoweredPlanRunner<T> {
     }
 }
 
+/// A data-parallel plan's ranks on the CPU (`--world-size N`), behind the interface the
+/// lowered runners have: the trainer's host copy is their gathered state.
+struct CpuRanks {
+    ranks: RankRunners,
+    last: Option<StepReport>,
+}
+
+impl Lowered for CpuRanks {
+    fn queue_step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<(), RuntimeError> {
+        self.last = Some(self.ranks.step(micro_batches, lr)?);
+        Ok(())
+    }
+    fn report(&self) -> Result<StepReport, RuntimeError> {
+        self.last.ok_or_else(no_runner)
+    }
+    fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        self.ranks.validation_loss(batches)
+    }
+    fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        self.ranks.restore(entries)
+    }
+    fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        Ok(self.ranks.state_entries())
+    }
+    fn device_name(&self) -> String {
+        format!("{} ranks", self.ranks.world())
+    }
+    fn allocated_bytes(&self) -> u64 {
+        0
+    }
+    fn set_timing(&mut self, _on: bool) {}
+    fn profile_next_step(&mut self) {}
+    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
+        None
+    }
+}
+
 pub struct Trainer {
     plan: TrainingPlan,
     /// The CPU runner: the trainer on the CPU, the host copy of the device state otherwise.
@@ -89,7 +134,18 @@ impl Trainer {
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
         device: &Selected,
     ) -> Result<Trainer, RuntimeError> {
+        let ranked = !plan.settings.parallel.is_single();
         let (host, lowered): (_, Option<(Box<dyn Lowered>, _)>) = match device {
+            Selected::Cpu if ranked => (
+                None,
+                Some((
+                    Box::new(CpuRanks {
+                        ranks: RankRunners::new(plan.clone(), checkpoint)?,
+                        last: None,
+                    }),
+                    "cpu",
+                )),
+            ),
             Selected::Cpu => (Some(PlanRunner::new(plan.clone(), checkpoint)?), None),
             Selected::Cuda(_) => (
                 None,
@@ -118,9 +174,12 @@ impl Trainer {
         &self.plan
     }
 
-    /// Device memory the plan holds, where it runs as a lowered program.
+    /// Device memory the plan holds, where it runs as a lowered program (not CPU ranks).
     pub fn allocated_bytes(&self) -> Option<u64> {
-        self.lowered.as_ref().map(|(c, _)| c.allocated_bytes())
+        self.lowered
+            .as_ref()
+            .filter(|(_, kind)| *kind != "cpu")
+            .map(|(c, _)| c.allocated_bytes())
     }
 
     /// Times each step's runs on the device (GPU only; see `LoweredPlanRunner::set_timing`).
@@ -145,7 +204,7 @@ impl Trainer {
             .and_then(|(c, _)| c.take_kernel_profile())
     }
 
-    /// `"cpu"`, `"cuda (<device>)"` or `"emulate (<the emulator>)"`.
+    /// `"cpu"`, `"cpu (N ranks)"`, `"cuda (<device>)"` or `"emulate (<the emulator>)"`.
     pub fn device(&self) -> String {
         match &self.lowered {
             Some((c, kind)) => format!("{kind} ({})", c.device_name()),

@@ -64,6 +64,7 @@ fn places(c: &Command) -> Vec<Place> {
         Command::Gemm(g) => vec![g.a, g.b, g.c],
         Command::Copy { dst, src, .. } => vec![*dst, *src],
         Command::Memset { dst, .. } => vec![*dst],
+        Command::Collective { dst, src, .. } => vec![*dst, *src],
     }
 }
 

@@ -444,6 +444,8 @@ pub struct StepCost {
     /// The model's shape, when the graph records it (not for hand-written IR without a
     /// `model` line): the rule and MFU need it.
     pub shape: Option<ModelShape>,
+    /// Ranks of the data-parallel group (the step, tokens and memory are one rank's).
+    pub world_size: usize,
 }
 
 impl StepCost {
@@ -457,6 +459,7 @@ impl StepCost {
             tokens: (s.batch * s.seq * s.grad_accum) as u64,
             params: param_count(plan),
             shape: plan.micro_step.shape,
+            world_size: s.parallel.world_size.max(1),
         }
     }
 
@@ -467,6 +470,12 @@ impl StepCost {
 
     pub fn seconds(&self) -> f64 {
         self.micro_step.total.seconds * self.grad_accum as f64 + self.optimizer_step.total.seconds
+    }
+
+    /// Seconds of collectives a step (counted in [`StepCost::seconds`]).
+    pub fn communication_seconds(&self) -> f64 {
+        self.micro_step.communication.seconds * self.grad_accum as f64
+            + self.optimizer_step.communication.seconds
     }
 
     pub fn recompute_seconds(&self) -> f64 {

@@ -427,3 +427,14 @@ def test_asking_for_a_missing_gpu_is_a_device_error():
     with pytest.raises(castor.DeviceError) as e:
         castor.eval(FIXTURES / "gpt2_lm", batch["input_ids"], device="cuda")
     assert e.value.exit_code == 5
+
+
+def test_a_data_parallel_plan_is_one_ranks():
+    one = castor.compile(ROOT / "assets" / "configs" / "llama-2-7b.json", "bf16", train=True,
+                         seq=4096, remat="full")
+    ranks = castor.compile(ROOT / "assets" / "configs" / "llama-2-7b.json", "bf16", train=True,
+                           seq=4096, remat="full", world_size=8, zero=2)
+    assert ranks.cost["world_size"] == 8 and one.cost["world_size"] == 1
+    assert ranks.cost["communication_seconds"] > 0 == one.cost["communication_seconds"]
+    assert ranks.anatomy["gradients"] * 7 < one.anatomy["gradients"]
+    assert "reduce_scatter" in ranks.ir and "all_gather" in ranks.ir

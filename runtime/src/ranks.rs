@@ -41,6 +41,11 @@ impl RankRunners {
         self.runners[0].plan()
     }
 
+    /// Rank `rank`'s runner (its own shards).
+    pub fn rank(&self, rank: usize) -> Option<&PlanRunner> {
+        self.runners.get(rank)
+    }
+
     /// Runs `f` on every rank at once; the first error (in rank order) wins, and a failing
     /// rank breaks the group so no other waits for it.
     fn on_every_rank<T: Send>(

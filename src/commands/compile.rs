@@ -87,8 +87,9 @@ pub struct Args {
     /// The target GPU of the cost model and the fit verdict: a name (h100, h100-pcie, h200,
     /// a100, a100-40gb, l40s, l4, a10, rtx-4090, rtx-3090) or a JSON/TOML spec file with
     /// `name`, `low_precision_flops`, `tf32_flops`, `f32_flops`, `memory_bandwidth` (per
-    /// second) and `memory_bytes`. Default: this machine's GPU for the verdict when there is
-    /// one, and the H100 SXM.
+    /// second), `memory_bytes` and `interconnect` (`link_bandwidth`, `network_bandwidth` per
+    /// GPU and second, `gpus_per_node`). Default: this machine's GPU for the verdict when
+    /// there is one, and the H100 SXM.
     #[arg(long, value_name = "NAME|FILE", help_heading = "Device")]
     pub gpu: Option<String>,
 }
@@ -605,11 +606,19 @@ fn cuda_line(
             let launches = count(&|c| matches!(c, Command::Launch(_)));
             let gemms = count(&|c| matches!(c, Command::Gemm(_)));
             let other = count(&|c| matches!(c, Command::Copy { .. } | Command::Memset { .. }));
+            let collectives = count(&|c| {
+                matches!(c, Command::Collective { op, .. }
+                    if op.class() == castor_ir::OpClass::Communication)
+            });
             let mfu = r
                 .mfu()
                 .map_or("MFU n/a".to_string(), |m| format!("MFU {:.1}%", 100.0 * m));
+            let nccl = match collectives {
+                0 => String::new(),
+                n => format!(", {n} NCCL collectives (planned; they run on CPU ranks)"),
+            };
             format!(
-                "cuda        {launches} kernel launches, {gemms} cuBLAS products, {other} copies/memsets \
+                "cuda        {launches} kernel launches, {gemms} cuBLAS products, {other} copies/memsets{nccl} \
                  per step; {} modules; arena {} at kernel granularity; program roofline \
                  {:.3} ms per step, {:.0} tokens/s, {mfu} (kernel units at peak, {:.0} µs per \
                  command)",

@@ -510,8 +510,12 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
     if steps == 0 {
         outln!("training    none (--steps 0): the initial weights are what a --save keeps");
     } else {
+        let ranks = match settings.parallel.world_size {
+            0 | 1 => String::new(),
+            n => format!(" on each of {n} ranks (ZeRO-{})", settings.parallel.zero),
+        };
         outln!(
-            "training    steps {}..{total} of {} x [{batch}, {seq}] tokens, {}, objective {}",
+            "training    steps {}..{total} of {} x [{batch}, {seq}] tokens{ranks}, {}, objective {}",
             first_step + 1,
             settings.grad_accum,
             settings.precision,

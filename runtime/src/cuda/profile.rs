@@ -59,6 +59,16 @@ impl CommandTime {
             Command::Memset { bytes, .. } => {
                 ("memset".into(), String::new(), format!("{bytes} bytes"))
             }
+            Command::Collective {
+                node,
+                op,
+                dst_bytes,
+                ..
+            } => (
+                format!("nccl {}", op.mnemonic()),
+                node.clone(),
+                format!("{dst_bytes} bytes"),
+            ),
         };
         CommandTime {
             run: run.to_string(),

@@ -501,6 +501,18 @@ pub enum Command {
         bytes: u64,
         byte: u8,
     },
+    /// A collective of a data-parallel group (`op`: all-reduce, reduce-scatter, all-gather,
+    /// or a rank's shard), `src_bytes` read at `src`, `dst_bytes` written at `dst`: NCCL's
+    /// work, which castor does not drive yet, so a program with one is planned (memory,
+    /// listing, roofline) but runs on no device.
+    Collective {
+        node: String,
+        op: castor_ir::Op,
+        src: Place,
+        dst: Place,
+        src_bytes: u64,
+        dst_bytes: u64,
+    },
 }
 
 /// A CUDA C module to compile with NVRTC: a file of `kernels/` or the generated kernels.
@@ -771,6 +783,19 @@ impl Command {
             Command::Memset { dst, bytes, byte } => {
                 format!("memset {bytes} bytes at {} to {byte:#04x}", dst.short())
             }
+            Command::Collective {
+                node,
+                op,
+                src,
+                dst,
+                src_bytes,
+                dst_bytes,
+            } => format!(
+                "nccl {} {src_bytes} bytes {} -> {dst_bytes} bytes {}  # {node}",
+                op.mnemonic(),
+                src.short(),
+                dst.short()
+            ),
         }
     }
 }

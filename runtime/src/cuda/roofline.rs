@@ -148,7 +148,16 @@ pub(crate) fn run_roofline(
         works[u] = true;
         let f = node_flops(g, node);
         flops[u] += f;
-        compute[u] += f / gpu.peak_for(g, node);
+        compute[u] += if node.op.class() == OpClass::Communication {
+            // The wire bounds a collective: the whole value's bytes over the interconnect.
+            let moved = match node.op {
+                Op::ReduceScatter { .. } => value_bytes(g, node.inputs[0]),
+                _ => value_bytes(g, node.outputs[0]),
+            };
+            gpu.interconnect.seconds(&node.op, moved)
+        } else {
+            f / gpu.peak_for(g, node)
+        };
         for &v in &node.inputs {
             if units.step_of[g.value(v).producer.index()] != u {
                 reads[u].insert(v);

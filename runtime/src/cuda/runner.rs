@@ -86,6 +86,13 @@ impl<T: Target> LoweredPlanRunner<T> {
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
     ) -> Result<Self, RuntimeError> {
         plan.check()?;
+        if !plan.settings.parallel.is_single() {
+            return Err(RuntimeError::DeviceUnavailable(format!(
+                "a plan of {} data-parallel ranks runs its collectives on NCCL, which castor \
+                 does not drive yet; CPU ranks run it (--device cpu)",
+                plan.settings.parallel.world_size
+            )));
+        }
         let program = lower::lower_plan(&plan)?;
         Self::with_program(plan, program, checkpoint)
     }
@@ -601,7 +608,7 @@ fn run_reads_slot(program: &Program, run: usize, slot: usize) -> bool {
                     .iter()
                     .any(|(_, p, _, _, written)| !written && hit(p))
         }
-        Command::Copy { src, .. } => hit(src),
+        Command::Copy { src, .. } | Command::Collective { src, .. } => hit(src),
         Command::Memset { .. } => false,
     }) || program
         .tables

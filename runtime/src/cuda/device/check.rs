@@ -185,6 +185,17 @@ pub(super) fn check_program(program: &Program) -> Result<(), CudaError> {
                     ext.check(*dst, *bytes)
                         .map_err(|why| bad(&at("memset"), why))?;
                 }
+                Command::Collective {
+                    src,
+                    dst,
+                    src_bytes,
+                    dst_bytes,
+                    ..
+                } => {
+                    let at = at("collective");
+                    ext.check(*src, *src_bytes).map_err(|why| bad(&at, why))?;
+                    ext.check(*dst, *dst_bytes).map_err(|why| bad(&at, why))?;
+                }
             }
         }
     }

@@ -78,6 +78,13 @@ impl Loaded {
                 Command::Copy { dst, src, bytes } => {
                     self.memcpy(*dst, *src, *bytes, "a copy command")?
                 }
+                Command::Collective { node, op, .. } => {
+                    return Err(CudaError::Unsupported(format!(
+                        "`{}` for %{node}: data-parallel collectives run on NCCL, which castor \
+                         does not drive yet (CPU ranks run the plan: --device cpu)",
+                        op.mnemonic()
+                    )))
+                }
                 Command::Memset { dst, bytes, byte } => {
                     if *bytes > 0 {
                         // SAFETY: `dst` spans `bytes` bytes of a live allocation (checked

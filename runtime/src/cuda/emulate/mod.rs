@@ -259,6 +259,7 @@ fn describe(c: &Command) -> String {
         Command::Memset { dst, bytes, byte } => {
             format!("memset of {bytes} bytes at {dst:?} to {byte:#x}")
         }
+        Command::Collective { node, op, .. } => format!("`{}` for %{node}", op.mnemonic()),
     }
 }
 
@@ -281,6 +282,11 @@ fn exec(
             mem.bytes_mut(d, 0, *bytes)?.fill(*byte);
             Ok(())
         }
+        Command::Collective { node, op, .. } => Err(format!(
+            "`{}` for %{node} is NCCL's, which castor does not drive yet: data-parallel \
+             plans run on CPU ranks",
+            op.mnemonic()
+        )),
     }
 }
 

@@ -876,6 +876,10 @@ fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
             *src = f(*src);
         }
         Command::Memset { dst, .. } => *dst = f(*dst),
+        Command::Collective { dst, src, .. } => {
+            *dst = f(*dst);
+            *src = f(*src);
+        }
     }
 }
 

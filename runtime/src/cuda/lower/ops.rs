@@ -28,11 +28,16 @@ impl RunLowering<'_, '_> {
             | Op::ReduceScatter { .. }
             | Op::AllGather { .. }
             | Op::Shard { .. } => {
-                return Err(self.err(
-                    y,
-                    "a data-parallel plan's collectives run on NCCL, which the CUDA executor \
-                     does not drive yet (CPU ranks run it: --device cpu)",
-                ))
+                let (src, dst) = (self.at(ins[0])?, self.out(y)?);
+                let bytes = |v: Value| g.ty(v).size_bytes().unwrap_or(0) as u64;
+                self.commands.push(Command::Collective {
+                    node: g.name(y).to_string(),
+                    op: node.op.clone(),
+                    src,
+                    dst,
+                    src_bytes: bytes(ins[0]),
+                    dst_bytes: bytes(y),
+                });
             }
             Op::Attention { .. } => self.attention(n)?,
             Op::AttentionGrad { .. } => self.attention_grad(n)?,
