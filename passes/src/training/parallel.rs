@@ -35,12 +35,7 @@ impl PlanPass for DataParallel {
         }
         let (world, zero) = (parallel.world_size, parallel.zero);
         check(plan, zero)?;
-        let shard_ty = |ty: &TensorType| {
-            TensorType::new(
-                ty.dtype,
-                Shape(vec![ty.shape.numel().unwrap_or(0).div_ceil(world)]),
-            )
-        };
+        let shard_ty = |ty: &TensorType| shard_type(ty, world);
         // The entries each rank keeps a shard of.
         let mut sharded: HashMap<String, TensorType> = HashMap::new();
         for spec in &mut plan.state {
@@ -192,10 +187,7 @@ fn rebuild(
             .iter()
             .map(|&v| {
                 let name = g.name(v).to_string();
-                let ty = match sharded.get(&name) {
-                    Some(ty) if node.op == Op::State => ty.clone(),
-                    _ => g.ty(v).clone(),
-                };
+                let ty = rebuilt_type(g, node, v, sharded);
                 let local = format!("{name}.local");
                 match after(g, v, local.clone())? {
                     Some(ins) => {
@@ -256,11 +248,7 @@ fn shard_updates(
             let whole = if zero >= 2 { 1 } else { 2 };
             for slot in inputs.iter_mut().take(whole) {
                 let name = format!("{}.shard", out.name(*slot));
-                let ty = out.ty(*slot);
-                let ty = TensorType::new(
-                    ty.dtype,
-                    Shape(vec![ty.shape.numel().unwrap_or(0).div_ceil(world)]),
-                );
+                let ty = shard_type(out.ty(*slot), world);
                 let cut = out.push_node(Op::Shard { world }, vec![*slot], vec![(name, ty)])?;
                 *slot = out.node(cut).outputs[0];
             }
@@ -268,11 +256,7 @@ fn shard_updates(
                 .outputs
                 .iter()
                 .map(|&v| {
-                    let ty = g.ty(v);
-                    let shard = TensorType::new(
-                        ty.dtype,
-                        Shape(vec![ty.shape.numel().unwrap_or(0).div_ceil(world)]),
-                    );
+                    let shard = shard_type(g.ty(v), world);
                     let name = g.name(v).to_string();
                     // Moments stay shards; the master and its copy are gathered.
                     match sharded.contains_key(name.trim_end_matches(".next")) {
@@ -307,10 +291,7 @@ fn shard_updates(
             .iter()
             .map(|&v| {
                 let name = g.name(v).to_string();
-                let ty = match sharded.get(&name) {
-                    Some(ty) if node.op == Op::State => ty.clone(),
-                    _ => g.ty(v).clone(),
-                };
+                let ty = rebuilt_type(g, node, v, sharded);
                 // Under ZeRO-2 each rank's norm is its shards'; the global one combines them.
                 if zero >= 2 && node.op == Op::GradNorm {
                     return (format!("{name}.rank"), ty);
@@ -340,6 +321,28 @@ fn shard_updates(
             .collect::<Result<_, _>>()?,
     );
     Ok(out)
+}
+
+/// The type of one rank's flat shard of a `ty` value.
+fn shard_type(ty: &TensorType, world: usize) -> TensorType {
+    TensorType::new(
+        ty.dtype,
+        Shape(vec![ty.shape.numel().unwrap_or(0).div_ceil(world)]),
+    )
+}
+
+/// The type value `v` of node `node` takes in the rebuilt graph: a state source of a sharded
+/// entry is its shard.
+fn rebuilt_type(
+    g: &Graph,
+    node: &castor_ir::NodeData,
+    v: Value,
+    sharded: &HashMap<String, TensorType>,
+) -> TensorType {
+    match sharded.get(g.name(v)) {
+        Some(ty) if node.op == Op::State => ty.clone(),
+        _ => g.ty(v).clone(),
+    }
 }
 
 fn internal(message: String) -> PassError {
