@@ -21,6 +21,7 @@ pub mod generate;
 pub mod given;
 pub mod html;
 pub mod labelled;
+pub mod launcher;
 pub mod memory;
 pub mod outputs;
 pub mod plot;

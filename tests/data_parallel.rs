@@ -547,3 +547,36 @@ fn every_rank_skips_the_same_steps() {
     let steps = ranks.rank(0).unwrap().steps_taken().unwrap();
     assert_eq!(steps as usize, skipped.iter().filter(|s| !**s).count());
 }
+
+/// `torchrun --nproc-per-node 2 --no-python castor train ...` starts two processes that would
+/// each train alone on the same data: castor refuses the launch (exit code 5), naming the rank
+/// and what to run instead.
+#[test]
+fn a_launcher_group_is_refused_until_nccl_is_driven() {
+    let config = root().join("assets").join("tiny-gpt2.json");
+    let corpus = root().join("assets").join("corpus.txt");
+    let o = std::process::Command::new(castor_bin())
+        .args([
+            "train",
+            path_str(&config),
+            "--data",
+            path_str(&corpus),
+            "--steps",
+            "1",
+        ])
+        .envs([
+            ("WORLD_SIZE", "2"),
+            ("RANK", "1"),
+            ("LOCAL_RANK", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(
+        e.contains("rank 1 of 2") && e.contains("--world-size 2 --device cpu"),
+        "{e}"
+    );
+}

@@ -207,6 +207,9 @@ pub struct TrainOutcome {
 /// Runs a training step loop the way [`run`] does; `hooks` see every logged step and can stop
 /// the run (which then saves as Ctrl-C does). Installs no signal handler.
 pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<TrainOutcome> {
+    // One of several processes a launcher started cannot train alone (no NCCL yet).
+    let launch = crate::launcher::from_env(&|k| std::env::var(k).ok())?;
+    crate::launcher::refuse_multi_process(launch.as_ref())?;
     check_outputs(&args)?;
     let device = crate::device::select(args.device)?;
     let executor = Executor::of(&device);
