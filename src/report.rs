@@ -445,13 +445,15 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
         lines.push(format!(
             "  network      {:.3} ms of collectives a step, counted above: {} ranks {over} at {:.0} \
              GB/s a GPU (ring); micro step {:.3} ms x{} (each gradient as the backward completes \
-             it, which later layers' backward can hide), optimizer {:.3} ms",
+             it), optimizer {:.3} ms; with the collectives on their own stream, overlapping \
+             compute, the step is {:.3} ms",
             c.communication_seconds() * 1e3,
             c.world_size,
             bw / 1e9,
             c.micro_step.communication.seconds * 1e3,
             c.grad_accum,
             c.optimizer_step.communication.seconds * 1e3,
+            c.overlapped_seconds() * 1e3,
         ));
     }
     lines

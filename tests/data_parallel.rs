@@ -508,6 +508,34 @@ fn the_readme_7b_example_plans_what_it_says() {
         .and_then(|ms| ms.parse().ok())
         .expect("a network line");
     assert_eq!(format!("{network:.0}"), "131", "{ranks}");
+    // On their own stream the collectives hide behind compute, up to the optimizer's gathers.
+    let ms = |line: &str, key: &str| -> f64 {
+        let at = line
+            .find(key)
+            .unwrap_or_else(|| panic!("`{key}` in {line}"))
+            + key.len();
+        line[at..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let cost = |key: &str| {
+        ranks
+            .lines()
+            .find(|l| l.contains(key))
+            .map(|l| ms(l, key))
+            .unwrap()
+    };
+    let (serial, overlapped) = (
+        cost("step time    "),
+        cost("overlapping compute, the step is "),
+    );
+    assert!(
+        overlapped < serial && overlapped > serial - network,
+        "{ranks}"
+    );
     assert!(ranks.contains("NCCL collectives (planned; they run on CPU ranks)"));
 }
 

@@ -77,8 +77,9 @@ class Plan:
         """The cost model's roofline estimate of the training step on the target GPU:
         ``gpu``, ``flops_per_token``, ``flops_per_token_rule`` (6N + 6LCT), ``step_seconds``,
         ``tokens_per_step``, ``mfu``, and for a data-parallel plan (one rank's) ``world_size``
-        and ``communication_seconds`` (the collectives, counted in ``step_seconds``). None for
-        a forward pass."""
+        and ``communication_seconds`` (the collectives, counted in ``step_seconds``), and
+        ``overlapped_step_seconds`` (the step with the collectives on their own stream,
+        overlapping compute). None for a forward pass."""
     def save(self, path: Union[str, PathLike[str]]) -> None:
         """Writes the plan (JSON) for ``Plan.load``."""
     @staticmethod

@@ -483,6 +483,7 @@ impl Plan {
         d.set_item("tokens_per_step", c.tokens)?;
         d.set_item("mfu", c.mfu())?;
         d.set_item("communication_seconds", c.communication_seconds())?;
+        d.set_item("overlapped_step_seconds", c.overlapped_seconds())?;
         d.set_item("world_size", c.world_size)?;
         Ok(Some(d.unbind()))
     }
