@@ -439,12 +439,23 @@ pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
     c
 }
 
-/// Parameters of a plan: every `param` of its micro step (tied weights once).
+/// Parameters of a plan: every `param` of its micro step (tied weights once), and the
+/// masters a data-parallel rank keeps a shard of, which the micro step reads only through
+/// their working copies.
 pub fn param_count(plan: &TrainingPlan) -> u64 {
     let g = &plan.micro_step;
-    g.params()
+    let read = g
+        .params()
         .map(|p| g.ty(p).shape.numel().unwrap_or(0) as u64)
-        .sum()
+        .sum::<u64>();
+    let sharded = plan
+        .state
+        .iter()
+        .filter(|s| s.role == castor_ir::StateRole::Master && g.lookup(&s.name).is_none())
+        .filter_map(|s| s.shard_of.as_ref())
+        .map(|t| t.shape.numel().unwrap_or(0) as u64)
+        .sum::<u64>();
+    read + sharded
 }
 
 /// 6N + 6·L·C·T: training FLOPs per token by the llm.c convention (attention products

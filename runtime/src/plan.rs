@@ -80,17 +80,37 @@ impl PlanRunner {
         executor: CpuExecutor,
     ) -> Result<PlanRunner, RuntimeError> {
         plan.check()?;
+        let rank = executor.rank();
         let mut state = HashMap::new();
         let mut nf4 = Nf4States::default();
         for spec in &plan.state {
             let t = match &spec.init {
+                // A copy the micro step reads as state (its master is sharded) is held, from
+                // the whole master rounded; any other is derived by its `param_copy`.
+                StateInit::CopyOf(master) if holds_copy(&plan, spec) => {
+                    let t = checkpoint(master).ok_or_else(|| RuntimeError::MissingBinding {
+                        name: master.clone(),
+                        expected: spec.ty.clone(),
+                    })?;
+                    let whole = TensorType::new(castor_ir::DType::F32, spec.ty.shape.clone());
+                    let master = checkpoint_state(t, &spec.name, &whole)?;
+                    let values = master.as_f32().unwrap_or(&[]).to_vec();
+                    Tensor::from_f32(spec.ty.dtype, spec.ty.shape.clone(), values)
+                }
                 _ if spec.role == StateRole::WorkingCopy => continue,
                 StateInit::Checkpoint(name) => {
                     let t = checkpoint(name).ok_or_else(|| RuntimeError::MissingBinding {
                         name: name.clone(),
                         expected: spec.ty.clone(),
                     })?;
-                    checkpoint_state(t, &spec.name, &spec.ty)?
+                    match &spec.shard_of {
+                        // A sharded master: this rank's piece of the whole.
+                        Some(whole) => {
+                            let t = checkpoint_state(t, &spec.name, whole)?;
+                            shard_of(&t, &spec.ty, rank)
+                        }
+                        None => checkpoint_state(t, &spec.name, &spec.ty)?,
+                    }
                 }
                 StateInit::Nf4 { tensor, part } => nf4.entry(checkpoint, tensor, *part, spec)?,
                 StateInit::CopyOf(_) => continue,
@@ -307,7 +327,7 @@ impl PlanRunner {
             .filter(|w| {
                 self.plan
                     .state_spec(&w.state)
-                    .is_some_and(|s| s.role != StateRole::WorkingCopy)
+                    .is_some_and(|s| s.role != StateRole::WorkingCopy || holds_copy(&self.plan, s))
             })
             .cloned()
             .collect()
@@ -351,6 +371,25 @@ fn store(
             state.insert(w.state.clone(), t);
         }
     }
+}
+
+/// Whether the micro step reads working copy `spec` as state (a data-parallel plan whose
+/// master is sharded), so the runner holds it instead of deriving it.
+fn holds_copy(plan: &TrainingPlan, spec: &castor_ir::StateSpec) -> bool {
+    spec.role == StateRole::WorkingCopy
+        && plan.micro_step.lookup(&spec.name).is_some_and(|v| {
+            plan.micro_step.node(plan.micro_step.value(v).producer).op == castor_ir::Op::State
+        })
+}
+
+/// Rank `rank`'s flat shard (type `shard`) of the whole tensor `t`, zeros past its end.
+pub(crate) fn shard_of(t: &Tensor, shard: &TensorType, rank: usize) -> Tensor {
+    let values = t.as_f32().unwrap_or(&[]);
+    let len = shard.shape.numel().unwrap_or(0);
+    let piece = (rank * len..(rank + 1) * len)
+        .map(|i| values.get(i).copied().unwrap_or(0.0))
+        .collect();
+    Tensor::from_f32(shard.dtype, shard.shape.clone(), piece)
 }
 
 pub(crate) fn zeros(ty: &TensorType) -> Tensor {

@@ -169,15 +169,7 @@ impl RankRunners {
                     let spec = plan.state_spec(name);
                     match spec.and_then(|s| s.shard_of.as_ref().map(|w| (s, w))) {
                         Some((spec, whole)) if t.ty() == whole => {
-                            let values = t.as_f32().unwrap_or(&[]);
-                            let len = spec.ty.shape.numel().unwrap_or(0);
-                            let shard: Vec<f32> = (rank * len..(rank + 1) * len)
-                                .map(|i| values.get(i).copied().unwrap_or(0.0))
-                                .collect();
-                            (
-                                name.clone(),
-                                Tensor::from_f32(spec.ty.dtype, spec.ty.shape.clone(), shard),
-                            )
+                            (name.clone(), crate::plan::shard_of(t, &spec.ty, rank))
                         }
                         _ => (name.clone(), t.clone()),
                     }

@@ -60,8 +60,9 @@ pub struct Parallel {
     /// Ranks in the group (1: one device, no collectives).
     pub world_size: usize,
     /// ZeRO stage: 0 replicates everything and averages the gradients (DDP); 1 also shards
-    /// the optimizer moments (each rank updates its shard and the ranks gather the updated
-    /// parameters); 2 also shards the gradients (reduce-scattered as they complete).
+    /// the optimizer moments and the masters the micro step reads through working copies
+    /// (each rank updates its shard and the ranks gather the updated parameters); 2 also
+    /// shards the gradients (reduce-scattered as they complete).
     pub zero: u8,
 }
 

@@ -4,12 +4,13 @@
 //! across the ranks right after the backward completes it (an all-reduce, or under ZeRO-2 a
 //! reduce-scatter that leaves each rank the mean of its shard), so the reductions of late layers
 //! overlap the backward of early ones, and the IR shows where each runs. ZeRO-1 shards the
-//! optimizer moments: each rank updates its shard of every master (its shard of the master and
-//! of the gradient cut locally, `shard`), and the ranks all-gather the updated master and its
-//! working copy. ZeRO-2 also keeps only the gradient's shard, and the global gradient norm
-//! (the clipping factor, and the found-inf test) combines the ranks' shard norms, so every rank
-//! skips or clips the same step. The F32 masters stay replicated: the micro step reads them
-//! (or their working copies) whole.
+//! optimizer moments and the masters the micro step reads only through working copies: the
+//! micro step then reads those copies as state, each rank updates its shard of the master,
+//! and the ranks all-gather the updated copy. A master the micro step reads itself stays
+//! replicated: its shard is cut locally (`shard`) for the update and the updated master is
+//! gathered. ZeRO-2 also keeps only the gradient's shard, and the global gradient norm (the
+//! clipping factor, and the found-inf test) combines the ranks' shard norms, so every rank
+//! skips or clips the same step.
 //!
 //! Sharded state entries hold one rank's flat shard: `[ceil(n / world)]` (the IR's `shard`).
 
@@ -36,12 +37,20 @@ impl PlanPass for DataParallel {
         let (world, zero) = (parallel.world_size, parallel.zero);
         check(plan, zero)?;
         let shard_ty = |ty: &TensorType| shard_type(ty, world);
+        // Masters the micro step reads only through working copies: under ZeRO-1 and 2 a
+        // rank keeps their shard, and the micro step reads the (gathered) copies as state.
+        let copied = if zero >= 1 {
+            copied_masters(&plan.micro_step)
+        } else {
+            HashSet::new()
+        };
         // The entries each rank keeps a shard of.
         let mut sharded: HashMap<String, TensorType> = HashMap::new();
         for spec in &mut plan.state {
             let shard = match spec.role {
                 StateRole::OptimizerState => zero >= 1,
                 StateRole::Gradient => zero >= 2,
+                StateRole::Master => copied.contains(&spec.name),
                 _ => false,
             };
             if shard {
@@ -70,7 +79,7 @@ impl PlanPass for DataParallel {
             targets.insert(accumulated(micro, out, &w.state));
         }
         let reduced = targets.len();
-        plan.micro_step = rebuild(micro, &sharded, |g, v, local| {
+        plan.micro_step = rebuild(micro, &sharded, &copied, |g, v, local| {
             let name = g.name(v).to_string();
             let ty = g.ty(v).clone();
             let (op, ty) = if zero >= 2 {
@@ -98,8 +107,8 @@ impl PlanPass for DataParallel {
         }
         let what = match zero {
             0 => "state replicated",
-            1 => "optimizer moments sharded",
-            _ => "optimizer moments and gradients sharded",
+            1 => "optimizer moments and copied masters sharded",
+            _ => "optimizer moments, copied masters and gradients sharded",
         };
         Ok(PassReport::new(format!(
             "{world} ranks, ZeRO-{zero} ({what}): {reduced} gradient(s) {} as they complete; \
@@ -171,11 +180,27 @@ type Insert = (Op, String, String, TensorType);
 fn rebuild(
     g: &Graph,
     sharded: &HashMap<String, TensorType>,
+    copied: &HashSet<String>,
     mut after: impl FnMut(&Graph, Value, String) -> Result<Option<Vec<Insert>>, PassError>,
 ) -> Result<Graph, PassError> {
     let mut out = Graph::empty_like(g);
     let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
     for (n, node) in g.nodes() {
+        // A sharded master leaves the graph; its working copy becomes a state source.
+        let is_copied = |v: Value| copied.contains(g.name(v));
+        if node.op == Op::Param && node.outputs.iter().all(|&v| is_copied(v)) {
+            continue;
+        }
+        if matches!(node.op, Op::ParamCopy { .. }) && node.inputs.iter().all(|&v| is_copied(v)) {
+            let copy = node.outputs[0];
+            let new = out.push_node(
+                Op::State,
+                vec![],
+                vec![(g.name(copy).to_string(), g.ty(copy).clone())],
+            )?;
+            map[copy.index()] = Some(out.node(new).outputs[0]);
+            continue;
+        }
         let inputs = node
             .inputs
             .iter()
@@ -244,9 +269,12 @@ fn shard_updates(
             .map(|&v| get(&map, v))
             .collect::<Result<Vec<_>, _>>()?;
         if node.op.updates_parameter() {
-            // (master, grad, ..): cut what is whole.
+            // (master, grad, ..): cut what is whole (a sharded master or gradient is not).
             let whole = if zero >= 2 { 1 } else { 2 };
             for slot in inputs.iter_mut().take(whole) {
+                if sharded.contains_key(out.name(*slot)) {
+                    continue;
+                }
                 let name = format!("{}.shard", out.name(*slot));
                 let ty = shard_type(out.ty(*slot), world);
                 let cut = out.push_node(Op::Shard { world }, vec![*slot], vec![(name, ty)])?;
@@ -340,9 +368,23 @@ fn rebuilt_type(
     sharded: &HashMap<String, TensorType>,
 ) -> TensorType {
     match sharded.get(g.name(v)) {
-        Some(ty) if node.op == Op::State => ty.clone(),
+        Some(ty) if matches!(node.op, Op::State | Op::Param) => ty.clone(),
         _ => g.ty(v).clone(),
     }
+}
+
+/// The parameters `g` reads only through working copies (`param_copy`), by name.
+fn copied_masters(g: &Graph) -> HashSet<String> {
+    let users = g.users();
+    g.params()
+        .filter(|p| {
+            let u = &users[p.index()];
+            !u.is_empty()
+                && u.iter()
+                    .all(|&n| matches!(g.node(n).op, Op::ParamCopy { .. }))
+        })
+        .map(|p| g.name(p).to_string())
+        .collect()
 }
 
 fn internal(message: String) -> PassError {

@@ -70,6 +70,11 @@ impl CpuExecutor {
         CpuExecutor { member: None }
     }
 
+    /// This executor's rank in its group (0 alone).
+    pub fn rank(&self) -> usize {
+        self.member.as_ref().map_or(0, |m| m.rank())
+    }
+
     /// The executor of one rank of a data-parallel group: collectives exchange values with
     /// the group's other ranks.
     pub fn ranked(member: collective::Member) -> Self {
