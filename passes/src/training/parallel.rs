@@ -79,6 +79,16 @@ impl PlanPass for DataParallel {
             targets.insert(accumulated(micro, out, &w.state));
         }
         let reduced = targets.len();
+        // The forward part loses the sharded masters' `param` nodes (their copies' nodes
+        // become state sources in place); the collectives go into the backward part.
+        let dropped = micro
+            .nodes()
+            .take(plan.forward_nodes)
+            .filter(|(_, d)| {
+                d.op == Op::Param && d.outputs.iter().all(|&v| copied.contains(micro.name(v)))
+            })
+            .count();
+        plan.forward_nodes -= dropped;
         plan.micro_step = rebuild(micro, &sharded, &copied, |g, v, local| {
             let name = g.name(v).to_string();
             let ty = g.ty(v).clone();
