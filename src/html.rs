@@ -622,7 +622,7 @@ fn precision_section(h: &mut String, p: &PrecisionSummary) {
         let _ = write!(h, "<th class=\"num\">{}</th>", d.name());
     }
     h.push_str("</tr>\n");
-    for class in castor_ir::OpClass::ALL {
+    for class in p.shown_classes() {
         let _ = write!(h, "<tr><td>{}</td>", class.name());
         for d in &dtypes {
             let n = p

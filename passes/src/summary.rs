@@ -86,6 +86,15 @@ impl PrecisionSummary {
     }
 
     /// "converted 40/120 nodes to bf16 with 12 casts", as TensorFlow's AMP pass says it.
+    /// The table's rows: the four compute classes always, communication where the graph
+    /// has collectives (data-parallel plans).
+    pub fn shown_classes(&self) -> Vec<OpClass> {
+        OpClass::ALL
+            .into_iter()
+            .filter(|c| *c != OpClass::Communication || self.by_class.contains_key(c))
+            .collect()
+    }
+
     pub fn headline(&self) -> String {
         let low = self
             .low
@@ -123,11 +132,8 @@ impl PrecisionSummary {
             let _ = write!(header, "{:>7}", d.name());
         }
         lines.push(header);
-        for class in OpClass::ALL {
+        for class in self.shown_classes() {
             let row = self.by_class.get(&class);
-            if class == OpClass::Communication && row.is_none() {
-                continue;
-            }
             let mut line = format!("{:<14}", class.name());
             for d in &dtypes {
                 let _ = write!(
