@@ -142,6 +142,30 @@ fn frozen_and_total(model: &Path, flags: &[&str]) -> (u64, u64) {
     )
 }
 
+/// `compile` flags of the QLoRA plan: LLaMA-2-7B, LoRA r=16 (alpha 32) on every
+/// attention and MLP product, bf16, batch 1 x 4096, with `remat` and the base stored as `base`.
+fn qlora_7b_flags<'a>(remat: &'a str, base: &'a str) -> Vec<&'a str> {
+    vec![
+        "--train",
+        "--precision",
+        "bf16",
+        "--batch",
+        "1",
+        "--seq",
+        "4096",
+        "--remat",
+        remat,
+        "--lora-rank",
+        "16",
+        "--lora-alpha",
+        "32",
+        "--lora-targets",
+        "all-linear",
+        "--base",
+        base,
+    ]
+}
+
 /// LLaMA-2-7B, LoRA r=16 on every attention and MLP product, bf16, B=1, T=4096, selective
 /// recomputation: NF4 stores the 224 quantized weights in 3,642,753,024 bytes (4.5 bits a
 /// value: 4-bit codes and an F32 maximum per 64) instead of 12,952,010,752 in BF16, and the
@@ -150,27 +174,7 @@ fn frozen_and_total(model: &Path, flags: &[&str]) -> (u64, u64) {
 #[test]
 fn an_nf4_base_plans_the_7b_fine_tune_in_its_bytes() {
     let config = root().join("assets/configs/llama-2-7b.json");
-    let flags = |base: &'static str| {
-        vec![
-            "--train",
-            "--precision",
-            "bf16",
-            "--batch",
-            "1",
-            "--seq",
-            "4096",
-            "--remat",
-            "selective",
-            "--lora-rank",
-            "16",
-            "--lora-alpha",
-            "32",
-            "--lora-targets",
-            "all-linear",
-            "--base",
-            base,
-        ]
-    };
+    let flags = |base| qlora_7b_flags("selective", base);
     let (frozen_bf16, total_bf16) = frozen_and_total(&config, &flags("compute"));
     let (frozen_nf4, total_nf4) = frozen_and_total(&config, &flags("nf4"));
     let saved = 12_952_010_752 - 3_642_753_024;
@@ -186,27 +190,9 @@ fn an_nf4_base_plans_the_7b_fine_tune_in_its_bytes() {
 fn the_nf4_7b_fine_tune_fits_16_gb_with_a_recompute_budget() {
     let config = root().join("assets/configs/llama-2-7b.json");
     let plan = |remat: &str| {
-        let o = castor(&[
-            "compile",
-            path_str(&config),
-            "--train",
-            "--precision",
-            "bf16",
-            "--batch",
-            "1",
-            "--seq",
-            "4096",
-            "--remat",
-            remat,
-            "--lora-rank",
-            "16",
-            "--lora-alpha",
-            "32",
-            "--lora-targets",
-            "all-linear",
-            "--base",
-            "nf4",
-        ]);
+        let mut args = vec!["compile", path_str(&config)];
+        args.extend(qlora_7b_flags(remat, "nf4"));
+        let o = castor(&args);
         assert!(o.status.success(), "{remat}: {}", stderr(&o));
         let out = stdout(&o);
         let gflop: f64 = out
