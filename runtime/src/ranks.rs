@@ -7,7 +7,7 @@
 //! sharded entry gathered from the ranks' shards, so a checkpoint saved from sharded state is
 //! the one a single rank would save, and [`RankRunners::restore`] shards it again.
 
-use crate::cpu::collective::{Member, RankGroup};
+use crate::cpu::collective::{Member, RankGroup, PEER_FAILED};
 use crate::{PlanRunner, RuntimeError, StepReport};
 use castor_ir::{Tensor, TrainingPlan};
 use std::collections::HashMap;
@@ -80,7 +80,7 @@ impl RankRunners {
         });
         // The rank that failed first is the one to report, not those it stopped.
         let failed = results.iter().position(
-            |r| matches!(r, Err(e) if !e.to_string().contains("another rank of the group failed")),
+            |r| matches!(r, Err(e) if !matches!(e, RuntimeError::Plan(m) if m == PEER_FAILED)),
         );
         let mut out = Vec::with_capacity(results.len());
         for (i, r) in results.into_iter().enumerate() {

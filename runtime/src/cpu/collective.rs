@@ -13,6 +13,10 @@ use crate::RuntimeError;
 use castor_ir::{CollectiveOp, Op, Tensor, TensorType};
 use std::sync::{Arc, Condvar, Mutex};
 
+/// What a rank's collective reports when another rank broke the group: not the cause, which
+/// the failing rank reports ([`crate::ranks::RankRunners`] tells the two apart by it).
+pub const PEER_FAILED: &str = "another rank of the group failed";
+
 /// The meeting point of `world` ranks.
 pub struct RankGroup {
     world: usize,
@@ -31,7 +35,7 @@ struct AbortableBarrier {
 
 impl AbortableBarrier {
     fn wait(&self) -> Result<(), RuntimeError> {
-        let failed = || RuntimeError::Plan("another rank of the group failed".into());
+        let failed = || RuntimeError::Plan(PEER_FAILED.into());
         let mut s = self.state.lock().map_err(|_| failed())?;
         if s.2 {
             return Err(failed());
@@ -111,7 +115,7 @@ impl Member {
 
     /// Every rank's `mine`, in rank order.
     fn exchange(&self, mine: Vec<f32>) -> Result<Vec<Vec<f32>>, RuntimeError> {
-        let poisoned = || RuntimeError::Plan("a rank of the group failed".into());
+        let poisoned = || RuntimeError::Plan(PEER_FAILED.into());
         self.group.slots.lock().map_err(|_| poisoned())?[self.rank] = mine;
         self.group.barrier.wait()?;
         let all = self.group.slots.lock().map_err(|_| poisoned())?.clone();
