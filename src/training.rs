@@ -183,7 +183,8 @@ pub struct TrainingArgs {
     pub world_size: usize,
     /// ZeRO stage with --world-size: 0 replicates the state (DDP), 1 shards the optimizer
     /// moments and the masters read through working copies, 2 also the gradients
-    /// (reduce-scattered as they complete).
+    /// (reduce-scattered as they complete), 3 also every parameter (gathered before each use,
+    /// as FSDP).
     #[arg(long, default_value_t = 0, value_name = "STAGE", value_parser = clap::value_parser!(u8).range(0..=3), help_heading = "Data parallel")]
     #[serde(default)]
     pub zero: u8,

@@ -92,10 +92,16 @@ impl PlanRunner {
                         name: master.clone(),
                         expected: spec.ty.clone(),
                     })?;
-                    let whole = TensorType::new(castor_ir::DType::F32, spec.ty.shape.clone());
+                    // Under ZeRO-3 the copy is sharded too: this rank's piece of the whole.
+                    let copy = spec.shard_of.as_ref().unwrap_or(&spec.ty);
+                    let whole = TensorType::new(castor_ir::DType::F32, copy.shape.clone());
                     let master = checkpoint_state(t, &spec.name, &whole)?;
                     let values = master.as_f32().unwrap_or(&[]).to_vec();
-                    Tensor::from_f32(spec.ty.dtype, spec.ty.shape.clone(), values)
+                    let t = Tensor::from_f32(copy.dtype, copy.shape.clone(), values);
+                    match spec.shard_of {
+                        Some(_) => shard_of(&t, &spec.ty, rank),
+                        None => t,
+                    }
                 }
                 _ if spec.role == StateRole::WorkingCopy => continue,
                 StateInit::Checkpoint(name) => {

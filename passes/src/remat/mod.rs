@@ -34,6 +34,7 @@ mod select;
 
 use crate::cost::{node_cost, GpuSpec, NodeCost};
 use crate::memory::{plan_graphs, MemoryModel, ScheduledGraph};
+use crate::training::parallel::GATHERED_SUFFIX;
 use crate::PassError;
 use castor_ir::{human_bytes, Graph, Node, Op, Remat, Value};
 use std::collections::{HashMap, HashSet};
@@ -169,15 +170,33 @@ fn analyse(g: &Graph, forward_nodes: usize) -> Forward {
     Forward { n, block, eligible }
 }
 
+/// The suffix of a ZeRO-3 parameter gathered again for the backward.
+pub const REGATHERED_SUFFIX: &str = ".regathered";
+
+/// Whether `v` is a ZeRO-3 parameter gathered in the forward (the `parallel` pass's).
+fn is_gather(g: &Graph, v: Value) -> bool {
+    matches!(g.node(g.value(v).producer).op, Op::AllGather { .. })
+        && g.name(v).ends_with(GATHERED_SUFFIX)
+}
+
+/// Whether `g`'s forward (its first `forward_nodes` nodes) gathers parameters (ZeRO-3).
+fn gathers(g: &Graph, forward_nodes: usize) -> bool {
+    g.nodes()
+        .take(forward_nodes)
+        .any(|(_, d)| d.outputs.first().is_some_and(|&v| is_gather(g, v)))
+}
+
 /// Rewrites `g`, recomputing the forward nodes marked in `recompute`.
 pub fn apply(g: &Graph, forward_nodes: usize, recompute: &[bool]) -> Result<Graph, PassError> {
     let n = forward_nodes.min(g.num_nodes());
     let mut out = Graph::empty_like(g);
     let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
     let mut clone: Vec<Option<Value>> = vec![None; g.num_values()];
+    // A ZeRO-3 parameter gathered for the forward is gathered again for the backward rather
+    // than kept whole in between, whatever the mode.
     let is_recomputed = |v: Value| -> bool {
         let p = g.value(v).producer.index();
-        p < n && recompute.get(p).copied().unwrap_or(false)
+        p < n && (recompute.get(p).copied().unwrap_or(false) || is_gather(g, v))
     };
     for (node, d) in g.nodes() {
         let backward = node.index() >= n;
@@ -234,10 +253,18 @@ fn ensure_clone(
         };
         inputs.push(nu);
     }
+    let gather = is_gather(g, v);
+    let clone_name = |o: Value| match gather {
+        true => format!(
+            "{}{REGATHERED_SUFFIX}",
+            g.name(o).trim_end_matches(GATHERED_SUFFIX)
+        ),
+        false => format!("{}{REMAT_SUFFIX}", g.name(o)),
+    };
     let outputs = d
         .outputs
         .iter()
-        .map(|&o| (format!("{}{REMAT_SUFFIX}", g.name(o)), g.ty(o).clone()))
+        .map(|&o| (clone_name(o), g.ty(o).clone()))
         .collect();
     let nn = out.push_copy(g, p, inputs, outputs)?;
     let first_user = g
@@ -245,10 +272,15 @@ fn ensure_clone(
         .outputs
         .first()
         .map_or(String::new(), |&u| g.name(u).to_string());
+    let what = if gather {
+        "gathers again"
+    } else {
+        "recomputes"
+    };
     out.set_note(
         nn,
         Some(format!(
-            "remat: recomputes %{} for %{first_user}",
+            "remat: {what} %{} for %{first_user}",
             g.name(d.outputs[0])
         )),
     );
@@ -262,6 +294,15 @@ fn internal(message: String) -> PassError {
     PassError::Internal {
         pass: "remat",
         message,
+    }
+}
+
+/// `g` recomputing nothing: itself, or under ZeRO-3 with the parameters gathered again for
+/// the backward.
+fn keep_all(g: &Graph, forward_nodes: usize) -> Result<Graph, PassError> {
+    match gathers(g, forward_nodes) {
+        true => apply(g, forward_nodes, &[]),
+        false => Ok(g.clone()),
     }
 }
 
@@ -321,7 +362,7 @@ pub fn rematerialize(
 ) -> Result<RematOutcome, PassError> {
     match mode {
         Remat::Budget(budget) => fit_budget(g, ctx, budget, BudgetSearch::MinCut),
-        Remat::None => Ok(outcome(g.clone(), mode, ctx, None, 0)),
+        Remat::None => Ok(outcome(keep_all(g, ctx.forward_nodes)?, mode, ctx, None, 0)),
         Remat::Full | Remat::Selective => {
             let f = analyse(g, ctx.forward_nodes);
             let r = if mode == Remat::Full {
@@ -359,7 +400,7 @@ pub fn fit_budget(
             }
         }
     };
-    consider(g.clone(), &mut best);
+    consider(keep_all(g, ctx.forward_nodes)?, &mut best);
     if best.is_none() {
         match search {
             BudgetSearch::MinCut => {

@@ -36,7 +36,7 @@ mod gradients;
 mod in_backward;
 mod nf4;
 mod optimizer;
-mod parallel;
+pub(crate) mod parallel;
 
 use crate::memory::{MemoryModel, NodeLevel};
 use crate::{PassError, PassReport};

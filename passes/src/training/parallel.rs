@@ -12,6 +12,13 @@
 //! clipping factor, and the found-inf test) combines the ranks' shard norms, so every rank
 //! skips or clips the same step.
 //!
+//! ZeRO-3 (FSDP's full sharding) also keeps only a shard of every master and working copy.
+//! The micro step gathers each parameter (an `all_gather` of its shard) right before the
+//! forward's first use of it; the `remat` pass then gathers it again for the backward (in
+//! every recomputation mode), so the memory plan frees the whole parameter between the two; the gradient is reduce-scattered as
+//! under ZeRO-2 (all-gather's VJP). The optimizer step then updates shards and gathers
+//! nothing.
+//!
 //! Sharded state entries hold one rank's flat shard: `[ceil(n / world)]` (the IR's `shard`).
 
 use super::{PlanBuild, PlanPass};
@@ -22,6 +29,9 @@ use castor_ir::{
 use std::collections::{HashMap, HashSet};
 
 pub(super) struct DataParallel;
+
+/// The suffix of a ZeRO-3 parameter's gathered value: `<name>.gathered`.
+pub const GATHERED_SUFFIX: &str = ".gathered";
 
 impl PlanPass for DataParallel {
     fn name(&self) -> &'static str {
@@ -50,7 +60,8 @@ impl PlanPass for DataParallel {
             let shard = match spec.role {
                 StateRole::OptimizerState => zero >= 1,
                 StateRole::Gradient => zero >= 2,
-                StateRole::Master => copied.contains(&spec.name),
+                StateRole::Master => zero >= 3 || copied.contains(&spec.name),
+                StateRole::WorkingCopy => zero >= 3,
                 _ => false,
             };
             if shard {
@@ -80,37 +91,40 @@ impl PlanPass for DataParallel {
         }
         let reduced = targets.len();
         // The forward part loses the sharded masters' `param` nodes (their copies' nodes
-        // become state sources in place); the collectives go into the backward part.
-        let dropped = micro
-            .nodes()
-            .take(plan.forward_nodes)
-            .filter(|(_, d)| {
-                d.op == Op::Param && d.outputs.iter().all(|&v| copied.contains(micro.name(v)))
-            })
-            .count();
-        plan.forward_nodes -= dropped;
-        plan.micro_step = rebuild(micro, &sharded, &copied, |g, v, local| {
-            let name = g.name(v).to_string();
-            let ty = g.ty(v).clone();
-            let (op, ty) = if zero >= 2 {
-                (
-                    Op::ReduceScatter {
-                        world,
-                        average: true,
-                    },
-                    shard_ty(&ty),
-                )
-            } else {
-                (
-                    Op::AllReduce {
-                        reduce: CollectiveOp::Mean,
-                        world,
-                    },
-                    ty,
-                )
-            };
-            Ok(targets.contains(&v).then(|| vec![(op, local, name, ty)]))
-        })?;
+        // become state sources in place) and under ZeRO-3 gains the gathers; the reductions
+        // go into the backward part.
+        let gather = (zero >= 3).then_some(Gather { world });
+        let (micro_step, forward_nodes) = rebuild(
+            micro,
+            plan.forward_nodes,
+            &sharded,
+            &copied,
+            gather,
+            |g, v, local| {
+                let name = g.name(v).to_string();
+                let ty = g.ty(v).clone();
+                let (op, ty) = if zero >= 2 {
+                    (
+                        Op::ReduceScatter {
+                            world,
+                            average: true,
+                        },
+                        shard_ty(&ty),
+                    )
+                } else {
+                    (
+                        Op::AllReduce {
+                            reduce: CollectiveOp::Mean,
+                            world,
+                        },
+                        ty,
+                    )
+                };
+                Ok(targets.contains(&v).then(|| vec![(op, local, name, ty)]))
+            },
+        )?;
+        plan.micro_step = micro_step;
+        plan.forward_nodes = forward_nodes;
         // Optimizer step: the updates on shards.
         if zero >= 1 {
             plan.optimizer_step = shard_updates(&plan.optimizer_step, &sharded, world, zero)?;
@@ -118,7 +132,8 @@ impl PlanPass for DataParallel {
         let what = match zero {
             0 => "state replicated",
             1 => "optimizer moments and copied masters sharded",
-            _ => "optimizer moments, copied masters and gradients sharded",
+            2 => "optimizer moments, copied masters and gradients sharded",
+            _ => "parameters, gradients and optimizer moments sharded; parameters gathered before use",
         };
         Ok(PassReport::new(format!(
             "{world} ranks, ZeRO-{zero} ({what}): {reduced} gradient(s) {} as they complete; \
@@ -136,12 +151,6 @@ impl PlanPass for DataParallel {
 /// What data parallelism does not support yet, refused with the reason.
 fn check(plan: &castor_ir::TrainingPlan, zero: u8) -> Result<(), PassError> {
     let refuse = |m: &str| Err(PassError::Training(m.into()));
-    if zero >= 3 {
-        return refuse(
-            "--zero 3 (parameters sharded and gathered before use) is not built yet: stages 0, \
-             1 and 2 are",
-        );
-    }
     if plan.settings.update_in_backward {
         return refuse(
             "--update-in-backward with --world-size: the update would run before the other \
@@ -155,7 +164,7 @@ fn check(plan: &castor_ir::TrainingPlan, zero: u8) -> Result<(), PassError> {
         )
     {
         return refuse(
-            "--zero 1 and 2 shard AdamW's and SGD's moments: 8-bit AdamW's quantization blocks \
+            "--zero 1, 2 and 3 shard AdamW's and SGD's moments: 8-bit AdamW's quantization blocks \
              and Adafactor's factored moments follow the parameter's shape (use --zero 0)",
         );
     }
@@ -184,38 +193,92 @@ fn accumulated(g: &Graph, out: Value, state: &str) -> Value {
 /// result name and type.
 type Insert = (Op, String, String, TensorType);
 
+/// ZeRO-3's gathers in the micro step: every sharded parameter is gathered right before its
+/// first use (the `remat` pass gathers it again for the backward).
+#[derive(Clone, Copy)]
+struct Gather {
+    world: usize,
+}
+
+impl Gather {
+    /// Appends the gather of shard `shard` (of whole type `whole`) to `out`, named `name`.
+    fn push(
+        &self,
+        out: &mut Graph,
+        shard: Value,
+        name: String,
+        whole: &TensorType,
+    ) -> Result<Value, PassError> {
+        let op = Op::AllGather {
+            world: self.world,
+            shape: whole.shape.0.clone(),
+        };
+        let node = out.push_node(op, vec![shard], vec![(name, whole.clone())])?;
+        Ok(out.node(node).outputs[0])
+    }
+}
+
 /// `g` rebuilt in the same order, state sources of `sharded` entries retyped, and after each
 /// value `after` names the nodes to insert: the value is renamed, the last inserted result
-/// takes its place for every later use.
+/// takes its place for every later use. With `gather` (ZeRO-3) the sharded parameters are
+/// gathered where they are read. `g`'s first `forward_nodes` nodes are its forward; returns
+/// the graph and how many of its nodes are.
 fn rebuild(
     g: &Graph,
+    forward_nodes: usize,
     sharded: &HashMap<String, TensorType>,
     copied: &HashSet<String>,
+    gather: Option<Gather>,
     mut after: impl FnMut(&Graph, Value, String) -> Result<Option<Vec<Insert>>, PassError>,
-) -> Result<Graph, PassError> {
+) -> Result<(Graph, usize), PassError> {
     let mut out = Graph::empty_like(g);
     let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
+    // ZeRO-3: the sharded parameters (by their values in `g`), each with its gather once made.
+    let mut shards: HashMap<Value, Option<Value>> = HashMap::new();
+    let mut forward = None;
     for (n, node) in g.nodes() {
-        // A sharded master leaves the graph; its working copy becomes a state source.
+        if n.index() == forward_nodes {
+            forward = Some(out.num_nodes());
+        }
+        // A sharded master leaves the graph; its working copy becomes a state source (under
+        // ZeRO-3 every working copy does, its master being sharded).
         let is_copied = |v: Value| copied.contains(g.name(v));
         if node.op == Op::Param && node.outputs.iter().all(|&v| is_copied(v)) {
             continue;
         }
-        if matches!(node.op, Op::ParamCopy { .. }) && node.inputs.iter().all(|&v| is_copied(v)) {
+        let copy_is_state =
+            |v: Value| is_copied(v) || (gather.is_some() && sharded.contains_key(g.name(v)));
+        if matches!(node.op, Op::ParamCopy { .. }) && node.inputs.iter().all(|&v| copy_is_state(v))
+        {
             let copy = node.outputs[0];
-            let new = out.push_node(
-                Op::State,
-                vec![],
-                vec![(g.name(copy).to_string(), g.ty(copy).clone())],
-            )?;
+            let name = g.name(copy).to_string();
+            let ty = sharded.get(&name).unwrap_or(g.ty(copy)).clone();
+            let new = out.push_node(Op::State, vec![], vec![(name.clone(), ty)])?;
+            if gather.is_some() && sharded.contains_key(&name) {
+                shards.insert(copy, None);
+            }
             map[copy.index()] = Some(out.node(new).outputs[0]);
             continue;
         }
-        let inputs = node
-            .inputs
-            .iter()
-            .map(|v| map[v.index()].ok_or_else(|| internal("an operand out of order".into())))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut inputs = Vec::with_capacity(node.inputs.len());
+        for &v in &node.inputs {
+            let mapped =
+                map[v.index()].ok_or_else(|| internal("an operand out of order".into()))?;
+            // ZeRO-3: a parameter is read through a gather made before its first use.
+            let input = match (gather, shards.get_mut(&v)) {
+                (Some(gt), Some(gathered)) => match *gathered {
+                    Some(whole) => whole,
+                    None => {
+                        let name = format!("{}{GATHERED_SUFFIX}", g.name(v));
+                        let whole = gt.push(&mut out, mapped, name, g.ty(v))?;
+                        *gathered = Some(whole);
+                        whole
+                    }
+                },
+                _ => mapped,
+            };
+            inputs.push(input);
+        }
         let mut inserts = Vec::new();
         let outputs = node
             .outputs
@@ -238,6 +301,10 @@ fn rebuild(
         let new_outputs = out.node(new).outputs.clone();
         for (&old, &fresh) in node.outputs.iter().zip(&new_outputs) {
             map[old.index()] = Some(fresh);
+            // ZeRO-3: a sharded master the micro step reads itself is gathered where read.
+            if gather.is_some() && node.op == Op::Param && sharded.contains_key(g.name(old)) {
+                shards.insert(old, None);
+            }
         }
         for (v, ins) in inserts {
             let mut current = map[v.index()].ok_or_else(|| internal("lost a value".into()))?;
@@ -255,7 +322,8 @@ fn rebuild(
             .map(|v| map[v.index()].ok_or_else(|| internal("an output was lost".into())))
             .collect::<Result<_, _>>()?,
     );
-    Ok(out)
+    let forward = forward.unwrap_or(out.num_nodes());
+    Ok((out, forward))
 }
 
 /// The optimizer step with every update on this rank's shards: masters (and under ZeRO-1 the
