@@ -1,6 +1,6 @@
 """Per-GPU planned peak and estimated step time of data-parallel training plans, from configs
 alone (castor's Python API): GPT-2 XL, LLaMA-2-7B and LLaMA-3-70B on 1, 8 and 64 H100 SXM GPUs
-under ZeRO stages 0-2. Prints the Markdown table BENCHMARKS.md keeps.
+under ZeRO stages 0-3. Prints the Markdown table BENCHMARKS.md keeps.
 
     pip install ./  &&  python bench/parallel_plans.py
 """
@@ -24,7 +24,7 @@ def main():
           "tokens/s (all GPUs, overlapped) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name, config, batch, seq in MODELS:
-        for world, stages in [(1, [0]), (8, [0, 1, 2]), (64, [0, 1, 2])]:
+        for world, stages in [(1, [0]), (8, [0, 1, 2, 3]), (64, [0, 1, 2, 3])]:
             for zero in stages:
                 plan = castor.compile(ROOT / "assets" / "configs" / config, "bf16", train=True,
                                       batch=batch, seq=seq, remat="full", gpu="h100",

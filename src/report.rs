@@ -444,8 +444,9 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
         };
         lines.push(format!(
             "  network      {:.3} ms of collectives a step, counted above: {} ranks {over} at {:.0} \
-             GB/s a GPU (ring); micro step {:.3} ms x{} (each gradient as the backward completes \
-             it), optimizer {:.3} ms; with the collectives on their own stream, overlapping \
+             GB/s a GPU (ring); micro step {:.3} ms x{} (where the IR places them: each \
+             gradient's reduction as the backward completes it, ZeRO-3's gathers before each \
+             use), optimizer {:.3} ms; with the collectives on their own stream, overlapping \
              compute, the step is {:.3} ms",
             c.communication_seconds() * 1e3,
             c.world_size,

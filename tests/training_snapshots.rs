@@ -1,8 +1,8 @@
 //! Snapshot tests of training plans: the micro step (forward, backward, gradient
 //! accumulation) and the optimizer step (gradient norm, fused updates, step count, loss-scale
 //! update) that `castor compile --train` builds from a hand-written IR file, with the
-//! persistent-state table, for the fp32 and fp16 policies and for a plan that uses every
-//! optimizer option.
+//! persistent-state table, for the fp32 and fp16 policies, for a plan that uses every
+//! optimizer option, and for data-parallel plans under ZeRO-2 and ZeRO-3.
 
 mod common;
 
@@ -63,5 +63,27 @@ fn every_optimizer_option() {
             "--loss-scale",
             "static:1024",
         ],
+    );
+}
+
+/// ZeRO-2 on 4 ranks: each gradient reduce-scattered right after the backward completes it,
+/// moments and the copied masters kept as shards, the global norm combined across ranks, the
+/// updated BF16 copies gathered.
+#[test]
+fn zero2_plan() {
+    plan_snapshot(
+        "train_bf16_zero2",
+        &["--precision", "bf16", "--world-size", "4", "--zero", "2"],
+    );
+}
+
+/// ZeRO-3 on 4 ranks: every master and copy a shard, gathered right before the forward's
+/// first use of it and gathered again (`.regathered`) before the backward's; the optimizer
+/// step updates shards and gathers nothing.
+#[test]
+fn zero3_plan() {
+    plan_snapshot(
+        "train_bf16_zero3",
+        &["--precision", "bf16", "--world-size", "4", "--zero", "3"],
     );
 }
