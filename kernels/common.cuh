@@ -245,6 +245,11 @@ struct RsqrtFn {
     }
 };
 
+struct SqrtFn {
+    static __device__ __forceinline__ float f(float v) { return sqrtf(v); }
+    static __device__ __forceinline__ float df(float x) { return 0.5f / sqrtf(x); }
+};
+
 struct NegFn {
     static __device__ __forceinline__ float f(float v) { return -v; }
     static __device__ __forceinline__ float df(float) { return -1.0f; }

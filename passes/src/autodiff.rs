@@ -663,7 +663,7 @@ impl Backward<'_> {
             }
             // Collectives: each rank's loss is its own, the gradient of the group's total
             // flows back through the transposed exchange.
-            Op::AllReduce { reduce, world } if *reduce != castor_ir::CollectiveOp::Norm => {
+            Op::AllReduce { reduce, world } => {
                 if let (true, Some(dy)) = (need(0), dy) {
                     let op = Op::AllReduce {
                         reduce: *reduce,

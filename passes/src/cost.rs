@@ -261,7 +261,7 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
             let per = match u {
                 UnaryOp::GeluTanh | UnaryOp::GeluErf => 10.0,
                 UnaryOp::Silu | UnaryOp::Tanh => 5.0,
-                UnaryOp::Exp | UnaryOp::Rsqrt => 2.0,
+                UnaryOp::Exp | UnaryOp::Rsqrt | UnaryOp::Sqrt => 2.0,
                 UnaryOp::Neg => 1.0,
             };
             let grad = if matches!(node.op, Op::UnaryGrad(_)) {

@@ -248,7 +248,7 @@ impl AttrValue for super::CollectiveOp {
         super::CollectiveOp::ALL
             .into_iter()
             .find(|c| c.name() == name)
-            .ok_or_else(|| format!("`{key}` must be sum, mean or norm, found `{name}`"))
+            .ok_or_else(|| format!("`{key}` must be sum or mean, found `{name}`"))
     }
 }
 

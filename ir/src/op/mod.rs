@@ -76,16 +76,17 @@ define_family! {
         Tanh = "tanh",
         Exp = "exp",
         Rsqrt = "rsqrt",
+        Sqrt = "sqrt",
         Neg = "neg",
     }
 }
 
 impl UnaryOp {
-    /// Exponentials and reciprocal square roots are numerically sensitive (normalization
+    /// Exponentials and (reciprocal) square roots are numerically sensitive (normalization
     /// class, computed in F32); the activations are elementwise.
     pub fn class(self) -> OpClass {
         match self {
-            UnaryOp::Exp | UnaryOp::Rsqrt => Normalization,
+            UnaryOp::Exp | UnaryOp::Rsqrt | UnaryOp::Sqrt => Normalization,
             _ => Elementwise,
         }
     }
@@ -108,9 +109,6 @@ define_family! {
         Sum = "sum",
         /// The sum divided by the number of ranks (data-parallel gradients).
         Mean = "mean",
-        /// `sqrt(sum of squares)` of the ranks' scalars, in F64: per-shard L2 norms combined
-        /// into the global norm (not finite when any rank's is not).
-        Norm = "norm",
     }
 }
 
@@ -250,7 +248,7 @@ define_ops! {
     /// `x -> x` combined over the ranks as `reduce` says; every rank gets the same result,
     /// summed in rank order (so every rank's bits are equal).
     AllReduce { reduce: CollectiveOp, world: usize } => "all_reduce", class Communication,
-        arity (1, 1), typing typing::all_reduce(inputs, *reduce);
+        arity (1, 1), typing typing::all_reduce(inputs);
     /// `x [..] -> [ceil(n / world)]`: the sum over ranks (divided by `world` when `average`)
     /// of this rank's flat shard (what an all-reduce followed by [`Op::Shard`] gives, with a
     /// `1 / world` of the traffic).

@@ -408,13 +408,7 @@ fn shard_updates(
         let new = out.push_copy(g, n, inputs, outputs)?;
         let mut fresh = out.node(new).outputs[0..].to_vec();
         if zero >= 2 && node.op == Op::GradNorm {
-            let op = Op::AllReduce {
-                reduce: CollectiveOp::Norm,
-                world,
-            };
-            let ty = out.ty(fresh[0]).clone();
-            let node = out.push_node(op, vec![fresh[0]], vec![(GRAD_NORM.to_string(), ty)])?;
-            fresh[0] = out.node(node).outputs[0];
+            fresh[0] = combine_norms(&mut out, fresh[0], world)?;
         }
         for (&old, &f) in node.outputs.iter().zip(&fresh) {
             map[old.index()] = Some(f);
@@ -427,6 +421,34 @@ fn shard_updates(
             .collect::<Result<_, _>>()?,
     );
     Ok(out)
+}
+
+/// The global norm from each rank's norm of its shards: the square root of the ranks' summed
+/// squares (not finite when any rank's is not), named `grad_norm`.
+fn combine_norms(out: &mut Graph, rank_norm: Value, world: usize) -> Result<Value, PassError> {
+    let ty = out.ty(rank_norm).clone();
+    let mut push = |op: Op, inputs: Vec<Value>, name: String| -> Result<Value, PassError> {
+        let node = out.push_node(op, inputs, vec![(name, ty.clone())])?;
+        Ok(out.node(node).outputs[0])
+    };
+    let squared = push(
+        Op::Binary(castor_ir::BinaryOp::Mul),
+        vec![rank_norm, rank_norm],
+        format!("{GRAD_NORM}.rank.squared"),
+    )?;
+    let sum = push(
+        Op::AllReduce {
+            reduce: CollectiveOp::Sum,
+            world,
+        },
+        vec![squared],
+        format!("{GRAD_NORM}.squared"),
+    )?;
+    push(
+        Op::Unary(castor_ir::UnaryOp::Sqrt),
+        vec![sum],
+        GRAD_NORM.to_string(),
+    )
 }
 
 /// The type of one rank's flat shard of a `ty` value.

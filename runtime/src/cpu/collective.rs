@@ -173,27 +173,16 @@ pub fn execute(
     let result: Vec<f32> = match op {
         Op::AllReduce { reduce, .. } => {
             let all = exchange(values.to_vec())?;
-            match reduce {
-                CollectiveOp::Sum | CollectiveOp::Mean => {
-                    let mut sum = vec![0f32; values.len()];
-                    for r in &all {
-                        for (s, v) in sum.iter_mut().zip(r) {
-                            *s += v;
-                        }
-                    }
-                    if *reduce == CollectiveOp::Mean {
-                        sum.iter_mut().for_each(|s| *s /= world as f32);
-                    }
-                    sum
-                }
-                CollectiveOp::Norm => {
-                    let sq: f64 = all
-                        .iter()
-                        .map(|r| f64::from(r.first().copied().unwrap_or(0.0)).powi(2))
-                        .sum();
-                    vec![sq.sqrt() as f32]
+            let mut sum = vec![0f32; values.len()];
+            for r in &all {
+                for (s, v) in sum.iter_mut().zip(r) {
+                    *s += v;
                 }
             }
+            if *reduce == CollectiveOp::Mean {
+                sum.iter_mut().for_each(|s| *s /= world as f32);
+            }
+            sum
         }
         Op::ReduceScatter { average, .. } => {
             let all = exchange(values.to_vec())?;

@@ -35,6 +35,7 @@ multiversion! {
             UnaryOp::Tanh => x.iter_mut().for_each(|v| *v = v.tanh()),
             UnaryOp::Exp => x.iter_mut().for_each(|v| *v = math::exp(*v)),
             UnaryOp::Rsqrt => x.iter_mut().for_each(|v| *v = 1.0 / v.sqrt()),
+            UnaryOp::Sqrt => x.iter_mut().for_each(|v| *v = v.sqrt()),
             UnaryOp::Neg => x.iter_mut().for_each(|v| *v = -*v),
         }
     }
@@ -200,6 +201,8 @@ multiversion! {
                 let r = 1.0 / x.sqrt();
                 *d *= -0.5 * (r * r * r);
             }),
+            // 0.5 / √x.
+            UnaryOp::Sqrt => it.for_each(|(d, &x)| *d *= 0.5 / x.sqrt()),
             UnaryOp::Neg => it.for_each(|(d, _)| *d = -*d),
         }
     }

@@ -88,9 +88,9 @@ fn unary_grads_match_finite_differences() {
     let mut rng = Rng::new(900);
     for shape in [&[3, 5][..], &[2, 3, 7]] {
         for u in UnaryOp::ALL {
-            // rsqrt needs positive inputs away from 0; the others see [-3, 3).
+            // (r)sqrt needs positive inputs away from 0; the others see [-3, 3).
             let x = match u {
-                UnaryOp::Rsqrt => scaled(&mut rng, shape, 0.5, 1.0),
+                UnaryOp::Rsqrt | UnaryOp::Sqrt => scaled(&mut rng, shape, 0.5, 1.0),
                 _ => scaled(&mut rng, shape, 3.0, 0.0),
             };
             let r = rng.tensor(DType::F32, shape);
@@ -110,7 +110,7 @@ fn unary_grads_match_closed_forms() {
     let pi = std::f64::consts::PI;
     for u in UnaryOp::ALL {
         let x = match u {
-            UnaryOp::Rsqrt => scaled(&mut rng, &[4, 33], 0.5, 1.0),
+            UnaryOp::Rsqrt | UnaryOp::Sqrt => scaled(&mut rng, &[4, 33], 0.5, 1.0),
             _ => x.clone(),
         };
         let f = |x: f64| -> f64 {
@@ -131,6 +131,7 @@ fn unary_grads_match_closed_forms() {
                 UnaryOp::Tanh => 1.0 - x.tanh().powi(2),
                 UnaryOp::Exp => x.exp(),
                 UnaryOp::Rsqrt => -0.5 * x.powf(-1.5),
+                UnaryOp::Sqrt => 0.5 / x.sqrt(),
                 UnaryOp::Neg => -1.0,
             }
         };

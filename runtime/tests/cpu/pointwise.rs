@@ -17,6 +17,8 @@ fn unary_hand_computed_values() {
     let got = unary(UnaryOp::Silu, &[1.0, 0.0, -2.0]);
     assert_close(&got, &[0.731_058_579, 0.0, -0.238_405_844], 1e-6);
     assert_eq!(unary(UnaryOp::Rsqrt, &[4.0, 0.25]), vec![0.5, 2.0]);
+    assert_eq!(unary(UnaryOp::Sqrt, &[4.0, 0.25, 0.0]), vec![2.0, 0.5, 0.0]);
+    assert_eq!(unary(UnaryOp::Sqrt, &[f32::INFINITY]), vec![f32::INFINITY]);
     assert_eq!(unary(UnaryOp::Neg, &[1.5, -0.0]), vec![-1.5, 0.0]);
     assert_eq!(unary(UnaryOp::Exp, &[0.0]), vec![1.0]);
 }
@@ -28,7 +30,7 @@ fn unary_matches_formulas_on_random_data() {
     let xs: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     let c = (2.0 / std::f64::consts::PI).sqrt();
     type Reference<'a> = &'a dyn Fn(f64) -> f64;
-    let cases: [(UnaryOp, Reference, f64); 7] = [
+    let cases: [(UnaryOp, Reference, f64); 8] = [
         (
             UnaryOp::GeluTanh,
             &|v| 0.5 * v * (1.0 + (c * (v + 0.044715 * v * v * v)).tanh()),
@@ -43,10 +45,11 @@ fn unary_matches_formulas_on_random_data() {
         (UnaryOp::Tanh, &f64::tanh, 1e-6),
         (UnaryOp::Exp, &f64::exp, 1e-6),
         (UnaryOp::Rsqrt, &|v| 1.0 / v.abs().sqrt(), 1e-6),
+        (UnaryOp::Sqrt, &|v| v.abs().sqrt(), 1e-6),
         (UnaryOp::Neg, &|v| -v, 0.0),
     ];
     for (u, f, tol) in cases {
-        let input: Vec<f32> = if u == UnaryOp::Rsqrt {
+        let input: Vec<f32> = if matches!(u, UnaryOp::Rsqrt | UnaryOp::Sqrt) {
             x.iter().map(|v| v.abs()).collect()
         } else {
             x.clone()

@@ -101,6 +101,7 @@ fn functor(u: UnaryOp) -> &'static str {
         UnaryOp::Tanh => "TanhFn",
         UnaryOp::Exp => "ExpFn",
         UnaryOp::Rsqrt => "RsqrtFn",
+        UnaryOp::Sqrt => "SqrtFn",
         UnaryOp::Neg => "NegFn",
     }
 }
