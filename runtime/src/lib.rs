@@ -13,6 +13,7 @@ pub mod cuda_probe;
 mod error;
 mod plan;
 pub mod ranks;
+pub mod rendezvous;
 
 pub use error::RuntimeError;
 pub use plan::{DeviceTime, PlanRunner, StepReport};
