@@ -198,11 +198,15 @@ fn admit(
     let mut stream = stream?;
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
-    let mut hello = [0u8; 8 + 8 + 8];
-    stream.read_exact(&mut hello)?;
-    let number = |at: usize| u64::from_le_bytes(hello[at..at + 8].try_into().unwrap()) as usize;
-    let (world, rank) = (number(8), number(16));
-    let refusal = if &hello[..8] != HELLO {
+    let (mut magic, mut world, mut rank) = ([0u8; 8], [0u8; 8], [0u8; 8]);
+    for part in [&mut magic, &mut world, &mut rank] {
+        stream.read_exact(part)?;
+    }
+    let (world, rank) = (
+        u64::from_le_bytes(world) as usize,
+        u64::from_le_bytes(rank) as usize,
+    );
+    let refusal = if &magic != HELLO {
         Some("not a castor rank (or another version of castor)".to_string())
     } else if world != group.world {
         Some(format!(
