@@ -11,6 +11,7 @@ pub mod device;
 pub mod emulate;
 pub mod lower;
 pub mod memory;
+pub mod nccl;
 pub mod profile;
 pub mod program;
 pub mod roofline;

@@ -33,9 +33,10 @@ impl From<CudaError> for RuntimeError {
     fn from(e: CudaError) -> Self {
         match e {
             CudaError::OutOfMemory { .. } => RuntimeError::OutOfMemory(e.to_string()),
-            CudaError::NoCuda(_) | CudaError::NoCublas | CudaError::Nvrtc(_) => {
-                RuntimeError::DeviceUnavailable(e.to_string())
-            }
+            CudaError::NoCuda(_)
+            | CudaError::NoCublas
+            | CudaError::NoNccl(_)
+            | CudaError::Nvrtc(_) => RuntimeError::DeviceUnavailable(e.to_string()),
             other => RuntimeError::Cuda(other.to_string()),
         }
     }

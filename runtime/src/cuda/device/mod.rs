@@ -69,6 +69,10 @@ pub enum CudaError {
          LD_LIBRARY_PATH"
     )]
     NoCublas,
+    #[error("NCCL not usable: {0}")]
+    NoNccl(String),
+    #[error("NCCL failed: {0}")]
+    Nccl(String),
     #[error("NVRTC: {0}")]
     Nvrtc(String),
     #[error("kernel module `{module}` failed to compile:\n{message}")]
