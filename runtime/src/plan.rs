@@ -80,55 +80,9 @@ impl PlanRunner {
         executor: CpuExecutor,
     ) -> Result<PlanRunner, RuntimeError> {
         plan.check()?;
-        let rank = executor.rank();
-        let mut state = HashMap::new();
-        let mut nf4 = Nf4States::default();
-        for spec in &plan.state {
-            let t = match &spec.init {
-                // A copy the micro step reads as state (its master is sharded) is held, from
-                // the whole master rounded; any other is derived by its `param_copy`.
-                StateInit::CopyOf(master) if holds_copy(&plan, spec) => {
-                    let t = checkpoint(master).ok_or_else(|| RuntimeError::MissingBinding {
-                        name: master.clone(),
-                        expected: spec.ty.clone(),
-                    })?;
-                    // Under ZeRO-3 the copy is sharded too: this rank's piece of the whole.
-                    let copy = spec.shard_of.as_ref().unwrap_or(&spec.ty);
-                    let whole = TensorType::new(castor_ir::DType::F32, copy.shape.clone());
-                    let master = checkpoint_state(t, &spec.name, &whole)?;
-                    let values = master.as_f32().unwrap_or(&[]).to_vec();
-                    let t = Tensor::from_f32(copy.dtype, copy.shape.clone(), values);
-                    match spec.shard_of {
-                        Some(_) => shard_of(&t, &spec.ty, rank),
-                        None => t,
-                    }
-                }
-                _ if spec.role == StateRole::WorkingCopy => continue,
-                StateInit::Checkpoint(name) => {
-                    let t = checkpoint(name).ok_or_else(|| RuntimeError::MissingBinding {
-                        name: name.clone(),
-                        expected: spec.ty.clone(),
-                    })?;
-                    match &spec.shard_of {
-                        // A sharded master: this rank's piece of the whole.
-                        Some(whole) => {
-                            let t = checkpoint_state(t, &spec.name, whole)?;
-                            shard_of(&t, &spec.ty, rank)
-                        }
-                        None => checkpoint_state(t, &spec.name, &spec.ty)?,
-                    }
-                }
-                StateInit::Nf4 { tensor, part } => nf4.entry(checkpoint, tensor, *part, spec)?,
-                StateInit::CopyOf(_) => continue,
-                StateInit::Zeros => zeros(&spec.ty),
-                StateInit::Values(v) => Tensor::from_f32(
-                    spec.ty.dtype,
-                    spec.ty.shape.clone(),
-                    v.iter().map(|&x| x as f32).collect(),
-                ),
-            };
-            state.insert(spec.name.clone(), t);
-        }
+        let state = initial_entries(&plan, checkpoint, executor.rank())?
+            .into_iter()
+            .collect();
         Ok(PlanRunner {
             plan,
             state,
@@ -377,6 +331,109 @@ fn store(
             state.insert(w.state.clone(), t);
         }
     }
+}
+
+/// The state rank `rank` of `plan` starts from (rank 0 of a single-rank plan): masters from
+/// `checkpoint`, the rest as the plan says; a sharded entry is this rank's shard of the whole.
+/// Working copies are left out (each executor derives them from their masters), except the
+/// ones a data-parallel micro step reads as state: those are held, from the whole master
+/// rounded (and sharded under ZeRO-3).
+pub fn initial_entries(
+    plan: &TrainingPlan,
+    checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+    rank: usize,
+) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+    let mut state = Vec::new();
+    let mut nf4 = Nf4States::default();
+    for spec in &plan.state {
+        let t = match &spec.init {
+            // A copy the micro step reads as state (its master is sharded) is held, from
+            // the whole master rounded; any other is derived by its `param_copy`.
+            StateInit::CopyOf(master) if holds_copy(plan, spec) => {
+                let t = checkpoint(master).ok_or_else(|| RuntimeError::MissingBinding {
+                    name: master.clone(),
+                    expected: spec.ty.clone(),
+                })?;
+                held_copy(spec, t, rank)?
+            }
+            _ if spec.role == StateRole::WorkingCopy => continue,
+            StateInit::Checkpoint(name) => {
+                let t = checkpoint(name).ok_or_else(|| RuntimeError::MissingBinding {
+                    name: name.clone(),
+                    expected: spec.ty.clone(),
+                })?;
+                match &spec.shard_of {
+                    // A sharded master: this rank's piece of the whole.
+                    Some(whole) => {
+                        let t = checkpoint_state(t, &spec.name, whole)?;
+                        shard_of(&t, &spec.ty, rank)
+                    }
+                    None => checkpoint_state(t, &spec.name, &spec.ty)?,
+                }
+            }
+            StateInit::Nf4 { tensor, part } => nf4.entry(checkpoint, tensor, *part, spec)?,
+            StateInit::CopyOf(_) => continue,
+            StateInit::Zeros => zeros(&spec.ty),
+            StateInit::Values(v) => Tensor::from_f32(
+                spec.ty.dtype,
+                spec.ty.shape.clone(),
+                v.iter().map(|&x| x as f32).collect(),
+            ),
+        };
+        state.push((spec.name.clone(), t));
+    }
+    Ok(state)
+}
+
+/// Held working copy `spec` for rank `rank`: its whole master rounded to the copy's dtype
+/// (under ZeRO-3 this rank's shard of that).
+fn held_copy(
+    spec: &castor_ir::StateSpec,
+    master: Tensor,
+    rank: usize,
+) -> Result<Tensor, RuntimeError> {
+    let copy = spec.shard_of.as_ref().unwrap_or(&spec.ty);
+    let whole = TensorType::new(castor_ir::DType::F32, copy.shape.clone());
+    let master = checkpoint_state(master, &spec.name, &whole)?;
+    let values = master.as_f32().unwrap_or(&[]).to_vec();
+    let t = Tensor::from_f32(copy.dtype, copy.shape.clone(), values);
+    Ok(match spec.shard_of {
+        Some(_) => shard_of(&t, &spec.ty, rank),
+        None => t,
+    })
+}
+
+/// State `entries` in the single-rank layout (a checkpoint) as rank `rank` of `plan` holds
+/// them: each sharded entry given whole becomes this rank's shard, and each working copy the
+/// rank holds is derived again from its master when that is given.
+pub fn rank_entries(
+    plan: &TrainingPlan,
+    entries: Vec<(String, Tensor)>,
+    rank: usize,
+) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+    let mut held = Vec::new();
+    for spec in plan.state.iter().filter(|s| holds_copy(plan, s)) {
+        if let StateInit::CopyOf(master) = &spec.init {
+            if let Some((_, t)) = entries.iter().find(|(n, _)| n == master) {
+                held.push((spec.name.clone(), held_copy(spec, t.clone(), rank)?));
+            }
+        }
+    }
+    let mut out: Vec<(String, Tensor)> = entries
+        .into_iter()
+        .map(|(name, t)| {
+            let spec = plan.state_spec(&name);
+            match spec.and_then(|s| s.shard_of.as_ref().map(|w| (s, w))) {
+                Some((spec, whole)) if t.ty() == whole => {
+                    let shard = shard_of(&t, &spec.ty, rank);
+                    (name, shard)
+                }
+                _ => (name, t),
+            }
+        })
+        .collect();
+    out.extend(held);
+    Ok(out)
 }
 
 /// Whether the micro step reads working copy `spec` as state (a data-parallel plan whose

@@ -160,24 +160,10 @@ impl RankRunners {
     /// Replaces state entries given in the single-rank layout (a checkpoint): each rank
     /// keeps its shard of a sharded entry.
     pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
-        let world = self.world();
         let plan = self.plan().clone();
         for (rank, runner) in self.runners.iter_mut().enumerate() {
-            let mine = entries
-                .iter()
-                .map(|(name, t)| {
-                    let spec = plan.state_spec(name);
-                    match spec.and_then(|s| s.shard_of.as_ref().map(|w| (s, w))) {
-                        Some((spec, whole)) if t.ty() == whole => {
-                            (name.clone(), crate::plan::shard_of(t, &spec.ty, rank))
-                        }
-                        _ => (name.clone(), t.clone()),
-                    }
-                })
-                .collect();
-            runner.restore(mine)?;
+            runner.restore(crate::plan::rank_entries(&plan, entries.clone(), rank)?)?;
         }
-        debug_assert!(world == self.runners.len());
         Ok(())
     }
 }

@@ -51,6 +51,16 @@ fn nccl_error(call: &str, e: nccl::NcclError) -> CudaError {
     CudaError::Nccl(format!("{call} returned {:?}", e.0))
 }
 
+/// Where one process of a launched group runs: its rank, the group's size, the GPU it uses
+/// (its local rank on the machine) and the group's NCCL unique id.
+#[derive(Clone, Debug)]
+pub struct NcclRank {
+    pub rank: usize,
+    pub world: usize,
+    pub local_rank: usize,
+    pub id: [u8; UNIQUE_ID_BYTES],
+}
+
 /// A contiguous run of elements that one rank roots: `count` elements from element `offset`
 /// of the whole value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -502,12 +502,13 @@ pub enum Command {
         byte: u8,
     },
     /// A collective of a data-parallel group (`op`: all-reduce, reduce-scatter, all-gather,
-    /// or a rank's shard), `src_bytes` read at `src`, `dst_bytes` written at `dst`: NCCL's
-    /// work, which castor does not drive yet, so a program with one is planned (memory,
-    /// listing, roofline) but runs on no device.
+    /// or a rank's shard) of `dtype` values, `src_bytes` read at `src`, `dst_bytes` written
+    /// at `dst`: NCCL's work (`cuda::nccl`), issued by the device layer of a rank that holds
+    /// a communicator.
     Collective {
         node: String,
         op: castor_ir::Op,
+        dtype: castor_ir::DType,
         src: Place,
         dst: Place,
         src_bytes: u64,
@@ -786,12 +787,13 @@ impl Command {
             Command::Collective {
                 node,
                 op,
+                dtype,
                 src,
                 dst,
                 src_bytes,
                 dst_bytes,
             } => format!(
-                "nccl {} {src_bytes} bytes {} -> {dst_bytes} bytes {}  # {node}",
+                "nccl {} {dtype} {src_bytes} bytes {} -> {dst_bytes} bytes {}  # {node}",
                 op.mnemonic(),
                 src.short(),
                 dst.short()

@@ -13,12 +13,13 @@
 use super::device::CudaError;
 use super::emulate::Emulator;
 use super::lower::{self, LowerError, MICRO_STEP, OPTIMIZER_STEP, ZERO_GRADS};
+use super::nccl::NcclRank;
 use super::profile::{CommandTime, KernelProfile};
 use super::program::{ErrorFlag, Place, Program, SlotKind};
 use super::target::{Gpu, Target};
 use crate::{DeviceTime, RuntimeError, StepReport};
 use castor_ir::{
-    ControlState, DType, Graph, LossScaling, StateInit, StateRole, Tensor, TensorData, TensorType,
+    ControlState, DType, Graph, LossScaling, StateRole, Tensor, TensorData, TensorType,
     TrainingPlan, GRAD_NORM, LEARNING_RATE,
 };
 use std::collections::HashMap;
@@ -71,6 +72,32 @@ pub struct LoweredPlanRunner<T: Target> {
     /// ([`Self::profile_next_step`]), and of the last profiled step.
     profiling: Option<KernelProfile>,
     profiled: Option<KernelProfile>,
+    /// This rank's place in a data-parallel plan (0 for a single rank).
+    rank: usize,
+}
+
+impl LoweredPlanRunner<Gpu> {
+    /// One rank of a data-parallel `plan` (`castor_ir::Parallel`) on its GPU (`rank`'s local
+    /// rank), its collectives run by NCCL in the group `rank.id` names. Every rank of the
+    /// group must call it at about the same time: joining the group waits for all of them.
+    pub fn for_rank(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+        rank: &NcclRank,
+    ) -> Result<Self, RuntimeError> {
+        plan.check()?;
+        let world = plan.settings.parallel.world_size;
+        if world != rank.world {
+            return Err(RuntimeError::Plan(format!(
+                "the plan is one rank's of {world}, the launched group has {}",
+                rank.world
+            )));
+        }
+        let program = lower::lower_plan(&plan)?;
+        Self::assemble(plan, program, checkpoint, rank.rank, |p| {
+            Gpu::load_rank(p, rank)
+        })
+    }
 }
 
 /// The timing marks of a step: before the micro steps, after them, after the optimizer step.
@@ -89,9 +116,10 @@ impl<T: Target> LoweredPlanRunner<T> {
         plan.check()?;
         if !plan.settings.parallel.is_single() {
             return Err(RuntimeError::DeviceUnavailable(format!(
-                "a plan of {} data-parallel ranks runs its collectives on NCCL, which castor \
-                 does not drive yet; CPU ranks run it (--device cpu)",
-                plan.settings.parallel.world_size
+                "a plan of {} data-parallel ranks runs as one process per GPU: launch it \
+                 with `torchrun --nproc-per-node {} --no-python castor train ...` (NCCL), or \
+                 run its ranks on the CPU (--device cpu)",
+                plan.settings.parallel.world_size, plan.settings.parallel.world_size
             )));
         }
         let program = lower::lower_plan(&plan)?;
@@ -102,8 +130,20 @@ impl<T: Target> LoweredPlanRunner<T> {
     /// they have altered on purpose).
     pub fn with_program(
         plan: TrainingPlan,
+        program: Program,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+    ) -> Result<Self, RuntimeError> {
+        Self::assemble(plan, program, checkpoint, 0, T::load)
+    }
+
+    /// Loads `program` (lowered from `plan`) with `load`, and uploads rank `rank`'s initial
+    /// state.
+    fn assemble(
+        plan: TrainingPlan,
         mut program: Program,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+        rank: usize,
+        load: impl FnOnce(&Program) -> Result<T, RuntimeError>,
     ) -> Result<Self, RuntimeError> {
         let accum = plan.settings.grad_accum.max(1) as u64;
         program.slots.push(super::program::Slot {
@@ -116,7 +156,7 @@ impl<T: Target> LoweredPlanRunner<T> {
             bytes: 4,
             kind: SlotKind::Internal,
         });
-        let target = T::load(&program)?;
+        let target = load(&program)?;
         let run = |name: &str| {
             program
                 .run(name)
@@ -133,8 +173,9 @@ impl<T: Target> LoweredPlanRunner<T> {
             timing: false,
             profiling: None,
             profiled: None,
+            rank,
         };
-        let state = initial_state(&runner.plan, checkpoint)?;
+        let state = crate::plan::initial_entries(&runner.plan, checkpoint, rank)?;
         runner.upload(state)?;
         Ok(runner)
     }
@@ -207,20 +248,38 @@ impl<T: Target> LoweredPlanRunner<T> {
         self.target.run_prologue()
     }
 
-    /// Replaces state entries (resuming), then re-derives the working copies.
+    /// Replaces state entries (resuming), then re-derives the working copies. A rank of a
+    /// data-parallel plan takes entries in the single-rank layout (a checkpoint): it keeps its
+    /// shard of each sharded one, and the copies it holds are its masters' rounded again.
     pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
-        self.upload(entries)
+        if self.plan.settings.parallel.is_single() {
+            return self.upload(entries);
+        }
+        let mine = crate::plan::rank_entries(&self.plan, entries, self.rank)?;
+        self.upload(mine)
     }
 
     /// The persistent state, read back from the device, in the plan's order (working copies,
-    /// which the masters determine, are left out, as on the CPU).
+    /// which the masters determine, are left out, as on the CPU). A rank of a data-parallel
+    /// plan gathers each sharded entry from every rank (all ranks must call it together), so
+    /// the result is the single-rank layout.
     pub fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
         let mut out = Vec::new();
         for spec in &self.plan.state {
             if spec.role == StateRole::WorkingCopy {
                 continue;
             }
-            out.push((spec.name.clone(), self.read_state(&spec.name, &spec.ty)?));
+            let t = match &spec.shard_of {
+                None => self.read_state(&spec.name, &spec.ty)?,
+                Some(whole) => {
+                    let bytes = whole.size_bytes().unwrap_or(0) as u64;
+                    let gathered =
+                        self.target
+                            .gather_slot(self.slot(&spec.name)?, whole.dtype, bytes)?;
+                    from_bytes(whole, &gathered)?
+                }
+            };
+            out.push((spec.name.clone(), t));
         }
         Ok(out)
     }
@@ -457,42 +516,6 @@ fn write_inputs<T: Target>(
         target.write_input(slot, &bytes)?;
     }
     Ok(())
-}
-
-/// The state a plan's program starts from, as [`CudaPlanRunner::new`] uploads it: every entry
-/// but the working copies (the prologue derives those from the masters), masters from
-/// `checkpoint` converted to F32, the rest as the plan says. Public so that the host emulator
-/// ([`super::emulate`]) is loaded exactly as the device is.
-pub fn initial_state(
-    plan: &TrainingPlan,
-    checkpoint: &dyn Fn(&str) -> Option<Tensor>,
-) -> Result<Vec<(String, Tensor)>, RuntimeError> {
-    let mut state = Vec::new();
-    let mut nf4 = crate::plan::Nf4States::default();
-    for spec in &plan.state {
-        if spec.role == StateRole::WorkingCopy {
-            continue; // the prologue derives copies from masters
-        }
-        let t = match &spec.init {
-            StateInit::Checkpoint(name) => {
-                let t = checkpoint(name).ok_or_else(|| RuntimeError::MissingBinding {
-                    name: name.clone(),
-                    expected: spec.ty.clone(),
-                })?;
-                crate::plan::checkpoint_state(t, &spec.name, &spec.ty)?
-            }
-            StateInit::Nf4 { tensor, part } => nf4.entry(checkpoint, tensor, *part, spec)?,
-            StateInit::CopyOf(_) => continue,
-            StateInit::Zeros => crate::plan::zeros(&spec.ty),
-            StateInit::Values(v) => Tensor::from_f32(
-                spec.ty.dtype,
-                spec.ty.shape.clone(),
-                v.iter().map(|&x| x as f32).collect(),
-            ),
-        };
-        state.push((spec.name.clone(), t));
-    }
-    Ok(state)
 }
 
 /// State `entries` as (slot, bytes) to write, each checked against its slot's type.

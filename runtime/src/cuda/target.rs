@@ -5,6 +5,7 @@
 
 use super::device::{Device, Loaded};
 use super::emulate::Emulator;
+use super::nccl::NcclRank;
 use super::program::{Place, Program};
 use crate::RuntimeError;
 
@@ -34,6 +35,19 @@ pub trait Target: Sized {
     fn synchronize(&self) -> Result<(), RuntimeError>;
     /// Device memory the program holds, in bytes.
     fn allocated_bytes(&self) -> u64;
+    /// Every rank's shard in slot `slot` gathered into the whole value of `whole_bytes`, once
+    /// every earlier run has finished (a rank of a data-parallel program; every rank calls it
+    /// together).
+    fn gather_slot(
+        &self,
+        _slot: usize,
+        _dtype: castor_ir::DType,
+        _whole_bytes: u64,
+    ) -> Result<Vec<u8>, RuntimeError> {
+        Err(RuntimeError::Plan(
+            "gathering shards needs a rank of a launched group on a GPU".into(),
+        ))
+    }
     /// Records timing mark `mark` after everything issued so far (where device time means
     /// something: on the GPU).
     fn mark(&mut self, _mark: usize) -> Result<(), RuntimeError> {
@@ -58,11 +72,31 @@ pub struct Gpu {
     device: Device,
 }
 
+impl Gpu {
+    /// `program` resident on rank `rank`'s GPU, its collectives joined to the rank's NCCL
+    /// group (which waits for every rank to join).
+    pub fn load_rank(program: &Program, rank: &NcclRank) -> Result<Self, RuntimeError> {
+        crate::cuda::nccl::probe()?;
+        let device = Device::open_ordinal(rank.local_rank)?;
+        let mut loaded = device.load(program)?;
+        loaded.join_group(&rank.id, rank.rank, rank.world)?;
+        Ok(Gpu { loaded, device })
+    }
+}
+
 impl Target for Gpu {
     fn load(program: &Program) -> Result<Self, RuntimeError> {
         let device = Device::open()?;
         let loaded = device.load(program)?;
         Ok(Gpu { loaded, device })
+    }
+    fn gather_slot(
+        &self,
+        slot: usize,
+        dtype: castor_ir::DType,
+        whole_bytes: u64,
+    ) -> Result<Vec<u8>, RuntimeError> {
+        Ok(self.loaded.gather_slot(slot, dtype, whole_bytes)?)
     }
     fn describe(&self) -> String {
         self.device.name().to_string()

@@ -78,6 +78,76 @@ impl Loaded {
         self.memcpy(dst, src, bytes, "a copy between runs")
     }
 
+    /// Makes this program rank `rank`'s of the data-parallel group of `world` that `id`
+    /// names: its collectives go to NCCL. Waits until every rank has joined.
+    pub fn join_group(
+        &mut self,
+        id: &[u8; crate::cuda::nccl::UNIQUE_ID_BYTES],
+        rank: usize,
+        world: usize,
+    ) -> Result<(), CudaError> {
+        self.dev.bind()?;
+        self.comm = Some(crate::cuda::nccl::Communicator::init(id, rank, world)?);
+        Ok(())
+    }
+
+    /// Every rank's shard in slot `slot` (of `dtype` values) gathered into the whole value
+    /// of `whole_bytes`, on the host, once every earlier run has finished. Every rank of the
+    /// group must call it, in the same order.
+    pub fn gather_slot(
+        &self,
+        slot: usize,
+        dtype: castor_ir::DType,
+        whole_bytes: u64,
+    ) -> Result<Vec<u8>, CudaError> {
+        let comm = self.comm.as_ref().ok_or_else(|| {
+            CudaError::Data("gathering a shard needs the rank's communicator".into())
+        })?;
+        let s = self
+            .program
+            .slots
+            .get(slot)
+            .ok_or_else(|| CudaError::Data(format!("slot {slot} does not exist")))?;
+        self.dev.bind()?;
+        let n = whole_bytes as usize / dtype.size_bytes().max(1);
+        let op = castor_ir::Op::AllGather {
+            world: comm.world(),
+            shape: vec![n],
+        };
+        // SAFETY: a fresh allocation of `whole_bytes` (at least one byte), freed below after
+        // the stream has finished with it.
+        let whole = drv(
+            unsafe { cu::malloc_sync(whole_bytes.max(1) as usize) },
+            || format!("cuMemAlloc of {whole_bytes} bytes to gather `{}`", s.name),
+        )?;
+        let mut out = vec![0u8; whole_bytes as usize];
+        // SAFETY: the slot spans `s.bytes` bytes and `whole` `whole_bytes`; the synchronize
+        // waits for the gather and the copy before `out` is used and `whole` freed.
+        let result = unsafe {
+            comm.issue(
+                &op,
+                dtype,
+                self.address(Place::Slot { slot, offset: 0 }),
+                s.bytes,
+                whole,
+                whole_bytes,
+                self.dev.stream(),
+            )
+            .and_then(|()| {
+                drv(
+                    cu::memcpy_dtoh_async(&mut out, whole, self.dev.stream()),
+                    || format!("cuMemcpyDtoHAsync of the gathered `{}`", s.name),
+                )
+            })
+            .and_then(|()| self.dev.synchronize("gathering a shard"))
+        };
+        // Nothing may still use it when it is freed, whatever failed.
+        let _ = self.dev.synchronize("gathering a shard");
+        // SAFETY: allocated above; the stream is idle.
+        let _ = unsafe { cu::free_sync(whole) };
+        result.map(|()| out)
+    }
+
     /// Waits for every run and copy issued so far.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.dev.bind()?;

@@ -78,12 +78,41 @@ impl Loaded {
                 Command::Copy { dst, src, bytes } => {
                     self.memcpy(*dst, *src, *bytes, "a copy command")?
                 }
-                Command::Collective { node, op, .. } => {
-                    return Err(CudaError::Unsupported(format!(
-                        "`{}` for %{node}: data-parallel collectives run on NCCL, which castor \
-                         does not drive yet (CPU ranks run the plan: --device cpu)",
-                        op.mnemonic()
-                    )))
+                Command::Collective {
+                    node,
+                    op,
+                    dtype,
+                    src,
+                    dst,
+                    src_bytes,
+                    dst_bytes,
+                } => {
+                    let comm = self.comm.as_ref().ok_or_else(|| {
+                        CudaError::Unsupported(format!(
+                            "`{}` for %{node}: a data-parallel program runs as one rank of a \
+                             launched group (`torchrun --nproc-per-node N --no-python castor \
+                             train ...`), whose NCCL communicator it needs",
+                            op.mnemonic()
+                        ))
+                    })?;
+                    // SAFETY: both places span their byte counts of live allocations
+                    // (checked at load) on the communicator's device; the stream is this
+                    // context's.
+                    unsafe {
+                        comm.issue(
+                            op,
+                            *dtype,
+                            self.address(*src),
+                            *src_bytes,
+                            self.address(*dst),
+                            *dst_bytes,
+                            self.dev.stream(),
+                        )
+                    }
+                    .map_err(|e| match e {
+                        CudaError::Nccl(m) => CudaError::Nccl(format!("{m} (for %{node})")),
+                        e => e,
+                    })?;
                 }
                 Command::Memset { dst, bytes, byte } => {
                     if *bytes > 0 {

@@ -54,6 +54,7 @@ impl Device {
             staging: Staging::default(),
             marks: Vec::new(),
             command_marks: Vec::new(),
+            comm: None,
         };
 
         // Per module: entry name -> the size of each parameter, as its PTX declares them.
@@ -230,6 +231,8 @@ pub struct Loaded {
     pub(super) marks: Vec<cu_sys::CUevent>,
     /// Events around each command of a timed run (`run_timed`), made on first use.
     pub(super) command_marks: Vec<cu_sys::CUevent>,
+    /// This rank's NCCL communicator, for a data-parallel program's collectives.
+    pub(super) comm: Option<crate::cuda::nccl::Communicator>,
 }
 
 impl Loaded {
@@ -353,6 +356,8 @@ impl Drop for Loaded {
         let _ = self.dev.bind();
         // Nothing may still use the buffers when they are freed.
         let _ = self.dev.synchronize("freeing a program");
+        // The communicator goes first, with the context current.
+        self.comm = None;
         // SAFETY: every handle below was created by this `Loaded`, is no longer used (the
         // stream is idle), and is destroyed or freed exactly once (the lists are drained).
         unsafe {

@@ -62,7 +62,8 @@ impl Drop for Inner {
     }
 }
 
-/// An opened GPU: device 0's context, one stream, a cuBLAS handle and NVRTC.
+/// An opened GPU: its context (device 0's, or a launched rank's `LOCAL_RANK`), one stream, a
+/// cuBLAS handle and NVRTC.
 pub struct Device {
     pub(super) inner: Rc<Inner>,
 }
@@ -70,6 +71,11 @@ pub struct Device {
 impl Device {
     /// Opens device 0, or says why there is none usable.
     pub fn open() -> Result<Device, CudaError> {
+        Device::open_ordinal(0)
+    }
+
+    /// Opens device `ordinal` (a launched rank's `LOCAL_RANK`), or says why it is not usable.
+    pub fn open_ordinal(ordinal: usize) -> Result<Device, CudaError> {
         let probe = crate::cuda_probe::probe()?;
         // SAFETY: only tries to open the driver library; no symbol is called.
         if !unsafe { cu_sys::is_culib_present() } {
@@ -104,8 +110,16 @@ impl Device {
         )
         .map_err(CudaError::Nvrtc)?;
 
-        let ctx = drv(CudaContext::new(0), || {
-            "creating the context on CUDA device 0".into()
+        let count = drv(CudaContext::device_count(), || "cuDeviceGetCount".into())?;
+        if ordinal >= count as usize {
+            return Err(CudaError::Unsupported(format!(
+                "CUDA device {ordinal} was asked for (LOCAL_RANK={ordinal}), but this machine \
+                 shows {count}: start at most {count} ranks on it (--nproc-per-node), or check \
+                 CUDA_VISIBLE_DEVICES"
+            )));
+        }
+        let ctx = drv(CudaContext::new(ordinal), || {
+            format!("creating the context on CUDA device {ordinal}")
         })?;
         // SAFETY: this layer manages its buffers as raw addresses and orders all work on one
         // stream; cudarc's per-buffer events would only add work.

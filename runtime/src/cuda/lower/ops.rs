@@ -33,6 +33,7 @@ impl RunLowering<'_, '_> {
                 self.commands.push(Command::Collective {
                     node: g.name(y).to_string(),
                     op: node.op.clone(),
+                    dtype: dt(ins[0]),
                     src,
                     dst,
                     src_bytes: bytes(ins[0]),
