@@ -1,12 +1,22 @@
 //! What a distributed launcher (torchrun, or any that sets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-//! `MASTER_ADDR`, `MASTER_PORT`) says about this process.
+//! `MASTER_ADDR`, `MASTER_PORT`) says about this process, and joining its group.
 //!
-//! castor does not drive NCCL yet, so a process started as one rank of several must not train
-//! as if it were alone: each would run the whole single-GPU job on the same data, and their
-//! checkpoints would overwrite each other. `castor train` reads the launcher's variables,
-//! checks them, and refuses such a launch with what to do instead.
+//! A launched group trains one data-parallel plan with one process per GPU: the process is
+//! the plan's rank `RANK` of `WORLD_SIZE`, on GPU `LOCAL_RANK`, its collectives run by NCCL.
+//! The ranks meet over TCP at the rendezvous address ([`Launch::rendezvous`]), where rank 0
+//! hands out NCCL's unique id. A launch on the CPU is refused: CPU ranks run in one process
+//! (`--world-size N --device cpu`), and separate processes would each train alone.
 
 use crate::CliError;
+use castor_runtime::cuda::nccl::{self, NcclRank, UNIQUE_ID_BYTES};
+use castor_runtime::rendezvous::{GroupAddress, Rendezvous};
+use std::time::Duration;
+
+/// Overrides the rendezvous port (default: `MASTER_PORT`, or the port after it under
+/// torchrun, whose agent holds `MASTER_PORT` for its own store).
+pub const PORT_VAR: &str = "CASTOR_RENDEZVOUS_PORT";
+/// How long joining may take, in seconds (default 300).
+pub const TIMEOUT_VAR: &str = "CASTOR_RENDEZVOUS_TIMEOUT";
 
 /// One process's place in a launched group.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -14,8 +24,12 @@ pub struct Launch {
     pub rank: usize,
     pub world_size: usize,
     pub local_rank: usize,
-    /// `MASTER_ADDR:MASTER_PORT`, where rank 0 would share the NCCL unique id.
+    /// `MASTER_ADDR:MASTER_PORT`, the launcher's own rendezvous.
     pub master: String,
+    /// `host:port` where rank 0 listens for the other ranks (see [`PORT_VAR`]).
+    pub rendezvous: String,
+    /// How long joining the group may take.
+    pub timeout: Duration,
 }
 
 /// The launch the environment describes, read through `var`; none when no launcher set
@@ -55,40 +69,119 @@ pub fn from_env(var: &dyn Fn(&str) -> Option<String>) -> Result<Option<Launch>, 
         Some(v) => number("LOCAL_RANK", &v)?,
         None => rank,
     };
-    let master = if world_size > 1 {
+    let port_of = |name: &str, text: &str| match text.trim().parse::<u16>() {
+        Ok(p) if p > 0 => Ok(p),
+        _ => Err(CliError::InvalidInput(format!(
+            "the launcher's {name}={text:?} is not a TCP port"
+        ))),
+    };
+    let (master, rendezvous) = if world_size > 1 {
         let addr = get("MASTER_ADDR")?;
-        let port = get("MASTER_PORT")?;
-        match port.trim().parse::<u16>() {
-            Ok(p) if p > 0 => format!("{addr}:{p}"),
-            _ => {
-                return Err(CliError::InvalidInput(format!(
-                    "the launcher's MASTER_PORT={port:?} is not a TCP port"
-                )))
+        let port = port_of("MASTER_PORT", &get("MASTER_PORT")?)?;
+        let ours = match var(PORT_VAR) {
+            Some(p) => port_of(PORT_VAR, &p)?,
+            // torchrun's agent serves its store at MASTER_PORT and tells the workers so.
+            None if var("TORCHELASTIC_USE_AGENT_STORE").as_deref() == Some("True") => {
+                port.checked_add(1).ok_or_else(|| {
+                    CliError::InvalidInput(format!(
+                        "MASTER_PORT={port} leaves no port after it for castor's rendezvous: \
+                         set {PORT_VAR}"
+                    ))
+                })?
             }
-        }
+            None => port,
+        };
+        (format!("{addr}:{port}"), format!("{addr}:{ours}"))
     } else {
-        String::new()
+        (String::new(), String::new())
+    };
+    let timeout = match var(TIMEOUT_VAR) {
+        Some(t) => Duration::from_secs(number(TIMEOUT_VAR, &t)? as u64),
+        None => Duration::from_secs(300),
     };
     Ok(Some(Launch {
         rank,
         world_size,
         local_rank,
         master,
+        rendezvous,
+        timeout,
     }))
 }
 
-/// Refuses a launch of several processes, which castor cannot serve yet; a launch of one is
-/// an ordinary run.
-pub fn refuse_multi_process(launch: Option<&Launch>) -> Result<(), CliError> {
-    match launch {
-        Some(l) if l.world_size > 1 => Err(CliError::DeviceUnavailable(format!(
-            "started as rank {} of {} by a launcher (WORLD_SIZE, RANK, rendezvous {}): castor does \
-             not drive NCCL yet, so its ranks cannot run as separate processes; run one process \
-             with --world-size {} --device cpu (CPU ranks), or plan the GPUs' memory and time \
-             with `castor compile --train --world-size {}`",
-            l.rank, l.world_size, l.master, l.world_size, l.world_size
-        ))),
-        _ => Ok(()),
+impl Launch {
+    /// Whether this process is one of several.
+    pub fn is_group(&self) -> bool {
+        self.world_size > 1
+    }
+
+    /// Refuses a group launched to run on the CPU or the emulator: a launched group runs one
+    /// GPU per process.
+    pub fn check_device(&self, device: &crate::device::Selected) -> Result<(), CliError> {
+        if !self.is_group() || matches!(device, crate::device::Selected::Cuda(_)) {
+            return Ok(());
+        }
+        Err(CliError::DeviceUnavailable(format!(
+            "started as rank {} of {} by a launcher (WORLD_SIZE, RANK, rendezvous {}): a \
+             launched group trains one GPU per process with NCCL (--device cuda); on the CPU, \
+             run one process with --world-size {} --device cpu (CPU ranks)",
+            self.rank, self.world_size, self.master, self.world_size
+        )))
+    }
+
+    /// The plan's world size: the launcher's, which `--world-size` may repeat but not
+    /// contradict.
+    pub fn world_size(&self, given: usize) -> Result<usize, CliError> {
+        match given {
+            1 => Ok(self.world_size),
+            n if n == self.world_size => Ok(n),
+            n => Err(CliError::InvalidInput(format!(
+                "--world-size {n}, but the launcher started {} ranks (WORLD_SIZE): leave \
+                 --world-size out under a launcher",
+                self.world_size
+            ))),
+        }
+    }
+
+    /// Joins the group: the ranks meet at the rendezvous address and rank 0 shares NCCL's
+    /// unique id (or, when NCCL will not start there, why, so every rank stops with it).
+    pub fn join(&self) -> anyhow::Result<(Rendezvous, NcclRank)> {
+        let mut group = Rendezvous::join(&GroupAddress {
+            rank: self.rank,
+            world: self.world_size,
+            addr: self.rendezvous.clone(),
+            timeout: self.timeout,
+        })?;
+        let mine = (self.rank == 0).then(|| match nccl::unique_id() {
+            Ok(id) => [&[0u8][..], &id].concat(),
+            Err(e) => [&[1u8][..], e.to_string().as_bytes()].concat(),
+        });
+        let got = group.broadcast(mine.as_deref())?;
+        let id: [u8; UNIQUE_ID_BYTES] = match got.split_first() {
+            Some((0, id)) => id.try_into().map_err(|_| {
+                CliError::DeviceUnavailable(format!(
+                    "rank 0 sent an NCCL id of {} bytes, not {UNIQUE_ID_BYTES}",
+                    id.len()
+                ))
+            })?,
+            Some((_, why)) => {
+                return Err(CliError::DeviceUnavailable(format!(
+                    "rank 0 could not start NCCL: {}",
+                    String::from_utf8_lossy(why)
+                ))
+                .into())
+            }
+            None => return Err(CliError::DeviceUnavailable("rank 0 sent no NCCL id".into()).into()),
+        };
+        Ok((
+            group,
+            NcclRank {
+                rank: self.rank,
+                world: self.world_size,
+                local_rank: self.local_rank,
+                id,
+            },
+        ))
     }
 }
 
@@ -105,68 +198,164 @@ mod tests {
         move |k| map.get(k).cloned()
     }
 
+    const TORCHRUN: [(&str, &str); 6] = [
+        ("WORLD_SIZE", "8"),
+        ("RANK", "3"),
+        ("LOCAL_RANK", "3"),
+        ("MASTER_ADDR", "10.0.0.1"),
+        ("MASTER_PORT", "29500"),
+        ("TORCHELASTIC_USE_AGENT_STORE", "True"),
+    ];
+
     #[test]
     fn no_launcher_is_a_plain_run() {
         assert_eq!(from_env(&env(&[])).unwrap(), None);
-        assert!(refuse_multi_process(None).is_ok());
     }
 
     #[test]
-    fn torchruns_variables_are_read_and_a_group_is_refused() {
-        let launch = from_env(&env(&[
-            ("WORLD_SIZE", "8"),
-            ("RANK", "3"),
-            ("LOCAL_RANK", "3"),
-            ("MASTER_ADDR", "10.0.0.1"),
-            ("MASTER_PORT", "29500"),
-        ]))
-        .unwrap()
-        .unwrap();
+    fn torchruns_variables_are_read() {
+        let launch = from_env(&env(&TORCHRUN)).unwrap().unwrap();
         assert_eq!(
             launch,
             Launch {
                 rank: 3,
                 world_size: 8,
                 local_rank: 3,
-                master: "10.0.0.1:29500".into()
+                master: "10.0.0.1:29500".into(),
+                // torchrun's agent holds MASTER_PORT for its store: castor takes the next.
+                rendezvous: "10.0.0.1:29501".into(),
+                timeout: Duration::from_secs(300),
             }
         );
-        let e = refuse_multi_process(Some(&launch)).unwrap_err().to_string();
-        assert!(
-            e.contains("rank 3 of 8") && e.contains("--world-size 8 --device cpu"),
-            "{e}"
+        assert!(launch.is_group());
+        // Another launcher's MASTER_PORT is free for castor; CASTOR_RENDEZVOUS_PORT and
+        // CASTOR_RENDEZVOUS_TIMEOUT override.
+        let plain = from_env(&env(&TORCHRUN[..5])).unwrap().unwrap();
+        assert_eq!(plain.rendezvous, "10.0.0.1:29500");
+        let mut vars = TORCHRUN.to_vec();
+        vars.extend([(PORT_VAR, "31000"), (TIMEOUT_VAR, "20")]);
+        let set = from_env(&env(&vars)).unwrap().unwrap();
+        assert_eq!(
+            (set.rendezvous.as_str(), set.timeout),
+            ("10.0.0.1:31000", Duration::from_secs(20))
         );
-        // One process launched alone trains as usual.
-        let one = from_env(&env(&[("WORLD_SIZE", "1"), ("RANK", "0")])).unwrap();
-        assert!(refuse_multi_process(one.as_ref()).is_ok());
+        // LOCAL_RANK defaults to RANK; one process launched alone is an ordinary run.
+        let one = from_env(&env(&[("WORLD_SIZE", "1"), ("RANK", "0")]))
+            .unwrap()
+            .unwrap();
+        assert!(!one.is_group());
+        assert!(one.check_device(&crate::device::Selected::Cpu).is_ok());
+    }
+
+    #[test]
+    fn a_launched_group_runs_on_gpus_only() {
+        let launch = from_env(&env(&TORCHRUN)).unwrap().unwrap();
+        for device in [
+            crate::device::Selected::Cpu,
+            crate::device::Selected::Emulated,
+        ] {
+            let e = launch.check_device(&device).unwrap_err().to_string();
+            assert!(
+                e.contains("rank 3 of 8")
+                    && e.contains("--device cuda")
+                    && e.contains("--world-size 8 --device cpu"),
+                "{e}"
+            );
+        }
+        let gpu = crate::device::Selected::Cuda("an H100".into());
+        assert!(launch.check_device(&gpu).is_ok());
+    }
+
+    #[test]
+    fn the_launchers_world_size_is_the_plans() {
+        let launch = from_env(&env(&TORCHRUN)).unwrap().unwrap();
+        assert_eq!(launch.world_size(1).unwrap(), 8);
+        assert_eq!(launch.world_size(8).unwrap(), 8);
+        let e = launch.world_size(4).unwrap_err().to_string();
+        assert!(e.contains("--world-size 4") && e.contains("8 ranks"), "{e}");
     }
 
     #[test]
     fn malformed_launches_name_the_variable() {
+        let group = |extra: (&'static str, &'static str)| {
+            let mut v = TORCHRUN.to_vec();
+            v.push(extra);
+            v
+        };
         for (vars, words) in [
-            (&[("WORLD_SIZE", "eight")][..], "WORLD_SIZE=\"eight\""),
-            (&[("WORLD_SIZE", "0")][..], "WORLD_SIZE=0"),
-            (&[("WORLD_SIZE", "2")][..], "not RANK"),
+            (vec![("WORLD_SIZE", "eight")], "WORLD_SIZE=\"eight\""),
+            (vec![("WORLD_SIZE", "0")], "WORLD_SIZE=0"),
+            (vec![("WORLD_SIZE", "2")], "not RANK"),
             (
-                &[("WORLD_SIZE", "2"), ("RANK", "2")][..],
+                vec![("WORLD_SIZE", "2"), ("RANK", "2")],
                 "RANK=2 is outside",
             ),
             (
-                &[("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "h")][..],
+                vec![("WORLD_SIZE", "2"), ("RANK", "1"), ("MASTER_ADDR", "h")],
                 "not MASTER_PORT",
             ),
             (
-                &[
+                vec![
                     ("WORLD_SIZE", "2"),
                     ("RANK", "1"),
                     ("MASTER_ADDR", "h"),
                     ("MASTER_PORT", "99999"),
-                ][..],
+                ],
                 "MASTER_PORT=\"99999\" is not a TCP port",
             ),
+            (group((PORT_VAR, "x")), "CASTOR_RENDEZVOUS_PORT=\"x\""),
+            (
+                group((TIMEOUT_VAR, "soon")),
+                "CASTOR_RENDEZVOUS_TIMEOUT=\"soon\"",
+            ),
         ] {
-            let e = from_env(&env(vars)).unwrap_err().to_string();
+            let e = from_env(&env(&vars)).unwrap_err().to_string();
             assert!(e.contains(words), "{vars:?}: {e}");
+        }
+    }
+
+    /// Two ranks join on this machine: they share rank 0's NCCL id, or, where NCCL is not
+    /// installed, both stop with rank 0's reason.
+    #[test]
+    fn ranks_join_and_share_rank_zeros_nccl_id_or_its_failure() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+            .to_string();
+        let results: Vec<Result<[u8; UNIQUE_ID_BYTES], String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = ["0", "1"]
+                .into_iter()
+                .map(|rank| {
+                    let port = port.clone();
+                    s.spawn(move || {
+                        let launch = from_env(&env(&[
+                            ("WORLD_SIZE", "2"),
+                            ("RANK", rank),
+                            ("MASTER_ADDR", "127.0.0.1"),
+                            ("MASTER_PORT", &port),
+                            (TIMEOUT_VAR, "20"),
+                        ]))
+                        .unwrap()
+                        .unwrap();
+                        launch.join().map(|(_, r)| r.id).map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        match &results[..] {
+            [Ok(a), Ok(b)] => assert_eq!(a, b),
+            [Err(a), Err(b)] => {
+                for e in [a, b] {
+                    assert!(
+                        e.contains("rank 0 could not start NCCL") && e.contains("libnccl"),
+                        "{e}"
+                    );
+                }
+            }
+            other => panic!("the ranks disagree: {other:?}"),
         }
     }
 }

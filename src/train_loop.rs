@@ -403,7 +403,12 @@ pub fn train_loop(
         out.last = Some(report);
         if let (Some(saves), true) = (&opts.saves, save_now) {
             let state = opts.state.at(done, data);
-            checkpoint::save_step(&saves.root, saves.keep, &opts.files, runner.host()?, &state)?;
+            // Every rank of a launched group gathers the state; rank 0 writes it.
+            let writes = runner.writes_files();
+            let host = runner.host()?;
+            if writes {
+                checkpoint::save_step(&saves.root, saves.keep, &opts.files, host, &state)?;
+            }
         }
         if stop {
             out.interrupted = true;

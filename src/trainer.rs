@@ -4,13 +4,16 @@
 //! state lives on the device, and a host copy (a [`PlanRunner`] holding it) is made only when
 //! something on the host needs the weights (a checkpoint, sampling) and refreshed only then,
 //! so training steps never wait for copies and host memory holds no second copy of the state
-//! until it is asked for.
+//! until it is asked for. A data-parallel plan runs as CPU ranks in this process, or, in a
+//! process a launcher started, as this process's rank on its GPU with NCCL.
 
 use crate::device::Selected;
 use castor_ir::{Tensor, TrainingPlan};
+use castor_runtime::cuda::nccl::NcclRank;
 use castor_runtime::cuda::profile::KernelProfile;
 use castor_runtime::cuda::{CudaPlanRunner, EmulatedPlanRunner, LoweredPlanRunner, Target};
 use castor_runtime::ranks::RankRunners;
+use castor_runtime::rendezvous::Rendezvous;
 use castor_runtime::{PlanRunner, RuntimeError, StepReport};
 use std::collections::HashMap;
 
@@ -21,7 +24,7 @@ trait Lowered {
         micro_batches: &[HashMap<String, Tensor>],
         lr: f32,
     ) -> Result<(), RuntimeError>;
-    fn report(&self) -> Result<StepReport, RuntimeError>;
+    fn report(&mut self) -> Result<StepReport, RuntimeError>;
     fn validation_loss(&mut self, batches: &[HashMap<String, Tensor>])
         -> Result<f64, RuntimeError>;
     fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError>;
@@ -41,7 +44,7 @@ impl<T: Target> Lowered for LoweredPlanRunner<T> {
     ) -> Result<(), RuntimeError> {
         LoweredPlanRunner::queue_step(self, micro_batches, lr)
     }
-    fn report(&self) -> Result<StepReport, RuntimeError> {
+    fn report(&mut self) -> Result<StepReport, RuntimeError> {
         LoweredPlanRunner::report(self)
     }
     fn validation_loss(
@@ -89,7 +92,7 @@ impl Lowered for CpuRanks {
         self.last = Some(self.ranks.step(micro_batches, lr)?);
         Ok(())
     }
-    fn report(&self) -> Result<StepReport, RuntimeError> {
+    fn report(&mut self) -> Result<StepReport, RuntimeError> {
         self.last.ok_or_else(no_runner)
     }
     fn validation_loss(
@@ -117,6 +120,94 @@ impl Lowered for CpuRanks {
     }
 }
 
+/// This process's rank of a launched group: its GPU runs the plan, NCCL the collectives; the
+/// host connections ([`Rendezvous`]) average the logged loss over the ranks.
+struct LaunchedRank {
+    runner: CudaPlanRunner,
+    group: Rendezvous,
+}
+
+impl Lowered for LaunchedRank {
+    /// Every process reads the whole global batch; this rank runs its own micro-batches (rank
+    /// r the r-th run of `grad_accum`), as CPU ranks do.
+    fn queue_step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<(), RuntimeError> {
+        let (rank, world) = (self.group.rank(), self.group.world());
+        let accum = micro_batches.len() / world.max(1);
+        if accum * world != micro_batches.len() || accum == 0 {
+            return Err(RuntimeError::Plan(format!(
+                "a step of {world} ranks takes a multiple of {world} micro-batches, given {}",
+                micro_batches.len()
+            )));
+        }
+        self.runner
+            .queue_step(&micro_batches[rank * accum..(rank + 1) * accum], lr)
+    }
+    /// The rank's report with the loss averaged over the ranks (every rank calls it at the
+    /// same steps: the logging cadence is the same everywhere).
+    fn report(&mut self) -> Result<StepReport, RuntimeError> {
+        let mut report = self.runner.report()?;
+        let comm = |e: castor_runtime::rendezvous::RendezvousError| {
+            RuntimeError::DeviceUnavailable(format!("averaging the ranks' losses: {e}"))
+        };
+        let losses = self
+            .group
+            .gather(&report.loss.to_le_bytes())
+            .map_err(comm)?;
+        let mean = losses.map(|all| {
+            let sum: f64 = all
+                .iter()
+                .filter_map(|b| b.as_slice().try_into().ok())
+                .map(|b: [u8; 4]| f64::from(f32::from_le_bytes(b)))
+                .sum();
+            ((sum / all.len().max(1) as f64) as f32).to_le_bytes()
+        });
+        let mean = self
+            .group
+            .broadcast(mean.as_ref().map(|m| &m[..]))
+            .map_err(comm)?;
+        if let Ok(bytes) = <[u8; 4]>::try_from(mean.as_slice()) {
+            report.loss = f32::from_le_bytes(bytes);
+        }
+        Ok(report)
+    }
+    fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        self.runner.validation_loss(batches)
+    }
+    fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        self.runner.restore(entries)
+    }
+    fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        self.runner.state_entries()
+    }
+    fn device_name(&self) -> String {
+        format!(
+            "{}, rank {} of {} (NCCL)",
+            self.runner.device_name(),
+            self.group.rank(),
+            self.group.world()
+        )
+    }
+    fn allocated_bytes(&self) -> u64 {
+        self.runner.allocated_bytes()
+    }
+    fn set_timing(&mut self, on: bool) {
+        self.runner.set_timing(on)
+    }
+    fn profile_next_step(&mut self) {
+        self.runner.profile_next_step()
+    }
+    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
+        self.runner.take_kernel_profile()
+    }
+}
+
 pub struct Trainer {
     plan: TrainingPlan,
     /// The CPU runner: the trainer on the CPU, the host copy of the device state otherwise.
@@ -125,49 +216,78 @@ pub struct Trainer {
     lowered: Option<(Box<dyn Lowered>, &'static str)>,
     /// The device has taken steps the host copy has not seen.
     host_stale: bool,
+    /// Whether this process writes files: not a launched group's ranks other than 0.
+    writes_files: bool,
 }
 
 impl Trainer {
-    /// The plan with its state initialized from `checkpoint`, on `device`.
+    /// The plan with its state initialized from `checkpoint`, on `device`; in a launched
+    /// group (`launched`: its connections and this process's rank), this rank's part of it.
     pub fn new(
         plan: TrainingPlan,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
         device: &Selected,
+        launched: Option<(Rendezvous, NcclRank)>,
     ) -> Result<Trainer, RuntimeError> {
         let ranked = !plan.settings.parallel.is_single();
-        let (host, lowered): (_, Option<(Box<dyn Lowered>, _)>) = match device {
-            Selected::Cpu if ranked => (
+        let writes_files = launched.as_ref().is_none_or(|(g, _)| g.rank() == 0);
+        let (host, lowered): (_, Option<(Box<dyn Lowered>, _)>) = match (device, launched) {
+            (Selected::Cuda(_), Some((group, rank))) => (
                 None,
                 Some((
-                    Box::new(CpuRanks {
-                        ranks: RankRunners::new(plan.clone(), checkpoint)?,
-                        last: None,
+                    Box::new(LaunchedRank {
+                        runner: CudaPlanRunner::for_rank(plan.clone(), checkpoint, &rank)?,
+                        group,
                     }),
-                    "cpu",
-                )),
-            ),
-            Selected::Cpu => (Some(PlanRunner::new(plan.clone(), checkpoint)?), None),
-            Selected::Cuda(_) => (
-                None,
-                Some((
-                    Box::new(CudaPlanRunner::new(plan.clone(), checkpoint)?),
                     "cuda",
                 )),
             ),
-            Selected::Emulated => (
-                None,
-                Some((
-                    Box::new(EmulatedPlanRunner::new(plan.clone(), checkpoint)?),
-                    "emulate",
-                )),
-            ),
+            (_, Some(_)) => {
+                return Err(RuntimeError::DeviceUnavailable(
+                    "a launched group's rank runs on its GPU (--device cuda)".into(),
+                ))
+            }
+            (device, None) => match device {
+                Selected::Cpu if ranked => (
+                    None,
+                    Some((
+                        Box::new(CpuRanks {
+                            ranks: RankRunners::new(plan.clone(), checkpoint)?,
+                            last: None,
+                        }),
+                        "cpu",
+                    )),
+                ),
+                Selected::Cpu => (Some(PlanRunner::new(plan.clone(), checkpoint)?), None),
+                Selected::Cuda(_) => (
+                    None,
+                    Some((
+                        Box::new(CudaPlanRunner::new(plan.clone(), checkpoint)?),
+                        "cuda",
+                    )),
+                ),
+                Selected::Emulated => (
+                    None,
+                    Some((
+                        Box::new(EmulatedPlanRunner::new(plan.clone(), checkpoint)?),
+                        "emulate",
+                    )),
+                ),
+            },
         };
         Ok(Trainer {
             plan,
             host,
             lowered,
             host_stale: true,
+            writes_files,
         })
+    }
+
+    /// Whether this process writes checkpoints, logs and reports: every process but the
+    /// ranks other than 0 of a launched group (which still take part in gathering the state).
+    pub fn writes_files(&self) -> bool {
+        self.writes_files
     }
 
     pub fn plan(&self) -> &TrainingPlan {

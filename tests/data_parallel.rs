@@ -614,11 +614,13 @@ fn every_rank_skips_the_same_steps() {
     assert_eq!(steps as usize, skipped.iter().filter(|s| !**s).count());
 }
 
-/// `torchrun --nproc-per-node 2 --no-python castor train ...` starts two processes that would
-/// each train alone on the same data: castor refuses the launch (exit code 5), naming the rank
-/// and what to run instead.
+/// `torchrun --nproc-per-node 2 --no-python castor train ...` starts two processes, each one
+/// rank of the plan on its GPU with NCCL. On a machine without a GPU (this one) each refuses
+/// with exit code 5: on the CPU, naming the rank and the one-process command that runs CPU
+/// ranks; with `--device cuda`, saying there is no GPU. Running the group needs GPUs (and
+/// NCCL), which no test here has.
 #[test]
-fn a_launcher_group_is_refused_until_nccl_is_driven() {
+fn a_launched_group_needs_gpus() {
     let config = root().join("assets").join("tiny-gpt2.json");
     let corpus = root().join("assets").join("corpus.txt");
     let o = std::process::Command::new(castor_bin())
@@ -645,6 +647,28 @@ fn a_launcher_group_is_refused_until_nccl_is_driven() {
         e.contains("rank 1 of 2") && e.contains("--world-size 2 --device cpu"),
         "{e}"
     );
+    if castor_runtime::cuda_probe::probe().is_err() {
+        let o = std::process::Command::new(castor_bin())
+            .args([
+                "train",
+                path_str(&config),
+                "--data",
+                path_str(&corpus),
+                "--steps",
+                "1",
+                "--device",
+                "cuda",
+            ])
+            .envs([
+                ("WORLD_SIZE", "2"),
+                ("RANK", "1"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", "29500"),
+            ])
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
+    }
 }
 
 /// Under bf16 the micro step reads working copies, so ZeRO-1 and 2 shard those masters too:

@@ -285,7 +285,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .context("the demo compiles every precision it trains")?;
     let plan = trained.plan.clone();
     let settings = plan.settings.clone();
-    let mut runner = Trainer::new(plan, &|name| params.get(name).cloned(), &device)?;
+    let mut runner = Trainer::new(plan, &|name| params.get(name).cloned(), &device, None)?;
     drop(params);
     outln!();
     outln!(

@@ -207,11 +207,20 @@ pub struct TrainOutcome {
 /// Runs a training step loop the way [`run`] does; `hooks` see every logged step and can stop
 /// the run (which then saves as Ctrl-C does). Installs no signal handler.
 pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<TrainOutcome> {
-    // One of several processes a launcher started cannot train alone (no NCCL yet).
-    let launch = crate::launcher::from_env(&|k| std::env::var(k).ok())?;
-    crate::launcher::refuse_multi_process(launch.as_ref())?;
+    // A process a launcher started as one rank of several trains that rank of the plan, on
+    // its GPU; only rank 0 writes files.
+    let launch = crate::launcher::from_env(&|k| std::env::var(k).ok())?.filter(|l| l.is_group());
     check_outputs(&args)?;
     let device = crate::device::select(args.device)?;
+    if let Some(l) = &launch {
+        l.check_device(&device)?;
+        if l.rank != 0 {
+            args.log = None;
+            args.plot = None;
+            args.report = None;
+            args.profile_kernels = None;
+        }
+    }
     let executor = Executor::of(&device);
     if args.profile_kernels.is_some() && !matches!(device, crate::device::Selected::Cuda(_)) {
         let here = match device {
@@ -251,6 +260,9 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         }
         None => None,
     };
+    if let (Some(l), None) = (&launch, &args.plan) {
+        args.training.world_size = l.world_size(args.training.world_size)?;
+    }
     if args.eval_every.is_some() && args.run.val_fraction <= 0.0 && args.validation.is_none() {
         return Err(CliError::InvalidInput(
             "--eval-every needs held-out data: give --val-fraction (or --validation FILE)".into(),
@@ -459,10 +471,17 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         outln!("{line}");
     }
     let settings = planned.plan.settings.clone();
+    // The group meets once this rank has its plan and weights: each rank stops with its own
+    // errors first, and a rank that never arrives is named by rank 0.
+    let launched = match &launch {
+        Some(l) => Some(l.join()?),
+        None => None,
+    };
     let mut runner = Trainer::new(
         planned.plan.clone(),
         &|name| params.get(name).cloned(),
         &device,
+        launched,
     )?;
     drop(params);
     runner.set_timing(args.profile);
@@ -525,7 +544,7 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
             settings.objective
         );
     }
-    if let Some(root) = &args.save {
+    if let (Some(root), true) = (&args.save, runner.writes_files()) {
         checkpoint::clean_stale(root);
     }
     let title = format!(
@@ -623,8 +642,13 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
     }
     if let Some(dir) = &args.save {
         let state = opts.state.at(step, &data);
-        checkpoint::save(dir, &opts.files, runner.host()?, &state)?;
-        outln!("saved       {}", dir.display());
+        // Every rank of a launched group gathers the state; rank 0 writes it.
+        let writes = runner.writes_files();
+        let host = runner.host()?;
+        if writes {
+            checkpoint::save(dir, &opts.files, host, &state)?;
+            outln!("saved       {}", dir.display());
+        }
     }
     if let Some(report) = &mut opts.report {
         report.outcome = outcome;
