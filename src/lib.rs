@@ -131,6 +131,10 @@ impl ErrorKind {
                     _ => ErrorKind::Execution,
                 };
             }
+            // A launched group whose ranks cannot meet: the peers are what is unavailable.
+            if cause.is::<castor_runtime::rendezvous::RendezvousError>() {
+                return ErrorKind::Device;
+            }
             if let Some(c) = cause.downcast_ref::<CliError>() {
                 return match c {
                     CliError::InvalidInput(_) => ErrorKind::Input,

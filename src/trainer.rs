@@ -12,7 +12,7 @@ use castor_ir::{Tensor, TrainingPlan};
 use castor_runtime::cuda::nccl::NcclRank;
 use castor_runtime::cuda::profile::KernelProfile;
 use castor_runtime::cuda::{CudaPlanRunner, EmulatedPlanRunner, LoweredPlanRunner, Target};
-use castor_runtime::ranks::RankRunners;
+use castor_runtime::ranks::{LaunchedCpuRank, RankRunners};
 use castor_runtime::rendezvous::Rendezvous;
 use castor_runtime::{PlanRunner, RuntimeError, StepReport};
 use std::collections::HashMap;
@@ -208,6 +208,59 @@ impl Lowered for LaunchedRank {
     }
 }
 
+/// This process's rank of a launched group on the CPU (collectives over TCP).
+struct LaunchedCpu {
+    rank: LaunchedCpuRank,
+    last: Option<StepReport>,
+}
+
+impl Lowered for LaunchedCpu {
+    fn queue_step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<(), RuntimeError> {
+        self.last = Some(self.rank.step(micro_batches, lr)?);
+        Ok(())
+    }
+    fn report(&mut self) -> Result<StepReport, RuntimeError> {
+        self.last.ok_or_else(no_runner)
+    }
+    fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        self.rank.validation_loss(batches)
+    }
+    fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        self.rank.restore(entries)
+    }
+    fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        self.rank.state_entries()
+    }
+    fn device_name(&self) -> String {
+        format!(
+            "rank {} of {}, collectives over TCP",
+            self.rank.rank(),
+            self.rank.world()
+        )
+    }
+    fn allocated_bytes(&self) -> u64 {
+        0
+    }
+    fn set_timing(&mut self, _on: bool) {}
+    fn profile_next_step(&mut self) {}
+    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
+        None
+    }
+}
+
+/// A launched group this process has joined: its connections, and on GPUs its NCCL rank.
+pub struct Launched {
+    pub group: Rendezvous,
+    pub nccl: Option<NcclRank>,
+}
+
 pub struct Trainer {
     plan: TrainingPlan,
     /// The CPU runner: the trainer on the CPU, the host copy of the device state otherwise.
@@ -227,12 +280,18 @@ impl Trainer {
         plan: TrainingPlan,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
         device: &Selected,
-        launched: Option<(Rendezvous, NcclRank)>,
+        launched: Option<Launched>,
     ) -> Result<Trainer, RuntimeError> {
         let ranked = !plan.settings.parallel.is_single();
-        let writes_files = launched.as_ref().is_none_or(|(g, _)| g.rank() == 0);
+        let writes_files = launched.as_ref().is_none_or(|l| l.group.rank() == 0);
         let (host, lowered): (_, Option<(Box<dyn Lowered>, _)>) = match (device, launched) {
-            (Selected::Cuda(_), Some((group, rank))) => (
+            (
+                Selected::Cuda(_),
+                Some(Launched {
+                    group,
+                    nccl: Some(rank),
+                }),
+            ) => (
                 None,
                 Some((
                     Box::new(LaunchedRank {
@@ -242,9 +301,21 @@ impl Trainer {
                     "cuda",
                 )),
             ),
+            (Selected::Cpu, Some(Launched { group, .. })) => (
+                None,
+                Some((
+                    Box::new(LaunchedCpu {
+                        rank: LaunchedCpuRank::new(plan.clone(), checkpoint, group)?,
+                        last: None,
+                    }),
+                    "cpu",
+                )),
+            ),
             (_, Some(_)) => {
                 return Err(RuntimeError::DeviceUnavailable(
-                    "a launched group's rank runs on its GPU (--device cuda)".into(),
+                    "a launched group's rank runs on its GPU (--device cuda, with NCCL) or on \
+                     the CPU (--device cpu)"
+                        .into(),
                 ))
             }
             (device, None) => match device {

@@ -21,6 +21,8 @@
 //! - Under dynamic loss scaling every rank skips the same steps and keeps the same scale.
 //! - The per-rank planned state falls with the stage as the ZeRO paper's formulas say, and
 //!   README's 7B example plans what it says.
+//! - A launcher's group of processes (one rank each, as torchrun starts them) trains on the
+//!   CPU exactly as one process running the ranks as threads, and rank 0 alone writes.
 
 mod common;
 
@@ -614,41 +616,17 @@ fn every_rank_skips_the_same_steps() {
     assert_eq!(steps as usize, skipped.iter().filter(|s| !**s).count());
 }
 
-/// `torchrun --nproc-per-node 2 --no-python castor train ...` starts two processes, each one
-/// rank of the plan on its GPU with NCCL. On a machine without a GPU (this one) each refuses
-/// with exit code 5: on the CPU, naming the rank and the one-process command that runs CPU
-/// ranks; with `--device cuda`, saying there is no GPU. Running the group needs GPUs (and
-/// NCCL), which no test here has.
+/// `torchrun --nproc-per-node 2 --no-python castor train ... --device cuda` starts two
+/// processes, each one rank of the plan on its GPU with NCCL. On a machine without a GPU (this
+/// one) a rank stops with exit code 5 before joining; the emulator, which runs one program
+/// alone, is refused under a launcher. Running a GPU group needs GPUs and NCCL, which no test
+/// here has: `cuda::nccl`'s unit tests check how each collective becomes NCCL calls.
 #[test]
-fn a_launched_group_needs_gpus() {
+fn a_launched_group_on_gpus_needs_them() {
     let config = root().join("assets").join("tiny-gpt2.json");
     let corpus = root().join("assets").join("corpus.txt");
-    let o = std::process::Command::new(castor_bin())
-        .args([
-            "train",
-            path_str(&config),
-            "--data",
-            path_str(&corpus),
-            "--steps",
-            "1",
-        ])
-        .envs([
-            ("WORLD_SIZE", "2"),
-            ("RANK", "1"),
-            ("LOCAL_RANK", "1"),
-            ("MASTER_ADDR", "127.0.0.1"),
-            ("MASTER_PORT", "29500"),
-        ])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
-    let e = stderr(&o);
-    assert!(
-        e.contains("rank 1 of 2") && e.contains("--world-size 2 --device cpu"),
-        "{e}"
-    );
-    if castor_runtime::cuda_probe::probe().is_err() {
-        let o = std::process::Command::new(castor_bin())
+    let run = |device: &str| {
+        std::process::Command::new(castor_bin())
             .args([
                 "train",
                 path_str(&config),
@@ -657,18 +635,157 @@ fn a_launched_group_needs_gpus() {
                 "--steps",
                 "1",
                 "--device",
-                "cuda",
+                device,
             ])
             .envs([
                 ("WORLD_SIZE", "2"),
                 ("RANK", "1"),
+                ("LOCAL_RANK", "1"),
                 ("MASTER_ADDR", "127.0.0.1"),
                 ("MASTER_PORT", "29500"),
+                ("CASTOR_RENDEZVOUS_TIMEOUT", "1"),
             ])
             .output()
-            .unwrap();
+            .unwrap()
+    };
+    let o = run("emulate");
+    assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("rank 1 of 2") && e.contains("emulator"), "{e}");
+    if castor_runtime::cuda_probe::probe().is_err() {
+        let o = run("cuda");
         assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
+        assert!(stderr(&o).contains("CUDA"), "{}", stderr(&o));
     }
+}
+
+/// A launcher's group of processes (`WORLD_SIZE`, `RANK`, ... as torchrun sets them) on the
+/// CPU: each process trains its rank, the collectives going over TCP, and the group trains
+/// exactly as one process running the same ranks as threads (`--world-size 2`): the same
+/// logged losses, and rank 0 alone writes a checkpoint equal byte for byte, optimizer state
+/// included. Resuming the group from it continues as the one process does. This is the path
+/// a GPU group takes, with NCCL instead of TCP. A rank that never arrives is named, with exit
+/// code 5.
+#[test]
+fn a_launched_group_of_processes_trains_as_cpu_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = root().join("assets").join("tiny-gpt2.json");
+    let corpus = root().join("assets").join("corpus.txt");
+    let args = |dir: &str, steps: &str, resume: bool| -> Vec<String> {
+        let mut a: Vec<String> = [
+            "train",
+            path_str(&config),
+            "--data",
+            path_str(&corpus),
+            "--seq",
+            "32",
+            "--batch",
+            "4",
+            "--precision",
+            "bf16",
+            "--zero",
+            "3",
+            "--device",
+            "cpu",
+            "--steps",
+            steps,
+        ]
+        .map(String::from)
+        .to_vec();
+        let d = tmp.path().join(dir);
+        a.extend(["--save".into(), d.display().to_string()]);
+        a.extend([
+            "--log".into(),
+            tmp.path()
+                .join(format!("{dir}.jsonl"))
+                .display()
+                .to_string(),
+        ]);
+        if resume {
+            a.extend(["--resume".into(), d.display().to_string()]);
+        }
+        a
+    };
+    let group = |dir: &str, steps: &str, resume: bool| {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+            .to_string();
+        let ranks: Vec<_> = ["0", "1"]
+            .into_iter()
+            .map(|rank| {
+                let mut a = args(dir, steps, resume);
+                if rank == "1" {
+                    // Only rank 0 writes: rank 1's log and checkpoint paths stay unwritten.
+                    let log = a.iter().position(|x| x == "--log").unwrap();
+                    a[log + 1] = tmp.path().join("rank1.jsonl").display().to_string();
+                }
+                std::process::Command::new(castor_bin())
+                    .args(&a)
+                    .envs([
+                        ("WORLD_SIZE", "2"),
+                        ("RANK", rank),
+                        ("LOCAL_RANK", rank),
+                        ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", port.as_str()),
+                        ("CASTOR_RENDEZVOUS_TIMEOUT", "60"),
+                    ])
+                    .stdout(std::process::Stdio::piped())
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        for child in ranks {
+            let o = child.wait_with_output().unwrap();
+            assert!(o.status.success(), "{}", stderr(&o));
+        }
+    };
+    let threads = |dir: &str, steps: &str, resume: bool| {
+        let mut a = args(dir, steps, resume);
+        a.extend(["--world-size".into(), "2".into()]);
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let o = castor(&a);
+        assert!(o.status.success(), "{}", stderr(&o));
+    };
+    group("group", "3", false);
+    threads("threads", "3", false);
+    group("group", "5", true);
+    threads("threads", "5", true);
+    let losses = |name: &str| log_losses(&tmp.path().join(format!("{name}.jsonl")));
+    assert_eq!(losses("group").len(), 5);
+    assert_eq!(losses("group"), losses("threads"));
+    assert!(!tmp.path().join("rank1.jsonl").exists());
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let read = |dir: &str| std::fs::read(tmp.path().join(dir).join(file)).unwrap();
+        assert!(read("group") == read("threads"), "{file} differs");
+    }
+
+    // Rank 1 never starts: rank 0 names it and stops.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let a = args("alone", "1", false);
+    let o = std::process::Command::new(castor_bin())
+        .args(&a)
+        .envs([
+            ("WORLD_SIZE", "2"),
+            ("RANK", "0"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", port.as_str()),
+            ("CASTOR_RENDEZVOUS_TIMEOUT", "1"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
+    let e = stderr(&o);
+    assert!(e.contains("rank(s) [1] of 2 did not join"), "{e}");
+    assert!(!tmp.path().join("alone").join("model.safetensors").exists());
 }
 
 /// Under bf16 the micro step reads working copies, so ZeRO-1 and 2 shard those masters too:

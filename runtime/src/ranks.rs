@@ -1,6 +1,7 @@
 //! A data-parallel plan run by its ranks on the CPU: one thread and one [`PlanRunner`] per
 //! rank, their collectives exchanged through one [`RankGroup`] (castor's stand-in for NCCL,
-//! which checks every sharding mode without GPUs).
+//! which checks every sharding mode without GPUs); or, in a process a launcher started, that
+//! process's rank ([`LaunchedCpuRank`]), exchanging with the other processes over TCP.
 //!
 //! A step takes `grad_accum x world` micro-batches: rank r gets the r-th run of `grad_accum`.
 //! The state as a whole ([`RankRunners::state_entries`]) is the single-rank layout: each
@@ -8,9 +9,11 @@
 //! the one a single rank would save, and [`RankRunners::restore`] shards it again.
 
 use crate::cpu::collective::{Member, RankGroup, PEER_FAILED};
+use crate::rendezvous::Rendezvous;
 use crate::{PlanRunner, RuntimeError, StepReport};
-use castor_ir::{Tensor, TrainingPlan};
+use castor_ir::{Tensor, TensorType, TrainingPlan};
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 pub struct RankRunners {
     runners: Vec<PlanRunner>,
@@ -139,18 +142,12 @@ impl RankRunners {
             };
             let t = match &spec.shard_of {
                 None => first.clone(),
-                Some(whole) => {
-                    let n = whole.shape.numel().unwrap_or(0);
-                    let values: Vec<f32> = self
-                        .runners
+                Some(whole) => joined(
+                    whole,
+                    self.runners
                         .iter()
-                        .filter_map(|r| r.state(&spec.name).and_then(|t| t.as_f32()))
-                        .flatten()
-                        .copied()
-                        .take(n)
-                        .collect();
-                    Tensor::from_f32(whole.dtype, whole.shape.clone(), values)
-                }
+                        .map(|r| r.state(&spec.name).and_then(|t| t.as_f32()).unwrap_or(&[])),
+                ),
             };
             out.push((spec.name.clone(), t));
         }
@@ -165,5 +162,107 @@ impl RankRunners {
             runner.restore(crate::plan::rank_entries(&plan, entries.clone(), rank)?)?;
         }
         Ok(())
+    }
+}
+
+/// The whole value of type `whole` from its ranks' flat shards, in rank order.
+fn joined<'a>(whole: &TensorType, shards: impl Iterator<Item = &'a [f32]>) -> Tensor {
+    let n = whole.shape.numel().unwrap_or(0);
+    let values: Vec<f32> = shards.flatten().copied().take(n).collect();
+    Tensor::from_f32(whole.dtype, whole.shape.clone(), values)
+}
+
+/// This process's rank of a data-parallel plan that a launcher started one process per rank
+/// of, on the CPU: its collectives, the logged loss and the gathered state go through the
+/// group's connections ([`Rendezvous`]). Every rank must make the same calls in the same
+/// order.
+pub struct LaunchedCpuRank {
+    runner: PlanRunner,
+    member: Member,
+}
+
+impl LaunchedCpuRank {
+    /// This rank of `plan`, its state from `checkpoint` (sharded), in the joined `group`.
+    pub fn new(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+        group: Rendezvous,
+    ) -> Result<LaunchedCpuRank, RuntimeError> {
+        let member = Member::of_launched_group(Arc::new(Mutex::new(group)))?;
+        let runner = PlanRunner::for_rank(plan, checkpoint, member.clone())?;
+        Ok(LaunchedCpuRank { runner, member })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.member.rank()
+    }
+
+    pub fn world(&self) -> usize {
+        self.member.world()
+    }
+
+    /// One step over the global batch's `grad_accum x world` micro-batches (this rank runs
+    /// the r-th run of `grad_accum`); the loss is the mean of the ranks', as
+    /// [`RankRunners::step`] reports it.
+    pub fn step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<StepReport, RuntimeError> {
+        let (rank, world) = (self.rank(), self.world());
+        let accum = self.runner.plan().settings.grad_accum;
+        if micro_batches.len() != accum * world {
+            return Err(RuntimeError::Plan(format!(
+                "a step of {world} ranks takes {} micro-batches ({accum} per rank), given {}",
+                accum * world,
+                micro_batches.len()
+            )));
+        }
+        let mut report = self
+            .runner
+            .step(&micro_batches[rank * accum..(rank + 1) * accum], lr)?;
+        let losses = self.member.exchange(vec![report.loss])?;
+        let sum: f64 = losses
+            .iter()
+            .map(|l| f64::from(l.first().copied().unwrap_or(0.0)))
+            .sum();
+        report.loss = (sum / world as f64) as f32;
+        Ok(report)
+    }
+
+    /// The mean loss of `batches` (every rank runs them all), none updating its state.
+    pub fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        self.runner.micro_step_loss(batches)
+    }
+
+    /// The whole state in the single-rank layout, on every rank (sharded entries gathered).
+    pub fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        let mut out = Vec::new();
+        for spec in &self.runner.plan().state {
+            let Some(mine) = self.runner.state(&spec.name) else {
+                continue;
+            };
+            let t = match &spec.shard_of {
+                None => mine.clone(),
+                Some(whole) => {
+                    let shards = self
+                        .member
+                        .exchange(mine.as_f32().map(<[f32]>::to_vec).unwrap_or_default())?;
+                    joined(whole, shards.iter().map(Vec::as_slice))
+                }
+            };
+            out.push((spec.name.clone(), t));
+        }
+        Ok(out)
+    }
+
+    /// Replaces state entries given in the single-rank layout (a checkpoint): this rank
+    /// keeps its shard of each sharded one.
+    pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        let mine = crate::plan::rank_entries(self.runner.plan(), entries, self.rank())?;
+        self.runner.restore(mine)
     }
 }

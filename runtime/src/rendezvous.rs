@@ -197,6 +197,8 @@ fn admit(
 ) -> std::io::Result<usize> {
     let mut stream = stream?;
     stream.set_nonblocking(false)?;
+    // Exchanges are small and answered at once: no waiting to coalesce them.
+    stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(Duration::from_secs(10)))?;
     let (mut magic, mut world, mut rank) = ([0u8; 8], [0u8; 8], [0u8; 8]);
     for part in [&mut magic, &mut world, &mut rank] {
@@ -271,6 +273,7 @@ fn try_connect(group: &GroupAddress) -> std::io::Result<Result<TcpStream, String
         .next()
         .ok_or_else(|| std::io::Error::new(ErrorKind::NotFound, "the name has no address"))?;
     let mut stream = TcpStream::connect_timeout(&addr, Duration::from_secs(5))?;
+    stream.set_nodelay(true)?;
     stream.set_read_timeout(Some(Duration::from_secs(30)))?;
     let mut hello = HELLO.to_vec();
     hello.extend_from_slice(&(group.world as u64).to_le_bytes());
@@ -286,8 +289,10 @@ fn try_connect(group: &GroupAddress) -> std::io::Result<Result<TcpStream, String
 
 /// A frame: its length (u64, little-endian), then its bytes.
 fn send(stream: &mut TcpStream, bytes: &[u8]) -> std::io::Result<()> {
-    stream.write_all(&(bytes.len() as u64).to_le_bytes())?;
-    stream.write_all(bytes)?;
+    let mut frame = Vec::with_capacity(8 + bytes.len());
+    frame.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+    frame.extend_from_slice(bytes);
+    stream.write_all(&frame)?;
     stream.flush()
 }
 

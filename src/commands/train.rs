@@ -207,8 +207,8 @@ pub struct TrainOutcome {
 /// Runs a training step loop the way [`run`] does; `hooks` see every logged step and can stop
 /// the run (which then saves as Ctrl-C does). Installs no signal handler.
 pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<TrainOutcome> {
-    // A process a launcher started as one rank of several trains that rank of the plan, on
-    // its GPU; only rank 0 writes files.
+    // A process a launcher started as one rank of several trains that rank of the plan (on
+    // its GPU with NCCL, or on the CPU over TCP); only rank 0 writes files.
     let launch = crate::launcher::from_env(&|k| std::env::var(k).ok())?.filter(|l| l.is_group());
     check_outputs(&args)?;
     let device = crate::device::select(args.device)?;
@@ -474,7 +474,14 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
     // The group meets once this rank has its plan and weights: each rank stops with its own
     // errors first, and a rank that never arrives is named by rank 0.
     let launched = match &launch {
-        Some(l) => Some(l.join()?),
+        Some(l) => {
+            let mut group = l.join()?;
+            let nccl = match device {
+                crate::device::Selected::Cuda(_) => Some(l.nccl_rank(&mut group)?),
+                _ => None,
+            };
+            Some(crate::trainer::Launched { group, nccl })
+        }
         None => None,
     };
     let mut runner = Trainer::new(
