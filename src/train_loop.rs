@@ -237,7 +237,9 @@ pub fn classification_eval(
         .lookup("logits")
         .context("the micro step has no `logits`")?;
     graph.set_outputs(vec![loss, logits]);
-    let executor = CpuExecutor::new();
+    // The runner's executor: a data-parallel rank's runs the micro step's collectives with
+    // the other ranks (which run this at the same time).
+    let executor = runner.executor();
     let (mut loss_sum, mut correct, mut counted) = (0.0, 0usize, 0usize);
     for batch in batches {
         let bind = |name: &str| batch.get(name).or_else(|| runner.state(name));
@@ -355,7 +357,7 @@ pub fn train_loop(
         let (val_loss, val_accuracy) = if eval_now && accuracy {
             // Accuracy needs the logits, which the device's validation run does not return:
             // the host copy of the weights runs the forward.
-            let (v, a) = classification_eval(runner.host()?, &val_batches)?;
+            let (v, a) = runner.classification_eval(&val_batches)?;
             history.validation.push((done, v));
             out.evaluated_at = Some(done);
             out.accuracy = Some(a);

@@ -34,6 +34,14 @@ trait Lowered {
     fn set_timing(&mut self, on: bool);
     fn profile_next_step(&mut self);
     fn take_kernel_profile(&mut self) -> Option<KernelProfile>;
+    /// A classifier's validation loss and accuracy where the ranks compute them together
+    /// (CPU ranks); `None` where the host copy of the weights does.
+    fn classification_eval(
+        &mut self,
+        _batches: &[HashMap<String, Tensor>],
+    ) -> Option<anyhow::Result<(f64, f64)>> {
+        None
+    }
 }
 
 impl<T: Target> Lowered for LoweredPlanRunner<T> {
@@ -84,6 +92,19 @@ struct CpuRanks {
 }
 
 impl Lowered for CpuRanks {
+    fn classification_eval(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Option<anyhow::Result<(f64, f64)>> {
+        Some(
+            self.ranks
+                .on_rank_zero_with_all(|runner| {
+                    crate::train_loop::classification_eval(runner, batches)
+                        .map_err(|e| RuntimeError::Plan(format!("{e:#}")))
+                })
+                .map_err(Into::into),
+        )
+    }
     fn queue_step(
         &mut self,
         micro_batches: &[HashMap<String, Tensor>],
@@ -215,6 +236,15 @@ struct LaunchedCpu {
 }
 
 impl Lowered for LaunchedCpu {
+    fn classification_eval(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Option<anyhow::Result<(f64, f64)>> {
+        Some(crate::train_loop::classification_eval(
+            self.rank.runner(),
+            batches,
+        ))
+    }
     fn queue_step(
         &mut self,
         micro_batches: &[HashMap<String, Tensor>],
@@ -440,6 +470,21 @@ impl Trainer {
             (None, Some(h)) => crate::train_loop::validation_loss(h, batches),
             (None, None) => Err(no_runner().into()),
         }
+    }
+
+    /// A classifier's validation loss and accuracy on `batches` with the current weights:
+    /// computed by the ranks together on CPU ranks, else from the host copy of the weights
+    /// (a device's validation run returns no logits).
+    pub fn classification_eval(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> anyhow::Result<(f64, f64)> {
+        if let Some((c, _)) = &mut self.lowered {
+            if let Some(result) = c.classification_eval(batches) {
+                return result;
+            }
+        }
+        crate::train_loop::classification_eval(self.host()?, batches)
     }
 
     /// Replaces state entries (resuming).

@@ -788,6 +788,65 @@ fn a_launched_group_of_processes_trains_as_cpu_ranks() {
     assert!(!tmp.path().join("alone").join("model.safetensors").exists());
 }
 
+/// A classifier's validation under CPU ranks: the ranks compute the loss and the accuracy
+/// together (the micro step's collectives need every rank), and match one rank on the same
+/// global batch: the same accuracy, the loss within 1e-4 (summation order, as above).
+#[test]
+fn a_classifier_is_evaluated_by_its_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = fixture("classify");
+    let model = tmp.path().join("bert_cls");
+    std::fs::create_dir(&model).unwrap();
+    for f in std::fs::read_dir(fixture("bert_cls")).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, model.join(f.file_name().unwrap())).unwrap();
+    }
+    std::fs::copy(data.join("vocab.txt"), model.join("vocab.txt")).unwrap();
+    let run = |name: &str, flags: &[&str]| {
+        let log = tmp.path().join(format!("{name}.jsonl"));
+        let train = data.join("train.jsonl");
+        let val = data.join("val.csv");
+        let mut args = vec![
+            "train",
+            path_str(&model),
+            "--data",
+            path_str(&train),
+            "--validation",
+            path_str(&val),
+            "--steps",
+            "4",
+            "--lr",
+            "3e-3",
+            "--eval-every",
+            "2",
+            "--device",
+            "cpu",
+            "--log",
+            path_str(&log),
+        ];
+        args.extend_from_slice(flags);
+        let o = castor(&args);
+        assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter_map(|v| Some((v["val_loss"].as_f64()?, v["val_accuracy"].as_f64()?)))
+            .collect::<Vec<_>>()
+    };
+    let one = run("one", &["--batch", "16"]);
+    let ranks = run(
+        "ranks",
+        &["--batch", "8", "--world-size", "2", "--zero", "2"],
+    );
+    assert_eq!(one.len(), 2);
+    assert_eq!(ranks.len(), 2);
+    for ((l1, a1), (l2, a2)) in one.iter().zip(&ranks) {
+        assert_eq!(a1, a2, "{one:?} vs {ranks:?}");
+        assert!((l1 - l2).abs() / l1.abs() < 1e-4, "{one:?} vs {ranks:?}");
+    }
+}
+
 /// Under bf16 the micro step reads working copies, so ZeRO-1 and 2 shard those masters too:
 /// the micro step reads the copies as state, each rank updates its masters' shards and the
 /// ranks gather only the BF16 copies. The stages still compute the same bits: every state

@@ -128,6 +128,11 @@ impl PlanRunner {
         })
     }
 
+    /// The executor that runs the plan's graphs (a data-parallel rank's, with its group).
+    pub fn executor(&self) -> &CpuExecutor {
+        &self.executor
+    }
+
     pub fn plan(&self) -> &TrainingPlan {
         &self.plan
     }

@@ -96,6 +96,19 @@ impl RankRunners {
         Ok(out)
     }
 
+    /// `f` on every rank's runner at once (a computation whose collectives need every rank);
+    /// rank 0's result.
+    pub fn on_rank_zero_with_all<T: Send>(
+        &mut self,
+        f: impl Fn(&PlanRunner) -> Result<T, RuntimeError> + Sync,
+    ) -> Result<T, RuntimeError> {
+        let mut all = self.on_every_rank(|_, runner| f(runner))?;
+        if all.is_empty() {
+            return Err(RuntimeError::Plan("a group of no ranks".into()));
+        }
+        Ok(all.swap_remove(0))
+    }
+
     /// One training step over `grad_accum x world` micro-batches. The loss is the mean of
     /// the ranks' (each rank's mean over its micro-batches); the gradient norm, the loss
     /// scale and the skip are the same on every rank.
@@ -236,6 +249,11 @@ impl LaunchedCpuRank {
         batches: &[HashMap<String, Tensor>],
     ) -> Result<f64, RuntimeError> {
         self.runner.micro_step_loss(batches)
+    }
+
+    /// This rank's runner (its shards), for computations every rank runs together.
+    pub fn runner(&self) -> &PlanRunner {
+        &self.runner
     }
 
     /// The whole state in the single-rank layout, on every rank (sharded entries gathered).
