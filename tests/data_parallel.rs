@@ -576,7 +576,7 @@ fn the_readme_7b_example_plans_what_it_says() {
         overlapped < serial && overlapped > serial - network,
         "{ranks}"
     );
-    assert!(ranks.contains("NCCL collectives (planned; they run on CPU ranks)"));
+    assert!(ranks.contains("NCCL collectives (one process per GPU under a launcher)"));
 }
 
 /// Dynamic loss scaling under ZeRO-2: an overflow on any rank (in any rank's shard) makes the

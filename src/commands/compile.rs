@@ -615,7 +615,7 @@ fn cuda_line(
                 .map_or("MFU n/a".to_string(), |m| format!("MFU {:.1}%", 100.0 * m));
             let nccl = match collectives {
                 0 => String::new(),
-                n => format!(", {n} NCCL collectives (planned; they run on CPU ranks)"),
+                n => format!(", {n} NCCL collectives (one process per GPU under a launcher)"),
             };
             format!(
                 "cuda        {launches} kernel launches, {gemms} cuBLAS products, {other} copies/memsets{nccl} \
