@@ -67,15 +67,18 @@ fn build(
     let flags = Flags::try_parse_from(argv).unwrap();
     let objective = Objective::auto(model);
     let graph = model.build_loss_graph(batch, SEQ, objective).unwrap();
+    let lora = flags.training.lora(Some(model.family())).unwrap();
+    let (graph, _) = castor::training::with_adapters(graph, lora.as_ref()).unwrap();
     let compiled = flags
         .precision
         .compile(graph, Some(model), None, false)
         .unwrap()
         .graph;
-    let settings = flags
+    let mut settings = flags
         .training
         .settings(flags.precision.precision, objective, batch, SEQ)
         .unwrap();
+    settings.lora = lora;
     Ok(castor_passes::build_training_plan(&compiled, settings)?.0)
 }
 
@@ -844,6 +847,109 @@ fn a_classifier_is_evaluated_by_its_ranks() {
     for ((l1, a1), (l2, a2)) in one.iter().zip(&ranks) {
         assert_eq!(a1, a2, "{one:?} vs {ranks:?}");
         assert!((l1 - l2).abs() / l1.abs() < 1e-4, "{one:?} vs {ranks:?}");
+    }
+}
+
+/// Gradient accumulation (each micro-batch's gradient reduced before it is added to the
+/// entry, a shard under ZeRO-2 and 3) and LoRA adapters (the trained masters; the frozen base
+/// stays whole on every rank) under every stage: the same state as ZeRO-0, bit for bit.
+#[test]
+fn accumulation_and_adapters_shard_as_any_state() {
+    for variant in ["gpt2_lm", "llama_gqa"] {
+        let model = Model::load(fixture(variant)).unwrap();
+        for flags in [
+            &["--grad-accum", "2", "--precision", "fp16"][..],
+            &["--lora-rank", "4", "--precision", "bf16"],
+        ] {
+            let run = |zero: &str| {
+                let all = [flags, &["--world-size", "2", "--zero", zero]].concat();
+                let plan = build(&model, 1, &all).unwrap();
+                // Adapters start from seeded values, whole (the ranks shard them).
+                let mut seed = 7u64;
+                let adapters: HashMap<String, Tensor> = plan
+                    .state
+                    .iter()
+                    .filter(|s| s.role == StateRole::Master && model.load_param(&s.name).is_err())
+                    .map(|s| {
+                        let ty = s.shard_of.clone().unwrap_or(s.ty.clone());
+                        let n = ty.shape.numel().unwrap();
+                        let values = (0..n)
+                            .map(|_| {
+                                seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+                                ((seed >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 0.1
+                            })
+                            .collect();
+                        (
+                            s.name.clone(),
+                            Tensor::from_f32(DType::F32, ty.shape, values),
+                        )
+                    })
+                    .collect();
+                assert_eq!(adapters.is_empty(), flags[0] != "--lora-rank", "{variant}");
+                let accum = plan.settings.grad_accum;
+                let mut ranks = RankRunners::new(plan, &|n| {
+                    model
+                        .load_param(n)
+                        .ok()
+                        .or_else(|| adapters.get(n).cloned())
+                })
+                .unwrap();
+                for s in 0..STEPS {
+                    let mut rows = global_batch(&model, 2 * accum, s);
+                    for row in &mut rows {
+                        model.derive_inputs(row).unwrap();
+                    }
+                    ranks.step(&rows, 1e-3).unwrap();
+                }
+                ranks.state_entries().into_iter().collect::<HashMap<_, _>>()
+            };
+            let stage0 = run("0");
+            for zero in ["1", "2", "3"] {
+                let got = run(zero);
+                for (name, t) in &stage0 {
+                    let g = got
+                        .get(name)
+                        .unwrap_or_else(|| panic!("{variant}: `{name}`"));
+                    assert_eq!(
+                        g.as_f32(),
+                        t.as_f32(),
+                        "{variant} {flags:?}: ZeRO-{zero} `{name}` differs from ZeRO-0"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The same from the command line: `train` starts a rank's adapters whole and shards them,
+/// and accumulates sharded gradients.
+#[test]
+fn train_shards_adapters_and_accumulated_gradients_from_the_command_line() {
+    let config = root().join("assets").join("tiny-gpt2.json");
+    let corpus = root().join("assets").join("corpus.txt");
+    for flags in [
+        &["--lora-rank", "4", "--precision", "bf16", "--zero", "3"][..],
+        &["--grad-accum", "2", "--precision", "fp16", "--zero", "2"],
+    ] {
+        let mut args = vec![
+            "train",
+            path_str(&config),
+            "--data",
+            path_str(&corpus),
+            "--steps",
+            "2",
+            "--seq",
+            "16",
+            "--batch",
+            "2",
+            "--world-size",
+            "2",
+            "--device",
+            "cpu",
+        ];
+        args.extend_from_slice(flags);
+        let o = castor(&args);
+        assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
     }
 }
 

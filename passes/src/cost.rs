@@ -310,7 +310,7 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         | Op::Pad { .. }
         | Op::BroadcastTo { .. }
         | Op::Shard { .. } => 0.0,
-        // The reduction's additions (an all-reduce of norms: a square and an add per rank).
+        // The reduction's additions.
         Op::AllReduce { world, .. } => out * world.saturating_sub(1) as f64,
         Op::ReduceScatter { world, .. } => in0 * world.saturating_sub(1) as f64 / *world as f64,
         Op::AllGather { .. } => 0.0,

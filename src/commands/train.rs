@@ -458,7 +458,13 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
             .state
             .iter()
             .filter(|s| s.role == castor_ir::StateRole::Master)
-            .map(|s| (s.name.clone(), s.ty.clone()))
+            // A rank's state table holds shards: the adapters start whole.
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    s.shard_of.clone().unwrap_or_else(|| s.ty.clone()),
+                )
+            })
             .collect();
         params.extend(crate::adapter::initial(
             &adapters,

@@ -94,10 +94,20 @@ impl PlanPass for DataParallel {
         // become state sources in place) and under ZeRO-3 gains the gathers; the reductions
         // go into the backward part.
         let gather = (zero >= 3).then_some(Gather { world });
+        // What the micro step writes to a sharded entry is a shard (under gradient
+        // accumulation, the sum of the entry and the reduced micro-batch gradient).
+        let written: HashMap<String, TensorType> = plan
+            .micro_step_writes
+            .iter()
+            .filter_map(|w| sharded.get(&w.state).map(|t| (w.output.clone(), t.clone())))
+            .collect();
         let (micro_step, forward_nodes) = rebuild(
             micro,
             plan.forward_nodes,
-            &sharded,
+            Retyped {
+                sharded: &sharded,
+                written: &written,
+            },
             &copied,
             gather,
             |g, v, local| {
@@ -193,6 +203,14 @@ fn accumulated(g: &Graph, out: Value, state: &str) -> Value {
 /// result name and type.
 type Insert = (Op, String, String, TensorType);
 
+/// The values whose type the rebuilt micro step changes: the state sources of `sharded`
+/// entries, and the `written` outputs (by name) that the micro step writes to them.
+#[derive(Clone, Copy)]
+struct Retyped<'a> {
+    sharded: &'a HashMap<String, TensorType>,
+    written: &'a HashMap<String, TensorType>,
+}
+
 /// ZeRO-3's gathers in the micro step: every sharded parameter is gathered right before its
 /// first use (the `remat` pass gathers it again for the backward).
 #[derive(Clone, Copy)]
@@ -226,11 +244,12 @@ impl Gather {
 fn rebuild(
     g: &Graph,
     forward_nodes: usize,
-    sharded: &HashMap<String, TensorType>,
+    retyped: Retyped<'_>,
     copied: &HashSet<String>,
     gather: Option<Gather>,
     mut after: impl FnMut(&Graph, Value, String) -> Result<Option<Vec<Insert>>, PassError>,
 ) -> Result<(Graph, usize), PassError> {
+    let sharded = retyped.sharded;
     let mut out = Graph::empty_like(g);
     let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
     // ZeRO-3: the sharded parameters (by their values in `g`), each with its gather once made.
@@ -293,7 +312,10 @@ fn rebuild(
                         inserts.push((v, ins));
                         Ok((local_name, ty))
                     }
-                    None => Ok((name, ty)),
+                    None => {
+                        let ty = retyped.written.get(&name).cloned().unwrap_or(ty);
+                        Ok((name, ty))
+                    }
                 }
             })
             .collect::<Result<Vec<_>, PassError>>()?;
