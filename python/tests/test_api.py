@@ -438,3 +438,15 @@ def test_a_data_parallel_plan_is_one_ranks():
     assert ranks.cost["communication_seconds"] > 0 == one.cost["communication_seconds"]
     assert ranks.anatomy["gradients"] * 7 < one.anatomy["gradients"]
     assert "reduce_scatter" in ranks.ir and "all_gather" in ranks.ir
+
+
+def test_zero3_shards_every_parameter_and_trains_on_cpu_ranks(tmp_path):
+    plan = castor.compile(ROOT / "assets" / "configs" / "llama-2-7b.json", "bf16", train=True,
+                          seq=4096, remat="full", world_size=8, zero=3)
+    two = castor.compile(ROOT / "assets" / "configs" / "llama-2-7b.json", "bf16", train=True,
+                         seq=4096, remat="full", world_size=8, zero=2)
+    assert plan.anatomy["low_precision_weights"] * 7 < two.anatomy["low_precision_weights"]
+    assert ".gathered" in plan.ir and ".regathered" in plan.ir
+    result = castor.train(ROOT / "assets" / "tiny-gpt2.json", ROOT / "assets" / "corpus.txt",
+                          steps=2, batch=2, seq=16, world_size=2, zero=3, device="cpu")
+    assert result.steps_done == 2 and result.final_loss > 0

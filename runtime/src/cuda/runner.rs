@@ -117,7 +117,7 @@ impl<T: Target> LoweredPlanRunner<T> {
         if !plan.settings.parallel.is_single() {
             return Err(RuntimeError::DeviceUnavailable(format!(
                 "a plan of {} data-parallel ranks runs as one process per GPU: launch it \
-                 with `torchrun --nproc-per-node {} --no-python castor train ...` (NCCL), or \
+                 with `torchrun --nproc-per-node {} --no-python -- castor train ...` (NCCL), or \
                  run its ranks on the CPU (--device cpu)",
                 plan.settings.parallel.world_size, plan.settings.parallel.world_size
             )));
