@@ -194,20 +194,26 @@ fn single_rank(model: &Model, world: usize) -> Run {
     (losses, state)
 }
 
+/// `STEPS` steps of `ranks` on global batches of `rows` rows: the losses, and the state in
+/// the single-rank layout.
+fn train_ranks(model: &Model, ranks: &mut RankRunners, rows: usize) -> Run {
+    let losses = (0..STEPS)
+        .map(|s| {
+            let mut batch = global_batch(model, rows, s);
+            for row in &mut batch {
+                model.derive_inputs(row).unwrap();
+            }
+            ranks.step(&batch, 1e-3).unwrap().loss
+        })
+        .collect();
+    (losses, ranks.state_entries().into_iter().collect())
+}
+
 fn ranks(model: &Model, world: usize, zero: u8) -> Run {
     let (w, z) = (world.to_string(), zero.to_string());
     let plan = plan(model, 1, &["--world-size", &w, "--zero", &z]);
     let mut runners = RankRunners::new(plan, &|n| model.load_param(n).ok()).unwrap();
-    let losses = (0..STEPS)
-        .map(|s| {
-            let mut rows = global_batch(model, world, s);
-            for row in &mut rows {
-                model.derive_inputs(row).unwrap();
-            }
-            runners.step(&rows, 1e-3).unwrap().loss
-        })
-        .collect();
-    (losses, runners.state_entries().into_iter().collect())
+    train_ranks(model, &mut runners, world)
 }
 
 #[test]
@@ -886,7 +892,7 @@ fn accumulation_and_adapters_shard_as_any_state() {
                     })
                     .collect();
                 assert_eq!(adapters.is_empty(), flags[0] != "--lora-rank", "{variant}");
-                let accum = plan.settings.grad_accum;
+                let rows = 2 * plan.settings.grad_accum;
                 let mut ranks = RankRunners::new(plan, &|n| {
                     model
                         .load_param(n)
@@ -894,14 +900,7 @@ fn accumulation_and_adapters_shard_as_any_state() {
                         .or_else(|| adapters.get(n).cloned())
                 })
                 .unwrap();
-                for s in 0..STEPS {
-                    let mut rows = global_batch(&model, 2 * accum, s);
-                    for row in &mut rows {
-                        model.derive_inputs(row).unwrap();
-                    }
-                    ranks.step(&rows, 1e-3).unwrap();
-                }
-                ranks.state_entries().into_iter().collect::<HashMap<_, _>>()
+                train_ranks(&model, &mut ranks, rows).1
             };
             let stage0 = run("0");
             for zero in ["1", "2", "3"] {
@@ -993,14 +992,7 @@ fn sharded_masters_train_as_replicated_ones() {
                     assert!(masters > 0, "{variant}: no master sharded");
                 }
                 let mut ranks = RankRunners::new(plan, &|n| model.load_param(n).ok()).unwrap();
-                for s in 0..STEPS {
-                    let mut rows = global_batch(&model, world, s);
-                    for row in &mut rows {
-                        model.derive_inputs(row).unwrap();
-                    }
-                    ranks.step(&rows, 1e-3).unwrap();
-                }
-                ranks.state_entries().into_iter().collect::<HashMap<_, _>>()
+                train_ranks(&model, &mut ranks, world).1
             };
             let stage0 = run("0");
             for zero in ["1", "2", "3"] {
