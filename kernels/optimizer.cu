@@ -5,7 +5,9 @@
 // the low-precision working copy. Reads grad, master and moments; writes master, moments and
 // the copy. No host synchronization: lr, step, scale and grad_norm are device scalars (so the
 // whole step can be captured in a CUDA graph), and a step whose grad_norm is not finite
-// (inf/NaN gradients: found_inf) changes nothing.
+// (inf/NaN gradients: found_inf) changes nothing: it only writes each copy again from its
+// unchanged master, since a data-parallel rank's copy may be a fresh buffer (its shard,
+// gathered after the update) that nothing else writes; a persistent copy gets the same bits.
 // Entry points (<c> = the working copy's dtype: f16, bf16, or f32; copy pointers may be null):
 //   adamw_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2, eps,
 //             max_grad_norm)
@@ -121,6 +123,22 @@ template <> __device__ __forceinline__ float4 load4<__nv_bfloat16>(const __nv_bf
     return make_float4(to_f32(e[0]), to_f32(e[1]), to_f32(e[2]), to_f32(e[3]));
 }
 
+// A skipped step's copies: each written from its unchanged master.
+template <typename C, typename T>
+__device__ __forceinline__ void refresh_copies(const T* __restrict__ tensors,
+                                               const TensorChunk* __restrict__ chunks,
+                                               int n_chunks) {
+    for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const TensorChunk ch = chunks[c];
+        const T tt = tensors[ch.tensor];
+        if (!tt.copy) continue;
+        const float* P = tt.master + ch.start;
+        C* K = static_cast<C*>(tt.copy) + ch.start;
+        const int len = int(min(i64(ch.len), tt.numel - ch.start));
+        for (int i = threadIdx.x; i < len; i += blockDim.x) K[i] = from_f32<C>(P[i]);
+    }
+}
+
 struct AdamWScalars {
     float decay, w1, b2, w2, step_size, bias2_sqrt, eps;
 };
@@ -141,7 +159,10 @@ __device__ __forceinline__ void adamw(const AdamWTensor* __restrict__ tensors,
                                       const float* grad_norm, double beta1, double beta2,
                                       double eps, double max_grad_norm) {
     const GradFactor f = grad_factor(scale, grad_norm, max_grad_norm);
-    if (f.skip) return;
+    if (f.skip) {
+        refresh_copies<C>(tensors, chunks, n_chunks);
+        return;
+    }
     const double t = double(*step) + 1.0;
     const double lr64 = double(*lr);
     AdamWScalars s;
@@ -203,7 +224,10 @@ __device__ __forceinline__ void sgd(const SgdTensor* __restrict__ tensors,
                                     const float* grad_norm, double momentum, double max_grad_norm) {
     (void)step;  // SGD has no bias correction; kept for the common signature
     const GradFactor f = grad_factor(scale, grad_norm, max_grad_norm);
-    if (f.skip) return;
+    if (f.skip) {
+        refresh_copies<C>(tensors, chunks, n_chunks);
+        return;
+    }
     const float lrf = *lr, mom = float(momentum);
     for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const TensorChunk ch = chunks[c];

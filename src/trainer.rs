@@ -12,7 +12,7 @@ use castor_ir::{Tensor, TrainingPlan};
 use castor_runtime::cuda::nccl::NcclRank;
 use castor_runtime::cuda::profile::KernelProfile;
 use castor_runtime::cuda::{CudaPlanRunner, EmulatedPlanRunner, LoweredPlanRunner, Target};
-use castor_runtime::ranks::{LaunchedCpuRank, RankRunners};
+use castor_runtime::ranks::{EmulatedRanks, LaunchedCpuRank, RankRunners};
 use castor_runtime::rendezvous::Rendezvous;
 use castor_runtime::{PlanRunner, RuntimeError, StepReport};
 use std::collections::HashMap;
@@ -28,7 +28,7 @@ trait Lowered {
     fn validation_loss(&mut self, batches: &[HashMap<String, Tensor>])
         -> Result<f64, RuntimeError>;
     fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError>;
-    fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError>;
+    fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError>;
     fn device_name(&self) -> String;
     fn allocated_bytes(&self) -> u64;
     fn set_timing(&mut self, on: bool);
@@ -64,7 +64,7 @@ impl<T: Target> Lowered for LoweredPlanRunner<T> {
     fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
         LoweredPlanRunner::restore(self, entries)
     }
-    fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+    fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
         LoweredPlanRunner::state_entries(self)
     }
     fn device_name(&self) -> String {
@@ -125,7 +125,7 @@ impl Lowered for CpuRanks {
     fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
         self.ranks.restore(entries)
     }
-    fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+    fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
         Ok(self.ranks.state_entries())
     }
     fn device_name(&self) -> String {
@@ -204,7 +204,7 @@ impl Lowered for LaunchedRank {
     fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
         self.runner.restore(entries)
     }
-    fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+    fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
         self.runner.state_entries()
     }
     fn device_name(&self) -> String {
@@ -226,6 +226,50 @@ impl Lowered for LaunchedRank {
     }
     fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
         self.runner.take_kernel_profile()
+    }
+}
+
+/// A data-parallel plan's CUDA programs, one per rank, on the emulator (`--world-size N
+/// --device emulate`).
+struct EmulatedGroup {
+    ranks: EmulatedRanks,
+    last: Option<StepReport>,
+}
+
+impl Lowered for EmulatedGroup {
+    fn queue_step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<(), RuntimeError> {
+        self.last = Some(self.ranks.step(micro_batches, lr)?);
+        Ok(())
+    }
+    fn report(&mut self) -> Result<StepReport, RuntimeError> {
+        self.last.ok_or_else(no_runner)
+    }
+    fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        self.ranks.validation_loss(batches)
+    }
+    fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        self.ranks.restore(entries)
+    }
+    fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        self.ranks.state_entries()
+    }
+    fn device_name(&self) -> String {
+        format!("the host emulator, {} ranks", self.ranks.world())
+    }
+    fn allocated_bytes(&self) -> u64 {
+        0
+    }
+    fn set_timing(&mut self, _on: bool) {}
+    fn profile_next_step(&mut self) {}
+    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
+        None
     }
 }
 
@@ -265,7 +309,7 @@ impl Lowered for LaunchedCpu {
     fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
         self.rank.restore(entries)
     }
-    fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+    fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
         self.rank.state_entries()
     }
     fn device_name(&self) -> String {
@@ -365,6 +409,16 @@ impl Trainer {
                     Some((
                         Box::new(CudaPlanRunner::new(plan.clone(), checkpoint)?),
                         "cuda",
+                    )),
+                ),
+                Selected::Emulated if ranked => (
+                    None,
+                    Some((
+                        Box::new(EmulatedGroup {
+                            ranks: EmulatedRanks::new(plan.clone(), checkpoint)?,
+                            last: None,
+                        }),
+                        "emulate",
                     )),
                 ),
                 Selected::Emulated => (
@@ -502,7 +556,7 @@ impl Trainer {
     /// A host runner holding the current state (with CUDA, copied back from the device when
     /// it has changed since the last call).
     pub fn host(&mut self) -> Result<&PlanRunner, RuntimeError> {
-        if let (Some((c, _)), true) = (&self.lowered, self.host_stale) {
+        if let (Some((c, _)), true) = (&mut self.lowered, self.host_stale) {
             let entries = c.state_entries()?;
             match &mut self.host {
                 Some(h) => h.restore(entries)?,

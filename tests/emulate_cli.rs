@@ -2,7 +2,8 @@
 //! `--device cuda` would run, on the host emulator, and give what `--device cpu` gives. On
 //! these fixtures the emulated programs are bit-identical to the CPU executor (see
 //! `tests/cuda_emulated.rs`), so the logged losses and the saved weights must be equal, byte
-//! for byte, under every precision and remat mode.
+//! for byte, under every precision and remat mode; with `--world-size`, every rank's program
+//! on the emulator gives what CPU ranks give, at every ZeRO stage.
 
 mod common;
 
@@ -223,4 +224,72 @@ fn lora_trains_on_the_emulator_as_on_the_cpu() {
             );
         }
     }
+}
+
+/// `--world-size 2 --device emulate`: each rank's CUDA program (the one a GPU of a launched
+/// group runs, collectives included) on the emulator, the ranks' collectives computed as CPU
+/// ranks compute them. Every ZeRO stage logs and saves what the CPU ranks do, byte for byte:
+/// the check of the lowering of sharded state, gathers, reduce-scatters and held copies that
+/// no GPU group has run.
+#[test]
+fn emulated_ranks_train_as_cpu_ranks() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut failures = Vec::new();
+    for family in ["gpt2_lm", "bert_mlm", "llama_gqa"] {
+        let model = fixture(family);
+        let data = model.join("input.safetensors");
+        let objective = if family == "bert_mlm" { "sum" } else { "auto" };
+        for precision in ["bf16", "fp16", "fp32"] {
+            for zero in ["0", "1", "2", "3"] {
+                let mut saved = Vec::new();
+                let mut logged = Vec::new();
+                for device in ["cpu", "emulate"] {
+                    let tag = format!("{family}-{precision}-zero{zero}-{device}");
+                    let (log, save) = (
+                        tmp.path().join(format!("{tag}.jsonl")),
+                        tmp.path().join(&tag),
+                    );
+                    let o = castor(&[
+                        "train",
+                        path_str(&model),
+                        "--data",
+                        path_str(&data),
+                        "--objective",
+                        objective,
+                        "--steps",
+                        "3",
+                        "--precision",
+                        precision,
+                        "--world-size",
+                        "2",
+                        "--zero",
+                        zero,
+                        "--device",
+                        device,
+                        "--log",
+                        path_str(&log),
+                        "--save",
+                        path_str(&save),
+                    ]);
+                    if !o.status.success() {
+                        failures.push(format!("{tag}: {}", stderr(&o)));
+                        continue;
+                    }
+                    logged.push(losses(&log));
+                    saved.push(std::fs::read(save.join("model.safetensors")).unwrap());
+                }
+                let case = format!("{family} {precision} ZeRO-{zero}");
+                if logged.len() == 2 && logged[0] != logged[1] {
+                    failures.push(format!(
+                        "{case}: losses differ\n  cpu     {:?}\n  emulate {:?}",
+                        logged[0], logged[1]
+                    ));
+                }
+                if saved.len() == 2 && saved[0] != saved[1] {
+                    failures.push(format!("{case}: the saved weights differ"));
+                }
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -49,51 +49,12 @@ impl RankRunners {
         self.runners.get(rank)
     }
 
-    /// Runs `f` on every rank at once; the first error (in rank order) wins, and a failing
-    /// rank breaks the group so no other waits for it.
+    /// Runs `f` on every rank at once (see [`on_every_rank`]).
     fn on_every_rank<T: Send>(
         &mut self,
         f: impl Fn(usize, &mut PlanRunner) -> Result<T, RuntimeError> + Sync,
     ) -> Result<Vec<T>, RuntimeError> {
-        let members = &self.members;
-        let results: Vec<Result<T, RuntimeError>> = std::thread::scope(|scope| {
-            let handles: Vec<_> = self
-                .runners
-                .iter_mut()
-                .enumerate()
-                .map(|(rank, runner)| {
-                    let f = &f;
-                    scope.spawn(move || {
-                        let r = f(rank, runner);
-                        if r.is_err() {
-                            members[rank].abort();
-                        }
-                        r
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(RuntimeError::Plan("a rank's thread panicked".into()))
-                    })
-                })
-                .collect()
-        });
-        // The rank that failed first is the one to report, not those it stopped.
-        let failed = results.iter().position(
-            |r| matches!(r, Err(e) if !matches!(e, RuntimeError::Plan(m) if m == PEER_FAILED)),
-        );
-        let mut out = Vec::with_capacity(results.len());
-        for (i, r) in results.into_iter().enumerate() {
-            match r {
-                Ok(v) => out.push(v),
-                Err(e) if failed.is_none_or(|f| f == i) => return Err(e),
-                Err(_) => {}
-            }
-        }
-        Ok(out)
+        on_every_rank(&mut self.runners, &self.members, f)
     }
 
     /// `f` on every rank's runner at once (a computation whose collectives need every rank);
@@ -282,5 +243,132 @@ impl LaunchedCpuRank {
     pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
         let mine = crate::plan::rank_entries(self.runner.plan(), entries, self.rank())?;
         self.runner.restore(mine)
+    }
+}
+
+/// Runs `f` on every rank's runner at once, one thread each; the first error (in rank order)
+/// wins, and a failing rank breaks the group so no other waits for it.
+fn on_every_rank<R: Send, T: Send>(
+    runners: &mut [R],
+    members: &[Member],
+    f: impl Fn(usize, &mut R) -> Result<T, RuntimeError> + Sync,
+) -> Result<Vec<T>, RuntimeError> {
+    let results: Vec<Result<T, RuntimeError>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = runners
+            .iter_mut()
+            .enumerate()
+            .map(|(rank, runner)| {
+                let f = &f;
+                scope.spawn(move || {
+                    let r = f(rank, runner);
+                    if r.is_err() {
+                        members[rank].abort();
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(RuntimeError::Plan("a rank's thread panicked".into())))
+            })
+            .collect()
+    });
+    // The rank that failed first is the one to report, not those it stopped.
+    let failed = results.iter().position(
+        |r| matches!(r, Err(e) if !matches!(e, RuntimeError::Plan(m) if m == PEER_FAILED)),
+    );
+    let mut out = Vec::with_capacity(results.len());
+    for (i, r) in results.into_iter().enumerate() {
+        match r {
+            Ok(v) => out.push(v),
+            Err(e) if failed.is_none_or(|f| f == i) => return Err(e),
+            Err(_) => {}
+        }
+    }
+    Ok(out)
+}
+
+/// A data-parallel plan's ranks as the CUDA programs a GPU group would run, each executed by
+/// the host emulator in its own thread, their collectives computed as CPU ranks compute them
+/// (`--world-size N --device emulate`): the check of a data-parallel program before a GPU
+/// group runs it.
+pub struct EmulatedRanks {
+    runners: Vec<crate::cuda::EmulatedPlanRunner>,
+    members: Vec<Member>,
+}
+
+impl EmulatedRanks {
+    /// Every rank of `plan`, state initialized from `checkpoint` and sharded.
+    pub fn new(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+    ) -> Result<EmulatedRanks, RuntimeError> {
+        let world = plan.settings.parallel.world_size.max(1);
+        let members = RankGroup::members(world);
+        let runners = members
+            .iter()
+            .map(|m| {
+                crate::cuda::EmulatedPlanRunner::emulated_rank(plan.clone(), checkpoint, m.clone())
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(EmulatedRanks { runners, members })
+    }
+
+    pub fn world(&self) -> usize {
+        self.runners.len()
+    }
+
+    /// One step over `grad_accum x world` micro-batches (rank r the r-th run); the loss is
+    /// the ranks' mean, as [`RankRunners::step`] reports it.
+    pub fn step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<StepReport, RuntimeError> {
+        let world = self.world();
+        let accum = self.runners[0].plan().settings.grad_accum;
+        if micro_batches.len() != accum * world {
+            return Err(RuntimeError::Plan(format!(
+                "a step of {world} ranks takes {} micro-batches ({accum} per rank), given {}",
+                accum * world,
+                micro_batches.len()
+            )));
+        }
+        let reports = on_every_rank(&mut self.runners, &self.members, |rank, r| {
+            r.queue_step(&micro_batches[rank * accum..(rank + 1) * accum], lr)?;
+            r.report()
+        })?;
+        let mut report = reports[0];
+        report.loss =
+            (reports.iter().map(|r| f64::from(r.loss)).sum::<f64>() / world as f64) as f32;
+        Ok(report)
+    }
+
+    /// The mean loss of `batches`, every rank running them all.
+    pub fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        let losses = on_every_rank(&mut self.runners, &self.members, |_, r| {
+            r.validation_loss(batches)
+        })?;
+        Ok(losses[0])
+    }
+
+    /// The whole state in the single-rank layout (the ranks gather each sharded entry).
+    pub fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        let mut all = on_every_rank(&mut self.runners, &self.members, |_, r| r.state_entries())?;
+        Ok(all.swap_remove(0))
+    }
+
+    /// Replaces state entries given in the single-rank layout: each rank keeps its shards.
+    pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        on_every_rank(&mut self.runners, &self.members, |_, r| {
+            r.restore(entries.clone())
+        })?;
+        Ok(())
     }
 }

@@ -100,6 +100,33 @@ impl LoweredPlanRunner<Gpu> {
     }
 }
 
+impl LoweredPlanRunner<Emulator> {
+    /// One rank of a data-parallel `plan` as the emulator runs its CUDA program, its
+    /// collectives computed with the other members of `member`'s group (see
+    /// `crate::ranks::EmulatedRanks`).
+    pub fn emulated_rank(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+        member: crate::cpu::collective::Member,
+    ) -> Result<Self, RuntimeError> {
+        plan.check()?;
+        let world = plan.settings.parallel.world_size;
+        if world != member.world() {
+            return Err(RuntimeError::Plan(format!(
+                "the plan is one rank's of {world}, the group has {}",
+                member.world()
+            )));
+        }
+        let program = lower::lower_plan(&plan)?;
+        let rank = member.rank();
+        Self::assemble(plan, program, checkpoint, rank, |p| {
+            let mut emulator = Emulator::load(p)?;
+            emulator.join_group(member);
+            Ok(emulator)
+        })
+    }
+}
+
 /// The timing marks of a step: before the micro steps, after them, after the optimizer step.
 const MARK_START: usize = 0;
 const MARK_MICRO: usize = 1;

@@ -177,4 +177,12 @@ impl Target for Emulator {
     fn allocated_bytes(&self) -> u64 {
         self.program().allocation().total()
     }
+    fn gather_slot(
+        &self,
+        slot: usize,
+        dtype: castor_ir::DType,
+        whole_bytes: u64,
+    ) -> Result<Vec<u8>, RuntimeError> {
+        Emulator::gather_slot(self, slot, dtype, whole_bytes).map_err(RuntimeError::Emulated)
+    }
 }

@@ -65,6 +65,8 @@ pub struct Emulator {
     order: Order,
     /// The host build of each module, once a launch needed it.
     modules: Vec<Option<Arc<HostModule>>>,
+    /// A data-parallel program's rank: its collectives go to the group's CPU exchange.
+    member: Option<crate::cpu::collective::Member>,
 }
 
 /// The F32 functions the host build takes from the CPU executor (see `castor_host.h`).
@@ -116,7 +118,42 @@ impl Emulator {
             poison: false,
             order: Order::Forward,
             modules: vec![None; program.modules.len()],
+            member: None,
         }
+    }
+
+    /// Makes this program one rank's of a data-parallel group: its collectives are computed
+    /// with the other members' (as CPU ranks compute them), where a GPU would call NCCL.
+    pub fn join_group(&mut self, member: crate::cpu::collective::Member) {
+        self.member = Some(member);
+    }
+
+    /// Every rank's shard at slot `slot` (of `dtype` values), gathered into the whole value
+    /// of `whole_bytes`; every member calls it together.
+    pub fn gather_slot(
+        &self,
+        slot: usize,
+        dtype: castor_ir::DType,
+        whole_bytes: u64,
+    ) -> Result<Vec<u8>, String> {
+        let member = self
+            .member
+            .as_ref()
+            .ok_or("gathering a shard needs the rank's group")?;
+        let shard = self.read_slot(slot)?;
+        let n = whole_bytes as usize / dtype.size_bytes().max(1);
+        let op = castor_ir::Op::AllGather {
+            world: member.world(),
+            shape: vec![n],
+        };
+        exchange(
+            member,
+            &op,
+            dtype,
+            &shard,
+            whole_bytes,
+            &format!("slot {slot}"),
+        )
     }
 
     /// The order the kernels start their blocks and threads in (forward by default). A
@@ -195,7 +232,7 @@ impl Emulator {
                 &self.program,
                 &mut self.mem,
                 &mut self.modules,
-                self.order,
+                (self.order, self.member.as_ref()),
                 c,
             )
             .map_err(|e| format!("prologue command {i} ({}): {e}", describe(c)))?;
@@ -218,7 +255,7 @@ impl Emulator {
                 &self.program,
                 &mut self.mem,
                 &mut self.modules,
-                self.order,
+                (self.order, self.member.as_ref()),
                 c,
             )
             .map_err(|e| format!("run `{}` command {i} ({}): {e}", r.name, describe(c)))?;
@@ -267,7 +304,7 @@ fn exec(
     program: &Program,
     mem: &mut Mem,
     modules: &mut [Option<Arc<HostModule>>],
-    order: Order,
+    (order, member): (Order, Option<&crate::cpu::collective::Member>),
     c: &Command,
 ) -> R<()> {
     match c {
@@ -282,12 +319,56 @@ fn exec(
             mem.bytes_mut(d, 0, *bytes)?.fill(*byte);
             Ok(())
         }
-        Command::Collective { node, op, .. } => Err(format!(
-            "`{}` for %{node} is NCCL's, which castor does not drive yet: data-parallel \
-             plans run on CPU ranks",
-            op.mnemonic()
-        )),
+        Command::Collective {
+            node,
+            op,
+            dtype,
+            src,
+            dst,
+            src_bytes,
+            dst_bytes,
+        } => {
+            let member = member.ok_or_else(|| {
+                format!(
+                    "`{}` for %{node}: a data-parallel program runs as one rank of its group \
+                     (emulated ranks: --world-size N --device emulate)",
+                    op.mnemonic()
+                )
+            })?;
+            let (s, d) = (mem.place(*src), mem.place(*dst));
+            check_uses(
+                mem,
+                &[
+                    use_("src", Some(s), *src_bytes, 1, Io::R),
+                    use_("dst", Some(d), *dst_bytes, 1, Io::W),
+                ],
+                &[],
+            )?;
+            let mine = mem.bytes(s, 0, *src_bytes)?.to_vec();
+            let out = exchange(member, op, *dtype, &mine, *dst_bytes, node)?;
+            mem.bytes_mut(d, 0, *dst_bytes)?.copy_from_slice(&out);
+            Ok(())
+        }
     }
+}
+
+/// Collective `op` of this rank's `mine` (`dtype` values) with the other members: the
+/// `out_bytes` bytes it leaves this rank, computed as the CPU executor's ranks compute them.
+fn exchange(
+    member: &crate::cpu::collective::Member,
+    op: &castor_ir::Op,
+    dtype: castor_ir::DType,
+    mine: &[u8],
+    out_bytes: u64,
+    node: &str,
+) -> R<Vec<u8>> {
+    let size = dtype.size_bytes().max(1);
+    let flat =
+        |bytes: usize| castor_ir::TensorType::new(dtype, castor_ir::Shape(vec![bytes / size]));
+    let x = crate::cuda::runner::from_bytes(&flat(mine.len()), mine).map_err(|e| e.to_string())?;
+    let y = crate::cpu::collective::execute(op, Some(member), &x, &flat(out_bytes as usize), node)
+        .map_err(|e| e.to_string())?;
+    Ok(crate::cuda::runner::to_bytes(&y))
 }
 
 fn copy(mem: &mut Mem, d: Ptr, s: Ptr, bytes: u64) -> R<()> {
