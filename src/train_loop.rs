@@ -325,13 +325,17 @@ pub fn train_loop(
         let print = (done - opts.first_step).is_multiple_of(opts.print_every) || last_step;
         let stop =
             INTERRUPTED.load(Ordering::SeqCst) || opts.hooks.stop.as_mut().is_some_and(|f| f());
+        let logged = opts.log.is_some() || opts.hooks.on_step.is_some();
+        // The ranks of a launched group stop at the same step, and read their reports back at
+        // the same steps (only rank 0 logs): each is what any rank wants.
+        let [stop, shown] =
+            runner.agree([stop, print || eval_now || logged || opts.report.is_some()])?;
         let save_now = opts
             .saves
             .as_ref()
             .is_some_and(|s| s.every > 0 && (done.is_multiple_of(s.every) || last_step || stop));
-        let logged = opts.log.is_some() || opts.hooks.on_step.is_some();
         // A device step's report is read back only when something shows or keeps it.
-        let wanted = print || eval_now || save_now || stop || logged || opts.report.is_some();
+        let wanted = shown || save_now || stop;
         if last_step && opts.profile_last_step {
             runner.profile_next_step();
         }

@@ -34,6 +34,10 @@ trait Lowered {
     fn set_timing(&mut self, on: bool);
     fn profile_next_step(&mut self);
     fn take_kernel_profile(&mut self) -> Option<KernelProfile>;
+    /// Each flag set on any rank of a launched group (the flags as given elsewhere).
+    fn agree(&mut self, flags: [bool; 2]) -> Result<[bool; 2], RuntimeError> {
+        Ok(flags)
+    }
     /// A classifier's validation loss and accuracy where the ranks compute them together
     /// (CPU ranks); `None` where the host copy of the weights does.
     fn classification_eval(
@@ -149,6 +153,20 @@ struct LaunchedRank {
 }
 
 impl Lowered for LaunchedRank {
+    fn agree(&mut self, flags: [bool; 2]) -> Result<[bool; 2], RuntimeError> {
+        let comm = |e: castor_runtime::rendezvous::RendezvousError| {
+            RuntimeError::DeviceUnavailable(format!("agreeing on the step's flags: {e}"))
+        };
+        let mine = [u8::from(flags[0]), u8::from(flags[1])];
+        let any = self.group.gather(&mine).map_err(comm)?.map(|all| {
+            [0, 1].map(|i| u8::from(all.iter().any(|r| r.get(i).is_some_and(|&b| b != 0))))
+        });
+        let agreed = self
+            .group
+            .broadcast(any.as_ref().map(|a| &a[..]))
+            .map_err(comm)?;
+        Ok([0, 1].map(|i| agreed.get(i).is_some_and(|&b| b != 0)))
+    }
     /// Every process reads the whole global batch; this rank runs its own micro-batches (rank
     /// r the r-th run of `grad_accum`), as CPU ranks do.
     fn queue_step(
@@ -280,6 +298,12 @@ struct LaunchedCpu {
 }
 
 impl Lowered for LaunchedCpu {
+    fn agree(&mut self, flags: [bool; 2]) -> Result<[bool; 2], RuntimeError> {
+        let all = self
+            .rank
+            .exchange(flags.iter().map(|&f| f32::from(u8::from(f))).collect())?;
+        Ok([0, 1].map(|i| all.iter().any(|r| r.get(i).is_some_and(|&v| v != 0.0))))
+    }
     fn classification_eval(
         &mut self,
         batches: &[HashMap<String, Tensor>],
@@ -539,6 +563,15 @@ impl Trainer {
             }
         }
         crate::train_loop::classification_eval(self.host()?, batches)
+    }
+
+    /// Each flag set on any rank of a launched group (one exchange between the processes);
+    /// elsewhere the flags as given.
+    pub fn agree(&mut self, flags: [bool; 2]) -> Result<[bool; 2], RuntimeError> {
+        match &mut self.lowered {
+            Some((c, _)) => c.agree(flags),
+            None => Ok(flags),
+        }
     }
 
     /// Replaces state entries (resuming).

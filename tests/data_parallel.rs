@@ -952,6 +952,93 @@ fn train_shards_adapters_and_accumulated_gradients_from_the_command_line() {
     }
 }
 
+/// Ctrl-C to one process of a launched group: the ranks agree on the stop at every step, so
+/// both finish the same step, gather the state together, and rank 0 saves it; both exit
+/// cleanly.
+#[test]
+fn an_interrupt_on_one_rank_stops_the_whole_group() {
+    use std::io::{BufRead, BufReader};
+    let tmp = tempfile::tempdir().unwrap();
+    let config = root().join("assets").join("tiny-gpt2.json");
+    let corpus = root().join("assets").join("corpus.txt");
+    let save = tmp.path().join("run");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let mut ranks: Vec<std::process::Child> = ["0", "1"]
+        .into_iter()
+        .map(|rank| {
+            std::process::Command::new(castor_bin())
+                .args([
+                    "train",
+                    path_str(&config),
+                    "--data",
+                    path_str(&corpus),
+                    "--steps",
+                    "100000",
+                    "--seq",
+                    "16",
+                    "--batch",
+                    "2",
+                    "--device",
+                    "cpu",
+                    "--print-every",
+                    "1",
+                    "--save",
+                    path_str(&save),
+                ])
+                .envs([
+                    ("WORLD_SIZE", "2"),
+                    ("RANK", rank),
+                    ("MASTER_ADDR", "127.0.0.1"),
+                    ("MASTER_PORT", port.as_str()),
+                    ("CASTOR_RENDEZVOUS_TIMEOUT", "60"),
+                ])
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Rank 1 has trained a few steps: interrupt it alone.
+    let mut lines = BufReader::new(ranks[1].stdout.take().unwrap()).lines();
+    let mut seen = 0;
+    for line in lines.by_ref() {
+        if line.unwrap().starts_with("step ") {
+            seen += 1;
+            if seen == 3 {
+                break;
+            }
+        }
+    }
+    let kill = std::process::Command::new("kill")
+        .args(["-INT", &ranks[1].id().to_string()])
+        .status()
+        .unwrap();
+    assert!(kill.success());
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let interrupted_at = |text: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix("interrupted after step "))
+            .and_then(|l| l.split(':').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no interruption in {text}"))
+    };
+    let one = interrupted_at(&rest.join("\n"));
+    let r1 = ranks.pop().unwrap().wait_with_output().unwrap();
+    assert!(r1.status.success(), "{}", stderr(&r1));
+    let r0 = ranks.pop().unwrap().wait_with_output().unwrap();
+    assert!(r0.status.success(), "{}", stderr(&r0));
+    assert_eq!(interrupted_at(&stdout(&r0)), one);
+    let state: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(save.join("trainer_state.json")).unwrap())
+            .unwrap();
+    assert_eq!(state["step"].as_u64(), Some(one), "{state}");
+}
+
 /// Under bf16 the micro step reads working copies, so ZeRO-1 and 2 shard those masters too:
 /// the micro step reads the copies as state, each rank updates its masters' shards and the
 /// ranks gather only the BF16 copies. The stages still compute the same bits: every state

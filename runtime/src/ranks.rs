@@ -212,6 +212,11 @@ impl LaunchedCpuRank {
         self.runner.micro_step_loss(batches)
     }
 
+    /// Every rank's `values`, in rank order (every rank calls it together).
+    pub fn exchange(&self, values: Vec<f32>) -> Result<Vec<Vec<f32>>, RuntimeError> {
+        self.member.exchange(values)
+    }
+
     /// This rank's runner (its shards), for computations every rank runs together.
     pub fn runner(&self) -> &PlanRunner {
         &self.runner
