@@ -65,6 +65,7 @@ fn places(c: &Command) -> Vec<Place> {
         Command::Copy { dst, src, .. } => vec![*dst, *src],
         Command::Memset { dst, .. } => vec![*dst],
         Command::Collective { dst, src, .. } => vec![*dst, *src],
+        Command::Join { .. } => vec![],
     }
 }
 

@@ -69,6 +69,11 @@ impl CommandTime {
                 node.clone(),
                 format!("{dst_bytes} bytes"),
             ),
+            Command::Join { events } => (
+                "join".into(),
+                String::new(),
+                format!("{} side event(s)", events.len()),
+            ),
         };
         CommandTime {
             run: run.to_string(),

@@ -513,6 +513,16 @@ pub enum Command {
         dst: Place,
         src_bytes: u64,
         dst_bytes: u64,
+        /// `Some(k)`: issued on the side stream, after everything issued so far on the
+        /// compute stream, its completion recorded as side event `k` (a gradient's reduction,
+        /// overlapping the rest of the backward); `None`: on the compute stream, in order.
+        side: Option<usize>,
+    },
+    /// The compute stream waits for side events `events`: before the first command that
+    /// reads a side collective's result or reuses its operand's memory, and at the end of
+    /// the run.
+    Join {
+        events: Vec<usize>,
     },
 }
 
@@ -792,12 +802,15 @@ impl Command {
                 dst,
                 src_bytes,
                 dst_bytes,
+                side,
             } => format!(
-                "nccl {} {dtype} {src_bytes} bytes {} -> {dst_bytes} bytes {}  # {node}",
+                "nccl {} {dtype} {src_bytes} bytes {} -> {dst_bytes} bytes {}{}  # {node}",
                 op.mnemonic(),
                 src.short(),
-                dst.short()
+                dst.short(),
+                side.map_or(String::new(), |k| format!(" on the side stream, event {k}"))
             ),
+            Command::Join { events } => format!("join side events {events:?}"),
         }
     }
 }

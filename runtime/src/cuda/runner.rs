@@ -660,7 +660,7 @@ fn run_reads_slot(program: &Program, run: usize, slot: usize) -> bool {
                     .any(|(_, p, _, _, written)| !written && hit(p))
         }
         Command::Copy { src, .. } | Command::Collective { src, .. } => hit(src),
-        Command::Memset { .. } => false,
+        Command::Memset { .. } | Command::Join { .. } => false,
     }) || program
         .tables
         .iter()

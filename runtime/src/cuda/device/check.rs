@@ -196,6 +196,7 @@ pub(super) fn check_program(program: &Program) -> Result<(), CudaError> {
                     ext.check(*src, *src_bytes).map_err(|why| bad(&at, why))?;
                     ext.check(*dst, *dst_bytes).map_err(|why| bad(&at, why))?;
                 }
+                Command::Join { .. } => {}
             }
         }
     }

@@ -4,6 +4,7 @@ use super::load::Loaded;
 use super::{drv, CudaError};
 use crate::cuda::program::Place;
 use cudarc::driver::result as cu;
+use cudarc::driver::sys as cu_sys;
 
 impl Loaded {
     /// Copies `bytes` to `place` (synchronously: after every earlier run, before returning).
@@ -88,6 +89,37 @@ impl Loaded {
     ) -> Result<(), CudaError> {
         self.dev.bind()?;
         self.comm = Some(crate::cuda::nccl::Communicator::init(id, rank, world)?);
+        // The side stream and one event per overlapping collective of the runs.
+        let events = self
+            .program
+            .runs
+            .iter()
+            .flat_map(|r| &r.commands)
+            .filter_map(|c| match c {
+                crate::cuda::program::Command::Collective { side: Some(k), .. } => Some(k + 1),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(0);
+        if events > 0 {
+            let event = || {
+                drv(
+                    cu::event::create(cu_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING),
+                    || "cuEventCreate (a side-stream event)".into(),
+                )
+            };
+            let stream = drv(
+                cu::stream::create(cu::stream::StreamKind::NonBlocking),
+                || "cuStreamCreate (the side stream of the collectives)".into(),
+            )?;
+            let fork = event()?;
+            let events = (0..events).map(|_| event()).collect::<Result<_, _>>()?;
+            self.side = Some(super::load::SideStream {
+                stream,
+                fork,
+                events,
+            });
+        }
         Ok(())
     }
 

@@ -7,6 +7,7 @@ use super::load::Loaded;
 use super::{blas, blas_check, blas_sys, drv, CudaError};
 use crate::cuda::program::{Command, Epilogue, Gemm, Launch, Place};
 use cudarc::driver::result as cu;
+use cudarc::driver::sys as cu_sys;
 use std::ffi::c_void;
 
 impl Loaded {
@@ -86,6 +87,7 @@ impl Loaded {
                     dst,
                     src_bytes,
                     dst_bytes,
+                    side,
                 } => {
                     let comm = self.comm.as_ref().ok_or_else(|| {
                         CudaError::Unsupported(format!(
@@ -95,6 +97,27 @@ impl Loaded {
                             op.mnemonic()
                         ))
                     })?;
+                    // A side collective first waits for the compute stream's work so far.
+                    let stream = match side {
+                        Some(_) => {
+                            let s = self.side_stream(node)?;
+                            // SAFETY: the event and both streams are live (this program's).
+                            drv(
+                                unsafe {
+                                    cu::event::record(s.fork, self.dev.stream()).and_then(|()| {
+                                        cu::stream::wait_event(
+                                            s.stream,
+                                            s.fork,
+                                            cu_sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                                        )
+                                    })
+                                },
+                                || format!("forking the side stream for %{node}"),
+                            )?;
+                            s.stream
+                        }
+                        None => self.dev.stream(),
+                    };
                     // SAFETY: both places span their byte counts of live allocations
                     // (checked at load) on the communicator's device; the stream is this
                     // context's.
@@ -106,13 +129,42 @@ impl Loaded {
                             *src_bytes,
                             self.address(*dst),
                             *dst_bytes,
-                            self.dev.stream(),
+                            stream,
                         )
                     }
                     .map_err(|e| match e {
                         CudaError::Nccl(m) => CudaError::Nccl(format!("{m} (for %{node})")),
                         e => e,
                     })?;
+                    if let Some(k) = side {
+                        let s = self.side_stream(node)?;
+                        let event = *s.events.get(*k).ok_or_else(|| {
+                            CudaError::Data(format!("side event {k} of %{node} does not exist"))
+                        })?;
+                        // SAFETY: the event and the side stream are live.
+                        drv(unsafe { cu::event::record(event, s.stream) }, || {
+                            format!("recording side event {k} for %{node}")
+                        })?;
+                    }
+                }
+                Command::Join { events } => {
+                    let s = self.side_stream("a join")?;
+                    for k in events {
+                        let event = *s.events.get(*k).ok_or_else(|| {
+                            CudaError::Data(format!("side event {k} does not exist"))
+                        })?;
+                        // SAFETY: the event and the compute stream are live.
+                        drv(
+                            unsafe {
+                                cu::stream::wait_event(
+                                    self.dev.stream(),
+                                    event,
+                                    cu_sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                                )
+                            },
+                            || format!("joining side event {k}"),
+                        )?;
+                    }
                 }
                 Command::Memset { dst, bytes, byte } => {
                     if *bytes > 0 {
@@ -134,6 +186,15 @@ impl Loaded {
             }
         }
         Ok(())
+    }
+
+    /// The side stream, made when the program joined its group.
+    fn side_stream(&self, what: &str) -> Result<&super::load::SideStream, CudaError> {
+        self.side.as_ref().ok_or_else(|| {
+            CudaError::Data(format!(
+                "{what} runs on the side stream, which only a rank of a group has"
+            ))
+        })
     }
 
     pub(super) fn memcpy(

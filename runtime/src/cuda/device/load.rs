@@ -55,6 +55,7 @@ impl Device {
             marks: Vec::new(),
             command_marks: Vec::new(),
             comm: None,
+            side: None,
         };
 
         // Per module: entry name -> the size of each parameter, as its PTX declares them.
@@ -233,6 +234,17 @@ pub struct Loaded {
     pub(super) command_marks: Vec<cu_sys::CUevent>,
     /// This rank's NCCL communicator, for a data-parallel program's collectives.
     pub(super) comm: Option<crate::cuda::nccl::Communicator>,
+    /// The side stream its gradient reductions run on, with their events.
+    pub(super) side: Option<SideStream>,
+}
+
+/// A second stream for collectives that overlap compute (`Command::Collective::side`): each
+/// waits for the compute stream's work so far (`fork`), then records its own event, which a
+/// `Command::Join` makes the compute stream wait for.
+pub(super) struct SideStream {
+    pub(super) stream: cu_sys::CUstream,
+    pub(super) fork: cu_sys::CUevent,
+    pub(super) events: Vec<cu_sys::CUevent>,
 }
 
 impl Loaded {
@@ -378,6 +390,12 @@ impl Drop for Loaded {
             }
             for e in self.marks.drain(..).chain(self.command_marks.drain(..)) {
                 let _ = cu::event::destroy(e);
+            }
+            if let Some(side) = self.side.take() {
+                for e in side.events.into_iter().chain([side.fork]) {
+                    let _ = cu::event::destroy(e);
+                }
+                let _ = cu::stream::destroy(side.stream);
             }
         }
         // The stream is idle (above): the pinned buffers may go.

@@ -67,6 +67,10 @@ pub struct Emulator {
     modules: Vec<Option<Arc<HostModule>>>,
     /// A data-parallel program's rank: its collectives go to the group's CPU exchange.
     member: Option<crate::cpu::collective::Member>,
+    /// Side-stream collectives issued and not joined yet: run at their join, so that what
+    /// the compute stream did meanwhile (reusing the operand's memory, reading the result
+    /// early) shows, as a GPU's concurrency could make it show.
+    pending: Vec<(usize, Command)>,
 }
 
 /// The F32 functions the host build takes from the CPU executor (see `castor_host.h`).
@@ -119,6 +123,7 @@ impl Emulator {
             order: Order::Forward,
             modules: vec![None; program.modules.len()],
             member: None,
+            pending: Vec::new(),
         }
     }
 
@@ -251,6 +256,31 @@ impl Emulator {
             self.mem.poison();
         }
         for (i, c) in r.commands.iter().enumerate() {
+            let at = |e: String| format!("run `{}` command {i} ({}): {e}", r.name, describe(c));
+            match c {
+                Command::Collective { side: Some(k), .. } => {
+                    self.pending.push((*k, c.clone()));
+                    continue;
+                }
+                Command::Join { events } => {
+                    let (due, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.pending)
+                        .into_iter()
+                        .partition(|(k, _)| events.contains(k));
+                    self.pending = rest;
+                    for (_, side) in due {
+                        exec(
+                            &self.program,
+                            &mut self.mem,
+                            &mut self.modules,
+                            (self.order, self.member.as_ref()),
+                            &side,
+                        )
+                        .map_err(at)?;
+                    }
+                    continue;
+                }
+                _ => {}
+            }
             exec(
                 &self.program,
                 &mut self.mem,
@@ -258,7 +288,14 @@ impl Emulator {
                 (self.order, self.member.as_ref()),
                 c,
             )
-            .map_err(|e| format!("run `{}` command {i} ({}): {e}", r.name, describe(c)))?;
+            .map_err(at)?;
+        }
+        if let Some((k, c)) = self.pending.first() {
+            return Err(format!(
+                "run `{}`: side event {k} ({}) is never joined",
+                r.name,
+                describe(c)
+            ));
         }
         Ok(())
     }
@@ -297,6 +334,7 @@ fn describe(c: &Command) -> String {
             format!("memset of {bytes} bytes at {dst:?} to {byte:#x}")
         }
         Command::Collective { node, op, .. } => format!("`{}` for %{node}", op.mnemonic()),
+        Command::Join { events } => format!("join of side events {events:?}"),
     }
 }
 
@@ -327,6 +365,7 @@ fn exec(
             dst,
             src_bytes,
             dst_bytes,
+            ..
         } => {
             let member = member.ok_or_else(|| {
                 format!(
@@ -349,6 +388,7 @@ fn exec(
             mem.bytes_mut(d, 0, *dst_bytes)?.copy_from_slice(&out);
             Ok(())
         }
+        Command::Join { .. } => Ok(()),
     }
 }
 

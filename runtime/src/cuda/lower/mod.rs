@@ -388,6 +388,11 @@ struct RunLowering<'l, 'g> {
     tables_before: usize,
     unit: usize,
     units: usize,
+    /// The micro step's gradient reductions that run on the side stream: by node, the side
+    /// event each records and the unit before which the compute stream joins it.
+    side: HashMap<Node, (usize, usize)>,
+    /// Side events issued and not joined yet, with their join units.
+    pending: Vec<(usize, usize)>,
 }
 
 impl<'l, 'g> RunLowering<'l, 'g> {
@@ -436,6 +441,33 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             let e = saved_until.entry(key).or_insert(0usize);
             *e = (*e).max(unit_of[n.index()]);
         }
+        // A gradient's reduction in the micro step runs on the side stream, overlapping the
+        // rest of the backward. The compute stream joins it before the first unit that reads
+        // its result or the next reduction's (one in flight at a time), so its operand is
+        // kept alive until then and nothing else reuses that memory meanwhile.
+        let mut side = HashMap::new();
+        if run == MICRO_STEP {
+            let reductions: Vec<Node> = g
+                .nodes()
+                .filter(|(_, d)| matches!(d.op, Op::AllReduce { .. } | Op::ReduceScatter { .. }))
+                .map(|(n, _)| n)
+                .collect();
+            for (k, &n) in reductions.iter().enumerate() {
+                let out = g.node(n).outputs[0];
+                let first_reader = users[out.index()]
+                    .iter()
+                    .map(|u| unit_of[u.index()])
+                    .min()
+                    .unwrap_or(units + 1);
+                let next = reductions
+                    .get(k + 1)
+                    .map_or(units + 1, |m| unit_of[m.index()]);
+                let join = first_reader.min(next).min(units + 1);
+                let src = root[g.node(n).inputs[0].index()].index();
+                end_of[src] = end_of[src].max(join.min(units));
+                side.insert(n, (k, join));
+            }
+        }
         let tables_before = l.program.tables.len();
         Ok(RunLowering {
             l,
@@ -459,7 +491,19 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             tables_before,
             unit: 0,
             units,
+            side,
+            pending: Vec::new(),
         })
+    }
+
+    /// Joins the side events due by unit `unit` (all of them at the end of the run).
+    fn join_side(&mut self, unit: usize) {
+        let (due, rest): (Vec<_>, Vec<_>) = self.pending.iter().partition(|(_, j)| *j <= unit);
+        self.pending = rest;
+        if !due.is_empty() {
+            let events = due.into_iter().map(|(k, _)| k).collect();
+            self.commands.push(Command::Join { events });
+        }
     }
 
     fn err(&self, v: Value, message: impl Into<String>) -> LowerError {
@@ -550,6 +594,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                 continue;
             }
             self.unit = self.unit_of[n.index()];
+            self.join_side(self.unit);
             if let Some(ui) = self.schedule.unit_of[n.index()] {
                 if self.schedule.members[ui].last() == Some(&n) {
                     let members = self.schedule.members[ui].clone();
@@ -759,6 +804,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
 
     /// Resolves arena tags to offsets, adds the end-of-run copies and the flag resets.
     fn finish(mut self) -> Result<Run, LowerError> {
+        self.join_side(usize::MAX);
         for (dst, src, bytes) in std::mem::take(&mut self.late_writes) {
             self.commands.push(Command::Copy { dst, src, bytes });
         }
@@ -880,6 +926,7 @@ fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
             *dst = f(*dst);
             *src = f(*src);
         }
+        Command::Join { .. } => {}
     }
 }
 

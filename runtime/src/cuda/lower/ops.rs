@@ -30,6 +30,10 @@ impl RunLowering<'_, '_> {
             | Op::Shard { .. } => {
                 let (src, dst) = (self.at(ins[0])?, self.out(y)?);
                 let bytes = |v: Value| g.ty(v).size_bytes().unwrap_or(0) as u64;
+                let side = self.side.get(&n).copied();
+                if let Some((k, join)) = side {
+                    self.pending.push((k, join));
+                }
                 self.commands.push(Command::Collective {
                     node: g.name(y).to_string(),
                     op: node.op.clone(),
@@ -38,6 +42,7 @@ impl RunLowering<'_, '_> {
                     dst,
                     src_bytes: bytes(ins[0]),
                     dst_bytes: bytes(y),
+                    side: side.map(|(k, _)| k),
                 });
             }
             Op::Attention { .. } => self.attention(n)?,
