@@ -497,7 +497,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
     }
 
     /// Joins the side events due by unit `unit` (all of them at the end of the run).
-    fn join_side(&mut self, unit: usize) {
+    pub(super) fn join_side(&mut self, unit: usize) {
         let (due, rest): (Vec<_>, Vec<_>) = self.pending.iter().partition(|(_, j)| *j <= unit);
         self.pending = rest;
         if !due.is_empty() {

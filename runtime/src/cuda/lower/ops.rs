@@ -31,8 +31,13 @@ impl RunLowering<'_, '_> {
                 let (src, dst) = (self.at(ins[0])?, self.out(y)?);
                 let bytes = |v: Value| g.ty(v).size_bytes().unwrap_or(0) as u64;
                 let side = self.side.get(&n).copied();
-                if let Some((k, join)) = side {
-                    self.pending.push((k, join));
+                match side {
+                    Some((k, join)) => self.pending.push((k, join)),
+                    // One NCCL operation in flight per communicator: the ranks' kernels then
+                    // meet in one order whatever the streams' timing (a ZeRO-3 gather waits for
+                    // the reduction before it).
+                    None if !matches!(node.op, Op::Shard { .. }) => self.join_side(usize::MAX),
+                    None => {}
                 }
                 self.commands.push(Command::Collective {
                     node: g.name(y).to_string(),
