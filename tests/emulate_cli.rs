@@ -239,12 +239,18 @@ fn emulated_ranks_train_as_cpu_ranks() {
         let model = fixture(family);
         let data = model.join("input.safetensors");
         let objective = if family == "bert_mlm" { "sum" } else { "auto" };
-        for precision in ["bf16", "fp16", "fp32"] {
-            for zero in ["0", "1", "2", "3"] {
+        // Every precision at every stage; gradient accumulation (the reduced gradient read
+        // by the accumulation, as the side stream's join must allow) on top.
+        let cases = ["bf16", "fp16", "fp32"]
+            .into_iter()
+            .flat_map(|p| ["0", "1", "2", "3"].map(|z| (p, z, "1")))
+            .chain([("fp16", "2", "2"), ("bf16", "3", "2")]);
+        for (precision, zero, accum) in cases {
+            {
                 let mut saved = Vec::new();
                 let mut logged = Vec::new();
                 for device in ["cpu", "emulate"] {
-                    let tag = format!("{family}-{precision}-zero{zero}-{device}");
+                    let tag = format!("{family}-{precision}-zero{zero}-accum{accum}-{device}");
                     let (log, save) = (
                         tmp.path().join(format!("{tag}.jsonl")),
                         tmp.path().join(&tag),
@@ -264,6 +270,8 @@ fn emulated_ranks_train_as_cpu_ranks() {
                         "2",
                         "--zero",
                         zero,
+                        "--grad-accum",
+                        accum,
                         "--device",
                         device,
                         "--log",
@@ -278,7 +286,7 @@ fn emulated_ranks_train_as_cpu_ranks() {
                     logged.push(losses(&log));
                     saved.push(std::fs::read(save.join("model.safetensors")).unwrap());
                 }
-                let case = format!("{family} {precision} ZeRO-{zero}");
+                let case = format!("{family} {precision} ZeRO-{zero} accumulating {accum}");
                 if logged.len() == 2 && logged[0] != logged[1] {
                     failures.push(format!(
                         "{case}: losses differ\n  cpu     {:?}\n  emulate {:?}",
