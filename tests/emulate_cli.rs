@@ -246,56 +246,54 @@ fn emulated_ranks_train_as_cpu_ranks() {
             .flat_map(|p| ["0", "1", "2", "3"].map(|z| (p, z, "1")))
             .chain([("fp16", "2", "2"), ("bf16", "3", "2")]);
         for (precision, zero, accum) in cases {
-            {
-                let mut saved = Vec::new();
-                let mut logged = Vec::new();
-                for device in ["cpu", "emulate"] {
-                    let tag = format!("{family}-{precision}-zero{zero}-accum{accum}-{device}");
-                    let (log, save) = (
-                        tmp.path().join(format!("{tag}.jsonl")),
-                        tmp.path().join(&tag),
-                    );
-                    let o = castor(&[
-                        "train",
-                        path_str(&model),
-                        "--data",
-                        path_str(&data),
-                        "--objective",
-                        objective,
-                        "--steps",
-                        "3",
-                        "--precision",
-                        precision,
-                        "--world-size",
-                        "2",
-                        "--zero",
-                        zero,
-                        "--grad-accum",
-                        accum,
-                        "--device",
-                        device,
-                        "--log",
-                        path_str(&log),
-                        "--save",
-                        path_str(&save),
-                    ]);
-                    if !o.status.success() {
-                        failures.push(format!("{tag}: {}", stderr(&o)));
-                        continue;
-                    }
-                    logged.push(losses(&log));
-                    saved.push(std::fs::read(save.join("model.safetensors")).unwrap());
+            let mut saved = Vec::new();
+            let mut logged = Vec::new();
+            for device in ["cpu", "emulate"] {
+                let tag = format!("{family}-{precision}-zero{zero}-accum{accum}-{device}");
+                let (log, save) = (
+                    tmp.path().join(format!("{tag}.jsonl")),
+                    tmp.path().join(&tag),
+                );
+                let o = castor(&[
+                    "train",
+                    path_str(&model),
+                    "--data",
+                    path_str(&data),
+                    "--objective",
+                    objective,
+                    "--steps",
+                    "3",
+                    "--precision",
+                    precision,
+                    "--world-size",
+                    "2",
+                    "--zero",
+                    zero,
+                    "--grad-accum",
+                    accum,
+                    "--device",
+                    device,
+                    "--log",
+                    path_str(&log),
+                    "--save",
+                    path_str(&save),
+                ]);
+                if !o.status.success() {
+                    failures.push(format!("{tag}: {}", stderr(&o)));
+                    continue;
                 }
-                let case = format!("{family} {precision} ZeRO-{zero} accumulating {accum}");
-                if logged.len() == 2 && logged[0] != logged[1] {
-                    failures.push(format!(
-                        "{case}: losses differ\n  cpu     {:?}\n  emulate {:?}",
-                        logged[0], logged[1]
-                    ));
-                }
-                if saved.len() == 2 && saved[0] != saved[1] {
-                    failures.push(format!("{case}: the saved weights differ"));
-                }
+                logged.push(losses(&log));
+                saved.push(std::fs::read(save.join("model.safetensors")).unwrap());
+            }
+            let case = format!("{family} {precision} ZeRO-{zero} accumulating {accum}");
+            if logged.len() == 2 && logged[0] != logged[1] {
+                failures.push(format!(
+                    "{case}: losses differ\n  cpu     {:?}\n  emulate {:?}",
+                    logged[0], logged[1]
+                ));
+            }
+            if saved.len() == 2 && saved[0] != saved[1] {
+                failures.push(format!("{case}: the saved weights differ"));
             }
         }
     }
