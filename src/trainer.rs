@@ -30,10 +30,16 @@ trait Lowered {
     fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError>;
     fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError>;
     fn device_name(&self) -> String;
-    fn allocated_bytes(&self) -> u64;
-    fn set_timing(&mut self, on: bool);
-    fn profile_next_step(&mut self);
-    fn take_kernel_profile(&mut self) -> Option<KernelProfile>;
+    /// Device memory the plan holds (none where no device holds it).
+    fn allocated_bytes(&self) -> u64 {
+        0
+    }
+    /// Device timing and kernel profiles, where there is a device clock.
+    fn set_timing(&mut self, _on: bool) {}
+    fn profile_next_step(&mut self) {}
+    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
+        None
+    }
     /// Each flag set on any rank of a launched group (the flags as given elsewhere).
     fn agree(&mut self, flags: [bool; 2]) -> Result<[bool; 2], RuntimeError> {
         Ok(flags)
@@ -135,14 +141,6 @@ impl Lowered for CpuRanks {
     fn device_name(&self) -> String {
         format!("{} ranks", self.ranks.world())
     }
-    fn allocated_bytes(&self) -> u64 {
-        0
-    }
-    fn set_timing(&mut self, _on: bool) {}
-    fn profile_next_step(&mut self) {}
-    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
-        None
-    }
 }
 
 /// This process's rank of a launched group: its GPU runs the plan, NCCL the collectives; the
@@ -175,15 +173,9 @@ impl Lowered for LaunchedRank {
         lr: f32,
     ) -> Result<(), RuntimeError> {
         let (rank, world) = (self.group.rank(), self.group.world());
-        let accum = micro_batches.len() / world.max(1);
-        if accum * world != micro_batches.len() || accum == 0 {
-            return Err(RuntimeError::Plan(format!(
-                "a step of {world} ranks takes a multiple of {world} micro-batches, given {}",
-                micro_batches.len()
-            )));
-        }
-        self.runner
-            .queue_step(&micro_batches[rank * accum..(rank + 1) * accum], lr)
+        let accum = self.runner.plan().settings.grad_accum;
+        let mine = castor_runtime::ranks::rank_share(micro_batches, accum, rank, world)?;
+        self.runner.queue_step(mine, lr)
     }
     /// The rank's report with the loss averaged over the ranks (every rank calls it at the
     /// same steps: the logging cadence is the same everywhere).
@@ -197,12 +189,11 @@ impl Lowered for LaunchedRank {
             .gather(&report.loss.to_le_bytes())
             .map_err(comm)?;
         let mean = losses.map(|all| {
-            let sum: f64 = all
+            let losses = all
                 .iter()
                 .filter_map(|b| b.as_slice().try_into().ok())
-                .map(|b: [u8; 4]| f64::from(f32::from_le_bytes(b)))
-                .sum();
-            ((sum / all.len().max(1) as f64) as f32).to_le_bytes()
+                .map(f32::from_le_bytes);
+            castor_runtime::ranks::mean_loss(losses, all.len()).to_le_bytes()
         });
         let mean = self
             .group
@@ -281,14 +272,6 @@ impl Lowered for EmulatedGroup {
     fn device_name(&self) -> String {
         format!("the host emulator, {} ranks", self.ranks.world())
     }
-    fn allocated_bytes(&self) -> u64 {
-        0
-    }
-    fn set_timing(&mut self, _on: bool) {}
-    fn profile_next_step(&mut self) {}
-    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
-        None
-    }
 }
 
 /// This process's rank of a launched group on the CPU (collectives over TCP).
@@ -342,14 +325,6 @@ impl Lowered for LaunchedCpu {
             self.rank.rank(),
             self.rank.world()
         )
-    }
-    fn allocated_bytes(&self) -> u64 {
-        0
-    }
-    fn set_timing(&mut self, _on: bool) {}
-    fn profile_next_step(&mut self) {}
-    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
-        None
     }
 }
 

@@ -80,19 +80,12 @@ impl RankRunners {
     ) -> Result<StepReport, RuntimeError> {
         let world = self.world();
         let accum = self.plan().settings.grad_accum;
-        if micro_batches.len() != accum * world {
-            return Err(RuntimeError::Plan(format!(
-                "a step of {world} ranks takes {} micro-batches ({accum} per rank), given {}",
-                accum * world,
-                micro_batches.len()
-            )));
-        }
+        rank_share(micro_batches, accum, 0, world)?;
         let reports = self.on_every_rank(|rank, runner| {
-            runner.step(&micro_batches[rank * accum..(rank + 1) * accum], lr)
+            runner.step(rank_share(micro_batches, accum, rank, world)?, lr)
         })?;
         let mut report = reports[0];
-        report.loss =
-            (reports.iter().map(|r| f64::from(r.loss)).sum::<f64>() / world as f64) as f32;
+        report.loss = mean_loss(reports.iter().map(|r| r.loss), world);
         Ok(report)
     }
 
@@ -185,22 +178,14 @@ impl LaunchedCpuRank {
     ) -> Result<StepReport, RuntimeError> {
         let (rank, world) = (self.rank(), self.world());
         let accum = self.runner.plan().settings.grad_accum;
-        if micro_batches.len() != accum * world {
-            return Err(RuntimeError::Plan(format!(
-                "a step of {world} ranks takes {} micro-batches ({accum} per rank), given {}",
-                accum * world,
-                micro_batches.len()
-            )));
-        }
         let mut report = self
             .runner
-            .step(&micro_batches[rank * accum..(rank + 1) * accum], lr)?;
+            .step(rank_share(micro_batches, accum, rank, world)?, lr)?;
         let losses = self.member.exchange(vec![report.loss])?;
-        let sum: f64 = losses
-            .iter()
-            .map(|l| f64::from(l.first().copied().unwrap_or(0.0)))
-            .sum();
-        report.loss = (sum / world as f64) as f32;
+        report.loss = mean_loss(
+            losses.iter().map(|l| l.first().copied().unwrap_or(0.0)),
+            world,
+        );
         Ok(report)
     }
 
@@ -335,20 +320,13 @@ impl EmulatedRanks {
     ) -> Result<StepReport, RuntimeError> {
         let world = self.world();
         let accum = self.runners[0].plan().settings.grad_accum;
-        if micro_batches.len() != accum * world {
-            return Err(RuntimeError::Plan(format!(
-                "a step of {world} ranks takes {} micro-batches ({accum} per rank), given {}",
-                accum * world,
-                micro_batches.len()
-            )));
-        }
+        rank_share(micro_batches, accum, 0, world)?;
         let reports = on_every_rank(&mut self.runners, &self.members, |rank, r| {
-            r.queue_step(&micro_batches[rank * accum..(rank + 1) * accum], lr)?;
+            r.queue_step(rank_share(micro_batches, accum, rank, world)?, lr)?;
             r.report()
         })?;
         let mut report = reports[0];
-        report.loss =
-            (reports.iter().map(|r| f64::from(r.loss)).sum::<f64>() / world as f64) as f32;
+        report.loss = mean_loss(reports.iter().map(|r| r.loss), world);
         Ok(report)
     }
 
@@ -376,4 +354,27 @@ impl EmulatedRanks {
         })?;
         Ok(())
     }
+}
+
+/// Rank `rank`'s micro-batches of a step over `grad_accum x world` of them: the r-th run of
+/// `grad_accum`. A step that holds another number is an error.
+pub fn rank_share(
+    micro_batches: &[HashMap<String, Tensor>],
+    accum: usize,
+    rank: usize,
+    world: usize,
+) -> Result<&[HashMap<String, Tensor>], RuntimeError> {
+    if micro_batches.len() != accum * world || rank >= world {
+        return Err(RuntimeError::Plan(format!(
+            "a step of {world} ranks takes {} micro-batches ({accum} per rank), given {}",
+            accum * world,
+            micro_batches.len()
+        )));
+    }
+    Ok(&micro_batches[rank * accum..(rank + 1) * accum])
+}
+
+/// The step's loss: the mean of the ranks' losses, summed in F64 in rank order.
+pub fn mean_loss(losses: impl Iterator<Item = f32>, world: usize) -> f32 {
+    (losses.map(f64::from).sum::<f64>() / world.max(1) as f64) as f32
 }
