@@ -313,8 +313,18 @@ template <> __device__ __forceinline__ void warp_mma<float>(float (&d)[4], const
     }
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(CASTOR_WARP_MMA_SHUFFLE)
-// Two values rounded to the operand dtype and packed into the 32-bit register a fragment holds.
+// The tensor-core forms of this header's warp operations: mma.sync, ldmatrix and cp.async.
+#define CASTOR_SM80 1
+#endif
+
+// ---- 16-bit operands packed in pairs -------------------------------------------------------
+// A tensor-core fragment register holds two 16-bit values, the lower-indexed one in the low
+// half. These convert between such registers and F32.
+
 template <typename H> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <typename H> __device__ __forceinline__ float unpack_lo(unsigned r);
+template <typename H> __device__ __forceinline__ float unpack_hi(unsigned r);
+#if defined(__CUDA_ARCH__)
 template <> __device__ __forceinline__ unsigned pack2<__half>(float lo, float hi) {
     const __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<const unsigned*>(&h);
@@ -323,7 +333,35 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, f
     const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<const unsigned*>(&h);
 }
+template <> __device__ __forceinline__ float unpack_lo<__half>(unsigned r) {
+    return __half2float(__ushort_as_half((unsigned short)(r & 0xffffu)));
+}
+template <> __device__ __forceinline__ float unpack_hi<__half>(unsigned r) {
+    return __half2float(__ushort_as_half((unsigned short)(r >> 16)));
+}
+template <> __device__ __forceinline__ float unpack_lo<__nv_bfloat16>(unsigned r) {
+    return __uint_as_float(r << 16);
+}
+template <> __device__ __forceinline__ float unpack_hi<__nv_bfloat16>(unsigned r) {
+    return __uint_as_float(r & 0xffff0000u);
+}
+#else
+template <typename H> __device__ __forceinline__ unsigned pack2(float lo, float hi) {
+    return unsigned(from_f32<H>(lo).__x) | (unsigned(from_f32<H>(hi).__x) << 16);
+}
+template <typename H> __device__ __forceinline__ float unpack_lo(unsigned r) {
+    H h;
+    h.__x = (unsigned short)(r & 0xffffu);
+    return to_f32(h);
+}
+template <typename H> __device__ __forceinline__ float unpack_hi(unsigned r) {
+    H h;
+    h.__x = (unsigned short)(r >> 16);
+    return to_f32(h);
+}
+#endif
 
+#if defined(CASTOR_SM80)
 #define CASTOR_WARP_MMA_BODY(T, PTX_TYPE)                                                      \
     const unsigned ra[4] = {pack2<T>(a[0], a[1]), pack2<T>(a[2], a[3]), pack2<T>(a[4], a[5]),  \
                             pack2<T>(a[6], a[7])};                                             \
@@ -338,3 +376,183 @@ template <> __device__ __forceinline__ unsigned pack2<__nv_bfloat16>(float lo, f
 
 CASTOR_WARP_MMA_16(__half, "f16")
 CASTOR_WARP_MMA_16(__nv_bfloat16, "bf16")
+
+// D += A B (m16n8k16) with the operands already packed as the fragments hold them:
+// a[i] = pack2(a-fragment values 2i, 2i + 1), b0 = pack2(b[0], b[1]), b1 = pack2(b[2], b[3])
+// (the layouts above). What ldmatrix loads and what pack2 makes of an accumulator.
+template <typename T>
+__device__ __forceinline__ void mma_packed(float (&d)[4], const unsigned (&a)[4], unsigned b0,
+                                           unsigned b1);
+#if defined(CASTOR_SM80)
+#define CASTOR_MMA_PACKED(T, PTX_TYPE)                                                         \
+    template <> __device__ __forceinline__ void mma_packed<T>(                                 \
+        float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {                     \
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." PTX_TYPE "." PTX_TYPE ".f32 "   \
+                     "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"      \
+                     : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])                          \
+                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));         \
+    }
+#else
+#define CASTOR_MMA_PACKED(T, PTX_TYPE)                                                         \
+    template <> __device__ __forceinline__ void mma_packed<T>(                                 \
+        float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {                     \
+        const float af[8] = {unpack_lo<T>(a[0]), unpack_hi<T>(a[0]), unpack_lo<T>(a[1]),       \
+                             unpack_hi<T>(a[1]), unpack_lo<T>(a[2]), unpack_hi<T>(a[2]),       \
+                             unpack_lo<T>(a[3]), unpack_hi<T>(a[3])};                          \
+        const float bf[4] = {unpack_lo<T>(b0), unpack_hi<T>(b0), unpack_lo<T>(b1),             \
+                             unpack_hi<T>(b1)};                                                \
+        warp_mma_shuffle<T>(d, af, bf);                                                        \
+    }
+#endif
+CASTOR_MMA_PACKED(__half, "f16")
+CASTOR_MMA_PACKED(__nv_bfloat16, "bf16")
+
+// ---- ldmatrix: 8 x 8 tiles of 16-bit values from shared memory into fragments ------------
+// ldsm_x4: lane l gives the address of row l % 8 of matrix l / 8 (16-byte aligned, 8
+// consecutive 16-bit values); r[i] receives, from matrix i, row l / 4, columns 2 (l % 4) and
+// 2 (l % 4) + 1 (the A fragment's and the B fragment's row-major pairs). ldsm_x4_t receives
+// the transpose: rows 2 (l % 4) and 2 (l % 4) + 1 of column l / 4 (a B fragment from a
+// row-major [k][n] tile). ldsm_x2 / ldsm_x2_t: matrices 0 and 1 only (lanes 0-15 give the
+// addresses; the others' are ignored). Without tensor cores (and on the host) the same
+// exchange is made by warp shuffles of the row addresses.
+template <int N, bool TRANS>
+__device__ __forceinline__ void ldsm_shuffle(unsigned (&r)[N], const void* row) {
+    const int lane = threadIdx.x & 31;
+    const u64 mine = reinterpret_cast<u64>(row);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+        if (TRANS) {
+            const u64 p0 = __shfl_sync(FULL_WARP, mine, 8 * i + 2 * (lane & 3));
+            const u64 p1 = __shfl_sync(FULL_WARP, mine, 8 * i + 2 * (lane & 3) + 1);
+            const unsigned lo = *reinterpret_cast<const unsigned short*>(p0 + 2 * (lane >> 2));
+            const unsigned hi = *reinterpret_cast<const unsigned short*>(p1 + 2 * (lane >> 2));
+            r[i] = lo | (hi << 16);
+        } else {
+            const u64 p = __shfl_sync(FULL_WARP, mine, 8 * i + (lane >> 2));
+            r[i] = *reinterpret_cast<const unsigned*>(p + 4 * (lane & 3));
+        }
+    }
+}
+
+#if defined(CASTOR_SM80)
+#define CASTOR_LDSM(NAME, N, TRANS, SUFFIX, OUTS, ...)                                         \
+    __device__ __forceinline__ void NAME(unsigned (&r)[N], const void* row) {                  \
+        const unsigned a = unsigned(__cvta_generic_to_shared(row));                            \
+        asm volatile("ldmatrix.sync.aligned.m8n8." SUFFIX ".shared.b16 " OUTS ", [%" #N "];\n" \
+                     : __VA_ARGS__                                                             \
+                     : "r"(a));                                                                \
+    }
+CASTOR_LDSM(ldsm_x4, 4, false, "x4", "{%0, %1, %2, %3}", "=r"(r[0]), "=r"(r[1]), "=r"(r[2]),
+            "=r"(r[3]))
+CASTOR_LDSM(ldsm_x4_t, 4, true, "x4.trans", "{%0, %1, %2, %3}", "=r"(r[0]), "=r"(r[1]),
+            "=r"(r[2]), "=r"(r[3]))
+CASTOR_LDSM(ldsm_x2, 2, false, "x2", "{%0, %1}", "=r"(r[0]), "=r"(r[1]))
+CASTOR_LDSM(ldsm_x2_t, 2, true, "x2.trans", "{%0, %1}", "=r"(r[0]), "=r"(r[1]))
+#else
+__device__ __forceinline__ void ldsm_x4(unsigned (&r)[4], const void* row) {
+    ldsm_shuffle<4, false>(r, row);
+}
+__device__ __forceinline__ void ldsm_x4_t(unsigned (&r)[4], const void* row) {
+    ldsm_shuffle<4, true>(r, row);
+}
+__device__ __forceinline__ void ldsm_x2(unsigned (&r)[2], const void* row) {
+    ldsm_shuffle<2, false>(r, row);
+}
+__device__ __forceinline__ void ldsm_x2_t(unsigned (&r)[2], const void* row) {
+    ldsm_shuffle<2, true>(r, row);
+}
+#endif
+
+// ---- cp.async: 16-byte copies from global to shared memory that do not stall the thread ---
+// cp_async16 copies 16 bytes (both addresses 16-byte aligned), or writes 16 zero bytes when
+// `valid` is false (nothing is read then). Copies issued since the last commit form a group;
+// cp_async_wait<N>() waits until at most N groups are still in flight. The results are read
+// by other threads only after a __syncthreads that follows the wait. Without cp.async (and on
+// the host) the copy is an ordinary load and store, and commit and wait do nothing.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+#if defined(CASTOR_SM80)
+    const unsigned a = unsigned(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(gmem),
+                 "r"(valid ? 16 : 0));
+#else
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (valid) v = *reinterpret_cast<const uint4*>(gmem);
+    *reinterpret_cast<uint4*>(smem) = v;
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(CASTOR_SM80)
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+#if defined(CASTOR_SM80)
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
+// ---- fast exp2 -----------------------------------------------------------------------------
+// 2^x by the special-function unit (ex2.approx.ftz: at most 2 ulp from 2^x, results below
+// 2^-126 flushed to zero), for kernels whose header allows it (attention's softmax, where the
+// largest value is 1 and a flushed term is below 2^-126 of it). The host build uses the C
+// library's exp2f (correctly rounded in practice).
+__device__ __forceinline__ float exp2_approx(float x) {
+#if defined(__CUDA_ARCH__)
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return exp2f(x);
+#endif
+}
+
+// 1 / x and log2(x) by the special-function unit (rcp.approx.ftz, lg2.approx.ftz: within 1
+// and 2 ulp for normal x), for kernels whose header allows it. The host build divides and
+// calls log2f.
+__device__ __forceinline__ float rcp_approx(float x) {
+#if defined(__CUDA_ARCH__)
+    float y;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return 1.0f / x;
+#endif
+}
+__device__ __forceinline__ float log2_approx(float x) {
+#if defined(__CUDA_ARCH__)
+    float y;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return log2f(x);
+#endif
+}
+
+// The calling thread's warp index, which the compiler then knows to be the same across the
+// warp (as CUTLASS's canonical_warp_idx_sync): branches on it need no divergent fallback for
+// the warp operations inside them.
+__device__ __forceinline__ int warp_index() { return __shfl_sync(FULL_WARP, int(threadIdx.x >> 5), 0); }
+
+// ---- ordering between blocks ---------------------------------------------------------------
+// A kernel whose block waits for blocks launched before it (lower linear block index) relies
+// on the device dispatching blocks in index order, as FlashAttention-3's deterministic
+// backward does: an earlier block is then running or done, so the wait ends. The host build
+// runs such a kernel's blocks in index order (castor_kernels' BLOCK_ORDERED list), so the
+// value must already be there; a wait that would never end is an error naming the thread.
+//
+// wait_flag: the calling thread waits until *flag >= value, then fences, so what the block
+// that raised the flag wrote before raising it is visible to this thread's later loads
+// (which must bypass L1: __ldcg). raise_flag: adds 1 after a fence.
+__device__ __forceinline__ void wait_flag(const int* flag, int value) {
+#if defined(__CUDA_ARCH__)
+    while (*reinterpret_cast<const volatile int*>(flag) < value) {
+    }
+    __threadfence();
+#else
+    castor_host_wait_flag(flag, value);
+#endif
+}
+__device__ __forceinline__ void raise_flag(int* flag) {
+    __threadfence();
+    atomicAdd(flag, 1);
+}

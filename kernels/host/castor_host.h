@@ -122,6 +122,8 @@ CASTOR_HOST_API unsigned long long warp_op(Collective kind, unsigned mask, unsig
 CASTOR_HOST_API unsigned active_mask();
 // The running block's dynamic shared memory (null when the launch asked for none).
 CASTOR_HOST_API unsigned char* dynamic_shared();
+// Ends the running thread with an error naming it (the launch fails with `message`).
+[[noreturn]] CASTOR_HOST_API void kernel_error(const char* message);
 // F32 functions the host process supplies (the CPU executor's), see castor_host_set_math.
 extern CASTOR_HOST_API float (*host_expf)(float);
 extern CASTOR_HOST_API float (*host_erff)(float);
@@ -142,6 +144,20 @@ inline void __syncwarp(unsigned mask = 0xffffffffu) {
 }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+// Loads and stores that bypass L1 on the device (what another block wrote): plain here.
+template <typename T> inline T __ldcg(const T* p) { return *p; }
+template <typename T> inline void __stcg(T* p, T v) { *p = v; }
+// castor_common.cuh's wait_flag: the blocks of a launch run one at a time, in index order for
+// a kernel that waits for earlier blocks, so the flag must already hold `value`: waiting for it
+// would never end.
+inline void castor_host_wait_flag(const int* flag, int value) {
+    if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) < value) {
+        ::castor_host::kernel_error(
+            "waits for a flag no earlier block raised (a block it waits for has not run: the "
+            "kernel needs its blocks in index order, or a flag was not cleared before the "
+            "launch)");
+    }
+}
 inline unsigned __activemask() { return ::castor_host::active_mask(); }
 
 // ---- bit casts -------------------------------------------------------------------------------

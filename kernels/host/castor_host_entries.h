@@ -20,7 +20,7 @@
 
 extern "C" {
 // Grid and block shape of a launch; `order` 0 runs blocks and threads in index order, 1 in the
-// reverse order.
+// reverse order, 2 threads in the reverse order and blocks in index order.
 struct castor_host_launch {
     unsigned grid[3];
     unsigned block[3];

@@ -16,7 +16,10 @@
 // (`castor_host_launch::order`): forward starts threads in index order and queues released
 // threads at the back (the warps take turns at every warp operation); reverse starts them,
 // and the blocks, in the reverse order and queues the lanes a warp operation releases at the
-// front (a warp runs ahead of the others as far as it can before a barrier). A missing
+// front (a warp runs ahead of the others as far as it can before a barrier). A kernel whose
+// blocks wait for earlier ones (castor_common.cuh's wait_flag) runs its blocks in index order
+// either way (order 2: the reverse thread order, blocks in index order), as the device
+// dispatches them. A missing
 // barrier usually gives different results in the two; ThreadSanitizer reports it as a race
 // whatever the order.
 //
@@ -719,7 +722,7 @@ int castor_host::run_grid(const castor_host_launch* l, void (*thunk)(void*), voi
     tls_block = &s.block;
     bool ok = true;
     for (unsigned long long k = 0; k < blocks && ok; ++k) {
-        const unsigned long long b = s.reverse ? blocks - 1 - k : k;
+        const unsigned long long b = l->order == 1 ? blocks - 1 - k : k;
         s.block.idx = uint3{unsigned(b % l->grid[0]), unsigned(b / l->grid[0] % l->grid[1]),
                             unsigned(b / l->grid[0] / l->grid[1])};
         // What an earlier block left is not this block's: a NaN pattern in every float dtype.
@@ -734,6 +737,8 @@ int castor_host::run_grid(const castor_host_launch* l, void (*thunk)(void*), voi
     if (!ok) return error(block_name(s.block) + ", " + s.error);
     return 0;
 }
+
+void castor_host::kernel_error(const char* message) { fail(message); }
 
 unsigned char* castor_host::dynamic_shared() {
     return tls_sched != nullptr ? tls_sched->dynamic_shared : nullptr;

@@ -1,14 +1,16 @@
 //! The launch geometry of `attention.cu`, as its header states it: which variant a head dim
-//! takes, and each kernel's grid and dynamic shared memory. The CUDA lowering launches by
-//! these and the emulator's contract checks launches against them, so the two cannot drift
-//! apart; the numbers are the file's `ATT_*` constants.
+//! takes, and each kernel's grid, block, dynamic shared memory and scratch. The CUDA lowering
+//! launches by these and the emulator's contract checks launches against them, so the two
+//! cannot drift apart; the numbers are the file's `ATT_*` constants and `AttShape`.
 
-/// Threads per block of every attention kernel.
+/// Threads per block of the F32 kernels and of `delta`.
 pub const THREADS: u32 = 128;
-/// Query rows per forward / dq block, keys per dk/dv block, keys per loaded tile.
-pub const ROWS: u32 = 64;
-/// Query rows per tile of the dk/dv loop.
-const QROWS: u32 = 32;
+/// Threads per block of the tensor-core kernels (8 warps).
+pub const TC_THREADS: u32 = 256;
+/// Query rows per tensor-core forward block.
+pub const FWD_ROWS: u32 = 128;
+/// Keys per tensor-core backward block.
+pub const BWD_KEYS: u32 = 128;
 /// Elements of padding per shared-memory row.
 const PAD: u32 = 8;
 /// Rows one F32 block takes (a warp per row).
@@ -24,25 +26,60 @@ pub fn tile(d: usize) -> Option<u32> {
     TILES.into_iter().find(|&p| d <= p as usize)
 }
 
+/// Keys per forward tile at tile width `p` (`AttShape<P>::KEYS`).
+pub fn fwd_keys(p: u32) -> u32 {
+    if p <= 64 {
+        128
+    } else {
+        64
+    }
+}
+
+/// Query rows per backward tile at tile width `p` (`AttShape<P>::QROWS`).
+pub fn bwd_query_rows(p: u32) -> u32 {
+    if p <= 64 {
+        64
+    } else {
+        32
+    }
+}
+
 /// The kernels of one attention op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
     Forward,
-    /// The query gradient.
+    /// The tensor-core backward: dq, dk and dv in one pass over key blocks.
+    Backward,
+    /// The F32 query gradient.
     Dq,
-    /// The key and value gradients.
+    /// The F32 key and value gradients.
     DkDv,
 }
 
+/// Threads per block of `kernel` (`tensor_cores`: the f16/bf16 kernels).
+pub fn threads(kernel: Kernel, tensor_cores: bool) -> u32 {
+    match kernel {
+        Kernel::Forward | Kernel::Backward if tensor_cores => TC_THREADS,
+        _ => THREADS,
+    }
+}
+
 /// Bytes of dynamic shared memory a tensor-core kernel takes at tile `p` with operands of
-/// `elem` bytes: its Q/K/V/dO tiles (`p + 8` elements per row), the F32 row statistics of the
-/// dk/dv loop, and 64 mask bytes.
+/// `elem` bytes: the forward's Q tile and double-buffered K/V tiles with their mask bytes; the
+/// backward's K/V tiles, double-buffered Q/dO tiles, the dS^T tile, the double-buffered F32
+/// row statistics and the block's mask bytes.
 pub fn shared_bytes(kernel: Kernel, p: u32, elem: u32) -> u32 {
     let row = (p + PAD) * elem;
     match kernel {
-        Kernel::Forward => 3 * ROWS * row + ROWS,
-        Kernel::Dq => 4 * ROWS * row + ROWS,
-        Kernel::DkDv => (2 * ROWS + 2 * QROWS) * row + 2 * QROWS * 4 + ROWS,
+        Kernel::Forward => {
+            let keys = fwd_keys(p);
+            FWD_ROWS * row + 4 * keys * row + 2 * keys
+        }
+        Kernel::Backward => {
+            let qt = bwd_query_rows(p);
+            2 * BWD_KEYS * row + 4 * qt * row + BWD_KEYS * (qt + PAD) * elem + 4 * qt * 4 + BWD_KEYS
+        }
+        Kernel::Dq | Kernel::DkDv => 0,
     }
 }
 
@@ -56,14 +93,44 @@ pub fn grid(
     t: u32,
     s: u32,
 ) -> (u32, u32, u32) {
-    let per = if tensor_cores { ROWS } else { F32_ROWS };
+    let bkv = bq / group.max(1);
     match kernel {
-        Kernel::Forward | Kernel::Dq => (t.div_ceil(per).max(1), bq, 1),
-        Kernel::DkDv => (s.div_ceil(per).max(1), bq / group.max(1), 1),
+        Kernel::Forward if tensor_cores => (t.div_ceil(FWD_ROWS).max(1), bq, 1),
+        Kernel::Backward => (s.div_ceil(BWD_KEYS).max(1), bkv, 1),
+        Kernel::Forward | Kernel::Dq => (t.div_ceil(F32_ROWS).max(1), bq, 1),
+        Kernel::DkDv => (s.div_ceil(F32_ROWS).max(1), bkv, 1),
     }
 }
 
 /// The grid of the `delta` kernel over `rows` query rows.
 pub fn delta_grid(rows: u64) -> (u32, u32, u32) {
     (rows.div_ceil(u64::from(F32_ROWS)).max(1) as u32, 1, 1)
+}
+
+/// Elements of the tensor-core backward's F32 `dq_acc` (`bq` query batches of `t` rows, rows
+/// of `p` floats).
+pub fn dq_acc_elems(bq: u64, t: u64, p: u32) -> u64 {
+    bq * t * u64::from(p)
+}
+
+/// Ints of the tensor-core backward's `dq_ready` counters (one per query batch and tile), which
+/// must be zero when it starts.
+pub fn dq_ready_count(bq: u64, t: u64, p: u32) -> u64 {
+    bq * t.div_ceil(u64::from(bwd_query_rows(p)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The shared memory of every variant fits the device's opt-in limit (227 KiB on H100).
+    #[test]
+    fn every_variant_fits_in_shared_memory() {
+        for p in TILES {
+            for k in [Kernel::Forward, Kernel::Backward] {
+                let bytes = shared_bytes(k, p, 2);
+                assert!(bytes <= 232_448, "{k:?} at P = {p}: {bytes} bytes");
+            }
+        }
+    }
 }

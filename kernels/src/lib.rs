@@ -14,6 +14,7 @@ pub mod host;
 pub mod nvrtc;
 pub mod ptx;
 pub mod ptxas;
+pub mod sass;
 pub mod signature;
 
 pub use cache::{CacheError, KernelCache, Outcome};
@@ -41,6 +42,25 @@ pub fn file(name: &str) -> Option<&'static KernelFile> {
     FILES.iter().find(|f| f.name == name)
 }
 
+/// Entry points whose blocks wait for blocks with a lower index (`wait_flag` in
+/// `common.cuh`): the host build runs their blocks in index order, as the device dispatches
+/// them, in either thread order.
+pub const BLOCK_ORDERED: &[&str] = &[
+    "attention_bwd_bf16_d128",
+    "attention_bwd_bf16_d16",
+    "attention_bwd_bf16_d32",
+    "attention_bwd_bf16_d64",
+    "attention_bwd_f16_d128",
+    "attention_bwd_f16_d16",
+    "attention_bwd_f16_d32",
+    "attention_bwd_f16_d64",
+];
+
+/// Whether `entry`'s blocks wait for blocks with a lower index ([`BLOCK_ORDERED`]).
+pub fn waits_for_earlier_blocks(entry: &str) -> bool {
+    BLOCK_ORDERED.contains(&entry)
+}
+
 /// The kernel file that defines `entry`.
 pub fn file_of(entry: &str) -> Option<&'static KernelFile> {
     FILES.iter().find(|f| f.entry_points.contains(&entry))
@@ -61,27 +81,19 @@ pub const FILES: &[KernelFile] = &[
     kernel_file!(
         "attention.cu",
         [
+            "attention_bwd_bf16_d128",
+            "attention_bwd_bf16_d16",
+            "attention_bwd_bf16_d32",
+            "attention_bwd_bf16_d64",
             "attention_bwd_delta_bf16",
             "attention_bwd_delta_f16",
             "attention_bwd_delta_f32",
-            "attention_bwd_dkdv_bf16_d128",
-            "attention_bwd_dkdv_bf16_d16",
-            "attention_bwd_dkdv_bf16_d32",
-            "attention_bwd_dkdv_bf16_d64",
-            "attention_bwd_dkdv_f16_d128",
-            "attention_bwd_dkdv_f16_d16",
-            "attention_bwd_dkdv_f16_d32",
-            "attention_bwd_dkdv_f16_d64",
             "attention_bwd_dkdv_f32",
-            "attention_bwd_dq_bf16_d128",
-            "attention_bwd_dq_bf16_d16",
-            "attention_bwd_dq_bf16_d32",
-            "attention_bwd_dq_bf16_d64",
-            "attention_bwd_dq_f16_d128",
-            "attention_bwd_dq_f16_d16",
-            "attention_bwd_dq_f16_d32",
-            "attention_bwd_dq_f16_d64",
             "attention_bwd_dq_f32",
+            "attention_bwd_f16_d128",
+            "attention_bwd_f16_d16",
+            "attention_bwd_f16_d32",
+            "attention_bwd_f16_d64",
             "attention_fwd_bf16_d128",
             "attention_fwd_bf16_d16",
             "attention_fwd_bf16_d32",

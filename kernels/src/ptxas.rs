@@ -51,6 +51,17 @@ pub fn report(
     ptx: &str,
     arch: &str,
 ) -> Result<Vec<KernelResources>, PtxasError> {
+    assemble(ptxas, file, ptx, arch).map(|(rows, _)| rows)
+}
+
+/// Assembles `ptx` (from `file`) for `arch` with `ptxas -v`: each kernel's resources, and the
+/// cubin (the machine code, for `nvdisasm`).
+pub fn assemble(
+    ptxas: &Path,
+    file: &str,
+    ptx: &str,
+    arch: &str,
+) -> Result<(Vec<KernelResources>, Vec<u8>), PtxasError> {
     let write_err = |path: &Path, source| PtxasError::Write {
         file: file.into(),
         path: path.to_path_buf(),
@@ -87,7 +98,8 @@ pub fn report(
             log,
         });
     }
-    Ok(parse(&log))
+    let cubin = std::fs::read(&output).map_err(|e| write_err(&output, e))?;
+    Ok((parse(&log), cubin))
 }
 
 /// Parses `ptxas -v` output:

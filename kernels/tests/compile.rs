@@ -9,7 +9,7 @@
 use std::collections::BTreeSet;
 
 use castor_kernels::ptx::entry_params;
-use castor_kernels::{ptxas, signature, Nvrtc, ParamKind, DEFAULT_ARCH, FILES};
+use castor_kernels::{ptxas, sass, signature, Nvrtc, ParamKind, DEFAULT_ARCH, FILES};
 
 fn nvrtc() -> Option<Nvrtc> {
     let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
@@ -152,6 +152,94 @@ fn ptxas_resource_report() {
         .map(|(f, r)| format!("{f}: {}", r.kernel))
         .collect();
     assert!(spills.is_empty(), "kernels spill registers: {spills:?}");
+}
+
+/// The attention kernels' machine code has the FlashAttention-2 shape: fragments by ldmatrix,
+/// tiles by 16-byte asynchronous copies, almost no 2-byte loads, no spills, and few other
+/// instructions per tensor-core instruction (static counts from `nvdisasm`; 58 to 92 per
+/// tensor-core instruction before the rebuild). Prints every attention kernel's mix.
+#[test]
+fn attention_machine_code_has_the_flash_attention_shape() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let Some(dir) = std::env::var_os("CASTOR_NVRTC_DIR") else {
+        return;
+    };
+    let dir = std::path::Path::new(&dir);
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    let (Some(ptxas_bin), Some(nvdisasm)) = (ptxas::find_ptxas(dir), sass::find_nvdisasm(dir))
+    else {
+        let why = "no ptxas or nvdisasm in CASTOR_NVRTC_DIR (pip install \
+                   nvidia-cuda-nvcc==13.0.* nvidia-cuda-nvdisasm)";
+        assert!(!ci, "CI=true but {why}");
+        eprintln!("skipped: {why}");
+        return;
+    };
+    let file = castor_kernels::file("attention.cu").unwrap();
+    let ptx = nvrtc
+        .compile(file, DEFAULT_ARCH)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (resources, cubin) = ptxas::assemble(&ptxas_bin, file.name, &ptx, DEFAULT_ARCH)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let listing = sass::disassemble(&nvdisasm, &cubin).unwrap_or_else(|e| panic!("{e}"));
+    let mixes = sass::count(&listing);
+    println!(
+        "{:<28} {:>6} {:>6} {:>9} {:>5} {:>6} {:>6} {:>6}",
+        "kernel", "total", "tensor", "per tensor", "LDSM", "async", "2-byte", "spills"
+    );
+    let mut failures = Vec::new();
+    for (kernel, mix) in &mixes {
+        let spills = resources
+            .iter()
+            .find(|r| &r.kernel == kernel)
+            .map_or(0, |r| r.spill_stores + r.spill_loads);
+        println!(
+            "{kernel:<28} {:>6} {:>6} {:>9.1} {:>5} {:>6} {:>6} {:>6}",
+            mix.total,
+            mix.tensor,
+            mix.others_per_tensor(),
+            mix.ldsm,
+            mix.async_copies,
+            mix.two_byte_loads,
+            spills
+        );
+        let held = ["bf16_d64", "bf16_d128", "f16_d64", "f16_d128"]
+            .iter()
+            .any(|v| kernel.ends_with(v));
+        if !held {
+            continue;
+        }
+        let mut why = Vec::new();
+        if mix.ldsm == 0 {
+            why.push("no LDSM".to_string());
+        }
+        if mix.async_copies == 0 {
+            why.push("no asynchronous copy".to_string());
+        }
+        if mix.two_byte_loads > 32 {
+            why.push(format!("{} 2-byte loads (at most 32)", mix.two_byte_loads));
+        }
+        if spills > 0 {
+            why.push(format!("{spills} bytes spilled"));
+        }
+        if mix.others_per_tensor() > 16.0 {
+            why.push(format!(
+                "{:.1} other instructions per tensor-core instruction (at most 16)",
+                mix.others_per_tensor()
+            ));
+        }
+        if !why.is_empty() {
+            failures.push(format!("{kernel}: {}", why.join(", ")));
+        }
+    }
+    let held = mixes
+        .keys()
+        .filter(|k| k.ends_with("_d64") || k.ends_with("_d128"));
+    assert_eq!(
+        held.count(),
+        8,
+        "the forward and backward at d64 and d128, f16 and bf16"
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 #[test]

@@ -15,7 +15,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 const SOURCE: &str = include_str!("host_model.cu");
-const ENTRIES: [&str; 9] = [
+const ENTRIES: [&str; 10] = [
     "warp_ops",
     "half_warps",
     "reverse_block",
@@ -25,6 +25,7 @@ const ENTRIES: [&str; 9] = [
     "widen",
     "misuse",
     "write_past_end",
+    "chained_blocks",
 ];
 
 extern "C" fn expf(x: f32) -> f32 {
@@ -414,6 +415,40 @@ fn misuse_is_an_error_naming_the_thread() {
     )
     .unwrap_err();
     assert!(e.contains("2048 threads"), "{e}");
+}
+
+/// A block that waits for a flag earlier blocks raise (the attention backward's ordered dQ
+/// sums) completes when blocks run in index order, as the device dispatches them; in the
+/// reverse order the wait could never end, which is an error naming the thread rather than a
+/// hang. (Kernels listed in `castor_kernels::BLOCK_ORDERED` run their blocks in index order
+/// in either thread order.)
+#[test]
+fn a_wait_for_an_earlier_block_needs_blocks_in_index_order() {
+    let mut count = vec![0i32];
+    let mut order = vec![-1i32; 6];
+    launch(
+        "chained_blocks",
+        6,
+        32,
+        Order::Forward,
+        &[ptr(&mut count), ptr(&mut order)],
+    )
+    .unwrap();
+    assert_eq!(order, [0, 1, 2, 3, 4, 5]);
+    assert_eq!(count, [6]);
+    let mut count = vec![0i32];
+    let e = launch(
+        "chained_blocks",
+        6,
+        32,
+        Order::Reverse,
+        &[ptr(&mut count), ptr(&mut order)],
+    )
+    .unwrap_err();
+    assert!(
+        e.contains("block (5, 0, 0), thread (0, 0, 0)") && e.contains("no earlier block raised"),
+        "{e}"
+    );
 }
 
 /// Runs this binary's ignored test `name` under `sanitize`; its stderr, or `None` when the

@@ -128,3 +128,15 @@ extern "C" __global__ void write_past_end(float* out, int n) {
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i <= n) out[i] = 1.0f;
 }
+
+// Blocks in a chain: block b waits until `count` reaches b (castor_common.cuh's wait_flag on
+// the host), appends its index to `order`, and raises the count. Run in index order it
+// completes; run in the reverse order the first block's wait can never end, which is an error.
+extern "C" __global__ void chained_blocks(int* count, int* order) {
+    if (threadIdx.x == 0) {
+        castor_host_wait_flag(count, int(blockIdx.x));
+        order[blockIdx.x] = *count;
+        __threadfence();
+        atomicAdd(count, 1);
+    }
+}

@@ -173,6 +173,9 @@ impl HostEntry {
             shared_bytes: shape.shared_bytes,
             order: match order {
                 Order::Forward => 0,
+                // Blocks that wait for earlier blocks run in index order, as the device
+                // dispatches them; their threads still run in the reverse order.
+                Order::Reverse if crate::waits_for_earlier_blocks(&self.name) => 2,
                 Order::Reverse => 1,
             },
         };

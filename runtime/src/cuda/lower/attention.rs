@@ -1,8 +1,9 @@
-//! Fused attention: `attention.cu`'s forward, and its backward as three launches (`delta`, the
-//! query gradient, the key and value gradients). Launch shapes and dynamic shared memory come
-//! from `castor_kernels::attention`, as the emulator's contract reads them.
+//! Fused attention: `attention.cu`'s forward, and its backward: `delta`, then (16-bit operands)
+//! one pass over key blocks writing dq, dk and dv, its dQ counters zeroed first, or (F32) the
+//! query gradient and the key and value gradients. Launch shapes, dynamic shared memory and
+//! scratch come from `castor_kernels::attention`, as the emulator's contract reads them.
 
-use super::super::program::Arg;
+use super::super::program::{Arg, Command};
 use super::{sfx, window_arg, LowerError, RunLowering};
 use castor_ir::{Accum, DType, Node, Op, Value};
 use castor_kernels::attention::{self as geometry, Kernel};
@@ -132,7 +133,7 @@ impl RunLowering<'_, '_> {
         })
     }
 
-    /// The entry point of `kernel` (`fwd`, `bwd_dq`, `bwd_dkdv`) for the problem's variant.
+    /// The entry point of `kernel` for the problem's variant.
     fn attention_launch(
         &mut self,
         y: Value,
@@ -144,6 +145,7 @@ impl RunLowering<'_, '_> {
     ) -> Result<(), LowerError> {
         let name = match kernel {
             Kernel::Forward => "fwd",
+            Kernel::Backward => "bwd",
             Kernel::Dq => "bwd_dq",
             Kernel::DkDv => "bwd_dkdv",
         };
@@ -151,12 +153,9 @@ impl RunLowering<'_, '_> {
             Some(tile) => format!("attention_{name}_{}_d{tile}", sfx(p.dtype)),
             None => format!("attention_{name}_f32"),
         };
-        let batches = if kernel == Kernel::DkDv {
-            p.bq / p.group
-        } else {
-            p.bq
-        };
-        let batches_name = if kernel == Kernel::DkDv { "bkv" } else { "bq" };
+        let per_key_batch = matches!(kernel, Kernel::Backward | Kernel::DkDv);
+        let batches = if per_key_batch { p.bq / p.group } else { p.bq };
+        let batches_name = if per_key_batch { "bkv" } else { "bq" };
         args.extend([
             (batches_name, Arg::I64(batches as i64)),
             ("t", Arg::I32(p.t as i32)),
@@ -168,9 +167,10 @@ impl RunLowering<'_, '_> {
             ("window", Arg::I32(window_arg(window))),
             ("scale", Arg::F64(scale)),
         ]);
+        let tensor_cores = p.tile.is_some();
         let grid = geometry::grid(
             kernel,
-            p.tile.is_some(),
+            tensor_cores,
             p.bq as u32,
             p.group as u32,
             p.t as u32,
@@ -179,7 +179,8 @@ impl RunLowering<'_, '_> {
         let shared = p.tile.map_or(0, |tile| {
             geometry::shared_bytes(kernel, tile, p.dtype.size_bytes() as u32)
         });
-        self.launch_shared(y, &entry, grid, (geometry::THREADS, 1, 1), shared, args)
+        let block = (geometry::threads(kernel, tensor_cores), 1, 1);
+        self.launch_shared(y, &entry, grid, block, shared, args)
     }
 
     fn mask_arg(&self, mask: Option<Value>) -> Result<Arg, LowerError> {
@@ -220,7 +221,8 @@ impl RunLowering<'_, '_> {
     }
 
     /// `attention_grad(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)`: the row sums
-    /// `delta = rowsum(do * o)`, then the query gradient, then the key and value gradients.
+    /// `delta = rowsum(do * o)`, then the gradients (one launch for 16-bit operands; the query
+    /// gradient, then the key and value gradients, in F32).
     pub(super) fn attention_grad(&mut self, n: Node) -> Result<(), LowerError> {
         let g = self.g;
         let node = g.node(n);
@@ -271,13 +273,39 @@ impl RunLowering<'_, '_> {
             ("lse", Arg::Ptr(self.at(ins[4])?)),
             ("delta", Arg::Ptr(delta)),
         ];
-        let mut args = common.clone();
-        args.push(("dq", Arg::Ptr(self.out(dq)?)));
-        self.attention_launch(dq, &p, Kernel::Dq, args, (causal, window), scale)?;
-        let mut args = common;
-        args.push(("dk", Arg::Ptr(self.out(dk)?)));
-        args.push(("dv", Arg::Ptr(self.out(dv)?)));
-        self.attention_launch(dk, &p, Kernel::DkDv, args, (causal, window), scale)
+        match p.tile {
+            Some(tile) => {
+                // One pass over key blocks: dq summed in dq_acc across key blocks, in the
+                // order the dq_ready counters (zeroed here) keep.
+                let (bq, t) = (p.bq as u64, p.t as u64);
+                let acc = self.scratch(geometry::dq_acc_elems(bq, t, tile) * 4);
+                let ready_bytes = geometry::dq_ready_count(bq, t, tile) * 4;
+                let ready = self.scratch(ready_bytes);
+                self.commands.push(Command::Memset {
+                    dst: ready,
+                    bytes: ready_bytes,
+                    byte: 0,
+                });
+                let mut args = common;
+                args.extend([
+                    ("dq", Arg::Ptr(self.out(dq)?)),
+                    ("dk", Arg::Ptr(self.out(dk)?)),
+                    ("dv", Arg::Ptr(self.out(dv)?)),
+                    ("dq_acc", Arg::Ptr(acc)),
+                    ("dq_ready", Arg::Ptr(ready)),
+                ]);
+                self.attention_launch(dq, &p, Kernel::Backward, args, (causal, window), scale)
+            }
+            None => {
+                let mut args = common.clone();
+                args.push(("dq", Arg::Ptr(self.out(dq)?)));
+                self.attention_launch(dq, &p, Kernel::Dq, args, (causal, window), scale)?;
+                let mut args = common;
+                args.push(("dk", Arg::Ptr(self.out(dk)?)));
+                args.push(("dv", Arg::Ptr(self.out(dv)?)));
+                self.attention_launch(dk, &p, Kernel::DkDv, args, (causal, window), scale)
+            }
+        }
     }
 }
 

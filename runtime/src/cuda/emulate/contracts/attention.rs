@@ -1,5 +1,6 @@
-//! `attention.cu`: the fused attention forward, its `delta` row sums, and the dq and dk/dv
-//! backward kernels. Launch shapes and dynamic shared memory are `castor_kernels::attention`'s.
+//! `attention.cu`: the fused attention forward, its `delta` row sums, and its backward (one
+//! tensor-core kernel, or the F32 dq and dk/dv kernels). Launch shapes, dynamic shared memory
+//! and scratch are `castor_kernels::attention`'s.
 
 use super::checked;
 use crate::cuda::emulate::args::Args;
@@ -29,7 +30,8 @@ struct Shape {
 
 impl Shape {
     fn read(a: &mut Args, kernel: Kernel) -> R<Shape> {
-        let batches = a.count(if kernel == Kernel::DkDv { "bkv" } else { "bq" })?;
+        let per_key_batch = matches!(kernel, Kernel::Backward | Kernel::DkDv);
+        let batches = a.count(if per_key_batch { "bkv" } else { "bq" })?;
         let t = a.count32("t")?;
         let s = a.count32("s")?;
         let d = a.count32("d")?;
@@ -48,7 +50,7 @@ impl Shape {
         if !scale.is_finite() {
             return Err(format!("scale {scale} is not finite"));
         }
-        let bq = if kernel == Kernel::DkDv {
+        let bq = if per_key_batch {
             batches * group
         } else {
             batches
@@ -100,7 +102,7 @@ impl Shape {
         let shared = v.tile.map_or(0, |p| {
             geometry::shared_bytes(kernel, p, v.dtype.size_bytes() as u32)
         });
-        expect_shape(l, grid, shared)
+        expect_shape(l, grid, geometry::threads(kernel, tensor_cores), shared)
     }
 
     fn q_bytes(&self, elem: usize) -> u64 {
@@ -120,10 +122,10 @@ impl Shape {
     }
 }
 
-/// The launch must be `(grid, (128, 1, 1))` with exactly `shared` bytes of dynamic shared
+/// The launch must be `(grid, (threads, 1, 1))` with exactly `shared` bytes of dynamic shared
 /// memory.
-fn expect_shape(l: &Launch, grid: (u32, u32, u32), shared: u32) -> R<()> {
-    let block = (geometry::THREADS, 1, 1);
+fn expect_shape(l: &Launch, grid: (u32, u32, u32), threads: u32, shared: u32) -> R<()> {
+    let block = (threads, 1, 1);
     if l.grid != grid || l.block != block || l.shared_bytes != shared {
         return Err(format!(
             "launch grid {:?} block {:?} with {} bytes of dynamic shared memory; the kernel \
@@ -208,6 +210,52 @@ pub(super) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     checked(m, uses, &[])
 }
 
+/// The tensor-core backward: dq, dk and dv in one pass, dq summed in `dq_acc` (F32 rows of the
+/// tile's width, scratch the kernel writes before it reads) in the order the `dq_ready`
+/// counters (zeroed before the launch) keep.
+pub(super) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let ops = operands(&mut a, m)?;
+    let d_o = a.need(m, "d_o")?;
+    let lse = a.need(m, "lse")?;
+    let delta = a.need(m, "delta")?;
+    let dq = a.need(m, "dq")?;
+    let dk = a.need(m, "dk")?;
+    let dv = a.need(m, "dv")?;
+    let acc = a.need(m, "dq_acc")?;
+    let ready = a.need(m, "dq_ready")?;
+    let sh = Shape::read(&mut a, Kernel::Backward)?;
+    a.end()?;
+    let Some(p) = v.tile else {
+        return Err("the one-pass backward has tensor-core variants only".into());
+    };
+    sh.check_launch(l, Kernel::Backward, v)?;
+    let elem = v.dtype.size_bytes();
+    let (bq, t) = (sh.bq as u64, sh.t as u64);
+    let mut uses = operand_uses(&sh, ops, elem);
+    uses.push(use_("do", Some(d_o), sh.q_bytes(elem), elem, Io::R));
+    uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("dq", Some(dq), sh.q_bytes(elem), elem, Io::W));
+    uses.push(use_("dk", Some(dk), sh.kv_bytes(elem), elem, Io::W));
+    uses.push(use_("dv", Some(dv), sh.kv_bytes(elem), elem, Io::W));
+    uses.push(use_(
+        "dq_acc",
+        Some(acc),
+        4 * geometry::dq_acc_elems(bq, t, p),
+        4,
+        Io::W,
+    ));
+    uses.push(use_(
+        "dq_ready",
+        Some(ready),
+        4 * geometry::dq_ready_count(bq, t, p),
+        4,
+        Io::Rw,
+    ));
+    checked(m, uses, &[])
+}
+
 pub(super) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
     let mut a = Args::new(l);
     let o = a.need(m, "o")?;
@@ -216,7 +264,7 @@ pub(super) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
     let rows = a.count("rows")?;
     let d = a.count32("d")?;
     a.end()?;
-    expect_shape(l, geometry::delta_grid(rows as u64), 0)?;
+    expect_shape(l, geometry::delta_grid(rows as u64), geometry::THREADS, 0)?;
     let elem = dtype.size_bytes();
     let bytes = (rows * d * elem) as u64;
     checked(
@@ -230,8 +278,9 @@ pub(super) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
     )
 }
 
-/// The kernel and variant an entry point names: `attention_fwd_bf16_d64`, `attention_bwd_dq_f32`,
-/// `attention_bwd_delta_f16` (`None` for `delta`'s kernel).
+/// The kernel and variant an entry point names: `attention_fwd_bf16_d64`,
+/// `attention_bwd_bf16_d64`, `attention_bwd_dq_f32`, `attention_bwd_delta_f16` (`None` for
+/// `delta`'s kernel).
 pub(super) fn parse(entry: &str) -> R<Option<(Option<Kernel>, Variant)>> {
     let Some(rest) = entry.strip_prefix("attention_") else {
         return Ok(None);
@@ -244,6 +293,8 @@ pub(super) fn parse(entry: &str) -> R<Option<(Option<Kernel>, Variant)>> {
         (Some(Kernel::DkDv), r)
     } else if let Some(r) = rest.strip_prefix("bwd_delta_") {
         (None, r)
+    } else if let Some(r) = rest.strip_prefix("bwd_") {
+        (Some(Kernel::Backward), r)
     } else {
         return Err(format!("`{entry}`: no such attention kernel"));
     };

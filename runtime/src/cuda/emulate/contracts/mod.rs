@@ -104,6 +104,7 @@ pub(super) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
     if let Some((kernel, v)) = attention::parse(e)? {
         return match kernel {
             Some(attention_kernel::Forward) => attention::forward(m, l, v),
+            Some(attention_kernel::Backward) => attention::backward(m, l, v),
             Some(attention_kernel::Dq) => attention::dq(m, l, v),
             Some(attention_kernel::DkDv) => attention::dkdv(m, l, v),
             None => attention::delta(m, l, v.dtype),
