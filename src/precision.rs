@@ -31,9 +31,12 @@ pub struct PrecisionArgs {
     #[arg(long = "force-low", value_name = "GLOB")]
     pub force_low: Vec<String>,
     /// How the attention core is built: `eager` (q k^T, scale, masked softmax, p v: a
-    /// [.., T, S] score tensor per layer) or `fused` (one FlashAttention-2 op: no [.., T, S]
+    /// [.., T, S] score tensor per layer) or fused, one FlashAttention-2 op (no [.., T, S]
     /// tensor; the backward recomputes the probabilities), as transformers'
-    /// attn_implementation chooses.
+    /// attn_implementation chooses. Fused, on CUDA: `fused` runs castor's kernels, `cudnn`
+    /// cuDNN's fused attention (an error where cuDNN is missing or cannot express the op),
+    /// `auto` cuDNN where it loads and expresses the op, else castor's kernels. The CPU
+    /// executor computes the same op for all three.
     #[arg(long, value_enum, default_value_t = Attention::Eager, help_heading = "Model")]
     #[serde(default)]
     pub attention: Attention,
@@ -61,6 +64,8 @@ pub enum Attention {
     #[default]
     Eager,
     Fused,
+    Cudnn,
+    Auto,
 }
 
 impl From<Attention> for castor_models::AttentionImpl {
@@ -68,6 +73,8 @@ impl From<Attention> for castor_models::AttentionImpl {
         match a {
             Attention::Eager => castor_models::AttentionImpl::Eager,
             Attention::Fused => castor_models::AttentionImpl::Fused,
+            Attention::Cudnn => castor_models::AttentionImpl::Cudnn,
+            Attention::Auto => castor_models::AttentionImpl::Auto,
         }
     }
 }

@@ -382,3 +382,155 @@ fn the_gpu_attention_case_runs_on_the_emulator() {
         }
     }
 }
+
+/// `--attention cudnn` on GPT-2 124M (B=8, T=1024, bf16): every layer's attention forward and
+/// backward is one cuDNN command (24), each padding mask is cast to cuDNN's keep flags just
+/// before its command, castor's attention kernels are gone, and no value of the plan has the
+/// `[.., T, T]` shape of a score tensor.
+#[test]
+fn cudnn_attention_runs_every_layer_with_no_score_tensor() {
+    let config = common::root().join("assets/configs/gpt2-124m.json");
+    let dir = tempfile::tempdir().unwrap();
+    let plan_path = dir.path().join("plan.json");
+    let args = |emit: &str, out: &str| -> Vec<String> {
+        [
+            "compile",
+            common::path_str(&config),
+            "--train",
+            "--precision",
+            "bf16",
+            "--batch",
+            "8",
+            "--seq",
+            "1024",
+            "--attention",
+            "cudnn",
+            "--emit",
+            emit,
+            "-o",
+            out,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let listing_path = dir.path().join("listing.txt");
+    for (emit, path) in [("cuda", &listing_path), ("plan", &plan_path)] {
+        let a = args(emit, common::path_str(path));
+        let a: Vec<&str> = a.iter().map(String::as_str).collect();
+        let o = common::castor(&a);
+        assert!(o.status.success(), "{}", common::stderr(&o));
+    }
+    let listing = std::fs::read_to_string(&listing_path).unwrap();
+    let count = |needle: &str| listing.lines().filter(|l| l.contains(needle)).count();
+    assert_eq!(
+        count("cudnn attention forward bf16 heads 12/12 rows 1024x1024 dim 64 causal"),
+        12
+    );
+    assert_eq!(
+        count("cudnn attention backward bf16 heads 12/12 rows 1024x1024 dim 64 causal"),
+        12
+    );
+    assert_eq!(count("launch cast_bool_f32"), 24);
+    assert_eq!(count("(cuDNN required: no fallback)"), 24);
+    assert_eq!(
+        count("launch attention_"),
+        0,
+        "castor's attention kernels are not run"
+    );
+    let plan =
+        castor_ir::TrainingPlan::from_json(&std::fs::read_to_string(&plan_path).unwrap()).unwrap();
+    let g = &plan.micro_step;
+    assert!(g
+        .values()
+        .all(|(v, _)| !g.ty(v).shape.dims().ends_with(&[1024, 1024])));
+    let ops = castor_ir::text::print(g);
+    assert_eq!(
+        ops.matches("library=cudnn").count(),
+        24,
+        "the IR says what runs each"
+    );
+}
+
+/// Emulated `--attention cudnn` programs: the emulator has no cuDNN, so each cuDNN pass runs the
+/// attention op's CPU twin on the command's tensors (through its strides, the mask through the
+/// keep flags the program casts): every family's program then matches the CPU executor bit for
+/// bit, causal or not, padded, grouped-query and windowed, in BF16 and F16. (This checks the
+/// lowering around cuDNN, not cuDNN's arithmetic, which only a GPU runs.)
+#[test]
+fn cudnn_attention_plans_on_the_emulator_match_the_cpu_executor() {
+    use castor_runtime::cuda::EmulatedPlanRunner;
+    use castor_runtime::PlanRunner;
+    use common::cuda_cases::{as_f32, batch, load_params, plan};
+    for variant in ["gpt2_lm", "bert_mlm", "llama_gqa", "mistral_window"] {
+        let params = load_params(variant);
+        for precision in ["bf16", "fp16"] {
+            let p = plan(variant, &["--precision", precision, "--attention", "cudnn"]);
+            let case = format!("{variant} {precision}");
+            let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
+            let mut emu = EmulatedPlanRunner::new(p.clone(), &|n| params.get(n).cloned())
+                .unwrap_or_else(|e| panic!("{case}: {e}"));
+            for step in 0..2u64 {
+                let batches = [batch(&p.micro_step, 41 + 10 * step)];
+                let a = cpu.step(&batches, 1e-3).unwrap();
+                let b = emu
+                    .step(&batches, 1e-3)
+                    .unwrap_or_else(|e| panic!("{case} step {step}: {e}"));
+                assert_eq!(a.loss.to_bits(), b.loss.to_bits(), "{case} step {step}");
+            }
+            let emulated: HashMap<String, Tensor> =
+                emu.state_entries().unwrap().into_iter().collect();
+            for (name, t) in cpu.state_entries() {
+                let (x, y) = (as_f32(&emulated[name]), as_f32(t));
+                assert!(
+                    x.iter()
+                        .zip(&y)
+                        .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan())),
+                    "{case}: state {name} differs"
+                );
+            }
+        }
+    }
+}
+
+/// What cuDNN cannot run: an F32 plan's attention (cuDNN takes F16 and BF16). Under
+/// `--attention auto` castor's kernels run it and the listing says why; `--attention cudnn`
+/// refuses the plan, naming the node and the reason.
+#[test]
+fn what_cudnn_cannot_run_falls_back_or_is_refused_by_name() {
+    let model = common::fixture("gpt2_lm");
+    let compile = |attention: &str| {
+        common::castor(&[
+            "compile",
+            common::path_str(&model),
+            "--train",
+            "--precision",
+            "fp32",
+            "--attention",
+            attention,
+            "--emit",
+            "cuda",
+        ])
+    };
+    let o = compile("auto");
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let listing = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        listing.contains(
+            "cuDNN cannot run it (f32 operands (cuDNN's fused attention takes f16 and bf16)); \
+             castor's kernels:"
+        ),
+        "{listing}"
+    );
+    assert!(listing.contains("launch attention_fwd_f32"));
+    let o = compile("cudnn");
+    assert!(!o.status.success());
+    let err = common::stderr(&o);
+    assert!(
+        err.contains("%h.0.attn.context")
+            && err.contains(
+                "--attention cudnn: cuDNN's fused attention cannot run this op: f32 operands"
+            ),
+        "{err}"
+    );
+}

@@ -103,8 +103,8 @@ fn every_kernel_family_matches_the_cpu_executor() {
 
 /// The plans run on the GPU, per family: every precision with the defaults, then each
 /// remat mode and each option once, spread over the precisions (the emulator runs the whole
-/// matrix; GPU time is scarce), the fused attention, BF16 moments, 8-bit AdamW and the fused
-/// classifier in BF16.
+/// matrix; GPU time is scarce), the fused attention (castor's kernels, cuDNN's where it loads,
+/// and the automatic choice), BF16 moments, 8-bit AdamW and the fused classifier in BF16.
 fn gpu_plans(family: &str) -> Vec<String> {
     let mut out: Vec<String> = PLAN_PRECISIONS
         .iter()
@@ -124,6 +124,13 @@ fn gpu_plans(family: &str) -> Vec<String> {
         out.push(flags);
     }
     out.push("--precision bf16 --attention fused".into());
+    // cuDNN's fused attention where it loads (a missing cuDNN is a named error for `cudnn`,
+    // so that case runs only where the probe finds one; `auto` runs everywhere).
+    match castor_runtime::cuda::device::probe_cudnn() {
+        Ok(_) => out.push("--precision bf16 --attention cudnn".into()),
+        Err(why) => eprintln!("{family}: no --attention cudnn case: {why}"),
+    }
+    out.push("--precision fp16 --attention auto".into());
     // The choices the remat rows leave out, once each: BF16 moments, 8-bit AdamW, the fused
     // classifier in chunks small enough that a fixture's head takes several, and epilogues.
     out.push("--precision bf16 --optimizer-state bf16".into());

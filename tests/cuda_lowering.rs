@@ -66,6 +66,12 @@ fn places(c: &Command) -> Vec<Place> {
         Command::Memset { dst, .. } => vec![*dst],
         Command::Collective { dst, src, .. } => vec![*dst, *src],
         Command::Join { .. } => vec![],
+        Command::Sdpa(call) => call
+            .places()
+            .into_iter()
+            .map(|(_, p)| p)
+            .chain(call.fallback.iter().flat_map(places))
+            .collect(),
     }
 }
 

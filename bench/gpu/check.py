@@ -15,8 +15,9 @@ first, then run from the repository root):
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
 Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
-NVRTC 13.0.x (refusing an NVRTC newer than the driver, whose PTX the driver cannot load), sets
-LD_LIBRARY_PATH and CASTOR_NVRTC_DIR for what follows, and prints what it found. Every step
+NVRTC 13.0.x (refusing an NVRTC newer than the driver, whose PTX the driver cannot load), and
+libcudnn.so.9 where it is installed, sets LD_LIBRARY_PATH, CASTOR_NVRTC_DIR and
+CASTOR_CUDNN_DIR for what follows, and prints what it found. Every step
 runs with CASTOR_REQUIRE_GPU=1, so nothing skips silently; steps run in the order above until
 --budget seconds run out, and the rest are listed as not run. Logs and what the steps write are
 kept in a temporary folder and packed (files up to 1 MiB) into OUT/logs-<part>.tar.gz, beside a
@@ -150,6 +151,19 @@ def preflight(env):
         if str(d) not in dirs:
             dirs.append(str(d))
     env["LD_LIBRARY_PATH"] = ":".join(dirs + [p for p in env.get("LD_LIBRARY_PATH", "").split(":") if p])
+    # cuDNN 9 (optional): `--attention cudnn|auto` runs its fused attention where it loads.
+    # PyTorch's environment has it as the nvidia-cudnn-cu13 (or -cu12) wheel.
+    cudnn_dirs = [os.environ.get("CASTOR_CUDNN_DIR", "")] + [
+        str(s / sub) for s in site_dirs() for sub in ("nvidia/cudnn/lib", "nvidia/cu13/lib")]
+    cudnn = find_library("libcudnn.so.9", [d for d in cudnn_dirs if d and Path(d).is_dir()])
+    if cudnn is None:
+        lines.append("libcudnn.so.9      not found (--attention cudnn is refused; auto runs "
+                     "castor's kernels): pip install \"nvidia-cudnn-cu13==9.*\"")
+    else:
+        env["CASTOR_CUDNN_DIR"] = str(cudnn)
+        if str(cudnn) not in env["LD_LIBRARY_PATH"].split(":"):
+            env["LD_LIBRARY_PATH"] = f"{cudnn}:{env['LD_LIBRARY_PATH']}"
+        lines.append(f"libcudnn.so.9      {cudnn} (CASTOR_CUDNN_DIR)")
     sanitizer = shutil.which("compute-sanitizer") or next(
         (str(r / "bin/compute-sanitizer") for r in roots if (r / "bin/compute-sanitizer").exists()), None)
     env["CASTOR_SANITIZER"] = sanitizer or ""

@@ -37,7 +37,10 @@ pub use dtype::{round_tf32, Accum, DType, TensorType};
 pub use entities::{Node, Value};
 pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, ValueData};
-pub use op::{adafactor_moments, Attr, BinaryOp, CollectiveOp, Op, OpClass, ReduceOp, UnaryOp};
+pub use op::{
+    adafactor_moments, AttentionLibrary, Attr, BinaryOp, CollectiveOp, Op, OpClass, ReduceOp,
+    UnaryOp,
+};
 pub use plan::{
     Classifier, ControlState, Epilogues, LoraBase, LoraSettings, LossScaling, Nf4Part,
     OptimizerKind, Parallel, PlanError, Remat, StateInit, StateRole, StateSpec, TrainSettings,

@@ -43,8 +43,27 @@ pub enum AttentionImpl {
     #[default]
     Eager,
     /// One `attention` op (FlashAttention-2: no `[.., T, S]` tensor; the backward recomputes
-    /// the probabilities from the saved log-sum-exp).
+    /// the probabilities from the saved log-sum-exp), run on CUDA by castor's kernels.
     Fused,
+    /// The fused op, run on CUDA by cuDNN's fused attention (an error where cuDNN is missing
+    /// or cannot express it).
+    Cudnn,
+    /// The fused op, run on CUDA by cuDNN where it loads and expresses the op, else by
+    /// castor's kernels.
+    Auto,
+}
+
+impl AttentionImpl {
+    /// The CUDA library of the fused op (`None`: the eager ops).
+    pub fn library(self) -> Option<castor_ir::AttentionLibrary> {
+        use castor_ir::AttentionLibrary as L;
+        match self {
+            AttentionImpl::Eager => None,
+            AttentionImpl::Fused => Some(L::Kernels),
+            AttentionImpl::Cudnn => Some(L::Cudnn),
+            AttentionImpl::Auto => Some(L::Auto),
+        }
+    }
 }
 
 impl<'m> Ctx<'m> {
@@ -353,7 +372,7 @@ impl<'m> Ctx<'m> {
 
     /// The attention core: `scores = q k^T`, each factor of `scales` applied in turn
     /// (`scores.scaled`, `scores.scaled.1`, ...), `probs = softmax(scores, causal, mask)`,
-    /// `context = probs v`; or, with [`AttentionImpl::Fused`], one `attention` op scaled by the
+    /// `context = probs v`; or, with a fused [`AttentionImpl`], one `attention` op scaled by the
     /// product of the factors (`context`, with its log-sum-exp `context.1`). Works for any
     /// matching batch dims (4-D heads, 5-D GQA groups).
     pub fn attention(
@@ -370,12 +389,13 @@ impl<'m> Ctx<'m> {
             KeysSeen::Causal => (true, None),
             KeysSeen::Window(w) => (true, Some(w)),
         };
-        if self.attention == AttentionImpl::Fused {
+        if let Some(library) = self.attention.library() {
             let scale = scales.iter().product();
             let op = Op::Attention {
                 causal,
                 window,
                 scale,
+                library,
             };
             let out = self.op_multi("context", op, &[q, k, v, mask])?;
             return Ok(out[0]);

@@ -464,6 +464,7 @@ impl Backward<'_> {
                 causal,
                 window,
                 scale,
+                library,
             } => {
                 let Some(dy) = dy else { return Ok(()) };
                 if !(need(0) || need(1) || need(2)) {
@@ -478,6 +479,7 @@ impl Backward<'_> {
                     causal: *causal,
                     window: *window,
                     scale: *scale,
+                    library: *library,
                 };
                 let outs = self.b.op_multi(&name, op, &operands)?;
                 for (i, &d) in outs.iter().enumerate() {

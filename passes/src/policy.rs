@@ -385,6 +385,7 @@ fn table_ops() -> Vec<Op> {
             causal: false,
             window: None,
             scale: 1.0,
+            library: castor_ir::AttentionLibrary::Kernels,
         },
         Op::Rope {
             theta: 0.0,

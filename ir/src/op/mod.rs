@@ -11,10 +11,12 @@
 
 mod attr;
 mod define;
+mod library;
 mod typing;
 
 pub use attr::Attr;
 pub(crate) use attr::{AttrReader, AttrValue};
+pub use library::AttentionLibrary;
 pub use typing::adafactor_moments;
 
 use crate::{DType, RopeScaling, TensorType};
@@ -202,8 +204,10 @@ define_ops! {
     /// attention without repeating `k` and `v`. With `causal`, query `i` sees keys
     /// `j <= i + S - T`, and with a sliding `window` also only `j > i + S - T - window`. A row
     /// with every key masked attends uniformly to all `S` keys, as a finite `-inf` mask gives.
-    /// No `[T, S]` tensor exists outside the op.
-    Attention { causal: bool, window: Option<usize>, scale: f64 } => "attention",
+    /// No `[T, S]` tensor exists outside the op. `library` says what runs it on CUDA
+    /// ([`AttentionLibrary`]); every other executor computes the same function.
+    Attention { causal: bool, window: Option<usize>, scale: f64, library: AttentionLibrary }
+        => "attention",
         class Contraction, arity (3, 4), typing typing::attention(inputs, *causal, *window);
     /// Rotary position embedding of `x [.., T, D]` at positions `0..T`, rotate-half layout
     /// (LLaMA's `apply_rotary_pos_emb`), frequencies `theta^(-2i/D)` rescaled as `scaling`
@@ -281,7 +285,9 @@ define_ops! {
     /// `(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)` of [`Op::Attention`], from its saved
     /// output and log-sum-exp (FlashAttention-2's backward: the probabilities are recomputed,
     /// never stored); `dk` and `dv` are summed over the batch dims `k` and `v` broadcast.
-    AttentionGrad { causal: bool, window: Option<usize>, scale: f64 } => "attention_grad",
+    AttentionGrad {
+        causal: bool, window: Option<usize>, scale: f64, library: AttentionLibrary
+    } => "attention_grad",
         class Contraction, arity (6, 7),
         typing typing::attention_grad(inputs, *causal, *window);
     /// The transpose of [`Op::Rope`]: rotation by the negated angles.
@@ -574,6 +580,7 @@ mod tests {
                 causal: true,
                 window: Some(3),
                 scale: 0.125,
+                library: AttentionLibrary::Auto,
             },
             Op::Rope {
                 theta: 500000.0,

@@ -274,6 +274,7 @@ pub fn execute(
             causal,
             window,
             scale,
+            ..
         } => {
             let ops = attention_operands(args, acc, &[0, 1, 2])?;
             let mask = args.len() > 3;
@@ -286,6 +287,7 @@ pub fn execute(
             causal,
             window,
             scale,
+            ..
         } => {
             let ops = attention_operands(args, acc, &[0, 1, 2, 5])?;
             let mask = args.len() > 6;

@@ -16,6 +16,7 @@ pub mod profile;
 pub mod program;
 pub mod roofline;
 pub mod runner;
+pub mod sdpa;
 pub mod target;
 
 pub use runner::{

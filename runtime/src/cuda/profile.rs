@@ -74,6 +74,21 @@ impl CommandTime {
                 String::new(),
                 format!("{} side event(s)", events.len()),
             ),
+            Command::Sdpa(c) => (
+                match c.pass {
+                    crate::cuda::sdpa::SdpaPass::Forward => "cudnn attention forward".into(),
+                    crate::cuda::sdpa::SdpaPass::Backward => "cudnn attention backward".into(),
+                },
+                c.node.clone(),
+                format!(
+                    "heads {}/{} rows {}x{} dim {}",
+                    c.problem.heads_q,
+                    c.problem.heads_kv,
+                    c.problem.rows_q,
+                    c.problem.rows_kv,
+                    c.problem.head_dim
+                ),
+            ),
         };
         CommandTime {
             run: run.to_string(),

@@ -524,6 +524,9 @@ pub enum Command {
     Join {
         events: Vec<usize>,
     },
+    /// A fused attention pass run by cuDNN (`super::sdpa`), or by its fallback commands where
+    /// cuDNN does not run it.
+    Sdpa(Box<super::sdpa::Sdpa>),
 }
 
 /// A CUDA C module to compile with NVRTC: a file of `kernels/` or the generated kernels.
@@ -684,17 +687,29 @@ impl Program {
             .iter()
             .map(|t| allocated(t.byte_len() as u64))
             .sum();
-        if self.all_commands().any(|c| matches!(c, Command::Gemm(_))) {
+        // cuDNN's attention plans share the products' workspace (one stream: never at once).
+        if self
+            .all_commands()
+            .any(|c| matches!(c, Command::Gemm(_) | Command::Sdpa(_)))
+        {
             a.workspace = allocated(self.workspace_bytes).max(MIN_WORKSPACE);
         }
         a
     }
 
-    /// Every command of the prologue and the runs.
+    /// Every command of the prologue and the runs (a cuDNN attention's fallback commands
+    /// after it).
     pub fn all_commands(&self) -> impl Iterator<Item = &Command> {
         self.prologue
             .iter()
             .chain(self.runs.iter().flat_map(|r| r.commands.iter()))
+            .flat_map(|c| {
+                let fallback = match c {
+                    Command::Sdpa(call) => call.fallback.iter(),
+                    _ => [].iter(),
+                };
+                std::iter::once(c).chain(fallback)
+            })
     }
 }
 
@@ -811,6 +826,31 @@ impl Command {
                 side.map_or(String::new(), |k| format!(" on the side stream, event {k}"))
             ),
             Command::Join { events } => format!("join side events {events:?}"),
+            Command::Sdpa(c) => {
+                let p = &c.problem;
+                let tensors: Vec<String> = c
+                    .places()
+                    .iter()
+                    .map(|(role, place)| format!("{role}={}", place.short()))
+                    .collect();
+                format!(
+                    "cudnn attention {} {} heads {}/{} rows {}x{} dim {}{}{} ({})  # %{}",
+                    match c.pass {
+                        super::sdpa::SdpaPass::Forward => "forward",
+                        super::sdpa::SdpaPass::Backward => "backward",
+                    },
+                    p.dtype,
+                    p.heads_q,
+                    p.heads_kv,
+                    p.rows_q,
+                    p.rows_kv,
+                    p.head_dim,
+                    if p.causal { " causal" } else { "" },
+                    p.window.map_or(String::new(), |w| format!(" window {w}")),
+                    tensors.join(" "),
+                    c.node
+                )
+            }
         }
     }
 }
@@ -851,6 +891,21 @@ impl Program {
             let _ = writeln!(s, "\n{name}:");
             for c in commands {
                 let _ = writeln!(s, "  {}", c.describe());
+                if let Command::Sdpa(call) = c {
+                    if let Some(why) = &call.unsupported {
+                        let _ = writeln!(s, "    cuDNN cannot run it ({why}); castor's kernels:");
+                        for f in &call.fallback {
+                            let _ = writeln!(s, "      {}", f.describe());
+                        }
+                    } else if call.fallback.is_empty() {
+                        let _ = writeln!(s, "    (cuDNN required: no fallback)");
+                    } else {
+                        let _ = writeln!(s, "    where cuDNN does not run it, castor's kernels:");
+                        for f in &call.fallback {
+                            let _ = writeln!(s, "      {}", f.describe());
+                        }
+                    }
+                }
             }
         };
         section("prologue", &self.prologue);

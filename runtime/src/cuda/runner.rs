@@ -37,6 +37,7 @@ impl From<CudaError> for RuntimeError {
             CudaError::NoCuda(_)
             | CudaError::NoCublas
             | CudaError::NoNccl(_)
+            | CudaError::NoCudnn(_)
             | CudaError::Nvrtc(_) => RuntimeError::DeviceUnavailable(e.to_string()),
             other => RuntimeError::Cuda(other.to_string()),
         }
@@ -649,23 +650,31 @@ fn check_indices(
 fn run_reads_slot(program: &Program, run: usize, slot: usize) -> bool {
     use super::program::{Arg, Command};
     let hit = |p: &Place| matches!(p, Place::Slot { slot: s, .. } if *s == slot);
-    program.runs[run].commands.iter().any(|c| match c {
-        Command::Launch(l) => l.args.iter().any(|a| matches!(a, Arg::Ptr(p) if hit(p))),
-        Command::Gemm(g) => {
-            hit(&g.a)
-                || hit(&g.b)
-                || g.epilogue
-                    .buffers(g.c_dtype)
-                    .iter()
-                    .any(|(_, p, _, _, written)| !written && hit(p))
+    fn reads(c: &Command, hit: &dyn Fn(&Place) -> bool) -> bool {
+        match c {
+            Command::Launch(l) => l.args.iter().any(|a| matches!(a, Arg::Ptr(p) if hit(p))),
+            Command::Gemm(g) => {
+                hit(&g.a)
+                    || hit(&g.b)
+                    || g.epilogue
+                        .buffers(g.c_dtype)
+                        .iter()
+                        .any(|(_, p, _, _, written)| !written && hit(p))
+            }
+            Command::Copy { src, .. } | Command::Collective { src, .. } => hit(src),
+            Command::Memset { .. } | Command::Join { .. } => false,
+            Command::Sdpa(call) => {
+                call.places().iter().any(|(_, p)| hit(p))
+                    || call.fallback.iter().any(|f| reads(f, hit))
+            }
         }
-        Command::Copy { src, .. } | Command::Collective { src, .. } => hit(src),
-        Command::Memset { .. } | Command::Join { .. } => false,
-    }) || program
-        .tables
-        .iter()
-        .flat_map(|t| t.fields())
-        .any(|f| matches!(f, super::program::Field::Ptr(p) if hit(p)))
+    }
+    program.runs[run].commands.iter().any(|c| reads(c, &hit))
+        || program
+            .tables
+            .iter()
+            .flat_map(|t| t.fields())
+            .any(|f| matches!(f, super::program::Field::Ptr(p) if hit(p)))
 }
 
 /// An error flag lowered by a kernel: the first bad position, with the index there.

@@ -99,7 +99,10 @@ impl Target for Gpu {
         Ok(self.loaded.gather_slot(slot, dtype, whole_bytes)?)
     }
     fn describe(&self) -> String {
-        self.device.name().to_string()
+        match self.loaded.attention() {
+            Some(attention) => format!("{}; {attention}", self.device.name()),
+            None => self.device.name().to_string(),
+        }
     }
     fn write_slot(&mut self, slot: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
         Ok(self.loaded.write_slot(slot, bytes)?)
@@ -148,7 +151,26 @@ impl Target for Emulator {
         Ok(emu)
     }
     fn describe(&self) -> String {
-        "the host emulator of the CUDA program".into()
+        let cudnn = self.program().all_commands().filter_map(|c| match c {
+            crate::cuda::program::Command::Sdpa(call) => Some(call.fallback.is_empty()),
+            _ => None,
+        });
+        let (mut required, mut optional) = (0, 0);
+        for must in cudnn {
+            if must {
+                required += 1;
+            } else {
+                optional += 1;
+            }
+        }
+        let mut s = String::from("the host emulator of the CUDA program");
+        if required + optional > 0 {
+            s.push_str(&format!(
+                "; attention: castor's kernels for {optional}, the CPU twin for {required} \
+                 cuDNN-only passes (no cuDNN here)"
+            ));
+        }
+        s
     }
     fn write_slot(&mut self, slot: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
         Emulator::write_slot(self, slot, bytes).map_err(RuntimeError::Emulated)

@@ -127,7 +127,15 @@ pub(super) fn check_program(program: &Program) -> Result<(), CudaError> {
     let runs = std::iter::once(("the prologue", &program.prologue))
         .chain(program.runs.iter().map(|r| (r.name.as_str(), &r.commands)));
     for (run, commands) in runs {
-        for (i, c) in commands.iter().enumerate() {
+        // A cuDNN attention's fallback commands are checked as commands of the run.
+        let expanded = commands.iter().flat_map(|c| {
+            let fallback = match c {
+                Command::Sdpa(call) => call.fallback.iter(),
+                _ => [].iter(),
+            };
+            std::iter::once(c).chain(fallback)
+        });
+        for (i, c) in expanded.enumerate() {
             let at = |node: &str| format!("run `{run}` command {i} (node `%{node}`)");
             match c {
                 Command::Launch(l) => {
@@ -197,6 +205,13 @@ pub(super) fn check_program(program: &Program) -> Result<(), CudaError> {
                     ext.check(*dst, *dst_bytes).map_err(|why| bad(&at, why))?;
                 }
                 Command::Join { .. } => {}
+                Command::Sdpa(call) => {
+                    let at = at(&call.node);
+                    for (role, bytes, place) in call.extents() {
+                        ext.check(place, bytes)
+                            .map_err(|why| bad(&at, format!("{role}: {why}")))?;
+                    }
+                }
             }
         }
     }

@@ -74,6 +74,33 @@ impl Loaded {
     pub(super) fn issue(&self, commands: &[Command]) -> Result<(), CudaError> {
         for c in commands {
             match c {
+                Command::Sdpa(call) => {
+                    let plan = self.cudnn.as_ref().filter(|c| c.built(call).is_some());
+                    match plan {
+                        // SAFETY: every place of the call was checked at load to lie in its
+                        // live buffer; the workspace is the program's, as large as the plan
+                        // asked for.
+                        Some(cudnn) => unsafe {
+                            cudnn.execute(
+                                call,
+                                &|p| self.address(p),
+                                self.workspace,
+                                self.dev.stream(),
+                            )
+                        }
+                        .map_err(|message| CudaError::Cudnn {
+                            node: call.node.clone(),
+                            message,
+                        })?,
+                        None if call.fallback.is_empty() => {
+                            return Err(CudaError::Unsupported(format!(
+                                "%{}: no cuDNN plan and no fallback",
+                                call.node
+                            )))
+                        }
+                        None => self.issue(&call.fallback)?,
+                    }
+                }
                 Command::Launch(l) => self.launch(l)?,
                 Command::Gemm(g) => self.gemm(g)?,
                 Command::Copy { dst, src, bytes } => {

@@ -56,6 +56,8 @@ impl Device {
             command_marks: Vec::new(),
             comm: None,
             side: None,
+            cudnn: None,
+            attention: None,
         };
 
         // Per module: entry name -> the size of each parameter, as its PTX declares them.
@@ -82,6 +84,7 @@ impl Device {
             );
         }
         loaded.resolve_functions(&params)?;
+        loaded.prepare_attention()?;
 
         let alloc = |bytes: u64, what: &dyn Fn() -> String| -> Result<u64, CudaError> {
             let bytes = usize::try_from(allocation_bytes(bytes))
@@ -236,6 +239,10 @@ pub struct Loaded {
     pub(super) comm: Option<crate::cuda::nccl::Communicator>,
     /// The side stream its gradient reductions run on, with their events.
     pub(super) side: Option<SideStream>,
+    /// cuDNN with the plans of the program's fused attention, where it runs them.
+    pub(super) cudnn: Option<super::cudnn::Cudnn>,
+    /// What runs the program's fused attention, for the device line.
+    pub(super) attention: Option<String>,
 }
 
 /// A second stream for collectives that overlap compute (`Command::Collective::side`): each
@@ -248,6 +255,88 @@ pub(super) struct SideStream {
 }
 
 impl Loaded {
+    /// Finds cuDNN and builds a plan for each of the program's cuDNN attention passes that it
+    /// can express. A pass that must run on cuDNN (`--attention cudnn`) and cannot is an
+    /// error naming why; one that may fall back runs castor's kernels, and
+    /// [`Loaded::attention`] says so.
+    fn prepare_attention(&mut self) -> Result<(), CudaError> {
+        use crate::cuda::sdpa::Sdpa;
+        let calls: Vec<Sdpa> = self
+            .program
+            .all_commands()
+            .filter_map(|c| match c {
+                Command::Sdpa(call) if call.unsupported.is_none() => Some((**call).clone()),
+                _ => None,
+            })
+            .collect();
+        let passes = self
+            .program
+            .all_commands()
+            .filter(|c| matches!(c, Command::Sdpa(_)))
+            .count();
+        if passes == 0 {
+            return Ok(());
+        }
+        let required = |call: &Sdpa| call.fallback.is_empty();
+        let refuse = |call: &Sdpa, why: &str| {
+            CudaError::NoCudnn(format!(
+                "--attention cudnn: cuDNN cannot run %{}: {why} (--attention auto runs \
+                 castor's kernels instead)",
+                call.node
+            ))
+        };
+        let cudnn = super::cudnn::probe().and_then(super::cudnn::Cudnn::new);
+        let mut cudnn = match cudnn {
+            Ok(c) => c,
+            Err(why) => {
+                if let Some(call) = calls.iter().find(|c| required(c)) {
+                    return Err(refuse(call, &why));
+                }
+                self.attention = Some(format!("attention: castor's kernels ({why})"));
+                return Ok(());
+            }
+        };
+        let (mut on_cudnn, mut nondeterministic, mut failed) = (0, 0, None);
+        for call in &calls {
+            match cudnn.plan(call, self.workspace_bytes) {
+                Ok(plan) => {
+                    on_cudnn += 1;
+                    if !plan.deterministic {
+                        nondeterministic += 1;
+                    }
+                }
+                Err(why) if required(call) => return Err(refuse(call, &why)),
+                Err(why) => {
+                    failed.get_or_insert(format!("%{}: {why}", call.node));
+                }
+            }
+        }
+        let mut line = format!(
+            "attention: cuDNN {} runs {on_cudnn} of {passes} passes",
+            super::cudnn::version_name(cudnn.version)
+        );
+        if on_cudnn < passes {
+            line.push_str(", castor's kernels the rest");
+            if let Some(why) = failed {
+                line.push_str(&format!(" (first refused: {why})"));
+            }
+        }
+        if nondeterministic > 0 {
+            line.push_str(&format!(
+                "; {nondeterministic} with no deterministic engine for their shape"
+            ));
+        }
+        self.attention = Some(line);
+        self.cudnn = Some(cudnn);
+        Ok(())
+    }
+
+    /// What runs the program's fused attention passes (cuDNN, castor's kernels, and why),
+    /// when it has any that cuDNN may run.
+    pub fn attention(&self) -> Option<&str> {
+        self.attention.as_deref()
+    }
+
     /// Device memory this program holds: [`Program::allocation`], which is what `load`
     /// allocated.
     pub fn allocated_bytes(&self) -> u64 {

@@ -27,6 +27,7 @@
 mod args;
 mod capture;
 mod check;
+mod cudnn;
 mod host;
 mod issue;
 mod load;
@@ -38,6 +39,7 @@ mod tests;
 mod timing;
 
 pub use args::arg_bytes;
+pub use cudnn::{probe as probe_cudnn, CUDNN_DIR_VAR};
 pub use load::Loaded;
 pub use open::Device;
 
@@ -98,6 +100,11 @@ pub enum CudaError {
         human_bytes(*.total)
     )]
     OutOfMemory { needed: u64, free: u64, total: u64 },
+    #[error("cuDNN failed{}: {message}", on_node(.node))]
+    Cudnn { node: String, message: String },
+    /// `--attention cudnn` where cuDNN is missing, too old, or builds no plan for a pass.
+    #[error("{0}")]
+    NoCudnn(String),
     #[error("not supported by the CUDA executor: {0}")]
     Unsupported(String),
     #[error("bad program or data for the CUDA executor: {0}")]

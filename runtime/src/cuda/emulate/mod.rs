@@ -46,6 +46,7 @@ mod gemm;
 mod kernel_tests;
 mod launch;
 mod memory;
+mod sdpa;
 
 pub use castor_kernels::host::Order;
 
@@ -335,6 +336,7 @@ fn describe(c: &Command) -> String {
         }
         Command::Collective { node, op, .. } => format!("`{}` for %{node}", op.mnemonic()),
         Command::Join { events } => format!("join of side events {events:?}"),
+        Command::Sdpa(call) => format!("cuDNN attention for %{}", call.node),
     }
 }
 
@@ -389,6 +391,16 @@ fn exec(
             Ok(())
         }
         Command::Join { .. } => Ok(()),
+        // Where cuDNN may not run it, the fallback is what this machine (no cuDNN) runs;
+        // a command cuDNN must run is checked against the op's CPU twin.
+        Command::Sdpa(call) if !call.fallback.is_empty() => {
+            for f in &call.fallback {
+                exec(program, mem, modules, (order, member), f)
+                    .map_err(|e| format!("{} (castor's kernels): {e}", describe(f)))?;
+            }
+            Ok(())
+        }
+        Command::Sdpa(call) => sdpa::twin(mem, call),
     }
 }
 

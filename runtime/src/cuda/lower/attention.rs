@@ -4,8 +4,9 @@
 //! scratch come from `castor_kernels::attention`, as the emulator's contract reads them.
 
 use super::super::program::{Arg, Command};
+use super::super::sdpa::{self, Sdpa, SdpaGrads, SdpaPass, SdpaProblem, Tensor4};
 use super::{sfx, window_arg, LowerError, RunLowering};
-use castor_ir::{Accum, DType, Node, Op, Value};
+use castor_ir::{Accum, AttentionLibrary, DType, Node, Op, Value};
 use castor_kernels::attention::{self as geometry, Kernel};
 
 /// An attention op as the kernels see it: `bq` query batches of `t` rows and head dim `d`;
@@ -198,6 +199,7 @@ impl RunLowering<'_, '_> {
             causal,
             window,
             scale,
+            library,
         } = node.op
         else {
             return Err(self.err(node.outputs[0], "not an attention node"));
@@ -209,6 +211,7 @@ impl RunLowering<'_, '_> {
         if g.ty(o).dtype != p.dtype || g.ty(lse).dtype != DType::F32 {
             return Err(self.err(o, "attention writes o in q's dtype and lse in F32"));
         }
+        let mark = self.commands.len();
         let args = vec![
             ("q", Arg::Ptr(self.at(ins[0])?)),
             ("k", Arg::Ptr(self.at(ins[1])?)),
@@ -217,7 +220,81 @@ impl RunLowering<'_, '_> {
             ("o", Arg::Ptr(self.out(o)?)),
             ("lse", Arg::Ptr(self.out(lse)?)),
         ];
-        self.attention_launch(o, &p, Kernel::Forward, args, (causal, window), scale)
+        self.attention_launch(o, &p, Kernel::Forward, args, (causal, window), scale)?;
+        if !library.may_use_cudnn() {
+            return Ok(());
+        }
+        let call = Sdpa {
+            node: g.name(o).to_string(),
+            pass: SdpaPass::Forward,
+            problem: sdpa_problem(&p, mask.is_some(), causal, window, scale),
+            q: Tensor4::dense(self.at(ins[0])?, p.bq, p.t, p.d),
+            k: Tensor4::dense(self.at(ins[1])?, p.bq / p.group, p.s, p.d),
+            v: Tensor4::dense(self.at(ins[2])?, p.bq / p.group, p.s, p.d),
+            o: Tensor4::dense(self.at(o)?, p.bq, p.t, p.d),
+            lse: self.at(lse)?,
+            grads: None,
+            mask: None,
+            fallback: Vec::new(),
+            unsupported: None,
+        };
+        self.cudnn_or_kernels(o, call, mark, library, mask)
+    }
+
+    /// Replaces the kernels lowered since `mark` by `call` run on cuDNN, those kernels its
+    /// fallback under `library=auto`; where cuDNN cannot express the pass, the kernels run
+    /// (auto, the reason in the listing) or the lowering fails naming it (cudnn). A key-padding
+    /// `mask` is cast to the F32 keep flags cuDNN's graph reads, just before the call.
+    fn cudnn_or_kernels(
+        &mut self,
+        y: Value,
+        mut call: Sdpa,
+        mark: usize,
+        library: AttentionLibrary,
+        mask: Option<Value>,
+    ) -> Result<(), LowerError> {
+        let p = call.problem;
+        let (bq, group) = (p.batch * p.heads_q, p.heads_q / p.heads_kv.max(1));
+        call.unsupported = sdpa::unsupported(
+            p.dtype,
+            (p.rows_q, p.rows_kv, p.head_dim),
+            p.causal,
+            (group, mask.is_some().then_some(p.heads_q)),
+            call.pass,
+        );
+        if library == AttentionLibrary::Cudnn {
+            if let Some(why) = &call.unsupported {
+                return Err(self.err(
+                    y,
+                    format!(
+                        "--attention cudnn: cuDNN's fused attention cannot run this op: {why} \
+                         (--attention auto runs castor's kernels where cuDNN cannot)"
+                    ),
+                ));
+            }
+            self.commands.truncate(mark);
+        } else {
+            call.fallback = self.commands.split_off(mark);
+        }
+        if let (Some(m), None) = (mask, &call.unsupported) {
+            let n = p.batch * p.rows_kv;
+            let flags = self.scratch(n as u64 * 4);
+            self.launch(
+                y,
+                "cast_bool_f32",
+                super::grid_1d(n, 256),
+                (256, 1, 1),
+                vec![
+                    ("x", Arg::Ptr(self.at(m)?)),
+                    ("y", Arg::Ptr(flags)),
+                    ("n", Arg::I64(n as i64)),
+                ],
+            )?;
+            call.mask = Some(flags);
+        }
+        debug_assert_eq!(bq % p.batch.max(1), 0);
+        self.commands.push(Command::Sdpa(Box::new(call)));
+        Ok(())
     }
 
     /// `attention_grad(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)`: the row sums
@@ -230,6 +307,7 @@ impl RunLowering<'_, '_> {
             causal,
             window,
             scale,
+            library,
         } = node.op
         else {
             return Err(self.err(node.outputs[0], "not an attention gradient node"));
@@ -248,6 +326,8 @@ impl RunLowering<'_, '_> {
             ));
         }
         let rows = p.bq * p.t;
+        let mark = self.commands.len();
+        // delta for the kernels; the same F32 rows for cuDNN's row sums.
         let delta = self.scratch(rows as u64 * 4);
         let (o_at, do_at) = (self.at(ins[3])?, self.at(ins[5])?);
         self.launch_shared(
@@ -294,7 +374,7 @@ impl RunLowering<'_, '_> {
                     ("dq_acc", Arg::Ptr(acc)),
                     ("dq_ready", Arg::Ptr(ready)),
                 ]);
-                self.attention_launch(dq, &p, Kernel::Backward, args, (causal, window), scale)
+                self.attention_launch(dq, &p, Kernel::Backward, args, (causal, window), scale)?;
             }
             None => {
                 let mut args = common.clone();
@@ -303,9 +383,60 @@ impl RunLowering<'_, '_> {
                 let mut args = common;
                 args.push(("dk", Arg::Ptr(self.out(dk)?)));
                 args.push(("dv", Arg::Ptr(self.out(dv)?)));
-                self.attention_launch(dk, &p, Kernel::DkDv, args, (causal, window), scale)
+                self.attention_launch(dk, &p, Kernel::DkDv, args, (causal, window), scale)?;
             }
         }
+        if !library.may_use_cudnn() {
+            return Ok(());
+        }
+        let (hq, hk) = (p.bq, p.bq / p.group);
+        let call = Sdpa {
+            node: g.name(dq).to_string(),
+            pass: SdpaPass::Backward,
+            problem: sdpa_problem(&p, mask.is_some(), causal, window, scale),
+            q: Tensor4::dense(self.at(ins[0])?, hq, p.t, p.d),
+            k: Tensor4::dense(self.at(ins[1])?, hk, p.s, p.d),
+            v: Tensor4::dense(self.at(ins[2])?, hk, p.s, p.d),
+            o: Tensor4::dense(o_at, hq, p.t, p.d),
+            lse: self.at(ins[4])?,
+            grads: Some(SdpaGrads {
+                d_o: Tensor4::dense(do_at, hq, p.t, p.d),
+                dq: Tensor4::dense(self.at(dq)?, hq, p.t, p.d),
+                dk: Tensor4::dense(self.at(dk)?, hk, p.s, p.d),
+                dv: Tensor4::dense(self.at(dv)?, hk, p.s, p.d),
+                row_sums: delta,
+            }),
+            mask: None,
+            fallback: Vec::new(),
+            unsupported: None,
+        };
+        self.cudnn_or_kernels(dq, call, mark, library, mask)
+    }
+}
+
+/// The attention problem as cuDNN sees it: castor's query batches split into the batches of
+/// the key-padding mask's rows and the heads sharing each (one batch of all heads without a
+/// mask). The dense `[bq, rows, d]` tensors are the same memory either way.
+fn sdpa_problem(
+    p: &Problem,
+    masked: bool,
+    causal: bool,
+    window: Option<usize>,
+    scale: f64,
+) -> SdpaProblem {
+    let per_batch = if masked { p.mask_group } else { p.bq };
+    SdpaProblem {
+        dtype: p.dtype,
+        batch: p.bq / per_batch.max(1),
+        heads_q: per_batch,
+        heads_kv: per_batch / p.group.max(1),
+        rows_q: p.t,
+        rows_kv: p.s,
+        head_dim: p.d,
+        causal,
+        window,
+        masked,
+        scale_bits: scale.to_bits(),
     }
 }
 

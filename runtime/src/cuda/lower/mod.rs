@@ -927,6 +927,11 @@ fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
             *src = f(*src);
         }
         Command::Join { .. } => {}
+        Command::Sdpa(call) => call.map_places(&mut |p| f(p), &mut |fallback| {
+            for c in fallback {
+                map_places(c, f);
+            }
+        }),
     }
 }
 

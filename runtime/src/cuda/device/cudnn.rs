@@ -1,0 +1,648 @@
+//! cuDNN's fused attention on the device: the library found and checked before anything can
+//! panic ([`probe`]), a handle on castor's stream, the operation graphs of `super::super::sdpa`
+//! turned into backend descriptors one for one, engines chosen by cuDNN's heuristics and the
+//! first plan that builds kept ([`Cudnn::plan`]), and a plan run on its tensors
+//! ([`Cudnn::execute`]). A small wrapper of castor's own over the backend API's raw calls
+//! (`cudarc::cudnn::sys`), in the manner of cudnn-frontend's SDPA nodes.
+//!
+//! Invariants: nothing calls into cuDNN before [`probe`] succeeded (cudarc's bindings abort
+//! the process when the library or a symbol is missing); plans are built at load, outside
+//! any CUDA-graph capture, and hold the by-value scalars they were built with, so a captured
+//! execution reads them at the same addresses on every replay.
+
+use crate::cuda::sdpa::{self, Binding, ElemType, OpSpec, Pointwise, Sdpa};
+use castor_ir::DType;
+use cudarc::cudnn::sys;
+use std::collections::HashMap;
+use std::ffi::c_void;
+
+/// The environment variable naming a folder that holds `libcudnn.so.9` (a toolkit's `lib` or
+/// the `nvidia-cudnn-cu13` wheel's `nvidia/cudnn/lib`).
+pub const CUDNN_DIR_VAR: &str = "CASTOR_CUDNN_DIR";
+
+/// The oldest cuDNN with the fused attention graphs built here (sliding windows from 9.2).
+const MIN_VERSION: usize = 90200;
+
+/// Finds libcudnn (in `CASTOR_CUDNN_DIR` first, then on the loader path) and returns its
+/// version (`major * 10000 + minor * 100 + patch`), or why it cannot be used.
+pub fn probe() -> Result<usize, String> {
+    if let Some(dir) = std::env::var_os(CUDNN_DIR_VAR) {
+        let dir = std::path::PathBuf::from(dir);
+        let candidates = [
+            dir.join("libcudnn.so.9"),
+            dir.join("lib/libcudnn.so.9"),
+            dir.join("nvidia/cudnn/lib/libcudnn.so.9"),
+        ];
+        let Some(path) = candidates.iter().find(|p| p.is_file()) else {
+            return Err(format!(
+                "{CUDNN_DIR_VAR}={} holds no libcudnn.so.9",
+                dir.display()
+            ));
+        };
+        // Loaded globally and kept, so that cudarc's own load by name finds it.
+        // SAFETY: loading a shared library runs its initializers; libcudnn's are benign.
+        let lib = unsafe {
+            libloading::os::unix::Library::open(
+                Some(path),
+                libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
+            )
+        }
+        .map_err(|e| format!("cannot load {}: {e}", path.display()))?;
+        std::mem::forget(lib);
+    }
+    // SAFETY: only tries to open the library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(format!(
+            "libcudnn.so.9 not found: `pip install \"nvidia-cudnn-cu13==9.*\"` (or a CUDA \
+             toolkit's cuDNN) and set {CUDNN_DIR_VAR} to the folder holding it, or put it on \
+             LD_LIBRARY_PATH"
+        ));
+    }
+    // SAFETY: the library is present; cudnnGetVersion exists in every cuDNN.
+    let version = unsafe { sys::cudnnGetVersion() };
+    if version < MIN_VERSION {
+        return Err(format!(
+            "cuDNN {} is too old for its fused attention graphs here (9.2 or newer)",
+            version_name(version)
+        ));
+    }
+    if (91000..91002).contains(&version) {
+        return Err(format!(
+            "cuDNN {} has known fused-attention bugs (use 9.10.2 or newer)",
+            version_name(version)
+        ));
+    }
+    Ok(version)
+}
+
+/// `90600` as `9.6.0`.
+pub fn version_name(v: usize) -> String {
+    format!("{}.{}.{}", v / 10000, v / 100 % 100, v % 100)
+}
+
+/// A cuDNN status as text, with the library's own last message.
+fn check(status: sys::cudnnStatus_t, call: &str) -> Result<(), String> {
+    if status == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+        return Ok(());
+    }
+    let mut buf = [0 as std::ffi::c_char; 512];
+    // SAFETY: the buffer is writable for its length.
+    unsafe { sys::cudnnGetLastErrorString(buf.as_mut_ptr(), buf.len()) };
+    // SAFETY: cuDNN wrote a NUL-terminated string (or left the buffer zeroed).
+    let last = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy();
+    Err(format!(
+        "{call} returned {status:?}{}",
+        if last.is_empty() {
+            String::new()
+        } else {
+            format!(": {last}")
+        }
+    ))
+}
+
+/// A backend descriptor, destroyed when dropped.
+struct Desc(sys::cudnnBackendDescriptor_t);
+
+impl Drop for Desc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnBackendCreateDescriptor and destroyed once.
+        unsafe { sys::cudnnBackendDestroyDescriptor(self.0) };
+    }
+}
+
+use sys::cudnnBackendAttributeName_t as A;
+use sys::cudnnBackendAttributeType_t as T;
+use sys::cudnnBackendDescriptorType_t as D;
+
+impl Desc {
+    fn new(kind: D) -> Result<Desc, String> {
+        let mut d = std::ptr::null_mut();
+        // SAFETY: `d` receives a new descriptor.
+        check(
+            unsafe { sys::cudnnBackendCreateDescriptor(kind, &mut d) },
+            &format!("cudnnBackendCreateDescriptor({kind:?})"),
+        )?;
+        Ok(Desc(d))
+    }
+
+    /// Sets attribute `name` to the `values`, whose element type `ty` names.
+    fn set<V>(&self, name: A, ty: T, values: &[V]) -> Result<(), String> {
+        // SAFETY: `values` holds `len` elements of the type `ty` names, read during the call.
+        check(
+            unsafe {
+                sys::cudnnBackendSetAttribute(
+                    self.0,
+                    name,
+                    ty,
+                    values.len() as i64,
+                    values.as_ptr().cast::<c_void>(),
+                )
+            },
+            &format!("setting {name:?}"),
+        )
+    }
+
+    fn descs(&self, name: A, descs: &[&Desc]) -> Result<(), String> {
+        let raw: Vec<sys::cudnnBackendDescriptor_t> = descs.iter().map(|d| d.0).collect();
+        self.set(name, T::CUDNN_TYPE_BACKEND_DESCRIPTOR, &raw)
+    }
+
+    fn finalize(&self, what: &str) -> Result<(), String> {
+        // SAFETY: a live descriptor whose attributes were set.
+        check(unsafe { sys::cudnnBackendFinalize(self.0) }, what)
+    }
+}
+
+fn data_type(e: ElemType, io: DType) -> sys::cudnnDataType_t {
+    use sys::cudnnDataType_t::*;
+    match e {
+        ElemType::Io if io == DType::F16 => CUDNN_DATA_HALF,
+        ElemType::Io => CUDNN_DATA_BFLOAT16,
+        ElemType::F32 => CUDNN_DATA_FLOAT,
+        ElemType::I32 => CUDNN_DATA_INT32,
+        ElemType::Bool => CUDNN_DATA_BOOLEAN,
+    }
+}
+
+fn mode(p: Pointwise) -> sys::cudnnPointwiseMode_t {
+    use sys::cudnnPointwiseMode_t::*;
+    match p {
+        Pointwise::Add => CUDNN_POINTWISE_ADD,
+        Pointwise::Sub => CUDNN_POINTWISE_SUB,
+        Pointwise::Mul => CUDNN_POINTWISE_MUL,
+        Pointwise::Div => CUDNN_POINTWISE_DIV,
+        Pointwise::Exp => CUDNN_POINTWISE_EXP,
+        Pointwise::Log => CUDNN_POINTWISE_LOG,
+        Pointwise::CmpGe => CUDNN_POINTWISE_CMP_GE,
+        Pointwise::CmpGt => CUDNN_POINTWISE_CMP_GT,
+        Pointwise::BinarySelect => CUDNN_POINTWISE_BINARY_SELECT,
+        Pointwise::GenIndex { .. } => CUDNN_POINTWISE_GEN_INDEX,
+    }
+}
+
+/// A built plan: its descriptor, the graph it runs (for the variant pack), the scalars it
+/// reads by value, and whether its engine is deterministic.
+pub(super) struct Plan {
+    plan: Desc,
+    graph: sdpa::Graph,
+    /// The by-value scalars, in graph order: the addresses the plan reads (the vector is never
+    /// resized after the plan is built, so they stay put).
+    scalars: Vec<f32>,
+    pub(super) deterministic: bool,
+}
+
+/// Plans are shared by calls with the same problem and layout.
+type PlanKey = (sdpa::SdpaPass, sdpa::SdpaProblem, Vec<[i64; 4]>);
+
+fn key(call: &Sdpa) -> PlanKey {
+    let mut strides = vec![
+        call.q.strides,
+        call.k.strides,
+        call.v.strides,
+        call.o.strides,
+    ];
+    if let Some(g) = &call.grads {
+        strides.extend([g.d_o.strides, g.dq.strides, g.dk.strides, g.dv.strides]);
+    }
+    (call.pass, call.problem, strides)
+}
+
+/// cuDNN on castor's stream: a handle and the plans built for a program.
+pub(super) struct Cudnn {
+    handle: sys::cudnnHandle_t,
+    pub(super) version: usize,
+    plans: HashMap<PlanKey, Plan>,
+}
+
+impl Drop for Cudnn {
+    fn drop(&mut self) {
+        self.plans.clear();
+        // SAFETY: created by cudnnCreate, destroyed once, after every plan of it.
+        unsafe { sys::cudnnDestroy(self.handle) };
+    }
+}
+
+impl Cudnn {
+    /// A handle on the current context (after [`probe`]).
+    pub(super) fn new(version: usize) -> Result<Cudnn, String> {
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: the library is present (probed); `handle` receives a new handle.
+        check(unsafe { sys::cudnnCreate(&mut handle) }, "cudnnCreate")?;
+        Ok(Cudnn {
+            handle,
+            version,
+            plans: HashMap::new(),
+        })
+    }
+
+    /// Builds (once per problem and layout) the plan of `call` that fits `workspace` bytes.
+    pub(super) fn plan(&mut self, call: &Sdpa, workspace: u64) -> Result<&Plan, String> {
+        let k = key(call);
+        if !self.plans.contains_key(&k) {
+            let plan = self.build(call, workspace)?;
+            self.plans.insert(k.clone(), plan);
+        }
+        Ok(&self.plans[&k])
+    }
+
+    /// The plan built for `call`, if any.
+    pub(super) fn built(&self, call: &Sdpa) -> Option<&Plan> {
+        self.plans.get(&key(call))
+    }
+
+    fn build(&self, call: &Sdpa, workspace: u64) -> Result<Plan, String> {
+        let graph = sdpa::graph(call)?;
+        graph
+            .check()
+            .map_err(|e| format!("the attention graph: {e}"))?;
+        let io = call.problem.dtype;
+        let mut scalars = Vec::new();
+        let mut tensors = Vec::with_capacity(graph.tensors.len());
+        for t in &graph.tensors {
+            let d = Desc::new(D::CUDNN_BACKEND_TENSOR_DESCRIPTOR)?;
+            d.set(
+                A::CUDNN_ATTR_TENSOR_DATA_TYPE,
+                T::CUDNN_TYPE_DATA_TYPE,
+                &[data_type(t.elem, io)],
+            )?;
+            d.set(
+                A::CUDNN_ATTR_TENSOR_DIMENSIONS,
+                T::CUDNN_TYPE_INT64,
+                &t.dims,
+            )?;
+            d.set(
+                A::CUDNN_ATTR_TENSOR_STRIDES,
+                T::CUDNN_TYPE_INT64,
+                &t.strides,
+            )?;
+            d.set(
+                A::CUDNN_ATTR_TENSOR_UNIQUE_ID,
+                T::CUDNN_TYPE_INT64,
+                &[t.uid],
+            )?;
+            d.set(
+                A::CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT,
+                T::CUDNN_TYPE_INT64,
+                &[16i64],
+            )?;
+            match t.binding {
+                Binding::Virtual => d.set(
+                    A::CUDNN_ATTR_TENSOR_IS_VIRTUAL,
+                    T::CUDNN_TYPE_BOOLEAN,
+                    &[true],
+                )?,
+                Binding::Scalar(v) => {
+                    d.set(
+                        A::CUDNN_ATTR_TENSOR_IS_BY_VALUE,
+                        T::CUDNN_TYPE_BOOLEAN,
+                        &[true],
+                    )?;
+                    scalars.push(v);
+                }
+                Binding::Operand(_) => {}
+            }
+            d.finalize(&format!("the tensor `{}`", t.name))?;
+            tensors.push(d);
+        }
+        let mut ops = Vec::with_capacity(graph.ops.len());
+        // Operation descriptors keep their sub-descriptors alive until the graph is built.
+        let mut parts = Vec::new();
+        for op in &graph.ops {
+            let d = match op {
+                OpSpec::Matmul { a, b, c } => {
+                    let mm = Desc::new(D::CUDNN_BACKEND_MATMUL_DESCRIPTOR)?;
+                    mm.set(
+                        A::CUDNN_ATTR_MATMUL_COMP_TYPE,
+                        T::CUDNN_TYPE_DATA_TYPE,
+                        &[sys::cudnnDataType_t::CUDNN_DATA_FLOAT],
+                    )?;
+                    mm.finalize("a matmul descriptor")?;
+                    let d = Desc::new(D::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR)?;
+                    d.descs(A::CUDNN_ATTR_OPERATION_MATMUL_ADESC, &[&tensors[*a]])?;
+                    d.descs(A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &[&tensors[*b]])?;
+                    d.descs(A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &[&tensors[*c]])?;
+                    d.descs(A::CUDNN_ATTR_OPERATION_MATMUL_DESC, &[&mm])?;
+                    parts.push(mm);
+                    d
+                }
+                OpSpec::Pointwise {
+                    mode: m,
+                    inputs,
+                    y,
+                    compute,
+                } => {
+                    let pw = Desc::new(D::CUDNN_BACKEND_POINTWISE_DESCRIPTOR)?;
+                    pw.set(
+                        A::CUDNN_ATTR_POINTWISE_MODE,
+                        T::CUDNN_TYPE_POINTWISE_MODE,
+                        &[mode(*m)],
+                    )?;
+                    pw.set(
+                        A::CUDNN_ATTR_POINTWISE_MATH_PREC,
+                        T::CUDNN_TYPE_DATA_TYPE,
+                        &[data_type(*compute, io)],
+                    )?;
+                    if let Pointwise::GenIndex { axis } = m {
+                        pw.set(A::CUDNN_ATTR_POINTWISE_AXIS, T::CUDNN_TYPE_INT64, &[*axis])?;
+                    }
+                    pw.finalize("a pointwise descriptor")?;
+                    let d = Desc::new(D::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR)?;
+                    d.descs(A::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, &[&pw])?;
+                    d.descs(
+                        A::CUDNN_ATTR_OPERATION_POINTWISE_XDESC,
+                        &[&tensors[inputs[0]]],
+                    )?;
+                    if let Some(&b) = inputs.get(1) {
+                        d.descs(A::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, &[&tensors[b]])?;
+                    }
+                    if let Some(&t) = inputs.get(2) {
+                        d.descs(A::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, &[&tensors[t]])?;
+                    }
+                    d.descs(A::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, &[&tensors[*y]])?;
+                    d.set(
+                        A::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1,
+                        T::CUDNN_TYPE_FLOAT,
+                        &[1f32],
+                    )?;
+                    d.set(
+                        A::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2,
+                        T::CUDNN_TYPE_FLOAT,
+                        &[1f32],
+                    )?;
+                    parts.push(pw);
+                    d
+                }
+                OpSpec::Reduce { max, x, y } => {
+                    let r = Desc::new(D::CUDNN_BACKEND_REDUCTION_DESCRIPTOR)?;
+                    r.set(
+                        A::CUDNN_ATTR_REDUCTION_COMP_TYPE,
+                        T::CUDNN_TYPE_DATA_TYPE,
+                        &[sys::cudnnDataType_t::CUDNN_DATA_FLOAT],
+                    )?;
+                    let op = if *max {
+                        sys::cudnnReduceTensorOp_t::CUDNN_REDUCE_TENSOR_MAX
+                    } else {
+                        sys::cudnnReduceTensorOp_t::CUDNN_REDUCE_TENSOR_ADD
+                    };
+                    r.set(
+                        A::CUDNN_ATTR_REDUCTION_OPERATOR,
+                        T::CUDNN_TYPE_REDUCTION_OPERATOR_TYPE,
+                        &[op],
+                    )?;
+                    if self.version >= 91100 {
+                        r.set(
+                            A::CUDNN_ATTR_REDUCTION_IS_DETERMINISTIC,
+                            T::CUDNN_TYPE_BOOLEAN,
+                            &[true],
+                        )?;
+                    }
+                    r.finalize("a reduction descriptor")?;
+                    let d = Desc::new(D::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR)?;
+                    d.descs(A::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &[&r])?;
+                    d.descs(A::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, &[&tensors[*x]])?;
+                    d.descs(A::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, &[&tensors[*y]])?;
+                    parts.push(r);
+                    d
+                }
+                OpSpec::Reshape { x, y } => {
+                    let d = Desc::new(D::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR)?;
+                    d.descs(A::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, &[&tensors[*x]])?;
+                    d.descs(A::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, &[&tensors[*y]])?;
+                    d
+                }
+            };
+            d.finalize("an operation descriptor")?;
+            ops.push(d);
+        }
+        let op_graph = Desc::new(D::CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR)?;
+        op_graph.descs(
+            A::CUDNN_ATTR_OPERATIONGRAPH_OPS,
+            &ops.iter().collect::<Vec<_>>(),
+        )?;
+        op_graph.set(
+            A::CUDNN_ATTR_OPERATIONGRAPH_HANDLE,
+            T::CUDNN_TYPE_HANDLE,
+            &[self.handle],
+        )?;
+        op_graph.finalize("the operation graph")?;
+        let (plan, deterministic) = self.choose(&op_graph, workspace)?;
+        Ok(Plan {
+            plan,
+            graph,
+            scalars,
+            deterministic,
+        })
+    }
+
+    /// The first engine configuration, by cuDNN's heuristics (mode A, then the fallback list),
+    /// whose plan builds within `workspace` bytes, preferring deterministic engines.
+    fn choose(&self, op_graph: &Desc, workspace: u64) -> Result<(Desc, bool), String> {
+        let mut last = "cuDNN's heuristics proposed no engine".to_string();
+        let mut nondeterministic = None;
+        for heur_mode in [
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
+            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+        ] {
+            let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
+            heur.descs(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[op_graph])?;
+            heur.set(
+                A::CUDNN_ATTR_ENGINEHEUR_MODE,
+                T::CUDNN_TYPE_HEUR_MODE,
+                &[heur_mode],
+            )?;
+            if let Err(e) = heur.finalize("the engine heuristics") {
+                last = e;
+                continue;
+            }
+            let mut count = 0i64;
+            // SAFETY: asks for the count only (no elements written).
+            check(
+                unsafe {
+                    sys::cudnnBackendGetAttribute(
+                        heur.0,
+                        A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                        0,
+                        &mut count,
+                        std::ptr::null_mut(),
+                    )
+                },
+                "counting the heuristics' results",
+            )?;
+            let configs: Vec<Desc> = (0..count)
+                .map(|_| Desc::new(D::CUDNN_BACKEND_ENGINECFG_DESCRIPTOR))
+                .collect::<Result<_, _>>()?;
+            let mut raw: Vec<sys::cudnnBackendDescriptor_t> = configs.iter().map(|c| c.0).collect();
+            let mut got = 0i64;
+            // SAFETY: `raw` holds `count` created engine-config descriptors cuDNN fills.
+            check(
+                unsafe {
+                    sys::cudnnBackendGetAttribute(
+                        heur.0,
+                        A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                        T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                        count,
+                        &mut got,
+                        raw.as_mut_ptr().cast::<c_void>(),
+                    )
+                },
+                "reading the heuristics' results",
+            )?;
+            for config in configs.iter().take(got.max(0) as usize) {
+                let deterministic = !self.nondeterministic(config);
+                let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
+                plan.set(
+                    A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
+                    T::CUDNN_TYPE_HANDLE,
+                    &[self.handle],
+                )?;
+                plan.descs(A::CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, &[config])?;
+                if let Err(e) = plan.finalize("an execution plan") {
+                    last = e;
+                    continue;
+                }
+                let mut bytes = 0i64;
+                let mut n = 0i64;
+                // SAFETY: one INT64 written into `bytes`.
+                check(
+                    unsafe {
+                        sys::cudnnBackendGetAttribute(
+                            plan.0,
+                            A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
+                            T::CUDNN_TYPE_INT64,
+                            1,
+                            &mut n,
+                            (&mut bytes as *mut i64).cast::<c_void>(),
+                        )
+                    },
+                    "reading the plan's workspace size",
+                )?;
+                if bytes as u64 > workspace {
+                    last = format!(
+                        "the plans that build need {bytes} bytes of workspace, more than the \
+                         program's {workspace}"
+                    );
+                    continue;
+                }
+                if deterministic {
+                    return Ok((plan, true));
+                }
+                nondeterministic.get_or_insert(plan);
+            }
+        }
+        match nondeterministic {
+            Some(plan) => Ok((plan, false)),
+            None => Err(last),
+        }
+    }
+
+    /// Whether the engine of `config` says its results depend on timing.
+    fn nondeterministic(&self, config: &Desc) -> bool {
+        let Ok(engine) = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR) else {
+            return false;
+        };
+        let mut n = 0i64;
+        let mut raw = [engine.0];
+        // SAFETY: one descriptor written into the created engine descriptor.
+        let got = unsafe {
+            sys::cudnnBackendGetAttribute(
+                config.0,
+                A::CUDNN_ATTR_ENGINECFG_ENGINE,
+                T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                1,
+                &mut n,
+                raw.as_mut_ptr().cast::<c_void>(),
+            )
+        };
+        if got != sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+            return false;
+        }
+        // Read as plain integers: a newer cuDNN may return notes this binding has no name for.
+        let mut notes = [0u32; 16];
+        let mut count = 0i64;
+        // SAFETY: at most 16 four-byte notes written into `notes`.
+        let ok = unsafe {
+            sys::cudnnBackendGetAttribute(
+                engine.0,
+                A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
+                T::CUDNN_TYPE_NUMERICAL_NOTE,
+                notes.len() as i64,
+                &mut count,
+                notes.as_mut_ptr().cast::<c_void>(),
+            )
+        };
+        ok == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS
+            && notes[..count.clamp(0, 16) as usize].contains(
+                &(sys::cudnnBackendNumericalNote_t::CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC as u32),
+            )
+    }
+
+    /// Runs `call`'s plan on `stream`: `address` gives each place's device address.
+    ///
+    /// # Safety
+    /// Every place of `call` addresses live device memory of the context the handle was made
+    /// in, as large as the call's extents; `workspace` holds the plan's workspace bytes.
+    pub(super) unsafe fn execute(
+        &self,
+        call: &Sdpa,
+        address: &dyn Fn(crate::cuda::program::Place) -> u64,
+        workspace: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), String> {
+        let plan = self
+            .built(call)
+            .ok_or_else(|| format!("no cuDNN plan was built for %{}", call.node))?;
+        let places = call.places();
+        let mut uids = Vec::new();
+        let mut pointers: Vec<*mut c_void> = Vec::new();
+        let mut scalar = plan.scalars.iter();
+        for (i, binding) in plan.graph.bound() {
+            let pointer = match binding {
+                Binding::Operand(role) => {
+                    let place = places
+                        .iter()
+                        .find(|(r, _)| *r == role)
+                        .map(|(_, p)| *p)
+                        .ok_or_else(|| format!("the call has no `{role}` tensor"))?;
+                    std::ptr::without_provenance_mut(address(place) as usize)
+                }
+                Binding::Scalar(_) => {
+                    let value = scalar.next().ok_or("a scalar without its value")?;
+                    (value as *const f32).cast_mut().cast::<c_void>()
+                }
+                Binding::Virtual => continue,
+            };
+            uids.push(plan.graph.tensors[i].uid);
+            pointers.push(pointer);
+        }
+        let pack = Desc::new(D::CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR)?;
+        let ws: *mut c_void = std::ptr::without_provenance_mut(workspace as usize);
+        pack.set(
+            A::CUDNN_ATTR_VARIANT_PACK_WORKSPACE,
+            T::CUDNN_TYPE_VOID_PTR,
+            &[ws],
+        )?;
+        pack.set(
+            A::CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS,
+            T::CUDNN_TYPE_VOID_PTR,
+            &pointers,
+        )?;
+        pack.set(
+            A::CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS,
+            T::CUDNN_TYPE_INT64,
+            &uids,
+        )?;
+        pack.finalize("the variant pack")?;
+        // SAFETY: the handle is live; the stream is this context's (cuDNN's own stream type
+        // is the same opaque CUstream).
+        check(
+            unsafe { sys::cudnnSetStream(self.handle, stream as sys::cudaStream_t) },
+            "cudnnSetStream",
+        )?;
+        // SAFETY: the plan and pack are live and finalized; the caller vouches for the memory.
+        check(
+            unsafe { sys::cudnnBackendExecute(self.handle, plan.plan.0, pack.0) },
+            &format!("cudnnBackendExecute for %{}", call.node),
+        )
+    }
+}

@@ -1,0 +1,983 @@
+//! A fused attention run by cuDNN: the call as program data ([`Sdpa`]), which problems cuDNN can
+//! express ([`unsupported`]), and the operation graphs its backend API builds for them
+//! ([`graph`]), as plain data the device layer translates into descriptors one for one. Kept
+//! apart from the device layer so that the graphs are built and checked without a GPU.
+//!
+//! The graphs are cuDNN's composite scaled-dot-product attention (the patterns its runtime
+//! fusion engines recognise, as cudnn-frontend's SDPA nodes build them for cuDNN 9): the
+//! forward `S = scale Q Kᵀ`, masks, softmax with the F32 log-sum-exp saved (`Stats`), `O = P V`;
+//! the backward from Q, K, V, O, dO and the log-sum-exp, with `dQ = dS K` written directly (no
+//! F32 dQ accumulator: the graph shape by which cuDNN runs its deterministic engine on Hopper).
+//! Tensors are 4-D `(batch, heads, rows, head dim)`; castor's flattened query batches are split
+//! into the batches a key-padding mask row serves and the heads that share it (all heads of one
+//! batch without a mask), and grouped-query attention is `h_kv < h_q` as cuDNN reads it (query
+//! head `i` uses key head `i / group`, castor's consecutive sharing).
+//!
+//! Masks replace a masked score by [`FILL`], a finite value rather than `-inf`, so that a row
+//! whose mask keeps none of the keys it sees (a left-padded row) gets every key's score equal
+//! and attends uniformly to all keys, as castor's kernels, the CPU executor and PyTorch's
+//! finite-minimum masks do. Its log-sum-exp is then `FILL + ln S`, exact to about 1e-3, so the
+//! backward recomputes such a row's probabilities within 0.1% (castor's kernels: exactly); a
+//! masked key of any other row gets `exp(FILL - max) = 0` unless every score it sees is below
+//! -9900, which scaled dot products do not reach.
+
+use super::program::{Command, Place};
+use castor_ir::DType;
+
+/// Which direction an [`Sdpa`] computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SdpaPass {
+    Forward,
+    Backward,
+}
+
+/// What a masked score becomes (see the module docs).
+pub const FILL: f32 = -10000.0;
+
+/// The shape and attributes of one fused attention, as cuDNN sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SdpaProblem {
+    /// The operands' dtype: F16 or BF16.
+    pub dtype: DType,
+    /// Batches: the rows of the key-padding mask (1 without one).
+    pub batch: usize,
+    /// Query and key heads per batch.
+    pub heads_q: usize,
+    pub heads_kv: usize,
+    pub rows_q: usize,
+    pub rows_kv: usize,
+    pub head_dim: usize,
+    pub causal: bool,
+    pub window: Option<usize>,
+    /// Whether a key-padding mask applies ([`Sdpa::mask`]).
+    pub masked: bool,
+    /// The score scale's bits (f64), so that the problem can key a plan cache.
+    pub scale_bits: u64,
+}
+
+impl SdpaProblem {
+    pub fn scale(&self) -> f64 {
+        f64::from_bits(self.scale_bits)
+    }
+}
+
+/// A tensor of a call: where it is and its element strides over (batch, heads, rows, head
+/// dim); its dims are the problem's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tensor4 {
+    pub place: Place,
+    pub strides: [i64; 4],
+}
+
+impl Tensor4 {
+    /// A dense `[batch, heads, rows, dim]` tensor at `place`.
+    pub fn dense(place: Place, heads: usize, rows: usize, dim: usize) -> Tensor4 {
+        let (h, r, d) = (heads as i64, rows as i64, dim as i64);
+        Tensor4 {
+            place,
+            strides: [h * r * d, r * d, d, 1],
+        }
+    }
+}
+
+/// The backward's extra tensors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SdpaGrads {
+    pub d_o: Tensor4,
+    pub dq: Tensor4,
+    pub dk: Tensor4,
+    pub dv: Tensor4,
+    /// F32 `[heads_q, rows_q]` scratch for `rowsum(dO · O)`, which the backward graph writes
+    /// and reads (cuDNN's "softmax_sum").
+    pub row_sums: Place,
+}
+
+/// One fused attention pass run by cuDNN, with what runs instead where cuDNN does not.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sdpa {
+    /// The node it computes (for messages and the listing).
+    pub node: String,
+    pub pass: SdpaPass,
+    pub problem: SdpaProblem,
+    pub q: Tensor4,
+    pub k: Tensor4,
+    pub v: Tensor4,
+    pub o: Tensor4,
+    /// F32 `[heads_q, rows_q]`: the log-sum-exp of each row's scaled scores.
+    pub lse: Place,
+    /// The backward's tensors (`None` for the forward).
+    pub grads: Option<SdpaGrads>,
+    /// With a key-padding mask: its keep flags as F32 1 or 0, `[batch, rows_kv]` (the
+    /// lowering casts the mask's bytes into this scratch just before the call).
+    pub mask: Option<Place>,
+    /// castor's kernels for the same pass, run where cuDNN is missing or builds no plan for
+    /// it (`library=auto`); empty when cuDNN is required (`library=cudnn`).
+    pub fallback: Vec<Command>,
+    /// Why cuDNN cannot express this pass ([`unsupported`]): the fallback always runs it.
+    pub unsupported: Option<String>,
+}
+
+impl Sdpa {
+    /// Every place the call reads or writes, with its role.
+    pub fn places(&self) -> Vec<(&'static str, Place)> {
+        let mut out = vec![
+            ("q", self.q.place),
+            ("k", self.k.place),
+            ("v", self.v.place),
+            ("o", self.o.place),
+            ("lse", self.lse),
+        ];
+        out.extend(self.mask.map(|m| ("mask", m)));
+        if let Some(g) = &self.grads {
+            out.extend([
+                ("do", g.d_o.place),
+                ("dq", g.dq.place),
+                ("dk", g.dk.place),
+                ("dv", g.dv.place),
+                ("row sums", g.row_sums),
+            ]);
+        }
+        out
+    }
+
+    /// Each tensor's role, bytes (from its first element to one past its last) and place.
+    pub fn extents(&self) -> Vec<(&'static str, u64, Place)> {
+        let p = &self.problem;
+        let elem = p.dtype.size_bytes() as u64;
+        let span = |t: &Tensor4, heads: usize, rows: usize| -> u64 {
+            let last = (heads as i64 - 1) * t.strides[1]
+                + (rows as i64 - 1) * t.strides[2]
+                + (p.head_dim as i64 - 1) * t.strides[3];
+            (last.max(0) as u64 + 1) * elem
+        };
+        let (hq, hk, sq, sk) = (
+            p.batch * p.heads_q,
+            p.batch * p.heads_kv,
+            p.rows_q,
+            p.rows_kv,
+        );
+        let rows = 4 * (hq * sq) as u64;
+        let mut out = vec![
+            ("q", span(&self.q, hq, sq), self.q.place),
+            ("k", span(&self.k, hk, sk), self.k.place),
+            ("v", span(&self.v, hk, sk), self.v.place),
+            ("o", span(&self.o, hq, sq), self.o.place),
+            ("lse", rows, self.lse),
+        ];
+        out.extend(self.mask.map(|m| ("mask", 4 * (p.batch * sk) as u64, m)));
+        if let Some(g) = &self.grads {
+            out.extend([
+                ("do", span(&g.d_o, hq, sq), g.d_o.place),
+                ("dq", span(&g.dq, hq, sq), g.dq.place),
+                ("dk", span(&g.dk, hk, sk), g.dk.place),
+                ("dv", span(&g.dv, hk, sk), g.dv.place),
+                ("row sums", rows, g.row_sums),
+            ]);
+        }
+        out
+    }
+
+    /// The same call with every place mapped by `f` (the fallback's commands too, by
+    /// `commands`).
+    pub fn map_places(
+        &mut self,
+        f: &mut dyn FnMut(Place) -> Place,
+        commands: &mut dyn FnMut(&mut Vec<Command>),
+    ) {
+        for t in [&mut self.q, &mut self.k, &mut self.v, &mut self.o] {
+            t.place = f(t.place);
+        }
+        self.lse = f(self.lse);
+        self.mask = self.mask.map(&mut *f);
+        if let Some(g) = &mut self.grads {
+            for t in [&mut g.d_o, &mut g.dq, &mut g.dk, &mut g.dv] {
+                t.place = f(t.place);
+            }
+            g.row_sums = f(g.row_sums);
+        }
+        commands(&mut self.fallback);
+    }
+}
+
+/// Why cuDNN's fused attention cannot run an attention op of these shapes and attributes, or
+/// `None` when it can: 16-bit operands, a head dim that is a multiple of 8 and at most 256,
+/// equal query and key counts when causal (castor's causal mask is aligned to the last key,
+/// cuDNN's graphs here to the first; they agree when the counts do), a key-padding mask whose
+/// rows each serve whole groups of key heads (`mask_group` query heads, a multiple of `group`),
+/// and a backward of more than one row.
+pub fn unsupported(
+    dtype: DType,
+    (rows_q, rows_kv, head_dim): (usize, usize, usize),
+    causal: bool,
+    (group, mask_group): (usize, Option<usize>),
+    pass: SdpaPass,
+) -> Option<String> {
+    if !matches!(dtype, DType::F16 | DType::BF16) {
+        return Some(format!(
+            "{} operands (cuDNN's fused attention takes f16 and bf16)",
+            dtype.name()
+        ));
+    }
+    if head_dim % 8 != 0 || head_dim > 256 {
+        return Some(format!(
+            "head dim {head_dim} (cuDNN needs a multiple of 8, at most 256)"
+        ));
+    }
+    if let Some(m) = mask_group {
+        if group == 0 || m % group != 0 {
+            return Some(format!(
+                "a mask shared by {m} query heads, not whole groups of {group} (grouped keys)"
+            ));
+        }
+    }
+    if causal && rows_q != rows_kv {
+        return Some(format!(
+            "a causal mask over {rows_q} queries and {rows_kv} keys (aligned to the last key; \
+             the graphs here align it to the first)"
+        ));
+    }
+    if pass == SdpaPass::Backward && rows_q == 1 && rows_kv == 1 {
+        return Some("a backward over one query and one key (cuDNN has none)".into());
+    }
+    None
+}
+
+// ---- the operation graphs ------------------------------------------------------------------
+
+/// A tensor's element type in a graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ElemType {
+    /// The operands' dtype (F16 or BF16).
+    Io,
+    F32,
+    I32,
+    Bool,
+}
+
+/// Where a graph tensor's data comes from when the plan runs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Binding {
+    /// Produced and consumed inside the graph: no memory.
+    Virtual,
+    /// A tensor of the call (by its role in [`Sdpa::places`]).
+    Operand(&'static str),
+    /// A scalar passed by value from the host.
+    Scalar(f32),
+}
+
+/// One tensor of a graph.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TensorSpec {
+    /// cuDNN's unique id (the variant pack matches pointers to tensors by it).
+    pub uid: i64,
+    pub name: &'static str,
+    pub elem: ElemType,
+    pub dims: [i64; 4],
+    pub strides: [i64; 4],
+    pub binding: Binding,
+}
+
+/// A pointwise operation's mode (cuDNN's `cudnnPointwiseMode_t`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pointwise {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Exp,
+    Log,
+    CmpGe,
+    CmpGt,
+    /// `y = t ? x : b`.
+    BinarySelect,
+    /// Each element's index along an axis.
+    GenIndex {
+        axis: i64,
+    },
+}
+
+impl Pointwise {
+    /// Operand count: `x` (and `b`, and `t`).
+    pub fn inputs(self) -> usize {
+        match self {
+            Pointwise::Exp | Pointwise::Log | Pointwise::GenIndex { .. } => 1,
+            Pointwise::BinarySelect => 3,
+            _ => 2,
+        }
+    }
+}
+
+/// One operation of a graph; operands are indices into [`Graph::tensors`].
+#[derive(Clone, Debug, PartialEq)]
+pub enum OpSpec {
+    /// `c = a b` over the last two dims (F32 compute).
+    Matmul { a: usize, b: usize, c: usize },
+    /// `y = mode(inputs..)`, computed in `compute`.
+    Pointwise {
+        mode: Pointwise,
+        inputs: Vec<usize>,
+        y: usize,
+        compute: ElemType,
+    },
+    /// Sum (`max = false`) or maximum over the dims where `y` is 1 (F32 compute).
+    Reduce { max: bool, x: usize, y: usize },
+    /// The same elements under other dims and strides (a transposed view).
+    Reshape { x: usize, y: usize },
+}
+
+/// An operation graph: tensors and the operations over them, in order.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Graph {
+    pub tensors: Vec<TensorSpec>,
+    pub ops: Vec<OpSpec>,
+}
+
+impl Graph {
+    fn tensor(
+        &mut self,
+        name: &'static str,
+        elem: ElemType,
+        dims: [i64; 4],
+        strides: [i64; 4],
+        binding: Binding,
+    ) -> usize {
+        self.tensors.push(TensorSpec {
+            uid: self.tensors.len() as i64 + 1,
+            name,
+            elem,
+            dims,
+            strides,
+            binding,
+        });
+        self.tensors.len() - 1
+    }
+
+    /// A dense virtual tensor.
+    fn virt(&mut self, name: &'static str, elem: ElemType, dims: [i64; 4]) -> usize {
+        self.tensor(name, elem, dims, dense(dims), Binding::Virtual)
+    }
+
+    fn scalar(&mut self, name: &'static str, value: f32) -> usize {
+        self.tensor(name, ElemType::F32, [1; 4], [1; 4], Binding::Scalar(value))
+    }
+
+    fn pointwise(&mut self, mode: Pointwise, inputs: &[usize], y: usize, compute: ElemType) {
+        self.ops.push(OpSpec::Pointwise {
+            mode,
+            inputs: inputs.to_vec(),
+            y,
+            compute,
+        });
+    }
+
+    /// `y = mode(inputs)` into a new dense virtual tensor of `dims`.
+    fn apply(
+        &mut self,
+        name: &'static str,
+        mode: Pointwise,
+        inputs: &[usize],
+        elem: ElemType,
+        dims: [i64; 4],
+    ) -> usize {
+        let y = self.virt(name, elem, dims);
+        let compute = match mode {
+            Pointwise::GenIndex { .. } => ElemType::I32,
+            Pointwise::CmpGe | Pointwise::CmpGt => ElemType::Bool,
+            _ => ElemType::F32,
+        };
+        self.pointwise(mode, inputs, y, compute);
+        y
+    }
+
+    /// The tensors the variant pack binds: (index, binding), in tensor order.
+    pub fn bound(&self) -> impl Iterator<Item = (usize, Binding)> + '_ {
+        self.tensors
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.binding != Binding::Virtual)
+            .map(|(i, t)| (i, t.binding))
+    }
+
+    /// Checks the graph's structure: unique ids, operands in range and defined before use,
+    /// every virtual tensor written once and read, the right operand counts.
+    pub fn check(&self) -> Result<(), String> {
+        let n = self.tensors.len();
+        let mut written = vec![false; n];
+        let mut read = vec![false; n];
+        let mut uids: Vec<i64> = self.tensors.iter().map(|t| t.uid).collect();
+        uids.sort_unstable();
+        uids.dedup();
+        if uids.len() != n {
+            return Err("two tensors share a unique id".into());
+        }
+        let ready = |i: usize, written: &[bool]| -> Result<(), String> {
+            let t = self
+                .tensors
+                .get(i)
+                .ok_or(format!("tensor {i} out of range"))?;
+            if t.binding == Binding::Virtual && !written[i] {
+                return Err(format!("`{}` is read before it is written", t.name));
+            }
+            Ok(())
+        };
+        for op in &self.ops {
+            let (ins, out): (Vec<usize>, usize) = match op {
+                OpSpec::Matmul { a, b, c } => (vec![*a, *b], *c),
+                OpSpec::Pointwise {
+                    mode, inputs, y, ..
+                } => {
+                    if inputs.len() != mode.inputs() {
+                        return Err(format!("{mode:?} takes {} operands", mode.inputs()));
+                    }
+                    (inputs.clone(), *y)
+                }
+                OpSpec::Reduce { x, y, .. } | OpSpec::Reshape { x, y } => (vec![*x], *y),
+            };
+            for &i in &ins {
+                ready(i, &written)?;
+                read[i] = true;
+            }
+            let t = self.tensors.get(out).ok_or("an output out of range")?;
+            if written[out] {
+                return Err(format!("`{}` is written twice", t.name));
+            }
+            if matches!(t.binding, Binding::Scalar(_)) {
+                return Err(format!("`{}` is a scalar and cannot be written", t.name));
+            }
+            written[out] = true;
+        }
+        for (i, t) in self.tensors.iter().enumerate() {
+            if t.binding == Binding::Virtual && !(written[i] && read[i]) {
+                return Err(format!("virtual `{}` is not both written and read", t.name));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Row-major strides of `dims`.
+fn dense(dims: [i64; 4]) -> [i64; 4] {
+    [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1]
+}
+
+/// A tensor's dims and strides with its last two dims swapped (Kᵀ, Vᵀ as the same memory).
+fn swapped(dims: [i64; 4], strides: [i64; 4]) -> ([i64; 4], [i64; 4]) {
+    (
+        [dims[0], dims[1], dims[3], dims[2]],
+        [strides[0], strides[1], strides[3], strides[2]],
+    )
+}
+
+/// The masks of `s` (scores `[b, hq, sq, skv]`): the key-padding mask keeps the keys whose
+/// flag is 1, the causal mask `col <= row`, a window of `w` also `col + w > row`; masked scores
+/// become [`FILL`].
+fn masks(g: &mut Graph, s: usize, p: &SdpaProblem) -> usize {
+    if !p.causal && p.window.is_none() && !p.masked {
+        return s;
+    }
+    let dims = g.tensors[s].dims;
+    let fill = g.scalar("fill", FILL);
+    let mut out = s;
+    let select = |g: &mut Graph, name: &'static str, out: usize, keep: usize| {
+        g.apply(
+            name,
+            Pointwise::BinarySelect,
+            &[out, fill, keep],
+            ElemType::F32,
+            dims,
+        )
+    };
+    if p.masked {
+        let (b, sk) = (p.batch as i64, p.rows_kv as i64);
+        let flags = g.tensor(
+            "mask",
+            ElemType::F32,
+            [b, 1, 1, sk],
+            [sk, sk, sk, 1],
+            Binding::Operand("mask"),
+        );
+        let half = g.scalar("one half", 0.5);
+        let keep = g.apply(
+            "kept",
+            Pointwise::CmpGt,
+            &[flags, half],
+            ElemType::Bool,
+            [b, 1, 1, sk],
+        );
+        out = select(g, "padded scores", out, keep);
+    }
+    if p.causal || p.window.is_some() {
+        let row = g.apply(
+            "row",
+            Pointwise::GenIndex { axis: 2 },
+            &[s],
+            ElemType::I32,
+            dims,
+        );
+        let col = g.apply(
+            "col",
+            Pointwise::GenIndex { axis: 3 },
+            &[s],
+            ElemType::I32,
+            dims,
+        );
+        if p.causal {
+            let keep = g.apply(
+                "causal",
+                Pointwise::CmpGe,
+                &[row, col],
+                ElemType::Bool,
+                dims,
+            );
+            out = select(g, "causal scores", out, keep);
+        }
+        if let Some(w) = p.window {
+            let width = g.scalar("window", w as f32);
+            let edge = g.apply(
+                "window edge",
+                Pointwise::Add,
+                &[col, width],
+                ElemType::F32,
+                dims,
+            );
+            let keep = g.apply(
+                "window",
+                Pointwise::CmpGt,
+                &[edge, row],
+                ElemType::Bool,
+                dims,
+            );
+            out = select(g, "window scores", out, keep);
+        }
+    }
+    out
+}
+
+/// The operation graph of `call`.
+pub fn graph(call: &Sdpa) -> Result<Graph, String> {
+    match (call.pass, &call.grads) {
+        (SdpaPass::Forward, _) => Ok(forward(call)),
+        (SdpaPass::Backward, Some(grads)) => Ok(backward(call, grads)),
+        (SdpaPass::Backward, None) => Err(format!(
+            "the backward of %{} names no gradient tensors",
+            call.node
+        )),
+    }
+}
+
+fn forward(c: &Sdpa) -> Graph {
+    let p = &c.problem;
+    let (b, hq, hk) = (p.batch as i64, p.heads_q as i64, p.heads_kv as i64);
+    let (sq, sk, d) = (p.rows_q as i64, p.rows_kv as i64, p.head_dim as i64);
+    let mut g = Graph::default();
+    let q = g.tensor(
+        "q",
+        ElemType::Io,
+        [b, hq, sq, d],
+        c.q.strides,
+        Binding::Operand("q"),
+    );
+    let (kt_dims, kt_strides) = swapped([b, hk, sk, d], c.k.strides);
+    let kt = g.tensor(
+        "k",
+        ElemType::Io,
+        kt_dims,
+        kt_strides,
+        Binding::Operand("k"),
+    );
+    let v = g.tensor(
+        "v",
+        ElemType::Io,
+        [b, hk, sk, d],
+        c.v.strides,
+        Binding::Operand("v"),
+    );
+    let o = g.tensor(
+        "o",
+        ElemType::Io,
+        [b, hq, sq, d],
+        c.o.strides,
+        Binding::Operand("o"),
+    );
+    let rows = [b, hq, sq, 1];
+    let stats = g.tensor(
+        "lse",
+        ElemType::F32,
+        rows,
+        dense(rows),
+        Binding::Operand("lse"),
+    );
+    let scale = g.scalar("scale", p.scale() as f32);
+    let scores = [b, hq, sq, sk];
+    let s1 = g.virt("q k^T", ElemType::F32, scores);
+    g.ops.push(OpSpec::Matmul { a: q, b: kt, c: s1 });
+    let s2 = g.apply(
+        "scores",
+        Pointwise::Mul,
+        &[s1, scale],
+        ElemType::F32,
+        scores,
+    );
+    let s3 = masks(&mut g, s2, p);
+    let m = g.virt("max", ElemType::F32, rows);
+    g.ops.push(OpSpec::Reduce {
+        max: true,
+        x: s3,
+        y: m,
+    });
+    let centred = g.apply("s - max", Pointwise::Sub, &[s3, m], ElemType::F32, scores);
+    let e = g.apply("exp", Pointwise::Exp, &[centred], ElemType::F32, scores);
+    let z = g.virt("sum", ElemType::F32, rows);
+    g.ops.push(OpSpec::Reduce {
+        max: false,
+        x: e,
+        y: z,
+    });
+    let log_z = g.apply("log sum", Pointwise::Log, &[z], ElemType::F32, rows);
+    g.pointwise(Pointwise::Add, &[m, log_z], stats, ElemType::F32);
+    // P enters the second product in the operands' dtype.
+    let probs = g.apply("p", Pointwise::Div, &[e, z], ElemType::Io, scores);
+    g.ops.push(OpSpec::Matmul {
+        a: probs,
+        b: v,
+        c: o,
+    });
+    g
+}
+
+fn backward(c: &Sdpa, grads: &SdpaGrads) -> Graph {
+    let p = &c.problem;
+    let (b, hq, hk) = (p.batch as i64, p.heads_q as i64, p.heads_kv as i64);
+    let (sq, sk, d) = (p.rows_q as i64, p.rows_kv as i64, p.head_dim as i64);
+    let mut g = Graph::default();
+    let q_dims = [b, hq, sq, d];
+    let kv_dims = [b, hk, sk, d];
+    let q = g.tensor(
+        "q",
+        ElemType::Io,
+        q_dims,
+        c.q.strides,
+        Binding::Operand("q"),
+    );
+    let (kt_dims, kt_strides) = swapped(kv_dims, c.k.strides);
+    let kt = g.tensor(
+        "k",
+        ElemType::Io,
+        kt_dims,
+        kt_strides,
+        Binding::Operand("k"),
+    );
+    let (vt_dims, vt_strides) = swapped(kv_dims, c.v.strides);
+    let vt = g.tensor(
+        "v",
+        ElemType::Io,
+        vt_dims,
+        vt_strides,
+        Binding::Operand("v"),
+    );
+    let o = g.tensor(
+        "o",
+        ElemType::Io,
+        q_dims,
+        c.o.strides,
+        Binding::Operand("o"),
+    );
+    let d_o = g.tensor(
+        "do",
+        ElemType::Io,
+        q_dims,
+        grads.d_o.strides,
+        Binding::Operand("do"),
+    );
+    let rows = [b, hq, sq, 1];
+    let stats = g.tensor(
+        "lse",
+        ElemType::F32,
+        rows,
+        dense(rows),
+        Binding::Operand("lse"),
+    );
+    let dq = g.tensor(
+        "dq",
+        ElemType::Io,
+        q_dims,
+        grads.dq.strides,
+        Binding::Operand("dq"),
+    );
+    let dk = g.tensor(
+        "dk",
+        ElemType::Io,
+        kv_dims,
+        grads.dk.strides,
+        Binding::Operand("dk"),
+    );
+    let dv = g.tensor(
+        "dv",
+        ElemType::Io,
+        kv_dims,
+        grads.dv.strides,
+        Binding::Operand("dv"),
+    );
+    let row_sums = g.tensor(
+        "row sums",
+        ElemType::F32,
+        rows,
+        dense(rows),
+        Binding::Operand("row sums"),
+    );
+    let scale = g.scalar("scale", p.scale() as f32);
+    let one = g.scalar("one", 1.0);
+    let scores = [b, hq, sq, sk];
+    let transposed = [b, hq, sk, sq];
+    let transposed_strides = [hq * sq * sk, sq * sk, 1, sk];
+
+    // rowsum(dO · O), through the product by one that cuDNN's pattern has there.
+    let prod = g.apply("do * o", Pointwise::Mul, &[d_o, o], ElemType::F32, q_dims);
+    let sums = g.virt("rowsum(do * o)", ElemType::F32, rows);
+    g.ops.push(OpSpec::Reduce {
+        max: false,
+        x: prod,
+        y: sums,
+    });
+    g.pointwise(Pointwise::Mul, &[sums, one], row_sums, ElemType::F32);
+    // P = exp(masked scale Q Kᵀ - lse): masked before the log-sum-exp is taken off, so that
+    // a row that sees no kept key gets back its forward's uniform probabilities.
+    let s1 = g.virt("q k^T", ElemType::F32, scores);
+    g.ops.push(OpSpec::Matmul { a: q, b: kt, c: s1 });
+    let s2 = g.apply(
+        "scores",
+        Pointwise::Mul,
+        &[s1, scale],
+        ElemType::F32,
+        scores,
+    );
+    let s3 = masks(&mut g, s2, p);
+    let s4 = g.apply(
+        "s - lse",
+        Pointwise::Sub,
+        &[s3, stats],
+        ElemType::F32,
+        scores,
+    );
+    let probs = g.apply("p", Pointwise::Exp, &[s4], ElemType::F32, scores);
+    // dV = Pᵀ dO (summed over a group's query heads).
+    let pt = g.tensor(
+        "p^T",
+        ElemType::Io,
+        transposed,
+        transposed_strides,
+        Binding::Virtual,
+    );
+    g.ops.push(OpSpec::Reshape { x: probs, y: pt });
+    grouped_product(&mut g, "dv", pt, d_o, dv, [b, hq, sk, d], hq != hk);
+    // dS = scale P (dO Vᵀ - rowsum).
+    let dp = g.virt("do v^T", ElemType::F32, scores);
+    g.ops.push(OpSpec::Matmul {
+        a: d_o,
+        b: vt,
+        c: dp,
+    });
+    let centred = g.apply(
+        "dp - rowsum",
+        Pointwise::Sub,
+        &[dp, row_sums],
+        ElemType::F32,
+        scores,
+    );
+    let ds_unscaled = g.apply(
+        "p (dp - rowsum)",
+        Pointwise::Mul,
+        &[centred, probs],
+        ElemType::F32,
+        scores,
+    );
+    let ds = g.apply(
+        "ds",
+        Pointwise::Mul,
+        &[ds_unscaled, scale],
+        ElemType::F32,
+        scores,
+    );
+    // dK = dSᵀ Q (summed over a group's query heads).
+    let dst = g.tensor(
+        "ds^T",
+        ElemType::Io,
+        transposed,
+        transposed_strides,
+        Binding::Virtual,
+    );
+    g.ops.push(OpSpec::Reshape { x: ds, y: dst });
+    grouped_product(&mut g, "dk", dst, q, dk, [b, hq, sk, d], hq != hk);
+    // dQ = dS K, written directly (the deterministic engine's graph).
+    let k_view = g.tensor(
+        "k view",
+        ElemType::Io,
+        kv_dims,
+        c.k.strides,
+        Binding::Virtual,
+    );
+    g.ops.push(OpSpec::Reshape { x: kt, y: k_view });
+    g.ops.push(OpSpec::Matmul {
+        a: ds,
+        b: k_view,
+        c: dq,
+    });
+    g
+}
+
+/// `out = a b`, through a per-query-head product summed over each group of query heads when
+/// `grouped` (fewer key heads).
+fn grouped_product(
+    g: &mut Graph,
+    name: &'static str,
+    a: usize,
+    b: usize,
+    out: usize,
+    full: [i64; 4],
+    grouped: bool,
+) {
+    if !grouped {
+        g.ops.push(OpSpec::Matmul { a, b, c: out });
+        return;
+    }
+    let per_head = g.virt(name, ElemType::Io, full);
+    g.ops.push(OpSpec::Matmul { a, b, c: per_head });
+    g.ops.push(OpSpec::Reduce {
+        max: false,
+        x: per_head,
+        y: out,
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn call(
+        pass: SdpaPass,
+        heads: (usize, usize),
+        causal: bool,
+        window: Option<usize>,
+        masked: bool,
+    ) -> Sdpa {
+        let (hq, hk) = heads;
+        let (s, d) = (256, 64);
+        let at = |offset| Place::Arena { offset };
+        let problem = SdpaProblem {
+            dtype: DType::BF16,
+            batch: 2,
+            heads_q: hq,
+            heads_kv: hk,
+            rows_q: s,
+            rows_kv: s,
+            head_dim: d,
+            causal,
+            window,
+            masked,
+            scale_bits: 0.125f64.to_bits(),
+        };
+        let t = |o, h| Tensor4::dense(at(o), h, s, d);
+        let mask = masked.then(|| at(10 << 20));
+        Sdpa {
+            node: "context".into(),
+            pass,
+            problem,
+            q: t(0, hq),
+            k: t(1 << 20, hk),
+            v: t(2 << 20, hk),
+            o: t(3 << 20, hq),
+            lse: at(4 << 20),
+            grads: (pass == SdpaPass::Backward).then(|| SdpaGrads {
+                d_o: t(5 << 20, hq),
+                dq: t(6 << 20, hq),
+                dk: t(7 << 20, hk),
+                dv: t(8 << 20, hk),
+                row_sums: at(9 << 20),
+            }),
+            mask,
+            fallback: Vec::new(),
+            unsupported: None,
+        }
+    }
+
+    /// Every variant's graph is well formed, and binds exactly the call's places and scalars.
+    #[test]
+    fn graphs_are_well_formed_and_bind_the_calls_tensors() {
+        for pass in [SdpaPass::Forward, SdpaPass::Backward] {
+            for heads in [(4, 4), (8, 2)] {
+                for (causal, window, masked) in [
+                    (false, None, false),
+                    (true, None, false),
+                    (true, Some(64), true),
+                    (false, None, true),
+                ] {
+                    let c = call(pass, heads, causal, window, masked);
+                    let g = graph(&c).unwrap();
+                    g.check()
+                        .unwrap_or_else(|e| panic!("{pass:?} {heads:?} {causal}: {e}"));
+                    let mut operands: Vec<&str> = g
+                        .bound()
+                        .filter_map(|(_, b)| match b {
+                            Binding::Operand(role) => Some(role),
+                            _ => None,
+                        })
+                        .collect();
+                    operands.sort_unstable();
+                    let mut roles: Vec<&str> = c.places().iter().map(|(r, _)| *r).collect();
+                    roles.sort_unstable();
+                    assert_eq!(operands, roles, "{pass:?}");
+                    let masks = g
+                        .ops
+                        .iter()
+                        .filter(|op| {
+                            matches!(
+                                op,
+                                OpSpec::Pointwise {
+                                    mode: Pointwise::BinarySelect,
+                                    ..
+                                }
+                            )
+                        })
+                        .count();
+                    let want = [causal, window.is_some(), masked];
+                    assert_eq!(masks, want.iter().filter(|&&m| m).count());
+                }
+            }
+        }
+    }
+
+    /// Kᵀ is K's memory with the last two dims and strides swapped, and grouped heads sum
+    /// their per-head gradients into the key heads.
+    #[test]
+    fn k_is_transposed_by_strides_and_groups_reduce() {
+        let c = call(SdpaPass::Backward, (8, 2), true, None, false);
+        let g = graph(&c).unwrap();
+        let k = g.tensors.iter().find(|t| t.name == "k").unwrap();
+        assert_eq!(k.dims, [2, 2, 64, 256]);
+        assert_eq!(k.strides, [2 * 256 * 64, 256 * 64, 1, 64]);
+        let reductions_into_grads = g
+            .ops
+            .iter()
+            .filter(|op| match op {
+                OpSpec::Reduce { y, .. } => matches!(g.tensors[*y].name, "dk" | "dv"),
+                _ => false,
+            })
+            .count();
+        assert_eq!(reductions_into_grads, 2);
+    }
+
+    #[test]
+    fn what_cudnn_cannot_express_is_named() {
+        let f = SdpaPass::Forward;
+        let plain = (1, None);
+        assert!(unsupported(DType::BF16, (1024, 1024, 64), true, plain, f).is_none());
+        assert!(unsupported(DType::BF16, (1024, 1024, 64), true, (4, Some(32)), f).is_none());
+        let why = |r: Option<String>| r.unwrap_or_default();
+        assert!(why(unsupported(DType::F32, (8, 8, 64), true, plain, f)).contains("f32 operands"));
+        assert!(why(unsupported(DType::F16, (8, 8, 60), true, plain, f)).contains("head dim 60"));
+        assert!(why(unsupported(DType::F16, (8, 8, 64), true, (4, Some(2)), f)).contains("groups"));
+        assert!(why(unsupported(DType::F16, (8, 9, 64), true, plain, f)).contains("causal"));
+        let b = SdpaPass::Backward;
+        assert!(why(unsupported(DType::F16, (1, 1, 64), false, plain, b)).contains("one query"));
+    }
+}
