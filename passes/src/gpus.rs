@@ -100,6 +100,21 @@ pub fn find(name: &str) -> Option<GpuSpec> {
         .find_map(|(names, spec)| names.iter().any(|n| normalize(n) == wanted).then_some(spec))
 }
 
+/// The GPU a device reports itself as (`NVIDIA H100 80GB HBM3`, `NVIDIA H200`): the first
+/// known GPU one of whose names the device's name contains, the longest names tried first.
+pub fn of_device(device: &str) -> Option<GpuSpec> {
+    let device = normalize(device);
+    let mut candidates: Vec<(String, GpuSpec)> = table()
+        .into_iter()
+        .flat_map(|(names, spec)| names.iter().map(move |n| (normalize(n), spec.clone())))
+        .collect();
+    candidates.sort_by_key(|(n, _)| std::cmp::Reverse(n.len()));
+    candidates
+        .into_iter()
+        .find(|(n, _)| device.contains(n.as_str()))
+        .map(|(_, spec)| spec)
+}
+
 /// The canonical names, for help and errors.
 pub fn names() -> Vec<&'static str> {
     table().into_iter().map(|(names, _)| names[0]).collect()
@@ -113,6 +128,15 @@ pub fn all() -> Vec<GpuSpec> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn devices_are_matched_by_the_names_in_theirs() {
+        let h200 = of_device("NVIDIA H200").unwrap();
+        assert!(h200.name.contains("H200"), "{}", h200.name);
+        let h100 = of_device("NVIDIA H100 80GB HBM3").unwrap();
+        assert!(h100.name.contains("H100"), "{}", h100.name);
+        assert!(of_device("a toaster").is_none());
+    }
 
     #[test]
     fn names_are_found_in_any_spelling() {

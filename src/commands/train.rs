@@ -625,7 +625,16 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
     };
     let out = train_loop(&mut runner, &mut data, &mut opts, history)?;
     if let (Some(path), Some(profile)) = (&args.profile_kernels, runner.take_kernel_profile()) {
-        write_kernel_profile(path, &profile, step_of_profile(first_step, out.steps_done))?;
+        // Each kind beside its program roofline on this GPU (the H100's where it is unknown).
+        let device = runner.device();
+        let gpu = castor_passes::gpus::of_device(&device).unwrap_or_default();
+        let units = castor_runtime::cuda::roofline::unit_seconds(runner.plan(), &gpu).ok();
+        write_kernel_profile(
+            path,
+            &profile,
+            step_of_profile(first_step, out.steps_done),
+            units.as_ref().map(|u| (u, gpu.name.as_str())),
+        )?;
     }
     let step = first_step + out.steps_done;
     let mut outcome = Vec::new();
@@ -707,6 +716,7 @@ fn write_kernel_profile(
     path: &std::path::Path,
     profile: &castor_runtime::cuda::profile::KernelProfile,
     step: u64,
+    roofline: Option<(&std::collections::HashMap<String, f64>, &str)>,
 ) -> anyhow::Result<()> {
     std::fs::write(path, profile.to_csv()).map_err(|e| {
         CliError::Output(format!(
@@ -719,7 +729,10 @@ fn write_kernel_profile(
         profile.commands.len(),
         profile.total_ms()
     );
-    for line in profile.table(15).lines() {
+    if let Some((_, gpu)) = roofline {
+        outln!("              (roofline: each command's kernel unit at the {gpu}'s peak, plus 1 µs a command)");
+    }
+    for line in profile.table_against(15, roofline.map(|(u, _)| u)).lines() {
         outln!("              {line}");
     }
     outln!("profile     {}", path.display());

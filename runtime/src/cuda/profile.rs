@@ -113,6 +113,10 @@ pub struct KindTime {
     pub what: String,
     pub count: usize,
     pub ms: f64,
+    /// The program roofline's time for these commands, when the table was given one: each
+    /// command's kernel unit at its peak (counted at the unit's first command) plus the launch
+    /// gap of every command.
+    pub roofline_ms: Option<f64>,
 }
 
 impl KernelProfile {
@@ -123,15 +127,32 @@ impl KernelProfile {
 
     /// The commands grouped by what ran, the most time first (ties by name).
     pub fn by_kind(&self) -> Vec<KindTime> {
+        self.by_kind_against(None)
+    }
+
+    /// [`Self::by_kind`], each kind beside its roofline time from `unit_seconds` (the
+    /// roofline's seconds per unit, by the node names its commands carry:
+    /// `roofline::unit_seconds`).
+    pub fn by_kind_against(&self, unit_seconds: Option<&HashMap<String, f64>>) -> Vec<KindTime> {
         let mut kinds: HashMap<&str, KindTime> = HashMap::new();
+        let mut seen = std::collections::HashSet::new();
         for c in &self.commands {
             let k = kinds.entry(&c.what).or_insert_with(|| KindTime {
                 what: c.what.clone(),
                 count: 0,
                 ms: 0.0,
+                roofline_ms: unit_seconds.map(|_| 0.0),
             });
             k.count += 1;
             k.ms += f64::from(c.ms);
+            if let (Some(units), Some(r)) = (unit_seconds, k.roofline_ms.as_mut()) {
+                let unit = if seen.insert((c.run.clone(), c.node.clone())) {
+                    units.get(&c.node).copied().unwrap_or(0.0)
+                } else {
+                    0.0
+                };
+                *r += 1e3 * (unit + super::roofline::LAUNCH_SECONDS);
+            }
         }
         let mut out: Vec<KindTime> = kinds.into_values().collect();
         out.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.what.cmp(&b.what)));
@@ -141,17 +162,43 @@ impl KernelProfile {
     /// A table of the `top` kinds of command by device time, the rest summed in one line,
     /// and the total.
     pub fn table(&self, top: usize) -> String {
+        self.table_against(top, None)
+    }
+
+    /// [`Self::table`] with each kind's roofline time and its measured time over it, when
+    /// `unit_seconds` is given (see [`Self::by_kind_against`]).
+    pub fn table_against(&self, top: usize, unit_seconds: Option<&HashMap<String, f64>>) -> String {
         let total = self.total_ms();
         let share = |ms: f64| 100.0 * ms / total.max(f64::MIN_POSITIVE);
+        let roofline = unit_seconds.is_some();
         let mut s = format!(
-            "{:<48} {:>6} {:>10} {:>6}\n",
-            "what", "count", "ms", "share"
+            "{:<48} {:>6} {:>10} {:>6}{}\n",
+            "what",
+            "count",
+            "ms",
+            "share",
+            if roofline {
+                format!(" {:>12} {:>8}", "roofline ms", "x roof")
+            } else {
+                String::new()
+            }
         );
-        let kinds = self.by_kind();
+        let kinds = self.by_kind_against(unit_seconds);
         for k in kinds.iter().take(top) {
+            let roof = match k.roofline_ms {
+                Some(r) => format!(
+                    " {r:>12.3} {:>8}",
+                    if r > 0.0 {
+                        format!("{:.2}", k.ms / r)
+                    } else {
+                        "-".into()
+                    }
+                ),
+                None => String::new(),
+            };
             let _ = writeln!(
                 s,
-                "{:<48} {:>6} {:>10.3} {:>5.1}%",
+                "{:<48} {:>6} {:>10.3} {:>5.1}%{roof}",
                 k.what,
                 k.count,
                 k.ms,
@@ -308,6 +355,34 @@ mod tests {
             "{table}"
         );
         assert!(lines[4].starts_with("total") && lines[4].contains("4.000"));
+    }
+
+    /// Against a roofline: each kind gets its units' times once per unit (at its first
+    /// command) plus a microsecond a command, and the measured time over that.
+    #[test]
+    fn kinds_are_set_beside_their_roofline() {
+        let p = profile();
+        let nodes: Vec<String> = p.commands.iter().map(|c| c.node.clone()).collect();
+        let units: HashMap<String, f64> = nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (n.clone(), 1e-4 * (i + 1) as f64))
+            .collect();
+        let kinds = p.by_kind_against(Some(&units));
+        let norm = kinds.iter().find(|k| k.what == "layer_norm_fwd").unwrap();
+        let want: f64 = p
+            .commands
+            .iter()
+            .filter(|c| c.what == "layer_norm_fwd")
+            .map(|c| 1e3 * (units[&c.node] + 1e-6))
+            .sum();
+        assert!((norm.roofline_ms.unwrap() - want).abs() < 1e-12, "{norm:?}");
+        let table = p.table_against(4, Some(&units));
+        assert!(
+            table.lines().next().unwrap().contains("roofline ms"),
+            "{table}"
+        );
+        assert!(p.by_kind().iter().all(|k| k.roofline_ms.is_none()));
     }
 
     #[test]

@@ -111,6 +111,40 @@ fn value_bytes(g: &Graph, v: Value) -> f64 {
     g.ty(v).size_bytes().unwrap_or(0) as f64
 }
 
+/// The roofline seconds of each kernel unit of `plan`'s program, by the names of the values
+/// its nodes compute (the names the lowered commands carry as their node): what a profiled
+/// command's kind is compared with. Launch gaps are not included.
+pub fn unit_seconds(
+    plan: &TrainingPlan,
+    gpu: &GpuSpec,
+) -> Result<HashMap<String, f64>, LowerError> {
+    let program = lower_plan(plan)?;
+    let stored = |writes: &[castor_ir::Write]| -> HashMap<String, String> {
+        writes
+            .iter()
+            .map(|w| (w.output.clone(), w.state.clone()))
+            .collect()
+    };
+    let mut out = HashMap::new();
+    for (g, run, writes) in [
+        (&plan.micro_step, MICRO_STEP, &plan.micro_step_writes),
+        (
+            &plan.optimizer_step,
+            OPTIMIZER_STEP,
+            &plan.optimizer_step_writes,
+        ),
+    ] {
+        let units = unit_schedule(g, plan.units_of(run))?;
+        let (_, per_unit) = costed_units(g, &units, &stored(writes), &program, run, gpu);
+        for (names, seconds) in per_unit {
+            for name in names {
+                out.insert(name, seconds);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// One graph's units, costed; `run` names its commands in `program`.
 pub(crate) fn run_roofline(
     g: &Graph,
@@ -120,6 +154,18 @@ pub(crate) fn run_roofline(
     run: &str,
     gpu: &GpuSpec,
 ) -> RunRoofline {
+    costed_units(g, units, stored, program, run, gpu).0
+}
+
+/// [`run_roofline`], and each working unit's value names with its seconds.
+fn costed_units(
+    g: &Graph,
+    units: &UnitSchedule,
+    stored: &HashMap<String, String>,
+    program: &Program,
+    run: &str,
+    gpu: &GpuSpec,
+) -> (RunRoofline, Vec<(Vec<String>, f64)>) {
     let users = g.users();
     let (_, storage) = layout_views(g, &users, stored);
     let outputs: HashSet<Value> = g.outputs().iter().copied().collect();
@@ -130,6 +176,7 @@ pub(crate) fn run_roofline(
     let mut reads: Vec<HashSet<Value>> = vec![HashSet::new(); n];
     let mut writes: Vec<HashSet<Value>> = vec![HashSet::new(); n];
     let mut works = vec![false; n];
+    let mut names: Vec<Vec<String>> = vec![Vec::new(); n];
     for (node_id, node) in g.nodes() {
         // Working copies are state: the prologue fills them and the optimizer's update
         // rewrites them, so a run reads them as it reads any other state.
@@ -146,6 +193,7 @@ pub(crate) fn run_roofline(
             continue;
         }
         works[u] = true;
+        names[u].extend(node.outputs.iter().map(|&v| g.name(v).to_string()));
         let f = node_flops(g, node);
         flops[u] += f;
         compute[u] += if node.op.class() == OpClass::Communication {
@@ -178,19 +226,22 @@ pub(crate) fn run_roofline(
             .map_or(0, |r| program.runs[r].commands.len()),
         ..RunRoofline::default()
     };
+    let mut per_unit = Vec::new();
     for u in (1..n).filter(|&u| works[u]) {
         let bytes: f64 = reads[u]
             .iter()
             .chain(&writes[u])
             .map(|&v| value_bytes(g, v))
             .sum();
+        let seconds = compute[u].max(bytes / gpu.memory_bandwidth);
         out.units += 1;
         out.flops += flops[u];
         out.bytes += bytes;
-        out.seconds += compute[u].max(bytes / gpu.memory_bandwidth);
+        out.seconds += seconds;
+        per_unit.push((std::mem::take(&mut names[u]), seconds));
     }
     out.seconds += out.commands as f64 * LAUNCH_SECONDS;
-    out
+    (out, per_unit)
 }
 
 #[cfg(test)]
