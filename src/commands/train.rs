@@ -718,7 +718,7 @@ fn write_kernel_profile(
     step: u64,
     roofline: Option<(&std::collections::HashMap<String, f64>, &str)>,
 ) -> anyhow::Result<()> {
-    std::fs::write(path, profile.to_csv()).map_err(|e| {
+    std::fs::write(path, profile.to_csv(roofline.map(|(u, _)| u))).map_err(|e| {
         CliError::Output(format!(
             "--profile-kernels `{}`: cannot write: {e}",
             path.display()

@@ -134,29 +134,42 @@ impl KernelProfile {
     /// roofline's seconds per unit, by the node names its commands carry:
     /// `roofline::unit_seconds`).
     pub fn by_kind_against(&self, unit_seconds: Option<&HashMap<String, f64>>) -> Vec<KindTime> {
+        let roofline = unit_seconds.map(|u| self.roofline_ms(u));
         let mut kinds: HashMap<&str, KindTime> = HashMap::new();
-        let mut seen = std::collections::HashSet::new();
-        for c in &self.commands {
+        for (i, c) in self.commands.iter().enumerate() {
             let k = kinds.entry(&c.what).or_insert_with(|| KindTime {
                 what: c.what.clone(),
                 count: 0,
                 ms: 0.0,
-                roofline_ms: unit_seconds.map(|_| 0.0),
+                roofline_ms: roofline.as_ref().map(|_| 0.0),
             });
             k.count += 1;
             k.ms += f64::from(c.ms);
-            if let (Some(units), Some(r)) = (unit_seconds, k.roofline_ms.as_mut()) {
-                let unit = if seen.insert((c.run.clone(), c.node.clone())) {
-                    units.get(&c.node).copied().unwrap_or(0.0)
-                } else {
-                    0.0
-                };
-                *r += 1e3 * (unit + super::roofline::LAUNCH_SECONDS);
+            if let (Some(per_command), Some(r)) = (&roofline, k.roofline_ms.as_mut()) {
+                *r += per_command[i];
             }
         }
         let mut out: Vec<KindTime> = kinds.into_values().collect();
         out.sort_by(|a, b| b.ms.total_cmp(&a.ms).then_with(|| a.what.cmp(&b.what)));
         out
+    }
+
+    /// The roofline's milliseconds for each command, in issue order: the launch gap of every
+    /// command, plus its kernel unit's time at the unit's first command (a unit's commands
+    /// share one node name; the unit is counted once).
+    pub fn roofline_ms(&self, unit_seconds: &HashMap<String, f64>) -> Vec<f64> {
+        let mut seen = std::collections::HashSet::new();
+        self.commands
+            .iter()
+            .map(|c| {
+                let unit = if seen.insert((c.run.as_str(), c.node.as_str())) {
+                    unit_seconds.get(&c.node).copied().unwrap_or(0.0)
+                } else {
+                    0.0
+                };
+                1e3 * (unit + super::roofline::LAUNCH_SECONDS)
+            })
+            .collect()
     }
 
     /// A table of the `top` kinds of command by device time, the rest summed in one line,
@@ -222,8 +235,9 @@ impl KernelProfile {
         s
     }
 
-    /// Every command as CSV: `run,index,what,node,size,ms`.
-    pub fn to_csv(&self) -> String {
+    /// Every command as CSV: `run,index,what,node,size,ms,roofline_ms` (the last column
+    /// empty unless `unit_seconds` is given: see [`Self::roofline_ms`]).
+    pub fn to_csv(&self, unit_seconds: Option<&HashMap<String, f64>>) -> String {
         let quote = |f: &str| {
             if f.contains([',', '"', '\n']) {
                 format!("\"{}\"", f.replace('"', "\"\""))
@@ -231,17 +245,21 @@ impl KernelProfile {
                 f.to_string()
             }
         };
-        let mut s = String::from("run,index,what,node,size,ms\n");
-        for c in &self.commands {
+        let roofline = unit_seconds.map(|u| self.roofline_ms(u));
+        let mut s = String::from("run,index,what,node,size,ms,roofline_ms\n");
+        for (i, c) in self.commands.iter().enumerate() {
             let _ = writeln!(
                 s,
-                "{},{},{},{},{},{}",
+                "{},{},{},{},{},{},{}",
                 quote(&c.run),
                 c.index,
                 quote(&c.what),
                 quote(&c.node),
                 quote(&c.size),
-                c.ms
+                c.ms,
+                roofline
+                    .as_ref()
+                    .map_or(String::new(), |r| format!("{:.6}", r[i]))
             );
         }
         s
@@ -389,18 +407,24 @@ mod tests {
     fn the_csv_has_every_command_and_quotes_what_needs_it() {
         let mut p = profile();
         p.commands[0].node = "a,b".into();
-        let csv = p.to_csv();
+        let csv = p.to_csv(None);
         let lines: Vec<&str> = csv.lines().collect();
-        assert_eq!(lines[0], "run,index,what,node,size,ms");
+        assert_eq!(lines[0], "run,index,what,node,size,ms,roofline_ms");
         assert_eq!(lines.len(), 6);
         assert_eq!(
             lines[1],
-            "micro_step,0,layer_norm_fwd,\"a,b\",grid 4x1x1 block 256x1x1,0.5"
+            "micro_step,0,layer_norm_fwd,\"a,b\",grid 4x1x1 block 256x1x1,0.5,"
         );
         assert_eq!(
             lines[2],
-            "micro_step,1,cublas bf16xbf16->bf16,h.0.mlp.fc,3072 x 8192 x 768,2"
+            "micro_step,1,cublas bf16xbf16->bf16,h.0.mlp.fc,3072 x 8192 x 768,2,"
         );
-        assert_eq!(lines[5], "micro_step,4,copy,,1024 bytes,0.25");
+        assert_eq!(lines[5], "micro_step,4,copy,,1024 bytes,0.25,");
+        // With the roofline, each command's share of it: its unit once, plus its launch.
+        let units = HashMap::from([("h.0.mlp.fc".to_string(), 2e-3)]);
+        let csv = p.to_csv(Some(&units));
+        let lines: Vec<&str> = csv.lines().collect();
+        assert!(lines[2].ends_with(",2,2.001000"), "{}", lines[2]);
+        assert!(lines[5].ends_with(",0.25,0.001000"), "{}", lines[5]);
     }
 }
