@@ -1,10 +1,12 @@
-//! The GPU check script (`bench/gpu/check.py`) on a machine without a GPU: its preflight must
-//! fail, with a clear message and a non-zero exit status, so a GPU run that cannot start is
-//! never taken for a passing one.
+//! The GPU scripts on a machine without a GPU. The check (`bench/gpu/check.py`): its preflight
+//! must fail, with a clear message and a non-zero exit status, so a GPU run that cannot start
+//! is never taken for a passing one. The benchmark (`bench/gpu/bench.py --dry-run`): it writes
+//! a record of the format `bench/record.py` validates, with every configuration's row, castor's
+//! measured; and BENCHMARKS.md's generated section is what the committed records render to.
 
 mod common;
 
-use common::root;
+use common::{castor_bin, root};
 use std::process::Command;
 
 #[test]
@@ -15,7 +17,8 @@ fn the_gpu_check_fails_clearly_without_a_gpu() {
     }
     let out = tempfile::tempdir().unwrap();
     for part in [
-        &["--part", "tests"][..],
+        &["--part", "all"][..],
+        &["--part", "tests"],
         &["--part", "bench"],
         &["--preflight"],
     ] {
@@ -37,4 +40,179 @@ fn the_gpu_check_fails_clearly_without_a_gpu() {
             std::fs::read_to_string(out.path().join(format!("summary-{label}.txt"))).unwrap();
         assert!(summary.contains("preflight FAILED"), "{summary}");
     }
+}
+
+fn python(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    Command::new("python3")
+        .args(args)
+        .current_dir(root())
+        .output()
+        .expect("python3 runs")
+}
+
+#[test]
+fn the_benchmark_dry_run_writes_a_record_of_the_format() {
+    let out = tempfile::tempdir().unwrap();
+    let bench = root().join("bench/gpu/bench.py");
+    let o = python(&[
+        bench.as_os_str(),
+        "--out".as_ref(),
+        out.path().as_os_str(),
+        "--dry-run".as_ref(),
+        "--castor".as_ref(),
+        castor_bin().as_os_str(),
+        "--require-castor".as_ref(),
+    ]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let records: Vec<_> = std::fs::read_dir(out.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "json"))
+        .collect();
+    assert_eq!(records.len(), 1, "{records:?}");
+    let name = records[0]
+        .file_name()
+        .unwrap()
+        .to_string_lossy()
+        .to_string();
+    assert!(
+        name.ends_with("-dry-run-cpu.json") && name.starts_with("20"),
+        "{name}"
+    );
+    let v = python(&[
+        root().join("bench/record.py").as_os_str(),
+        "validate".as_ref(),
+        records[0].as_os_str(),
+    ]);
+    assert!(v.status.success(), "{}", String::from_utf8_lossy(&v.stderr));
+
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&records[0]).unwrap()).unwrap();
+    assert_eq!(record["dry_run"], true);
+    for field in ["torch", "cuda", "cublas", "cudnn"] {
+        assert!(record["versions"][field].is_string(), "{field}: {record}");
+    }
+    let rows = record["rows"].as_array().unwrap();
+    let row = |model: &str, system: &str, flags: &str| {
+        rows.iter()
+            .find(|r| r["model"] == model && r["system"] == system && r["flags"] == flags)
+            .unwrap_or_else(|| panic!("no {model} {system} {flags:?} row: {record}"))
+    };
+    // castor's side runs on the CPU: its default plans are measured, with an MFU from the
+    // plan's model FLOPs.
+    let lora =
+        "--lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj";
+    for (model, flags) in [
+        ("GPT-2 (tiny)", ""),
+        ("LLaMA (tiny)", ""),
+        ("LLaMA (tiny) LoRA r16", lora),
+        ("GPT-2 (tiny)", "--attention auto"),
+    ] {
+        let r = row(model, "castor", flags);
+        let (ms, rate, mfu) = (
+            r["ms_per_step"].as_f64().unwrap(),
+            r["tokens_per_s"].as_f64().unwrap(),
+            r["mfu"].as_f64().unwrap(),
+        );
+        assert!(ms > 0.0 && mfu > 0.0, "{r}");
+        assert!((rate * ms / 1e3 - 128.0).abs() < 1e-6, "B2xT64 tokens: {r}");
+        assert!(
+            r["x_roofline"].is_null(),
+            "a CPU step against the card's roofline: {r}"
+        );
+        assert!(r["roofline_ms"].as_f64().unwrap() > 0.0, "{r}");
+    }
+    // Each peer has its row: measured where torch is installed, else saying why not.
+    for (model, system) in [
+        ("GPT-2 (tiny)", "torch.compile"),
+        ("GPT-2 (tiny)", "torch eager"),
+        ("LLaMA (tiny)", "torch.compile"),
+        ("LLaMA (tiny) LoRA r16", "peft"),
+    ] {
+        let r = row(model, system, "");
+        assert!(
+            r["tokens_per_s"].as_f64().is_some() || r["note"].is_string(),
+            "{r}"
+        );
+    }
+    let recipe = row(
+        "LLaMA-2-7B recipe",
+        "castor",
+        "--remat selective --update-in-backward",
+    );
+    assert!(
+        recipe["note"].as_str().unwrap().contains("dry run"),
+        "{recipe}"
+    );
+    assert!(record["profile"]["note"].is_string(), "{record}");
+    let table = std::fs::read_to_string(out.path().join("table.txt")).unwrap();
+    assert!(
+        table.contains("Targets:") && table.contains("(target 1.15x): not measured"),
+        "{table}"
+    );
+}
+
+#[test]
+fn benchmarks_md_shows_the_committed_records() {
+    let o = python(&[root().join("bench/record.py").as_os_str(), "check".as_ref()]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn a_record_renders_its_rows_and_judges_the_targets() {
+    let row = |model: &str, system: &str, flags: &str, tokens: f64, x_roofline: Option<f64>| {
+        serde_json::json!({
+            "model": model, "shape": "B8xT1024", "precision": "bf16", "optimizer": "adamw",
+            "system": system, "flags": flags, "ms_per_step": 8192e3 / tokens,
+            "tokens_per_s": tokens, "mfu": 0.3, "x_roofline": x_roofline,
+            "roofline_ms": x_roofline.map(|_| 20.0),
+        })
+    };
+    let lora = "--lora-rank 16 --lora-targets q_proj,v_proj";
+    let record = serde_json::json!({
+        "date": "2026-12-01", "device": "NVIDIA H100 80GB HBM3", "castor_commit": "abc",
+        "versions": {"torch": "2.11", "cuda": "13.0", "cublas": "13.0.0", "cudnn": "91000"},
+        "torch_compile_sdpa": "FlashAttention-2", "dry_run": false,
+        "rows": [
+            row("GPT-2 124M", "castor", "", 400_000.0, Some(1.4)),
+            row("GPT-2 124M", "torch.compile", "", 320_000.0, None),
+            row("GPT-2 124M", "castor", "--attention auto", 300_000.0, Some(2.0)),
+            row("LLaMA-3.2-1B", "castor", "", 100_000.0, Some(1.6)),
+            row("LLaMA-3.2-1B", "torch.compile", "", 95_000.0, None),
+            row("LLaMA-3.2-1B LoRA r16", "castor", lora, 150_000.0, None),
+            row("LLaMA-3.2-1B LoRA r16", "peft", "", 90_000.0, None),
+        ],
+        "profile": {"plan": "GPT-2 124M", "total_ms": 30.0, "roofline_ms": 20.0, "kinds": [
+            {"kind": "layer_norm_fwd", "calls": 25, "ms": 1.5, "roofline_ms": 1.0, "ratio": 1.5}
+        ]},
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("2026-12-01-h100.json");
+    std::fs::write(&path, record.to_string()).unwrap();
+    let script = format!(
+        "import json, sys, pathlib; sys.path.insert(0, 'bench'); import record\n\
+         p = pathlib.Path({:?}); r = json.loads(p.read_text())\n\
+         assert not record.validate(r), record.validate(r)\n\
+         print(record.card_slug(r['device']))\n\
+         print(record.render_record(p, r))",
+        path.display().to_string()
+    );
+    let o = python(&["-c".as_ref(), script.as_ref()]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(text.starts_with("h100\n"), "{text}");
+    for line in [
+        "castor's default plan on GPT-2 124M: 1.25x torch.compile's tokens/s (target 1.15x): met",
+        "castor's default plan on LLaMA-3.2-1B: 1.05x torch.compile's tokens/s (target 1.10x): NOT MET",
+        "castor's default plan on LLaMA-3.2-1B LoRA r16: 1.67x peft's tokens/s (target 1.50x): met",
+        "castor's default plan on GPT-2 124M B8xT1024: measured step 1.40x castor's roofline (20.00 ms; target at most 1.5x): met",
+        "castor's default plan on LLaMA-3.2-1B B8xT1024: measured step 1.60x castor's roofline (20.00 ms; target at most 1.5x): NOT MET",
+        "| GPT-2 124M | B8xT1024 | bf16 | adamw | castor | `--attention auto` | 27.31 | 300,000 | 30.0% | 0.94x | 2.00x |",
+        "| layer_norm_fwd | 25 | 1.500 | 1.000 | 1.50 |",
+    ] {
+        assert!(text.contains(line), "{line}\nnot in\n{text}");
+    }
+    // The variant's roofline is in its row, not among the targets (they hold the defaults).
+    assert!(!text.contains("--attention auto: measured step"), "{text}");
 }

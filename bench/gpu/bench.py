@@ -1,36 +1,42 @@
 #!/usr/bin/env python3
-"""castor vs PyTorch on one GPU, in one run: the harness of the GPU benchmarks.
+"""castor against PyTorch on one GPU, side by side in one run: the benchmark record.
 
-    python bench/gpu/bench.py --out results/ [--castor target/release/castor]
-    python bench/gpu/bench.py --out /tmp/dry --device cpu --tiny     # dry run, no GPU
+    python3 bench/gpu/bench.py --out OUT [--castor gpu-pack/castor] [--recipe-log LOG]
+    python3 bench/gpu/bench.py --out OUT --dry-run     # tiny shapes, castor on the CPU
 
-Measures, in order, on one machine:
-1. The machine's ceilings: device-to-device copy bandwidth (bytes read + written) and the BF16
-   GEMM rate at GPT-2 shapes and at 8192^3, on random data.
-2. The GPT-2 measurements castor was asked for (transformers GPT-2 124M, random init, one
-   sequence of 150 tokens): forward F16 vs F32; gradient of sum(last hidden state) F16 vs F32;
-   the AdamW update on F32 master weights; refreshing the F16 working copy from the masters;
-   update + refresh together.
-3. A training step, GPT-2 124M, B=8, T=1024, AdamW, bf16 and fp16: eager autocast + fused
-   AdamW (+ GradScaler for fp16) and torch.compile: ms/step, tokens/s, MFU with
-   6N + 6*L*C*T FLOPs per token over the peak (989 TF dense BF16 on an H100 SXM).
-4. Memory: max_memory_allocated and step time with and without gradient checkpointing, beside
-   castor's planned peak for each --remat mode (from `castor compile --train`).
-5. castor's side of every row, where its CUDA executor can run (`castor ... --device cuda`):
-   steady-state ms/step and tokens/s (bf16, fp16, bf16 with --remat selective, and bf16 with
-   --attention fused --classifier fused --epilogues fused), the
-   device time of the optimizer step, the device memory castor allocated beside its planned
-   peak, and the forward at one ~150-token sequence in F32 and F16. When castor cannot run a
-   row, the row says why, nothing is made up, and --require-castor makes the exit status
-   non-zero.
+Writes OUT/<date>-<card>.json, the benchmark record (its format: bench/record.py; commit it
+under bench/results/ and run `python3 bench/record.py render`), OUT/table.txt (the same rows,
+readable), and the castor runs' logs and kernel profile under OUT/runs/.
 
-Timing: CUDA events after warm-up, the median of --repeat runs (host timers on the CPU). Every
-input is random. A readable table is printed last; everything goes to OUT/results.json.
+The configurations, in the order they run (the most wanted first, so that a time budget cuts
+the least wanted):
+
+1. GPT-2 124M, B=8, T=1024, bf16, AdamW: castor's defaults against `torch.compile`
+   (transformers' GPT2LMHeadModel with SDPA attention, autocast, fused AdamW), then PyTorch
+   eager and castor with `--attention auto` and `--attention fused`.
+2. LLaMA-3.2-1B's shape (assets/configs/llama-3.2-1b.json), B=4, T=2048, bf16, AdamW:
+   castor's defaults against `torch.compile` on LlamaForCausalLM (SDPA), then eager.
+3. LoRA on it, rank 16 on q, k, v, o, gate, up and down: castor against PEFT (a BF16 base,
+   F32 adapters, autocast).
+4. One step of the README's LLaMA-2-7B recipe (castor), read from the log of the GPU check's
+   tests part (--recipe-log) or run here.
+5. The kernel profile of castor's default GPT-2 step: calls, device ms and the program
+   roofline's ms per kind of command.
+
+Every model starts from random weights and every token is random: speed does not depend on
+them. PyTorch is timed with CUDA events after warm-up (the median of --repeat steps; host
+timers on the CPU); castor from its JSON log (the median tokens/s of the steps after the
+first quarter, which hold the NVRTC compiles and graph captures). MFU is model FLOPs (6N +
+6LCT per token for training, 4N + 6N_adapters + 6LCT for LoRA, whose base gets no weight
+gradient) over the card's dense BF16 peak, as `castor compile` states it. torch,
+transformers and PEFT are optional: a row whose library is missing says so and has no
+numbers, so the dry run needs only castor and the standard library.
 """
 
 import argparse
+import csv
+import ctypes
 import json
-import math
 import platform
 import re
 import statistics
@@ -39,27 +45,378 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-import transformers
-from transformers import GPT2Config, GPT2LMHeadModel
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+import record as record_format  # noqa: E402
 
-H100_BF16_PEAK = 989e12
+try:
+    import torch
+except ImportError:
+    torch = None
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+# A LLaMA small enough for the dry run, with the 1B shape's features (GQA, tied embeddings).
+TINY_LLAMA = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
+    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "hidden_act": "silu",
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "initializer_range": 0.02, "tie_word_embeddings": True,
+}
+
+
+class Bench:
+    """The run's settings, its deadline, and the record it fills row by row (written after
+    every row, so that a run cut short still leaves what it measured)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.out = args.out
+        # The castor runs' logs, configs and token files, apart from the record.
+        self.runs = args.out / "runs"
+        self.runs.mkdir(parents=True, exist_ok=True)
+        self.deadline = time.monotonic() + args.budget if args.budget else None
+        self.dry = args.dry_run
+        self.dev = "cuda" if not self.dry and torch is not None and torch.cuda.is_available() else "cpu"
+        self.record = {
+            "date": time.strftime("%Y-%m-%d"),
+            "device": device_name(self.dev),
+            "castor_commit": castor_commit(),
+            "versions": versions(),
+            "torch_compile_sdpa": "not measured",
+            "dry_run": self.dry,
+            "conditions": {
+                "castor_device": args.castor_device, "repeat": args.repeat,
+                "castor_steps": args.steps,
+            },
+            "rows": [],
+            "profile": {},
+        }
+        card = record_format.card_slug(self.record["device"])
+        self.path = self.out / f"{self.record['date']}-{'dry-run-' if self.dry else ''}{card}.json"
+
+    def time_left(self):
+        return self.deadline is None or time.monotonic() < self.deadline
+
+    def add(self, row):
+        self.record["rows"].append(row)
+        self.save()
+        shown = f"{row['ms_per_step']:.2f} ms/step" if row.get("ms_per_step") else row.get("note")
+        print(f"[bench] {row['model']} {row['shape']} {row['system']} {row['flags']}: {shown}",
+              file=sys.stderr, flush=True)
+
+    def save(self):
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.record, indent=1) + "\n")
+
+
+def device_name(dev):
+    if dev == "cuda":
+        return torch.cuda.get_device_name()
+    return f"CPU ({platform.machine() or 'unknown'})"
+
+
+def castor_commit():
+    """The commit the castor binary was built from: gpu-pack/COMMIT (bench/gpu/pack.sh writes
+    it; the GPU machine has no git), else the checkout's HEAD."""
+    pack = ROOT / "gpu-pack" / "COMMIT"
+    if pack.exists():
+        return pack.read_text().strip()
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True).stdout
+        return head + ("-dirty" if dirty.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def cublas_version():
+    """cuBLAS's version from the library itself (cublasGetProperty: major, minor, patch)."""
+    for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        parts = []
+        for prop in range(3):
+            v = ctypes.c_int(0)
+            if lib.cublasGetProperty(prop, ctypes.byref(v)) != 0:
+                return f"{name} (version unreadable)"
+            parts.append(str(v.value))
+        return ".".join(parts)
+    return "not found"
+
+
+def versions():
+    if torch is None:
+        return {"torch": "not installed", "cuda": "n/a", "cublas": cublas_version(),
+                "cudnn": "n/a", "transformers": "n/a", "peft": "n/a"}
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda or "n/a (CPU build)",
+           "cublas": cublas_version() if torch.cuda.is_available() else "n/a",
+           "cudnn": str(torch.backends.cudnn.version() or "n/a")}
+    for lib in ("transformers", "peft"):
+        try:
+            out[lib] = __import__(lib).__version__
+        except ImportError:
+            out[lib] = "not installed"
+    return out
+
+
+# --- the configurations -------------------------------------------------------------------
+
+
+class Config:
+    """One measured configuration: a model config file, its shape and what castor is told."""
+
+    def __init__(self, model, path, batch, seq, optimizer="adamw", lora=None, castor_flags=(),
+                 family="gpt2"):
+        self.model, self.path, self.batch, self.seq = model, path, batch, seq
+        self.optimizer, self.lora, self.family = optimizer, lora, family
+        self.castor_flags = list(castor_flags)
+        self.shape = f"B{batch}xT{seq}"
+
+    def json(self):
+        return json.loads(Path(self.path).read_text())
+
+    def lora_flags(self):
+        if not self.lora:
+            return []
+        return ["--lora-rank", str(self.lora), "--lora-targets", ",".join(LORA_TARGETS)]
+
+
+def configurations(bench):
+    """(GPT-2, LLaMA, LoRA) at the benchmark's shapes, or tiny ones for the dry run."""
+    if bench.dry:
+        tiny_llama = bench.runs / "tiny-llama.json"
+        tiny_llama.write_text(json.dumps(TINY_LLAMA))
+        return (Config("GPT-2 (tiny)", ROOT / "assets/tiny-gpt2.json", 2, 64),
+                Config("LLaMA (tiny)", tiny_llama, 2, 64, family="llama"),
+                Config("LLaMA (tiny) LoRA r16", tiny_llama, 2, 64, lora=16, family="llama"))
+    llama = ROOT / "assets/configs/llama-3.2-1b.json"
+    return (Config("GPT-2 124M", ROOT / "assets/configs/gpt2-124m.json", 8, 1024),
+            Config("LLaMA-3.2-1B", llama, 4, 2048, family="llama"),
+            Config("LLaMA-3.2-1B LoRA r16", llama, 4, 2048, lora=16, family="llama"))
+
+
+def row(cfg, system, flags="", precision="bf16", **measured):
+    r = {"model": cfg.model, "shape": cfg.shape, "precision": precision,
+         "optimizer": cfg.optimizer, "system": system, "flags": flags,
+         "ms_per_step": None, "tokens_per_s": None, "mfu": None}
+    r.update(measured)
+    return r
+
+
+# --- castor ---------------------------------------------------------------------------------
+
+
+def run(cmd, timeout=None):
+    try:
+        p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=timeout)
+        return p.returncode, p.stdout, p.stderr
+    except subprocess.TimeoutExpired as e:
+        return "timeout", e.stdout or "", e.stderr or ""
+
+
+def last_line(text):
+    lines = [l for l in (text or "").strip().splitlines() if l.strip()]
+    return lines[-1][-300:] if lines else "no output"
+
+
+class Plan:
+    """What `castor compile --train` says of a configuration: parameters, model FLOPs per
+    token, the program roofline on the card, the planned peak and the card's BF16 peak."""
+
+    def __init__(self, bench, cfg, flags):
+        cmd = [bench.args.castor, "compile", cfg.path, "--train", "--precision", "bf16",
+               "--batch", cfg.batch, "--seq", cfg.seq, "--optimizer", cfg.optimizer,
+               *cfg.lora_flags(), *flags]
+        gpu = castor_gpu(bench.record["device"])
+        if gpu:
+            cmd += ["--gpu", gpu]
+        code, so, se = run(cmd, timeout=300)
+        self.error = None if code == 0 else f"castor compile: exit {code}: {last_line(se)}"
+        num = lambda pattern: (lambda m: float(m.group(1).replace(",", "")) if m else None)(
+            re.search(pattern, so, re.M))
+        self.params = num(r"\(N ([\d,]+),")
+        layers, width = num(r"\bL (\d+), C"), num(r"\bC (\d+), T")
+        self.roofline_ms = num(r"program roofline ([\d.]+) ms per step")
+        self.planned_bytes = num(r"^\s*total\s+([\d,]+)\s")
+        self.peak_flops = (num(r"target GPU\s+.*?: ([\d.]+) TFLOP/s bf16") or 0) * 1e12 or None
+        adapters = num(r"([\d,]+) adapter parameters")
+        self.flops_per_token = None
+        if self.params and layers and width:
+            attention = 6 * layers * width * cfg.seq
+            if adapters:
+                self.flops_per_token = 4 * (self.params - adapters) + 6 * adapters + attention
+            else:
+                self.flops_per_token = 6 * self.params + attention
+
+    def mfu(self, tokens_per_s):
+        if tokens_per_s and self.flops_per_token and self.peak_flops:
+            return self.flops_per_token * tokens_per_s / self.peak_flops
+        return None
+
+
+def castor_gpu(device):
+    """castor's `--gpu` name for the card the benchmark runs on, if it is one castor knows."""
+    for name in ("H200", "H100", "A100", "L40S", "RTX 4090"):
+        if name.lower() in device.lower():
+            return name.lower().replace(" ", "")
+    return None
+
+
+def token_file(bench, vocab):
+    """nanoGPT's raw u16 token file of random ids: the configs have no tokenizer beside them."""
+    path = bench.runs / f"tokens-{vocab}.bin"
+    if not path.exists():
+        import random
+
+        rng = random.Random(0)
+        top = min(vocab, 1 << 16)
+        path.write_bytes(b"".join(rng.randrange(top).to_bytes(2, "little")
+                                  for _ in range(1 << 18)))
+    return path
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def castor_train(bench, cfg, flags, tag):
+    """One castor row: `castor train` on the configuration for --steps steps, timed from its
+    JSON log, beside the plan's roofline and planned peak."""
+    flags = list(flags)
+    shown = " ".join(cfg.lora_flags() + flags)
+    if not bench.time_left():
+        return row(cfg, "castor", shown, note="not run: the benchmark's time budget ran out")
+    plan = Plan(bench, cfg, flags)
+    if plan.error:
+        return row(cfg, "castor", shown, note=plan.error)
+    log = bench.runs / f"castor-{tag}.jsonl"
+    log.unlink(missing_ok=True)
+    steps = bench.args.steps
+    cmd = [bench.args.castor, "train", cfg.path, "--data", token_file(bench, cfg.json()["vocab_size"]),
+           "--steps", steps, "--batch", cfg.batch, "--seq", cfg.seq, "--precision", "bf16",
+           "--optimizer", cfg.optimizer, "--device", bench.args.castor_device, "--log", log,
+           "--profile", *cfg.lora_flags(), *flags]
+    code, so, se = run(cmd, timeout=600)
+    (bench.runs / f"castor-{tag}.out").write_text(f"$ {' '.join(map(str, cmd))}\n{so}\n{se}")
+    if code != 0 or not log.exists():
+        return row(cfg, "castor", shown, note=f"castor train: exit {code}: {last_line(se)}")
+    return castor_row_from_log(cfg, shown, log, plan, bench.args.castor_device == "cuda", so)
+
+
+def castor_row_from_log(cfg, flags, log, plan, on_gpu, stdout="", steady_from=None):
+    lines = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
+    lines = [l for l in lines if "tokens_per_s" in l]
+    if not lines:
+        return row(cfg, "castor", flags, note=f"{log.name} has no timed step")
+    steady = lines[len(lines) // 4 if steady_from is None else steady_from:] or lines[-1:]
+    rate = median(l["tokens_per_s"] for l in steady)
+    ms = 1e3 * cfg.batch * cfg.seq / rate if rate else None
+    mem = re.search(r"^memory\s+.*\((\d+) bytes\) allocated", stdout, re.M)
+    return row(cfg, "castor", flags, ms_per_step=ms, tokens_per_s=rate, mfu=plan.mfu(rate),
+               roofline_ms=plan.roofline_ms,
+               # The roofline is the card's: a step on the CPU is not measured against it.
+               x_roofline=ms / plan.roofline_ms if ms and plan.roofline_ms and on_gpu else None,
+               micro_steps_ms=median(l.get("micro_steps_ms") for l in steady),
+               optimizer_step_ms=median(l.get("optimizer_step_ms") for l in steady),
+               planned_bytes=plan.planned_bytes,
+               allocated_bytes=int(mem.group(1)) if mem else None,
+               steps_timed=len(steady))
+
+
+# The README's 7B fine-tuning recipe (bench/gpu/check.py's tests part runs it too).
+RECIPE_FLAGS = ["--remat", "selective", "--update-in-backward"]
+
+
+def recipe_row(bench):
+    cfg = Config("LLaMA-2-7B recipe", ROOT / "assets/configs/llama-2-7b.json", 1, 4096,
+                 optimizer="adafactor", family="llama")
+    flags = " ".join(RECIPE_FLAGS)
+    if bench.dry:
+        return row(cfg, "castor", flags, note="not run in a dry run: a GPU step")
+    plan = Plan(bench, cfg, RECIPE_FLAGS)
+    if plan.error:
+        return row(cfg, "castor", flags, note=plan.error)
+    log = bench.args.recipe_log
+    if log is None or not log.exists():
+        if not bench.time_left():
+            return row(cfg, "castor", flags, note="not run: the benchmark's time budget ran out")
+        log = bench.runs / "castor-llama-7b.jsonl"
+        code, so, se = run([bench.args.castor, "train", cfg.path, "--data",
+                            token_file(bench, 32000), "--steps", 3, "--batch", 1, "--seq", 4096,
+                            "--precision", "bf16", "--optimizer", "adafactor", "--device",
+                            bench.args.castor_device, "--log", log, *RECIPE_FLAGS], timeout=300)
+        if code != 0:
+            return row(cfg, "castor", flags, note=f"castor train: exit {code}: {last_line(se)}")
+    # Its first step holds the compiles and the graph capture: the steps after it are timed.
+    return castor_row_from_log(cfg, flags, log, plan, True, steady_from=1)
+
+
+def castor_profile(bench, cfg):
+    """The default GPT-2 step kernel by kernel (`--profile-kernels`: a GPU clock only), each
+    kind beside the program roofline's time for it."""
+    if bench.args.castor_device != "cuda":
+        return {"plan": f"{cfg.model} {cfg.shape} bf16 AdamW, castor's defaults",
+                "note": "no device clock: castor's kernel profile needs a GPU", "kinds": []}
+    if not bench.time_left():
+        return {"note": "not run: the benchmark's time budget ran out", "kinds": []}
+    path = bench.runs / "castor-kernels-default.csv"
+    code, so, se = run([bench.args.castor, "train", cfg.path, "--data",
+                        token_file(bench, cfg.json()["vocab_size"]), "--steps", 3, "--batch",
+                        cfg.batch, "--seq", cfg.seq, "--precision", "bf16", "--device", "cuda",
+                        "--profile-kernels", path], timeout=300)
+    (bench.runs / "castor-kernels-default.out").write_text(so + se)
+    if code != 0 or not path.exists():
+        return {"note": f"castor train --profile-kernels: exit {code}: {last_line(se)}",
+                "kinds": []}
+    return {"plan": f"{cfg.model} {cfg.shape} bf16 AdamW, castor's defaults",
+            **kinds_of_profile(path)}
+
+
+def kinds_of_profile(path):
+    """The per-command CSV summed by kind: calls, device ms, roofline ms and their ratio, the
+    most time first."""
+    kinds = {}
+    with open(path, newline="") as f:
+        for c in csv.DictReader(f):
+            k = kinds.setdefault(c["what"], {"kind": c["what"], "calls": 0, "ms": 0.0,
+                                             "roofline_ms": 0.0})
+            k["calls"] += 1
+            k["ms"] += float(c["ms"])
+            if c.get("roofline_ms"):
+                k["roofline_ms"] += float(c["roofline_ms"])
+            else:
+                k["roofline_ms"] = None
+    out = sorted(kinds.values(), key=lambda k: (-k["ms"], k["kind"]))
+    for k in out:
+        k["ratio"] = k["ms"] / k["roofline_ms"] if k["roofline_ms"] else None
+    total = sum(k["ms"] for k in out)
+    roof = sum(k["roofline_ms"] or 0 for k in out)
+    return {"total_ms": total, "roofline_ms": roof, "kinds": out}
+
+
+# --- PyTorch --------------------------------------------------------------------------------
 
 
 class Timer:
-    """Median time of a callable, in milliseconds, with CUDA events on the GPU."""
+    """Median time of a callable in milliseconds: CUDA events on the GPU, host clock on the CPU."""
 
-    def __init__(self, device, repeat, warmup):
-        self.device, self.repeat, self.warmup = device, repeat, warmup
+    def __init__(self, dev, repeat, warmup):
+        self.dev, self.repeat, self.warmup = dev, repeat, warmup
 
     def __call__(self, fn):
         for _ in range(self.warmup):
             fn()
         times = []
         for _ in range(self.repeat):
-            if self.device == "cuda":
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
+            if self.dev == "cuda":
+                start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                 start.record()
                 fn()
                 end.record()
@@ -72,427 +429,166 @@ class Timer:
         return statistics.median(times)
 
 
-def gpt2_config(tiny):
-    if tiny:
-        return GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=256,
-                          resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2Config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # GPT-2 124M
+def torch_model(cfg, dev, dtype):
+    """transformers' model for the configuration, random weights, SDPA attention, no dropout
+    (castor's plans have none)."""
+    import transformers
+
+    d = cfg.json()
+    d.pop("architectures", None)
+    for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"):
+        d[k] = 0.0
+    config = transformers.AutoConfig.for_model(**d)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                          torch_dtype=dtype)
+    return model.to(dev).train()
 
 
-def ceilings(args, timer, dev):
-    n = (1 << 20) if args.tiny else (1 << 28)  # bytes of the copy: 1 MiB dry, 256 MiB real
-    src = torch.rand(n // 4, device=dev)
-    dst = torch.empty_like(src)
-    ms = timer(lambda: dst.copy_(src))
-    copy_gbs = 2 * n / (ms * 1e-3) / 1e9
-    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    cfg = gpt2_config(args.tiny)
-    tokens = args.batch * args.seq
-    c, v = cfg.n_embd, cfg.vocab_size
-    shapes = {
-        "qkv": (tokens, c, 3 * c),
-        "fc": (tokens, c, 4 * c),
-        "proj": (tokens, 4 * c, c),
-        "lm_head": (tokens, c, v),
-        "8192^3": (512, 512, 512) if args.tiny else (8192, 8192, 8192),
-    }
-    gemm = {}
-    for name, (m, k, n_) in shapes.items():
-        a = torch.randn(m, k, device=dev, dtype=dtype)
-        b = torch.randn(k, n_, device=dev, dtype=dtype)
-        ms = timer(lambda: a @ b)
-        gemm[name] = {"shape": [m, k, n_], "ms": ms, "tflops": 2 * m * k * n_ / (ms * 1e-3) / 1e12}
-    return {"copy_bytes": 2 * n, "copy_gb_s": copy_gbs, "gemm": gemm, "gemm_dtype": str(dtype)}
-
-
-def user_measurements(args, timer, dev):
-    """The forward / gradient / AdamW / copy-refresh figures at one ~150-token sequence."""
-    cfg = gpt2_config(args.tiny)
-    seq = 32 if args.tiny else 150
-    ids = torch.randint(0, cfg.vocab_size, (1, seq), device=dev)
-    out = {}
-    for name, dtype in [("f32", torch.float32), ("f16", torch.float16)]:
-        if dev == "cpu" and dtype == torch.float16:
-            dtype = torch.bfloat16  # CPU half matmuls are not a meaningful peer
-        model = GPT2LMHeadModel(cfg).to(dev, dtype).eval()
-        base = model.transformer
-        with torch.no_grad():
-            out[f"forward_{name}_ms"] = timer(lambda: base(input_ids=ids))
-
-        def grad():
-            base.zero_grad(set_to_none=True)
-            base(input_ids=ids).last_hidden_state.float().sum().backward()
-
-        out[f"grad_sum_hidden_{name}_ms"] = timer(grad)
-    # AdamW on F32 masters, then the F16 working copy refreshed from them.
-    master = GPT2LMHeadModel(cfg).to(dev).train()
-    params = [p for p in master.parameters()]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    fused = dev == "cuda"
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=fused)
-    out["adamw_ms"] = timer(opt.step)
-    copies = [p.detach().to(torch.float16) for p in params]
-    out["refresh_f16_ms"] = timer(lambda: torch._foreach_copy_(copies, params))
-
-    def update_and_refresh():
-        opt.step()
-        torch._foreach_copy_(copies, params)
-
-    out["adamw_plus_refresh_ms"] = timer(update_and_refresh)
-    n_params = sum(p.numel() for p in params)
-    out["parameters"] = n_params
-    # Bytes the fused update + refresh must move: read grad, master, m, v; write master, m,
-    # v and the F16 copy: 4 * 4 + 3 * 4 + 2 = 30 bytes per parameter.
-    out["update_refresh_bytes"] = 30 * n_params
-    out["forward_speedup_f16"] = out["forward_f32_ms"] / out["forward_f16_ms"]
-    return out
-
-
-def training_step(args, timer, dev):
-    cfg = gpt2_config(args.tiny)
-    b, t = args.batch, args.seq
-    n_params_no_emb = None
-    results = {}
-    for precision in ["bf16", "fp16"]:
-        if dev == "cpu" and precision == "fp16":
-            continue  # no fp16 autocast worth timing on the CPU
-        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-        for mode in ["eager"] + ([] if args.skip_compile else ["compile"]):
-            torch.manual_seed(0)
-            model = GPT2LMHeadModel(cfg).to(dev).train()
-            n = sum(p.numel() for p in model.parameters())
-            n_params_no_emb = n
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
-            scaler = torch.amp.GradScaler(dev, enabled=precision == "fp16")
-            ids = torch.randint(0, cfg.vocab_size, (b, t), device=dev)
-            fwd = torch.compile(model) if mode == "compile" else model
-
-            def step():
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast(dev, dtype=dtype):
-                    loss = fwd(input_ids=ids, labels=ids).loss
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-
-            ms = timer(step)
-            flops_per_token = 6 * n + 6 * cfg.n_layer * cfg.n_embd * t
-            tokens_s = b * t / (ms * 1e-3)
-            results[f"{precision}_{mode}"] = {
-                "ms_per_step": ms,
-                "tokens_per_s": tokens_s,
-                "mfu": flops_per_token * tokens_s / H100_BF16_PEAK,
-            }
-            if dev == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
-                results[f"{precision}_{mode}"]["max_memory_allocated"] = torch.cuda.max_memory_allocated()
-            del model, opt
-    results["parameters"] = n_params_no_emb
-    return results
-
-
-def memory(args, timer, dev):
-    cfg = gpt2_config(args.tiny)
-    out = {}
-    for mode, checkpointing in [("none", False), ("full", True)]:
+def torch_row(bench, cfg, system, plan, timer):
+    """`torch eager`, `torch.compile` or `peft` on the configuration: one training step is
+    zero_grad, the forward and loss under bf16 autocast, backward, fused AdamW."""
+    if torch is None:
+        return row(cfg, system, note="torch is not installed"), None
+    if not bench.time_left():
+        return row(cfg, system, note="not run: the benchmark's time budget ran out"), None
+    dev = bench.dev
+    try:
         torch.manual_seed(0)
-        model = GPT2LMHeadModel(cfg).to(dev).train()
-        if checkpointing:
-            model.gradient_checkpointing_enable()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=dev == "cuda")
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), device=dev)
+        if system == "peft":
+            try:
+                import peft
+            except ImportError:
+                return row(cfg, system, note="peft is not installed"), None
+            base = torch_model(cfg, dev, torch.bfloat16)
+            model = peft.get_peft_model(base, peft.LoraConfig(
+                r=cfg.lora, lora_alpha=cfg.lora, lora_dropout=0.0, target_modules=LORA_TARGETS))
+        else:
+            model = torch_model(cfg, dev, torch.float32)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-4, fused=dev == "cuda")
+        vocab = cfg.json()["vocab_size"]
+        ids = torch.randint(0, vocab, (cfg.batch, cfg.seq), device=dev)
+        fwd = torch.compile(model) if system == "torch.compile" else model
 
         def step():
             opt.zero_grad(set_to_none=True)
             with torch.autocast(dev, dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = fwd(input_ids=ids, labels=ids).loss
             loss.backward()
             opt.step()
 
         ms = timer(step)
-        entry = {"ms_per_step": ms}
+        sdpa = sdpa_backend(step, dev) if system == "torch.compile" else None
+        rate = cfg.batch * cfg.seq / (ms * 1e-3)
+        measured = {"ms_per_step": ms, "tokens_per_s": rate, "mfu": plan.mfu(rate)}
         if dev == "cuda":
             torch.cuda.reset_peak_memory_stats()
             step()
             torch.cuda.synchronize()
-            entry["max_memory_allocated"] = torch.cuda.max_memory_allocated()
-        out[f"pytorch_{mode}"] = entry
-        del model, opt
-    return out
+            measured["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+        del model, opt, fwd
+        if dev == "cuda":
+            torch.cuda.empty_cache()
+        return row(cfg, system, **measured), sdpa
+    except Exception as e:  # a failed peer is a row that says why, not a lost benchmark
+        return row(cfg, system, note=f"{type(e).__name__}: {str(e).strip()[:300]}"), None
 
 
-def run(cmd):
-    p = subprocess.run([str(c) for c in cmd], capture_output=True, text=True)
-    return p.returncode, p.stdout, p.stderr
+def sdpa_backend(step, dev):
+    """Which SDPA kernel a compiled step ran, from the profiler's kernel names."""
+    if dev != "cuda":
+        return "n/a on the CPU"
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    names = {e.key for e in prof.key_averages()}
+    for pattern, backend in [("cudnn", "cuDNN attention"), ("flash", "FlashAttention-2"),
+                             ("fmha", "memory-efficient (CUTLASS)"),
+                             ("efficient_attention", "memory-efficient (CUTLASS)")]:
+        hits = sorted(n for n in names if pattern in n.lower())
+        if hits:
+            return f"{backend} ({hits[0][:80]})"
+    return "math (no fused attention kernel in the profile)"
 
 
-def median(xs):
-    xs = sorted(x for x in xs if x is not None)
-    return xs[len(xs) // 2] if xs else None
-
-
-def castor_train(args, exe, cfg_path, corpus, out_dir, precision, remat, steps, extra=(),
-                 tag=""):
-    """One `castor train` run on the chosen device, timed from its JSON log: steady-state
-    tokens/s (the first quarter of the steps holds NVRTC compiles and graph captures), the
-    device time of the micro steps and of the optimizer step (--profile), and the device memory
-    castor allocated for the plan. `extra` flags, named by `tag` in the log's file name."""
-    log = out_dir / f"castor-train-{precision}-{remat}{tag}.jsonl"
-    log.unlink(missing_ok=True)
-    code, so, se = run([exe, "train", cfg_path, "--data", corpus, "--steps", steps,
-                        "--batch", args.batch, "--seq", args.seq, "--precision", precision,
-                        "--remat", remat, "--device", args.castor_device, "--log", log,
-                        "--profile", *extra])
-    row = {"exit": code, "stdout": so[-2000:], "stderr": se[-2000:]}
-    if code != 0 or not log.exists():
-        return row
-    lines = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
-    steady = lines[steps // 4:]
-    rate = median(l["tokens_per_s"] for l in steady)
-    if rate:
-        row["tokens_per_s"] = rate
-        row["ms_per_step"] = 1e3 * args.batch * args.seq / rate
-    row["micro_steps_ms"] = median(l.get("micro_steps_ms") for l in steady)
-    row["optimizer_step_ms"] = median(l.get("optimizer_step_ms") for l in steady)
-    row["losses"] = [l["loss"] for l in lines]
-    mem = re.search(r"^memory\s+.*\((\d+) bytes\) allocated", so, re.M)
-    row["allocated_bytes"] = int(mem.group(1)) if mem else None
-    return row
-
-
-def castor_kernels(args, exe, cfg_path, corpus, out_dir, extra, tag):
-    """`castor train --profile-kernels` for 3 bf16 steps: the printed table of the kinds of
-    command that took the most device time in the last one; every command goes to
-    OUT/castor-kernels-bf16<tag>.csv."""
-    csv = out_dir / f"castor-kernels-bf16{tag}.csv"
-    code, so, se = run([exe, "train", cfg_path, "--data", corpus, "--steps", 3, "--batch",
-                        args.batch, "--seq", args.seq, "--precision", "bf16", "--device",
-                        args.castor_device, "--profile-kernels", csv, *extra])
-    lines = so.splitlines()
-    start = next((i for i, l in enumerate(lines) if l.startswith("kernels ")), None)
-    table = [] if start is None else [l for l in lines[start:] if not l.startswith("profile ")]
-    return {"exit": code, "table": table, "stderr": se[-2000:]}
-
-
-def castor_forward(args, exe, out_dir, precision):
-    """`castor eval --repeat` on a random GPT-2 checkpoint, one ~150-token sequence: the median
-    forward time, as the user measured it."""
-    from safetensors.torch import save_file
-
-    model_dir = out_dir / "gpt2-random"
-    if not (model_dir / "config.json").exists():
-        torch.manual_seed(0)
-        GPT2LMHeadModel(gpt2_config(args.tiny)).save_pretrained(model_dir, safe_serialization=True)
-    seq = 32 if args.tiny else 150
-    batch = out_dir / "forward-input.safetensors"
-    save_file({"input_ids": torch.randint(0, gpt2_config(args.tiny).vocab_size, (1, seq))}, batch)
-    code, so, se = run([exe, "eval", model_dir, "--input", batch, "--out",
-                        out_dir / f"forward-{precision}.safetensors", "--precision", precision,
-                        "--device", args.castor_device, "--repeat", 5 if args.tiny else 30])
-    row = {"exit": code, "stderr": se[-2000:]}
-    m = re.search(r": ([\d.]+) ms \(median", so + se)
-    if code == 0 and m:
-        row["ms"] = float(m.group(1))
-    return row
-
-
-# (result tag, table label, flags) of the fused castor rows.
-FUSED_VARIANTS = [
-    ("_fused", "fused attn+cls+epilogues",
-     ["--attention", "fused", "--classifier", "fused", "--epilogues", "fused"]),
-    ("_cls_epi", "fused cls+epilogues     ", ["--classifier", "fused", "--epilogues", "fused"]),
-]
-
-
-def castor_side(args, out_dir):
-    """castor's rows: the compile-time plan (works anywhere) and the runs on the device."""
-    res = {}
-    exe = str(args.castor)
-    cfg_path = out_dir / "gpt2-config.json"
-    cfg = gpt2_config(args.tiny).to_dict()
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    cfg_path.write_text(json.dumps(cfg))
-    for remat in ["none", "selective", "full"]:
-        code, so, se = run([exe, "compile", cfg_path, "--train", "--precision", "bf16",
-                            "--batch", args.batch, "--seq", args.seq, "--remat", remat])
-        peak = re.search(r"^\s*total\s+([\d,]+)\s", so, re.M) if code == 0 else None
-        res[f"planned_peak_{remat}"] = int(peak.group(1).replace(",", "")) if peak else None
-        res[f"planned_{remat}_exit"] = code
-        if remat == "none":
-            res["compile_train_bf16"] = {"exit": code, "stdout": so, "stderr": se[-2000:]}
-        if code != 0:
-            res[f"planned_{remat}_stderr"] = se[-500:]
-    # The config has GPT-2's vocabulary and no tokenizer files, so the text goes in as token
-    # ids: its bytes as nanoGPT's raw u16 tokens (castor reads text as bytes only for a
-    # 256-token vocabulary).
-    corpus = out_dir / "corpus.bin"
-    text = ("castor trains transformers in mixed precision. " * 20000).encode()
-    corpus.write_bytes(b"".join(b.to_bytes(2, "little") for b in text))
-    steps = 8 if args.tiny else 40
-    for precision, remat in [("bf16", "none"), ("fp16", "none"), ("bf16", "selective")]:
-        res[f"train_{precision}_{remat}"] = castor_train(args, exe, cfg_path, corpus, out_dir,
-                                                         precision, remat, steps)
-    # The fused kernels (flash attention, the chunked classifier, cuBLASLt epilogues), not
-    # yet the defaults: all three, and the classifier and epilogues with eager attention.
-    for tag, _, extra in FUSED_VARIANTS:
-        res[f"train_bf16{tag}"] = castor_train(args, exe, cfg_path, corpus, out_dir, "bf16",
-                                               "none", steps, extra, tag.replace("_", "-"))
-    # Where the device time of a bf16 step goes, command by command (a GPU clock only).
-    if args.castor_device == "cuda":
-        for tag, extra in [("", [])] + [(t, e) for t, _, e in FUSED_VARIANTS]:
-            res[f"kernels_bf16{tag}"] = castor_kernels(args, exe, cfg_path, corpus, out_dir,
-                                                       extra, tag)
-    for precision in ["fp32", "fp16"]:
-        res[f"forward_{precision}"] = castor_forward(args, exe, out_dir, precision)
-    return res
-
-
-def castor_failures(results):
-    """The castor rows that did not run (for --require-castor)."""
-    c = results.get("castor", {})
-    if "unavailable" in c:
-        return [c["unavailable"]]
-    bad = []
-    for k, v in c.items():
-        if isinstance(v, dict) and v.get("exit", 0) != 0:
-            bad.append(f"{k}: exit {v['exit']}: {(v.get('stderr') or '').strip()[-300:]}")
-        elif k.startswith("planned_") and k.endswith("_exit") and v != 0:
-            bad.append(f"{k}: {v}")
-    return bad
+# --- the run --------------------------------------------------------------------------------
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--tiny", action="store_true", help="tiny shapes: a dry run of the harness")
-    ap.add_argument("--castor", type=Path, default=Path("target/release/castor"))
-    ap.add_argument("--castor-device", default="cuda",
-                    help="where castor trains (cpu exercises the harness on a machine with no GPU)")
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--repeat", type=int, default=None)
-    ap.add_argument("--skip-compile", action="store_true", help="no torch.compile rows")
+    ap.add_argument("--castor", type=Path, default=ROOT / "gpu-pack" / "castor")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="tiny shapes with castor on the CPU: the harness, not a measurement")
+    ap.add_argument("--castor-device", default=None,
+                    help="where castor trains (default: cuda, or cpu for --dry-run)")
+    ap.add_argument("--recipe-log", type=Path, default=None,
+                    help="the JSON log of a 7B recipe run made earlier on this card (check.py's "
+                         "tests part), read instead of running it again")
+    ap.add_argument("--repeat", type=int, default=None, help="timed PyTorch steps (median)")
+    ap.add_argument("--steps", type=int, default=None, help="castor steps per row")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds for the whole benchmark: rows not started by then say so")
     ap.add_argument("--require-castor", action="store_true",
-                    help="exit non-zero when any of castor's rows fails to run")
+                    help="exit non-zero when any castor row did not run")
     args = ap.parse_args()
-    args.batch = args.batch or (2 if args.tiny else 8)
-    args.seq = args.seq or (64 if args.tiny else 1024)
-    repeat = args.repeat or (5 if args.tiny else 20)
+    args.out = args.out.resolve()
+    args.castor = args.castor.resolve()
+    args.castor_device = args.castor_device or ("cpu" if args.dry_run else "cuda")
+    args.repeat = args.repeat or (3 if args.dry_run else 10)
+    args.steps = args.steps or (4 if args.dry_run else 24)
     args.out.mkdir(parents=True, exist_ok=True)
-    dev = args.device
-    timer = Timer(dev, repeat, warmup=2 if args.tiny else 5)
-    torch.manual_seed(0)
+    if not args.castor.exists():
+        sys.exit(f"{args.castor} not found: build it (bench/gpu/pack.sh or cargo build --release)")
+    bench = Bench(args)
+    timer = Timer(bench.dev, args.repeat, warmup=1 if args.dry_run else 3)
+    gpt2, llama, lora = configurations(bench)
 
-    results = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if dev == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.version.cuda,
-        "conditions": {"tiny": args.tiny, "batch": args.batch, "seq": args.seq,
-                       "repeat": repeat, "device": dev},
-    }
-    sections = [("ceilings", ceilings), ("gpt2_user", user_measurements),
-                ("training_step", training_step), ("memory", memory)]
-    for name, fn in sections:
-        print(f"[{name}] ...", file=sys.stderr, flush=True)
-        results[name] = fn(args, timer, dev)
-    print("[castor] ...", file=sys.stderr, flush=True)
-    results["castor"] = castor_side(args, args.out) if args.castor.exists() else {
-        "unavailable": f"{args.castor} not found (cargo build --release)"}
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    def pair(cfg, castor_variants, peers):
+        """castor's default first, then the peers (the ratio's denominator), then the rest."""
+        plan = Plan(bench, cfg, [])
+        bench.add(castor_train(bench, cfg, [], f"{cfg.family}{'-lora' if cfg.lora else ''}"))
+        for system in peers:
+            r, sdpa = torch_row(bench, cfg, system, plan, timer)
+            bench.add(r)
+            if sdpa and cfg is gpt2:
+                bench.record["torch_compile_sdpa"] = sdpa
+        for flags in castor_variants:
+            tag = f"{cfg.family}-" + "-".join(f.strip("-") for f in flags)
+            bench.add(castor_train(bench, cfg, flags, tag))
 
-    c, u, t, m = (results[k] for k in ["ceilings", "gpt2_user", "training_step", "memory"])
-    cs = results["castor"]
-    lines = [
-        f"device {results['device']}, torch {results['torch']}, {results['date']}"
-        + (" (DRY RUN: tiny shapes)" if args.tiny else ""),
-        f"copy bandwidth            {c['copy_gb_s']:10.1f} GB/s (read + write)",
-    ]
-    for name, g in c["gemm"].items():
-        lines.append(f"GEMM {name:<20} {g['tflops']:10.2f} TFLOP/s  {g['shape']}")
-    fwd = {p: cs.get(f"forward_{p}", {}).get("ms") for p in ["fp32", "fp16"]}
-    fmt = lambda x, unit="ms": f"{x:8.2f} {unit}" if isinstance(x, (int, float)) else f"{'n/a':>8} {unit}"
-    lines += [
-        "",
-        "one ~150-token sequence           PyTorch            castor",
-        f"forward f32                  {fmt(u['forward_f32_ms'])}     {fmt(fwd['fp32'])}",
-        f"forward f16                  {fmt(u['forward_f16_ms'])}     {fmt(fwd['fp16'])}",
-        f"grad sum(hidden) f32 / f16   {u['grad_sum_hidden_f32_ms']:8.2f} / {u['grad_sum_hidden_f16_ms']:.2f} ms",
-        f"AdamW on F32 masters         {fmt(u['adamw_ms'])}",
-        f"F16 copy refresh             {fmt(u['refresh_f16_ms'])}",
-        f"AdamW + refresh              {fmt(u['adamw_plus_refresh_ms'])}  "
-        f"({u['update_refresh_bytes'] / (u['adamw_plus_refresh_ms'] * 1e-3) / 1e9:.1f} GB/s of "
-        f"{c['copy_gb_s']:.1f})",
-    ]
-    n = t.get("parameters") or 0
-    cfg = gpt2_config(args.tiny)
-    flops_per_token = 6 * n + 6 * cfg.n_layer * cfg.n_embd * args.seq
-    lines += ["", f"training step, GPT-2 B={args.batch} T={args.seq}   ms/step   tokens/s    MFU   vs compile"]
-    for precision in ["bf16", "fp16"]:
-        comp = t.get(f"{precision}_compile", {}).get("tokens_per_s")
-        for mode in ["eager", "compile"]:
-            v = t.get(f"{precision}_{mode}")
-            if isinstance(v, dict):
-                lines.append(f"PyTorch {mode:<8} {precision}          {v['ms_per_step']:8.2f}  {v['tokens_per_s']:9.0f}  "
-                             f"{100 * v['mfu']:5.1f}%  {v['tokens_per_s'] / comp if comp else float('nan'):6.2f}x")
-        r = cs.get(f"train_{precision}_none", {})
-        if "tokens_per_s" in r:
-            mfu = flops_per_token * r["tokens_per_s"] / H100_BF16_PEAK
-            lines.append(f"castor {args.castor_device:<9} {precision}          {r['ms_per_step']:8.2f}  "
-                         f"{r['tokens_per_s']:9.0f}  {100 * mfu:5.1f}%  "
-                         f"{r['tokens_per_s'] / comp if comp else float('nan'):6.2f}x")
-        else:
-            lines.append(f"castor {args.castor_device:<9} {precision}          "
-                         + ((r.get("stderr") or "").strip().splitlines() or ["did not run"])[-1])
-    for tag, label, _ in FUSED_VARIANTS:
-        fused = cs.get(f"train_bf16{tag}", {})
-        if "tokens_per_s" in fused:
-            mfu = flops_per_token * fused["tokens_per_s"] / H100_BF16_PEAK
-            comp = t.get("bf16_compile", {}).get("tokens_per_s")
-            lines.append(f"castor {label}  {fused['ms_per_step']:8.2f}  "
-                         f"{fused['tokens_per_s']:9.0f}  {100 * mfu:5.1f}%  "
-                         f"{fused['tokens_per_s'] / comp if comp else float('nan'):6.2f}x")
-        elif fused:
-            lines.append(f"castor {label}  "
-                         + ((fused.get("stderr") or "").strip().splitlines() or ["did not run"])[-1])
-    none, sel = cs.get("train_bf16_none", {}), cs.get("train_bf16_selective", {})
-    if "ms_per_step" in none and "ms_per_step" in sel:
-        lines.append(f"castor --remat selective bf16    {sel['ms_per_step']:8.2f} ms/step "
-                     f"({100 * (sel['ms_per_step'] / none['ms_per_step'] - 1):+.1f}% over none)")
-    opt = none.get("optimizer_step_ms")
-    if opt:
-        lines.append(f"castor optimizer step (AdamW + bf16 copies, device time) {opt:8.2f} ms vs PyTorch "
-                     f"AdamW + refresh {u['adamw_plus_refresh_ms']:.2f} ms")
-    lines.append("")
-    for k, v in m.items():
-        mem = v.get("max_memory_allocated")
-        lines.append(f"PyTorch memory {k:<10} {v['ms_per_step']:8.2f} ms/step  max allocated {mem if mem is not None else 'n/a'}")
-    for remat in ["none", "selective", "full"]:
-        lines.append(f"castor planned peak {remat:<9} {cs.get(f'planned_peak_{remat}')}")
-    for key in ["train_bf16_none", "train_bf16_selective"]:
-        alloc = cs.get(key, {}).get("allocated_bytes")
-        planned = cs.get(f"planned_peak_{key.rsplit('_', 1)[1]}")
-        if alloc and planned:
-            lines.append(f"castor {key}: allocated {alloc} vs planned {planned} "
-                         f"({100 * (alloc / planned - 1):+.1f}%)")
-    for key, title in [("kernels_bf16", "castor bf16 step, kernel by kernel")] + [
-            (f"kernels_bf16{tag}", f"castor bf16 {label.strip()} step, kernel by kernel")
-            for tag, label, _ in FUSED_VARIANTS]:
-        k = cs.get(key)
-        if k:
-            lines += ["", title] + (k["table"] or [((k.get("stderr") or "").strip().splitlines()
-                                                     or ["did not run"])[-1]])
-    table = "\n".join(lines)
+    pair(gpt2, [], ["torch.compile"])
+    pair(llama, [], ["torch.compile"])
+    pair(lora, [], ["peft"])
+    bench.add(recipe_row(bench))
+    bench.record["profile"] = castor_profile(bench, gpt2)
+    bench.save()
+    # What is worth knowing but not the targets: PyTorch eager, and castor's fused-attention
+    # backends beside its default attention.
+    for cfg in (gpt2, llama):
+        r, _ = torch_row(bench, cfg, "torch eager", Plan(bench, cfg, []), timer)
+        bench.add(r)
+    for flags in (["--attention", "auto"], ["--attention", "fused"]):
+        for cfg in (gpt2, llama):
+            bench.add(castor_train(bench, cfg, flags, f"{cfg.family}-{'-'.join(flags).strip('-')}"))
+    bench.save()
+    problems = record_format.validate(bench.record)
+    table = record_format.render_record(bench.path, bench.record, root=bench.out)
     (args.out / "table.txt").write_text(table + "\n")
     print(table)
-    failures = castor_failures(results)
-    if args.require_castor and failures:
-        print("castor rows failed:\n  " + "\n  ".join(failures), file=sys.stderr)
+    print(f"record: {bench.path}")
+    if problems:
+        print("the record does not follow its format:\n  " + "\n  ".join(problems),
+              file=sys.stderr)
+        sys.exit(1)
+    failed = [r for r in bench.record["rows"] if r["system"] == "castor"
+              and r["tokens_per_s"] is None and "dry run" not in (r.get("note") or "")]
+    if args.require_castor and failed:
+        print("castor rows that did not run:\n  " + "\n  ".join(
+            f"{r['model']} {r['flags']}: {r.get('note')}" for r in failed), file=sys.stderr)
         sys.exit(1)
 
 

@@ -1,17 +1,20 @@
 #!/usr/bin/env python3
-"""Everything castor checks and measures on a GPU, in two runs that each end well inside ten
-minutes (the GPU machine has CUDA 13 and PyTorch but no Rust: build with bench/gpu/pack.sh
-first, then run from the repository root):
+"""Everything castor checks and measures on a GPU (the GPU machine has CUDA 13 and PyTorch but
+no Rust: build with bench/gpu/pack.sh first, then run from the repository root):
 
+    python3 bench/gpu/check.py OUT --part all      # the three parts below, in that order, in
+                                                   # one budget (default 450 s): a GPU run
+                                                   # re-validates before it times anything
     python3 bench/gpu/check.py OUT --part tests    # device layer, kernels, training steps,
                                                    # demo, a training run with save/resume,
-                                                   # CUDA graphs off, one step of the
+                                                   # CUDA graphs off, three steps of the
                                                    # LLaMA-2-7B fine-tuning plan with its
                                                    # measured device peak, sanitizers
-    python3 bench/gpu/check.py OUT --part bench    # castor vs PyTorch (bench/gpu/bench.py)
+    python3 bench/gpu/check.py OUT --part bench    # castor vs PyTorch (bench/gpu/bench.py):
+                                                   # OUT/<date>-<card>.json, the record
     python3 bench/gpu/check.py OUT --part profile  # where a GPT-2 124M bf16 step spends its
                                                    # device time, command by command, for the
-                                                   # unfused and the fused plans
+                                                   # default plan and the fused attentions
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
 Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
@@ -19,10 +22,11 @@ NVRTC 13.0.x (refusing an NVRTC newer than the driver, whose PTX the driver cann
 libcudnn.so.9 where it is installed, sets LD_LIBRARY_PATH, CASTOR_NVRTC_DIR and
 CASTOR_CUDNN_DIR for what follows, and prints what it found. Every step
 runs with CASTOR_REQUIRE_GPU=1, so nothing skips silently; steps run in the order above until
---budget seconds run out, and the rest are listed as not run. Logs and what the steps write are
-kept in a temporary folder and packed (files up to 1 MiB) into OUT/logs-<part>.tar.gz, beside a
-short OUT/summary-<part>.txt; the exit status is non-zero when any step failed, ran out of time
-or could not start.
+--budget seconds run out, and the rest are listed as not run (the benchmark gets what the tests
+left, less the profile's share, and marks the rows it could not start). Logs and what the
+steps write are kept in a temporary folder and packed (files up to 1 MiB) into
+OUT/logs-<part>.tar.gz, beside a short OUT/summary-<part>.txt and the benchmark record; the
+exit status is non-zero when any step failed, ran out of time or could not start.
 """
 
 import argparse
@@ -235,7 +239,7 @@ def part_tests(steps, out_dir):
     recipe = ["assets/configs/llama-2-7b.json", "--precision", "bf16", "--batch", "1", "--seq",
               "4096", "--remat", "selective", "--optimizer", "adafactor", "--update-in-backward"]
     steps.run("llama_7b_step", [sys.executable, "-c", PEAK_AGAINST_PLAN, castor,
-                                str(run / "llama-7b.jsonl")] + recipe, 180)
+                                str(run / RECIPE_LOG)] + recipe, 180)
     sanitizer = steps.env.get("CASTOR_SANITIZER") or "compute-sanitizer"
     one_step = [castor, "train", "tests/fixtures/gpt2_lm", "--data",
                 "tests/fixtures/gpt2_lm/input.safetensors", "--steps", "1", "--precision", "bf16",
@@ -257,7 +261,11 @@ sys.exit(0 if a == b else 1)
 """
 
 
-# One training step of a plan while nvidia-smi polls the device's used memory; the peak above
+# The 7B recipe's JSON log, under the tests part's run/: the benchmark reads its timed steps.
+RECIPE_LOG = "llama-7b.jsonl"
+
+
+# Three training steps of a plan (the benchmark times the last two) while nvidia-smi polls the device's used memory; the peak above
 # the idle level must not exceed the planned peak (plus 1 GiB for the CUDA context, module code
 # and the driver's rounding), and must reach 90% of it (the plan is what runs).
 PEAK_AGAINST_PLAN = """
@@ -281,7 +289,7 @@ def poll():
         time.sleep(0.05)
 t = threading.Thread(target=poll)
 t.start()
-r = subprocess.run([castor, 'train', model, '--data', tokens, '--steps', '1',
+r = subprocess.run([castor, 'train', model, '--data', tokens, '--steps', '3',
                     '--device', 'cuda', '--log', log] + flags)
 done.set()
 t.join()
@@ -292,25 +300,38 @@ sys.exit(r.returncode or (0 if 0.9 * planned <= measured <= planned + (1 << 30) 
 """
 
 
-def part_bench(steps, out_dir):
-    steps.run("bench", [sys.executable, "bench/gpu/bench.py", "--out", out_dir / "bench",
-                        "--castor", PACK / "castor", "--require-castor"], 540)
+def part_bench(steps, out_dir, budget=None):
+    """bench/gpu/bench.py with castor's binary; the 7B recipe's row from the tests part's log
+    when that part ran first."""
+    cmd = [sys.executable, "bench/gpu/bench.py", "--out", out_dir / "bench", "--castor",
+           PACK / "castor", "--require-castor"]
+    recipe = out_dir / "run" / RECIPE_LOG
+    if recipe.exists():
+        cmd += ["--recipe-log", recipe]
+    if budget is not None:
+        cmd += ["--budget", max(budget, 1)]
+    steps.run("bench", cmd, 540 if budget is None else budget + 60)
+
+
+# The plans the profile part times (the benchmark profiles the default plan too, into its
+# record): castor's defaults, then the fused attention with cuDNN where it loads, then with
+# castor's own kernels.
+PROFILED = [("default", []), ("attention-auto", ["--attention", "auto"]),
+            ("attention-fused", ["--attention", "fused"])]
 
 
 def part_profile(steps, out_dir):
-    """`castor train --profile-kernels` on the benchmark's GPT-2 124M step (B=8, T=1024, bf16),
-    unfused, with the fused classifier and epilogues, and with fused attention as well: the
-    printed tables are in the logs, every command in the CSV files. The quick way to see where
-    castor's step time goes without the whole benchmark."""
+    """`castor train --profile-kernels` on the benchmark's GPT-2 124M step (B=8, T=1024, bf16)
+    for each plan of PROFILED: the printed tables (each kind beside its roofline) are in the
+    logs, every command in the CSV files. The quick way to see where castor's step time goes
+    without the whole benchmark."""
     castor = PACK / "castor"
     out_dir.mkdir(parents=True, exist_ok=True)
     # nanoGPT's raw u16 token file: the config has no tokenizer files beside it.
     tokens = out_dir / "tokens.bin"
     tokens.write_bytes(b"".join(((i * 7919) % 50257).to_bytes(2, "little")
                                 for i in range(16 * 1024)))
-    cls_epi = ["--classifier", "fused", "--epilogues", "fused"]
-    for tag, extra in [("unfused", []), ("cls-epi", cls_epi),
-                       ("fused", ["--attention", "fused"] + cls_epi)]:
+    for tag, extra in PROFILED:
         steps.run(f"profile_{tag}", [castor, "train", "assets/configs/gpt2-124m.json", "--data",
                                      tokens, "--steps", "3", "--batch", "8", "--seq", "1024",
                                      "--precision", "bf16", "--device", "cuda",
@@ -318,16 +339,28 @@ def part_profile(steps, out_dir):
                   120)
 
 
+# Seconds `--part all` keeps for the profile part when it starts the benchmark.
+PROFILE_SHARE = 60
+
+
+def part_all(steps, out_dir):
+    part_tests(steps, out_dir)
+    left = steps.deadline - time.monotonic()
+    part_bench(steps, out_dir, budget=left - PROFILE_SHARE - 60)
+    part_profile(steps, out_dir / "profile")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
-    ap.add_argument("--part", choices=["tests", "bench", "profile"], default="tests")
+    ap.add_argument("--part", choices=["all", "tests", "bench", "profile"], default="tests")
     ap.add_argument("--preflight", action="store_true", help="only check the CUDA libraries")
-    ap.add_argument("--budget", type=float, default=540,
-                    help="seconds the part may take in all (default 540)")
+    ap.add_argument("--budget", type=float, default=None,
+                    help="seconds the part may take in all (default 450 for all, else 540)")
     args = ap.parse_args()
     started = time.monotonic()
+    budget = args.budget or (450 if args.part == "all" else 540)
     out_dir = args.out.resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CASTOR_REQUIRE_GPU": "1", "CASTOR_BIN": str(PACK / "castor"),
@@ -355,17 +388,24 @@ def main():
         print("\n".join(summary), file=sys.stderr)
         return 1
     logs = Path(tempfile.mkdtemp(prefix=f"castor-gpu-{label}-"))
-    steps = Steps(logs, env, started + args.budget)
+    steps = Steps(logs, env, started + budget)
     subprocess.run(["nvidia-smi"], stdout=open(logs / "nvidia-smi.txt", "w"),
                    stderr=subprocess.STDOUT)
     # What the steps write (demo, training runs, benchmark results) lands beside their logs,
     # in the archive.
     work = logs / "work"
-    {"tests": part_tests, "bench": part_bench, "profile": part_profile}[args.part](steps, work)
+    {"all": part_all, "tests": part_tests, "bench": part_bench,
+     "profile": lambda s, w: part_profile(s, w / "profile")}[args.part](steps, work)
     summary += steps.rows
     summary.append(f"{'FAILED' if steps.failed else 'passed'} in {time.monotonic() - started:.0f} s")
-    if args.part == "bench" and (work / "bench" / "table.txt").exists():
+    if (work / "bench" / "table.txt").exists():
         summary += ["", (work / "bench" / "table.txt").read_text()]
+    # The record comes back whole, beside the summary: it is committed under bench/results/.
+    for record in (work / "bench").glob("*.json"):
+        shutil.copy(record, out_dir / record.name)
+        summary.append(f"benchmark record: {out_dir / record.name}")
+    for table in sorted((work / "profile").glob("kernels-*.csv")):
+        shutil.copy(table, out_dir / table.name)
     # Model weights, logits and token files stay behind: only so much comes back from the
     # GPU machine, and the logs and results are what is read.
     left = [p for p in logs.rglob("*") if p.is_file() and p.stat().st_size > ARCHIVED_FILE_LIMIT]
