@@ -7,7 +7,10 @@
 //!   the existing tolerances against PyTorch, and `tests/cuda_emulated.rs` runs their cuBLASLt
 //!   programs bit-identical to the CPU executor.
 //! - The pass fuses what it should: on GPT-2 every bias add after a product, every MLP GELU
-//!   and its gradient, every bias gradient; the CUDA listing shows each product's epilogue.
+//!   and its gradient, every bias gradient, the attention's scale and its gradient's; the CUDA
+//!   listing shows each product's epilogue and alpha.
+//! - A scale folds in F32 only when exact (a power of two: LLaMA-GQA's head dim 16), which
+//!   the F32 bit-identity test holds.
 
 mod common;
 
@@ -50,7 +53,8 @@ fn train_both(variant: &str, flags: &[&str]) -> Vec<(String, Vec<f32>, Vec<f32>)
 
 #[test]
 fn in_f32_fused_epilogues_train_bit_identical_to_the_separate_ops() {
-    for variant in ["gpt2_lm", "bert_mlm", "qwen2_bias"] {
+    // llama_gqa: head dim 16, so its 1/4 attention scale folds into the products in F32 too.
+    for variant in ["gpt2_lm", "bert_mlm", "qwen2_bias", "llama_gqa"] {
         for (name, eager, fused) in train_both(variant, &["--precision", "fp32"]) {
             let same = eager
                 .iter()
@@ -123,10 +127,19 @@ fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
     assert_eq!(count("gelu_tanh"), 0, "every GELU is in an epilogue");
     assert_eq!(count("gelu_tanh_grad"), 0, "and every GELU gradient");
     assert!(
-        report
-            .contains("6 bias add(s), 2 bias + GELU(s), 2 GELU gradient(s) and 8 bias gradient(s)"),
+        report.contains(
+            "6 bias add(s), 2 bias + GELU(s), 2 GELU gradient(s), 8 bias gradient(s) and 4 \
+             scale(s)"
+        ),
         "{report}"
     );
+    // The attention's 1/sqrt(8): in `q kᵀ`, and in the two products of its gradient.
+    assert_eq!(count("matmul_scaled"), 3 * layers, "{ir}");
+    let scores_scales = ir
+        .lines()
+        .filter(|l| l.contains("= scale(") && l.contains("attn"))
+        .count();
+    assert_eq!(scores_scales, 0, "no pass over the scores remains: {ir}");
     let (eager_ir, eager_report) = compile("eager");
     assert_eq!(eager_ir.matches("matmul_bias").count(), 0);
     assert!(eager_report.contains("epilogue    eager"), "{eager_report}");
@@ -149,13 +162,42 @@ fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
         ("epilogue=gelu_aux_bias(", layers),
         ("epilogue=dgelu(", layers),
         ("epilogue=bgrada(", 4 * layers),
+        (" alpha=0.35355", 3 * layers),
     ] {
         assert_eq!(listing.matches(epilogue).count(), n, "{epilogue}");
     }
 }
 
+/// Where a scale folds: in 16 bits always; in F32 only a power of two (GPT-2's fixture has head
+/// dim 8, LLaMA-GQA's 16); the same under every remat mode, so recomputation keeps the
+/// arithmetic (selective recomputation reruns the scaled scores product).
 #[test]
-fn a_model_without_biases_is_left_as_it_is() {
+fn the_attention_scale_folds_where_it_is_exact_or_saves_a_rounding() {
+    let scaled = |variant: &str, flags: &[&str]| {
+        let model = fixture(variant);
+        let mut args = vec!["compile", path_str(&model), "--train", "--emit", "ir"];
+        args.extend_from_slice(flags);
+        let o = castor(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o).matches("= matmul_scaled(").count()
+    };
+    let layers = 2;
+    assert_eq!(scaled("gpt2_lm", &["--precision", "bf16"]), 3 * layers);
+    assert_eq!(scaled("gpt2_lm", &["--precision", "fp32"]), 0);
+    assert_eq!(scaled("llama_gqa", &["--precision", "fp32"]), 3 * layers);
+    // Selective recomputation reruns the scaled scores product in the backward (`.remat`).
+    assert_eq!(
+        scaled("gpt2_lm", &["--precision", "bf16", "--remat", "selective"]),
+        4 * layers
+    );
+    assert_eq!(
+        scaled("gpt2_lm", &["--precision", "bf16", "--epilogues", "eager"]),
+        0
+    );
+}
+
+#[test]
+fn a_model_without_biases_gets_no_bias_epilogues() {
     let o = castor(&[
         "compile",
         path_str(&fixture("llama_gqa")),
@@ -168,7 +210,7 @@ fn a_model_without_biases_is_left_as_it_is() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(
         stdout(&o)
-            .contains("0 bias add(s), 0 bias + GELU(s), 0 GELU gradient(s) and 0 bias gradient(s)"),
+            .contains("0 bias add(s), 0 bias + GELU(s), 0 GELU gradient(s), 0 bias gradient(s)"),
         "{}",
         stdout(&o)
     );
@@ -263,7 +305,11 @@ fn train_says_what_the_epilogue_pass_did() {
             .unwrap_or_else(|| panic!("no plan line: {out}"))
             .to_string()
     };
-    assert!(run("fused").contains("bias gradient(s) fused into their products' epilogues"));
+    let fused = run("fused");
+    assert!(
+        fused.contains("bias gradient(s) and 8 scale(s) fused into their products' epilogues"),
+        "{fused}"
+    );
     assert!(!run("eager").contains("epilogue"));
 }
 

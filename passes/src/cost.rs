@@ -195,6 +195,10 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
     let in0 = node.inputs.first().map_or(0.0, |&v| numel(g, v));
     match &node.op {
         Op::MatMul { transpose_a, .. } => 2.0 * out * product_depth(g, node, *transpose_a),
+        // The product, then the scale's one multiply per element (as the separate op counts).
+        Op::MatMulScaled { transpose_a, .. } => {
+            (2.0 * product_depth(g, node, *transpose_a) + 1.0) * out
+        }
         // The product, then per element the bias add (and the GELU or its gradient, as the
         // separate ops count them).
         Op::MatMulBias { transpose_a, .. } => {

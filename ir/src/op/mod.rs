@@ -143,6 +143,12 @@ define_ops! {
     /// swap the last two dims of an operand first.
     MatMul { transpose_a: bool, transpose_b: bool } => "matmul", class Contraction,
         arity (2, 2), typing typing::matmul(inputs, *transpose_a, *transpose_b);
+    /// A product scaled in its accumulator (cuBLAS's `alpha`): `alpha · op(a)·op(b)` with the
+    /// operands and result of [`Op::MatMul`], the F32 product multiplied by `alpha` (as an F32)
+    /// and rounded once. The eager attention's `q kᵀ` and its gradient's products absorb the
+    /// 1/sqrt(d) scale this way, instead of a pass over the `[.., T, S]` scores.
+    MatMulScaled { transpose_a: bool, transpose_b: bool, alpha: f64 } => "matmul_scaled",
+        class Contraction, arity (2, 2), typing typing::matmul(inputs, *transpose_a, *transpose_b);
     /// A product with a bias-add epilogue (cuBLASLt's `BIAS`): `(a [.., M, K], b [K, N],
     /// bias [N]) -> [.., M, N]`, `op(a)·op(b) + bias` with the bias added to the F32
     /// accumulator and the sum rounded once, as PyTorch's `addmm` stores it.
@@ -497,6 +503,11 @@ mod tests {
             Op::MatMulBias {
                 transpose_a: false,
                 transpose_b: true,
+            },
+            Op::MatMulScaled {
+                transpose_a: false,
+                transpose_b: true,
+                alpha: 0.125,
             },
             Op::MatMulBiasGelu {
                 transpose_a: false,

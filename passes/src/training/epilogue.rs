@@ -12,8 +12,17 @@
 //!   gradient's bias gradient too: cuBLASLt's `DGELU_BGRAD` would write it in the product's
 //!   type (BF16 under the bf16 policy), and bias gradients are F32.
 //!
-//! Under `--remat selective` or a budget the forward GELU stays a separate kernel, so that
-//! recomputation can rebuild the activation from the kept pre-activation.
+//! - a `scale` of a product joins the product as cuBLAS's `alpha`: the eager attention's
+//!   `scale(q kᵀ)` becomes `matmul_scaled(q, k)`, and in the backward the scaled gradient of
+//!   the scores, read only by the two products that give dq and dk, is scaled inside each of
+//!   them instead (`matmul_scaled(dS, k)`, `matmul_scaled(dSᵀ, q)`), so no pass over the
+//!   `[.., T, S]` scores remains. In F32 a scale folds only when it is a power of two, which
+//!   keeps the F32 plans bit-identical; in 16-bit it always folds (one rounding instead of
+//!   two, as SDPA scales inside its kernel).
+//!
+//! The same fusions are made under every `--remat` mode, so recomputation never changes the
+//! arithmetic: a fused forward GELU is a product's result, which selective recomputation
+//! keeps (as it keeps products) instead of recomputing it from the pre-activation.
 //!
 //! Each fused result is rounded once, from the F32 accumulator, where the separate ops round
 //! the product and then the sum: PyTorch's `addmm` (every `nn.Linear` and GPT-2 `Conv1D`)
@@ -25,7 +34,8 @@
 
 use super::{set_mapped_outputs, PlanBuild, PlanPass};
 use crate::{PassError, PassReport};
-use castor_ir::{BinaryOp, Epilogues, Graph, Node, Op, ReduceOp, Remat, UnaryOp, Value};
+use castor_ir::{BinaryOp, Epilogues, Graph, Node, Op, ReduceOp, UnaryOp, Value};
+use std::collections::HashSet;
 
 pub(super) struct FuseEpilogues;
 
@@ -41,27 +51,45 @@ impl PlanPass for FuseEpilogues {
             ));
         }
         let g = &build.plan.micro_step;
-        // Selective and budgeted recomputation recompute a GELU from its input instead of
-        // keeping its output; in an epilogue the activation would only come back with the
-        // product, so there the GELU stays a kernel of its own.
-        let gelu = matches!(build.plan.settings.remat, Remat::None | Remat::Full);
-        let fusions = find(g, gelu);
+        // Under `--base nf4` the frozen base's products become `nf4_matmul` (the `nf4` pass,
+        // later), which has no epilogue: they stay plain products here.
+        let nf4 = build
+            .plan
+            .settings
+            .lora
+            .as_ref()
+            .is_some_and(|l| l.base == castor_ir::LoraBase::Nf4);
+        let plain: HashSet<String> = match nf4 {
+            true => build
+                .params
+                .iter()
+                .filter(|&&p| !build.is_trained(p))
+                .map(|&p| build.forward.name(p).to_string())
+                .collect(),
+            false => HashSet::new(),
+        };
+        let fusions = find(g, &plain);
         let (graph, forward_nodes) = rewrite(g, &fusions, build.plan.forward_nodes)?;
         build.plan.micro_step = graph;
         build.plan.forward_nodes = forward_nodes;
         let count = |f: fn(&Fusion) -> bool| fusions.iter().filter(|x| f(x)).count();
         Ok(PassReport::new(format!(
-            "{} bias add(s), {} bias + GELU(s), {} GELU gradient(s) and {} bias gradient(s) \
-             fused into their products' epilogues (one rounding each){}",
+            "{} bias add(s), {} bias + GELU(s), {} GELU gradient(s), {} bias gradient(s) and {} \
+             scale(s) fused into their products' epilogues (one rounding each)",
             count(|f| matches!(f, Fusion::Bias { gelu: None, .. })),
             count(|f| matches!(f, Fusion::Bias { gelu: Some(_), .. })),
             count(|f| matches!(f, Fusion::GeluGrad { .. })),
             count(|f| matches!(f, Fusion::BiasGrad { .. })),
-            if gelu {
-                ""
-            } else {
-                "; forward GELUs stay separate kernels, which --remat recomputes"
-            }
+            fusions
+                .iter()
+                .filter_map(|f| match *f {
+                    Fusion::ScaledProduct { scale, .. } | Fusion::ScaledOperand { scale, .. } => {
+                        Some(scale)
+                    }
+                    _ => None,
+                })
+                .collect::<std::collections::BTreeSet<_>>()
+                .len(),
         )))
     }
 }
@@ -80,6 +108,19 @@ enum Fusion {
     /// `sum(dy)` over the rows at node `sum`, and the weight gradient `matmul` whose operand
     /// (`lhs` or not) holds the same `dy` as rows.
     BiasGrad { matmul: Node, sum: Node, lhs: bool },
+    /// `scale(matmul)` at node `scale`: the product scaled in its accumulator.
+    ScaledProduct {
+        matmul: Node,
+        scale: Node,
+        alpha: f64,
+    },
+    /// A `matmul` that reads the result of `scale` (whose every reader is a product): the
+    /// product reads the scale's input and scales in its accumulator.
+    ScaledOperand {
+        matmul: Node,
+        scale: Node,
+        alpha: f64,
+    },
 }
 
 impl Fusion {
@@ -90,6 +131,8 @@ impl Fusion {
             Fusion::Bias { add, .. } => add,
             Fusion::GeluGrad { grad, .. } => grad,
             Fusion::BiasGrad { matmul, .. } => matmul,
+            Fusion::ScaledProduct { scale, .. } => scale,
+            Fusion::ScaledOperand { matmul, .. } => matmul,
         }
     }
 
@@ -103,12 +146,21 @@ impl Fusion {
                 .collect(),
             Fusion::GeluGrad { matmul, grad } => vec![matmul, grad],
             Fusion::BiasGrad { matmul, sum, .. } => vec![matmul, sum],
+            Fusion::ScaledProduct { matmul, scale, .. }
+            | Fusion::ScaledOperand { matmul, scale, .. } => vec![matmul, scale],
         }
     }
 }
 
-/// A product by a weight whose one reader is `reader`: `(lhs, weight)` and its transposes.
-fn weight_product(g: &Graph, users: &[Vec<Node>], v: Value, reader: Node) -> Option<Node> {
+/// A product by a weight whose one reader is `reader`: `(lhs, weight)` and its transposes;
+/// none when the weight is one of `plain` (parameters whose products keep no epilogue).
+fn weight_product(
+    g: &Graph,
+    users: &[Vec<Node>],
+    v: Value,
+    reader: Node,
+    plain: &HashSet<String>,
+) -> Option<Node> {
     let m = g.value(v).producer;
     let Op::MatMul {
         transpose_a: false, ..
@@ -116,12 +168,14 @@ fn weight_product(g: &Graph, users: &[Vec<Node>], v: Value, reader: Node) -> Opt
     else {
         return None;
     };
+    let weight = g.node(m).inputs[1];
     let only_read_here = users[v.index()] == [reader] && !g.outputs().contains(&v);
-    (only_read_here && g.ty(g.node(m).inputs[1]).shape.rank() == 2).then_some(m)
+    (only_read_here && g.ty(weight).shape.rank() == 2 && !plain.contains(g.name(weight)))
+        .then_some(m)
 }
 
-/// The fusions in `g`; forward GELUs join their bias products only when `gelu`.
-fn find(g: &Graph, gelu: bool) -> Vec<Fusion> {
+/// The fusions in `g`.
+fn find(g: &Graph, plain: &HashSet<String>) -> Vec<Fusion> {
     let users = g.users();
     let mut found = Vec::new();
     for (n, node) in g.nodes() {
@@ -132,22 +186,18 @@ fn find(g: &Graph, gelu: bool) -> Vec<Fusion> {
                 let width = *g.ty(y).shape.dims().last().unwrap_or(&0);
                 let is_bias = |v: Value| g.ty(v).dtype == dt && g.ty(v).shape.dims() == [width];
                 let (m, bias) = match (node.inputs[0], node.inputs[1]) {
-                    (p, b) if is_bias(b) => (weight_product(g, &users, p, n), b),
-                    (b, p) if is_bias(b) => (weight_product(g, &users, p, n), b),
+                    (p, b) if is_bias(b) => (weight_product(g, &users, p, n, plain), b),
+                    (b, p) if is_bias(b) => (weight_product(g, &users, p, n, plain), b),
                     _ => continue,
                 };
                 let Some(matmul) = m else { continue };
                 if g.ty(g.node(matmul).outputs[0]) != g.ty(y) {
                     continue;
                 }
-                let gelu = users[y.index()]
-                    .iter()
-                    .copied()
-                    .filter(|_| gelu)
-                    .find(|&r| {
-                        g.node(r).op == Op::Unary(UnaryOp::GeluTanh)
-                            && g.ty(g.node(r).outputs[0]) == g.ty(y)
-                    });
+                let gelu = users[y.index()].iter().copied().find(|&r| {
+                    g.node(r).op == Op::Unary(UnaryOp::GeluTanh)
+                        && g.ty(g.node(r).outputs[0]) == g.ty(y)
+                });
                 found.push(Fusion::Bias {
                     matmul,
                     add: n,
@@ -157,7 +207,7 @@ fn find(g: &Graph, gelu: bool) -> Vec<Fusion> {
             }
             Op::UnaryGrad(UnaryOp::GeluTanh) => {
                 let (pre, d, out) = (node.inputs[0], node.inputs[1], node.outputs[0]);
-                let Some(matmul) = weight_product(g, &users, d, n) else {
+                let Some(matmul) = weight_product(g, &users, d, n, plain) else {
                     continue;
                 };
                 if g.ty(d) == g.ty(pre) && g.ty(out) == g.ty(pre) {
@@ -180,7 +230,86 @@ fn find(g: &Graph, gelu: bool) -> Vec<Fusion> {
             _ => {}
         }
     }
+    let mut taken: HashSet<Node> = found
+        .iter()
+        .flat_map(|f| match *f {
+            Fusion::Bias { matmul, .. }
+            | Fusion::GeluGrad { matmul, .. }
+            | Fusion::BiasGrad { matmul, .. } => Some(matmul),
+            _ => None,
+        })
+        .collect();
+    for (n, node) in g.nodes() {
+        let Op::Scale { factor } = node.op else {
+            continue;
+        };
+        for f in scale_fusions(g, &users, n, factor) {
+            let matmul = match f {
+                Fusion::ScaledProduct { matmul, .. } | Fusion::ScaledOperand { matmul, .. } => {
+                    matmul
+                }
+                _ => unreachable!("scale_fusions gives scale fusions"),
+            };
+            // A product takes part in one fusion: a group whose product is taken goes whole.
+            if taken.contains(&matmul) {
+                continue;
+            }
+            taken.insert(matmul);
+            found.push(f);
+        }
+    }
     found
+}
+
+/// Whether a scale by `factor` of a `dtype` value may join a product: always in 16 bits (one
+/// rounding instead of two), in F32 only when exact (a power of two), which keeps F32 plans
+/// bit-identical to the separate ops.
+fn scale_folds(factor: f64, dtype: castor_ir::DType) -> bool {
+    let power_of_two = factor > 0.0 && factor.log2().fract() == 0.0;
+    power_of_two || matches!(dtype, castor_ir::DType::F16 | castor_ir::DType::BF16)
+}
+
+/// The fusions of the `scale` node `n`: into the product it scales, or into every product
+/// that reads it; none when neither holds whole, or when a product would
+/// take the scale twice.
+fn scale_fusions(g: &Graph, users: &[Vec<Node>], n: Node, factor: f64) -> Vec<Fusion> {
+    let node = g.node(n);
+    let (x, y) = (node.inputs[0], node.outputs[0]);
+    if g.ty(x) != g.ty(y) || !scale_folds(factor, g.ty(y).dtype) {
+        return vec![];
+    }
+    let m = g.value(x).producer;
+    let product_only_here = matches!(g.node(m).op, Op::MatMul { .. })
+        && users[x.index()] == [n]
+        && !g.outputs().contains(&x);
+    if product_only_here {
+        return vec![Fusion::ScaledProduct {
+            matmul: m,
+            scale: n,
+            alpha: factor,
+        }];
+    }
+    let readers = &users[y.index()];
+    let all_products = !readers.is_empty()
+        && !g.outputs().contains(&y)
+        && readers.iter().all(|&r| {
+            let ins = &g.node(r).inputs;
+            matches!(g.node(r).op, Op::MatMul { .. })
+                && ins.iter().filter(|&&i| i == y).count() == 1
+        });
+    if !all_products {
+        return vec![];
+    }
+    let mut readers = readers.clone();
+    readers.dedup();
+    readers
+        .into_iter()
+        .map(|matmul| Fusion::ScaledOperand {
+            matmul,
+            scale: n,
+            alpha: factor,
+        })
+        .collect()
 }
 
 /// The weight gradient `matmul(x, dy) {transpose_a}` (or `matmul(dy, x)`) whose `dy` operand,
@@ -306,6 +435,48 @@ fn rewrite(
                     matmul,
                     "epilogue: the bias gradient summed from the product's output-gradient operand (cuBLASLt BGRADA/BGRADB)",
                 ),
+                Fusion::ScaledProduct {
+                    matmul,
+                    scale,
+                    alpha,
+                } => {
+                    let mm = g.node(matmul);
+                    let (transpose_a, transpose_b) = transposes(&mm.op).map_err(internal)?;
+                    (
+                        Op::MatMulScaled {
+                            transpose_a,
+                            transpose_b,
+                            alpha,
+                        },
+                        mm.inputs.clone(),
+                        vec![g.node(scale).outputs[0]],
+                        matmul,
+                        "epilogue: the scale applied in the product's F32 accumulator, rounded once (cuBLAS alpha)",
+                    )
+                }
+                Fusion::ScaledOperand {
+                    matmul,
+                    scale,
+                    alpha,
+                } => {
+                    let mm = g.node(matmul);
+                    let (transpose_a, transpose_b) = transposes(&mm.op).map_err(internal)?;
+                    let (x, y) = (g.node(scale).inputs[0], g.node(scale).outputs[0]);
+                    (
+                        Op::MatMulScaled {
+                            transpose_a,
+                            transpose_b,
+                            alpha,
+                        },
+                        mm.inputs
+                            .iter()
+                            .map(|&i| if i == y { x } else { i })
+                            .collect(),
+                        mm.outputs.clone(),
+                        matmul,
+                        "epilogue: the operand's scale applied in the product's F32 accumulator instead (cuBLAS alpha)",
+                    )
+                }
                 Fusion::GeluGrad { matmul, grad } => {
                     let mm = g.node(matmul);
                     let (transpose_a, transpose_b) = transposes(&mm.op).map_err(internal)?;

@@ -194,6 +194,15 @@ pub fn execute(
             transpose_a,
             transpose_b,
         } => float(args, product(args, acc, out, *transpose_a, *transpose_b)?)?,
+        Op::MatMulScaled {
+            transpose_a,
+            transpose_b,
+            alpha,
+        } => {
+            let mut scaled = product(args, acc, out, *transpose_a, *transpose_b)?;
+            epilogue::scale(&mut scaled, *alpha);
+            float(args, scaled)?
+        }
         Op::Nf4MatMul {
             transpose_b,
             rows,

@@ -9,6 +9,13 @@ use super::elementwise;
 use super::reduce;
 use castor_ir::{ReduceOp, UnaryOp};
 
+/// `alpha · acc` in F32, in place: the scaled product the stored result rounds once (cuBLAS's
+/// `alpha`, a host F32 scalar), as the separate `scale` op multiplies.
+pub fn scale(acc: &mut [f32], alpha: f64) {
+    let a = alpha as f32;
+    acc.iter_mut().for_each(|v| *v *= a);
+}
+
 /// `acc + bias` in F32, in place: the sum the stored result rounds once (`BIAS`).
 pub fn add_bias(acc: &mut [f32], bias: &[f32]) {
     let n = bias.len();

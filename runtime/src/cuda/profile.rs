@@ -308,6 +308,7 @@ mod tests {
             batch: 1,
             compute: GemmCompute::F32,
             accumulate: false,
+            alpha: 1.0,
             epilogue,
         })
     }

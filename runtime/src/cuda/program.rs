@@ -263,6 +263,9 @@ pub struct Gemm {
     /// `C += op(A) op(B)` (cuBLAS's beta = 1) instead of `C = op(A) op(B)`: a product summed
     /// over chunks (the fused classifier's weight gradient).
     pub accumulate: bool,
+    /// cuBLAS's alpha, the F32 product's factor before the epilogue and the store: 1 but for a
+    /// product that absorbed a scale (`matmul_scaled`).
+    pub alpha: f32,
     /// What the product does in its accumulator before storing C (a cuBLASLt epilogue).
     pub epilogue: Epilogue,
 }
@@ -766,7 +769,7 @@ impl Command {
             ),
             Command::Gemm(g) => format!(
                 "gemm {}{} x {}{} -> {} m={} n={} k={} batch={} A={} lda={} sA={} B={} ldb={} \
-                 sB={} C={} ldc={} sC={} {}{}  # %{}",
+                 sB={} C={} ldc={} sC={} {}{}{}  # %{}",
                 g.a_dtype.name(),
                 if g.transa { "ᵀ" } else { "" },
                 g.b_dtype.name(),
@@ -788,6 +791,11 @@ impl Command {
                 match g.compute {
                     GemmCompute::F32 => "f32",
                     GemmCompute::Tf32 => "tf32",
+                },
+                if g.alpha == 1.0 {
+                    String::new()
+                } else {
+                    format!(" alpha={}", g.alpha)
                 },
                 match g.epilogue {
                     Epilogue::None => String::new(),

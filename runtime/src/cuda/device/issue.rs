@@ -308,7 +308,7 @@ impl Loaded {
                 blas_sys::cublasOperation_t::CUBLAS_OP_N
             }
         };
-        let alpha = 1.0f32;
+        let alpha = g.alpha;
         let beta = if g.accumulate { 1.0f32 } else { 0.0f32 };
         let ptr =
             |place: Place| std::ptr::without_provenance_mut::<c_void>(self.address(place) as usize);

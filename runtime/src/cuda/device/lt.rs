@@ -196,7 +196,7 @@ impl Loaded {
         let heuristic =
             unsafe { lt::get_matmul_algo_heuristic(self.dev.lt.0, desc, la, lb, lc, lc, pref) }
                 .map_err(err("cublasLtMatmulAlgoGetHeuristic"))?;
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (g.alpha, 0.0f32);
         // SAFETY: the handle and descriptors are live; alpha and beta are host F32 scalars
         // (the default pointer mode and the F32 scale type); every operand and epilogue buffer
         // spans what its layout implies inside a live allocation (checked at load); the

@@ -121,6 +121,7 @@ fn gemm(m: i32, n: i32, k: i32) -> Gemm {
         batch: 1,
         compute: GemmCompute::F32,
         accumulate: false,
+        alpha: 1.0,
         epilogue: Default::default(),
     }
 }
@@ -376,6 +377,7 @@ if (k < n) x[k] *= by;
         batch: 1,
         compute: GemmCompute::F32,
         accumulate: false,
+        alpha: 1.0,
         epilogue: Default::default(),
     };
     let program = Program {

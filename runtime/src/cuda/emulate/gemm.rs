@@ -110,6 +110,11 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
         }
         Ok(())
     };
+    // cuBLAS's alpha on the F32 product, before the epilogue (as the CPU executor's
+    // `matmul_scaled` multiplies it).
+    if g.alpha != 1.0 {
+        epilogue::scale(&mut out, f64::from(g.alpha));
+    }
     // The epilogue, on the F32 product of the single entry (row-major [n, m] here).
     let vector = |m: &Mem, p: Place, d: DType| -> R<Vec<f32>> {
         let p = m.place(p);

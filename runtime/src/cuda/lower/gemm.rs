@@ -178,6 +178,7 @@ pub fn matmul(
                 GemmCompute::F32
             },
             accumulate: false,
+            alpha: 1.0,
             epilogue: Epilogue::None,
         });
     }

@@ -3,7 +3,7 @@
 //! `reduce.rs`, `layout.rs`, `loss_scale.rs`, `cross_entropy.rs`, `optimizer.rs`, `adafactor.rs`,
 //! `attention.rs`), products to `gemm.rs`; and the helpers they share.
 
-use super::super::program::{Command, Epilogue};
+use super::super::program::{Command, Epilogue, Gemm};
 use super::{gemm, LowerError, RunLowering};
 use castor_ir::{Accum, Node, Op, Value};
 
@@ -78,6 +78,27 @@ impl RunLowering<'_, '_> {
                 )
                 .map_err(|m| self.err(y, m))?;
                 self.commands.extend(gm.into_iter().map(Command::Gemm));
+            }
+            Op::MatMulScaled {
+                transpose_a,
+                transpose_b,
+                alpha,
+            } => {
+                let (a, b) = (self.at(ins[0])?, self.at(ins[1])?);
+                let c = self.out(y)?;
+                let gm = gemm::matmul(
+                    g.name(y),
+                    (a, &g.ty(ins[0]).shape, dt(ins[0])),
+                    (b, &g.ty(ins[1]).shape, dt(ins[1])),
+                    (c, dt(y)),
+                    *transpose_a,
+                    *transpose_b,
+                    node.acc == Some(Accum::Tf32),
+                )
+                .map_err(|m| self.err(y, m))?;
+                let alpha = *alpha as f32;
+                self.commands
+                    .extend(gm.into_iter().map(|g| Command::Gemm(Gemm { alpha, ..g })));
             }
             Op::MatMulBias { .. }
             | Op::MatMulBiasGelu { .. }
