@@ -55,7 +55,7 @@ fn main() -> ExitCode {
     );
     let result = match cli.command {
         Command::Inspect(a) => inspect::run(a),
-        Command::Compile(a) => compile::run(*a),
+        Command::Compile(a) => compile::run(*a, &given),
         Command::Eval(a) => eval::run(a),
         Command::Train(a) => train::run(*a, &given),
         Command::Generate(a) => generate::run(a),
@@ -64,6 +64,8 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // The run already said where it stopped and what it saved.
+        Err(e) if e.is::<castor::Interrupted>() => ExitCode::from(castor::codes::INTERRUPTED),
         Err(e) => {
             errln!("error: {}", error_message(&e));
             ExitCode::from(exit_code(&e))

@@ -130,17 +130,20 @@ pub struct TrainingArgs {
     /// `budget:<bytes>` (recompute the least that fits the step's peak in the budget).
     #[arg(long, default_value = "none", value_name = "MODE", value_parser = parse_remat)]
     pub remat: Remat,
-    /// The LM head and its loss: `eager` (the head's product stores the [rows, vocab] logits),
-    /// `fused` (one op over chunks of rows, 32 Mi logits per chunk, recomputed in the
-    /// backward) or `fused:<rows per chunk>`.
-    #[arg(long, default_value = "eager", value_name = "MODE", value_parser = parse_classifier)]
+    /// The LM head and its loss: `fused` (one op over chunks of rows, 32 Mi logits per chunk,
+    /// recomputed in the backward; the default), `fused:<rows per chunk>`, or `eager` (the
+    /// head's product stores the [rows, vocab] logits). A head the fused op cannot express
+    /// (a bias, another loss) stays eager and the plan says why.
+    #[arg(long, default_value = "fused", value_name = "MODE", value_parser = parse_classifier)]
+    // Flags saved before this one existed ran eager: absent means eager (its serde default).
     #[serde(default)]
     pub classifier: Classifier,
-    /// Bias adds after products, the tanh GELU that follows them and their gradients:
-    /// `eager` (separate kernels, each rounding its result) or `fused` (in the product's
-    /// accumulator, as cuBLASLt's BIAS, GELU_AUX_BIAS, DGELU and BGRADA/B epilogues do:
-    /// one rounding, as PyTorch's addmm, and no pass over memory).
-    #[arg(long, default_value = "eager", value_name = "MODE", value_parser = parse_epilogues)]
+    /// Bias adds after products, the tanh GELU that follows them and their gradients: `fused`
+    /// (in the product's accumulator, as cuBLASLt's BIAS, GELU_AUX_BIAS, DGELU and BGRADA/B
+    /// epilogues do: one rounding, as PyTorch's addmm, and no pass over memory; the default)
+    /// or `eager` (separate kernels, each rounding its result).
+    #[arg(long, default_value = "fused", value_name = "MODE", value_parser = parse_epilogues)]
+    // As --classifier: flags saved before this one existed ran eager.
     #[serde(default)]
     pub epilogues: Epilogues,
     /// Train low-rank adapters of rank R beside the target products (PEFT's LoRA): only they
@@ -256,10 +259,19 @@ impl TrainingArgs {
     pub fn training_objective(&self, model: &Model) -> anyhow::Result<Objective> {
         let objective = self.objective(Some(model))?;
         if self.objective == "auto" && objective == Objective::Sum {
+            // GPT-2 has no sequence classifier in castor: the classifier flags are offered
+            // where they apply.
+            let classify = match model.family() {
+                castor_models::Family::Gpt2 => String::new(),
+                _ => "to fine-tune it as a text classifier, give --num-labels N or --labels \
+                      a,b,c (a new classification head, as transformers' num_labels makes \
+                      one, trained on labelled .jsonl or .csv text); "
+                    .to_string(),
+            };
             return Err(CliError::InvalidInput(format!(
-                "{} has no LM or MLM head, so it has no loss to train by default: name one \
-                 with --objective (sum: the sum of the last hidden state, a benchmark loss), \
-                 or use a checkpoint with a head (architectures [\"BertForMaskedLM\"], \
+                "{} has no LM or MLM head, so it has no loss to train by default: {classify}\
+                 name one with --objective (sum: the sum of the last hidden state, a \
+                 benchmark loss), or use a checkpoint with a head (architectures [\"BertForMaskedLM\"], \
                  [\"GPT2LMHeadModel\"], [\"LlamaForCausalLM\"])",
                 model.architecture()
             ))

@@ -45,12 +45,17 @@ fn the_fused_classifier_trains_what_the_eager_head_trains() {
         for name in eager.names() {
             let (a, b) = (eager.read_f32(name).unwrap(), fused.read_f32(name).unwrap());
             let err = relative_error(&b, &a);
-            if mode == "fused" || name != "transformer.wte.weight" {
-                assert_eq!(err, 0.0, "{mode}: `{name}` differs ({err:e})");
-            } else {
-                println!("{mode}: the tied head weight differs from eager by {err:.1e}");
-                assert!(err <= 1e-6, "{mode}: `{name}` relative error {err:e}");
-            }
+            // One chunk is the eager head's arithmetic. Chunks of 5 rows sum the tied
+            // weight's gradient in another order (1e-6 bounds F32 rounding over 3 steps);
+            // that reaches the other weights only where a rounded master moves its bf16
+            // working copy by one ulp, a few elements of an embedding (1e-8).
+            let bound = match (mode, name) {
+                ("fused", _) => 0.0,
+                (_, "transformer.wte.weight") => 1e-6,
+                _ => 1e-8,
+            };
+            println!("{mode}: `{name}` differs from eager by {err:.1e}");
+            assert!(err <= bound, "{mode}: `{name}` relative error {err:e}");
         }
     }
 }
@@ -85,8 +90,8 @@ fn gpt2_124m(flags: &[&str]) -> (u64, String) {
 #[test]
 fn the_fused_classifier_bounds_the_heads_memory() {
     // Eager attention and head: the plan the fused kernels are measured against.
-    let (eager, eager_line) = gpt2_124m(&[]);
-    let (attention_only, _) = gpt2_124m(&["--attention", "fused"]);
+    let (eager, eager_line) = gpt2_124m(&["--classifier", "eager"]);
+    let (attention_only, _) = gpt2_124m(&["--attention", "fused", "--classifier", "eager"]);
     let (fused, line) = gpt2_124m(&["--attention", "fused", "--classifier", "fused"]);
     println!(
         "GPT-2 124M: eager {eager}, fused attention {attention_only}, and fused classifier \
