@@ -9,11 +9,14 @@
 //! smaller micro-batch with gradient accumulation over the same tokens per step, SGD with
 //! momentum instead of AdamW (one moment instead of two), 8-bit AdamW (AdamW's moments in a
 //! byte each), Adafactor (factored second moments, nearly no state), and the fused classifier
-//! (the LM head's logits a chunk at a time). Each is planned for real (the memory planner's peak, not an
-//! estimate) and ranked by the cost model's step time; when no single change fits, all of
-//! them together are tried, and when even that does not fit the verdict says how much the
-//! persistent state alone needs. When the persistent state without any optimizer state
-//! already exceeds the memory, nothing is planned: no change can fit.
+//! (the LM head's logits a chunk at a time), BF16 moments and the update in the backward
+//! (gradients freed as they are made). Each is planned for real (the memory planner's peak,
+//! not an estimate) and ranked by the cost model's step time; when no single change fits,
+//! changes are combined greedily (each round adds the one that lowers the peak most) until
+//! some combination fits. Beside them the verdict says what LoRA, QLoRA and ZeRO-3 over 2, 4
+//! or 8 devices would plan, which train otherwise or elsewhere. When the persistent state
+//! without optimizer state and gradients already exceeds the memory, no change of full
+//! training is planned.
 
 use crate::memory::Executor;
 use crate::report::counted_bytes;
@@ -112,8 +115,11 @@ pub struct Candidate {
 pub struct Verdict {
     pub peak: u64,
     pub target: MemoryTarget,
-    /// Changes that fit, cheapest first (empty when the plan fits).
+    /// Changes to full training on one device that fit, cheapest first (empty when the plan
+    /// fits).
     pub candidates: Vec<Candidate>,
+    /// Other ways to fit: adapters, a quantized base, ZeRO-3 over several devices.
+    pub alternatives: Vec<Candidate>,
     /// When nothing tried fits: why.
     pub note: Option<String>,
 }
@@ -160,6 +166,15 @@ impl Verdict {
         if let Some(note) = &self.note {
             out.push(format!("  {note}"));
         }
+        for (i, c) in self.alternatives.iter().enumerate() {
+            out.push(format!(
+                "  {} {:<42} planned peak {}, step {:.1} ms estimated",
+                if i == 0 { "other ways:" } else { "           " },
+                c.change,
+                counted_bytes(c.peak),
+                c.seconds * 1e3
+            ));
+        }
         out
     }
 }
@@ -181,6 +196,7 @@ pub fn verdict(
     anatomy: &Anatomy,
     target: MemoryTarget,
     gpu: &GpuSpec,
+    family: Option<castor_models::Family>,
     replan: &Replan,
 ) -> Verdict {
     let executor = target.executor;
@@ -189,6 +205,7 @@ pub fn verdict(
         peak,
         target,
         candidates: Vec::new(),
+        alternatives: Vec::new(),
         note: None,
     };
     if v.fits() {
@@ -196,21 +213,6 @@ pub fn verdict(
     }
     let s = &plan.settings;
     let memory = v.target.bytes;
-    // The persistent state is a floor no recomputation or micro-batch lowers; Adafactor's
-    // factored moments (a row and a column per matrix) are the most any change saves of it.
-    // Above that floor nothing is worth planning (a 70B model's candidates would take
-    // minutes).
-    let floor = anatomy.persistent() - anatomy.optimizer_state;
-    if floor > memory {
-        v.note = Some(format!(
-            "no change castor makes fits: the persistent state alone (weights, master weights, \
-             gradients, optimizer state) is {}, and more than {} even with Adafactor's factored \
-             moments; this model needs more memory than one such device.",
-            counted_bytes(anatomy.persistent()),
-            counted_bytes(floor)
-        ));
-        return v;
-    }
     let try_plan = |settings: TrainSettings| -> Option<(u64, f64)> {
         let p = replan(settings).ok()?;
         // A change the executor cannot run is no remedy.
@@ -224,56 +226,110 @@ pub fn verdict(
             StepCost::of_plan(&p, gpu).seconds(),
         ))
     };
-    let mut tried: Vec<(String, TrainSettings)> = Vec::new();
+    // What fits without training the same parameters the same way: adapters, a quantized
+    // base, or the state sharded over several devices; said whatever else fits.
+    v.alternatives = alternatives(s, family, memory, &try_plan);
+    // The persistent state is a floor no recomputation or micro-batch lowers; the most any
+    // change of one device's full training saves of it are the optimizer state (Adafactor's
+    // factored moments are nearly none) and the gradients (updated in the backward, they are
+    // transient). Above that floor nothing else is worth planning (a 70B model's candidates
+    // would take minutes).
+    let floor = anatomy.persistent() - anatomy.optimizer_state - anatomy.gradients;
+    if floor > memory {
+        v.note = Some(format!(
+            "no change of full training on one device fits: the persistent state alone \
+             (weights, master weights, gradients, optimizer state) is {}, and more than {} \
+             even with no optimizer state and the gradients freed as the backward makes them.",
+            counted_bytes(anatomy.persistent()),
+            counted_bytes(floor)
+        ));
+        return v;
+    }
+    // Each change alone, cheapest first.
+    let levers = levers(s, memory);
+    let mut found: Vec<Candidate> = Vec::new();
+    for lever in levers.iter().filter(|l| l.kind != LeverKind::Batch) {
+        let mut t = s.clone();
+        (lever.apply)(&mut t);
+        if let Some((peak, seconds)) = try_plan(t) {
+            if peak <= memory {
+                found.push(Candidate {
+                    change: lever.flags.clone(),
+                    peak,
+                    seconds,
+                });
+            }
+        }
+    }
+    // The largest smaller micro-batch that fits, with the accumulation that keeps the tokens
+    // per step.
+    if let Some(c) = smaller_batch(s, memory, &try_plan) {
+        found.push(c);
+    }
+    if found.is_empty() {
+        found = combined(s, memory, &levers, &try_plan);
+    }
+    found.sort_by(|a, b| a.seconds.total_cmp(&b.seconds).then(a.peak.cmp(&b.peak)));
+    v.candidates = found;
+    if v.candidates.is_empty() {
+        v.note = Some(format!(
+            "no combination of changes castor makes to full training on one device fits; the \
+             persistent state alone (weights, master weights, gradients, optimizer state) is \
+             {}.",
+            counted_bytes(anatomy.persistent())
+        ));
+    }
+    v
+}
+
+/// A planned step's peak and estimated time, or none when it cannot be planned or run.
+type TryPlan<'a> = dyn Fn(TrainSettings) -> Option<(u64, f64)> + 'a;
+
+/// One change of the settings that trades time (or a little precision of the optimizer
+/// state) for memory, as the flags that ask for it.
+struct Lever {
+    flags: String,
+    /// Changes of one kind exclude each other (two optimizers, two remat modes).
+    kind: LeverKind,
+    apply: Box<dyn Fn(&mut TrainSettings)>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LeverKind {
+    Remat,
+    Optimizer,
+    MomentDtype,
+    Classifier,
+    UpdateInBackward,
+    /// One sequence per micro-batch, accumulated to the same tokens per step (alone, the
+    /// largest micro-batch that fits is searched instead: [`smaller_batch`]).
+    Batch,
+}
+
+/// The changes that apply to `s`.
+fn levers(s: &TrainSettings, memory: u64) -> Vec<Lever> {
+    let mut out: Vec<Lever> = Vec::new();
     for remat in [Remat::Selective, Remat::Full, Remat::Budget(memory)] {
         if s.remat != remat {
-            let mut t = s.clone();
-            t.remat = remat;
-            let flag = match remat {
+            let flags = match remat {
                 Remat::Budget(_) => format!("--remat budget:{}", budget_text(memory)),
                 other => format!("--remat {other}"),
             };
-            tried.push((flag, t));
+            out.push(Lever {
+                flags,
+                kind: LeverKind::Remat,
+                apply: Box::new(move |t| t.remat = remat),
+            });
         }
     }
     // The LM head's logits in chunks: the same training, a bounded head.
     if s.classifier.is_eager() {
-        let mut t = s.clone();
-        t.classifier = Classifier::Fused { chunk_rows: None };
-        tried.push(("--classifier fused".into(), t));
+        out.push(Lever {
+            flags: "--classifier fused".into(),
+            kind: LeverKind::Classifier,
+            apply: Box::new(|t| t.classifier = Classifier::Fused { chunk_rows: None }),
+        });
     }
-    // The largest smaller micro-batch that fits, with the accumulation that keeps the tokens
-    // per step.
-    let mut found: Vec<Candidate> = Vec::new();
-    let mut b = s.batch;
-    while b > 1 {
-        b /= 2;
-        if !s.batch.is_multiple_of(b) {
-            continue;
-        }
-        let mut t = s.clone();
-        t.batch = b;
-        t.grad_accum = s.grad_accum * (s.batch / b);
-        let change = format!("--batch {b} --grad-accum {}", t.grad_accum);
-        if let Some((peak, seconds)) = try_plan(t) {
-            if peak <= memory {
-                found.push(Candidate {
-                    change,
-                    peak,
-                    seconds,
-                });
-                break;
-            }
-        }
-    }
-    let sgd = |t: &mut TrainSettings| {
-        if let OptimizerKind::AdamW { weight_decay, .. } = t.optimizer {
-            t.optimizer = OptimizerKind::Sgd {
-                momentum: 0.9,
-                weight_decay,
-            };
-        }
-    };
     if let OptimizerKind::AdamW {
         beta1,
         beta2,
@@ -281,81 +337,215 @@ pub fn verdict(
         weight_decay,
     } = s.optimizer
     {
-        let mut t = s.clone();
-        sgd(&mut t);
-        tried.push(("--optimizer sgd".into(), t));
-        let mut t = s.clone();
-        t.optimizer = OptimizerKind::AdamW8bit {
-            beta1,
-            beta2,
-            eps,
-            weight_decay,
-        };
-        tried.push(("--optimizer adamw8bit".into(), t));
+        out.push(Lever {
+            flags: "--optimizer adamw8bit".into(),
+            kind: LeverKind::Optimizer,
+            apply: Box::new(move |t| {
+                t.optimizer = OptimizerKind::AdamW8bit {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                }
+            }),
+        });
+        out.push(Lever {
+            flags: "--optimizer sgd".into(),
+            kind: LeverKind::Optimizer,
+            apply: Box::new(move |t| {
+                t.optimizer = OptimizerKind::Sgd {
+                    momentum: 0.9,
+                    weight_decay,
+                }
+            }),
+        });
     }
     if !matches!(s.optimizer, OptimizerKind::Adafactor { .. }) {
-        let mut t = s.clone();
-        t.optimizer = OptimizerKind::adafactor(true);
-        tried.push(("--optimizer adafactor".into(), t));
+        out.push(Lever {
+            flags: "--optimizer adafactor".into(),
+            kind: LeverKind::Optimizer,
+            apply: Box::new(|t| t.optimizer = OptimizerKind::adafactor(true)),
+        });
     }
-    v.candidates = found;
-    for (change, t) in tried {
-        if let Some((peak, seconds)) = try_plan(t) {
+    if s.optimizer_state == castor_ir::DType::F32 {
+        out.push(Lever {
+            flags: "--optimizer-state bf16".into(),
+            kind: LeverKind::MomentDtype,
+            apply: Box::new(|t| t.optimizer_state = castor_ir::DType::BF16),
+        });
+    }
+    if s.batch > 1 {
+        let accum = s.grad_accum * s.batch;
+        out.push(Lever {
+            flags: format!("--batch 1 --grad-accum {accum}"),
+            kind: LeverKind::Batch,
+            apply: Box::new(move |t| {
+                t.batch = 1;
+                t.grad_accum = accum;
+            }),
+        });
+    }
+    // One micro-batch per step: the gradients need not outlive the backward.
+    if !s.update_in_backward && s.grad_accum == 1 {
+        out.push(Lever {
+            flags: "--update-in-backward".into(),
+            kind: LeverKind::UpdateInBackward,
+            apply: Box::new(|t| t.update_in_backward = true),
+        });
+    }
+    out
+}
+
+/// The largest smaller micro-batch of `s` that fits, with the accumulation that keeps the
+/// tokens per step.
+fn smaller_batch(s: &TrainSettings, memory: u64, try_plan: &TryPlan) -> Option<Candidate> {
+    let mut b = s.batch;
+    while b > 1 {
+        b /= 2;
+        if !s.batch.is_multiple_of(b) || s.update_in_backward {
+            continue;
+        }
+        let mut t = s.clone();
+        t.batch = b;
+        t.grad_accum = s.grad_accum * (s.batch / b);
+        if let Some((peak, seconds)) = try_plan(t.clone()) {
             if peak <= memory {
-                v.candidates.push(Candidate {
-                    change,
+                return Some(Candidate {
+                    change: format!("--batch {b} --grad-accum {}", t.grad_accum),
                     peak,
                     seconds,
                 });
             }
         }
     }
-    v.candidates
-        .sort_by(|a, b| a.seconds.total_cmp(&b.seconds).then(a.peak.cmp(&b.peak)));
-    if !v.candidates.is_empty() {
-        return v;
+    None
+}
+
+/// When no change fits alone: changes combined, greedily. Each round adds, of the changes
+/// not yet taken (one of each kind), the one that lowers the planned peak the most; the
+/// first round in which some combination fits gives every combination of that round that
+/// fits. The recomputation levers come first among equals, as they change nothing learnt.
+fn combined(
+    s: &TrainSettings,
+    memory: u64,
+    levers: &[Lever],
+    try_plan: &TryPlan,
+) -> Vec<Candidate> {
+    let mut taken: Vec<usize> = Vec::new();
+    let mut base = s.clone();
+    for _round in 0..6 {
+        let mut best: Option<(usize, u64)> = None;
+        let mut fits: Vec<Candidate> = Vec::new();
+        for (i, lever) in levers.iter().enumerate() {
+            // One change of each kind; accumulation and the update in the backward exclude
+            // each other.
+            let excludes = |a: LeverKind, b: LeverKind| {
+                a == b
+                    || matches!(
+                        (a, b),
+                        (LeverKind::Batch, LeverKind::UpdateInBackward)
+                            | (LeverKind::UpdateInBackward, LeverKind::Batch)
+                    )
+            };
+            if taken
+                .iter()
+                .any(|&j| j == i || excludes(levers[j].kind, lever.kind))
+            {
+                continue;
+            }
+            let mut t = base.clone();
+            (lever.apply)(&mut t);
+            let Some((peak, seconds)) = try_plan(t) else {
+                continue;
+            };
+            if peak <= memory {
+                let flags: Vec<&str> = taken
+                    .iter()
+                    .map(|&j| levers[j].flags.as_str())
+                    .chain([lever.flags.as_str()])
+                    .collect();
+                fits.push(Candidate {
+                    change: flags.join(" "),
+                    peak,
+                    seconds,
+                });
+            }
+            if best.is_none_or(|(_, p)| peak < p) {
+                best = Some((i, peak));
+            }
+        }
+        if !fits.is_empty() {
+            return fits;
+        }
+        let Some((i, _)) = best else {
+            return Vec::new();
+        };
+        (levers[i].apply)(&mut base);
+        taken.push(i);
     }
-    // Nothing alone: everything together.
-    let mut t = s.clone();
-    t.remat = Remat::Full;
-    t.grad_accum = s.grad_accum * s.batch;
-    t.batch = 1;
-    t.classifier = Classifier::Fused { chunk_rows: None };
-    sgd(&mut t);
-    let change = format!(
-        "--remat full --batch 1 --grad-accum {}{}{}",
-        t.grad_accum,
-        if t.optimizer != s.optimizer {
-            " --optimizer sgd"
-        } else {
-            ""
-        },
-        if s.classifier.is_eager() {
-            " --classifier fused"
-        } else {
-            ""
+    Vec::new()
+}
+
+/// LoRA (rank 16 on PEFT's default modules), QLoRA (the same over an NF4 base) and ZeRO-3 over
+/// the fewest devices (2, 4 or 8) that fit, when they fit, cheapest first. Not tried for a plan
+/// that already uses them.
+fn alternatives(
+    s: &TrainSettings,
+    family: Option<castor_models::Family>,
+    memory: u64,
+    try_plan: &TryPlan,
+) -> Vec<Candidate> {
+    let mut out = Vec::new();
+    let mut push = |change: String, t: TrainSettings| {
+        if let Some((peak, seconds)) = try_plan(t) {
+            if peak <= memory {
+                out.push(Candidate {
+                    change,
+                    peak,
+                    seconds,
+                });
+                return true;
+            }
         }
-    );
-    match try_plan(t) {
-        Some((peak, seconds)) if peak <= memory => v.candidates.push(Candidate {
-            change,
-            peak,
-            seconds,
-        }),
-        Some((peak, _)) => {
-            v.note = Some(format!(
-                "no change castor makes fits: with {change} the step still needs {}; the \
-                 persistent state alone (weights, master weights, gradients, optimizer \
-                 state) is {}.",
-                counted_bytes(peak),
-                counted_bytes(anatomy.persistent())
-            ));
-        }
-        None => {
-            v.note = Some("no change castor makes was found to fit".into());
+        false
+    };
+    // An IR file names no family, so no default adapter targets.
+    if let (None, true, Some(family)) = (&s.lora, s.parallel.is_single(), family) {
+        for (base, flags) in [
+            (castor_ir::LoraBase::Compute, "--lora-rank 16"),
+            (castor_ir::LoraBase::Nf4, "--lora-rank 16 --base nf4"),
+        ] {
+            let mut t = s.clone();
+            t.lora = Some(castor_ir::LoraSettings {
+                rank: 16,
+                alpha: 16.0,
+                targets: family
+                    .lora_targets()
+                    .iter()
+                    .map(|t| t.to_string())
+                    .collect(),
+                base,
+            });
+            push(flags.into(), t);
         }
     }
-    v
+    if s.parallel.is_single() && s.lora.is_none() {
+        for world in [2usize, 4, 8] {
+            let mut t = s.clone();
+            t.parallel = castor_ir::Parallel {
+                world_size: world,
+                zero: 3,
+            };
+            if push(
+                format!("--world-size {world} --zero 3 ({world} devices)"),
+                t,
+            ) {
+                break;
+            }
+        }
+    }
+    out.sort_by(|a, b| a.seconds.total_cmp(&b.seconds).then(a.peak.cmp(&b.peak)));
+    out
 }
 
 /// A budget as people write it: whole GiB when it is, else bytes.

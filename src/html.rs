@@ -584,12 +584,16 @@ fn verdict_section(h: &mut String, v: &Verdict) {
         if v.fits() { "fits" } else { "nofit" },
         esc(&v.headline())
     );
-    if !v.candidates.is_empty() {
-        h.push_str(
-            "<table id=\"fit-table\">\n<tr><th>change that would fit</th>\
-             <th class=\"num\">planned peak</th><th class=\"num\">step (estimated)</th></tr>\n",
+    let table = |h: &mut String, id: &str, what: &str, rows: &[crate::fit::Candidate]| {
+        if rows.is_empty() {
+            return;
+        }
+        let _ = writeln!(
+            h,
+            "<table id=\"{id}\">\n<tr><th>{what}</th>\
+             <th class=\"num\">planned peak</th><th class=\"num\">step (estimated)</th></tr>"
         );
-        for c in &v.candidates {
+        for c in rows {
             let _ = writeln!(
                 h,
                 "<tr><td><code>{}</code></td><td class=\"num\">{}</td>\
@@ -600,10 +604,17 @@ fn verdict_section(h: &mut String, v: &Verdict) {
             );
         }
         h.push_str("</table>\n");
-    }
+    };
+    table(h, "fit-table", "change that would fit", &v.candidates);
     if let Some(note) = &v.note {
         let _ = writeln!(h, "<p>{}</p>", esc(note));
     }
+    table(
+        h,
+        "fit-other",
+        "other ways to fit (adapters, a quantized base, more devices)",
+        &v.alternatives,
+    );
     h.push_str("</section>\n");
 }
 

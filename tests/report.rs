@@ -95,7 +95,7 @@ fn a_step_that_does_not_fit_gets_the_changes_that_would_each_planned() {
         .lines()
         .skip_while(|l| !l.starts_with("fit "))
         .skip(1)
-        .take_while(|l| l.starts_with("  "))
+        .take_while(|l| l.starts_with("  ") && !l.starts_with("  other ways:"))
         .collect();
     assert!(
         candidates[0].starts_with("  would fit: --"),
@@ -200,13 +200,88 @@ fn the_verdict_names_known_gpus_and_says_when_nothing_fits() {
     assert!(out.contains(": does not fit by "), "{out}");
     assert!(
         out.contains(
-            "no change castor makes fits: the persistent state alone (weights, master weights, \
-             gradients, optimizer state) is 121,028,804,624 bytes (112.72 GiB), and more \
-             than 67,121,479,696 bytes (62.51 GiB) even with Adafactor's factored moments; this \
-             model needs more memory than one such device."
+            "no change of full training on one device fits: the persistent state alone \
+             (weights, master weights, gradients, optimizer state) is 121,028,804,624 bytes \
+             (112.72 GiB), and more than 40,167,817,232 bytes (37.41 GiB) even with no \
+             optimizer state and the gradients freed as the backward makes them."
         ),
         "{out}"
     );
+    // What fits otherwise: adapters over a quantized base first (the cheapest step).
+    assert!(
+        out.contains("  other ways: --lora-rank 16 --base nf4 "),
+        "{out}"
+    );
+}
+
+/// The flags of each suggestion line after the `fit` line (`would fit:` and `other ways:`),
+/// with the peak it was shown with.
+fn suggestions(out: &str) -> Vec<(Vec<String>, u64)> {
+    out.lines()
+        .skip_while(|l| !l.starts_with("fit "))
+        .skip(1)
+        .take_while(|l| l.starts_with("  "))
+        .filter(|l| l.contains("planned peak "))
+        .map(|l| {
+            let text = l
+                .trim_start()
+                .trim_start_matches("would fit:")
+                .trim_start_matches("other ways:")
+                .trim();
+            let flags = text.split("  ").next().unwrap();
+            let flags = flags.split(" (").next().unwrap();
+            (
+                flags.split(' ').map(str::to_string).collect(),
+                bytes_after(l, "planned peak "),
+            )
+        })
+        .collect()
+}
+
+/// LLaMA-2-7B at batch 8 x 1024 on an A100 80 GB: no change alone fits, but changes together
+/// do, and so do LoRA, QLoRA and ZeRO-3 over 8 devices; each suggestion, compiled, plans the
+/// peak it was shown with and fits.
+#[test]
+fn the_verdict_combines_changes_and_offers_every_way_to_fit() {
+    let config = root().join("assets/configs/llama-2-7b.json");
+    let base = [
+        "compile",
+        path_str(&config),
+        "--train",
+        "--precision",
+        "bf16",
+        "--batch",
+        "8",
+        "--seq",
+        "1024",
+        "--gpu",
+        "a100",
+    ];
+    let o = castor(&base);
+    ok(&o);
+    let out = stdout(&o);
+    assert!(
+        out.contains("  would fit: --remat full --optimizer adafactor "),
+        "{out}"
+    );
+    for other in [
+        "  other ways: --lora-rank 16 ",
+        "              --lora-rank 16 --base nf4 ",
+        "              --world-size 8 --zero 3 (8 devices) ",
+    ] {
+        assert!(out.contains(other), "{other}: {out}");
+    }
+    let shown = suggestions(&out);
+    assert_eq!(shown.len(), 4, "{out}");
+    for (flags, peak_shown) in shown {
+        let mut args: Vec<&str> = base.to_vec();
+        args.extend(flags.iter().map(String::as_str));
+        let o = castor(&args);
+        ok(&o);
+        let again = stdout(&o);
+        assert_eq!(peak(&again), peak_shown, "{flags:?}");
+        assert!(again.contains(": fits, "), "{flags:?}: {again}");
+    }
 }
 
 #[test]
@@ -477,7 +552,7 @@ fn compile_train_writes_a_report_with_the_verdict() {
 
 /// Where the LM head's logits are what does not fit, the verdict offers the fused classifier:
 /// GPT-2 124M at batch 8 x 1024 in bf16 with fused attention plans 6.83 GB eager and 5.42 GB
-/// with `--classifier fused`, so a 6 GB device takes it.
+/// with `--classifier fused`, so a 6 GB device takes it when the eager head was asked for.
 #[test]
 fn the_verdict_offers_the_fused_classifier() {
     let tmp = tempfile::tempdir().unwrap();
@@ -494,6 +569,8 @@ fn the_verdict_offers_the_fused_classifier() {
         "1024",
         "--attention",
         "fused",
+        "--classifier",
+        "eager",
         "--gpu",
         path_str(&gpu),
     ]);

@@ -1,6 +1,7 @@
 //! `castor compile`: run the precision passes and show what they decided.
 
 use crate::fit::{self, MemoryTarget};
+use crate::given::Given;
 use crate::html::{self, Report};
 use crate::memory::Executor;
 use crate::out::Stream;
@@ -106,6 +107,30 @@ struct Input {
     model: Option<Model>,
 }
 
+/// Warns when an IR file already holds values of a 16-bit dtype other than `low`, the one
+/// asked for: its values were rounded once, and compiling again rounds them a second time.
+fn warn_if_compiled(g: &Graph, path: &std::path::Path, low: Option<castor_ir::DType>) {
+    use castor_ir::DType;
+    let Some(low) = low else { return };
+    let other = match low {
+        DType::BF16 => DType::F16,
+        DType::F16 => DType::BF16,
+        _ => return,
+    };
+    let rounded = g
+        .nodes()
+        .flat_map(|(_, n)| n.outputs.iter())
+        .filter(|&&v| g.ty(v).dtype == other)
+        .count();
+    if rounded > 0 {
+        crate::errln!(
+            "warning: `{}` is already compiled: {rounded} value(s) are {other}, and compiling \
+             to {low} rounds them again; compile the F32 source IR instead",
+            path.display()
+        );
+    }
+}
+
 /// The graph to compile of a model path or an IR file.
 fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
     let (path, batch) = (args.model.as_path(), args.batch);
@@ -115,6 +140,7 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
         })?;
         let g = text::parse(&src).with_context(|| format!("`{}`", path.display()))?;
         verify(&g).with_context(|| format!("`{}`", path.display()))?;
+        warn_if_compiled(&g, path, args.precision.precision.low());
         let what = format!("IR file, {} nodes", g.num_nodes());
         // An IR file's shapes are fixed: the model line, when there is one, says for what.
         let (batch, seq) = match g.shape {
@@ -154,7 +180,7 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
     })
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
+pub fn run(args: Args, given: &Given) -> anyhow::Result<()> {
     check_outputs(&args)?;
     // A result on stdout goes there alone; the report then goes to stderr.
     let say = if args.emit != Emit::Summary && args.out.is_none() {
@@ -162,7 +188,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     } else {
         Stream::Stdout
     };
-    let compiled = compile(&args)?;
+    let compiled = compile(&args, given)?;
     say.write(format_args!("{}", compiled.report));
     match (compiled.emit(args.emit)?, &args.out) {
         (Some(text), Some(path)) => {
@@ -187,29 +213,31 @@ pub fn check_outputs(args: &Args) -> anyhow::Result<()> {
         crate::outputs::check_file("-o", path)?;
     }
     if let Some(path) = &args.report {
-        html::check_report_path(path)?;
+        // Where first (a folder given as the page is an output error), then the kind.
         crate::outputs::check_file("--report", path)?;
+        html::check_report_path(path)?;
     }
     Ok(())
 }
 
 /// Whether these arguments ask for a training step: recomputation, the fused classifier and
 /// epilogues, adapters and the report page only mean something for one, so asking for one
-/// of them asks for one.
-fn wants_training(args: &Args) -> bool {
+/// of them asks for one. The classifier and epilogues are fused by default: only giving
+/// `--classifier fused` or `--epilogues fused` on the command line asks.
+fn wants_training(args: &Args, given: &Given) -> bool {
     args.train
         || matches!(args.emit, Emit::Plan | Emit::Cuda)
         || args.training.remat != castor_ir::Remat::None
-        || !args.training.classifier.is_eager()
-        || !args.training.epilogues.is_eager()
+        || (given.has("classifier") && !args.training.classifier.is_eager())
+        || (given.has("epilogues") && !args.training.epilogues.is_eager())
         || args.training.lora_rank.is_some()
         || args.report.is_some()
 }
 
 /// Runs the passes `args` ask for and writes the report page (`--report`); the report text
 /// is returned, not printed. Output paths are the caller's to check first.
-pub fn compile(args: &Args) -> anyhow::Result<Compiled> {
-    let train = wants_training(args);
+pub fn compile(args: &Args, given: &Given) -> anyhow::Result<Compiled> {
+    let train = wants_training(args, given);
     let mut r = String::new();
     let gpu = fit::gpu_spec(args.gpu.as_deref())?;
     let Input {
@@ -273,7 +301,21 @@ pub fn compile(args: &Args) -> anyhow::Result<Compiled> {
     for glob in &args.explain {
         let lines = explain(&out.graph, glob);
         if lines.is_empty() {
-            writeln!(r, "\nexplain '{glob}': no node matches")?;
+            // As a --keep-f32 glob that matches nothing: an error with the nearest names.
+            let names: Vec<&str> = out
+                .graph
+                .nodes()
+                .filter_map(|(_, n)| n.outputs.first().map(|&v| out.graph.name(v)))
+                .collect();
+            let hints: Vec<String> = castor_passes::names::suggest(glob, names.iter().copied())
+                .into_iter()
+                .map(|s| format!("`{s}`"))
+                .collect();
+            return Err(crate::CliError::InvalidInput(format!(
+                "--explain '{glob}' matches no node name; did you mean {}?",
+                hints.join(" or ")
+            ))
+            .into());
         }
         for l in lines {
             writeln!(r, "\n{l}")?;
@@ -335,8 +377,9 @@ pub fn compile(args: &Args) -> anyhow::Result<Compiled> {
                 .or_else(|| MemoryTarget::of_spec(&gpu, "default target; --gpu names another")),
         };
         let verdict = target.map(|target| {
-            fit::verdict(&plan, &anatomy, target, &gpu, &|settings| {
-                replan(args, model.as_ref(), &out.graph, &settings)
+            let family = model.as_ref().map(Model::family);
+            fit::verdict(&plan, &anatomy, target, &gpu, family, &|settings| {
+                replan(args, model.as_ref(), &out.graph, &plan.settings, &settings)
             })
         });
         if let Some(v) = &verdict {
@@ -373,22 +416,27 @@ pub fn compile(args: &Args) -> anyhow::Result<Compiled> {
 /// The plan of other settings for the fit verdict: the same model and policy compiled again
 /// for the settings' micro-batch, or (an IR file, or the same micro-batch) the compiled graph
 /// itself.
+/// The plan of `settings`: from `compiled` (the graph of `original`) when the graph stays
+/// the same, else from a graph built again for the new batch or adapters.
 fn replan(
     args: &Args,
     model: Option<&Model>,
     compiled: &Graph,
+    original: &castor_ir::TrainSettings,
     settings: &castor_ir::TrainSettings,
 ) -> anyhow::Result<castor_ir::TrainingPlan> {
+    let same_graph = settings.batch == original.batch && settings.lora == original.lora;
     let graph = match model {
-        Some(m) if settings.batch != args.batch => {
+        Some(m) if !same_graph => {
             let objective = settings
                 .objective
                 .parse()
                 .map_err(crate::CliError::InvalidInput)?;
             let loss = m.build_loss_graph(settings.batch, settings.seq, objective)?;
+            let (loss, _) = crate::training::with_adapters(loss, settings.lora.as_ref())?;
             args.precision.compile(loss, model, None, false)?.graph
         }
-        None if settings.batch != args.batch => anyhow::bail!("an IR file has one batch size"),
+        None if !same_graph => anyhow::bail!("an IR file has one batch size and no adapters"),
         _ => compiled.clone(),
     };
     Ok(Executor::Cuda

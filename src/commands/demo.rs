@@ -215,7 +215,8 @@ fn sample(
 pub fn run(args: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     crate::outputs::check_folder("--out", &args.out)?;
-    let device = crate::device::select(args.device)?;
+    // Said once, on stdout, with the run's other facts.
+    let (device, _) = crate::device::resolve(args.device)?;
     let executor = Executor::of(&device);
     outln!(
         "device      {}",
@@ -341,7 +342,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let gpu = castor_passes::cost::GpuSpec::default();
     report.verdict = crate::fit::MemoryTarget::host().map(|target| {
         let on_host = Executor::Cpu.anatomy(&trained.plan);
-        crate::fit::verdict(&trained.plan, &on_host, target, &gpu, &|_| {
+        crate::fit::verdict(&trained.plan, &on_host, target, &gpu, None, &|_| {
             anyhow::bail!("the demo fits")
         })
     });

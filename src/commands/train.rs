@@ -162,12 +162,13 @@ fn check_outputs(args: &Args) -> anyhow::Result<()> {
         crate::outputs::check_file("--log", path)?;
     }
     if let Some(path) = &args.plot {
-        plot::check_picture_path(path)?;
+        // Where first (a folder given as the picture is an output error), then the kind.
         crate::outputs::check_file("--plot", path)?;
+        plot::check_picture_path(path)?;
     }
     if let Some(path) = &args.report {
-        html::check_report_path(path)?;
         crate::outputs::check_file("--report", path)?;
+        html::check_report_path(path)?;
     }
     if let Some(path) = &args.profile_kernels {
         crate::outputs::check_file("--profile-kernels", path)?;
@@ -178,7 +179,10 @@ fn check_outputs(args: &Args) -> anyhow::Result<()> {
 pub fn run(args: Args, given: &Given) -> anyhow::Result<()> {
     // Ctrl-C finishes the step, saves and stops (a second one stops at once).
     catch_interrupts();
-    train(args, given, Hooks::default()).map(|_| ())
+    match train(args, given, Hooks::default())?.interrupted {
+        true => Err(crate::Interrupted.into()),
+        false => Ok(()),
+    }
 }
 
 /// What a run did, for callers that go on from it.
@@ -342,6 +346,7 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         order: args.run.data_order,
         seed: args.run.seed,
         validation: args.validation.clone(),
+        plan: None,
     };
     let (planned, mut data) = match &args.plan {
         Some(path) => {
@@ -381,6 +386,7 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
             let options = DataOptions {
                 batch: Some(plan.settings.batch),
                 seq: Some(plan.settings.seq),
+                plan: Some(path.clone()),
                 ..data_options
             };
             let data = Data::open(&args.data, &model, objective, &options)?;
@@ -431,13 +437,20 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         };
         if planned.summary.is_none() {
             // A plan from a file is not recompiled with other settings here.
-            fit::verdict(this, &on_target, target, &gpu, &|_| {
+            fit::verdict(this, &on_target, target, &gpu, None, &|_| {
                 anyhow::bail!("plans from files are not recompiled")
             })
         } else {
-            fit::verdict(this, &on_target, target, &gpu, &|settings| {
-                compile_plan(&args.precision, &model, settings, false, executor).map(|c| c.plan)
-            })
+            fit::verdict(
+                this,
+                &on_target,
+                target,
+                &gpu,
+                Some(model.family()),
+                &|settings| {
+                    compile_plan(&args.precision, &model, settings, false, executor).map(|c| c.plan)
+                },
+            )
         }
     });
     if let Some(v) = &verdict {
@@ -472,6 +485,15 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
             args.adapter.as_deref(),
             args.run.seed ^ INIT_SEED,
         )?);
+    }
+    // As eval does: a checkpoint holding NaN or Inf trains nothing, every step is skipped.
+    let found = model.check_finite(&params, false)?;
+    let non_finite = match found.is_empty() {
+        true => String::new(),
+        false => castor_models::finite::describe_non_finite(&found),
+    };
+    if !non_finite.is_empty() {
+        errln!("warning: NaN or Inf in {non_finite} (every step they reach will be skipped)");
     }
     if let Some(line) = nf4_error(&planned.plan, &params) {
         outln!("{line}");
@@ -646,7 +668,7 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
             out.tokens / out.seconds.max(1e-9),
             r.loss,
             out.skipped,
-            r.next_loss_scale
+            castor_runtime::LossScale(r.next_loss_scale)
         ));
     }
     if let Some((_, v)) = out.history.validation.last() {
@@ -691,6 +713,13 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
             None => outln!("interrupted after step {step}; nothing saved (no --save DIR)"),
         }
     }
+    if let Some(why) = every_step_skipped(&out, &opts.state.settings, &non_finite) {
+        return Err(castor_runtime::RuntimeError::EveryStepSkipped {
+            steps: out.steps_done,
+            why,
+        }
+        .into());
+    }
     Ok(TrainOutcome {
         step,
         steps_done: out.steps_done,
@@ -702,6 +731,37 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         interrupted: out.interrupted,
         saved: args.save.clone(),
         losses: out.history.train.clone(),
+    })
+}
+
+/// Why a run whose every step was skipped trained nothing, unless dynamic loss scaling is
+/// still backing off from too high a scale (what it is for: a finite loss whose scaled
+/// gradients overflowed).
+fn every_step_skipped(
+    out: &crate::train_loop::LoopOutcome,
+    settings: &castor_ir::TrainSettings,
+    non_finite: &str,
+) -> Option<String> {
+    let last = out.last.as_ref()?;
+    if out.skipped < out.steps_done {
+        return None;
+    }
+    let dynamic = matches!(
+        settings.loss_scaling,
+        castor_ir::LossScaling::Dynamic { .. }
+    );
+    if !non_finite.is_empty() {
+        return Some(format!("the checkpoint holds NaN or Inf in {non_finite}"));
+    }
+    if !last.loss.is_finite() {
+        return Some(
+            "the loss was NaN or Inf (check the data's labels and the learning rate)".into(),
+        );
+    }
+    (!dynamic).then(|| {
+        "the gradients were NaN or Inf at every step (lower the learning rate, or train in \
+         bf16 or fp32)"
+            .into()
     })
 }
 
