@@ -14,13 +14,57 @@
 
 use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 
 static STDOUT_CLOSED: AtomicBool = AtomicBool::new(false);
 static STDERR_CLOSED: AtomicBool = AtomicBool::new(false);
 
+/// Receives each whole line the CLI would print, with its stream, instead of the terminal: a
+/// library caller (the Python package) reports them its own way.
+pub type Sink = Arc<dyn Fn(Stream, &str) + Send + Sync>;
+
+static SINK: RwLock<Option<Sink>> = RwLock::new(None);
+/// Text of a line not yet ended (stdout, stderr), while a sink is set.
+static PENDING: Mutex<[String; 2]> = Mutex::new([String::new(), String::new()]);
+
+/// Sends every line to `sink` from now on (`None`: to the terminal again).
+pub fn redirect(sink: Option<Sink>) {
+    if let Ok(mut s) = SINK.write() {
+        *s = sink;
+    }
+}
+
+/// Whether lines go to a sink rather than the terminal (no progress bar is drawn then).
+pub fn redirected() -> bool {
+    SINK.read().map(|s| s.is_some()).unwrap_or(false)
+}
+
+/// Hands `args` to the sink, if one is set, one whole line at a time.
+fn to_sink(stream: Stream, args: std::fmt::Arguments) -> bool {
+    let Some(sink) = SINK.read().ok().and_then(|s| s.clone()) else {
+        return false;
+    };
+    let lines: Vec<String> = {
+        let Ok(mut pending) = PENDING.lock() else {
+            return true;
+        };
+        let buffer = &mut pending[stream as usize];
+        buffer.push_str(&args.to_string());
+        let Some(end) = buffer.rfind('\n') else {
+            return true;
+        };
+        let whole: String = buffer.drain(..=end).collect();
+        whole.lines().map(str::to_string).collect()
+    };
+    for line in &lines {
+        sink(stream, line);
+    }
+    true
+}
+
 /// Writes to stdout; a failed write (a closed pipe) closes it for the rest of the run.
 pub fn stdout(args: std::fmt::Arguments) {
-    if STDOUT_CLOSED.load(Ordering::Relaxed) {
+    if to_sink(Stream::Stdout, args) || STDOUT_CLOSED.load(Ordering::Relaxed) {
         return;
     }
     let mut lock = std::io::stdout().lock();
@@ -31,7 +75,7 @@ pub fn stdout(args: std::fmt::Arguments) {
 
 /// Writes to stderr; a failed write closes it for the rest of the run.
 pub fn stderr(args: std::fmt::Arguments) {
-    if STDERR_CLOSED.load(Ordering::Relaxed) {
+    if to_sink(Stream::Stderr, args) || STDERR_CLOSED.load(Ordering::Relaxed) {
         return;
     }
     if std::io::stderr().lock().write_fmt(args).is_err() {
@@ -47,8 +91,8 @@ pub fn stdout_closed() -> bool {
 /// Where a command's report goes: stdout, or stderr when stdout carries an emitted result.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stream {
-    Stdout,
-    Stderr,
+    Stdout = 0,
+    Stderr = 1,
 }
 
 impl Stream {

@@ -29,7 +29,7 @@ impl StepLine {
             self.step,
             self.loss,
             self.lr,
-            self.loss_scale,
+            castor_runtime::LossScale(self.loss_scale),
             self.grad_norm,
             if self.skipped { "  (skipped)" } else { "" },
             self.tokens_per_s
@@ -40,7 +40,7 @@ impl StepLine {
 impl Progress {
     /// A bar over `steps` steps, the first being `first_step + 1`, when stderr is a terminal.
     pub fn new(first_step: u64, steps: u64, prefix: &str) -> Progress {
-        if !std::io::stderr().is_terminal() || steps == 0 {
+        if !std::io::stderr().is_terminal() || steps == 0 || crate::out::redirected() {
             return Progress { bar: None };
         }
         let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
@@ -66,7 +66,10 @@ impl Progress {
             bar.inc(1);
             bar.set_message(format!(
                 "step {}  loss {:.4}  {:.0} tok/s  scale {}",
-                line.step, line.loss, line.tokens_per_s, line.loss_scale
+                line.step,
+                line.loss,
+                line.tokens_per_s,
+                castor_runtime::LossScale(line.loss_scale)
             ));
         }
         if print {

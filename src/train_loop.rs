@@ -12,7 +12,7 @@ use crate::trainer::Trainer;
 use anyhow::Context;
 use castor_ir::{Tensor, TrainSettings};
 use castor_runtime::cpu::CpuExecutor;
-use castor_runtime::{PlanRunner, RuntimeError, StepReport};
+use castor_runtime::{LossScale, PlanRunner, RuntimeError, StepReport};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io::Write;
@@ -60,7 +60,8 @@ fn log_line(
     let mut line = serde_json::json!({
         "step": done,
         "loss": report.loss,
-        "loss_scale": report.loss_scale,
+        // As f64, so the log holds the scale exactly (serde writes an f32's shortest decimal).
+        "loss_scale": f64::from(report.loss_scale),
         "skipped": report.skipped,
         "grad_norm": if report.grad_norm.is_finite() { Some(report.grad_norm) } else { None },
         "lr": lr,
@@ -407,6 +408,15 @@ pub fn train_loop(
         }
         check_loss_scale(runner.min_loss_scale(), &report, done)?;
         out.last = Some(report);
+        // A hook that asks to stop after seeing this step (a callback that raised, a Ctrl-C
+        // Python saw during the step) stops here, at the step it saw: no later step runs or
+        // reaches the callback, and this one is saved.
+        let stop = stop
+            || (opts.hooks.stop.is_some() && {
+                let asked = opts.hooks.stop.as_mut().is_some_and(|f| f());
+                runner.agree([asked, false])?[0]
+            });
+        let save_now = save_now || (stop && opts.saves.as_ref().is_some_and(|s| s.every > 0));
         if let (Some(saves), true) = (&opts.saves, save_now) {
             let state = opts.state.at(done, data);
             // Every rank of a launched group gathers the state; rank 0 writes it.
@@ -467,8 +477,8 @@ fn check_loss_scale(min_scale: Option<f64>, report: &StepReport, step: u64) -> a
         Some(min) if f64::from(report.next_loss_scale) < min => {
             Err(RuntimeError::LossScaleUnderflow {
                 step,
-                scale: report.next_loss_scale,
-                min,
+                scale: LossScale(report.next_loss_scale),
+                min: LossScale(min as f32),
             }
             .into())
         }

@@ -213,7 +213,7 @@ fn generate_continues_a_prompt_with_seeded_sampling() {
         assert!(o.status.success(), "{}", stderr(&o));
         (stdout(&o), stderr(&o))
     };
-    let (a, info) = run(&["--seed", "7"]);
+    let (a, info) = run(&["--seed", "7", "--temperature", "1"]);
     // The text alone on stdout, prompt first; what ran on stderr.
     assert!(a.starts_with("The compiler "), "{a}");
     assert!(a.len() > "The compiler ".len() + 10, "{a}");
@@ -223,14 +223,86 @@ fn generate_continues_a_prompt_with_seeded_sampling() {
     );
     assert!(info.contains("stopped: --max-new-tokens reached"), "{info}");
     // The same seed gives the same text, another seed another text; greedy needs no seed.
-    assert_eq!(run(&["--seed", "7"]).0, a);
-    assert_ne!(run(&["--seed", "8"]).0, a);
+    assert!(
+        info.contains(
+            "decoding    sampling (a sampling flag was given): temperature 1 (--temperature), \
+             top_k 50 (default), top_p 1 (default)"
+        ),
+        "{info}"
+    );
+    assert_eq!(run(&["--seed", "7", "--temperature", "1"]).0, a);
+    assert_ne!(run(&["--seed", "8", "--temperature", "1"]).0, a);
     let greedy = run(&["--temperature", "0", "--seed", "1"]).0;
     assert_eq!(run(&["--temperature", "0", "--seed", "2"]).0, greedy);
     // top-k 1 is greedy too; a bf16 policy decodes as well.
     assert_eq!(run(&["--top-k", "1"]).0, greedy);
     let (bf16, _) = run(&["--precision", "bfloat16", "--temperature", "0"]);
     assert!(bf16.starts_with("The compiler "), "{bf16}");
+    // No flag and no generation_config.json: greedy, as transformers decodes by default.
+    let (plain, info) = run(&[]);
+    assert_eq!(plain, greedy);
+    assert!(
+        info.contains("decoding    greedy (transformers' default: no generation_config.json)"),
+        "{info}"
+    );
+}
+
+/// generation_config.json decides as in transformers: `do_sample` with its temperature and
+/// top-p (top-k left to the default), every `eos_token_id` ends the text, and stderr says
+/// where each setting came from.
+#[test]
+fn generate_defaults_come_from_generation_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = demo_checkpoint(tmp.path());
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "generate",
+            path_str(&ckpt),
+            "--prompt",
+            "The compiler ",
+            "--max-new-tokens",
+            "12",
+        ];
+        args.extend_from_slice(extra);
+        let o = castor(&args);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stdout(&o), stderr(&o))
+    };
+    let (greedy, _) = run(&[]);
+    let first = greedy.as_bytes()["The compiler ".len()];
+    let config = ckpt.join("generation_config.json");
+    std::fs::write(
+        &config,
+        r#"{"do_sample": true, "temperature": 0.7, "top_p": 0.9, "eos_token_id": [300]}"#,
+    )
+    .unwrap();
+    let (_, info) = run(&["--seed", "3"]);
+    assert!(
+        info.contains(
+            "decoding    sampling (generation_config.json: do_sample true): temperature 0.7 \
+             (generation_config.json), top_k 50 (default), top_p 0.9 (generation_config.json)"
+        ),
+        "{info}"
+    );
+    // A flag wins over the file.
+    let (_, info) = run(&["--temperature", "0.5"]);
+    assert!(info.contains("temperature 0.5 (--temperature)"), "{info}");
+    // Greedy when the file does not sample; its end-of-text ids stop the text.
+    std::fs::write(
+        &config,
+        format!(r#"{{"do_sample": false, "eos_token_id": [300, {first}]}}"#),
+    )
+    .unwrap();
+    let (text, info) = run(&[]);
+    assert!(
+        info.contains("decoding    greedy (generation_config.json: do_sample false)"),
+        "{info}"
+    );
+    assert_eq!(text.trim_end(), "The compiler", "{text:?}");
+    assert!(
+        info.contains("generated   0 tokens") && info.contains("stopped: end of text"),
+        "{info}"
+    );
 }
 
 #[test]

@@ -12,14 +12,20 @@ library function its command runs. Nothing here needs a GPU or the CUDA librarie
     >>> plan.explain("*attn*")[0].why
 
 Errors are raised as subclasses of :class:`CastorError` that carry the CLI's message and
-exit code.
+exit code. Nothing is printed: what the CLI would print goes to the ``castor`` logger
+(warnings at WARNING, which Python shows by default; step lines and facts at INFO), and
+``verbose=True`` prints it as the CLI does. Defaults are the CLI's: fp32 unless a precision is
+given, as transformers' Trainer trains in fp32 unless told ``bf16=True``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence,
+                    Tuple, Union)
 
 from . import _castor
 from ._castor import Decision, Plan, __version__
@@ -41,6 +47,10 @@ __all__ = [
     "compile",
     "eval",
     "train",
+    "generate",
+    "merge",
+    "load",
+    "Generated",
     "ModelInfo",
     "Plan",
     "Decision",
@@ -59,6 +69,22 @@ __all__ = [
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
+
+# What the CLI would print goes to the `castor` logger unless a call asks for the console.
+_castor._set_output("logging")
+
+
+@contextlib.contextmanager
+def _output(verbose: bool) -> Iterator[None]:
+    """With ``verbose``, the call prints what the CLI prints; else it logs it."""
+    if not verbose:
+        yield
+        return
+    _castor._set_output("console")
+    try:
+        yield
+    finally:
+        _castor._set_output("logging")
 
 
 def _flags(**kwargs: Any) -> List[str]:
@@ -104,7 +130,7 @@ class ModelInfo:
 
 
 def inspect(path: PathLike, *, batch: int = 1, seq: Optional[int] = None, strict: bool = False,
-            adapter: Optional[PathLike] = None) -> ModelInfo:
+            adapter: Optional[PathLike] = None, verbose: bool = False) -> ModelInfo:
     """Validate a checkpoint folder (or a bare config.json) and describe it, as
     ``castor inspect`` does: headers against files and config, absurd configs refused.
 
@@ -112,14 +138,16 @@ def inspect(path: PathLike, *, batch: int = 1, seq: Optional[int] = None, strict
     :class:`CastorError` subclass on a checkpoint ``castor inspect`` refuses.
     """
     argv = [os.fspath(path)] + _flags(batch=batch, seq=seq, strict=strict, adapter=adapter)
-    summary, facts = _castor._inspect(argv)
+    with _output(verbose):
+        summary, facts = _castor._inspect(argv)
     return ModelInfo(summary=summary, **facts)
 
 
-def compile(path: PathLike, precision: str = "bf16", *, train: bool = False, batch: int = 1,
-            seq: Optional[int] = None, remat: str = "none", keep_f32: Sequence[str] = (),
-            force_low: Sequence[str] = (), policy: Optional[PathLike] = None,
-            optimizer: Optional[str] = None, **flags: Any) -> Plan:
+def compile(path: PathLike, precision: Optional[str] = None, *, train: bool = False,
+            batch: int = 1, seq: Optional[int] = None, remat: str = "none",
+            keep_f32: Sequence[str] = (), force_low: Sequence[str] = (),
+            policy: Optional[PathLike] = None, optimizer: Optional[str] = None,
+            verbose: bool = False, **flags: Any) -> Plan:
     """Run castor's precision passes (and, for a training step, the training passes and the
     memory plan) on a model, as ``castor compile`` does; nothing is printed.
 
@@ -127,12 +155,14 @@ def compile(path: PathLike, precision: str = "bf16", *, train: bool = False, bat
     other flag of ``castor compile`` is a keyword argument (``gpu="a100"``,
     ``lora_rank=16``, ``classifier="fused"``, ``report="plan.html"``...). A ``remat`` other
     than ``"none"``, LoRA and a fused classifier imply a training step, as on the CLI.
+    ``precision`` is the CLI's default (fp32) unless given.
     """
     argv = [os.fspath(path)] + _flags(
         precision=precision, train=train, batch=batch, seq=seq, remat=remat,
         keep_f32=_globs(keep_f32), force_low=_globs(force_low), policy=policy,
         optimizer=optimizer, **flags)
-    return _castor._compile(argv)
+    with _output(verbose):
+        return _castor._compile(argv)
 
 
 def _arrays(**arrays: Any) -> List[Tuple[str, str, List[int], bytes]]:
@@ -158,9 +188,9 @@ def _arrays(**arrays: Any) -> List[Tuple[str, str, List[int], bytes]]:
 
 
 def eval(path: PathLike, input_ids: Any, *, attention_mask: Any = None,
-         token_type_ids: Any = None, labels: Any = None, precision: str = "fp32",
+         token_type_ids: Any = None, labels: Any = None, precision: Optional[str] = None,
          grad: bool = False, objective: str = "auto", device: str = "cpu",
-         **flags: Any) -> Dict[str, Any]:
+         verbose: bool = False, **flags: Any) -> Dict[str, Any]:
     """One forward pass (and with ``grad=True`` the loss and every parameter's gradient), as
     ``castor eval --input ... --out ...`` does: a dict of float32 numpy arrays named as in
     the CLI's output file (``logits`` or ``last_hidden_state``, ``loss``,
@@ -178,7 +208,15 @@ def eval(path: PathLike, input_ids: Any, *, attention_mask: Any = None,
     # The batch is handed over in memory; `--input` only satisfies the flag parser.
     argv = [os.fspath(path), "--input", "<arrays>"] + _flags(
         precision=precision, grad=grad, objective=objective, device=device, **flags)
-    outputs = _castor._eval(argv, arrays)
+    with _output(verbose):
+        outputs = _castor._eval(argv, arrays)
+    return _float_arrays(outputs)
+
+
+def _float_arrays(outputs: List[Tuple[str, List[int], bytes]]) -> Dict[str, Any]:
+    """(name, shape, F32 bytes) triples as a dict of float32 numpy arrays."""
+    import numpy as np
+
     return {name: np.frombuffer(data, dtype="<f4").reshape(shape)
             for name, shape, data in outputs}
 
@@ -205,31 +243,115 @@ class TrainResult:
     """(step, training loss) of every step."""
 
 
-class _Default(str):
-    """A default that is not passed on when the run takes the setting from elsewhere."""
+DataLike = Union[PathLike, Iterable[Any]]
 
 
-def train(path: PathLike, data: PathLike, *, steps: Optional[int] = None,
-          precision: str = _Default("bf16"), save: Optional[PathLike] = None,
+@contextlib.contextmanager
+def _data_file(data: DataLike) -> Iterator[str]:
+    """A data argument as a path: a path as it is; an iterable of texts as a ``.jsonl`` file
+    of documents; an iterable of token id arrays as one token stream (an llm.c token file of
+    u32 ids, the arrays one after another), each written to a temporary folder for the run."""
+    if isinstance(data, (str, os.PathLike)):
+        yield os.fspath(data)
+        return
+    import json
+
+    import numpy as np
+
+    items = list(data)
+    if not items:
+        raise InputError("the training data is empty", 3)
+    with tempfile.TemporaryDirectory(prefix="castor-data-") as folder:
+        if all(isinstance(x, str) for x in items):
+            path = os.path.join(folder, "data.jsonl")
+            with open(path, "w", encoding="utf-8") as f:
+                for text in items:
+                    f.write(json.dumps({"text": text}) + "\n")
+        else:
+            arrays = [np.asarray(x) for x in items]
+            bad = next((a for a in arrays if a.dtype.kind not in "iu" or a.ndim > 2), None)
+            if bad is not None:
+                raise InputError("training data: expected texts or arrays of integer token ids, "
+                                 f"found an array of {bad.dtype} with {bad.ndim} dimension(s)", 3)
+            ids = np.concatenate([a.reshape(-1) for a in arrays]).astype("<i8")
+            if ids.size and (ids.min() < 0 or ids.max() >= 2**32):
+                raise InputError("training data: token ids must be in [0, 2^32)", 3)
+            header = np.zeros(256, "<i4")
+            header[:3] = (20240520, 2, ids.size)
+            path = os.path.join(folder, "tokens.bin")
+            with open(path, "wb") as f:
+                f.write(header.tobytes())
+                f.write(ids.astype("<u4").tobytes())
+        yield path
+
+
+def train(path: PathLike, data: DataLike, *, steps: Optional[int] = None,
+          precision: Optional[str] = None, save: Optional[PathLike] = None,
           callback: Optional[Callable[[Dict[str, Any]], None]] = None,
-          **flags: Any) -> TrainResult:
-    """Train a model on a data file, as ``castor train`` does (same flags, same checks, same
-    step lines, log, checkpoints and report).
+          verbose: bool = False, **flags: Any) -> TrainResult:
+    """Train a model, as ``castor train`` does (same flags, same checks, same log,
+    checkpoints and report).
 
-    ``steps`` is the step to train until (as transformers' ``max_steps``; optional when
-    resuming). ``precision`` defaults to bf16, except that a resumed run (``resume=``) or a
-    saved plan (``plan=``) keeps its own unless given. ``callback(record)`` is called with
-    every logged step: the fields of the JSON log (``step``, ``loss``, ``lr``,
-    ``loss_scale``, ``grad_norm``, ``skipped``, ``tokens_per_s``, ``val_loss``, ...).
+    ``data`` is a data file or folder (as ``--data``), or in memory: a list (any iterable) of
+    texts, tokenized as documents with the model's tokenizer, or of integer token id arrays,
+    trained on as one token stream. ``steps`` is the step to train until (as transformers'
+    ``max_steps``; optional when resuming). ``precision`` is the CLI's default (fp32) unless
+    given; a resumed run (``resume=``) or a saved plan (``plan=``) keeps its own.
+    ``callback(record)`` is called with every logged step: the fields of the JSON log
+    (``step``, ``loss``, ``lr``, ``loss_scale``, ``grad_norm``, ``skipped``,
+    ``tokens_per_s``, ``val_loss``, ...). The step lines go to the ``castor`` logger at INFO
+    (printed with ``verbose=True``).
 
-    Ctrl-C (KeyboardInterrupt) finishes the step, saves as the CLI does (``save`` is
-    written) and is then raised; an exception in the callback does the same. The GIL is
-    released while castor trains.
+    An exception in the callback stops the run at the step whose callback raised: that step
+    is saved (``save`` is written, as Ctrl-C saves) and the exception is raised. Ctrl-C
+    (KeyboardInterrupt) does the same at the step it arrives in. The GIL is released while
+    castor trains.
     """
-    if isinstance(precision, _Default) and (flags.get("resume") or flags.get("plan")):
-        precision = None  # type: ignore[assignment]
-    argv = [os.fspath(path)] + _flags(
-        data=data, steps=steps, precision=None if precision is None else str(precision), save=save,
-        **flags)
-    result = _castor._train(argv, callback)
+    with _data_file(data) as data_path, _output(verbose):
+        argv = [os.fspath(path)] + _flags(
+            data=data_path, steps=steps, precision=precision, save=save, **flags)
+        result = _castor._train(argv, callback)
     return TrainResult(**result)
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What ``generate`` made."""
+
+    text: str
+    """The prompt and its continuation."""
+    tokens: List[int]
+    """The new token ids."""
+    stopped: str
+    """Why generation stopped (``end of text``, ``--max-new-tokens reached``, ...)."""
+
+
+def generate(path: PathLike, prompt: str, *, max_new_tokens: int = 50,
+             temperature: Optional[float] = None, top_k: Optional[int] = None,
+             top_p: Optional[float] = None, seed: int = 0, verbose: bool = False,
+             **flags: Any) -> Generated:
+    """Continue ``prompt`` with a causal model, as ``castor generate`` does: greedy unless
+    the checkpoint's generation_config.json samples or a sampling argument is given, as
+    transformers' ``generate``; ``adapter=`` adds a PEFT LoRA adapter."""
+    argv = [os.fspath(path)] + _flags(
+        prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+        top_p=top_p, seed=seed, **flags)
+    with _output(verbose):
+        text, tokens, stopped = _castor._generate(argv)
+    return Generated(text=text, tokens=list(tokens), stopped=stopped)
+
+
+def merge(path: PathLike, adapter: PathLike, out: PathLike, *, verbose: bool = False) -> str:
+    """Fold a PEFT LoRA adapter into its base checkpoint, as ``castor merge`` (and PEFT's
+    ``merge_and_unload``) does; returns the folder written."""
+    argv = [os.fspath(path)] + _flags(adapter=adapter, out=out)
+    with _output(verbose):
+        _castor._merge(argv)
+    return os.fspath(out)
+
+
+def load(path: PathLike) -> Dict[str, Any]:
+    """Every tensor of a checkpoint folder (sharded or not: the weights, not
+    ``optimizer.safetensors``) or of one ``.safetensors`` file (a saved run's
+    ``optimizer.safetensors``, an adapter's weights) as float32 numpy arrays by name."""
+    return _float_arrays(_castor._load(os.fspath(path)))

@@ -10,7 +10,7 @@
 //! is caught at the boundary and raised as `castor.CastorError`, never as pyo3's
 //! `PanicException`. The GIL is released while castor works.
 
-use castor::commands::{compile, eval, inspect, train};
+use castor::commands::{compile, eval, generate, inspect, merge, train};
 use castor::given::Given;
 use castor::ErrorKind;
 use clap::{CommandFactory, FromArgMatches, Parser};
@@ -47,6 +47,20 @@ struct EvalCli {
 struct TrainCli {
     #[command(flatten)]
     args: train::Args,
+}
+
+#[derive(Parser)]
+#[command(name = "castor.generate", no_binary_name = true)]
+struct GenerateCli {
+    #[command(flatten)]
+    args: generate::Args,
+}
+
+#[derive(Parser)]
+#[command(name = "castor.merge", no_binary_name = true)]
+struct MergeCli {
+    #[command(flatten)]
+    args: merge::Args,
 }
 
 /// What crosses back to Python as an exception: castor's error, or a usage error of the
@@ -182,10 +196,10 @@ fn _inspect(py: Python<'_>, argv: Vec<String>) -> PyResult<(String, Py<PyDict>)>
 #[pyfunction]
 fn _compile(py: Python<'_>, argv: Vec<String>) -> PyResult<Plan> {
     detached(py, || {
-        let (cli, _) = parse::<CompileCli>(argv)?;
+        let (cli, matches) = parse::<CompileCli>(argv)?;
         compile::check_outputs(&cli.args)?;
         Ok(Plan {
-            inner: compile::compile(&cli.args)?,
+            inner: compile::compile(&cli.args, &Given::new(matches))?,
         })
     })
     .map_err(|f| f.into_py(py))
@@ -519,6 +533,96 @@ impl Plan {
     }
 }
 
+/// Where the lines the CLI would print go: `"logging"` (the `castor` logger: warnings and
+/// errors at WARNING, everything else at INFO) or `"console"` (stdout and stderr, as the CLI).
+#[pyfunction]
+fn _set_output(mode: &str) -> PyResult<()> {
+    let sink: Option<castor::out::Sink> = match mode {
+        "console" => None,
+        "logging" => Some(Arc::new(|_stream, line: &str| {
+            Python::attach(|py| {
+                let (level, text) = match line.split_once(": ") {
+                    Some(("warning" | "error", rest)) => (30, rest),
+                    _ => (20, line),
+                };
+                let _ = py
+                    .import("logging")
+                    .and_then(|l| l.call_method1("getLogger", ("castor",)))
+                    .and_then(|logger| logger.call_method1("log", (level, text)));
+            })
+        })),
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "output goes to \"logging\" or \"console\", not {other:?}"
+            )))
+        }
+    };
+    castor::out::redirect(sink);
+    Ok(())
+}
+
+/// `castor generate` on `argv`: the prompt and its continuation, the new token ids, and why
+/// generation stopped.
+#[pyfunction]
+fn _generate(py: Python<'_>, argv: Vec<String>) -> PyResult<(String, Vec<u32>, String)> {
+    detached(py, || {
+        let (cli, _) = parse::<GenerateCli>(argv)?;
+        let done = generate::generate(&cli.args, &mut |_| {})?;
+        Ok((done.text, done.tokens, done.stopped))
+    })
+    .map_err(|f| f.into_py(py))
+}
+
+/// `castor merge` on `argv`.
+#[pyfunction]
+fn _merge(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
+    detached(py, || {
+        let (cli, _) = parse::<MergeCli>(argv)?;
+        Ok(merge::run(cli.args)?)
+    })
+    .map_err(|f| f.into_py(py))
+}
+
+/// Every tensor of a checkpoint folder (sharded or not) or of one safetensors file, as
+/// (name, shape, F32 little-endian bytes), in name order.
+#[pyfunction]
+fn _load(py: Python<'_>, path: PathBuf) -> PyResult<Vec<Output>> {
+    let tensors = detached(py, || {
+        let read = |name: &str, t: Result<castor::ir::Tensor, castor::models::ModelError>| {
+            let t = t.map_err(anyhow::Error::from)?;
+            let bytes: Vec<u8> = t
+                .as_f32()
+                .unwrap_or(&[])
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            Ok::<_, Failure>((name.to_string(), t.shape().dims().to_vec(), bytes))
+        };
+        let mut out = Vec::new();
+        if path.is_dir() {
+            let ckpt = castor::models::Checkpoint::open(&path).map_err(anyhow::Error::from)?;
+            let mut names: Vec<&str> = ckpt.names().collect();
+            names.sort_unstable();
+            for name in names {
+                out.push(read(name, ckpt.tensor_f32(name))?);
+            }
+        } else {
+            let file = castor::models::SafetensorsFile::open(&path).map_err(anyhow::Error::from)?;
+            let mut names: Vec<String> = file.names().map(str::to_string).collect();
+            names.sort_unstable();
+            for name in &names {
+                out.push(read(name, file.tensor_f32(name))?);
+            }
+        }
+        Ok(out)
+    })
+    .map_err(|f| f.into_py(py))?;
+    Ok(tensors
+        .into_iter()
+        .map(|(n, s, b)| (n, s, PyBytes::new(py, &b).unbind()))
+        .collect())
+}
+
 #[pymodule]
 fn _castor(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -526,6 +630,10 @@ fn _castor(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_compile, m)?)?;
     m.add_function(wrap_pyfunction!(_eval, m)?)?;
     m.add_function(wrap_pyfunction!(_train, m)?)?;
+    m.add_function(wrap_pyfunction!(_generate, m)?)?;
+    m.add_function(wrap_pyfunction!(_merge, m)?)?;
+    m.add_function(wrap_pyfunction!(_load, m)?)?;
+    m.add_function(wrap_pyfunction!(_set_output, m)?)?;
     m.add_class::<Plan>()?;
     m.add_class::<Decision>()?;
     Ok(())

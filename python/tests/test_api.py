@@ -245,10 +245,10 @@ def test_train_without_callback_matches_the_cli(tmp_path):
     result = castor.train(TINY_GPT2, CORPUS, steps=3, batch=2, seq=16, device="cpu",
                           log=tmp_path / "py.jsonl")
     cli("train", TINY_GPT2, "--data", CORPUS, "--steps", "3", "--batch", "2", "--seq", "16",
-        "--precision", "bf16", "--device", "cpu", "--log", tmp_path / "cli.jsonl")
+        "--device", "cpu", "--log", tmp_path / "cli.jsonl")
     py = [json.loads(line)["loss"] for line in (tmp_path / "py.jsonl").read_text().splitlines()]
     ref = [json.loads(line)["loss"] for line in (tmp_path / "cli.jsonl").read_text().splitlines()]
-    assert py == ref  # the default precision is bf16, and the runs are deterministic
+    assert py == ref  # the default precision is the CLI's, and the runs are deterministic
     assert [loss for _, loss in result.losses] == pytest.approx(py)
 
 
@@ -377,11 +377,13 @@ def call(args, out):
         batch = load_file(kwargs.pop("input"))
         kwargs.pop("out", None)
         return castor.eval(path, batch.pop("input_ids"), **batch, **kwargs)
+    if command == "train":
+        return castor.train(path, kwargs.pop("data"), **kwargs)
     raise AssertionError(f"no Python call for `{command}`")
 
 
 @pytest.mark.parametrize("case", malformed_cases(), ids=lambda c: c["name"])
-def test_every_malformed_case_raises_a_castor_error(case, tmp_path):
+def test_every_malformed_case_raises_a_castor_error(case, tmp_path, caplog):
     if case["exit"] == 0:
         call(case["args"], tmp_path)
         return
@@ -390,8 +392,13 @@ def test_every_malformed_case_raises_a_castor_error(case, tmp_path):
     # A subclass that says what failed, the CLI's exit code, and what the CLI says.
     assert type(e.value) is not castor.CastorError, str(e.value)
     assert e.value.exit_code == case["exit"]
+    # The CLI's stderr is the error (the exception) and its warnings (the `castor` logger).
     for fragment in case.get("stderr", []):
-        assert fragment.removeprefix("error: ") in str(e.value)
+        if fragment.startswith("warning: "):
+            assert fragment.removeprefix("warning: ") in caplog.text
+        else:
+            text = fragment.removeprefix("error: ")
+            assert text in str(e.value) or text in caplog.text
 
 
 def test_loading_what_is_not_a_plan_is_refused(tmp_path):
@@ -450,3 +457,106 @@ def test_zero3_shards_every_parameter_and_trains_on_cpu_ranks(tmp_path):
     result = castor.train(ROOT / "assets" / "tiny-gpt2.json", ROOT / "assets" / "corpus.txt",
                           steps=2, batch=2, seq=16, world_size=2, zero=3, device="cpu")
     assert result.steps_done == 2 and result.final_loss > 0
+
+
+# ---- a library, not a wrapped CLI (issue: the user's path, round two) -------------------------
+
+
+def test_defaults_are_the_clis(tmp_path):
+    # One default precision everywhere: the CLI's fp32.
+    path = FIXTURES / "gpt2_lm"
+    assert castor.compile(path, seq=8).summary == cli("compile", path, "--seq", "8").stdout
+    castor.train(TINY_GPT2, CORPUS, steps=2, batch=2, seq=16, device="cpu",
+                 log=tmp_path / "py.jsonl")
+    cli("train", TINY_GPT2, "--data", CORPUS, "--steps", "2", "--batch", "2", "--seq", "16",
+        "--device", "cpu", "--log", tmp_path / "cli.jsonl")
+    py = [json.loads(line)["loss"] for line in (tmp_path / "py.jsonl").read_text().splitlines()]
+    ref = [json.loads(line)["loss"] for line in (tmp_path / "cli.jsonl").read_text().splitlines()]
+    assert py == ref
+
+
+def test_calls_are_quiet_and_log_instead(tmp_path, capfd, caplog):
+    caplog.set_level("INFO", logger="castor")
+    castor.compile(FIXTURES / "gpt2_lm", "bf16", seq=8)
+    castor.train(TINY_GPT2, CORPUS, steps=2, batch=2, seq=16, device="cpu")
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+    messages = [r.getMessage() for r in caplog.records if r.name == "castor"]
+    assert any(m.startswith("step      2  loss") for m in messages), messages
+    assert any(m.startswith("done        2 steps") for m in messages), messages
+    # verbose=True prints what the CLI prints.
+    castor.train(TINY_GPT2, CORPUS, steps=2, batch=2, seq=16, device="cpu", verbose=True)
+    out, _ = capfd.readouterr()
+    assert "step      2  loss" in out
+
+
+def test_warnings_reach_the_logger_at_warning(tmp_path, caplog):
+    gpt2 = tmp_path / "gpt2"
+    import shutil
+    shutil.copytree(FIXTURES / "gpt2_lm", gpt2)
+    config = json.loads((gpt2 / "config.json").read_text())
+    (tmp_path / "bare.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                    if k != "n_layer"}))
+    castor.inspect(tmp_path / "bare.json")
+    warned = [r for r in caplog.records if r.name == "castor" and r.levelname == "WARNING"]
+    assert any("config.json has no `n_layer`" in r.getMessage() for r in warned), caplog.text
+
+
+def test_a_raising_callback_stops_at_its_step_and_saves_it(tmp_path):
+    seen = []
+
+    def callback(record):
+        seen.append(record["step"])
+        if record["step"] == 3:
+            raise ValueError("enough")
+
+    with pytest.raises(ValueError, match="enough"):
+        castor.train(TINY_GPT2, CORPUS, steps=50, batch=2, seq=16, device="cpu",
+                     save=tmp_path / "out", callback=callback)
+    assert seen == [1, 2, 3]
+    state = json.loads((tmp_path / "out" / "trainer_state.json").read_text())
+    assert state["step"] == 3
+
+
+def test_training_data_in_memory(tmp_path):
+    texts = CORPUS.read_text().split("\n\n")
+    # Texts are documents, as a .jsonl file of texts is.
+    (tmp_path / "docs.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts))
+    from_list = castor.train(TINY_GPT2, texts, steps=2, batch=2, seq=16, device="cpu")
+    from_file = castor.train(TINY_GPT2, tmp_path / "docs.jsonl", steps=2, batch=2, seq=16,
+                             device="cpu")
+    assert from_list.losses == from_file.losses
+    # Token arrays are one stream, as a token file is.
+    ids = np.random.default_rng(0).integers(0, 256, 4096)
+    ids.astype(np.uint16).tofile(tmp_path / "tokens.bin")
+    from_arrays = castor.train(TINY_GPT2, [ids[:1000], ids[1000:]], steps=2, batch=2, seq=16,
+                               device="cpu")
+    from_bin = castor.train(TINY_GPT2, tmp_path / "tokens.bin", steps=2, batch=2, seq=16,
+                            device="cpu")
+    assert from_arrays.losses == from_bin.losses
+    with pytest.raises(castor.InputError, match="integer token ids"):
+        castor.train(TINY_GPT2, [np.zeros(4, np.float32)], steps=1, device="cpu")
+
+
+def test_generate_merge_and_load(tmp_path):
+    cli("demo", "--steps", "10", "--out", tmp_path / "demo")
+    ckpt = tmp_path / "demo" / "checkpoint"
+    g = castor.generate(ckpt, "The compiler ", max_new_tokens=8)
+    done = cli("generate", ckpt, "--prompt", "The compiler ", "--max-new-tokens", "8")
+    assert g.text == done.stdout.rstrip("\n")
+    assert len(g.tokens) == 8 and g.stopped == "--max-new-tokens reached"
+    weights = castor.load(ckpt)
+    ref = load_file(ckpt / "model.safetensors")
+    assert weights.keys() == ref.keys()
+    for name, value in ref.items():
+        np.testing.assert_array_equal(weights[name], value.astype(np.float32))
+    moments = castor.load(ckpt / "optimizer.safetensors")
+    assert moments and all(v.dtype == np.float32 for v in moments.values())
+    gpt2 = FIXTURES / "gpt2_lm"
+    merged = castor.merge(gpt2, gpt2 / "lora", tmp_path / "merged")
+    cli("merge", gpt2, "--adapter", gpt2 / "lora", "--out", tmp_path / "merged-cli")
+    ours, theirs = castor.load(merged), castor.load(tmp_path / "merged-cli")
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        np.testing.assert_array_equal(ours[name], theirs[name])

@@ -23,6 +23,10 @@ def test_the_readme_example_runs(tmp_path, monkeypatch, capsys):
     exec(compile(code, "README.md", "exec"), scope)
     assert scope["info"].family == "gpt2"
     assert scope["plan"].converted > 0
+    # The example's glob shows a real decision: a product and what it accumulates in.
+    assert any(d.op_class == "contraction" and d.accumulates == "f32"
+               for d in scope["plan"].explain("h.0.attn.qkv*"))
+    assert scope["weights"]["transformer.wte.weight"].shape == (99, 32)
     assert scope["step"].anatomy["total"] > 10 * 2**30
     assert scope["out"]["logits"].shape == (1, 5, 99)
     assert scope["run"].steps_done == 20

@@ -33,25 +33,17 @@ pub struct Args {
     /// and at the model's last position).
     #[arg(long, default_value_t = 50, value_name = "N")]
     pub max_new_tokens: usize,
-    /// Softmax temperature; 0 is greedy (always the most likely token).
-    #[arg(long, default_value_t = 1.0, help_heading = "Sampling")]
-    pub temperature: f64,
-    /// Sample among the K most likely tokens only (0 = all).
-    #[arg(
-        long,
-        default_value_t = 50,
-        value_name = "K",
-        help_heading = "Sampling"
-    )]
-    pub top_k: usize,
-    /// Sample among the most likely tokens whose probability reaches P (1 = all).
-    #[arg(
-        long,
-        default_value_t = 1.0,
-        value_name = "P",
-        help_heading = "Sampling"
-    )]
-    pub top_p: f64,
+    /// Softmax temperature; 0 is greedy (always the most likely token). Giving any sampling
+    /// flag samples; without one, decoding is as the checkpoint's generation_config.json says
+    /// (greedy unless it sets `do_sample`), as transformers' `generate` does.
+    #[arg(long, help_heading = "Sampling")]
+    pub temperature: Option<f64>,
+    /// Sample among the K most likely tokens only (0 = all; default 50).
+    #[arg(long, value_name = "K", help_heading = "Sampling")]
+    pub top_k: Option<usize>,
+    /// Sample among the most likely tokens whose probability reaches P (1 = all; the default).
+    #[arg(long, value_name = "P", help_heading = "Sampling")]
+    pub top_p: Option<f64>,
     /// Seed of the sampler: the same seed, model and flags give the same text.
     #[arg(long, default_value_t = 0, help_heading = "Sampling")]
     pub seed: u64,
@@ -65,20 +57,49 @@ pub struct Args {
     pub device: GenerateDevice,
 }
 
+/// What a generation made.
+#[derive(Clone, Debug)]
+pub struct Generated {
+    /// The prompt and its continuation, as the tokenizer decodes them.
+    pub text: String,
+    /// The new tokens.
+    pub tokens: Vec<u32>,
+    /// Why generation stopped (`end of text`, `--max-new-tokens reached`, ...).
+    pub stopped: String,
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
-    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+    // The prompt first, then the text as it grows; a token that ends inside a UTF-8 character
+    // waits.
+    out!("{}", args.prompt);
+    let mut printed = String::new();
+    let done = generate(&args, &mut |text| {
+        if let Some(more) = text.strip_prefix(printed.as_str()) {
+            if !more.is_empty() && !more.ends_with('\u{fffd}') {
+                out!("{more}");
+                printed = text.to_string();
+            }
+        }
+    })?;
+    let text = &done.text[args.prompt.len()..];
+    match text.strip_prefix(printed.as_str()) {
+        Some(more) => outln!("{more}"),
+        // The decoder rewrote what was printed (rare: a cleanup across tokens).
+        None => outln!("\n{}{text}", args.prompt),
+    }
+    Ok(())
+}
+
+/// Continues `args.prompt`; `on_text` sees the decoded continuation each time it grows.
+pub fn generate(args: &Args, on_text: &mut dyn FnMut(&str)) -> anyhow::Result<Generated> {
+    if let Some(t) = args.temperature.filter(|t| !(*t >= 0.0 && t.is_finite())) {
         return Err(CliError::InvalidInput(format!(
-            "--temperature must be 0 (greedy) or positive, found {}",
-            args.temperature
+            "--temperature must be 0 (greedy) or positive, found {t}"
         ))
         .into());
     }
-    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
-        return Err(CliError::InvalidInput(format!(
-            "--top-p must be in (0, 1], found {}",
-            args.top_p
-        ))
-        .into());
+    if let Some(p) = args.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+        return Err(CliError::InvalidInput(format!("--top-p must be in (0, 1], found {p}")).into());
     }
     let mut model = Model::load(&args.model)?;
     model.set_attention(args.precision.attention.into());
@@ -144,19 +165,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         tokenizer.describe(),
         prompt.len()
     );
-    let sampling = Sampling {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-    };
+    let config = GenerationConfig::read(&args.model)?;
+    let (sampling, said) = decoding(args, &config);
+    errln!("decoding    {said}");
     let mut generator =
         Generator::new(&model, args.precision.clone()).with_adapters(adapter.map(|a| a.lora));
     let mut rng = Rng::new(args.seed);
-    let end = tokenizer.end_of_text();
-    // Decoded text is printed as it grows; a token that ends inside a UTF-8 character waits.
-    out!("{}", args.prompt);
+    // transformers stops at any of generation_config.json's `eos_token_id`s; castor at the
+    // tokenizer's end of text as well.
+    let mut ends = config.eos_token_ids.clone();
+    ends.extend(tokenizer.end_of_text());
     let mut ids: Vec<u32> = Vec::new();
-    let mut printed = String::new();
     let start = Instant::now();
     let new = generator.generate(
         &prompt,
@@ -164,24 +183,13 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         &sampling,
         &mut rng,
         &|name| weights.get(name),
-        &|t| Some(t) == end,
+        &|t| ends.contains(&t),
         &mut |t| {
             ids.push(t);
-            let text = tokenizer.decode(&ids);
-            if let Some(more) = text.strip_prefix(printed.as_str()) {
-                if !more.is_empty() && !more.ends_with('\u{fffd}') {
-                    out!("{more}");
-                    printed = text;
-                }
-            }
+            on_text(&tokenizer.decode(&ids));
         },
     )?;
     let text = tokenizer.decode(&ids);
-    match text.strip_prefix(printed.as_str()) {
-        Some(more) => outln!("{more}"),
-        // The decoder rewrote what was printed (rare: a cleanup across tokens).
-        None => outln!("\n{}{text}", args.prompt),
-    }
     let seconds = start.elapsed().as_secs_f64();
     let why = if new.len() == args.max_new_tokens {
         "--max-new-tokens reached".to_string()
@@ -195,5 +203,115 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         new.len(),
         new.len() as f64 / seconds.max(1e-9)
     );
-    Ok(())
+    Ok(Generated {
+        text: format!("{}{text}", args.prompt),
+        tokens: new,
+        stopped: why,
+    })
+}
+
+/// What a checkpoint's generation_config.json says about decoding (the fields castor reads).
+#[derive(Debug, Default, PartialEq)]
+pub struct GenerationConfig {
+    /// Whether the file exists.
+    pub found: bool,
+    pub do_sample: Option<bool>,
+    pub temperature: Option<f64>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f64>,
+    /// `eos_token_id`: one id or a list (LLaMA-3's instruct models list two).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl GenerationConfig {
+    /// Reads `dir/generation_config.json`, if there is one; a malformed one is an error naming
+    /// the field.
+    pub fn read(dir: &std::path::Path) -> anyhow::Result<GenerationConfig> {
+        let path = dir.join("generation_config.json");
+        let Ok(text) = std::fs::read_to_string(&path) else {
+            return Ok(GenerationConfig::default());
+        };
+        let bad = |what: String| CliError::InvalidInput(format!("`{}`: {what}", path.display()));
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad(format!("not valid JSON: {e}")))?;
+        let field = |key: &str| json.get(key).filter(|v| !v.is_null());
+        let number = |key: &str| -> anyhow::Result<Option<f64>> {
+            field(key)
+                .map(|v| {
+                    v.as_f64()
+                        .ok_or_else(|| bad(format!("`{key}`: expected a number, found {v}")))
+                })
+                .transpose()
+                .map_err(Into::into)
+        };
+        let id = |v: &serde_json::Value| {
+            v.as_u64()
+                .and_then(|n| u32::try_from(n).ok())
+                .ok_or_else(|| bad(format!("`eos_token_id`: expected token ids, found {v}")))
+        };
+        let eos_token_ids = match field("eos_token_id") {
+            None => Vec::new(),
+            Some(serde_json::Value::Array(ids)) => ids.iter().map(id).collect::<Result<_, _>>()?,
+            Some(v) => vec![id(v)?],
+        };
+        let do_sample =
+            match field("do_sample") {
+                None => None,
+                Some(v) => Some(v.as_bool().ok_or_else(|| {
+                    bad(format!("`do_sample`: expected true or false, found {v}"))
+                })?),
+            };
+        Ok(GenerationConfig {
+            found: true,
+            do_sample,
+            temperature: number("temperature")?,
+            top_k: number("top_k")?.map(|k| k.max(0.0) as usize),
+            top_p: number("top_p")?,
+            eos_token_ids,
+        })
+    }
+}
+
+/// The sampling `generate` uses, and where each setting came from, as transformers decides:
+/// the command line first (any sampling flag samples), then generation_config.json (which
+/// samples only with `do_sample`), then transformers' defaults (greedy; when sampling,
+/// temperature 1, top-k 50, top-p 1).
+fn decoding(args: &Args, config: &GenerationConfig) -> (Sampling, String) {
+    let asked = args.temperature.is_some() || args.top_k.is_some() || args.top_p.is_some();
+    if !asked && config.do_sample != Some(true) {
+        let why = match (config.found, config.do_sample) {
+            (_, Some(false)) => "generation_config.json: do_sample false",
+            (true, _) => "transformers' default: generation_config.json sets no do_sample",
+            (false, _) => "transformers' default: no generation_config.json",
+        };
+        return (Sampling::GREEDY, format!("greedy ({why})"));
+    }
+    let pick = |flag: Option<f64>, from_file: Option<f64>, default: f64, name: &str| match (
+        flag, from_file,
+    ) {
+        (Some(v), _) => (v, format!("{name} {v} (--{})", name.replace('_', "-"))),
+        (None, Some(v)) => (v, format!("{name} {v} (generation_config.json)")),
+        (None, None) => (default, format!("{name} {default} (default)")),
+    };
+    let (temperature, t) = pick(args.temperature, config.temperature, 1.0, "temperature");
+    let (top_k, k) = pick(
+        args.top_k.map(|k| k as f64),
+        config.top_k.map(|k| k as f64),
+        50.0,
+        "top_k",
+    );
+    let (top_p, p) = pick(args.top_p, config.top_p, 1.0, "top_p");
+    let why = if asked {
+        "a sampling flag was given".to_string()
+    } else {
+        "generation_config.json: do_sample true".to_string()
+    };
+    (
+        Sampling {
+            temperature,
+            top_k: top_k as usize,
+            top_p,
+        },
+        format!("sampling ({why}): {t}, {k}, {p}"),
+    )
 }
