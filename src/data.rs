@@ -147,6 +147,8 @@ pub struct DataOptions {
     pub seed: u64,
     /// A validation file (labelled data), instead of `val_fraction`.
     pub validation: Option<std::path::PathBuf>,
+    /// The plan file `batch` and `seq` come from (`train --plan`), to name in a shape error.
+    pub plan: Option<std::path::PathBuf>,
 }
 
 impl Data {
@@ -217,8 +219,24 @@ impl Data {
             let file = castor_models::SafetensorsFile::open(path)?;
             let b = read_batch(&file, model.input_names(), model.vocab_size())?;
             if batch.is_some_and(|x| x != b.batch) || seq.is_some_and(|x| x != b.seq) {
+                let (want_batch, want_seq) = (batch.unwrap_or(b.batch), seq.unwrap_or(b.seq));
+                let fix = match &options.plan {
+                    Some(plan) => format!(
+                        "the plan `{}` was compiled for [{want_batch}, {want_seq}]; recompile \
+                         it with `castor compile ... --train --batch {} --seq {}`, or train \
+                         without --plan",
+                        plan.display(),
+                        b.batch,
+                        b.seq
+                    ),
+                    None => format!(
+                        "--batch/--seq ask for [{want_batch}, {want_seq}]; leave them out (a \
+                         fixed batch sets the shape) or give --batch {} --seq {}",
+                        b.batch, b.seq
+                    ),
+                };
                 return Err(CliError::InvalidInput(format!(
-                    "`{}` holds a [{}, {}] batch, but --batch/--seq ask for another shape",
+                    "`{}` holds a [{}, {}] batch (batch x seq), but {fix}",
                     path.display(),
                     b.batch,
                     b.seq

@@ -54,7 +54,15 @@ pub mod codes {
     pub const EXECUTION: u8 = 4;
     /// The requested device is not available.
     pub const DEVICE_UNAVAILABLE: u8 = 5;
+    /// Stopped by Ctrl-C (after saving), as shells report SIGINT: 128 + 2.
+    pub const INTERRUPTED: u8 = 130;
 }
+
+/// A run Ctrl-C stopped after it saved: not a failure to report, but not a finished run
+/// either, so a script can tell the two apart by the exit code ([`codes::INTERRUPTED`]).
+#[derive(Debug, thiserror::Error)]
+#[error("interrupted")]
+pub struct Interrupted;
 
 /// Errors of the CLI layer itself.
 #[derive(Debug, thiserror::Error)]

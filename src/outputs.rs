@@ -2,7 +2,8 @@
 //! that it cannot write its checkpoint, log, picture or report.
 //!
 //! A check writes and removes a small probe file where the output will go (the folder that
-//! will hold a file; the folder itself, or its nearest existing ancestor, for a folder output),
+//! will hold a file; the folder itself, or the existing folder it will be created in, for a
+//! folder output),
 //! so permissions, read-only mounts and missing folders are all found the way the real write
 //! would find them. Errors name the flag, the path and the OS error once, and exit with code 1
 //! (README, "Exit codes").
@@ -35,27 +36,36 @@ pub fn check_file(flag: &str, path: &Path) -> Result<(), CliError> {
 }
 
 /// Checks that `path` can be a folder of outputs for `flag`: an existing folder that can be
-/// written into, or a path whose nearest existing ancestor is such a folder (it is created
-/// when the first output is written).
+/// written into, or a new folder in one (created when the first output is written). As for a
+/// file output, the folder it goes in must exist: a missing chain of parents is more often a
+/// typo than a wish, so castor creates the output folder itself and never its parents.
 pub fn check_folder(flag: &str, path: &Path) -> Result<(), CliError> {
-    if path.exists() && !path.is_dir() {
+    if path.is_dir() {
+        return probe(flag, path, path);
+    }
+    if path.exists() {
         return Err(CliError::Output(format!(
             "{flag} `{}` is a file, not a folder",
             path.display()
         )));
     }
-    let mut existing = path.to_path_buf();
-    while !existing.exists() {
-        existing = parent_of(&existing);
-    }
-    if !existing.is_dir() {
+    let parent = parent_of(path);
+    if !parent.is_dir() {
+        let what = if parent.exists() {
+            format!("`{}` is a file, not a folder", parent.display())
+        } else {
+            format!(
+                "the folder `{}` does not exist (castor creates the output folder, not its \
+                 parents)",
+                parent.display()
+            )
+        };
         return Err(CliError::Output(format!(
-            "{flag} `{}`: `{}` is a file, not a folder",
-            path.display(),
-            existing.display()
+            "{flag} `{}`: {what}",
+            path.display()
         )));
     }
-    probe(flag, path, &existing)
+    probe(flag, path, &parent)
 }
 
 /// The folder a relative or absolute path lives in (`.` for a bare name).

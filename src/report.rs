@@ -141,9 +141,15 @@ pub fn model_summary(
     s
 }
 
-/// Warns (stderr) about checkpoint tensors the architecture does not read: every command that
+/// Warns (stderr) about shape-deciding config fields left to their defaults and checkpoint
+/// tensors the architecture does not read: every command that
 /// loads a model says so, as transformers' "Some weights of the checkpoint were not used".
 pub fn warn_unused(model: &Model) {
+    // A shape-deciding field config.json leaves out is said first: a checkpoint made with
+    // another value fails to load, and a bare config builds a model of the default's size.
+    for d in &model.config().defaulted {
+        crate::errln!("warning: {d}");
+    }
     let initialized = &model.report().initialized;
     if !initialized.is_empty() {
         crate::errln!(

@@ -27,24 +27,32 @@ fn top(tok: &TextTokenizer, row: &[f32]) -> String {
     idx.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
     idx.iter()
         .take(TOP)
-        .map(|&i| format!("{:?} {:.1}%", tok.token(i as u32), lp[i].exp() * 100.0))
+        .map(|&i| format!("{:?} {:.1}%", tok.token_text(i as u32), lp[i].exp() * 100.0))
         .collect::<Vec<_>>()
         .join("  ")
 }
 
-/// Prints what the logits `[1, T, V]` of `ids` say.
-pub fn print(model: &Model, tok: &TextTokenizer, ids: &[u32], logits: &Tensor) {
-    let Some(values) = logits.as_f32() else {
-        return;
-    };
+/// Prints the tokens of `ids`, each as the tokenizer decodes it, and what the logits
+/// `[1, T, V]` say (a bare encoder has none: its tokens alone).
+pub fn print(model: &Model, tok: &TextTokenizer, ids: &[u32], logits: Option<&Tensor>) {
+    let values = logits.and_then(Tensor::as_f32);
     if model.head() == Head::SequenceClassification {
-        return print_labels(model, values);
+        if let Some(values) = values {
+            print_labels(model, values);
+        }
+        return;
     }
     let t = ids.len();
+    let shown: Vec<String> = ids
+        .iter()
+        .map(|&i| format!("{:?}", tok.token_text(i)))
+        .collect();
+    outln!("tokens      {t}: {}", shown.join(" "));
+    let Some(values) = values else {
+        return;
+    };
     let vocab = values.len() / t.max(1);
     let row = |i: usize| &values[i * vocab..(i + 1) * vocab];
-    let shown: Vec<String> = ids.iter().map(|&i| format!("{:?}", tok.token(i))).collect();
-    outln!("tokens      {t}: {}", shown.join(" "));
     match model.head() {
         Head::CausalLm => {
             if t > 1 {
@@ -65,7 +73,8 @@ pub fn print(model: &Model, tok: &TextTokenizer, ids: &[u32], logits: &Tensor) {
             if masks.is_empty() {
                 outln!(
                     "masks       none: put the mask token ({}) where the model should fill in",
-                    tok.mask().map_or("[MASK]".to_string(), |m| tok.token(m))
+                    tok.mask()
+                        .map_or("[MASK]".to_string(), |m| tok.token_text(m))
                 );
             }
             for i in masks {

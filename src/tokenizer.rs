@@ -291,6 +291,23 @@ impl TextTokenizer {
         }
     }
 
+    /// One token as text, as the tokenizer's decoder writes it (`" the"` for GPT-2's `Ġthe`,
+    /// `"\n"` for `Ċ`), special tokens kept: what people read in a list of tokens, as
+    /// `tokenizer.decode([id])` gives it. A token that is part of a UTF-8 character decodes
+    /// to U+FFFD, as in transformers.
+    pub fn token_text(&self, id: u32) -> String {
+        match &self.inner {
+            None => u8::try_from(id)
+                .map(|b| String::from_utf8_lossy(&[b]).into_owned())
+                .unwrap_or_else(|_| format!("<{id}>")),
+            Some(t) => t
+                .decode(&[id], false)
+                .ok()
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| self.token(id)),
+        }
+    }
+
     /// One token as the tokenizer spells it (`Ġthe`, `##ing`, `[MASK]`), for tables.
     pub fn token(&self, id: u32) -> String {
         match &self.inner {

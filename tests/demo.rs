@@ -74,6 +74,9 @@ fn demo_trains_and_writes_pictures_and_a_checkpoint() {
     ] {
         assert!(s.contains(line), "no `{line}` in\n{s}");
     }
+    // The device is said once, with the run's other facts.
+    assert_eq!(s.matches("device ").count(), 1, "{s}");
+    assert!(!stderr(&o).contains("device:"), "{}", stderr(&o));
     check_outputs(&out, 30);
     // The LoRA fine-tuning it suggests runs on its checkpoint and writes a PEFT adapter.
     let next = s
@@ -125,5 +128,96 @@ fn demo_benchmark() {
     check_outputs(&out, 300);
     if !cfg!(debug_assertions) {
         assert!(seconds < 60.0, "the demo took {seconds:.1} s");
+    }
+}
+
+/// The README's quickstart runs as written on the demo's checkpoint: each command of its
+/// block, with `./gpt2` the demo's checkpoint and the data files made from the corpus (and,
+/// to stay quick, a few steps where it trains thousands).
+#[test]
+fn the_quickstart_runs_on_the_demo_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let demo = tmp.path().join("castor-demo");
+    let o = castor(&["demo", "--steps", "5", "--out", path_str(&demo)]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let ckpt = demo.join("checkpoint");
+    let corpus = root().join("assets").join("corpus.txt");
+    let tokens: Vec<u8> = std::fs::read(&corpus)
+        .unwrap()
+        .iter()
+        .flat_map(|&b| u16::from(b).to_le_bytes())
+        .collect();
+    std::fs::write(tmp.path().join("train.bin"), tokens).unwrap();
+    std::fs::copy(
+        fixture("gpt2_lm").join("input.safetensors"),
+        tmp.path().join("batch.safetensors"),
+    )
+    .unwrap();
+    std::fs::copy(&corpus, tmp.path().join("notes.txt")).unwrap();
+    // `assets/configs/...` as from the repository's root.
+    std::os::unix::fs::symlink(root().join("assets"), tmp.path().join("assets")).unwrap();
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let section = &readme[readme.find("## Quickstart").unwrap()..];
+    let block = &section[section.find("```sh\n").unwrap() + 6..];
+    let block = &block[..block.find("```").unwrap()];
+    let mut commands: Vec<String> = Vec::new();
+    let mut continued = false;
+    for line in block.lines() {
+        let code = line.split("  #").next().unwrap().trim();
+        if continued {
+            commands.last_mut().unwrap().push(' ');
+            commands
+                .last_mut()
+                .unwrap()
+                .push_str(code.trim_end_matches('\\'));
+        } else if let Some(rest) = code.strip_prefix("castor ") {
+            commands.push(rest.trim_end_matches('\\').to_string());
+        }
+        continued = code.ends_with('\\');
+    }
+    assert!(commands.len() >= 10, "{commands:?}");
+    for command in commands {
+        let command = command
+            .split(" | ")
+            .next()
+            .unwrap()
+            .split(" > ")
+            .next()
+            .unwrap();
+        let mut args: Vec<String> = Vec::new();
+        let mut words = command.split_whitespace().peekable();
+        while let Some(w) = words.next() {
+            let w = match w {
+                "./gpt2" => path_str(&ckpt).to_string(),
+                // The quoted prompt and text are single arguments.
+                _ if w.starts_with('"') => {
+                    let mut s = w.trim_start_matches('"').to_string();
+                    while !s.ends_with('"') {
+                        s.push(' ');
+                        s.push_str(words.next().unwrap());
+                    }
+                    s.trim_end_matches('"').to_string()
+                }
+                _ => w.to_string(),
+            };
+            args.push(w);
+            // Thousands of steps (and their cadences) are a few here.
+            if ["--steps", "--save-every", "--eval-every"].contains(&args.last().unwrap().as_str())
+            {
+                words.next();
+                args.push("2".into());
+            }
+        }
+        let o = std::process::Command::new(castor_bin())
+            .args(&args)
+            .current_dir(tmp.path())
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "castor {}: {}",
+            args.join(" "),
+            stderr(&o)
+        );
     }
 }

@@ -297,8 +297,10 @@ fn a_model_without_a_head_trains_only_a_named_objective() {
     assert_eq!(o.status.code(), Some(3));
     assert!(
         stderr(&o).contains(
-            "BertModel has no LM or MLM head, so it has no loss to train by default: name one \
-             with --objective"
+            "BertModel has no LM or MLM head, so it has no loss to train by default: to \
+             fine-tune it as a text classifier, give --num-labels N or --labels a,b,c (a new \
+             classification head, as transformers' num_labels makes one, trained on labelled \
+             .jsonl or .csv text); name one with --objective"
         ),
         "{}",
         stderr(&o)
@@ -399,4 +401,82 @@ fn eval_text_predicts_the_next_token_and_fills_masks() {
     ]);
     assert_eq!(o.status.code(), Some(2));
     assert!(stderr(&o).contains("cannot be used with"), "{}", stderr(&o));
+}
+
+/// `eval --text` shows tokens as the tokenizer's decoder writes them (`" th"`, `"\n"`), not
+/// as raw byte-level vocabulary strings (`"Ġth"`, `"Ċ"`); a bare encoder prints its tokens
+/// too.
+#[test]
+fn eval_text_decodes_tokens_as_people_read_them() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bpe = tmp.path().join("bpe");
+    gpt2_with_vocab_and_merges(&bpe);
+    let saved = tmp.path().join("bpe-saved");
+    let o = train(&[
+        &model_str(&bpe),
+        "--data",
+        path_str(&corpus()),
+        "--steps",
+        "1",
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--save",
+        path_str(&saved),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = castor(&[
+        "eval",
+        path_str(&saved),
+        "--text",
+        "the thin\nan",
+        "--device",
+        "cpu",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = stdout(&o);
+    let tokens = s.lines().find(|l| l.starts_with("tokens ")).unwrap();
+    assert_eq!(
+        tokens, "tokens      7: \"th\" \"e\" \" th\" \"in\" \"\\n\" \"a\" \"n\"",
+        "{s}"
+    );
+    let next = s.lines().find(|l| l.starts_with("next ")).unwrap();
+    assert!(!next.contains('Ġ') && !next.contains('Ċ'), "{next}");
+
+    // A bare BertModel: no logits, its tokens all the same.
+    let bert = tmp.path().join("bert");
+    let vocab = bert_with_tokenizer_json(&bert);
+    bert_config(&bert, vocab.len(), "BertModel");
+    let saved = tmp.path().join("bert-saved");
+    let o = train(&[
+        &model_str(&bert),
+        "--data",
+        path_str(&corpus()),
+        "--objective",
+        "sum",
+        "--steps",
+        "1",
+        "--batch",
+        "1",
+        "--seq",
+        "16",
+        "--save",
+        path_str(&saved),
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let o = castor(&[
+        "eval",
+        path_str(&saved),
+        "--text",
+        "the compiler",
+        "--device",
+        "cpu",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stdout(&o).contains("tokens      4: \"[CLS]\" \"the\" \"compiler\" \"[SEP]\""),
+        "{}",
+        stdout(&o)
+    );
 }

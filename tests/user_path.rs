@@ -844,3 +844,336 @@ fn bad_labelled_examples_name_file_line_and_field() {
         fails(&o, 3, words);
     }
 }
+
+// ---- round two: what a new user tripped on ---------------------------------------------------
+
+/// Loss scales are printed as the numbers they are: `1073741824`, not the f32's shortest
+/// decimal `1073741800`, in the step lines, the error, and the JSON log.
+#[test]
+fn loss_scales_are_printed_exactly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let log = tmp.path().join("run.jsonl");
+    let o = castor(&[
+        "train",
+        path_str(&tiny()),
+        "--data",
+        path_str(&corpus()),
+        "--steps",
+        "3",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp16",
+        "--init-scale",
+        "1073741824",
+        "--min-scale",
+        "1073741824",
+        "--log",
+        path_str(&log),
+    ]);
+    fails(
+        &o,
+        4,
+        "the loss scale fell to 536870912, below the minimum 1073741824",
+    );
+    assert!(stdout(&o).contains("scale 1073741824 "), "{}", stdout(&o));
+    assert!(!stdout(&o).contains("1073741800"), "{}", stdout(&o));
+    let first = std::fs::read_to_string(&log).unwrap();
+    assert!(first.contains("\"loss_scale\":1073741824.0"), "{first}");
+}
+
+/// A plan compiled without --batch/--seq (1 x 32) meets a [2, 7] batch file: the error names
+/// both shapes and the recompile that fixes it, not flags nobody gave.
+#[test]
+fn a_plan_of_another_shape_names_both_shapes_and_the_fix() {
+    let tmp = tempfile::tempdir().unwrap();
+    let gpt2 = fixture("gpt2_lm");
+    let plan = tmp.path().join("plan.json");
+    ok(&castor(&[
+        "compile",
+        path_str(&gpt2),
+        "--emit",
+        "plan",
+        "-o",
+        path_str(&plan),
+    ]));
+    let input = gpt2.join("input.safetensors");
+    let train = |extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            path_str(&gpt2),
+            "--data",
+            path_str(&input),
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+        ];
+        args.extend_from_slice(extra);
+        castor(&args)
+    };
+    fails(
+        &train(&["--plan", path_str(&plan)]),
+        3,
+        &format!(
+            "holds a [2, 7] batch (batch x seq), but the plan `{}` was compiled for [1, 32]; \
+             recompile it with `castor compile ... --train --batch 2 --seq 7`, or train without \
+             --plan",
+            plan.display()
+        ),
+    );
+    fails(
+        &train(&["--batch", "4"]),
+        3,
+        "holds a [2, 7] batch (batch x seq), but --batch/--seq ask for [4, 7]; leave them out \
+         (a fixed batch sets the shape) or give --batch 2 --seq 7",
+    );
+}
+
+/// One rule for every output: castor creates the output (a file, or the folder `--save` and
+/// `merge --out` name) but not a missing parent chain; a folder where a file goes is the same
+/// output error, exit 1.
+#[test]
+fn every_output_follows_one_folder_rule() {
+    let tmp = tempfile::tempdir().unwrap();
+    let chain = tmp.path().join("a").join("b");
+    let missing = |flag: &str, out: &Path| {
+        format!(
+            "{flag} `{}`: the folder `{}` does not exist (castor creates the output folder, not \
+             its parents)",
+            out.display(),
+            chain.display()
+        )
+    };
+    let train = |flag: &str, path: &Path| {
+        castor(&[
+            "train",
+            path_str(&tiny()),
+            "--data",
+            path_str(&corpus()),
+            "--steps",
+            "1",
+            "--device",
+            "cpu",
+            flag,
+            path_str(path),
+        ])
+    };
+    let save = chain.join("out");
+    fails(&train("--save", &save), 1, &missing("--save", &save));
+    assert!(!tmp.path().join("a").exists(), "a parent was created");
+    let gpt2 = fixture("gpt2_lm");
+    let merged = chain.join("merged");
+    fails(
+        &castor(&[
+            "merge",
+            path_str(&gpt2),
+            "--adapter",
+            path_str(&gpt2.join("lora")),
+            "--out",
+            path_str(&merged),
+        ]),
+        1,
+        &missing("--out", &merged),
+    );
+    // A folder given where a file goes: the same exit code as any output that cannot be
+    // written, before the page's kind is judged.
+    fails(
+        &train("--report", tmp.path()),
+        1,
+        &format!(
+            "--report `{}` is a folder; give a file name",
+            tmp.path().display()
+        ),
+    );
+    // The output folder itself is created, in a folder that exists.
+    let fresh = tmp.path().join("run");
+    ok(&train("--save", &fresh));
+    assert!(fresh.join("model.safetensors").is_file());
+}
+
+/// `--explain` with a glob that matches nothing is an error with the nearest names, as a
+/// `--keep-f32` glob is.
+#[test]
+fn an_explain_glob_that_matches_nothing_suggests_names() {
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--precision",
+        "bf16",
+        "--explain",
+        "ln_1*",
+    ]);
+    fails(
+        &o,
+        3,
+        "--explain 'ln_1*' matches no node name; did you mean `transformer.h.0.ln_1*` or \
+         `h.0.ln_1`",
+    );
+    let o = castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--precision",
+        "bf16",
+        "--explain",
+        "nothing*",
+    ]);
+    fails(
+        &o,
+        3,
+        "--explain 'nothing*' matches no node name; did you mean",
+    );
+}
+
+/// Compiling an IR file already compiled to bf16 with --precision fp16 rounds its values a
+/// second time: castor says so.
+#[test]
+fn compiling_compiled_ir_to_another_precision_warns() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ir = tmp.path().join("bf16.ir");
+    ok(&castor(&[
+        "compile",
+        path_str(&fixture("gpt2_lm")),
+        "--precision",
+        "bf16",
+        "--emit",
+        "ir",
+        "-o",
+        path_str(&ir),
+    ]));
+    let o = castor(&["compile", path_str(&ir), "--precision", "fp16"]);
+    ok(&o);
+    assert!(
+        stderr(&o).contains(&format!(
+            "warning: `{}` is already compiled: ",
+            ir.display()
+        )) && stderr(&o).contains(
+            "value(s) are bf16, and compiling to f16 rounds them again; compile the F32 \
+             source IR instead"
+        ),
+        "{}",
+        stderr(&o)
+    );
+    let o = castor(&["compile", path_str(&ir), "--precision", "bf16"]);
+    ok(&o);
+    assert!(!stderr(&o).contains("already compiled"), "{}", stderr(&o));
+}
+
+/// A bare BertModel without --objective is refused, pointing at the classifier flags.
+#[test]
+fn a_bare_encoder_refusal_points_at_the_classifier_flags() {
+    let o = castor(&[
+        "train",
+        path_str(&fixture("bert_base")),
+        "--data",
+        path_str(&corpus()),
+        "--steps",
+        "1",
+        "--device",
+        "cpu",
+    ]);
+    fails(
+        &o,
+        3,
+        "to fine-tune it as a text classifier, give --num-labels N or --labels a,b,c",
+    );
+}
+
+/// The plan line counts the model's parameter buffers under every ZeRO stage (sharded masters
+/// are state reads, not parameters, in a rank's micro step).
+#[test]
+fn the_plan_line_counts_parameters_under_zero() {
+    for zero in ["0", "1", "2", "3"] {
+        let o = castor(&[
+            "train",
+            path_str(&tiny()),
+            "--data",
+            path_str(&corpus()),
+            "--steps",
+            "1",
+            "--precision",
+            "bf16",
+            "--world-size",
+            "2",
+            "--zero",
+            zero,
+            "--device",
+            "cpu",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+        ]);
+        ok(&o);
+        assert!(
+            stdout(&o).contains("training plan: 52 of 52 parameter buffers trained;"),
+            "--zero {zero}: {}",
+            stdout(&o)
+        );
+    }
+}
+
+/// `dir` with its config.json lacking `field`.
+fn without_field(dir: &Path, field: &str, into: &Path) -> PathBuf {
+    let out = into.join(dir.file_name().unwrap());
+    std::fs::create_dir_all(&out).unwrap();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_file() {
+            std::fs::copy(&path, out.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let config = out.join("config.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&config).unwrap()).unwrap();
+    json.as_object_mut().unwrap().remove(field).unwrap();
+    std::fs::write(&config, json.to_string()).unwrap();
+    out
+}
+
+/// A shape-deciding field missing from config.json is named first, with the default
+/// transformers would use; when the weights disagree, one short message names the field
+/// instead of a list of every tensor.
+#[test]
+fn a_missing_config_field_is_named_not_hundreds_of_tensors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let llama = without_field(&fixture("llama_gqa"), "num_hidden_layers", tmp.path());
+    let o = castor(&["inspect", path_str(&llama)]);
+    fails(
+        &o,
+        3,
+        "config.json has no `num_hidden_layers` (LlamaConfig's default 32 was used), as \
+         transformers would default it, and the weights disagree (",
+    );
+    assert!(
+        stderr(&o).contains("set `num_hidden_layers` in config.json"),
+        "{}",
+        stderr(&o)
+    );
+    assert!(stderr(&o).lines().count() <= 2, "{}", stderr(&o));
+    let gpt2 = without_field(&fixture("gpt2_lm"), "n_embd", &tmp.path().join("g"));
+    let o = castor(&["inspect", path_str(&gpt2)]);
+    fails(
+        &o,
+        3,
+        "config.json has no `n_embd` (GPT2Config's default 768 was used), as transformers \
+         would default it, and the weights disagree (0 missing tensor(s), ",
+    );
+    assert!(stderr(&o).lines().count() <= 2, "{}", stderr(&o));
+    // A bare config builds the default's size, and says so.
+    let bare = tmp.path().join("bare.json");
+    let mut json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tiny()).unwrap()).unwrap();
+    json.as_object_mut().unwrap().remove("n_layer").unwrap();
+    std::fs::write(&bare, json.to_string()).unwrap();
+    let o = castor(&["inspect", path_str(&bare)]);
+    ok(&o);
+    assert!(
+        stderr(&o).contains(
+            "warning: config.json has no `n_layer`: GPT2Config's default 12 is used, as \
+             transformers does"
+        ),
+        "{}",
+        stderr(&o)
+    );
+}

@@ -47,6 +47,18 @@ impl Family {
     ];
 
     /// The `model_type` string.
+    /// The transformers config class, whose defaults fill absent fields.
+    pub fn config_class(self) -> &'static str {
+        match self {
+            Family::Gpt2 => "GPT2Config",
+            Family::Bert => "BertConfig",
+            Family::Llama => "LlamaConfig",
+            Family::Qwen2 => "Qwen2Config",
+            Family::Mistral => "MistralConfig",
+            Family::Gemma => "GemmaConfig",
+        }
+    }
+
     pub fn model_type(self) -> &'static str {
         match self {
             Family::Gpt2 => "gpt2",
@@ -272,6 +284,28 @@ pub struct Config {
     pub model: ModelConfig,
     /// The classification fields (`num_labels`, `id2label`, `problem_type`, `pad_token_id`).
     pub labels: crate::classify::Labels,
+    /// Fields that decide tensor shapes which config.json leaves out: their values are the
+    /// transformers config class's defaults, which a checkpoint may well disagree with.
+    pub defaulted: Vec<DefaultedField>,
+}
+
+/// A shape-deciding config field that is absent, and the default used for it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DefaultedField {
+    pub field: String,
+    pub value: usize,
+    /// The transformers config class the default is from (`LlamaConfig`).
+    pub class: &'static str,
+}
+
+impl std::fmt::Display for DefaultedField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "config.json has no `{}`: {}'s default {} is used, as transformers does",
+            self.field, self.class, self.value
+        )
+    }
 }
 
 impl Config {
@@ -392,7 +426,11 @@ impl Config {
                 });
             }
         }
-        let f = Fields { file, obj };
+        let f = Fields {
+            file,
+            obj,
+            defaulted: Default::default(),
+        };
         let supported = Family::ALL.map(|f| f.model_type()).join(", ");
         let model_type = match obj.get("model_type") {
             None | Some(Value::Null) => {
@@ -429,11 +467,23 @@ impl Config {
                 ModelConfig::Llama(llama(&f, family)?)
             }
         };
+        let class = family.config_class();
+        let defaulted = f
+            .defaulted
+            .into_inner()
+            .into_iter()
+            .map(|(field, value)| DefaultedField {
+                field,
+                value,
+                class,
+            })
+            .collect();
         Ok(Config {
             file: file.to_path_buf(),
             architectures,
             model,
             labels: crate::classify::Labels::read(obj, file)?,
+            defaulted,
         })
     }
 }
@@ -613,7 +663,10 @@ fn llama(f: &Fields, family: Family) -> Result<LlamaConfig, ModelError> {
         num_key_value_heads: kv,
         head_dim,
         hidden_act,
-        max_position_embeddings: f.size("max_position_embeddings", def.positions)?,
+        // RoPE has no table: the positions decide no tensor's shape (not recorded).
+        max_position_embeddings: f
+            .opt_size("max_position_embeddings")?
+            .unwrap_or(def.positions),
         rms_norm_eps: f.eps("rms_norm_eps", 1e-6)?,
         rope_theta,
         tie_word_embeddings: f.boolean("tie_word_embeddings", def.tie)?,
@@ -649,7 +702,8 @@ fn sliding_window(
         }),
         Family::Qwen2 => {
             if f.boolean("use_sliding_window", false)? {
-                let size = f.size("sliding_window", 4096)?;
+                // Neither decides a tensor's shape: not recorded as defaulted.
+                let size = f.opt_size("sliding_window")?.unwrap_or(4096);
                 let first_layer = f.size_or_zero("max_window_layers", 28)?.min(layers);
                 (first_layer < layers).then_some(SlidingWindow { size, first_layer })
             } else {
@@ -794,6 +848,8 @@ fn rope(f: &Fields) -> Result<(f64, RopeScaling), ModelError> {
 struct Fields<'a> {
     file: &'a Path,
     obj: &'a Map<String, Value>,
+    /// The sizes and layer counts read as defaults (absent fields), in reading order.
+    defaulted: std::cell::RefCell<Vec<(String, usize)>>,
 }
 
 impl Fields<'_> {
@@ -834,7 +890,19 @@ impl Fields<'_> {
     }
 
     fn size(&self, key: &str, default: usize) -> Result<usize, ModelError> {
-        Ok(self.opt_size(key)?.unwrap_or(default))
+        Ok(match self.opt_size(key)? {
+            Some(n) => n,
+            None => self.defaulted_to(key, default),
+        })
+    }
+
+    /// `default` for the absent field `key`, recorded.
+    fn defaulted_to(&self, key: &str, default: usize) -> usize {
+        let mut seen = self.defaulted.borrow_mut();
+        if !seen.iter().any(|(k, _)| k == key) {
+            seen.push((key.to_string(), default));
+        }
+        default
     }
 
     /// `pad_token_id` as an embedding's `padding_idx`: `default` when the field is absent,
@@ -850,13 +918,13 @@ impl Fields<'_> {
     fn size_or_zero(&self, key: &str, default: usize) -> Result<usize, ModelError> {
         match self.get(key) {
             Some(v) if v.as_u64() == Some(0) => Ok(0),
-            _ => self.size(key, default),
+            _ => Ok(self.opt_size(key)?.unwrap_or(default)),
         }
     }
 
     fn layers(&self, key: &str, default: usize) -> Result<usize, ModelError> {
         let Some(v) = self.get(key) else {
-            return Ok(default);
+            return Ok(self.defaulted_to(key, default));
         };
         let n = v
             .as_u64()

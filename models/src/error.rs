@@ -235,12 +235,63 @@ pub struct MismatchReport {
     /// architecture than the one config.json names, and running without them would compute
     /// something else.
     pub extra_params: Vec<String>,
+    /// Shape-deciding fields config.json leaves out: when any is, the weights disagreeing
+    /// with its default is the likely cause, and the report says that instead of listing
+    /// every tensor it touches.
+    pub defaulted: Vec<crate::config::DefaultedField>,
 }
 
 impl std::error::Error for MismatchReport {}
 
+impl MismatchReport {
+    /// The defaulted fields as the cause, in one short message: `config.json has no
+    /// `num_hidden_layers`, so LlamaConfig's default 32 was used ...`.
+    fn fmt_defaulted(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let fields: Vec<String> = self
+            .defaulted
+            .iter()
+            .map(|d| format!("`{}` ({}'s default {} was used)", d.field, d.class, d.value))
+            .collect();
+        let example = self
+            .missing
+            .first()
+            .map(|p| format!("`{}` is missing", p.name))
+            .or_else(|| {
+                self.shape_mismatches.first().map(|m| {
+                    format!(
+                        "`{}` is {}, not {}",
+                        m.name,
+                        dims(&m.found),
+                        dims(&m.expected)
+                    )
+                })
+            })
+            .unwrap_or_default();
+        write!(
+            f,
+            "checkpoint `{}` does not match {}: config.json has no {}, as transformers \
+             would default it, and the weights disagree ({} missing tensor(s), {} shape \
+             mismatch(es); {example}): set {} in config.json",
+            self.checkpoint.display(),
+            self.architecture,
+            fields.join(" and no "),
+            self.missing.len(),
+            self.shape_mismatches.len(),
+            self.defaulted
+                .iter()
+                .map(|d| format!("`{}`", d.field))
+                .collect::<Vec<_>>()
+                .join(" and ")
+        )
+    }
+}
+
 impl fmt::Display for MismatchReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let shapes = !self.missing.is_empty() || !self.shape_mismatches.is_empty();
+        if shapes && !self.defaulted.is_empty() {
+            return self.fmt_defaulted(f);
+        }
         write!(
             f,
             "checkpoint `{}` does not match {}:",

@@ -300,6 +300,7 @@ impl Model {
             bad_dtypes: Vec::new(),
             unused: Vec::new(),
             extra_params: Vec::new(),
+            defaulted: self.config.defaulted.clone(),
         };
         let mut initialized = Vec::new();
         for p in &self.params {

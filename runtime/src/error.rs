@@ -42,7 +42,14 @@ pub enum RuntimeError {
          overflow F16 at every scale (train in bf16, lower the learning rate, or lower \
          --min-scale)"
     )]
-    LossScaleUnderflow { step: u64, scale: f32, min: f64 },
+    LossScaleUnderflow {
+        step: u64,
+        scale: crate::LossScale,
+        min: crate::LossScale,
+    },
+    /// Every step of a run was skipped for non-finite gradients: nothing was trained.
+    #[error("all {steps} step(s) were skipped, nothing was trained: {why}")]
+    EveryStepSkipped { steps: u64, why: String },
     /// No CUDA device can be used (no driver, no device, no cuBLAS or NVRTC library).
     #[error("{0}")]
     DeviceUnavailable(String),

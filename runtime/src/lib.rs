@@ -16,4 +16,4 @@ pub mod ranks;
 pub mod rendezvous;
 
 pub use error::RuntimeError;
-pub use plan::{DeviceTime, PlanRunner, StepReport};
+pub use plan::{DeviceTime, LossScale, PlanRunner, StepReport};

@@ -31,6 +31,32 @@ pub struct StepReport {
     pub device_time: Option<DeviceTime>,
 }
 
+/// A loss scale as text, exactly: `1073741824`, `0.5`, `2^-30`. An `f32`'s shortest
+/// round-trip decimal (`1073741800`) names the same float but not the number the user set or
+/// the scaler reached, so the scale is printed whole where it is an integer, as its shortest
+/// decimal where that is exact, and as a power of two otherwise.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LossScale(pub f32);
+
+impl std::fmt::Display for LossScale {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (s, v) = (self.0, f64::from(self.0));
+        if v.is_finite() && v.fract() == 0.0 && v.abs() < 2f64.powi(53) {
+            return write!(f, "{}", v as i64);
+        }
+        let shortest = s.to_string();
+        if !v.is_finite() || shortest.parse::<f64>() == Ok(v) {
+            return f.write_str(&shortest);
+        }
+        let bits = s.to_bits();
+        let exponent = ((bits >> 23) & 0xff) as i32;
+        if s > 0.0 && bits & 0x7f_ffff == 0 && exponent > 0 {
+            return write!(f, "2^{}", exponent - 127);
+        }
+        f.write_str(&shortest)
+    }
+}
+
 /// How long a step's runs took on the device itself.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct DeviceTime {
@@ -552,4 +578,25 @@ pub(crate) fn checkpoint_state(
         ty.shape.clone(),
         values.to_vec(),
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LossScale;
+
+    #[test]
+    fn loss_scales_print_exactly() {
+        for (scale, text) in [
+            (1073741824.0f32, "1073741824"),
+            (536870912.0, "536870912"),
+            (65536.0, "65536"),
+            (1.0, "1"),
+            (0.5, "0.5"),
+            (2f32.powi(-30), "2^-30"),
+            (2f32.powi(100), "2^100"),
+            (f32::INFINITY, "inf"),
+        ] {
+            assert_eq!(LossScale(scale).to_string(), text);
+        }
+    }
 }

@@ -278,9 +278,8 @@ pub fn evaluate(args: &Args, input: Option<&SafetensorsFile>) -> anyhow::Result<
             .iter()
             .map(|&i| i as u32)
             .collect();
-        if let Some((_, logits)) = named.iter().find(|(n, _)| n == "logits") {
-            crate::text_eval::print(&model, tok, &ids, logits);
-        }
+        let logits = named.iter().find(|(n, _)| n == "logits").map(|(_, t)| t);
+        crate::text_eval::print(&model, tok, &ids, logits);
     }
     if args.grad {
         let objective = match args.objective.as_str() {

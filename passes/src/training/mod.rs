@@ -220,6 +220,11 @@ pub struct TrainingOutput {
     pub reports: Vec<(&'static str, PassReport)>,
     /// Both graphs' IR text after the pass named by [`TrainingPipeline::dump_after`].
     pub dump: Option<String>,
+    /// The model's parameter buffers, and how many of them are trained. Counted before the
+    /// passes run: ZeRO turns sharded masters into state reads and the update in the backward
+    /// adds writes, so neither the graphs nor the state table count parameters once.
+    pub parameters: usize,
+    pub trained: usize,
 }
 
 impl Default for TrainingPipeline {
@@ -289,7 +294,7 @@ impl TrainingPipeline {
         settings: TrainSettings,
     ) -> Result<(TrainingPlan, PassReport), PassError> {
         let out = self.run(forward, settings)?;
-        let report = PassReport::new(plan_summary(&out.plan, &out.reports));
+        let report = PassReport::new(plan_summary(&out));
         Ok((out.plan, report))
     }
 
@@ -301,6 +306,7 @@ impl TrainingPipeline {
         settings: TrainSettings,
     ) -> Result<TrainingOutput, PassError> {
         let mut build = PlanBuild::new(forward, settings)?;
+        let (parameters, trained) = (build.params.len(), build.trainable.len());
         build.memory = Arc::clone(&self.memory);
         let mut reports = Vec::new();
         let mut dump = None;
@@ -334,6 +340,8 @@ impl TrainingPipeline {
             plan: build.plan,
             reports,
             dump,
+            parameters,
+            trained,
         })
     }
 }
@@ -349,15 +357,9 @@ pub fn build_training_plan(
 
 /// `training plan: 6 of 6 parameter buffers trained; micro step 31 nodes (2 fused into 1
 /// kernel(s)), optimizer step 35 nodes[; remat ...]`.
-fn plan_summary(plan: &TrainingPlan, reports: &[(&'static str, PassReport)]) -> String {
-    let params = plan.micro_step.params().count();
-    // A trained parameter has an F32 master; the micro step's writes are not a count of them
-    // (with the update in the backward they hold the new masters and the optimizer state).
-    let trained = plan
-        .state
-        .iter()
-        .filter(|s| s.role == castor_ir::StateRole::Master)
-        .count();
+fn plan_summary(out: &TrainingOutput) -> String {
+    let (plan, reports) = (&out.plan, &out.reports);
+    let (params, trained) = (out.parameters, out.trained);
     let (fused, kernels) = crate::fusion::fused_counts(&plan.units_of("micro_step"));
     let mut s = format!(
         "training plan: {trained} of {params} parameter buffers trained{}; micro step {} nodes{} ({fused} fused into {} kernel(s)), optimizer step {} nodes",
