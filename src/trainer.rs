@@ -12,7 +12,7 @@ use castor_ir::{Tensor, TrainingPlan};
 use castor_runtime::cuda::nccl::NcclRank;
 use castor_runtime::cuda::profile::KernelProfile;
 use castor_runtime::cuda::{CudaPlanRunner, EmulatedPlanRunner, LoweredPlanRunner, Target};
-use castor_runtime::ranks::{EmulatedRanks, LaunchedCpuRank, RankRunners};
+use castor_runtime::ranks::{LaunchedCpuRank, RankRunner, Ranks};
 use castor_runtime::rendezvous::Rendezvous;
 use castor_runtime::{PlanRunner, RuntimeError, StepReport};
 use std::collections::HashMap;
@@ -94,26 +94,58 @@ impl<T: Target> Lowered for LoweredPlanRunner<T> {
     }
 }
 
-/// A data-parallel plan's ranks on the CPU (`--world-size N`), behind the interface the
-/// lowered runners have: the trainer's host copy is their gathered state.
-struct CpuRanks {
-    ranks: RankRunners,
+/// A data-parallel plan's ranks in this process (`--world-size N` on the CPU or the
+/// emulator), behind the interface the lowered runners have: the trainer's host copy is their
+/// gathered state.
+struct InProcessRanks<R: RankRunner> {
+    ranks: Ranks<R>,
     last: Option<StepReport>,
 }
 
-impl Lowered for CpuRanks {
+/// What differs between the runners of an in-process group, for the trainer.
+trait GroupRunner: RankRunner {
+    /// The group as the device line names it.
+    fn describe(world: usize) -> String;
+    /// A classifier's validation loss and accuracy, where the ranks compute them together.
     fn classification_eval(
-        &mut self,
+        _ranks: &mut Ranks<Self>,
+        _batches: &[HashMap<String, Tensor>],
+    ) -> Option<anyhow::Result<(f64, f64)>> {
+        None
+    }
+}
+
+impl GroupRunner for PlanRunner {
+    fn describe(world: usize) -> String {
+        format!("{world} ranks")
+    }
+    fn classification_eval(
+        ranks: &mut Ranks<Self>,
         batches: &[HashMap<String, Tensor>],
     ) -> Option<anyhow::Result<(f64, f64)>> {
         Some(
-            self.ranks
+            ranks
                 .on_rank_zero_with_all(|runner| {
                     crate::train_loop::classification_eval(runner, batches)
                         .map_err(|e| RuntimeError::Plan(format!("{e:#}")))
                 })
                 .map_err(Into::into),
         )
+    }
+}
+
+impl GroupRunner for EmulatedPlanRunner {
+    fn describe(world: usize) -> String {
+        format!("the host emulator, {world} ranks")
+    }
+}
+
+impl<R: GroupRunner> Lowered for InProcessRanks<R> {
+    fn classification_eval(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Option<anyhow::Result<(f64, f64)>> {
+        R::classification_eval(&mut self.ranks, batches)
     }
     fn queue_step(
         &mut self,
@@ -136,10 +168,10 @@ impl Lowered for CpuRanks {
         self.ranks.restore(entries)
     }
     fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
-        Ok(self.ranks.state_entries())
+        self.ranks.state_entries()
     }
     fn device_name(&self) -> String {
-        format!("{} ranks", self.ranks.world())
+        R::describe(self.ranks.world())
     }
 }
 
@@ -235,42 +267,6 @@ impl Lowered for LaunchedRank {
     }
     fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
         self.runner.take_kernel_profile()
-    }
-}
-
-/// A data-parallel plan's CUDA programs, one per rank, on the emulator (`--world-size N
-/// --device emulate`).
-struct EmulatedGroup {
-    ranks: EmulatedRanks,
-    last: Option<StepReport>,
-}
-
-impl Lowered for EmulatedGroup {
-    fn queue_step(
-        &mut self,
-        micro_batches: &[HashMap<String, Tensor>],
-        lr: f32,
-    ) -> Result<(), RuntimeError> {
-        self.last = Some(self.ranks.step(micro_batches, lr)?);
-        Ok(())
-    }
-    fn report(&mut self) -> Result<StepReport, RuntimeError> {
-        self.last.ok_or_else(no_runner)
-    }
-    fn validation_loss(
-        &mut self,
-        batches: &[HashMap<String, Tensor>],
-    ) -> Result<f64, RuntimeError> {
-        self.ranks.validation_loss(batches)
-    }
-    fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
-        self.ranks.restore(entries)
-    }
-    fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
-        self.ranks.state_entries()
-    }
-    fn device_name(&self) -> String {
-        format!("the host emulator, {} ranks", self.ranks.world())
     }
 }
 
@@ -395,8 +391,8 @@ impl Trainer {
                 Selected::Cpu if ranked => (
                     None,
                     Some((
-                        Box::new(CpuRanks {
-                            ranks: RankRunners::new(plan.clone(), checkpoint)?,
+                        Box::new(InProcessRanks::<PlanRunner> {
+                            ranks: Ranks::new(plan.clone(), checkpoint)?,
                             last: None,
                         }),
                         "cpu",
@@ -413,8 +409,8 @@ impl Trainer {
                 Selected::Emulated if ranked => (
                     None,
                     Some((
-                        Box::new(EmulatedGroup {
-                            ranks: EmulatedRanks::new(plan.clone(), checkpoint)?,
+                        Box::new(InProcessRanks::<EmulatedPlanRunner> {
+                            ranks: Ranks::new(plan.clone(), checkpoint)?,
                             last: None,
                         }),
                         "emulate",

@@ -20,7 +20,7 @@
 //!   saves a whole checkpoint and resumes from it.
 //! - Under dynamic loss scaling every rank skips the same steps and keeps the same scale.
 //! - The per-rank planned state falls with the stage as the ZeRO paper's formulas say, and
-//!   README's 7B example plans what it says.
+//!   docs/commands.md's 7B example plans what it says.
 //! - A launcher's group of processes (one rank each, as torchrun starts them) trains on the
 //!   CPU exactly as one process running the ranks as threads, and rank 0 alone writes.
 
@@ -206,7 +206,7 @@ fn train_ranks(model: &Model, ranks: &mut RankRunners, rows: usize) -> Run {
             ranks.step(&batch, 1e-3).unwrap().loss
         })
         .collect();
-    (losses, ranks.state_entries().into_iter().collect())
+    (losses, ranks.state_entries().unwrap().into_iter().collect())
 }
 
 fn ranks(model: &Model, world: usize, zero: u8) -> Run {
@@ -520,7 +520,7 @@ fn train_runs_cpu_ranks_from_the_command_line() {
     assert_eq!(resumed.len(), 2);
 }
 
-/// README's data-parallel example: LLaMA-2-7B, batch 1 x 4096, full recomputation, 8 H100s
+/// docs/commands.md's data-parallel example: LLaMA-2-7B, batch 1 x 4096, full recomputation, 8 H100s
 /// with ZeRO-2 plan 30.6 GiB a GPU (118.0 GiB on one) and 79 ms of collectives a step.
 #[test]
 fn the_readme_7b_example_plans_what_it_says() {

@@ -1,12 +1,13 @@
-//! A data-parallel plan run by its ranks on the CPU: one thread and one [`PlanRunner`] per
-//! rank, their collectives exchanged through one [`RankGroup`] (castor's stand-in for NCCL,
-//! which checks every sharding mode without GPUs); or, in a process a launcher started, that
-//! process's rank ([`LaunchedCpuRank`]), exchanging with the other processes over TCP.
+//! A data-parallel plan run by its ranks in this process: one thread and one runner per rank
+//! ([`Ranks`], over the CPU executor or the emulated CUDA program: [`RankRunner`]), their
+//! collectives exchanged through one [`RankGroup`] (castor's stand-in for NCCL, which checks
+//! every sharding mode without GPUs); or, in a process a launcher started, that process's
+//! rank ([`LaunchedCpuRank`]), exchanging with the other processes over TCP.
 //!
 //! A step takes `grad_accum x world` micro-batches: rank r gets the r-th run of `grad_accum`.
-//! The state as a whole ([`RankRunners::state_entries`]) is the single-rank layout: each
+//! The state as a whole ([`Ranks::state_entries`]) is the single-rank layout: each
 //! sharded entry gathered from the ranks' shards, so a checkpoint saved from sharded state is
-//! the one a single rank would save, and [`RankRunners::restore`] shards it again.
+//! the one a single rank would save, and [`Ranks::restore`] shards it again.
 
 use crate::cpu::collective::{Member, RankGroup, PEER_FAILED};
 use crate::rendezvous::Rendezvous;
@@ -15,25 +16,66 @@ use castor_ir::{Tensor, TensorType, TrainingPlan};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-pub struct RankRunners {
-    runners: Vec<PlanRunner>,
+/// What one rank of an in-process group runs: the CPU executor's [`PlanRunner`], or the CUDA
+/// program on the host emulator. [`Ranks`] runs either the same way, one thread per rank.
+pub trait RankRunner: Send + Sized {
+    /// Rank `member` of `plan`, its state from `checkpoint` (sharded).
+    fn for_rank(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+        member: Member,
+    ) -> Result<Self, RuntimeError>;
+    fn plan(&self) -> &TrainingPlan;
+    /// One step over this rank's micro-batches.
+    fn rank_step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<StepReport, RuntimeError>;
+    /// The mean loss of `batches`, the state unchanged.
+    fn rank_loss(&mut self, batches: &[HashMap<String, Tensor>]) -> Result<f64, RuntimeError>;
+    /// The group's state in the single-rank layout: sharded entries gathered, rank order.
+    fn gathered(
+        ranks: &mut [Self],
+        members: &[Member],
+    ) -> Result<Vec<(String, Tensor)>, RuntimeError>;
+    /// Replaces state entries given in the single-rank layout: rank `rank` keeps its shards.
+    fn restore_whole(
+        &mut self,
+        entries: Vec<(String, Tensor)>,
+        rank: usize,
+    ) -> Result<(), RuntimeError>;
+}
+
+/// A data-parallel plan's ranks in this process, one thread each, their collectives through
+/// one [`RankGroup`].
+pub struct Ranks<R: RankRunner> {
+    runners: Vec<R>,
     members: Vec<Member>,
 }
 
-impl RankRunners {
+/// The CPU executor's ranks (`--world-size N --device cpu`).
+pub type RankRunners = Ranks<PlanRunner>;
+
+/// A data-parallel plan's ranks as the CUDA programs a GPU group would run, each executed by
+/// the host emulator, their collectives computed as CPU ranks compute them (`--world-size N
+/// --device emulate`): the check of a data-parallel program before a GPU group runs it.
+pub type EmulatedRanks = Ranks<crate::cuda::EmulatedPlanRunner>;
+
+impl<R: RankRunner> Ranks<R> {
     /// Every rank of `plan` (its `settings.parallel.world_size` of them), state initialized
     /// from `checkpoint` and sharded.
     pub fn new(
         plan: TrainingPlan,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
-    ) -> Result<RankRunners, RuntimeError> {
+    ) -> Result<Ranks<R>, RuntimeError> {
         let world = plan.settings.parallel.world_size.max(1);
         let members = RankGroup::members(world);
         let runners = members
             .iter()
-            .map(|m| PlanRunner::for_rank(plan.clone(), checkpoint, m.clone()))
+            .map(|m| R::for_rank(plan.clone(), checkpoint, m.clone()))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(RankRunners { runners, members })
+        Ok(Ranks { runners, members })
     }
 
     pub fn world(&self) -> usize {
@@ -45,14 +87,14 @@ impl RankRunners {
     }
 
     /// Rank `rank`'s runner (its own shards).
-    pub fn rank(&self, rank: usize) -> Option<&PlanRunner> {
+    pub fn rank(&self, rank: usize) -> Option<&R> {
         self.runners.get(rank)
     }
 
     /// Runs `f` on every rank at once (see [`on_every_rank`]).
     fn on_every_rank<T: Send>(
         &mut self,
-        f: impl Fn(usize, &mut PlanRunner) -> Result<T, RuntimeError> + Sync,
+        f: impl Fn(usize, &mut R) -> Result<T, RuntimeError> + Sync,
     ) -> Result<Vec<T>, RuntimeError> {
         on_every_rank(&mut self.runners, &self.members, f)
     }
@@ -61,7 +103,7 @@ impl RankRunners {
     /// rank 0's result.
     pub fn on_rank_zero_with_all<T: Send>(
         &mut self,
-        f: impl Fn(&PlanRunner) -> Result<T, RuntimeError> + Sync,
+        f: impl Fn(&R) -> Result<T, RuntimeError> + Sync,
     ) -> Result<T, RuntimeError> {
         let mut all = self.on_every_rank(|_, runner| f(runner))?;
         if all.is_empty() {
@@ -82,7 +124,7 @@ impl RankRunners {
         let accum = self.plan().settings.grad_accum;
         rank_share(micro_batches, accum, 0, world)?;
         let reports = self.on_every_rank(|rank, runner| {
-            runner.step(rank_share(micro_batches, accum, rank, world)?, lr)
+            runner.rank_step(rank_share(micro_batches, accum, rank, world)?, lr)
         })?;
         let mut report = reports[0];
         report.loss = mean_loss(reports.iter().map(|r| r.loss), world);
@@ -95,40 +137,120 @@ impl RankRunners {
         &mut self,
         batches: &[HashMap<String, Tensor>],
     ) -> Result<f64, RuntimeError> {
-        let losses = self.on_every_rank(|_, runner| runner.micro_step_loss(batches))?;
+        let losses = self.on_every_rank(|_, runner| runner.rank_loss(batches))?;
         Ok(losses[0])
     }
 
     /// The whole state in the single-rank layout: sharded entries gathered, rank order.
-    pub fn state_entries(&self) -> Vec<(String, Tensor)> {
-        let plan = self.plan();
+    pub fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        R::gathered(&mut self.runners, &self.members)
+    }
+
+    /// Replaces state entries given in the single-rank layout (a checkpoint): each rank
+    /// keeps its shard of a sharded entry.
+    pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        self.on_every_rank(|rank, runner| runner.restore_whole(entries.clone(), rank))?;
+        Ok(())
+    }
+}
+
+impl RankRunner for PlanRunner {
+    fn for_rank(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+        member: Member,
+    ) -> Result<Self, RuntimeError> {
+        PlanRunner::for_rank(plan, checkpoint, member)
+    }
+    fn plan(&self) -> &TrainingPlan {
+        PlanRunner::plan(self)
+    }
+    fn rank_step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<StepReport, RuntimeError> {
+        self.step(micro_batches, lr)
+    }
+    fn rank_loss(&mut self, batches: &[HashMap<String, Tensor>]) -> Result<f64, RuntimeError> {
+        self.micro_step_loss(batches)
+    }
+    /// The ranks' state is in this process: each sharded entry joined from their shards.
+    fn gathered(
+        ranks: &mut [Self],
+        _members: &[Member],
+    ) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        let Some(first) = ranks.first() else {
+            return Ok(Vec::new());
+        };
         let mut out = Vec::new();
-        for spec in &plan.state {
-            let Some(first) = self.runners[0].state(&spec.name) else {
+        for spec in &first.plan().state {
+            let Some(mine) = first.state(&spec.name) else {
                 continue;
             };
             let t = match &spec.shard_of {
-                None => first.clone(),
+                None => mine.clone(),
                 Some(whole) => joined(
                     whole,
-                    self.runners
+                    ranks
                         .iter()
                         .map(|r| r.state(&spec.name).and_then(|t| t.as_f32()).unwrap_or(&[])),
                 ),
             };
             out.push((spec.name.clone(), t));
         }
-        out
+        Ok(out)
     }
+    fn restore_whole(
+        &mut self,
+        entries: Vec<(String, Tensor)>,
+        rank: usize,
+    ) -> Result<(), RuntimeError> {
+        let mine = crate::plan::rank_entries(self.plan(), entries, rank)?;
+        self.restore(mine)
+    }
+}
 
-    /// Replaces state entries given in the single-rank layout (a checkpoint): each rank
-    /// keeps its shard of a sharded entry.
-    pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
-        let plan = self.plan().clone();
-        for (rank, runner) in self.runners.iter_mut().enumerate() {
-            runner.restore(crate::plan::rank_entries(&plan, entries.clone(), rank)?)?;
+impl RankRunner for crate::cuda::EmulatedPlanRunner {
+    fn for_rank(
+        plan: TrainingPlan,
+        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
+        member: Member,
+    ) -> Result<Self, RuntimeError> {
+        crate::cuda::EmulatedPlanRunner::emulated_rank(plan, checkpoint, member)
+    }
+    fn plan(&self) -> &TrainingPlan {
+        crate::cuda::EmulatedPlanRunner::plan(self)
+    }
+    fn rank_step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+    ) -> Result<StepReport, RuntimeError> {
+        self.queue_step(micro_batches, lr)?;
+        self.report()
+    }
+    fn rank_loss(&mut self, batches: &[HashMap<String, Tensor>]) -> Result<f64, RuntimeError> {
+        self.validation_loss(batches)
+    }
+    /// Each rank's program gathers its sharded entries with the others' (collectives).
+    fn gathered(
+        ranks: &mut [Self],
+        members: &[Member],
+    ) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        let mut all = on_every_rank(ranks, members, |_, r| r.state_entries())?;
+        if all.is_empty() {
+            return Ok(Vec::new());
         }
-        Ok(())
+        Ok(all.swap_remove(0))
+    }
+    /// The program shards what it is given itself.
+    fn restore_whole(
+        &mut self,
+        entries: Vec<(String, Tensor)>,
+        _rank: usize,
+    ) -> Result<(), RuntimeError> {
+        self.restore(entries)
     }
 }
 
@@ -170,7 +292,7 @@ impl LaunchedCpuRank {
 
     /// One step over the global batch's `grad_accum x world` micro-batches (this rank runs
     /// the r-th run of `grad_accum`); the loss is the mean of the ranks', as
-    /// [`RankRunners::step`] reports it.
+    /// [`Ranks::step`] reports it.
     pub fn step(
         &mut self,
         micro_batches: &[HashMap<String, Tensor>],
@@ -279,81 +401,6 @@ fn on_every_rank<R: Send, T: Send>(
         }
     }
     Ok(out)
-}
-
-/// A data-parallel plan's ranks as the CUDA programs a GPU group would run, each executed by
-/// the host emulator in its own thread, their collectives computed as CPU ranks compute them
-/// (`--world-size N --device emulate`): the check of a data-parallel program before a GPU
-/// group runs it.
-pub struct EmulatedRanks {
-    runners: Vec<crate::cuda::EmulatedPlanRunner>,
-    members: Vec<Member>,
-}
-
-impl EmulatedRanks {
-    /// Every rank of `plan`, state initialized from `checkpoint` and sharded.
-    pub fn new(
-        plan: TrainingPlan,
-        checkpoint: &dyn Fn(&str) -> Option<Tensor>,
-    ) -> Result<EmulatedRanks, RuntimeError> {
-        let world = plan.settings.parallel.world_size.max(1);
-        let members = RankGroup::members(world);
-        let runners = members
-            .iter()
-            .map(|m| {
-                crate::cuda::EmulatedPlanRunner::emulated_rank(plan.clone(), checkpoint, m.clone())
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(EmulatedRanks { runners, members })
-    }
-
-    pub fn world(&self) -> usize {
-        self.runners.len()
-    }
-
-    /// One step over `grad_accum x world` micro-batches (rank r the r-th run); the loss is
-    /// the ranks' mean, as [`RankRunners::step`] reports it.
-    pub fn step(
-        &mut self,
-        micro_batches: &[HashMap<String, Tensor>],
-        lr: f32,
-    ) -> Result<StepReport, RuntimeError> {
-        let world = self.world();
-        let accum = self.runners[0].plan().settings.grad_accum;
-        rank_share(micro_batches, accum, 0, world)?;
-        let reports = on_every_rank(&mut self.runners, &self.members, |rank, r| {
-            r.queue_step(rank_share(micro_batches, accum, rank, world)?, lr)?;
-            r.report()
-        })?;
-        let mut report = reports[0];
-        report.loss = mean_loss(reports.iter().map(|r| r.loss), world);
-        Ok(report)
-    }
-
-    /// The mean loss of `batches`, every rank running them all.
-    pub fn validation_loss(
-        &mut self,
-        batches: &[HashMap<String, Tensor>],
-    ) -> Result<f64, RuntimeError> {
-        let losses = on_every_rank(&mut self.runners, &self.members, |_, r| {
-            r.validation_loss(batches)
-        })?;
-        Ok(losses[0])
-    }
-
-    /// The whole state in the single-rank layout (the ranks gather each sharded entry).
-    pub fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
-        let mut all = on_every_rank(&mut self.runners, &self.members, |_, r| r.state_entries())?;
-        Ok(all.swap_remove(0))
-    }
-
-    /// Replaces state entries given in the single-rank layout: each rank keeps its shards.
-    pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
-        on_every_rank(&mut self.runners, &self.members, |_, r| {
-            r.restore(entries.clone())
-        })?;
-        Ok(())
-    }
 }
 
 /// Rank `rank`'s micro-batches of a step over `grad_accum x world` of them: the r-th run of
