@@ -218,7 +218,7 @@ fn a_model_without_biases_gets_no_bias_epilogues() {
 
 /// GPT-2 124M, B=8, T=1024, bf16 with fused attention and classifier: the epilogues take the
 /// program roofline from 12.9 ms (MFU 51.8%) to 11.0 ms (60.4%) at no higher planned peak
-/// (the README's figures; held here to 0.1 points).
+/// (the figures of docs/commands.md; held here to 0.1 points).
 #[test]
 fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
     let config = root().join("assets/configs/gpt2-124m.json");

@@ -660,7 +660,7 @@ fn flags_of_another_optimizer_are_refused() {
     }
 }
 
-/// The README's recipes: full fine-tuning of LLaMA-2-7B (config only; every parameter
+/// The recipes of docs/commands.md: full fine-tuning of LLaMA-2-7B (config only; every parameter
 /// trained, F32 masters, batch 1 x 4096, bf16, selective recomputation) plans at most 76 GB
 /// with the updates inside the backward pass and Adafactor or 8-bit AdamW, on the CUDA
 /// executor's memory model. (Measured: 59,738,227,712 and 73,414,313,472 bytes.)

@@ -18,7 +18,7 @@ the least wanted):
    castor's defaults against `torch.compile` on LlamaForCausalLM (SDPA), then eager.
 3. LoRA on it, rank 16 on q, k, v, o, gate, up and down: castor against PEFT (a BF16 base,
    F32 adapters, autocast).
-4. One step of the README's LLaMA-2-7B recipe (castor), read from the log of the GPU check's
+4. One step of the LLaMA-2-7B recipe in docs/commands.md (castor), read from the log of the GPU check's
    tests part (--recipe-log) or run here.
 5. The kernel profile of castor's default GPT-2 step: calls, device ms and the program
    roofline's ms per kind of command.
@@ -330,7 +330,7 @@ def castor_row_from_log(cfg, flags, log, plan, on_gpu, stdout="", steady_from=No
                steps_timed=len(steady))
 
 
-# The README's 7B fine-tuning recipe (bench/gpu/check.py's tests part runs it too).
+# The 7B fine-tuning recipe of docs/commands.md (bench/gpu/check.py's tests part runs it too).
 RECIPE_FLAGS = ["--remat", "selective", "--update-in-backward"]
 
 

@@ -234,7 +234,7 @@ def part_tests(steps, out_dir):
                                  run / "resumed" / "model.safetensors"], 30)
     steps.run("kernels_and_steps_no_graphs", [gpu_tests, "--test-threads", "1", "--nocapture"], 180,
               env={"CASTOR_CUDA_GRAPHS": "0"})
-    # The README's 7B recipe: one step on the card, its peak device memory (polled with
+    # The 7B recipe of docs/commands.md: one step on the card, its peak device memory (polled with
     # nvidia-smi) against the planned peak `castor compile` reports.
     recipe = ["assets/configs/llama-2-7b.json", "--precision", "bf16", "--batch", "1", "--seq",
               "4096", "--remat", "selective", "--optimizer", "adafactor", "--update-in-backward"]
