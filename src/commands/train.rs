@@ -226,44 +226,9 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         }
     }
     let executor = Executor::of(&device);
-    if args.profile_kernels.is_some() && !matches!(device, crate::device::Selected::Cuda(_)) {
-        let here = match device {
-            crate::device::Selected::Emulated => "the emulator",
-            _ => "the CPU",
-        };
-        return Err(CliError::DeviceUnavailable(format!(
-            "--profile-kernels times each command on the GPU's clock: it needs --device cuda \
-             (this run is on {here}, which has none)"
-        ))
-        .into());
-    }
-    if args.save_every.is_some() && args.save.is_none() {
-        return Err(CliError::InvalidInput(
-            "--save-every needs --save DIR (step folders go into DIR)".into(),
-        )
-        .into());
-    }
+    check_run_flags(&args, &device)?;
 
-    // Resuming reads the weights from the checkpoint, which is itself a model folder, and
-    // takes the run's flags from it unless they are given.
-    let resume_dir = args.resume.as_deref().map(checkpoint::resolve_resume);
-    let resume = match &resume_dir {
-        Some(dir) => {
-            resume::check_same_model(&args.model, dir)?;
-            let (state, trainer) = checkpoint::load_resume_state(dir)?;
-            let flags = RunFlags {
-                precision: args.precision.clone(),
-                training: args.training.clone(),
-                run: args.run.clone(),
-            };
-            let merged = flags.merged_with(&trainer.flags, given, dir)?;
-            args.precision = merged.precision;
-            args.training = merged.training;
-            args.run = merged.run;
-            Some((state, trainer))
-        }
-        None => None,
-    };
+    let (resume_dir, resume) = resumed(&mut args, given)?;
     if let (Some(l), None) = (&launch, &args.plan) {
         args.training.world_size = l.world_size(args.training.world_size)?;
     }
@@ -302,36 +267,7 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         Some(dir) => Some(crate::adapter::load(dir)?),
         None => None,
     };
-    let lora = match (&adapter, args.training.lora(Some(model.family()))?) {
-        (
-            Some(crate::adapter::Loaded {
-                lora: from_file, ..
-            }),
-            Some(given),
-        ) if (LoraSettings {
-            base: given.base,
-            ..from_file.clone()
-        }) != given =>
-        {
-            return Err(CliError::InvalidInput(format!(
-                "--adapter has r={}, lora_alpha={}, target_modules {:?}; --lora-* flags ask \
-                 for r={}, alpha={}, targets {:?}: leave them out to continue the adapter",
-                from_file.rank,
-                from_file.alpha,
-                from_file.targets,
-                given.rank,
-                given.alpha,
-                given.targets
-            ))
-            .into())
-        }
-        // An adapter file does not say how the base was stored: --base does.
-        (Some(loaded), _) => Some(LoraSettings {
-            base: args.training.base,
-            ..loaded.lora.clone()
-        }),
-        (None, given) => given,
-    };
+    let lora = lora_settings(&args, &model, adapter.as_ref())?;
     if args.plan.is_none() {
         args.training.check_base(lora.as_ref())?;
     }
@@ -339,73 +275,7 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         outln!("resume      {} (step {first_step})", dir.display());
     }
 
-    let data_options = DataOptions {
-        batch: args.run.batch,
-        seq: args.run.seq,
-        val_fraction: args.run.val_fraction,
-        order: args.run.data_order,
-        seed: args.run.seed,
-        validation: args.validation.clone(),
-        plan: None,
-    };
-    let (planned, mut data) = match &args.plan {
-        Some(path) => {
-            let text = std::fs::read_to_string(path).map_err(|e| {
-                CliError::InvalidInput(format!("cannot read plan `{}`: {e}", path.display()))
-            })?;
-            let plan = TrainingPlan::from_json(&text)
-                .map_err(|e| CliError::InvalidInput(format!("`{}`: {e}", path.display())))?;
-            resume::check_plan_flags(&plan.settings, &args, given, path)?;
-            let asked = args.adapter.is_some()
-                || args.training.lora_rank.is_some()
-                || !args.training.base.is_compute();
-            let plan_base = plan.settings.lora.as_ref().map(|l| l.base);
-            let base_differs = plan_base.is_some_and(|b| b != args.training.base)
-                || (plan_base.is_none() && !args.training.base.is_compute());
-            if asked && (lora != plan.settings.lora || base_differs) {
-                let show = |l: &Option<castor_ir::LoraSettings>| match l {
-                    Some(l) => format!(
-                        "r={}, alpha={}, targets {}, base {:?}",
-                        l.rank,
-                        l.alpha,
-                        l.targets.join(","),
-                        l.base
-                    ),
-                    None => "none".into(),
-                };
-                return Err(CliError::InvalidInput(format!(
-                    "--adapter/--lora-* disagree with the plan `{}`: its adapters are {}, the \
-                     flags give {}; leave them out (the plan decides) or compile a new plan",
-                    path.display(),
-                    show(&plan.settings.lora),
-                    show(&lora)
-                ))
-                .into());
-            }
-            let objective = plan_objective(&plan)?;
-            let options = DataOptions {
-                batch: Some(plan.settings.batch),
-                seq: Some(plan.settings.seq),
-                plan: Some(path.clone()),
-                ..data_options
-            };
-            let data = Data::open(&args.data, &model, objective, &options)?;
-            (CompiledPlan::from_file(plan), data)
-        }
-        None => {
-            let objective = args.training.training_objective(&model)?;
-            let data = Data::open(&args.data, &model, objective, &data_options)?;
-            let (batch, seq) = data.shape();
-            let mut settings =
-                args.training
-                    .settings(args.precision.precision, objective, batch, seq)?;
-            settings.lora = lora.clone();
-            (
-                compile_plan(&args.precision, &model, settings, true, executor)?,
-                data,
-            )
-        }
-    };
+    let (planned, mut data) = plan_and_data(&args, given, &model, &lora, executor)?;
     // A plan that trains adapters saves them as a PEFT adapter folder.
     if planned.plan.settings.lora.is_some() {
         files.adapter = Some(crate::adapter::AdapterBase::of(&model, &args.model));
@@ -418,83 +288,9 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
     }
 
     // Will it fit? Checked before the weights are even read.
-    let gpu = fit::gpu_spec(args.gpu.as_deref())?;
-    let target = match &device {
-        crate::device::Selected::Cuda(_) => MemoryTarget::this_gpu(),
-        _ => match &args.gpu {
-            Some(_) => MemoryTarget::of_spec(&gpu, "--gpu"),
-            None => MemoryTarget::host(),
-        },
-    };
-    let verdict = target.map(|target| {
-        let this = &planned.plan;
-        // Laid out again only when the target's executor is another (the CPU, judged
-        // against a GPU's memory).
-        let on_target = if target.executor == executor {
-            anatomy.clone()
-        } else {
-            target.executor.anatomy(this)
-        };
-        if planned.summary.is_none() {
-            // A plan from a file is not recompiled with other settings here.
-            fit::verdict(this, &on_target, target, &gpu, None, &|_| {
-                anyhow::bail!("plans from files are not recompiled")
-            })
-        } else {
-            fit::verdict(
-                this,
-                &on_target,
-                target,
-                &gpu,
-                Some(model.family()),
-                &|settings| {
-                    compile_plan(&args.precision, &model, settings, false, executor).map(|c| c.plan)
-                },
-            )
-        }
-    });
-    if let Some(v) = &verdict {
-        for line in v.lines() {
-            outln!("{line}");
-        }
-    }
+    let (gpu, verdict) = fit_verdict(&args, &device, &model, &planned, &anatomy, executor)?;
 
-    let mut params = if model.checkpoint().is_some() {
-        model.load_params()?
-    } else {
-        errln!("weights: initialized from the config (seed {INIT_SEED:#x})");
-        model.init_params(INIT_SEED)
-    };
-    if planned.plan.settings.lora.is_some() {
-        let adapters: Vec<(String, castor_ir::TensorType)> = planned
-            .plan
-            .state
-            .iter()
-            .filter(|s| s.role == castor_ir::StateRole::Master)
-            // A rank's state table holds shards: the adapters start whole.
-            .map(|s| {
-                (
-                    s.name.clone(),
-                    s.shard_of.clone().unwrap_or_else(|| s.ty.clone()),
-                )
-            })
-            .collect();
-        params.extend(crate::adapter::initial(
-            &adapters,
-            adapter.as_ref().map(|a| &a.tensors),
-            args.adapter.as_deref(),
-            args.run.seed ^ INIT_SEED,
-        )?);
-    }
-    // As eval does: a checkpoint holding NaN or Inf trains nothing, every step is skipped.
-    let found = model.check_finite(&params, false)?;
-    let non_finite = match found.is_empty() {
-        true => String::new(),
-        false => castor_models::finite::describe_non_finite(&found),
-    };
-    if !non_finite.is_empty() {
-        errln!("warning: NaN or Inf in {non_finite} (every step they reach will be skipped)");
-    }
+    let (params, non_finite) = initial_weights(&args, &model, &planned.plan, adapter.as_ref())?;
     if let Some(line) = nf4_error(&planned.plan, &params) {
         outln!("{line}");
     }
@@ -732,6 +528,278 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         saved: args.save.clone(),
         losses: out.history.train.clone(),
     })
+}
+
+/// The flags that need another flag or device, checked before any work.
+fn check_run_flags(args: &Args, device: &crate::device::Selected) -> anyhow::Result<()> {
+    if args.profile_kernels.is_some() && !matches!(device, crate::device::Selected::Cuda(_)) {
+        let here = match device {
+            crate::device::Selected::Emulated => "the emulator",
+            _ => "the CPU",
+        };
+        return Err(CliError::DeviceUnavailable(format!(
+            "--profile-kernels times each command on the GPU's clock: it needs --device cuda \
+             (this run is on {here}, which has none)"
+        ))
+        .into());
+    }
+    if args.save_every.is_some() && args.save.is_none() {
+        return Err(CliError::InvalidInput(
+            "--save-every needs --save DIR (step folders go into DIR)".into(),
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// The checkpoint `--resume` continues (its newest step folder) and its state; the run's
+/// flags are taken from it unless given. Resuming reads the weights from the checkpoint,
+/// which is itself a model folder.
+#[allow(clippy::type_complexity)]
+fn resumed(
+    args: &mut Args,
+    given: &Given,
+) -> anyhow::Result<(
+    Option<PathBuf>,
+    Option<(Vec<(String, castor_ir::Tensor)>, checkpoint::TrainerState)>,
+)> {
+    let resume_dir = args.resume.as_deref().map(checkpoint::resolve_resume);
+    let resume = match &resume_dir {
+        Some(dir) => {
+            resume::check_same_model(&args.model, dir)?;
+            let (state, trainer) = checkpoint::load_resume_state(dir)?;
+            let flags = RunFlags {
+                precision: args.precision.clone(),
+                training: args.training.clone(),
+                run: args.run.clone(),
+            };
+            let merged = flags.merged_with(&trainer.flags, given, dir)?;
+            args.precision = merged.precision;
+            args.training = merged.training;
+            args.run = merged.run;
+            Some((state, trainer))
+        }
+        None => None,
+    };
+    Ok((resume_dir, resume))
+}
+
+/// The adapters this run trains: an adapter folder to continue (`--adapter`, its settings
+/// with `--base`), or those the `--lora-*` flags ask for; flags that disagree with the folder
+/// are an error.
+fn lora_settings(
+    args: &Args,
+    model: &Model,
+    adapter: Option<&crate::adapter::Loaded>,
+) -> anyhow::Result<Option<LoraSettings>> {
+    Ok(match (adapter, args.training.lora(Some(model.family()))?) {
+        (
+            Some(crate::adapter::Loaded {
+                lora: from_file, ..
+            }),
+            Some(given),
+        ) if (LoraSettings {
+            base: given.base,
+            ..from_file.clone()
+        }) != given =>
+        {
+            return Err(CliError::InvalidInput(format!(
+                "--adapter has r={}, lora_alpha={}, target_modules {:?}; --lora-* flags ask \
+                 for r={}, alpha={}, targets {:?}: leave them out to continue the adapter",
+                from_file.rank,
+                from_file.alpha,
+                from_file.targets,
+                given.rank,
+                given.alpha,
+                given.targets
+            ))
+            .into())
+        }
+        // An adapter file does not say how the base was stored: --base does.
+        (Some(loaded), _) => Some(LoraSettings {
+            base: args.training.base,
+            ..loaded.lora.clone()
+        }),
+        (None, given) => given,
+    })
+}
+
+/// The plan (read from `--plan`, checked against the flags, or compiled for the data's shape)
+/// and the data, opened for the plan's shape.
+fn plan_and_data(
+    args: &Args,
+    given: &Given,
+    model: &Model,
+    lora: &Option<LoraSettings>,
+    executor: Executor,
+) -> anyhow::Result<(CompiledPlan, Data)> {
+    let data_options = DataOptions {
+        batch: args.run.batch,
+        seq: args.run.seq,
+        val_fraction: args.run.val_fraction,
+        order: args.run.data_order,
+        seed: args.run.seed,
+        validation: args.validation.clone(),
+        plan: None,
+    };
+    Ok(match &args.plan {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                CliError::InvalidInput(format!("cannot read plan `{}`: {e}", path.display()))
+            })?;
+            let plan = TrainingPlan::from_json(&text)
+                .map_err(|e| CliError::InvalidInput(format!("`{}`: {e}", path.display())))?;
+            resume::check_plan_flags(&plan.settings, args, given, path)?;
+            let asked = args.adapter.is_some()
+                || args.training.lora_rank.is_some()
+                || !args.training.base.is_compute();
+            let plan_base = plan.settings.lora.as_ref().map(|l| l.base);
+            let base_differs = plan_base.is_some_and(|b| b != args.training.base)
+                || (plan_base.is_none() && !args.training.base.is_compute());
+            if asked && (*lora != plan.settings.lora || base_differs) {
+                let show = |l: &Option<castor_ir::LoraSettings>| match l {
+                    Some(l) => format!(
+                        "r={}, alpha={}, targets {}, base {:?}",
+                        l.rank,
+                        l.alpha,
+                        l.targets.join(","),
+                        l.base
+                    ),
+                    None => "none".into(),
+                };
+                return Err(CliError::InvalidInput(format!(
+                    "--adapter/--lora-* disagree with the plan `{}`: its adapters are {}, the \
+                     flags give {}; leave them out (the plan decides) or compile a new plan",
+                    path.display(),
+                    show(&plan.settings.lora),
+                    show(lora)
+                ))
+                .into());
+            }
+            let objective = plan_objective(&plan)?;
+            let options = DataOptions {
+                batch: Some(plan.settings.batch),
+                seq: Some(plan.settings.seq),
+                plan: Some(path.clone()),
+                ..data_options
+            };
+            let data = Data::open(&args.data, model, objective, &options)?;
+            (CompiledPlan::from_file(plan), data)
+        }
+        None => {
+            let objective = args.training.training_objective(model)?;
+            let data = Data::open(&args.data, model, objective, &data_options)?;
+            let (batch, seq) = data.shape();
+            let mut settings =
+                args.training
+                    .settings(args.precision.precision, objective, batch, seq)?;
+            settings.lora = lora.clone();
+            (
+                compile_plan(&args.precision, model, settings, true, executor)?,
+                data,
+            )
+        }
+    })
+}
+
+/// The fit verdict (the planned peak against the device's memory, and the changes that would
+/// fit), printed; the cost model's GPU with it.
+fn fit_verdict(
+    args: &Args,
+    device: &crate::device::Selected,
+    model: &Model,
+    planned: &CompiledPlan,
+    anatomy: &castor_passes::memory::Anatomy,
+    executor: Executor,
+) -> anyhow::Result<(castor_passes::cost::GpuSpec, Option<fit::Verdict>)> {
+    let gpu = fit::gpu_spec(args.gpu.as_deref())?;
+    let target = match device {
+        crate::device::Selected::Cuda(_) => MemoryTarget::this_gpu(),
+        _ => match &args.gpu {
+            Some(_) => MemoryTarget::of_spec(&gpu, "--gpu"),
+            None => MemoryTarget::host(),
+        },
+    };
+    let verdict = target.map(|target| {
+        let this = &planned.plan;
+        // Laid out again only when the target's executor is another (the CPU, judged
+        // against a GPU's memory).
+        let on_target = if target.executor == executor {
+            anatomy.clone()
+        } else {
+            target.executor.anatomy(this)
+        };
+        if planned.summary.is_none() {
+            // A plan from a file is not recompiled with other settings here.
+            fit::verdict(this, &on_target, target, &gpu, None, &|_| {
+                anyhow::bail!("plans from files are not recompiled")
+            })
+        } else {
+            fit::verdict(
+                this,
+                &on_target,
+                target,
+                &gpu,
+                Some(model.family()),
+                &|settings| {
+                    compile_plan(&args.precision, model, settings, false, executor).map(|c| c.plan)
+                },
+            )
+        }
+    });
+    if let Some(v) = &verdict {
+        for line in v.lines() {
+            outln!("{line}");
+        }
+    }
+    Ok((gpu, verdict))
+}
+
+/// The weights the run starts from (the checkpoint's, or initialized from the config; the
+/// adapters from `--adapter` or initialized), and the NaN/Inf they hold, said as `eval` says
+/// it.
+fn initial_weights(
+    args: &Args,
+    model: &Model,
+    plan: &TrainingPlan,
+    adapter: Option<&crate::adapter::Loaded>,
+) -> anyhow::Result<(std::collections::HashMap<String, castor_ir::Tensor>, String)> {
+    let mut params = if model.checkpoint().is_some() {
+        model.load_params()?
+    } else {
+        errln!("weights: initialized from the config (seed {INIT_SEED:#x})");
+        model.init_params(INIT_SEED)
+    };
+    if plan.settings.lora.is_some() {
+        let adapters: Vec<(String, castor_ir::TensorType)> = plan
+            .state
+            .iter()
+            .filter(|s| s.role == castor_ir::StateRole::Master)
+            // A rank's state table holds shards: the adapters start whole.
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    s.shard_of.clone().unwrap_or_else(|| s.ty.clone()),
+                )
+            })
+            .collect();
+        params.extend(crate::adapter::initial(
+            &adapters,
+            adapter.map(|a| &a.tensors),
+            args.adapter.as_deref(),
+            args.run.seed ^ INIT_SEED,
+        )?);
+    }
+    // As eval does: a checkpoint holding NaN or Inf trains nothing, every step is skipped.
+    let found = model.check_finite(&params, false)?;
+    let non_finite = match found.is_empty() {
+        true => String::new(),
+        false => castor_models::finite::describe_non_finite(&found),
+    };
+    if !non_finite.is_empty() {
+        errln!("warning: NaN or Inf in {non_finite} (every step they reach will be skipped)");
+    }
+    Ok((params, non_finite))
 }
 
 /// Why a run whose every step was skipped trained nothing, unless dynamic loss scaling is
