@@ -61,29 +61,20 @@ impl RunLowering<'_, '_> {
                     self.layout_result(o, ins[0])?;
                 }
             }
+            // A scaled product is a product whose gemm scales in its accumulator (alpha).
             Op::MatMul {
                 transpose_a,
                 transpose_b,
-            } => {
-                let (a, b) = (self.at(ins[0])?, self.at(ins[1])?);
-                let c = self.out(y)?;
-                let gm = gemm::matmul(
-                    g.name(y),
-                    (a, &g.ty(ins[0]).shape, dt(ins[0])),
-                    (b, &g.ty(ins[1]).shape, dt(ins[1])),
-                    (c, dt(y)),
-                    *transpose_a,
-                    *transpose_b,
-                    node.acc == Some(Accum::Tf32),
-                )
-                .map_err(|m| self.err(y, m))?;
-                self.commands.extend(gm.into_iter().map(Command::Gemm));
             }
-            Op::MatMulScaled {
+            | Op::MatMulScaled {
                 transpose_a,
                 transpose_b,
-                alpha,
+                ..
             } => {
+                let alpha = match node.op {
+                    Op::MatMulScaled { alpha, .. } => alpha as f32,
+                    _ => 1.0,
+                };
                 let (a, b) = (self.at(ins[0])?, self.at(ins[1])?);
                 let c = self.out(y)?;
                 let gm = gemm::matmul(
@@ -96,7 +87,6 @@ impl RunLowering<'_, '_> {
                     node.acc == Some(Accum::Tf32),
                 )
                 .map_err(|m| self.err(y, m))?;
-                let alpha = *alpha as f32;
                 self.commands
                     .extend(gm.into_iter().map(|g| Command::Gemm(Gemm { alpha, ..g })));
             }
