@@ -517,6 +517,11 @@ def sdpa_backend(step, dev):
 # --- the run --------------------------------------------------------------------------------
 
 
+# The benchmark's groups of rows, in the order they run (`--only` picks some: a second GPU
+# run completes a record that a time budget cut short; `bench/record.py merge` joins them).
+GROUPS = ["gpt2", "llama", "lora", "recipe", "profile", "eager", "llama-attention"]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -535,7 +540,15 @@ def main():
                     help="seconds for the whole benchmark: rows not started by then say so")
     ap.add_argument("--require-castor", action="store_true",
                     help="exit non-zero when any castor row did not run")
+    ap.add_argument("--only", default=None,
+                    help="run only these groups, comma-separated (default: all, in order): "
+                         + ", ".join(GROUPS))
     args = ap.parse_args()
+    unknown = set((args.only or "").split(",")) - set(GROUPS) - {""}
+    if unknown:
+        sys.exit(f"--only: unknown group(s) {', '.join(sorted(unknown))}; the groups are "
+                 + ", ".join(GROUPS))
+    wanted = lambda group: args.only is None or group in args.only.split(",")
     args.out = args.out.resolve()
     args.castor = args.castor.resolve()
     args.castor_device = args.castor_device or ("cpu" if args.dry_run else "cuda")
@@ -562,19 +575,26 @@ def main():
             bench.add(castor_train(bench, cfg, flags, tag))
 
     # GPT-2 with castor's fused attentions next: the attention's own measurement.
-    pair(gpt2, [["--attention", "auto"], ["--attention", "fused"]], ["torch.compile"])
-    pair(llama, [], ["torch.compile"])
-    pair(lora, [], ["peft"])
-    bench.add(recipe_row(bench))
-    bench.record["profile"] = castor_profile(bench, gpt2)
+    if wanted("gpt2"):
+        pair(gpt2, [["--attention", "auto"], ["--attention", "fused"]], ["torch.compile"])
+    if wanted("llama"):
+        pair(llama, [], ["torch.compile"])
+    if wanted("lora"):
+        pair(lora, [], ["peft"])
+    if wanted("recipe"):
+        bench.add(recipe_row(bench))
+    if wanted("profile"):
+        bench.record["profile"] = castor_profile(bench, gpt2)
     bench.save()
     # What is worth knowing but not the targets: PyTorch eager, and castor's fused-attention
-    # backends beside its default attention.
-    for cfg in (gpt2, llama):
-        r, _ = torch_row(bench, cfg, "torch eager", Plan(bench, cfg, []), timer)
-        bench.add(r)
-    for flags in (["--attention", "auto"], ["--attention", "fused"]):
-        bench.add(castor_train(bench, llama, flags, f"llama-{'-'.join(flags).strip('-')}"))
+    # backends on LLaMA.
+    if wanted("eager"):
+        for cfg in (gpt2, llama):
+            r, _ = torch_row(bench, cfg, "torch eager", Plan(bench, cfg, []), timer)
+            bench.add(r)
+    if wanted("llama-attention"):
+        for flags in (["--attention", "auto"], ["--attention", "fused"]):
+            bench.add(castor_train(bench, llama, flags, f"llama-{'-'.join(flags).strip('-')}"))
     bench.save()
     problems = record_format.validate(bench.record)
     table = record_format.render_record(bench.path, bench.record, root=bench.out)

@@ -216,6 +216,8 @@ def part_tests(steps, out_dir):
     not run."""
     castor = PACK / "castor"
     gpu_tests = PACK / "cuda_gpu"
+    # castor creates an output folder, never its parents: the demo writes under out_dir.
+    out_dir.mkdir(parents=True, exist_ok=True)
     steps.run("device_layer", [PACK / "runtime_tests", "--test-threads", "1", "cuda::device"], 90)
     steps.run("kernels_and_steps", [gpu_tests, "--test-threads", "1", "--nocapture"], 180)
     steps.run("demo", [castor, "demo", "--device", "cuda", "--out", out_dir / "demo"], 90)
