@@ -6,6 +6,7 @@ newest record so that no number in it is typed by hand.
     python3 bench/record.py render            # rewrite BENCHMARKS.md's generated section
     python3 bench/record.py check             # fail when that section is not what render writes
     python3 bench/record.py validate FILE...  # check records against the format
+    python3 bench/record.py merge BASE MORE OUT  # complete BASE's unmeasured rows with MORE's
 
 A record is {"date", "device", "castor_commit", "versions": {"torch", "cuda", "cublas",
 "cudnn"}, "torch_compile_sdpa", "dry_run", "rows": [...], "profile": {...}}; each row has
@@ -154,6 +155,11 @@ def render_record(path, record, root=ROOT):
         f"{record['torch_compile_sdpa']}."
         + (" A dry run (tiny shapes, castor on the CPU): the harness, not a measurement." if
            record["dry_run"] else ""),
+    ]
+    if record.get("completed_by"):
+        lines[-1] += (f" {len(record['completed_by']['rows'])} rows were measured by a second run "
+                      "on the same card and castor, after the first run's time budget ran out.")
+    lines += [
         "",
         "| model | shape | precision | optimizer | system | flags | ms/step | tokens/s | MFU "
         "| vs torch.compile or PEFT | x roofline |",
@@ -200,6 +206,41 @@ def render():
     return f"{BEGIN}\n{body}\n{END}"
 
 
+def row_key(row):
+    return tuple(row[k] for k in ("model", "shape", "precision", "optimizer", "system", "flags"))
+
+
+def merge(base, more):
+    """`base` completed by `more`, a second run on the same card with the same castor (a run
+    whose time budget ran out, finished by `bench/gpu/bench.py --only`): each row of `base`
+    without numbers takes `more`'s measured row of the same configuration, `more`'s other new
+    rows are appended, and `more`'s profile replaces a missing one. The merged record names
+    the second run in `completed_by`. Refuses records of another card or castor commit."""
+    for field in ("device", "castor_commit"):
+        if base[field] != more[field]:
+            raise ValueError(f"the records differ in `{field}`: {base[field]!r} and "
+                             f"{more[field]!r}; only runs of one card and one castor merge")
+    measured = {row_key(r): r for r in more["rows"] if r.get("tokens_per_s") is not None}
+    rows, used = [], set()
+    for r in base["rows"]:
+        key = row_key(r)
+        if r.get("tokens_per_s") is None and key in measured:
+            rows.append(measured[key])
+            used.add(key)
+        else:
+            rows.append(r)
+    known = {row_key(r) for r in base["rows"]}
+    rows += [r for k, r in measured.items() if k not in known and k not in used]
+    merged = {**base, "rows": rows}
+    if not (base.get("profile") or {}).get("kinds") and (more.get("profile") or {}).get("kinds"):
+        merged["profile"] = more["profile"]
+    merged["completed_by"] = {
+        "date": more["date"], "conditions": more.get("conditions"),
+        "rows": [" ".join(filter(None, k)) for k in measured if k in used or k not in known],
+    }
+    return merged
+
+
 def section(text):
     """The generated section of BENCHMARKS.md's text, or None."""
     if BEGIN not in text or END not in text:
@@ -209,9 +250,26 @@ def section(text):
 
 
 def main(argv):
-    if not argv or argv[0] not in ("render", "check", "validate"):
+    if not argv or argv[0] not in ("render", "check", "validate", "merge"):
         print(__doc__, file=sys.stderr)
         return 2
+    if argv[0] == "merge":
+        if len(argv) != 4:
+            print("merge takes BASE MORE OUT", file=sys.stderr)
+            return 2
+        base, more = (json.loads(Path(f).read_text()) for f in argv[1:3])
+        try:
+            merged = merge(base, more)
+        except ValueError as e:
+            print(f"merge: {e}", file=sys.stderr)
+            return 1
+        problems = validate(merged)
+        if problems:
+            print("merge: the merged record does not follow the format: " + "; ".join(problems),
+                  file=sys.stderr)
+            return 1
+        Path(argv[3]).write_text(json.dumps(merged, indent=1) + "\n")
+        return 0
     if argv[0] == "validate":
         bad = 0
         for f in argv[1:] or [str(p) for p, _ in records()]:

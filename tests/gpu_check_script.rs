@@ -216,3 +216,100 @@ fn a_record_renders_its_rows_and_judges_the_targets() {
     // The variant's roofline is in its row, not among the targets (they hold the defaults).
     assert!(!text.contains("--attention auto: measured step"), "{text}");
 }
+
+#[test]
+fn a_second_run_completes_the_rows_a_first_run_could_not_measure() {
+    let row = |system: &str, tokens: Option<f64>| {
+        serde_json::json!({
+            "model": "GPT-2 124M", "shape": "B8xT1024", "precision": "bf16", "optimizer": "adamw",
+            "system": system, "flags": "", "ms_per_step": tokens.map(|t| 8192e3 / t),
+            "tokens_per_s": tokens, "mfu": tokens.map(|_| 0.3),
+            "note": if tokens.is_none() { Some("not run: the benchmark's time budget ran out") } else { None },
+        })
+    };
+    let record = |commit: &str, rows: Vec<serde_json::Value>| {
+        serde_json::json!({
+            "date": "2026-12-01", "device": "NVIDIA H100 80GB HBM3", "castor_commit": commit,
+            "versions": {"torch": "2.11", "cuda": "13.0", "cublas": "13.0.0", "cudnn": "91000"},
+            "torch_compile_sdpa": "cuDNN attention", "dry_run": false, "rows": rows,
+            "profile": {"note": "not run", "kinds": []},
+        })
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, r: serde_json::Value| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, r.to_string()).unwrap();
+        p
+    };
+    let first = write(
+        "first.json",
+        record(
+            "abc",
+            vec![row("castor", Some(300_000.0)), row("torch.compile", None)],
+        ),
+    );
+    let second = write(
+        "second.json",
+        record(
+            "abc",
+            vec![
+                row("torch.compile", Some(250_000.0)),
+                row("torch eager", Some(100_000.0)),
+            ],
+        ),
+    );
+    let other = write(
+        "other.json",
+        record("def", vec![row("torch eager", Some(1.0))]),
+    );
+    let merged = dir.path().join("merged.json");
+    let script = root().join("bench/record.py");
+    let o = python(&[
+        script.as_os_str(),
+        "merge".as_ref(),
+        first.as_os_str(),
+        second.as_os_str(),
+        merged.as_os_str(),
+    ]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&merged).unwrap()).unwrap();
+    let rows: Vec<(String, f64)> = m["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["system"].as_str().unwrap().to_string(),
+                r["tokens_per_s"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            ("castor".to_string(), 300_000.0),
+            ("torch.compile".to_string(), 250_000.0),
+            ("torch eager".to_string(), 100_000.0)
+        ]
+    );
+    assert_eq!(
+        m["completed_by"]["rows"].as_array().unwrap().len(),
+        2,
+        "{m}"
+    );
+    // Runs of another castor build are not one record.
+    let o = python(&[
+        script.as_os_str(),
+        "merge".as_ref(),
+        first.as_os_str(),
+        other.as_os_str(),
+        merged.as_os_str(),
+    ]);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("the records differ in `castor_commit`"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
