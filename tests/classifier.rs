@@ -90,7 +90,7 @@ fn gpt2_124m(flags: &[&str]) -> (u64, String) {
 #[test]
 fn the_fused_classifier_bounds_the_heads_memory() {
     // Eager attention and head: the plan the fused kernels are measured against.
-    let (eager, eager_line) = gpt2_124m(&["--classifier", "eager"]);
+    let (eager, eager_line) = gpt2_124m(&["--attention", "eager", "--classifier", "eager"]);
     let (attention_only, _) = gpt2_124m(&["--attention", "fused", "--classifier", "eager"]);
     let (fused, line) = gpt2_124m(&["--attention", "fused", "--classifier", "fused"]);
     println!(

@@ -198,6 +198,8 @@ fn compile_works_from_a_bare_config_with_overrides_and_explanations() {
         "bf16",
         "--keep-f32",
         "logits",
+        "--attention",
+        "eager",
         "--explain",
         "layers.0.self_attn.probs",
         "--verify",

@@ -155,19 +155,31 @@ impl KernelProfile {
     }
 
     /// The roofline's milliseconds for each command, in issue order: the launch gap of every
-    /// command, plus its kernel unit's time at the unit's first command (a unit's commands
-    /// share one node name; the unit is counted once).
+    /// command, plus its share of its kernel unit's time. A unit lowered to several commands
+    /// (a fused attention's backward and its `delta` kernel, a norm's backward and its weight
+    /// gradient, a chunked classifier's products and row kernels) shares one node name; its
+    /// time is split among them in proportion to their measured times, so that each of them
+    /// stands at the unit's own ratio rather than one command holding the unit's whole time.
     pub fn roofline_ms(&self, unit_seconds: &HashMap<String, f64>) -> Vec<f64> {
-        let mut seen = std::collections::HashSet::new();
+        let key = |c: &CommandTime| (c.run.clone(), c.node.clone());
+        let mut measured: HashMap<(String, String), (f64, usize)> = HashMap::new();
+        for c in &self.commands {
+            let m = measured.entry(key(c)).or_default();
+            m.0 += f64::from(c.ms);
+            m.1 += 1;
+        }
         self.commands
             .iter()
             .map(|c| {
-                let unit = if seen.insert((c.run.as_str(), c.node.as_str())) {
-                    unit_seconds.get(&c.node).copied().unwrap_or(0.0)
+                let unit = unit_seconds.get(&c.node).copied().unwrap_or(0.0);
+                let (total, count) = measured[&key(c)];
+                // Commands too short to time share the unit evenly.
+                let share = if total > 0.0 {
+                    f64::from(c.ms) / total
                 } else {
-                    0.0
+                    1.0 / count as f64
                 };
-                1e3 * (unit + super::roofline::LAUNCH_SECONDS)
+                1e3 * (unit * share + super::roofline::LAUNCH_SECONDS)
             })
             .collect()
     }
@@ -376,8 +388,8 @@ mod tests {
         assert!(lines[4].starts_with("total") && lines[4].contains("4.000"));
     }
 
-    /// Against a roofline: each kind gets its units' times once per unit (at its first
-    /// command) plus a microsecond a command, and the measured time over that.
+    /// Against a roofline: each kind gets its units' times once per unit plus a microsecond a
+    /// command, and the measured time over that.
     #[test]
     fn kinds_are_set_beside_their_roofline() {
         let p = profile();
@@ -404,6 +416,27 @@ mod tests {
         assert!(p.by_kind().iter().all(|k| k.roofline_ms.is_none()));
     }
 
+    /// A unit lowered to two commands (a fused attention's backward and its `delta` kernel)
+    /// splits its roofline time by their measured times: both stand at the unit's ratio.
+    #[test]
+    fn a_units_commands_share_its_roofline_by_measured_time() {
+        let p = KernelProfile {
+            commands: vec![
+                CommandTime::of(
+                    "micro_step",
+                    0,
+                    &launch("attention_bwd_delta", "attn.grad"),
+                    1.0,
+                ),
+                CommandTime::of("micro_step", 1, &launch("attention_bwd", "attn.grad"), 3.0),
+            ],
+        };
+        let units = HashMap::from([("attn.grad".to_string(), 2e-3)]);
+        let ms = p.roofline_ms(&units);
+        assert!((ms[0] - (0.5 + 1e-3)).abs() < 1e-12, "{ms:?}");
+        assert!((ms[1] - (1.5 + 1e-3)).abs() < 1e-12, "{ms:?}");
+    }
+
     #[test]
     fn the_csv_has_every_command_and_quotes_what_needs_it() {
         let mut p = profile();
@@ -421,11 +454,13 @@ mod tests {
             "micro_step,1,cublas bf16xbf16->bf16,h.0.mlp.fc,3072 x 8192 x 768,2,"
         );
         assert_eq!(lines[5], "micro_step,4,copy,,1024 bytes,0.25,");
-        // With the roofline, each command's share of it: its unit once, plus its launch.
+        // With the roofline, each command's share of it: the two products of the unit
+        // `h.0.mlp.fc` (2 ms and 1 ms measured) split its 2 ms as 2:1, plus a launch each.
         let units = HashMap::from([("h.0.mlp.fc".to_string(), 2e-3)]);
         let csv = p.to_csv(Some(&units));
         let lines: Vec<&str> = csv.lines().collect();
-        assert!(lines[2].ends_with(",2,2.001000"), "{}", lines[2]);
+        assert!(lines[2].ends_with(",2,1.334333"), "{}", lines[2]);
+        assert!(lines[4].ends_with(",1,0.667667"), "{}", lines[4]);
         assert!(lines[5].ends_with(",0.25,0.001000"), "{}", lines[5]);
     }
 }
