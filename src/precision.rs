@@ -30,14 +30,16 @@ pub struct PrecisionArgs {
     /// that matches nothing is an error.
     #[arg(long = "force-low", value_name = "GLOB")]
     pub force_low: Vec<String>,
-    /// How the attention core is built: `eager` (q k^T, scale, masked softmax, p v: a
-    /// [.., T, S] score tensor per layer) or fused, one FlashAttention-2 op (no [.., T, S]
-    /// tensor; the backward recomputes the probabilities), as transformers'
-    /// attn_implementation chooses. Fused, on CUDA: `fused` runs castor's kernels, `cudnn`
-    /// cuDNN's fused attention (an error where cuDNN is missing or cannot express the op),
-    /// `auto` cuDNN where it loads and expresses the op, else castor's kernels. The CPU
-    /// executor computes the same op for all three.
-    #[arg(long, value_enum, default_value_t = Attention::Eager, help_heading = "Model")]
+    /// How the attention core is built: fused, one FlashAttention-2 op (no [.., T, S]
+    /// tensor; the backward recomputes the probabilities), or `eager` (q k^T, scale, masked
+    /// softmax, p v: a [.., T, S] score tensor per layer), as transformers'
+    /// attn_implementation chooses. Fused, on CUDA: `auto` (the default) runs cuDNN's fused
+    /// attention where it loads and expresses the op, else castor's kernels; `fused` castor's
+    /// kernels; `cudnn` cuDNN's (an error where cuDNN is missing or cannot express the op).
+    /// The CPU executor computes the same op for all three.
+    #[arg(long, value_enum, default_value_t = Attention::Auto, help_heading = "Model")]
+    // Flags saved before `auto` was the default ran eager: absent means eager (its serde
+    // default).
     #[serde(default)]
     pub attention: Attention,
     /// The residual stream's dtype: `f32` (autocast's choice: the adds between blocks stay

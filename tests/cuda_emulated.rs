@@ -33,7 +33,7 @@ use castor_runtime::cuda::EmulatedPlanRunner;
 use castor_runtime::{PlanRunner, StepReport};
 use common::cuda_cases::{
     as_f32, batch, case_graph, compare_state, exact_zero_slices, inputs, load_params, plan,
-    plan_matrix, Bounds, CASES,
+    plan_matrix, Bounds, CASES, EAGER,
 };
 use common::{castor, fixture, path_str, stderr, NEW_DECODERS};
 use std::collections::HashMap;
@@ -193,7 +193,11 @@ const EXTRA_PLANS: &[(&str, &str)] = &[
 /// every disagreement is pushed to `failures`, and the summary row returned.
 fn compare_training(variant: &str, flags: &str, failures: &mut Vec<String>) -> String {
     let params = load_params(variant);
-    let flags: Vec<&str> = flags.split_whitespace().collect();
+    let mut flags: Vec<&str> = flags.split_whitespace().collect();
+    // Compared bit for bit: the eager attention unless the case names one.
+    if !flags.contains(&"--attention") {
+        flags.extend(EAGER.split_whitespace());
+    }
     let p = plan(variant, &flags);
     let case = format!("{variant} {}", flags.join(" "));
     let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
@@ -400,6 +404,8 @@ fn forward_passes_match_the_cpu_executor() {
                 "ir",
                 "--precision",
                 precision,
+                "--attention",
+                "eager",
                 "-o",
                 path_str(&out),
             ]);

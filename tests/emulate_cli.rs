@@ -3,7 +3,9 @@
 //! these fixtures the emulated programs are bit-identical to the CPU executor (see
 //! `tests/cuda_emulated.rs`), so the logged losses and the saved weights must be equal, byte
 //! for byte, under every precision and remat mode; with `--world-size`, every rank's program
-//! on the emulator gives what CPU ranks give, at every ZeRO stage.
+//! on the emulator gives what CPU ranks give, at every ZeRO stage. The runs build the
+//! attention eagerly: the fused attention kernel agrees with the CPU executor to a bound, not
+//! bit for bit (`tests/attention.rs`).
 
 mod common;
 
@@ -33,7 +35,10 @@ fn train_on_the_emulator_logs_and_saves_what_the_cpu_does() {
         for precision in ["fp32", "tf32", "bf16", "fp16"] {
             let budget = format!(
                 "budget:{}",
-                midway_budget(family, &format!("--precision {precision}"))
+                midway_budget(
+                    family,
+                    &format!("--precision {precision} --attention eager")
+                )
             );
             for remat in ["none", "full", "selective", budget.as_str()] {
                 let mut saved = Vec::new();
@@ -59,6 +64,8 @@ fn train_on_the_emulator_logs_and_saves_what_the_cpu_does() {
                         remat,
                         "--device",
                         device,
+                        "--attention",
+                        "eager",
                         "--log",
                         path_str(&log),
                         "--save",
@@ -110,6 +117,8 @@ fn eval_on_the_emulator_writes_what_the_cpu_does() {
                         precision,
                         "--device",
                         device,
+                        "--attention",
+                        "eager",
                         "--grad",
                         "--objective",
                         "sum",
@@ -148,6 +157,8 @@ fn a_kernel_profile_needs_a_gpu() {
             "1",
             "--device",
             device,
+            "--attention",
+            "eager",
             "--profile-kernels",
             path_str(&csv),
         ]);
@@ -206,6 +217,8 @@ fn lora_trains_on_the_emulator_as_on_the_cpu() {
                     base,
                     "--device",
                     device,
+                    "--attention",
+                    "eager",
                     "--log",
                     path_str(&log),
                     "--save",
@@ -273,6 +286,8 @@ fn emulated_ranks_train_as_cpu_ranks() {
                     accum,
                     "--device",
                     device,
+                    "--attention",
+                    "eager",
                     "--log",
                     path_str(&log),
                     "--save",

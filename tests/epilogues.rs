@@ -102,6 +102,8 @@ fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
             "bf16",
             "--epilogues",
             mode,
+            "--attention",
+            "eager",
             "--emit",
             "ir",
         ]);
@@ -152,6 +154,8 @@ fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
         "bf16",
         "--epilogues",
         "fused",
+        "--attention",
+        "eager",
         "--emit",
         "cuda",
     ]);
@@ -175,7 +179,9 @@ fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
 fn the_attention_scale_folds_where_it_is_exact_or_saves_a_rounding() {
     let scaled = |variant: &str, flags: &[&str]| {
         let model = fixture(variant);
+        // The eager attention's scores product: the fused op applies its scale inside.
         let mut args = vec!["compile", path_str(&model), "--train", "--emit", "ir"];
+        args.extend_from_slice(&["--attention", "eager"]);
         args.extend_from_slice(flags);
         let o = castor(&args);
         assert!(o.status.success(), "{}", stderr(&o));
@@ -297,7 +303,11 @@ fn the_fully_fused_plans_reach_the_roofline_targets() {
 fn train_says_what_the_epilogue_pass_did() {
     let tmp = tempfile::tempdir().unwrap();
     let run = |mode: &str| {
-        let o = train_tiny_gpt2(1, &tmp.path().join(mode), &["--epilogues", mode]);
+        let o = train_tiny_gpt2(
+            1,
+            &tmp.path().join(mode),
+            &["--epilogues", mode, "--attention", "eager"],
+        );
         assert!(o.status.success(), "{mode}: {}", stderr(&o));
         let out = stdout(&o);
         out.lines()

@@ -201,6 +201,9 @@ pub const PLAN_FAMILIES: [&str; 8] = [
     "gemma_tiny",
     "llama31_rope",
 ];
+/// The attention of plans compared bit for bit with the CPU executor: the eager ops (the
+/// default builds the fused op, whose kernel agrees with the CPU to a bound, not bit for bit).
+pub const EAGER: &str = "--attention eager";
 pub const PLAN_PRECISIONS: [&str; 4] = ["fp32", "tf32", "bf16", "fp16"];
 /// The rematerialization modes; `budget` is resolved per plan by [`midway_budget`].
 pub const PLAN_REMATS: [&str; 4] = ["none", "full", "selective", "budget"];
@@ -215,19 +218,23 @@ pub const PLAN_OPTIONS: [&str; 6] = [
 ];
 
 /// Every (family, flags) of the plan matrix for `family`: each precision x remat mode x
-/// option, so a launch that only one combination makes cannot hide.
+/// option, so a launch that only one combination makes cannot hide. The matrix builds the
+/// attention eagerly ([`EAGER`]): its plans are compared bit for bit, and the fused attention
+/// kernel (contraction allowed) has its own cases and bounds (tests/attention.rs).
 pub fn plan_matrix(family: &str) -> Vec<String> {
     let mut out = Vec::new();
     for precision in PLAN_PRECISIONS {
         for remat in PLAN_REMATS {
             for option in PLAN_OPTIONS {
-                let base = format!("--precision {precision} {option}");
+                let base = format!("--precision {precision} {option} {EAGER}");
+                let base = base.split_whitespace().collect::<Vec<_>>().join(" ");
                 let remat = if remat == "budget" {
                     format!("budget:{}", midway_budget(family, &base))
                 } else {
                     remat.to_string()
                 };
-                out.push(format!("{} --remat {remat}", base.trim()));
+                let flags = format!("--precision {precision} {option}");
+                out.push(format!("{} --remat {remat} {EAGER}", flags.trim()));
             }
         }
     }
