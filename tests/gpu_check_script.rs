@@ -107,7 +107,7 @@ fn the_benchmark_dry_run_writes_a_record_of_the_format() {
         ("GPT-2 (tiny)", ""),
         ("LLaMA (tiny)", ""),
         ("LLaMA (tiny) LoRA r16", lora),
-        ("GPT-2 (tiny)", "--attention auto"),
+        ("GPT-2 (tiny)", "--attention eager"),
     ] {
         let r = row(model, "castor", flags);
         let (ms, rate, mfu) = (

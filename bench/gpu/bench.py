@@ -13,7 +13,8 @@ the least wanted):
 
 1. GPT-2 124M, B=8, T=1024, bf16, AdamW: castor's defaults against `torch.compile`
    (transformers' GPT2LMHeadModel with SDPA attention, autocast, fused AdamW), then castor
-   with `--attention auto` and `--attention fused` (PyTorch eager comes last, in 6.).
+   with `--attention eager` (the default before 2026-11-27) and `--attention fused` (castor's
+   kernels without cuDNN); PyTorch eager comes last, in 6.
 2. LLaMA-3.2-1B's shape (assets/configs/llama-3.2-1b.json), B=4, T=2048, bf16, AdamW:
    castor's defaults against `torch.compile` on LlamaForCausalLM (SDPA), then eager.
 3. LoRA on it, rank 16 on q, k, v, o, gate, up and down: castor against PEFT (a BF16 base,
@@ -22,7 +23,7 @@ the least wanted):
    tests part (--recipe-log) or run here.
 5. The kernel profile of castor's default GPT-2 step: calls, device ms and the program
    roofline's ms per kind of command.
-6. PyTorch eager on GPT-2 and LLaMA, and castor's fused attentions on LLaMA.
+6. PyTorch eager on GPT-2 and LLaMA, and castor's other attentions on LLaMA.
 
 Every model starts from random weights and every token is random: speed does not depend on
 them. PyTorch is timed with CUDA events after warm-up (the median of --repeat steps; host
@@ -574,9 +575,10 @@ def main():
             tag = f"{cfg.family}-" + "-".join(f.strip("-") for f in flags)
             bench.add(castor_train(bench, cfg, flags, tag))
 
-    # GPT-2 with castor's fused attentions next: the attention's own measurement.
+    # GPT-2 with castor's other attentions next (the default is `auto`): the attention's own
+    # measurement.
     if wanted("gpt2"):
-        pair(gpt2, [["--attention", "auto"], ["--attention", "fused"]], ["torch.compile"])
+        pair(gpt2, [["--attention", "eager"], ["--attention", "fused"]], ["torch.compile"])
     if wanted("llama"):
         pair(llama, [], ["torch.compile"])
     if wanted("lora"):
@@ -586,14 +588,14 @@ def main():
     if wanted("profile"):
         bench.record["profile"] = castor_profile(bench, gpt2)
     bench.save()
-    # What is worth knowing but not the targets: PyTorch eager, and castor's fused-attention
-    # backends on LLaMA.
+    # What is worth knowing but not the targets: PyTorch eager, and castor's other attentions
+    # on LLaMA.
     if wanted("eager"):
         for cfg in (gpt2, llama):
             r, _ = torch_row(bench, cfg, "torch eager", Plan(bench, cfg, []), timer)
             bench.add(r)
     if wanted("llama-attention"):
-        for flags in (["--attention", "auto"], ["--attention", "fused"]):
+        for flags in (["--attention", "eager"], ["--attention", "fused"]):
             bench.add(castor_train(bench, llama, flags, f"llama-{'-'.join(flags).strip('-')}"))
     bench.save()
     problems = record_format.validate(bench.record)

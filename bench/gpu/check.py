@@ -14,7 +14,8 @@ no Rust: build with bench/gpu/pack.sh first, then run from the repository root):
                                                    # OUT/<date>-<card>.json, the record
     python3 bench/gpu/check.py OUT --part profile  # where a GPT-2 124M bf16 step spends its
                                                    # device time, command by command, for the
-                                                   # default plan and the fused attentions
+                                                   # default plan, eager attention and castor's
+                                                   # fused kernels alone
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
 Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
@@ -344,9 +345,9 @@ def part_bench(steps, out_dir, budget=None):
 
 
 # The plans the profile part times (the benchmark profiles the default plan too, into its
-# record): castor's defaults, then the fused attention with cuDNN where it loads, then with
-# castor's own kernels.
-PROFILED = [("default", []), ("attention-auto", ["--attention", "auto"]),
+# record): castor's defaults (`--attention auto`: cuDNN where it runs, else castor's kernels),
+# then the eager attention, then castor's fused kernels alone.
+PROFILED = [("default", []), ("attention-eager", ["--attention", "eager"]),
             ("attention-fused", ["--attention", "fused"])]
 
 
@@ -377,7 +378,7 @@ def part_all(steps, out_dir):
     part_tests(steps, out_dir)
     left = steps.deadline - time.monotonic()
     part_bench(steps, out_dir, budget=left - PROFILE_SHARE - 30)
-    # The benchmark's record holds the default plan's profile already.
+    # The benchmark's record holds the default plan's profile already: the other attentions.
     part_profile(steps, out_dir / "profile", PROFILED[1:])
 
 
