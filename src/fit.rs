@@ -154,27 +154,28 @@ impl Verdict {
             counted_bytes(self.target.bytes),
             self.headline()
         )];
-        for (i, c) in self.candidates.iter().enumerate() {
-            out.push(format!(
-                "  {} {:<44} planned peak {}, step {:.1} ms estimated",
-                if i == 0 { "would fit:" } else { "          " },
-                c.change,
-                counted_bytes(c.peak),
-                c.seconds * 1e3
-            ));
-        }
+        // One row per suggestion, the label on the first (the columns as they have always
+        // been printed: the change padded to 44 after `would fit:`, 42 after `other ways:`).
+        let rows = |label: &str, width: usize, list: &[Candidate], out: &mut Vec<String>| {
+            for (i, c) in list.iter().enumerate() {
+                let label = if i == 0 {
+                    label.to_string()
+                } else {
+                    " ".repeat(label.len())
+                };
+                out.push(format!(
+                    "  {label} {:<width$} planned peak {}, step {:.1} ms estimated",
+                    c.change,
+                    counted_bytes(c.peak),
+                    c.seconds * 1e3
+                ));
+            }
+        };
+        rows("would fit:", 44, &self.candidates, &mut out);
         if let Some(note) = &self.note {
             out.push(format!("  {note}"));
         }
-        for (i, c) in self.alternatives.iter().enumerate() {
-            out.push(format!(
-                "  {} {:<42} planned peak {}, step {:.1} ms estimated",
-                if i == 0 { "other ways:" } else { "           " },
-                c.change,
-                counted_bytes(c.peak),
-                c.seconds * 1e3
-            ));
-        }
+        rows("other ways:", 42, &self.alternatives, &mut out);
         out
     }
 }

@@ -224,16 +224,7 @@ fn _eval(py: Python<'_>, argv: Vec<String>, arrays: Vec<Array>) -> PyResult<Vec<
         let e = eval::evaluate(&cli.args, Some(&file))?;
         Ok(e.outputs
             .into_iter()
-            .map(|(name, t)| {
-                let shape = t.shape().dims().to_vec();
-                let bytes: Vec<u8> = t
-                    .as_f32()
-                    .unwrap_or(&[])
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect();
-                (name, shape, bytes)
-            })
+            .map(|(name, t)| (name, t.shape().dims().to_vec(), f32_bytes(&t)))
             .collect::<Vec<_>>())
     })
     .map_err(|f| f.into_py(py))?;
@@ -583,6 +574,15 @@ fn _merge(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
     .map_err(|f| f.into_py(py))
 }
 
+/// An F32 tensor's values as little-endian bytes (what `numpy.frombuffer` reads).
+fn f32_bytes(t: &castor::ir::Tensor) -> Vec<u8> {
+    t.as_f32()
+        .unwrap_or(&[])
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect()
+}
+
 /// Every tensor of a checkpoint folder (sharded or not) or of one safetensors file, as
 /// (name, shape, F32 little-endian bytes), in name order.
 #[pyfunction]
@@ -590,13 +590,7 @@ fn _load(py: Python<'_>, path: PathBuf) -> PyResult<Vec<Output>> {
     let tensors = detached(py, || {
         let read = |name: &str, t: Result<castor::ir::Tensor, castor::models::ModelError>| {
             let t = t.map_err(anyhow::Error::from)?;
-            let bytes: Vec<u8> = t
-                .as_f32()
-                .unwrap_or(&[])
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect();
-            Ok::<_, Failure>((name.to_string(), t.shape().dims().to_vec(), bytes))
+            Ok::<_, Failure>((name.to_string(), t.shape().dims().to_vec(), f32_bytes(&t)))
         };
         let mut out = Vec::new();
         if path.is_dir() {

@@ -227,8 +227,7 @@ impl RankRunner for crate::cuda::EmulatedPlanRunner {
         micro_batches: &[HashMap<String, Tensor>],
         lr: f32,
     ) -> Result<StepReport, RuntimeError> {
-        self.queue_step(micro_batches, lr)?;
-        self.report()
+        self.step(micro_batches, lr)
     }
     fn rank_loss(&mut self, batches: &[HashMap<String, Tensor>]) -> Result<f64, RuntimeError> {
         self.validation_loss(batches)
