@@ -24,10 +24,9 @@
 // Backward, weight gradients, deterministic in two stages (no atomics):
 //   layer_norm_bwd_weight_<io>(s, dy, mean, rstd, dw_part, db_part, rows, h, rows_per_group)
 //   rms_norm_bwd_weight_<io>  (s, dy, rstd, dw_part, rows, h, rows_per_group)
-//     grid (ceil(h / blockDim.x), ceil(rows / rows_per_group)); each thread owns one column
-//     and sums its group's rows in order into an F64 partial: dw_part[group * h + col]
-//     = sum dy * xhat (RMS: dy * s * rstd), db_part = sum dy.
-//   norm_weight_grad_reduce(part, groups, h, out): out[col] = F32(sum over groups, in order).
+//     row group y = blockIdx.y (rows_per_group rows) summed per column into an F64 partial:
+//     dw_part[group * h + col] = sum dy * xhat (RMS: dy * s * rstd), db_part = sum dy.
+//   norm_weight_grad_reduce(part, groups, h, out): out[col] = F32(sum over the groups).
 // Dtypes: <io> is the input/residual/dx dtype TI and the output/dy dtype TO (suffix `bf16`
 // when both are bf16, `f32_bf16` for F32 in and BF16 out, ...); w, b, mean, rstd and the
 // weight gradients are F32.
@@ -39,10 +38,40 @@
 // twin is the order of the F64 additions (block tree here, eight lanes there), far below F32
 // resolution. The backward takes the forward's saved mean/rstd, which are the values the CPU
 // twin recomputes.
-// Launch: blockDim.x a multiple of 32, at most 1024 (256 suits h <= 8192). Any h: 16-byte
-// vectors when the row pointers are 16-byte aligned, scalar otherwise and for the tail.
+// Launch: forward and dx kernels, blockDim.x a multiple of 32, at most 1024. A row whose
+// pointers are 16-byte aligned, with h a multiple of 8 and at most NORM_SLOTS 8-element units
+// a thread (the lowering's block: ceil(h / (8 NORM_SLOTS)) threads in whole warps, one warp
+// for GPT-2's 768), is read from memory once into registers, and its reductions are warp
+// shuffles when the block is one warp: one read and one write of each element, nothing
+// between the two but the row's sums. Any other row (any h, any alignment) takes the general
+// loop, which reads the row again for each pass (16-byte vectors where aligned, scalar
+// otherwise and for the tail). Both compute the same values: the units a thread sums and
+// their order are the same either way, so the block size alone fixes the result.
+// Weight gradients and their reduction: block (32, 8): 32 columns per block, lane threadIdx.x
+// owning one, its 8 threads threadIdx.y = t taking the group's rows t, t + 8, ... in order,
+// their 8 F64 partials combined in shared memory in the order t = 0..7 (as reduce.cu's
+// columns); grid (ceil(h / 32), groups) for the weight kernel, (ceil(h / 32)) for the
+// reduction, which sums groups t, t + 8, ... the same way. The lowering picks rows_per_group
+// from the shape alone (enough groups to fill a large GPU), so results do not depend on the
+// device.
 // In place is allowed for y == s (same dtype) and sum_out == x, dx == dy or dx == s.
 #include "castor_common.cuh"
+
+#define NORM_SLOTS 4  // 8-element units a thread holds in registers on the one-read path
+#define NW_COLS 32    // weight gradients: columns per block
+#define NW_LANES 8    // weight gradients: threads per column
+
+// Whether a row takes the one-read path: aligned 16-byte vectors, whole units, and at most
+// NORM_SLOTS units a thread.
+__device__ __forceinline__ bool row_in_registers(bool vec, int h) {
+    return vec && h % UNIT == 0 && h / UNIT <= NORM_SLOTS * int(blockDim.x);
+}
+
+// The block's sum of v: the warp's shuffles alone when the block is one warp (the same value
+// block_sum gives: its second stage adds zeros).
+template <typename A> __device__ __forceinline__ A row_sum(A v, A* scratch) {
+    return blockDim.x == 32 ? warp_sum(v) : block_sum(v, scratch);
+}
 
 // One row's input, possibly with the residual added: element j, or 8 elements at j.
 template <typename TI> struct RowIn {
@@ -63,6 +92,67 @@ template <typename TI> struct RowIn {
     __device__ __forceinline__ bool aligned() const { return aligned16(x) && (!r || aligned16(r)); }
 };
 
+// One row of the forward through registers (row_in_registers): thread tid holds units
+// tid + k blockDim.x, k < NORM_SLOTS, summed in the general loop's order.
+template <typename TI, typename TO, bool RMS>
+__device__ __forceinline__ void norm_fwd_regs(RowIn<TI> in, TI* s_out, const float* __restrict__ w,
+                                              const float* __restrict__ b, TO* yr,
+                                              float* mean_out, float* rstd_out, i64 row, int h,
+                                              double eps, double* scratch) {
+    const int tid = threadIdx.x, nt = blockDim.x, units = h / UNIT;
+    float v[NORM_SLOTS][UNIT];
+    double acc = 0.0;
+#pragma unroll
+    for (int k = 0; k < NORM_SLOTS; ++k) {
+        const int u = tid + k * nt;
+        if (u < units) {
+            in.unit(u * UNIT, v[k]);
+            if (s_out) store8(s_out + u * UNIT, v[k]);
+#pragma unroll
+            for (int e = 0; e < UNIT; ++e)
+                acc += RMS ? double(v[k][e]) * double(v[k][e]) : double(v[k][e]);
+        }
+    }
+    const double total = row_sum(acc, scratch);
+    float meanf = 0.0f, rstd;
+    if (RMS) {
+        rstd = float(1.0 / sqrt(total / double(h) + eps));
+    } else {
+        const double mean = total / double(h);
+        double dev = 0.0;
+#pragma unroll
+        for (int k = 0; k < NORM_SLOTS; ++k) {
+            if (tid + k * nt < units) {
+#pragma unroll
+                for (int e = 0; e < UNIT; ++e)
+                    dev += (double(v[k][e]) - mean) * (double(v[k][e]) - mean);
+            }
+        }
+        const double var = row_sum(dev, scratch) / double(h);
+        rstd = float(1.0 / sqrt(var + eps));
+        meanf = float(mean);
+    }
+    if (tid == 0) {
+        if (mean_out) mean_out[row] = meanf;
+        if (rstd_out) rstd_out[row] = rstd;
+    }
+    if (!yr) return;
+#pragma unroll
+    for (int k = 0; k < NORM_SLOTS; ++k) {
+        const int u = tid + k * nt;
+        if (u < units) {
+            const int j = u * UNIT;
+            float wv[UNIT], bv[UNIT];
+            load8(w + j, wv);
+            if (!RMS) load8(b + j, bv);
+#pragma unroll
+            for (int e = 0; e < UNIT; ++e)
+                v[k][e] = RMS ? v[k][e] * rstd * wv[e] : (v[k][e] - meanf) * rstd * wv[e] + bv[e];
+            store8(yr + j, v[k]);
+        }
+    }
+}
+
 template <typename TI, typename TO, bool RMS>
 __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
                                          TI* sum_out, const float* __restrict__ w,
@@ -77,6 +167,11 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
         TO* yr = y ? y + off : nullptr;
         const bool vec = in.aligned() && (!s_out || aligned16(s_out)) &&
                          (!y || (aligned16(yr) && aligned16(w) && (RMS || aligned16(b))));
+        if (row_in_registers(vec, h)) {
+            norm_fwd_regs<TI, TO, RMS>(in, s_out, w, b, yr, mean_out, rstd_out, row, h, eps,
+                                       scratch);
+            continue;
+        }
         const int units = vec ? h / UNIT : 0;
         const int tail = units * UNIT;
 
@@ -97,7 +192,7 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
         // Later passes read the rounded sum back where it was stored (each thread its own
         // elements, so no barrier is needed for that).
         if (s_out) in = RowIn<TI>{s_out, nullptr};
-        const double total = block_sum(acc, scratch);
+        const double total = row_sum(acc, scratch);
 
         float meanf = 0.0f, rstd;
         if (RMS) {
@@ -115,7 +210,7 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
                 const double d = double(in.at(j)) - mean;
                 dev += d * d;
             }
-            const double var = block_sum(dev, scratch) / double(h);
+            const double var = row_sum(dev, scratch) / double(h);
             rstd = float(1.0 / sqrt(var + eps));
             meanf = float(mean);
         }
@@ -143,6 +238,71 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
     }
 }
 
+// One row of dx through registers (row_in_registers): s and dy held, w read twice (it is
+// shared by every row, so the second read hits the cache).
+template <typename TI, typename TO, bool RMS>
+__device__ __forceinline__ void norm_bwd_regs(const TI* sr, const TO* dyr,
+                                              const float* __restrict__ w, float m, float r,
+                                              const TI* ar, TI* dxr, TO* lr, int h,
+                                              double* scratch) {
+    const int tid = threadIdx.x, nt = blockDim.x, units = h / UNIT;
+    float xv[NORM_SLOTS][UNIT], dv[NORM_SLOTS][UNIT];
+    double sg = 0.0, sgx = 0.0;
+#pragma unroll
+    for (int k = 0; k < NORM_SLOTS; ++k) {
+        const int u = tid + k * nt;
+        if (u < units) {
+            const int j = u * UNIT;
+            float wv[UNIT];
+            load8(sr + j, xv[k]);
+            load8(dyr + j, dv[k]);
+            load8(w + j, wv);
+#pragma unroll
+            for (int e = 0; e < UNIT; ++e) {
+                const double g = double(dv[k][e] * wv[e]);
+                if (RMS) {
+                    sgx += g * double(xv[k][e]);
+                } else {
+                    sg += g;
+                    sgx += g * double((xv[k][e] - m) * r);
+                }
+            }
+        }
+    }
+    const double tgx = row_sum(sgx, scratch);
+    const double tg = RMS ? 0.0 : row_sum(sg, scratch);
+    const float mean_g = float(tg / double(h));
+    const float mean_gx = float(tgx / double(h));
+    const float c = r * r * mean_gx;
+#pragma unroll
+    for (int k = 0; k < NORM_SLOTS; ++k) {
+        const int u = tid + k * nt;
+        if (u < units) {
+            const int j = u * UNIT;
+            float wv[UNIT];
+            load8(w + j, wv);
+#pragma unroll
+            for (int e = 0; e < UNIT; ++e) {
+                const float xhat = (xv[k][e] - m) * r;
+                dv[k][e] = RMS ? r * (dv[k][e] * wv[e] - xv[k][e] * c)
+                               : r * (dv[k][e] * wv[e] - mean_g - xhat * mean_gx);
+            }
+            if (ar) {
+                float av[UNIT];
+                load8(ar + j, av);
+#pragma unroll
+                for (int e = 0; e < UNIT; ++e) dv[k][e] = round_to<TI>(dv[k][e]) + av[e];
+            }
+            store8(dxr + j, dv[k]);
+            if (lr) {
+#pragma unroll
+                for (int e = 0; e < UNIT; ++e) dv[k][e] = round_to<TI>(dv[k][e]);
+                store8(lr + j, dv[k]);
+            }
+        }
+    }
+}
+
 template <typename TI, typename TO, bool RMS>
 __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
                                          const float* __restrict__ w, const float* __restrict__ mean,
@@ -161,6 +321,10 @@ __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
         const float r = rstd[row];
         const bool vec = aligned16(sr) && aligned16(dyr) && aligned16(dxr) && aligned16(w) &&
                          (!ar || aligned16(ar)) && (!lr || aligned16(lr));
+        if (row_in_registers(vec, h)) {
+            norm_bwd_regs<TI, TO, RMS>(sr, dyr, w, m, r, ar, dxr, lr, h, scratch);
+            continue;
+        }
         const int units = vec ? h / UNIT : 0;
         const int tail = units * UNIT;
 
@@ -193,8 +357,8 @@ __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
                 sgx += g * double((xv - m) * r);
             }
         }
-        const double tgx = block_sum(sgx, scratch);
-        const double tg = RMS ? 0.0 : block_sum(sg, scratch);
+        const double tgx = row_sum(sgx, scratch);
+        const double tg = RMS ? 0.0 : row_sum(sg, scratch);
         const float mean_g = float(tg / double(h));
         const float mean_gx = float(tgx / double(h));
         const float c = r * r * mean_gx;  // RMS: rstd^2 * mean(g s)
@@ -237,36 +401,60 @@ __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
     }
 }
 
-// Stage one of the weight gradients: one F64 partial per (row group, column).
+// Stage one of the weight gradients: one F64 partial per (row group, column); block
+// (NW_COLS, NW_LANES), the lanes of a column taking the group's rows in turn.
 template <typename TI, typename TO, bool RMS>
 __device__ __forceinline__ void norm_bwd_weight(const TI* __restrict__ s, const TO* __restrict__ dy,
                                                 const float* __restrict__ mean,
                                                 const float* __restrict__ rstd, double* dw_part,
                                                 double* db_part, i64 rows, int h,
                                                 int rows_per_group) {
-    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    __shared__ double dw_lanes[NW_LANES][NW_COLS], db_lanes[NW_LANES][NW_COLS];
+    const int lane = threadIdx.x, ty = threadIdx.y;
+    const int col = blockIdx.x * NW_COLS + lane;
     const i64 group = blockIdx.y;
-    if (col >= h) return;
     const i64 r0 = group * rows_per_group;
     const i64 r1 = min(rows, r0 + rows_per_group);
     double dw = 0.0, db = 0.0;
-    for (i64 row = r0; row < r1; ++row) {
-        const float d = to_f32(dy[row * h + col]);
-        const float xv = to_f32(s[row * h + col]);
-        const float xhat = RMS ? xv * rstd[row] : (xv - mean[row]) * rstd[row];
-        dw += double(d) * double(xhat);
-        db += double(d);
+    if (col < h) {
+#pragma unroll 4
+        for (i64 row = r0 + ty; row < r1; row += NW_LANES) {
+            const float d = to_f32(dy[row * h + col]);
+            const float xv = to_f32(s[row * h + col]);
+            const float xhat = RMS ? xv * rstd[row] : (xv - mean[row]) * rstd[row];
+            dw += double(d) * double(xhat);
+            db += double(d);
+        }
     }
-    dw_part[group * h + col] = dw;
-    if (!RMS) db_part[group * h + col] = db;
+    dw_lanes[ty][lane] = dw;
+    db_lanes[ty][lane] = db;
+    __syncthreads();
+    if (ty == 0 && col < h) {
+        for (int t = 1; t < NW_LANES; ++t) {
+            dw += dw_lanes[t][lane];
+            db += db_lanes[t][lane];
+        }
+        dw_part[group * h + col] = dw;
+        if (!RMS) db_part[group * h + col] = db;
+    }
 }
 
-// Stage two: out[col] = F32(sum of the groups' partials, in group order).
+// Stage two: out[col] = F32(the sum of the groups' partials); block (NW_COLS, NW_LANES), lane
+// t summing groups t, t + NW_LANES, ... in order, the lanes' sums added in the order t = 0..7.
 extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ part, int groups,
                                                    int h, float* __restrict__ out) {
-    for (int col = blockIdx.x * blockDim.x + threadIdx.x; col < h; col += gridDim.x * blockDim.x) {
-        double t = 0.0;
-        for (int g = 0; g < groups; ++g) t += part[i64(g) * h + col];
+    __shared__ double lanes[NW_LANES][NW_COLS];
+    const int lane = threadIdx.x, ty = threadIdx.y;
+    const int col = blockIdx.x * NW_COLS + lane;
+    double t = 0.0;
+    if (col < h) {
+#pragma unroll 4
+        for (int g = ty; g < groups; g += NW_LANES) t += part[i64(g) * h + col];
+    }
+    lanes[ty][lane] = t;
+    __syncthreads();
+    if (ty == 0 && col < h) {
+        for (int k = 1; k < NW_LANES; ++k) t += lanes[k][lane];
         out[col] = float(t);
     }
 }

@@ -5,8 +5,24 @@ use super::ops::{row_threads, BLOCK, ROW_BLOCK};
 use super::{grid_1d, grid_rows, io, sfx, LowerError, RunLowering, Saved};
 use castor_ir::{DType, Node, Op, Value};
 
-/// Rows per group of the norms' weight-gradient partial sums.
-const ROWS_PER_GROUP: usize = 256;
+/// `norm.cu`'s NORM_SLOTS: 8-element units a thread of the forward and dx kernels holds in
+/// registers.
+const SLOTS: usize = 4;
+/// `norm.cu`'s weight-gradient block: NW_COLS columns, NW_LANES threads each.
+const WEIGHT_BLOCK: (u32, u32, u32) = (32, 8, 1);
+/// Threads the weight-gradient launch aims for: enough to keep a large GPU's memory busy
+/// (an H100 holds 132 x 2048), from the shape alone so that the sums' grouping, and so the
+/// result, is the same on every device.
+const WEIGHT_THREADS: usize = 1 << 18;
+
+/// Rows per group of the norms' weight-gradient partial sums, for `rows` rows of `h`: groups
+/// enough for [`WEIGHT_THREADS`] threads, at least 8 rows each (one per lane).
+fn rows_per_group(rows: usize, h: usize) -> usize {
+    let blocks_per_group = h.div_ceil(WEIGHT_BLOCK.0 as usize).max(1);
+    let threads_per_group = blocks_per_group * (WEIGHT_BLOCK.0 * WEIGHT_BLOCK.1) as usize;
+    let groups = WEIGHT_THREADS.div_ceil(threads_per_group).max(1);
+    rows.div_ceil(groups).max(WEIGHT_BLOCK.1 as usize)
+}
 
 impl RunLowering<'_, '_> {
     /// A norm node, with the residual add that makes its input when `prologue` names it: the
@@ -187,7 +203,8 @@ impl RunLowering<'_, '_> {
         let suffix = io(ti, to);
         let (xp, wp, dyp) = (self.at(x)?, self.at(w)?, self.at(dy)?);
         // Weight gradients first: the input gradient may be written over dy.
-        let groups = rows.div_ceil(ROWS_PER_GROUP).max(1);
+        let per_group = rows_per_group(rows, h);
+        let groups = rows.div_ceil(per_group).max(1);
         let dw_part = self.scratch((groups * h * 8) as u64);
         let db_part = if rms {
             None
@@ -201,7 +218,7 @@ impl RunLowering<'_, '_> {
             ("dw_part", Arg::Ptr(dw_part)),
             ("rows", Arg::I64(rows as i64)),
             ("h", Arg::I32(h as i32)),
-            ("rows_per_group", Arg::I32(ROWS_PER_GROUP as i32)),
+            ("rows_per_group", Arg::I32(per_group as i32)),
         ];
         if let Some(p) = db_part {
             args.extend([("mean", Arg::Ptr(stats.a)), ("db_part", Arg::Ptr(p))]);
@@ -210,11 +227,11 @@ impl RunLowering<'_, '_> {
             dx,
             &format!("{kind}_bwd_weight_{suffix}"),
             (
-                h.div_ceil(BLOCK as usize) as u32,
+                h.div_ceil(WEIGHT_BLOCK.0 as usize) as u32,
                 groups.min(65_535) as u32,
                 1,
             ),
-            (BLOCK, 1, 1),
+            WEIGHT_BLOCK,
             args,
         )?;
         if groups > 65_535 {
@@ -240,8 +257,8 @@ impl RunLowering<'_, '_> {
             self.launch(
                 out,
                 "norm_weight_grad_reduce",
-                grid_1d(h, BLOCK),
-                (BLOCK, 1, 1),
+                (h.div_ceil(WEIGHT_BLOCK.0 as usize) as u32, 1, 1),
+                WEIGHT_BLOCK,
                 vec![
                     ("part", Arg::Ptr(*part)),
                     ("groups", Arg::I32(groups as i32)),
@@ -303,9 +320,14 @@ impl RunLowering<'_, '_> {
     }
 }
 
-/// Threads per row block of the norms.
+/// Threads per row block of the norms: for rows of whole 8-element units, enough threads
+/// that each holds at most [`SLOTS`] units (the kernels' one-read path; one warp up to
+/// h = 1024); else the general loop's block.
 fn norm_block(h: usize) -> u32 {
-    if h > 8192 {
+    let units = h / 8;
+    if h % 8 == 0 && units <= SLOTS * 1024 {
+        (units.div_ceil(SLOTS).div_ceil(32) * 32).clamp(32, 1024) as u32
+    } else if h > 8192 {
         1024
     } else {
         row_threads(h, ROW_BLOCK)

@@ -96,10 +96,8 @@ pub(super) fn norm_bwd_weight(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DTy
     let h = a.count32("h")?;
     let per = a.count32("rows_per_group")?;
     a.end()?;
-    if l.block.1 != 1 || l.block.2 != 1 {
-        return Err(format!("block {:?}: the kernel takes a 1-D block", l.block));
-    }
-    // Not a grid-stride kernel: block (x, y) owns columns x * blockDim.x.. and row group y.
+    weight_block(l)?;
+    // Not a grid-stride kernel: block (x, y) owns columns 32 x.. and row group y.
     let groups = l.grid.1 as usize;
     let cols = (l.grid.0 as usize * l.block.0 as usize).min(h);
     let needed = rows.div_ceil(per.max(1));
@@ -128,12 +126,21 @@ pub(super) fn norm_bwd_weight(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DTy
 }
 
 pub(super) fn norm_weight_grad_reduce(m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    weight_block(l)?;
     let mut a = Args::new(l);
     let part = a.need(m, "part")?;
     let groups = a.count32("groups")?;
     let h = a.count32("h")?;
     let out = a.need(m, "out")?;
     a.end()?;
+    // Not a grid-stride kernel: block x owns columns 32 x..
+    if (l.grid.0 as usize * 32) < h {
+        return Err(format!(
+            "grid {:?} covers {} of {h} columns",
+            l.grid,
+            l.grid.0 * 32
+        ));
+    }
     checked(
         m,
         vec![
@@ -142,4 +149,15 @@ pub(super) fn norm_weight_grad_reduce(m: &Mem, l: &Launch) -> R<Vec<Use>> {
         ],
         &[],
     )
+}
+
+/// The weight-gradient kernels' block: 32 columns, 8 threads each (`NW_COLS`, `NW_LANES`).
+fn weight_block(l: &Launch) -> R<()> {
+    if l.block != (32, 8, 1) {
+        return Err(format!(
+            "block {:?}: the weight-gradient kernels are written for block (32, 8, 1)",
+            l.block
+        ));
+    }
+    Ok(())
 }

@@ -1,6 +1,7 @@
 //! `norm.cu` against `cpu/norm.rs`: the header's rounding points are the twin's, with the F64
 //! row sums added in another order (a block tree here), so each result is within 1 ulp of the
-//! twin's; the residual sum is exact.
+//! twin's; the residual sum is exact. Both of the kernels' paths: the general loop (rows off
+//! 16-byte alignment, or more units than 4 a thread) and the one-read path.
 
 use super::{check, dec, enc, i32, i64, Launcher, Rng, FLOATS};
 use crate::cpu::{math, norm};
@@ -54,18 +55,38 @@ fn norms_forward_and_backward_agree_with_the_twin() {
     let mut differ = 0;
     for (ti, to) in pairs() {
         let s = super::io(ti, to);
-        for h in [1usize, 31, 33, 1023, 1025] {
-            // The lowering's block, and for the longest rows the largest (32 warps in each
-            // reduction).
-            let lowering = (h.div_ceil(32) * 32).min(256) as u32;
-            let blocks: &[u32] = if h == 1025 {
-                &[lowering, 1024]
+        // Rows one element off 16-byte alignment (the general loop), and aligned rows of
+        // whole units (the one-read path where a thread holds at most 4 units).
+        let cases = [
+            (1usize, false),
+            (31, false),
+            (33, false),
+            (1023, false),
+            (1025, false),
+            (64, true),
+            (776, true),
+            (2048, true),
+        ];
+        for (h, aligned) in cases {
+            // The lowering's block; for the longest unaligned rows the largest (32 warps in
+            // each reduction); for 2048 one warp, too few threads for the one-read path.
+            let lowering = if h % 8 == 0 {
+                ((h / 8).div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32
             } else {
-                &[lowering]
+                (h.div_ceil(32) * 32).min(256) as u32
+            };
+            let blocks: &[u32] = match h {
+                1025 => &[lowering, 1024],
+                2048 => &[lowering, 32],
+                _ => &[lowering],
             };
             for &block in blocks {
-                // Rows one element off 16-byte alignment.
-                let (skew, oskew) = (ti.size_bytes() as u64, to.size_bytes() as u64);
+                let (skew, oskew) = if aligned {
+                    (0, 0)
+                } else {
+                    (ti.size_bytes() as u64, to.size_bytes() as u64)
+                };
+                let wskew = if aligned { 0 } else { 4 };
                 let n = ROWS * h;
                 let x = rng.values(n, 3.0, ti);
                 let res = rng.values(n, 1.0, ti);
@@ -95,7 +116,7 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                     let mut l = Launcher::new("norm.cu");
                     let (bx, br) = (l.buf(enc(ti, &x), skew), l.buf(enc(ti, &res), skew));
                     let bsum = l.out(n * ti.size_bytes(), skew);
-                    let (bw, bb) = (l.buf(f32s(&w), 4), l.buf(f32s(&b), 4));
+                    let (bw, bb) = (l.buf(f32s(&w), wskew), l.buf(f32s(&b), wskew));
                     let by = l.out(n * to.size_bytes(), oskew);
                     let (bm, bs) = (l.out(ROWS * 4, 0), l.out(ROWS * 4, 0));
                     let mut args = vec![l.ptr(bx), l.ptr(br), l.ptr(bsum), l.ptr(bw)];
@@ -138,7 +159,7 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                     // Statistics only (null y, w and b not read), in place over the input.
                     let mut l = Launcher::new("norm.cu");
                     let bx = l.buf(enc(ti, &sum), skew);
-                    let bw = l.buf(f32s(&w), 4);
+                    let bw = l.buf(f32s(&w), wskew);
                     let bs = l.out(ROWS * 4, 0);
                     let mut args = vec![l.ptr(bx), Arg::Null, Arg::Null, l.ptr(bw)];
                     if !rms {
@@ -176,7 +197,7 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                     let mut l = Launcher::new("norm.cu");
                     let bs_ = l.buf(enc(ti, &sum), skew);
                     let bdy = l.buf(enc(to, &dy), oskew);
-                    let bw = l.buf(f32s(&w), 4);
+                    let bw = l.buf(f32s(&w), wskew);
                     let (bm, br) = (l.buf(f32s(&mean), 0), l.buf(f32s(&rstd), 0));
                     let ba = l.buf(enc(ti, &dadd), skew);
                     let bdx = if ti == to {
@@ -186,7 +207,7 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                     };
                     // The low copy of dx (the cast to the products' dtype) on every other
                     // width, so the null pointer is covered too.
-                    let low = (h % 4 == 1).then(|| l.out(n * to.size_bytes(), oskew));
+                    let low = (h % 4 == 1 || h == 776).then(|| l.out(n * to.size_bytes(), oskew));
                     let mut args = vec![l.ptr(bs_), l.ptr(bdy), l.ptr(bw)];
                     if !rms {
                         args.push(l.ptr(bm));
@@ -205,10 +226,11 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                             check(&format!("{what} dx_low"), to, &dec(to, &out[b.0]), &want, 1);
                     }
 
-                    let per = 2usize;
+                    // Row groups of 2 (a lane or none each) and of 5 (one group, 5 lanes).
+                    let per = if h % 2 == 0 { 2usize } else { ROWS };
                     let groups = ROWS.div_ceil(per);
-                    let bx_ = 128u32;
-                    let grid = (h.div_ceil(bx_ as usize) as u32, groups as u32, 1);
+                    let weight_block = (32u32, 8u32, 1u32);
+                    let grid = (h.div_ceil(32) as u32, groups as u32, 1);
                     let mut l = Launcher::new("norm.cu");
                     let bs_ = l.buf(enc(ti, &sum), skew);
                     let bdy = l.buf(enc(to, &dy), oskew);
@@ -225,7 +247,7 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                     args.extend([i64(ROWS), i32(h), i32(per)]);
                     let what = format!("{kind}_bwd_weight_{s} h={h}");
                     let out = l
-                        .run(&format!("{kind}_bwd_weight_{s}"), grid, (bx_, 1, 1), args)
+                        .run(&format!("{kind}_bwd_weight_{s}"), grid, weight_block, args)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
                     for (part, want, name) in [(pw, &dw, "dw"), (pb, &db, "db")] {
                         if want.is_empty() {
@@ -236,7 +258,12 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                         let bo = l.out(h * 4, 4);
                         let args = vec![l.ptr(bp), i32(groups), i32(h), l.ptr(bo)];
                         let out = l
-                            .run("norm_weight_grad_reduce", (2, 1, 1), (64, 1, 1), args)
+                            .run(
+                                "norm_weight_grad_reduce",
+                                (h.div_ceil(32) as u32, 1, 1),
+                                weight_block,
+                                args,
+                            )
                             .unwrap_or_else(|e| panic!("{what} reduce: {e}"));
                         differ += check(
                             &format!("{what} {name}"),
