@@ -496,13 +496,26 @@ fn masks(g: &mut Graph, s: usize, p: &SdpaProblem) -> usize {
             [sk, sk, sk, 1],
             Binding::Operand("mask"),
         );
+        // cuDNN's fused engines take a pointwise op only with a virtual tensor computed from
+        // the scores at its first operand (a graph whose first operand is the flags is
+        // refused: `in_ports[0].first.isVirtual != true`), so the flags are broadcast onto
+        // the scores' shape first, as zeros from the scores plus the flags, then compared.
+        let zero = g.scalar("zero", 0.0);
+        let zeros = g.apply("zeros", Pointwise::Mul, &[s, zero], ElemType::F32, dims);
+        let spread = g.apply(
+            "flags per score",
+            Pointwise::Add,
+            &[zeros, flags],
+            ElemType::F32,
+            dims,
+        );
         let half = g.scalar("one half", 0.5);
         let keep = g.apply(
             "kept",
             Pointwise::CmpGt,
-            &[flags, half],
+            &[spread, half],
             ElemType::Bool,
-            [b, 1, 1, sk],
+            dims,
         );
         out = select(g, "padded scores", out, keep);
     }
@@ -941,6 +954,21 @@ mod tests {
                         .count();
                     let want = [causal, window.is_some(), masked];
                     assert_eq!(masks, want.iter().filter(|&&m| m).count());
+                    // cuDNN's fused engines refuse a pointwise op on the scores' path whose
+                    // first operand is a tensor of the call (the padding flags once were):
+                    // such an op reads only the call's tensors (the backward's dO · O).
+                    for op in &g.ops {
+                        let OpSpec::Pointwise { mode, inputs, .. } = op else {
+                            continue;
+                        };
+                        let bound =
+                            |i: &usize| matches!(g.tensors[*i].binding, Binding::Operand(_));
+                        assert!(
+                            !bound(&inputs[0]) || inputs.iter().all(bound),
+                            "{pass:?} masked={masked}: {mode:?} takes `{}` first",
+                            g.tensors[inputs[0]].name
+                        );
+                    }
                 }
             }
         }
