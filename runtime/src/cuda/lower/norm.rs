@@ -325,7 +325,7 @@ impl RunLowering<'_, '_> {
 /// h = 1024); else the general loop's block.
 fn norm_block(h: usize) -> u32 {
     let units = h / 8;
-    if h % 8 == 0 && units <= SLOTS * 1024 {
+    if h.is_multiple_of(8) && units <= SLOTS * 1024 {
         (units.div_ceil(SLOTS).div_ceil(32) * 32).clamp(32, 1024) as u32
     } else if h > 8192 {
         1024
