@@ -3,7 +3,11 @@
 //
 // Layout: q [bq, t, d], k and v [bq / group, s, d], o [bq, t, d], lse F32 [bq, t]. `bq`
 // flattens q's batch dims; query batch b reads key/value batch b / group (grouped-query
-// attention: `group` consecutive query heads share a kv head). mask (nullable): bytes,
+// attention: `group` consecutive query heads share a kv head). The tensor-core kernels read
+// and write q, k, v, o, do, dq, dk and dv through strides (AttStrides below: query batch b
+// split as (b / heads, b % heads), key batches as (bk / (heads / group), ..), rows any
+// distance apart), so that a head of a fused QKV product or a context in [B, T, H, d] is used
+// in place, without a copy; the F32 kernels take dense operands. mask (nullable): bytes,
 // nonzero = keep, one row of s per mask batch; query batch b reads row b / mask_group.
 // causal != 0: query i sees keys j <= i + s - t; window > 0 (with causal: a sliding window)
 // narrows that to the last `window` of them, j > i + s - t - window, whose key tiles are then
@@ -14,7 +18,7 @@
 //
 // Tensor-core kernels (f16, bf16; <P> = 16, 32, 64 or 128, the head dim d rounded up):
 //   attention_fwd_<t>_d<P>(q, k, v, mask, o, lse, bq, t, s, d, group, mask_group, causal,
-//                          window, scale)
+//                          window, scale, heads, <q, k, v, o strides>)
 //     One block of 8 warps per (128 query rows, query batch); the block of the last rows
 //     starts first (a causal block of later rows has the most keys). Q is copied to shared
 //     memory and from there, by ldmatrix, into registers, once; K and V tiles (128 keys for
@@ -25,9 +29,11 @@
 //     o = O / l, lse = max + log(l). Masks are tested only on a tile a warp's rows see in
 //     part (the causal diagonal, a window's edge, the last keys, a mask byte that drops a
 //     key, a row that sees none); the warp skips a tile its rows see none of.
-//   attention_bwd_delta_<t>(o, do, delta, rows, d): delta = sum(do * o) per row, F64 sum.
+//   attention_bwd_delta_<t>(o, do, delta, rows, t, d, heads, <o, do strides>): delta =
+//     sum(do * o) per row, F64 sum.
 //   attention_bwd_<t>_d<P>(q, k, v, mask, do, lse, delta, dq, dk, dv, dq_acc, dq_ready, bkv,
-//                          t, s, d, group, mask_group, causal, window, scale)
+//                          t, s, d, group, mask_group, causal, window, scale, heads,
+//                          <q, k, v, do, dq, dk, dv strides>)
 //     One pass over key blocks: one block of 8 warps per (128 keys, kv batch); each warp
 //     owns 16 keys. For every query batch of the group and every tile of query rows
 //     (64 rows for P <= 64, else 32) that sees the block's keys, in order, with the next
@@ -84,6 +90,20 @@
 template <int P> struct AttShape {
     static constexpr int KEYS = P <= 64 ? 128 : 64;
     static constexpr int QROWS = P <= 64 ? 64 : 32;
+};
+
+// Where the rows of a tensor-core kernel's operand are: query (or key) batch b, split as
+// (b / heads, b % heads), starts at (b / heads) batch + (b % heads) head, and its rows are
+// `row` elements apart, each of d contiguous elements. A head of a fused QKV product
+// ([B, T, 3, H, d] read as [B, H, T, d]) or a context in [B, T, H, d] is read and written in
+// place this way; a dense [bq, rows, d] operand is (heads rows d, rows d, d) for any heads.
+struct AttStrides {
+    i64 batch, head, row;
+    __device__ __forceinline__ i64 at(int b, int heads) const {
+        return i64(b / heads) * batch + i64(b % heads) * head;
+    }
+    // Every row starts 16 bytes after a 16-byte aligned base when the element offsets do.
+    __device__ __forceinline__ bool rows16() const { return (batch | head | row) % 8 == 0; }
 };
 
 // The first key the mask keeps (s when it keeps none; 0 without a mask), for mask row `m`,
@@ -196,22 +216,21 @@ __device__ __forceinline__ float quad_sum(float v) {
 }
 
 
-// Copies rows [r0, r0 + ROWS) of N [n, d] matrices src[m] into shared memory as
-// [ROWS][P + ATT_PAD] tiles dst[m], zero past n and past d: with `vec` (d a multiple of 8 and
-// the matrices 16-byte aligned) by 16-byte cp.async copies the caller commits and waits for,
-// else element by element.
+// Copies rows [r0, r0 + ROWS) of N [n, d] matrices src[m] (rows ld[m] elements apart) into
+// shared memory as [ROWS][P + ATT_PAD] tiles dst[m], zero past n and past d: with `vec` (d and
+// every ld a multiple of 8, the matrices 16-byte aligned) by 16-byte cp.async copies the
+// caller commits and waits for, else element by element.
 template <typename T, int P, int ROWS, int N>
-__device__ __forceinline__ void load_tiles(T* const (&dst)[N], const T* const (&src)[N], int r0,
-                                           int n, int d, bool vec) {
+__device__ __forceinline__ void load_tiles(T* const (&dst)[N], const T* const (&src)[N],
+                                           const i64 (&ld)[N], int r0, int n, int d, bool vec) {
     constexpr int LD = P + ATT_PAD, CHUNKS = P / 8, STEP = ATT_TC_THREADS / CHUNKS;
     if (vec) {
         // Each thread copies one 16-byte column chunk of every STEP-th row.
         const int r = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
         const bool col_ok = col < d;
-        const i64 first = i64(r0 + r) * d + col;
 #pragma unroll
         for (int m = 0; m < N; ++m) {
-            const T* from = src[m] + first;
+            const T* from = src[m] + i64(r0 + r) * ld[m] + col;
             T* to = dst[m] + r * LD + col;
 #pragma unroll
             for (int it = 0; it < (ROWS + STEP - 1) / STEP; ++it) {
@@ -219,7 +238,7 @@ __device__ __forceinline__ void load_tiles(T* const (&dst)[N], const T* const (&
                     const bool ok = col_ok && r0 + r + it * STEP < n;
                     cp_async16(to + it * STEP * LD, ok ? from : src[m], ok);
                 }
-                from += i64(STEP) * d;
+                from += i64(STEP) * ld[m];
             }
         }
     } else {
@@ -229,16 +248,20 @@ __device__ __forceinline__ void load_tiles(T* const (&dst)[N], const T* const (&
             const int r = idx / P % ROWS, col = idx % P, row = r0 + r;
             const bool second = idx >= ROWS * P;
             const T* from = second ? src[N - 1] : src[0];
+            const i64 stride = second ? ld[N - 1] : ld[0];
             T* to = second ? dst[N - 1] : dst[0];
-            to[r * LD + col] = (row < n && col < d) ? from[i64(row) * d + col] : from_f32<T>(0.0f);
+            to[r * LD + col] =
+                (row < n && col < d) ? from[i64(row) * stride + col] : from_f32<T>(0.0f);
         }
     }
 }
 template <typename T, int P, int ROWS>
-__device__ __forceinline__ void load_tile(T* dst, const T* src, int r0, int n, int d, bool vec) {
+__device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int r0, int n, int d,
+                                          bool vec) {
     T* const to[1] = {dst};
     const T* const from[1] = {src};
-    load_tiles<T, P, ROWS, 1>(to, from, r0, n, d, vec);
+    const i64 lds[1] = {ld};
+    load_tiles<T, P, ROWS, 1>(to, from, lds, r0, n, d, vec);
 }
 
 // Stores the pair (x0, x1) at columns col, col + 1 of a row of d elements, as T, dropping
@@ -255,12 +278,12 @@ __device__ __forceinline__ void store_pair(T* row, int col, int d, float x0, flo
 }
 
 // Copies `rows` rows of d elements from `n` shared tiles (LD = P + ATT_PAD per row) to global
-// rows d apart (tile m to dst[m]), the calling warp alone: by 16-byte vectors with `vec` (d a
-// multiple of 8, every dst 16-byte aligned), else element by element. Once per block, so
-// not unrolled.
+// rows ld[m] elements apart (tile m to dst[m]), the calling warp alone: by 16-byte vectors with
+// `vec` (d and every ld a multiple of 8, every dst 16-byte aligned), else element by element.
+// Once per block, so not unrolled.
 template <typename T, int P, int N>
-__device__ __forceinline__ void store_rows(T* const (&dst)[N], const T* const (&tile)[N], int rows,
-                                           int d, bool vec) {
+__device__ __forceinline__ void store_rows(T* const (&dst)[N], const T* const (&tile)[N],
+                                           const i64 (&ld)[N], int rows, int d, bool vec) {
     constexpr int LD = P + ATT_PAD, CHUNKS = P / 8;
     const int lane = threadIdx.x & 31;
     if (vec) {
@@ -270,7 +293,7 @@ __device__ __forceinline__ void store_rows(T* const (&dst)[N], const T* const (&
             for (int idx = lane; idx < rows * CHUNKS; idx += 32) {
                 const int r = idx / CHUNKS, col = (idx % CHUNKS) * 8;
                 if (col < d)
-                    *reinterpret_cast<uint4*>(dst[m] + i64(r) * d + col) =
+                    *reinterpret_cast<uint4*>(dst[m] + i64(r) * ld[m] + col) =
                         *reinterpret_cast<const uint4*>(tile[m] + r * LD + col);
             }
         }
@@ -281,7 +304,7 @@ __device__ __forceinline__ void store_rows(T* const (&dst)[N], const T* const (&
             for (int r = 0; r < rows; ++r) {
 #pragma unroll 1
                 for (int col = lane; col < d; col += 32)
-                    dst[m][i64(r) * d + col] = tile[m][r * LD + col];
+                    dst[m][i64(r) * ld[m] + col] = tile[m][r * LD + col];
             }
         }
     }
@@ -329,12 +352,13 @@ __device__ __forceinline__ const T* b_rows(const T* tile, int row0, int col0) {
 // Copies key tile [key0, key0 + KEYS) of K and V, and its mask bytes, into buffer `buf`.
 template <typename T, int P>
 __device__ __forceinline__ void stage_keys(T* ks, T* vs, unsigned char* keep, const T* kb,
-                                           const T* vb, const unsigned char* mrow, int key0,
-                                           int s, int d, bool vec, int buf) {
+                                           const T* vb, const i64 (&ld)[2],
+                                           const unsigned char* mrow, int key0, int s, int d,
+                                           bool vec, int buf) {
     constexpr int LD = P + ATT_PAD, KEYS = AttShape<P>::KEYS;
     T* const to[2] = {ks + buf * KEYS * LD, vs + buf * KEYS * LD};
     const T* const from[2] = {kb, vb};
-    load_tiles<T, P, KEYS, 2>(to, from, key0, s, d, vec);
+    load_tiles<T, P, KEYS, 2>(to, from, ld, key0, s, d, vec);
     if (mrow != nullptr) {
         for (int j = threadIdx.x; j < KEYS; j += ATT_TC_THREADS)
             keep[buf * KEYS + j] = key0 + j < s ? mrow[key0 + j] : 0;
@@ -344,7 +368,8 @@ __device__ __forceinline__ void stage_keys(T* ks, T* vs, unsigned char* keep, co
 template <typename T, int P>
 __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char* mask, T* o,
                         float* lse, int t, int s, int d, int group, int mask_group, int causal,
-                        int window, float scale_log2) {
+                        int window, float scale_log2, int heads, AttStrides sq, AttStrides sk,
+                        AttStrides sv, AttStrides so) {
     constexpr int LD = P + ATT_PAD, KEYS = AttShape<P>::KEYS, ROWS = ATT_FWD_ROWS;
     constexpr int NT = KEYS / 8, DT = P / 16, OT = P / 8, WORDS = KEYS / 64;
     CASTOR_DYNAMIC_SHARED(att_smem);
@@ -358,13 +383,15 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
     const int b = blockIdx.y;  // 32-bit: a grid dimension, and no 64-bit divisions below
     const int r0 = (gridDim.x - 1 - blockIdx.x) * ROWS;
     const int warp = warp_index(), lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const T* qb = q + i64(b) * t * d;
-    const T* kb = k + i64(b / group) * s * d;
-    const T* vb = v + i64(b / group) * s * d;
+    const T* qb = q + sq.at(b, heads);
+    const T* kb = k + sk.at(b / group, heads / group);
+    const T* vb = v + sv.at(b / group, heads / group);
+    const i64 kv_ld[2] = {sk.row, sv.row};
     const unsigned char* mrow = mask ? mask + i64(b / mask_group) * s : nullptr;
     Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
     const bool some_empty = window_rows(vis, empty_rows, &any_empty, mrow, r0, ROWS);
-    const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v);
+    const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) &&
+                     sq.rows16() && sk.rows16() && sv.rows16();
 
     // Keys the block needs: from the first key its first row sees to the last key its last
     // row sees, or all when a row sees none (visible_keys grows with the row: the first row
@@ -373,7 +400,7 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
     const bool uniform = some_empty || vis.first >= visible_keys(r0, t, s, causal);
     const int kend = uniform ? s : visible_keys(last_row, t, s, causal);
     const int kstart = uniform ? 0 : vis.lo(r0) / KEYS * KEYS;
-    load_tile<T, P, ROWS>(qs, qb, r0, t, d, vec);
+    load_tile<T, P, ROWS>(qs, qb, sq.row, r0, t, d, vec);
 
     // This lane's two rows, and what the warp's 16 rows see: keys [see_lo, see_hi) hold every
     // key any of them sees; [full_lo, full_hi) the keys all of them see (causal, window).
@@ -403,7 +430,8 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
     // while it computes on its own.
     for (int key0 = kstart - KEYS, buf = 1; key0 < kend; key0 += KEYS, buf ^= 1) {
         const bool more = key0 + KEYS < kend;
-        if (more) stage_keys<T, P>(ks, vs, keep, kb, vb, mrow, key0 + KEYS, s, d, vec, buf ^ 1);
+        if (more)
+            stage_keys<T, P>(ks, vs, keep, kb, vb, kv_ld, mrow, key0 + KEYS, s, d, vec, buf ^ 1);
         cp_async_commit();
         if (key0 < kstart) continue;
         if (more) {
@@ -538,30 +566,36 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
             lse[i64(b) * t + rows[h]] = (m2[h] + log2_approx(sum)) * ATT_LN2;
     }
     __syncwarp();
-    T* const to[1] = {o + (i64(b) * t + wr0) * d};
+    T* const to[1] = {o + so.at(b, heads) + i64(wr0) * so.row};
     const T* const from[1] = {ow};
-    store_rows<T, P, 1>(to, from, min(16, t - wr0), d, d % 8 == 0 && aligned16(o));
+    const i64 o_ld[1] = {so.row};
+    store_rows<T, P, 1>(to, from, o_ld, min(16, t - wr0), d,
+                        d % 8 == 0 && aligned16(o) && so.rows16());
 }
 
 // ---- backward: delta ---------------------------------------------------------------------
 
 template <typename T>
-__device__ void att_delta(const T* o, const T* d_o, float* delta, i64 rows, int d) {
+__device__ void att_delta(const T* o, const T* d_o, float* delta, i64 rows, int t, int d,
+                          int heads, AttStrides so, AttStrides sdo) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 row = i64(blockIdx.x) * (ATT_THREADS / 32) + warp;
     if (row >= rows) return;
+    const int b = int(row / t), r = int(row % t);
+    const T* orow = o + so.at(b, heads) + i64(r) * so.row;
+    const T* dorow = d_o + sdo.at(b, heads) + i64(r) * sdo.row;
     double acc = 0.0;
-    if (d % UNIT == 0 && aligned16(o) && aligned16(d_o)) {
+    if (d % UNIT == 0 && aligned16(o) && aligned16(d_o) && so.rows16() && sdo.rows16()) {
         for (int j = lane * UNIT; j < d; j += 32 * UNIT) {
             float a[UNIT], x[UNIT];
-            load8(d_o + row * d + j, a);
-            load8(o + row * d + j, x);
+            load8(dorow + j, a);
+            load8(orow + j, x);
 #pragma unroll
             for (int u = 0; u < UNIT; ++u) acc += double(a[u]) * double(x[u]);
         }
     } else {
         for (int j = lane; j < d; j += 32)
-            acc += double(to_f32(d_o[row * d + j])) * double(to_f32(o[row * d + j]));
+            acc += double(to_f32(dorow[j])) * double(to_f32(orow[j]));
     }
     acc = warp_sum(acc);
     if (lane == 0) delta[row] = float(acc);
@@ -603,7 +637,9 @@ template <typename T, int P>
 __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char* mask,
                         const T* d_o, const float* lse, const float* delta, T* dq, T* dk, T* dv,
                         float* dq_acc, int* dq_ready, int t, int s, int d, int group,
-                        int mask_group, int causal, int window, float scale, float scale_log2) {
+                        int mask_group, int causal, int window, float scale, float scale_log2,
+                        int heads, AttStrides sq, AttStrides sk, AttStrides sv, AttStrides sdo,
+                        AttStrides sdq, AttStrides sdk, AttStrides sdv) {
     constexpr int KB = ATT_BWD_KEYS, QT = AttShape<P>::QROWS, LD = P + ATT_PAD;
     constexpr int LDS = QT + ATT_PAD, DT = P / 16, OT = P / 8, NQ = QT / 8;
     // The dQ product's warps: MT tiles of 16 query rows, CW warps on each, NW 8-column tiles
@@ -629,11 +665,15 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
     const int warp = warp_index(), lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int j0 = key0 + warp * 16;
     const int keys[2] = {j0 + g, j0 + g + 8};
-    const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_o);
+    const int heads_kv = heads / group;
+    const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) &&
+                     aligned16(d_o) && sq.rows16() && sk.rows16() && sv.rows16() &&
+                     sdo.rows16();
     {
         T* const to[2] = {ks, vs};
-        const T* const from[2] = {k + i64(bk) * s * d, v + i64(bk) * s * d};
-        load_tiles<T, P, KB, 2>(to, from, key0, s, d, vec);
+        const T* const from[2] = {k + sk.at(bk, heads_kv), v + sv.at(bk, heads_kv)};
+        const i64 ld[2] = {sk.row, sv.row};
+        load_tiles<T, P, KB, 2>(to, from, ld, key0, s, d, vec);
     }
     cp_async_commit();
 
@@ -679,8 +719,9 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             jok[h] = jin[h] && (mrow == nullptr || keep[keys[h] - key0] != 0);
         }
         const bool keys_kept = __all_sync(FULL_WARP, jok[0] && jok[1]);
-        const T* qb = q + i64(b) * t * d;
-        const T* dob = d_o + i64(b) * t * d;
+        const T* qb = q + sq.at(b, heads);
+        const T* dob = d_o + sdo.at(b, heads);
+        const i64 q_ld[2] = {sq.row, sdo.row};
 
         // Tile qa - 1 only stages tile qa; every later one stages the next while it computes.
         for (int qt = qa - 1, buf = 1; qt <= qz; ++qt, buf ^= 1) {
@@ -689,7 +730,7 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                 const int n0 = (qt + 1) * QT;
                 T* const to[2] = {qs + (buf ^ 1) * QT * LD, dos + (buf ^ 1) * QT * LD};
                 const T* const from[2] = {qb, dob};
-                load_tiles<T, P, QT, 2>(to, from, n0, t, d, vec);
+                load_tiles<T, P, QT, 2>(to, from, q_ld, n0, t, d, vec);
                 if (threadIdx.x < QT) {
                     const int r = n0 + threadIdx.x;
                     const i64 at = i64(b) * t + r;
@@ -893,12 +934,14 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             __threadfence();
             __syncthreads();
             if (last) {
-                const bool dvec = d % 8 == 0 && aligned16(dq);
-                T* dqb = dq + (i64(b) * t + q0) * d;
+                const bool dvec = d % 8 == 0 && aligned16(dq) && sdq.rows16();
+                T* dqb = dq + sdq.at(b, heads) + i64(q0) * sdq.row;
                 if (warp < QT / 16) {
-                    T* const to[1] = {dqb + i64(warp) * 16 * d};
+                    T* const to[1] = {dqb + i64(warp) * 16 * sdq.row};
                     const T* const from[1] = {out + warp * 16 * LD};
-                    store_rows<T, P, 1>(to, from, min(16, qlast + 1 - q0 - warp * 16), d, dvec);
+                    const i64 ld[1] = {sdq.row};
+                    store_rows<T, P, 1>(to, from, ld, min(16, qlast + 1 - q0 - warp * 16), d,
+                                        dvec);
                 }
             } else if (threadIdx.x == 0) {
                 raise_flag(ready);
@@ -920,11 +963,13 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
     __syncwarp();
     const int rows = min(16, s - j0);
     if (rows > 0) {
-        const bool kvec = d % 8 == 0 && aligned16(dk) && aligned16(dv);
-        const i64 at = (i64(bk) * s + j0) * d;
-        T* const to[2] = {dk + at, dv + at};
+        const bool kvec =
+            d % 8 == 0 && aligned16(dk) && aligned16(dv) && sdk.rows16() && sdv.rows16();
+        T* const to[2] = {dk + sdk.at(bk, heads_kv) + i64(j0) * sdk.row,
+                          dv + sdv.at(bk, heads_kv) + i64(j0) * sdv.row};
         const T* const from[2] = {ks + warp * 16 * LD, vs + warp * 16 * LD};
-        store_rows<T, P, 2>(to, from, rows, d, kvec);
+        const i64 ld[2] = {sdk.row, sdv.row};
+        store_rows<T, P, 2>(to, from, ld, rows, d, kvec);
     }
 }
 
@@ -1096,28 +1141,42 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
 // Each (dtype, P) of the tensor-core kernels is its own instantiation, and the file builds
 // them all: NVRTC takes a while the first time a machine compiles it, then the PTX cache
 // answers.
+// The strides of operand X (AttStrides) come after the shape as X_batch, X_head, X_row.
 #define CASTOR_ATTENTION(T, sfx, P)                                                                \
     extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_fwd_##sfx##_d##P(    \
         const T* q, const T* k, const T* v, const unsigned char* mask, T* o, float* lse,           \
         i64 bq, int t, int s, int d, int group, int mask_group, int causal, int window,            \
-        double scale) {                                                                            \
+        double scale, int heads, i64 q_batch, i64 q_head, i64 q_row, i64 k_batch, i64 k_head,      \
+        i64 k_row, i64 v_batch, i64 v_head, i64 v_row, i64 o_batch, i64 o_head, i64 o_row) {       \
         att_fwd<T, P>(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, window,           \
-                      float(scale * ATT_LOG2E));                                                   \
+                      float(scale * ATT_LOG2E), heads, AttStrides{q_batch, q_head, q_row},         \
+                      AttStrides{k_batch, k_head, k_row}, AttStrides{v_batch, v_head, v_row},      \
+                      AttStrides{o_batch, o_head, o_row});                                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_bwd_##sfx##_d##P(    \
         const T* q, const T* k, const T* v, const unsigned char* mask, const T* d_o,               \
         const float* lse, const float* delta, T* dq, T* dk, T* dv, float* dq_acc, int* dq_ready,   \
         i64 bkv, int t, int s, int d, int group, int mask_group, int causal, int window,           \
-        double scale) {                                                                            \
+        double scale, int heads, i64 q_batch, i64 q_head, i64 q_row, i64 k_batch, i64 k_head,      \
+        i64 k_row, i64 v_batch, i64 v_head, i64 v_row, i64 d_o_batch, i64 d_o_head,                \
+        i64 d_o_row, i64 dq_batch, i64 dq_head, i64 dq_row, i64 dk_batch, i64 dk_head,             \
+        i64 dk_row, i64 dv_batch, i64 dv_head, i64 dv_row) {                                       \
         att_bwd<T, P>(q, k, v, mask, d_o, lse, delta, dq, dk, dv, dq_acc, dq_ready, t, s, d,       \
                       group, mask_group, causal, window, float(scale),                             \
-                      float(scale * ATT_LOG2E));                                                   \
+                      float(scale * ATT_LOG2E), heads, AttStrides{q_batch, q_head, q_row},         \
+                      AttStrides{k_batch, k_head, k_row}, AttStrides{v_batch, v_head, v_row},      \
+                      AttStrides{d_o_batch, d_o_head, d_o_row},                                    \
+                      AttStrides{dq_batch, dq_head, dq_row},                                       \
+                      AttStrides{dk_batch, dk_head, dk_row},                                       \
+                      AttStrides{dv_batch, dv_head, dv_row});                                      \
     }
 
 #define CASTOR_ATTENTION_DELTA(T, sfx)                                                             \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_delta_##sfx(           \
-        const T* o, const T* d_o, float* delta, i64 rows, int d) {                                 \
-        att_delta<T>(o, d_o, delta, rows, d);                                                      \
+        const T* o, const T* d_o, float* delta, i64 rows, int t, int d, int heads, i64 o_batch,    \
+        i64 o_head, i64 o_row, i64 d_o_batch, i64 d_o_head, i64 d_o_row) {                         \
+        att_delta<T>(o, d_o, delta, rows, t, d, heads, AttStrides{o_batch, o_head, o_row},         \
+                     AttStrides{d_o_batch, d_o_head, d_o_row});                                    \
     }
 
 #define CASTOR_ATTENTION_F32                                                                       \

@@ -8,10 +8,11 @@
 //! forward `S = scale Q Kᵀ`, masks, softmax with the F32 log-sum-exp saved (`Stats`), `O = P V`;
 //! the backward from Q, K, V, O, dO and the log-sum-exp, with `dQ = dS K` written directly (no
 //! F32 dQ accumulator: the graph shape by which cuDNN runs its deterministic engine on Hopper).
-//! Tensors are 4-D `(batch, heads, rows, head dim)`; castor's flattened query batches are split
-//! into the batches a key-padding mask row serves and the heads that share it (all heads of one
-//! batch without a mask), and grouped-query attention is `h_kv < h_q` as cuDNN reads it (query
-//! head `i` uses key head `i / group`, castor's consecutive sharing).
+//! Tensors are 4-D `(batch, heads, rows, head dim)` with strides: castor's flattened query
+//! batches split as its kernels split them (`(b / heads, b % heads)`), so that a head read in
+//! place from a fused QKV product has the same strides here as there; a key-padding mask row
+//! serves the heads of one batch, and grouped-query attention is `h_kv < h_q` as cuDNN reads
+//! it (query head `i` uses key head `i / group`, castor's consecutive sharing).
 //!
 //! Masks replace a masked score by [`FILL`], a finite value rather than `-inf`, so that a row
 //! whose mask keeps none of the keys it sees (a left-padded row) gets every key's score equal
@@ -202,14 +203,14 @@ impl Sdpa {
 /// Why cuDNN's fused attention cannot run an attention op of these shapes and attributes, or
 /// `None` when it can: 16-bit operands, a head dim that is a multiple of 8 and at most 256,
 /// equal query and key counts when causal (castor's causal mask is aligned to the last key,
-/// cuDNN's graphs here to the first; they agree when the counts do), a key-padding mask whose
-/// rows each serve whole groups of key heads (`mask_group` query heads, a multiple of `group`),
-/// and a backward of more than one row.
+/// cuDNN's graphs here to the first; they agree when the counts do), a key-padding mask each
+/// of whose rows serves the `heads` query heads of one batch (`mask_group` of them), and a
+/// backward of more than one row.
 pub fn unsupported(
     dtype: DType,
     (rows_q, rows_kv, head_dim): (usize, usize, usize),
     causal: bool,
-    (group, mask_group): (usize, Option<usize>),
+    (heads, mask_group): (usize, Option<usize>),
     pass: SdpaPass,
 ) -> Option<String> {
     if !matches!(dtype, DType::F16 | DType::BF16) {
@@ -224,9 +225,9 @@ pub fn unsupported(
         ));
     }
     if let Some(m) = mask_group {
-        if group == 0 || m % group != 0 {
+        if m != heads {
             return Some(format!(
-                "a mask shared by {m} query heads, not whole groups of {group} (grouped keys)"
+                "a mask row shared by {m} query heads, not by the {heads} heads of one batch"
             ));
         }
     }
@@ -999,11 +1000,12 @@ mod tests {
         let f = SdpaPass::Forward;
         let plain = (1, None);
         assert!(unsupported(DType::BF16, (1024, 1024, 64), true, plain, f).is_none());
-        assert!(unsupported(DType::BF16, (1024, 1024, 64), true, (4, Some(32)), f).is_none());
+        assert!(unsupported(DType::BF16, (1024, 1024, 64), true, (32, Some(32)), f).is_none());
         let why = |r: Option<String>| r.unwrap_or_default();
         assert!(why(unsupported(DType::F32, (8, 8, 64), true, plain, f)).contains("f32 operands"));
         assert!(why(unsupported(DType::F16, (8, 8, 60), true, plain, f)).contains("head dim 60"));
-        assert!(why(unsupported(DType::F16, (8, 8, 64), true, (4, Some(2)), f)).contains("groups"));
+        let shared = why(unsupported(DType::F16, (8, 8, 64), true, (4, Some(2)), f));
+        assert!(shared.contains("mask row shared by 2"), "{shared}");
         assert!(why(unsupported(DType::F16, (8, 9, 64), true, plain, f)).contains("causal"));
         let b = SdpaPass::Backward;
         assert!(why(unsupported(DType::F16, (1, 1, 64), false, plain, b)).contains("one query"));

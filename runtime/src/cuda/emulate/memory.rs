@@ -220,11 +220,17 @@ pub(super) struct Use {
     /// kernel reads or writes the rows only; the padding between them is copied with the span
     /// but neither needs to be written before nor counts as written after.
     pub(super) rows: Option<(u64, u64)>,
+    /// The touched byte ranges listed one by one (offsets from `p`, lengths; sorted, disjoint),
+    /// for a kernel that reads or writes through strides (an attention head in place).
+    pub(super) ranges: Option<Vec<(u64, u64)>>,
 }
 
 impl Use {
     /// The byte ranges (offsets from `p`, lengths) the kernel touches.
     pub(super) fn touched(&self) -> Vec<(u64, u64)> {
+        if let Some(ranges) = &self.ranges {
+            return ranges.clone();
+        }
         match self.rows {
             Some((row, stride)) if stride > row && row > 0 => (0..self.bytes)
                 .step_by(stride as usize)
@@ -250,7 +256,60 @@ pub(super) fn use_(
         io,
         at: p,
         rows: None,
+        ranges: None,
     })
+}
+
+/// The byte ranges `ranges` (offsets from `p`, lengths, in any order) of one buffer: their
+/// span, of which the kernel touches the ranges only (merged where they meet).
+pub(super) fn ranges_use(
+    what: impl Into<String>,
+    p: Ptr,
+    mut ranges: Vec<(u64, u64)>,
+    elem: usize,
+    io: Io,
+) -> Option<Use> {
+    ranges.retain(|r| r.1 > 0);
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (start, len) in ranges {
+        match merged.last_mut() {
+            Some(last) if last.0 + last.1 >= start => {
+                last.1 = last.1.max(start + len - last.0);
+            }
+            _ => merged.push((start, len)),
+        }
+    }
+    let bytes = merged.last().map_or(0, |r| r.0 + r.1);
+    use_(what, Some(p), bytes, elem, io).map(|u| Use {
+        ranges: Some(merged),
+        ..u
+    })
+}
+
+/// Whether two uses of one buffer touch a common byte (their spans may interleave: heads of
+/// one tensor written through strides).
+fn touch_common_bytes(a: &Use, b: &Use) -> bool {
+    let abs = |u: &Use| -> Vec<(u64, u64)> {
+        u.touched()
+            .into_iter()
+            .map(|(start, len)| (u.p.off + start, u.p.off + start + len))
+            .collect()
+    };
+    let (mut x, mut y) = (abs(a), abs(b));
+    x.sort_unstable();
+    y.sort_unstable();
+    let (mut i, mut j) = (0, 0);
+    while i < x.len() && j < y.len() {
+        if x[i].1 <= y[j].0 {
+            i += 1;
+        } else if y[j].1 <= x[i].0 {
+            j += 1;
+        } else {
+            return true;
+        }
+    }
+    false
 }
 
 /// `rows` rows of `row` bytes, `stride` bytes apart from `p`: one span, of which the kernel
@@ -292,6 +351,10 @@ pub(super) fn check_uses(m: &Mem, uses: &[Option<Use>], in_place: &[(&str, &str)
             let (a0, a1) = (a.p.off, a.p.off + a.bytes);
             let (b0, b1) = (b.p.off, b.p.off + b.bytes);
             if a0 >= b1 || b0 >= a1 {
+                continue;
+            }
+            let interleaved = a.ranges.is_some() || b.ranges.is_some();
+            if interleaved && !touch_common_bytes(a, b) {
                 continue;
             }
             let allowed = a.p == b.p

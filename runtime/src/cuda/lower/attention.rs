@@ -3,7 +3,7 @@
 //! query gradient and the key and value gradients. Launch shapes, dynamic shared memory and
 //! scratch come from `castor_kernels::attention`, as the emulator's contract reads them.
 
-use super::super::program::{Arg, Command};
+use super::super::program::{Arg, Command, Place};
 use super::super::sdpa::{self, Sdpa, SdpaGrads, SdpaPass, SdpaProblem, Tensor4};
 use super::{sfx, window_arg, LowerError, RunLowering};
 use castor_ir::{Accum, AttentionLibrary, DType, Node, Op, Value};
@@ -22,6 +22,61 @@ struct Problem {
     dtype: DType,
     /// The tensor-core tile (`None`: the F32 kernels).
     tile: Option<u32>,
+    /// Query batches per outer batch: the kernels split query batch `b` as
+    /// `(b / heads, b % heads)` to find it through an operand's strides (a multiple of
+    /// `group`, so that key batches split the same way by `heads / group`).
+    heads: usize,
+}
+
+/// An operand as the kernels reach it: its place, and where batch `(outer, head)` and its rows
+/// are (in elements; `attention.cu`'s AttStrides).
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Operand {
+    at: Place,
+    batch: i64,
+    head: i64,
+    row: i64,
+}
+
+impl Operand {
+    /// A dense `[batches, rows, d]` operand at `at`, its batches split by `heads`.
+    fn dense(at: Place, heads: usize, rows: usize, d: usize) -> Operand {
+        let (h, r, d) = (heads as i64, rows as i64, d as i64);
+        Operand {
+            at,
+            batch: h * r * d,
+            head: r * d,
+            row: d,
+        }
+    }
+
+    /// The operand as cuDNN's `(batch, heads, rows, head dim)` tensor.
+    fn tensor4(&self) -> Tensor4 {
+        Tensor4 {
+            place: self.at,
+            strides: [self.batch, self.head, self.row, 1],
+        }
+    }
+
+    /// The kernel arguments `X_batch`, `X_head`, `X_row` of operand `x`.
+    fn strides(&self, x: &str) -> [(&'static str, Arg); 3] {
+        let names: [&'static str; 3] = match x {
+            "q" => ["q_batch", "q_head", "q_row"],
+            "k" => ["k_batch", "k_head", "k_row"],
+            "v" => ["v_batch", "v_head", "v_row"],
+            "o" => ["o_batch", "o_head", "o_row"],
+            "d_o" => ["d_o_batch", "d_o_head", "d_o_row"],
+            "dq" => ["dq_batch", "dq_head", "dq_row"],
+            "dk" => ["dk_batch", "dk_head", "dk_row"],
+            "dv" => ["dv_batch", "dv_head", "dv_row"],
+            other => unreachable!("`{other}` is not an attention operand"),
+        };
+        [
+            (names[0], Arg::I64(self.batch)),
+            (names[1], Arg::I64(self.head)),
+            (names[2], Arg::I64(self.row)),
+        ]
+    }
 }
 
 /// How many consecutive query batches share one batch of an operand whose batch dims are
@@ -122,8 +177,17 @@ impl RunLowering<'_, '_> {
                 )
             })?),
         };
+        let bq: usize = qb.iter().product();
+        // Heads: the query batch dims after the first (all of them when the key batches are
+        // not whole groups of those).
+        let heads = match qb.first() {
+            Some(&outer) if qb.len() >= 2 && outer > 0 && (bq / outer).is_multiple_of(group) => {
+                bq / outer
+            }
+            _ => bq.max(1),
+        };
         Ok(Problem {
-            bq: qb.iter().product(),
+            bq,
             t,
             s,
             d,
@@ -131,6 +195,7 @@ impl RunLowering<'_, '_> {
             mask_group,
             dtype,
             tile,
+            heads,
         })
     }
 
@@ -141,8 +206,8 @@ impl RunLowering<'_, '_> {
         p: &Problem,
         kernel: Kernel,
         mut args: super::Args,
-        (causal, window): (bool, Option<usize>),
-        scale: f64,
+        (causal, window, scale): (bool, Option<usize>, f64),
+        strides: &[(&str, Operand)],
     ) -> Result<(), LowerError> {
         let name = match kernel {
             Kernel::Forward => "fwd",
@@ -169,6 +234,12 @@ impl RunLowering<'_, '_> {
             ("scale", Arg::F64(scale)),
         ]);
         let tensor_cores = p.tile.is_some();
+        if tensor_cores {
+            args.push(("heads", Arg::I32(p.heads as i32)));
+            for (x, operand) in strides {
+                args.extend(operand.strides(x));
+            }
+        }
         let grid = geometry::grid(
             kernel,
             tensor_cores,
@@ -182,6 +253,31 @@ impl RunLowering<'_, '_> {
         });
         let block = (geometry::threads(kernel, tensor_cores), 1, 1);
         self.launch_shared(y, &entry, grid, block, shared, args)
+    }
+
+    /// Operand `x` of attention problem `p`, `rows` rows of its batches split by `heads`.
+    fn attention_operand(
+        &self,
+        p: &Problem,
+        x: Value,
+        heads: usize,
+        rows: usize,
+    ) -> Result<Operand, LowerError> {
+        Ok(Operand::dense(self.at(x)?, heads, rows, p.d))
+    }
+
+    /// q, k and v (operands 0 to 2 of `ins`).
+    fn attention_inputs(
+        &self,
+        p: &Problem,
+        ins: &[Value],
+    ) -> Result<(Operand, Operand, Operand), LowerError> {
+        let kv_heads = p.heads / p.group;
+        Ok((
+            self.attention_operand(p, ins[0], p.heads, p.t)?,
+            self.attention_operand(p, ins[1], kv_heads, p.s)?,
+            self.attention_operand(p, ins[2], kv_heads, p.s)?,
+        ))
     }
 
     fn mask_arg(&self, mask: Option<Value>) -> Result<Arg, LowerError> {
@@ -212,15 +308,19 @@ impl RunLowering<'_, '_> {
             return Err(self.err(o, "attention writes o in q's dtype and lse in F32"));
         }
         let mark = self.commands.len();
+        let (qo, ko, vo) = self.attention_inputs(&p, &ins)?;
+        let oo = Operand::dense(self.out(o)?, p.heads, p.t, p.d);
         let args = vec![
-            ("q", Arg::Ptr(self.at(ins[0])?)),
-            ("k", Arg::Ptr(self.at(ins[1])?)),
-            ("v", Arg::Ptr(self.at(ins[2])?)),
+            ("q", Arg::Ptr(qo.at)),
+            ("k", Arg::Ptr(ko.at)),
+            ("v", Arg::Ptr(vo.at)),
             ("mask", self.mask_arg(mask)?),
-            ("o", Arg::Ptr(self.out(o)?)),
+            ("o", Arg::Ptr(oo.at)),
             ("lse", Arg::Ptr(self.out(lse)?)),
         ];
-        self.attention_launch(o, &p, Kernel::Forward, args, (causal, window), scale)?;
+        let strides = [("q", qo), ("k", ko), ("v", vo), ("o", oo)];
+        let attrs = (causal, window, scale);
+        self.attention_launch(o, &p, Kernel::Forward, args, attrs, &strides)?;
         if !library.may_use_cudnn() {
             return Ok(());
         }
@@ -228,17 +328,17 @@ impl RunLowering<'_, '_> {
             node: g.name(o).to_string(),
             pass: SdpaPass::Forward,
             problem: sdpa_problem(&p, mask.is_some(), causal, window, scale),
-            q: Tensor4::dense(self.at(ins[0])?, p.bq, p.t, p.d),
-            k: Tensor4::dense(self.at(ins[1])?, p.bq / p.group, p.s, p.d),
-            v: Tensor4::dense(self.at(ins[2])?, p.bq / p.group, p.s, p.d),
-            o: Tensor4::dense(self.at(o)?, p.bq, p.t, p.d),
+            q: qo.tensor4(),
+            k: ko.tensor4(),
+            v: vo.tensor4(),
+            o: oo.tensor4(),
             lse: self.at(lse)?,
             grads: None,
             mask: None,
             fallback: Vec::new(),
             unsupported: None,
         };
-        self.cudnn_or_kernels(o, call, mark, library, mask)
+        self.cudnn_or_kernels(o, call, mark, library, mask.map(|m| (m, p.mask_group)))
     }
 
     /// Replaces the kernels lowered since `mark` by `call` run on cuDNN, those kernels its
@@ -251,15 +351,14 @@ impl RunLowering<'_, '_> {
         mut call: Sdpa,
         mark: usize,
         library: AttentionLibrary,
-        mask: Option<Value>,
+        mask: Option<(Value, usize)>,
     ) -> Result<(), LowerError> {
         let p = call.problem;
-        let (bq, group) = (p.batch * p.heads_q, p.heads_q / p.heads_kv.max(1));
         call.unsupported = sdpa::unsupported(
             p.dtype,
             (p.rows_q, p.rows_kv, p.head_dim),
             p.causal,
-            (group, mask.is_some().then_some(p.heads_q)),
+            (p.heads_q, mask.map(|(_, group)| group)),
             call.pass,
         );
         if library == AttentionLibrary::Cudnn {
@@ -276,7 +375,7 @@ impl RunLowering<'_, '_> {
         } else {
             call.fallback = self.commands.split_off(mark);
         }
-        if let (Some(m), None) = (mask, &call.unsupported) {
+        if let (Some((m, _)), None) = (mask, &call.unsupported) {
             let n = p.batch * p.rows_kv;
             let flags = self.scratch(n as u64 * 4);
             self.launch(
@@ -292,7 +391,6 @@ impl RunLowering<'_, '_> {
             )?;
             call.mask = Some(flags);
         }
-        debug_assert_eq!(bq % p.batch.max(1), 0);
         self.commands.push(Command::Sdpa(Box::new(call)));
         Ok(())
     }
@@ -329,29 +427,49 @@ impl RunLowering<'_, '_> {
         let mark = self.commands.len();
         // delta for the kernels; the same F32 rows for cuDNN's row sums.
         let delta = self.scratch(rows as u64 * 4);
-        let (o_at, do_at) = (self.at(ins[3])?, self.at(ins[5])?);
+        let (qo, ko, vo) = self.attention_inputs(&p, &ins)?;
+        let oo = self.attention_operand(&p, ins[3], p.heads, p.t)?;
+        let doo = self.attention_operand(&p, ins[5], p.heads, p.t)?;
+        let mut delta_args = vec![
+            ("o", Arg::Ptr(oo.at)),
+            ("d_o", Arg::Ptr(doo.at)),
+            ("delta", Arg::Ptr(delta)),
+            ("rows", Arg::I64(rows as i64)),
+            ("t", Arg::I32(p.t as i32)),
+            ("d", Arg::I32(p.d as i32)),
+            ("heads", Arg::I32(p.heads as i32)),
+        ];
+        delta_args.extend(oo.strides("o"));
+        delta_args.extend(doo.strides("d_o"));
         self.launch_shared(
             dq,
             &format!("attention_bwd_delta_{}", sfx(p.dtype)),
             geometry::delta_grid(rows as u64),
             (geometry::THREADS, 1, 1),
             0,
-            vec![
-                ("o", Arg::Ptr(o_at)),
-                ("d_o", Arg::Ptr(do_at)),
-                ("delta", Arg::Ptr(delta)),
-                ("rows", Arg::I64(rows as i64)),
-                ("d", Arg::I32(p.d as i32)),
-            ],
+            delta_args,
         )?;
+        let kv_heads = p.heads / p.group;
+        let dqo = Operand::dense(self.out(dq)?, p.heads, p.t, p.d);
+        let dko = Operand::dense(self.out(dk)?, kv_heads, p.s, p.d);
+        let dvo = Operand::dense(self.out(dv)?, kv_heads, p.s, p.d);
         let common = vec![
-            ("q", Arg::Ptr(self.at(ins[0])?)),
-            ("k", Arg::Ptr(self.at(ins[1])?)),
-            ("v", Arg::Ptr(self.at(ins[2])?)),
+            ("q", Arg::Ptr(qo.at)),
+            ("k", Arg::Ptr(ko.at)),
+            ("v", Arg::Ptr(vo.at)),
             ("mask", self.mask_arg(mask)?),
-            ("d_o", Arg::Ptr(do_at)),
+            ("d_o", Arg::Ptr(doo.at)),
             ("lse", Arg::Ptr(self.at(ins[4])?)),
             ("delta", Arg::Ptr(delta)),
+        ];
+        let strides = [
+            ("q", qo),
+            ("k", ko),
+            ("v", vo),
+            ("d_o", doo),
+            ("dq", dqo),
+            ("dk", dko),
+            ("dv", dvo),
         ];
         match p.tile {
             Some(tile) => {
@@ -368,55 +486,55 @@ impl RunLowering<'_, '_> {
                 });
                 let mut args = common;
                 args.extend([
-                    ("dq", Arg::Ptr(self.out(dq)?)),
-                    ("dk", Arg::Ptr(self.out(dk)?)),
-                    ("dv", Arg::Ptr(self.out(dv)?)),
+                    ("dq", Arg::Ptr(dqo.at)),
+                    ("dk", Arg::Ptr(dko.at)),
+                    ("dv", Arg::Ptr(dvo.at)),
                     ("dq_acc", Arg::Ptr(acc)),
                     ("dq_ready", Arg::Ptr(ready)),
                 ]);
-                self.attention_launch(dq, &p, Kernel::Backward, args, (causal, window), scale)?;
+                let attrs = (causal, window, scale);
+                self.attention_launch(dq, &p, Kernel::Backward, args, attrs, &strides)?;
             }
             None => {
+                let attrs = (causal, window, scale);
                 let mut args = common.clone();
-                args.push(("dq", Arg::Ptr(self.out(dq)?)));
-                self.attention_launch(dq, &p, Kernel::Dq, args, (causal, window), scale)?;
+                args.push(("dq", Arg::Ptr(dqo.at)));
+                self.attention_launch(dq, &p, Kernel::Dq, args, attrs, &[])?;
                 let mut args = common;
-                args.push(("dk", Arg::Ptr(self.out(dk)?)));
-                args.push(("dv", Arg::Ptr(self.out(dv)?)));
-                self.attention_launch(dk, &p, Kernel::DkDv, args, (causal, window), scale)?;
+                args.push(("dk", Arg::Ptr(dko.at)));
+                args.push(("dv", Arg::Ptr(dvo.at)));
+                self.attention_launch(dk, &p, Kernel::DkDv, args, attrs, &[])?;
             }
         }
         if !library.may_use_cudnn() {
             return Ok(());
         }
-        let (hq, hk) = (p.bq, p.bq / p.group);
         let call = Sdpa {
             node: g.name(dq).to_string(),
             pass: SdpaPass::Backward,
             problem: sdpa_problem(&p, mask.is_some(), causal, window, scale),
-            q: Tensor4::dense(self.at(ins[0])?, hq, p.t, p.d),
-            k: Tensor4::dense(self.at(ins[1])?, hk, p.s, p.d),
-            v: Tensor4::dense(self.at(ins[2])?, hk, p.s, p.d),
-            o: Tensor4::dense(o_at, hq, p.t, p.d),
+            q: qo.tensor4(),
+            k: ko.tensor4(),
+            v: vo.tensor4(),
+            o: oo.tensor4(),
             lse: self.at(ins[4])?,
             grads: Some(SdpaGrads {
-                d_o: Tensor4::dense(do_at, hq, p.t, p.d),
-                dq: Tensor4::dense(self.at(dq)?, hq, p.t, p.d),
-                dk: Tensor4::dense(self.at(dk)?, hk, p.s, p.d),
-                dv: Tensor4::dense(self.at(dv)?, hk, p.s, p.d),
+                d_o: doo.tensor4(),
+                dq: dqo.tensor4(),
+                dk: dko.tensor4(),
+                dv: dvo.tensor4(),
                 row_sums: delta,
             }),
             mask: None,
             fallback: Vec::new(),
             unsupported: None,
         };
-        self.cudnn_or_kernels(dq, call, mark, library, mask)
+        self.cudnn_or_kernels(dq, call, mark, library, mask.map(|m| (m, p.mask_group)))
     }
 }
 
-/// The attention problem as cuDNN sees it: castor's query batches split into the batches of
-/// the key-padding mask's rows and the heads sharing each (one batch of all heads without a
-/// mask). The dense `[bq, rows, d]` tensors are the same memory either way.
+/// The attention problem as cuDNN sees it: castor's query batches split as the kernels split
+/// them, `heads` to a batch, so that every operand's strides carry over ([`Operand::tensor4`]).
 fn sdpa_problem(
     p: &Problem,
     masked: bool,
@@ -424,12 +542,11 @@ fn sdpa_problem(
     window: Option<usize>,
     scale: f64,
 ) -> SdpaProblem {
-    let per_batch = if masked { p.mask_group } else { p.bq };
     SdpaProblem {
         dtype: p.dtype,
-        batch: p.bq / per_batch.max(1),
-        heads_q: per_batch,
-        heads_kv: per_batch / p.group.max(1),
+        batch: p.bq / p.heads.max(1),
+        heads_q: p.heads,
+        heads_kv: p.heads / p.group.max(1),
         rows_q: p.t,
         rows_kv: p.s,
         head_dim: p.d,

@@ -4,7 +4,7 @@
 
 use super::checked;
 use crate::cuda::emulate::args::Args;
-use crate::cuda::emulate::memory::{use_, Io, Mem, Ptr, Use};
+use crate::cuda::emulate::memory::{ranges_use, use_, Io, Mem, Ptr, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
@@ -113,6 +113,41 @@ impl Shape {
         (self.bq / self.group * self.s * self.d * elem) as u64
     }
 
+    /// (batches, heads, rows, d) of the query-side operands.
+    fn q_dims(&self, heads: usize) -> R<(usize, usize, usize, usize)> {
+        if heads == 0 || !heads.is_multiple_of(self.group) {
+            return Err(format!(
+                "heads {heads} is not a whole number of kv groups of {}",
+                self.group
+            ));
+        }
+        Ok((self.bq, heads, self.t, self.d))
+    }
+
+    /// (batches, heads, rows, d) of the key-side operands.
+    fn kv_dims(&self, heads: usize) -> R<(usize, usize, usize, usize)> {
+        self.q_dims(heads)?;
+        Ok((self.bq / self.group, heads / self.group, self.s, self.d))
+    }
+
+    /// The uses of q, k, v (through `st`) and the mask.
+    fn strided_operands(
+        &self,
+        p: [Option<Ptr>; 4],
+        heads: usize,
+        st: &[Strides],
+        elem: usize,
+    ) -> R<Vec<Option<Use>>> {
+        let (qd, kd) = (self.q_dims(heads)?, self.kv_dims(heads)?);
+        let need = |x: Option<Ptr>| x.ok_or_else(|| "a null operand".to_string());
+        Ok(vec![
+            st[0].use_of("q", need(p[0])?, qd, elem, Io::R)?,
+            st[1].use_of("k", need(p[1])?, kd, elem, Io::R)?,
+            st[2].use_of("v", need(p[2])?, kd, elem, Io::R)?,
+            use_("mask", p[3], self.mask_bytes(), 1, Io::R),
+        ])
+    }
+
     fn mask_bytes(&self) -> u64 {
         (self.bq / self.mask_group * self.s) as u64
     }
@@ -120,6 +155,67 @@ impl Shape {
     fn rows(&self) -> u64 {
         (self.bq * self.t) as u64
     }
+}
+
+/// Where a tensor-core kernel's operand is (`attention.cu`'s AttStrides): batch `b` at
+/// `(b / heads) batch + (b % heads) head`, its rows `row` elements apart, each of `d`
+/// contiguous elements (all in elements).
+#[derive(Clone, Copy, Debug)]
+struct Strides {
+    batch: i64,
+    head: i64,
+    row: i64,
+}
+
+impl Strides {
+    /// `X_batch`, `X_head`, `X_row` of operand `x`.
+    fn read(a: &mut Args, x: &str) -> R<Strides> {
+        let st = Strides {
+            batch: a.i64(&format!("{x}_batch"))?,
+            head: a.i64(&format!("{x}_head"))?,
+            row: a.i64(&format!("{x}_row"))?,
+        };
+        if st.batch < 0 || st.head < 0 || st.row < 0 {
+            return Err(format!("`{x}`: negative strides {st:?}"));
+        }
+        Ok(st)
+    }
+
+    /// The use of `batches` batches (split by `heads`) of `rows` rows of `d` elements: the
+    /// rows it touches, one range each.
+    fn use_of(
+        &self,
+        what: &str,
+        p: Ptr,
+        (batches, heads, rows, d): (usize, usize, usize, usize),
+        elem: usize,
+        io: Io,
+    ) -> R<Option<Use>> {
+        if heads == 0 {
+            return Err(format!("`{what}`: heads 0"));
+        }
+        let e = elem as u64;
+        let mut ranges = Vec::with_capacity(batches * rows);
+        for b in 0..batches {
+            let base = (b / heads) as i64 * self.batch + (b % heads) as i64 * self.head;
+            for r in 0..rows {
+                let at = (base + r as i64 * self.row) as u64;
+                ranges.push((at * e, d as u64 * e));
+            }
+        }
+        Ok(ranges_use(what, p, ranges, elem, io))
+    }
+}
+
+/// The operands' strides a tensor-core kernel takes after its shape: `heads`, then each
+/// named operand's.
+fn read_strides(a: &mut Args, names: &[&str]) -> R<(usize, Vec<Strides>)> {
+    let heads = a.count32("heads")?;
+    let strides = names
+        .iter()
+        .map(|x| Strides::read(a, x))
+        .collect::<R<Vec<_>>>()?;
+    Ok((heads, strides))
 }
 
 /// The launch must be `(grid, (threads, 1, 1))` with exactly `shared` bytes of dynamic shared
@@ -161,11 +257,20 @@ pub(super) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let o = a.need(m, "o")?;
     let lse = a.need(m, "lse")?;
     let sh = Shape::read(&mut a, Kernel::Forward)?;
-    a.end()?;
-    sh.check_launch(l, Kernel::Forward, v)?;
     let elem = v.dtype.size_bytes();
-    let mut uses = operand_uses(&sh, ops, elem);
-    uses.push(use_("o", Some(o), sh.q_bytes(elem), elem, Io::W));
+    let mut uses = if v.tile.is_some() {
+        let (heads, st) = read_strides(&mut a, &["q", "k", "v", "o"])?;
+        a.end()?;
+        let mut uses = sh.strided_operands(ops, heads, &st[..3], elem)?;
+        uses.push(st[3].use_of("o", o, sh.q_dims(heads)?, elem, Io::W)?);
+        uses
+    } else {
+        a.end()?;
+        let mut uses = operand_uses(&sh, ops, elem);
+        uses.push(use_("o", Some(o), sh.q_bytes(elem), elem, Io::W));
+        uses
+    };
+    sh.check_launch(l, Kernel::Forward, v)?;
     uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::W));
     checked(m, uses, &[])
 }
@@ -225,6 +330,7 @@ pub(super) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let acc = a.need(m, "dq_acc")?;
     let ready = a.need(m, "dq_ready")?;
     let sh = Shape::read(&mut a, Kernel::Backward)?;
+    let (heads, st) = read_strides(&mut a, &["q", "k", "v", "d_o", "dq", "dk", "dv"])?;
     a.end()?;
     let Some(p) = v.tile else {
         return Err("the one-pass backward has tensor-core variants only".into());
@@ -232,13 +338,14 @@ pub(super) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     sh.check_launch(l, Kernel::Backward, v)?;
     let elem = v.dtype.size_bytes();
     let (bq, t) = (sh.bq as u64, sh.t as u64);
-    let mut uses = operand_uses(&sh, ops, elem);
-    uses.push(use_("do", Some(d_o), sh.q_bytes(elem), elem, Io::R));
+    let (qd, kd) = (sh.q_dims(heads)?, sh.kv_dims(heads)?);
+    let mut uses = sh.strided_operands(ops, heads, &st[..3], elem)?;
+    uses.push(st[3].use_of("do", d_o, qd, elem, Io::R)?);
     uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::R));
     uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));
-    uses.push(use_("dq", Some(dq), sh.q_bytes(elem), elem, Io::W));
-    uses.push(use_("dk", Some(dk), sh.kv_bytes(elem), elem, Io::W));
-    uses.push(use_("dv", Some(dv), sh.kv_bytes(elem), elem, Io::W));
+    uses.push(st[4].use_of("dq", dq, qd, elem, Io::W)?);
+    uses.push(st[5].use_of("dk", dk, kd, elem, Io::W)?);
+    uses.push(st[6].use_of("dv", dv, kd, elem, Io::W)?);
     uses.push(use_(
         "dq_acc",
         Some(acc),
@@ -262,16 +369,21 @@ pub(super) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
     let d_o = a.need(m, "d_o")?;
     let delta = a.need(m, "delta")?;
     let rows = a.count("rows")?;
+    let t = a.count32("t")?;
     let d = a.count32("d")?;
+    let (heads, st) = read_strides(&mut a, &["o", "d_o"])?;
     a.end()?;
     expect_shape(l, geometry::delta_grid(rows as u64), geometry::THREADS, 0)?;
+    if t == 0 || rows % t != 0 {
+        return Err(format!("{rows} rows are not whole batches of t = {t}"));
+    }
     let elem = dtype.size_bytes();
-    let bytes = (rows * d * elem) as u64;
+    let dims = (rows / t, heads, t, d);
     checked(
         m,
         vec![
-            use_("o", Some(o), bytes, elem, Io::R),
-            use_("do", Some(d_o), bytes, elem, Io::R),
+            st[0].use_of("o", o, dims, elem, Io::R)?,
+            st[1].use_of("do", d_o, dims, elem, Io::R)?,
             use_("delta", Some(delta), 4 * rows as u64, 4, Io::W),
         ],
         &[],

@@ -198,6 +198,86 @@ fn bound(dtype: DType) -> f64 {
     }
 }
 
+/// Where a test puts a `[batches, rows, d]` operand whose batches split by `heads`: dense, or
+/// in place as a head of a fused QKV product or a context in `[B, T, H, d]` sits,
+/// `[batches / heads, rows, heads, d + GAP]` with other data in the gaps (the kernels read it
+/// through strides and must neither read nor write the gaps).
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    heads: usize,
+    rows: usize,
+    d: usize,
+    in_place: bool,
+}
+
+/// Elements between one head's row and the next head's in the in-place layout.
+const GAP: usize = 8;
+/// What the gaps hold: a value no result is near.
+const GAP_FILL: f32 = 1000.0;
+
+impl Layout {
+    /// (batch, head, row) strides in elements.
+    fn strides(&self) -> [usize; 3] {
+        let (h, r, d) = (self.heads, self.rows, self.d);
+        if self.in_place {
+            let w = d + GAP;
+            [r * h * w, w, h * w]
+        } else {
+            [h * r * d, r * d, d]
+        }
+    }
+
+    /// The stride arguments `X_batch`, `X_head`, `X_row`.
+    fn args(&self) -> [Arg; 3] {
+        self.strides().map(i64)
+    }
+
+    fn index(&self, b: usize, r: usize, j: usize) -> usize {
+        let st = self.strides();
+        (b / self.heads) * st[0] + (b % self.heads) * st[1] + r * st[2] + j
+    }
+
+    fn len(&self, batches: usize) -> usize {
+        batches.div_ceil(self.heads) * self.strides()[0]
+    }
+
+    /// Dense `x` laid out, the gaps filled.
+    fn place(&self, x: &[f32], batches: usize) -> Vec<f32> {
+        let mut y = vec![GAP_FILL; self.len(batches)];
+        for b in 0..batches {
+            for r in 0..self.rows {
+                for j in 0..self.d {
+                    y[self.index(b, r, j)] = x[(b * self.rows + r) * self.d + j];
+                }
+            }
+        }
+        y
+    }
+
+    /// The dense operand read back from `y`; panics if a gap was written.
+    fn gather(&self, y: &[f32], batches: usize, what: &str) -> Vec<f32> {
+        let mut x = vec![0.0; batches * self.rows * self.d];
+        let mut inside = vec![false; y.len()];
+        for b in 0..batches {
+            for r in 0..self.rows {
+                for j in 0..self.d {
+                    let i = self.index(b, r, j);
+                    x[(b * self.rows + r) * self.d + j] = y[i];
+                    inside[i] = true;
+                }
+            }
+        }
+        if self.in_place {
+            let written = (0..y.len()).find(|&i| !inside[i] && y[i] != GAP_FILL);
+            assert!(
+                written.is_none(),
+                "{what}: a gap was written at {written:?}"
+            );
+        }
+        x
+    }
+}
+
 struct Worst {
     what: String,
     err: f64,
@@ -213,10 +293,17 @@ fn attention_kernels_agree_with_the_twin() {
             (dtype, tile),
             (DType::BF16, Some(64)) | (DType::F16, Some(128))
         ) && !host::sanitize().is_ok_and(|s| s != Sanitize::None);
+        let first = dims.first().copied();
         for d in dims {
             for case in CASES.iter().chain(if long { &LONG_CASES[..] } else { &[] }) {
                 let case = *case;
-                for (what, err) in run_case(&mut rng, dtype, &suffix, tile, d, case) {
+                // In place: the tensor-core kernels, at the variant's first head dim.
+                let in_place = tile.is_some() && Some(d) == first;
+                let layouts: &[bool] = if in_place { &[false, true] } else { &[false] };
+                for (what, err) in layouts
+                    .iter()
+                    .flat_map(|&ip| run_case(&mut rng, dtype, &suffix, tile, d, case, ip))
+                {
                     assert!(
                         err <= bound(dtype),
                         "{what}: relative error {err:.3e} over the bound {:.1e}",
@@ -248,8 +335,22 @@ fn run_case(
     tile: Option<u32>,
     d: usize,
     c: Case,
+    in_place: bool,
 ) -> Vec<(String, f64)> {
     let (bq, bkv) = (c.bq(), c.nb * c.hkv);
+    let hq = c.hkv * c.g;
+    let ql = Layout {
+        heads: hq,
+        rows: c.t,
+        d,
+        in_place,
+    };
+    let kl = Layout {
+        heads: c.hkv,
+        rows: c.s,
+        d,
+        in_place,
+    };
     // Odd cases put one operand a few bytes past 16-byte alignment (the kernels' element-by-
     // element tile loads and stores); even ones keep every buffer aligned (their 16-byte
     // asynchronous copies and vector stores).
@@ -296,7 +397,16 @@ fn run_case(
         })
         .collect();
 
-    let name = |k: &str| format!("attention_{k}_{suffix} d={d} {c:?}");
+    let at = if in_place { " in place" } else { "" };
+    let name = |k: &str| format!("attention_{k}_{suffix} d={d} {c:?}{at}");
+    // The tensor-core kernels' strides: heads, then each operand's (q-side or key-side).
+    let strides_args = |sides: &[&Layout]| -> Vec<Arg> {
+        let mut out = vec![i32(hq)];
+        for l in sides {
+            out.extend(l.args());
+        }
+        out
+    };
     let shape_args = |batches: usize| -> Vec<Arg> {
         vec![
             i64(batches),
@@ -327,11 +437,11 @@ fn run_case(
 
     // Forward.
     let mut l = Launcher::new("attention.cu");
-    let bqv = l.buf(enc(dtype, &q), skew);
-    let bk = l.buf(enc(dtype, &k), 0);
-    let bv = l.buf(enc(dtype, &v), 0);
+    let bqv = l.buf(enc(dtype, &ql.place(&q, bq)), skew);
+    let bk = l.buf(enc(dtype, &kl.place(&k, bkv)), 0);
+    let bv = l.buf(enc(dtype, &kl.place(&v, bkv)), 0);
     let bm = l.buf(mask_bytes.clone(), 1);
-    let bo = l.out(bq * c.t * d * elem, 0);
+    let bo = l.buf(enc(dtype, &ql.place(&vec![0.0; bq * c.t * d], bq)), 0);
     let blse = l.out(bq * c.t * 4, 0);
     let mask_arg = |l: &Launcher| if c.masked { l.ptr(bm) } else { Arg::Null };
     let mut args = vec![
@@ -343,15 +453,16 @@ fn run_case(
         l.ptr(blse),
     ];
     args.extend(shape_args(bq));
+    if tile.is_some() {
+        args.extend(strides_args(&[&ql, &kl, &kl, &ql]));
+    }
     let (grid, block) = launch(&mut l, Kernel::Forward);
     let what = name("fwd");
     let out = l
         .run(&format!("attention_fwd_{suffix}"), grid, block, args)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
-    errors.push((
-        format!("{what} o"),
-        relative_error(&dec(dtype, &out[bo.0]), &o),
-    ));
+    let got_o = ql.gather(&dec(dtype, &out[bo.0]), bq, &what);
+    errors.push((format!("{what} o"), relative_error(&got_o, &o)));
     errors.push((
         format!("{what} lse"),
         relative_error(&dec(DType::F32, &out[blse.0]), &lse),
@@ -360,11 +471,19 @@ fn run_case(
     // delta.
     let sfx = suffix.split('_').next().unwrap_or(suffix);
     let mut l = Launcher::new("attention.cu");
-    let bo = l.buf(enc(dtype, &o), 0);
-    let bdo = l.buf(enc(dtype, &d_o), skew);
+    let bo = l.buf(enc(dtype, &ql.place(&o, bq)), 0);
+    let bdo = l.buf(enc(dtype, &ql.place(&d_o, bq)), skew);
     let bdelta = l.out(bq * c.t * 4, 0);
-    let args = vec![l.ptr(bo), l.ptr(bdo), l.ptr(bdelta), i64(bq * c.t), i32(d)];
-    let what = format!("attention_bwd_delta_{sfx} d={d} {c:?}");
+    let mut args = vec![
+        l.ptr(bo),
+        l.ptr(bdo),
+        l.ptr(bdelta),
+        i64(bq * c.t),
+        i32(c.t),
+        i32(d),
+    ];
+    args.extend(strides_args(&[&ql, &ql]));
+    let what = format!("attention_bwd_delta_{sfx} d={d} {c:?}{at}");
     let out = l
         .run(
             &format!("attention_bwd_delta_{sfx}"),
@@ -381,11 +500,11 @@ fn run_case(
     // The gradients, from the twin's o, lse and delta.
     let grads = |kernel: Kernel| -> Vec<Vec<f32>> {
         let mut l = Launcher::new("attention.cu");
-        let bqv = l.buf(enc(dtype, &q), 0);
-        let bk = l.buf(enc(dtype, &k), skew);
-        let bv = l.buf(enc(dtype, &v), 0);
+        let bqv = l.buf(enc(dtype, &ql.place(&q, bq)), 0);
+        let bk = l.buf(enc(dtype, &kl.place(&k, bkv)), skew);
+        let bv = l.buf(enc(dtype, &kl.place(&v, bkv)), 0);
         let bm = l.buf(mask_bytes.clone(), 0);
-        let bdo = l.buf(enc(dtype, &d_o), 0);
+        let bdo = l.buf(enc(dtype, &ql.place(&d_o, bq)), 0);
         let blse = l.buf(enc(DType::F32, &lse), 0);
         let bdelta = l.buf(enc(DType::F32, &delta), 0);
         let mut args = vec![
@@ -414,9 +533,11 @@ fn run_case(
             }
             _ => {
                 let p = tile.expect("the one-pass backward is a tensor-core kernel");
-                let b = l.out(bq * c.t * d * elem, 0);
-                let bdk = l.out(bkv * c.s * d * elem, 0);
-                let bdv = l.out(bkv * c.s * d * elem, skew);
+                let zeros =
+                    |l: &Layout, n: usize| enc(dtype, &l.place(&vec![0.0; n * l.rows * d], n));
+                let b = l.buf(zeros(&ql, bq), 0);
+                let bdk = l.buf(zeros(&kl, bkv), 0);
+                let bdv = l.buf(zeros(&kl, bkv), skew);
                 let (bqu, tu) = (bq as u64, c.t as u64);
                 let acc = l.out(4 * geometry::dq_acc_elems(bqu, tu, p) as usize, 0);
                 let ready = l.buf(
@@ -427,6 +548,7 @@ fn run_case(
                     args.push(l.ptr(x));
                 }
                 args.extend(shape_args(bkv));
+                args.extend(strides_args(&[&ql, &kl, &kl, &ql, &ql, &kl, &kl]));
                 ("bwd", vec![b, bdk, bdv])
             }
         };
@@ -435,6 +557,14 @@ fn run_case(
         let out = l
             .run(&format!("attention_{entry}_{suffix}"), grid, block, args)
             .unwrap_or_else(|e| panic!("{what}: {e}"));
+        if tile.is_some() {
+            let layouts = [(ql, bq), (kl, bkv), (kl, bkv)];
+            return outs
+                .iter()
+                .zip(layouts)
+                .map(|(b, (lay, n))| lay.gather(&dec(dtype, &out[b.0]), n, &what))
+                .collect();
+        }
         outs.iter().map(|b| dec(dtype, &out[b.0])).collect()
     };
     // With one key (or one visible key per row) dq and dk are zero in exact arithmetic: the
