@@ -5,8 +5,9 @@
 
 use super::super::program::{Arg, Command, Place};
 use super::super::sdpa::{self, Sdpa, SdpaGrads, SdpaPass, SdpaProblem, Tensor4};
+use super::copies;
 use super::{sfx, window_arg, LowerError, RunLowering};
-use castor_ir::{Accum, AttentionLibrary, DType, Node, Op, Value};
+use castor_ir::{Accum, AttentionLibrary, DType, Graph, Node, NodeData, Op, Value};
 use castor_kernels::attention::{self as geometry, Kernel};
 
 /// An attention op as the kernels see it: `bq` query batches of `t` rows and head dim `d`;
@@ -77,6 +78,90 @@ impl Operand {
             (names[2], Arg::I64(self.row)),
         ]
     }
+}
+
+/// Query batches per outer batch for query batch dims `qb` with key batches shared by `group`:
+/// the dims after the first (all of them when the key batches are not whole groups of those).
+fn heads_of(qb: &[usize], group: usize) -> usize {
+    let bq: usize = qb.iter().product();
+    match qb.first() {
+        Some(&outer) if qb.len() >= 2 && outer > 0 && (bq / outer).is_multiple_of(group) => {
+            bq / outer
+        }
+        _ => bq.max(1),
+    }
+}
+
+/// The (batch, head, row) strides by which the tensor-core kernels reach `view`, an operand
+/// of `[.., rows, d]` whose batches split by `heads`: `None` unless its batch dims fold into
+/// (outer, heads) and its rows are contiguous, or (`write`) where two elements would share
+/// an address.
+fn kernel_strides(view: &copies::View, heads: usize, write: bool) -> Option<[i64; 3]> {
+    let r = view.dims.len();
+    if r < 2 || heads == 0 {
+        return None;
+    }
+    let (rows, d) = (view.dims[r - 2], view.dims[r - 1]);
+    let batches: usize = view.dims[..r - 2].iter().product();
+    if !batches.is_multiple_of(heads) {
+        return None;
+    }
+    let v = view.reshape(&[batches / heads, heads, rows, d])?;
+    if d > 1 && v.strides[3] != 1 {
+        return None;
+    }
+    let strides = [v.strides[0], v.strides[1], v.strides[2]];
+    if strides.iter().any(|&x| x < 0) {
+        return None;
+    }
+    if write
+        && v.dims
+            .iter()
+            .zip(&v.strides)
+            .any(|(&n, &st)| n > 1 && st == 0)
+    {
+        return None;
+    }
+    Some(strides)
+}
+
+/// Whether attention node `node` reads operand `x` (whose elements are `view` of another
+/// buffer) in place, through strides: the tensor-core kernels' operands q, k, v, and for the
+/// backward o and do.
+pub(super) fn reads_in_place(g: &Graph, node: &NodeData, x: Value, view: &copies::View) -> bool {
+    let grad = match node.op {
+        Op::Attention { .. } => false,
+        Op::AttentionGrad { .. } => true,
+        _ => return false,
+    };
+    let dims = |v: Value| g.ty(v).shape.dims().to_vec();
+    let (q, k) = (node.inputs[0], node.inputs[1]);
+    if !matches!(g.ty(q).dtype, DType::F16 | DType::BF16) {
+        return false;
+    }
+    let (qd, kd) = (dims(q), dims(k));
+    if qd.len() < 2 || kd.len() < 2 {
+        return false;
+    }
+    let qb = &qd[..qd.len() - 2];
+    let Some(group) = sharing(qb, &kd[..kd.len() - 2]) else {
+        return false;
+    };
+    let heads = heads_of(qb, group);
+    let query_side = if grad { [0, 3, 5] } else { [0, 0, 0] };
+    node.inputs.iter().enumerate().all(|(i, &input)| {
+        if input != x {
+            return true;
+        }
+        let side = if query_side.contains(&i) {
+            heads
+        } else if i == 1 || i == 2 {
+            heads / group
+        } else {
+            return false;
+        };
+        kernel_strides(view, side, false).is_some()
+    })
 }
 
 /// How many consecutive query batches share one batch of an operand whose batch dims are
@@ -178,14 +263,7 @@ impl RunLowering<'_, '_> {
             })?),
         };
         let bq: usize = qb.iter().product();
-        // Heads: the query batch dims after the first (all of them when the key batches are
-        // not whole groups of those).
-        let heads = match qb.first() {
-            Some(&outer) if qb.len() >= 2 && outer > 0 && (bq / outer).is_multiple_of(group) => {
-                bq / outer
-            }
-            _ => bq.max(1),
-        };
+        let heads = heads_of(qb, group);
         Ok(Problem {
             bq,
             t,
@@ -263,7 +341,24 @@ impl RunLowering<'_, '_> {
         heads: usize,
         rows: usize,
     ) -> Result<Operand, LowerError> {
-        Ok(Operand::dense(self.at(x)?, heads, rows, p.d))
+        let (root, view) = self.source(x);
+        if root == x {
+            return Ok(Operand::dense(self.at(x)?, heads, rows, p.d));
+        }
+        // A view of another buffer, kept virtual for this read (`reads_in_place`).
+        let [batch, head, row] = kernel_strides(&view, heads, false).ok_or_else(|| {
+            self.err(
+                x,
+                "a view the attention kernels cannot read in place (a lowering bug)",
+            )
+        })?;
+        let elem = p.dtype.size_bytes() as u64;
+        Ok(Operand {
+            at: self.at(root)?.plus(view.offset as u64 * elem),
+            batch,
+            head,
+            row,
+        })
     }
 
     /// q, k and v (operands 0 to 2 of `ins`).

@@ -1020,7 +1020,12 @@ pub(crate) fn layout_views(
         for (o, view) in made {
             let Some(view) = view else { continue };
             let fixed = g.outputs().contains(&o) || stored.contains_key(g.name(o));
-            let only_layout = users[o.index()].iter().all(|&u| reads_views(&g.node(u).op));
+            // Read only through views: by layout ops (each composing its view), or in place
+            // by the attention kernels (a head of a fused QKV product).
+            let only_layout = users[o.index()].iter().all(|&u| {
+                let node = g.node(u);
+                reads_views(&node.op) || attention::reads_in_place(g, node, o, &view)
+            });
             storage[o.index()] = if fixed || view.dims.len() > super::program::MAX_RANK {
                 Storage::Own
             } else if only_layout {
