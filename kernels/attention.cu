@@ -18,7 +18,7 @@
 //
 // Tensor-core kernels (f16, bf16; <P> = 16, 32, 64 or 128, the head dim d rounded up):
 //   attention_fwd_<t>_d<P>(q, k, v, mask, o, lse, bq, t, s, d, group, mask_group, causal,
-//                          window, scale, heads, <q, k, v, o strides>)
+//                          window, scale, <q, k, v, o strides>)
 //     One block of 8 warps per (128 query rows, query batch); the block of the last rows
 //     starts first (a causal block of later rows has the most keys). Q is copied to shared
 //     memory and from there, by ldmatrix, into registers, once; K and V tiles (128 keys for
@@ -32,7 +32,7 @@
 //   attention_bwd_delta_<t>(o, do, delta, rows, t, d, heads, <o, do strides>): delta =
 //     sum(do * o) per row, F64 sum.
 //   attention_bwd_<t>_d<P>(q, k, v, mask, do, lse, delta, dq, dk, dv, dq_acc, dq_ready, bkv,
-//                          t, s, d, group, mask_group, causal, window, scale, heads,
+//                          t, s, d, group, mask_group, causal, window, scale,
 //                          <q, k, v, do, dq, dk, dv strides>)
 //     One pass over key blocks: one block of 8 warps per (128 keys, kv batch); each warp
 //     owns 16 keys. For every query batch of the group and every tile of query rows
@@ -70,7 +70,9 @@
 // rounding to <t>: the kernel test's bounds (relative error against the twin, measured worst
 // with a margin) are 2e-4 in F16 and 1.2e-3 in BF16.
 // Launch (castor_kernels::attention holds these numbers): tensor-core kernels block (256),
-// grid (ceil(t / 128), bq) for fwd and (ceil(s / 128), bq / group) for bwd, dynamic shared
+// grid (ceil(t / 128), heads, bq / heads) for fwd and (ceil(s / 128), heads / group,
+// bq / heads) for bwd (heads: the query heads of one outer batch, a multiple of group; the
+// grid gives each block its (outer, head) split), dynamic shared
 // memory as attention::shared_bytes computes (over 48 KiB, so the host opts in); bwd needs
 // dq_acc of bq t P floats and dq_ready of bq ceil(t / QT) ints zeroed before it. F32 kernels
 // and delta: block (128), grid (ceil(t / 4), bq) for fwd and dq, (ceil(s / 4), bq / group) for
@@ -93,17 +95,19 @@ template <int P> struct AttShape {
 };
 
 // Where the rows of a tensor-core kernel's operand are: query (or key) batch b, split as
-// (b / heads, b % heads), starts at (b / heads) batch + (b % heads) head, and its rows are
-// `row` elements apart, each of d contiguous elements. A head of a fused QKV product
+// (b / heads, b % heads) = (outer, h), starts at outer batch + h head, and its rows are `row`
+// elements apart, each of d contiguous elements. A head of a fused QKV product
 // ([B, T, 3, H, d] read as [B, H, T, d]) or a context in [B, T, H, d] is read and written in
 // place this way; a dense [bq, rows, d] operand is (heads rows d, rows d, d) for any heads.
 struct AttStrides {
-    i64 batch, head, row;
-    __device__ __forceinline__ i64 at(int b, int heads) const {
-        return i64(b / heads) * batch + i64(b % heads) * head;
+    int batch, head, row;  // 32-bit strides, 64-bit offsets: one wide multiply-add each
+    // Where head `h` of outer batch `outer` starts (the tensor-core kernels take both from
+    // their grid, so no division runs).
+    __device__ __forceinline__ i64 at(int outer, int h) const {
+        return i64(outer) * batch + i64(h) * head;
     }
     // Every row starts 16 bytes after a 16-byte aligned base when the element offsets do.
-    __device__ __forceinline__ bool rows16() const { return (batch | head | row) % 8 == 0; }
+    __device__ __forceinline__ bool rows16() const { return ((batch | head | row) & 7) == 0; }
 };
 
 // The first key the mask keeps (s when it keeps none; 0 without a mask), for mask row `m`,
@@ -222,7 +226,7 @@ __device__ __forceinline__ float quad_sum(float v) {
 // caller commits and waits for, else element by element.
 template <typename T, int P, int ROWS, int N>
 __device__ __forceinline__ void load_tiles(T* const (&dst)[N], const T* const (&src)[N],
-                                           const i64 (&ld)[N], int r0, int n, int d, bool vec) {
+                                           const int (&ld)[N], int r0, int n, int d, bool vec) {
     constexpr int LD = P + ATT_PAD, CHUNKS = P / 8, STEP = ATT_TC_THREADS / CHUNKS;
     if (vec) {
         // Each thread copies one 16-byte column chunk of every STEP-th row.
@@ -248,7 +252,7 @@ __device__ __forceinline__ void load_tiles(T* const (&dst)[N], const T* const (&
             const int r = idx / P % ROWS, col = idx % P, row = r0 + r;
             const bool second = idx >= ROWS * P;
             const T* from = second ? src[N - 1] : src[0];
-            const i64 stride = second ? ld[N - 1] : ld[0];
+            const int stride = second ? ld[N - 1] : ld[0];
             T* to = second ? dst[N - 1] : dst[0];
             to[r * LD + col] =
                 (row < n && col < d) ? from[i64(row) * stride + col] : from_f32<T>(0.0f);
@@ -256,11 +260,11 @@ __device__ __forceinline__ void load_tiles(T* const (&dst)[N], const T* const (&
     }
 }
 template <typename T, int P, int ROWS>
-__device__ __forceinline__ void load_tile(T* dst, const T* src, i64 ld, int r0, int n, int d,
+__device__ __forceinline__ void load_tile(T* dst, const T* src, int ld, int r0, int n, int d,
                                           bool vec) {
     T* const to[1] = {dst};
     const T* const from[1] = {src};
-    const i64 lds[1] = {ld};
+    const int lds[1] = {ld};
     load_tiles<T, P, ROWS, 1>(to, from, lds, r0, n, d, vec);
 }
 
@@ -283,7 +287,7 @@ __device__ __forceinline__ void store_pair(T* row, int col, int d, float x0, flo
 // Once per block, so not unrolled.
 template <typename T, int P, int N>
 __device__ __forceinline__ void store_rows(T* const (&dst)[N], const T* const (&tile)[N],
-                                           const i64 (&ld)[N], int rows, int d, bool vec) {
+                                           const int (&ld)[N], int rows, int d, bool vec) {
     constexpr int LD = P + ATT_PAD, CHUNKS = P / 8;
     const int lane = threadIdx.x & 31;
     if (vec) {
@@ -352,7 +356,7 @@ __device__ __forceinline__ const T* b_rows(const T* tile, int row0, int col0) {
 // Copies key tile [key0, key0 + KEYS) of K and V, and its mask bytes, into buffer `buf`.
 template <typename T, int P>
 __device__ __forceinline__ void stage_keys(T* ks, T* vs, unsigned char* keep, const T* kb,
-                                           const T* vb, const i64 (&ld)[2],
+                                           const T* vb, const int (&ld)[2],
                                            const unsigned char* mrow, int key0, int s, int d,
                                            bool vec, int buf) {
     constexpr int LD = P + ATT_PAD, KEYS = AttShape<P>::KEYS;
@@ -368,7 +372,7 @@ __device__ __forceinline__ void stage_keys(T* ks, T* vs, unsigned char* keep, co
 template <typename T, int P>
 __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char* mask, T* o,
                         float* lse, int t, int s, int d, int group, int mask_group, int causal,
-                        int window, float scale_log2, int heads, AttStrides sq, AttStrides sk,
+                        int window, float scale_log2, AttStrides sq, AttStrides sk,
                         AttStrides sv, AttStrides so) {
     constexpr int LD = P + ATT_PAD, KEYS = AttShape<P>::KEYS, ROWS = ATT_FWD_ROWS;
     constexpr int NT = KEYS / 8, DT = P / 16, OT = P / 8, WORDS = KEYS / 64;
@@ -380,13 +384,15 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
     __shared__ int first_slot, any_empty;
     __shared__ unsigned char empty_rows[ROWS];
 
-    const int b = blockIdx.y;  // 32-bit: a grid dimension, and no 64-bit divisions below
+    // Query head h of outer batch `outer`, query batch b; 32-bit (grid dimensions), and no
+    // 64-bit divisions below.
+    const int h = blockIdx.y, outer = blockIdx.z, b = outer * int(gridDim.y) + h;
     const int r0 = (gridDim.x - 1 - blockIdx.x) * ROWS;
     const int warp = warp_index(), lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const T* qb = q + sq.at(b, heads);
-    const T* kb = k + sk.at(b / group, heads / group);
-    const T* vb = v + sv.at(b / group, heads / group);
-    const i64 kv_ld[2] = {sk.row, sv.row};
+    const T* qb = q + sq.at(outer, h);
+    const T* kb = k + sk.at(outer, h / group);
+    const T* vb = v + sv.at(outer, h / group);
+    const int kv_ld[2] = {sk.row, sv.row};
     const unsigned char* mrow = mask ? mask + i64(b / mask_group) * s : nullptr;
     Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
     const bool some_empty = window_rows(vis, empty_rows, &any_empty, mrow, r0, ROWS);
@@ -566,9 +572,9 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
             lse[i64(b) * t + rows[h]] = (m2[h] + log2_approx(sum)) * ATT_LN2;
     }
     __syncwarp();
-    T* const to[1] = {o + so.at(b, heads) + i64(wr0) * so.row};
+    T* const to[1] = {o + so.at(outer, h) + i64(wr0) * so.row};
     const T* const from[1] = {ow};
-    const i64 o_ld[1] = {so.row};
+    const int o_ld[1] = {so.row};
     store_rows<T, P, 1>(to, from, o_ld, min(16, t - wr0), d,
                         d % 8 == 0 && aligned16(o) && so.rows16());
 }
@@ -581,9 +587,9 @@ __device__ void att_delta(const T* o, const T* d_o, float* delta, i64 rows, int 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 row = i64(blockIdx.x) * (ATT_THREADS / 32) + warp;
     if (row >= rows) return;
-    const int b = int(row / t), r = int(row % t);
-    const T* orow = o + so.at(b, heads) + i64(r) * so.row;
-    const T* dorow = d_o + sdo.at(b, heads) + i64(r) * sdo.row;
+    const int b = int(row / t), r = int(row % t), outer = b / heads, h = b % heads;
+    const T* orow = o + so.at(outer, h) + i64(r) * so.row;
+    const T* dorow = d_o + sdo.at(outer, h) + i64(r) * sdo.row;
     double acc = 0.0;
     if (d % UNIT == 0 && aligned16(o) && aligned16(d_o) && so.rows16() && sdo.rows16()) {
         for (int j = lane * UNIT; j < d; j += 32 * UNIT) {
@@ -638,7 +644,7 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                         const T* d_o, const float* lse, const float* delta, T* dq, T* dk, T* dv,
                         float* dq_acc, int* dq_ready, int t, int s, int d, int group,
                         int mask_group, int causal, int window, float scale, float scale_log2,
-                        int heads, AttStrides sq, AttStrides sk, AttStrides sv, AttStrides sdo,
+                        AttStrides sq, AttStrides sk, AttStrides sv, AttStrides sdo,
                         AttStrides sdq, AttStrides sdk, AttStrides sdv) {
     constexpr int KB = ATT_BWD_KEYS, QT = AttShape<P>::QROWS, LD = P + ATT_PAD;
     constexpr int LDS = QT + ATT_PAD, DT = P / 16, OT = P / 8, NQ = QT / 8;
@@ -660,19 +666,19 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
     __shared__ unsigned char empty_rows[QT];
 
     const int nkb = gridDim.x, kb = nkb - 1 - blockIdx.x, key0 = kb * KB;
-    const int bk = blockIdx.y;
+    // Key head hk of outer batch `outer`, key batch bk; its query heads are hk group + i.
+    const int hk = blockIdx.y, outer = blockIdx.z, bk = outer * int(gridDim.y) + hk;
     const int nqt = (t + QT - 1) / QT;
     const int warp = warp_index(), lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int j0 = key0 + warp * 16;
     const int keys[2] = {j0 + g, j0 + g + 8};
-    const int heads_kv = heads / group;
     const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) &&
                      aligned16(d_o) && sq.rows16() && sk.rows16() && sv.rows16() &&
                      sdo.rows16();
     {
         T* const to[2] = {ks, vs};
-        const T* const from[2] = {k + sk.at(bk, heads_kv), v + sv.at(bk, heads_kv)};
-        const i64 ld[2] = {sk.row, sv.row};
+        const T* const from[2] = {k + sk.at(outer, hk), v + sv.at(outer, hk)};
+        const int ld[2] = {sk.row, sv.row};
         load_tiles<T, P, KB, 2>(to, from, ld, key0, s, d, vec);
     }
     cp_async_commit();
@@ -719,9 +725,10 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             jok[h] = jin[h] && (mrow == nullptr || keep[keys[h] - key0] != 0);
         }
         const bool keys_kept = __all_sync(FULL_WARP, jok[0] && jok[1]);
-        const T* qb = q + sq.at(b, heads);
-        const T* dob = d_o + sdo.at(b, heads);
-        const i64 q_ld[2] = {sq.row, sdo.row};
+        const int qh = hk * group + (b - bk * group);
+        const T* qb = q + sq.at(outer, qh);
+        const T* dob = d_o + sdo.at(outer, qh);
+        const int q_ld[2] = {sq.row, sdo.row};
 
         // Tile qa - 1 only stages tile qa; every later one stages the next while it computes.
         for (int qt = qa - 1, buf = 1; qt <= qz; ++qt, buf ^= 1) {
@@ -935,11 +942,11 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             __syncthreads();
             if (last) {
                 const bool dvec = d % 8 == 0 && aligned16(dq) && sdq.rows16();
-                T* dqb = dq + sdq.at(b, heads) + i64(q0) * sdq.row;
+                T* dqb = dq + sdq.at(outer, qh) + i64(q0) * sdq.row;
                 if (warp < QT / 16) {
                     T* const to[1] = {dqb + i64(warp) * 16 * sdq.row};
                     const T* const from[1] = {out + warp * 16 * LD};
-                    const i64 ld[1] = {sdq.row};
+                    const int ld[1] = {sdq.row};
                     store_rows<T, P, 1>(to, from, ld, min(16, qlast + 1 - q0 - warp * 16), d,
                                         dvec);
                 }
@@ -965,10 +972,10 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
     if (rows > 0) {
         const bool kvec =
             d % 8 == 0 && aligned16(dk) && aligned16(dv) && sdk.rows16() && sdv.rows16();
-        T* const to[2] = {dk + sdk.at(bk, heads_kv) + i64(j0) * sdk.row,
-                          dv + sdv.at(bk, heads_kv) + i64(j0) * sdv.row};
+        T* const to[2] = {dk + sdk.at(outer, hk) + i64(j0) * sdk.row,
+                          dv + sdv.at(outer, hk) + i64(j0) * sdv.row};
         const T* const from[2] = {ks + warp * 16 * LD, vs + warp * 16 * LD};
-        const i64 ld[2] = {sdk.row, sdv.row};
+        const int ld[2] = {sdk.row, sdv.row};
         store_rows<T, P, 2>(to, from, ld, rows, d, kvec);
     }
 }
@@ -1146,10 +1153,10 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
     extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_fwd_##sfx##_d##P(    \
         const T* q, const T* k, const T* v, const unsigned char* mask, T* o, float* lse,           \
         i64 bq, int t, int s, int d, int group, int mask_group, int causal, int window,            \
-        double scale, int heads, i64 q_batch, i64 q_head, i64 q_row, i64 k_batch, i64 k_head,      \
-        i64 k_row, i64 v_batch, i64 v_head, i64 v_row, i64 o_batch, i64 o_head, i64 o_row) {       \
+        double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head, int k_row,      \
+        int v_batch, int v_head, int v_row, int o_batch, int o_head, int o_row) {                  \
         att_fwd<T, P>(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, window,           \
-                      float(scale * ATT_LOG2E), heads, AttStrides{q_batch, q_head, q_row},         \
+                      float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},                \
                       AttStrides{k_batch, k_head, k_row}, AttStrides{v_batch, v_head, v_row},      \
                       AttStrides{o_batch, o_head, o_row});                                         \
     }                                                                                              \
@@ -1157,13 +1164,13 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
         const T* q, const T* k, const T* v, const unsigned char* mask, const T* d_o,               \
         const float* lse, const float* delta, T* dq, T* dk, T* dv, float* dq_acc, int* dq_ready,   \
         i64 bkv, int t, int s, int d, int group, int mask_group, int causal, int window,           \
-        double scale, int heads, i64 q_batch, i64 q_head, i64 q_row, i64 k_batch, i64 k_head,      \
-        i64 k_row, i64 v_batch, i64 v_head, i64 v_row, i64 d_o_batch, i64 d_o_head,                \
-        i64 d_o_row, i64 dq_batch, i64 dq_head, i64 dq_row, i64 dk_batch, i64 dk_head,             \
-        i64 dk_row, i64 dv_batch, i64 dv_head, i64 dv_row) {                                       \
+        double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head, int k_row,      \
+        int v_batch, int v_head, int v_row, int d_o_batch, int d_o_head, int d_o_row,              \
+        int dq_batch, int dq_head, int dq_row, int dk_batch, int dk_head, int dk_row,              \
+        int dv_batch, int dv_head, int dv_row) {                                                   \
         att_bwd<T, P>(q, k, v, mask, d_o, lse, delta, dq, dk, dv, dq_acc, dq_ready, t, s, d,       \
                       group, mask_group, causal, window, float(scale),                             \
-                      float(scale * ATT_LOG2E), heads, AttStrides{q_batch, q_head, q_row},         \
+                      float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},                \
                       AttStrides{k_batch, k_head, k_row}, AttStrides{v_batch, v_head, v_row},      \
                       AttStrides{d_o_batch, d_o_head, d_o_row},                                    \
                       AttStrides{dq_batch, dq_head, dq_row},                                       \
@@ -1173,8 +1180,8 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
 
 #define CASTOR_ATTENTION_DELTA(T, sfx)                                                             \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_delta_##sfx(           \
-        const T* o, const T* d_o, float* delta, i64 rows, int t, int d, int heads, i64 o_batch,    \
-        i64 o_head, i64 o_row, i64 d_o_batch, i64 d_o_head, i64 d_o_row) {                         \
+        const T* o, const T* d_o, float* delta, i64 rows, int t, int d, int heads, int o_batch,    \
+        int o_head, int o_row, int d_o_batch, int d_o_head, int d_o_row) {                         \
         att_delta<T>(o, d_o, delta, rows, t, d, heads, AttStrides{o_batch, o_head, o_row},         \
                      AttStrides{d_o_batch, d_o_head, d_o_row});                                    \
     }

@@ -6,17 +6,22 @@
 //     them. Built once per plan (constant); the executor may instead upload the CPU twin's
 //     table (runtime/src/cpu/rope.rs) for bit-identical angles: CUDA's powf/sincosf are within
 //     a few ulp of the host libm's, not always equal.
-//   rope_fwd_<t>(x, y, cs, rows, t, d): x, y [rows, d] with rows = (leading dims) * t and the
-//     position of row r = r % t:
+//   rope_fwd_<t>(x, y, cs, rows, t, d, heads, x_batch, x_head, x_row, y_batch, y_head,
+//                y_row): x, y [rows, d] with rows = (leading dims) * t and the position of
+//     row r = r % t; row r of batch b = r / t starts at (b / heads) X_batch + (b % heads)
+//     X_head + (r % t) X_row, so that a head read from a [B, T, H, d] product or written into
+//     one is used in place (dense: (heads t d, t d, d));
 //       y[i]       = x[i] cos - x[i + d/2] sin
 //       y[i + d/2] = x[i + d/2] cos + x[i] sin            (i < d/2)
-//   rope_bwd_<t>(dy, dx, cs, rows, t, d): the transpose (rotation by the negated angle),
+//   rope_bwd_<t>(dy, dx, cs, rows, t, d, heads, <dy, dx strides>): the transpose (rotation by
+//     the negated angle),
 //       dx[i] = dy[i] cos + dy[i + d/2] sin, dx[i + d/2] = dy[i + d/2] cos - dy[i] sin.
 // Fuses: the rotation of both halves with one read and one write of each element.
 // Dtypes: <t> storage dtype of x/y (dy/dx); the table is F32. Rounding: the rotation in F32
 // from F32 cos/sin, rounded once to <t>, as the CPU twin (HF rounds cos/sin to the activation
 // dtype and after each multiply and add; castor rounds once).
-// In place is allowed (y == x): each thread reads both elements of its pair before writing.
+// In place is allowed (y == x, same strides): each thread reads both elements of its pair
+// before writing.
 // Launch: any 1-D grid and block, one thread per (row, i) pair, grid-stride; consecutive
 // threads take consecutive i, so both halves are read coalesced.
 #include "castor_common.cuh"
@@ -36,37 +41,52 @@ extern "C" __global__ void rope_table(float2* __restrict__ cs, int t, int d, dou
     }
 }
 
+// Where row `pos` of batch b of an operand starts: (batch, head, row) strides, b split by heads.
+struct RopeStrides {
+    int batch, head, row;
+    __device__ __forceinline__ i64 at(i64 b, int heads, int pos) const {
+        return (b / heads) * batch + (b % heads) * head + i64(pos) * row;
+    }
+};
+
 template <typename T, bool BWD>
 __device__ __forceinline__ void rope(const T* x, T* y, const float2* __restrict__ cs, i64 rows,
-                                     int t, int d) {
+                                     int t, int d, int heads, RopeStrides sx, RopeStrides sy) {
     const int half = d / 2;
     const i64 total = rows * half;
     for (i64 idx = i64(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
          idx += i64(gridDim.x) * blockDim.x) {
         const i64 row = idx / half;
         const int i = int(idx % half);
-        const float2 a = cs[(row % t) * half + i];
+        const int pos = int(row % t);
+        const i64 b = row / t;
+        const float2 a = cs[i64(pos) * half + i];
         const float c = a.x, s = a.y;
-        const i64 lo = row * d + i, hi = lo + half;
-        const float x1 = to_f32(x[lo]), x2 = to_f32(x[hi]);
+        const i64 xlo = sx.at(b, heads, pos) + i, ylo = sy.at(b, heads, pos) + i;
+        const float x1 = to_f32(x[xlo]), x2 = to_f32(x[xlo + half]);
         if (BWD) {
-            y[lo] = from_f32<T>(x1 * c + x2 * s);
-            y[hi] = from_f32<T>(x2 * c - x1 * s);
+            y[ylo] = from_f32<T>(x1 * c + x2 * s);
+            y[ylo + half] = from_f32<T>(x2 * c - x1 * s);
         } else {
-            y[lo] = from_f32<T>(x1 * c - x2 * s);
-            y[hi] = from_f32<T>(x2 * c + x1 * s);
+            y[ylo] = from_f32<T>(x1 * c - x2 * s);
+            y[ylo + half] = from_f32<T>(x2 * c + x1 * s);
         }
     }
 }
 
 #define ROPE(T, t)                                                                             \
     extern "C" __global__ void rope_fwd_##t(const T* x, T* y, const float2* cs, i64 rows,      \
-                                            int t, int d) {                                    \
-        rope<T, false>(x, y, cs, rows, t, d);                                                  \
+                                            int t, int d, int heads, int x_batch, int x_head,  \
+                                            int x_row, int y_batch, int y_head, int y_row) {   \
+        rope<T, false>(x, y, cs, rows, t, d, heads, RopeStrides{x_batch, x_head, x_row},       \
+                       RopeStrides{y_batch, y_head, y_row});                                   \
     }                                                                                          \
     extern "C" __global__ void rope_bwd_##t(const T* dy, T* dx, const float2* cs, i64 rows,    \
-                                            int t, int d) {                                    \
-        rope<T, true>(dy, dx, cs, rows, t, d);                                                 \
+                                            int t, int d, int heads, int dy_batch,             \
+                                            int dy_head, int dy_row, int dx_batch,             \
+                                            int dx_head, int dx_row) {                         \
+        rope<T, true>(dy, dx, cs, rows, t, d, heads, RopeStrides{dy_batch, dy_head, dy_row},   \
+                      RopeStrides{dx_batch, dx_head, dx_row});                                 \
     }
 
 CASTOR_FOR_EACH_T(ROPE)

@@ -223,7 +223,7 @@ fn a_model_without_biases_gets_no_bias_epilogues() {
 }
 
 /// GPT-2 124M, B=8, T=1024, bf16 with fused attention and classifier: the epilogues take the
-/// program roofline from 12.9 ms (MFU 51.8%) to 11.0 ms (60.4%) at no higher planned peak
+/// program roofline from 12.0 ms (MFU 55.3%) to 10.2 ms (65.2%) at no higher planned peak
 /// (the figures of docs/commands.md; held here to 0.1 points).
 #[test]
 fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
@@ -253,8 +253,8 @@ fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
     let (eager, eager_peak) = report("eager");
     let (fused, fused_peak) = report("fused");
     println!("MFU {eager}% eager, {fused}% fused; peaks {eager_peak}, {fused_peak}");
-    assert!((eager - 51.8).abs() <= 0.1, "eager MFU {eager}%");
-    assert!((fused - 60.4).abs() <= 0.1, "fused MFU {fused}%");
+    assert!((eager - 55.3).abs() <= 0.1, "eager MFU {eager}%");
+    assert!((fused - 65.2).abs() <= 0.1, "fused MFU {fused}%");
     assert!(fused_peak <= eager_peak, "{fused_peak} > {eager_peak}");
 }
 
@@ -285,7 +285,7 @@ fn fully_fused_mfu(config: &str, flags: &[&str]) -> f64 {
 
 /// The roofline targets: GPT-2 124M (B=8, T=1024, no remat) at least 60% MFU and LLaMA-2-7B
 /// (B=1, T=4096, selective remat) at least 65%, with everything fused and BF16 moments
-/// (measured 62.0% and 66.5%; with F32 moments 60.4% and 62.8%, BENCHMARKS.md).
+/// (measured 67.1% and 68.2%; with F32 moments 65.2% and 64.3%, BENCHMARKS.md).
 #[test]
 fn the_fully_fused_plans_reach_the_roofline_targets() {
     let gpt2 = fully_fused_mfu("gpt2-124m.json", &["--batch", "8", "--seq", "1024"]);

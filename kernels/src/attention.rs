@@ -84,19 +84,21 @@ pub fn shared_bytes(kernel: Kernel, p: u32, elem: u32) -> u32 {
 }
 
 /// The grid of `kernel` over `bq` query batches of `t` rows (`bkv = bq / group` key batches of
-/// `s` keys), tensor-core (`tensor_cores`) or F32.
+/// `s` keys), tensor-core (`tensor_cores`) or F32. The tensor-core kernels split the batches
+/// as (outer, head) by the grid: `heads` query heads (a multiple of `group`) to an outer batch.
 pub fn grid(
     kernel: Kernel,
     tensor_cores: bool,
     bq: u32,
-    group: u32,
+    (heads, group): (u32, u32),
     t: u32,
     s: u32,
 ) -> (u32, u32, u32) {
     let bkv = bq / group.max(1);
+    let (heads, group) = (heads.max(1), group.max(1));
     match kernel {
-        Kernel::Forward if tensor_cores => (t.div_ceil(FWD_ROWS).max(1), bq, 1),
-        Kernel::Backward => (s.div_ceil(BWD_KEYS).max(1), bkv, 1),
+        Kernel::Forward if tensor_cores => (t.div_ceil(FWD_ROWS).max(1), heads, bq / heads),
+        Kernel::Backward => (s.div_ceil(BWD_KEYS).max(1), heads / group, bq / heads),
         Kernel::Forward | Kernel::Dq => (t.div_ceil(F32_ROWS).max(1), bq, 1),
         Kernel::DkDv => (s.div_ceil(F32_ROWS).max(1), bkv, 1),
     }

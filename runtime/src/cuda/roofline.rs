@@ -10,7 +10,7 @@
 //! command of the lowered program then adds [`LAUNCH_SECONDS`], the gap between kernels
 //! inside a CUDA graph.
 
-use super::lower::{layout_views, lower_plan, unit_schedule, LowerError, Storage};
+use super::lower::{layout_views, lower_plan, unit_schedule, LowerError};
 use super::lower::{MICRO_STEP, OPTIMIZER_STEP};
 use super::program::Program;
 use castor_ir::{Graph, Op, OpClass, TrainingPlan, Value};
@@ -167,7 +167,12 @@ fn costed_units(
     gpu: &GpuSpec,
 ) -> (RunRoofline, Vec<(Vec<String>, f64)>) {
     let users = g.users();
-    let (_, storage) = layout_views(g, &users, stored);
+    let (views, storage) = layout_views(g, &users, stored);
+    // The buffer each value's elements are in.
+    let root = |v: Value| match (&views[v.index()], storage[v.index()]) {
+        (Some((r, _)), s) if s.is_view() => *r,
+        _ => v,
+    };
     let outputs: HashSet<Value> = g.outputs().iter().copied().collect();
     // Per unit: compute seconds, FLOPs, the values it reads from outside, the values it writes.
     let n = units.steps;
@@ -184,11 +189,12 @@ fn costed_units(
             continue;
         }
         let u = units.step_of[node_id.index()];
-        let is_view = node
-            .outputs
-            .iter()
-            .all(|v| matches!(storage[v.index()], Storage::Virtual | Storage::Alias))
-            && node.op.class() == OpClass::Layout;
+        // A layout op moves nothing when its results are views, or when its operands were
+        // written into its result in place (`Storage::Into`).
+        let is_view = node.op.class() == OpClass::Layout
+            && node.outputs.iter().all(|&v| {
+                storage[v.index()].is_view() || node.inputs.iter().all(|&x| root(x) == v)
+            });
         if is_view {
             continue;
         }

@@ -145,19 +145,16 @@ impl Sdpa {
     pub fn extents(&self) -> Vec<(&'static str, u64, Place)> {
         let p = &self.problem;
         let elem = p.dtype.size_bytes() as u64;
+        // The last element of `batch` batches of `heads` heads of `rows` rows (strides >= 0).
         let span = |t: &Tensor4, heads: usize, rows: usize| -> u64 {
-            let last = (heads as i64 - 1) * t.strides[1]
+            let last = (p.batch as i64 - 1) * t.strides[0]
+                + (heads as i64 - 1) * t.strides[1]
                 + (rows as i64 - 1) * t.strides[2]
                 + (p.head_dim as i64 - 1) * t.strides[3];
             (last.max(0) as u64 + 1) * elem
         };
-        let (hq, hk, sq, sk) = (
-            p.batch * p.heads_q,
-            p.batch * p.heads_kv,
-            p.rows_q,
-            p.rows_kv,
-        );
-        let rows = 4 * (hq * sq) as u64;
+        let (hq, hk, sq, sk) = (p.heads_q, p.heads_kv, p.rows_q, p.rows_kv);
+        let rows = 4 * (p.batch * hq * sq) as u64;
         let mut out = vec![
             ("q", span(&self.q, hq, sq), self.q.place),
             ("k", span(&self.k, hk, sk), self.k.place),

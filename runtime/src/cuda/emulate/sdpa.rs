@@ -4,51 +4,49 @@
 //! emulated `--attention cudnn` program is checked against the twin, not against cuDNN's own
 //! code, which runs only on a GPU.
 
-use super::memory::{check_uses, use_, Io, Mem, Ptr};
+use super::memory::{check_uses, ranges_use, use_, Io, Mem, Ptr, Use};
 use super::R;
 use crate::cpu::attention::{attention, attention_grad, Operand, Problem};
 use crate::cuda::sdpa::{Sdpa, SdpaPass, Tensor4};
 use castor_ir::{round_to, DType};
 
-/// The dims of a tensor of `heads` heads, `rows` rows of `dim` elements.
-type Dims = (usize, usize, usize);
+/// The dims of a tensor: `batch` batches of `heads` heads, `rows` rows of `dim` elements.
+type Dims = (usize, usize, usize, usize);
 
-/// Bytes from the tensor's first element to one past its last.
-fn extent(t: &Tensor4, (h, r, d): Dims, elem: usize) -> u64 {
-    let last = (h as i64 - 1) * t.strides[1]
-        + (r as i64 - 1) * t.strides[2]
-        + (d as i64 - 1) * t.strides[3];
-    (last as u64 + 1) * elem as u64
+/// The element offset of every element of `t`, in `[batch, heads, rows, dim]` order.
+fn offsets(t: &Tensor4, (b, h, r, d): Dims) -> impl Iterator<Item = i64> + '_ {
+    let s = t.strides;
+    (0..b as i64).flat_map(move |i| {
+        (0..h as i64).flat_map(move |j| {
+            (0..r as i64).flat_map(move |k| {
+                (0..d as i64).map(move |l| i * s[0] + j * s[1] + k * s[2] + l * s[3])
+            })
+        })
+    })
 }
 
-/// The elements of `t`, in `[heads, rows, dim]` order.
-fn gather(m: &Mem, p: Ptr, t: &Tensor4, (h, r, d): Dims, dtype: DType) -> R<Vec<f32>> {
-    let mut out = Vec::with_capacity(h * r * d);
-    for i in 0..h as i64 {
-        for j in 0..r as i64 {
-            for k in 0..d as i64 {
-                out.push(m.f(
-                    p,
-                    i * t.strides[1] + j * t.strides[2] + k * t.strides[3],
-                    dtype,
-                )?);
-            }
-        }
-    }
-    Ok(out)
+/// The use of `t`: the bytes of its elements, one range each (heads of one tensor may
+/// interleave with another's, as a fused QKV product's and its gradient's do).
+fn use_of(what: &str, p: Ptr, t: &Tensor4, dims: Dims, elem: usize, io: Io) -> R<Option<Use>> {
+    let ranges = offsets(t, dims)
+        .map(|o| {
+            u64::try_from(o)
+                .map(|o| (o * elem as u64, elem as u64))
+                .map_err(|_| format!("`{what}`: a negative offset"))
+        })
+        .collect::<R<Vec<_>>>()?;
+    Ok(ranges_use(what, p, ranges, elem, io))
 }
 
-/// Writes `x` (`[heads, rows, dim]` order) into `t`, rounded to `dtype`.
-fn scatter(m: &mut Mem, p: Ptr, t: &Tensor4, (h, r, d): Dims, dtype: DType, x: &[f32]) -> R<()> {
-    let mut at = 0;
-    for i in 0..h as i64 {
-        for j in 0..r as i64 {
-            for k in 0..d as i64 {
-                let off = i * t.strides[1] + j * t.strides[2] + k * t.strides[3];
-                m.set_f(p, off, dtype, round_to(dtype, x[at]))?;
-                at += 1;
-            }
-        }
+/// The elements of `t`, in `[batch, heads, rows, dim]` order.
+fn gather(m: &Mem, p: Ptr, t: &Tensor4, dims: Dims, dtype: DType) -> R<Vec<f32>> {
+    offsets(t, dims).map(|o| m.f(p, o, dtype)).collect()
+}
+
+/// Writes `x` (`[batch, heads, rows, dim]` order) into `t`, rounded to `dtype`.
+fn scatter(m: &mut Mem, p: Ptr, t: &Tensor4, dims: Dims, dtype: DType, x: &[f32]) -> R<()> {
+    for (o, &v) in offsets(t, dims).zip(x) {
+        m.set_f(p, o, dtype, round_to(dtype, v))?;
     }
     Ok(())
 }
@@ -62,8 +60,9 @@ pub(super) fn twin(m: &mut Mem, c: &Sdpa) -> R<()> {
         ));
     }
     let group = p.heads_q / p.heads_kv;
-    let (hq, hk) = (p.batch * p.heads_q, p.batch * p.heads_kv);
-    let (qd, kd) = ((hq, p.rows_q, p.head_dim), (hk, p.rows_kv, p.head_dim));
+    let hq = p.batch * p.heads_q;
+    let qd = (p.batch, p.heads_q, p.rows_q, p.head_dim);
+    let kd = (p.batch, p.heads_kv, p.rows_kv, p.head_dim);
     let elem = p.dtype.size_bytes();
     let ptr = |m: &Mem, t: &Tensor4| m.place(t.place);
     let (q, k, v, o, lse) = (
@@ -75,18 +74,13 @@ pub(super) fn twin(m: &mut Mem, c: &Sdpa) -> R<()> {
     );
     let rows_bytes = 4 * (hq * p.rows_q) as u64;
     let mut uses = vec![
-        use_("q", Some(q), extent(&c.q, qd, elem), elem, Io::R),
-        use_("k", Some(k), extent(&c.k, kd, elem), elem, Io::R),
-        use_("v", Some(v), extent(&c.v, kd, elem), elem, Io::R),
+        use_of("q", q, &c.q, qd, elem, Io::R)?,
+        use_of("k", k, &c.k, kd, elem, Io::R)?,
+        use_of("v", v, &c.v, kd, elem, Io::R)?,
     ];
     let forward = c.pass == SdpaPass::Forward;
-    uses.push(use_(
-        "o",
-        Some(o),
-        extent(&c.o, qd, elem),
-        elem,
-        if forward { Io::W } else { Io::R },
-    ));
+    let o_io = if forward { Io::W } else { Io::R };
+    uses.push(use_of("o", o, &c.o, qd, elem, o_io)?);
     uses.push(use_(
         "lse",
         Some(lse),
@@ -146,10 +140,10 @@ pub(super) fn twin(m: &mut Mem, c: &Sdpa) -> R<()> {
                 m.place(g.row_sums),
             );
             uses.extend([
-                use_("do", Some(d_o), extent(&g.d_o, qd, elem), elem, Io::R),
-                use_("dq", Some(dq), extent(&g.dq, qd, elem), elem, Io::W),
-                use_("dk", Some(dk), extent(&g.dk, kd, elem), elem, Io::W),
-                use_("dv", Some(dv), extent(&g.dv, kd, elem), elem, Io::W),
+                use_of("do", d_o, &g.d_o, qd, elem, Io::R)?,
+                use_of("dq", dq, &g.dq, qd, elem, Io::W)?,
+                use_of("dk", dk, &g.dk, kd, elem, Io::W)?,
+                use_of("dv", dv, &g.dv, kd, elem, Io::W)?,
                 use_("row sums", Some(sums), rows_bytes, 4, Io::W),
             ]);
             check_uses(m, &uses, &[])?;

@@ -6,6 +6,7 @@
 use super::super::program::{Arg, Command, Place};
 use super::super::sdpa::{self, Sdpa, SdpaGrads, SdpaPass, SdpaProblem, Tensor4};
 use super::copies;
+use super::views::{fits_i32, heads_of, kernel_strides};
 use super::{sfx, window_arg, LowerError, RunLowering};
 use castor_ir::{Accum, AttentionLibrary, DType, Graph, Node, NodeData, Op, Value};
 use castor_kernels::attention::{self as geometry, Kernel};
@@ -73,81 +74,56 @@ impl Operand {
             other => unreachable!("`{other}` is not an attention operand"),
         };
         [
-            (names[0], Arg::I64(self.batch)),
-            (names[1], Arg::I64(self.head)),
-            (names[2], Arg::I64(self.row)),
+            (names[0], Arg::I32(self.batch as i32)),
+            (names[1], Arg::I32(self.head as i32)),
+            (names[2], Arg::I32(self.row as i32)),
         ]
     }
 }
 
-/// Query batches per outer batch for query batch dims `qb` with key batches shared by `group`:
-/// the dims after the first (all of them when the key batches are not whole groups of those).
-fn heads_of(qb: &[usize], group: usize) -> usize {
-    let bq: usize = qb.iter().product();
-    match qb.first() {
-        Some(&outer) if qb.len() >= 2 && outer > 0 && (bq / outer).is_multiple_of(group) => {
-            bq / outer
-        }
-        _ => bq.max(1),
+/// The query heads and kv group of tensor-core attention node `node` (`None` for another
+/// node, F32 operands, or operands the kernels cannot index).
+fn tensor_core_heads(g: &Graph, node: &NodeData) -> Option<(usize, usize)> {
+    if !matches!(node.op, Op::Attention { .. } | Op::AttentionGrad { .. }) {
+        return None;
     }
+    let dims = |v: Value| g.ty(v).shape.dims().to_vec();
+    let (q, k) = (node.inputs[0], node.inputs[1]);
+    if !matches!(g.ty(q).dtype, DType::F16 | DType::BF16) {
+        return None;
+    }
+    let (qd, kd) = (dims(q), dims(k));
+    if qd.len() < 2 || kd.len() < 2 {
+        return None;
+    }
+    let qb = &qd[..qd.len() - 2];
+    let group = sharing(qb, &kd[..kd.len() - 2])?;
+    Some((heads_of(qb, group), group))
 }
 
-/// The (batch, head, row) strides by which the tensor-core kernels reach `view`, an operand
-/// of `[.., rows, d]` whose batches split by `heads`: `None` unless its batch dims fold into
-/// (outer, heads) and its rows are contiguous, or (`write`) where two elements would share
-/// an address.
-fn kernel_strides(view: &copies::View, heads: usize, write: bool) -> Option<[i64; 3]> {
-    let r = view.dims.len();
-    if r < 2 || heads == 0 {
-        return None;
-    }
-    let (rows, d) = (view.dims[r - 2], view.dims[r - 1]);
-    let batches: usize = view.dims[..r - 2].iter().product();
-    if !batches.is_multiple_of(heads) {
-        return None;
-    }
-    let v = view.reshape(&[batches / heads, heads, rows, d])?;
-    if d > 1 && v.strides[3] != 1 {
-        return None;
-    }
-    let strides = [v.strides[0], v.strides[1], v.strides[2]];
-    if strides.iter().any(|&x| x < 0) {
-        return None;
-    }
-    if write
-        && v.dims
-            .iter()
-            .zip(&v.strides)
-            .any(|(&n, &st)| n > 1 && st == 0)
-    {
-        return None;
-    }
-    Some(strides)
+/// Whether attention node `node` writes its output `x` (the context; the query, key or value
+/// gradient) through `view` of another buffer: the tensor-core kernels, a view they reach
+/// by strides that gives every element its own address.
+pub(super) fn writes_in_place(g: &Graph, node: &NodeData, x: Value, view: &copies::View) -> bool {
+    let Some((heads, group)) = tensor_core_heads(g, node) else {
+        return false;
+    };
+    let side = match (&node.op, node.outputs.iter().position(|&o| o == x)) {
+        (Op::Attention { .. }, Some(0)) | (Op::AttentionGrad { .. }, Some(0)) => heads,
+        (Op::AttentionGrad { .. }, Some(1 | 2)) => heads / group,
+        _ => return false,
+    };
+    kernel_strides(view, side, true).is_some()
 }
 
 /// Whether attention node `node` reads operand `x` (whose elements are `view` of another
 /// buffer) in place, through strides: the tensor-core kernels' operands q, k, v, and for the
 /// backward o and do.
 pub(super) fn reads_in_place(g: &Graph, node: &NodeData, x: Value, view: &copies::View) -> bool {
-    let grad = match node.op {
-        Op::Attention { .. } => false,
-        Op::AttentionGrad { .. } => true,
-        _ => return false,
-    };
-    let dims = |v: Value| g.ty(v).shape.dims().to_vec();
-    let (q, k) = (node.inputs[0], node.inputs[1]);
-    if !matches!(g.ty(q).dtype, DType::F16 | DType::BF16) {
-        return false;
-    }
-    let (qd, kd) = (dims(q), dims(k));
-    if qd.len() < 2 || kd.len() < 2 {
-        return false;
-    }
-    let qb = &qd[..qd.len() - 2];
-    let Some(group) = sharing(qb, &kd[..kd.len() - 2]) else {
+    let Some((heads, group)) = tensor_core_heads(g, node) else {
         return false;
     };
-    let heads = heads_of(qb, group);
+    let grad = matches!(node.op, Op::AttentionGrad { .. });
     let query_side = if grad { [0, 3, 5] } else { [0, 0, 0] };
     node.inputs.iter().enumerate().all(|(i, &input)| {
         if input != x {
@@ -313,8 +289,16 @@ impl RunLowering<'_, '_> {
         ]);
         let tensor_cores = p.tile.is_some();
         if tensor_cores {
-            args.push(("heads", Arg::I32(p.heads as i32)));
             for (x, operand) in strides {
+                if ![operand.batch, operand.head, operand.row]
+                    .into_iter()
+                    .all(fits_i32)
+                {
+                    return Err(self.err(
+                        y,
+                        format!("`{x}` is too large for the attention kernels' 32-bit strides"),
+                    ));
+                }
                 args.extend(operand.strides(x));
             }
         }
@@ -322,7 +306,7 @@ impl RunLowering<'_, '_> {
             kernel,
             tensor_cores,
             p.bq as u32,
-            p.group as u32,
+            (p.heads as u32, p.group as u32),
             p.t as u32,
             p.s as u32,
         );
@@ -355,6 +339,35 @@ impl RunLowering<'_, '_> {
         let elem = p.dtype.size_bytes() as u64;
         Ok(Operand {
             at: self.at(root)?.plus(view.offset as u64 * elem),
+            batch,
+            head,
+            row,
+        })
+    }
+
+    /// Output `x` of attention problem `p`: its own buffer, or its view of the buffer it is
+    /// written into ([`super::Storage::Into`]).
+    fn attention_output(
+        &mut self,
+        p: &Problem,
+        x: Value,
+        heads: usize,
+        rows: usize,
+    ) -> Result<Operand, LowerError> {
+        let (super::Storage::Into, Some((target, view))) =
+            (self.storage[x.index()], self.views[x.index()].clone())
+        else {
+            return Ok(Operand::dense(self.out(x)?, heads, rows, p.d));
+        };
+        let [batch, head, row] = kernel_strides(&view, heads, true).ok_or_else(|| {
+            self.err(
+                x,
+                "a view the attention kernels cannot write (a lowering bug)",
+            )
+        })?;
+        let elem = p.dtype.size_bytes() as u64;
+        Ok(Operand {
+            at: self.out(target)?.plus(view.offset as u64 * elem),
             batch,
             head,
             row,
@@ -404,7 +417,7 @@ impl RunLowering<'_, '_> {
         }
         let mark = self.commands.len();
         let (qo, ko, vo) = self.attention_inputs(&p, &ins)?;
-        let oo = Operand::dense(self.out(o)?, p.heads, p.t, p.d);
+        let oo = self.attention_output(&p, o, p.heads, p.t)?;
         let args = vec![
             ("q", Arg::Ptr(qo.at)),
             ("k", Arg::Ptr(ko.at)),
@@ -545,9 +558,9 @@ impl RunLowering<'_, '_> {
             delta_args,
         )?;
         let kv_heads = p.heads / p.group;
-        let dqo = Operand::dense(self.out(dq)?, p.heads, p.t, p.d);
-        let dko = Operand::dense(self.out(dk)?, kv_heads, p.s, p.d);
-        let dvo = Operand::dense(self.out(dv)?, kv_heads, p.s, p.d);
+        let dqo = self.attention_output(&p, dq, p.heads, p.t)?;
+        let dko = self.attention_output(&p, dk, kv_heads, p.s)?;
+        let dvo = self.attention_output(&p, dv, kv_heads, p.s)?;
         let common = vec![
             ("q", Arg::Ptr(qo.at)),
             ("k", Arg::Ptr(ko.at)),

@@ -32,6 +32,10 @@ impl RunLowering<'_, '_> {
                     Some(rv) => rv,
                     None => self.source(x),
                 };
+                if root == o {
+                    // Its producer wrote it in place (`Storage::Into`): nothing to move.
+                    return Ok(());
+                }
                 let l = view.materialize().map_err(|m| self.err(o, m))?;
                 let (src, dst) = (self.at(root)?, self.out(o)?);
                 self.copy(o, src, dst, l)
@@ -92,6 +96,11 @@ impl RunLowering<'_, '_> {
         let mut start = 0;
         for &x in &ins {
             let (root, view) = self.source(x);
+            if root == y {
+                // Written into its slot by its producer (`Storage::Into`).
+                start += dims(x)[*axis];
+                continue;
+            }
             let l = if view.dims == dims(x) {
                 view.place_into(&out_dims, *axis, start)
             } else {

@@ -35,6 +35,9 @@ mod pointwise;
 mod reduce;
 mod rope;
 mod softmax;
+mod views;
+
+pub(crate) use views::{layout_views, Storage};
 
 use super::program::{
     Arg, BufferId, Command, ErrorFlag, Field, GeneratedKernel, InputExtent, Launch, Module, Output,
@@ -412,7 +415,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         let (views, storage) = layout_views(g, &users, stored);
         let root: Vec<Value> = (0..g.num_values())
             .map(|i| match (&views[i], storage[i]) {
-                (Some((r, _)), Storage::Virtual | Storage::Alias) => *r,
+                (Some((r, _)), s) if s.is_view() => *r,
                 _ => Value(i as u32),
             })
             .collect();
@@ -713,7 +716,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
     /// Where `x`'s elements are read from: its buffer's value and the view of it.
     pub(super) fn source(&self, x: Value) -> (Value, copies::View) {
         match (&self.views[x.index()], self.storage[x.index()]) {
-            (Some((r, v)), Storage::Virtual | Storage::Alias) => (*r, v.clone()),
+            (Some((r, v)), s) if s.is_view() => (*r, v.clone()),
             _ => (x, copies::View::contiguous(self.g.ty(x).shape.dims())),
         }
     }
@@ -933,137 +936,6 @@ fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
             }
         }),
     }
-}
-
-/// How a layout result is stored.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Storage {
-    /// A buffer of its own (every value that is not a layout result, too).
-    Own,
-    /// Never stored: only layout ops read it, each composing its view.
-    Virtual,
-    /// Read in place: its view of another buffer is contiguous.
-    Alias,
-}
-
-/// The layout ops whose input is read through a view (one strided copy of the composed
-/// view, or a further view).
-fn reads_views(op: &Op) -> bool {
-    matches!(
-        op,
-        Op::Transpose { .. }
-            | Op::Slice { .. }
-            | Op::Split { .. }
-            | Op::Reshape { .. }
-            | Op::Concat { .. }
-            | Op::Pad { .. }
-            | Op::BroadcastTo { .. }
-    )
-}
-
-/// Every layout result's view of the buffer it reads (composed through chains of layout
-/// ops) and how it is stored. Graph outputs and values written to state have buffers of
-/// their own.
-#[allow(clippy::type_complexity)]
-pub(crate) fn layout_views(
-    g: &Graph,
-    users: &[Vec<Node>],
-    stored: &HashMap<String, String>,
-) -> (Vec<Option<(Value, copies::View)>>, Vec<Storage>) {
-    let n = g.num_values();
-    let mut views: Vec<Option<(Value, copies::View)>> = vec![None; n];
-    let mut storage = vec![Storage::Own; n];
-    for (_, node) in g.nodes() {
-        let Some(&x) = node.inputs.first() else {
-            continue;
-        };
-        let (root, base) = match (&views[x.index()], storage[x.index()]) {
-            (Some((r, v)), Storage::Virtual | Storage::Alias) => (*r, v.clone()),
-            _ => (x, copies::View::contiguous(g.ty(x).shape.dims())),
-        };
-        let dims = |v: Value| g.ty(v).shape.dims().to_vec();
-        let made: Vec<(Value, Option<copies::View>)> = match &node.op {
-            Op::Transpose { perm } => vec![(node.outputs[0], Some(base.transpose(perm)))],
-            Op::Slice { axis, start, end } => {
-                vec![(
-                    node.outputs[0],
-                    Some(base.slice(*axis, *start, end - start)),
-                )]
-            }
-            Op::Split { axis, sizes } => {
-                let mut start = 0;
-                node.outputs
-                    .iter()
-                    .zip(sizes)
-                    .map(|(&o, &size)| {
-                        let v = base.slice(*axis, start, size);
-                        start += size;
-                        (o, Some(v))
-                    })
-                    .collect()
-            }
-            Op::Reshape { .. } => {
-                let o = node.outputs[0];
-                // A reshape no view expresses, read only by concats: each concat copies the
-                // operand's view straight into its slot, reshaped (a reshape keeps row-major
-                // order), so nothing is stored in between.
-                let view = base
-                    .reshape(&dims(o))
-                    .or_else(|| into_concats(g, users, o, &base).then(|| base.clone()));
-                vec![(o, view)]
-            }
-            Op::BroadcastTo { .. } => {
-                vec![(node.outputs[0], base.broadcast(&dims(node.outputs[0])))]
-            }
-            _ => continue,
-        };
-        for (o, view) in made {
-            let Some(view) = view else { continue };
-            let fixed = g.outputs().contains(&o) || stored.contains_key(g.name(o));
-            // Read only through views: by layout ops (each composing its view), or in place
-            // by the attention kernels (a head of a fused QKV product).
-            let only_layout = users[o.index()].iter().all(|&u| {
-                let node = g.node(u);
-                reads_views(&node.op) || attention::reads_in_place(g, node, o, &view)
-            });
-            storage[o.index()] = if fixed || view.dims.len() > super::program::MAX_RANK {
-                Storage::Own
-            } else if only_layout {
-                Storage::Virtual
-            } else if view.is_contiguous() {
-                Storage::Alias
-            } else {
-                Storage::Own
-            };
-            views[o.index()] = Some((root, view));
-        }
-    }
-    (views, storage)
-}
-
-/// Whether every reader of `o` is a concat that can take `view` (`o`'s elements in row-major
-/// order over other dims) into its slot: the slot reshaped to the view's dims is a view.
-fn into_concats(g: &Graph, users: &[Vec<Node>], o: Value, view: &copies::View) -> bool {
-    let readers = &users[o.index()];
-    !readers.is_empty()
-        && readers.iter().all(|&u| {
-            let node = g.node(u);
-            let Op::Concat { axis } = node.op else {
-                return false;
-            };
-            let out = g.ty(node.outputs[0]).shape.dims().to_vec();
-            let mut start = 0;
-            node.inputs.iter().all(|&x| {
-                let len = g.ty(x).shape.dims()[axis];
-                let fits = x != o
-                    || copies::View::contiguous(&out)
-                        .slice(axis, start, len)
-                        .reshape(&view.dims)
-                        .is_some();
-                start += len;
-                fits
-            })
-        })
 }
 
 /// Kernel-name suffix of a float dtype.

@@ -1,9 +1,35 @@
 //! Rotary position embeddings: `rope.cu`, with the (cos, sin) table uploaded once per shape.
 
 use super::super::program::{Arg, Place, SlotKind};
+use super::copies;
 use super::ops::BLOCK;
+use super::views::{fits_i32, heads_of, kernel_strides};
 use super::{grid_1d, sfx, LowerError, RunLowering};
-use castor_ir::{Node, Op, RopeScaling, Value};
+use castor_ir::{Graph, Node, NodeData, Op, RopeScaling, Value};
+
+/// The heads of rope node `node`'s operand, split as its kernels split batches.
+fn rope_heads(g: &Graph, node: &NodeData) -> Option<usize> {
+    if !matches!(node.op, Op::Rope { .. } | Op::RopeGrad { .. }) {
+        return None;
+    }
+    let d = g.ty(node.inputs[0]).shape.dims().to_vec();
+    (d.len() >= 2).then(|| heads_of(&d[..d.len() - 2], 1))
+}
+
+/// Whether rope node `node` reads its operand `x` in place through `view`.
+pub(super) fn reads_in_place(g: &Graph, node: &NodeData, x: Value, view: &copies::View) -> bool {
+    rope_heads(g, node).is_some_and(|heads| {
+        node.inputs[0] == x && node.inputs[1..].iter().all(|&i| i != x) && {
+            kernel_strides(view, heads, false).is_some()
+        }
+    })
+}
+
+/// Whether rope node `node` writes its result `x` through `view` of another buffer.
+pub(super) fn writes_in_place(g: &Graph, node: &NodeData, x: Value, view: &copies::View) -> bool {
+    rope_heads(g, node)
+        .is_some_and(|heads| node.outputs[0] == x && kernel_strides(view, heads, true).is_some())
+}
 
 impl RunLowering<'_, '_> {
     pub(super) fn rope(&mut self, n: Node) -> Result<(), LowerError> {
@@ -24,27 +50,68 @@ impl RunLowering<'_, '_> {
         }
         let (t, hd) = (d[d.len() - 2], d[d.len() - 1]);
         let rows = numel(ins[0]) / hd.max(1);
+        let heads = heads_of(&d[..d.len() - 2], 1);
         let table = self.rope_table(t, hd, *theta, *scaling)?;
-        let (x, out) = (self.at(ins[0])?, self.out(y)?);
+        let elem = dt(y).size_bytes() as u64;
+        let dense = [(heads * t * hd) as i64, (t * hd) as i64, hd as i64];
+        // The operand, read in place when it is a view of another buffer.
+        let (root, view) = self.source(ins[0]);
+        let (x, xs) = if root == ins[0] {
+            (self.at(ins[0])?, dense)
+        } else {
+            let st = kernel_strides(&view, heads, false)
+                .ok_or_else(|| self.err(y, "a view rope cannot read (a lowering bug)"))?;
+            (self.at(root)?.plus(view.offset as u64 * elem), st)
+        };
+        // The result, written in place when its producer writes it into another buffer.
+        let (out, ys) = match (self.storage[y.index()], self.views[y.index()].clone()) {
+            (super::Storage::Into, Some((target, view))) => {
+                let st = kernel_strides(&view, heads, true)
+                    .ok_or_else(|| self.err(y, "a view rope cannot write (a lowering bug)"))?;
+                (self.out(target)?.plus(view.offset as u64 * elem), st)
+            }
+            _ => (self.out(y)?, dense),
+        };
         // The kernels name their operand and result by direction.
         let (dir, input, output) = if backward {
             ("bwd", "dy", "dx")
         } else {
             ("fwd", "x", "y")
         };
+        let names: [[&'static str; 3]; 2] = if backward {
+            [
+                ["dy_batch", "dy_head", "dy_row"],
+                ["dx_batch", "dx_head", "dx_row"],
+            ]
+        } else {
+            [
+                ["x_batch", "x_head", "x_row"],
+                ["y_batch", "y_head", "y_row"],
+            ]
+        };
+        let mut args = vec![
+            (input, Arg::Ptr(x)),
+            (output, Arg::Ptr(out)),
+            ("cs", Arg::Ptr(table)),
+            ("rows", Arg::I64(rows as i64)),
+            ("t", Arg::I32(t as i32)),
+            ("d", Arg::I32(hd as i32)),
+            ("heads", Arg::I32(heads as i32)),
+        ];
+        for (names, strides) in names.iter().zip([xs, ys]) {
+            for (name, stride) in names.iter().zip(strides) {
+                if !fits_i32(stride) {
+                    return Err(self.err(y, "too large for rope's 32-bit strides"));
+                }
+                args.push((*name, Arg::I32(stride as i32)));
+            }
+        }
         self.launch(
             y,
             &format!("rope_{dir}_{}", sfx(dt(y))),
             grid_1d(rows * hd / 2, BLOCK),
             (BLOCK, 1, 1),
-            vec![
-                (input, Arg::Ptr(x)),
-                (output, Arg::Ptr(out)),
-                ("cs", Arg::Ptr(table)),
-                ("rows", Arg::I64(rows as i64)),
-                ("t", Arg::I32(t as i32)),
-                ("d", Arg::I32(hd as i32)),
-            ],
+            args,
         )?;
         Ok(())
     }

@@ -2,9 +2,9 @@
 //! tensor-core kernel, or the F32 dq and dk/dv kernels). Launch shapes, dynamic shared memory
 //! and scratch are `castor_kernels::attention`'s.
 
-use super::checked;
+use super::{checked, Strides};
 use crate::cuda::emulate::args::Args;
-use crate::cuda::emulate::memory::{ranges_use, use_, Io, Mem, Ptr, Use};
+use crate::cuda::emulate::memory::{use_, Io, Mem, Ptr, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
@@ -73,6 +73,16 @@ impl Shape {
         })
     }
 
+    /// The query heads of one outer batch, as the tensor-core kernels' grid splits them (its
+    /// y dim: query heads in the forward, key heads in the backward); 1 for the F32 kernels.
+    fn heads(&self, l: &Launch, kernel: Kernel, v: Variant) -> usize {
+        match (v.tile, kernel) {
+            (None, _) => 1,
+            (Some(_), Kernel::Backward) => l.grid.1 as usize * self.group,
+            (Some(_), _) => l.grid.1 as usize,
+        }
+    }
+
     fn check_launch(&self, l: &Launch, kernel: Kernel, v: Variant) -> R<()> {
         let tensor_cores = v.tile.is_some();
         match v.tile {
@@ -91,11 +101,19 @@ impl Shape {
             }
             _ => {}
         }
+        let heads = self.heads(l, kernel, v);
+        let splits = heads > 0 && self.bq.is_multiple_of(heads) && heads.is_multiple_of(self.group);
+        if tensor_cores && !splits {
+            return Err(format!(
+                "grid {:?}: {heads} heads a batch do not split {} query batches in groups of {}",
+                l.grid, self.bq, self.group
+            ));
+        }
         let grid = geometry::grid(
             kernel,
             tensor_cores,
             self.bq as u32,
-            self.group as u32,
+            (heads as u32, self.group as u32),
             self.t as u32,
             self.s as u32,
         );
@@ -157,65 +175,9 @@ impl Shape {
     }
 }
 
-/// Where a tensor-core kernel's operand is (`attention.cu`'s AttStrides): batch `b` at
-/// `(b / heads) batch + (b % heads) head`, its rows `row` elements apart, each of `d`
-/// contiguous elements (all in elements).
-#[derive(Clone, Copy, Debug)]
-struct Strides {
-    batch: i64,
-    head: i64,
-    row: i64,
-}
-
-impl Strides {
-    /// `X_batch`, `X_head`, `X_row` of operand `x`.
-    fn read(a: &mut Args, x: &str) -> R<Strides> {
-        let st = Strides {
-            batch: a.i64(&format!("{x}_batch"))?,
-            head: a.i64(&format!("{x}_head"))?,
-            row: a.i64(&format!("{x}_row"))?,
-        };
-        if st.batch < 0 || st.head < 0 || st.row < 0 {
-            return Err(format!("`{x}`: negative strides {st:?}"));
-        }
-        Ok(st)
-    }
-
-    /// The use of `batches` batches (split by `heads`) of `rows` rows of `d` elements: the
-    /// rows it touches, one range each.
-    fn use_of(
-        &self,
-        what: &str,
-        p: Ptr,
-        (batches, heads, rows, d): (usize, usize, usize, usize),
-        elem: usize,
-        io: Io,
-    ) -> R<Option<Use>> {
-        if heads == 0 {
-            return Err(format!("`{what}`: heads 0"));
-        }
-        let e = elem as u64;
-        let mut ranges = Vec::with_capacity(batches * rows);
-        for b in 0..batches {
-            let base = (b / heads) as i64 * self.batch + (b % heads) as i64 * self.head;
-            for r in 0..rows {
-                let at = (base + r as i64 * self.row) as u64;
-                ranges.push((at * e, d as u64 * e));
-            }
-        }
-        Ok(ranges_use(what, p, ranges, elem, io))
-    }
-}
-
-/// The operands' strides a tensor-core kernel takes after its shape: `heads`, then each
-/// named operand's.
-fn read_strides(a: &mut Args, names: &[&str]) -> R<(usize, Vec<Strides>)> {
-    let heads = a.count32("heads")?;
-    let strides = names
-        .iter()
-        .map(|x| Strides::read(a, x))
-        .collect::<R<Vec<_>>>()?;
-    Ok((heads, strides))
+/// The strides of each named operand, in order.
+fn read_strides(a: &mut Args, names: &[&str]) -> R<Vec<Strides>> {
+    names.iter().map(|x| Strides::read(a, x)).collect()
 }
 
 /// The launch must be `(grid, (threads, 1, 1))` with exactly `shared` bytes of dynamic shared
@@ -259,8 +221,9 @@ pub(super) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let sh = Shape::read(&mut a, Kernel::Forward)?;
     let elem = v.dtype.size_bytes();
     let mut uses = if v.tile.is_some() {
-        let (heads, st) = read_strides(&mut a, &["q", "k", "v", "o"])?;
+        let st = read_strides(&mut a, &["q", "k", "v", "o"])?;
         a.end()?;
+        let heads = sh.heads(l, Kernel::Forward, v);
         let mut uses = sh.strided_operands(ops, heads, &st[..3], elem)?;
         uses.push(st[3].use_of("o", o, sh.q_dims(heads)?, elem, Io::W)?);
         uses
@@ -330,12 +293,13 @@ pub(super) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let acc = a.need(m, "dq_acc")?;
     let ready = a.need(m, "dq_ready")?;
     let sh = Shape::read(&mut a, Kernel::Backward)?;
-    let (heads, st) = read_strides(&mut a, &["q", "k", "v", "d_o", "dq", "dk", "dv"])?;
+    let st = read_strides(&mut a, &["q", "k", "v", "d_o", "dq", "dk", "dv"])?;
     a.end()?;
     let Some(p) = v.tile else {
         return Err("the one-pass backward has tensor-core variants only".into());
     };
     sh.check_launch(l, Kernel::Backward, v)?;
+    let heads = sh.heads(l, Kernel::Backward, v);
     let elem = v.dtype.size_bytes();
     let (bq, t) = (sh.bq as u64, sh.t as u64);
     let (qd, kd) = (sh.q_dims(heads)?, sh.kv_dims(heads)?);
@@ -371,7 +335,8 @@ pub(super) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
     let rows = a.count("rows")?;
     let t = a.count32("t")?;
     let d = a.count32("d")?;
-    let (heads, st) = read_strides(&mut a, &["o", "d_o"])?;
+    let heads = a.count32("heads")?;
+    let st = read_strides(&mut a, &["o", "d_o"])?;
     a.end()?;
     expect_shape(l, geometry::delta_grid(rows as u64), geometry::THREADS, 0)?;
     if t == 0 || rows % t != 0 {

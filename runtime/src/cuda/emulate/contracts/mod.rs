@@ -24,7 +24,8 @@ mod softmax;
 
 pub(super) use generated::generated;
 
-use super::memory::{check_uses, Mem, Use};
+use super::args::Args;
+use super::memory::{check_uses, ranges_use, Io, Mem, Ptr, Use};
 use super::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
@@ -236,4 +237,54 @@ pub(super) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
         return elementwise::binary(m, l, float(s)?);
     }
     Err(format!("no contract for `{e}`"))
+}
+
+/// Where a kernel's operand read or written in place is (`attention.cu`'s AttStrides,
+/// `rope.cu`'s RopeStrides): batch `b` at `(b / heads) batch + (b % heads) head`, its rows
+/// `row` elements apart, each of `d` contiguous elements (all in elements).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Strides {
+    batch: i64,
+    head: i64,
+    row: i64,
+}
+
+impl Strides {
+    /// `X_batch`, `X_head`, `X_row` of operand `x`.
+    pub(super) fn read(a: &mut Args, x: &str) -> R<Strides> {
+        let st = Strides {
+            batch: a.i32(&format!("{x}_batch"))?.into(),
+            head: a.i32(&format!("{x}_head"))?.into(),
+            row: a.i32(&format!("{x}_row"))?.into(),
+        };
+        if st.batch < 0 || st.head < 0 || st.row < 0 {
+            return Err(format!("`{x}`: negative strides {st:?}"));
+        }
+        Ok(st)
+    }
+
+    /// The use of `batches` batches (split by `heads`) of `rows` rows of `d` elements: the
+    /// rows it touches, one range each.
+    pub(super) fn use_of(
+        &self,
+        what: &str,
+        p: Ptr,
+        (batches, heads, rows, d): (usize, usize, usize, usize),
+        elem: usize,
+        io: Io,
+    ) -> R<Option<Use>> {
+        if heads == 0 {
+            return Err(format!("`{what}`: heads 0"));
+        }
+        let e = elem as u64;
+        let mut ranges = Vec::with_capacity(batches * rows);
+        for b in 0..batches {
+            let base = (b / heads) as i64 * self.batch + (b % heads) as i64 * self.head;
+            for r in 0..rows {
+                let at = (base + r as i64 * self.row) as u64;
+                ranges.push((at * e, d as u64 * e));
+            }
+        }
+        Ok(ranges_use(what, p, ranges, elem, io))
+    }
 }

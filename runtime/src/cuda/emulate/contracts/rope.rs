@@ -1,6 +1,6 @@
 //! `rope.cu`: rotary embeddings forward and backward, and the (cos, sin) table.
 
-use super::checked;
+use super::{checked, Strides};
 use crate::cuda::emulate::args::Args;
 use crate::cuda::emulate::memory::{use_, Io, Mem, Use};
 use crate::cuda::emulate::R;
@@ -22,16 +22,24 @@ pub(super) fn rope(m: &Mem, l: &Launch, dt: DType) -> R<Vec<Use>> {
     let rows = a.count("rows")?;
     let t = a.count32("t")?;
     let d = a.count32("d")?;
+    let heads = a.count32("heads")?;
+    let (sx, sy) = (
+        Strides::read(&mut a, input)?,
+        Strides::read(&mut a, output)?,
+    );
     a.end()?;
-    if t == 0 || d % 2 != 0 {
-        return Err(format!("t = {t}, d = {d} (d must be even)"));
+    if t == 0 || d % 2 != 0 || rows % t != 0 {
+        return Err(format!(
+            "t = {t}, d = {d}, rows = {rows} (d must be even, rows whole batches of t)"
+        ));
     }
     let s = dt.size_bytes();
+    let dims = (rows / t, heads, t, d);
     checked(
         m,
         vec![
-            use_(input, Some(x), (rows * d * s) as u64, s, Io::R),
-            use_(output, Some(y), (rows * d * s) as u64, s, Io::W),
+            sx.use_of(input, x, dims, s, Io::R)?,
+            sy.use_of(output, y, dims, s, Io::W)?,
             use_("cs", Some(cs), (t * (d / 2) * 8) as u64, 8, Io::R),
         ],
         &[(output, input)],

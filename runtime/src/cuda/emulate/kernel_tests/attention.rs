@@ -229,7 +229,7 @@ impl Layout {
 
     /// The stride arguments `X_batch`, `X_head`, `X_row`.
     fn args(&self) -> [Arg; 3] {
-        self.strides().map(i64)
+        self.strides().map(i32)
     }
 
     fn index(&self, b: usize, r: usize, j: usize) -> usize {
@@ -399,14 +399,9 @@ fn run_case(
 
     let at = if in_place { " in place" } else { "" };
     let name = |k: &str| format!("attention_{k}_{suffix} d={d} {c:?}{at}");
-    // The tensor-core kernels' strides: heads, then each operand's (q-side or key-side).
-    let strides_args = |sides: &[&Layout]| -> Vec<Arg> {
-        let mut out = vec![i32(hq)];
-        for l in sides {
-            out.extend(l.args());
-        }
-        out
-    };
+    // The kernels' strides, each operand's (q-side or key-side) in turn.
+    let strides_args =
+        |sides: &[&Layout]| -> Vec<Arg> { sides.iter().flat_map(|l| l.args()).collect() };
     let shape_args = |batches: usize| -> Vec<Arg> {
         vec![
             i64(batches),
@@ -425,7 +420,7 @@ fn run_case(
             kernel,
             tile.is_some(),
             bq as u32,
-            c.g as u32,
+            (hq as u32, c.g as u32),
             c.t as u32,
             c.s as u32,
         );
@@ -481,6 +476,7 @@ fn run_case(
         i64(bq * c.t),
         i32(c.t),
         i32(d),
+        i32(hq),
     ];
     args.extend(strides_args(&[&ql, &ql]));
     let what = format!("attention_bwd_delta_{sfx} d={d} {c:?}{at}");

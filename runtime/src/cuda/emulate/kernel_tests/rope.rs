@@ -61,8 +61,12 @@ fn the_table_and_both_rotations_equal_the_twin() {
                 let bx = l.buf(enc(dt, &x), dt.size_bytes() as u64);
                 let bcs = l.buf(out[cs.0].clone(), 0);
                 let (grid, block) = grid_1d(rows * d / 2, 256);
-                // In place, as the lowering allows.
-                let args = vec![l.ptr(bx), l.ptr(bx), l.ptr(bcs), i64(rows), i32(t), i32(d)];
+                // In place, as the lowering allows; the 3 batches as 3 heads of one.
+                let dense = [3 * t * d, t * d, d].map(i32);
+                let mut args = vec![l.ptr(bx), l.ptr(bx), l.ptr(bcs), i64(rows), i32(t), i32(d)];
+                args.push(i32(3));
+                args.extend(dense.clone());
+                args.extend(dense);
                 let got = l.run(&name, grid, block, args).unwrap();
                 check(
                     &format!("{name} t={t} d={d}"),
@@ -71,6 +75,41 @@ fn the_table_and_both_rotations_equal_the_twin() {
                     &y,
                     0,
                 );
+                // Read from and written into [1, t, 3, d + 4] (a head of a [B, T, H, d]
+                // product), the gaps left alone.
+                let w = d + 4;
+                let at = |b: usize, r: usize, j: usize| r * 3 * w + b * w + j;
+                let mut xs = vec![7.0f32; t * 3 * w];
+                for b in 0..3 {
+                    for r in 0..t {
+                        for j in 0..d {
+                            xs[at(b, r, j)] = x[(b * t + r) * d + j];
+                        }
+                    }
+                }
+                let mut l = Launcher::new("rope.cu");
+                let bx = l.buf(enc(dt, &xs), 0);
+                let by = l.buf(enc(dt, &vec![7.0f32; t * 3 * w]), 0);
+                let bcs = l.buf(out[cs.0].clone(), 0);
+                let strided = [t * 3 * w, w, 3 * w].map(i32);
+                let mut args = vec![l.ptr(bx), l.ptr(by), l.ptr(bcs), i64(rows), i32(t), i32(d)];
+                args.push(i32(3));
+                args.extend(strided.clone());
+                args.extend(strided);
+                let got = dec(dt, &l.run(&name, grid, block, args).unwrap()[by.0]);
+                let mut inside = vec![false; got.len()];
+                let mut dense_y = vec![0.0; rows * d];
+                for b in 0..3 {
+                    for r in 0..t {
+                        for j in 0..d {
+                            dense_y[(b * t + r) * d + j] = got[at(b, r, j)];
+                            inside[at(b, r, j)] = true;
+                        }
+                    }
+                }
+                check(&format!("{name} t={t} d={d} in place"), dt, &dense_y, &y, 0);
+                let gap = (0..got.len()).find(|&i| !inside[i] && got[i] != 7.0);
+                assert!(gap.is_none(), "{name}: a gap was written at {gap:?}");
             }
         }
     }
