@@ -170,11 +170,12 @@ fn writes_in_place(g: &Graph, node: &NodeData, x: Value, view: &copies::View) ->
 }
 
 /// Values written in place: an attention or RoPE output (the context, the query, key or
-/// value gradient, a rotated head's gradient) whose only other reader is a chain of transposes and reshapes, each value read
-/// by the next step alone, that ends in a value stored in a buffer of its own or in a slot of
-/// a concatenation that alone reads it. The kernels write the output through the chain's
-/// inverse view of that buffer, and every other reader of it (the backward reading the
-/// context) reads it there; the chain's copies then have nothing to move. Each entry: the
+/// value gradient, a rotated head's gradient) read by a chain of transposes and reshapes, each
+/// value read by the next step alone, that ends in a value stored in a buffer of its own or
+/// in a slot of a concatenation that alone reads it. The kernels write the output through the
+/// chain's inverse view of that buffer, and every other reader reads it there (the backward
+/// reading the context in place, a recomputed chain through a view); the chain's copies then
+/// have nothing to move. Each entry: the
 /// value, the value whose buffer takes it, and its view of that buffer.
 fn written_in_place(
     g: &Graph,
@@ -195,12 +196,9 @@ fn written_in_place(
             if fixed(x) {
                 continue;
             }
-            let steps_from_x: Vec<Node> = users[x.index()]
-                .iter()
-                .copied()
-                .filter(|&u| is_step(u))
-                .collect();
-            let [first] = steps_from_x[..] else {
+            // The first chain decides the buffer; any other layout reader of x (a chain that
+            // recomputes the same layout for the backward) then reads a view of it.
+            let Some(first) = users[x.index()].iter().copied().find(|&u| is_step(u)) else {
                 continue;
             };
             let mut steps = vec![first];
@@ -263,9 +261,10 @@ fn written_in_place(
             if !undone || !writes_in_place(g, node, x, &view) {
                 continue;
             }
-            let others_read_there = users[x.index()]
-                .iter()
-                .all(|&u| u == first || reads_in_place(g, g.node(u), x, &view));
+            let others_read_there = users[x.index()].iter().all(|&u| {
+                let un = g.node(u);
+                u == first || reads_views(&un.op) || reads_in_place(g, un, x, &view)
+            });
             if others_read_there {
                 out.push((x, target, view));
             }
@@ -317,9 +316,20 @@ pub(super) fn kernel_strides(view: &copies::View, heads: usize, write: bool) -> 
     if d > 1 && v.strides[3] != 1 {
         return None;
     }
-    // A dim of one element has no stride to keep: 0, which every alignment test passes.
-    let stride = |i: usize| if v.dims[i] == 1 { 0 } else { v.strides[i] };
-    let strides = [stride(0), stride(1), stride(2)];
+    // A dim of one element has no stride of its own (a reshape gives it 1): it gets the
+    // packed one, the next dim's extent, which every alignment test and cuDNN accept.
+    let row = if rows == 1 { d as i64 } else { v.strides[2] };
+    let head = if heads == 1 {
+        rows as i64 * row
+    } else {
+        v.strides[1]
+    };
+    let batch = if batches / heads == 1 {
+        heads as i64 * head
+    } else {
+        v.strides[0]
+    };
+    let strides = [batch, head, row];
     if strides.iter().any(|&x| !fits_i32(x)) {
         return None;
     }
