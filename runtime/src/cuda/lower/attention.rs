@@ -41,17 +41,6 @@ struct Operand {
 }
 
 impl Operand {
-    /// A dense `[batches, rows, d]` operand at `at`, its batches split by `heads`.
-    fn dense(at: Place, heads: usize, rows: usize, d: usize) -> Operand {
-        let (h, r, d) = (heads as i64, rows as i64, d as i64);
-        Operand {
-            at,
-            batch: h * r * d,
-            head: r * d,
-            row: d,
-        }
-    }
-
     /// The operand as cuDNN's `(batch, heads, rows, head dim)` tensor.
     fn tensor4(&self) -> Tensor4 {
         Tensor4 {
@@ -317,57 +306,22 @@ impl RunLowering<'_, '_> {
         self.launch_shared(y, &entry, grid, block, shared, args)
     }
 
-    /// Operand `x` of attention problem `p`, `rows` rows of its batches split by `heads`.
-    fn attention_operand(
-        &self,
-        p: &Problem,
-        x: Value,
-        heads: usize,
-        rows: usize,
-    ) -> Result<Operand, LowerError> {
-        let (root, view) = self.source(x);
-        if root == x {
-            return Ok(Operand::dense(self.at(x)?, heads, rows, p.d));
-        }
-        // A view of another buffer, kept virtual for this read (`reads_in_place`).
-        let [batch, head, row] = kernel_strides(&view, heads, false).ok_or_else(|| {
-            self.err(
-                x,
-                "a view the attention kernels cannot read in place (a lowering bug)",
-            )
-        })?;
-        let elem = p.dtype.size_bytes() as u64;
+    /// Attention operand `x` (batches split by `heads`): its own buffer, or read in place.
+    fn attention_operand(&self, x: Value, heads: usize) -> Result<Operand, LowerError> {
+        let (at, [batch, head, row]) = self.strided_read(x, heads)?;
         Ok(Operand {
-            at: self.at(root)?.plus(view.offset as u64 * elem),
+            at,
             batch,
             head,
             row,
         })
     }
 
-    /// Output `x` of attention problem `p`: its own buffer, or its view of the buffer it is
-    /// written into ([`super::Storage::Into`]).
-    fn attention_output(
-        &mut self,
-        p: &Problem,
-        x: Value,
-        heads: usize,
-        rows: usize,
-    ) -> Result<Operand, LowerError> {
-        let (super::Storage::Into, Some((target, view))) =
-            (self.storage[x.index()], self.views[x.index()].clone())
-        else {
-            return Ok(Operand::dense(self.out(x)?, heads, rows, p.d));
-        };
-        let [batch, head, row] = kernel_strides(&view, heads, true).ok_or_else(|| {
-            self.err(
-                x,
-                "a view the attention kernels cannot write (a lowering bug)",
-            )
-        })?;
-        let elem = p.dtype.size_bytes() as u64;
+    /// Attention output `x`: its own buffer, or written in place.
+    fn attention_output(&mut self, x: Value, heads: usize) -> Result<Operand, LowerError> {
+        let (at, [batch, head, row]) = self.strided_write(x, heads)?;
         Ok(Operand {
-            at: self.out(target)?.plus(view.offset as u64 * elem),
+            at,
             batch,
             head,
             row,
@@ -382,9 +336,9 @@ impl RunLowering<'_, '_> {
     ) -> Result<(Operand, Operand, Operand), LowerError> {
         let kv_heads = p.heads / p.group;
         Ok((
-            self.attention_operand(p, ins[0], p.heads, p.t)?,
-            self.attention_operand(p, ins[1], kv_heads, p.s)?,
-            self.attention_operand(p, ins[2], kv_heads, p.s)?,
+            self.attention_operand(ins[0], p.heads)?,
+            self.attention_operand(ins[1], kv_heads)?,
+            self.attention_operand(ins[2], kv_heads)?,
         ))
     }
 
@@ -417,7 +371,7 @@ impl RunLowering<'_, '_> {
         }
         let mark = self.commands.len();
         let (qo, ko, vo) = self.attention_inputs(&p, &ins)?;
-        let oo = self.attention_output(&p, o, p.heads, p.t)?;
+        let oo = self.attention_output(o, p.heads)?;
         let args = vec![
             ("q", Arg::Ptr(qo.at)),
             ("k", Arg::Ptr(ko.at)),
@@ -536,8 +490,8 @@ impl RunLowering<'_, '_> {
         // delta for the kernels; the same F32 rows for cuDNN's row sums.
         let delta = self.scratch(rows as u64 * 4);
         let (qo, ko, vo) = self.attention_inputs(&p, &ins)?;
-        let oo = self.attention_operand(&p, ins[3], p.heads, p.t)?;
-        let doo = self.attention_operand(&p, ins[5], p.heads, p.t)?;
+        let oo = self.attention_operand(ins[3], p.heads)?;
+        let doo = self.attention_operand(ins[5], p.heads)?;
         let mut delta_args = vec![
             ("o", Arg::Ptr(oo.at)),
             ("d_o", Arg::Ptr(doo.at)),
@@ -558,9 +512,9 @@ impl RunLowering<'_, '_> {
             delta_args,
         )?;
         let kv_heads = p.heads / p.group;
-        let dqo = self.attention_output(&p, dq, p.heads, p.t)?;
-        let dko = self.attention_output(&p, dk, kv_heads, p.s)?;
-        let dvo = self.attention_output(&p, dv, kv_heads, p.s)?;
+        let dqo = self.attention_output(dq, p.heads)?;
+        let dko = self.attention_output(dk, kv_heads)?;
+        let dvo = self.attention_output(dv, kv_heads)?;
         let common = vec![
             ("q", Arg::Ptr(qo.at)),
             ("k", Arg::Ptr(ko.at)),

@@ -52,26 +52,9 @@ impl RunLowering<'_, '_> {
         let rows = numel(ins[0]) / hd.max(1);
         let heads = heads_of(&d[..d.len() - 2], 1);
         let table = self.rope_table(t, hd, *theta, *scaling)?;
-        let elem = dt(y).size_bytes() as u64;
-        let dense = [(heads * t * hd) as i64, (t * hd) as i64, hd as i64];
-        // The operand, read in place when it is a view of another buffer.
-        let (root, view) = self.source(ins[0]);
-        let (x, xs) = if root == ins[0] {
-            (self.at(ins[0])?, dense)
-        } else {
-            let st = kernel_strides(&view, heads, false)
-                .ok_or_else(|| self.err(y, "a view rope cannot read (a lowering bug)"))?;
-            (self.at(root)?.plus(view.offset as u64 * elem), st)
-        };
-        // The result, written in place when its producer writes it into another buffer.
-        let (out, ys) = match (self.storage[y.index()], self.views[y.index()].clone()) {
-            (super::Storage::Into, Some((target, view))) => {
-                let st = kernel_strides(&view, heads, true)
-                    .ok_or_else(|| self.err(y, "a view rope cannot write (a lowering bug)"))?;
-                (self.out(target)?.plus(view.offset as u64 * elem), st)
-            }
-            _ => (self.out(y)?, dense),
-        };
+        // The operand read, and the result written, in place when they are views.
+        let (x, xs) = self.strided_read(ins[0], heads)?;
+        let (out, ys) = self.strided_write(y, heads)?;
         // The kernels name their operand and result by direction.
         let (dir, input, output) = if backward {
             ("bwd", "dy", "dx")

@@ -4,7 +4,8 @@
 //! leads to (an attention context written where the output projection reads it, a head's
 //! gradient into its slot of the fused QKV gradient), so that no copy runs in between.
 
-use super::{attention, copies, rope};
+use super::super::program::Place;
+use super::{attention, copies, rope, LowerError, RunLowering};
 use castor_ir::{Graph, Node, NodeData, Op, Value};
 use std::collections::HashMap;
 
@@ -342,4 +343,55 @@ pub(super) fn kernel_strides(view: &copies::View, heads: usize, write: bool) -> 
         return None;
     }
     Some(strides)
+}
+
+impl RunLowering<'_, '_> {
+    /// Where a kernel that takes strides reads `x` (`[.., rows, d]`, batches split by
+    /// `heads`): its own buffer with dense strides, or in place through its view.
+    pub(super) fn strided_read(
+        &self,
+        x: Value,
+        heads: usize,
+    ) -> Result<(Place, [i64; 3]), LowerError> {
+        let (root, view) = self.source(x);
+        if root == x {
+            return Ok((self.at(x)?, self.dense_strides(x, heads)));
+        }
+        let strides = kernel_strides(&view, heads, false)
+            .ok_or_else(|| self.err(x, "a view its kernel cannot read (a lowering bug)"))?;
+        Ok((self.at(root)?.plus(self.elements(x, view.offset)), strides))
+    }
+
+    /// Where a kernel that takes strides writes `x`: its own buffer with dense strides, or
+    /// the buffer it is written into ([`Storage::Into`]) through its view.
+    pub(super) fn strided_write(
+        &mut self,
+        x: Value,
+        heads: usize,
+    ) -> Result<(Place, [i64; 3]), LowerError> {
+        let (Storage::Into, Some((target, view))) =
+            (self.storage[x.index()], self.views[x.index()].clone())
+        else {
+            return Ok((self.out(x)?, self.dense_strides(x, heads)));
+        };
+        let strides = kernel_strides(&view, heads, true)
+            .ok_or_else(|| self.err(x, "a view its kernel cannot write (a lowering bug)"))?;
+        Ok((
+            self.out(target)?.plus(self.elements(x, view.offset)),
+            strides,
+        ))
+    }
+
+    /// The (batch, head, row) strides of `x` stored dense.
+    fn dense_strides(&self, x: Value, heads: usize) -> [i64; 3] {
+        let dims = self.g.ty(x).shape.dims();
+        let r = dims.len();
+        let (rows, d) = (dims[r - 2] as i64, dims[r - 1] as i64);
+        [heads as i64 * rows * d, rows * d, d]
+    }
+
+    /// Bytes of `n` elements of `x`'s dtype.
+    fn elements(&self, x: Value, n: i64) -> u64 {
+        n as u64 * self.g.ty(x).dtype.size_bytes() as u64
+    }
 }
