@@ -8,7 +8,7 @@
 //! scaled value). In BF16 the fused op is more accurate than the unfused graph, which rounds
 //! the scores and probabilities to BF16: its error against the F32 result is no larger.
 
-mod common;
+use crate::common;
 
 use castor_ir::{relative_error, text, DType, Graph, Tensor};
 use castor_passes::{Autodiff, Pass};

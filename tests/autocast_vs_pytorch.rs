@@ -2,7 +2,7 @@
 //! castor's relative error against the F32 reference must not exceed 1.5x autocast's own
 //! error on the same inputs. Both errors are printed (`cargo test -- --nocapture`).
 
-mod common;
+use crate::common;
 
 use castor_ir::relative_error;
 use castor_models::SafetensorsFile;

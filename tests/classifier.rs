@@ -10,7 +10,7 @@
 //! Against PyTorch, `tests/train_vs_pytorch.rs` runs it on every decoder fixture; on CUDA,
 //! `tests/cuda_emulated.rs` runs its chunked program beside the CPU executor.
 
-mod common;
+use crate::common;
 
 use castor_ir::relative_error;
 use castor_models::SafetensorsFile;

@@ -1,7 +1,7 @@
 //! The command line end to end: the demo, inspect, and the errors a user sees, with their exit
 //! codes (README: 3 invalid input, 5 device unavailable).
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::fs;

@@ -3,7 +3,7 @@
 //! every visible step folder is a complete checkpoint that loads, and no progress is lost.
 //! Ctrl-C finishes the step, saves and exits with 130.
 
-mod common;
+use crate::common;
 
 use castor_models::{Model, SafetensorsFile};
 use common::*;

@@ -21,7 +21,7 @@
 //! out-of-bounds access, a wrong argument, a buffer reused while live or an unsafe in-place
 //! update shows up as an error naming the command, or as a difference.
 
-mod common;
+use crate::common;
 
 use castor_ir::Tensor;
 use castor_runtime::cpu::CpuExecutor;

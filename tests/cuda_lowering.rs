@@ -8,7 +8,7 @@
 //! list in the PTX (count, size and kind of every parameter), so a launch that would pass the
 //! wrong arguments fails here rather than on the GPU.
 
-mod common;
+use crate::common;
 
 use castor_kernels::ptx;
 use castor_kernels::{KernelCache, Nvrtc, DEFAULT_ARCH};

@@ -24,7 +24,7 @@
 //! - A launcher's group of processes (one rank each, as torchrun starts them) trains on the
 //!   CPU exactly as one process running the ranks as threads, and rank 0 alone writes.
 
-mod common;
+use crate::common;
 
 use castor::precision::PrecisionArgs;
 use castor::training::TrainingArgs;

@@ -1,8 +1,8 @@
 //! `castor demo` end to end: it trains the embedded model, writes its pictures, log and
-//! checkpoint, and (as a benchmark, `cargo test --release --test demo -- --ignored
+//! checkpoint, and (as a benchmark, `cargo test --release --test integration demo:: -- --ignored
 //! --nocapture`) runs in under a minute.
 
-mod common;
+use crate::common;
 
 use castor_models::{Model, SafetensorsFile};
 use common::*;
@@ -113,7 +113,7 @@ fn demo_trains_and_writes_pictures_and_a_checkpoint() {
 }
 
 /// The README's first command, timed. Run in release:
-/// `cargo test --release --test demo -- --ignored --nocapture`.
+/// `cargo test --release --test integration demo:: -- --ignored --nocapture`.
 #[test]
 #[ignore = "benchmark: the full demo (about 10 s in release)"]
 fn demo_benchmark() {

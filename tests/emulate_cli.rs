@@ -7,7 +7,7 @@
 //! attention eagerly: the fused attention kernel agrees with the CPU executor to a bound, not
 //! bit for bit (`tests/attention.rs`).
 
-mod common;
+use crate::common;
 
 use common::cuda_cases::midway_budget;
 use common::{castor, eval, fixture, path_str, stderr};

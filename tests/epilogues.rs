@@ -12,7 +12,7 @@
 //! - A scale folds in F32 only when exact (a power of two: LLaMA-GQA's head dim 16), which
 //!   the F32 bit-identity test holds.
 
-mod common;
+use crate::common;
 
 use castor_runtime::PlanRunner;
 use common::cuda_cases::{as_f32, batch, exact_zero_slices, load_params, mask_exact_zero, plan};

@@ -2,7 +2,7 @@
 //! relative error ‖a−b‖/‖b‖ below 1e-4 for every output tensor, with the attention core built
 //! as eager ops and as the fused `attention` op.
 
-mod common;
+use crate::common;
 
 use castor_ir::relative_error;
 use castor_models::SafetensorsFile;

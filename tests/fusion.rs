@@ -9,7 +9,7 @@
 //!   legal and each fused kernel rounds where the unfused graph stores;
 //! - the grouping decisions are snapshots.
 
-mod common;
+use crate::common;
 
 use castor::precision::PrecisionArgs;
 use castor::training::TrainingArgs;

@@ -7,7 +7,7 @@
 //! - the command: text in and out through the model's tokenizer, seeded sampling, and clear
 //!   refusals.
 
-mod common;
+use crate::common;
 
 use castor::generate::{Generator, Sampling};
 use castor::precision::PrecisionArgs;

@@ -4,7 +4,7 @@
 //! a record of the format `bench/record.py` validates, with every configuration's row, castor's
 //! measured; and BENCHMARKS.md's generated section is what the committed records render to.
 
-mod common;
+use crate::common;
 
 use common::{castor_bin, root};
 use std::process::Command;

@@ -5,7 +5,7 @@
 //! `attention` op. References come from
 //! tests/fixtures/generate_training.py (`training.safetensors`).
 
-mod common;
+use crate::common;
 
 use castor_ir::relative_error;
 use castor_models::SafetensorsFile;

@@ -1,7 +1,7 @@
 //! The IR text format round-trips and verifies on every hand-written input and every model
 //! family's graph: print(parse(print(g))) == print(g).
 
-mod common;
+use crate::common;
 
 use castor_ir::{text, verify};
 use castor_models::Model;

@@ -15,7 +15,7 @@
 //! - `inspect --adapter`, `compile --explain` and `--emit dot` show the adapters and the base;
 //! - the embedded tiny GPT-2 fine-tuned with adapters on the embedded corpus lowers its loss.
 
-mod common;
+use crate::common;
 
 use castor_ir::relative_error;
 use castor_models::SafetensorsFile;

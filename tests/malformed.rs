@@ -8,10 +8,10 @@
 //! after changing the generator:
 //!
 //! ```text
-//! REGENERATE_MALFORMED=1 cargo test --test malformed corpus_files_match_the_generator
+//! REGENERATE_MALFORMED=1 cargo test --test integration malformed::corpus_files_match_the_generator
 //! ```
 
-mod common;
+use crate::common;
 
 use castor_models::{Config, Model};
 use common::*;

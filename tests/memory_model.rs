@@ -5,7 +5,7 @@
 //! AdamW, BF16 moments, updates inside the backward pass); a budget plan stays within its
 //! budget.
 
-mod common;
+use crate::common;
 
 use castor_runtime::cuda::lower::lower_plan;
 use common::cuda_cases::{midway_budget, plan, planned_peak, PLAN_FAMILIES};

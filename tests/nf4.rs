@@ -4,7 +4,7 @@
 //! `dequantize_4bit`'s, on a normal weight, an odd count, a partial last block, values exactly
 //! on the midpoints between codes, and a block of zeros.
 
-mod common;
+use crate::common;
 
 use castor_ir::nf4::{dequantize, quantize, NF4_BLOCK, NF4_CODE};
 use castor_models::SafetensorsFile;

@@ -11,7 +11,7 @@
 //! - `--update-in-backward` trains the same weights and optimizer state as the ordinary plan,
 //!   bit for bit, fp16 steps skipped on overflow included, and refuses accumulation.
 
-mod common;
+use crate::common;
 
 use castor_ir::{
     adafactor_moments, quant, relative_error, DType, GraphBuilder, Op, Shape, Tensor, TensorType,

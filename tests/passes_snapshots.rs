@@ -3,7 +3,7 @@
 //! every model family fixture under every policy. Reviewing a snapshot change is reviewing a
 //! change to what castor decides.
 
-mod common;
+use crate::common;
 
 use castor::precision::PrecisionArgs;
 use castor_ir::{text, verify, Accum, DType, Graph, Op, OpClass};

@@ -3,7 +3,7 @@
 //! scale of 1.0); the precision is stored typed; the forward extent travels with the plan, so
 //! `train --plan` reports the planned memory of a plan file.
 
-mod common;
+use crate::common;
 
 use castor_ir::{
     text, verify, ControlState, LossScaling, OptimizerKind, Precision, Remat, TrainSettings,

@@ -11,7 +11,7 @@
 //! The CUDA program of an NF4 plan is checked against the CPU executor in
 //! `tests/emulate_cli.rs` (`lora_trains_on_the_emulator_as_on_the_cpu`).
 
-mod common;
+use crate::common;
 
 use castor_ir::nf4::{self, NF4_BLOCK};
 use castor_ir::{StateInit, Tensor, TrainingPlan};

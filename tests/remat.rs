@@ -9,7 +9,7 @@
 //!   budget, and the minimum cut never recomputes more (in estimated time) than the former
 //!   greedy sequence at the same budget.
 
-mod common;
+use crate::common;
 
 use castor_ir::{LossScaling, OptimizerKind, Remat, TrainSettings, TrainingPlan};
 use castor_models::{Model, Objective, SafetensorsFile};

@@ -8,7 +8,7 @@
 //!   memory picture spans the page's width, nothing overflows. Without Chromium the browser
 //!   check is skipped with a reason, except under CI=true, where it fails.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::path::{Path, PathBuf};

@@ -4,7 +4,7 @@
 //! transformers' collator does; a model without a head trains only a named objective; and
 //! `eval --text`.
 
-mod common;
+use crate::common;
 
 use common::tokenizer_files::*;
 use common::*;

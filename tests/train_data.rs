@@ -2,7 +2,7 @@
 //! nanoGPT's `.bin` token files, with a validation split, periodic checkpoints and pictures.
 //! A run of N steps and a run of N/2 steps resumed for N/2 more are bit-identical.
 
-mod common;
+use crate::common;
 
 use castor_models::SafetensorsFile;
 use common::*;

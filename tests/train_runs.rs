@@ -9,7 +9,7 @@
 //! - a run resumed from a checkpoint is bit-identical to the uninterrupted run (the ordinary
 //!   plan, and Adafactor with the updates inside the backward pass).
 
-mod common;
+use crate::common;
 
 use castor_ir::relative_error;
 use castor_models::SafetensorsFile;

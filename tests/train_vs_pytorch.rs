@@ -13,7 +13,7 @@
 //!   weight gradients are autocast's), parameters unchanged on skipped steps;
 //! - a plan written by `compile --emit plan` trains exactly as the plan `train` compiles.
 
-mod common;
+use crate::common;
 
 use castor_ir::relative_error;
 use castor_models::SafetensorsFile;

@@ -4,7 +4,7 @@
 //! persistent-state table, for the fp32 and fp16 policies, for a plan that uses every
 //! optimizer option, and for data-parallel plans under ZeRO-2 and ZeRO-3.
 
-mod common;
+use crate::common;
 
 use common::*;
 

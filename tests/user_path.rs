@@ -5,7 +5,7 @@
 //! checkpoint that is another architecture), bookkeeping (1-based steps, --steps the total, a
 //! resumed run keeps its schedule), precision names and grouped help.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::io::{BufRead, BufReader, Read};

@@ -1,7 +1,7 @@
 //! Checkpoint folders written here with the `safetensors` serializer: loading, head and prefix
 //! detection, the load report, parameter values, sharding, and every validation error.
 
-mod common;
+use crate::common;
 
 use castor_ir::DType;
 use castor_models::safetensors::Dtype;

@@ -1,7 +1,7 @@
 //! Models from config.json alone: parameter counts against transformers' `num_parameters()`,
 //! graphs that verify, names that trace back to the model, and config errors.
 
-mod common;
+use crate::common;
 
 use castor_ir::{DType, Graph, Op};
 use castor_models::{Config, Family, Head, Model};

@@ -3,8 +3,8 @@
 //! exactly as in the file, its parameter count matches transformers', and its inputs and
 //! expected outputs match the graph's inputs and outputs.
 
-mod common;
-mod exec;
+use crate::common;
+use crate::exec;
 
 use castor_ir::{DType, Op};
 use castor_models::{Head, Model, SafetensorsFile};

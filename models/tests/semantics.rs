@@ -1,8 +1,8 @@
 //! Properties of the built graphs, run on the CPU reference executor: causality, padding
 //! masks, grouped-query attention equal to repeated k/v heads, tied equal to copied heads.
 
-mod common;
-mod exec;
+use crate::common;
+use crate::exec;
 
 use castor_ir::{DType, Tensor};
 use castor_models::safetensors::Dtype;
