@@ -14,6 +14,7 @@ use castor_passes::{
     cost::GpuSpec, cost::StepCost, Autocast, Classify, FoldCasts, Pass, Policy, Precision,
 };
 use castor_runtime::cuda::{lower::lower_plan, program::Command};
+use castor_runtime::ExecutorKind;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -96,12 +97,10 @@ fn main() -> anyhow::Result<()> {
                 lora: None,
                 parallel: Default::default(),
             };
-            let (plan, _) = castor::memory::Executor::Cuda
-                .pipeline()
-                .build(&g, settings)?;
+            let (plan, _) = castor::memory::pipeline(ExecutorKind::Cuda).build(&g, settings)?;
             times[4] = ms(t0);
             let t0 = Instant::now();
-            let anatomy = castor::memory::Executor::Cuda.anatomy(&plan);
+            let anatomy = castor::memory::anatomy(ExecutorKind::Cuda, &plan);
             times[5] = ms(t0);
             let t0 = Instant::now();
             let cost = StepCost::of_plan(&plan, &GpuSpec::default());

@@ -4,9 +4,9 @@
 //! temporaries live at the peak, and for the CUDA executor its cuBLAS workspace and other
 //! device buffers. The rows add up to the planned peak of one step.
 
-use crate::memory::Executor;
 use castor_ir::{StateRole, TrainingPlan};
 use castor_passes::memory::Anatomy;
+use castor_runtime::ExecutorKind;
 
 /// One row of the anatomy.
 #[derive(Clone, Debug)]
@@ -32,12 +32,12 @@ pub const OTHER_BUFFERS: &str = "other device buffers";
 
 /// The plan's persistent state by role, then the planned arena: saved activations (the plan
 /// records where its forward part ends) and the other temporaries at the peak.
-pub fn anatomy(plan: &TrainingPlan, executor: Executor) -> Vec<AnatomyRow> {
-    rows(plan, &executor.anatomy(plan), executor)
+pub fn anatomy(plan: &TrainingPlan, executor: ExecutorKind) -> Vec<AnatomyRow> {
+    rows(plan, &crate::memory::anatomy(executor, plan), executor)
 }
 
 /// [`anatomy`] of an anatomy already laid out by `executor`'s model.
-pub fn rows(plan: &TrainingPlan, a: &Anatomy, executor: Executor) -> Vec<AnatomyRow> {
+pub fn rows(plan: &TrainingPlan, a: &Anatomy, executor: ExecutorKind) -> Vec<AnatomyRow> {
     let mut rows: Vec<AnatomyRow> = STATE_ROLES
         .iter()
         // Only a plan with a frozen base (LoRA) has that row.
@@ -60,7 +60,7 @@ pub fn rows(plan: &TrainingPlan, a: &Anatomy, executor: Executor) -> Vec<Anatomy
         estimate: false,
     });
     // The CPU executor allocates nothing beside its values.
-    if executor == Executor::Cuda {
+    if executor.runs_cuda_program() {
         rows.push(AnatomyRow {
             what: "cuBLAS workspace".into(),
             bytes: a.memory.workspace,

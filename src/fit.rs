@@ -18,12 +18,12 @@
 //! without optimizer state and gradients already exceeds the memory, no change of full
 //! training is planned.
 
-use crate::memory::Executor;
 use crate::report::counted_bytes;
 use crate::CliError;
 use castor_ir::{Classifier, OptimizerKind, Remat, TrainSettings, TrainingPlan};
 use castor_passes::cost::{GpuSpec, StepCost};
 use castor_passes::memory::Anatomy;
+use castor_runtime::ExecutorKind;
 use std::path::Path;
 
 /// The cost model's GPU for `--gpu`: a name from the built-in table, a spec file, or (none
@@ -58,7 +58,7 @@ pub struct MemoryTarget {
     pub name: String,
     pub bytes: u64,
     /// The executor whose memory model lays the step out on it.
-    pub executor: Executor,
+    pub executor: ExecutorKind,
 }
 
 impl MemoryTarget {
@@ -69,7 +69,7 @@ impl MemoryTarget {
             .map(|d| MemoryTarget {
                 name: format!("{} (this machine's GPU)", d.name),
                 bytes: d.total_memory,
-                executor: Executor::Cuda,
+                executor: ExecutorKind::Cuda,
             })
     }
 
@@ -78,7 +78,7 @@ impl MemoryTarget {
         gpu.memory_bytes.map(|bytes| MemoryTarget {
             name: format!("{} ({how})", gpu.name),
             bytes,
-            executor: Executor::Cuda,
+            executor: ExecutorKind::Cuda,
         })
     }
 
@@ -96,7 +96,7 @@ impl MemoryTarget {
         Some(MemoryTarget {
             name: "host memory (training on the CPU)".into(),
             bytes: kib * 1024,
-            executor: Executor::Cpu,
+            executor: ExecutorKind::Cpu,
         })
     }
 }
@@ -182,8 +182,8 @@ impl Verdict {
 
 /// The planned peak of a training step on `executor`: persistent state and everything else
 /// it allocates.
-pub fn planned_peak(plan: &TrainingPlan, executor: Executor) -> u64 {
-    executor.anatomy(plan).total()
+pub fn planned_peak(plan: &TrainingPlan, executor: ExecutorKind) -> u64 {
+    crate::memory::anatomy(executor, plan).total()
 }
 
 /// Builds the plan of other settings (the command's own compile path; the settings carry the
@@ -217,9 +217,7 @@ pub fn verdict(
     let try_plan = |settings: TrainSettings| -> Option<(u64, f64)> {
         let p = replan(settings).ok()?;
         // A change the executor cannot run is no remedy.
-        if matches!(executor, Executor::Cuda)
-            && castor_runtime::cuda::lower::lower_plan(&p).is_err()
-        {
+        if executor.runs_cuda_program() && castor_runtime::cuda::lower::lower_plan(&p).is_err() {
             return None;
         }
         Some((

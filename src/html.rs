@@ -79,7 +79,7 @@ impl Report {
         plan: &TrainingPlan,
         summary: Option<&PrecisionSummary>,
         anatomy: &castor_passes::memory::Anatomy,
-        executor: crate::memory::Executor,
+        executor: castor_runtime::ExecutorKind,
     ) {
         let s = &plan.settings;
         self.fact("precision", s.precision.name());

@@ -11,6 +11,7 @@
 use crate::CliError;
 use castor_runtime::cuda::nccl::{self, NcclRank, UNIQUE_ID_BYTES};
 use castor_runtime::rendezvous::{GroupAddress, Rendezvous};
+use castor_runtime::ExecutorKind;
 use std::time::Duration;
 
 /// Overrides the rendezvous port (default: `MASTER_PORT`, or the port after it under
@@ -117,8 +118,8 @@ impl Launch {
     }
 
     /// Refuses a group launched on the emulator, which runs one program alone.
-    pub fn check_device(&self, device: &crate::device::Selected) -> Result<(), CliError> {
-        if !self.is_group() || !matches!(device, crate::device::Selected::Emulated) {
+    pub fn check_device(&self, device: ExecutorKind) -> Result<(), CliError> {
+        if !self.is_group() || !matches!(device, ExecutorKind::Emulate) {
             return Ok(());
         }
         Err(CliError::DeviceUnavailable(format!(
@@ -245,20 +246,19 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(!one.is_group());
-        assert!(one.check_device(&crate::device::Selected::Cpu).is_ok());
+        assert!(one.check_device(ExecutorKind::Cpu).is_ok());
     }
 
     #[test]
     fn a_launched_group_runs_on_gpus_or_the_cpu() {
         let launch = from_env(&env(&TORCHRUN)).unwrap().unwrap();
         let e = launch
-            .check_device(&crate::device::Selected::Emulated)
+            .check_device(ExecutorKind::Emulate)
             .unwrap_err()
             .to_string();
         assert!(e.contains("rank 3 of 8") && e.contains("emulator"), "{e}");
-        let gpu = crate::device::Selected::Cuda("an H100".into());
-        assert!(launch.check_device(&gpu).is_ok());
-        assert!(launch.check_device(&crate::device::Selected::Cpu).is_ok());
+        assert!(launch.check_device(ExecutorKind::Cuda).is_ok());
+        assert!(launch.check_device(ExecutorKind::Cpu).is_ok());
     }
 
     #[test]

@@ -11,7 +11,6 @@ use crate::progress::{Progress, StepLine};
 use crate::trainer::Trainer;
 use anyhow::Context;
 use castor_ir::{Tensor, TrainSettings};
-use castor_runtime::cpu::CpuExecutor;
 use castor_runtime::{LossScale, PlanRunner, RuntimeError, StepReport};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -193,31 +192,6 @@ pub struct LoopOutcome {
     pub evaluated_at: Option<u64>,
     /// The last validation accuracy of a classifier (a fraction).
     pub accuracy: Option<f64>,
-}
-
-/// The validation loss: the plan's micro step (forward and backward of one micro-batch) run
-/// on each held-out batch with the runner's state, writing nothing back; the mean loss.
-pub fn validation_loss(
-    runner: &PlanRunner,
-    batches: &[HashMap<String, Tensor>],
-) -> anyhow::Result<Option<f64>> {
-    if batches.is_empty() {
-        return Ok(None);
-    }
-    let graph = &runner.plan().micro_step;
-    let executor = CpuExecutor::new();
-    let mut sum = 0.0;
-    for batch in batches {
-        let bind = |name: &str| batch.get(name).or_else(|| runner.state(name));
-        let outputs = executor.run(graph, &bind)?;
-        let loss = outputs
-            .first()
-            .and_then(|t| t.as_f32())
-            .and_then(|v| v.first().copied())
-            .context("the micro step has no loss output")?;
-        sum += f64::from(loss);
-    }
-    Ok(Some(sum / batches.len() as f64))
 }
 
 /// A classifier's validation loss and accuracy: the micro step with its `logits` as a second

@@ -198,7 +198,7 @@ fn train_with_a_plan_file_reports_its_memory() {
         .find(|l| l.starts_with("memory "))
         .unwrap_or_else(|| panic!("no memory line in:\n{out}"));
     let p = TrainingPlan::from_json(&std::fs::read_to_string(&plan).unwrap()).unwrap();
-    let a = castor::memory::Executor::Cpu.anatomy(&p);
+    let a = castor::memory::anatomy(castor_runtime::ExecutorKind::Cpu, &p);
     assert!(
         line.contains(&format!(
             "{} planned per step",

@@ -76,14 +76,13 @@ fn try_plan(
         lora: None,
         parallel: Default::default(),
     };
-    castor::memory::Executor::Cuda
-        .pipeline()
+    castor::memory::pipeline(castor_runtime::ExecutorKind::Cuda)
         .build(&g, settings)
         .map(|(p, _)| p)
 }
 
 fn peak(p: &TrainingPlan) -> u64 {
-    castor::memory::Executor::Cuda.anatomy(p).total()
+    castor::memory::anatomy(castor_runtime::ExecutorKind::Cuda, p).total()
 }
 
 /// A budget halfway between the `none` and `full` peaks of a fixture.
@@ -320,7 +319,7 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
         (Remat::Full, "2"),
     ] {
         let p = plan(&config, b, t, mode);
-        let a = castor::memory::Executor::Cuda.anatomy(&p);
+        let a = castor::memory::anatomy(castor_runtime::ExecutorKind::Cuda, &p);
         let m = &a.memory;
         assert!(
             m.arena_bytes as f64 <= 1.05 * m.lower_bound as f64,
@@ -370,7 +369,7 @@ fn gpt2_124m_arena_activations_and_budget_sweep() {
     for i in 0..10 {
         let budget = smallest + (none_peak - smallest) * i / 9;
         let p = plan(&config, b, t, Remat::Budget(budget));
-        let a = castor::memory::Executor::Cuda.anatomy(&p);
+        let a = castor::memory::anatomy(castor_runtime::ExecutorKind::Cuda, &p);
         assert!(a.total() <= budget, "budget {budget}: peak {}", a.total());
         let cost = StepCost::of_plan(&p, &gpu);
         let secs = cost.recompute_seconds();

@@ -11,9 +11,11 @@ pub mod cpu;
 pub mod cuda;
 pub mod cuda_probe;
 mod error;
+mod executor;
 mod plan;
 pub mod ranks;
 pub mod rendezvous;
 
 pub use error::RuntimeError;
+pub use executor::{CpuStateFn, ExecutorKind, PlanExecutor};
 pub use plan::{DeviceTime, LossScale, PlanRunner, StepReport};

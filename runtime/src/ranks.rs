@@ -11,7 +11,7 @@
 
 use crate::cpu::collective::{Member, RankGroup, PEER_FAILED};
 use crate::rendezvous::Rendezvous;
-use crate::{PlanRunner, RuntimeError, StepReport};
+use crate::{CpuStateFn, ExecutorKind, PlanExecutor, PlanRunner, RuntimeError, StepReport};
 use castor_ir::{Tensor, TensorType, TrainingPlan};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -19,6 +19,14 @@ use std::sync::{Arc, Mutex};
 /// What one rank of an in-process group runs: the CPU executor's [`PlanRunner`], or the CUDA
 /// program on the host emulator. [`Ranks`] runs either the same way, one thread per rank.
 pub trait RankRunner: Send + Sized {
+    /// The executor each rank is.
+    const KIND: ExecutorKind;
+    /// A group of `world` such ranks, as the device line names it after the executor.
+    fn describe_group(world: usize) -> String;
+    /// The rank's CPU runner, where the rank is one.
+    fn as_cpu(&self) -> Option<&PlanRunner> {
+        None
+    }
     /// Rank `member` of `plan`, its state from `checkpoint` (sharded).
     fn for_rank(
         plan: TrainingPlan,
@@ -154,7 +162,57 @@ impl<R: RankRunner> Ranks<R> {
     }
 }
 
+/// A group in this process trains as one executor: each step's report is read at once.
+impl<R: RankRunner> PlanExecutor for Ranks<R> {
+    fn plan(&self) -> &TrainingPlan {
+        Ranks::plan(self)
+    }
+    fn kind(&self) -> ExecutorKind {
+        R::KIND
+    }
+    fn device(&self) -> String {
+        format!("{} ({})", R::KIND, R::describe_group(self.world()))
+    }
+    fn step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+        _report: bool,
+    ) -> Result<Option<StepReport>, RuntimeError> {
+        Ranks::step(self, micro_batches, lr).map(Some)
+    }
+    fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        Ranks::validation_loss(self, batches)
+    }
+    fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        Ranks::state_entries(self)
+    }
+    fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        Ranks::restore(self, entries)
+    }
+    fn on_cpu_state(&mut self, f: &CpuStateFn) -> Option<Result<Vec<f64>, RuntimeError>> {
+        self.runners.first()?.as_cpu()?;
+        Some(self.on_rank_zero_with_all(|rank| {
+            rank.as_cpu()
+                .ok_or_else(|| {
+                    RuntimeError::Plan("a rank of a CPU group is not a CPU runner".into())
+                })
+                .and_then(f)
+        }))
+    }
+}
+
 impl RankRunner for PlanRunner {
+    const KIND: ExecutorKind = ExecutorKind::Cpu;
+    fn describe_group(world: usize) -> String {
+        format!("{world} ranks")
+    }
+    fn as_cpu(&self) -> Option<&PlanRunner> {
+        Some(self)
+    }
     fn for_rank(
         plan: TrainingPlan,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,
@@ -212,6 +270,10 @@ impl RankRunner for PlanRunner {
 }
 
 impl RankRunner for crate::cuda::EmulatedPlanRunner {
+    const KIND: ExecutorKind = ExecutorKind::Emulate;
+    fn describe_group(world: usize) -> String {
+        format!("the host emulator, {world} ranks")
+    }
     fn for_rank(
         plan: TrainingPlan,
         checkpoint: &dyn Fn(&str) -> Option<Tensor>,

@@ -3,7 +3,6 @@
 use crate::fit::{self, MemoryTarget};
 use crate::given::Given;
 use crate::html::{self, Report};
-use crate::memory::Executor;
 use crate::out::Stream;
 use crate::precision::PrecisionArgs;
 use crate::report::thousands;
@@ -16,6 +15,7 @@ use castor_passes::{explain, precision_summary};
 use castor_runtime::cuda::lower::{lower_plan, LowerError};
 use castor_runtime::cuda::memory::step_memory;
 use castor_runtime::cuda::program::Program;
+use castor_runtime::ExecutorKind;
 use std::fmt::Write;
 use std::path::PathBuf;
 
@@ -254,7 +254,7 @@ pub fn compile(args: &Args, given: &Given) -> anyhow::Result<Compiled> {
     args.training.check_base(lora.as_ref())?;
     let (graph, lora_report) = crate::training::with_adapters(graph, lora.as_ref())?;
     // --dump-after names a precision pass or, for a training step, a training-build pass.
-    let training = Executor::Cuda.pipeline();
+    let training = crate::memory::pipeline(ExecutorKind::Cuda);
     let dump_training = args
         .dump_after
         .as_deref()
@@ -394,7 +394,7 @@ pub fn compile(args: &Args, given: &Given) -> anyhow::Result<Compiled> {
                 &format!("Training step plan: {}", args.model.display()),
             );
             page.fact("model", &format!("{} ({what})", args.model.display()));
-            page.training_plan(&plan, Some(&summary), &anatomy, Executor::Cuda);
+            page.training_plan(&plan, Some(&summary), &anatomy, ExecutorKind::Cuda);
             page.verdict = verdict.clone();
             page.cost(&plan, &gpu);
             page.write(None)?;
@@ -439,8 +439,7 @@ fn replan(
         None if !same_graph => anyhow::bail!("an IR file has one batch size and no adapters"),
         _ => compiled.clone(),
     };
-    Ok(Executor::Cuda
-        .pipeline()
+    Ok(crate::memory::pipeline(ExecutorKind::Cuda)
         .run(&graph, settings.clone())?
         .plan)
 }
@@ -487,7 +486,7 @@ fn anatomy_of(plan: &castor_ir::TrainingPlan) -> (Anatomy, Result<Program, Lower
     let lowered = lower_plan(plan);
     let anatomy = match &lowered {
         Ok(program) => Anatomy::with_memory(plan, step_memory(plan, program)),
-        Err(_) => Executor::Cuda.anatomy(plan),
+        Err(_) => crate::memory::anatomy(ExecutorKind::Cuda, plan),
     };
     (anatomy, lowered)
 }

@@ -11,7 +11,6 @@ use crate::checkpoint::{self, CheckpointFiles};
 use crate::data::Data;
 use crate::generate::{Generator, Sampling};
 use crate::html::Report;
-use crate::memory::Executor;
 use crate::plot::{self, AnatomyBar, LossHistory};
 use crate::precision::PrecisionArgs;
 use crate::report::{model_summary, printable_byte, thousands};
@@ -23,6 +22,7 @@ use anyhow::Context;
 use castor_ir::{Graph, Tensor, TrainingPlan};
 use castor_models::{Config, Model, Objective};
 use castor_passes::{precision_summary, Precision};
+use castor_runtime::ExecutorKind;
 use castor_runtime::PlanRunner;
 use clap::Parser;
 use std::collections::HashMap;
@@ -108,14 +108,14 @@ fn compile(
     precision: Precision,
     batch: usize,
     seq: usize,
-    executor: Executor,
+    executor: ExecutorKind,
 ) -> anyhow::Result<Compiled> {
     let f = flags(precision)?;
     let loss_graph = model.build_loss_graph(batch, seq, Objective::Lm)?;
     castor_ir::verify(&loss_graph).context("the front end built an invalid graph")?;
     let compiled = f.precision.compile(loss_graph, Some(model), None, false)?;
     let settings = f.training.settings(precision, Objective::Lm, batch, seq)?;
-    let (plan, report) = executor.pipeline().build(&compiled.graph, settings)?;
+    let (plan, report) = crate::memory::pipeline(executor).build(&compiled.graph, settings)?;
     Ok(Compiled {
         precision,
         loss_graph: compiled.graph,
@@ -125,7 +125,7 @@ fn compile(
 }
 
 /// The compile report of one precision: table, casts, loss scaling, remat, memory.
-fn print_report(c: &Compiled, params: u64, executor: Executor) {
+fn print_report(c: &Compiled, params: u64, executor: ExecutorKind) {
     let summary = precision_summary(&c.loss_graph, c.precision.low());
     outln!();
     outln!(
@@ -216,16 +216,16 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let start = Instant::now();
     crate::outputs::check_folder("--out", &args.out)?;
     // Said once, on stdout, with the run's other facts.
-    let (device, _) = crate::device::resolve(args.device)?;
-    let executor = Executor::of(&device);
+    let (device, said) = crate::device::resolve(args.device)?;
+    let executor = device;
     outln!(
         "device      {}",
-        match &device {
-            crate::device::Selected::Cuda(d) => format!("cuda ({d})"),
-            crate::device::Selected::Emulated => {
+        match device {
+            ExecutorKind::Cuda => said.unwrap_or_else(|| "cuda".into()),
+            ExecutorKind::Emulate => {
                 "emulate (the CUDA program on the host emulator)".to_string()
             }
-            crate::device::Selected::Cpu => format!("cpu ({})", crate::device::why_cpu()),
+            ExecutorKind::Cpu => format!("cpu ({})", crate::device::why_cpu()),
         }
     );
     let (model, params) = tiny_gpt2()?;
@@ -286,7 +286,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         .context("the demo compiles every precision it trains")?;
     let plan = trained.plan.clone();
     let settings = plan.settings.clone();
-    let mut runner = Trainer::new(plan, &|name| params.get(name).cloned(), &device, None)?;
+    let mut runner = Trainer::new(plan, &|name| params.get(name).cloned(), device, None)?;
     drop(params);
     outln!();
     outln!(
@@ -297,10 +297,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     // Windows in order, as PyTorch's reference curve of this model reads them
     // (tests/fixtures/convergence).
     let mut data = Data::from_tokens(tokens, batch, seq, 0.1, "the embedded corpus".into())?;
-    let on = if runner.device() == "cpu" {
-        "the CPU executor".to_string()
-    } else {
-        runner.device()
+    let on = match device {
+        ExecutorKind::Cpu => "the CPU executor".to_string(),
+        _ => runner.device(),
     };
     outln!(
         "training    {} steps of [{batch}, {seq}] bytes of {}, {} on {on}",
@@ -316,10 +315,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let title = format!(
         "Training the embedded tiny GPT-2 on the project's docs ({}, {})",
         args.precision,
-        match runner.device().split(' ').next() {
-            Some("cuda") => "CUDA",
-            Some("emulate") => "CUDA program on the emulator",
-            _ => "CPU",
+        match device {
+            ExecutorKind::Cuda => "CUDA",
+            ExecutorKind::Emulate => "CUDA program on the emulator",
+            ExecutorKind::Cpu => "CPU",
         }
     );
     let mut report = Report::new(report_path.clone(), &title);
@@ -329,7 +328,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     report.fact("data", &data.describe());
     report.fact("device", &on);
-    let anatomy = executor.anatomy(&trained.plan);
+    let anatomy = crate::memory::anatomy(executor, &trained.plan);
     report.training_plan(
         &trained.plan,
         Some(&precision_summary(
@@ -341,7 +340,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     );
     let gpu = castor_passes::cost::GpuSpec::default();
     report.verdict = crate::fit::MemoryTarget::host().map(|target| {
-        let on_host = Executor::Cpu.anatomy(&trained.plan);
+        let on_host = crate::memory::anatomy(ExecutorKind::Cpu, &trained.plan);
         crate::fit::verdict(&trained.plan, &on_host, target, &gpu, None, &|_| {
             anyhow::bail!("the demo fits")
         })

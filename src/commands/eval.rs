@@ -2,7 +2,6 @@
 //! castor is compared with PyTorch, tensor by tensor.
 
 use crate::batch::{read_batch, read_labels, Batch};
-use crate::device::Selected;
 use crate::precision::PrecisionArgs;
 use crate::tokenizer::TextTokenizer;
 use crate::CliError;
@@ -12,6 +11,7 @@ use castor_models::{write_safetensors, Model, Objective, SafetensorsFile};
 use castor_passes::{Autodiff, Pass};
 use castor_runtime::cpu::CpuExecutor;
 use castor_runtime::cuda::{CudaGraphRunner, EmulatedGraphRunner};
+use castor_runtime::ExecutorKind;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -232,8 +232,8 @@ pub fn evaluate(args: &Args, input: Option<&SafetensorsFile>) -> anyhow::Result<
 
     let mut times = Vec::with_capacity(args.repeat.max(1));
     let mut outputs = Vec::new();
-    let on = match &device {
-        Selected::Cpu => {
+    let on = match device {
+        ExecutorKind::Cpu => {
             let executor = CpuExecutor::new();
             for _ in 0..args.repeat.max(1) {
                 let start = Instant::now();
@@ -242,7 +242,7 @@ pub fn evaluate(args: &Args, input: Option<&SafetensorsFile>) -> anyhow::Result<
             }
             "cpu"
         }
-        Selected::Cuda(_) => {
+        ExecutorKind::Cuda => {
             // Compiling kernels and uploading weights happen once, outside the timing.
             let mut runner = CudaGraphRunner::new(&graph, &|name| params.get(name).cloned())?;
             for _ in 0..args.repeat.max(1) {
@@ -252,7 +252,7 @@ pub fn evaluate(args: &Args, input: Option<&SafetensorsFile>) -> anyhow::Result<
             }
             "cuda"
         }
-        Selected::Emulated => {
+        ExecutorKind::Emulate => {
             let mut runner = EmulatedGraphRunner::new(&graph, &|name| params.get(name).cloned())?;
             for _ in 0..args.repeat.max(1) {
                 let start = Instant::now();
@@ -302,7 +302,7 @@ pub fn evaluate(args: &Args, input: Option<&SafetensorsFile>) -> anyhow::Result<
         let (loss_graph, _) = crate::training::with_adapters(loss_graph, lora)?;
         errln!("objective: {objective}");
         named.extend(gradients(
-            args, &model, &batch, loss_graph, labels, &params, &device,
+            args, &model, &batch, loss_graph, labels, &params, device,
         )?);
     }
     Ok(Evaluation {
@@ -323,7 +323,7 @@ fn gradients(
     loss_graph: castor_ir::Graph,
     labels: Option<Tensor>,
     params: &std::collections::HashMap<String, Tensor>,
-    device: &Selected,
+    device: ExecutorKind,
 ) -> anyhow::Result<Vec<(String, Tensor)>> {
     let compiled = args
         .precision
@@ -348,7 +348,7 @@ fn gradients(
         out.graph
     };
     let outputs = match device {
-        Selected::Cpu => {
+        ExecutorKind::Cpu => {
             let bind = |name: &str| {
                 if name == "labels" {
                     return labels.as_ref();
@@ -357,13 +357,13 @@ fn gradients(
             };
             CpuExecutor::new().run(&train, &bind)?
         }
-        Selected::Cuda(_) | Selected::Emulated => {
+        ExecutorKind::Cuda | ExecutorKind::Emulate => {
             let mut inputs = batch.tensors.clone();
             if let Some(l) = &labels {
                 inputs.insert("labels".into(), l.clone());
             }
             let bind = |name: &str| params.get(name).cloned();
-            if matches!(device, Selected::Emulated) {
+            if matches!(device, ExecutorKind::Emulate) {
                 EmulatedGraphRunner::new(&train, &bind)?.run(&inputs)?
             } else {
                 CudaGraphRunner::new(&train, &bind)?.run(&inputs)?

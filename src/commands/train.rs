@@ -10,7 +10,6 @@ use crate::data::{Data, DataOptions, DataOrder};
 use crate::fit::{self, MemoryTarget};
 use crate::given::Given;
 use crate::html::{self, Report};
-use crate::memory::Executor;
 use crate::plot::{self, LossHistory};
 use crate::precision::PrecisionArgs;
 use crate::resume::{self, RunFlags};
@@ -25,6 +24,7 @@ use crate::CliError;
 use anyhow::Context;
 use castor_ir::{LoraSettings, TrainSettings, TrainingPlan};
 use castor_models::Model;
+use castor_runtime::ExecutorKind;
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -217,7 +217,7 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
     check_outputs(&args)?;
     let device = crate::device::select(args.device)?;
     if let Some(l) = &launch {
-        l.check_device(&device)?;
+        l.check_device(device)?;
         if l.rank != 0 {
             args.log = None;
             args.plot = None;
@@ -225,8 +225,8 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
             args.profile_kernels = None;
         }
     }
-    let executor = Executor::of(&device);
-    check_run_flags(&args, &device)?;
+    let executor = device;
+    check_run_flags(&args, device)?;
 
     let (resume_dir, resume) = resumed(&mut args, given)?;
     if let (Some(l), None) = (&launch, &args.plan) {
@@ -281,14 +281,14 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         files.adapter = Some(crate::adapter::AdapterBase::of(&model, &args.model));
     }
     outln!("data        {}", data.describe());
-    let anatomy = executor.anatomy(&planned.plan);
+    let anatomy = crate::memory::anatomy(executor, &planned.plan);
     outln!("{}", memory_line(&anatomy));
     if args.eval_every.is_some() && !data.has_validation() {
         return Err(CliError::InvalidInput("--eval-every: no held-out data".into()).into());
     }
 
     // Will it fit? Checked before the weights are even read.
-    let (gpu, verdict) = fit_verdict(&args, &device, &model, &planned, &anatomy, executor)?;
+    let (gpu, verdict) = fit_verdict(&args, device, &model, &planned, &anatomy, executor)?;
 
     let (params, non_finite) = initial_weights(&args, &model, &planned.plan, adapter.as_ref())?;
     if let Some(line) = nf4_error(&planned.plan, &params) {
@@ -301,7 +301,7 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
         Some(l) => {
             let mut group = l.join()?;
             let nccl = match device {
-                crate::device::Selected::Cuda(_) => Some(l.nccl_rank(&mut group)?),
+                ExecutorKind::Cuda => Some(l.nccl_rank(&mut group)?),
                 _ => None,
             };
             Some(crate::trainer::Launched { group, nccl })
@@ -311,7 +311,7 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
     let mut runner = Trainer::new(
         planned.plan.clone(),
         &|name| params.get(name).cloned(),
-        &device,
+        device,
         launched,
     )?;
     drop(params);
@@ -531,10 +531,10 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
 }
 
 /// The flags that need another flag or device, checked before any work.
-fn check_run_flags(args: &Args, device: &crate::device::Selected) -> anyhow::Result<()> {
-    if args.profile_kernels.is_some() && !matches!(device, crate::device::Selected::Cuda(_)) {
+fn check_run_flags(args: &Args, device: ExecutorKind) -> anyhow::Result<()> {
+    if args.profile_kernels.is_some() && !matches!(device, ExecutorKind::Cuda) {
         let here = match device {
-            crate::device::Selected::Emulated => "the emulator",
+            ExecutorKind::Emulate => "the emulator",
             _ => "the CPU",
         };
         return Err(CliError::DeviceUnavailable(format!(
@@ -631,7 +631,7 @@ fn plan_and_data(
     given: &Given,
     model: &Model,
     lora: &Option<LoraSettings>,
-    executor: Executor,
+    executor: ExecutorKind,
 ) -> anyhow::Result<(CompiledPlan, Data)> {
     let data_options = DataOptions {
         batch: args.run.batch,
@@ -706,15 +706,15 @@ fn plan_and_data(
 /// fit), printed; the cost model's GPU with it.
 fn fit_verdict(
     args: &Args,
-    device: &crate::device::Selected,
+    device: ExecutorKind,
     model: &Model,
     planned: &CompiledPlan,
     anatomy: &castor_passes::memory::Anatomy,
-    executor: Executor,
+    executor: ExecutorKind,
 ) -> anyhow::Result<(castor_passes::cost::GpuSpec, Option<fit::Verdict>)> {
     let gpu = fit::gpu_spec(args.gpu.as_deref())?;
     let target = match device {
-        crate::device::Selected::Cuda(_) => MemoryTarget::this_gpu(),
+        ExecutorKind::Cuda => MemoryTarget::this_gpu(),
         _ => match &args.gpu {
             Some(_) => MemoryTarget::of_spec(&gpu, "--gpu"),
             None => MemoryTarget::host(),
@@ -727,7 +727,7 @@ fn fit_verdict(
         let on_target = if target.executor == executor {
             anatomy.clone()
         } else {
-            target.executor.anatomy(this)
+            crate::memory::anatomy(target.executor, this)
         };
         if planned.summary.is_none() {
             // A plan from a file is not recompiled with other settings here.
@@ -914,7 +914,7 @@ pub fn compile_plan(
     model: &Model,
     settings: TrainSettings,
     say: bool,
-    executor: Executor,
+    executor: ExecutorKind,
 ) -> anyhow::Result<CompiledPlan> {
     let objective: castor_models::Objective =
         settings.objective.parse().map_err(CliError::InvalidInput)?;
@@ -931,7 +931,7 @@ pub fn compile_plan(
         }
     }
     let summary = castor_passes::precision_summary(&compiled.graph, precision.precision.low());
-    let (plan, report) = executor.pipeline().build(&compiled.graph, settings)?;
+    let (plan, report) = crate::memory::pipeline(executor).build(&compiled.graph, settings)?;
     if say {
         outln!("plan        {}", report.summary);
     }

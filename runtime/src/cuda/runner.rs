@@ -533,6 +533,51 @@ impl<T: Target> LoweredPlanRunner<T> {
     }
 }
 
+impl<T: Target> crate::PlanExecutor for LoweredPlanRunner<T> {
+    fn plan(&self) -> &TrainingPlan {
+        &self.plan
+    }
+    fn kind(&self) -> crate::ExecutorKind {
+        T::KIND
+    }
+    fn device(&self) -> String {
+        format!("{} ({})", T::KIND, self.device_name())
+    }
+    fn step(
+        &mut self,
+        micro_batches: &[HashMap<String, Tensor>],
+        lr: f32,
+        report: bool,
+    ) -> Result<Option<StepReport>, RuntimeError> {
+        self.queue_step(micro_batches, lr)?;
+        report.then(|| self.report()).transpose()
+    }
+    fn validation_loss(
+        &mut self,
+        batches: &[HashMap<String, Tensor>],
+    ) -> Result<f64, RuntimeError> {
+        LoweredPlanRunner::validation_loss(self, batches)
+    }
+    fn state_entries(&mut self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
+        LoweredPlanRunner::state_entries(self)
+    }
+    fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        LoweredPlanRunner::restore(self, entries)
+    }
+    fn allocated_bytes(&self) -> Option<u64> {
+        Some(LoweredPlanRunner::allocated_bytes(self))
+    }
+    fn set_timing(&mut self, on: bool) {
+        LoweredPlanRunner::set_timing(self, on)
+    }
+    fn profile_next_step(&mut self) {
+        LoweredPlanRunner::profile_next_step(self)
+    }
+    fn take_kernel_profile(&mut self) -> Option<KernelProfile> {
+        LoweredPlanRunner::take_kernel_profile(self)
+    }
+}
+
 /// Uploads the tensors a run's input slots name into them.
 fn write_inputs<T: Target>(
     program: &Program,

@@ -12,6 +12,8 @@ use crate::RuntimeError;
 /// A machine a lowered program is resident on. Runs and copies may be asynchronous; reads
 /// wait for everything issued before them.
 pub trait Target: Sized {
+    /// The executor a runner on this target is.
+    const KIND: crate::ExecutorKind;
     /// Makes `program` resident (compiled, loaded, buffers allocated and initialized).
     fn load(program: &Program) -> Result<Self, RuntimeError>;
     /// The machine, for people: the GPU's name, or the emulator.
@@ -85,6 +87,7 @@ impl Gpu {
 }
 
 impl Target for Gpu {
+    const KIND: crate::ExecutorKind = crate::ExecutorKind::Cuda;
     fn load(program: &Program) -> Result<Self, RuntimeError> {
         let device = Device::open()?;
         let loaded = device.load(program)?;
@@ -145,6 +148,7 @@ impl Target for Gpu {
 /// The emulator runs in poison mode: it is a checking tool, and reading arena bytes that no
 /// earlier command of the run wrote must fail rather than pass by chance.
 impl Target for Emulator {
+    const KIND: crate::ExecutorKind = crate::ExecutorKind::Emulate;
     fn load(program: &Program) -> Result<Self, RuntimeError> {
         let mut emu = Emulator::new(program);
         emu.set_poison(true);
