@@ -78,12 +78,12 @@ fn main() -> anyhow::Result<()> {
                 batch: b,
                 seq: t,
                 grad_accum: 1,
-                optimizer: OptimizerKind::AdamW {
+                optimizer: OptimizerKind::AdamW(castor_ir::AdamWHparams {
                     beta1: 0.9,
                     beta2: 0.999,
                     eps: 1e-8,
                     weight_decay: 0.01,
-                },
+                }),
                 max_grad_norm: 1.0,
                 loss_scaling: LossScaling::None,
                 frozen: vec![],

@@ -329,37 +329,24 @@ fn levers(s: &TrainSettings, memory: u64) -> Vec<Lever> {
             apply: Box::new(|t| t.classifier = Classifier::Fused { chunk_rows: None }),
         });
     }
-    if let OptimizerKind::AdamW {
-        beta1,
-        beta2,
-        eps,
-        weight_decay,
-    } = s.optimizer
-    {
+    if let OptimizerKind::AdamW(hp) = s.optimizer {
         out.push(Lever {
             flags: "--optimizer adamw8bit".into(),
             kind: LeverKind::Optimizer,
-            apply: Box::new(move |t| {
-                t.optimizer = OptimizerKind::AdamW8bit {
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay,
-                }
-            }),
+            apply: Box::new(move |t| t.optimizer = OptimizerKind::AdamW8bit(hp)),
         });
         out.push(Lever {
             flags: "--optimizer sgd".into(),
             kind: LeverKind::Optimizer,
             apply: Box::new(move |t| {
-                t.optimizer = OptimizerKind::Sgd {
+                t.optimizer = OptimizerKind::Sgd(castor_ir::SgdHparams {
                     momentum: 0.9,
-                    weight_decay,
-                }
+                    weight_decay: hp.weight_decay,
+                })
             }),
         });
     }
-    if !matches!(s.optimizer, OptimizerKind::Adafactor { .. }) {
+    if !matches!(s.optimizer, OptimizerKind::Adafactor(_)) {
         out.push(Lever {
             flags: "--optimizer adafactor".into(),
             kind: LeverKind::Optimizer,

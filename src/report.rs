@@ -181,30 +181,30 @@ pub fn printable_byte(id: u32) -> String {
 
 /// The optimizer of a plan in one phrase.
 pub fn optimizer_text(s: &castor_ir::TrainSettings) -> String {
-    use castor_ir::OptimizerKind;
-    let optimizer = match s.optimizer.clone() {
-        OptimizerKind::AdamW {
+    use castor_ir::{AdafactorHparams, AdamWHparams, OptimizerKind, SgdHparams};
+    let optimizer = match s.optimizer {
+        OptimizerKind::AdamW(AdamWHparams {
             beta1,
             beta2,
             eps,
             weight_decay,
-        } => format!("AdamW (betas {beta1}, {beta2}; eps {eps:e}; weight decay {weight_decay})"),
-        OptimizerKind::AdamW8bit {
+        }) => format!("AdamW (betas {beta1}, {beta2}; eps {eps:e}; weight decay {weight_decay})"),
+        OptimizerKind::AdamW8bit(AdamWHparams {
             beta1,
             beta2,
             eps,
             weight_decay,
-        } => format!(
+        }) => format!(
             "8-bit AdamW (betas {beta1}, {beta2}; eps {eps:e}; weight decay {weight_decay}; \
              moments in blocks of {} 8-bit codes from {} values up)",
             castor_ir::quant::QUANT_BLOCK,
             castor_ir::quant::MIN_QUANTIZED_NUMEL
         ),
-        OptimizerKind::Sgd {
+        OptimizerKind::Sgd(SgdHparams {
             momentum,
             weight_decay,
-        } => format!("SGD (momentum {momentum}; weight decay {weight_decay})"),
-        OptimizerKind::Adafactor {
+        }) => format!("SGD (momentum {momentum}; weight decay {weight_decay})"),
+        OptimizerKind::Adafactor(AdafactorHparams {
             beta1,
             decay_rate,
             clip_threshold,
@@ -212,7 +212,7 @@ pub fn optimizer_text(s: &castor_ir::TrainSettings) -> String {
             relative_step,
             warmup_init,
             ..
-        } => format!(
+        }) => format!(
             "Adafactor ({}; first moment {}; decay rate {decay_rate}; clip threshold \
              {clip_threshold}; weight decay {weight_decay})",
             match (relative_step, warmup_init) {
@@ -244,19 +244,17 @@ fn state_text(s: &castor_ir::TrainSettings) -> String {
     use castor_ir::OptimizerKind;
     let d = s.optimizer_state;
     match &s.optimizer {
-        OptimizerKind::AdamW { .. } => format!("AdamW moments m, v in {d}"),
-        OptimizerKind::AdamW8bit { .. } => format!(
+        OptimizerKind::AdamW(_) => format!("AdamW moments m, v in {d}"),
+        OptimizerKind::AdamW8bit(_) => format!(
             "8-bit AdamW moments m, v: a byte each plus an F32 maximum per {} values; F32 below {} values",
             castor_ir::quant::QUANT_BLOCK,
             castor_ir::quant::MIN_QUANTIZED_NUMEL
         ),
-        OptimizerKind::Sgd { .. } => format!("SGD momentum in {d}"),
-        OptimizerKind::Adafactor { beta1, .. } => {
-            format!(
+        OptimizerKind::Sgd(_) => format!("SGD momentum in {d}"),
+        OptimizerKind::Adafactor(hp) => format!(
             "Adafactor: {}row and column second moments per matrix, full ones per vector, in {d}",
-            if beta1.is_some() { "first moment, " } else { "" }
-        )
-        }
+            if hp.beta1.is_some() { "first moment, " } else { "" }
+        ),
     }
 }
 

@@ -3,7 +3,8 @@
 use crate::CliError;
 use anyhow::Context;
 use castor_ir::{
-    Classifier, Epilogues, LoraBase, LoraSettings, LossScaling, OptimizerKind, Remat, TrainSettings,
+    AdafactorHparams, AdamWHparams, Classifier, Epilogues, LoraBase, LoraSettings, LossScaling,
+    OptimizerKind, Remat, SgdHparams, TrainSettings,
 };
 use castor_models::{Family, Model, Objective};
 use castor_passes::Precision;
@@ -428,53 +429,42 @@ impl TrainingArgs {
         batch: usize,
         seq: usize,
     ) -> anyhow::Result<TrainSettings> {
+        // torch.optim.AdamW's defaults, but for the weight decay (transformers' 0.01).
+        let adamw = AdamWHparams {
+            beta1: self.beta1.unwrap_or(0.9),
+            beta2: self.beta2.unwrap_or(0.999),
+            eps: self.eps.unwrap_or(1e-8),
+            weight_decay: self.weight_decay.unwrap_or(0.01),
+        };
         let optimizer = match self.optimizer {
-            OptimizerChoice::Adamw => OptimizerKind::AdamW {
-                beta1: self.beta1.unwrap_or(0.9),
-                beta2: self.beta2.unwrap_or(0.999),
-                eps: self.eps.unwrap_or(1e-8),
-                weight_decay: self.weight_decay.unwrap_or(0.01),
-            },
-            OptimizerChoice::Adamw8bit => OptimizerKind::AdamW8bit {
-                beta1: self.beta1.unwrap_or(0.9),
-                beta2: self.beta2.unwrap_or(0.999),
-                eps: self.eps.unwrap_or(1e-8),
-                weight_decay: self.weight_decay.unwrap_or(0.01),
-            },
-            OptimizerChoice::Sgd => OptimizerKind::Sgd {
+            OptimizerChoice::Adamw => OptimizerKind::AdamW(adamw),
+            OptimizerChoice::Adamw8bit => OptimizerKind::AdamW8bit(adamw),
+            OptimizerChoice::Sgd => OptimizerKind::Sgd(SgdHparams {
                 momentum: self.momentum.unwrap_or(0.9),
                 weight_decay: self.weight_decay.unwrap_or(0.0),
-            },
+            }),
             // transformers' pairing: the relative step scales by the parameter's RMS, a given
             // rate does not.
             OptimizerChoice::Adafactor => {
-                let mut kind = OptimizerKind::adafactor(self.lr.is_none());
-                if let OptimizerKind::Adafactor {
-                    beta1,
-                    decay_rate,
-                    clip_threshold,
-                    weight_decay,
-                    warmup_init,
-                    ..
-                } = &mut kind
-                {
-                    *beta1 = self.beta1;
-                    *decay_rate = self.decay_rate.unwrap_or(*decay_rate);
-                    *clip_threshold = self.clip_threshold.unwrap_or(*clip_threshold);
-                    *weight_decay = self.weight_decay.unwrap_or(0.0);
-                    *warmup_init = self.warmup_init;
-                }
-                kind
+                let defaults = AdafactorHparams::defaults(self.lr.is_none());
+                OptimizerKind::Adafactor(AdafactorHparams {
+                    beta1: self.beta1,
+                    decay_rate: self.decay_rate.unwrap_or(defaults.decay_rate),
+                    clip_threshold: self.clip_threshold.unwrap_or(defaults.clip_threshold),
+                    weight_decay: self.weight_decay.unwrap_or(0.0),
+                    warmup_init: self.warmup_init,
+                    ..defaults
+                })
             }
         };
         self.check_optimizer_flags()?;
         if self.warmup_init
             && !matches!(
                 optimizer,
-                OptimizerKind::Adafactor {
+                OptimizerKind::Adafactor(AdafactorHparams {
                     relative_step: true,
                     ..
-                }
+                })
             )
         {
             return Err(CliError::InvalidInput(

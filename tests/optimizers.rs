@@ -62,15 +62,17 @@ fn adafactor_op(group: &serde_json::Value) -> Op {
     let f = |k: &str| group[k].as_f64().unwrap();
     let b = |k: &str| group[k].as_bool().unwrap();
     Op::Adafactor {
-        beta1: group["beta1"].as_f64(),
-        decay_rate: f("decay_rate"),
-        eps1: group["eps"][0].as_f64().unwrap(),
-        eps2: group["eps"][1].as_f64().unwrap(),
-        clip_threshold: f("clip_threshold"),
-        weight_decay: f("weight_decay"),
-        relative_step: b("relative_step"),
-        scale_parameter: b("scale_parameter"),
-        warmup_init: b("warmup_init"),
+        hp: castor_ir::AdafactorHparams {
+            beta1: group["beta1"].as_f64(),
+            decay_rate: f("decay_rate"),
+            eps1: group["eps"][0].as_f64().unwrap(),
+            eps2: group["eps"][1].as_f64().unwrap(),
+            clip_threshold: f("clip_threshold"),
+            weight_decay: f("weight_decay"),
+            relative_step: b("relative_step"),
+            scale_parameter: b("scale_parameter"),
+            warmup_init: b("warmup_init"),
+        },
         max_grad_norm: 0.0,
         copy: None,
     }
@@ -308,10 +310,12 @@ fn adamw8bit_matches_bitsandbytes() {
             }
             ins.push(maps);
             Op::AdamW8bit {
-                beta1,
-                beta2,
-                eps: f("eps"),
-                weight_decay: f("weight_decay"),
+                hp: castor_ir::AdamWHparams {
+                    beta1,
+                    beta2,
+                    eps: f("eps"),
+                    weight_decay: f("weight_decay"),
+                },
                 max_grad_norm: 0.0,
                 quant_block: quant::QUANT_BLOCK,
                 copy: None,
@@ -325,10 +329,12 @@ fn adamw8bit_matches_bitsandbytes() {
                 );
             }
             Op::AdamW {
-                beta1,
-                beta2,
-                eps: f("eps"),
-                weight_decay: f("weight_decay"),
+                hp: castor_ir::AdamWHparams {
+                    beta1,
+                    beta2,
+                    eps: f("eps"),
+                    weight_decay: f("weight_decay"),
+                },
                 max_grad_norm: 0.0,
                 copy: None,
             }

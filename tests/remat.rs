@@ -57,12 +57,12 @@ fn try_plan(
         batch,
         seq,
         grad_accum: 1,
-        optimizer: OptimizerKind::AdamW {
+        optimizer: OptimizerKind::AdamW(castor_ir::AdamWHparams {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.01,
-        },
+        }),
         max_grad_norm: 0.0,
         loss_scaling: LossScaling::None,
         frozen: vec![],

@@ -19,6 +19,7 @@ mod error;
 mod graph;
 pub mod nf4;
 mod op;
+pub mod optim;
 mod plan;
 mod precision;
 pub mod quant;
@@ -41,6 +42,7 @@ pub use op::{
     adafactor_moments, AttentionLibrary, Attr, BinaryOp, CollectiveOp, Op, OpClass, ReduceOp,
     UnaryOp,
 };
+pub use optim::{AdafactorHparams, AdamWHparams, SgdHparams, WeightDecay};
 pub use plan::{
     Classifier, ControlState, Epilogues, LoraBase, LoraSettings, LossScaling, Nf4Part,
     OptimizerKind, Parallel, PlanError, Remat, StateInit, StateRole, StateSpec, TrainSettings,

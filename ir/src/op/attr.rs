@@ -49,6 +49,25 @@ impl fmt::Display for Attr {
     }
 }
 
+/// An op field as the text format writes it: one attribute named after the field (every
+/// [`AttrValue`]), or several, each named after its own field (a hyperparameter struct,
+/// [`crate::optim`]), so that a struct shared by ops and settings prints as flat attributes.
+pub(crate) trait AttrFields: Sized {
+    fn push_attrs(&self, key: &'static str, out: &mut Vec<(&'static str, Attr)>);
+    fn take_attrs(reader: &mut AttrReader<'_>, key: &str) -> Result<Self, String>;
+}
+
+impl<T: AttrValue> AttrFields for T {
+    fn push_attrs(&self, key: &'static str, out: &mut Vec<(&'static str, Attr)>) {
+        if let Some(a) = self.printed() {
+            out.push((key, a));
+        }
+    }
+    fn take_attrs(reader: &mut AttrReader<'_>, key: &str) -> Result<Self, String> {
+        T::take(reader, key)
+    }
+}
+
 /// A field type that is an op attribute: how it prints and how it is read back.
 ///
 /// A type may have an *absent* value (no sliding window, no rope scaling): it is not printed,

@@ -40,14 +40,18 @@ macro_rules! define_ops {
             [$($mn)* Op::$V { $k, .. } => $k.$method(),]
             [$($cl)* Op::$V { .. } => $class,]
             [$($ar)* Op::$V { .. } => $arity,]
-            [$($at)* Op::$V { $($f,)* .. } => [$( (stringify!($f), AttrValue::printed($f)) ),*]
-                .into_iter().filter_map(|(k, a)| Some((k, a?))).collect(),]
+            [$($at)* Op::$V { $($f,)* .. } => {
+                #[allow(unused_mut)]
+                let mut attrs = Vec::new();
+                $( AttrFields::push_attrs($f, stringify!($f), &mut attrs); )*
+                attrs
+            },]
             [$($pa)*]
             [$($fp)*
                 if let Some($k) = <$K>::ALL.into_iter().find(|x| x.$method() == $mnv) {
                     let op = Op::$V {
                         $k,
-                        $( $f: AttrValue::take(&mut $rd, stringify!($f))? ),*
+                        $( $f: AttrFields::take_attrs(&mut $rd, stringify!($f))? ),*
                     };
                     $rd.finish()?;
                     return Ok(op);
@@ -72,9 +76,13 @@ macro_rules! define_ops {
             [$($mn)* Op::$V { .. } => $name,]
             [$($cl)* Op::$V { .. } => $class,]
             [$($ar)* Op::$V { .. } => $arity,]
-            [$($at)* Op::$V { $($f),* } => [$( (stringify!($f), AttrValue::printed($f)) ),*]
-                .into_iter().filter_map(|(k, a)| Some((k, a?))).collect(),]
-            [$($pa)* $name => Op::$V { $( $f: AttrValue::take(&mut $rd, stringify!($f))? ),* },]
+            [$($at)* Op::$V { $($f),* } => {
+                #[allow(unused_mut)]
+                let mut attrs = Vec::new();
+                $( AttrFields::push_attrs($f, stringify!($f), &mut attrs); )*
+                attrs
+            },]
+            [$($pa)* $name => Op::$V { $( $f: AttrFields::take_attrs(&mut $rd, stringify!($f))? ),* },]
             [$($fp)*]
             [$($ty)* Op::$V { $($f),* } => $typing,];
             $($rest)*

@@ -15,10 +15,11 @@ mod library;
 mod typing;
 
 pub use attr::Attr;
-pub(crate) use attr::{AttrReader, AttrValue};
+pub(crate) use attr::{AttrFields, AttrReader, AttrValue};
 pub use library::AttentionLibrary;
 pub use typing::adafactor_moments;
 
+use crate::optim::{AdafactorHparams, AdamWHparams, SgdHparams};
 use crate::{DType, RopeScaling, TensorType};
 use define::{define_family, define_ops};
 use std::fmt;
@@ -363,10 +364,7 @@ define_ops! {
     /// counts earlier steps. When `grad_norm` is not finite every output equals its input.
     /// `copy` names the dtype of the parameter's working copy, written in the same pass.
     AdamW {
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
+        hp: AdamWHparams,
         max_grad_norm: f64,
         copy: Option<DType>,
     } => "adamw", class Elementwise, arity (8, 8), typing typing::optimizer(inputs, 2, *copy);
@@ -380,10 +378,7 @@ define_ops! {
     /// (decay, `m = b1 m + (1 - b1) g`, `v = b2 v + (1 - b2) g^2`, `p -= lr/(1 - b1^t) * m /
     /// (sqrt(v) / sqrt(1 - b2^t) + eps)`) and quantized again to the nearest codes.
     AdamW8bit {
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
+        hp: AdamWHparams,
         max_grad_norm: f64,
         quant_block: usize,
         copy: Option<DType>,
@@ -393,8 +388,7 @@ define_ops! {
     /// with the operands and rules of [`Op::AdamW`] and one moment: `(master, grad, momentum,
     /// lr [], step [], scale [], grad_norm []) -> (master', momentum'[, copy'])`.
     Sgd {
-        momentum: f64,
-        weight_decay: f64,
+        hp: SgdHparams,
         max_grad_norm: f64,
         copy: Option<DType>,
     } => "sgd", class Elementwise, arity (7, 7), typing typing::optimizer(inputs, 1, *copy);
@@ -409,19 +403,11 @@ define_ops! {
     /// `max(eps2, rms(master))`. The update is divided by `max(1, rms(update) /
     /// clip_threshold)`.
     Adafactor {
-        beta1: Option<f64>,
-        decay_rate: f64,
-        eps1: f64,
-        eps2: f64,
-        clip_threshold: f64,
-        weight_decay: f64,
-        relative_step: bool,
-        scale_parameter: bool,
-        warmup_init: bool,
+        hp: AdafactorHparams,
         max_grad_norm: f64,
         copy: Option<DType>,
     } => "adafactor", class Elementwise, arity (7, 9),
-        typing typing::adafactor(inputs, beta1.is_some(), *copy);
+        typing typing::adafactor(inputs, hp.beta1.is_some(), *copy);
     /// `(step [], grad_norm []) -> step'`: counts the optimizer steps that were not skipped.
     CountStep => "count_step", class Elementwise, arity (2, 2),
         typing typing::count_step(inputs);
@@ -532,38 +518,46 @@ mod tests {
                 shape: vec![2, 3],
             },
             Op::AdamW {
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                weight_decay: 0.0,
+                hp: AdamWHparams {
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    weight_decay: 0.0,
+                },
                 max_grad_norm: 1.0,
                 copy: None,
             },
             Op::AdamW8bit {
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                weight_decay: 0.01,
+                hp: AdamWHparams {
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                    weight_decay: 0.01,
+                },
                 max_grad_norm: 0.0,
                 quant_block: 256,
                 copy: Some(DType::BF16),
             },
             Op::Sgd {
-                momentum: 0.9,
-                weight_decay: 0.1,
+                hp: SgdHparams {
+                    momentum: 0.9,
+                    weight_decay: 0.1,
+                },
                 max_grad_norm: 0.0,
                 copy: Some(DType::F16),
             },
             Op::Adafactor {
-                beta1: Some(0.9),
-                decay_rate: -0.8,
-                eps1: 1e-30,
-                eps2: 1e-3,
-                clip_threshold: 1.0,
-                weight_decay: 0.0,
-                relative_step: true,
-                scale_parameter: true,
-                warmup_init: false,
+                hp: AdafactorHparams {
+                    beta1: Some(0.9),
+                    decay_rate: -0.8,
+                    eps1: 1e-30,
+                    eps2: 1e-3,
+                    clip_threshold: 1.0,
+                    weight_decay: 0.0,
+                    relative_step: true,
+                    scale_parameter: true,
+                    warmup_init: false,
+                },
                 max_grad_norm: 0.0,
                 copy: Some(DType::BF16),
             },

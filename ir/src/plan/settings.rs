@@ -1,6 +1,7 @@
 //! The settings a plan was built with: precision, objective, shapes, optimizer, loss
 //! scaling, recomputation.
 
+use crate::optim::{AdafactorHparams, AdamWHparams, SgdHparams};
 use crate::Precision;
 use serde::{Deserialize, Serialize};
 
@@ -323,68 +324,35 @@ impl<'de> Deserialize<'de> for Remat {
     }
 }
 
+/// The optimizer and its hyperparameters ([`crate::optim`]). In the settings JSON the
+/// hyperparameters sit beside `kind`, as fields of the variant.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "kind")]
 pub enum OptimizerKind {
-    AdamW {
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-    },
+    AdamW(AdamWHparams),
     /// bitsandbytes' `AdamW8bit`: AdamW with both moments quantized block-wise to 8 bits
     /// ([`crate::quant`]); parameters of fewer than [`crate::quant::MIN_QUANTIZED_NUMEL`]
     /// values keep F32 moments.
-    AdamW8bit {
-        beta1: f64,
-        beta2: f64,
-        eps: f64,
-        weight_decay: f64,
-    },
-    Sgd {
-        momentum: f64,
-        weight_decay: f64,
-    },
-    /// transformers' `Adafactor`; `lr: None` is its relative step (with parameter scaling),
-    /// `Some` a fixed rate from the learning-rate input (without).
-    Adafactor {
-        beta1: Option<f64>,
-        decay_rate: f64,
-        eps1: f64,
-        eps2: f64,
-        clip_threshold: f64,
-        weight_decay: f64,
-        relative_step: bool,
-        scale_parameter: bool,
-        warmup_init: bool,
-    },
+    AdamW8bit(AdamWHparams),
+    Sgd(SgdHparams),
+    /// transformers' `Adafactor`; `relative_step` is its relative step (with parameter
+    /// scaling), else a fixed rate from the learning-rate input (without).
+    Adafactor(AdafactorHparams),
 }
 
 impl OptimizerKind {
-    /// transformers' `Adafactor` defaults: eps (1e-30, 1e-3), clip threshold 1, decay rate
-    /// -0.8, no first moment, no weight decay; the relative step with parameter scaling, or
-    /// (`relative_step` false) the learning-rate input without it.
+    /// transformers' `Adafactor` defaults ([`AdafactorHparams::defaults`]).
     pub fn adafactor(relative_step: bool) -> OptimizerKind {
-        OptimizerKind::Adafactor {
-            beta1: None,
-            decay_rate: -0.8,
-            eps1: 1e-30,
-            eps2: 1e-3,
-            clip_threshold: 1.0,
-            weight_decay: 0.0,
-            relative_step,
-            scale_parameter: relative_step,
-            warmup_init: false,
-        }
+        OptimizerKind::Adafactor(AdafactorHparams::defaults(relative_step))
     }
 
     /// The optimizer's name as `--optimizer` takes it.
     pub fn name(&self) -> &'static str {
         match self {
-            OptimizerKind::AdamW { .. } => "adamw",
-            OptimizerKind::AdamW8bit { .. } => "adamw8bit",
-            OptimizerKind::Sgd { .. } => "sgd",
-            OptimizerKind::Adafactor { .. } => "adafactor",
+            OptimizerKind::AdamW(_) => "adamw",
+            OptimizerKind::AdamW8bit(_) => "adamw8bit",
+            OptimizerKind::Sgd(_) => "sgd",
+            OptimizerKind::Adafactor(_) => "adafactor",
         }
     }
 }

@@ -515,10 +515,10 @@ mod tests {
             batch: 1,
             seq: 2,
             grad_accum: 2,
-            optimizer: OptimizerKind::Sgd {
+            optimizer: OptimizerKind::Sgd(castor_ir::SgdHparams {
                 momentum: 0.9,
                 weight_decay: 0.0,
-            },
+            }),
             max_grad_norm: 0.0,
             loss_scaling: LossScaling::None,
             frozen: vec![],

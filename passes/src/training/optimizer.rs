@@ -9,8 +9,8 @@ use crate::autodiff::grad_name;
 use crate::{PassError, PassReport};
 use castor_ir::{
     adafactor_moments, quant, ControlState, DType, Graph, GraphBuilder, LossScaling, Op,
-    OptimizerKind, Shape, StateInit, StateRole, StateSpec, TensorType, TrainSettings, Value, Write,
-    GRAD_NORM, LEARNING_RATE,
+    OptimizerKind, Shape, StateInit, StateRole, StateSpec, TensorType, TrainSettings, Value,
+    WeightDecay, Write, GRAD_NORM, LEARNING_RATE,
 };
 
 pub(super) struct OptimizerStep;
@@ -99,10 +99,10 @@ impl PlanPass for OptimizerStep {
         let report = format!(
             "{} update(s) of {} parameter buffer(s){}; state: {} entries; optimizer step {} nodes",
             match settings.optimizer {
-                OptimizerKind::AdamW { .. } => "AdamW",
-                OptimizerKind::AdamW8bit { .. } => "8-bit AdamW",
-                OptimizerKind::Sgd { .. } => "SGD",
-                OptimizerKind::Adafactor { .. } => "Adafactor",
+                OptimizerKind::AdamW(_) => "AdamW",
+                OptimizerKind::AdamW8bit(_) => "8-bit AdamW",
+                OptimizerKind::Sgd(_) => "SGD",
+                OptimizerKind::Adafactor(_) => "Adafactor",
             },
             trainable.len(),
             match build.frozen() {
@@ -129,7 +129,7 @@ fn moments(settings: &TrainSettings, name: &str, shape: &Shape) -> Vec<(String, 
     let state = settings.optimizer_state;
     let full = |m: &str| (m.to_string(), TensorType::new(state, shape.clone()));
     let named: Vec<(String, TensorType)> = match &settings.optimizer {
-        OptimizerKind::AdamW8bit { .. } if quantized(settings, shape) => {
+        OptimizerKind::AdamW8bit(_) if quantized(settings, shape) => {
             let codes = TensorType::new(DType::U8, shape.clone());
             let blocks = quant::quant_blocks(shape.numel().unwrap_or(0));
             let absmax = TensorType::new(DType::F32, Shape::from(vec![blocks]));
@@ -140,12 +140,13 @@ fn moments(settings: &TrainSettings, name: &str, shape: &Shape) -> Vec<(String, 
                 ("adamw8bit.v_absmax".into(), absmax),
             ]
         }
-        OptimizerKind::AdamW { .. } | OptimizerKind::AdamW8bit { .. } => {
+        OptimizerKind::AdamW(_) | OptimizerKind::AdamW8bit(_) => {
             vec![full("adamw.m"), full("adamw.v")]
         }
-        OptimizerKind::Sgd { .. } => vec![full("sgd.momentum")],
-        OptimizerKind::Adafactor { beta1, .. } => {
-            let mut m: Vec<(String, TensorType)> = beta1
+        OptimizerKind::Sgd(_) => vec![full("sgd.momentum")],
+        OptimizerKind::Adafactor(hp) => {
+            let mut m: Vec<(String, TensorType)> = hp
+                .beta1
                 .map(|_| full("adafactor.exp_avg"))
                 .into_iter()
                 .collect();
@@ -173,7 +174,7 @@ fn moments(settings: &TrainSettings, name: &str, shape: &Shape) -> Vec<(String, 
 /// True when the parameter of `shape` keeps 8-bit moments: under AdamW8bit, from
 /// [`quant::MIN_QUANTIZED_NUMEL`] values up, as bitsandbytes' `min_8bit_size`.
 fn quantized(settings: &TrainSettings, shape: &Shape) -> bool {
-    matches!(settings.optimizer, OptimizerKind::AdamW8bit { .. })
+    matches!(settings.optimizer, OptimizerKind::AdamW8bit(_))
         && shape.numel().unwrap_or(0) >= quant::MIN_QUANTIZED_NUMEL
 }
 
@@ -241,71 +242,28 @@ fn optimizer_graph(
         ins.extend([lr, step, scale, norm]);
         let copy = copies.iter().find(|(m, _)| *m == p).map(|&(_, c)| c);
         let decay = !no_decay.contains(&p);
-        let op = match settings.optimizer.clone() {
-            OptimizerKind::AdamW8bit {
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-            } if quantized => Op::AdamW8bit {
-                beta1,
-                beta2,
-                eps,
-                weight_decay: if decay { weight_decay } else { 0.0 },
-                max_grad_norm: settings.max_grad_norm,
+        let (max_grad_norm, copy_dtype) = (settings.max_grad_norm, copy.map(|c| fwd.ty(c).dtype));
+        let op = match settings.optimizer {
+            OptimizerKind::AdamW8bit(hp) if quantized => Op::AdamW8bit {
+                hp: hp.with_decay(decay),
+                max_grad_norm,
                 quant_block: quant::QUANT_BLOCK,
-                copy: copy.map(|c| fwd.ty(c).dtype),
+                copy: copy_dtype,
             },
-            OptimizerKind::AdamW {
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-            }
-            | OptimizerKind::AdamW8bit {
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-            } => Op::AdamW {
-                beta1,
-                beta2,
-                eps,
-                weight_decay: if decay { weight_decay } else { 0.0 },
-                max_grad_norm: settings.max_grad_norm,
-                copy: copy.map(|c| fwd.ty(c).dtype),
+            OptimizerKind::AdamW(hp) | OptimizerKind::AdamW8bit(hp) => Op::AdamW {
+                hp: hp.with_decay(decay),
+                max_grad_norm,
+                copy: copy_dtype,
             },
-            OptimizerKind::Sgd {
-                momentum,
-                weight_decay,
-            } => Op::Sgd {
-                momentum,
-                weight_decay: if decay { weight_decay } else { 0.0 },
-                max_grad_norm: settings.max_grad_norm,
-                copy: copy.map(|c| fwd.ty(c).dtype),
+            OptimizerKind::Sgd(hp) => Op::Sgd {
+                hp: hp.with_decay(decay),
+                max_grad_norm,
+                copy: copy_dtype,
             },
-            OptimizerKind::Adafactor {
-                beta1,
-                decay_rate,
-                eps1,
-                eps2,
-                clip_threshold,
-                weight_decay,
-                relative_step,
-                scale_parameter,
-                warmup_init,
-            } => Op::Adafactor {
-                beta1,
-                decay_rate,
-                eps1,
-                eps2,
-                clip_threshold,
-                weight_decay: if decay { weight_decay } else { 0.0 },
-                relative_step,
-                scale_parameter,
-                warmup_init,
-                max_grad_norm: settings.max_grad_norm,
-                copy: copy.map(|c| fwd.ty(c).dtype),
+            OptimizerKind::Adafactor(hp) => Op::Adafactor {
+                hp: hp.with_decay(decay),
+                max_grad_norm,
+                copy: copy_dtype,
             },
         };
         let n_out = 1 + moments.len() + usize::from(copy.is_some());

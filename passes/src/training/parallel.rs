@@ -170,7 +170,7 @@ fn check(plan: &castor_ir::TrainingPlan, zero: u8) -> Result<(), PassError> {
     if zero >= 1
         && matches!(
             plan.settings.optimizer,
-            OptimizerKind::AdamW8bit { .. } | OptimizerKind::Adafactor { .. }
+            OptimizerKind::AdamW8bit(_) | OptimizerKind::Adafactor(_)
         )
     {
         return refuse(

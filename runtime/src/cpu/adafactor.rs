@@ -6,58 +6,7 @@
 //! which is why the comparison with it holds to 1e-5 rather than to the last bit.
 
 use super::optimizer::Control;
-
-/// Adafactor hyperparameters that are fixed for the run.
-#[derive(Clone, Copy, Debug)]
-pub struct Adafactor {
-    pub beta1: Option<f64>,
-    pub decay_rate: f64,
-    pub eps1: f64,
-    pub eps2: f64,
-    pub clip_threshold: f64,
-    pub weight_decay: f64,
-    pub relative_step: bool,
-    pub scale_parameter: bool,
-    pub warmup_init: bool,
-    pub max_grad_norm: f64,
-}
-
-impl Adafactor {
-    /// The hyperparameters and the working copy's dtype of an `adafactor` op (`None` for
-    /// another op): the one reading of its attributes, for both executors.
-    pub fn of(op: &castor_ir::Op) -> Option<(Adafactor, Option<castor_ir::DType>)> {
-        match *op {
-            castor_ir::Op::Adafactor {
-                beta1,
-                decay_rate,
-                eps1,
-                eps2,
-                clip_threshold,
-                weight_decay,
-                relative_step,
-                scale_parameter,
-                warmup_init,
-                max_grad_norm,
-                copy,
-            } => Some((
-                Adafactor {
-                    beta1,
-                    decay_rate,
-                    eps1,
-                    eps2,
-                    clip_threshold,
-                    weight_decay,
-                    relative_step,
-                    scale_parameter,
-                    warmup_init,
-                    max_grad_norm,
-                },
-                copy,
-            )),
-            _ => None,
-        }
-    }
-}
+use castor_ir::AdafactorHparams;
 
 /// The second-moment state of one parameter.
 pub enum SecondMoment<'a> {
@@ -75,7 +24,7 @@ pub enum SecondMoment<'a> {
 
 /// One step in place. Does nothing when the step is skipped.
 pub fn adafactor(
-    h: &Adafactor,
+    h: &AdafactorHparams,
     c: Control,
     p: &mut [f32],
     g: &[f32],
@@ -85,7 +34,7 @@ pub fn adafactor(
     if c.skip() {
         return;
     }
-    let (inv_scale, clip) = c.grad_factor(h.max_grad_norm);
+    let (inv_scale, clip) = c.grad_factor();
     let grad: Vec<f32> = g.iter().map(|&x| x * inv_scale * clip).collect();
     let t = f64::from(c.step) + 1.0;
     let lr = learning_rate(h, c.lr, t, rms(p));
@@ -171,7 +120,7 @@ pub fn adafactor(
 
 /// transformers' `_get_lr`: the relative step `min(1e-2, 1/sqrt(t))` (`min(1e-6 t, ..)` with
 /// warm-up) or the given rate, times `max(eps2, rms(p))` when scaling by the parameter.
-fn learning_rate(h: &Adafactor, lr: f32, t: f64, rms_p: f32) -> f32 {
+fn learning_rate(h: &AdafactorHparams, lr: f32, t: f64, rms_p: f32) -> f32 {
     let step = if h.relative_step {
         let min_step = if h.warmup_init { 1e-6 * t } else { 1e-2 };
         min_step.min(1.0 / t.sqrt())
@@ -237,19 +186,9 @@ fn warp_sum(lanes: &[f64]) -> f64 {
 mod tests {
     use super::*;
 
-    fn plain() -> Adafactor {
-        Adafactor {
-            beta1: None,
-            decay_rate: -0.8,
-            eps1: 1e-30,
-            eps2: 1e-3,
-            clip_threshold: 1.0,
-            weight_decay: 0.0,
-            relative_step: false,
-            scale_parameter: false,
-            warmup_init: false,
-            max_grad_norm: 0.0,
-        }
+    /// transformers' defaults with a given learning rate.
+    fn plain() -> AdafactorHparams {
+        AdafactorHparams::defaults(false)
     }
 
     fn control(lr: f32) -> Control {
@@ -258,6 +197,7 @@ mod tests {
             step: 0.0,
             scale: 1.0,
             grad_norm: 1.0,
+            max_grad_norm: 0.0,
         }
     }
 
@@ -283,7 +223,7 @@ mod tests {
     fn factored_statistics_of_a_rank_one_square() {
         let g = [1.0f32, 2.0, 2.0, 4.0]; // [1, 2]^T [1, 2]
         let (mut p, mut row, mut col) = (vec![0.0f32; 4], vec![0.0f32; 2], vec![0.0f32; 2]);
-        let h = Adafactor {
+        let h = AdafactorHparams {
             clip_threshold: 1e9,
             ..plain()
         };
@@ -309,7 +249,7 @@ mod tests {
 
     #[test]
     fn relative_step_ignores_the_given_rate() {
-        let h = Adafactor {
+        let h = AdafactorHparams {
             relative_step: true,
             scale_parameter: true,
             ..plain()

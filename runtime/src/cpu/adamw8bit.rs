@@ -11,51 +11,11 @@
 
 use super::optimizer::Control;
 use castor_ir::quant::{dequantize_block, quantize_block, CODES};
-use castor_ir::Op;
+use castor_ir::AdamWHparams;
 use rayon::prelude::*;
 
 /// Blocks one worker updates at a time.
 const BLOCKS_PER_TASK: usize = 64;
-
-/// 8-bit AdamW hyperparameters that are fixed for the run.
-#[derive(Clone, Copy, Debug)]
-pub struct AdamW8bit {
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub weight_decay: f64,
-    pub max_grad_norm: f64,
-    /// Values per quantization block.
-    pub block: usize,
-}
-
-impl AdamW8bit {
-    /// The hyperparameters and the working copy's dtype of an `adamw8bit` op.
-    pub fn of(op: &Op) -> Option<(AdamW8bit, Option<castor_ir::DType>)> {
-        match *op {
-            Op::AdamW8bit {
-                beta1,
-                beta2,
-                eps,
-                weight_decay,
-                max_grad_norm,
-                quant_block: block,
-                copy,
-            } => Some((
-                AdamW8bit {
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay,
-                    max_grad_norm,
-                    block,
-                },
-                copy,
-            )),
-            _ => None,
-        }
-    }
-}
 
 /// One quantized moment: its codes and the absolute maximum of each block.
 pub struct Quantized<'a> {
@@ -63,10 +23,12 @@ pub struct Quantized<'a> {
     pub absmax: &'a mut [f32],
 }
 
-/// One 8-bit AdamW step in place. `maps` holds the signed then the unsigned code map. Does
-/// nothing when the step is skipped.
+/// One 8-bit AdamW step in place, over quantization blocks of `block` values. `maps` holds
+/// the signed then the unsigned code map. Does nothing when the step is skipped.
+#[allow(clippy::too_many_arguments)]
 pub fn adamw8bit(
-    h: &AdamW8bit,
+    h: &AdamWHparams,
+    block: usize,
     c: Control,
     maps: &[f32],
     p: &mut [f32],
@@ -77,7 +39,7 @@ pub fn adamw8bit(
     if c.skip() {
         return;
     }
-    let (inv_scale, clip) = c.grad_factor(h.max_grad_norm);
+    let (inv_scale, clip) = c.grad_factor();
     let t = f64::from(c.step) + 1.0;
     let lr = f64::from(c.lr);
     let s = Scalars {
@@ -93,7 +55,7 @@ pub fn adamw8bit(
         neg_step: (-lr / (1.0 - h.beta1.powf(t))) as f32,
     };
     let (signed, unsigned) = maps.split_at(CODES);
-    let span = h.block * BLOCKS_PER_TASK;
+    let span = block * BLOCKS_PER_TASK;
     p.par_chunks_mut(span)
         .zip(g.par_chunks(span))
         .zip(
@@ -107,10 +69,10 @@ pub fn adamw8bit(
                 .zip(v.absmax.par_chunks_mut(BLOCKS_PER_TASK)),
         )
         .for_each(|(((p, g), (mq, vq)), (ma, va))| {
-            let mut mf = vec![0f32; h.block];
-            let mut vf = vec![0f32; h.block];
+            let mut mf = vec![0f32; block];
+            let mut vf = vec![0f32; block];
             for (k, (ma, va)) in ma.iter_mut().zip(va.iter_mut()).enumerate() {
-                let at = k * h.block..((k + 1) * h.block).min(p.len());
+                let at = k * block..((k + 1) * block).min(p.len());
                 let n = at.len();
                 let (mf, vf) = (&mut mf[..n], &mut vf[..n]);
                 dequantize_block(signed, &mq[at.clone()], *ma, mf);

@@ -5,6 +5,7 @@
 //! (F32 arithmetic on F32 buffers, hyperparameter scalars formed in F64 and used as F32), so
 //! three steps agree with PyTorch to rounding. The CUDA kernels are their twins.
 
+use castor_ir::{AdamWHparams, SgdHparams};
 use rayon::prelude::*;
 
 /// Elements per partial sum of the gradient norm: fixed, so the sum does not depend on the
@@ -42,6 +43,8 @@ pub struct Control {
     pub step: f32,
     pub scale: f32,
     pub grad_norm: f32,
+    /// The op's gradient-clipping threshold (`clip_grad_norm_`'s max norm; 0 clips nothing).
+    pub max_grad_norm: f64,
 }
 
 impl Control {
@@ -52,10 +55,10 @@ impl Control {
 
     /// What each raw gradient is multiplied by: the loss-scale inverse (in F32, as
     /// GradScaler's unscale does) and the clipping coefficient of `clip_grad_norm_`.
-    pub(crate) fn grad_factor(&self, max_grad_norm: f64) -> (f32, f32) {
+    pub(crate) fn grad_factor(&self) -> (f32, f32) {
         let inv_scale = 1.0f32 / self.scale;
-        let clip = if max_grad_norm > 0.0 {
-            let coef = max_grad_norm as f32 / (self.grad_norm + 1e-6);
+        let clip = if self.max_grad_norm > 0.0 {
+            let coef = self.max_grad_norm as f32 / (self.grad_norm + 1e-6);
             coef.min(1.0)
         } else {
             1.0
@@ -64,23 +67,13 @@ impl Control {
     }
 }
 
-/// AdamW hyperparameters that are fixed for the run.
-#[derive(Clone, Copy, Debug)]
-pub struct AdamW {
-    pub beta1: f64,
-    pub beta2: f64,
-    pub eps: f64,
-    pub weight_decay: f64,
-    pub max_grad_norm: f64,
-}
-
 /// One AdamW step in place (torch.optim.AdamW, `_single_tensor_adamw`). Does nothing when the
 /// step is skipped.
-pub fn adamw(h: &AdamW, c: Control, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+pub fn adamw(h: &AdamWHparams, c: Control, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     if c.skip() {
         return;
     }
-    let (inv_scale, clip) = c.grad_factor(h.max_grad_norm);
+    let (inv_scale, clip) = c.grad_factor();
     let t = f64::from(c.step) + 1.0;
     let lr = f64::from(c.lr);
     let decay = (1.0 - lr * h.weight_decay) as f32;
@@ -117,22 +110,14 @@ fn lerp(a: f32, b: f32, w: f32) -> f32 {
     }
 }
 
-/// SGD hyperparameters that are fixed for the run.
-#[derive(Clone, Copy, Debug)]
-pub struct Sgd {
-    pub momentum: f64,
-    pub weight_decay: f64,
-    pub max_grad_norm: f64,
-}
-
 /// One SGD-with-momentum step in place (torch.optim.SGD, dampening 0, not Nesterov). The
 /// momentum buffer starts at zero, so the first step stores the gradient itself, as torch
 /// does. Does nothing when the step is skipped.
-pub fn sgd(h: &Sgd, c: Control, p: &mut [f32], g: &[f32], buf: &mut [f32]) {
+pub fn sgd(h: &SgdHparams, c: Control, p: &mut [f32], g: &[f32], buf: &mut [f32]) {
     if c.skip() {
         return;
     }
-    let (inv_scale, clip) = c.grad_factor(h.max_grad_norm);
+    let (inv_scale, clip) = c.grad_factor();
     let (lr, wd, mom) = (c.lr, h.weight_decay as f32, h.momentum as f32);
     p.par_chunks_mut(NORM_BLOCK)
         .zip(g.par_chunks(NORM_BLOCK))
@@ -251,13 +236,13 @@ mod tests {
             step: 0.0,
             scale: 1.0,
             grad_norm: f32::INFINITY,
+            max_grad_norm: 0.0,
         };
-        let h = AdamW {
+        let h = AdamWHparams {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.01,
-            max_grad_norm: 0.0,
         };
         let (mut p, mut m, mut v) = (vec![1.0f32; 3], vec![0.0f32; 3], vec![0.0f32; 3]);
         adamw(&h, c, &mut p, &[f32::INFINITY; 3], &mut m, &mut v);
@@ -274,13 +259,13 @@ mod tests {
             step: 0.0,
             scale: 4.0,
             grad_norm: 1.0,
+            max_grad_norm: 0.0,
         };
-        let h = AdamW {
+        let h = AdamWHparams {
             beta1: 0.9,
             beta2: 0.999,
             eps: 1e-8,
             weight_decay: 0.0,
-            max_grad_norm: 0.0,
         };
         let (mut p, mut m, mut v) = (vec![1.0f32, 1.0], vec![0.0f32; 2], vec![0.0f32; 2]);
         adamw(&h, c, &mut p, &[8.0, -8.0], &mut m, &mut v);

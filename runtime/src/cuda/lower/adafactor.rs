@@ -3,8 +3,7 @@
 //! update), state updated in place.
 use super::super::program::{Arg, Command};
 use super::{sfx, LowerError, RunLowering};
-use crate::cpu::adafactor::Adafactor;
-use castor_ir::{DType, Node};
+use castor_ir::{DType, Node, Op};
 
 /// Threads of the reducing launches: `ADAFACTOR_THREADS` in `adafactor.cu`, whose sums the
 /// CPU twin reproduces in this shape.
@@ -18,7 +17,12 @@ impl RunLowering<'_, '_> {
     pub(super) fn adafactor(&mut self, n: Node) -> Result<(), LowerError> {
         let g = self.g;
         let node = g.node(n);
-        let Some((h, copy)) = Adafactor::of(&node.op) else {
+        let Op::Adafactor {
+            hp: h,
+            max_grad_norm,
+            copy,
+        } = node.op
+        else {
             return Err(self.err(node.outputs[0], "not an Adafactor node"));
         };
         let y = node.outputs[0];
@@ -82,7 +86,7 @@ impl RunLowering<'_, '_> {
                 (moment, Arg::Ptr(p)),
                 ("scale", Arg::Ptr(scale)),
                 ("grad_norm", Arg::Ptr(grad_norm)),
-                ("max_grad_norm", Arg::F64(h.max_grad_norm)),
+                ("max_grad_norm", Arg::F64(max_grad_norm)),
                 ("eps1", Arg::F64(h.eps1)),
                 ("step", Arg::Ptr(step)),
                 ("decay_rate", Arg::F64(h.decay_rate)),
@@ -162,7 +166,7 @@ impl RunLowering<'_, '_> {
                 ("cols", Arg::I32(cols as i32)),
                 ("scale", Arg::Ptr(scale)),
                 ("grad_norm", Arg::Ptr(grad_norm)),
-                ("max_grad_norm", Arg::F64(h.max_grad_norm)),
+                ("max_grad_norm", Arg::F64(max_grad_norm)),
             ])
         };
         let mut args = vec![

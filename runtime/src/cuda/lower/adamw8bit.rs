@@ -2,8 +2,7 @@
 //! blocks, master, codes and block maxima updated in place.
 use super::super::program::{Arg, Command};
 use super::{sfx, LowerError, RunLowering};
-use crate::cpu::adamw8bit::AdamW8bit;
-use castor_ir::{quant, DType, Node};
+use castor_ir::{quant, DType, Node, Op};
 
 /// Threads per block: one per value of a quantization block (`ADAMW8BIT_BLOCK`).
 const THREADS: u32 = quant::QUANT_BLOCK as u32;
@@ -13,15 +12,21 @@ impl RunLowering<'_, '_> {
         let g = self.g;
         let node = g.node(n);
         let y = node.outputs[0];
-        let Some((h, copy)) = AdamW8bit::of(&node.op) else {
+        let Op::AdamW8bit {
+            hp: h,
+            max_grad_norm,
+            quant_block,
+            copy,
+        } = node.op
+        else {
             return Err(self.err(y, "not an 8-bit AdamW node"));
         };
-        if h.block != quant::QUANT_BLOCK {
+        if quant_block != quant::QUANT_BLOCK {
             return Err(self.err(
                 y,
                 format!(
                     "8-bit AdamW blocks of {} values have no CUDA kernel (it takes {})",
-                    h.block,
+                    quant_block,
                     quant::QUANT_BLOCK
                 ),
             ));
@@ -62,7 +67,7 @@ impl RunLowering<'_, '_> {
             ("beta2", Arg::F64(h.beta2)),
             ("eps", Arg::F64(h.eps)),
             ("weight_decay", Arg::F64(h.weight_decay)),
-            ("max_grad_norm", Arg::F64(h.max_grad_norm)),
+            ("max_grad_norm", Arg::F64(max_grad_norm)),
         ];
         let entry = format!("adamw8bit_{}", sfx(copy.unwrap_or(DType::F32)));
         self.launch(y, &entry, (blocks, 1, 1), (THREADS, 1, 1), args)

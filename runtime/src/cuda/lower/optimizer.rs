@@ -118,8 +118,9 @@ impl RunLowering<'_, '_> {
                 Some(&c) => Field::Ptr(self.out(c)?),
                 None => Field::Null,
             };
-            let wd = match md.op {
-                Op::AdamW { weight_decay, .. } | Op::Sgd { weight_decay, .. } => weight_decay,
+            let wd = match &md.op {
+                Op::AdamW { hp, .. } => hp.weight_decay,
+                Op::Sgd { hp, .. } => hp.weight_decay,
                 _ => 0.0,
             };
             row.extend([copy, Field::I64(numel as i64), Field::F64(wd)]);
@@ -148,29 +149,25 @@ impl RunLowering<'_, '_> {
         );
         let (entry, copy) = match &node.op {
             Op::AdamW {
-                beta1,
-                beta2,
-                eps,
+                hp,
                 max_grad_norm,
                 copy,
-                ..
             } => {
                 args.extend([
-                    ("beta1", Arg::F64(*beta1)),
-                    ("beta2", Arg::F64(*beta2)),
-                    ("eps", Arg::F64(*eps)),
+                    ("beta1", Arg::F64(hp.beta1)),
+                    ("beta2", Arg::F64(hp.beta2)),
+                    ("eps", Arg::F64(hp.eps)),
                     ("max_grad_norm", Arg::F64(*max_grad_norm)),
                 ]);
                 ("adamw", copy)
             }
             Op::Sgd {
-                momentum,
+                hp,
                 max_grad_norm,
                 copy,
-                ..
             } => {
                 args.extend([
-                    ("momentum", Arg::F64(*momentum)),
+                    ("momentum", Arg::F64(hp.momentum)),
                     ("max_grad_norm", Arg::F64(*max_grad_norm)),
                 ]);
                 ("sgd", copy)

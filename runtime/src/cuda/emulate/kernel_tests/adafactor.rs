@@ -4,9 +4,10 @@
 //! step, and a skipped step.
 
 use super::{check, dec, enc, grid_1d, i32, i64, Buf, Launcher, Rng, FLOATS};
-use crate::cpu::adafactor::{self as twin, Adafactor, SecondMoment};
+use crate::cpu::adafactor::{self as twin, SecondMoment};
 use crate::cpu::optimizer::Control;
 use crate::cuda::program::Arg;
+use castor_ir::AdafactorHparams;
 use castor_ir::{round_to, DType};
 
 pub(super) fn entries() -> Vec<String> {
@@ -101,7 +102,7 @@ fn run_case(case: &Case, rng: &mut Rng) {
         (1, 1)
     };
     let lead = n / (rows * cols);
-    let h = Adafactor {
+    let h = AdafactorHparams {
         beta1: case.beta1,
         decay_rate: -0.8,
         eps1: 1e-30,
@@ -111,13 +112,13 @@ fn run_case(case: &Case, rng: &mut Rng) {
         relative_step: case.relative_step,
         scale_parameter: case.relative_step,
         warmup_init: false,
-        max_grad_norm: case.max_grad_norm,
     };
     let c = Control {
         lr: 1e-2,
         step: 3.0,
         scale: 2.0,
         grad_norm: case.grad_norm,
+        max_grad_norm: case.max_grad_norm,
     };
     let p = rng.values(n, 1.0, DType::F32);
     let g = rng.values(n, 3.0, DType::F32);
@@ -194,7 +195,7 @@ fn run_case(case: &Case, rng: &mut Rng) {
             (name, A::B(name)),
             ("scale", A::B("scale")),
             ("grad_norm", A::B("grad_norm")),
-            ("max_grad_norm", A::V(Arg::F64(h.max_grad_norm))),
+            ("max_grad_norm", A::V(Arg::F64(c.max_grad_norm))),
             ("eps1", A::V(Arg::F64(h.eps1))),
             ("step", A::B("step")),
             ("decay_rate", A::V(Arg::F64(h.decay_rate))),
@@ -256,7 +257,7 @@ fn run_case(case: &Case, rng: &mut Rng) {
             ("cols", A::V(i32(cols))),
             ("scale", A::B("scale")),
             ("grad_norm", A::B("grad_norm")),
-            ("max_grad_norm", A::V(Arg::F64(h.max_grad_norm))),
+            ("max_grad_norm", A::V(Arg::F64(c.max_grad_norm))),
         ]
     };
     let mut a = update();

@@ -4,9 +4,10 @@
 //! scale, and a skipped step.
 
 use super::{check, dec, enc, Launcher, Rng, FLOATS};
-use crate::cpu::adamw8bit::{self as twin, AdamW8bit, Quantized};
+use crate::cpu::adamw8bit::{self as twin, Quantized};
 use crate::cpu::optimizer::Control;
 use crate::cuda::program::Arg;
+use castor_ir::AdamWHparams;
 use castor_ir::{quant, round_to, DType};
 
 pub(super) fn entries() -> Vec<String> {
@@ -27,19 +28,18 @@ fn adamw8bit_update_equals_the_twin() {
             (quant::QUANT_BLOCK * 2, 0.01, f32::INFINITY, 1.0, 0.0),
         ] {
             let what = format!("adamw8bit_{s} n={n} grad_norm={grad_norm}");
-            let h = AdamW8bit {
+            let h = AdamWHparams {
                 beta1: 0.9,
                 beta2: 0.999,
                 eps: 1e-8,
                 weight_decay,
-                max_grad_norm,
-                block: quant::QUANT_BLOCK,
             };
             let control = Control {
                 lr: 1e-3,
                 step: 4.0,
                 scale,
                 grad_norm,
+                max_grad_norm,
             };
             let blocks = quant::quant_blocks(n);
             let p = rng.values(n, 1.0, DType::F32);
@@ -58,6 +58,7 @@ fn adamw8bit_update_equals_the_twin() {
                 (p.clone(), m.clone(), v.clone(), ma.clone(), va.clone());
             twin::adamw8bit(
                 &h,
+                quant::QUANT_BLOCK,
                 control,
                 &maps,
                 &mut p2,
@@ -105,7 +106,7 @@ fn adamw8bit_update_equals_the_twin() {
                 ("beta2", Arg::F64(h.beta2)),
                 ("eps", Arg::F64(h.eps)),
                 ("weight_decay", Arg::F64(h.weight_decay)),
-                ("max_grad_norm", Arg::F64(h.max_grad_norm)),
+                ("max_grad_norm", Arg::F64(control.max_grad_norm)),
             ];
             let ordered = castor_kernels::signature(&entry)
                 .and_then(|sig| sig.order(&entry, &named))

@@ -3,9 +3,10 @@
 //! another order, within 1 ulp.
 
 use super::{check, dec, dec_i32, enc, i32, Launcher, Rng, FLOATS};
-use crate::cpu::optimizer::{self as opt, AdamW, Control, LossScaler, Sgd};
+use crate::cpu::optimizer::{self as opt, Control, LossScaler};
 use crate::cuda::program::{Arg, Field};
 use castor_ir::{round_to, DType};
+use castor_ir::{AdamWHparams, SgdHparams};
 
 pub(super) fn entries() -> Vec<String> {
     let mut out: Vec<String> = [
@@ -74,6 +75,7 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                     step: 4.0,
                     scale,
                     grad_norm,
+                    max_grad_norm: max_norm,
                 };
                 let mut l = Launcher::new("optimizer.cu");
                 let mut rows = Vec::new();
@@ -87,19 +89,17 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                     let v: Vec<f32> = rng.values(n, 0.01, state).iter().map(|x| x.abs()).collect();
                     let (mut p2, mut m2, mut v2) = (p.clone(), m.clone(), v.clone());
                     if adamw {
-                        let h = AdamW {
+                        let h = AdamWHparams {
                             beta1: 0.9,
                             beta2: 0.999,
                             eps: 1e-8,
                             weight_decay: wd,
-                            max_grad_norm: max_norm,
                         };
                         opt::adamw(&h, control, &mut p2, &g, &mut m2, &mut v2);
                     } else {
-                        let h = Sgd {
+                        let h = SgdHparams {
                             momentum: 0.9,
                             weight_decay: wd,
-                            max_grad_norm: max_norm,
                         };
                         opt::sgd(&h, control, &mut p2, &g, &mut m2);
                     }
