@@ -195,6 +195,21 @@ fn needs_grad(g: &Graph, loss: Value, trainable: &dyn Fn(Value) -> bool) -> Vec<
         .collect()
 }
 
+/// What a VJP rule reads of its node: the operands, the first result, the gradient's name,
+/// and which operands need a gradient.
+struct Site<'a> {
+    x: &'a [Value],
+    y: Value,
+    name: &'a str,
+    needs: Vec<bool>,
+}
+
+impl Site<'_> {
+    fn need(&self, i: usize) -> bool {
+        self.needs.get(i).copied().unwrap_or(false)
+    }
+}
+
 struct Backward<'g> {
     b: GraphBuilder,
     /// Gradient contributions per forward value, in arrival order.
@@ -303,6 +318,12 @@ impl Backward<'_> {
         let y = node.outputs[0];
         let name = format!("{}.grad", self.fwd.name(y));
         let need = |i: usize| x.get(i).is_some_and(|v| needs[v.index()]);
+        let site = Site {
+            x,
+            y,
+            name: &name,
+            needs: x.iter().map(|v| needs[v.index()]).collect(),
+        };
         let dy = dys[0];
         let with_dtype =
             |b: &mut GraphBuilder, name: &str, op: Op, inputs: &[Value], dtype: DType| {
@@ -355,71 +376,7 @@ impl Backward<'_> {
                     self.contribute(b, d)?;
                 }
             }
-            Op::Binary(op) => {
-                let Some(dy) = dy else { return Ok(()) };
-                let (a, b) = (x[0], x[1]);
-                match op {
-                    BinaryOp::Add | BinaryOp::Sub => {
-                        if need(0) {
-                            self.contribute(a, dy)?;
-                        }
-                        if need(1) {
-                            let d = if *op == BinaryOp::Sub {
-                                self.b
-                                    .op(&format!("{name}.rhs"), Op::Unary(UnaryOp::Neg), &[dy])?
-                            } else {
-                                dy
-                            };
-                            self.contribute(b, d)?;
-                        }
-                    }
-                    BinaryOp::Mul => {
-                        if need(0) {
-                            let d = self.b.op(
-                                &format!("{name}.lhs"),
-                                Op::Binary(BinaryOp::Mul),
-                                &[dy, b],
-                            )?;
-                            self.contribute(a, d)?;
-                        }
-                        if need(1) {
-                            let d = self.b.op(
-                                &format!("{name}.rhs"),
-                                Op::Binary(BinaryOp::Mul),
-                                &[dy, a],
-                            )?;
-                            self.contribute(b, d)?;
-                        }
-                    }
-                    BinaryOp::Div => {
-                        if need(0) {
-                            let d = self.b.op(
-                                &format!("{name}.lhs"),
-                                Op::Binary(BinaryOp::Div),
-                                &[dy, b],
-                            )?;
-                            self.contribute(a, d)?;
-                        }
-                        if need(1) {
-                            // d(a/b)/db = -y/b
-                            let t = self.b.op(
-                                &format!("{name}.rhs.q"),
-                                Op::Binary(BinaryOp::Div),
-                                &[y, b],
-                            )?;
-                            let t = self.b.op(
-                                &format!("{name}.rhs.p"),
-                                Op::Binary(BinaryOp::Mul),
-                                &[dy, t],
-                            )?;
-                            let d =
-                                self.b
-                                    .op(&format!("{name}.rhs"), Op::Unary(UnaryOp::Neg), &[t])?;
-                            self.contribute(b, d)?;
-                        }
-                    }
-                }
-            }
+            Op::Binary(op) => self.vjp_binary(&site, op, dy)?,
             Op::Scale { factor } => {
                 if let (true, Some(dy)) = (need(0), dy) {
                     let d = self.b.op(&name, Op::Scale { factor: *factor }, &[dy])?;
@@ -546,84 +503,8 @@ impl Backward<'_> {
                     }
                 }
             }
-            Op::Split { axis, sizes } => {
-                if !need(0) {
-                    return Ok(());
-                }
-                let total: usize = sizes.iter().sum();
-                let mut start = 0;
-                let mut pieces = Vec::new();
-                for (i, (&size, dy)) in sizes.iter().zip(dys).enumerate() {
-                    if let Some(dy) = dy {
-                        let op = Op::Pad {
-                            axis: *axis,
-                            before: start,
-                            after: total - start - size,
-                        };
-                        // Every piece present: concatenate instead of padding and adding.
-                        pieces.push((i, *dy, op));
-                    }
-                    start += size;
-                }
-                let d = if pieces.len() == sizes.len() {
-                    let parts: Vec<Value> = pieces.iter().map(|p| p.1).collect();
-                    self.b.op(&name, Op::Concat { axis: *axis }, &parts)?
-                } else {
-                    let mut acc: Option<Value> = None;
-                    for (i, dy, op) in pieces {
-                        let padded = self.b.op(&format!("{name}.{i}"), op, &[dy])?;
-                        acc = Some(match acc {
-                            None => padded,
-                            Some(a) => self.b.op(&name, Op::Binary(BinaryOp::Add), &[a, padded])?,
-                        });
-                    }
-                    match acc {
-                        Some(a) => a,
-                        None => return Ok(()),
-                    }
-                };
-                self.contribute(x[0], d)?;
-            }
-            Op::Reduce { op, axes, .. } => {
-                let (true, Some(dy)) = (need(0), dy) else {
-                    return Ok(());
-                };
-                let xs = self.fwd.ty(x[0]).shape.clone();
-                let kept: Vec<usize> =
-                    xs.0.iter()
-                        .enumerate()
-                        .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
-                        .collect();
-                let r = self.b.op(
-                    &format!("{name}.keepdim"),
-                    Op::Reshape { shape: kept },
-                    &[dy],
-                )?;
-                let mut d = self.b.op(
-                    &name,
-                    Op::BroadcastTo {
-                        shape: xs.0.clone(),
-                    },
-                    &[r],
-                )?;
-                match op {
-                    ReduceOp::Sum => {}
-                    ReduceOp::Mean => {
-                        let count: usize = axes.iter().map(|&a| xs.0[a]).product();
-                        d = self.b.op(
-                            &format!("{name}.mean"),
-                            Op::Scale {
-                                factor: 1.0 / count as f64,
-                            },
-                            &[d],
-                        )?;
-                    }
-                    ReduceOp::Max => {
-                        return Err(bad("no gradient rule for `max` (no model family uses it)"))
-                    }
-                }
-                self.contribute(x[0], d)?;
-            }
+            Op::Split { axis, sizes } => self.vjp_split(&site, (axis, sizes), dys)?,
+            Op::Reduce { op, axes, .. } => self.vjp_reduce(&site, (op, axes), dy)?,
             Op::CrossEntropy { ignore_index } => {
                 if let (true, Some(dy)) = (need(0), dy) {
                     let dtype = self.fwd.ty(x[0]).dtype;
@@ -663,26 +544,205 @@ impl Backward<'_> {
                     self.contribute(x[0], dy)?;
                 }
             }
+            Op::AllReduce { .. }
+            | Op::ReduceScatter { .. }
+            | Op::AllGather { .. }
+            | Op::Shard { .. } => self.vjp_collective(&site, &node.op, dy)?,
+            other => {
+                return Err(bad(&format!("no gradient rule for `{}`", other.mnemonic())));
+            }
+        }
+        Ok(())
+    }
+
+    /// The VJP of an elementwise binary op.
+    fn vjp_binary(
+        &mut self,
+        site: &Site,
+        op: &BinaryOp,
+        dy: Option<Value>,
+    ) -> Result<(), PassError> {
+        let (x, y, name) = (site.x, site.y, site.name);
+        let Some(dy) = dy else { return Ok(()) };
+        let (a, b) = (x[0], x[1]);
+        match op {
+            BinaryOp::Add | BinaryOp::Sub => {
+                if site.need(0) {
+                    self.contribute(a, dy)?;
+                }
+                if site.need(1) {
+                    let d = if *op == BinaryOp::Sub {
+                        self.b
+                            .op(&format!("{name}.rhs"), Op::Unary(UnaryOp::Neg), &[dy])?
+                    } else {
+                        dy
+                    };
+                    self.contribute(b, d)?;
+                }
+            }
+            BinaryOp::Mul => {
+                if site.need(0) {
+                    let d =
+                        self.b
+                            .op(&format!("{name}.lhs"), Op::Binary(BinaryOp::Mul), &[dy, b])?;
+                    self.contribute(a, d)?;
+                }
+                if site.need(1) {
+                    let d =
+                        self.b
+                            .op(&format!("{name}.rhs"), Op::Binary(BinaryOp::Mul), &[dy, a])?;
+                    self.contribute(b, d)?;
+                }
+            }
+            BinaryOp::Div => {
+                if site.need(0) {
+                    let d =
+                        self.b
+                            .op(&format!("{name}.lhs"), Op::Binary(BinaryOp::Div), &[dy, b])?;
+                    self.contribute(a, d)?;
+                }
+                if site.need(1) {
+                    // d(a/b)/db = -y/b
+                    let t =
+                        self.b
+                            .op(&format!("{name}.rhs.q"), Op::Binary(BinaryOp::Div), &[y, b])?;
+                    let t = self.b.op(
+                        &format!("{name}.rhs.p"),
+                        Op::Binary(BinaryOp::Mul),
+                        &[dy, t],
+                    )?;
+                    let d = self
+                        .b
+                        .op(&format!("{name}.rhs"), Op::Unary(UnaryOp::Neg), &[t])?;
+                    self.contribute(b, d)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The VJP of a split: the pieces' gradients concatenated, or padded and summed where
+    /// some piece has none.
+    fn vjp_split(
+        &mut self,
+        site: &Site,
+        (axis, sizes): (&usize, &[usize]),
+        dys: &[Option<Value>],
+    ) -> Result<(), PassError> {
+        let (x, name) = (site.x, site.name);
+        if !site.need(0) {
+            return Ok(());
+        }
+        let total: usize = sizes.iter().sum();
+        let mut start = 0;
+        let mut pieces = Vec::new();
+        for (i, (&size, dy)) in sizes.iter().zip(dys).enumerate() {
+            if let Some(dy) = dy {
+                let op = Op::Pad {
+                    axis: *axis,
+                    before: start,
+                    after: total - start - size,
+                };
+                // Every piece present: concatenate instead of padding and adding.
+                pieces.push((i, *dy, op));
+            }
+            start += size;
+        }
+        let d = if pieces.len() == sizes.len() {
+            let parts: Vec<Value> = pieces.iter().map(|p| p.1).collect();
+            self.b.op(name, Op::Concat { axis: *axis }, &parts)?
+        } else {
+            let mut acc: Option<Value> = None;
+            for (i, dy, op) in pieces {
+                let padded = self.b.op(&format!("{name}.{i}"), op, &[dy])?;
+                acc = Some(match acc {
+                    None => padded,
+                    Some(a) => self.b.op(name, Op::Binary(BinaryOp::Add), &[a, padded])?,
+                });
+            }
+            match acc {
+                Some(a) => a,
+                None => return Ok(()),
+            }
+        };
+        self.contribute(x[0], d)?;
+        Ok(())
+    }
+
+    /// The VJP of a reduction: the gradient broadcast back over the reduced axes.
+    fn vjp_reduce(
+        &mut self,
+        site: &Site,
+        (op, axes): (&ReduceOp, &[usize]),
+        dy: Option<Value>,
+    ) -> Result<(), PassError> {
+        let (x, name) = (site.x, site.name);
+        let (true, Some(dy)) = (site.need(0), dy) else {
+            return Ok(());
+        };
+        let xs = self.fwd.ty(x[0]).shape.clone();
+        let kept: Vec<usize> =
+            xs.0.iter()
+                .enumerate()
+                .map(|(i, &d)| if axes.contains(&i) { 1 } else { d })
+                .collect();
+        let r = self.b.op(
+            &format!("{name}.keepdim"),
+            Op::Reshape { shape: kept },
+            &[dy],
+        )?;
+        let mut d = self.b.op(
+            name,
+            Op::BroadcastTo {
+                shape: xs.0.clone(),
+            },
+            &[r],
+        )?;
+        match op {
+            ReduceOp::Sum => {}
+            ReduceOp::Mean => {
+                let count: usize = axes.iter().map(|&a| xs.0[a]).product();
+                d = self.b.op(
+                    &format!("{name}.mean"),
+                    Op::Scale {
+                        factor: 1.0 / count as f64,
+                    },
+                    &[d],
+                )?;
+            }
+            ReduceOp::Max => {
+                return Err(bad("no gradient rule for `max` (no model family uses it)"))
+            }
+        }
+        self.contribute(x[0], d)?;
+        Ok(())
+    }
+
+    /// The VJP of a collective: each rank's loss is its own, so the gradient of the group's
+    /// total flows back through the transposed exchange.
+    fn vjp_collective(&mut self, site: &Site, op: &Op, dy: Option<Value>) -> Result<(), PassError> {
+        let (x, name) = (site.x, site.name);
+        match op {
             // Collectives: each rank's loss is its own, the gradient of the group's total
             // flows back through the transposed exchange.
             Op::AllReduce { reduce, world } => {
-                if let (true, Some(dy)) = (need(0), dy) {
+                if let (true, Some(dy)) = (site.need(0), dy) {
                     let op = Op::AllReduce {
                         reduce: *reduce,
                         world: *world,
                     };
-                    let d = self.b.op(&name, op, &[dy])?;
+                    let d = self.b.op(name, op, &[dy])?;
                     self.contribute(x[0], d)?;
                 }
             }
             Op::ReduceScatter { world, average } => {
-                if let (true, Some(dy)) = (need(0), dy) {
+                if let (true, Some(dy)) = (site.need(0), dy) {
                     let shape = self.fwd.ty(x[0]).shape.0.clone();
                     let op = Op::AllGather {
                         world: *world,
                         shape,
                     };
-                    let mut d = self.b.op(&name, op, &[dy])?;
+                    let mut d = self.b.op(name, op, &[dy])?;
                     if *average {
                         let factor = 1.0 / *world as f64;
                         d = self
@@ -695,28 +755,28 @@ impl Backward<'_> {
             // A gathered (or sharded) value is the same on every rank: its gradient is the
             // sum of the ranks' gradients, each rank keeping its shard (or gathering them).
             Op::AllGather { world, .. } => {
-                if let (true, Some(dy)) = (need(0), dy) {
+                if let (true, Some(dy)) = (site.need(0), dy) {
                     let op = Op::ReduceScatter {
                         world: *world,
                         average: false,
                     };
-                    let d = self.b.op(&name, op, &[dy])?;
+                    let d = self.b.op(name, op, &[dy])?;
                     self.contribute(x[0], d)?;
                 }
             }
             Op::Shard { world } => {
-                if let (true, Some(dy)) = (need(0), dy) {
+                if let (true, Some(dy)) = (site.need(0), dy) {
                     let shape = self.fwd.ty(x[0]).shape.0.clone();
                     let op = Op::AllGather {
                         world: *world,
                         shape,
                     };
-                    let d = self.b.op(&name, op, &[dy])?;
+                    let d = self.b.op(name, op, &[dy])?;
                     self.contribute(x[0], d)?;
                 }
             }
             other => {
-                return Err(bad(&format!("no gradient rule for `{}`", other.mnemonic())));
+                return Err(bad(&format!("`{}` is not a collective", other.mnemonic())));
             }
         }
         Ok(())

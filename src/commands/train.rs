@@ -232,27 +232,8 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
     if let (Some(l), None) = (&launch, &args.plan) {
         args.training.world_size = l.world_size(args.training.world_size)?;
     }
-    if args.eval_every.is_some() && args.run.val_fraction <= 0.0 && args.validation.is_none() {
-        return Err(CliError::InvalidInput(
-            "--eval-every needs held-out data: give --val-fraction (or --validation FILE)".into(),
-        )
-        .into());
-    }
-    let total = args.run.steps.ok_or_else(|| {
-        CliError::InvalidInput(
-            "--steps N is required: the step to train until (as transformers' max_steps)".into(),
-        )
-    })?;
     let first_step = resume.as_ref().map_or(0, |(_, t)| t.step);
-    if total <= first_step && resume.is_some() {
-        return Err(CliError::InvalidInput(format!(
-            "--steps {total}: the checkpoint is at step {first_step} already; --steps is the \
-             total (the step to train until), so give more than {first_step}"
-        ))
-        .into());
-    }
-    // The schedule's length is fixed when a run starts and travels with its checkpoints.
-    args.run.total_steps = Some(args.run.total_steps.unwrap_or(total));
+    let total = schedule(&mut args, first_step, resume.is_some())?;
 
     let model_path = resume_dir.as_deref().unwrap_or(&args.model);
     let mut model = args.classifier.load(model_path)?;
@@ -298,14 +279,7 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
     // The group meets once this rank has its plan and weights: each rank stops with its own
     // errors first, and a rank that never arrives is named by rank 0.
     let launched = match &launch {
-        Some(l) => {
-            let mut group = l.join()?;
-            let nccl = match device {
-                ExecutorKind::Cuda => Some(l.nccl_rank(&mut group)?),
-                _ => None,
-            };
-            Some(crate::trainer::Launched { group, nccl })
-        }
+        Some(l) => Some(join_group(l, device)?),
         None => None,
     };
     let mut runner = Trainer::new(
@@ -322,59 +296,17 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
             castor_ir::human_bytes(bytes)
         );
     }
-    if let Some((state, trainer)) = resume {
-        resume::check_settings(&trainer.settings, &settings, resume_dir.as_deref())?;
-        if trainer.data_tokens != 0 && trainer.data_tokens != data.training_tokens() {
-            return Err(CliError::InvalidInput(format!(
-                "--resume: the checkpoint was trained on {} training tokens, but `{}` gives {}: \
-                 resume on the same data",
-                trainer.data_tokens,
-                args.data.display(),
-                data.training_tokens()
-            ))
-            .into());
-        }
-        runner.restore(state)?;
-        data.seek(trainer.data_position);
+    if let Some(resume) = resume {
+        restore(&mut runner, &mut data, resume, &args, resume_dir.as_deref())?;
     }
 
-    let log = match &args.log {
-        Some(path) => Some(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(path)
-                .map_err(|e| {
-                    CliError::Output(format!("--log `{}`: cannot open: {e}", path.display()))
-                })?,
-        ),
-        None => None,
-    };
-    let history = match &args.log {
-        Some(path) if first_step > 0 => history_from_log(path, first_step),
-        _ => LossHistory::default(),
-    };
+    let (log, history) = open_log(args.log.as_deref(), first_step)?;
     let steps = total - first_step;
     let print_every = args
         .print_every
         .unwrap_or_else(|| (steps / 20).max(1))
         .max(1);
-    let (batch, seq) = (settings.batch, settings.seq);
-    if steps == 0 {
-        outln!("training    none (--steps 0): the initial weights are what a --save keeps");
-    } else {
-        let ranks = match settings.parallel.world_size {
-            0 | 1 => String::new(),
-            n => format!(" on each of {n} ranks (ZeRO-{})", settings.parallel.zero),
-        };
-        outln!(
-            "training    steps {}..{total} of {} x [{batch}, {seq}] tokens{ranks}, {}, objective {}",
-            first_step + 1,
-            settings.grad_accum,
-            settings.precision,
-            settings.objective
-        );
-    }
+    announce(&settings, first_step, total);
     if let (Some(root), true) = (&args.save, runner.writes_files()) {
         checkpoint::clean_stale(root);
     }
@@ -531,6 +463,113 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
 }
 
 /// The flags that need another flag or device, checked before any work.
+/// The step to train until (`--steps`), checked against a resumed run's `first_step`; fixes
+/// the schedule's length, which travels with the run's checkpoints.
+fn schedule(args: &mut Args, first_step: u64, resuming: bool) -> anyhow::Result<u64> {
+    if args.eval_every.is_some() && args.run.val_fraction <= 0.0 && args.validation.is_none() {
+        return Err(CliError::InvalidInput(
+            "--eval-every needs held-out data: give --val-fraction (or --validation FILE)".into(),
+        )
+        .into());
+    }
+    let total = args.run.steps.ok_or_else(|| {
+        CliError::InvalidInput(
+            "--steps N is required: the step to train until (as transformers' max_steps)".into(),
+        )
+    })?;
+    if total <= first_step && resuming {
+        return Err(CliError::InvalidInput(format!(
+            "--steps {total}: the checkpoint is at step {first_step} already; --steps is the \
+             total (the step to train until), so give more than {first_step}"
+        ))
+        .into());
+    }
+    args.run.total_steps = Some(args.run.total_steps.unwrap_or(total));
+    Ok(total)
+}
+
+/// Joins the launched group: its connections, and on GPUs this rank's NCCL communicator.
+fn join_group(
+    l: &crate::launcher::Launch,
+    device: ExecutorKind,
+) -> anyhow::Result<crate::trainer::Launched> {
+    let mut group = l.join()?;
+    let nccl = match device {
+        ExecutorKind::Cuda => Some(l.nccl_rank(&mut group)?),
+        _ => None,
+    };
+    Ok(crate::trainer::Launched { group, nccl })
+}
+
+/// A resumed run's state entries and trainer state.
+type Resumed = (Vec<(String, castor_ir::Tensor)>, checkpoint::TrainerState);
+
+/// Continues a resumed run: the same settings and data as the checkpoint's, its state in the
+/// runner, the data where it stopped.
+fn restore(
+    runner: &mut Trainer,
+    data: &mut Data,
+    (state, trainer): Resumed,
+    args: &Args,
+    dir: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
+    resume::check_settings(&trainer.settings, &runner.plan().settings, dir)?;
+    if trainer.data_tokens != 0 && trainer.data_tokens != data.training_tokens() {
+        return Err(CliError::InvalidInput(format!(
+            "--resume: the checkpoint was trained on {} training tokens, but `{}` gives {}: \
+             resume on the same data",
+            trainer.data_tokens,
+            args.data.display(),
+            data.training_tokens()
+        ))
+        .into());
+    }
+    runner.restore(state)?;
+    data.seek(trainer.data_position);
+    Ok(())
+}
+
+/// The JSON log, opened to append, and the loss history a resumed run's log already holds.
+fn open_log(
+    path: Option<&std::path::Path>,
+    first_step: u64,
+) -> anyhow::Result<(Option<std::fs::File>, LossHistory)> {
+    let Some(path) = path else {
+        return Ok((None, LossHistory::default()));
+    };
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)
+        .map_err(|e| CliError::Output(format!("--log `{}`: cannot open: {e}", path.display())))?;
+    let history = if first_step > 0 {
+        history_from_log(path, first_step)
+    } else {
+        LossHistory::default()
+    };
+    Ok((Some(log), history))
+}
+
+/// The `training` line: which steps run, of what.
+fn announce(settings: &castor_ir::TrainSettings, first_step: u64, total: u64) {
+    if total == first_step {
+        outln!("training    none (--steps 0): the initial weights are what a --save keeps");
+        return;
+    }
+    let (batch, seq) = (settings.batch, settings.seq);
+    let ranks = match settings.parallel.world_size {
+        0 | 1 => String::new(),
+        n => format!(" on each of {n} ranks (ZeRO-{})", settings.parallel.zero),
+    };
+    outln!(
+        "training    steps {}..{total} of {} x [{batch}, {seq}] tokens{ranks}, {}, objective {}",
+        first_step + 1,
+        settings.grad_accum,
+        settings.precision,
+        settings.objective
+    );
+}
+
 fn check_run_flags(args: &Args, device: ExecutorKind) -> anyhow::Result<()> {
     if args.profile_kernels.is_some() && !matches!(device, ExecutorKind::Cuda) {
         let here = match device {
@@ -556,13 +595,7 @@ fn check_run_flags(args: &Args, device: ExecutorKind) -> anyhow::Result<()> {
 /// flags are taken from it unless given. Resuming reads the weights from the checkpoint,
 /// which is itself a model folder.
 #[allow(clippy::type_complexity)]
-fn resumed(
-    args: &mut Args,
-    given: &Given,
-) -> anyhow::Result<(
-    Option<PathBuf>,
-    Option<(Vec<(String, castor_ir::Tensor)>, checkpoint::TrainerState)>,
-)> {
+fn resumed(args: &mut Args, given: &Given) -> anyhow::Result<(Option<PathBuf>, Option<Resumed>)> {
     let resume_dir = args.resume.as_deref().map(checkpoint::resolve_resume);
     let resume = match &resume_dir {
         Some(dir) => {

@@ -27,27 +27,24 @@ mod embedding;
 mod gemm;
 mod layout;
 mod loss_scale;
+mod lowerer;
 mod nf4;
 mod norm;
 mod ops;
 mod optimizer;
+mod places;
 mod pointwise;
 mod reduce;
 mod rope;
 mod softmax;
 mod views;
 
+use lowerer::{bytes_of, Lowerer};
 pub(crate) use views::{layout_views, Storage};
 
-use super::program::{
-    Arg, BufferId, Command, ErrorFlag, Field, GeneratedKernel, InputExtent, Launch, Module, Output,
-    Place, Program, Run, Slot, SlotKind, Table,
-};
-use castor_ir::{
-    DType, Graph, KernelUnit, Node, Op, StateRole, TensorType, TrainingPlan, UnitKind, Value,
-};
+use super::program::{Arg, Command, ErrorFlag, Place, Program, Run, SlotKind};
+use castor_ir::{DType, Graph, KernelUnit, Node, Op, StateRole, TrainingPlan, UnitKind, Value};
 use castor_passes::fusion::{self, UnitSchedule};
-use castor_passes::memory::{place_buffers, Buffer};
 use std::collections::HashMap;
 
 /// Why a graph cannot run on the CUDA executor.
@@ -60,22 +57,6 @@ pub struct LowerError {
 
 /// A launch's arguments by kernel parameter name.
 pub(crate) type Args = Vec<(&'static str, Arg)>;
-
-/// True if `arg` can be passed for a parameter of `kind`.
-fn arg_fits(arg: &Arg, kind: castor_kernels::ParamKind) -> bool {
-    use castor_kernels::ParamKind as K;
-    matches!(
-        (arg, kind),
-        (Arg::Ptr(_) | Arg::Null | Arg::Table(_), K::Ptr)
-            | (Arg::I32(_), K::I32)
-            | (Arg::I64(_), K::I64)
-            | (Arg::U16(_), K::U16)
-            | (Arg::U32(_), K::U32)
-            | (Arg::U64(_), K::U64)
-            | (Arg::F64(_), K::F64)
-            | (Arg::Layout(_), K::Layout)
-    )
-}
 
 /// Names of the runs of a lowered training plan.
 pub const ZERO_GRADS: &str = "zero_grads";
@@ -161,187 +142,8 @@ pub(crate) fn unit_schedule(g: &Graph, units: Vec<KernelUnit>) -> Result<UnitSch
     })
 }
 
-fn bytes_of(ty: &TensorType, name: &str) -> Result<u64, LowerError> {
-    ty.size_bytes().map(|b| b as u64).ok_or_else(|| LowerError {
-        node: name.into(),
-        message: format!("{ty} has no static size"),
-    })
-}
-
-/// Builds a program run by run.
-#[derive(Default)]
-struct Lowerer {
-    program: Program,
-    modules: HashMap<String, usize>,
-    /// Param-copy slots already initialized by the prologue.
-    copies: HashMap<String, usize>,
-    /// Generated kernels by their code (see [`Lowerer::generated`]): the entry point.
-    generated: HashMap<String, String>,
-    /// Slots by name.
-    slots: HashMap<String, usize>,
-}
-
 /// The module holding every generated (fused pointwise) kernel of a program.
 pub const GENERATED_MODULE: &str = "fused.cu";
-
-impl Lowerer {
-    /// The slot `name`, created with `kind` if new.
-    fn slot(&mut self, name: &str, kind: SlotKind, node: &str) -> Result<usize, LowerError> {
-        if let Some(&i) = self.slots.get(name) {
-            return Ok(i);
-        }
-        let bytes = match &kind {
-            SlotKind::Bound(ty) | SlotKind::Input(ty) => bytes_of(ty, node)?,
-            SlotKind::Constant(b) => b.len() as u64,
-            SlotKind::Internal => 0,
-        };
-        Ok(self.push_slot(name, bytes, kind))
-    }
-
-    /// An internal slot of `bytes` bytes.
-    fn internal(&mut self, name: &str, bytes: u64) -> usize {
-        match self.slots.get(name) {
-            Some(&i) => i,
-            None => self.push_slot(name, bytes, SlotKind::Internal),
-        }
-    }
-
-    /// The slot `name`, if it exists.
-    fn find_slot(&self, name: &str) -> Option<usize> {
-        self.slots.get(name).copied()
-    }
-
-    fn push_slot(&mut self, name: &str, bytes: u64, kind: SlotKind) -> usize {
-        self.program.slots.push(Slot {
-            name: name.into(),
-            bytes,
-            kind,
-        });
-        let i = self.program.slots.len() - 1;
-        self.slots.insert(name.into(), i);
-        i
-    }
-
-    /// The module that holds `source`, by name.
-    fn module(&mut self, name: &str, source: &str) -> usize {
-        if let Some(&i) = self.modules.get(name) {
-            return i;
-        }
-        self.program.modules.push(Module {
-            name: name.into(),
-            source: source.into(),
-            generated: Vec::new(),
-        });
-        let i = self.program.modules.len() - 1;
-        self.modules.insert(name.into(), i);
-        i
-    }
-
-    /// The module and entry point of a generated kernel. Every generated kernel of the
-    /// program goes into one module (one NVRTC compile), and a kernel whose code equals an
-    /// earlier one's (the same group in every layer) is not added again: its launches use
-    /// the earlier entry point.
-    fn generated(&mut self, name: &str, source: &str, inputs: Vec<InputExtent>) -> (usize, String) {
-        // The code without comments (which name the members) and with the kernel's name
-        // replaced is what makes two kernels the same.
-        let key: String = source
-            .lines()
-            .map(|l| l.split("//").next().unwrap_or("").trim_end())
-            .filter(|l| !l.is_empty())
-            .collect::<Vec<_>>()
-            .join("\n")
-            .replace(name, "KERNEL");
-        let module = match self.modules.get(GENERATED_MODULE) {
-            Some(&m) => m,
-            None => self.module(GENERATED_MODULE, ""),
-        };
-        if let Some(entry) = self.generated.get(&key) {
-            return (module, entry.clone());
-        }
-        let m = &mut self.program.modules[module];
-        m.source.push_str(source);
-        m.source.push('\n');
-        m.generated.push(GeneratedKernel {
-            entry: name.to_string(),
-            inputs,
-        });
-        self.generated.insert(key, name.to_string());
-        (module, name.to_string())
-    }
-
-    /// A launch of the hand-written kernel `entry` with `shared_bytes` of dynamic shared
-    /// memory, its arguments given by parameter name (see [`castor_kernels::signature`]):
-    /// every parameter once, each of its kind.
-    fn kernel(
-        &mut self,
-        node: &str,
-        entry: &str,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        shared_bytes: u32,
-        args: Args,
-    ) -> Result<Command, LowerError> {
-        let bad = |message: String| LowerError {
-            node: node.into(),
-            message,
-        };
-        let file = castor_kernels::file_of(entry).ok_or_else(|| {
-            bad(format!(
-                "no kernel `{entry}` in kernels/ (a dtype combination the kernels do not cover)"
-            ))
-        })?;
-        let sig = castor_kernels::signature(entry).map_err(|e| bad(e.to_string()))?;
-        for (name, arg) in &args {
-            let param = sig.params.iter().find(|p| p.name == *name);
-            if let Some(p) = param.filter(|p| !arg_fits(arg, p.kind)) {
-                return Err(bad(format!(
-                    "`{entry}` takes `{name}` as {}, given {arg:?}",
-                    p.kind.name()
-                )));
-            }
-        }
-        let args = sig.order(entry, &args).map_err(|e| bad(e.to_string()))?;
-        let module = self.module(file.name, file.source);
-        Ok(Command::Launch(Launch {
-            node: node.into(),
-            module,
-            entry: entry.into(),
-            grid,
-            block,
-            shared_bytes,
-            args,
-        }))
-    }
-
-    fn table(&mut self, table: Table) -> usize {
-        self.program.tables.push(table);
-        self.program.tables.len() - 1
-    }
-
-    fn lower_run(
-        &mut self,
-        g: &Graph,
-        run: &str,
-        units: Vec<KernelUnit>,
-        stored: &HashMap<String, String>,
-    ) -> Result<(), LowerError> {
-        castor_ir::verify(g).map_err(|e| LowerError {
-            node: g.name.clone(),
-            message: format!("invalid graph: {e}"),
-        })?;
-        let schedule = unit_schedule(g, units)?;
-        let mut r = RunLowering::new(self, g, run, schedule, stored)?;
-        r.assign_sources()?;
-        r.emit_all()?;
-        let run = r.finish()?;
-        if run.commands.iter().any(|c| matches!(c, Command::Gemm(_))) {
-            // cuBLAS's recommended workspace on Hopper.
-            self.program.workspace_bytes = self.program.workspace_bytes.max(32 << 20);
-        }
-        self.program.runs.push(run);
-        Ok(())
-    }
-}
 
 /// A value's location while lowering.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -622,120 +424,6 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         Ok(())
     }
 
-    /// The place of an operand (already made).
-    fn at(&self, v: Value) -> Result<Place, LowerError> {
-        match self.loc[v.index()] {
-            Loc::At(p) => Ok(p),
-            _ => Err(self.err(v, "read before it is made (a lowering bug)")),
-        }
-    }
-
-    /// The place a node writes `v` to: its state slot (in place when safe), its output slot,
-    /// a view's root, or a new arena buffer live until its last reader.
-    fn out(&mut self, v: Value) -> Result<Place, LowerError> {
-        if let Loc::At(p) = self.loc[v.index()] {
-            return Ok(p);
-        }
-        let g = self.g;
-        let name = g.name(v).to_string();
-        let ty = g.ty(v).clone();
-        let bytes = bytes_of(&ty, &name)?;
-        let place = if let Some(state) = self.stored.get(&name) {
-            let slot = self.l.slot(state, SlotKind::Bound(ty.clone()), &name)?;
-            let target = Place::Slot { slot, offset: 0 };
-            if self.in_place_is_safe(v, state) {
-                target
-            } else {
-                let p = self.arena(bytes, self.units);
-                self.late_writes.push((target, p, bytes));
-                p
-            }
-        } else if g.outputs().contains(&v) {
-            let slot = self.l.internal(&format!("{}.out.{name}", self.run), bytes);
-            Place::Slot { slot, offset: 0 }
-        } else {
-            let end = self.end_of[self.root[v.index()].index()];
-            self.arena(bytes, end)
-        };
-        self.loc[v.index()] = Loc::At(place);
-        Ok(place)
-    }
-
-    /// True when writing `v` straight into `state`'s slot cannot change what any reader of
-    /// the old state value sees: no reader after `v`'s unit, and within the unit only
-    /// element-for-element readers (pointwise kernels over the same shape, the optimizer and
-    /// step kernels, which are written for in-place updates).
-    fn in_place_is_safe(&self, v: Value, state: &str) -> bool {
-        let g = self.g;
-        let Some(old) = g.lookup(state) else {
-            return true;
-        };
-        let unit = self.unit_of[g.value(v).producer.index()];
-        self.readers(old).into_iter().all(|u| {
-            let uu = self.unit_of[u.index()];
-            if uu < unit {
-                return true;
-            }
-            if uu > unit {
-                return false;
-            }
-            let node = g.node(u);
-            match node.op {
-                Op::CountStep | Op::LossScaleUpdate { .. } => true,
-                _ if node.op.updates_parameter() => true,
-                _ => fusion::is_pointwise(g, u) && g.ty(old).shape == g.ty(node.outputs[0]).shape,
-            }
-        })
-    }
-
-    /// The nodes that read `v`'s buffer: its users, and through layout results that are
-    /// views of it (virtual or aliased), the users of those.
-    fn readers(&self, v: Value) -> Vec<Node> {
-        let g = self.g;
-        let mut out = Vec::new();
-        let mut todo = vec![v];
-        while let Some(x) = todo.pop() {
-            for &u in &self.users[x.index()] {
-                let views: Vec<Value> = g
-                    .node(u)
-                    .outputs
-                    .iter()
-                    .copied()
-                    .filter(|o| self.storage[o.index()] != Storage::Own)
-                    .collect();
-                if views.is_empty() {
-                    out.push(u);
-                } else {
-                    todo.extend(views);
-                }
-            }
-        }
-        out
-    }
-
-    /// Where `x`'s elements are read from: its buffer's value and the view of it.
-    pub(super) fn source(&self, x: Value) -> (Value, copies::View) {
-        match (&self.views[x.index()], self.storage[x.index()]) {
-            (Some((r, v)), s) if s.is_view() => (*r, v.clone()),
-            _ => (x, copies::View::contiguous(self.g.ty(x).shape.dims())),
-        }
-    }
-
-    /// A scratch or value buffer in the arena from this unit to `end`.
-    fn arena(&mut self, bytes: u64, end: usize) -> Place {
-        self.buffers
-            .push((bytes.max(1), self.unit, end.max(self.unit)));
-        Place::Buffer {
-            buffer: BufferId((self.buffers.len() - 1) as u32),
-            offset: 0,
-        }
-    }
-
-    /// Scratch used only inside this unit.
-    fn scratch(&mut self, bytes: u64) -> Place {
-        self.arena(bytes, self.unit)
-    }
-
     /// An error flag (an `int` slot reset to `INT_MAX` before the run).
     fn flag(
         &mut self,
@@ -803,138 +491,6 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             .kernel(&node, entry, grid, block, shared_bytes, args)?;
         self.commands.push(cmd);
         Ok(())
-    }
-
-    /// Resolves arena tags to offsets, adds the end-of-run copies and the flag resets.
-    fn finish(mut self) -> Result<Run, LowerError> {
-        self.join_side(usize::MAX);
-        for (dst, src, bytes) in std::mem::take(&mut self.late_writes) {
-            self.commands.push(Command::Copy { dst, src, bytes });
-        }
-        let len = self.units + 1;
-        let bufs: Vec<Buffer> = self
-            .buffers
-            .iter()
-            .enumerate()
-            .map(|(i, &(size, start, end))| Buffer {
-                graph: 0,
-                value: Value(i as u32),
-                size: castor_passes::memory::align(size),
-                start,
-                end,
-                offset: 0,
-            })
-            .collect();
-        let plan = place_buffers(bufs, len);
-        if plan.buffers.len() != self.buffers.len() {
-            return Err(LowerError {
-                node: self.g.name.clone(),
-                message: "the arena placement lost a buffer (a lowering bug)".into(),
-            });
-        }
-        let mut offsets = vec![0u64; self.buffers.len()];
-        for b in &plan.buffers {
-            offsets[b.value.index()] = b.offset;
-        }
-        let program = &mut self.l.program;
-        if plan.arena_bytes >= program.arena_bytes {
-            program.arena_bytes = plan.arena_bytes;
-            program.arena_lower_bound = plan.lower_bound;
-            program.arena_order = Some(plan.order);
-        }
-        let resolve = |p: Place| -> Place {
-            match p {
-                // Ids are indices of `self.buffers`, every one placed (checked above).
-                Place::Buffer { buffer, offset } => Place::Arena {
-                    offset: offsets[buffer.0 as usize] + offset,
-                },
-                other => other,
-            }
-        };
-        // Flags reset first, as part of the run.
-        let mut commands: Vec<Command> = Vec::new();
-        for f in &self.flags {
-            let cmd = self.l.kernel(
-                &f.node,
-                "fill_b4",
-                (1, 1, 1),
-                (32, 1, 1),
-                0,
-                vec![
-                    ("dst", Arg::Ptr(f.place)),
-                    ("n", Arg::I64(1)),
-                    ("value", Arg::U32(i32::MAX as u32)),
-                ],
-            )?;
-            commands.push(cmd);
-        }
-        commands.append(&mut self.commands);
-        for c in &mut commands {
-            map_places(c, &resolve);
-        }
-        for t in &mut self.l.program.tables[self.tables_before..] {
-            for f in t.fields_mut() {
-                if let Field::Ptr(p) = f {
-                    *p = resolve(*p);
-                }
-            }
-        }
-        let mut flags = std::mem::take(&mut self.flags);
-        for f in &mut flags {
-            f.indices = resolve(f.indices);
-        }
-        let g = self.g;
-        let mut outputs = Vec::new();
-        for &v in g.outputs() {
-            let place = match self.loc[v.index()] {
-                Loc::At(p) => resolve(p),
-                _ => return Err(self.err(v, "a graph output has no buffer (a lowering bug)")),
-            };
-            outputs.push(Output {
-                name: g.name(v).into(),
-                ty: g.ty(v).clone(),
-                place,
-            });
-        }
-        Ok(Run {
-            name: self.run.clone(),
-            commands,
-            outputs,
-            error_flags: flags,
-        })
-    }
-}
-
-fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
-    match c {
-        Command::Launch(l) => {
-            for a in &mut l.args {
-                if let Arg::Ptr(p) = a {
-                    *p = f(*p);
-                }
-            }
-        }
-        Command::Gemm(gm) => {
-            gm.a = f(gm.a);
-            gm.b = f(gm.b);
-            gm.c = f(gm.c);
-            gm.epilogue = gm.epilogue.map(f);
-        }
-        Command::Copy { dst, src, .. } => {
-            *dst = f(*dst);
-            *src = f(*src);
-        }
-        Command::Memset { dst, .. } => *dst = f(*dst),
-        Command::Collective { dst, src, .. } => {
-            *dst = f(*dst);
-            *src = f(*src);
-        }
-        Command::Join { .. } => {}
-        Command::Sdpa(call) => call.map_places(&mut |p| f(p), &mut |fallback| {
-            for c in fallback {
-                map_places(c, f);
-            }
-        }),
     }
 }
 
