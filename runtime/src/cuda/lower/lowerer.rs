@@ -6,7 +6,7 @@ use super::super::program::{
     Arg, Command, GeneratedKernel, InputExtent, Launch, Module, Program, Slot, SlotKind, Table,
 };
 use super::{unit_schedule, Args, LowerError, RunLowering, GENERATED_MODULE};
-use castor_ir::{Graph, KernelUnit, TensorType};
+use castor_ir::{Graph, KernelUnit, PointwiseBody, TensorType};
 use std::collections::HashMap;
 
 /// True if `arg` can be passed for a parameter of `kind`.
@@ -33,6 +33,17 @@ pub(super) fn bytes_of(ty: &TensorType, name: &str) -> Result<u64, LowerError> {
     })
 }
 
+/// What a generated kernel's code is made of: its body without the names of the values it
+/// reads and writes (only comments show them) and without the iteration space's size (a
+/// launch argument). Two bodies with the same code key print the same kernel.
+fn code_of(body: &PointwiseBody) -> PointwiseBody {
+    let mut key = body.clone();
+    key.dims.clear();
+    key.inputs.iter_mut().for_each(|i| i.value.clear());
+    key.outputs.iter_mut().for_each(|o| o.value.clear());
+    key
+}
+
 /// Builds a program run by run.
 #[derive(Default)]
 pub(super) struct Lowerer {
@@ -40,8 +51,9 @@ pub(super) struct Lowerer {
     pub(super) modules: HashMap<String, usize>,
     /// Param-copy slots already initialized by the prologue.
     pub(super) copies: HashMap<String, usize>,
-    /// Generated kernels by their code (see [`Lowerer::generated`]): the entry point.
-    pub(super) generated: HashMap<String, String>,
+    /// Generated kernels by what their code is made of (see [`Lowerer::generated`]), with
+    /// their entry points.
+    pub(super) generated: Vec<(PointwiseBody, String)>,
     /// Slots by name.
     pub(super) slots: HashMap<String, usize>,
 }
@@ -105,29 +117,22 @@ impl Lowerer {
     }
 
     /// The module and entry point of a generated kernel. Every generated kernel of the
-    /// program goes into one module (one NVRTC compile), and a kernel whose code equals an
-    /// earlier one's (the same group in every layer) is not added again: its launches use
-    /// the earlier entry point.
+    /// program goes into one module (one NVRTC compile), and a kernel whose body equals an
+    /// earlier one's but for the names of the values it reads and writes (the same group in
+    /// every layer) is not added again: its launches use the earlier entry point.
     pub(super) fn generated(
         &mut self,
         name: &str,
+        body: &PointwiseBody,
         source: &str,
         inputs: Vec<InputExtent>,
     ) -> (usize, String) {
-        // The code without comments (which name the members) and with the kernel's name
-        // replaced is what makes two kernels the same.
-        let key: String = source
-            .lines()
-            .map(|l| l.split("//").next().unwrap_or("").trim_end())
-            .filter(|l| !l.is_empty())
-            .collect::<Vec<_>>()
-            .join("\n")
-            .replace(name, "KERNEL");
+        let key = code_of(body);
         let module = match self.modules.get(GENERATED_MODULE) {
             Some(&m) => m,
             None => self.module(GENERATED_MODULE, ""),
         };
-        if let Some(entry) = self.generated.get(&key) {
+        if let Some((_, entry)) = self.generated.iter().find(|(k, _)| *k == key) {
             return (module, entry.clone());
         }
         let m = &mut self.program.modules[module];
@@ -137,7 +142,7 @@ impl Lowerer {
             entry: name.to_string(),
             inputs,
         });
-        self.generated.insert(key, name.to_string());
+        self.generated.push((key, name.to_string()));
         (module, name.to_string())
     }
 

@@ -62,7 +62,7 @@ impl RunLowering<'_, '_> {
                 }
             })
             .collect::<Result<_, LowerError>>()?;
-        let (module, entry) = self.l.generated(name, &source, extents);
+        let (module, entry) = self.l.generated(name, body, &source, extents);
         let mut args = Vec::new();
         for input in &body.inputs {
             args.push(Arg::Ptr(self.at(value(&input.value)?)?));
