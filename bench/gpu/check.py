@@ -12,10 +12,12 @@ no Rust: build with bench/gpu/pack.sh first, then run from the repository root):
                                                    # measured device peak, sanitizers
     python3 bench/gpu/check.py OUT --part bench    # castor vs PyTorch (bench/gpu/bench.py):
                                                    # OUT/<date>-<card>.json, the record
-    python3 bench/gpu/check.py OUT --part profile  # where a GPT-2 124M bf16 step spends its
-                                                   # device time, command by command, for the
-                                                   # default plan, eager attention and castor's
-                                                   # fused kernels alone
+    python3 bench/gpu/check.py OUT --part profile  # where a bf16 step spends its device
+                                                   # time, command by command: GPT-2 124M's
+                                                   # default plan, castor's fused attention
+                                                   # kernels alone and eager attention, and
+                                                   # LLaMA-3.2-1B's default plan ("all" runs
+                                                   # the fused GPT-2 and LLaMA ones)
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
 Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
@@ -344,42 +346,50 @@ def part_bench(steps, out_dir, budget=None):
     steps.run("bench", cmd, 540 if budget is None else budget + 60)
 
 
-# The plans the profile part times (the benchmark profiles the default plan too, into its
-# record): castor's defaults (`--attention auto`: cuDNN where it runs, else castor's kernels),
-# then the eager attention, then castor's fused kernels alone.
-PROFILED = [("default", []), ("attention-eager", ["--attention", "eager"]),
-            ("attention-fused", ["--attention", "fused"])]
+# The plans the profile part times, each (tag, config, batch, seq, flags): the benchmark's
+# GPT-2 124M step (B=8, T=1024) with castor's defaults (`--attention auto`: cuDNN where it
+# runs, else castor's kernels), with castor's fused kernels alone and with the eager
+# attention; and the benchmark's LLaMA-3.2-1B step (B=4, T=2048), the one furthest from its
+# roofline (2.6x on the H100 record), with the defaults.
+GPT2 = "assets/configs/gpt2-124m.json"
+LLAMA = "assets/configs/llama-3.2-1b.json"
+PROFILED = [("default", GPT2, 8, 1024, []),
+            ("attention-fused", GPT2, 8, 1024, ["--attention", "fused"]),
+            ("llama-1b", LLAMA, 4, 2048, []),
+            ("attention-eager", GPT2, 8, 1024, ["--attention", "eager"])]
 
 
 def part_profile(steps, out_dir, plans=PROFILED):
-    """`castor train --profile-kernels` on the benchmark's GPT-2 124M step (B=8, T=1024, bf16)
-    for each plan of PROFILED: the printed tables (each kind beside its roofline) are in the
-    logs, every command in the CSV files. The quick way to see where castor's step time goes
-    without the whole benchmark."""
+    """`castor train --profile-kernels` on each plan of PROFILED (bf16, 3 steps, the last one
+    profiled): the printed tables (each kind beside its roofline) are in the logs, every
+    command in the CSV files. The quick way to see where castor's step time goes without the
+    whole benchmark."""
     castor = PACK / "castor"
     out_dir.mkdir(parents=True, exist_ok=True)
-    # nanoGPT's raw u16 token file: the config has no tokenizer files beside it.
+    # nanoGPT's raw u16 token file (the configs have no tokenizer files beside them), long
+    # enough for three steps of the largest plan; every id is below both vocabularies.
     tokens = out_dir / "tokens.bin"
     tokens.write_bytes(b"".join(((i * 7919) % 50257).to_bytes(2, "little")
-                                for i in range(16 * 1024)))
-    for tag, extra in plans:
-        steps.run(f"profile_{tag}", [castor, "train", "assets/configs/gpt2-124m.json", "--data",
-                                     tokens, "--steps", "3", "--batch", "8", "--seq", "1024",
+                                for i in range(4 * 2048 * 4)))
+    for tag, config, batch, seq, extra in plans:
+        steps.run(f"profile_{tag}", [castor, "train", config, "--data", tokens, "--steps", "3",
+                                     "--batch", str(batch), "--seq", str(seq),
                                      "--precision", "bf16", "--device", "cuda",
                                      "--profile-kernels", out_dir / f"kernels-{tag}.csv"] + extra,
                   120)
 
 
 # Seconds `--part all` keeps for the profile part when it starts the benchmark.
-PROFILE_SHARE = 45
+PROFILE_SHARE = 75
 
 
 def part_all(steps, out_dir):
     part_tests(steps, out_dir)
     left = steps.deadline - time.monotonic()
     part_bench(steps, out_dir, budget=left - PROFILE_SHARE - 30)
-    # The benchmark's record holds the default plan's profile already: the other attentions.
-    part_profile(steps, out_dir / "profile", PROFILED[1:])
+    # The benchmark's record holds the default plan's profile already: castor's own attention
+    # kernels and the LLaMA step (the eager attention's profile is for `--part profile`).
+    part_profile(steps, out_dir / "profile", PROFILED[1:3])
 
 
 def main():
