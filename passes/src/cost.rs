@@ -346,10 +346,53 @@ fn attended_pairs(t: usize, s: usize, causal: bool, window: Option<usize>) -> f6
         .sum()
 }
 
+/// Bytes a node moves through device memory inside itself, beyond reading its operands and
+/// writing its results once: its scratch traffic.
+///
+/// Only the fused classifier has any. Each chunk's `[chunk, V]` logits are written by the
+/// head's product and read back by the cross-entropy; with the gradient they are also
+/// rewritten in place as their gradient and read by the two gradient products (6 passes
+/// over them, 2 for the loss alone). And each chunk after the first reads and rewrites the
+/// F32 `[V, C]` weight gradient it accumulates into: with short chunks this traffic is
+/// larger than the products themselves (LLaMA-3's 128,256 x 2,048 gradient is 1 GB each
+/// way, at 256 rows a chunk).
+pub fn scratch_bytes(g: &Graph, node: &NodeData) -> f64 {
+    let (chunk_rows, logits, passes) = match node.op {
+        Op::LinearCrossEntropy {
+            chunk_rows, logits, ..
+        } => (chunk_rows, logits, 2.0),
+        Op::LinearCrossEntropyGrad {
+            chunk_rows, logits, ..
+        }
+        | Op::LinearCrossEntropyStep {
+            chunk_rows, logits, ..
+        } => (chunk_rows, logits, 6.0),
+        _ => return 0.0,
+    };
+    let (h, w) = (
+        g.ty(node.inputs[0]).shape.dims(),
+        g.ty(node.inputs[1]).shape.dims(),
+    );
+    let (rows, vocab, width) = (h[0], w[0], w[1]);
+    let logit_bytes = logits.size_bytes() as f64;
+    let chunks = rows.div_ceil(chunk_rows.max(1));
+    let logits_traffic = passes * (rows * vocab) as f64 * logit_bytes;
+    let accumulation = if passes > 2.0 {
+        2.0 * chunks.saturating_sub(1) as f64 * (vocab * width * 4) as f64
+    } else {
+        0.0
+    };
+    logits_traffic + accumulation
+}
+
 /// Bytes one node reads and writes in device memory.
 pub fn node_bytes(g: &Graph, node: &NodeData) -> f64 {
     let outs: f64 = node.outputs.iter().map(|&v| size(g, v)).sum();
     let ins: f64 = node.inputs.iter().map(|&v| size(g, v)).sum();
+    let scratch = scratch_bytes(g, node);
+    if scratch > 0.0 {
+        return ins + outs + scratch;
+    }
     match &node.op {
         Op::Input | Op::Param | Op::State | Op::ParamCopy { .. } | Op::Reshape { .. } => 0.0,
         Op::Full { .. } | Op::Pad { .. } | Op::BroadcastTo { .. } => outs + ins,

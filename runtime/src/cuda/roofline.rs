@@ -5,7 +5,8 @@
 //! optimizer batch, a fused attention, a cuBLAS product, any other kernel) takes
 //! `max(Σ flops / peak, bytes / bandwidth)`: its members' FLOPs at the peak of the unit that
 //! runs each (tensor cores by operand dtype), and the bytes it moves, which are only the values
-//! it reads from outside and writes for others; values inside a fused kernel move nothing.
+//! it reads from outside and writes for others, plus the scratch traffic of its chunked ops
+//! ([`scratch_bytes`]); values inside a fused kernel move nothing.
 //! Layout ops the lowering turns into views (never stored, or aliased) cost nothing. Each
 //! command of the lowered program then adds [`LAUNCH_SECONDS`], the gap between kernels
 //! inside a CUDA graph.
@@ -14,7 +15,7 @@ use super::lower::{layout_views, lower_plan, unit_schedule, LowerError};
 use super::lower::{MICRO_STEP, OPTIMIZER_STEP};
 use super::program::Program;
 use castor_ir::{Graph, Op, OpClass, TrainingPlan, Value};
-use castor_passes::cost::{node_flops, GpuSpec, StepCost};
+use castor_passes::cost::{node_flops, scratch_bytes, GpuSpec, StepCost};
 use castor_passes::fusion::UnitSchedule;
 use std::collections::{HashMap, HashSet};
 
@@ -182,6 +183,8 @@ fn costed_units(
     let mut writes: Vec<HashSet<Value>> = vec![HashSet::new(); n];
     let mut works = vec![false; n];
     let mut names: Vec<Vec<String>> = vec![Vec::new(); n];
+    // Traffic inside a unit's kernels (the fused classifier's chunks).
+    let mut scratch = vec![0f64; n];
     for (node_id, node) in g.nodes() {
         // Working copies are state: the prologue fills them and the optimizer's update
         // rewrites them, so a run reads them as it reads any other state.
@@ -202,6 +205,7 @@ fn costed_units(
         names[u].extend(node.outputs.iter().map(|&v| g.name(v).to_string()));
         let f = node_flops(g, node);
         flops[u] += f;
+        scratch[u] += scratch_bytes(g, node);
         compute[u] += if node.op.class() == OpClass::Communication {
             // The wire bounds a collective: the whole value's bytes over the interconnect.
             let moved = match node.op {
@@ -238,7 +242,8 @@ fn costed_units(
             .iter()
             .chain(&writes[u])
             .map(|&v| value_bytes(g, v))
-            .sum();
+            .sum::<f64>()
+            + scratch[u];
         let seconds = compute[u].max(bytes / gpu.memory_bandwidth);
         out.units += 1;
         out.flops += flops[u];
