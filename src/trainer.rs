@@ -111,6 +111,9 @@ impl PlanExecutor for LaunchedRank {
     fn allocated_bytes(&self) -> Option<u64> {
         Some(self.runner.allocated_bytes())
     }
+    fn attention(&self) -> Option<String> {
+        self.runner.attention()
+    }
     fn set_timing(&mut self, on: bool) {
         self.runner.set_timing(on)
     }
@@ -246,6 +249,11 @@ impl Trainer {
 
     pub fn plan(&self) -> &TrainingPlan {
         self.executor.plan()
+    }
+
+    /// What runs the plan's fused attention ([`PlanExecutor::attention`]).
+    pub fn attention(&self) -> Option<String> {
+        self.executor.attention()
     }
 
     /// Device memory the plan holds, where one device program holds it.

@@ -139,6 +139,47 @@ fn eval_on_the_emulator_writes_what_the_cpu_does() {
     }
 }
 
+/// `train` says what runs the fused attention where a library may: with `--attention auto`
+/// castor's kernels (the emulator has no cuDNN), with `--attention cudnn` the CPU twin; an
+/// eager plan has no such pass and no line.
+#[test]
+fn train_says_what_runs_the_attention() {
+    let model = fixture("gpt2_lm");
+    let data = model.join("input.safetensors");
+    for (attention, line) in [
+        (
+            "auto",
+            Some("attention   castor's kernels for 4, the CPU twin for 0 cuDNN-only passes"),
+        ),
+        (
+            "cudnn",
+            Some("attention   castor's kernels for 0, the CPU twin for 4 cuDNN-only passes"),
+        ),
+        ("eager", None),
+    ] {
+        let o = castor(&[
+            "train",
+            path_str(&model),
+            "--data",
+            path_str(&data),
+            "--steps",
+            "1",
+            "--precision",
+            "bf16",
+            "--device",
+            "emulate",
+            "--attention",
+            attention,
+        ]);
+        assert!(o.status.success(), "{attention}: {}", stderr(&o));
+        let out = String::from_utf8_lossy(&o.stdout);
+        match line {
+            Some(line) => assert!(out.contains(line), "{attention}:\n{out}"),
+            None => assert!(!out.contains("\nattention "), "{attention}:\n{out}"),
+        }
+    }
+}
+
 /// A kernel profile reads the GPU's clock: on the emulator or the CPU the run is refused
 /// before any work, with the device exit code, and no profile file appears.
 #[test]

@@ -115,6 +115,12 @@ pub trait PlanExecutor {
         None
     }
 
+    /// What runs the plan's fused attention where a library may (cuDNN, or castor's kernels
+    /// and why), for the `attention` line of `castor train`.
+    fn attention(&self) -> Option<String> {
+        None
+    }
+
     /// Times each step's runs on the device, where there is a device clock.
     fn set_timing(&mut self, _on: bool) {}
 

@@ -296,6 +296,9 @@ pub fn train(mut args: Args, given: &Given, hooks: Hooks) -> anyhow::Result<Trai
             castor_ir::human_bytes(bytes)
         );
     }
+    if let Some(attention) = runner.attention() {
+        outln!("attention   {attention}");
+    }
     if let Some(resume) = resume {
         restore(&mut runner, &mut data, resume, &args, resume_dir.as_deref())?;
     }

@@ -212,9 +212,17 @@ impl<T: Target> LoweredPlanRunner<T> {
         &self.plan
     }
 
-    /// The machine it runs on, for people.
+    /// What runs its cuDNN attention passes, when it has any ([`Target::attention`]).
+    pub fn attention(&self) -> Option<String> {
+        self.target.attention()
+    }
+
+    /// The machine it runs on, for people, with what runs its cuDNN attention passes.
     pub fn device_name(&self) -> String {
-        self.target.describe()
+        match self.target.attention() {
+            Some(attention) => format!("{}; attention: {attention}", self.target.describe()),
+            None => self.target.describe(),
+        }
     }
 
     /// Device memory the plan's program holds (arena, state, inputs, tables, workspace).
@@ -543,6 +551,9 @@ impl<T: Target> crate::PlanExecutor for LoweredPlanRunner<T> {
     fn device(&self) -> String {
         format!("{} ({})", T::KIND, self.device_name())
     }
+    fn attention(&self) -> Option<String> {
+        LoweredPlanRunner::attention(self)
+    }
     fn step(
         &mut self,
         micro_batches: &[HashMap<String, Tensor>],
@@ -781,9 +792,12 @@ impl<T: Target> LoweredGraphRunner<T> {
         Ok(LoweredGraphRunner { program, target })
     }
 
-    /// The machine it runs on, for people.
+    /// The machine it runs on, for people, with what runs its cuDNN attention passes.
     pub fn device_name(&self) -> String {
-        self.target.describe()
+        match self.target.attention() {
+            Some(attention) => format!("{}; attention: {attention}", self.target.describe()),
+            None => self.target.describe(),
+        }
     }
 
     /// Runs the graph on `inputs` and reads every output back.

@@ -18,6 +18,9 @@ pub trait Target: Sized {
     fn load(program: &Program) -> Result<Self, RuntimeError>;
     /// The machine, for people: the GPU's name, or the emulator.
     fn describe(&self) -> String;
+    /// What runs the program's cuDNN attention passes (cuDNN, castor's kernels, the CPU
+    /// twin), when it has any.
+    fn attention(&self) -> Option<String>;
     /// Replaces a whole slot's bytes, after every earlier run.
     fn write_slot(&mut self, slot: usize, bytes: &[u8]) -> Result<(), RuntimeError>;
     /// Replaces a whole input slot's bytes, after every earlier run, without waiting for the
@@ -102,10 +105,10 @@ impl Target for Gpu {
         Ok(self.loaded.gather_slot(slot, dtype, whole_bytes)?)
     }
     fn describe(&self) -> String {
-        match self.loaded.attention() {
-            Some(attention) => format!("{}; {attention}", self.device.name()),
-            None => self.device.name().to_string(),
-        }
+        self.device.name().to_string()
+    }
+    fn attention(&self) -> Option<String> {
+        self.loaded.attention().map(str::to_string)
     }
     fn write_slot(&mut self, slot: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
         Ok(self.loaded.write_slot(slot, bytes)?)
@@ -155,6 +158,9 @@ impl Target for Emulator {
         Ok(emu)
     }
     fn describe(&self) -> String {
+        "the host emulator of the CUDA program".to_string()
+    }
+    fn attention(&self) -> Option<String> {
         let cudnn = self.program().all_commands().filter_map(|c| match c {
             crate::cuda::program::Command::Sdpa(call) => Some(call.fallback.is_empty()),
             _ => None,
@@ -167,14 +173,12 @@ impl Target for Emulator {
                 optional += 1;
             }
         }
-        let mut s = String::from("the host emulator of the CUDA program");
-        if required + optional > 0 {
-            s.push_str(&format!(
-                "; attention: castor's kernels for {optional}, the CPU twin for {required} \
-                 cuDNN-only passes (no cuDNN here)"
-            ));
-        }
-        s
+        (required + optional > 0).then(|| {
+            format!(
+                "castor's kernels for {optional}, the CPU twin for {required} cuDNN-only \
+                 passes (no cuDNN here)"
+            )
+        })
     }
     fn write_slot(&mut self, slot: usize, bytes: &[u8]) -> Result<(), RuntimeError> {
         Emulator::write_slot(self, slot, bytes).map_err(RuntimeError::Emulated)

@@ -181,7 +181,7 @@ fn mode(p: Pointwise) -> sys::cudnnPointwiseMode_t {
 }
 
 /// A built plan: its descriptor, the graph it runs (for the variant pack), the scalars it
-/// reads by value, and whether its engine is deterministic.
+/// reads by value, and which engine runs it.
 pub(super) struct Plan {
     plan: Desc,
     graph: sdpa::Graph,
@@ -189,6 +189,26 @@ pub(super) struct Plan {
     /// resized after the plan is built, so they stay put).
     scalars: Vec<f32>,
     pub(super) deterministic: bool,
+    /// The engine, for the device line: `engine 8 (heuristics' 1st)`, and the heuristics'
+    /// first plan that built when it was passed over as nondeterministic.
+    pub(super) engine: String,
+}
+
+/// Set to 1, the engine choice takes the heuristics' first plan that builds whether or not it
+/// is deterministic (as PyTorch does unless asked for determinism): a diagnostic that
+/// measures what the deterministic backward costs. Replays are then no longer bit-identical.
+pub const ANY_ENGINE_ENV: &str = "CASTOR_CUDNN_NONDETERMINISTIC";
+
+/// An engine's place in the heuristics' lists, for the device line.
+fn engine_name(index: Option<i64>, mode: &str, rank: usize) -> String {
+    let index = index.map_or("?".to_string(), |i| i.to_string());
+    let nth = match rank {
+        1 => "1st".to_string(),
+        2 => "2nd".to_string(),
+        3 => "3rd".to_string(),
+        n => format!("{n}th"),
+    };
+    format!("engine {index} ({mode}'s {nth})")
 }
 
 /// Plans are shared by calls with the same problem and layout.
@@ -425,23 +445,29 @@ impl Cudnn {
             &[self.handle],
         )?;
         op_graph.finalize("the operation graph")?;
-        let (plan, deterministic) = self.choose(&op_graph, workspace)?;
+        let (plan, deterministic, engine) = self.choose(&op_graph, workspace)?;
         Ok(Plan {
             plan,
             graph,
             scalars,
             deterministic,
+            engine,
         })
     }
 
     /// The first engine configuration, by cuDNN's heuristics (mode A, then the fallback list),
-    /// whose plan builds within `workspace` bytes, preferring deterministic engines.
-    fn choose(&self, op_graph: &Desc, workspace: u64) -> Result<(Desc, bool), String> {
+    /// whose plan builds within `workspace` bytes, preferring deterministic engines (unless
+    /// [`ANY_ENGINE_ENV`] is 1); with whether it is deterministic and its name.
+    fn choose(&self, op_graph: &Desc, workspace: u64) -> Result<(Desc, bool, String), String> {
+        let any_engine = std::env::var(ANY_ENGINE_ENV).is_ok_and(|v| v == "1");
         let mut last = "cuDNN's heuristics proposed no engine".to_string();
-        let mut nondeterministic = None;
-        for heur_mode in [
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A,
-            sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+        let mut nondeterministic: Option<(Desc, String)> = None;
+        for (heur_mode, mode) in [
+            (sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A, "heuristics"),
+            (
+                sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_FALLBACK,
+                "fallback list",
+            ),
         ] {
             let heur = Desc::new(D::CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR)?;
             heur.descs(A::CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, &[op_graph])?;
@@ -488,8 +514,14 @@ impl Cudnn {
                 },
                 "reading the heuristics' results",
             )?;
-            for config in configs.iter().take(got.max(0) as usize) {
-                let deterministic = !self.nondeterministic(config);
+            for (rank, config) in configs.iter().take(got.max(0) as usize).enumerate() {
+                let engine = self.engine(config);
+                let deterministic = !engine.as_ref().is_some_and(|e| self.nondeterministic(e));
+                let name = engine_name(
+                    engine.as_ref().and_then(|e| self.global_index(e)),
+                    mode,
+                    rank + 1,
+                );
                 let plan = Desc::new(D::CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR)?;
                 plan.set(
                     A::CUDNN_ATTR_EXECUTION_PLAN_HANDLE,
@@ -524,23 +556,27 @@ impl Cudnn {
                     );
                     continue;
                 }
-                if deterministic {
-                    return Ok((plan, true));
+                if deterministic || any_engine {
+                    let name = match &nondeterministic {
+                        Some((_, first)) => {
+                            format!("{name}; the first that builds, {first}, is nondeterministic")
+                        }
+                        None => name,
+                    };
+                    return Ok((plan, deterministic, name));
                 }
-                nondeterministic.get_or_insert(plan);
+                nondeterministic.get_or_insert((plan, name));
             }
         }
         match nondeterministic {
-            Some(plan) => Ok((plan, false)),
+            Some((plan, name)) => Ok((plan, false, name)),
             None => Err(last),
         }
     }
 
-    /// Whether the engine of `config` says its results depend on timing.
-    fn nondeterministic(&self, config: &Desc) -> bool {
-        let Ok(engine) = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR) else {
-            return false;
-        };
+    /// The engine of `config`.
+    fn engine(&self, config: &Desc) -> Option<Desc> {
+        let engine = Desc::new(D::CUDNN_BACKEND_ENGINE_DESCRIPTOR).ok()?;
         let mut n = 0i64;
         let mut raw = [engine.0];
         // SAFETY: one descriptor written into the created engine descriptor.
@@ -554,9 +590,28 @@ impl Cudnn {
                 raw.as_mut_ptr().cast::<c_void>(),
             )
         };
-        if got != sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
-            return false;
-        }
+        (got == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS).then_some(engine)
+    }
+
+    /// cuDNN's global index of `engine` (what its API log and the frontend call the engine).
+    fn global_index(&self, engine: &Desc) -> Option<i64> {
+        let (mut index, mut n) = (0i64, 0i64);
+        // SAFETY: one INT64 written into `index`.
+        let got = unsafe {
+            sys::cudnnBackendGetAttribute(
+                engine.0,
+                A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX,
+                T::CUDNN_TYPE_INT64,
+                1,
+                &mut n,
+                (&mut index as *mut i64).cast::<c_void>(),
+            )
+        };
+        (got == sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS && n == 1).then_some(index)
+    }
+
+    /// Whether `engine` says its results depend on timing.
+    fn nondeterministic(&self, engine: &Desc) -> bool {
         // Read as plain integers: a newer cuDNN may return notes this binding has no name for.
         let mut notes = [0u32; 16];
         let mut count = 0i64;

@@ -292,17 +292,27 @@ impl Loaded {
                 if let Some(call) = calls.iter().find(|c| required(c)) {
                     return Err(refuse(call, &why));
                 }
-                self.attention = Some(format!("attention: castor's kernels ({why})"));
+                self.attention = Some(format!("castor's kernels ({why})"));
                 return Ok(());
             }
         };
         let (mut on_cudnn, mut nondeterministic, mut failed) = (0, 0, None);
+        // Each pass direction's engines, in order of first use.
+        let mut engines: Vec<(&str, String)> = Vec::new();
         for call in &calls {
             match cudnn.plan(call, self.workspace_bytes) {
                 Ok(plan) => {
                     on_cudnn += 1;
                     if !plan.deterministic {
                         nondeterministic += 1;
+                    }
+                    let pass = match call.pass {
+                        crate::cuda::sdpa::SdpaPass::Forward => "forward",
+                        crate::cuda::sdpa::SdpaPass::Backward => "backward",
+                    };
+                    let used = (pass, plan.engine.clone());
+                    if !engines.contains(&used) {
+                        engines.push(used);
                     }
                 }
                 Err(why) if required(call) => return Err(refuse(call, &why)),
@@ -312,7 +322,7 @@ impl Loaded {
             }
         }
         let mut line = format!(
-            "attention: cuDNN {} runs {on_cudnn} of {passes} passes",
+            "cuDNN {} runs {on_cudnn} of {passes} passes",
             super::cudnn::version_name(cudnn.version)
         );
         if on_cudnn < passes {
@@ -321,10 +331,19 @@ impl Loaded {
                 line.push_str(&format!(" (first refused: {why})"));
             }
         }
-        if nondeterministic > 0 {
+        let any_engine = std::env::var(super::cudnn::ANY_ENGINE_ENV).is_ok_and(|v| v == "1");
+        if nondeterministic > 0 && any_engine {
+            line.push_str(&format!(
+                "; {nondeterministic} on nondeterministic engines ({}=1)",
+                super::cudnn::ANY_ENGINE_ENV
+            ));
+        } else if nondeterministic > 0 {
             line.push_str(&format!(
                 "; {nondeterministic} with no deterministic engine for their shape"
             ));
+        }
+        for (pass, engine) in &engines {
+            line.push_str(&format!("; {pass}: {engine}"));
         }
         self.attention = Some(line);
         self.cudnn = Some(cudnn);
@@ -332,7 +351,7 @@ impl Loaded {
     }
 
     /// What runs the program's fused attention passes (cuDNN, castor's kernels, and why),
-    /// when it has any that cuDNN may run.
+    /// when it has any that cuDNN may run: `cuDNN 9.19.0 runs 32 of 32 passes`.
     pub fn attention(&self) -> Option<&str> {
         self.attention.as_deref()
     }
