@@ -45,7 +45,7 @@ pub fn bwd_query_rows(p: u32) -> u32 {
 }
 
 /// The kernels of one attention op.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
     Forward,
     /// The tensor-core backward: dq, dk and dv in one pass over key blocks.

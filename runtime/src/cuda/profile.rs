@@ -288,6 +288,7 @@ mod tests {
         Command::Launch(Launch {
             node: node.into(),
             module: 0,
+            kernel: None,
             entry: entry.into(),
             grid: (4, 1, 1),
             block: (256, 1, 1),

@@ -7,6 +7,7 @@
 //! as data means it is built, inspected and checked (argument lists against the kernels'
 //! C signatures, buffers against their sizes) on machines without a GPU.
 
+use super::kernel_id::KernelId;
 use castor_ir::{DType, TensorType};
 
 /// Where a buffer is: an offset into the arena, or into a persistent slot.
@@ -480,6 +481,10 @@ pub struct Launch {
     pub node: String,
     /// Index into [`Program::modules`].
     pub module: usize,
+    /// The hand-written kernel it runs, typed; `None` for a kernel the lowering generated.
+    pub kernel: Option<KernelId>,
+    /// The entry point's name in its module: `kernel`'s [`KernelId::entry`], or the generated
+    /// kernel's name. What the device loads and the listing prints.
     pub entry: String,
     pub grid: (u32, u32, u32),
     pub block: (u32, u32, u32),

@@ -239,6 +239,7 @@ fn programs_are_checked_against_their_buffers() {
     bad.runs[0].commands.push(Command::Launch(Launch {
         node: "k".into(),
         module: 0,
+        kernel: None,
         entry: "f".into(),
         grid: (1, 1, 1),
         block: (32, 1, 1),
@@ -265,6 +266,7 @@ fn argument_lists_are_checked_against_parameters() {
     let l = Launch {
         node: "n".into(),
         module: 0,
+        kernel: None,
         entry: "k".into(),
         grid: (1, 1, 1),
         block: (1, 1, 1),
@@ -416,6 +418,7 @@ if (k < n) x[k] *= by;
                 Command::Launch(Launch {
                     node: "probe".into(),
                     module: 0,
+                    kernel: None,
                     entry: "probe".into(),
                     grid: (1, 1, 1),
                     block: (32, 1, 1),
@@ -445,6 +448,7 @@ if (k < n) x[k] *= by;
                 Command::Launch(Launch {
                     node: "a2".into(),
                     module: 0,
+                    kernel: None,
                     entry: "scale".into(),
                     grid: (1, 1, 1),
                     block: (64, 1, 1),

@@ -576,6 +576,7 @@ mod tests {
             Command::Launch(Launch {
                 node: "z".into(),
                 module: 0,
+                kernel: Some(crate::cuda::kernel_id::KernelId::Fill { bytes: 4 }),
                 entry: "fill_b4".into(),
                 grid: (1, 1, 1),
                 block: (256, 1, 1),

@@ -2,7 +2,8 @@
 //! the row statistics' means, the root-mean-square partials, the rate and clip divisor, the
 //! update), state updated in place.
 use super::super::program::{Arg, Command};
-use super::{sfx, LowerError, RunLowering};
+use super::{LowerError, RunLowering};
+use crate::cuda::kernel_id::{AdafactorStage, KernelId};
 use castor_ir::{DType, Node, Op};
 
 /// Threads of the reducing launches: `ADAFACTOR_THREADS` in `adafactor.cu`, whose sums the
@@ -104,7 +105,7 @@ impl RunLowering<'_, '_> {
                 ]);
                 self.launch(
                     y,
-                    "adafactor_rows",
+                    KernelId::Adafactor(AdafactorStage::Rows),
                     grid(lead * rows, 1),
                     (THREADS, 1, 1),
                     args,
@@ -117,7 +118,7 @@ impl RunLowering<'_, '_> {
                 ]);
                 self.launch(
                     y,
-                    "adafactor_cols",
+                    KernelId::Adafactor(AdafactorStage::Cols),
                     grid(lead * cols, BLOCK),
                     (BLOCK, 1, 1),
                     args,
@@ -125,7 +126,7 @@ impl RunLowering<'_, '_> {
                 let row_mean = self.scratch(lead as u64 * 4);
                 self.launch(
                     y,
-                    "adafactor_row_mean",
+                    KernelId::Adafactor(AdafactorStage::RowMean),
                     grid(lead, 1),
                     (THREADS, 1, 1),
                     vec![
@@ -148,7 +149,13 @@ impl RunLowering<'_, '_> {
             (&[v], _) => {
                 let mut args = common("v", v);
                 args.push(("n", Arg::I64(numel as i64)));
-                self.launch(y, "adafactor_full", grid(numel, BLOCK), (BLOCK, 1, 1), args)?;
+                self.launch(
+                    y,
+                    KernelId::Adafactor(AdafactorStage::Full),
+                    grid(numel, BLOCK),
+                    (BLOCK, 1, 1),
+                    args,
+                )?;
                 (Arg::Null, Arg::Null, Arg::Null, Arg::Ptr(v), 1, 1)
             }
             _ => return Err(self.err(y, "Adafactor's moments do not fit its parameter")),
@@ -177,7 +184,7 @@ impl RunLowering<'_, '_> {
         u_args(&mut args);
         self.launch(
             y,
-            "adafactor_partials",
+            KernelId::Adafactor(AdafactorStage::Partials),
             grid(n_chunks, 1),
             (THREADS, 1, 1),
             args,
@@ -186,7 +193,7 @@ impl RunLowering<'_, '_> {
         let flag = |b: bool| Arg::I32(i32::from(b));
         self.launch(
             y,
-            "adafactor_finalize",
+            KernelId::Adafactor(AdafactorStage::Finalize),
             (1, 1, 1),
             (1, 1, 1),
             vec![
@@ -218,7 +225,9 @@ impl RunLowering<'_, '_> {
             ("weight_decay", Arg::F64(h.weight_decay)),
         ];
         u_args(&mut args);
-        let entry = format!("adafactor_apply_{}", sfx(copy.unwrap_or(DType::F32)));
-        self.launch(y, &entry, grid(numel, BLOCK), (BLOCK, 1, 1), args)
+        let kernel = KernelId::AdafactorApply {
+            copy: copy.unwrap_or(DType::F32),
+        };
+        self.launch(y, kernel, grid(numel, BLOCK), (BLOCK, 1, 1), args)
     }
 }

@@ -1,7 +1,8 @@
 //! One 8-bit AdamW update: a launch of `adamw8bit.cu` over the parameter's quantization
 //! blocks, master, codes and block maxima updated in place.
 use super::super::program::{Arg, Command};
-use super::{sfx, LowerError, RunLowering};
+use super::{LowerError, RunLowering};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{quant, DType, Node, Op};
 
 /// Threads per block: one per value of a quantization block (`ADAMW8BIT_BLOCK`).
@@ -69,7 +70,9 @@ impl RunLowering<'_, '_> {
             ("weight_decay", Arg::F64(h.weight_decay)),
             ("max_grad_norm", Arg::F64(max_grad_norm)),
         ];
-        let entry = format!("adamw8bit_{}", sfx(copy.unwrap_or(DType::F32)));
-        self.launch(y, &entry, (blocks, 1, 1), (THREADS, 1, 1), args)
+        let kernel = KernelId::AdamW8bit {
+            copy: copy.unwrap_or(DType::F32),
+        };
+        self.launch(y, kernel, (blocks, 1, 1), (THREADS, 1, 1), args)
     }
 }

@@ -7,7 +7,8 @@ use super::super::program::{Arg, Command, Place};
 use super::super::sdpa::{self, Sdpa, SdpaGrads, SdpaPass, SdpaProblem, Tensor4};
 use super::copies;
 use super::views::{fits_i32, heads_of, kernel_strides};
-use super::{sfx, window_arg, LowerError, RunLowering};
+use super::{window_arg, LowerError, RunLowering};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{Accum, AttentionLibrary, DType, Graph, Node, NodeData, Op, Value};
 use castor_kernels::attention::{self as geometry, Kernel};
 
@@ -242,7 +243,7 @@ impl RunLowering<'_, '_> {
         })
     }
 
-    /// The entry point of `kernel` for the problem's variant.
+    /// A launch of `kernel` for the problem's variant.
     fn attention_launch(
         &mut self,
         y: Value,
@@ -252,15 +253,10 @@ impl RunLowering<'_, '_> {
         (causal, window, scale): (bool, Option<usize>, f64),
         strides: &[(&str, Operand)],
     ) -> Result<(), LowerError> {
-        let name = match kernel {
-            Kernel::Forward => "fwd",
-            Kernel::Backward => "bwd",
-            Kernel::Dq => "bwd_dq",
-            Kernel::DkDv => "bwd_dkdv",
-        };
-        let entry = match p.tile {
-            Some(tile) => format!("attention_{name}_{}_d{tile}", sfx(p.dtype)),
-            None => format!("attention_{name}_f32"),
+        let id = KernelId::Attention {
+            kernel,
+            dtype: p.dtype,
+            tile: p.tile,
         };
         let per_key_batch = matches!(kernel, Kernel::Backward | Kernel::DkDv);
         let batches = if per_key_batch { p.bq / p.group } else { p.bq };
@@ -303,7 +299,7 @@ impl RunLowering<'_, '_> {
             geometry::shared_bytes(kernel, tile, p.dtype.size_bytes() as u32)
         });
         let block = (geometry::threads(kernel, tensor_cores), 1, 1);
-        self.launch_shared(y, &entry, grid, block, shared, args)
+        self.launch_shared(y, id, grid, block, shared, args)
     }
 
     /// Attention operand `x` (batches split by `heads`): its own buffer, or read in place.
@@ -442,7 +438,10 @@ impl RunLowering<'_, '_> {
             let flags = self.scratch(n as u64 * 4);
             self.launch(
                 y,
-                "cast_bool_f32",
+                KernelId::Cast {
+                    from: DType::Bool,
+                    to: DType::F32,
+                },
                 super::grid_1d(n, 256),
                 (256, 1, 1),
                 vec![
@@ -505,7 +504,7 @@ impl RunLowering<'_, '_> {
         delta_args.extend(doo.strides("d_o"));
         self.launch_shared(
             dq,
-            &format!("attention_bwd_delta_{}", sfx(p.dtype)),
+            KernelId::AttentionDelta { dtype: p.dtype },
             geometry::delta_grid(rows as u64),
             (geometry::THREADS, 1, 1),
             0,

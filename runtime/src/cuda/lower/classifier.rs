@@ -7,7 +7,8 @@
 
 use super::super::program::{Arg, Command, Gemm, Place};
 use super::cross_entropy::ce_block;
-use super::{gemm, grid_rows, sfx, LowerError, RunLowering, Saved};
+use super::{gemm, grid_rows, LowerError, RunLowering, Saved};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{Accum, DType, Node, Op, Shape, Value};
 
 /// A chunk's logits rows start every this many elements (128 bytes in BF16): with GPT-2's
@@ -170,7 +171,10 @@ impl RunLowering<'_, '_> {
             let bad = self.chunk_flag(y, "label", (labels, first), p.vocab, Some(p.ignore));
             self.launch(
                 y,
-                &format!("cross_entropy_fwd_{}", sfx(p.logits)),
+                KernelId::CrossEntropy {
+                    backward: false,
+                    logits: p.logits,
+                },
                 grid_rows(len),
                 (ce_block(p.vocab), 1, 1),
                 vec![
@@ -287,7 +291,10 @@ impl RunLowering<'_, '_> {
             let bad = self.chunk_flag(loss, "label", (labels, first), p.vocab, Some(p.ignore));
             self.launch(
                 loss,
-                &format!("cross_entropy_fwd_{}", sfx(p.logits)),
+                KernelId::CrossEntropy {
+                    backward: false,
+                    logits: p.logits,
+                },
                 grid_rows(len),
                 (ce_block(p.vocab), 1, 1),
                 vec![
@@ -326,7 +333,10 @@ impl RunLowering<'_, '_> {
         let (hd, dhd) = (g.ty(p.hidden).dtype, g.ty(dh).dtype);
         self.launch(
             dh,
-            &format!("cross_entropy_bwd_{}", sfx(p.logits)),
+            KernelId::CrossEntropy {
+                backward: true,
+                logits: p.logits,
+            },
             grid_rows(len),
             (ce_block(p.vocab), 1, 1),
             vec![

@@ -1,7 +1,8 @@
 //! Softmax cross-entropy: `cross_entropy.cu`'s forward, finalize and backward.
 use super::super::program::{Arg, Place};
 use super::ops::{row_threads, ROW_BLOCK};
-use super::{grid_rows, sfx, LowerError, RunLowering, Saved};
+use super::{grid_rows, LowerError, RunLowering, Saved};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{DType, Value};
 
 impl RunLowering<'_, '_> {
@@ -69,7 +70,10 @@ impl RunLowering<'_, '_> {
         };
         self.launch(
             y,
-            &format!("cross_entropy_fwd_{}", sfx(g.ty(logits).dtype)),
+            KernelId::CrossEntropy {
+                backward: false,
+                logits: g.ty(logits).dtype,
+            },
             grid_rows(rows),
             (ce_block(v), 1, 1),
             vec![
@@ -103,7 +107,7 @@ impl RunLowering<'_, '_> {
     ) -> Result<(), LowerError> {
         self.launch(
             y,
-            "cross_entropy_finalize",
+            KernelId::CrossEntropyFinalize,
             (1, 1, 1),
             (row_threads(rows, ROW_BLOCK), 1, 1),
             vec![
@@ -155,7 +159,10 @@ impl RunLowering<'_, '_> {
         };
         self.launch(
             y,
-            &format!("cross_entropy_bwd_{}", sfx(g.ty(logits).dtype)),
+            KernelId::CrossEntropy {
+                backward: true,
+                logits: g.ty(logits).dtype,
+            },
             grid_rows(rows),
             (ce_block(v), 1, 1),
             vec![

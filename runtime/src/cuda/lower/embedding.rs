@@ -3,7 +3,8 @@
 
 use super::super::program::{Arg, Command};
 use super::ops::{row_threads, BLOCK};
-use super::{grid_1d, grid_rows, sfx, LowerError, RunLowering};
+use super::{grid_1d, grid_rows, LowerError, RunLowering};
+use crate::cuda::kernel_id::{EmbeddingBwdStage, KernelId};
 use castor_ir::{DType, Node, Value};
 
 impl RunLowering<'_, '_> {
@@ -30,7 +31,7 @@ impl RunLowering<'_, '_> {
         let bad = self.flag(y, "token id", ip, v, None);
         self.launch(
             y,
-            &format!("embedding_fwd_{}", sfx(dt(y))),
+            KernelId::EmbeddingFwd { table: dt(y) },
             grid_rows(rows),
             (128, 1, 1),
             vec![
@@ -72,7 +73,7 @@ impl RunLowering<'_, '_> {
         });
         self.launch(
             y,
-            "embedding_bwd_count",
+            KernelId::EmbeddingBwd(EmbeddingBwdStage::Count),
             grid_1d(n, BLOCK),
             (BLOCK, 1, 1),
             vec![
@@ -85,7 +86,7 @@ impl RunLowering<'_, '_> {
         )?;
         self.launch(
             y,
-            "embedding_bwd_scan",
+            KernelId::EmbeddingBwd(EmbeddingBwdStage::Scan),
             (1, 1, 1),
             (row_threads(vocab, 1024), 1, 1),
             vec![
@@ -96,7 +97,7 @@ impl RunLowering<'_, '_> {
         )?;
         self.launch(
             y,
-            "embedding_bwd_fill",
+            KernelId::EmbeddingBwd(EmbeddingBwdStage::Fill),
             (vocab.div_ceil(256).max(1) as u32, 1, 1),
             // One warp per 32 positions (each warp scans a slice of them), up to 32 warps.
             (row_threads(n, 1024), 1, 1),
@@ -112,11 +113,10 @@ impl RunLowering<'_, '_> {
         let out = self.out(y)?;
         self.launch(
             y,
-            &format!(
-                "embedding_bwd_accumulate_{}_{}",
-                sfx(g.ty(dy).dtype),
-                sfx(g.ty(y).dtype)
-            ),
+            KernelId::EmbeddingBwdAccumulate {
+                grad: g.ty(dy).dtype,
+                out: g.ty(y).dtype,
+            },
             grid_rows(vocab),
             (128, 1, 1),
             vec![

@@ -3,7 +3,8 @@
 
 use super::super::program::{Arg, Command, CopyLayout, Place, MAX_RANK};
 use super::ops::BLOCK;
-use super::{copies, grid_1d, sfx, LowerError, RunLowering};
+use super::{copies, grid_1d, LowerError, RunLowering};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{DType, Node, Op, Value};
 
 impl RunLowering<'_, '_> {
@@ -70,7 +71,7 @@ impl RunLowering<'_, '_> {
         let n: i64 = l.shape[..l.rank.max(0) as usize].iter().product();
         self.launch(
             y,
-            &format!("strided_copy_b{size}"),
+            KernelId::StridedCopy { bytes: size as u32 },
             grid_1d(n as usize, BLOCK),
             (BLOCK, 1, 1),
             vec![
@@ -176,7 +177,7 @@ impl RunLowering<'_, '_> {
         } else {
             self.launch(
                 y,
-                &format!("cast_{}_{}", sfx(from), sfx(*to)),
+                KernelId::Cast { from, to: *to },
                 grid_1d(n, BLOCK),
                 (BLOCK, 1, 1),
                 vec![
@@ -198,19 +199,19 @@ impl RunLowering<'_, '_> {
             return Err(self.err(y, "not a fill node"));
         };
         let n = numel(y);
-        let (entry, bits) = match dtype {
-            DType::F32 => ("fill_b4", Arg::U32((*value as f32).to_bits())),
-            DType::F16 => ("fill_b2", Arg::U16(half::f16::from_f64(*value).to_bits())),
-            DType::BF16 => ("fill_b2", Arg::U16(half::bf16::from_f64(*value).to_bits())),
-            DType::I64 => ("fill_b8", Arg::U64(*value as i64 as u64)),
-            DType::I32 => ("fill_b4", Arg::U32(*value as i32 as u32)),
-            DType::Bool => ("fill_b1", Arg::U32(u32::from(*value != 0.0))),
-            DType::U8 => ("fill_b1", Arg::U32(u32::from(*value as u8))),
+        let (bytes, bits) = match dtype {
+            DType::F32 => (4, Arg::U32((*value as f32).to_bits())),
+            DType::F16 => (2, Arg::U16(half::f16::from_f64(*value).to_bits())),
+            DType::BF16 => (2, Arg::U16(half::bf16::from_f64(*value).to_bits())),
+            DType::I64 => (8, Arg::U64(*value as i64 as u64)),
+            DType::I32 => (4, Arg::U32(*value as i32 as u32)),
+            DType::Bool => (1, Arg::U32(u32::from(*value != 0.0))),
+            DType::U8 => (1, Arg::U32(u32::from(*value as u8))),
         };
         let out = self.out(y)?;
         self.launch(
             y,
-            entry,
+            KernelId::Fill { bytes },
             grid_1d(n, BLOCK),
             (BLOCK, 1, 1),
             vec![

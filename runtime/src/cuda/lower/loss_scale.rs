@@ -2,6 +2,7 @@
 
 use super::super::program::Arg;
 use super::{LowerError, RunLowering};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{Node, Op};
 
 impl RunLowering<'_, '_> {
@@ -14,7 +15,7 @@ impl RunLowering<'_, '_> {
         let out = self.out(y)?;
         self.launch(
             y,
-            "count_step",
+            KernelId::CountStep,
             (1, 1, 1),
             (1, 1, 1),
             vec![
@@ -46,7 +47,7 @@ impl RunLowering<'_, '_> {
         let (so, co) = (self.out(outs[0])?, self.out(outs[1])?);
         self.launch(
             y,
-            "loss_scale_update",
+            KernelId::LossScaleUpdate,
             (1, 1, 1),
             (1, 1, 1),
             vec![

@@ -6,6 +6,7 @@ use super::super::program::{
     Arg, Command, GeneratedKernel, InputExtent, Launch, Module, Program, Slot, SlotKind, Table,
 };
 use super::{unit_schedule, Args, LowerError, RunLowering, GENERATED_MODULE};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{Graph, KernelUnit, PointwiseBody, TensorType};
 use std::collections::HashMap;
 
@@ -146,13 +147,13 @@ impl Lowerer {
         (module, name.to_string())
     }
 
-    /// A launch of the hand-written kernel `entry` with `shared_bytes` of dynamic shared
+    /// A launch of the hand-written kernel `kernel` with `shared_bytes` of dynamic shared
     /// memory, its arguments given by parameter name (see [`castor_kernels::signature`]):
     /// every parameter once, each of its kind.
     pub(super) fn kernel(
         &mut self,
         node: &str,
-        entry: &str,
+        kernel: KernelId,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         shared_bytes: u32,
@@ -162,6 +163,8 @@ impl Lowerer {
             node: node.into(),
             message,
         };
+        let entry = kernel.entry();
+        let entry = entry.as_str();
         let file = castor_kernels::file_of(entry).ok_or_else(|| {
             bad(format!(
                 "no kernel `{entry}` in kernels/ (a dtype combination the kernels do not cover)"
@@ -182,6 +185,7 @@ impl Lowerer {
         Ok(Command::Launch(Launch {
             node: node.into(),
             module,
+            kernel: Some(kernel),
             entry: entry.into(),
             grid,
             block,

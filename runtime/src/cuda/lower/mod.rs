@@ -42,6 +42,7 @@ mod views;
 use lowerer::{bytes_of, Lowerer};
 pub(crate) use views::{layout_views, Storage};
 
+use super::kernel_id::KernelId;
 use super::program::{Arg, Command, ErrorFlag, Place, Program, Run, SlotKind};
 use castor_ir::{DType, Graph, KernelUnit, Node, Op, StateRole, TrainingPlan, UnitKind, Value};
 use castor_passes::fusion::{self, UnitSchedule};
@@ -358,10 +359,9 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         let n = ty.shape.numel().unwrap_or(0);
         let from = g.ty(master).dtype;
         if from != to {
-            let entry = format!("cast_{}_{}", sfx(from), sfx(to));
             let cmd = self.l.kernel(
                 &name,
-                &entry,
+                KernelId::Cast { from, to },
                 grid_1d(n, 256),
                 (256, 1, 1),
                 0,
@@ -467,19 +467,19 @@ impl<'l, 'g> RunLowering<'l, 'g> {
     fn launch(
         &mut self,
         v: Value,
-        entry: &str,
+        kernel: KernelId,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         args: Args,
     ) -> Result<(), LowerError> {
-        self.launch_shared(v, entry, grid, block, 0, args)
+        self.launch_shared(v, kernel, grid, block, 0, args)
     }
 
     /// [`Self::launch`] with dynamic shared memory.
     fn launch_shared(
         &mut self,
         v: Value,
-        entry: &str,
+        kernel: KernelId,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),
         shared_bytes: u32,
@@ -488,31 +488,9 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         let node = self.g.name(v).to_string();
         let cmd = self
             .l
-            .kernel(&node, entry, grid, block, shared_bytes, args)?;
+            .kernel(&node, kernel, grid, block, shared_bytes, args)?;
         self.commands.push(cmd);
         Ok(())
-    }
-}
-
-/// Kernel-name suffix of a float dtype.
-fn sfx(d: DType) -> &'static str {
-    match d {
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        DType::F32 => "f32",
-        DType::I64 => "i64",
-        DType::I32 => "i32",
-        DType::Bool => "bool",
-        DType::U8 => "u8",
-    }
-}
-
-/// Suffix of a kernel reading `ti` and writing `to` (`bf16`, or `f32_bf16`).
-fn io(ti: DType, to: DType) -> String {
-    if ti == to {
-        sfx(ti).into()
-    } else {
-        format!("{}_{}", sfx(ti), sfx(to))
     }
 }
 
@@ -537,7 +515,14 @@ mod tests {
     use super::*;
 
     fn fill(args: Args) -> Result<Command, LowerError> {
-        Lowerer::default().kernel("x", "fill_b4", (1, 1, 1), (32, 1, 1), 0, args)
+        Lowerer::default().kernel(
+            "x",
+            KernelId::Fill { bytes: 4 },
+            (1, 1, 1),
+            (32, 1, 1),
+            0,
+            args,
+        )
     }
 
     /// Launch arguments are given by the kernel's parameter names and kinds, and put in the

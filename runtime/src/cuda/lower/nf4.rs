@@ -4,7 +4,8 @@
 
 use super::super::program::{Arg, Command};
 use super::ops::BLOCK;
-use super::{gemm, grid_1d, sfx, LowerError, RunLowering};
+use super::{gemm, grid_1d, LowerError, RunLowering};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{Accum, Node, Op, Shape};
 
 impl RunLowering<'_, '_> {
@@ -25,7 +26,7 @@ impl RunLowering<'_, '_> {
         let weight = self.scratch((numel * dtype.size_bytes()) as u64);
         self.launch(
             y,
-            &format!("nf4_dequantize_{}", sfx(dtype)),
+            KernelId::Nf4Dequantize { dtype },
             grid_1d(numel.div_ceil(2), BLOCK),
             (BLOCK, 1, 1),
             vec![

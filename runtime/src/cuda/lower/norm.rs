@@ -2,7 +2,8 @@
 //! recomputation, and backward with its weight-gradient reduction.
 use super::super::program::Arg;
 use super::ops::{row_threads, BLOCK, ROW_BLOCK};
-use super::{grid_1d, grid_rows, io, sfx, LowerError, RunLowering, Saved};
+use super::{grid_1d, grid_rows, LowerError, RunLowering, Saved};
+use crate::cuda::kernel_id::{KernelId, NormPass};
 use castor_ir::{DType, Node, Op, Value};
 
 /// `norm.cu`'s NORM_SLOTS: 8-element units a thread of the forward and dx kernels holds in
@@ -104,7 +105,6 @@ impl RunLowering<'_, '_> {
         };
         let w = self.at(ins[1])?;
         let out = self.out(y)?;
-        let suffix = io(g.ty(x).dtype, g.ty(y).dtype);
         let mut args = vec![
             ("x", Arg::Ptr(xp)),
             ("res", res),
@@ -120,10 +120,14 @@ impl RunLowering<'_, '_> {
             let b = self.at(ins[2])?;
             args.extend([("b", Arg::Ptr(b)), ("mean_out", Arg::Ptr(m))]);
         }
-        let kind = if rms { "rms_norm" } else { "layer_norm" };
         self.launch(
             y,
-            &format!("{kind}_fwd_{suffix}"),
+            KernelId::Norm {
+                rms,
+                pass: NormPass::Forward,
+                input: g.ty(x).dtype,
+                output: g.ty(y).dtype,
+            },
             grid_rows(rows),
             (norm_block(h), 1, 1),
             args,
@@ -166,10 +170,14 @@ impl RunLowering<'_, '_> {
         if !rms {
             args.extend([("b", Arg::Null), ("mean_out", Arg::Ptr(mean))]);
         }
-        let kind = if rms { "rms_norm" } else { "layer_norm" };
         self.launch(
             at,
-            &format!("{kind}_fwd_{}", io(g.ty(x).dtype, y_dtype)),
+            KernelId::Norm {
+                rms,
+                pass: NormPass::Forward,
+                input: g.ty(x).dtype,
+                output: y_dtype,
+            },
             grid_rows(rows),
             (norm_block(h), 1, 1),
             args,
@@ -199,8 +207,12 @@ impl RunLowering<'_, '_> {
         let h = g.ty(x).shape.last();
         let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
         let stats = self.norm_stats(ins, to, rms, eps, dx)?;
-        let kind = if rms { "rms_norm" } else { "layer_norm" };
-        let suffix = io(ti, to);
+        let norm = |pass| KernelId::Norm {
+            rms,
+            pass,
+            input: ti,
+            output: to,
+        };
         let (xp, wp, dyp) = (self.at(x)?, self.at(w)?, self.at(dy)?);
         // Weight gradients first: the input gradient may be written over dy.
         let per_group = rows_per_group(rows, h);
@@ -225,7 +237,7 @@ impl RunLowering<'_, '_> {
         }
         self.launch(
             dx,
-            &format!("{kind}_bwd_weight_{suffix}"),
+            norm(NormPass::BackwardWeight),
             (
                 h.div_ceil(WEIGHT_BLOCK.0 as usize) as u32,
                 groups.min(65_535) as u32,
@@ -256,7 +268,7 @@ impl RunLowering<'_, '_> {
             };
             self.launch(
                 out,
-                "norm_weight_grad_reduce",
+                KernelId::NormWeightGradReduce,
                 (h.div_ceil(WEIGHT_BLOCK.0 as usize) as u32, 1, 1),
                 WEIGHT_BLOCK,
                 vec![
@@ -270,7 +282,10 @@ impl RunLowering<'_, '_> {
                 let o = self.out(out)?;
                 self.launch(
                     out,
-                    &format!("cast_f32_{}", sfx(od)),
+                    KernelId::Cast {
+                        from: DType::F32,
+                        to: od,
+                    },
                     grid_1d(h, BLOCK),
                     (BLOCK, 1, 1),
                     vec![
@@ -312,7 +327,7 @@ impl RunLowering<'_, '_> {
         }
         self.launch(
             dx,
-            &format!("{kind}_bwd_{suffix}"),
+            norm(NormPass::Backward),
             grid_rows(rows),
             (norm_block(h), 1, 1),
             args,

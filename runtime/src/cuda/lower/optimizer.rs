@@ -2,7 +2,8 @@
 //! `optimizer.cu` and `grad_norm.cu`.
 use super::super::program::{Arg, Command, Field, Place, Table};
 use super::ops::{row_threads, BLOCK};
-use super::{sfx, LowerError, RunLowering};
+use super::{LowerError, RunLowering};
+use crate::cuda::kernel_id::{KernelId, UpdateRule};
 use castor_ir::{DType, Node, Op, Value};
 
 /// Elements per chunk of the multi-tensor kernels (the grad-norm's F64 partial sums group
@@ -41,7 +42,7 @@ impl RunLowering<'_, '_> {
         let sp = self.at(scale)?;
         self.launch(
             y,
-            "grad_norm_partials",
+            KernelId::GradNormPartials,
             (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
             (BLOCK, 1, 1),
             vec![
@@ -55,7 +56,7 @@ impl RunLowering<'_, '_> {
         let out = self.out(y)?;
         self.launch(
             y,
-            "grad_norm_finalize",
+            KernelId::GradNormFinalize,
             (1, 1, 1),
             (row_threads(n_chunks, 1024), 1, 1),
             vec![
@@ -78,16 +79,12 @@ impl RunLowering<'_, '_> {
         let y = node.outputs[0];
         let adamw = matches!(node.op, Op::AdamW { .. });
         let state = g.ty(node.inputs[2]).dtype;
-        let state_name = match state {
-            DType::F32 => "",
-            DType::BF16 => "bf16state_",
-            other => {
-                return Err(self.err(
-                    y,
-                    format!("optimizer moments in {other} have no CUDA kernel"),
-                ))
-            }
-        };
+        if !matches!(state, DType::F32 | DType::BF16) {
+            return Err(self.err(
+                y,
+                format!("optimizer moments in {state} have no CUDA kernel"),
+            ));
+        }
         let mut rows = Vec::new();
         let mut numels = Vec::new();
         for &m in batch {
@@ -147,7 +144,7 @@ impl RunLowering<'_, '_> {
                 .into_iter()
                 .zip(scalars.into_iter().map(Arg::Ptr)),
         );
-        let (entry, copy) = match &node.op {
+        let (rule, copy) = match &node.op {
             Op::AdamW {
                 hp,
                 max_grad_norm,
@@ -159,7 +156,7 @@ impl RunLowering<'_, '_> {
                     ("eps", Arg::F64(hp.eps)),
                     ("max_grad_norm", Arg::F64(*max_grad_norm)),
                 ]);
-                ("adamw", copy)
+                (UpdateRule::AdamW, copy)
             }
             Op::Sgd {
                 hp,
@@ -170,13 +167,17 @@ impl RunLowering<'_, '_> {
                     ("momentum", Arg::F64(hp.momentum)),
                     ("max_grad_norm", Arg::F64(*max_grad_norm)),
                 ]);
-                ("sgd", copy)
+                (UpdateRule::Sgd, copy)
             }
             _ => return Err(self.err(y, "not an optimizer node")),
         };
         self.launch(
             y,
-            &format!("{entry}_{state_name}{}", sfx(copy.unwrap_or(DType::F32))),
+            KernelId::Update {
+                rule,
+                state,
+                copy: copy.unwrap_or(DType::F32),
+            },
             (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
             (BLOCK, 1, 1),
             args,

@@ -5,6 +5,7 @@
 
 use super::super::program::{Arg, BufferId, Command, Field, Output, Place, Run, SlotKind};
 use super::{bytes_of, copies, Loc, LowerError, RunLowering, Storage};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{Node, Op, Value};
 use castor_passes::fusion;
 use castor_passes::memory::{place_buffers, Buffer};
@@ -174,7 +175,7 @@ impl RunLowering<'_, '_> {
         for f in &self.flags {
             let cmd = self.l.kernel(
                 &f.node,
-                "fill_b4",
+                KernelId::Fill { bytes: 4 },
                 (1, 1, 1),
                 (32, 1, 1),
                 0,

@@ -74,6 +74,7 @@ impl RunLowering<'_, '_> {
         self.commands.push(Command::Launch(Launch {
             node: g.name(g.node(last).outputs[0]).into(),
             module,
+            kernel: None,
             entry,
             grid: grid_1d(n.div_ceil(8), 256),
             block: (256, 1, 1),

@@ -2,7 +2,8 @@
 //! axes are not one run.
 
 use super::super::program::Arg;
-use super::{copies, io, LowerError, RunLowering};
+use super::{copies, LowerError, RunLowering};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{ReduceOp, Value};
 
 impl RunLowering<'_, '_> {
@@ -70,14 +71,13 @@ impl RunLowering<'_, '_> {
         if outer * inner == 0 {
             return Ok(()); // an empty result: nothing to launch
         }
-        let name = match op {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Mean => "mean",
-            ReduceOp::Max => "max",
-        };
         self.launch(
             y,
-            &format!("reduce_{name}_{}", io(ti, to)),
+            KernelId::Reduce {
+                op,
+                input: ti,
+                output: to,
+            },
             (
                 inner.div_ceil(32).clamp(1, 65_535) as u32,
                 outer.clamp(1, 65_535) as u32,

@@ -4,7 +4,8 @@ use super::super::program::{Arg, Place, SlotKind};
 use super::copies;
 use super::ops::BLOCK;
 use super::views::{fits_i32, heads_of, kernel_strides};
-use super::{grid_1d, sfx, LowerError, RunLowering};
+use super::{grid_1d, LowerError, RunLowering};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{Graph, Node, NodeData, Op, RopeScaling, Value};
 
 /// The heads of rope node `node`'s operand, split as its kernels split batches.
@@ -56,11 +57,7 @@ impl RunLowering<'_, '_> {
         let (x, xs) = self.strided_read(ins[0], heads)?;
         let (out, ys) = self.strided_write(y, heads)?;
         // The kernels name their operand and result by direction.
-        let (dir, input, output) = if backward {
-            ("bwd", "dy", "dx")
-        } else {
-            ("fwd", "x", "y")
-        };
+        let (input, output) = if backward { ("dy", "dx") } else { ("x", "y") };
         let names: [[&'static str; 3]; 2] = if backward {
             [
                 ["dy_batch", "dy_head", "dy_row"],
@@ -91,7 +88,10 @@ impl RunLowering<'_, '_> {
         }
         self.launch(
             y,
-            &format!("rope_{dir}_{}", sfx(dt(y))),
+            KernelId::Rope {
+                backward,
+                dtype: dt(y),
+            },
             grid_1d(rows * hd / 2, BLOCK),
             (BLOCK, 1, 1),
             args,

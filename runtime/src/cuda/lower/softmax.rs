@@ -3,7 +3,8 @@
 
 use super::super::program::Arg;
 use super::ops::{fold, row_threads, ROW_BLOCK};
-use super::{copies, grid_rows, io, window_arg, LowerError, RunLowering};
+use super::{copies, grid_rows, window_arg, LowerError, RunLowering};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{DType, Node, Value};
 
 impl RunLowering<'_, '_> {
@@ -74,7 +75,11 @@ impl RunLowering<'_, '_> {
         let out = self.out(y)?;
         self.launch(
             y,
-            &format!("softmax_fwd_{}", io(g.ty(x).dtype, g.ty(y).dtype)),
+            KernelId::Softmax {
+                backward: false,
+                input: g.ty(x).dtype,
+                output: g.ty(y).dtype,
+            },
             grid_rows(rows),
             (if tk > 2048 { 512 } else { row_threads(tk, 128) }, 1, 1),
             vec![
@@ -109,7 +114,11 @@ impl RunLowering<'_, '_> {
         let dx = self.out(y)?;
         self.launch(
             y,
-            &format!("softmax_bwd_{}", io(dt(y), dt(yv))),
+            KernelId::Softmax {
+                backward: true,
+                input: dt(y),
+                output: dt(yv),
+            },
             grid_rows(rows),
             (row_threads(n, ROW_BLOCK), 1, 1),
             vec![

@@ -354,31 +354,3 @@ pub(super) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
         &[],
     )
 }
-
-/// The kernel and variant an entry point names: `attention_fwd_bf16_d64`,
-/// `attention_bwd_bf16_d64`, `attention_bwd_dq_f32`, `attention_bwd_delta_f16` (`None` for
-/// `delta`'s kernel).
-pub(super) fn parse(entry: &str) -> R<Option<(Option<Kernel>, Variant)>> {
-    let Some(rest) = entry.strip_prefix("attention_") else {
-        return Ok(None);
-    };
-    let (kernel, rest) = if let Some(r) = rest.strip_prefix("fwd_") {
-        (Some(Kernel::Forward), r)
-    } else if let Some(r) = rest.strip_prefix("bwd_dq_") {
-        (Some(Kernel::Dq), r)
-    } else if let Some(r) = rest.strip_prefix("bwd_dkdv_") {
-        (Some(Kernel::DkDv), r)
-    } else if let Some(r) = rest.strip_prefix("bwd_delta_") {
-        (None, r)
-    } else if let Some(r) = rest.strip_prefix("bwd_") {
-        (Some(Kernel::Backward), r)
-    } else {
-        return Err(format!("`{entry}`: no such attention kernel"));
-    };
-    let (dtype, tile) = match rest.split_once("_d") {
-        Some((t, p)) => (t, Some(p.parse::<u32>().map_err(|_| format!("`{entry}`"))?)),
-        None => (rest, None),
-    };
-    let dtype = super::float(dtype)?;
-    Ok(Some((kernel, Variant { dtype, tile })))
-}

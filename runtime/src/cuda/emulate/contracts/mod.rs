@@ -27,9 +27,9 @@ pub(super) use generated::generated;
 use super::args::Args;
 use super::memory::{check_uses, ranges_use, Io, Mem, Ptr, Use};
 use super::R;
+use crate::cuda::kernel_id::{AdafactorStage, EmbeddingBwdStage, KernelId, NormPass, UpdateRule};
 use crate::cuda::program::Launch;
-use castor_ir::DType;
-use castor_kernels::attention::Kernel as attention_kernel;
+use castor_kernels::attention::Kernel as AttentionKernel;
 
 /// Kernels whose block reductions need `blockDim = (32 k, 1, 1)`, `k <= 32`.
 fn row_block(l: &Launch) -> R<()> {
@@ -70,173 +70,97 @@ fn checked(m: &Mem, uses: Vec<Option<Use>>, in_place: &[(&str, &str)]) -> R<Vec<
     Ok(uses.into_iter().flatten().collect())
 }
 
-fn dt(s: &str) -> Option<DType> {
-    match s {
-        "f32" => Some(DType::F32),
-        "f16" => Some(DType::F16),
-        "bf16" => Some(DType::BF16),
-        "i64" => Some(DType::I64),
-        "bool" => Some(DType::Bool),
-        _ => None,
-    }
-}
-
-fn float(s: &str) -> R<DType> {
-    match dt(s) {
-        Some(d) if d.is_float() => Ok(d),
-        _ => Err(format!("`{s}` is not a float dtype suffix")),
-    }
-}
-
-/// `bf16` -> (BF16, BF16); `f32_bf16` -> (F32, BF16).
-fn io(s: &str) -> R<(DType, DType)> {
-    if let Ok(d) = float(s) {
-        return Ok((d, d));
-    }
-    let (a, b) = s
-        .split_once('_')
-        .ok_or_else(|| format!("`{s}` is not a dtype suffix"))?;
-    Ok((float(a)?, float(b)?))
-}
-
-/// The buffers a launch of a `kernels/*.cu` entry point uses, by the entry point's name.
+/// The buffers a launch of a `kernels/*.cu` entry point uses, by its kernel id.
 pub(super) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
-    let e = l.entry.as_str();
-    if let Some((kernel, v)) = attention::parse(e)? {
-        return match kernel {
-            Some(attention_kernel::Forward) => attention::forward(m, l, v),
-            Some(attention_kernel::Backward) => attention::backward(m, l, v),
-            Some(attention_kernel::Dq) => attention::dq(m, l, v),
-            Some(attention_kernel::DkDv) => attention::dkdv(m, l, v),
-            None => attention::delta(m, l, v.dtype),
-        };
-    }
+    use KernelId::*;
+    let kernel = l
+        .kernel
+        .ok_or_else(|| format!("the launch of `{}` names no kernel id", l.entry))?;
     // Only the attention kernels declare dynamic shared memory.
-    no_dynamic_shared(l)?;
-    if let Some(s) = e.strip_prefix("cast_") {
-        let (a, b) = s
-            .split_once('_')
-            .and_then(|(a, b)| Some((dt(a)?, dt(b)?)))
-            .ok_or_else(|| format!("`{e}`: no such cast"))?;
-        return layout::cast(m, l, a, b);
+    if !matches!(kernel, Attention { .. } | AttentionDelta { .. }) {
+        no_dynamic_shared(l)?;
     }
-    if let Some(w) = e.strip_prefix("strided_copy_b") {
-        return layout::strided_copy(m, l, w.parse().map_err(|_| format!("`{e}`"))?);
-    }
-    if let Some(w) = e.strip_prefix("fill_b") {
-        return layout::fill(m, l, w.parse().map_err(|_| format!("`{e}`"))?);
-    }
-    for prefix in ["reduce_sum_", "reduce_mean_", "reduce_max_"] {
-        if let Some(s) = e.strip_prefix(prefix) {
-            let (ti, to) = io(s)?;
-            return reduce::reduce(m, l, ti, to);
-        }
-    }
-    for (prefix, rms) in [("layer_norm_", false), ("rms_norm_", true)] {
-        let Some(rest) = e.strip_prefix(prefix) else {
-            continue;
-        };
-        if let Some(s) = rest.strip_prefix("fwd_") {
-            let (ti, to) = io(s)?;
-            return norm::norm_fwd(m, l, rms, ti, to);
-        }
-        if let Some(s) = rest.strip_prefix("bwd_weight_") {
-            let (ti, to) = io(s)?;
-            return norm::norm_bwd_weight(m, l, rms, ti, to);
-        }
-        if let Some(s) = rest.strip_prefix("bwd_") {
-            let (ti, to) = io(s)?;
-            return norm::norm_bwd(m, l, rms, ti, to);
-        }
-    }
-    if e == "norm_weight_grad_reduce" {
-        return norm::norm_weight_grad_reduce(m, l);
-    }
-    if let Some(s) = e.strip_prefix("softmax_fwd_") {
-        let (ti, to) = io(s)?;
-        return softmax::softmax_fwd(m, l, ti, to);
-    }
-    if let Some(s) = e.strip_prefix("softmax_bwd_") {
-        let (ti, to) = io(s)?;
-        return softmax::softmax_bwd(m, l, ti, to);
-    }
-    if e == "cross_entropy_finalize" {
-        return cross_entropy::cross_entropy_finalize(m, l);
-    }
-    if let Some(s) = e.strip_prefix("cross_entropy_fwd_") {
-        return cross_entropy::cross_entropy_fwd(m, l, float(s)?);
-    }
-    if let Some(s) = e.strip_prefix("cross_entropy_bwd_") {
-        return cross_entropy::cross_entropy_bwd(m, l, float(s)?);
-    }
-    match e {
-        "embedding_bwd_count" => return embedding::embedding_bwd_count(m, l),
-        "embedding_bwd_scan" => return embedding::embedding_bwd_scan(m, l),
-        "embedding_bwd_fill" => return embedding::embedding_bwd_fill(m, l),
-        "grad_norm_partials" => return optimizer::grad_norm_partials(m, l),
-        "grad_norm_finalize" => return optimizer::grad_norm_finalize(m, l),
-        "count_step" => return optimizer::count_step(m, l),
-        "loss_scale_update" => return optimizer::loss_scale_update(m, l),
-        "rope_table" => return rope::rope_table(m, l),
-        _ => {}
-    }
-    if let Some(s) = e.strip_prefix("embedding_fwd_") {
-        return embedding::embedding_fwd(m, l, float(s)?);
-    }
-    if let Some(s) = e.strip_prefix("embedding_bwd_accumulate_") {
-        let (t, o) = io(s)?;
-        return embedding::embedding_bwd_accumulate(m, l, t, o);
-    }
-    if let Some(s) = e.strip_prefix("rope_fwd_") {
-        return rope::rope(m, l, float(s)?);
-    }
-    if let Some(s) = e.strip_prefix("rope_bwd_") {
-        return rope::rope(m, l, float(s)?);
-    }
-    if let Some(rest) = e.strip_prefix("adafactor_") {
-        return match rest {
-            "rows" => adafactor::rows(m, l),
-            "cols" => adafactor::cols(m, l),
-            "full" => adafactor::full(m, l),
-            "row_mean" => adafactor::row_mean(m, l),
-            "partials" => adafactor::partials(m, l),
-            "finalize" => adafactor::finalize(m, l),
-            other => match other.strip_prefix("apply_") {
-                Some(s) => adafactor::apply(m, l, float(s)?),
-                None => Err(format!("no contract for `{e}`")),
-            },
-        };
-    }
-    if let Some(s) = e.strip_prefix("adamw8bit_") {
-        return adamw8bit::update(m, l, float(s)?);
-    }
-    if let Some(s) = e.strip_prefix("nf4_dequantize_") {
-        return nf4::dequantize(m, l, float(s)?);
-    }
-    for (prefix, adamw, state) in [
-        ("adamw_bf16state_", true, DType::BF16),
-        ("adamw_", true, DType::F32),
-        ("sgd_bf16state_", false, DType::BF16),
-        ("sgd_", false, DType::F32),
-    ] {
-        if let Some(s) = e.strip_prefix(prefix) {
-            return optimizer::multi_tensor_update(m, l, adamw, state, float(s)?);
-        }
-    }
-    for prefix in ["gelu_tanh_", "gelu_erf_", "silu_"] {
-        if let Some(rest) = e.strip_prefix(prefix) {
-            if let Some(s) = rest.strip_prefix("fwd_") {
-                return elementwise::unary(m, l, float(s)?, false);
-            }
-            if let Some(s) = rest.strip_prefix("bwd_") {
-                return elementwise::unary(m, l, float(s)?, true);
+    match kernel {
+        Attention {
+            kernel,
+            dtype,
+            tile,
+        } => {
+            let v = attention::Variant { dtype, tile };
+            match kernel {
+                AttentionKernel::Forward => attention::forward(m, l, v),
+                AttentionKernel::Backward => attention::backward(m, l, v),
+                AttentionKernel::Dq => attention::dq(m, l, v),
+                AttentionKernel::DkDv => attention::dkdv(m, l, v),
             }
         }
+        AttentionDelta { dtype } => attention::delta(m, l, dtype),
+        Cast { from, to } => layout::cast(m, l, from, to),
+        StridedCopy { bytes } => layout::strided_copy(m, l, bytes as usize),
+        Fill { bytes } => layout::fill(m, l, bytes as usize),
+        Reduce { input, output, .. } => reduce::reduce(m, l, input, output),
+        Norm {
+            rms,
+            pass,
+            input,
+            output,
+        } => match pass {
+            NormPass::Forward => norm::norm_fwd(m, l, rms, input, output),
+            NormPass::Backward => norm::norm_bwd(m, l, rms, input, output),
+            NormPass::BackwardWeight => norm::norm_bwd_weight(m, l, rms, input, output),
+        },
+        NormWeightGradReduce => norm::norm_weight_grad_reduce(m, l),
+        Softmax {
+            backward: false,
+            input,
+            output,
+        } => softmax::softmax_fwd(m, l, input, output),
+        Softmax {
+            backward: true,
+            input,
+            output,
+        } => softmax::softmax_bwd(m, l, input, output),
+        CrossEntropy {
+            backward: false,
+            logits,
+        } => cross_entropy::cross_entropy_fwd(m, l, logits),
+        CrossEntropy {
+            backward: true,
+            logits,
+        } => cross_entropy::cross_entropy_bwd(m, l, logits),
+        CrossEntropyFinalize => cross_entropy::cross_entropy_finalize(m, l),
+        EmbeddingFwd { table } => embedding::embedding_fwd(m, l, table),
+        EmbeddingBwd(EmbeddingBwdStage::Count) => embedding::embedding_bwd_count(m, l),
+        EmbeddingBwd(EmbeddingBwdStage::Scan) => embedding::embedding_bwd_scan(m, l),
+        EmbeddingBwd(EmbeddingBwdStage::Fill) => embedding::embedding_bwd_fill(m, l),
+        EmbeddingBwdAccumulate { grad, out } => {
+            embedding::embedding_bwd_accumulate(m, l, grad, out)
+        }
+        GradNormPartials => optimizer::grad_norm_partials(m, l),
+        GradNormFinalize => optimizer::grad_norm_finalize(m, l),
+        CountStep => optimizer::count_step(m, l),
+        LossScaleUpdate => optimizer::loss_scale_update(m, l),
+        RopeTable => rope::rope_table(m, l),
+        Rope { backward, dtype } => rope::rope(m, l, backward, dtype),
+        Adafactor(stage) => match stage {
+            AdafactorStage::Rows => adafactor::rows(m, l),
+            AdafactorStage::Cols => adafactor::cols(m, l),
+            AdafactorStage::Full => adafactor::full(m, l),
+            AdafactorStage::RowMean => adafactor::row_mean(m, l),
+            AdafactorStage::Partials => adafactor::partials(m, l),
+            AdafactorStage::Finalize => adafactor::finalize(m, l),
+        },
+        AdafactorApply { copy } => adafactor::apply(m, l, copy),
+        AdamW8bit { copy } => adamw8bit::update(m, l, copy),
+        Nf4Dequantize { dtype } => nf4::dequantize(m, l, dtype),
+        Update { rule, state, copy } => {
+            optimizer::multi_tensor_update(m, l, rule == UpdateRule::AdamW, state, copy)
+        }
+        Unary {
+            backward, dtype, ..
+        } => elementwise::unary(m, l, dtype, backward),
+        Binary { dtype, .. } => elementwise::binary(m, l, dtype),
     }
-    if let Some(s) = e.strip_prefix("add_").or_else(|| e.strip_prefix("mul_")) {
-        return elementwise::binary(m, l, float(s)?);
-    }
-    Err(format!("no contract for `{e}`"))
 }
 
 /// Where a kernel's operand read or written in place is (`attention.cu`'s AttStrides,

@@ -8,14 +8,10 @@ use crate::cuda::program::Launch;
 use castor_ir::DType;
 
 /// `rope_fwd_<t>(x, y, ..)` and `rope_bwd_<t>(dy, dx, ..)`.
-pub(super) fn rope(m: &Mem, l: &Launch, dt: DType) -> R<Vec<Use>> {
+pub(super) fn rope(m: &Mem, l: &Launch, backward: bool, dt: DType) -> R<Vec<Use>> {
     let mut a = Args::new(l);
     // The backward names its operand and result by direction.
-    let (input, output) = if l.entry.starts_with("rope_bwd") {
-        ("dy", "dx")
-    } else {
-        ("x", "y")
-    };
+    let (input, output) = if backward { ("dy", "dx") } else { ("x", "y") };
     let x = a.need(m, input)?;
     let y = a.need(m, output)?;
     let cs = a.need(m, "cs")?;

@@ -29,6 +29,7 @@ mod rope;
 mod softmax;
 
 use super::{Emulator, Order};
+use crate::cuda::kernel_id::KernelId;
 use crate::cuda::program::{Arg, Command, Field, Launch, Module, Place, Program, Run, Slot};
 use crate::cuda::program::{SlotKind, Table};
 use castor_ir::{round_to, DType};
@@ -282,6 +283,10 @@ impl Launcher {
                 commands: vec![Command::Launch(Launch {
                     node: entry.into(),
                     module: 0,
+                    kernel: Some(
+                        KernelId::from_entry(entry)
+                            .ok_or_else(|| format!("`{entry}` is the name of no kernel id"))?,
+                    ),
                     entry: entry.into(),
                     grid,
                     block,
