@@ -6,14 +6,14 @@
 //     them. Built once per plan (constant); the executor may instead upload the CPU twin's
 //     table (runtime/src/cpu/rope.rs) for bit-identical angles: CUDA's powf/sincosf are within
 //     a few ulp of the host libm's, not always equal.
-//   rope_fwd_<t>(x, y, cs, rows, t, d, heads, x_batch, x_head, x_row, y_batch, y_head,
-//                y_row): x, y [rows, d] with rows = (leading dims) * t and the position of
-//     row r = r % t; row r of batch b = r / t starts at (b / heads) X_batch + (b % heads)
-//     X_head + (r % t) X_row, so that a head read from a [B, T, H, d] product or written into
-//     one is used in place (dense: (heads t d, t d, d));
+//   rope_fwd_<t>(x, y, cs, batches, t, d, heads, x_batch, x_head, x_row, y_batch, y_head,
+//                y_row): x, y [batches, t, d] (batches = the leading dims); position p of
+//     batch b starts at (b / heads) X_batch + (b % heads) X_head + p X_row, so that a head
+//     read from a [B, T, H, d] product or written into one is used in place (dense:
+//     (heads t d, t d, d));
 //       y[i]       = x[i] cos - x[i + d/2] sin
 //       y[i + d/2] = x[i + d/2] cos + x[i] sin            (i < d/2)
-//   rope_bwd_<t>(dy, dx, cs, rows, t, d, heads, <dy, dx strides>): the transpose (rotation by
+//   rope_bwd_<t>(dy, dx, cs, batches, t, d, heads, <dy, dx strides>): the transpose (rotation by
 //     the negated angle),
 //       dx[i] = dy[i] cos + dy[i + d/2] sin, dx[i + d/2] = dy[i + d/2] cos - dy[i] sin.
 // Fuses: the rotation of both halves with one read and one write of each element.
@@ -22,8 +22,12 @@
 // dtype and after each multiply and add; castor rounds once).
 // In place is allowed (y == x, same strides): each thread reads both elements of its pair
 // before writing.
-// Launch: any 1-D grid and block, one thread per (row, i) pair, grid-stride; consecutive
-// threads take consecutive i, so both halves are read coalesced.
+// Launch: any grid and block (every loop is grid-stride). Best as the lowering launches it:
+// block (32, k), threadIdx.x over a row's pairs (consecutive threads take consecutive i, so
+// both halves are read coalesced) and threadIdx.y over positions; grid x over blocks of
+// positions, y over the rows / t batches. A row's start is computed once per (batch,
+// position) in 32-bit arithmetic: no 64-bit division runs per element (the H100 profile of
+// 2026-11-28 had the per-element form at 3.2x its memory roofline).
 #include "castor_common.cuh"
 
 extern "C" __global__ void rope_table(float2* __restrict__ cs, int t, int d, double theta) {
@@ -41,51 +45,55 @@ extern "C" __global__ void rope_table(float2* __restrict__ cs, int t, int d, dou
     }
 }
 
-// Where row `pos` of batch b of an operand starts: (batch, head, row) strides, b split by heads.
+// Where row `pos` of batch `outer * heads + head` of an operand starts: (batch, head, row)
+// strides.
 struct RopeStrides {
     int batch, head, row;
-    __device__ __forceinline__ i64 at(i64 b, int heads, int pos) const {
-        return (b / heads) * batch + (b % heads) * head + i64(pos) * row;
+    __device__ __forceinline__ i64 at(int outer, int h, int pos) const {
+        return i64(outer) * batch + i64(h) * head + i64(pos) * row;
     }
 };
 
 template <typename T, bool BWD>
-__device__ __forceinline__ void rope(const T* x, T* y, const float2* __restrict__ cs, i64 rows,
-                                     int t, int d, int heads, RopeStrides sx, RopeStrides sy) {
+__device__ __forceinline__ void rope(const T* x, T* y, const float2* __restrict__ cs,
+                                     int batches, int t, int d, int heads, RopeStrides sx,
+                                     RopeStrides sy) {
     const int half = d / 2;
-    const i64 total = rows * half;
-    for (i64 idx = i64(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-         idx += i64(gridDim.x) * blockDim.x) {
-        const i64 row = idx / half;
-        const int i = int(idx % half);
-        const int pos = int(row % t);
-        const i64 b = row / t;
-        const float2 a = cs[i64(pos) * half + i];
-        const float c = a.x, s = a.y;
-        const i64 xlo = sx.at(b, heads, pos) + i, ylo = sy.at(b, heads, pos) + i;
-        const float x1 = to_f32(x[xlo]), x2 = to_f32(x[xlo + half]);
-        if (BWD) {
-            y[ylo] = from_f32<T>(x1 * c + x2 * s);
-            y[ylo + half] = from_f32<T>(x2 * c - x1 * s);
-        } else {
-            y[ylo] = from_f32<T>(x1 * c - x2 * s);
-            y[ylo + half] = from_f32<T>(x2 * c + x1 * s);
+    for (int b = blockIdx.y; b < batches; b += gridDim.y) {
+        const int outer = b / heads, h = b % heads;
+        for (int pos = blockIdx.x * blockDim.y + threadIdx.y; pos < t;
+             pos += gridDim.x * blockDim.y) {
+            const float2* table = cs + i64(pos) * half;
+            const T* xr = x + sx.at(outer, h, pos);
+            T* yr = y + sy.at(outer, h, pos);
+            for (int i = threadIdx.x; i < half; i += blockDim.x) {
+                const float2 a = table[i];
+                const float c = a.x, s = a.y;
+                const float x1 = to_f32(xr[i]), x2 = to_f32(xr[i + half]);
+                if (BWD) {
+                    yr[i] = from_f32<T>(x1 * c + x2 * s);
+                    yr[i + half] = from_f32<T>(x2 * c - x1 * s);
+                } else {
+                    yr[i] = from_f32<T>(x1 * c - x2 * s);
+                    yr[i + half] = from_f32<T>(x2 * c + x1 * s);
+                }
+            }
         }
     }
 }
 
 #define ROPE(T, t)                                                                             \
-    extern "C" __global__ void rope_fwd_##t(const T* x, T* y, const float2* cs, i64 rows,      \
+    extern "C" __global__ void rope_fwd_##t(const T* x, T* y, const float2* cs, int batches,   \
                                             int t, int d, int heads, int x_batch, int x_head,  \
                                             int x_row, int y_batch, int y_head, int y_row) {   \
-        rope<T, false>(x, y, cs, rows, t, d, heads, RopeStrides{x_batch, x_head, x_row},       \
+        rope<T, false>(x, y, cs, batches, t, d, heads, RopeStrides{x_batch, x_head, x_row},    \
                        RopeStrides{y_batch, y_head, y_row});                                   \
     }                                                                                          \
-    extern "C" __global__ void rope_bwd_##t(const T* dy, T* dx, const float2* cs, i64 rows,    \
+    extern "C" __global__ void rope_bwd_##t(const T* dy, T* dx, const float2* cs, int batches, \
                                             int t, int d, int heads, int dy_batch,             \
                                             int dy_head, int dy_row, int dx_batch,             \
                                             int dx_head, int dx_row) {                         \
-        rope<T, true>(dy, dx, cs, rows, t, d, heads, RopeStrides{dy_batch, dy_head, dy_row},   \
+        rope<T, true>(dy, dx, cs, batches, t, d, heads, RopeStrides{dy_batch, dy_head, dy_row}, \
                       RopeStrides{dx_batch, dx_head, dx_row});                                 \
     }
 

@@ -80,6 +80,9 @@ pub struct InstructionMix {
     pub async_copies: u32,
     /// 2-byte global and shared loads (`LDG.E.U16`, `LDS.U16`, and their signed forms).
     pub two_byte_loads: u32,
+    /// Subroutine calls (`CALL`): the slow paths the compiler calls out of line, such as
+    /// 64-bit integer division.
+    pub calls: u32,
 }
 
 impl InstructionMix {
@@ -135,6 +138,7 @@ pub fn count(listing: &str) -> BTreeMap<String, InstructionMix> {
             "LDSM" => mix.ldsm += 1,
             "LDGSTS" | "UTMALDG" => mix.async_copies += 1,
             "LDG" | "LDS" if op.contains(".U16") || op.contains(".S16") => mix.two_byte_loads += 1,
+            "CALL" => mix.calls += 1,
             _ => {}
         }
     }
@@ -156,20 +160,22 @@ mod tests {
         /*0040*/                   LDGSTS.E.BYPASS.128 [R5], desc[UR6][R6.64] ;\n\
         /*0050*/                   LDS.U16 R7, [R9] ;\n\
         /*0060*/                   HMMA.16816.F32.BF16 R8, R12, R18, R8 ;\n\
+        /*0070*/                   CALL.REL.NOINC 0x200 ;\n\
 \t.text.k2:\n\
         /*0000*/                   EXIT ;\n";
         let mix = count(listing);
         assert_eq!(
             mix["k1"],
             InstructionMix {
-                total: 7,
+                total: 8,
                 tensor: 2,
                 ldsm: 1,
                 async_copies: 1,
                 two_byte_loads: 2,
+                calls: 1,
             }
         );
-        assert_eq!(mix["k1"].others_per_tensor(), 2.5);
+        assert_eq!(mix["k1"].others_per_tensor(), 3.0);
         assert_eq!(mix["k2"].total, 1);
         assert!(mix["k2"].others_per_tensor().is_infinite());
     }

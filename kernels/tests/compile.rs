@@ -154,6 +154,48 @@ fn ptxas_resource_report() {
     assert!(spills.is_empty(), "kernels spill registers: {spills:?}");
 }
 
+/// The RoPE kernels compute a row's start once per (batch, position) in 32-bit arithmetic:
+/// their machine code calls no out-of-line routine (the per-element 64-bit divisions of the
+/// earlier form were calls, and ran the kernels at 3.2x their memory roofline on an H100).
+/// Prints each kernel's static instruction count.
+#[test]
+fn rope_machine_code_has_no_out_of_line_division() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let Some(dir) = std::env::var_os("CASTOR_NVRTC_DIR") else {
+        return;
+    };
+    let dir = std::path::Path::new(&dir);
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    let (Some(ptxas_bin), Some(nvdisasm)) = (ptxas::find_ptxas(dir), sass::find_nvdisasm(dir))
+    else {
+        assert!(!ci, "CI=true but no ptxas or nvdisasm in CASTOR_NVRTC_DIR");
+        return;
+    };
+    let file = castor_kernels::file("rope.cu").unwrap();
+    let ptx = nvrtc
+        .compile(file, DEFAULT_ARCH)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (_, cubin) = ptxas::assemble(&ptxas_bin, file.name, &ptx, DEFAULT_ARCH)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let listing = sass::disassemble(&nvdisasm, &cubin).unwrap_or_else(|e| panic!("{e}"));
+    let mixes = sass::count(&listing);
+    let mut failures = Vec::new();
+    for (kernel, mix) in mixes
+        .iter()
+        .filter(|(k, _)| k.starts_with("rope_fwd") || k.starts_with("rope_bwd"))
+    {
+        println!(
+            "{kernel:<16} {:>5} instructions, {} calls",
+            mix.total, mix.calls
+        );
+        if mix.calls > 0 {
+            failures.push(format!("{kernel}: {} calls", mix.calls));
+        }
+    }
+    assert_eq!(mixes.keys().filter(|k| k.starts_with("rope_")).count(), 7);
+    assert!(failures.is_empty(), "{failures:?}");
+}
+
 /// The attention kernels' machine code has the FlashAttention-2 shape: fragments by ldmatrix,
 /// tiles by 16-byte asynchronous copies, almost no 2-byte loads, no spills, and few other
 /// instructions per tensor-core instruction (static counts from `nvdisasm`; 58 to 92 per

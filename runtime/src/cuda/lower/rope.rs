@@ -2,9 +2,8 @@
 
 use super::super::program::{Arg, Place, SlotKind};
 use super::copies;
-use super::ops::BLOCK;
 use super::views::{fits_i32, heads_of, kernel_strides};
-use super::{grid_1d, LowerError, RunLowering};
+use super::{LowerError, RunLowering};
 use crate::cuda::kernel_id::KernelId;
 use castor_ir::{Graph, Node, NodeData, Op, RopeScaling, Value};
 
@@ -50,7 +49,10 @@ impl RunLowering<'_, '_> {
             return Err(self.err(y, "rope needs [.., T, D] with D even"));
         }
         let (t, hd) = (d[d.len() - 2], d[d.len() - 1]);
-        let rows = numel(ins[0]) / hd.max(1);
+        let batches = numel(ins[0]) / (hd * t).max(1);
+        if !fits_i32(batches as i64) {
+            return Err(self.err(y, "too many batches for rope's 32-bit count"));
+        }
         let heads = heads_of(&d[..d.len() - 2], 1);
         let table = self.rope_table(t, hd, *theta, *scaling)?;
         // The operand read, and the result written, in place when they are views.
@@ -73,7 +75,7 @@ impl RunLowering<'_, '_> {
             (input, Arg::Ptr(x)),
             (output, Arg::Ptr(out)),
             ("cs", Arg::Ptr(table)),
-            ("rows", Arg::I64(rows as i64)),
+            ("batches", Arg::I32(batches as i32)),
             ("t", Arg::I32(t as i32)),
             ("d", Arg::I32(hd as i32)),
             ("heads", Arg::I32(heads as i32)),
@@ -92,8 +94,8 @@ impl RunLowering<'_, '_> {
                 backward,
                 dtype: dt(y),
             },
-            grid_1d(rows * hd / 2, BLOCK),
-            (BLOCK, 1, 1),
+            rope_grid(batches, t),
+            (32, POSITIONS, 1),
             args,
         )?;
         Ok(())
@@ -123,4 +125,14 @@ impl RunLowering<'_, '_> {
         let slot = self.l.slot(&name, SlotKind::Constant(bytes), &name)?;
         Ok(Place::Slot { slot, offset: 0 })
     }
+}
+
+/// Positions per block of the RoPE kernels: blocks of (32 pairs, 8 positions), 256 threads.
+const POSITIONS: u32 = 8;
+
+/// The RoPE kernels' grid: x over blocks of positions, y over batches (each loop of the
+/// kernel is grid-stride, so the caps only bound the grid).
+fn rope_grid(batches: usize, t: usize) -> (u32, u32, u32) {
+    let x = t.div_ceil(POSITIONS as usize).clamp(1, 65_535 * 4);
+    (x as u32, batches.clamp(1, 65_535) as u32, 1)
 }

@@ -15,7 +15,7 @@ pub(super) fn rope(m: &Mem, l: &Launch, backward: bool, dt: DType) -> R<Vec<Use>
     let x = a.need(m, input)?;
     let y = a.need(m, output)?;
     let cs = a.need(m, "cs")?;
-    let rows = a.count("rows")?;
+    let batches = a.count32("batches")?;
     let t = a.count32("t")?;
     let d = a.count32("d")?;
     let heads = a.count32("heads")?;
@@ -24,13 +24,11 @@ pub(super) fn rope(m: &Mem, l: &Launch, backward: bool, dt: DType) -> R<Vec<Use>
         Strides::read(&mut a, output)?,
     );
     a.end()?;
-    if t == 0 || d % 2 != 0 || rows % t != 0 {
-        return Err(format!(
-            "t = {t}, d = {d}, rows = {rows} (d must be even, rows whole batches of t)"
-        ));
+    if d % 2 != 0 {
+        return Err(format!("d = {d}: the rotation pairs halves of an even d"));
     }
     let s = dt.size_bytes();
-    let dims = (rows / t, heads, t, d);
+    let dims = (batches, heads, t, d);
     checked(
         m,
         vec![
