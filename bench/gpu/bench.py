@@ -12,9 +12,7 @@ The configurations, in the order they run (the most wanted first, so that a time
 the least wanted):
 
 1. GPT-2 124M, B=8, T=1024, bf16, AdamW: castor's defaults against `torch.compile`
-   (transformers' GPT2LMHeadModel with SDPA attention, autocast, fused AdamW), then castor
-   with `--attention eager` (the default before 2026-11-27) and `--attention fused` (castor's
-   kernels without cuDNN); PyTorch eager comes last, in 6.
+   (transformers' GPT2LMHeadModel with SDPA attention, autocast, fused AdamW).
 2. LLaMA-3.2-1B's shape (assets/configs/llama-3.2-1b.json), B=4, T=2048, bf16, AdamW:
    castor's defaults against `torch.compile` on LlamaForCausalLM (SDPA), then eager.
 3. LoRA on it, rank 16 on q, k, v, o, gate, up and down: castor against PEFT (a BF16 base,
@@ -23,7 +21,9 @@ the least wanted):
    tests part (--recipe-log) or run here.
 5. The kernel profile of castor's default GPT-2 step: calls, device ms and the program
    roofline's ms per kind of command.
-6. PyTorch eager on GPT-2 and LLaMA, and castor's other attentions on LLaMA.
+6. castor's other attentions on GPT-2: `--attention eager` (the default before 2026-11-27)
+   and `--attention fused` (castor's kernels without cuDNN).
+7. PyTorch eager on GPT-2 and LLaMA, and castor's other attentions on LLaMA.
 
 Every model starts from random weights and every token is random: speed does not depend on
 them. PyTorch is timed with CUDA events after warm-up (the median of --repeat steps; host
@@ -520,7 +520,8 @@ def sdpa_backend(step, dev):
 
 # The benchmark's groups of rows, in the order they run (`--only` picks some: a second GPU
 # run completes a record that a time budget cut short; `bench/record.py merge` joins them).
-GROUPS = ["gpt2", "llama", "lora", "recipe", "profile", "eager", "llama-attention"]
+GROUPS = ["gpt2", "llama", "lora", "recipe", "profile", "gpt2-attention", "eager",
+          "llama-attention"]
 
 
 def main():
@@ -575,10 +576,9 @@ def main():
             tag = f"{cfg.family}-" + "-".join(f.strip("-") for f in flags)
             bench.add(castor_train(bench, cfg, flags, tag))
 
-    # GPT-2 with castor's other attentions next (the default is `auto`): the attention's own
-    # measurement.
+    # The targets first: castor's defaults against their peers.
     if wanted("gpt2"):
-        pair(gpt2, [["--attention", "eager"], ["--attention", "fused"]], ["torch.compile"])
+        pair(gpt2, [], ["torch.compile"])
     if wanted("llama"):
         pair(llama, [], ["torch.compile"])
     if wanted("lora"):
@@ -588,8 +588,11 @@ def main():
     if wanted("profile"):
         bench.record["profile"] = castor_profile(bench, gpt2)
     bench.save()
-    # What is worth knowing but not the targets: PyTorch eager, and castor's other attentions
-    # on LLaMA.
+    # What is worth knowing but not the targets: castor's other attentions on GPT-2 (the
+    # default is `auto`), PyTorch eager, and castor's other attentions on LLaMA.
+    if wanted("gpt2-attention"):
+        for flags in (["--attention", "eager"], ["--attention", "fused"]):
+            bench.add(castor_train(bench, gpt2, flags, f"gpt2-{'-'.join(flags).strip('-')}"))
     if wanted("eager"):
         for cfg in (gpt2, llama):
             r, _ = torch_row(bench, cfg, "torch eager", Plan(bench, cfg, []), timer)

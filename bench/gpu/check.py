@@ -19,8 +19,9 @@ no Rust: build with bench/gpu/pack.sh first, then run from the repository root):
                                                    # default plan, castor's fused attention
                                                    # kernels alone and eager attention, and
                                                    # LLaMA-3.2-1B's default plan and with
-                                                   # cuDNN's engine by heuristics alone ("all"
-                                                   # runs the fused GPT-2 and LLaMA ones)
+                                                   # cuDNN's engine by heuristics alone, and
+                                                   # GPT-2 with unfused epilogues ("all" runs
+                                                   # all but the default and eager GPT-2 ones)
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
 Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
@@ -360,13 +361,17 @@ def part_bench(steps, out_dir, budget=None):
 # attention; and the benchmark's LLaMA-3.2-1B step (B=4, T=2048), the one furthest from its
 # roofline, with the defaults and with cuDNN's engine chosen by its heuristics alone (the
 # deterministic backward cuDNN ran at 14x its roofline on the 2026-11-28 H100 record: this
-# measures what determinism costs). Each: (tag, config, batch, seq, flags, environment).
+# measures what determinism costs); and GPT-2 with the products' epilogues unfused (the
+# bias-gradient epilogue's products ran at 2.15x their roofline, plain products at 1.1-1.3x).
+# Each: (tag, config, batch, seq, flags, environment).
 GPT2 = "assets/configs/gpt2-124m.json"
 LLAMA = "assets/configs/llama-3.2-1b.json"
 PROFILED = [("default", GPT2, 8, 1024, [], {}),
             ("attention-fused", GPT2, 8, 1024, ["--attention", "fused"], {}),
             ("llama-1b", LLAMA, 4, 2048, [], {}),
             ("llama-1b-any-engine", LLAMA, 4, 2048, [], {"CASTOR_CUDNN_NONDETERMINISTIC": "1"}),
+            ("epilogues-eager", GPT2, 8, 1024, ["--attention", "fused", "--epilogues", "eager"],
+             {}),
             ("attention-eager", GPT2, 8, 1024, ["--attention", "eager"], {})]
 
 
@@ -401,7 +406,7 @@ def part_all(steps, out_dir):
     # The benchmark's record holds the default plan's profile already: castor's own attention
     # kernels and the LLaMA step with either engine choice (the eager attention's profile is
     # for `--part profile`).
-    part_profile(steps, out_dir / "profile", PROFILED[1:4])
+    part_profile(steps, out_dir / "profile", PROFILED[1:5])
 
 
 def main():
