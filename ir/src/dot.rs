@@ -61,7 +61,7 @@ pub fn to_dot(g: &Graph) -> String {
                 extra.push_str(FROZEN_STYLE);
             }
         }
-        if is_remat(g, data) {
+        if is_remat(data) {
             remats = true;
             label.push_str("\\n(recomputed)");
             extra.push_str(REMAT_STYLE);
@@ -124,10 +124,12 @@ const FROZEN_STYLE: &str = ", style=\"filled,dashed\", color=\"#636363\"";
 /// How a recomputed value is drawn.
 const REMAT_STYLE: &str = ", style=\"filled,dashed\", color=\"#d62728\", penwidth=2.5";
 
-/// A value recomputed for the backward pass (rematerialization), as the remat pass marks it.
-fn is_remat(g: &Graph, data: &crate::graph::NodeData) -> bool {
-    data.note.as_deref().is_some_and(|n| n.starts_with("remat"))
-        || data.outputs.iter().any(|&v| g.name(v).ends_with(".remat"))
+/// A value recomputed (or gathered again) for the backward pass, as the remat pass marks it.
+fn is_remat(data: &crate::graph::NodeData) -> bool {
+    matches!(
+        data.origin,
+        Some(crate::Origin::Remat | crate::Origin::Regather)
+    )
 }
 
 fn escape(s: &str) -> String {

@@ -29,6 +29,37 @@ pub struct NodeData {
     /// from (a cast its producer's, a gradient its forward node's, a recomputation its
     /// original's).
     pub block: Option<u32>,
+    /// What a pass made this node as, when it is a copy or a companion of another (printed as
+    /// `origin=` with the attributes): what passes read instead of name suffixes.
+    pub origin: Option<Origin>,
+}
+
+/// What a pass made a node as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Origin {
+    /// A forward node recomputed in the backward part (`remat`), named `<value>.remat`.
+    Remat,
+    /// A ZeRO-3 parameter's gather (`parallel`), named `<parameter>.gathered`.
+    Gather,
+    /// That gather made again for the backward (`remat`), named `<parameter>.regathered`.
+    Regather,
+}
+
+impl Origin {
+    pub const ALL: [Origin; 3] = [Origin::Remat, Origin::Gather, Origin::Regather];
+
+    /// Its name in the IR text.
+    pub fn name(self) -> &'static str {
+        match self {
+            Origin::Remat => "remat",
+            Origin::Gather => "gather",
+            Origin::Regather => "regather",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Origin> {
+        Origin::ALL.into_iter().find(|o| o.name() == name)
+    }
 }
 
 /// One tensor.
@@ -90,8 +121,8 @@ impl Graph {
         }
     }
 
-    /// Appends a copy of node `n` of graph `from` (op, accumulation, note, block, source
-    /// location) with the given operands and results: how passes that rebuild a graph carry
+    /// Appends a copy of node `n` of graph `from` (op, accumulation, note, block, origin,
+    /// source location) with the given operands and results: how passes that rebuild a graph carry
     /// each node's facts over.
     pub fn push_copy(
         &mut self,
@@ -106,6 +137,7 @@ impl Graph {
         data.acc = d.acc;
         data.note = d.note.clone();
         data.block = d.block;
+        data.origin = d.origin;
         self.locations[new.index()] = from.location(n);
         Ok(new)
     }
@@ -142,6 +174,7 @@ impl Graph {
             acc: None,
             note: None,
             block: None,
+            origin: None,
         });
         self.locations.push(None);
         Ok(node)
@@ -161,6 +194,10 @@ impl Graph {
 
     pub fn set_note(&mut self, node: Node, note: Option<String>) {
         self.nodes[node.index()].note = note;
+    }
+
+    pub fn set_origin(&mut self, node: Node, origin: Option<Origin>) {
+        self.nodes[node.index()].origin = origin;
     }
 
     pub fn set_block(&mut self, node: Node, block: Option<u32>) {

@@ -37,7 +37,7 @@ pub use dot::{dtype_colour, to_dot};
 pub use dtype::{round_tf32, Accum, DType, TensorType};
 pub use entities::{Node, Value};
 pub use error::{IrError, Site};
-pub use graph::{Graph, Location, NodeData, ValueData};
+pub use graph::{Graph, Location, NodeData, Origin, ValueData};
 pub use op::{
     adafactor_moments, AttentionLibrary, Attr, BinaryOp, CollectiveOp, Op, OpClass, ReduceOp,
     UnaryOp,

@@ -1,7 +1,9 @@
 //! The text format's error reporting and the verifier's rules, on small inline graphs.
 //! (Round trips of the hand-written files and model graphs live in the workspace tests.)
 
-use castor_ir::{text, verify, BinaryOp, DType, GraphBuilder, IrError, Op, TensorType};
+use castor_ir::{
+    text, verify, BinaryOp, DType, Graph, GraphBuilder, IrError, Op, Origin, TensorType,
+};
 
 fn parse_err(src: &str) -> (usize, usize, String) {
     match text::parse(src) {
@@ -161,6 +163,46 @@ fn builder_reports_typing_errors_by_name() {
         "node `%sum`: operands differ in dtype: f32 and f16"
     );
     assert!(b.input("x", TensorType::new(DType::F32, [1])).is_err());
+}
+
+/// What a pass made a node as is an IR fact: printed as `origin=`, parsed back, kept by
+/// `push_copy`; an unknown origin is a parse error that lists the known ones.
+#[test]
+fn origins_round_trip() {
+    let src = "graph g {
+  %x: f32[3,4] = input
+  %a: f32[3,4] = tanh(%x)
+  %a.remat: f32[3,4] = tanh(%x) {origin=remat}
+  %b: f32[3,4] = scale(%a.remat) {factor=2.0, block=1, origin=gather}
+  return %b
+}
+";
+    let g = text::parse(src).unwrap();
+    assert_eq!(text::print(&g), src);
+    let origins: Vec<Option<Origin>> = g.nodes().map(|(_, d)| d.origin).collect();
+    assert_eq!(
+        origins,
+        [None, None, Some(Origin::Remat), Some(Origin::Gather)]
+    );
+    let ty = g.ty(g.lookup("x").unwrap()).clone();
+    let mut copy = Graph::new("c");
+    let x = copy
+        .push_node(Op::Input, vec![], vec![("x".into(), ty.clone())])
+        .unwrap();
+    let x = copy.node(x).outputs[0];
+    let remat = g.value(g.lookup("a.remat").unwrap()).producer;
+    let n = copy
+        .push_copy(&g, remat, vec![x], vec![("y".into(), ty)])
+        .unwrap();
+    assert_eq!(copy.node(n).origin, Some(Origin::Remat));
+    let (line, _, m) = parse_err(&src.replace("origin=gather", "origin=shard"));
+    assert_eq!(
+        (line, m.as_str()),
+        (
+            5,
+            "bad origin `shard`: expected one of remat, gather, regather"
+        )
+    );
 }
 
 /// The model's shape and each node's block are IR facts: printed, parsed back, kept by the

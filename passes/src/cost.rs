@@ -471,11 +471,7 @@ pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
         if node.op.class() == OpClass::Communication {
             c.communication += nc;
         }
-        if node
-            .outputs
-            .first()
-            .is_some_and(|&v| g.name(v).ends_with(crate::remat::REMAT_SUFFIX))
-        {
+        if node.origin == Some(castor_ir::Origin::Remat) {
             c.recompute += nc;
             if node.op.class() == OpClass::Contraction {
                 c.recompute_contractions += nc;

@@ -607,9 +607,11 @@ mod tests {
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), v))
                 .collect();
-            // `acc` and `block` are the node's own attributes in the text format.
+            // `acc`, `block` and `origin` are the node's own attributes in the text format.
             assert!(
-                attrs.iter().all(|(k, _)| k != "acc" && k != "block"),
+                attrs
+                    .iter()
+                    .all(|(k, _)| !["acc", "block", "origin"].contains(&k.as_str())),
                 "{} has an attribute the text format keeps for the node",
                 op.mnemonic()
             );

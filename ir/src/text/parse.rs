@@ -1,6 +1,6 @@
 use crate::builder::is_name_char;
 use crate::{
-    Accum, Attr, DType, Graph, IrError, Location, ModelShape, Op, Shape, TensorType, Value,
+    Accum, Attr, DType, Graph, IrError, Location, ModelShape, Op, Origin, Shape, TensorType, Value,
 };
 use std::collections::HashMap;
 
@@ -121,6 +121,7 @@ pub fn parse(text: &str) -> Result<Graph, IrError> {
         g.set_note(node, s.note.clone());
         g.set_acc(node, s.acc);
         g.set_block(node, s.block);
+        g.set_origin(node, s.origin);
     }
     let outputs = outs.iter().map(resolve).collect::<Result<Vec<_>, _>>()?;
     g.set_outputs(outputs);
@@ -132,6 +133,7 @@ struct Stmt {
     op: Op,
     acc: Option<Accum>,
     block: Option<u32>,
+    origin: Option<Origin>,
     operands: Vec<(String, Location)>,
     note: Option<String>,
     loc: Location,
@@ -169,7 +171,7 @@ fn statement(c: &mut Cursor) -> Result<Stmt, IrError> {
     } else {
         Vec::new()
     };
-    // `acc` and `block` belong to the node, not to the op.
+    // `acc`, `block` and `origin` belong to the node, not to the op.
     let acc = match attrs.iter().position(|(k, _)| k == "acc") {
         Some(i) => match attrs.remove(i).1 {
             Attr::Ident(a) => Some(
@@ -205,6 +207,28 @@ fn statement(c: &mut Cursor) -> Result<Stmt, IrError> {
         },
         None => None,
     };
+    let origin = match attrs.iter().position(|(k, _)| k == "origin") {
+        Some(i) => match attrs.remove(i).1 {
+            Attr::Ident(name) => Some(Origin::from_name(&name).ok_or_else(|| {
+                err(
+                    op_loc.line,
+                    op_loc.column,
+                    &format!(
+                        "bad origin `{name}`: expected one of {}",
+                        Origin::ALL.map(Origin::name).join(", ")
+                    ),
+                )
+            })?),
+            other => {
+                return Err(err(
+                    op_loc.line,
+                    op_loc.column,
+                    &format!("bad origin `{other}`: expected a name"),
+                ))
+            }
+        },
+        None => None,
+    };
     let op = Op::from_parts(&mnemonic, attrs).map_err(|m| err(op_loc.line, op_loc.column, &m))?;
     if op.is_source() && !operands.is_empty() {
         return Err(err(
@@ -227,6 +251,7 @@ fn statement(c: &mut Cursor) -> Result<Stmt, IrError> {
         op,
         acc,
         block,
+        origin,
         operands,
         note,
         loc,

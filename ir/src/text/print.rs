@@ -44,6 +44,9 @@ pub(crate) fn node_line(g: &Graph, node: &NodeData) -> String {
     if let Some(block) = node.block {
         attrs.push(("block", Attr::Int(i64::from(block))));
     }
+    if let Some(origin) = node.origin {
+        attrs.push(("origin", Attr::Ident(origin.name().into())));
+    }
     if !attrs.is_empty() {
         let _ = write!(line, " {{{}}}", attr_list(&attrs));
     }

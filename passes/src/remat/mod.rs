@@ -36,7 +36,7 @@ use crate::cost::{node_cost, GpuSpec, NodeCost};
 use crate::memory::{plan_graphs, MemoryModel, ScheduledGraph};
 use crate::training::parallel::GATHERED_SUFFIX;
 use crate::PassError;
-use castor_ir::{human_bytes, Graph, Node, Op, Remat, Value};
+use castor_ir::{human_bytes, Graph, Node, Op, Origin, Remat, Value};
 use std::collections::{HashMap, HashSet};
 
 /// Suffix of recomputed values' names.
@@ -175,8 +175,7 @@ pub const REGATHERED_SUFFIX: &str = ".regathered";
 
 /// Whether `v` is a ZeRO-3 parameter gathered in the forward (the `parallel` pass's).
 fn is_gather(g: &Graph, v: Value) -> bool {
-    matches!(g.node(g.value(v).producer).op, Op::AllGather { .. })
-        && g.name(v).ends_with(GATHERED_SUFFIX)
+    g.node(g.value(v).producer).origin == Some(Origin::Gather)
 }
 
 /// Whether `g`'s forward (its first `forward_nodes` nodes) gathers parameters (ZeRO-3).
@@ -267,6 +266,13 @@ fn ensure_clone(
         .map(|&o| (clone_name(o), g.ty(o).clone()))
         .collect();
     let nn = out.push_copy(g, p, inputs, outputs)?;
+    out.set_origin(
+        nn,
+        Some(match gather {
+            true => Origin::Regather,
+            false => Origin::Remat,
+        }),
+    );
     let first_user = g
         .node(user)
         .outputs
@@ -311,10 +317,7 @@ pub fn recomputed(g: &Graph, gpu: &GpuSpec) -> (Vec<Value>, NodeCost) {
     let mut values = Vec::new();
     let mut cost = NodeCost::default();
     for (n, d) in g.nodes() {
-        let Some(&v) = d.outputs.first() else {
-            continue;
-        };
-        if g.name(v).ends_with(REMAT_SUFFIX) {
+        if d.origin == Some(Origin::Remat) {
             cost += node_cost(g, n, gpu);
             values.extend(d.outputs.iter().copied());
         }

@@ -24,7 +24,7 @@
 use super::{PlanBuild, PlanPass};
 use crate::{PassError, PassReport};
 use castor_ir::{
-    CollectiveOp, Graph, Op, OptimizerKind, Shape, StateRole, TensorType, Value, GRAD_NORM,
+    CollectiveOp, Graph, Op, OptimizerKind, Origin, Shape, StateRole, TensorType, Value, GRAD_NORM,
 };
 use std::collections::{HashMap, HashSet};
 
@@ -232,6 +232,7 @@ impl Gather {
             shape: whole.shape.0.clone(),
         };
         let node = out.push_node(op, vec![shard], vec![(name, whole.clone())])?;
+        out.set_origin(node, Some(Origin::Gather));
         Ok(out.node(node).outputs[0])
     }
 }
