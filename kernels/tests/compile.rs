@@ -154,31 +154,46 @@ fn ptxas_resource_report() {
     assert!(spills.is_empty(), "kernels spill registers: {spills:?}");
 }
 
+/// The sm_90 machine code of kernel file `name`, as ptxas reports its resources and nvdisasm
+/// counts each kernel's instructions; `None` (skipped) without NVRTC, ptxas or nvdisasm,
+/// which CI must have.
+fn machine_code(
+    name: &str,
+) -> Option<(
+    Vec<ptxas::KernelResources>,
+    std::collections::BTreeMap<String, sass::InstructionMix>,
+)> {
+    let nvrtc = nvrtc()?;
+    let dir = std::env::var_os("CASTOR_NVRTC_DIR")?;
+    let dir = std::path::Path::new(&dir);
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    let (Some(ptxas_bin), Some(nvdisasm)) = (ptxas::find_ptxas(dir), sass::find_nvdisasm(dir))
+    else {
+        let why = "no ptxas or nvdisasm in CASTOR_NVRTC_DIR (pip install \
+                   nvidia-cuda-nvcc==13.0.* nvidia-cuda-nvdisasm)";
+        assert!(!ci, "CI=true but {why}");
+        eprintln!("skipped: {why}");
+        return None;
+    };
+    let file = castor_kernels::file(name).unwrap();
+    let ptx = nvrtc
+        .compile(file, DEFAULT_ARCH)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (resources, cubin) = ptxas::assemble(&ptxas_bin, file.name, &ptx, DEFAULT_ARCH)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let listing = sass::disassemble(&nvdisasm, &cubin).unwrap_or_else(|e| panic!("{e}"));
+    Some((resources, sass::count(&listing)))
+}
+
 /// The RoPE kernels compute a row's start once per (batch, position) in 32-bit arithmetic:
 /// their machine code calls no out-of-line routine (the per-element 64-bit divisions of the
 /// earlier form were calls, and ran the kernels at 3.2x their memory roofline on an H100).
 /// Prints each kernel's static instruction count.
 #[test]
 fn rope_machine_code_has_no_out_of_line_division() {
-    let Some(nvrtc) = nvrtc() else { return };
-    let Some(dir) = std::env::var_os("CASTOR_NVRTC_DIR") else {
+    let Some((_, mixes)) = machine_code("rope.cu") else {
         return;
     };
-    let dir = std::path::Path::new(&dir);
-    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
-    let (Some(ptxas_bin), Some(nvdisasm)) = (ptxas::find_ptxas(dir), sass::find_nvdisasm(dir))
-    else {
-        assert!(!ci, "CI=true but no ptxas or nvdisasm in CASTOR_NVRTC_DIR");
-        return;
-    };
-    let file = castor_kernels::file("rope.cu").unwrap();
-    let ptx = nvrtc
-        .compile(file, DEFAULT_ARCH)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (_, cubin) = ptxas::assemble(&ptxas_bin, file.name, &ptx, DEFAULT_ARCH)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let listing = sass::disassemble(&nvdisasm, &cubin).unwrap_or_else(|e| panic!("{e}"));
-    let mixes = sass::count(&listing);
     let mut failures = Vec::new();
     for (kernel, mix) in mixes
         .iter()
@@ -202,28 +217,9 @@ fn rope_machine_code_has_no_out_of_line_division() {
 /// tensor-core instruction before the rebuild). Prints every attention kernel's mix.
 #[test]
 fn attention_machine_code_has_the_flash_attention_shape() {
-    let Some(nvrtc) = nvrtc() else { return };
-    let Some(dir) = std::env::var_os("CASTOR_NVRTC_DIR") else {
+    let Some((resources, mixes)) = machine_code("attention.cu") else {
         return;
     };
-    let dir = std::path::Path::new(&dir);
-    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
-    let (Some(ptxas_bin), Some(nvdisasm)) = (ptxas::find_ptxas(dir), sass::find_nvdisasm(dir))
-    else {
-        let why = "no ptxas or nvdisasm in CASTOR_NVRTC_DIR (pip install \
-                   nvidia-cuda-nvcc==13.0.* nvidia-cuda-nvdisasm)";
-        assert!(!ci, "CI=true but {why}");
-        eprintln!("skipped: {why}");
-        return;
-    };
-    let file = castor_kernels::file("attention.cu").unwrap();
-    let ptx = nvrtc
-        .compile(file, DEFAULT_ARCH)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (resources, cubin) = ptxas::assemble(&ptxas_bin, file.name, &ptx, DEFAULT_ARCH)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let listing = sass::disassemble(&nvdisasm, &cubin).unwrap_or_else(|e| panic!("{e}"));
-    let mixes = sass::count(&listing);
     println!(
         "{:<28} {:>6} {:>6} {:>9} {:>5} {:>6} {:>6} {:>6}",
         "kernel", "total", "tensor", "per tensor", "LDSM", "async", "2-byte", "spills"
