@@ -199,6 +199,35 @@ pub(super) struct Plan {
 /// measures what the deterministic backward costs. Replays are then no longer bit-identical.
 pub const ANY_ENGINE_ENV: &str = "CASTOR_CUDNN_NONDETERMINISTIC";
 
+/// Whether [`ANY_ENGINE_ENV`] asks for the heuristics' first engine: unset or `0` no, `1`
+/// yes, anything else an error naming it.
+pub(super) fn any_engine_requested() -> Result<bool, String> {
+    match std::env::var(ANY_ENGINE_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(false),
+        Ok(v) => any_engine_value(&v),
+        Err(e) => Err(format!("{ANY_ENGINE_ENV}: {e}")),
+    }
+}
+
+fn any_engine_value(v: &str) -> Result<bool, String> {
+    match v {
+        "0" => Ok(false),
+        "1" => Ok(true),
+        _ => Err(format!("{ANY_ENGINE_ENV}={v}: expected 0 or 1")),
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn the_engine_choice_variable_takes_0_or_1() {
+    assert_eq!(any_engine_value("0"), Ok(false));
+    assert_eq!(any_engine_value("1"), Ok(true));
+    assert_eq!(
+        any_engine_value("yes"),
+        Err("CASTOR_CUDNN_NONDETERMINISTIC=yes: expected 0 or 1".into())
+    );
+}
+
 /// An engine's place in the heuristics' lists, for the device line.
 fn engine_name(index: Option<i64>, mode: &str, rank: usize) -> String {
     let index = index.map_or("?".to_string(), |i| i.to_string());
@@ -231,6 +260,8 @@ fn key(call: &Sdpa) -> PlanKey {
 pub(super) struct Cudnn {
     handle: sys::cudnnHandle_t,
     pub(super) version: usize,
+    /// Take the heuristics' first engine whatever its determinism ([`ANY_ENGINE_ENV`]).
+    pub(super) any_engine: bool,
     plans: HashMap<PlanKey, Plan>,
 }
 
@@ -244,13 +275,14 @@ impl Drop for Cudnn {
 
 impl Cudnn {
     /// A handle on the current context (after [`probe`]).
-    pub(super) fn new(version: usize) -> Result<Cudnn, String> {
+    pub(super) fn new(version: usize, any_engine: bool) -> Result<Cudnn, String> {
         let mut handle = std::ptr::null_mut();
         // SAFETY: the library is present (probed); `handle` receives a new handle.
         check(unsafe { sys::cudnnCreate(&mut handle) }, "cudnnCreate")?;
         Ok(Cudnn {
             handle,
             version,
+            any_engine,
             plans: HashMap::new(),
         })
     }
@@ -459,7 +491,7 @@ impl Cudnn {
     /// whose plan builds within `workspace` bytes, preferring deterministic engines (unless
     /// [`ANY_ENGINE_ENV`] is 1); with whether it is deterministic and its name.
     fn choose(&self, op_graph: &Desc, workspace: u64) -> Result<(Desc, bool, String), String> {
-        let any_engine = std::env::var(ANY_ENGINE_ENV).is_ok_and(|v| v == "1");
+        let any_engine = self.any_engine;
         let mut last = "cuDNN's heuristics proposed no engine".to_string();
         let mut nondeterministic: Option<(Desc, String)> = None;
         for (heur_mode, mode) in [

@@ -285,7 +285,9 @@ impl Loaded {
                 call.node
             ))
         };
-        let cudnn = super::cudnn::probe().and_then(super::cudnn::Cudnn::new);
+        // A bad value is an error whichever backend would run: it names the variable.
+        let any_engine = super::cudnn::any_engine_requested().map_err(CudaError::NoCudnn)?;
+        let cudnn = super::cudnn::probe().and_then(|v| super::cudnn::Cudnn::new(v, any_engine));
         let mut cudnn = match cudnn {
             Ok(c) => c,
             Err(why) => {
@@ -331,8 +333,7 @@ impl Loaded {
                 line.push_str(&format!(" (first refused: {why})"));
             }
         }
-        let any_engine = std::env::var(super::cudnn::ANY_ENGINE_ENV).is_ok_and(|v| v == "1");
-        if nondeterministic > 0 && any_engine {
+        if nondeterministic > 0 && cudnn.any_engine {
             line.push_str(&format!(
                 "; {nondeterministic} on nondeterministic engines ({}=1)",
                 super::cudnn::ANY_ENGINE_ENV
