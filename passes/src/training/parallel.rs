@@ -137,7 +137,13 @@ impl PlanPass for DataParallel {
         plan.forward_nodes = forward_nodes;
         // Optimizer step: the updates on shards.
         if zero >= 1 {
-            plan.optimizer_step = shard_updates(&plan.optimizer_step, &sharded, world, zero)?;
+            plan.optimizer_step = shard_updates(
+                &plan.optimizer_step,
+                &plan.optimizer_step_writes,
+                &sharded,
+                world,
+                zero,
+            )?;
         }
         let what = match zero {
             0 => "state replicated",
@@ -354,6 +360,7 @@ fn rebuild(
 /// after it; under ZeRO-2 the gradient norm combined across ranks.
 fn shard_updates(
     g: &Graph,
+    writes: &[castor_ir::Write],
     sharded: &HashMap<String, TensorType>,
     world: usize,
     zero: u8,
@@ -381,14 +388,25 @@ fn shard_updates(
                 let cut = out.push_node(Op::Shard { world }, vec![*slot], vec![(name, ty)])?;
                 *slot = out.node(cut).outputs[0];
             }
-            let outputs: Vec<(String, TensorType)> = node
+            // Moments stay shards (they write a sharded state entry); the master and its copy
+            // are gathered.
+            let stays_shard: Vec<bool> = node
                 .outputs
                 .iter()
                 .map(|&v| {
+                    writes
+                        .iter()
+                        .any(|w| w.output == g.name(v) && sharded.contains_key(&w.state))
+                })
+                .collect();
+            let outputs: Vec<(String, TensorType)> = node
+                .outputs
+                .iter()
+                .zip(&stays_shard)
+                .map(|(&v, &stays)| {
                     let shard = shard_type(g.ty(v), world);
                     let name = g.name(v).to_string();
-                    // Moments stay shards; the master and its copy are gathered.
-                    match sharded.contains_key(name.trim_end_matches(".next")) {
+                    match stays {
                         true => (name, shard),
                         false => (format!("{name}.shard"), shard),
                     }
@@ -396,8 +414,8 @@ fn shard_updates(
                 .collect();
             let new = out.push_copy(g, n, inputs, outputs)?;
             let fresh = out.node(new).outputs.clone();
-            for (&old, &f) in node.outputs.iter().zip(&fresh) {
-                let gathered = if out.name(f).ends_with(".shard") {
+            for ((&old, &f), &stays) in node.outputs.iter().zip(&fresh).zip(&stays_shard) {
+                let gathered = if !stays {
                     let op = Op::AllGather {
                         world,
                         shape: g.ty(old).shape.0.clone(),
