@@ -183,7 +183,7 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
     let mut tensors = HashMap::new();
     for name in file.names() {
         let ours = name.strip_prefix(PREFIX).unwrap_or(name);
-        if !LoraSettings::is_adapter(ours) {
+        if !LoraSettings::is_adapter_tensor(ours) {
             return Err(bad(format!(
                 "{WEIGHTS} holds `{name}`, which is no LoRA A or B weight"
             ))
@@ -206,19 +206,25 @@ pub fn load(dir: &Path) -> anyhow::Result<Loaded> {
     })
 }
 
-/// The adapters a plan trains, from `--adapter DIR` (every one the plan has must be there)
-/// or initialized as PEFT initializes them (`seed` per tensor).
+/// The adapter parameters of a graph the `lora` pass rewrote (`origin=adapter`), each with its
+/// type.
+pub fn adapters_of(graph: &castor_ir::Graph) -> Vec<(String, castor_ir::TensorType)> {
+    graph
+        .with_origin(castor_ir::Origin::Adapter)
+        .map(|p| (graph.name(p).to_string(), graph.ty(p).clone()))
+        .collect()
+}
+
+/// The values of `adapters` (a plan's adapter parameters), from `--adapter DIR` (every one
+/// must be there) or initialized as PEFT initializes them (`seed` per tensor).
 pub fn initial(
-    plan_params: &[(String, castor_ir::TensorType)],
+    adapters: &[(String, castor_ir::TensorType)],
     loaded: Option<&HashMap<String, Tensor>>,
     from: Option<&Path>,
     seed: u64,
 ) -> anyhow::Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
-    for (name, ty) in plan_params {
-        if !LoraSettings::is_adapter(name) {
-            continue;
-        }
+    for (name, ty) in adapters {
         let t = match loaded {
             Some(tensors) => tensors.get(name).cloned().ok_or_else(|| {
                 CliError::InvalidInput(format!(

@@ -160,6 +160,12 @@ impl GraphBuilder {
         self.graph.set_acc(node, acc);
     }
 
+    /// Sets the origin of the node that produces `v`.
+    pub fn set_origin(&mut self, v: Value, origin: Option<crate::Origin>) {
+        let node = self.graph.value(v).producer;
+        self.graph.set_origin(node, origin);
+    }
+
     /// Renames a value (an output that must carry an exact name, such as `grad.<param>`).
     pub fn rename(&mut self, v: Value, name: &str) -> Result<(), IrError> {
         self.graph.rename(v, name)

@@ -26,9 +26,7 @@ pub fn to_dot(g: &Graph) -> String {
     out.push_str("  rankdir=TB;\n  node [style=filled, fontname=\"Helvetica\", fontsize=10];\n");
     let mut used = Vec::new();
     let (mut copies, mut remats) = (false, false);
-    let lora = g
-        .params()
-        .any(|p| crate::LoraSettings::is_adapter(g.name(p)));
+    let lora = g.with_origin(crate::Origin::Adapter).next().is_some();
     for (n, data) in g.nodes() {
         let first = data.outputs[0];
         let ty = g.ty(first);
@@ -53,7 +51,7 @@ pub fn to_dot(g: &Graph) -> String {
             extra.push_str(", peripheries=2");
         }
         if lora && data.op == Op::Param {
-            if crate::LoraSettings::is_adapter(g.name(first)) {
+            if data.origin == Some(crate::Origin::Adapter) {
                 label.push_str("\\n(LoRA adapter)");
                 extra.push_str(ADAPTER_STYLE);
             } else {

@@ -34,7 +34,8 @@ pub struct NodeData {
     pub origin: Option<Origin>,
 }
 
-/// What a pass made a node as.
+/// What a node is, where its name alone would otherwise say it: what passes read instead of
+/// name suffixes and checkpoint naming conventions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Origin {
     /// A forward node recomputed in the backward part (`remat`), named `<value>.remat`.
@@ -43,10 +44,23 @@ pub enum Origin {
     Gather,
     /// That gather made again for the backward (`remat`), named `<parameter>.regathered`.
     Regather,
+    /// A LoRA adapter parameter the `lora` pass added (`<module>.lora_A.weight` as PEFT names
+    /// it): with adapters, these alone are trained and every other parameter is frozen.
+    Adapter,
+    /// The output head's product (the causal LM's `logits`, as the model's front end builds
+    /// it): LoRA's `all-linear` and NF4 quantization leave its weight alone, as PEFT and
+    /// bitsandbytes do.
+    Head,
 }
 
 impl Origin {
-    pub const ALL: [Origin; 3] = [Origin::Remat, Origin::Gather, Origin::Regather];
+    pub const ALL: [Origin; 5] = [
+        Origin::Remat,
+        Origin::Gather,
+        Origin::Regather,
+        Origin::Adapter,
+        Origin::Head,
+    ];
 
     /// Its name in the IR text.
     pub fn name(self) -> &'static str {
@@ -54,6 +68,8 @@ impl Origin {
             Origin::Remat => "remat",
             Origin::Gather => "gather",
             Origin::Regather => "regather",
+            Origin::Adapter => "adapter",
+            Origin::Head => "head",
         }
     }
 
@@ -286,6 +302,19 @@ impl Graph {
     /// Training state (`state` nodes), in order.
     pub fn states(&self) -> impl Iterator<Item = Value> + '_ {
         self.sources(Op::State)
+    }
+
+    /// The values whose producer has this origin, in order (the adapters: `Origin::Adapter`).
+    pub fn with_origin(&self, origin: Origin) -> impl Iterator<Item = Value> + '_ {
+        self.nodes
+            .iter()
+            .filter(move |n| n.origin == Some(origin))
+            .map(|n| n.outputs[0])
+    }
+
+    /// Whether `v`'s producer has this origin.
+    pub fn has_origin(&self, v: Value, origin: Origin) -> bool {
+        self.node(self.value(v).producer).origin == Some(origin)
     }
 
     fn sources(&self, kind: Op) -> impl Iterator<Item = Value> + '_ {

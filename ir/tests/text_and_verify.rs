@@ -165,8 +165,9 @@ fn builder_reports_typing_errors_by_name() {
     assert!(b.input("x", TensorType::new(DType::F32, [1])).is_err());
 }
 
-/// What a pass made a node as is an IR fact: printed as `origin=`, parsed back, kept by
-/// `push_copy`; an unknown origin is a parse error that lists the known ones.
+/// What a node is (a recomputation, a gather, an adapter, the output head) is an IR fact:
+/// printed as `origin=`, parsed back, kept by `push_copy`, found by `with_origin`; an unknown
+/// origin is a parse error that lists the known ones.
 #[test]
 fn origins_round_trip() {
     let src = "graph g {
@@ -174,7 +175,9 @@ fn origins_round_trip() {
   %a: f32[3,4] = tanh(%x)
   %a.remat: f32[3,4] = tanh(%x) {origin=remat}
   %b: f32[3,4] = scale(%a.remat) {factor=2.0, block=1, origin=gather}
-  return %b
+  %w.lora_A.weight: f32[2,4] = param {origin=adapter}
+  %c: f32[3,2] = matmul(%b, %w.lora_A.weight) {transpose_a=false, transpose_b=true, origin=head}
+  return %c
 }
 ";
     let g = text::parse(src).unwrap();
@@ -182,8 +185,19 @@ fn origins_round_trip() {
     let origins: Vec<Option<Origin>> = g.nodes().map(|(_, d)| d.origin).collect();
     assert_eq!(
         origins,
-        [None, None, Some(Origin::Remat), Some(Origin::Gather)]
+        [
+            None,
+            None,
+            Some(Origin::Remat),
+            Some(Origin::Gather),
+            Some(Origin::Adapter),
+            Some(Origin::Head)
+        ]
     );
+    let adapters: Vec<&str> = g.with_origin(Origin::Adapter).map(|v| g.name(v)).collect();
+    assert_eq!(adapters, ["w.lora_A.weight"]);
+    assert!(g.has_origin(g.lookup("c").unwrap(), Origin::Head));
+    assert!(!g.has_origin(g.lookup("b").unwrap(), Origin::Head));
     let ty = g.ty(g.lookup("x").unwrap()).clone();
     let mut copy = Graph::new("c");
     let x = copy
@@ -200,7 +214,7 @@ fn origins_round_trip() {
         (line, m.as_str()),
         (
             5,
-            "bad origin `shard`: expected one of remat, gather, regather"
+            "bad origin `shard`: expected one of remat, gather, regather, adapter, head"
         )
     );
 }

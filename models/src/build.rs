@@ -10,7 +10,8 @@
 
 use crate::error::ModelError;
 use castor_ir::{
-    BinaryOp, DType, Graph, GraphBuilder, IrError, ModelShape, Op, RopeScaling, TensorType, Value,
+    BinaryOp, DType, Graph, GraphBuilder, IrError, ModelShape, Op, Origin, RopeScaling, TensorType,
+    Value,
 };
 use std::collections::HashMap;
 
@@ -279,6 +280,20 @@ impl<'m> Ctx<'m> {
         self.b.set_block(block);
         self.scope = saved;
         out
+    }
+
+    /// A causal LM's output head: `logits = h · Wᵀ` by the parameter `weight` (its own
+    /// `lm_head.weight` or the tied token embeddings), marked `origin=head` so that passes
+    /// find the output layer without knowing its name.
+    pub fn lm_head(&mut self, h: Value, weight: &str) -> Result<Value, ModelError> {
+        let w = self.param(weight)?;
+        let product = Op::MatMul {
+            transpose_a: false,
+            transpose_b: true,
+        };
+        let logits = self.op_exact("logits", product, &[h, w])?;
+        self.b.set_origin(logits, Some(Origin::Head));
+        Ok(logits)
     }
 
     pub fn add(&mut self, name: &str, a: Value, b: Value) -> Result<Value, ModelError> {

@@ -160,15 +160,7 @@ impl Arch for Gpt2Config {
         } else {
             "lm_head.weight".to_string()
         };
-        let lm = ctx.param(&lm)?;
-        let logits = ctx.op_exact(
-            "logits",
-            Op::MatMul {
-                transpose_a: false,
-                transpose_b: true,
-            },
-            &[h, lm],
-        )?;
+        let logits = ctx.lm_head(h, &lm)?;
         Ok(vec![logits])
     }
 }

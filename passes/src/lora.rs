@@ -11,10 +11,12 @@
 //! `.weight`) is a target when it equals a target or ends with `.` and the target
 //! (`c_attn` matches `transformer.h.0.attn.c_attn`); a target with `*` or `?` is a glob on the
 //! whole module name; `all-linear` takes every product by a 2-D weight except the output
-//! layer (a weight an embedding also reads, or `lm_head`), as PEFT's `all-linear` does.
+//! layer (the product the front end marked `origin=head`, or one by a weight an embedding
+//! also reads), as PEFT's `all-linear` does. The adapter parameters are marked
+//! `origin=adapter`: what the training plan reads to tell them from the frozen base.
 
 use crate::{Pass, PassError, PassReport};
-use castor_ir::{BinaryOp, DType, Graph, LoraSettings, Node, Op, Shape, TensorType, Value};
+use castor_ir::{BinaryOp, DType, Graph, LoraSettings, Node, Op, Origin, Shape, TensorType, Value};
 use std::collections::BTreeMap;
 
 /// The `lora` pass.
@@ -138,9 +140,7 @@ fn find_sites(g: &Graph, c: &LoraSettings) -> Vec<Site> {
         let Some((module, inner, outer)) = product_by_weight(g, node) else {
             continue;
         };
-        let output_layer = embedded.contains(&node.inputs[1])
-            || module == "lm_head"
-            || module.ends_with(".lm_head");
+        let output_layer = node.origin == Some(Origin::Head) || embedded.contains(&node.inputs[1]);
         let chosen = if c.all_linear() {
             !output_layer
         } else {
@@ -197,6 +197,7 @@ fn rewrite(g: &Graph, sites: &[Site], c: &LoraSettings) -> Result<Graph, PassErr
                     vec![(LoraSettings::adapter_name(&s.module, which), f32(dims))],
                 )
                 .map_err(ir)?;
+            out.set_origin(n, Some(Origin::Adapter));
             Ok::<Value, PassError>(out.node(n).outputs[0])
         };
         let a = param('A', vec![c.rank, s.inner])?;
@@ -340,8 +341,8 @@ mod tests {
         castor_ir::verify(&out).unwrap();
         let printed = text::print(&out);
         for line in [
-            "%layers.0.q_proj.lora_A.weight: f32[2,4] = param",
-            "%layers.0.q_proj.lora_B.weight: f32[6,2] = param",
+            "%layers.0.q_proj.lora_A.weight: f32[2,4] = param {origin=adapter}",
+            "%layers.0.q_proj.lora_B.weight: f32[6,2] = param {origin=adapter}",
             "%q.base: f32[2,3,6] = matmul(%x, %layers.0.q_proj.weight)",
             "%q.lora_a: f32[2,3,2] = matmul(%x, %layers.0.q_proj.lora_A.weight) {transpose_a=false, transpose_b=true}",
             "%q.lora_b: f32[2,3,6] = matmul(%q.lora_a, %layers.0.q_proj.lora_B.weight) {transpose_a=false, transpose_b=true}",
@@ -393,5 +394,43 @@ mod tests {
         assert!(out.lookup("h.0.fc.lora_A.weight").is_some());
         assert!(out.lookup("wte.lora_A.weight").is_none());
         assert!(report.summary.contains("adapters on 1 product(s) (fc x1)"));
+    }
+
+    #[test]
+    fn all_linear_leaves_out_the_product_marked_head_whatever_its_name() {
+        // The front end marks the output head; a weight merely named `lm_head` is a linear
+        // layer like any other.
+        let src = "graph g {
+  %x: f32[1,3,4] = input
+  %blocks.0.fc.weight: f32[4,4] = param
+  %lm_head.weight: f32[4,4] = param
+  %out.weight: f32[10,4] = param
+  %h: f32[1,3,4] = matmul(%x, %blocks.0.fc.weight) {transpose_a=false, transpose_b=true}
+  %g: f32[1,3,4] = matmul(%h, %lm_head.weight) {transpose_a=false, transpose_b=true}
+  %logits: f32[1,3,10] = matmul(%g, %out.weight) {transpose_a=false, transpose_b=true, origin=head}
+  return %logits
+}
+";
+        let g = text::parse(src).unwrap();
+        let (out, report) = lora(&["all-linear"]).run(&g).unwrap();
+        let adapters: Vec<&str> = out
+            .with_origin(Origin::Adapter)
+            .map(|v| out.name(v))
+            .collect();
+        assert_eq!(
+            adapters,
+            [
+                "blocks.0.fc.lora_A.weight",
+                "blocks.0.fc.lora_B.weight",
+                "lm_head.lora_A.weight",
+                "lm_head.lora_B.weight"
+            ]
+        );
+        assert!(out.has_origin(out.lookup("logits").unwrap(), Origin::Head));
+        assert!(
+            report.summary.contains("adapters on 2 product(s)"),
+            "{}",
+            report.summary
+        );
     }
 }

@@ -210,10 +210,7 @@ pub fn evaluate(args: &Args, input: Option<&SafetensorsFile>) -> anyhow::Result<
     }
     let mut params = model.load_params()?;
     if let Some(crate::adapter::Loaded { tensors, .. }) = &adapter {
-        let wanted: Vec<(String, castor_ir::TensorType)> = graph
-            .params()
-            .map(|p| (graph.name(p).to_string(), graph.ty(p).clone()))
-            .collect();
+        let wanted = crate::adapter::adapters_of(&graph);
         params.extend(crate::adapter::initial(
             &wanted,
             Some(tensors),

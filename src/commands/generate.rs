@@ -144,10 +144,7 @@ pub fn generate(args: &Args, on_text: &mut dyn FnMut(&str)) -> anyhow::Result<Ge
         // Every adapter the pass adds must be in the folder: check against the prompt's graph.
         let graph = model.build_decode_graph(1, 0, prompt.len())?;
         let (graph, report) = crate::training::with_adapters(graph, Some(&a.lora))?;
-        let wanted: Vec<(String, castor_ir::TensorType)> = graph
-            .params()
-            .map(|p| (graph.name(p).to_string(), graph.ty(p).clone()))
-            .collect();
+        let wanted = crate::adapter::adapters_of(&graph);
         weights.extend(crate::adapter::initial(
             &wanted,
             Some(&a.tensors),

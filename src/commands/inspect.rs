@@ -96,10 +96,7 @@ pub fn inspect(args: &Args) -> anyhow::Result<Inspected> {
         Some(dir) => {
             let a = crate::adapter::load(dir)?;
             let (graph, report) = crate::training::with_adapters(graph, Some(&a.lora))?;
-            let wanted: Vec<(String, castor_ir::TensorType)> = graph
-                .params()
-                .map(|p| (graph.name(p).to_string(), graph.ty(p).clone()))
-                .collect();
+            let wanted = crate::adapter::adapters_of(&graph);
             // Every adapter the model gets must be in the folder, shaped as the graph says.
             let tensors = crate::adapter::initial(&wanted, Some(&a.tensors), Some(dir), 0)?;
             for (name, ty) in &wanted {

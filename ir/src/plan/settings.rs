@@ -141,8 +141,10 @@ impl LoraSettings {
         format!("{module}.lora_{which}.weight")
     }
 
-    /// True for the parameters the `lora` pass adds.
-    pub fn is_adapter(param: &str) -> bool {
+    /// True for a tensor name of a PEFT adapter file (`<module>.lora_A.weight` or
+    /// `<module>.lora_B.weight`, without PEFT's prefix). In a graph the adapters are the
+    /// parameters marked `origin=adapter` ([`crate::Origin::Adapter`]).
+    pub fn is_adapter_tensor(param: &str) -> bool {
         param.ends_with(".lora_A.weight") || param.ends_with(".lora_B.weight")
     }
 }

@@ -48,7 +48,10 @@ pub const REMAT_SUFFIX: &str = ".remat";
 /// a name that does not spell it stays as it is.
 pub fn group_name(g: &Graph, v: Value) -> String {
     let name = g.name(v);
-    let name = name.strip_suffix(REMAT_SUFFIX).unwrap_or(name);
+    let name = match g.has_origin(v, Origin::Remat) {
+        true => name.strip_suffix(REMAT_SUFFIX).unwrap_or(name),
+        false => name,
+    };
     let Some(block) = g.node(g.value(v).producer).block else {
         return name.to_string();
     };
@@ -500,7 +503,8 @@ mod tests {
             "graph g {
                %x: f32[2] = input
                %h.11.act: f32[2] = tanh(%x) {block=11}
-               %h.11.act.remat: f32[2] = tanh(%x) {block=11}
+               %h.11.act.remat: f32[2] = tanh(%x) {block=11, origin=remat}
+               %h.11.out.remat: f32[2] = tanh(%x) {block=11}
                %blk3_act: f32[2] = tanh(%x) {block=3}
                %h.1.act: f32[2] = tanh(%x)
                return %h.11.act
@@ -510,6 +514,8 @@ mod tests {
         let v = |n: &str| g.lookup(n).unwrap();
         assert_eq!(group_name(&g, v("h.11.act")), "h.*.act");
         assert_eq!(group_name(&g, v("h.11.act.remat")), "h.*.act");
+        // A name that only looks recomputed is its own group.
+        assert_eq!(group_name(&g, v("h.11.out.remat")), "h.*.out.remat");
         assert_eq!(group_name(&g, v("blk3_act")), "blk3_act");
         assert_eq!(group_name(&g, v("h.1.act")), "h.1.act");
         assert_eq!(group_name(&g, v("x")), "x");

@@ -86,7 +86,7 @@ impl PlanBuild {
                 params
                     .iter()
                     .copied()
-                    .filter(|&p| !castor_ir::LoraSettings::is_adapter(forward.name(p))),
+                    .filter(|&p| !forward.has_origin(p, castor_ir::Origin::Adapter)),
             );
         }
         let no_decay = matching(forward, &params, &settings.no_decay, "--no-decay")?;
@@ -143,7 +143,7 @@ fn frozen_base(forward: &Graph) -> Result<Graph, PassError> {
     // Per base parameter read only by copies to one dtype: that dtype.
     let mut low: Vec<Option<castor_ir::DType>> = vec![None; forward.num_values()];
     for p in forward.params() {
-        if castor_ir::LoraSettings::is_adapter(forward.name(p)) || forward.outputs().contains(&p) {
+        if forward.has_origin(p, castor_ir::Origin::Adapter) || forward.outputs().contains(&p) {
             continue;
         }
         let copies: Vec<castor_ir::DType> = users[p.index()]

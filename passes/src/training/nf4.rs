@@ -5,16 +5,19 @@
 //!
 //! A weight qualifies when it is frozen base (not an adapter), a matrix, and read only as the
 //! right operand of products (an embedding table, which a gather also reads, stays; so does a
-//! tied output layer). The LM head is left in the compute dtype, as bitsandbytes and PEFT leave
-//! `lm_head`. Its state entry becomes two (`<name>.nf4_codes`, `<name>.nf4_absmax`),
-//! quantized from the checkpoint when the state is initialized. The pass runs after the
-//! optimizer's, whose state it rewrites, and before recomputation: no dequantized weight is a
-//! value of the graph, so none is ever saved for the backward.
+//! tied output layer). The output head (read by the product marked `origin=head`) is left in
+//! the compute dtype, as bitsandbytes and PEFT leave `lm_head`. A quantized weight's state
+//! entry becomes two (`<name>.nf4_codes`, `<name>.nf4_absmax`), quantized from the checkpoint
+//! when the state is initialized. The pass runs after the optimizer's, whose state it
+//! rewrites, and before recomputation: no dequantized weight is a value of the graph, so none
+//! is ever saved for the backward.
 
 use super::{PlanBuild, PlanPass};
 use crate::{PassError, PassReport};
 use castor_ir::nf4::NF4_BLOCK;
-use castor_ir::{thousands, Graph, LoraBase, Nf4Part, Op, StateInit, StateRole, StateSpec, Value};
+use castor_ir::{
+    thousands, Graph, LoraBase, Nf4Part, Op, Origin, StateInit, StateRole, StateSpec, Value,
+};
 
 pub(super) struct Nf4Base;
 
@@ -98,12 +101,9 @@ fn quantizable(g: &Graph, frozen: &[&StateSpec]) -> Vec<Value> {
     g.params()
         .filter(|&p| {
             let name = g.name(p);
-            let module = name.strip_suffix(".weight").unwrap_or(name);
             frozen.iter().any(|s| s.name == name)
                 && g.ty(p).shape.rank() == 2
                 && g.ty(p).dtype.is_float()
-                && module != "lm_head"
-                && !module.ends_with(".lm_head")
                 && !users[p.index()].is_empty()
                 && users[p.index()].iter().all(|&u| {
                     let node = g.node(u);
@@ -115,6 +115,9 @@ fn quantizable(g: &Graph, frozen: &[&StateSpec]) -> Vec<Value> {
                         }
                     ) && node.inputs[1] == p
                         && node.inputs[0] != p
+                        // The output head stays in its stored dtype, as bitsandbytes leaves
+                        // `lm_head` out of a 4-bit model.
+                        && node.origin != Some(Origin::Head)
                 })
         })
         .collect()
