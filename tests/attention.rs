@@ -130,7 +130,7 @@ fn fused_attention_in_bf16_is_no_less_accurate_than_the_unfused_graph() {
     }
 }
 
-/// The fused op's CUDA program (the attention kernels, `castor_kernels::attention`'s launch
+/// The fused op's CUDA program (the attention kernels, `castor_runtime::cuda::families::attention::geometry`'s launch
 /// shapes) on the emulator beside the CPU executor, forward and backward, in F32, BF16 and F16:
 /// the loss and the gradients of q, k and v. The kernels sum in other orders than the CPU twin
 /// (see `attention.cu`), so the bound is their documented one: the kernel tests' measured worst

@@ -149,7 +149,7 @@ fn every_launch_names_a_kernel_and_every_place_is_in_bounds() {
                 Command::Launch(l) => {
                     counts[0] += 1;
                     let m = &p.modules[l.module];
-                    let defined = match castor_kernels::file(&m.name) {
+                    let defined = match castor_runtime::cuda::families::file(&m.name) {
                         Some(f) => f.entry_points.contains(&l.entry.as_str()),
                         None => m.source.contains(&format!("void {}(", l.entry)),
                     };

@@ -1,6 +1,6 @@
 // castor_host.h: what CUDA C code uses, for the host build of castor's kernels.
 //
-// The kernel sources (kernels/*.cu and the fused kernels castor generates) compile unmodified
+// The kernel sources (every family's .cu files and the fused kernels castor generates) compile unmodified
 // as C++ for the host with this header force-included (`g++ -include castor_host.h`): no
 // `#ifdef` host paths inside kernel bodies. The program emulator and the kernel tests run them
 // on the CPU, so their arithmetic and control flow are tested where there is no GPU.

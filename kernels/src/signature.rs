@@ -2,15 +2,13 @@
 //! `extern "C" __global__` declarations of the kernel files themselves.
 //!
 //! The declarations are the one place a kernel's parameters are written. This module parses
-//! them (once, on first use): a declaration inside a `#define` names a family of entry points
+//! them ([`parse_file`]; the runtime keeps the table of every family's files): a declaration inside a `#define` names a family of entry points
 //! (`layer_norm_fwd_##io` is `layer_norm_fwd_*`; one named by a bare macro parameter takes its
 //! entries from the macro's invocations in the file). The CUDA lowering builds each launch's
 //! arguments by name through [`Signature::order`], the emulator reads them by name through the
 //! same table, and a test checks every entry point's table against the PTX NVRTC compiles.
 
-use crate::{KernelFile, FILES};
-use std::collections::HashMap;
-use std::sync::OnceLock;
+use crate::KernelFile;
 
 /// How a parameter is passed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -83,7 +81,7 @@ pub struct Signature {
 /// Why arguments given by name do not fit a signature.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SignatureError {
-    #[error("no kernel `{0}` in kernels/")]
+    #[error("no kernel `{0}` among the kernel families")]
     UnknownEntry(String),
     #[error("`{entry}` has no parameter `{name}` (it takes {params})")]
     UnknownParam {
@@ -148,25 +146,13 @@ impl Signature {
     }
 }
 
-/// The signature of entry point `entry` (exact declarations before patterns, the most
-/// specific pattern first, within the file that lists the entry).
-pub fn signature(entry: &str) -> Result<&'static Signature, SignatureError> {
-    let unknown = || SignatureError::UnknownEntry(entry.into());
-    let file = crate::file_of(entry).ok_or_else(unknown)?;
-    table()
-        .get(file.name)
-        .and_then(|sigs| {
-            sigs.iter()
-                .filter(|s| s.matches(entry))
-                .max_by_key(|s| (!s.family.contains('*'), s.specificity()))
-        })
-        .ok_or_else(unknown)
-}
-
-/// Every declared signature, by file.
-pub fn table() -> &'static HashMap<&'static str, Vec<Signature>> {
-    static TABLE: OnceLock<HashMap<&'static str, Vec<Signature>>> = OnceLock::new();
-    TABLE.get_or_init(|| FILES.iter().map(|f| (f.name, parse_file(f))).collect())
+/// The signature of `entry` among `file`'s declarations (see [`parse_file`]): exact
+/// declarations before patterns, the most specific pattern first.
+pub fn find<'a>(declared: &'a [Signature], entry: &str) -> Option<&'a Signature> {
+    declared
+        .iter()
+        .filter(|s| s.matches(entry))
+        .max_by_key(|s| (!s.family.contains('*'), s.specificity()))
 }
 
 /// `*` matches any run of characters.
@@ -190,7 +176,8 @@ fn glob_match(pattern: &str, s: &str) -> bool {
 }
 
 /// The signatures declared in one kernel file.
-fn parse_file(file: &KernelFile) -> Vec<Signature> {
+/// Every signature `file` declares (the table [`find`] looks entries up in).
+pub fn parse_file(file: &KernelFile) -> Vec<Signature> {
     // Macro bodies continue over lines ending in `\`.
     let text = file.source.replace("\\\n", " ");
     let mut out = Vec::new();
@@ -332,77 +319,4 @@ fn invocations(text: &str, name: &str) -> Vec<Vec<String>> {
             )
         })
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn every_entry_point_has_a_signature() {
-        for f in FILES {
-            for e in f.entry_points {
-                let s = signature(e).unwrap_or_else(|err| panic!("{err}"));
-                assert!(!s.params.is_empty(), "{e}");
-            }
-        }
-    }
-
-    #[test]
-    fn families_resolve_to_their_declarations() {
-        let names = |e: &str| signature(e).unwrap().names().join(",");
-        assert_eq!(
-            names("layer_norm_fwd_bf16_f32"),
-            "x,res,sum_out,w,b,y,mean_out,rstd_out,rows,h,eps"
-        );
-        assert_eq!(
-            signature("layer_norm_bwd_weight_f32").unwrap().family,
-            "layer_norm_bwd_weight_*"
-        );
-        assert_eq!(
-            signature("attention_fwd_f32").unwrap().family,
-            "attention_fwd_f32"
-        );
-        assert_eq!(
-            signature("attention_fwd_bf16_d64").unwrap().family,
-            "attention_fwd_*_d*"
-        );
-        assert_eq!(names("cast_i64_bool"), "x,y,n");
-        assert_eq!(signature("cast_i64_bool").unwrap().file, "layout.cu");
-        assert_eq!(names("fill_b4"), "dst,n,value");
-        let fill = signature("fill_b4").unwrap();
-        assert_eq!(fill.params[2].kind, ParamKind::U32);
-        assert_eq!(
-            signature("strided_copy_b2").unwrap().params[3].kind,
-            ParamKind::Layout
-        );
-        assert!(matches!(
-            signature("nope"),
-            Err(SignatureError::UnknownEntry(_))
-        ));
-    }
-
-    #[test]
-    fn arguments_are_ordered_by_name() {
-        let s = signature("fill_b4").unwrap();
-        assert_eq!(
-            s.order("fill_b4", &[("value", 3), ("dst", 1), ("n", 2)]),
-            Ok(vec![1, 2, 3])
-        );
-        assert!(matches!(
-            s.order("fill_b4", &[("dst", 1), ("n", 2)]),
-            Err(SignatureError::Missing { .. })
-        ));
-        assert!(matches!(
-            s.order(
-                "fill_b4",
-                &[("dst", 1), ("n", 2), ("value", 3), ("bytes", 4)]
-            ),
-            Err(SignatureError::UnknownParam { .. })
-        ));
-        assert!(matches!(
-            s.order("fill_b4", &[("dst", 1), ("dst", 1), ("n", 2), ("value", 3)]),
-            Err(SignatureError::Twice { .. })
-        ));
-    }
 }

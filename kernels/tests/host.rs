@@ -420,8 +420,8 @@ fn misuse_is_an_error_naming_the_thread() {
 /// A block that waits for a flag earlier blocks raise (the attention backward's ordered dQ
 /// sums) completes when blocks run in index order, as the device dispatches them; in the
 /// reverse order the wait could never end, which is an error naming the thread rather than a
-/// hang. (Kernels listed in `castor_kernels::BLOCK_ORDERED` run their blocks in index order
-/// in either thread order.)
+/// hang. `Order::ReverseThreads` (what the emulator runs such kernels' reverse pass in) keeps
+/// the blocks in index order and reverses only the threads.
 #[test]
 fn a_wait_for_an_earlier_block_needs_blocks_in_index_order() {
     let mut count = vec![0i32];
@@ -436,6 +436,16 @@ fn a_wait_for_an_earlier_block_needs_blocks_in_index_order() {
     .unwrap();
     assert_eq!(order, [0, 1, 2, 3, 4, 5]);
     assert_eq!(count, [6]);
+    let (mut count, mut order) = (vec![0i32], vec![-1i32; 6]);
+    launch(
+        "chained_blocks",
+        6,
+        32,
+        Order::ReverseThreads,
+        &[ptr(&mut count), ptr(&mut order)],
+    )
+    .unwrap();
+    assert_eq!((order.as_slice(), count[0]), (&[0, 1, 2, 3, 4, 5][..], 6));
     let mut count = vec![0i32];
     let e = launch(
         "chained_blocks",

@@ -7,7 +7,7 @@ use super::attr::{Attr, AttrValue};
 /// What runs a fused [`super::Op::Attention`] (and its gradient) on CUDA.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum AttentionLibrary {
-    /// castor's kernels (`kernels/attention.cu`). The absent attribute.
+    /// castor's kernels (`attention.cu`, in `runtime/src/cuda/families/attention/`). The absent attribute.
     #[default]
     Kernels,
     /// cuDNN's fused scaled-dot-product attention; an error where cuDNN is missing or cannot

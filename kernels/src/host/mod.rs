@@ -1,4 +1,4 @@
-//! The host build of the kernel sources: every `kernels/*.cu` file, and every kernel castor
+//! The host build of the kernel sources: every family's `.cu` file, and every kernel castor
 //! generates, compiled as C++ for the CPU and run there, so that their arithmetic and control
 //! flow are tested on machines without a GPU.
 //!
@@ -109,6 +109,11 @@ pub enum Order {
     #[default]
     Forward,
     Reverse,
+    /// Blocks in index order, as the device dispatches them, and each block's threads in
+    /// reverse: the reverse run of a kernel whose blocks wait for earlier blocks (the
+    /// attention backward's ordered dQ sums), which could never finish with its blocks
+    /// reversed.
+    ReverseThreads,
 }
 
 #[repr(C)]
@@ -173,10 +178,8 @@ impl HostEntry {
             shared_bytes: shape.shared_bytes,
             order: match order {
                 Order::Forward => 0,
-                // Blocks that wait for earlier blocks run in index order, as the device
-                // dispatches them; their threads still run in the reverse order.
-                Order::Reverse if crate::waits_for_earlier_blocks(&self.name) => 2,
                 Order::Reverse => 1,
+                Order::ReverseThreads => 2,
             },
         };
         let mut err = vec![0u8; 1024];

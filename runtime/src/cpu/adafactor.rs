@@ -1,7 +1,7 @@
 //! One Adafactor step (`castor_ir::Op::Adafactor`), following transformers' `Adafactor.step`
 //! operation by operation: F32 arithmetic on F32 values, hyperparameter scalars formed in F64
 //! and applied as F32 (as torch applies a Python float to an F32 tensor). Reductions (means,
-//! root mean squares) accumulate in F64 in the order `kernels/adafactor.cu` sums them (see
+//! root mean squares) accumulate in F64 in the order `adafactor.cu` sums them (see
 //! [`block_sum`]), so the CUDA kernels equal this twin bit for bit; torch accumulates in F32,
 //! which is why the comparison with it holds to 1e-5 rather than to the last bit.
 

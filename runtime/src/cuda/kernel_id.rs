@@ -1,11 +1,11 @@
-//! Typed names of the hand-written kernels of `kernels/*.cu`: a launch says which kernel it
+//! Typed names of the hand-written kernels of the kernel families (`families/*/*.cu`): a launch says which kernel it
 //! runs as a [`KernelId`] (family, variant, dtypes), the entry-point name the device loads is
 //! derived from it ([`KernelId::entry`]), and the emulator's contracts match on it. No code
 //! takes a kernel name apart; the test below holds that every entry point of every kernel
 //! file is the name of exactly one id.
 
+use crate::cuda::families::attention::geometry::Kernel as AttentionKernel;
 use castor_ir::{DType, ReduceOp};
-use castor_kernels::attention::Kernel as AttentionKernel;
 
 /// A hand-written kernel entry point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -436,7 +436,7 @@ mod tests {
             }
         }
         let mut missing = Vec::new();
-        for file in castor_kernels::FILES {
+        for file in crate::cuda::families::files() {
             for &e in file.entry_points {
                 match KernelId::from_entry(e) {
                     Some(id) => assert_eq!(id.entry(), e),

@@ -9,6 +9,7 @@
 
 pub mod device;
 pub mod emulate;
+pub mod families;
 pub mod kernel_id;
 pub mod lower;
 pub mod memory;

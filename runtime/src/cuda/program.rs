@@ -544,7 +544,7 @@ pub struct Module {
     pub name: String,
     pub source: String,
     /// The generated kernels it defines (empty for a file of `kernels/`, whose entry points
-    /// `castor_kernels::FILES` lists).
+    /// `crate::cuda::families::files()` lists).
     pub generated: Vec<GeneratedKernel>,
 }
 
@@ -884,8 +884,8 @@ impl Program {
             self.workspace_bytes
         );
         for (i, m) in self.modules.iter().enumerate() {
-            let entries =
-                castor_kernels::file(&m.name).map_or(m.generated.len(), |f| f.entry_points.len());
+            let entries = crate::cuda::families::file(&m.name)
+                .map_or(m.generated.len(), |f| f.entry_points.len());
             let _ = writeln!(s, "module {i} {} ({entries} entry points)", m.name);
         }
         for (i, sl) in self.slots.iter().enumerate() {

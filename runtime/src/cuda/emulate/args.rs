@@ -1,7 +1,7 @@
 //! A launch's arguments, read by parameter name and type-checked.
 //!
 //! A hand-written kernel's parameters come from its signature
-//! ([`castor_kernels::signature`], read from the declaration), so a contract reads each
+//! ([`crate::cuda::families::signature`], read from the declaration), so a contract reads each
 //! argument by the name the kernel gives it, in any order, and must read them all. A
 //! generated kernel (no signature) is read in order.
 
@@ -10,7 +10,7 @@ use super::R;
 use crate::cuda::program::{Arg, CopyLayout, Launch};
 
 /// The arguments of a launch, read in the kernel's parameter order.
-pub(super) struct Args<'a> {
+pub(crate) struct Args<'a> {
     l: &'a Launch,
     /// The kernel's parameters; `None` for a generated kernel.
     signature: Option<&'static castor_kernels::Signature>,
@@ -22,17 +22,17 @@ pub(super) struct Args<'a> {
 }
 
 impl<'a> Args<'a> {
-    pub(super) fn new(l: &'a Launch) -> Self {
+    pub(crate) fn new(l: &'a Launch) -> Self {
         Args {
             l,
-            signature: castor_kernels::signature(&l.entry).ok(),
+            signature: crate::cuda::families::signature(&l.entry).ok(),
             read: vec![false; l.args.len()],
             next: 0,
             last: 0,
         }
     }
 
-    pub(super) fn arg(&mut self, what: &str) -> R<&'a Arg> {
+    pub(crate) fn arg(&mut self, what: &str) -> R<&'a Arg> {
         let i = match self.signature {
             Some(sig) => sig
                 .params
@@ -62,7 +62,7 @@ impl<'a> Args<'a> {
         })
     }
 
-    pub(super) fn bad(&self, what: &str, want: &str, got: &Arg) -> String {
+    pub(crate) fn bad(&self, what: &str, want: &str, got: &Arg) -> String {
         format!(
             "argument {} `{what}` must be {want}, found {got:?}",
             self.last
@@ -70,7 +70,7 @@ impl<'a> Args<'a> {
     }
 
     /// A nullable pointer.
-    pub(super) fn ptr(&mut self, m: &Mem, what: &str) -> R<Option<Ptr>> {
+    pub(crate) fn ptr(&mut self, m: &Mem, what: &str) -> R<Option<Ptr>> {
         match self.arg(what)? {
             Arg::Ptr(p) => Ok(Some(m.place(*p))),
             Arg::Null => Ok(None),
@@ -80,12 +80,12 @@ impl<'a> Args<'a> {
     }
 
     /// A pointer that must not be null.
-    pub(super) fn need(&mut self, m: &Mem, what: &str) -> R<Ptr> {
+    pub(crate) fn need(&mut self, m: &Mem, what: &str) -> R<Ptr> {
         self.ptr(m, what)?
             .ok_or_else(|| format!("argument {} `{what}` must not be null", self.last))
     }
 
-    pub(super) fn i64(&mut self, what: &str) -> R<i64> {
+    pub(crate) fn i64(&mut self, what: &str) -> R<i64> {
         match self.arg(what)? {
             Arg::I64(x) => Ok(*x),
             other => Err(self.bad(what, "an i64", other)),
@@ -93,12 +93,12 @@ impl<'a> Args<'a> {
     }
 
     /// An i64 that must be at least 0, as a count.
-    pub(super) fn count(&mut self, what: &str) -> R<usize> {
+    pub(crate) fn count(&mut self, what: &str) -> R<usize> {
         let x = self.i64(what)?;
         usize::try_from(x).map_err(|_| format!("argument `{what}` = {x} is negative"))
     }
 
-    pub(super) fn i32(&mut self, what: &str) -> R<i32> {
+    pub(crate) fn i32(&mut self, what: &str) -> R<i32> {
         match self.arg(what)? {
             Arg::I32(x) => Ok(*x),
             other => Err(self.bad(what, "an i32", other)),
@@ -106,40 +106,40 @@ impl<'a> Args<'a> {
     }
 
     /// An i32 that must be at least 0.
-    pub(super) fn count32(&mut self, what: &str) -> R<usize> {
+    pub(crate) fn count32(&mut self, what: &str) -> R<usize> {
         let x = self.i32(what)?;
         usize::try_from(x).map_err(|_| format!("argument `{what}` = {x} is negative"))
     }
 
-    pub(super) fn u16(&mut self, what: &str) -> R<u16> {
+    pub(crate) fn u16(&mut self, what: &str) -> R<u16> {
         match self.arg(what)? {
             Arg::U16(x) => Ok(*x),
             other => Err(self.bad(what, "a u16", other)),
         }
     }
 
-    pub(super) fn u32(&mut self, what: &str) -> R<u32> {
+    pub(crate) fn u32(&mut self, what: &str) -> R<u32> {
         match self.arg(what)? {
             Arg::U32(x) => Ok(*x),
             other => Err(self.bad(what, "a u32", other)),
         }
     }
 
-    pub(super) fn u64(&mut self, what: &str) -> R<u64> {
+    pub(crate) fn u64(&mut self, what: &str) -> R<u64> {
         match self.arg(what)? {
             Arg::U64(x) => Ok(*x),
             other => Err(self.bad(what, "a u64", other)),
         }
     }
 
-    pub(super) fn f64(&mut self, what: &str) -> R<f64> {
+    pub(crate) fn f64(&mut self, what: &str) -> R<f64> {
         match self.arg(what)? {
             Arg::F64(x) => Ok(*x),
             other => Err(self.bad(what, "an f64", other)),
         }
     }
 
-    pub(super) fn layout(&mut self, what: &str) -> R<CopyLayout> {
+    pub(crate) fn layout(&mut self, what: &str) -> R<CopyLayout> {
         match self.arg(what)? {
             Arg::Layout(l) => Ok(*l),
             other => Err(self.bad(what, "a CopyLayout", other)),
@@ -147,7 +147,7 @@ impl<'a> Args<'a> {
     }
 
     /// Every argument was read, and the launch passes as many as the kernel takes.
-    pub(super) fn end(&self) -> R<()> {
+    pub(crate) fn end(&self) -> R<()> {
         let takes = self.signature.map_or(self.next, |s| s.params.len());
         if self.l.args.len() != takes {
             return Err(format!(

@@ -275,6 +275,14 @@ pub(super) fn run(
         .iter()
         .map(|a| a.as_ptr().cast_mut().cast::<c_void>())
         .collect();
+    // Blocks that wait for earlier blocks run in index order, as the device dispatches them;
+    // their threads still run in the reverse order.
+    let order = match order {
+        Order::Reverse if crate::cuda::families::waits_for_earlier_blocks(&l.entry) => {
+            Order::ReverseThreads
+        }
+        other => other,
+    };
     let shape = LaunchShape {
         grid: l.grid,
         block: l.block,

@@ -14,13 +14,13 @@ const ADDR_MASK: u64 = (1 << ADDR_SHIFT) - 1;
 
 /// A resolved device pointer: a buffer and a byte offset into it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Ptr {
-    pub(super) buf: usize,
-    pub(super) off: u64,
+pub(crate) struct Ptr {
+    pub(crate) buf: usize,
+    pub(crate) off: u64,
 }
 
 impl Ptr {
-    pub(super) fn addr(self) -> u64 {
+    pub(crate) fn addr(self) -> u64 {
         if self.off > ADDR_MASK {
             // An offset no buffer has (an unresolved arena tag): an address that resolves to
             // no buffer, reported where it is used.
@@ -31,17 +31,17 @@ impl Ptr {
 }
 
 /// The device memory: the arena, the slots, the tables.
-pub(super) struct Mem {
-    pub(super) bufs: Vec<Vec<u8>>,
-    pub(super) names: Vec<String>,
-    pub(super) slots: usize,
-    pub(super) tables: usize,
+pub(crate) struct Mem {
+    pub(crate) bufs: Vec<Vec<u8>>,
+    pub(crate) names: Vec<String>,
+    pub(crate) slots: usize,
+    pub(crate) tables: usize,
     /// Poison mode: which arena bytes the current run has written.
-    pub(super) written: Option<Vec<bool>>,
+    pub(crate) written: Option<Vec<bool>>,
 }
 
 impl Mem {
-    pub(super) fn place(&self, p: Place) -> Ptr {
+    pub(crate) fn place(&self, p: Place) -> Ptr {
         match p {
             Place::Arena { offset } => Ptr {
                 buf: 0,
@@ -59,7 +59,7 @@ impl Mem {
         }
     }
 
-    pub(super) fn table(&self, t: usize) -> R<Ptr> {
+    pub(crate) fn table(&self, t: usize) -> R<Ptr> {
         if t >= self.tables {
             return Err(format!(
                 "table #{t} does not exist ({} tables)",
@@ -73,7 +73,7 @@ impl Mem {
     }
 
     /// A pointer read from device memory: null, or a buffer of this program.
-    pub(super) fn decode(&self, addr: u64) -> R<Option<Ptr>> {
+    pub(crate) fn decode(&self, addr: u64) -> R<Option<Ptr>> {
         if addr == 0 {
             return Ok(None);
         }
@@ -87,16 +87,16 @@ impl Mem {
         }))
     }
 
-    pub(super) fn name(&self, buf: usize) -> &str {
+    pub(crate) fn name(&self, buf: usize) -> &str {
         self.names.get(buf).map_or("no buffer", String::as_str)
     }
 
-    pub(super) fn describe(&self, p: Ptr) -> String {
+    pub(crate) fn describe(&self, p: Ptr) -> String {
         format!("{}+{}", self.name(p.buf), p.off)
     }
 
     /// The bytes `byte..byte + len` from `p`, checked.
-    pub(super) fn range(&self, p: Ptr, byte: i64, len: u64) -> R<Range<usize>> {
+    pub(crate) fn range(&self, p: Ptr, byte: i64, len: u64) -> R<Range<usize>> {
         let Some(buf) = self.bufs.get(p.buf) else {
             return Err(format!(
                 "pointer into buffer #{} that does not exist",
@@ -117,7 +117,7 @@ impl Mem {
 
     /// Bytes a command reads: in poison mode, arena bytes must have been written by an
     /// earlier command of the same run.
-    pub(super) fn bytes(&self, p: Ptr, byte: i64, len: u64) -> R<&[u8]> {
+    pub(crate) fn bytes(&self, p: Ptr, byte: i64, len: u64) -> R<&[u8]> {
         let r = self.range(p, byte, len)?;
         if let (0, Some(written)) = (p.buf, &self.written) {
             if let Some(k) = written[r.clone()].iter().position(|&w| !w) {
@@ -132,7 +132,7 @@ impl Mem {
     }
 
     /// Bytes a command writes.
-    pub(super) fn bytes_mut(&mut self, p: Ptr, byte: i64, len: u64) -> R<&mut [u8]> {
+    pub(crate) fn bytes_mut(&mut self, p: Ptr, byte: i64, len: u64) -> R<&mut [u8]> {
         let r = self.range(p, byte, len)?;
         if let (0, Some(written)) = (p.buf, &mut self.written) {
             written[r.clone()].fill(true);
@@ -141,7 +141,7 @@ impl Mem {
     }
 
     /// Records that a command wrote `bytes` bytes at `p` (poison mode).
-    pub(super) fn mark_written(&mut self, p: Ptr, bytes: u64) {
+    pub(crate) fn mark_written(&mut self, p: Ptr, bytes: u64) {
         if let (0, Some(written)) = (p.buf, &mut self.written) {
             let start = p.off as usize;
             let end = (start + bytes as usize).min(written.len());
@@ -150,35 +150,35 @@ impl Mem {
     }
 
     /// Poison mode: the arena filled with `0xFF` and marked unwritten.
-    pub(super) fn poison(&mut self) {
+    pub(crate) fn poison(&mut self) {
         self.bufs[0].fill(0xff);
         self.written = Some(vec![false; self.bufs[0].len()]);
     }
 
-    pub(super) fn get<const N: usize>(&self, p: Ptr, i: i64) -> R<[u8; N]> {
+    pub(crate) fn get<const N: usize>(&self, p: Ptr, i: i64) -> R<[u8; N]> {
         let mut out = [0u8; N];
         out.copy_from_slice(self.bytes(p, i * N as i64, N as u64)?);
         Ok(out)
     }
 
-    pub(super) fn put<const N: usize>(&mut self, p: Ptr, i: i64, v: [u8; N]) -> R<()> {
+    pub(crate) fn put<const N: usize>(&mut self, p: Ptr, i: i64, v: [u8; N]) -> R<()> {
         self.bytes_mut(p, i * N as i64, N as u64)?
             .copy_from_slice(&v);
         Ok(())
     }
 
-    pub(super) fn i64_at(&self, p: Ptr, i: i64) -> R<i64> {
+    pub(crate) fn i64_at(&self, p: Ptr, i: i64) -> R<i64> {
         Ok(i64::from_le_bytes(self.get(p, i)?))
     }
-    pub(super) fn i32_at(&self, p: Ptr, i: i64) -> R<i32> {
+    pub(crate) fn i32_at(&self, p: Ptr, i: i64) -> R<i32> {
         Ok(i32::from_le_bytes(self.get(p, i)?))
     }
-    pub(super) fn u64_at(&self, p: Ptr, i: i64) -> R<u64> {
+    pub(crate) fn u64_at(&self, p: Ptr, i: i64) -> R<u64> {
         Ok(u64::from_le_bytes(self.get(p, i)?))
     }
 
     /// Element `i` of a float buffer of dtype `dt`, widened to F32.
-    pub(super) fn f(&self, p: Ptr, i: i64, dt: DType) -> R<f32> {
+    pub(crate) fn f(&self, p: Ptr, i: i64, dt: DType) -> R<f32> {
         Ok(match dt {
             DType::F32 => f32::from_le_bytes(self.get(p, i)?),
             DType::F16 => f16::from_bits(u16::from_le_bytes(self.get(p, i)?)).to_f32(),
@@ -188,7 +188,7 @@ impl Mem {
     }
 
     /// Stores `v` rounded to `dt` (nearest, ties to even).
-    pub(super) fn set_f(&mut self, p: Ptr, i: i64, dt: DType, v: f32) -> R<()> {
+    pub(crate) fn set_f(&mut self, p: Ptr, i: i64, dt: DType, v: f32) -> R<()> {
         match dt {
             DType::F32 => self.put(p, i, v.to_le_bytes()),
             DType::F16 => self.put(p, i, f16::from_f32(v).to_bits().to_le_bytes()),
@@ -200,7 +200,7 @@ impl Mem {
 
 /// How a launch or command uses a buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Io {
+pub(crate) enum Io {
     R,
     W,
     Rw,
@@ -209,25 +209,25 @@ pub(super) enum Io {
 /// A buffer a command touches: `bytes` bytes from `p`, elements of `elem` bytes, reached by
 /// a kernel through the pointer `at` (`p` itself, or before it when the kernel indexes from a
 /// base, as a strided copy does).
-pub(super) struct Use {
-    pub(super) what: String,
-    pub(super) p: Ptr,
-    pub(super) bytes: u64,
-    pub(super) elem: usize,
-    pub(super) io: Io,
-    pub(super) at: Ptr,
+pub(crate) struct Use {
+    pub(crate) what: String,
+    pub(crate) p: Ptr,
+    pub(crate) bytes: u64,
+    pub(crate) elem: usize,
+    pub(crate) io: Io,
+    pub(crate) at: Ptr,
     /// Rows inside the span: (bytes of a row, bytes from one row's start to the next's). The
     /// kernel reads or writes the rows only; the padding between them is copied with the span
     /// but neither needs to be written before nor counts as written after.
-    pub(super) rows: Option<(u64, u64)>,
+    pub(crate) rows: Option<(u64, u64)>,
     /// The touched byte ranges listed one by one (offsets from `p`, lengths; sorted, disjoint),
     /// for a kernel that reads or writes through strides (an attention head in place).
-    pub(super) ranges: Option<Vec<(u64, u64)>>,
+    pub(crate) ranges: Option<Vec<(u64, u64)>>,
 }
 
 impl Use {
     /// The byte ranges (offsets from `p`, lengths) the kernel touches.
-    pub(super) fn touched(&self) -> Vec<(u64, u64)> {
+    pub(crate) fn touched(&self) -> Vec<(u64, u64)> {
         if let Some(ranges) = &self.ranges {
             return ranges.clone();
         }
@@ -241,7 +241,7 @@ impl Use {
     }
 }
 
-pub(super) fn use_(
+pub(crate) fn use_(
     what: impl Into<String>,
     p: Option<Ptr>,
     bytes: u64,
@@ -262,7 +262,7 @@ pub(super) fn use_(
 
 /// The byte ranges `ranges` (offsets from `p`, lengths, in any order) of one buffer: their
 /// span, of which the kernel touches the ranges only (merged where they meet).
-pub(super) fn ranges_use(
+pub(crate) fn ranges_use(
     what: impl Into<String>,
     p: Ptr,
     mut ranges: Vec<(u64, u64)>,
@@ -314,7 +314,7 @@ fn touch_common_bytes(a: &Use, b: &Use) -> bool {
 
 /// `rows` rows of `row` bytes, `stride` bytes apart from `p`: one span, of which the kernel
 /// touches the rows only.
-pub(super) fn rows_use(
+pub(crate) fn rows_use(
     what: impl Into<String>,
     p: Ptr,
     (rows, row, stride): (u64, u64, u64),
@@ -334,7 +334,7 @@ pub(super) fn rows_use(
 
 /// Every use must lie in its buffer, and no buffer written may overlap another use, except the
 /// exact in-place pairs `in_place` names (same start, same element size).
-pub(super) fn check_uses(m: &Mem, uses: &[Option<Use>], in_place: &[(&str, &str)]) -> R<()> {
+pub(crate) fn check_uses(m: &Mem, uses: &[Option<Use>], in_place: &[(&str, &str)]) -> R<()> {
     let uses: Vec<&Use> = uses.iter().flatten().collect();
     for u in &uses {
         m.range(u.p, 0, u.bytes)

@@ -39,13 +39,13 @@
 //! kernel file; `launch` the run of a kernel on copies of its buffers; `gemm` the cuBLAS
 //! product.
 
-mod args;
-mod contracts;
+pub(crate) mod args;
+pub(crate) mod contracts;
 mod gemm;
 #[cfg(test)]
-mod kernel_tests;
+pub(crate) mod kernel_tests;
 mod launch;
-mod memory;
+pub(crate) mod memory;
 mod sdpa;
 
 pub use castor_kernels::host::Order;
@@ -56,7 +56,7 @@ use gemm::gemm;
 use memory::{check_uses, use_, Io, Mem, Ptr};
 use std::sync::Arc;
 
-type R<T> = Result<T, String>;
+pub(crate) type R<T> = Result<T, String>;
 
 /// A lowered program running on the host.
 pub struct Emulator {
@@ -464,7 +464,7 @@ fn launch(
         .modules
         .get(l.module)
         .ok_or_else(|| format!("module {} does not exist", l.module))?;
-    let file = castor_kernels::file(&module.name);
+    let file = crate::cuda::families::file(&module.name);
     let entries: Vec<&str> = match file {
         Some(file) => {
             if !file.entry_points.contains(&l.entry.as_str()) {
@@ -571,7 +571,7 @@ mod tests {
 
     #[test]
     fn launches_check_arguments_and_poison_fills_the_arena() {
-        let file = castor_kernels::file("layout.cu").unwrap();
+        let file = crate::cuda::families::file("layout.cu").unwrap();
         let fill = |args| {
             Command::Launch(Launch {
                 node: "z".into(),

@@ -1,4 +1,4 @@
-//! Layout ops as strided views and copies (`strided_copy_b<N>` in `kernels/layout.cu`).
+//! Layout ops as strided views and copies (`strided_copy_b<N>` in `layout.cu`).
 //!
 //! Every layout op but `reshape` (a view) moves a block of elements from one strided view to
 //! another: a transpose reads with permuted strides, a slice or a split piece from an offset,

@@ -27,7 +27,7 @@ fn arg_fits(arg: &Arg, kind: castor_kernels::ParamKind) -> bool {
 }
 
 /// The bytes of a value of type `ty`, or an error naming `name` when the size is not static.
-pub(super) fn bytes_of(ty: &TensorType, name: &str) -> Result<u64, LowerError> {
+pub(crate) fn bytes_of(ty: &TensorType, name: &str) -> Result<u64, LowerError> {
     ty.size_bytes().map(|b| b as u64).ok_or_else(|| LowerError {
         node: name.into(),
         message: format!("{ty} has no static size"),
@@ -47,21 +47,21 @@ fn code_of(body: &PointwiseBody) -> PointwiseBody {
 
 /// Builds a program run by run.
 #[derive(Default)]
-pub(super) struct Lowerer {
-    pub(super) program: Program,
-    pub(super) modules: HashMap<String, usize>,
+pub(crate) struct Lowerer {
+    pub(crate) program: Program,
+    pub(crate) modules: HashMap<String, usize>,
     /// Param-copy slots already initialized by the prologue.
-    pub(super) copies: HashMap<String, usize>,
+    pub(crate) copies: HashMap<String, usize>,
     /// Generated kernels by what their code is made of (see [`Lowerer::generated`]), with
     /// their entry points.
-    pub(super) generated: Vec<(PointwiseBody, String)>,
+    pub(crate) generated: Vec<(PointwiseBody, String)>,
     /// Slots by name.
-    pub(super) slots: HashMap<String, usize>,
+    pub(crate) slots: HashMap<String, usize>,
 }
 
 impl Lowerer {
     /// The slot `name`, created with `kind` if new.
-    pub(super) fn slot(
+    pub(crate) fn slot(
         &mut self,
         name: &str,
         kind: SlotKind,
@@ -79,7 +79,7 @@ impl Lowerer {
     }
 
     /// An internal slot of `bytes` bytes.
-    pub(super) fn internal(&mut self, name: &str, bytes: u64) -> usize {
+    pub(crate) fn internal(&mut self, name: &str, bytes: u64) -> usize {
         match self.slots.get(name) {
             Some(&i) => i,
             None => self.push_slot(name, bytes, SlotKind::Internal),
@@ -87,11 +87,11 @@ impl Lowerer {
     }
 
     /// The slot `name`, if it exists.
-    pub(super) fn find_slot(&self, name: &str) -> Option<usize> {
+    pub(crate) fn find_slot(&self, name: &str) -> Option<usize> {
         self.slots.get(name).copied()
     }
 
-    pub(super) fn push_slot(&mut self, name: &str, bytes: u64, kind: SlotKind) -> usize {
+    pub(crate) fn push_slot(&mut self, name: &str, bytes: u64, kind: SlotKind) -> usize {
         self.program.slots.push(Slot {
             name: name.into(),
             bytes,
@@ -103,7 +103,7 @@ impl Lowerer {
     }
 
     /// The module that holds `source`, by name.
-    pub(super) fn module(&mut self, name: &str, source: &str) -> usize {
+    pub(crate) fn module(&mut self, name: &str, source: &str) -> usize {
         if let Some(&i) = self.modules.get(name) {
             return i;
         }
@@ -121,7 +121,7 @@ impl Lowerer {
     /// program goes into one module (one NVRTC compile), and a kernel whose body equals an
     /// earlier one's but for the names of the values it reads and writes (the same group in
     /// every layer) is not added again: its launches use the earlier entry point.
-    pub(super) fn generated(
+    pub(crate) fn generated(
         &mut self,
         name: &str,
         body: &PointwiseBody,
@@ -148,9 +148,9 @@ impl Lowerer {
     }
 
     /// A launch of the hand-written kernel `kernel` with `shared_bytes` of dynamic shared
-    /// memory, its arguments given by parameter name (see [`castor_kernels::signature`]):
+    /// memory, its arguments given by parameter name (see [`crate::cuda::families::signature`]):
     /// every parameter once, each of its kind.
-    pub(super) fn kernel(
+    pub(crate) fn kernel(
         &mut self,
         node: &str,
         kernel: KernelId,
@@ -165,12 +165,12 @@ impl Lowerer {
         };
         let entry = kernel.entry();
         let entry = entry.as_str();
-        let file = castor_kernels::file_of(entry).ok_or_else(|| {
+        let file = crate::cuda::families::file_of(entry).ok_or_else(|| {
             bad(format!(
                 "no kernel `{entry}` in kernels/ (a dtype combination the kernels do not cover)"
             ))
         })?;
-        let sig = castor_kernels::signature(entry).map_err(|e| bad(e.to_string()))?;
+        let sig = crate::cuda::families::signature(entry).map_err(|e| bad(e.to_string()))?;
         for (name, arg) in &args {
             let param = sig.params.iter().find(|p| p.name == *name);
             if let Some(p) = param.filter(|p| !arg_fits(arg, p.kind)) {
@@ -194,12 +194,12 @@ impl Lowerer {
         }))
     }
 
-    pub(super) fn table(&mut self, table: Table) -> usize {
+    pub(crate) fn table(&mut self, table: Table) -> usize {
         self.program.tables.push(table);
         self.program.tables.len() - 1
     }
 
-    pub(super) fn lower_run(
+    pub(crate) fn lower_run(
         &mut self,
         g: &Graph,
         run: &str,

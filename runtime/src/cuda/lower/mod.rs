@@ -14,32 +14,19 @@
 //!    kept for the backward, partial sums), is an arena buffer with a live range in units.
 //! 3. **Arena.** The ranges are placed by the memory planner's best fit
 //!    ([`castor_passes::memory::place_buffers`]), all 256-byte aligned.
-//! 4. **Commands.** Each unit becomes kernel launches of `kernels/*.cu` or of a generated
-//!    module, a cuBLAS product, copies or memsets (see `ops.rs`).
+//! 4. **Commands.** Each unit becomes kernel launches of a kernel family's `.cu` files
+//!    (`super::families`) or of a generated module, a cuBLAS product, copies or memsets (see
+//!    `ops.rs`).
 
-mod adafactor;
-mod adamw8bit;
-mod attention;
-mod classifier;
-mod copies;
-mod cross_entropy;
-mod embedding;
-mod gemm;
-mod layout;
-mod loss_scale;
+pub(crate) mod copies;
+pub(crate) mod gemm;
 mod lowerer;
-mod nf4;
-mod norm;
-mod ops;
-mod optimizer;
+pub(crate) mod ops;
 mod places;
-mod pointwise;
-mod reduce;
-mod rope;
-mod softmax;
-mod views;
+pub(crate) mod views;
 
-use lowerer::{bytes_of, Lowerer};
+pub(crate) use lowerer::bytes_of;
+use lowerer::Lowerer;
 pub(crate) use views::{layout_views, Storage};
 
 use super::kernel_id::KernelId;
@@ -148,7 +135,7 @@ pub const GENERATED_MODULE: &str = "fused.cu";
 
 /// A value's location while lowering.
 #[derive(Clone, Copy, Debug, PartialEq)]
-enum Loc {
+pub(crate) enum Loc {
     Unset,
     /// Made and read inside one fused kernel: no buffer.
     InKernel,
@@ -158,47 +145,47 @@ enum Loc {
 /// Statistics a forward kernel keeps for its backward (norm mean/rstd, cross-entropy row max
 /// and inverse sum and count), found by the backward through its operands.
 #[derive(Clone, Copy, Debug)]
-struct Saved {
-    a: Place,
-    b: Place,
-    count: Option<Place>,
+pub(crate) struct Saved {
+    pub(crate) a: Place,
+    pub(crate) b: Place,
+    pub(crate) count: Option<Place>,
 }
 
-struct RunLowering<'l, 'g> {
-    l: &'l mut Lowerer,
-    g: &'g Graph,
-    run: String,
-    stored: &'g HashMap<String, String>,
-    users: Vec<Vec<Node>>,
+pub(crate) struct RunLowering<'l, 'g> {
+    pub(crate) l: &'l mut Lowerer,
+    pub(crate) g: &'g Graph,
+    pub(crate) run: String,
+    pub(crate) stored: &'g HashMap<String, String>,
+    pub(crate) users: Vec<Vec<Node>>,
     /// Each node's place in the run (sources: 0); a kernel unit's members share one.
-    unit_of: Vec<usize>,
+    pub(crate) unit_of: Vec<usize>,
     /// The kernel units (see [`castor_passes::fusion`]), each run at its last member.
-    schedule: UnitSchedule,
+    pub(crate) schedule: UnitSchedule,
     /// Per value: the last unit that reads it or any view of it (for view roots).
-    end_of: Vec<usize>,
+    pub(crate) end_of: Vec<usize>,
     /// Per value: the value whose buffer it shares (itself unless a view).
-    root: Vec<Value>,
+    pub(crate) root: Vec<Value>,
     /// Per layout result: the buffer (a value with its own storage) and the view of it.
-    views: Vec<Option<(Value, copies::View)>>,
-    storage: Vec<Storage>,
-    loc: Vec<Loc>,
+    pub(crate) views: Vec<Option<(Value, copies::View)>>,
+    pub(crate) storage: Vec<Storage>,
+    pub(crate) loc: Vec<Loc>,
     /// Arena requests: (bytes, first unit, last unit).
-    buffers: Vec<(u64, usize, usize)>,
-    commands: Vec<Command>,
+    pub(crate) buffers: Vec<(u64, usize, usize)>,
+    pub(crate) commands: Vec<Command>,
     /// Values computed in the arena that must be copied into their state slot at the end.
-    late_writes: Vec<(Place, Place, u64)>,
-    saved: HashMap<(Value, Value), Saved>,
+    pub(crate) late_writes: Vec<(Place, Place, u64)>,
+    pub(crate) saved: HashMap<(Value, Value), Saved>,
     /// The unit of the backward node that reads a forward node's saved statistics.
-    saved_until: HashMap<(Value, Value), usize>,
-    flags: Vec<ErrorFlag>,
-    tables_before: usize,
-    unit: usize,
-    units: usize,
+    pub(crate) saved_until: HashMap<(Value, Value), usize>,
+    pub(crate) flags: Vec<ErrorFlag>,
+    pub(crate) tables_before: usize,
+    pub(crate) unit: usize,
+    pub(crate) units: usize,
     /// The micro step's gradient reductions that run on the side stream: by node, the side
     /// event each records and the unit before which the compute stream joins it.
-    side: HashMap<Node, (usize, usize)>,
+    pub(crate) side: HashMap<Node, (usize, usize)>,
     /// Side events issued and not joined yet, with their join units.
-    pending: Vec<(usize, usize)>,
+    pub(crate) pending: Vec<(usize, usize)>,
 }
 
 impl<'l, 'g> RunLowering<'l, 'g> {
@@ -303,7 +290,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
     }
 
     /// Joins the side events due by unit `unit` (all of them at the end of the run).
-    pub(super) fn join_side(&mut self, unit: usize) {
+    pub(crate) fn join_side(&mut self, unit: usize) {
         let (due, rest): (Vec<_>, Vec<_>) = self.pending.iter().partition(|(_, j)| *j <= unit);
         self.pending = rest;
         if !due.is_empty() {
@@ -312,7 +299,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         }
     }
 
-    fn err(&self, v: Value, message: impl Into<String>) -> LowerError {
+    pub(crate) fn err(&self, v: Value, message: impl Into<String>) -> LowerError {
         LowerError {
             node: self.g.name(v).into(),
             message: message.into(),
@@ -425,7 +412,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
     }
 
     /// An error flag (an `int` slot reset to `INT_MAX` before the run).
-    fn flag(
+    pub(crate) fn flag(
         &mut self,
         node: Value,
         what: &'static str,
@@ -438,7 +425,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
 
     /// An error flag for the indices of one chunk, which starts at position `first` of the
     /// whole index tensor: a flag of its own, whose reported positions count from `first`.
-    fn chunk_flag(
+    pub(crate) fn chunk_flag(
         &mut self,
         node: Value,
         what: &'static str,
@@ -464,7 +451,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         place
     }
 
-    fn launch(
+    pub(crate) fn launch(
         &mut self,
         v: Value,
         kernel: KernelId,
@@ -476,7 +463,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
     }
 
     /// [`Self::launch`] with dynamic shared memory.
-    fn launch_shared(
+    pub(crate) fn launch_shared(
         &mut self,
         v: Value,
         kernel: KernelId,
@@ -495,18 +482,18 @@ impl<'l, 'g> RunLowering<'l, 'g> {
 }
 
 /// A sliding attention window as a kernel argument: its length, 0 for none.
-fn window_arg(window: Option<usize>) -> i32 {
+pub(crate) fn window_arg(window: Option<usize>) -> i32 {
     window.map_or(0, |w| w.min(i32::MAX as usize) as i32)
 }
 
 /// A 1-D grid-stride launch over `work` items.
-fn grid_1d(work: usize, block: u32) -> (u32, u32, u32) {
+pub(crate) fn grid_1d(work: usize, block: u32) -> (u32, u32, u32) {
     let blocks = work.div_ceil(block as usize).clamp(1, 65_535 * 4);
     (blocks as u32, 1, 1)
 }
 
 /// One block per row (grid-stride over rows).
-fn grid_rows(rows: usize) -> (u32, u32, u32) {
+pub(crate) fn grid_rows(rows: usize) -> (u32, u32, u32) {
     (rows.clamp(1, 65_535 * 4) as u32, 1, 1)
 }
 

@@ -1,19 +1,18 @@
-//! The per-op dispatch: each non-pointwise op to its kernel family's lowering, one file per
-//! family mirroring `kernels/*.cu` (`norm.rs`, `softmax.rs`, `embedding.rs`, `rope.rs`,
-//! `reduce.rs`, `layout.rs`, `loss_scale.rs`, `cross_entropy.rs`, `optimizer.rs`, `adafactor.rs`,
-//! `attention.rs`), products to `gemm.rs`; and the helpers they share.
+//! The per-op dispatch: each non-pointwise op to its kernel family's lowering (the family's
+//! `lower.rs` in `super::super::families`), products to `gemm.rs`; and the helpers they
+//! share.
 
 use super::super::program::{Command, Epilogue, Gemm};
 use super::{gemm, LowerError, RunLowering};
 use castor_ir::{Accum, Node, Op, Value};
 
 /// Threads per block of the row kernels (norms, softmax, cross-entropy, embeddings).
-pub(super) const ROW_BLOCK: u32 = 256;
+pub(crate) const ROW_BLOCK: u32 = 256;
 /// Threads per block of the elementwise and copy kernels.
-pub(super) const BLOCK: u32 = 256;
+pub(crate) const BLOCK: u32 = 256;
 
 impl RunLowering<'_, '_> {
-    pub(super) fn node(&mut self, n: Node) -> Result<(), LowerError> {
+    pub(crate) fn node(&mut self, n: Node) -> Result<(), LowerError> {
         let g = self.g;
         let node = g.node(n);
         let ins = node.inputs.clone();
@@ -134,7 +133,7 @@ impl RunLowering<'_, '_> {
 
 /// The element stride of one index running over `dims` (row-major) through a tensor with
 /// these per-dim `strides`, or `None` when the strides are not those of one folded index.
-pub(super) fn fold(dims: &[usize], strides: &[i64]) -> Option<i64> {
+pub(crate) fn fold(dims: &[usize], strides: &[i64]) -> Option<i64> {
     let mut base: Option<i64> = None;
     let mut expect = 0i64;
     for (&d, &s) in dims.iter().zip(strides).rev() {
@@ -154,7 +153,7 @@ pub(super) fn fold(dims: &[usize], strides: &[i64]) -> Option<i64> {
 /// Threads for a block that works through `len` elements with block reductions: one per
 /// element in whole warps, at most `most`. A row shorter than `most` gets a smaller block:
 /// threads past its end would only join the reductions (their barriers and shuffles).
-pub(super) fn row_threads(len: usize, most: u32) -> u32 {
+pub(crate) fn row_threads(len: usize, most: u32) -> u32 {
     (len.div_ceil(32) * 32).clamp(32, most as usize) as u32
 }
 

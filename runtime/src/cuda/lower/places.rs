@@ -12,7 +12,7 @@ use castor_passes::memory::{place_buffers, Buffer};
 
 impl RunLowering<'_, '_> {
     /// The place of an operand (already made).
-    pub(super) fn at(&self, v: Value) -> Result<Place, LowerError> {
+    pub(crate) fn at(&self, v: Value) -> Result<Place, LowerError> {
         match self.loc[v.index()] {
             Loc::At(p) => Ok(p),
             _ => Err(self.err(v, "read before it is made (a lowering bug)")),
@@ -21,7 +21,7 @@ impl RunLowering<'_, '_> {
 
     /// The place a node writes `v` to: its state slot (in place when safe), its output slot,
     /// a view's root, or a new arena buffer live until its last reader.
-    pub(super) fn out(&mut self, v: Value) -> Result<Place, LowerError> {
+    pub(crate) fn out(&mut self, v: Value) -> Result<Place, LowerError> {
         if let Loc::At(p) = self.loc[v.index()] {
             return Ok(p);
         }
@@ -54,7 +54,7 @@ impl RunLowering<'_, '_> {
     /// the old state value sees: no reader after `v`'s unit, and within the unit only
     /// element-for-element readers (pointwise kernels over the same shape, the optimizer and
     /// step kernels, which are written for in-place updates).
-    pub(super) fn in_place_is_safe(&self, v: Value, state: &str) -> bool {
+    pub(crate) fn in_place_is_safe(&self, v: Value, state: &str) -> bool {
         let g = self.g;
         let Some(old) = g.lookup(state) else {
             return true;
@@ -79,7 +79,7 @@ impl RunLowering<'_, '_> {
 
     /// The nodes that read `v`'s buffer: its users, and through layout results that are
     /// views of it (virtual or aliased), the users of those.
-    pub(super) fn readers(&self, v: Value) -> Vec<Node> {
+    pub(crate) fn readers(&self, v: Value) -> Vec<Node> {
         let g = self.g;
         let mut out = Vec::new();
         let mut todo = vec![v];
@@ -103,7 +103,7 @@ impl RunLowering<'_, '_> {
     }
 
     /// Where `x`'s elements are read from: its buffer's value and the view of it.
-    pub(super) fn source(&self, x: Value) -> (Value, copies::View) {
+    pub(crate) fn source(&self, x: Value) -> (Value, copies::View) {
         match (&self.views[x.index()], self.storage[x.index()]) {
             (Some((r, v)), s) if s.is_view() => (*r, v.clone()),
             _ => (x, copies::View::contiguous(self.g.ty(x).shape.dims())),
@@ -111,7 +111,7 @@ impl RunLowering<'_, '_> {
     }
 
     /// A scratch or value buffer in the arena from this unit to `end`.
-    pub(super) fn arena(&mut self, bytes: u64, end: usize) -> Place {
+    pub(crate) fn arena(&mut self, bytes: u64, end: usize) -> Place {
         self.buffers
             .push((bytes.max(1), self.unit, end.max(self.unit)));
         Place::Buffer {
@@ -121,11 +121,11 @@ impl RunLowering<'_, '_> {
     }
 
     /// Scratch used only inside this unit.
-    pub(super) fn scratch(&mut self, bytes: u64) -> Place {
+    pub(crate) fn scratch(&mut self, bytes: u64) -> Place {
         self.arena(bytes, self.unit)
     }
     /// Resolves arena tags to offsets, adds the end-of-run copies and the flag resets.
-    pub(super) fn finish(mut self) -> Result<Run, LowerError> {
+    pub(crate) fn finish(mut self) -> Result<Run, LowerError> {
         self.join_side(usize::MAX);
         for (dst, src, bytes) in std::mem::take(&mut self.late_writes) {
             self.commands.push(Command::Copy { dst, src, bytes });

@@ -5,7 +5,8 @@
 //! gradient into its slot of the fused QKV gradient), so that no copy runs in between.
 
 use super::super::program::Place;
-use super::{attention, copies, rope, LowerError, RunLowering};
+use super::{copies, LowerError, RunLowering};
+use crate::cuda::families::{attention::lower as attention, rope::lower as rope};
 use castor_ir::{Graph, Node, NodeData, Op, Value};
 use std::collections::HashMap;
 
@@ -283,7 +284,7 @@ fn cn_reads_twice(g: &Graph, y: Value, x: Value) -> bool {
 
 /// Query batches per outer batch for query batch dims `qb` with key batches shared by `group`:
 /// the dims after the first (all of them when the key batches are not whole groups of those).
-pub(super) fn heads_of(qb: &[usize], group: usize) -> usize {
+pub(crate) fn heads_of(qb: &[usize], group: usize) -> usize {
     let bq: usize = qb.iter().product();
     match qb.first() {
         Some(&outer) if qb.len() >= 2 && outer > 0 && (bq / outer).is_multiple_of(group) => {
@@ -294,7 +295,7 @@ pub(super) fn heads_of(qb: &[usize], group: usize) -> usize {
 }
 
 /// Whether a stride fits the kernels' 32-bit stride arguments (offsets are 64-bit).
-pub(super) fn fits_i32(x: i64) -> bool {
+pub(crate) fn fits_i32(x: i64) -> bool {
     (0..=i64::from(i32::MAX)).contains(&x)
 }
 
@@ -303,7 +304,7 @@ pub(super) fn fits_i32(x: i64) -> bool {
 /// of `[.., rows, d]` whose batches split by `heads`: `None` unless its batch dims fold into
 /// (outer, heads) and its rows are contiguous, or (`write`) where two elements would share
 /// an address.
-pub(super) fn kernel_strides(view: &copies::View, heads: usize, write: bool) -> Option<[i64; 3]> {
+pub(crate) fn kernel_strides(view: &copies::View, heads: usize, write: bool) -> Option<[i64; 3]> {
     let r = view.dims.len();
     if r < 2 || heads == 0 {
         return None;
@@ -348,7 +349,7 @@ pub(super) fn kernel_strides(view: &copies::View, heads: usize, write: bool) -> 
 impl RunLowering<'_, '_> {
     /// Where a kernel that takes strides reads `x` (`[.., rows, d]`, batches split by
     /// `heads`): its own buffer with dense strides, or in place through its view.
-    pub(super) fn strided_read(
+    pub(crate) fn strided_read(
         &self,
         x: Value,
         heads: usize,
@@ -364,7 +365,7 @@ impl RunLowering<'_, '_> {
 
     /// Where a kernel that takes strides writes `x`: its own buffer with dense strides, or
     /// the buffer it is written into ([`Storage::Into`]) through its view.
-    pub(super) fn strided_write(
+    pub(crate) fn strided_write(
         &mut self,
         x: Value,
         heads: usize,

@@ -1,0 +1,207 @@
+//! What each kernel may touch: for every entry point, its arguments read by name and type, the
+//! launch shape its header requires, and the buffers it reads and writes (how many bytes from
+//! each pointer, and which in-place uses its header allows), checked against the program's
+//! memory before the real kernel runs. One submodule per kernel file (or family of files), and
+//! `generated` for the kernels the fusion pass writes.
+//!
+//! These are the header comments' contracts, not the kernels' arithmetic: the kernels
+//! themselves run from their sources (`super::launch`).
+
+pub(crate) use crate::cuda::families::pointwise::contract::generated;
+use crate::cuda::families::{
+    adafactor::contract as adafactor, adamw8bit::contract as adamw8bit,
+    attention::contract as attention, cross_entropy::contract as cross_entropy,
+    elementwise::contract as elementwise, embedding::contract as embedding,
+    layout::contract as layout, nf4::contract as nf4, norm::contract as norm,
+    optimizer::contract as optimizer, reduce::contract as reduce, rope::contract as rope,
+    softmax::contract as softmax,
+};
+
+use super::args::Args;
+use super::memory::{check_uses, ranges_use, Io, Mem, Ptr, Use};
+use super::R;
+use crate::cuda::families::attention::geometry::Kernel as AttentionKernel;
+use crate::cuda::kernel_id::{AdafactorStage, EmbeddingBwdStage, KernelId, NormPass, UpdateRule};
+use crate::cuda::program::Launch;
+
+/// Kernels whose block reductions need `blockDim = (32 k, 1, 1)`, `k <= 32`.
+pub(crate) fn row_block(l: &Launch) -> R<()> {
+    let (bx, by, bz) = l.block;
+    if bx % 32 != 0 || by != 1 || bz != 1 {
+        return Err(format!(
+            "block {:?}: the kernel needs blockDim.x a multiple of 32 (at most 1024) and a 1-D \
+             block",
+            l.block
+        ));
+    }
+    Ok(())
+}
+
+/// Kernels that declare no dynamic shared memory.
+pub(crate) fn no_dynamic_shared(l: &Launch) -> R<()> {
+    if l.shared_bytes != 0 {
+        return Err(format!(
+            "{} bytes of dynamic shared memory: the kernel declares none",
+            l.shared_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// Kernels documented as one block.
+pub(crate) fn one_block(l: &Launch) -> R<()> {
+    if l.grid != (1, 1, 1) {
+        return Err(format!("grid {:?}: the kernel runs as one block", l.grid));
+    }
+    Ok(())
+}
+
+/// The uses that exist, checked to lie in their buffers and not to overlap except as
+/// `in_place` allows.
+pub(crate) fn checked(m: &Mem, uses: Vec<Option<Use>>, in_place: &[(&str, &str)]) -> R<Vec<Use>> {
+    check_uses(m, &uses, in_place)?;
+    Ok(uses.into_iter().flatten().collect())
+}
+
+/// The buffers a launch of a kernel family's entry point uses, by its kernel id.
+pub(crate) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    use KernelId::*;
+    let kernel = l
+        .kernel
+        .ok_or_else(|| format!("the launch of `{}` names no kernel id", l.entry))?;
+    // Only the attention kernels declare dynamic shared memory.
+    if !matches!(kernel, Attention { .. } | AttentionDelta { .. }) {
+        no_dynamic_shared(l)?;
+    }
+    match kernel {
+        Attention {
+            kernel,
+            dtype,
+            tile,
+        } => {
+            let v = attention::Variant { dtype, tile };
+            match kernel {
+                AttentionKernel::Forward => attention::forward(m, l, v),
+                AttentionKernel::Backward => attention::backward(m, l, v),
+                AttentionKernel::Dq => attention::dq(m, l, v),
+                AttentionKernel::DkDv => attention::dkdv(m, l, v),
+            }
+        }
+        AttentionDelta { dtype } => attention::delta(m, l, dtype),
+        Cast { from, to } => layout::cast(m, l, from, to),
+        StridedCopy { bytes } => layout::strided_copy(m, l, bytes as usize),
+        Fill { bytes } => layout::fill(m, l, bytes as usize),
+        Reduce { input, output, .. } => reduce::reduce(m, l, input, output),
+        Norm {
+            rms,
+            pass,
+            input,
+            output,
+        } => match pass {
+            NormPass::Forward => norm::norm_fwd(m, l, rms, input, output),
+            NormPass::Backward => norm::norm_bwd(m, l, rms, input, output),
+            NormPass::BackwardWeight => norm::norm_bwd_weight(m, l, rms, input, output),
+        },
+        NormWeightGradReduce => norm::norm_weight_grad_reduce(m, l),
+        Softmax {
+            backward: false,
+            input,
+            output,
+        } => softmax::softmax_fwd(m, l, input, output),
+        Softmax {
+            backward: true,
+            input,
+            output,
+        } => softmax::softmax_bwd(m, l, input, output),
+        CrossEntropy {
+            backward: false,
+            logits,
+        } => cross_entropy::cross_entropy_fwd(m, l, logits),
+        CrossEntropy {
+            backward: true,
+            logits,
+        } => cross_entropy::cross_entropy_bwd(m, l, logits),
+        CrossEntropyFinalize => cross_entropy::cross_entropy_finalize(m, l),
+        EmbeddingFwd { table } => embedding::embedding_fwd(m, l, table),
+        EmbeddingBwd(EmbeddingBwdStage::Count) => embedding::embedding_bwd_count(m, l),
+        EmbeddingBwd(EmbeddingBwdStage::Scan) => embedding::embedding_bwd_scan(m, l),
+        EmbeddingBwd(EmbeddingBwdStage::Fill) => embedding::embedding_bwd_fill(m, l),
+        EmbeddingBwdAccumulate { grad, out } => {
+            embedding::embedding_bwd_accumulate(m, l, grad, out)
+        }
+        GradNormPartials => optimizer::grad_norm_partials(m, l),
+        GradNormFinalize => optimizer::grad_norm_finalize(m, l),
+        CountStep => optimizer::count_step(m, l),
+        LossScaleUpdate => optimizer::loss_scale_update(m, l),
+        RopeTable => rope::rope_table(m, l),
+        Rope { backward, dtype } => rope::rope(m, l, backward, dtype),
+        Adafactor(stage) => match stage {
+            AdafactorStage::Rows => adafactor::rows(m, l),
+            AdafactorStage::Cols => adafactor::cols(m, l),
+            AdafactorStage::Full => adafactor::full(m, l),
+            AdafactorStage::RowMean => adafactor::row_mean(m, l),
+            AdafactorStage::Partials => adafactor::partials(m, l),
+            AdafactorStage::Finalize => adafactor::finalize(m, l),
+        },
+        AdafactorApply { copy } => adafactor::apply(m, l, copy),
+        AdamW8bit { copy } => adamw8bit::update(m, l, copy),
+        Nf4Dequantize { dtype } => nf4::dequantize(m, l, dtype),
+        Update { rule, state, copy } => {
+            optimizer::multi_tensor_update(m, l, rule == UpdateRule::AdamW, state, copy)
+        }
+        Unary {
+            backward, dtype, ..
+        } => elementwise::unary(m, l, dtype, backward),
+        Binary { dtype, .. } => elementwise::binary(m, l, dtype),
+    }
+}
+
+/// Where a kernel's operand read or written in place is (`attention.cu`'s AttStrides,
+/// `rope.cu`'s RopeStrides): batch `b` at `(b / heads) batch + (b % heads) head`, its rows
+/// `row` elements apart, each of `d` contiguous elements (all in elements).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Strides {
+    batch: i64,
+    head: i64,
+    row: i64,
+}
+
+impl Strides {
+    /// `X_batch`, `X_head`, `X_row` of operand `x`.
+    pub(crate) fn read(a: &mut Args, x: &str) -> R<Strides> {
+        let st = Strides {
+            batch: a.i32(&format!("{x}_batch"))?.into(),
+            head: a.i32(&format!("{x}_head"))?.into(),
+            row: a.i32(&format!("{x}_row"))?.into(),
+        };
+        if st.batch < 0 || st.head < 0 || st.row < 0 {
+            return Err(format!("`{x}`: negative strides {st:?}"));
+        }
+        Ok(st)
+    }
+
+    /// The use of `batches` batches (split by `heads`) of `rows` rows of `d` elements: the
+    /// rows it touches, one range each.
+    pub(crate) fn use_of(
+        &self,
+        what: &str,
+        p: Ptr,
+        (batches, heads, rows, d): (usize, usize, usize, usize),
+        elem: usize,
+        io: Io,
+    ) -> R<Option<Use>> {
+        if heads == 0 {
+            return Err(format!("`{what}`: heads 0"));
+        }
+        let e = elem as u64;
+        let mut ranges = Vec::with_capacity(batches * rows);
+        for b in 0..batches {
+            let base = (b / heads) as i64 * self.batch + (b % heads) as i64 * self.head;
+            for r in 0..rows {
+                let at = (base + r as i64 * self.row) as u64;
+                ranges.push((at * e, d as u64 * e));
+            }
+        }
+        Ok(ranges_use(what, p, ranges, elem, io))
+    }
+}

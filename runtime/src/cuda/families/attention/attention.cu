@@ -1,0 +1,1222 @@
+// attention.cu: scaled dot-product attention without a T x S buffer, forward and backward,
+// in the FlashAttention-2 manner.
+//
+// Layout: q [bq, t, d], k and v [bq / group, s, d], o [bq, t, d], lse F32 [bq, t]. `bq`
+// flattens q's batch dims; query batch b reads key/value batch b / group (grouped-query
+// attention: `group` consecutive query heads share a kv head). The tensor-core kernels read
+// and write q, k, v, o, do, dq, dk and dv through strides (AttStrides below: query batch b
+// split as (b / heads, b % heads), key batches as (bk / (heads / group), ..), rows any
+// distance apart), so that a head of a fused QKV product or a context in [B, T, H, d] is used
+// in place, without a copy; the F32 kernels take dense operands. mask (nullable): bytes,
+// nonzero = keep, one row of s per mask batch; query batch b reads row b / mask_group.
+// causal != 0: query i sees keys j <= i + s - t; window > 0 (with causal: a sliding window)
+// narrows that to the last `window` of them, j > i + s - t - window, whose key tiles are then
+// skipped too. A row that sees no kept key attends uniformly to all s keys (its scores are all
+// the mask's finite minimum in PyTorch), with the gradient of that uniform softmax, as the CPU
+// twin (runtime/src/cpu/attention.rs) and the unfused softmax do; with a window and a mask,
+// whether a row sees a kept key is found by one warp scanning the row's window of the mask.
+//
+// Tensor-core kernels (f16, bf16; <P> = 16, 32, 64 or 128, the head dim d rounded up):
+//   attention_fwd_<t>_d<P>(q, k, v, mask, o, lse, bq, t, s, d, group, mask_group, causal,
+//                          window, scale, <q, k, v, o strides>)
+//     One block of 8 warps per (128 query rows, query batch); the block of the last rows
+//     starts first (a causal block of later rows has the most keys). Q is copied to shared
+//     memory and from there, by ldmatrix, into registers, once; K and V tiles (128 keys for
+//     P <= 64, else 64) are double-buffered: the next tile's 16-byte cp.async copies run
+//     while the current one is multiplied. Each warp owns 16 query rows: S = Q K^T
+//     (mma.sync, K fragments by ldmatrix), online softmax in the log2 domain, O += P V (P
+//     straight from the score registers, rounded to <t>; V fragments by ldmatrix.trans);
+//     o = O / l, lse = max + log(l). Masks are tested only on a tile a warp's rows see in
+//     part (the causal diagonal, a window's edge, the last keys, a mask byte that drops a
+//     key, a row that sees none); the warp skips a tile its rows see none of.
+//   attention_bwd_delta_<t>(o, do, delta, rows, t, d, heads, <o, do strides>): delta =
+//     sum(do * o) per row, F64 sum.
+//   attention_bwd_<t>_d<P>(q, k, v, mask, do, lse, delta, dq, dk, dv, dq_acc, dq_ready, bkv,
+//                          t, s, d, group, mask_group, causal, window, scale,
+//                          <q, k, v, do, dq, dk, dv strides>)
+//     One pass over key blocks: one block of 8 warps per (128 keys, kv batch); each warp
+//     owns 16 keys. For every query batch of the group and every tile of query rows
+//     (64 rows for P <= 64, else 32) that sees the block's keys, in order, with the next
+//     tile's Q, dO, lse and delta copied while this one computes: S^T = K Q^T and
+//     dP^T = V dO^T, P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta); dV += P^T dO and
+//     dK += dS^T Q in registers; dS^T (as <t>) through shared memory into the block's share
+//     of dQ = dS K. Five products, nothing recomputed.
+//     dQ is summed across key blocks without float atomics, in a fixed order: the key blocks
+//     that read a query tile add their shares into the F32 rows of dq_acc ([bq, t, P]) from
+//     the highest block to the lowest, each waiting until dq_ready (one int per (query batch,
+//     tile), zero before the launch) counts the blocks above it; the lowest writes dq =
+//     scale * sum as <t>. Blocks are numbered so that higher key blocks have lower linear
+//     indices: a block waits only for blocks the device dispatched before it (it dispatches
+//     in index order, as FlashAttention-3's deterministic backward relies on), so the wait
+//     ends, and with causal masks it rarely waits at all (a higher block reaches a tile two
+//     tiles before the next lower one). The result does not depend on timing.
+//     A query batch with a row that may see no kept key (a mask's first kept key past the
+//     first row's last visible key, or any mask under a window) sends every tile to every
+//     key block.
+// F32 kernels (one warp per row, no tensor cores; any d <= 256):
+//   attention_fwd_f32, attention_bwd_dq_f32, attention_bwd_dkdv_f32, attention_bwd_delta_f32
+//   (below).
+//
+// Rounding points, as the CPU twin: P and dS are rounded to <t> where they enter a product,
+// the running sum l adds the unrounded P, o, dq, dk and dv are rounded once to <t>, lse in F32.
+// What differs from the twin in the tensor-core kernels: summation orders (tensor-core F32
+// accumulation per 16-wide chunk, tile by tile, where the twin sums in F64 in key order); the
+// online max (P rescaled as the max grows); and the softmax's exponential, which this file
+// computes as exp2(fma(s, scale log2(e), -m)) with the special-function unit's ex2 (within 2
+// ulp; the host build's exp2f is correctly rounded): scale and log2(e) folded into one fused
+// multiply-add (the one place this file contracts a multiply and an add; every other product
+// and sum is rounded separately, --fmad=false), which rounds s scale log2(e) - m once where
+// the twin rounds s scale, then exp's argument. Together a few F32 ulps before the final
+// rounding to <t>: the kernel test's bounds (relative error against the twin, measured worst
+// with a margin) are 2e-4 in F16 and 1.2e-3 in BF16.
+// Launch (geometry.rs holds these numbers): tensor-core kernels block (256),
+// grid (ceil(t / 128), heads, bq / heads) for fwd and (ceil(s / 128), heads / group,
+// bq / heads) for bwd (heads: the query heads of one outer batch, a multiple of group; the
+// grid gives each block its (outer, head) split), dynamic shared
+// memory as attention::shared_bytes computes (over 48 KiB, so the host opts in); bwd needs
+// dq_acc of bq t P floats and dq_ready of bq ceil(t / QT) ints zeroed before it. F32 kernels
+// and delta: block (128), grid (ceil(t / 4), bq) for fwd and dq, (ceil(s / 4), bq / group) for
+// dkdv, no dynamic shared memory; delta: ceil(rows / 4) blocks.
+#include "castor_common.cuh"
+
+#define ATT_PAD 8            // elements of padding per shared-memory row (bank spread)
+#define ATT_THREADS 128      // threads of an F32 or delta block
+#define ATT_TC_THREADS 256   // threads of a tensor-core block: 8 warps
+#define ATT_FWD_ROWS 128     // query rows per tensor-core forward block: 8 warps x 16
+#define ATT_BWD_KEYS 128     // keys per tensor-core backward block: 8 warps x 16
+#define ATT_LOG2E 1.4426950408889634
+#define ATT_LN2 0.69314718055994531f
+
+// Keys per forward tile and query rows per backward tile, by tile width P: narrower tiles
+// where the accumulators of P columns leave registers for more.
+template <int P> struct AttShape {
+    static constexpr int KEYS = P <= 64 ? 128 : 64;
+    static constexpr int QROWS = P <= 64 ? 64 : 32;
+};
+
+// Where the rows of a tensor-core kernel's operand are: query (or key) batch b, split as
+// (b / heads, b % heads) = (outer, h), starts at outer batch + h head, and its rows are `row`
+// elements apart, each of d contiguous elements. A head of a fused QKV product
+// ([B, T, 3, H, d] read as [B, H, T, d]) or a context in [B, T, H, d] is read and written in
+// place this way; a dense [bq, rows, d] operand is (heads rows d, rows d, d) for any heads.
+struct AttStrides {
+    int batch, head, row;  // 32-bit strides, 64-bit offsets: one wide multiply-add each
+    // Where head `h` of outer batch `outer` starts (the tensor-core kernels take both from
+    // their grid, so no division runs).
+    __device__ __forceinline__ i64 at(int outer, int h) const {
+        return i64(outer) * batch + i64(h) * head;
+    }
+    // Every row starts 16 bytes after a 16-byte aligned base when the element offsets do.
+    __device__ __forceinline__ bool rows16() const { return ((batch | head | row) & 7) == 0; }
+};
+
+// The first key the mask keeps (s when it keeps none; 0 without a mask), for mask row `m`,
+// computed by warp 0 (32 bytes at a time, stopping at the first kept one) and returned to
+// every thread of the block.
+__device__ __forceinline__ int first_kept(const unsigned char* m, int s, int* shared_slot) {
+    if (warp_index() == 0) {
+        int first = m != nullptr ? s : 0;
+        if (m != nullptr) {
+            const int lane = threadIdx.x & 31;
+            for (int j0 = 0; j0 < s; j0 += 32) {
+                const unsigned kept = __ballot_sync(FULL_WARP, j0 + lane < s && m[j0 + lane] != 0);
+                if (kept != 0) {
+                    first = j0 + __ffs(int(kept)) - 1;
+                    break;
+                }
+            }
+        }
+        if (threadIdx.x == 0) *shared_slot = first;
+    }
+    __syncthreads();
+    return *shared_slot;
+}
+
+// Keys query row r sees under the causal mask (all s without it).
+__device__ __forceinline__ int visible_keys(int r, int t, int s, int causal) {
+    return causal ? min(s, r + 1 + s - t) : s;
+}
+
+// The first key query row r sees: past the sliding window's start (0 without a window).
+__device__ __forceinline__ int first_visible_key(int r, int t, int s, int causal, int window) {
+    return window > 0 ? max(0, visible_keys(r, t, s, causal) - window) : 0;
+}
+
+// Whether mask row `m` keeps no key in [lo, end): the calling warp scans it, 32 bytes at a
+// time, and stops at the first kept one (so a row that keeps most keys costs one step).
+__device__ __forceinline__ bool warp_keeps_none(const unsigned char* m, int lo, int end) {
+    const int lane = threadIdx.x & 31;
+    for (int j0 = lo; j0 < end; j0 += 32) {
+        const int j = j0 + lane;
+        if (__any_sync(FULL_WARP, j < end && m[j] != 0)) return false;
+    }
+    return true;
+}
+
+// Whether query row r (of t) keeps key j (of s), and whether it sees no key at all.
+struct Visibility {
+    int t, s, causal, window, first;  // first: the first key the row's mask keeps
+    const unsigned char* keep;  // the mask bytes of the current key tile (shared), or null
+    int key0;                   // the tile's first key
+    // With a window and a mask: per-row flags of rows [row0, ..) that see no kept key in their
+    // window (window_rows fills them); null otherwise.
+    const unsigned char* empty_rows = nullptr;
+    int row0 = 0;
+    __device__ __forceinline__ int lo(int r) const {
+        return first_visible_key(r, t, s, causal, window);
+    }
+    __device__ __forceinline__ bool none(int r) const {
+        return r >= t || first >= visible_keys(r, t, s, causal) ||
+               (empty_rows != nullptr && empty_rows[r - row0] != 0);
+    }
+    __device__ __forceinline__ bool kept(int r, int j) const {
+        if (j >= s) return false;
+        if (none(r)) return true;  // uniform over every key
+        return j >= lo(r) && j < visible_keys(r, t, s, causal) &&
+               (keep == nullptr || keep[j - key0] != 0);
+    }
+    // none(r) for the calling warp's own row, scanning the window's mask bytes when needed
+    // (the F32 kernels, one warp per row).
+    __device__ __forceinline__ bool warp_none(int r, const unsigned char* mrow) const {
+        if (none(r)) return true;
+        return window > 0 && mrow != nullptr &&
+               warp_keeps_none(mrow, lo(r), visible_keys(r, t, s, causal));
+    }
+};
+
+// Fills `flags[i]` for rows row0 + i (i < n): 1 when the row's window holds no kept key of mask
+// row `mrow`, one warp per row; then points `vis` at them and returns whether any row is
+// empty. Only with a window and a mask (otherwise false, and nothing is filled).
+__device__ __forceinline__ bool window_rows(Visibility& vis, unsigned char* flags, int* any,
+                                            const unsigned char* mrow, int row0, int n) {
+    if (vis.window <= 0 || mrow == nullptr) return false;
+    const int warp = warp_index(), lane = threadIdx.x & 31;
+    __syncthreads();  // the previous tile's flags are no longer read
+    if (threadIdx.x == 0) *any = 0;
+    __syncthreads();
+    for (int i = warp; i < n; i += int(blockDim.x >> 5)) {
+        const int r = row0 + i;
+        const bool empty = r < vis.t && warp_keeps_none(mrow, vis.lo(r),
+                                                       visible_keys(r, vis.t, vis.s, vis.causal));
+        if (lane == 0) {
+            flags[i] = empty;
+            if (empty) atomicOr(any, 1);  // several warps may find one
+        }
+    }
+    __syncthreads();
+    vis.empty_rows = flags;
+    vis.row0 = row0;
+    return *any != 0;
+}
+
+// The row max across the four lanes that share a row.
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(FULL_WARP, v, 1));
+    return fmaxf(v, __shfl_xor_sync(FULL_WARP, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(FULL_WARP, v, 1);
+    return v + __shfl_xor_sync(FULL_WARP, v, 2);
+}
+
+
+// Copies rows [r0, r0 + ROWS) of N [n, d] matrices src[m] (rows ld[m] elements apart) into
+// shared memory as [ROWS][P + ATT_PAD] tiles dst[m], zero past n and past d: with `vec` (d and
+// every ld a multiple of 8, the matrices 16-byte aligned) by 16-byte cp.async copies the
+// caller commits and waits for, else element by element.
+template <typename T, int P, int ROWS, int N>
+__device__ __forceinline__ void load_tiles(T* const (&dst)[N], const T* const (&src)[N],
+                                           const int (&ld)[N], int r0, int n, int d, bool vec) {
+    constexpr int LD = P + ATT_PAD, CHUNKS = P / 8, STEP = ATT_TC_THREADS / CHUNKS;
+    if (vec) {
+        // Each thread copies one 16-byte column chunk of every STEP-th row.
+        const int r = threadIdx.x / CHUNKS, col = (threadIdx.x % CHUNKS) * 8;
+        const bool col_ok = col < d;
+#pragma unroll
+        for (int m = 0; m < N; ++m) {
+            const T* from = src[m] + i64(r0 + r) * ld[m] + col;
+            T* to = dst[m] + r * LD + col;
+#pragma unroll
+            for (int it = 0; it < (ROWS + STEP - 1) / STEP; ++it) {
+                if (ROWS % STEP == 0 || r + it * STEP < ROWS) {
+                    const bool ok = col_ok && r0 + r + it * STEP < n;
+                    cp_async16(to + it * STEP * LD, ok ? from : src[m], ok);
+                }
+                from += i64(STEP) * ld[m];
+            }
+        }
+    } else {
+        static_assert(N <= 2, "one loop takes at most two matrices");
+#pragma unroll 1
+        for (int idx = threadIdx.x; idx < N * ROWS * P; idx += ATT_TC_THREADS) {
+            const int r = idx / P % ROWS, col = idx % P, row = r0 + r;
+            const bool second = idx >= ROWS * P;
+            const T* from = second ? src[N - 1] : src[0];
+            const int stride = second ? ld[N - 1] : ld[0];
+            T* to = second ? dst[N - 1] : dst[0];
+            to[r * LD + col] =
+                (row < n && col < d) ? from[i64(row) * stride + col] : from_f32<T>(0.0f);
+        }
+    }
+}
+template <typename T, int P, int ROWS>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, int ld, int r0, int n, int d,
+                                          bool vec) {
+    T* const to[1] = {dst};
+    const T* const from[1] = {src};
+    const int lds[1] = {ld};
+    load_tiles<T, P, ROWS, 1>(to, from, lds, r0, n, d, vec);
+}
+
+// Stores the pair (x0, x1) at columns col, col + 1 of a row of d elements, as T, dropping
+// columns past d; one 4-byte store when `pairs` (d even and the row 4-byte aligned).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* row, int col, int d, float x0, float x1,
+                                           bool pairs) {
+    if (pairs && col < d) {
+        *reinterpret_cast<unsigned*>(row + col) = pack2<T>(x0, x1);
+    } else {
+        if (col < d) row[col] = from_f32<T>(x0);
+        if (col + 1 < d) row[col + 1] = from_f32<T>(x1);
+    }
+}
+
+// Copies `rows` rows of d elements from `n` shared tiles (LD = P + ATT_PAD per row) to global
+// rows ld[m] elements apart (tile m to dst[m]), the calling warp alone: by 16-byte vectors with
+// `vec` (d and every ld a multiple of 8, every dst 16-byte aligned), else element by element.
+// Once per block, so not unrolled.
+template <typename T, int P, int N>
+__device__ __forceinline__ void store_rows(T* const (&dst)[N], const T* const (&tile)[N],
+                                           const int (&ld)[N], int rows, int d, bool vec) {
+    constexpr int LD = P + ATT_PAD, CHUNKS = P / 8;
+    const int lane = threadIdx.x & 31;
+    if (vec) {
+#pragma unroll
+        for (int m = 0; m < N; ++m) {
+#pragma unroll 1
+            for (int idx = lane; idx < rows * CHUNKS; idx += 32) {
+                const int r = idx / CHUNKS, col = (idx % CHUNKS) * 8;
+                if (col < d)
+                    *reinterpret_cast<uint4*>(dst[m] + i64(r) * ld[m] + col) =
+                        *reinterpret_cast<const uint4*>(tile[m] + r * LD + col);
+            }
+        }
+    } else {
+#pragma unroll
+        for (int m = 0; m < N; ++m) {
+#pragma unroll 1
+            for (int r = 0; r < rows; ++r) {
+#pragma unroll 1
+                for (int col = lane; col < d; col += 32)
+                    dst[m][i64(r) * ld[m] + col] = tile[m][r * LD + col];
+            }
+        }
+    }
+}
+
+// The bits of a 64-bit word below bit n (none for n <= 0, all for n >= 64).
+__device__ __forceinline__ u64 below64(int n) {
+    return n <= 0 ? 0ull : n >= 64 ? ~0ull : (1ull << n) - 1ull;
+}
+
+// The A fragment of P (rows of 16, keys kc*16..+16) from score accumulators 2kc and 2kc + 1,
+// each value rounded to T as it enters the product.
+template <typename T, int N>
+__device__ __forceinline__ void frag_from_acc(unsigned (&a)[4], const float (&acc)[N][4], int kc) {
+    a[0] = pack2<T>(acc[2 * kc][0], acc[2 * kc][1]);
+    a[1] = pack2<T>(acc[2 * kc][2], acc[2 * kc][3]);
+    a[2] = pack2<T>(acc[2 * kc + 1][0], acc[2 * kc + 1][1]);
+    a[3] = pack2<T>(acc[2 * kc + 1][2], acc[2 * kc + 1][3]);
+}
+
+// Shared-memory row addresses each lane gives ldmatrix (LD elements per row):
+// a_rows: the A fragment of rows [row0, row0 + 16), columns [col0, col0 + 16);
+// bt_rows: the B fragments of X^T for two 8-row tiles of X, rows [row0, row0 + 16), columns
+//          [col0, col0 + 16) (ldsm_x4: r[0], r[1] tile 0, r[2], r[3] tile 1);
+// b_rows: the B fragments of X for rows [row0, row0 + 16), two 8-column tiles from col0
+//         (ldsm_x4_t: r[0], r[1] tile 0, r[2], r[3] tile 1; ldsm_x2_t: tile 0).
+template <int LD, typename T>
+__device__ __forceinline__ const T* a_rows(const T* tile, int row0, int col0) {
+    const int lane = threadIdx.x & 31;
+    return tile + (row0 + (lane & 15)) * LD + col0 + (lane >> 4) * 8;
+}
+template <int LD, typename T>
+__device__ __forceinline__ const T* bt_rows(const T* tile, int row0, int col0) {
+    const int lane = threadIdx.x & 31;
+    return tile + (row0 + (lane & 7) + ((lane >> 4) << 3)) * LD + col0 + ((lane >> 3) & 1) * 8;
+}
+template <int LD, typename T>
+__device__ __forceinline__ const T* b_rows(const T* tile, int row0, int col0) {
+    const int lane = threadIdx.x & 31;
+    return tile + (row0 + (lane & 7) + ((lane >> 3) & 1) * 8) * LD + col0 + (lane >> 4) * 8;
+}
+
+// ---- forward -----------------------------------------------------------------------------
+
+// Copies key tile [key0, key0 + KEYS) of K and V, and its mask bytes, into buffer `buf`.
+template <typename T, int P>
+__device__ __forceinline__ void stage_keys(T* ks, T* vs, unsigned char* keep, const T* kb,
+                                           const T* vb, const int (&ld)[2],
+                                           const unsigned char* mrow, int key0, int s, int d,
+                                           bool vec, int buf) {
+    constexpr int LD = P + ATT_PAD, KEYS = AttShape<P>::KEYS;
+    T* const to[2] = {ks + buf * KEYS * LD, vs + buf * KEYS * LD};
+    const T* const from[2] = {kb, vb};
+    load_tiles<T, P, KEYS, 2>(to, from, ld, key0, s, d, vec);
+    if (mrow != nullptr) {
+        for (int j = threadIdx.x; j < KEYS; j += ATT_TC_THREADS)
+            keep[buf * KEYS + j] = key0 + j < s ? mrow[key0 + j] : 0;
+    }
+}
+
+template <typename T, int P>
+__device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char* mask, T* o,
+                        float* lse, int t, int s, int d, int group, int mask_group, int causal,
+                        int window, float scale_log2, AttStrides sq, AttStrides sk,
+                        AttStrides sv, AttStrides so) {
+    constexpr int LD = P + ATT_PAD, KEYS = AttShape<P>::KEYS, ROWS = ATT_FWD_ROWS;
+    constexpr int NT = KEYS / 8, DT = P / 16, OT = P / 8, WORDS = KEYS / 64;
+    CASTOR_DYNAMIC_SHARED(att_smem);
+    T* qs = reinterpret_cast<T*>(att_smem);                                   // [ROWS][LD]
+    T* ks = qs + ROWS * LD;                                                   // [2][KEYS][LD]
+    T* vs = ks + 2 * KEYS * LD;                                               // [2][KEYS][LD]
+    unsigned char* keep = reinterpret_cast<unsigned char*>(vs + 2 * KEYS * LD);  // [2][KEYS]
+    __shared__ int first_slot, any_empty;
+    __shared__ unsigned char empty_rows[ROWS];
+
+    // Query head h of outer batch `outer`, query batch b; 32-bit (grid dimensions), and no
+    // 64-bit divisions below.
+    const int h = blockIdx.y, outer = blockIdx.z, b = outer * int(gridDim.y) + h;
+    const int r0 = (gridDim.x - 1 - blockIdx.x) * ROWS;
+    const int warp = warp_index(), lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const T* qb = q + sq.at(outer, h);
+    const T* kb = k + sk.at(outer, h / group);
+    const T* vb = v + sv.at(outer, h / group);
+    const int kv_ld[2] = {sk.row, sv.row};
+    const unsigned char* mrow = mask ? mask + i64(b / mask_group) * s : nullptr;
+    Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+    const bool some_empty = window_rows(vis, empty_rows, &any_empty, mrow, r0, ROWS);
+    const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) &&
+                     sq.rows16() && sk.rows16() && sv.rows16();
+
+    // Keys the block needs: from the first key its first row sees to the last key its last
+    // row sees, or all when a row sees none (visible_keys grows with the row: the first row
+    // is the one that might see none before the mask's first kept key).
+    const int last_row = min(r0 + ROWS, t) - 1;
+    const bool uniform = some_empty || vis.first >= visible_keys(r0, t, s, causal);
+    const int kend = uniform ? s : visible_keys(last_row, t, s, causal);
+    const int kstart = uniform ? 0 : vis.lo(r0) / KEYS * KEYS;
+    load_tile<T, P, ROWS>(qs, qb, sq.row, r0, t, d, vec);
+
+    // This lane's two rows, and what the warp's 16 rows see: keys [see_lo, see_hi) hold every
+    // key any of them sees; [full_lo, full_hi) the keys all of them see (causal, window).
+    const int wr0 = r0 + warp * 16, wlast = min(wr0 + 15, t - 1);
+    const bool active = wr0 < t;
+    const int rows[2] = {wr0 + g, wr0 + g + 8};
+    bool none_r[2];
+    int lo_r[2], hi_r[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        none_r[h] = vis.none(rows[h]);  // rows past t count as none: never stored
+        lo_r[h] = none_r[h] ? 0 : vis.lo(rows[h]);
+        hi_r[h] = none_r[h] ? s : visible_keys(rows[h], t, s, causal);
+    }
+    const bool wnone = __any_sync(FULL_WARP, (rows[0] < t && none_r[0]) || (rows[1] < t && none_r[1]));
+    const int see_lo = active ? vis.lo(wr0) : 0, see_hi = active ? visible_keys(wlast, t, s, causal) : 0;
+    const int full_lo = active ? vis.lo(wlast) : 0, full_hi = active ? visible_keys(wr0, t, s, causal) : 0;
+
+    float m2[2] = {F32_NEG_INF, F32_NEG_INF};  // running max of s scale log2(e)
+    float l[2] = {0.0f, 0.0f};                 // this lane's part of the running sum
+    float acc[OT][4];
+#pragma unroll
+    for (int i = 0; i < OT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    unsigned qf[DT][4];
+
+    // Tile key0 - KEYS only stages the first tile; every later iteration stages the next one
+    // while it computes on its own.
+    for (int key0 = kstart - KEYS, buf = 1; key0 < kend; key0 += KEYS, buf ^= 1) {
+        const bool more = key0 + KEYS < kend;
+        if (more)
+            stage_keys<T, P>(ks, vs, keep, kb, vb, kv_ld, mrow, key0 + KEYS, s, d, vec, buf ^ 1);
+        cp_async_commit();
+        if (key0 < kstart) continue;
+        if (more) {
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        if (key0 == kstart) {
+            // A row that sees no key gets Q = 0, so all its scores are 0 (uniform attention).
+#pragma unroll
+            for (int kk = 0; kk < DT; ++kk) {
+                ldsm_x4(qf[kk], a_rows<LD>(qs, warp * 16, kk * 16));
+                if (none_r[0]) qf[kk][0] = qf[kk][2] = 0u;
+                if (none_r[1]) qf[kk][1] = qf[kk][3] = 0u;
+            }
+        }
+        const T* kt = ks + buf * KEYS * LD;
+        const T* vt = vs + buf * KEYS * LD;
+        const unsigned char* kp = keep + buf * KEYS;
+        // The tile's mask bytes as bits: bit j of word w keeps key key0 + 64 w + j.
+        u64 kbits[WORDS];
+#pragma unroll
+        for (int w = 0; w < WORDS; ++w) {
+            kbits[w] = ~0ull;
+            if (mrow != nullptr) {
+                const u64 lo = __ballot_sync(FULL_WARP, kp[64 * w + lane] != 0);
+                const u64 hi = __ballot_sync(FULL_WARP, kp[64 * w + 32 + lane] != 0);
+                kbits[w] = lo | (hi << 32);
+            }
+        }
+        bool tile_kept = key0 + KEYS <= s;
+#pragma unroll
+        for (int w = 0; w < WORDS; ++w) tile_kept = tile_kept && kbits[w] == ~0ull;
+        const bool skip = !active || (!wnone && (key0 >= see_hi || key0 + KEYS <= see_lo));
+        if (!skip) {
+            float sc[NT][4];
+#pragma unroll
+            for (int n = 0; n < NT; ++n) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.0f;
+#pragma unroll
+            for (int kk = 0; kk < DT; ++kk) {
+#pragma unroll
+                for (int n2 = 0; n2 < NT / 2; ++n2) {
+                    unsigned bk[4];
+                    ldsm_x4(bk, bt_rows<LD>(kt, n2 * 16, kk * 16));
+                    mma_packed<T>(sc[2 * n2], qf[kk], bk[0], bk[1]);
+                    mma_packed<T>(sc[2 * n2 + 1], qf[kk], bk[2], bk[3]);
+                }
+            }
+            const bool plain =
+                !wnone && tile_kept && key0 + KEYS <= full_hi && key0 >= full_lo;
+            if (!plain) {
+                // Which keys of the tile each of this lane's rows keeps, as bits shifted so
+                // that an element's bit is the same for every lane; a row that sees none
+                // keeps every key before s (its scores are 0: its Q row is).
+                u64 rbits[2][WORDS];
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+#pragma unroll
+                    for (int w = 0; w < WORDS; ++w) {
+                        const int a = lo_r[h] - key0 - 64 * w, z = hi_r[h] - key0 - 64 * w;
+                        const u64 kept = none_r[h] ? ~0ull : kbits[w];
+                        rbits[h][w] = (below64(z) & ~below64(a) & kept) >> (2 * c);
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int h = e >> 1, bit = (n * 8) % 64 + (e & 1);
+                        if (!((rbits[h][n * 8 / 64] >> bit) & 1ull)) sc[n][e] = F32_NEG_INF;
+                    }
+                }
+            }
+            float corr[2];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float mx = F32_NEG_INF;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) mx = fmaxf(mx, fmaxf(sc[n][2 * h], sc[n][2 * h + 1]));
+                const float mn = fmaxf(m2[h], quad_max(mx) * scale_log2);
+                // A row with nothing kept yet keeps m = -inf: exp against 0 gives 0, not NaN.
+                const float base = mn == F32_NEG_INF ? 0.0f : mn;
+                corr[h] = exp2_approx(m2[h] - base);
+                m2[h] = mn;
+                float part = 0.0f;
+#pragma unroll
+                for (int n = 0; n < NT; ++n) {
+#pragma unroll
+                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                        sc[n][e] = exp2_approx(fmaf(sc[n][e], scale_log2, -base));
+                        part += sc[n][e];
+                    }
+                }
+                l[h] = l[h] * corr[h] + part;
+            }
+#pragma unroll
+            for (int i = 0; i < OT; ++i) {
+                acc[i][0] *= corr[0];
+                acc[i][1] *= corr[0];
+                acc[i][2] *= corr[1];
+                acc[i][3] *= corr[1];
+            }
+#pragma unroll
+            for (int kc = 0; kc < KEYS / 16; ++kc) {
+                unsigned a[4];
+                frag_from_acc<T>(a, sc, kc);
+#pragma unroll
+                for (int i2 = 0; i2 < OT / 2; ++i2) {
+                    unsigned bv[4];
+                    ldsm_x4_t(bv, b_rows<LD>(vt, kc * 16, i2 * 16));
+                    mma_packed<T>(acc[2 * i2], a, bv[0], bv[1]);
+                    mma_packed<T>(acc[2 * i2 + 1], a, bv[2], bv[3]);
+                }
+            }
+        }
+        __syncthreads();  // the buffer is refilled next
+    }
+    cp_async_wait<0>();
+    if (!active) return;
+    // o = O / l through the warp's own rows of the Q tile (no longer read), then out by rows.
+    T* ow = qs + warp * 16 * LD;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float sum = quad_sum(l[h]);
+        const float inv = rcp_approx(sum);
+#pragma unroll
+        for (int i = 0; i < OT; ++i)
+            *reinterpret_cast<unsigned*>(ow + (g + 8 * h) * LD + i * 8 + 2 * c) =
+                pack2<T>(acc[i][2 * h] * inv, acc[i][2 * h + 1] * inv);
+        if (c == 0 && rows[h] < t)
+            lse[i64(b) * t + rows[h]] = (m2[h] + log2_approx(sum)) * ATT_LN2;
+    }
+    __syncwarp();
+    T* const to[1] = {o + so.at(outer, h) + i64(wr0) * so.row};
+    const T* const from[1] = {ow};
+    const int o_ld[1] = {so.row};
+    store_rows<T, P, 1>(to, from, o_ld, min(16, t - wr0), d,
+                        d % 8 == 0 && aligned16(o) && so.rows16());
+}
+
+// ---- backward: delta ---------------------------------------------------------------------
+
+template <typename T>
+__device__ void att_delta(const T* o, const T* d_o, float* delta, i64 rows, int t, int d,
+                          int heads, AttStrides so, AttStrides sdo) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const i64 row = i64(blockIdx.x) * (ATT_THREADS / 32) + warp;
+    if (row >= rows) return;
+    const int b = int(row / t), r = int(row % t), outer = b / heads, h = b % heads;
+    const T* orow = o + so.at(outer, h) + i64(r) * so.row;
+    const T* dorow = d_o + sdo.at(outer, h) + i64(r) * sdo.row;
+    double acc = 0.0;
+    if (d % UNIT == 0 && aligned16(o) && aligned16(d_o) && so.rows16() && sdo.rows16()) {
+        for (int j = lane * UNIT; j < d; j += 32 * UNIT) {
+            float a[UNIT], x[UNIT];
+            load8(dorow + j, a);
+            load8(orow + j, x);
+#pragma unroll
+            for (int u = 0; u < UNIT; ++u) acc += double(a[u]) * double(x[u]);
+        }
+    } else {
+        for (int j = lane; j < d; j += 32)
+            acc += double(to_f32(dorow[j])) * double(to_f32(orow[j]));
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) delta[row] = float(acc);
+}
+
+// ---- backward: one pass over key blocks ---------------------------------------------------
+
+// Whether some row of a query batch may see no kept key, and so attend to every key: a row
+// before the mask's first kept key (with no mask: causal with t > s), or, with a window over
+// a mask, a row whose window the mask may empty (assumed rather than scanned for).
+__device__ __forceinline__ bool may_see_none(const Visibility& vis, bool masked) {
+    return vis.first >= visible_keys(0, vis.t, vis.s, vis.causal) || (vis.window > 0 && masked);
+}
+
+// The key blocks [lo, hi] of KB keys that query tile qt (rows qt QROWS ..) reads; every block
+// computes the same for a tile, which is how they agree on who adds to dQ in which order.
+template <int KB, int QROWS>
+__device__ __forceinline__ void tile_key_blocks(const Visibility& vis, bool maybe_none, int qt,
+                                                int nkb, int& lo, int& hi) {
+    if (maybe_none) {
+        lo = 0;
+        hi = nkb - 1;
+        return;
+    }
+    const int r0 = qt * QROWS, rl = min(r0 + QROWS, vis.t) - 1;
+    lo = vis.lo(r0) / KB;
+    hi = (visible_keys(rl, vis.t, vis.s, vis.causal) - 1) / KB;
+}
+
+// Bits [lo, hi] (inclusive, clamped to [0, 64)) of a 64-bit word.
+__device__ __forceinline__ u64 bit_range(int lo, int hi) {
+    lo = max(lo, 0);
+    hi = min(hi, 63);
+    if (hi < lo) return 0ull;
+    return ((~0ull) >> (63 - hi)) & ~((1ull << lo) - 1ull);
+}
+
+template <typename T, int P>
+__device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char* mask,
+                        const T* d_o, const float* lse, const float* delta, T* dq, T* dk, T* dv,
+                        float* dq_acc, int* dq_ready, int t, int s, int d, int group,
+                        int mask_group, int causal, int window, float scale, float scale_log2,
+                        AttStrides sq, AttStrides sk, AttStrides sv, AttStrides sdo,
+                        AttStrides sdq, AttStrides sdk, AttStrides sdv) {
+    constexpr int KB = ATT_BWD_KEYS, QT = AttShape<P>::QROWS, LD = P + ATT_PAD;
+    constexpr int LDS = QT + ATT_PAD, DT = P / 16, OT = P / 8, NQ = QT / 8;
+    // The dQ product's warps: MT tiles of 16 query rows, CW warps on each, NW 8-column tiles
+    // per warp.
+    constexpr int MT = QT / 16, CW = 8 / MT, NW = P / 8 / CW;
+    // P <= 64: the warp's K and V rows stay in registers as A fragments.
+    constexpr bool KV_REGS = P <= 64;
+    CASTOR_DYNAMIC_SHARED(att_smem);
+    T* ks = reinterpret_cast<T*>(att_smem);  // [KB][LD]
+    T* vs = ks + KB * LD;                    // [KB][LD]
+    T* qs = vs + KB * LD;                    // [2][QT][LD]
+    T* dos = qs + 2 * QT * LD;               // [2][QT][LD]
+    T* dst = dos + 2 * QT * LD;              // [KB][LDS]: the tile's dS^T, as T
+    float* lse_s = reinterpret_cast<float*>(dst + KB * LDS);  // [2][QT]: lse log2(e)
+    float* delta_s = lse_s + 2 * QT;                            // [2][QT]
+    unsigned char* keep = reinterpret_cast<unsigned char*>(delta_s + 2 * QT);  // [KB]
+    __shared__ int first_slot, any_empty;
+    __shared__ unsigned char empty_rows[QT];
+
+    const int nkb = gridDim.x, kb = nkb - 1 - blockIdx.x, key0 = kb * KB;
+    // Key head hk of outer batch `outer`, key batch bk; its query heads are hk group + i.
+    const int hk = blockIdx.y, outer = blockIdx.z, bk = outer * int(gridDim.y) + hk;
+    const int nqt = (t + QT - 1) / QT;
+    const int warp = warp_index(), lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int j0 = key0 + warp * 16;
+    const int keys[2] = {j0 + g, j0 + g + 8};
+    const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) &&
+                     aligned16(d_o) && sq.rows16() && sk.rows16() && sv.rows16() &&
+                     sdo.rows16();
+    {
+        T* const to[2] = {ks, vs};
+        const T* const from[2] = {k + sk.at(outer, hk), v + sv.at(outer, hk)};
+        const int ld[2] = {sk.row, sv.row};
+        load_tiles<T, P, KB, 2>(to, from, ld, key0, s, d, vec);
+    }
+    cp_async_commit();
+
+    float acc_k[OT][4], acc_v[OT][4];
+#pragma unroll
+    for (int i = 0; i < OT; ++i)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_k[i][e] = acc_v[i][e] = 0.0f;
+    unsigned kf[KV_REGS ? DT : 1][4], vf[KV_REGS ? DT : 1][4];
+    bool have_kv = false;
+
+    // The mask row of query batch b is b / mask_group, counted along rather than divided.
+    int mrow_index = bk * group / mask_group, mrow_left = mask_group - bk * group % mask_group;
+    for (int b = bk * group; b < (bk + 1) * group; ++b, mrow_left -= 1) {
+        if (mrow_left == 0) {
+            mrow_index += 1;
+            mrow_left = mask_group;
+        }
+        const unsigned char* mrow = mask ? mask + i64(mrow_index) * s : nullptr;
+        __syncthreads();  // keep[] is about to be rewritten
+        if (mrow != nullptr && threadIdx.x < KB)
+            keep[threadIdx.x] = key0 + int(threadIdx.x) < s ? mrow[key0 + threadIdx.x] : 0;
+        Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot),
+                       mrow ? keep : nullptr, key0};
+        const bool maybe_none = may_see_none(vis, mrow != nullptr);
+        // The tiles of this batch that read this block's keys: a run [qa, qz].
+        int qa = nqt, qz = -1;
+#pragma unroll 1
+        for (int qt = 0; qt < nqt; ++qt) {
+            int lo, hi;
+            tile_key_blocks<KB, QT>(vis, maybe_none, qt, nkb, lo, hi);
+            if (lo <= kb && kb <= hi) {
+                qa = min(qa, qt);
+                qz = qt;
+            }
+        }
+        if (qa > qz) continue;
+        // This lane's keys: whether each is before s, and kept by the mask.
+        bool jin[2], jok[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            jin[h] = keys[h] < s;
+            jok[h] = jin[h] && (mrow == nullptr || keep[keys[h] - key0] != 0);
+        }
+        const bool keys_kept = __all_sync(FULL_WARP, jok[0] && jok[1]);
+        const int qh = hk * group + (b - bk * group);
+        const T* qb = q + sq.at(outer, qh);
+        const T* dob = d_o + sdo.at(outer, qh);
+        const int q_ld[2] = {sq.row, sdo.row};
+
+        // Tile qa - 1 only stages tile qa; every later one stages the next while it computes.
+        for (int qt = qa - 1, buf = 1; qt <= qz; ++qt, buf ^= 1) {
+            const bool more = qt < qz;
+            if (more) {
+                const int n0 = (qt + 1) * QT;
+                T* const to[2] = {qs + (buf ^ 1) * QT * LD, dos + (buf ^ 1) * QT * LD};
+                const T* const from[2] = {qb, dob};
+                load_tiles<T, P, QT, 2>(to, from, q_ld, n0, t, d, vec);
+                if (threadIdx.x < QT) {
+                    const int r = n0 + threadIdx.x;
+                    const i64 at = i64(b) * t + r;
+                    lse_s[(buf ^ 1) * QT + threadIdx.x] =
+                        r < t ? lse[at] * float(ATT_LOG2E) : F32_INF;
+                    delta_s[(buf ^ 1) * QT + threadIdx.x] = r < t ? delta[at] : 0.0f;
+                }
+            }
+            cp_async_commit();
+            if (qt < qa) continue;
+            if (more) {
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            const int q0 = qt * QT, qlast = min(q0 + QT, t) - 1;
+            window_rows(vis, empty_rows, &any_empty, mrow, q0, QT);
+            __syncthreads();
+            if constexpr (KV_REGS) {
+                if (!have_kv) {
+#pragma unroll
+                    for (int kk = 0; kk < DT; ++kk) {
+                        ldsm_x4(kf[kk], a_rows<LD>(ks, warp * 16, kk * 16));
+                        ldsm_x4(vf[kk], a_rows<LD>(vs, warp * 16, kk * 16));
+                    }
+                    have_kv = true;
+                }
+            }
+            const T* qt_s = qs + buf * QT * LD;
+            const T* dot_s = dos + buf * QT * LD;
+            const float* l2 = lse_s + buf * QT;
+            const float* dl = delta_s + buf * QT;
+            T* my_dst = dst + warp * 16 * LDS;
+            const bool skip = !maybe_none && (j0 >= visible_keys(qlast, t, s, causal) ||
+                                              j0 + 16 <= vis.lo(q0));
+            if (skip) {
+                // The warp's keys are not seen by the tile: its dS^T rows are zero.
+#pragma unroll
+                for (int i = lane; i < 16 * QT / 8; i += 32)
+                    *reinterpret_cast<uint4*>(my_dst + (i / (QT / 8)) * LDS + (i % (QT / 8)) * 8) =
+                        make_uint4(0u, 0u, 0u, 0u);
+            } else {
+                float st[NQ][4], dpt[NQ][4];
+#pragma unroll
+                for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+#pragma unroll
+                for (int kk = 0; kk < DT; ++kk) {
+                    unsigned ak[4], av[4];
+                    if constexpr (KV_REGS) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            ak[e] = kf[kk][e];
+                            av[e] = vf[kk][e];
+                        }
+                    } else {
+                        ldsm_x4(ak, a_rows<LD>(ks, warp * 16, kk * 16));
+                        ldsm_x4(av, a_rows<LD>(vs, warp * 16, kk * 16));
+                    }
+#pragma unroll
+                    for (int n2 = 0; n2 < NQ / 2; ++n2) {
+                        unsigned bq[4], bo[4];
+                        ldsm_x4(bq, bt_rows<LD>(qt_s, n2 * 16, kk * 16));
+                        ldsm_x4(bo, bt_rows<LD>(dot_s, n2 * 16, kk * 16));
+                        mma_packed<T>(st[2 * n2], ak, bq[0], bq[1]);       // S^T
+                        mma_packed<T>(st[2 * n2 + 1], ak, bq[2], bq[3]);
+                        mma_packed<T>(dpt[2 * n2], av, bo[0], bo[1]);      // dP^T
+                        mma_packed<T>(dpt[2 * n2 + 1], av, bo[2], bo[3]);
+                    }
+                }
+                const bool plain = !maybe_none && keys_kept &&
+                                   j0 + 16 <= visible_keys(q0, t, s, causal) &&
+                                   j0 >= vis.lo(qlast);
+                if (!plain) {
+                    // Per key of this lane, the tile's queries whose score it keeps (`kept`)
+                    // and those that see no kept key (`zero`: score 0, kept for keys before
+                    // s), as bits of the query index shifted by 2c, so that an element's bit
+                    // is the same for every lane. The rows that see a key j form a range:
+                    // causal: j < r + 1 + s - t; window: r + 1 + s - t - window <= j (or
+                    // s - window <= j when every row sees all s keys).
+                    u64 zero = 0;
+#pragma unroll
+                    for (int w = 0; w < (QT + 31) / 32; ++w)
+                        zero |= u64(__ballot_sync(FULL_WARP, vis.none(q0 + 32 * w + lane))) << (32 * w);
+                    zero >>= 2 * c;
+                    u64 kept[2];
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int j = keys[h];
+                        int lo = causal ? j - s + t : 0, hi = t - 1;
+                        if (window > 0) {
+                            if (causal && j + window < s) hi = j + window - 1 - s + t;
+                            if (!causal && j < s - window) hi = -1;
+                        }
+                        const u64 seen = jok[h] ? bit_range(lo - q0 - 2 * c, hi - q0 - 2 * c) : 0ull;
+                        kept[h] = (seen & ~zero) | (jin[h] ? zero : 0ull);
+                    }
+#pragma unroll
+                    for (int n = 0; n < NQ; ++n) {
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) {
+                            const int io = n * 8 + (e & 1);
+                            if ((zero >> io) & 1ull) st[n][e] = 0.0f;
+                            if (!((kept[e >> 1] >> io) & 1ull)) st[n][e] = F32_NEG_INF;
+                        }
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < NQ; ++n) {
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = n * 8 + 2 * c + (e & 1);
+                        const float p = exp2_approx(fmaf(st[n][e], scale_log2, -l2[i]));
+                        st[n][e] = p;                          // P^T
+                        dpt[n][e] = p * (dpt[n][e] - dl[i]);  // dS^T
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < NQ; ++n) {
+                    *reinterpret_cast<unsigned*>(my_dst + g * LDS + n * 8 + 2 * c) =
+                        pack2<T>(dpt[n][0], dpt[n][1]);
+                    *reinterpret_cast<unsigned*>(my_dst + (g + 8) * LDS + n * 8 + 2 * c) =
+                        pack2<T>(dpt[n][2], dpt[n][3]);
+                }
+#pragma unroll
+                for (int kc = 0; kc < QT / 16; ++kc) {
+                    unsigned ap[4], as[4];
+                    frag_from_acc<T>(ap, st, kc);
+                    frag_from_acc<T>(as, dpt, kc);
+#pragma unroll
+                    for (int i2 = 0; i2 < OT / 2; ++i2) {
+                        unsigned bo[4], bq[4];
+                        ldsm_x4_t(bo, b_rows<LD>(dot_s, kc * 16, i2 * 16));
+                        ldsm_x4_t(bq, b_rows<LD>(qt_s, kc * 16, i2 * 16));
+                        mma_packed<T>(acc_v[2 * i2], ap, bo[0], bo[1]);  // dV += P^T dO
+                        mma_packed<T>(acc_v[2 * i2 + 1], ap, bo[2], bo[3]);
+                        mma_packed<T>(acc_k[2 * i2], as, bq[0], bq[1]);  // dK += dS^T Q
+                        mma_packed<T>(acc_k[2 * i2 + 1], as, bq[2], bq[3]);
+                    }
+                }
+            }
+            __syncthreads();  // dS^T is whole
+
+            // This block's share of dQ for the tile: dS (from dS^T) times the block's K.
+            const int mt = warp % MT, col0 = (warp / MT) * NW * 8;
+            float aq[NW][4];
+#pragma unroll
+            for (int n = 0; n < NW; ++n) aq[n][0] = aq[n][1] = aq[n][2] = aq[n][3] = 0.0f;
+#pragma unroll
+            for (int kc = 0; kc < KB / 16; ++kc) {
+                unsigned a[4];
+                ldsm_x4_t(a, dst + (kc * 16 + ((lane >> 4) << 3) + (lane & 7)) * LDS + mt * 16 +
+                                 ((lane >> 3) & 1) * 8);
+                if constexpr (NW >= 2) {
+#pragma unroll
+                    for (int n2 = 0; n2 < NW / 2; ++n2) {
+                        unsigned bk4[4];
+                        ldsm_x4_t(bk4, b_rows<LD>(ks, kc * 16, col0 + n2 * 16));
+                        mma_packed<T>(aq[2 * n2], a, bk4[0], bk4[1]);
+                        mma_packed<T>(aq[2 * n2 + 1], a, bk4[2], bk4[3]);
+                    }
+                } else {
+                    unsigned bk2[2];
+                    ldsm_x2_t(bk2, b_rows<LD>(ks, kc * 16, col0));
+                    mma_packed<T>(aq[0], a, bk2[0], bk2[1]);
+                }
+            }
+            // Add it to the shares of the blocks above this one (dq_acc), or, as the last,
+            // write dq = scale * sum through the dS^T buffer (read by no warp any more: they
+            // all passed the barrier below, and the next tile writes it after its own first
+            // barrier).
+            int lo_kb, hi_kb;
+            tile_key_blocks<KB, QT>(vis, maybe_none, qt, nkb, lo_kb, hi_kb);
+            const bool first = kb == hi_kb, last = kb == lo_kb;
+            int* ready = dq_ready + i64(b) * nqt + qt;
+            if (threadIdx.x == 0) wait_flag(ready, hi_kb - kb);
+            __syncthreads();
+            T* out = dst;  // [QT][LD] now
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int i = mt * 16 + g + 8 * h;
+                float* arow = dq_acc + (i64(b) * t + q0 + i) * P;
+#pragma unroll
+                for (int n = 0; n < NW; ++n) {
+                    const int col = col0 + n * 8 + 2 * c;
+                    float x0 = aq[n][2 * h], x1 = aq[n][2 * h + 1];
+                    if (q0 + i < t) {
+                        if (!first) {
+                            const float2 prev = __ldcg(reinterpret_cast<const float2*>(arow + col));
+                            x0 = prev.x + x0;
+                            x1 = prev.y + x1;
+                        }
+                        if (!last) __stcg(reinterpret_cast<float2*>(arow + col), make_float2(x0, x1));
+                    }
+                    if (last)
+                        *reinterpret_cast<unsigned*>(out + i * LD + col) =
+                            pack2<T>(x0 * scale, x1 * scale);
+                }
+            }
+            __threadfence();
+            __syncthreads();
+            if (last) {
+                const bool dvec = d % 8 == 0 && aligned16(dq) && sdq.rows16();
+                T* dqb = dq + sdq.at(outer, qh) + i64(q0) * sdq.row;
+                if (warp < QT / 16) {
+                    T* const to[1] = {dqb + i64(warp) * 16 * sdq.row};
+                    const T* const from[1] = {out + warp * 16 * LD};
+                    const int ld[1] = {sdq.row};
+                    store_rows<T, P, 1>(to, from, ld, min(16, qlast + 1 - q0 - warp * 16), d,
+                                        dvec);
+                }
+            } else if (threadIdx.x == 0) {
+                raise_flag(ready);
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // K and V are read no more: their tiles take dK and dV
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+        for (int i = 0; i < OT; ++i) {
+            const int at = (warp * 16 + g + 8 * h) * LD + i * 8 + 2 * c;
+            *reinterpret_cast<unsigned*>(ks + at) =
+                pack2<T>(acc_k[i][2 * h] * scale, acc_k[i][2 * h + 1] * scale);
+            *reinterpret_cast<unsigned*>(vs + at) = pack2<T>(acc_v[i][2 * h], acc_v[i][2 * h + 1]);
+        }
+    }
+    __syncwarp();
+    const int rows = min(16, s - j0);
+    if (rows > 0) {
+        const bool kvec =
+            d % 8 == 0 && aligned16(dk) && aligned16(dv) && sdk.rows16() && sdv.rows16();
+        T* const to[2] = {dk + sdk.at(outer, hk) + i64(j0) * sdk.row,
+                          dv + sdv.at(outer, hk) + i64(j0) * sdv.row};
+        const T* const from[2] = {ks + warp * 16 * LD, vs + warp * 16 * LD};
+        const int ld[2] = {sdk.row, sdv.row};
+        store_rows<T, P, 2>(to, from, ld, rows, d, kvec);
+    }
+}
+
+// ---- F32: one warp per row, no tensor cores -----------------------------------------------
+// F32 operands have no exact tensor-core product, so the F32 kernels take one query row (or,
+// for dk/dv, one key row) per warp, the lanes splitting the head dim (d <= 256), and walk the
+// keys (queries) one at a time. Dot products and gradient sums are F64, in the CPU twin's
+// order (keys ascending; query batches of the group, then rows, ascending), so these kernels
+// differ from the twin only in expf/logf and the running rescaling of the online softmax.
+
+#define ATT_LANE_DIMS 8  // head-dim elements per lane: d <= 256
+
+__device__ __forceinline__ double warp_dot(const float (&x)[ATT_LANE_DIMS], const float* y, int d) {
+    const int lane = threadIdx.x & 31;
+    double acc = 0.0;
+#pragma unroll
+    for (int u = 0; u < ATT_LANE_DIMS; ++u) {
+        const int col = lane + 32 * u;
+        if (col < d) acc += double(x[u]) * double(y[col]);
+    }
+    return warp_sum(acc);
+}
+
+__device__ __forceinline__ void lane_row(float (&x)[ATT_LANE_DIMS], const float* row, int d) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int u = 0; u < ATT_LANE_DIMS; ++u) {
+        const int col = lane + 32 * u;
+        x[u] = col < d ? row[col] : 0.0f;
+    }
+}
+
+__device__ void att_fwd_f32(const float* q, const float* k, const float* v,
+                            const unsigned char* mask, float* o, float* lse, int t, int s, int d,
+                            int group, int mask_group, int causal, int window, double scale) {
+    __shared__ int first_slot;
+    const i64 b = blockIdx.y;
+    const int r = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
+    const Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+    if (r >= t) return;
+    const float* kb = k + (b / group) * i64(s) * d;
+    const float* vb = v + (b / group) * i64(s) * d;
+    float qi[ATT_LANE_DIMS], acc[ATT_LANE_DIMS];
+    lane_row(qi, q + (b * t + r) * i64(d), d);
+#pragma unroll
+    for (int u = 0; u < ATT_LANE_DIMS; ++u) acc[u] = 0.0f;
+    const bool none = vis.warp_none(r, mrow);
+    const int end = none ? s : visible_keys(r, t, s, causal);
+    float m = F32_NEG_INF, l = 0.0f;
+    for (int j = none ? 0 : vis.lo(r); j < end; ++j) {
+        if (!none && mrow != nullptr && mrow[j] == 0) continue;
+        const float x = none ? 0.0f : float(warp_dot(qi, kb + i64(j) * d, d) * double(scale));
+        const float mn = fmaxf(m, x);
+        const float corr = expf(m - mn), p = expf(x - mn);
+        m = mn;
+        l = l * corr + p;
+        const float* vj = vb + i64(j) * d;
+#pragma unroll
+        for (int u = 0; u < ATT_LANE_DIMS; ++u) {
+            const int col = lane + 32 * u;
+            acc[u] = acc[u] * corr + (col < d ? p * vj[col] : 0.0f);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < ATT_LANE_DIMS; ++u) {
+        const int col = lane + 32 * u;
+        if (col < d) o[(b * t + r) * i64(d) + col] = acc[u] / l;
+    }
+    if (lane == 0) lse[b * t + r] = m + logf(l);
+}
+
+__device__ void att_dq_f32(const float* q, const float* k, const float* v,
+                           const unsigned char* mask, const float* d_o, const float* lse,
+                           const float* delta, float* dq, int t, int s, int d, int group,
+                           int mask_group, int causal, int window, double scale) {
+    __shared__ int first_slot;
+    const i64 b = blockIdx.y;
+    const int r = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
+    const Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+    if (r >= t) return;
+    const float* kb = k + (b / group) * i64(s) * d;
+    const float* vb = v + (b / group) * i64(s) * d;
+    const i64 row = b * t + r;
+    float qi[ATT_LANE_DIMS], doi[ATT_LANE_DIMS];
+    lane_row(qi, q + row * d, d);
+    lane_row(doi, d_o + row * d, d);
+    double acc[ATT_LANE_DIMS];
+#pragma unroll
+    for (int u = 0; u < ATT_LANE_DIMS; ++u) acc[u] = 0.0;
+    const bool none = vis.warp_none(r, mrow);
+    const int end = none ? s : visible_keys(r, t, s, causal);
+    for (int j = none ? 0 : vis.lo(r); j < end; ++j) {
+        if (!none && mrow != nullptr && mrow[j] == 0) continue;
+        const float x = none ? 0.0f : float(warp_dot(qi, kb + i64(j) * d, d) * double(scale));
+        const float p = expf(x - lse[row]);
+        const float dp = float(warp_dot(doi, vb + i64(j) * d, d));
+        const double ds = double(p * (dp - delta[row]));
+        const float* kj = kb + i64(j) * d;
+#pragma unroll
+        for (int u = 0; u < ATT_LANE_DIMS; ++u) {
+            const int col = lane + 32 * u;
+            if (col < d) acc[u] += ds * double(kj[col]);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < ATT_LANE_DIMS; ++u) {
+        const int col = lane + 32 * u;
+        if (col < d) dq[row * d + col] = float(acc[u] * double(scale));
+    }
+}
+
+__device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
+                             const unsigned char* mask, const float* d_o, const float* lse,
+                             const float* delta, float* dk, float* dv, int t, int s, int d,
+                             int group, int mask_group, int causal, int window, double scale) {
+    __shared__ int first_slot;
+    const i64 bk = blockIdx.y;
+    const int j = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+    float kj[ATT_LANE_DIMS], vj[ATT_LANE_DIMS];
+    if (j < s) {
+        lane_row(kj, k + (bk * s + j) * i64(d), d);
+        lane_row(vj, v + (bk * s + j) * i64(d), d);
+    }
+    double acc_k[ATT_LANE_DIMS], acc_v[ATT_LANE_DIMS];
+#pragma unroll
+    for (int u = 0; u < ATT_LANE_DIMS; ++u) acc_k[u] = acc_v[u] = 0.0;
+    for (i64 b = bk * group; b < (bk + 1) * group; ++b) {
+        const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
+        __syncthreads();  // first_slot is about to be rewritten
+        const Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+        if (j >= s) continue;
+        const bool key_kept = mrow == nullptr || mrow[j] != 0;
+        for (int r = 0; r < t; ++r) {
+            const bool none = vis.warp_none(r, mrow);
+            if (!none && (!key_kept || j >= visible_keys(r, t, s, causal) || j < vis.lo(r)))
+                continue;
+            const i64 row = b * t + r;
+            const float* qr = q + row * d;
+            const float* dor = d_o + row * d;
+            const float x = none ? 0.0f : float(warp_dot(kj, qr, d) * double(scale));
+            const float p = expf(x - lse[row]);
+            const float dp = float(warp_dot(vj, dor, d));
+            const double ds = double(p * (dp - delta[row]));
+#pragma unroll
+            for (int u = 0; u < ATT_LANE_DIMS; ++u) {
+                const int col = lane + 32 * u;
+                if (col < d) {
+                    acc_k[u] += ds * double(qr[col]);
+                    acc_v[u] += double(p) * double(dor[col]);
+                }
+            }
+        }
+    }
+    if (j >= s) return;
+#pragma unroll
+    for (int u = 0; u < ATT_LANE_DIMS; ++u) {
+        const int col = lane + 32 * u;
+        if (col < d) {
+            dk[(bk * s + j) * i64(d) + col] = float(acc_k[u] * double(scale));
+            dv[(bk * s + j) * i64(d) + col] = float(acc_v[u]);
+        }
+    }
+}
+
+// ---- entry points --------------------------------------------------------------------------
+
+// Each (dtype, P) of the tensor-core kernels is its own instantiation, and the file builds
+// them all: NVRTC takes a while the first time a machine compiles it, then the PTX cache
+// answers.
+// The strides of operand X (AttStrides) come after the shape as X_batch, X_head, X_row.
+#define CASTOR_ATTENTION(T, sfx, P)                                                                \
+    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_fwd_##sfx##_d##P(    \
+        const T* q, const T* k, const T* v, const unsigned char* mask, T* o, float* lse,           \
+        i64 bq, int t, int s, int d, int group, int mask_group, int causal, int window,            \
+        double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head, int k_row,      \
+        int v_batch, int v_head, int v_row, int o_batch, int o_head, int o_row) {                  \
+        att_fwd<T, P>(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, window,           \
+                      float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},                \
+                      AttStrides{k_batch, k_head, k_row}, AttStrides{v_batch, v_head, v_row},      \
+                      AttStrides{o_batch, o_head, o_row});                                         \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_bwd_##sfx##_d##P(    \
+        const T* q, const T* k, const T* v, const unsigned char* mask, const T* d_o,               \
+        const float* lse, const float* delta, T* dq, T* dk, T* dv, float* dq_acc, int* dq_ready,   \
+        i64 bkv, int t, int s, int d, int group, int mask_group, int causal, int window,           \
+        double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head, int k_row,      \
+        int v_batch, int v_head, int v_row, int d_o_batch, int d_o_head, int d_o_row,              \
+        int dq_batch, int dq_head, int dq_row, int dk_batch, int dk_head, int dk_row,              \
+        int dv_batch, int dv_head, int dv_row) {                                                   \
+        att_bwd<T, P>(q, k, v, mask, d_o, lse, delta, dq, dk, dv, dq_acc, dq_ready, t, s, d,       \
+                      group, mask_group, causal, window, float(scale),                             \
+                      float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},                \
+                      AttStrides{k_batch, k_head, k_row}, AttStrides{v_batch, v_head, v_row},      \
+                      AttStrides{d_o_batch, d_o_head, d_o_row},                                    \
+                      AttStrides{dq_batch, dq_head, dq_row},                                       \
+                      AttStrides{dk_batch, dk_head, dk_row},                                       \
+                      AttStrides{dv_batch, dv_head, dv_row});                                      \
+    }
+
+#define CASTOR_ATTENTION_DELTA(T, sfx)                                                             \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_delta_##sfx(           \
+        const T* o, const T* d_o, float* delta, i64 rows, int t, int d, int heads, int o_batch,    \
+        int o_head, int o_row, int d_o_batch, int d_o_head, int d_o_row) {                         \
+        att_delta<T>(o, d_o, delta, rows, t, d, heads, AttStrides{o_batch, o_head, o_row},         \
+                     AttStrides{d_o_batch, d_o_head, d_o_row});                                    \
+    }
+
+#define CASTOR_ATTENTION_F32                                                                       \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_fwd_f32(                   \
+        const float* q, const float* k, const float* v, const unsigned char* mask, float* o,       \
+        float* lse, i64 bq, int t, int s, int d, int group, int mask_group, int causal,            \
+        int window, double scale) {                                                                \
+        att_fwd_f32(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, window, scale);     \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dq_f32(                \
+        const float* q, const float* k, const float* v, const unsigned char* mask,                 \
+        const float* d_o, const float* lse, const float* delta, float* dq, i64 bq, int t,          \
+        int s, int d, int group, int mask_group, int causal, int window, double scale) {           \
+        att_dq_f32(q, k, v, mask, d_o, lse, delta, dq, t, s, d, group, mask_group, causal,         \
+                   window, scale);                                                                 \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dkdv_f32(              \
+        const float* q, const float* k, const float* v, const unsigned char* mask,                 \
+        const float* d_o, const float* lse, const float* delta, float* dk, float* dv, i64 bkv,     \
+        int t, int s, int d, int group, int mask_group, int causal, int window, double scale) {    \
+        att_dkdv_f32(q, k, v, mask, d_o, lse, delta, dk, dv, t, s, d, group, mask_group,           \
+                     causal, window, scale);                                                       \
+    }                                                                                              \
+    CASTOR_ATTENTION_DELTA(float, f32)
+
+CASTOR_ATTENTION_F32
+CASTOR_ATTENTION_DELTA(__half, f16)
+CASTOR_ATTENTION_DELTA(__nv_bfloat16, bf16)
+CASTOR_ATTENTION(__half, f16, 16)
+CASTOR_ATTENTION(__half, f16, 32)
+CASTOR_ATTENTION(__half, f16, 64)
+CASTOR_ATTENTION(__half, f16, 128)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 16)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 32)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 64)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 128)

@@ -1,0 +1,356 @@
+//! `attention.cu`: the fused attention forward, its `delta` row sums, and its backward (one
+//! tensor-core kernel, or the F32 dq and dk/dv kernels). Launch shapes, dynamic shared memory
+//! and scratch are `crate::cuda::families::attention::geometry`'s.
+
+use crate::cuda::emulate::contracts::{checked, Strides};
+use crate::cuda::emulate::args::Args;
+use crate::cuda::emulate::memory::{use_, Io, Mem, Ptr, Use};
+use crate::cuda::emulate::R;
+use crate::cuda::program::Launch;
+use castor_ir::DType;
+use crate::cuda::families::attention::geometry::{self as geometry, Kernel};
+
+/// The operands' dtype and the head-dim tile (`None`: the F32 warp-per-row kernels).
+#[derive(Clone, Copy)]
+pub(crate) struct Variant {
+    pub(crate) dtype: DType,
+    pub(crate) tile: Option<u32>,
+}
+
+/// The shape arguments every attention kernel takes after its pointers.
+struct Shape {
+    /// Query batches (or, for dk/dv, key batches times `group`).
+    bq: usize,
+    t: usize,
+    s: usize,
+    d: usize,
+    group: usize,
+    mask_group: usize,
+}
+
+impl Shape {
+    fn read(a: &mut Args, kernel: Kernel) -> R<Shape> {
+        let per_key_batch = matches!(kernel, Kernel::Backward | Kernel::DkDv);
+        let batches = a.count(if per_key_batch { "bkv" } else { "bq" })?;
+        let t = a.count32("t")?;
+        let s = a.count32("s")?;
+        let d = a.count32("d")?;
+        let group = a.count32("group")?;
+        let mask_group = a.count32("mask_group")?;
+        a.i32("causal")?;
+        if a.i32("window")? < 0 {
+            return Err("a negative sliding window".into());
+        }
+        let scale = a.f64("scale")?;
+        if group == 0 || mask_group == 0 {
+            return Err(format!(
+                "group {group} and mask_group {mask_group} must be positive"
+            ));
+        }
+        if !scale.is_finite() {
+            return Err(format!("scale {scale} is not finite"));
+        }
+        let bq = if per_key_batch {
+            batches * group
+        } else {
+            batches
+        };
+        if bq % group != 0 || bq % mask_group != 0 {
+            return Err(format!(
+                "{bq} query batches are not whole groups of {group} (kv) and {mask_group} (mask)"
+            ));
+        }
+        if d == 0 {
+            return Err("head dim 0".into());
+        }
+        Ok(Shape {
+            bq,
+            t,
+            s,
+            d,
+            group,
+            mask_group,
+        })
+    }
+
+    /// The query heads of one outer batch, as the tensor-core kernels' grid splits them (its
+    /// y dim: query heads in the forward, key heads in the backward); 1 for the F32 kernels.
+    fn heads(&self, l: &Launch, kernel: Kernel, v: Variant) -> usize {
+        match (v.tile, kernel) {
+            (None, _) => 1,
+            (Some(_), Kernel::Backward) => l.grid.1 as usize * self.group,
+            (Some(_), _) => l.grid.1 as usize,
+        }
+    }
+
+    fn check_launch(&self, l: &Launch, kernel: Kernel, v: Variant) -> R<()> {
+        let tensor_cores = v.tile.is_some();
+        match v.tile {
+            Some(p) if self.d > p as usize => {
+                return Err(format!(
+                    "head dim {} is wider than the variant's tile {p}",
+                    self.d
+                ))
+            }
+            None if self.d > geometry::F32_MAX_HEAD_DIM => {
+                return Err(format!(
+                    "head dim {} is wider than the F32 kernels' {}",
+                    self.d,
+                    geometry::F32_MAX_HEAD_DIM
+                ))
+            }
+            _ => {}
+        }
+        let heads = self.heads(l, kernel, v);
+        let splits = heads > 0 && self.bq.is_multiple_of(heads) && heads.is_multiple_of(self.group);
+        if tensor_cores && !splits {
+            return Err(format!(
+                "grid {:?}: {heads} heads a batch do not split {} query batches in groups of {}",
+                l.grid, self.bq, self.group
+            ));
+        }
+        let grid = geometry::grid(
+            kernel,
+            tensor_cores,
+            self.bq as u32,
+            (heads as u32, self.group as u32),
+            self.t as u32,
+            self.s as u32,
+        );
+        let shared = v.tile.map_or(0, |p| {
+            geometry::shared_bytes(kernel, p, v.dtype.size_bytes() as u32)
+        });
+        expect_shape(l, grid, geometry::threads(kernel, tensor_cores), shared)
+    }
+
+    fn q_bytes(&self, elem: usize) -> u64 {
+        (self.bq * self.t * self.d * elem) as u64
+    }
+
+    fn kv_bytes(&self, elem: usize) -> u64 {
+        (self.bq / self.group * self.s * self.d * elem) as u64
+    }
+
+    /// (batches, heads, rows, d) of the query-side operands.
+    fn q_dims(&self, heads: usize) -> R<(usize, usize, usize, usize)> {
+        if heads == 0 || !heads.is_multiple_of(self.group) {
+            return Err(format!(
+                "heads {heads} is not a whole number of kv groups of {}",
+                self.group
+            ));
+        }
+        Ok((self.bq, heads, self.t, self.d))
+    }
+
+    /// (batches, heads, rows, d) of the key-side operands.
+    fn kv_dims(&self, heads: usize) -> R<(usize, usize, usize, usize)> {
+        self.q_dims(heads)?;
+        Ok((self.bq / self.group, heads / self.group, self.s, self.d))
+    }
+
+    /// The uses of q, k, v (through `st`) and the mask.
+    fn strided_operands(
+        &self,
+        p: [Option<Ptr>; 4],
+        heads: usize,
+        st: &[Strides],
+        elem: usize,
+    ) -> R<Vec<Option<Use>>> {
+        let (qd, kd) = (self.q_dims(heads)?, self.kv_dims(heads)?);
+        let need = |x: Option<Ptr>| x.ok_or_else(|| "a null operand".to_string());
+        Ok(vec![
+            st[0].use_of("q", need(p[0])?, qd, elem, Io::R)?,
+            st[1].use_of("k", need(p[1])?, kd, elem, Io::R)?,
+            st[2].use_of("v", need(p[2])?, kd, elem, Io::R)?,
+            use_("mask", p[3], self.mask_bytes(), 1, Io::R),
+        ])
+    }
+
+    fn mask_bytes(&self) -> u64 {
+        (self.bq / self.mask_group * self.s) as u64
+    }
+
+    fn rows(&self) -> u64 {
+        (self.bq * self.t) as u64
+    }
+}
+
+/// The strides of each named operand, in order.
+fn read_strides(a: &mut Args, names: &[&str]) -> R<Vec<Strides>> {
+    names.iter().map(|x| Strides::read(a, x)).collect()
+}
+
+/// The launch must be `(grid, (threads, 1, 1))` with exactly `shared` bytes of dynamic shared
+/// memory.
+fn expect_shape(l: &Launch, grid: (u32, u32, u32), threads: u32, shared: u32) -> R<()> {
+    let block = (threads, 1, 1);
+    if l.grid != grid || l.block != block || l.shared_bytes != shared {
+        return Err(format!(
+            "launch grid {:?} block {:?} with {} bytes of dynamic shared memory; the kernel \
+             needs grid {grid:?} block {block:?} and {shared} bytes",
+            l.grid, l.block, l.shared_bytes
+        ));
+    }
+    Ok(())
+}
+
+/// The pointers the three main kernels read first: q, k, v and the nullable mask.
+fn operands(a: &mut Args, m: &Mem) -> R<[Option<Ptr>; 4]> {
+    Ok([
+        Some(a.need(m, "q")?),
+        Some(a.need(m, "k")?),
+        Some(a.need(m, "v")?),
+        a.ptr(m, "mask")?,
+    ])
+}
+
+fn operand_uses(sh: &Shape, p: [Option<Ptr>; 4], elem: usize) -> Vec<Option<Use>> {
+    vec![
+        use_("q", p[0], sh.q_bytes(elem), elem, Io::R),
+        use_("k", p[1], sh.kv_bytes(elem), elem, Io::R),
+        use_("v", p[2], sh.kv_bytes(elem), elem, Io::R),
+        use_("mask", p[3], sh.mask_bytes(), 1, Io::R),
+    ]
+}
+
+pub(crate) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let ops = operands(&mut a, m)?;
+    let o = a.need(m, "o")?;
+    let lse = a.need(m, "lse")?;
+    let sh = Shape::read(&mut a, Kernel::Forward)?;
+    let elem = v.dtype.size_bytes();
+    let mut uses = if v.tile.is_some() {
+        let st = read_strides(&mut a, &["q", "k", "v", "o"])?;
+        a.end()?;
+        let heads = sh.heads(l, Kernel::Forward, v);
+        let mut uses = sh.strided_operands(ops, heads, &st[..3], elem)?;
+        uses.push(st[3].use_of("o", o, sh.q_dims(heads)?, elem, Io::W)?);
+        uses
+    } else {
+        a.end()?;
+        let mut uses = operand_uses(&sh, ops, elem);
+        uses.push(use_("o", Some(o), sh.q_bytes(elem), elem, Io::W));
+        uses
+    };
+    sh.check_launch(l, Kernel::Forward, v)?;
+    uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::W));
+    checked(m, uses, &[])
+}
+
+pub(crate) fn dq(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let ops = operands(&mut a, m)?;
+    let d_o = a.need(m, "d_o")?;
+    let lse = a.need(m, "lse")?;
+    let delta = a.need(m, "delta")?;
+    let dq = a.need(m, "dq")?;
+    let sh = Shape::read(&mut a, Kernel::Dq)?;
+    a.end()?;
+    sh.check_launch(l, Kernel::Dq, v)?;
+    let elem = v.dtype.size_bytes();
+    let mut uses = operand_uses(&sh, ops, elem);
+    uses.push(use_("do", Some(d_o), sh.q_bytes(elem), elem, Io::R));
+    uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("dq", Some(dq), sh.q_bytes(elem), elem, Io::W));
+    checked(m, uses, &[])
+}
+
+pub(crate) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let ops = operands(&mut a, m)?;
+    let d_o = a.need(m, "d_o")?;
+    let lse = a.need(m, "lse")?;
+    let delta = a.need(m, "delta")?;
+    let dk = a.need(m, "dk")?;
+    let dv = a.need(m, "dv")?;
+    let sh = Shape::read(&mut a, Kernel::DkDv)?;
+    a.end()?;
+    sh.check_launch(l, Kernel::DkDv, v)?;
+    let elem = v.dtype.size_bytes();
+    let mut uses = operand_uses(&sh, ops, elem);
+    uses.push(use_("do", Some(d_o), sh.q_bytes(elem), elem, Io::R));
+    uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("dk", Some(dk), sh.kv_bytes(elem), elem, Io::W));
+    uses.push(use_("dv", Some(dv), sh.kv_bytes(elem), elem, Io::W));
+    checked(m, uses, &[])
+}
+
+/// The tensor-core backward: dq, dk and dv in one pass, dq summed in `dq_acc` (F32 rows of the
+/// tile's width, scratch the kernel writes before it reads) in the order the `dq_ready`
+/// counters (zeroed before the launch) keep.
+pub(crate) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let ops = operands(&mut a, m)?;
+    let d_o = a.need(m, "d_o")?;
+    let lse = a.need(m, "lse")?;
+    let delta = a.need(m, "delta")?;
+    let dq = a.need(m, "dq")?;
+    let dk = a.need(m, "dk")?;
+    let dv = a.need(m, "dv")?;
+    let acc = a.need(m, "dq_acc")?;
+    let ready = a.need(m, "dq_ready")?;
+    let sh = Shape::read(&mut a, Kernel::Backward)?;
+    let st = read_strides(&mut a, &["q", "k", "v", "d_o", "dq", "dk", "dv"])?;
+    a.end()?;
+    let Some(p) = v.tile else {
+        return Err("the one-pass backward has tensor-core variants only".into());
+    };
+    sh.check_launch(l, Kernel::Backward, v)?;
+    let heads = sh.heads(l, Kernel::Backward, v);
+    let elem = v.dtype.size_bytes();
+    let (bq, t) = (sh.bq as u64, sh.t as u64);
+    let (qd, kd) = (sh.q_dims(heads)?, sh.kv_dims(heads)?);
+    let mut uses = sh.strided_operands(ops, heads, &st[..3], elem)?;
+    uses.push(st[3].use_of("do", d_o, qd, elem, Io::R)?);
+    uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::R));
+    uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));
+    uses.push(st[4].use_of("dq", dq, qd, elem, Io::W)?);
+    uses.push(st[5].use_of("dk", dk, kd, elem, Io::W)?);
+    uses.push(st[6].use_of("dv", dv, kd, elem, Io::W)?);
+    uses.push(use_(
+        "dq_acc",
+        Some(acc),
+        4 * geometry::dq_acc_elems(bq, t, p),
+        4,
+        Io::W,
+    ));
+    uses.push(use_(
+        "dq_ready",
+        Some(ready),
+        4 * geometry::dq_ready_count(bq, t, p),
+        4,
+        Io::Rw,
+    ));
+    checked(m, uses, &[])
+}
+
+pub(crate) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let o = a.need(m, "o")?;
+    let d_o = a.need(m, "d_o")?;
+    let delta = a.need(m, "delta")?;
+    let rows = a.count("rows")?;
+    let t = a.count32("t")?;
+    let d = a.count32("d")?;
+    let heads = a.count32("heads")?;
+    let st = read_strides(&mut a, &["o", "d_o"])?;
+    a.end()?;
+    expect_shape(l, geometry::delta_grid(rows as u64), geometry::THREADS, 0)?;
+    if t == 0 || rows % t != 0 {
+        return Err(format!("{rows} rows are not whole batches of t = {t}"));
+    }
+    let elem = dtype.size_bytes();
+    let dims = (rows / t, heads, t, d);
+    checked(
+        m,
+        vec![
+            st[0].use_of("o", o, dims, elem, Io::R)?,
+            st[1].use_of("do", d_o, dims, elem, Io::R)?,
+            use_("delta", Some(delta), 4 * rows as u64, 4, Io::W),
+        ],
+        &[],
+    )
+}

@@ -1,0 +1,596 @@
+//! `attention.cu` against `cpu/attention.rs`. The kernels and the twin round at the same
+//! points (P and dS to the operand dtype where they enter a product, o and the gradients once
+//! at the end); they sum in other orders (the tensor-core kernels in F32, 16 products at a
+//! time and tile by tile; the twin in F64, key by key), the online softmax rescales its running
+//! sums as the maximum grows, and the exponentials are CUDA's `expf` form against the twin's.
+//! So results agree to a bound, not bit for bit; the bounds below are the measured worst case
+//! with a margin, stated as a relative error ‖a−b‖/‖b‖ per output (and, for the F32 kernels,
+//! whose sums are the twin's F64 sums, in units in the last place per element).
+
+use crate::cuda::emulate::kernel_tests::{dec, enc, i32, i64, Launcher, Rng};
+use crate::cpu::attention::{attention, attention_grad, Operand, Problem};
+use crate::cuda::program::Arg;
+use castor_ir::{relative_error, round_to, DType};
+use crate::cuda::families::attention::geometry::{self as geometry, Kernel};
+use castor_kernels::host::{self, Sanitize};
+
+/// Each dtype with its tiles (`None`: the F32 warp-per-row kernels) and the head dims tried
+/// at each: the tile itself, and at the two narrow tiles a width that leaves part of the tile
+/// as zero padding (the padding code is the same at every tile; the wide tiles cost the most
+/// time on the host, under the sanitizers most of all).
+fn variants() -> Vec<(DType, &'static str, Option<u32>, Vec<usize>)> {
+    let mut v = vec![(DType::F32, "f32", None, vec![8, 33, 100])];
+    for (dtype, sfx) in [(DType::F16, "f16"), (DType::BF16, "bf16")] {
+        for p in geometry::TILES {
+            let d = p as usize;
+            let dims = if d <= 32 {
+                vec![d, d - d / 4 + 1, d / 2]
+            } else {
+                vec![d]
+            };
+            v.push((dtype, sfx, Some(p), dims));
+        }
+    }
+    v
+}
+
+pub(crate) fn entries() -> Vec<String> {
+    let mut out = Vec::new();
+    for (_, sfx, tile, _) in variants() {
+        let suffix = tile.map_or(sfx.to_string(), |p| format!("{sfx}_d{p}"));
+        let kernels: &[&str] = if tile.is_some() {
+            &["fwd", "bwd"]
+        } else {
+            &["fwd", "bwd_dq", "bwd_dkdv"]
+        };
+        for k in kernels {
+            out.push(format!("attention_{k}_{suffix}"));
+        }
+    }
+    for sfx in ["f32", "f16", "bf16"] {
+        out.push(format!("attention_bwd_delta_{sfx}"));
+    }
+    out
+}
+
+/// One problem: `nb` batches of `hkv` kv heads, each shared by `g` query heads; `t` queries,
+/// `s` keys; a causal mask, narrowed by a sliding `window`, and/or a padding mask (one row of
+/// keys per batch; the last batch keeps no key, so its rows are uniform; with one batch, every
+/// third key is masked, so a window of one key sees none in every third row).
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    nb: usize,
+    hkv: usize,
+    g: usize,
+    t: usize,
+    s: usize,
+    causal: bool,
+    window: Option<usize>,
+    masked: bool,
+}
+
+impl Case {
+    fn bq(&self) -> usize {
+        self.nb * self.hkv * self.g
+    }
+}
+
+const CASES: [Case; 6] = [
+    // GPT-2's test fixture: four heads share the padding mask.
+    Case {
+        nb: 1,
+        hkv: 4,
+        g: 1,
+        t: 32,
+        s: 32,
+        causal: true,
+        window: None,
+        masked: true,
+    },
+    Case {
+        nb: 1,
+        hkv: 1,
+        g: 1,
+        t: 1,
+        s: 1,
+        causal: false,
+        window: None,
+        masked: false,
+    },
+    Case {
+        nb: 1,
+        hkv: 2,
+        g: 1,
+        t: 33,
+        s: 33,
+        causal: true,
+        window: None,
+        masked: false,
+    },
+    Case {
+        nb: 2,
+        hkv: 1,
+        g: 2,
+        t: 65,
+        s: 70,
+        causal: true,
+        window: None,
+        masked: true,
+    },
+    // A sliding window: the last query tile skips the first key tile, the last key block
+    // skips the first query tiles.
+    Case {
+        nb: 2,
+        hkv: 1,
+        g: 2,
+        t: 65,
+        s: 70,
+        causal: true,
+        window: Some(5),
+        masked: true,
+    },
+    // A window of one key over a mask with holes: rows whose key is masked see none.
+    Case {
+        nb: 1,
+        hkv: 1,
+        g: 1,
+        t: 33,
+        s: 33,
+        causal: true,
+        window: Some(1),
+        masked: true,
+    },
+];
+
+/// Problems that span several backward key blocks (128 keys) and query tiles, so that query
+/// tiles take dQ shares from several blocks in the order the counters keep. Run at the tiles
+/// real models use, once per tile (bf16 at 64, f16 at 128), and not again under the
+/// sanitizers: the host build takes longest here, and blocks run one at a time there anyway.
+const LONG_CASES: [Case; 3] = [
+    // More keys than queries (bottom-right causal), grouped heads, a padding mask.
+    Case {
+        nb: 1,
+        hkv: 1,
+        g: 2,
+        t: 130,
+        s: 200,
+        causal: true,
+        window: None,
+        masked: true,
+    },
+    // Every key block reads every tile: no causal mask.
+    Case {
+        nb: 1,
+        hkv: 1,
+        g: 1,
+        t: 70,
+        s: 260,
+        causal: false,
+        window: None,
+        masked: false,
+    },
+    // A window over a mask: every tile goes to every key block (a row may see none).
+    Case {
+        nb: 2,
+        hkv: 1,
+        g: 1,
+        t: 140,
+        s: 140,
+        causal: true,
+        window: Some(60),
+        masked: true,
+    },
+];
+
+/// The largest relative error of any output, by dtype: the measured worst (F32 1.6e-7, F16
+/// 2.8e-4, BF16 2.2e-3 over every case at every tile) with a margin of about 2. F32 differs in
+/// the online rescaling and `expf`; F16 and BF16 mostly where an F32 value a few ulps from the
+/// twin's rounds to the neighbouring F16/BF16 value: P and dS entering a product (the kernels
+/// round P relative to the running maximum, the twin relative to the row's maximum) and o and
+/// the gradients at the end, where one flipped rounding is a whole unit of 2^-8 in BF16. The
+/// worst is the forward's o over 260 unmasked keys (several key tiles: the running maximum
+/// moves).
+fn bound(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => 3e-7,
+        DType::F16 => 6e-4,
+        _ => 5e-3,
+    }
+}
+
+/// Where a test puts a `[batches, rows, d]` operand whose batches split by `heads`: dense, or
+/// in place as a head of a fused QKV product or a context in `[B, T, H, d]` sits,
+/// `[batches / heads, rows, heads, d + GAP]` with other data in the gaps (the kernels read it
+/// through strides and must neither read nor write the gaps).
+#[derive(Clone, Copy, Debug)]
+struct Layout {
+    heads: usize,
+    rows: usize,
+    d: usize,
+    in_place: bool,
+}
+
+/// Elements between one head's row and the next head's in the in-place layout.
+const GAP: usize = 8;
+/// What the gaps hold: a value no result is near.
+const GAP_FILL: f32 = 1000.0;
+
+impl Layout {
+    /// (batch, head, row) strides in elements.
+    fn strides(&self) -> [usize; 3] {
+        let (h, r, d) = (self.heads, self.rows, self.d);
+        if self.in_place {
+            let w = d + GAP;
+            [r * h * w, w, h * w]
+        } else {
+            [h * r * d, r * d, d]
+        }
+    }
+
+    /// The stride arguments `X_batch`, `X_head`, `X_row`.
+    fn args(&self) -> [Arg; 3] {
+        self.strides().map(i32)
+    }
+
+    fn index(&self, b: usize, r: usize, j: usize) -> usize {
+        let st = self.strides();
+        (b / self.heads) * st[0] + (b % self.heads) * st[1] + r * st[2] + j
+    }
+
+    fn len(&self, batches: usize) -> usize {
+        batches.div_ceil(self.heads) * self.strides()[0]
+    }
+
+    /// Dense `x` laid out, the gaps filled.
+    fn place(&self, x: &[f32], batches: usize) -> Vec<f32> {
+        let mut y = vec![GAP_FILL; self.len(batches)];
+        for b in 0..batches {
+            for r in 0..self.rows {
+                for j in 0..self.d {
+                    y[self.index(b, r, j)] = x[(b * self.rows + r) * self.d + j];
+                }
+            }
+        }
+        y
+    }
+
+    /// The dense operand read back from `y`; panics if a gap was written.
+    fn gather(&self, y: &[f32], batches: usize, what: &str) -> Vec<f32> {
+        let mut x = vec![0.0; batches * self.rows * self.d];
+        let mut inside = vec![false; y.len()];
+        for b in 0..batches {
+            for r in 0..self.rows {
+                for j in 0..self.d {
+                    let i = self.index(b, r, j);
+                    x[(b * self.rows + r) * self.d + j] = y[i];
+                    inside[i] = true;
+                }
+            }
+        }
+        if self.in_place {
+            let written = (0..y.len()).find(|&i| !inside[i] && y[i] != GAP_FILL);
+            assert!(
+                written.is_none(),
+                "{what}: a gap was written at {written:?}"
+            );
+        }
+        x
+    }
+}
+
+struct Worst {
+    what: String,
+    err: f64,
+}
+
+#[test]
+fn attention_kernels_agree_with_the_twin() {
+    let mut rng = Rng::new(11);
+    let mut worst: Vec<(DType, Worst)> = Vec::new();
+    for (dtype, sfx, tile, dims) in variants() {
+        let suffix = tile.map_or(sfx.to_string(), |p| format!("{sfx}_d{p}"));
+        let long = matches!(
+            (dtype, tile),
+            (DType::BF16, Some(64)) | (DType::F16, Some(128))
+        ) && !host::sanitize().is_ok_and(|s| s != Sanitize::None);
+        let first = dims.first().copied();
+        for d in dims {
+            for case in CASES.iter().chain(if long { &LONG_CASES[..] } else { &[] }) {
+                let case = *case;
+                // In place: the tensor-core kernels, at the variant's first head dim.
+                let in_place = tile.is_some() && Some(d) == first;
+                let layouts: &[bool] = if in_place { &[false, true] } else { &[false] };
+                for (what, err) in layouts
+                    .iter()
+                    .flat_map(|&ip| run_case(&mut rng, dtype, &suffix, tile, d, case, ip))
+                {
+                    assert!(
+                        err <= bound(dtype),
+                        "{what}: relative error {err:.3e} over the bound {:.1e}",
+                        bound(dtype)
+                    );
+                    match worst.iter_mut().find(|(t, _)| *t == dtype) {
+                        Some((_, w)) if w.err >= err => {}
+                        Some((_, w)) => *w = Worst { what, err },
+                        None => worst.push((dtype, Worst { what, err })),
+                    }
+                }
+            }
+        }
+    }
+    for (dtype, w) in worst {
+        println!(
+            "attention {dtype:?}: worst relative error {:.2e} ({})",
+            w.err, w.what
+        );
+    }
+}
+
+/// Runs the forward, delta, dq and dk/dv kernels of one case beside the twin; returns each
+/// output's relative error.
+fn run_case(
+    rng: &mut Rng,
+    dtype: DType,
+    suffix: &str,
+    tile: Option<u32>,
+    d: usize,
+    c: Case,
+    in_place: bool,
+) -> Vec<(String, f64)> {
+    let (bq, bkv) = (c.bq(), c.nb * c.hkv);
+    let hq = c.hkv * c.g;
+    let ql = Layout {
+        heads: hq,
+        rows: c.t,
+        d,
+        in_place,
+    };
+    let kl = Layout {
+        heads: c.hkv,
+        rows: c.s,
+        d,
+        in_place,
+    };
+    // Odd cases put one operand a few bytes past 16-byte alignment (the kernels' element-by-
+    // element tile loads and stores); even ones keep every buffer aligned (their 16-byte
+    // asynchronous copies and vector stores).
+    let elem = dtype.size_bytes();
+    let skew = if (c.s + d) % 2 == 1 { elem as u64 } else { 0 };
+    let scale = 1.0 / (d as f64).sqrt();
+    let q = rng.values(bq * c.t * d, 1.0, dtype);
+    let k = rng.values(bkv * c.s * d, 1.0, dtype);
+    let v = rng.values(bkv * c.s * d, 1.0, dtype);
+    // One batch: every third key is dropped. Two: batch 0 is left-padded (its first eight
+    // keys dropped, so its first rows see none under a causal mask and attend uniformly while
+    // later rows see keys), the last batch keeps none.
+    let keep: Vec<bool> = (0..c.nb * c.s)
+        .map(|i| match (c.nb, i / c.s) {
+            (1, _) => i % 3 != 1,
+            (_, b) => b + 1 < c.nb && i % c.s >= 8,
+        })
+        .collect();
+    let (q_shape, kv_shape) = ([c.nb, c.hkv, c.g, c.t, d], [c.nb, c.hkv, 1, c.s, d]);
+    let mask_shape = [c.nb, 1, 1, 1, c.s];
+    let problem = Problem {
+        q: &q_shape,
+        k: &kv_shape,
+        v: &kv_shape,
+        mask: c.masked.then_some((&keep[..], &mask_shape[..])),
+        causal: c.causal,
+        window: c.window,
+        scale,
+        operand: Operand::Dtype(dtype),
+    };
+    let (o, lse) = attention(&q, &k, &v, &problem);
+    let o: Vec<f32> = o.iter().map(|&x| round_to(dtype, x)).collect();
+    let d_o = rng.values(bq * c.t * d, 1.0, dtype);
+    let (dq, dk, dv) = attention_grad(&q, &k, &v, &o, &lse, &d_o, &problem);
+    let round = |x: Vec<f32>| -> Vec<f32> { x.iter().map(|&x| round_to(dtype, x)).collect() };
+    let (dq, dk, dv) = (round(dq), round(dk), round(dv));
+    // D = rowsum(dO * O), F64 in order, as the twin computes it.
+    let delta: Vec<f32> = (0..bq * c.t)
+        .map(|r| {
+            let dot: f64 = (0..d)
+                .map(|j| f64::from(d_o[r * d + j]) * f64::from(o[r * d + j]))
+                .sum();
+            dot as f32
+        })
+        .collect();
+
+    let at = if in_place { " in place" } else { "" };
+    let name = |k: &str| format!("attention_{k}_{suffix} d={d} {c:?}{at}");
+    // The kernels' strides, each operand's (q-side or key-side) in turn.
+    let strides_args =
+        |sides: &[&Layout]| -> Vec<Arg> { sides.iter().flat_map(|l| l.args()).collect() };
+    let shape_args = |batches: usize| -> Vec<Arg> {
+        vec![
+            i64(batches),
+            i32(c.t),
+            i32(c.s),
+            i32(d),
+            i32(c.g),
+            i32(c.hkv * c.g),
+            i32(usize::from(c.causal)),
+            i32(c.window.unwrap_or(0)),
+            Arg::F64(scale),
+        ]
+    };
+    let launch = |l: &mut Launcher, kernel: Kernel| {
+        let grid = geometry::grid(
+            kernel,
+            tile.is_some(),
+            bq as u32,
+            (hq as u32, c.g as u32),
+            c.t as u32,
+            c.s as u32,
+        );
+        l.shared(tile.map_or(0, |p| geometry::shared_bytes(kernel, p, elem as u32)));
+        (grid, (geometry::threads(kernel, tile.is_some()), 1, 1))
+    };
+    let mask_bytes: Vec<u8> = keep.iter().map(|&k| u8::from(k)).collect();
+    let mut errors = Vec::new();
+
+    // Forward.
+    let mut l = Launcher::new("attention.cu");
+    let bqv = l.buf(enc(dtype, &ql.place(&q, bq)), skew);
+    let bk = l.buf(enc(dtype, &kl.place(&k, bkv)), 0);
+    let bv = l.buf(enc(dtype, &kl.place(&v, bkv)), 0);
+    let bm = l.buf(mask_bytes.clone(), 1);
+    let bo = l.buf(enc(dtype, &ql.place(&vec![0.0; bq * c.t * d], bq)), 0);
+    let blse = l.out(bq * c.t * 4, 0);
+    let mask_arg = |l: &Launcher| if c.masked { l.ptr(bm) } else { Arg::Null };
+    let mut args = vec![
+        l.ptr(bqv),
+        l.ptr(bk),
+        l.ptr(bv),
+        mask_arg(&l),
+        l.ptr(bo),
+        l.ptr(blse),
+    ];
+    args.extend(shape_args(bq));
+    if tile.is_some() {
+        args.extend(strides_args(&[&ql, &kl, &kl, &ql]));
+    }
+    let (grid, block) = launch(&mut l, Kernel::Forward);
+    let what = name("fwd");
+    let out = l
+        .run(&format!("attention_fwd_{suffix}"), grid, block, args)
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got_o = ql.gather(&dec(dtype, &out[bo.0]), bq, &what);
+    errors.push((format!("{what} o"), relative_error(&got_o, &o)));
+    errors.push((
+        format!("{what} lse"),
+        relative_error(&dec(DType::F32, &out[blse.0]), &lse),
+    ));
+
+    // delta.
+    let sfx = suffix.split('_').next().unwrap_or(suffix);
+    let mut l = Launcher::new("attention.cu");
+    let bo = l.buf(enc(dtype, &ql.place(&o, bq)), 0);
+    let bdo = l.buf(enc(dtype, &ql.place(&d_o, bq)), skew);
+    let bdelta = l.out(bq * c.t * 4, 0);
+    let mut args = vec![
+        l.ptr(bo),
+        l.ptr(bdo),
+        l.ptr(bdelta),
+        i64(bq * c.t),
+        i32(c.t),
+        i32(d),
+        i32(hq),
+    ];
+    args.extend(strides_args(&[&ql, &ql]));
+    let what = format!("attention_bwd_delta_{sfx} d={d} {c:?}{at}");
+    let out = l
+        .run(
+            &format!("attention_bwd_delta_{sfx}"),
+            geometry::delta_grid((bq * c.t) as u64),
+            (geometry::THREADS, 1, 1),
+            args,
+        )
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+    errors.push((
+        what,
+        relative_error(&dec(DType::F32, &out[bdelta.0]), &delta),
+    ));
+
+    // The gradients, from the twin's o, lse and delta.
+    let grads = |kernel: Kernel| -> Vec<Vec<f32>> {
+        let mut l = Launcher::new("attention.cu");
+        let bqv = l.buf(enc(dtype, &ql.place(&q, bq)), 0);
+        let bk = l.buf(enc(dtype, &kl.place(&k, bkv)), skew);
+        let bv = l.buf(enc(dtype, &kl.place(&v, bkv)), 0);
+        let bm = l.buf(mask_bytes.clone(), 0);
+        let bdo = l.buf(enc(dtype, &ql.place(&d_o, bq)), 0);
+        let blse = l.buf(enc(DType::F32, &lse), 0);
+        let bdelta = l.buf(enc(DType::F32, &delta), 0);
+        let mut args = vec![
+            l.ptr(bqv),
+            l.ptr(bk),
+            l.ptr(bv),
+            if c.masked { l.ptr(bm) } else { Arg::Null },
+            l.ptr(bdo),
+            l.ptr(blse),
+            l.ptr(bdelta),
+        ];
+        let (entry, outs) = match kernel {
+            Kernel::Dq => {
+                let b = l.out(bq * c.t * d * elem, 0);
+                args.push(l.ptr(b));
+                args.extend(shape_args(bq));
+                ("bwd_dq", vec![b])
+            }
+            Kernel::DkDv => {
+                let bdk = l.out(bkv * c.s * d * elem, 0);
+                let bdv = l.out(bkv * c.s * d * elem, skew);
+                args.push(l.ptr(bdk));
+                args.push(l.ptr(bdv));
+                args.extend(shape_args(bkv));
+                ("bwd_dkdv", vec![bdk, bdv])
+            }
+            _ => {
+                let p = tile.expect("the one-pass backward is a tensor-core kernel");
+                let zeros =
+                    |l: &Layout, n: usize| enc(dtype, &l.place(&vec![0.0; n * l.rows * d], n));
+                let b = l.buf(zeros(&ql, bq), 0);
+                let bdk = l.buf(zeros(&kl, bkv), 0);
+                let bdv = l.buf(zeros(&kl, bkv), skew);
+                let (bqu, tu) = (bq as u64, c.t as u64);
+                let acc = l.out(4 * geometry::dq_acc_elems(bqu, tu, p) as usize, 0);
+                let ready = l.buf(
+                    vec![0; 4 * geometry::dq_ready_count(bqu, tu, p) as usize],
+                    0,
+                );
+                for x in [b, bdk, bdv, acc, ready] {
+                    args.push(l.ptr(x));
+                }
+                args.extend(shape_args(bkv));
+                args.extend(strides_args(&[&ql, &kl, &kl, &ql, &ql, &kl, &kl]));
+                ("bwd", vec![b, bdk, bdv])
+            }
+        };
+        let (grid, block) = launch(&mut l, kernel);
+        let what = name(entry);
+        let out = l
+            .run(&format!("attention_{entry}_{suffix}"), grid, block, args)
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        if tile.is_some() {
+            let layouts = [(ql, bq), (kl, bkv), (kl, bkv)];
+            return outs
+                .iter()
+                .zip(layouts)
+                .map(|(b, (lay, n))| lay.gather(&dec(dtype, &out[b.0]), n, &what))
+                .collect();
+        }
+        outs.iter().map(|b| dec(dtype, &out[b.0])).collect()
+    };
+    // With one key (or one visible key per row) dq and dk are zero in exact arithmetic: the
+    // score gradient dS = P (dP - D) is the difference of two sums of the same products in
+    // other orders. There the error is measured against the incoming gradient's norm.
+    let gradient_error = |got: &[f32], want: &[f32]| {
+        if want.iter().all(|&x| x == 0.0) {
+            relative_error(got, &vec![0.0; got.len()]).min(norm(got) / norm(&d_o))
+        } else {
+            relative_error(got, want)
+        }
+    };
+    let got = if tile.is_some() {
+        grads(Kernel::Backward)
+    } else {
+        let mut got = grads(Kernel::Dq);
+        got.extend(grads(Kernel::DkDv));
+        got
+    };
+    let entry = if tile.is_some() { "bwd" } else { "bwd_dq" };
+    errors.push((format!("{} dq", name(entry)), gradient_error(&got[0], &dq)));
+    let entry = if tile.is_some() { "bwd" } else { "bwd_dkdv" };
+    errors.push((format!("{} dk", name(entry)), gradient_error(&got[1], &dk)));
+    errors.push((format!("{} dv", name(entry)), relative_error(&got[2], &dv)));
+    errors
+}
+
+fn norm(x: &[f32]) -> f64 {
+    x.iter()
+        .map(|&v| f64::from(v) * f64::from(v))
+        .sum::<f64>()
+        .sqrt()
+}

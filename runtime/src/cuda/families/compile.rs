@@ -1,0 +1,327 @@
+//! Compiles every family's kernel files to PTX for sm_90 with NVRTC 13, with no GPU.
+//!
+//! NVRTC is found through `CASTOR_NVRTC_DIR` (a `pip install --target` folder holding
+//! `nvidia-cuda-nvrtc==13.0.*` and `nvidia-cuda-runtime==13.0.*`). Without it the test skips
+//! with a message, except under `CI=true`, where it fails: CI must compile the kernels.
+//! With `ptxas` there too (`nvidia-cuda-nvcc==13.0.*`), it prints each kernel's registers,
+//! shared memory and spills.
+
+use std::collections::BTreeSet;
+
+use super::{file, files, signature};
+use castor_kernels::ptx::entry_params;
+use castor_kernels::{ptxas, sass, Nvrtc, ParamKind, DEFAULT_ARCH};
+
+fn nvrtc() -> Option<Nvrtc> {
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    match Nvrtc::from_env() {
+        Ok(Some(n)) => Some(n),
+        Ok(None) if ci => panic!("CI=true but CASTOR_NVRTC_DIR is not set: cannot compile kernels"),
+        Ok(None) => {
+            eprintln!("skipped: CASTOR_NVRTC_DIR is not set (see runtime/src/cuda/families/README.md)");
+            None
+        }
+        Err(e) if ci => panic!("CI=true but NVRTC cannot be opened: {e}"),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+/// The PTX type and size a parameter of `kind` compiles to (a struct's size is its own).
+fn ptx_form(kind: ParamKind) -> (&'static str, Option<usize>) {
+    match kind {
+        ParamKind::Ptr | ParamKind::U64 => (".u64", Some(8)),
+        ParamKind::I64 => (".u64", Some(8)),
+        ParamKind::I32 => (".u32", Some(4)),
+        ParamKind::U32 => (".u32", Some(4)),
+        ParamKind::U16 => (".u16", Some(2)),
+        ParamKind::F64 => (".f64", Some(8)),
+        ParamKind::Layout => ("struct", None),
+    }
+}
+
+/// The `.entry` names a PTX module defines.
+fn ptx_entries(ptx: &str) -> BTreeSet<String> {
+    entry_params(ptx)
+        .into_iter()
+        .map(|(name, _)| name)
+        .collect()
+}
+
+#[test]
+fn every_kernel_compiles_to_ptx_for_sm_90() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let (major, minor) = nvrtc.version().expect("nvrtcVersion");
+    assert_eq!(major, 13, "NVRTC 13 is required (found {major}.{minor})");
+    let mut failures = Vec::new();
+    for f in files() {
+        match nvrtc.compile(f, DEFAULT_ARCH) {
+            Ok(ptx) => {
+                let got = ptx_entries(&ptx);
+                let want: BTreeSet<String> = f.entry_points.iter().map(|s| s.to_string()).collect();
+                if got != want {
+                    failures.push(format!(
+                        "{}: entry points differ from the list in its family's mod.rs\n  only in PTX: {:?}\n  only listed: {:?}",
+                        f.name,
+                        got.difference(&want).collect::<Vec<_>>(),
+                        want.difference(&got).collect::<Vec<_>>()
+                    ));
+                }
+            }
+            Err(e) => failures.push(e.to_string()),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+/// The signature table (read from the declarations) is what NVRTC compiled: every entry
+/// point's parameters in count, PTX type and size.
+#[test]
+fn every_signature_matches_its_ptx_parameters() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for f in files() {
+        let ptx = nvrtc
+            .compile(f, DEFAULT_ARCH)
+            .unwrap_or_else(|e| panic!("{e}"));
+        for (entry, params) in entry_params(&ptx) {
+            let sig = signature(&entry).unwrap_or_else(|e| panic!("{e}"));
+            let want: Vec<_> = sig.params.iter().map(|p| ptx_form(p.kind)).collect();
+            let fits = want.len() == params.len()
+                && want.iter().zip(&params).all(|((ty, bytes), got)| {
+                    *ty == got.ty && bytes.is_none_or(|b| b == got.bytes)
+                });
+            if !fits {
+                failures.push(format!(
+                    "{entry}: the table says {:?}, PTX has {params:?}",
+                    sig.names()
+                ));
+            }
+            checked += 1;
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    println!("{checked} entry points match their signatures");
+}
+
+#[test]
+fn compile_errors_name_the_file_and_carry_the_log() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let bad = castor_kernels::KernelFile {
+        name: "broken.cu",
+        source: "#include \"castor_common.cuh\"\nextern \"C\" __global__ void k() { undefined_thing(); }\n",
+        entry_points: &["k"],
+    };
+    let err = nvrtc
+        .compile(&bad, DEFAULT_ARCH)
+        .expect_err("must not compile")
+        .to_string();
+    assert!(
+        err.contains("broken.cu") && err.contains("undefined_thing"),
+        "{err}"
+    );
+}
+
+/// `ptxas -v` on every kernel: registers, shared memory and spills. Prints the table; fails
+/// on a spill (a regression to look at, not a crash).
+#[test]
+fn ptxas_resource_report() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let Some(dir) = std::env::var_os("CASTOR_NVRTC_DIR") else {
+        return;
+    };
+    let Some(ptxas_bin) = ptxas::find_ptxas(std::path::Path::new(&dir)) else {
+        eprintln!("skipped: no ptxas in CASTOR_NVRTC_DIR (pip install nvidia-cuda-nvcc==13.0.*)");
+        return;
+    };
+    let mut rows = Vec::new();
+    for f in files() {
+        let ptx = nvrtc
+            .compile(f, DEFAULT_ARCH)
+            .expect("compiles (see the compile test)");
+        let report =
+            ptxas::report(&ptxas_bin, f.name, &ptx, DEFAULT_ARCH).unwrap_or_else(|e| panic!("{e}"));
+        rows.extend(report.into_iter().map(|r| (f.name.to_string(), r)));
+    }
+    println!("{}", ptxas::table(&rows));
+    let spills: Vec<_> = rows
+        .iter()
+        .filter(|(_, r)| r.spill_stores > 0 || r.spill_loads > 0)
+        .map(|(f, r)| format!("{f}: {}", r.kernel))
+        .collect();
+    assert!(spills.is_empty(), "kernels spill registers: {spills:?}");
+}
+
+/// The sm_90 machine code of kernel file `name`, as ptxas reports its resources and nvdisasm
+/// counts each kernel's instructions; `None` (skipped) without NVRTC, ptxas or nvdisasm,
+/// which CI must have.
+fn machine_code(
+    name: &str,
+) -> Option<(
+    Vec<ptxas::KernelResources>,
+    std::collections::BTreeMap<String, sass::InstructionMix>,
+)> {
+    let nvrtc = nvrtc()?;
+    let dir = std::env::var_os("CASTOR_NVRTC_DIR")?;
+    let dir = std::path::Path::new(&dir);
+    let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    let (Some(ptxas_bin), Some(nvdisasm)) = (ptxas::find_ptxas(dir), sass::find_nvdisasm(dir))
+    else {
+        let why = "no ptxas or nvdisasm in CASTOR_NVRTC_DIR (pip install \
+                   nvidia-cuda-nvcc==13.0.* nvidia-cuda-nvdisasm)";
+        assert!(!ci, "CI=true but {why}");
+        eprintln!("skipped: {why}");
+        return None;
+    };
+    let file = file(name).unwrap();
+    let ptx = nvrtc
+        .compile(file, DEFAULT_ARCH)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let (resources, cubin) = ptxas::assemble(&ptxas_bin, file.name, &ptx, DEFAULT_ARCH)
+        .unwrap_or_else(|e| panic!("{e}"));
+    let listing = sass::disassemble(&nvdisasm, &cubin).unwrap_or_else(|e| panic!("{e}"));
+    Some((resources, sass::count(&listing)))
+}
+
+/// The RoPE kernels compute a row's start once per (batch, position) in 32-bit arithmetic:
+/// their machine code calls no out-of-line routine (the per-element 64-bit divisions of the
+/// earlier form were calls, and ran the kernels at 3.2x their memory roofline on an H100).
+/// Prints each kernel's static instruction count.
+#[test]
+fn rope_machine_code_has_no_out_of_line_division() {
+    let Some((_, mixes)) = machine_code("rope.cu") else {
+        return;
+    };
+    let mut failures = Vec::new();
+    for (kernel, mix) in mixes
+        .iter()
+        .filter(|(k, _)| k.starts_with("rope_fwd") || k.starts_with("rope_bwd"))
+    {
+        println!(
+            "{kernel:<16} {:>5} instructions, {} calls",
+            mix.total, mix.calls
+        );
+        if mix.calls > 0 {
+            failures.push(format!("{kernel}: {} calls", mix.calls));
+        }
+    }
+    assert_eq!(mixes.keys().filter(|k| k.starts_with("rope_")).count(), 7);
+    assert!(failures.is_empty(), "{failures:?}");
+}
+
+/// The attention kernels' machine code has the FlashAttention-2 shape: fragments by ldmatrix,
+/// tiles by 16-byte asynchronous copies, almost no 2-byte loads, no spills, and few other
+/// instructions per tensor-core instruction (static counts from `nvdisasm`; 58 to 92 per
+/// tensor-core instruction before the rebuild). Prints every attention kernel's mix.
+#[test]
+fn attention_machine_code_has_the_flash_attention_shape() {
+    let Some((resources, mixes)) = machine_code("attention.cu") else {
+        return;
+    };
+    println!(
+        "{:<28} {:>6} {:>6} {:>9} {:>5} {:>6} {:>6} {:>6}",
+        "kernel", "total", "tensor", "per tensor", "LDSM", "async", "2-byte", "spills"
+    );
+    let mut failures = Vec::new();
+    for (kernel, mix) in &mixes {
+        let spills = resources
+            .iter()
+            .find(|r| &r.kernel == kernel)
+            .map_or(0, |r| r.spill_stores + r.spill_loads);
+        println!(
+            "{kernel:<28} {:>6} {:>6} {:>9.1} {:>5} {:>6} {:>6} {:>6}",
+            mix.total,
+            mix.tensor,
+            mix.others_per_tensor(),
+            mix.ldsm,
+            mix.async_copies,
+            mix.two_byte_loads,
+            spills
+        );
+        let held = ["bf16_d64", "bf16_d128", "f16_d64", "f16_d128"]
+            .iter()
+            .any(|v| kernel.ends_with(v));
+        if !held {
+            continue;
+        }
+        let mut why = Vec::new();
+        if mix.ldsm == 0 {
+            why.push("no LDSM".to_string());
+        }
+        if mix.async_copies == 0 {
+            why.push("no asynchronous copy".to_string());
+        }
+        if mix.two_byte_loads > 32 {
+            why.push(format!("{} 2-byte loads (at most 32)", mix.two_byte_loads));
+        }
+        if spills > 0 {
+            why.push(format!("{spills} bytes spilled"));
+        }
+        if mix.others_per_tensor() > 16.0 {
+            why.push(format!(
+                "{:.1} other instructions per tensor-core instruction (at most 16)",
+                mix.others_per_tensor()
+            ));
+        }
+        if !why.is_empty() {
+            failures.push(format!("{kernel}: {}", why.join(", ")));
+        }
+    }
+    let held = mixes
+        .keys()
+        .filter(|k| k.ends_with("_d64") || k.ends_with("_d128"));
+    assert_eq!(
+        held.count(),
+        8,
+        "the forward and backward at d64 and d128, f16 and bf16"
+    );
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn the_ptx_cache_compiles_once_and_then_hits() {
+    let Some(nvrtc) = nvrtc() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let cache = castor_kernels::KernelCache::new(dir.path());
+    let file = file("cast.cu").unwrap();
+    let (first, o1) = cache
+        .ptx(&nvrtc, file.name, file.source, DEFAULT_ARCH)
+        .unwrap();
+    let (second, o2) = cache
+        .ptx(&nvrtc, file.name, file.source, DEFAULT_ARCH)
+        .unwrap();
+    assert_eq!(o1, castor_kernels::Outcome::Compiled);
+    assert_eq!(o2, castor_kernels::Outcome::Hit);
+    assert_eq!(first, second);
+    // Another architecture is another entry.
+    let (_, o3) = cache.ptx(&nvrtc, file.name, file.source, "sm_80").unwrap();
+    assert_eq!(o3, castor_kernels::Outcome::Compiled);
+    let entries = std::fs::read_dir(dir.path()).unwrap().count();
+    assert_eq!(
+        entries, 2,
+        "one file per (source, arch), no temporaries left"
+    );
+    // A damaged entry is compiled again.
+    for e in std::fs::read_dir(dir.path()).unwrap() {
+        std::fs::write(e.unwrap().path(), "garbage").unwrap();
+    }
+    let (again, o4) = cache
+        .ptx(&nvrtc, file.name, file.source, DEFAULT_ARCH)
+        .unwrap();
+    assert_eq!((o4, again), (castor_kernels::Outcome::Compiled, first));
+}
+
+/// NVRTC is opened once per process: every caller of `Nvrtc::shared` gets the same library.
+#[test]
+fn the_shared_nvrtc_is_opened_once() {
+    if nvrtc().is_none() {
+        return;
+    }
+    let first = Nvrtc::shared().expect("NVRTC opens");
+    let second = Nvrtc::shared().expect("NVRTC opens");
+    assert!(std::ptr::eq(first, second));
+    assert_eq!(first.version().unwrap().0, 13);
+}

@@ -1,0 +1,163 @@
+//! `norm.cu`: layer and RMS norm, forward and backward, and the weight-gradient reduction.
+
+use crate::cuda::emulate::contracts::{checked, row_block};
+use crate::cuda::emulate::args::Args;
+use crate::cuda::emulate::memory::{use_, Io, Mem, Ptr, Use};
+use crate::cuda::emulate::R;
+use crate::cuda::program::Launch;
+use castor_ir::DType;
+
+pub(crate) fn norm_fwd(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DType) -> R<Vec<Use>> {
+    row_block(l)?;
+    let mut a = Args::new(l);
+    let x = a.need(m, "x")?;
+    let res = a.ptr(m, "res")?;
+    let sum_out = a.ptr(m, "sum_out")?;
+    let w = a.need(m, "w")?;
+    let b = if rms { None } else { a.ptr(m, "b")? };
+    let y = a.ptr(m, "y")?;
+    let mean_out = if rms { None } else { a.ptr(m, "mean_out")? };
+    let rstd_out = a.ptr(m, "rstd_out")?;
+    let rows = a.count("rows")?;
+    let h = a.count32("h")?;
+    a.f64("eps")?;
+    a.end()?;
+    // A null `y` computes the statistics only and reads neither `w` nor `b`; a LayerNorm that
+    // normalizes reads its bias, which must then exist.
+    if y.is_some() && !rms && b.is_none() {
+        return Err(
+            "argument `b` is null, but the kernel normalizes (`y` is set) and reads it".into(),
+        );
+    }
+    let normalizes = |p: Option<Ptr>| if y.is_some() { p } else { None };
+    let (si, so) = (ti.size_bytes(), to.size_bytes());
+    let big = |s: usize| (rows * h * s) as u64;
+    checked(
+        m,
+        vec![
+            use_("x", Some(x), big(si), si, Io::R),
+            use_("res", res, big(si), si, Io::R),
+            use_("sum_out", sum_out, big(si), si, Io::W),
+            use_("w", normalizes(Some(w)), h as u64 * 4, 4, Io::R),
+            use_("b", normalizes(b), h as u64 * 4, 4, Io::R),
+            use_("y", y, big(so), so, Io::W),
+            use_("mean_out", mean_out, rows as u64 * 4, 4, Io::W),
+            use_("rstd_out", rstd_out, rows as u64 * 4, 4, Io::W),
+        ],
+        &[("y", "x"), ("y", "sum_out"), ("sum_out", "x")],
+    )
+}
+
+pub(crate) fn norm_bwd(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DType) -> R<Vec<Use>> {
+    row_block(l)?;
+    let mut a = Args::new(l);
+    let s = a.need(m, "s")?;
+    let dy = a.need(m, "dy")?;
+    let w = a.need(m, "w")?;
+    let mean = if rms { None } else { Some(a.need(m, "mean")?) };
+    let rstd = a.need(m, "rstd")?;
+    let dadd = a.ptr(m, "dadd")?;
+    let dx = a.need(m, "dx")?;
+    let dx_low = a.ptr(m, "dx_low")?;
+    let rows = a.count("rows")?;
+    let h = a.count32("h")?;
+    a.end()?;
+    let (si, so) = (ti.size_bytes(), to.size_bytes());
+    let big = |s: usize| (rows * h * s) as u64;
+    checked(
+        m,
+        vec![
+            use_("s", Some(s), big(si), si, Io::R),
+            use_("dy", Some(dy), big(so), so, Io::R),
+            use_("w", Some(w), h as u64 * 4, 4, Io::R),
+            use_("mean", mean, rows as u64 * 4, 4, Io::R),
+            use_("rstd", Some(rstd), rows as u64 * 4, 4, Io::R),
+            use_("dadd", dadd, big(si), si, Io::R),
+            use_("dx", Some(dx), big(si), si, Io::W),
+            use_("dx_low", dx_low, big(so), so, Io::W),
+        ],
+        &[("dx", "dy"), ("dx", "s")],
+    )
+}
+
+pub(crate) fn norm_bwd_weight(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DType) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let s = a.need(m, "s")?;
+    let dy = a.need(m, "dy")?;
+    let mean = if rms { None } else { Some(a.need(m, "mean")?) };
+    let rstd = a.need(m, "rstd")?;
+    let dw_part = a.need(m, "dw_part")?;
+    let db_part = if rms {
+        None
+    } else {
+        Some(a.need(m, "db_part")?)
+    };
+    let rows = a.count("rows")?;
+    let h = a.count32("h")?;
+    let per = a.count32("rows_per_group")?;
+    a.end()?;
+    weight_block(l)?;
+    // Not a grid-stride kernel: block (x, y) owns columns 32 x.. and row group y.
+    let groups = l.grid.1 as usize;
+    let cols = (l.grid.0 as usize * l.block.0 as usize).min(h);
+    let needed = rows.div_ceil(per.max(1));
+    if per == 0 || groups < needed || cols < h {
+        return Err(format!(
+            "grid {:?} block {:?} covers {cols} of {h} columns and {groups} of {needed} row \
+             groups of {per}",
+            l.grid, l.block
+        ));
+    }
+    let (si, so) = (ti.size_bytes(), to.size_bytes());
+    let big = |s: usize| (rows * h * s) as u64;
+    let part = (groups * h * 8) as u64;
+    checked(
+        m,
+        vec![
+            use_("s", Some(s), big(si), si, Io::R),
+            use_("dy", Some(dy), big(so), so, Io::R),
+            use_("mean", mean, rows as u64 * 4, 4, Io::R),
+            use_("rstd", Some(rstd), rows as u64 * 4, 4, Io::R),
+            use_("dw_part", Some(dw_part), part, 8, Io::W),
+            use_("db_part", db_part, part, 8, Io::W),
+        ],
+        &[],
+    )
+}
+
+pub(crate) fn norm_weight_grad_reduce(m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    weight_block(l)?;
+    let mut a = Args::new(l);
+    let part = a.need(m, "part")?;
+    let groups = a.count32("groups")?;
+    let h = a.count32("h")?;
+    let out = a.need(m, "out")?;
+    a.end()?;
+    // Not a grid-stride kernel: block x owns columns 32 x..
+    if (l.grid.0 as usize * 32) < h {
+        return Err(format!(
+            "grid {:?} covers {} of {h} columns",
+            l.grid,
+            l.grid.0 * 32
+        ));
+    }
+    checked(
+        m,
+        vec![
+            use_("part", Some(part), (groups * h * 8) as u64, 8, Io::R),
+            use_("out", Some(out), h as u64 * 4, 4, Io::W),
+        ],
+        &[],
+    )
+}
+
+/// The weight-gradient kernels' block: 32 columns, 8 threads each (`NW_COLS`, `NW_LANES`).
+fn weight_block(l: &Launch) -> R<()> {
+    if l.block != (32, 8, 1) {
+        return Err(format!(
+            "block {:?}: the weight-gradient kernels are written for block (32, 8, 1)",
+            l.block
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,350 @@
+//! Layer and RMS norms: `norm.cu`'s forward (with a fused residual add), statistics-only
+//! recomputation, and backward with its weight-gradient reduction.
+use crate::cuda::program::Arg;
+use crate::cuda::lower::ops::{row_threads, BLOCK, ROW_BLOCK};
+use crate::cuda::lower::{grid_1d, grid_rows, LowerError, RunLowering, Saved};
+use crate::cuda::kernel_id::{KernelId, NormPass};
+use castor_ir::{DType, Node, Op, Value};
+
+/// `norm.cu`'s NORM_SLOTS: 8-element units a thread of the forward and dx kernels holds in
+/// registers.
+const SLOTS: usize = 4;
+/// `norm.cu`'s weight-gradient block: NW_COLS columns, NW_LANES threads each.
+const WEIGHT_BLOCK: (u32, u32, u32) = (32, 8, 1);
+/// Threads the weight-gradient launch aims for: enough to keep a large GPU's memory busy
+/// (an H100 holds 132 x 2048), from the shape alone so that the sums' grouping, and so the
+/// result, is the same on every device.
+const WEIGHT_THREADS: usize = 1 << 18;
+
+/// Rows per group of the norms' weight-gradient partial sums, for `rows` rows of `h`: groups
+/// enough for [`WEIGHT_THREADS`] threads, at least 8 rows each (one per lane).
+fn rows_per_group(rows: usize, h: usize) -> usize {
+    let blocks_per_group = h.div_ceil(WEIGHT_BLOCK.0 as usize).max(1);
+    let threads_per_group = blocks_per_group * (WEIGHT_BLOCK.0 * WEIGHT_BLOCK.1) as usize;
+    let groups = WEIGHT_THREADS.div_ceil(threads_per_group).max(1);
+    rows.div_ceil(groups).max(WEIGHT_BLOCK.1 as usize)
+}
+
+impl RunLowering<'_, '_> {
+    /// A norm node, with the residual add that makes its input when `prologue` names it: the
+    /// kernel reads the add's operands (`x`, `res`) and writes their sum (`sum_out`).
+    pub(crate) fn norm_unit(&mut self, n: Node, prologue: Option<Node>) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (rms, eps) = match node.op {
+            Op::LayerNorm { eps } => (false, eps),
+            Op::RmsNorm { eps } => (true, eps),
+            _ => return Err(self.err(node.outputs[0], "not a norm")),
+        };
+        let ins = node.inputs.clone();
+        self.norm(node.outputs[0], &ins, rms, eps, prologue)
+    }
+
+    /// A norm-gradient node, with the add of another gradient to its input gradient when
+    /// `epilogue` names it: the kernel adds `dadd` and writes the add's result, and with the
+    /// cast of that result to the output gradient's dtype when named: `dx_low`.
+    pub(crate) fn norm_grad_unit(
+        &mut self,
+        n: Node,
+        epilogue: Option<(Node, Option<Node>)>,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (rms, eps) = match node.op {
+            Op::LayerNormGrad { eps } => (false, eps),
+            Op::RmsNormGrad { eps } => (true, eps),
+            _ => return Err(self.err(node.outputs[0], "not a norm gradient")),
+        };
+        let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
+        self.norm_grad(&ins, &outs, rms, eps, epilogue)
+    }
+
+    fn norm(
+        &mut self,
+        y: Value,
+        ins: &[Value],
+        rms: bool,
+        eps: f64,
+        prologue: Option<Node>,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let x = ins[0];
+        let h = g.ty(x).shape.last();
+        let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
+        for &w in &ins[1..] {
+            if g.ty(w).dtype != DType::F32 {
+                return Err(self.err(y, "norm weights and biases must be f32 on CUDA"));
+            }
+        }
+        let key = (x, ins[1]);
+        let until = self.saved_until.get(&key).copied().unwrap_or(self.unit);
+        let mean = if rms {
+            None
+        } else {
+            Some(self.arena(rows as u64 * 4, until))
+        };
+        let rstd = self.arena(rows as u64 * 4, until);
+        self.saved.insert(
+            key,
+            Saved {
+                a: mean.unwrap_or(rstd),
+                b: rstd,
+                count: None,
+            },
+        );
+        let (xp, res, sum_out) = match prologue {
+            Some(add) => {
+                let a = g.node(add).inputs.clone();
+                (
+                    self.at(a[0])?,
+                    Arg::Ptr(self.at(a[1])?),
+                    Arg::Ptr(self.out(x)?),
+                )
+            }
+            None => (self.at(x)?, Arg::Null, Arg::Null),
+        };
+        let w = self.at(ins[1])?;
+        let out = self.out(y)?;
+        let mut args = vec![
+            ("x", Arg::Ptr(xp)),
+            ("res", res),
+            ("sum_out", sum_out),
+            ("w", Arg::Ptr(w)),
+            ("y", Arg::Ptr(out)),
+            ("rstd_out", Arg::Ptr(rstd)),
+            ("rows", Arg::I64(rows as i64)),
+            ("h", Arg::I32(h as i32)),
+            ("eps", Arg::F64(eps)),
+        ];
+        if let (false, Some(m)) = (rms, mean) {
+            let b = self.at(ins[2])?;
+            args.extend([("b", Arg::Ptr(b)), ("mean_out", Arg::Ptr(m))]);
+        }
+        self.launch(
+            y,
+            KernelId::Norm {
+                rms,
+                pass: NormPass::Forward,
+                input: g.ty(x).dtype,
+                output: g.ty(y).dtype,
+            },
+            grid_rows(rows),
+            (norm_block(h), 1, 1),
+            args,
+        )
+    }
+
+    /// Saved statistics of the forward `(x, weight)`, or recomputed by a forward launch into
+    /// scratch when the graph has no such forward node.
+    fn norm_stats(
+        &mut self,
+        ins: &[Value],
+        y_dtype: DType,
+        rms: bool,
+        eps: f64,
+        at: Value,
+    ) -> Result<Saved, LowerError> {
+        if let Some(s) = self.saved.get(&(ins[0], ins[1])) {
+            return Ok(*s);
+        }
+        let g = self.g;
+        let x = ins[0];
+        let h = g.ty(x).shape.last();
+        let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
+        let mean = self.scratch(rows as u64 * 4);
+        let rstd = self.scratch(rows as u64 * 4);
+        let (xp, w) = (self.at(x)?, self.at(ins[1])?);
+        // A null `y` makes the kernel compute the statistics only: it then reads neither the
+        // weight nor the bias, which the backward does not have.
+        let mut args = vec![
+            ("x", Arg::Ptr(xp)),
+            ("res", Arg::Null),
+            ("sum_out", Arg::Null),
+            ("w", Arg::Ptr(w)),
+            ("y", Arg::Null),
+            ("rstd_out", Arg::Ptr(rstd)),
+            ("rows", Arg::I64(rows as i64)),
+            ("h", Arg::I32(h as i32)),
+            ("eps", Arg::F64(eps)),
+        ];
+        if !rms {
+            args.extend([("b", Arg::Null), ("mean_out", Arg::Ptr(mean))]);
+        }
+        self.launch(
+            at,
+            KernelId::Norm {
+                rms,
+                pass: NormPass::Forward,
+                input: g.ty(x).dtype,
+                output: y_dtype,
+            },
+            grid_rows(rows),
+            (norm_block(h), 1, 1),
+            args,
+        )?;
+        Ok(Saved {
+            a: if rms { rstd } else { mean },
+            b: rstd,
+            count: None,
+        })
+    }
+
+    fn norm_grad(
+        &mut self,
+        ins: &[Value],
+        outs: &[Value],
+        rms: bool,
+        eps: f64,
+        epilogue: Option<(Node, Option<Node>)>,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let (x, w, dy) = (ins[0], ins[1], ins[2]);
+        let dx = outs[0];
+        let (ti, to) = (g.ty(x).dtype, g.ty(dy).dtype);
+        if g.ty(dx).dtype != ti {
+            return Err(self.err(dx, "a norm's input gradient must have the input's dtype"));
+        }
+        let h = g.ty(x).shape.last();
+        let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
+        let stats = self.norm_stats(ins, to, rms, eps, dx)?;
+        let norm = |pass| KernelId::Norm {
+            rms,
+            pass,
+            input: ti,
+            output: to,
+        };
+        let (xp, wp, dyp) = (self.at(x)?, self.at(w)?, self.at(dy)?);
+        // Weight gradients first: the input gradient may be written over dy.
+        let per_group = rows_per_group(rows, h);
+        let groups = rows.div_ceil(per_group).max(1);
+        let dw_part = self.scratch((groups * h * 8) as u64);
+        let db_part = if rms {
+            None
+        } else {
+            Some(self.scratch((groups * h * 8) as u64))
+        };
+        let mut args = vec![
+            ("s", Arg::Ptr(xp)),
+            ("dy", Arg::Ptr(dyp)),
+            ("rstd", Arg::Ptr(stats.b)),
+            ("dw_part", Arg::Ptr(dw_part)),
+            ("rows", Arg::I64(rows as i64)),
+            ("h", Arg::I32(h as i32)),
+            ("rows_per_group", Arg::I32(per_group as i32)),
+        ];
+        if let Some(p) = db_part {
+            args.extend([("mean", Arg::Ptr(stats.a)), ("db_part", Arg::Ptr(p))]);
+        }
+        self.launch(
+            dx,
+            norm(NormPass::BackwardWeight),
+            (
+                h.div_ceil(WEIGHT_BLOCK.0 as usize) as u32,
+                groups.min(65_535) as u32,
+                1,
+            ),
+            WEIGHT_BLOCK,
+            args,
+        )?;
+        if groups > 65_535 {
+            return Err(self.err(dx, "too many rows for the norm weight-gradient launch"));
+        }
+        let parts = [Some(dw_part), db_part];
+        for (k, part) in parts.iter().enumerate() {
+            let (Some(part), Some(&out)) = (part, outs.get(k + 1)) else {
+                continue;
+            };
+            if self.users[out.index()].is_empty()
+                && !g.outputs().contains(&out)
+                && !self.stored.contains_key(g.name(out))
+            {
+                continue;
+            }
+            let od = g.ty(out).dtype;
+            let target = if od == DType::F32 {
+                self.out(out)?
+            } else {
+                self.scratch(h as u64 * 4)
+            };
+            self.launch(
+                out,
+                KernelId::NormWeightGradReduce,
+                (h.div_ceil(WEIGHT_BLOCK.0 as usize) as u32, 1, 1),
+                WEIGHT_BLOCK,
+                vec![
+                    ("part", Arg::Ptr(*part)),
+                    ("groups", Arg::I32(groups as i32)),
+                    ("h", Arg::I32(h as i32)),
+                    ("out", Arg::Ptr(target)),
+                ],
+            )?;
+            if od != DType::F32 {
+                let o = self.out(out)?;
+                self.launch(
+                    out,
+                    KernelId::Cast {
+                        from: DType::F32,
+                        to: od,
+                    },
+                    grid_1d(h, BLOCK),
+                    (BLOCK, 1, 1),
+                    vec![
+                        ("x", Arg::Ptr(target)),
+                        ("y", Arg::Ptr(o)),
+                        ("n", Arg::I64(h as i64)),
+                    ],
+                )?;
+            }
+        }
+        // With an epilogue the kernel writes the add's result and dx itself is never stored.
+        let (dadd, dxp, dx_low) = match epilogue {
+            Some((add, cast)) => {
+                let a = g.node(add);
+                let other = a.inputs.iter().copied().find(|&v| v != dx);
+                let other = other.ok_or_else(|| self.err(dx, "an epilogue add of dx to itself"))?;
+                self.loc[dx.index()] = crate::cuda::lower::Loc::InKernel;
+                let low = match cast {
+                    Some(c) => Arg::Ptr(self.out(g.node(c).outputs[0])?),
+                    None => Arg::Null,
+                };
+                (Arg::Ptr(self.at(other)?), self.out(a.outputs[0])?, low)
+            }
+            None => (Arg::Null, self.out(dx)?, Arg::Null),
+        };
+        let mut args = vec![
+            ("s", Arg::Ptr(xp)),
+            ("dy", Arg::Ptr(dyp)),
+            ("w", Arg::Ptr(wp)),
+            ("rstd", Arg::Ptr(stats.b)),
+            ("dadd", dadd),
+            ("dx", Arg::Ptr(dxp)),
+            ("dx_low", dx_low),
+            ("rows", Arg::I64(rows as i64)),
+            ("h", Arg::I32(h as i32)),
+        ];
+        if !rms {
+            args.push(("mean", Arg::Ptr(stats.a)));
+        }
+        self.launch(
+            dx,
+            norm(NormPass::Backward),
+            grid_rows(rows),
+            (norm_block(h), 1, 1),
+            args,
+        )
+    }
+}
+
+/// Threads per row block of the norms: for rows of whole 8-element units, enough threads
+/// that each holds at most [`SLOTS`] units (the kernels' one-read path; one warp up to
+/// h = 1024); else the general loop's block.
+fn norm_block(h: usize) -> u32 {
+    let units = h / 8;
+    if h.is_multiple_of(8) && units <= SLOTS * 1024 {
+        (units.div_ceil(SLOTS).div_ceil(32) * 32).clamp(32, 1024) as u32
+    } else if h > 8192 {
+        1024
+    } else {
+        row_threads(h, ROW_BLOCK)
+    }
+}

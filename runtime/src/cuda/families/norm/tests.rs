@@ -1,0 +1,281 @@
+//! `norm.cu` against `cpu/norm.rs`: the header's rounding points are the twin's, with the F64
+//! row sums added in another order (a block tree here), so each result is within 1 ulp of the
+//! twin's; the residual sum is exact. Both of the kernels' paths: the general loop (rows off
+//! 16-byte alignment, or more units than 4 a thread) and the one-read path.
+
+use crate::cuda::emulate::kernel_tests::{check, dec, enc, i32, i64, Launcher, Rng, FLOATS};
+use crate::cpu::{math, norm};
+use crate::cuda::program::Arg;
+use castor_ir::{round_to, DType};
+
+/// The (input, output) dtype pairs the norms are built for.
+pub(crate) fn pairs() -> Vec<(DType, DType)> {
+    let mut out: Vec<(DType, DType)> = FLOATS.iter().map(|f| (f.0, f.0)).collect();
+    for (d, _) in &FLOATS[1..] {
+        out.push((DType::F32, *d));
+        out.push((*d, DType::F32));
+    }
+    out
+}
+
+pub(crate) fn entries() -> Vec<String> {
+    let mut out = vec!["norm_weight_grad_reduce".to_string()];
+    for (ti, to) in pairs() {
+        let s = crate::cuda::emulate::kernel_tests::io(ti, to);
+        for k in ["layer_norm", "rms_norm"] {
+            for step in ["fwd", "bwd", "bwd_weight"] {
+                out.push(format!("{k}_{step}_{s}"));
+            }
+        }
+    }
+    out
+}
+
+const ROWS: usize = 5;
+const EPS: f64 = 1e-5;
+
+/// The forward's F32 mean and rstd of a row, as the twin computes them.
+fn stats(row: &[f32], rms: bool) -> (f32, f32) {
+    let h = row.len() as f64;
+    if rms {
+        return (0.0, (1.0 / (math::sum_sq(row) / h + EPS).sqrt()) as f32);
+    }
+    let mean = math::sum(row) / h;
+    let var = math::sum_sq_dev(row, mean) / h;
+    (mean as f32, (1.0 / (var + EPS).sqrt()) as f32)
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    enc(DType::F32, v)
+}
+
+#[test]
+fn norms_forward_and_backward_agree_with_the_twin() {
+    let mut rng = Rng::new(6);
+    let mut differ = 0;
+    for (ti, to) in pairs() {
+        let s = crate::cuda::emulate::kernel_tests::io(ti, to);
+        // Rows one element off 16-byte alignment (the general loop), and aligned rows of
+        // whole units (the one-read path where a thread holds at most 4 units).
+        let cases = [
+            (1usize, false),
+            (31, false),
+            (33, false),
+            (1023, false),
+            (1025, false),
+            (64, true),
+            (776, true),
+            (2048, true),
+        ];
+        for (h, aligned) in cases {
+            // The lowering's block; for the longest unaligned rows the largest (32 warps in
+            // each reduction); for 2048 one warp, too few threads for the one-read path.
+            let lowering = if h % 8 == 0 {
+                ((h / 8).div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32
+            } else {
+                (h.div_ceil(32) * 32).min(256) as u32
+            };
+            let blocks: &[u32] = match h {
+                1025 => &[lowering, 1024],
+                2048 => &[lowering, 32],
+                _ => &[lowering],
+            };
+            for &block in blocks {
+                let (skew, oskew) = if aligned {
+                    (0, 0)
+                } else {
+                    (ti.size_bytes() as u64, to.size_bytes() as u64)
+                };
+                let wskew = if aligned { 0 } else { 4 };
+                let n = ROWS * h;
+                let x = rng.values(n, 3.0, ti);
+                let res = rng.values(n, 1.0, ti);
+                let w = rng.values(h, 2.0, DType::F32);
+                let b = rng.values(h, 0.5, DType::F32);
+                let dy = rng.values(n, 1.0, to);
+                let dadd = rng.values(n, 1.0, ti);
+                // The twin: the residual sum rounded where it is stored, then the norm.
+                let sum: Vec<f32> = x
+                    .iter()
+                    .zip(&res)
+                    .map(|(a, r)| round_to(ti, a + r))
+                    .collect();
+                for rms in [false, true] {
+                    let kind = if rms { "rms_norm" } else { "layer_norm" };
+                    let mut y = sum.clone();
+                    if rms {
+                        norm::rms_norm(&mut y, &w, EPS);
+                    } else {
+                        norm::layer_norm(&mut y, &w, &b, EPS);
+                    }
+                    let y: Vec<f32> = y.iter().map(|&v| round_to(to, v)).collect();
+                    let st: Vec<(f32, f32)> = sum.chunks(h).map(|r| stats(r, rms)).collect();
+                    let (mean, rstd): (Vec<f32>, Vec<f32>) = st.iter().copied().unzip();
+
+                    // Forward with the residual add, every output.
+                    let mut l = Launcher::new("norm.cu");
+                    let (bx, br) = (l.buf(enc(ti, &x), skew), l.buf(enc(ti, &res), skew));
+                    let bsum = l.out(n * ti.size_bytes(), skew);
+                    let (bw, bb) = (l.buf(f32s(&w), wskew), l.buf(f32s(&b), wskew));
+                    let by = l.out(n * to.size_bytes(), oskew);
+                    let (bm, bs) = (l.out(ROWS * 4, 0), l.out(ROWS * 4, 0));
+                    let mut args = vec![l.ptr(bx), l.ptr(br), l.ptr(bsum), l.ptr(bw)];
+                    if !rms {
+                        args.push(l.ptr(bb));
+                    }
+                    args.push(l.ptr(by));
+                    if !rms {
+                        args.push(l.ptr(bm));
+                    }
+                    args.extend([l.ptr(bs), i64(ROWS), i32(h), Arg::F64(EPS)]);
+                    let what = format!("{kind}_fwd_{s} h={h} block={block}");
+                    let out = l
+                        .run(
+                            &format!("{kind}_fwd_{s}"),
+                            (ROWS as u32, 1, 1),
+                            (block, 1, 1),
+                            args,
+                        )
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    check(&format!("{what} sum"), ti, &dec(ti, &out[bsum.0]), &sum, 0);
+                    differ += check(&format!("{what} y"), to, &dec(to, &out[by.0]), &y, 1);
+                    differ += check(
+                        &format!("{what} rstd"),
+                        DType::F32,
+                        &dec(DType::F32, &out[bs.0]),
+                        &rstd,
+                        1,
+                    );
+                    if !rms {
+                        differ += check(
+                            &format!("{what} mean"),
+                            DType::F32,
+                            &dec(DType::F32, &out[bm.0]),
+                            &mean,
+                            1,
+                        );
+                    }
+
+                    // Statistics only (null y, w and b not read), in place over the input.
+                    let mut l = Launcher::new("norm.cu");
+                    let bx = l.buf(enc(ti, &sum), skew);
+                    let bw = l.buf(f32s(&w), wskew);
+                    let bs = l.out(ROWS * 4, 0);
+                    let mut args = vec![l.ptr(bx), Arg::Null, Arg::Null, l.ptr(bw)];
+                    if !rms {
+                        args.push(Arg::Null);
+                    }
+                    args.push(Arg::Null);
+                    if !rms {
+                        args.push(Arg::Null);
+                    }
+                    args.extend([l.ptr(bs), i64(ROWS), i32(h), Arg::F64(EPS)]);
+                    let out = l
+                        .run(&format!("{kind}_fwd_{s}"), (2, 1, 1), (block, 1, 1), args)
+                        .unwrap_or_else(|e| panic!("{what} statistics only: {e}"));
+                    differ += check(
+                        &format!("{what} rstd only"),
+                        DType::F32,
+                        &dec(DType::F32, &out[bs.0]),
+                        &rstd,
+                        1,
+                    );
+
+                    // Backward: dx with the residual branch's gradient added, dx over dy when
+                    // the dtypes allow; the weight gradients in row groups, then reduced.
+                    let mut dx = dy.clone();
+                    let (dw, db) = if rms {
+                        (norm::rms_norm_grad(&sum, &w, &mut dx, EPS), Vec::new())
+                    } else {
+                        norm::layer_norm_grad(&sum, &w, &mut dx, EPS)
+                    };
+                    let dx: Vec<f32> = dx
+                        .iter()
+                        .zip(&dadd)
+                        .map(|(&g, &a)| round_to(ti, round_to(ti, g) + a))
+                        .collect();
+                    let mut l = Launcher::new("norm.cu");
+                    let bs_ = l.buf(enc(ti, &sum), skew);
+                    let bdy = l.buf(enc(to, &dy), oskew);
+                    let bw = l.buf(f32s(&w), wskew);
+                    let (bm, br) = (l.buf(f32s(&mean), 0), l.buf(f32s(&rstd), 0));
+                    let ba = l.buf(enc(ti, &dadd), skew);
+                    let bdx = if ti == to {
+                        bdy
+                    } else {
+                        l.out(n * ti.size_bytes(), skew)
+                    };
+                    // The low copy of dx (the cast to the products' dtype) on every other
+                    // width, so the null pointer is covered too.
+                    let low = (h % 4 == 1 || h == 776).then(|| l.out(n * to.size_bytes(), oskew));
+                    let mut args = vec![l.ptr(bs_), l.ptr(bdy), l.ptr(bw)];
+                    if !rms {
+                        args.push(l.ptr(bm));
+                    }
+                    args.extend([l.ptr(br), l.ptr(ba), l.ptr(bdx)]);
+                    args.push(low.map_or(Arg::Null, |b| l.ptr(b)));
+                    args.extend([i64(ROWS), i32(h)]);
+                    let what = format!("{kind}_bwd_{s} h={h} block={block}");
+                    let out = l
+                        .run(&format!("{kind}_bwd_{s}"), (3, 1, 1), (block, 1, 1), args)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    differ += check(&what, ti, &dec(ti, &out[bdx.0]), &dx, 1);
+                    if let Some(b) = low {
+                        let want: Vec<f32> = dx.iter().map(|&v| round_to(to, v)).collect();
+                        differ +=
+                            check(&format!("{what} dx_low"), to, &dec(to, &out[b.0]), &want, 1);
+                    }
+
+                    // Row groups of 2 (a lane or none each) and of 5 (one group, 5 lanes).
+                    let per = if h % 2 == 0 { 2usize } else { ROWS };
+                    let groups = ROWS.div_ceil(per);
+                    let weight_block = (32u32, 8u32, 1u32);
+                    let grid = (h.div_ceil(32) as u32, groups as u32, 1);
+                    let mut l = Launcher::new("norm.cu");
+                    let bs_ = l.buf(enc(ti, &sum), skew);
+                    let bdy = l.buf(enc(to, &dy), oskew);
+                    let (bm, br) = (l.buf(f32s(&mean), 0), l.buf(f32s(&rstd), 0));
+                    let (pw, pb) = (l.out(groups * h * 8, 0), l.out(groups * h * 8, 0));
+                    let mut args = vec![l.ptr(bs_), l.ptr(bdy)];
+                    if !rms {
+                        args.push(l.ptr(bm));
+                    }
+                    args.extend([l.ptr(br), l.ptr(pw)]);
+                    if !rms {
+                        args.push(l.ptr(pb));
+                    }
+                    args.extend([i64(ROWS), i32(h), i32(per)]);
+                    let what = format!("{kind}_bwd_weight_{s} h={h}");
+                    let out = l
+                        .run(&format!("{kind}_bwd_weight_{s}"), grid, weight_block, args)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    for (part, want, name) in [(pw, &dw, "dw"), (pb, &db, "db")] {
+                        if want.is_empty() {
+                            continue;
+                        }
+                        let mut l = Launcher::new("norm.cu");
+                        let bp = l.buf(out[part.0].clone(), 0);
+                        let bo = l.out(h * 4, 4);
+                        let args = vec![l.ptr(bp), i32(groups), i32(h), l.ptr(bo)];
+                        let out = l
+                            .run(
+                                "norm_weight_grad_reduce",
+                                (h.div_ceil(32) as u32, 1, 1),
+                                weight_block,
+                                args,
+                            )
+                            .unwrap_or_else(|e| panic!("{what} reduce: {e}"));
+                        differ += check(
+                            &format!("{what} {name}"),
+                            DType::F32,
+                            &dec(DType::F32, &out[bo.0]),
+                            want,
+                            1,
+                        );
+                    }
+                }
+            }
+        }
+    }
+    println!("norms: {differ} elements 1 ulp from the twin");
+}

@@ -1,0 +1,89 @@
+//! `reduce.cu` against `cpu/reduce.rs`: max is the twin's fold bit for bit (NaN, ties between
+//! -0 and +0 included); sum and mean add in F64 in another order: within 1 ulp.
+
+use crate::cuda::emulate::kernel_tests::{check, dec, enc, i64, Launcher, Rng, FLOATS};
+use crate::cpu::reduce::reduce;
+use castor_ir::{round_to, DType, ReduceOp};
+
+/// Every input/output pair of the float dtypes.
+fn pairs() -> Vec<(DType, DType)> {
+    FLOATS
+        .iter()
+        .flat_map(|a| FLOATS.iter().map(move |b| (a.0, b.0)))
+        .collect()
+}
+
+const OPS: [(ReduceOp, &str); 3] = [
+    (ReduceOp::Sum, "sum"),
+    (ReduceOp::Mean, "mean"),
+    (ReduceOp::Max, "max"),
+];
+
+pub(crate) fn entries() -> Vec<String> {
+    let mut out = Vec::new();
+    for (ti, to) in pairs() {
+        for (_, op) in OPS {
+            out.push(format!("reduce_{op}_{}", crate::cuda::emulate::kernel_tests::io(ti, to)));
+        }
+    }
+    out
+}
+
+#[test]
+fn sums_means_and_maxima_agree_with_the_twin() {
+    let mut rng = Rng::new(11);
+    let mut differ = 0;
+    for (ti, to) in pairs() {
+        let s = crate::cuda::emulate::kernel_tests::io(ti, to);
+        // (outer, len, inner): rows (inner 1) aligned or not, columns, a single element.
+        for (outer, len, inner) in [
+            (1usize, 1usize, 1usize),
+            (3, 1025, 1),
+            (2, 33, 31),
+            (1, 31, 1025),
+            (4, 8, 33),
+        ] {
+            for skew in [0u64, ti.size_bytes() as u64] {
+                let n = outer * len * inner;
+                let mut x = rng.values(n, 4.0, ti);
+                // NaNs, infinities and signed-zero ties, where they decide a max.
+                if n > 40 {
+                    x[5] = f32::NAN;
+                    x[17] = f32::INFINITY;
+                    x[20] = -0.0;
+                    x[21] = 0.0;
+                }
+                for (op, name) in OPS {
+                    let want: Vec<f32> = reduce(op, &x, &[outer, len, inner], &[1])
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|&v| round_to(to, v))
+                        .collect();
+                    let mut l = Launcher::new("reduce.cu");
+                    let bx = l.buf(enc(ti, &x), skew);
+                    let by = l.out(outer * inner * to.size_bytes(), 0);
+                    let grid = (
+                        inner.div_ceil(32).min(65_535) as u32,
+                        outer.min(65_535) as u32,
+                        1,
+                    );
+                    let args = vec![l.ptr(bx), l.ptr(by), i64(outer), i64(len), i64(inner)];
+                    let entry = format!("reduce_{name}_{s}");
+                    let what = format!("{entry} [{outer}, {len}, {inner}] skew={skew}");
+                    let out = l
+                        .run(&entry, grid, (32, 8, 1), args)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let bound = if op == ReduceOp::Max { 0 } else { 1 };
+                    let got = dec(to, &out[by.0]);
+                    if op == ReduceOp::Max {
+                        // The same NaN and the same zero: bits, not just values.
+                        let bits = |v: &[f32]| enc(to, v);
+                        assert_eq!(bits(&got), bits(&want), "{what}");
+                    }
+                    differ += check(&what, to, &got, &want, bound);
+                }
+            }
+        }
+    }
+    println!("reductions: {differ} elements 1 ulp from the twin");
+}
