@@ -8,20 +8,11 @@
 //! themselves run from their sources (`super::launch`).
 
 pub(crate) use crate::cuda::families::pointwise::contract::generated;
-use crate::cuda::families::{
-    adafactor::contract as adafactor, adamw8bit::contract as adamw8bit,
-    attention::contract as attention, cross_entropy::contract as cross_entropy,
-    elementwise::contract as elementwise, embedding::contract as embedding,
-    layout::contract as layout, nf4::contract as nf4, norm::contract as norm,
-    optimizer::contract as optimizer, reduce::contract as reduce, rope::contract as rope,
-    softmax::contract as softmax,
-};
 
 use super::args::Args;
 use super::memory::{check_uses, ranges_use, Io, Mem, Ptr, Use};
 use super::R;
-use crate::cuda::families::attention::geometry::Kernel as AttentionKernel;
-use crate::cuda::kernel_id::{AdafactorStage, EmbeddingBwdStage, KernelId, NormPass, UpdateRule};
+use crate::cuda::kernel_id::KernelId;
 use crate::cuda::program::Launch;
 
 /// Kernels whose block reductions need `blockDim = (32 k, 1, 1)`, `k <= 32`.
@@ -63,97 +54,16 @@ pub(crate) fn checked(m: &Mem, uses: Vec<Option<Use>>, in_place: &[(&str, &str)]
     Ok(uses.into_iter().flatten().collect())
 }
 
-/// The buffers a launch of a kernel family's entry point uses, by its kernel id.
+/// The buffers a launch of a kernel family's entry point uses: its kernel id's contract.
 pub(crate) fn builtin(m: &Mem, l: &Launch) -> R<Vec<Use>> {
-    use KernelId::*;
     let kernel = l
         .kernel
         .ok_or_else(|| format!("the launch of `{}` names no kernel id", l.entry))?;
     // Only the attention kernels declare dynamic shared memory.
-    if !matches!(kernel, Attention { .. } | AttentionDelta { .. }) {
+    if !matches!(kernel, KernelId::Attention(_)) {
         no_dynamic_shared(l)?;
     }
-    match kernel {
-        Attention {
-            kernel,
-            dtype,
-            tile,
-        } => {
-            let v = attention::Variant { dtype, tile };
-            match kernel {
-                AttentionKernel::Forward => attention::forward(m, l, v),
-                AttentionKernel::Backward => attention::backward(m, l, v),
-                AttentionKernel::Dq => attention::dq(m, l, v),
-                AttentionKernel::DkDv => attention::dkdv(m, l, v),
-            }
-        }
-        AttentionDelta { dtype } => attention::delta(m, l, dtype),
-        Cast { from, to } => layout::cast(m, l, from, to),
-        StridedCopy { bytes } => layout::strided_copy(m, l, bytes as usize),
-        Fill { bytes } => layout::fill(m, l, bytes as usize),
-        Reduce { input, output, .. } => reduce::reduce(m, l, input, output),
-        Norm {
-            rms,
-            pass,
-            input,
-            output,
-        } => match pass {
-            NormPass::Forward => norm::norm_fwd(m, l, rms, input, output),
-            NormPass::Backward => norm::norm_bwd(m, l, rms, input, output),
-            NormPass::BackwardWeight => norm::norm_bwd_weight(m, l, rms, input, output),
-        },
-        NormWeightGradReduce => norm::norm_weight_grad_reduce(m, l),
-        Softmax {
-            backward: false,
-            input,
-            output,
-        } => softmax::softmax_fwd(m, l, input, output),
-        Softmax {
-            backward: true,
-            input,
-            output,
-        } => softmax::softmax_bwd(m, l, input, output),
-        CrossEntropy {
-            backward: false,
-            logits,
-        } => cross_entropy::cross_entropy_fwd(m, l, logits),
-        CrossEntropy {
-            backward: true,
-            logits,
-        } => cross_entropy::cross_entropy_bwd(m, l, logits),
-        CrossEntropyFinalize => cross_entropy::cross_entropy_finalize(m, l),
-        EmbeddingFwd { table } => embedding::embedding_fwd(m, l, table),
-        EmbeddingBwd(EmbeddingBwdStage::Count) => embedding::embedding_bwd_count(m, l),
-        EmbeddingBwd(EmbeddingBwdStage::Scan) => embedding::embedding_bwd_scan(m, l),
-        EmbeddingBwd(EmbeddingBwdStage::Fill) => embedding::embedding_bwd_fill(m, l),
-        EmbeddingBwdAccumulate { grad, out } => {
-            embedding::embedding_bwd_accumulate(m, l, grad, out)
-        }
-        GradNormPartials => optimizer::grad_norm_partials(m, l),
-        GradNormFinalize => optimizer::grad_norm_finalize(m, l),
-        CountStep => optimizer::count_step(m, l),
-        LossScaleUpdate => optimizer::loss_scale_update(m, l),
-        RopeTable => rope::rope_table(m, l),
-        Rope { backward, dtype } => rope::rope(m, l, backward, dtype),
-        Adafactor(stage) => match stage {
-            AdafactorStage::Rows => adafactor::rows(m, l),
-            AdafactorStage::Cols => adafactor::cols(m, l),
-            AdafactorStage::Full => adafactor::full(m, l),
-            AdafactorStage::RowMean => adafactor::row_mean(m, l),
-            AdafactorStage::Partials => adafactor::partials(m, l),
-            AdafactorStage::Finalize => adafactor::finalize(m, l),
-        },
-        AdafactorApply { copy } => adafactor::apply(m, l, copy),
-        AdamW8bit { copy } => adamw8bit::update(m, l, copy),
-        Nf4Dequantize { dtype } => nf4::dequantize(m, l, dtype),
-        Update { rule, state, copy } => {
-            optimizer::multi_tensor_update(m, l, rule == UpdateRule::AdamW, state, copy)
-        }
-        Unary {
-            backward, dtype, ..
-        } => elementwise::unary(m, l, dtype, backward),
-        Binary { dtype, .. } => elementwise::binary(m, l, dtype),
-    }
+    kernel.uses(m, l)
 }
 
 /// Where a kernel's operand read or written in place is (`attention.cu`'s AttStrides,

@@ -576,7 +576,9 @@ mod tests {
             Command::Launch(Launch {
                 node: "z".into(),
                 module: 0,
-                kernel: Some(crate::cuda::kernel_id::KernelId::Fill { bytes: 4 }),
+                kernel: Some(crate::cuda::kernel_id::KernelId::Layout(
+                    crate::cuda::families::layout::Kernel::Fill { bytes: 4 },
+                )),
                 entry: "fill_b4".into(),
                 grid: (1, 1, 1),
                 block: (256, 1, 1),

@@ -1,28 +1,69 @@
 //! Kernel families: one folder per family of CUDA kernels, holding everything about it.
 //!
-//! - `mod.rs`: what the family computes, its CPU twin, and its `.cu` files with their entry
-//!   points ([`castor_kernels::KernelFile`]s);
+//! - `mod.rs`: what the family computes, its CPU twin, its `.cu` files with their entry points
+//!   ([`castor_kernels::KernelFile`]s), and its kernels as typed ids (`Kernel`, with `entry`
+//!   and `candidates`);
 //! - the `.cu` sources (each includes `castor_common.cuh`, `kernels/common.cuh`);
 //! - `lower.rs`: the launches a CUDA program makes for the family's ops;
-//! - `contract.rs`: what the emulator lets each launch read and write, checked before the real
-//!   kernel runs;
+//! - `contract.rs`: what the emulator lets each launch read and write (`uses`), checked before
+//!   the real kernel runs;
 //! - `tests.rs`: the kernels, run by the host build, against the CPU twin.
 //!
-//! Adding a family is a new folder and its name in the [`families!`] list below. Everything
+//! Adding a family is a new folder and its line in the [`families!`] list below (the folder's
+//! module and the [`KernelId`] variant that holds its `Kernel`). Everything
 //! that walks the kernels (the NVRTC check, the signature table, the emulator, the program's
 //! module list) reads [`files`].
 
+use crate::cuda::emulate::memory::{Mem, Use};
+use crate::cuda::emulate::R;
+use crate::cuda::program::Launch;
 use castor_kernels::signature::{find, parse_file};
 use castor_kernels::{KernelFile, Signature, SignatureError};
 use std::collections::HashMap;
 use std::sync::OnceLock;
 
-/// Declares each family's module and lists its files in [`FAMILIES`].
+/// Declares each family's module (`name: Variant`), lists its files in [`FAMILIES`], and makes
+/// [`KernelId`], whose variant `Variant` holds the family's own `Kernel`: a kernel's name, its
+/// candidates and its contract are the family's.
 macro_rules! families {
-    ($($family:ident),* $(,)?) => {
+    ($($family:ident: $variant:ident),* $(,)?) => {
         $(pub mod $family;)*
+
         /// Every family's kernel files.
         pub const FAMILIES: &[&[KernelFile]] = &[$($family::FILES),*];
+
+        /// A hand-written kernel: its family, and which of the family's kernels (variant,
+        /// dtypes). A launch carries it; the entry point's name derives from it, and the
+        /// emulator finds the kernel's contract by it.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum KernelId {
+            $($variant($family::Kernel)),*
+        }
+
+        impl KernelId {
+            /// The entry point's name in its kernel file.
+            pub fn entry(&self) -> String {
+                match self {
+                    $(KernelId::$variant(k) => k.entry()),*
+                }
+            }
+
+            /// Every id of every family over every dtype and size a kernel could take: a
+            /// superset of the kernel files' entry points.
+            pub fn candidates() -> Vec<KernelId> {
+                let mut ids = Vec::new();
+                $(ids.extend($family::Kernel::candidates().into_iter().map(KernelId::$variant));)*
+                ids
+            }
+
+            /// What launch `l` of this kernel may read and write: its family's contract.
+            pub(crate) fn uses(self, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+                match self {
+                    $(KernelId::$variant(k) => $family::contract::uses(k, m, l)),*
+                }
+            }
+        }
+
         /// Every entry point the families' kernel tests launch.
         #[cfg(test)]
         pub(crate) fn tested_entries() -> Vec<String> {
@@ -32,23 +73,20 @@ macro_rules! families {
 }
 
 families!(
-    adafactor,
-    adamw8bit,
-    attention,
-    cross_entropy,
-    elementwise,
-    embedding,
-    layout,
-    nf4,
-    norm,
-    optimizer,
-    reduce,
-    rope,
-    softmax,
+    adafactor: Adafactor,
+    adamw8bit: AdamW8bit,
+    attention: Attention,
+    cross_entropy: CrossEntropy,
+    elementwise: Elementwise,
+    embedding: Embedding,
+    layout: Layout,
+    nf4: Nf4,
+    norm: Norm,
+    optimizer: Optimizer,
+    reduce: Reduce,
+    rope: Rope,
+    softmax: Softmax,
 );
-
-#[cfg(test)]
-mod compile;
 
 /// The kernels the fusion pass generates, one per pointwise unit: no files, no entry points.
 pub mod pointwise;

@@ -348,7 +348,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         if from != to {
             let cmd = self.l.kernel(
                 &name,
-                KernelId::Cast { from, to },
+                KernelId::Layout(crate::cuda::families::layout::Kernel::Cast { from, to }),
                 grid_1d(n, 256),
                 (256, 1, 1),
                 0,
@@ -504,7 +504,7 @@ mod tests {
     fn fill(args: Args) -> Result<Command, LowerError> {
         Lowerer::default().kernel(
             "x",
-            KernelId::Fill { bytes: 4 },
+            KernelId::Layout(crate::cuda::families::layout::Kernel::Fill { bytes: 4 }),
             (1, 1, 1),
             (32, 1, 1),
             0,

@@ -175,7 +175,7 @@ impl RunLowering<'_, '_> {
         for f in &self.flags {
             let cmd = self.l.kernel(
                 &f.node,
-                KernelId::Fill { bytes: 4 },
+                KernelId::Layout(crate::cuda::families::layout::Kernel::Fill { bytes: 4 }),
                 (1, 1, 1),
                 (32, 1, 1),
                 0,

@@ -6,6 +6,22 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Ptr, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use super::{Stage, Kernel};
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k {
+        Kernel::Stage(stage) => match stage {
+            Stage::Rows => rows(m, l),
+            Stage::Cols => cols(m, l),
+            Stage::Full => full(m, l),
+            Stage::RowMean => row_mean(m, l),
+            Stage::Partials => partials(m, l),
+            Stage::Finalize => finalize(m, l),
+        },
+        Kernel::Apply { copy } => apply(m, l, copy),
+    }
+}
 
 /// Threads of the reducing launches (`ADAFACTOR_THREADS`).
 const THREADS: u32 = 256;

@@ -1,9 +1,10 @@
 //! One Adafactor update: the launches of `adafactor.cu` for one parameter (second moments,
 //! the row statistics' means, the root-mean-square partials, the rate and clip divisor, the
 //! update), state updated in place.
+use super::{Kernel, Stage};
 use crate::cuda::program::{Arg, Command};
 use crate::cuda::lower::{LowerError, RunLowering};
-use crate::cuda::kernel_id::{AdafactorStage, KernelId};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{DType, Node, Op};
 
 /// Threads of the reducing launches: `ADAFACTOR_THREADS` in `adafactor.cu`, whose sums the
@@ -105,7 +106,7 @@ impl RunLowering<'_, '_> {
                 ]);
                 self.launch(
                     y,
-                    KernelId::Adafactor(AdafactorStage::Rows),
+                    KernelId::Adafactor(Kernel::Stage(Stage::Rows)),
                     grid(lead * rows, 1),
                     (THREADS, 1, 1),
                     args,
@@ -118,7 +119,7 @@ impl RunLowering<'_, '_> {
                 ]);
                 self.launch(
                     y,
-                    KernelId::Adafactor(AdafactorStage::Cols),
+                    KernelId::Adafactor(Kernel::Stage(Stage::Cols)),
                     grid(lead * cols, BLOCK),
                     (BLOCK, 1, 1),
                     args,
@@ -126,7 +127,7 @@ impl RunLowering<'_, '_> {
                 let row_mean = self.scratch(lead as u64 * 4);
                 self.launch(
                     y,
-                    KernelId::Adafactor(AdafactorStage::RowMean),
+                    KernelId::Adafactor(Kernel::Stage(Stage::RowMean)),
                     grid(lead, 1),
                     (THREADS, 1, 1),
                     vec![
@@ -151,7 +152,7 @@ impl RunLowering<'_, '_> {
                 args.push(("n", Arg::I64(numel as i64)));
                 self.launch(
                     y,
-                    KernelId::Adafactor(AdafactorStage::Full),
+                    KernelId::Adafactor(Kernel::Stage(Stage::Full)),
                     grid(numel, BLOCK),
                     (BLOCK, 1, 1),
                     args,
@@ -184,7 +185,7 @@ impl RunLowering<'_, '_> {
         u_args(&mut args);
         self.launch(
             y,
-            KernelId::Adafactor(AdafactorStage::Partials),
+            KernelId::Adafactor(Kernel::Stage(Stage::Partials)),
             grid(n_chunks, 1),
             (THREADS, 1, 1),
             args,
@@ -193,7 +194,7 @@ impl RunLowering<'_, '_> {
         let flag = |b: bool| Arg::I32(i32::from(b));
         self.launch(
             y,
-            KernelId::Adafactor(AdafactorStage::Finalize),
+            KernelId::Adafactor(Kernel::Stage(Stage::Finalize)),
             (1, 1, 1),
             (1, 1, 1),
             vec![
@@ -225,9 +226,9 @@ impl RunLowering<'_, '_> {
             ("weight_decay", Arg::F64(h.weight_decay)),
         ];
         u_args(&mut args);
-        let kernel = KernelId::AdafactorApply {
+        let kernel = KernelId::Adafactor(Kernel::Apply {
             copy: copy.unwrap_or(DType::F32),
-        };
+        });
         self.launch(y, kernel, grid(numel, BLOCK), (BLOCK, 1, 1), args)
     }
 }

@@ -6,6 +6,12 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::{quant, DType};
+use super::Kernel;
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    update(m, l, k.copy)
+}
 
 pub(crate) fn update(m: &Mem, l: &Launch, copy_dt: DType) -> R<Vec<Use>> {
     let threads = quant::QUANT_BLOCK as u32;

@@ -1,5 +1,6 @@
 //! One 8-bit AdamW update: a launch of `adamw8bit.cu` over the parameter's quantization
 //! blocks, master, codes and block maxima updated in place.
+use super::Kernel;
 use crate::cuda::program::{Arg, Command};
 use crate::cuda::lower::{LowerError, RunLowering};
 use crate::cuda::kernel_id::KernelId;
@@ -70,9 +71,9 @@ impl RunLowering<'_, '_> {
             ("weight_decay", Arg::F64(h.weight_decay)),
             ("max_grad_norm", Arg::F64(max_grad_norm)),
         ];
-        let kernel = KernelId::AdamW8bit {
+        let kernel = KernelId::AdamW8bit(Kernel {
             copy: copy.unwrap_or(DType::F32),
-        };
+        });
         self.launch(y, kernel, (blocks, 1, 1), (THREADS, 1, 1), args)
     }
 }

@@ -1,6 +1,6 @@
 //! `attention.cu`: the fused attention forward, its `delta` row sums, and its backward (one
 //! tensor-core kernel, or the F32 dq and dk/dv kernels). Launch shapes, dynamic shared memory
-//! and scratch are `crate::cuda::families::attention::geometry`'s.
+//! and scratch are `geometry.rs`'s.
 
 use crate::cuda::emulate::contracts::{checked, Strides};
 use crate::cuda::emulate::args::Args;
@@ -8,7 +8,27 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Ptr, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
-use crate::cuda::families::attention::geometry::{self as geometry, Kernel};
+use super::geometry::{self, Kernel};
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: super::Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k {
+        super::Kernel::Attention {
+            kernel,
+            dtype,
+            tile,
+        } => {
+            let v = Variant { dtype, tile };
+            match kernel {
+                geometry::Kernel::Forward => forward(m, l, v),
+                geometry::Kernel::Backward => backward(m, l, v),
+                geometry::Kernel::Dq => dq(m, l, v),
+                geometry::Kernel::DkDv => dkdv(m, l, v),
+            }
+        }
+        super::Kernel::Delta { dtype } => delta(m, l, dtype),
+    }
+}
 
 /// The operands' dtype and the head-dim tile (`None`: the F32 warp-per-row kernels).
 #[derive(Clone, Copy)]

@@ -1,7 +1,7 @@
 //! Fused attention: `attention.cu`'s forward, and its backward: `delta`, then (16-bit operands)
 //! one pass over key blocks writing dq, dk and dv, its dQ counters zeroed first, or (F32) the
 //! query gradient and the key and value gradients. Launch shapes, dynamic shared memory and
-//! scratch come from `crate::cuda::families::attention::geometry`, as the emulator's contract reads them.
+//! scratch come from `geometry.rs`, as the emulator's contract reads them.
 
 use crate::cuda::program::{Arg, Command, Place};
 use crate::cuda::sdpa::{self, Sdpa, SdpaGrads, SdpaPass, SdpaProblem, Tensor4};
@@ -10,7 +10,7 @@ use crate::cuda::lower::views::{fits_i32, heads_of, kernel_strides};
 use crate::cuda::lower::{window_arg, LowerError, RunLowering};
 use crate::cuda::kernel_id::KernelId;
 use castor_ir::{Accum, AttentionLibrary, DType, Graph, Node, NodeData, Op, Value};
-use crate::cuda::families::attention::geometry::{self as geometry, Kernel};
+use super::geometry::{self, Kernel};
 
 /// An attention op as the kernels see it: `bq` query batches of `t` rows and head dim `d`;
 /// query batch `b` reads key/value batch `b / group` (`s` keys) and mask row
@@ -253,11 +253,11 @@ impl RunLowering<'_, '_> {
         (causal, window, scale): (bool, Option<usize>, f64),
         strides: &[(&str, Operand)],
     ) -> Result<(), LowerError> {
-        let id = KernelId::Attention {
+        let id = KernelId::Attention(super::Kernel::Attention {
             kernel,
             dtype: p.dtype,
             tile: p.tile,
-        };
+        });
         let per_key_batch = matches!(kernel, Kernel::Backward | Kernel::DkDv);
         let batches = if per_key_batch { p.bq / p.group } else { p.bq };
         let batches_name = if per_key_batch { "bkv" } else { "bq" };
@@ -438,10 +438,10 @@ impl RunLowering<'_, '_> {
             let flags = self.scratch(n as u64 * 4);
             self.launch(
                 y,
-                KernelId::Cast {
+                KernelId::Layout(crate::cuda::families::layout::Kernel::Cast {
                     from: DType::Bool,
                     to: DType::F32,
-                },
+                }),
                 crate::cuda::lower::grid_1d(n, 256),
                 (256, 1, 1),
                 vec![
@@ -504,7 +504,7 @@ impl RunLowering<'_, '_> {
         delta_args.extend(doo.strides("d_o"));
         self.launch_shared(
             dq,
-            KernelId::AttentionDelta { dtype: p.dtype },
+            KernelId::Attention(super::Kernel::Delta { dtype: p.dtype }),
             geometry::delta_grid(rows as u64),
             (geometry::THREADS, 1, 1),
             0,

@@ -1,6 +1,6 @@
 //! `attention.cu`: the fused attention forward, its `delta` row sums, and its backward (one
 //! tensor-core kernel, or the F32 dq and dk/dv kernels). Launch shapes, dynamic shared memory
-//! and scratch are `crate::cuda::families::attention::geometry`'s.
+//! and scratch are `geometry.rs`'s.
 //!
 //! The family: `attention.cu` (sources, entry points below); `lower.rs` (its launches in a CUDA
 //! program); `contract.rs` (what the emulator lets each launch read and write); `tests.rs` (the
@@ -14,6 +14,8 @@ pub(crate) mod contract;
 pub(crate) mod tests;
 
 use castor_kernels::KernelFile;
+use castor_ir::DType;
+use crate::cuda::kernel_id::FLOATS;
 
 /// Entry points whose blocks wait for blocks with a lower index (the backward's ordered dQ
 /// sums; see [`super::waits_for_earlier_blocks`]).
@@ -59,3 +61,65 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
 ];
+
+/// A kernel of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// castor's fused attention: tensor-core kernels for a head-dim `tile` (16-bit), the F32
+    /// reference kernels without one.
+    Attention {
+        kernel: geometry::Kernel,
+        dtype: DType,
+        tile: Option<u32>,
+    },
+    /// The backward's `rowsum(dO · O)`.
+    Delta { dtype: DType },
+}
+
+impl Kernel {
+    /// The entry point's name in its kernel file.
+    pub fn entry(&self) -> String {
+        match *self {
+            Kernel::Attention {
+                kernel,
+                dtype,
+                tile,
+            } => {
+                let kernel = match kernel {
+                    geometry::Kernel::Forward => "fwd",
+                    geometry::Kernel::Backward => "bwd",
+                    geometry::Kernel::Dq => "bwd_dq",
+                    geometry::Kernel::DkDv => "bwd_dkdv",
+                };
+                match tile {
+                    Some(tile) => format!("attention_{kernel}_{}_d{tile}", dtype.name()),
+                    None => format!("attention_{kernel}_{}", dtype.name()),
+                }
+            }
+            Kernel::Delta { dtype } => format!("attention_bwd_delta_{}", dtype.name()),
+        }
+    }
+
+    /// Every kernel the family could name (a superset of its files' entry points).
+    pub fn candidates() -> Vec<Kernel> {
+        let mut ids = Vec::new();
+        for dtype in FLOATS {
+            ids.push(Kernel::Delta { dtype });
+            for kernel in [
+                geometry::Kernel::Forward,
+                geometry::Kernel::Backward,
+                geometry::Kernel::Dq,
+                geometry::Kernel::DkDv,
+            ] {
+                for tile in [None, Some(16), Some(32), Some(64), Some(128)] {
+                    ids.push(Kernel::Attention {
+                        kernel,
+                        dtype,
+                        tile,
+                    });
+                }
+            }
+        }
+        ids
+    }
+}

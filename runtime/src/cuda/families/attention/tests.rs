@@ -11,7 +11,7 @@ use crate::cuda::emulate::kernel_tests::{dec, enc, i32, i64, Launcher, Rng};
 use crate::cpu::attention::{attention, attention_grad, Operand, Problem};
 use crate::cuda::program::Arg;
 use castor_ir::{relative_error, round_to, DType};
-use crate::cuda::families::attention::geometry::{self as geometry, Kernel};
+use super::geometry::{self, Kernel};
 use castor_kernels::host::{self, Sanitize};
 
 /// Each dtype with its tiles (`None`: the F32 warp-per-row kernels) and the head dims tried

@@ -5,6 +5,7 @@
 //! `dlogits` in place, then `dhidden = dlogits @ weight` into the chunk's rows and
 //! `dweight += dlogits^T @ hidden` (the first chunk writes, the others accumulate).
 
+use super::Kernel;
 use crate::cuda::program::{Arg, Command, Gemm, Place};
 use super::lower::ce_block;
 use crate::cuda::lower::{gemm, grid_rows, LowerError, RunLowering, Saved};
@@ -171,10 +172,10 @@ impl RunLowering<'_, '_> {
             let bad = self.chunk_flag(y, "label", (labels, first), p.vocab, Some(p.ignore));
             self.launch(
                 y,
-                KernelId::CrossEntropy {
+                KernelId::CrossEntropy(Kernel::CrossEntropy {
                     backward: false,
                     logits: p.logits,
-                },
+                }),
                 grid_rows(len),
                 (ce_block(p.vocab), 1, 1),
                 vec![
@@ -291,10 +292,10 @@ impl RunLowering<'_, '_> {
             let bad = self.chunk_flag(loss, "label", (labels, first), p.vocab, Some(p.ignore));
             self.launch(
                 loss,
-                KernelId::CrossEntropy {
+                KernelId::CrossEntropy(Kernel::CrossEntropy {
                     backward: false,
                     logits: p.logits,
-                },
+                }),
                 grid_rows(len),
                 (ce_block(p.vocab), 1, 1),
                 vec![
@@ -333,10 +334,10 @@ impl RunLowering<'_, '_> {
         let (hd, dhd) = (g.ty(p.hidden).dtype, g.ty(dh).dtype);
         self.launch(
             dh,
-            KernelId::CrossEntropy {
+            KernelId::CrossEntropy(Kernel::CrossEntropy {
                 backward: true,
                 logits: p.logits,
-            },
+            }),
             grid_rows(len),
             (ce_block(p.vocab), 1, 1),
             vec![

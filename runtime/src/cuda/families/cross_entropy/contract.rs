@@ -6,6 +6,22 @@ use crate::cuda::emulate::memory::{rows_use, use_, Io, Mem, Ptr, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use super::Kernel;
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k {
+        Kernel::CrossEntropy {
+            backward: false,
+            logits,
+        } => cross_entropy_fwd(m, l, logits),
+        Kernel::CrossEntropy {
+            backward: true,
+            logits,
+        } => cross_entropy_bwd(m, l, logits),
+        Kernel::Finalize => cross_entropy_finalize(m, l),
+    }
+}
 
 pub(crate) fn cross_entropy_fwd(m: &Mem, l: &Launch, t: DType) -> R<Vec<Use>> {
     row_block(l)?;

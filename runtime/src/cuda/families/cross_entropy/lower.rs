@@ -1,4 +1,5 @@
 //! Softmax cross-entropy: `cross_entropy.cu`'s forward, finalize and backward.
+use super::Kernel;
 use crate::cuda::program::{Arg, Place};
 use crate::cuda::lower::ops::{row_threads, ROW_BLOCK};
 use crate::cuda::lower::{grid_rows, LowerError, RunLowering, Saved};
@@ -70,10 +71,10 @@ impl RunLowering<'_, '_> {
         };
         self.launch(
             y,
-            KernelId::CrossEntropy {
+            KernelId::CrossEntropy(Kernel::CrossEntropy {
                 backward: false,
                 logits: g.ty(logits).dtype,
-            },
+            }),
             grid_rows(rows),
             (ce_block(v), 1, 1),
             vec![
@@ -107,7 +108,7 @@ impl RunLowering<'_, '_> {
     ) -> Result<(), LowerError> {
         self.launch(
             y,
-            KernelId::CrossEntropyFinalize,
+            KernelId::CrossEntropy(Kernel::Finalize),
             (1, 1, 1),
             (row_threads(rows, ROW_BLOCK), 1, 1),
             vec![
@@ -159,10 +160,10 @@ impl RunLowering<'_, '_> {
         };
         self.launch(
             y,
-            KernelId::CrossEntropy {
+            KernelId::CrossEntropy(Kernel::CrossEntropy {
                 backward: true,
                 logits: g.ty(logits).dtype,
-            },
+            }),
             grid_rows(rows),
             (ce_block(v), 1, 1),
             vec![

@@ -12,6 +12,8 @@ pub(crate) mod contract;
 pub(crate) mod tests;
 
 use castor_kernels::KernelFile;
+use castor_ir::DType;
+use crate::cuda::kernel_id::{direction, FLOATS};
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
 pub const FILES: &[KernelFile] = &[
@@ -29,3 +31,33 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
 ];
+
+/// A kernel of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    CrossEntropy { backward: bool, logits: DType },
+    Finalize,
+}
+
+impl Kernel {
+    /// The entry point's name in its kernel file.
+    pub fn entry(&self) -> String {
+        match *self {
+            Kernel::CrossEntropy { backward, logits } => {
+                format!("cross_entropy_{}_{}", direction(backward), logits.name())
+            }
+            Kernel::Finalize => "cross_entropy_finalize".into(),
+        }
+    }
+
+    /// Every kernel the family could name (a superset of its files' entry points).
+    pub fn candidates() -> Vec<Kernel> {
+        let mut ids = vec![Kernel::Finalize];
+        for logits in FLOATS {
+            for backward in [false, true] {
+                ids.push(Kernel::CrossEntropy { backward, logits });
+            }
+        }
+        ids
+    }
+}

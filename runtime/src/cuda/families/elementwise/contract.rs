@@ -6,6 +6,17 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use super::Kernel;
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k {
+        Kernel::Unary {
+            backward, dtype, ..
+        } => unary(m, l, dtype, backward),
+        Kernel::Binary { dtype, .. } => binary(m, l, dtype),
+    }
+}
 
 pub(crate) fn unary(m: &Mem, l: &Launch, t: DType, backward: bool) -> R<Vec<Use>> {
     let mut a = Args::new(l);

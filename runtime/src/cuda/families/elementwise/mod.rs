@@ -10,6 +10,8 @@ pub(crate) mod contract;
 pub(crate) mod tests;
 
 use castor_kernels::KernelFile;
+use castor_ir::DType;
+use crate::cuda::kernel_id::{direction, FLOATS};
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
 pub const FILES: &[KernelFile] = &[
@@ -44,3 +46,77 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
 ];
+
+/// A kernel of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    Unary {
+        op: UnaryOp,
+        backward: bool,
+        dtype: DType,
+    },
+    Binary {
+        op: BinaryOp,
+        dtype: DType,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    GeluTanh,
+    GeluErf,
+    Silu,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Mul,
+}
+
+impl Kernel {
+    /// The entry point's name in its kernel file.
+    pub fn entry(&self) -> String {
+        match *self {
+            Kernel::Unary {
+                op,
+                backward,
+                dtype,
+            } => {
+                let op = match op {
+                    UnaryOp::GeluTanh => "gelu_tanh",
+                    UnaryOp::GeluErf => "gelu_erf",
+                    UnaryOp::Silu => "silu",
+                };
+                format!("{op}_{}_{}", direction(backward), dtype.name())
+            }
+            Kernel::Binary { op, dtype } => {
+                let op = match op {
+                    BinaryOp::Add => "add",
+                    BinaryOp::Mul => "mul",
+                };
+                format!("{op}_{}", dtype.name())
+            }
+        }
+    }
+
+    /// Every kernel the family could name (a superset of its files' entry points).
+    pub fn candidates() -> Vec<Kernel> {
+        let mut ids = Vec::new();
+        for dtype in FLOATS {
+            for op in [UnaryOp::GeluTanh, UnaryOp::GeluErf, UnaryOp::Silu] {
+                for backward in [false, true] {
+                    ids.push(Kernel::Unary {
+                        op,
+                        backward,
+                        dtype,
+                    });
+                }
+            }
+            for op in [BinaryOp::Add, BinaryOp::Mul] {
+                ids.push(Kernel::Binary { op, dtype });
+            }
+        }
+        ids
+    }
+}

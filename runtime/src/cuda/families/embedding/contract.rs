@@ -6,6 +6,18 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use super::{BackwardStage, Kernel};
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k {
+        Kernel::Forward { table } => embedding_fwd(m, l, table),
+        Kernel::Backward(BackwardStage::Count) => embedding_bwd_count(m, l),
+        Kernel::Backward(BackwardStage::Scan) => embedding_bwd_scan(m, l),
+        Kernel::Backward(BackwardStage::Fill) => embedding_bwd_fill(m, l),
+        Kernel::BackwardAccumulate { grad, out } => embedding_bwd_accumulate(m, l, grad, out),
+    }
+}
 
 pub(crate) fn embedding_fwd(m: &Mem, l: &Launch, t: DType) -> R<Vec<Use>> {
     let mut a = Args::new(l);

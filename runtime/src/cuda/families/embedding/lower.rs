@@ -1,10 +1,11 @@
 //! Token embeddings: `embedding.cu`'s gather and its deterministic backward (count, scan,
 //! fill, accumulate per row).
 
+use super::{BackwardStage, Kernel};
 use crate::cuda::program::{Arg, Command};
 use crate::cuda::lower::ops::{row_threads, BLOCK};
 use crate::cuda::lower::{grid_1d, grid_rows, LowerError, RunLowering};
-use crate::cuda::kernel_id::{EmbeddingBwdStage, KernelId};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{DType, Node, Value};
 
 impl RunLowering<'_, '_> {
@@ -31,7 +32,7 @@ impl RunLowering<'_, '_> {
         let bad = self.flag(y, "token id", ip, v, None);
         self.launch(
             y,
-            KernelId::EmbeddingFwd { table: dt(y) },
+            KernelId::Embedding(Kernel::Forward { table: dt(y) }),
             grid_rows(rows),
             (128, 1, 1),
             vec![
@@ -73,7 +74,7 @@ impl RunLowering<'_, '_> {
         });
         self.launch(
             y,
-            KernelId::EmbeddingBwd(EmbeddingBwdStage::Count),
+            KernelId::Embedding(Kernel::Backward(BackwardStage::Count)),
             grid_1d(n, BLOCK),
             (BLOCK, 1, 1),
             vec![
@@ -86,7 +87,7 @@ impl RunLowering<'_, '_> {
         )?;
         self.launch(
             y,
-            KernelId::EmbeddingBwd(EmbeddingBwdStage::Scan),
+            KernelId::Embedding(Kernel::Backward(BackwardStage::Scan)),
             (1, 1, 1),
             (row_threads(vocab, 1024), 1, 1),
             vec![
@@ -97,7 +98,7 @@ impl RunLowering<'_, '_> {
         )?;
         self.launch(
             y,
-            KernelId::EmbeddingBwd(EmbeddingBwdStage::Fill),
+            KernelId::Embedding(Kernel::Backward(BackwardStage::Fill)),
             (vocab.div_ceil(256).max(1) as u32, 1, 1),
             // One warp per 32 positions (each warp scans a slice of them), up to 32 warps.
             (row_threads(n, 1024), 1, 1),
@@ -113,10 +114,10 @@ impl RunLowering<'_, '_> {
         let out = self.out(y)?;
         self.launch(
             y,
-            KernelId::EmbeddingBwdAccumulate {
+            KernelId::Embedding(Kernel::BackwardAccumulate {
                 grad: g.ty(dy).dtype,
                 out: g.ty(y).dtype,
-            },
+            }),
             grid_rows(vocab),
             (128, 1, 1),
             vec![

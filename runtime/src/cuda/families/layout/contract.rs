@@ -7,6 +7,16 @@ use crate::cuda::emulate::R;
 use crate::cuda::program::{Launch, MAX_RANK};
 use castor_ir::DType;
 use std::collections::HashSet;
+use super::Kernel;
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k {
+        Kernel::Cast { from, to } => cast(m, l, from, to),
+        Kernel::StridedCopy { bytes } => strided_copy(m, l, bytes as usize),
+        Kernel::Fill { bytes } => fill(m, l, bytes as usize),
+    }
+}
 
 pub(crate) fn cast(m: &Mem, l: &Launch, from: DType, to: DType) -> R<Vec<Use>> {
     let mut a = Args::new(l);

@@ -1,6 +1,7 @@
 //! `layout.cu`: layout results as views or one strided copy each, concatenation and padding
 //! as copies into place, integer and boolean casts, fills.
 
+use super::Kernel;
 use crate::cuda::program::{Arg, Command, CopyLayout, Place, MAX_RANK};
 use crate::cuda::lower::ops::BLOCK;
 use crate::cuda::lower::{copies, grid_1d, LowerError, RunLowering};
@@ -71,7 +72,7 @@ impl RunLowering<'_, '_> {
         let n: i64 = l.shape[..l.rank.max(0) as usize].iter().product();
         self.launch(
             y,
-            KernelId::StridedCopy { bytes: size as u32 },
+            KernelId::Layout(Kernel::StridedCopy { bytes: size as u32 }),
             grid_1d(n as usize, BLOCK),
             (BLOCK, 1, 1),
             vec![
@@ -177,7 +178,7 @@ impl RunLowering<'_, '_> {
         } else {
             self.launch(
                 y,
-                KernelId::Cast { from, to: *to },
+                KernelId::Layout(Kernel::Cast { from, to: *to }),
                 grid_1d(n, BLOCK),
                 (BLOCK, 1, 1),
                 vec![
@@ -211,7 +212,7 @@ impl RunLowering<'_, '_> {
         let out = self.out(y)?;
         self.launch(
             y,
-            KernelId::Fill { bytes },
+            KernelId::Layout(Kernel::Fill { bytes }),
             grid_1d(n, BLOCK),
             (BLOCK, 1, 1),
             vec![

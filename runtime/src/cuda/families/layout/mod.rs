@@ -11,6 +11,7 @@ pub(crate) mod contract;
 pub(crate) mod tests;
 
 use castor_kernels::KernelFile;
+use castor_ir::DType;
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
 pub const FILES: &[KernelFile] = &[
@@ -52,3 +53,35 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
 ];
+
+/// A kernel of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    Cast { from: DType, to: DType },
+    /// A strided copy of `bytes`-byte elements.
+    StridedCopy { bytes: u32 },
+    Fill { bytes: u32 },
+}
+
+impl Kernel {
+    /// The entry point's name in its kernel file.
+    pub fn entry(&self) -> String {
+        match *self {
+            Kernel::Cast { from, to } => format!("cast_{}_{}", from.name(), to.name()),
+            Kernel::StridedCopy { bytes } => format!("strided_copy_b{bytes}"),
+            Kernel::Fill { bytes } => format!("fill_b{bytes}"),
+        }
+    }
+
+    /// Every kernel the family could name (a superset of its files' entry points).
+    pub fn candidates() -> Vec<Kernel> {
+        let mut ids: Vec<Kernel> = DType::ALL
+            .into_iter()
+            .flat_map(|from| DType::ALL.map(|to| Kernel::Cast { from, to }))
+            .collect();
+        for bytes in [1, 2, 4, 8, 16] {
+            ids.extend([Kernel::StridedCopy { bytes }, Kernel::Fill { bytes }]);
+        }
+        ids
+    }
+}

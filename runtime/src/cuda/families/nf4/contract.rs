@@ -6,6 +6,12 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use super::Kernel;
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    dequantize(m, l, k.dtype)
+}
 
 pub(crate) fn dequantize(m: &Mem, l: &Launch, t: DType) -> R<Vec<Use>> {
     let mut a = Args::new(l);

@@ -2,6 +2,7 @@
 //! dtype), then one cuBLAS product reading it, so the dequantized weight lives only for the
 //! product (`nf4.cu` says why a scratch buffer rather than the operand tiles).
 
+use super::Kernel;
 use crate::cuda::program::{Arg, Command};
 use crate::cuda::lower::ops::BLOCK;
 use crate::cuda::lower::{gemm, grid_1d, LowerError, RunLowering};
@@ -26,7 +27,7 @@ impl RunLowering<'_, '_> {
         let weight = self.scratch((numel * dtype.size_bytes()) as u64);
         self.launch(
             y,
-            KernelId::Nf4Dequantize { dtype },
+            KernelId::Nf4(Kernel { dtype }),
             grid_1d(numel.div_ceil(2), BLOCK),
             (BLOCK, 1, 1),
             vec![

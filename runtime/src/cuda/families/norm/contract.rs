@@ -6,6 +6,24 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Ptr, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use super::{Pass, Kernel};
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k {
+        Kernel::Norm {
+            rms,
+            pass,
+            input,
+            output,
+        } => match pass {
+            Pass::Forward => norm_fwd(m, l, rms, input, output),
+            Pass::Backward => norm_bwd(m, l, rms, input, output),
+            Pass::BackwardWeight => norm_bwd_weight(m, l, rms, input, output),
+        },
+        Kernel::WeightGradReduce => norm_weight_grad_reduce(m, l),
+    }
+}
 
 pub(crate) fn norm_fwd(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DType) -> R<Vec<Use>> {
     row_block(l)?;

@@ -1,9 +1,10 @@
 //! Layer and RMS norms: `norm.cu`'s forward (with a fused residual add), statistics-only
 //! recomputation, and backward with its weight-gradient reduction.
+use super::{Kernel, Pass};
 use crate::cuda::program::Arg;
 use crate::cuda::lower::ops::{row_threads, BLOCK, ROW_BLOCK};
 use crate::cuda::lower::{grid_1d, grid_rows, LowerError, RunLowering, Saved};
-use crate::cuda::kernel_id::{KernelId, NormPass};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{DType, Node, Op, Value};
 
 /// `norm.cu`'s NORM_SLOTS: 8-element units a thread of the forward and dx kernels holds in
@@ -122,12 +123,12 @@ impl RunLowering<'_, '_> {
         }
         self.launch(
             y,
-            KernelId::Norm {
+            KernelId::Norm(Kernel::Norm {
                 rms,
-                pass: NormPass::Forward,
+                pass: Pass::Forward,
                 input: g.ty(x).dtype,
                 output: g.ty(y).dtype,
-            },
+            }),
             grid_rows(rows),
             (norm_block(h), 1, 1),
             args,
@@ -172,12 +173,12 @@ impl RunLowering<'_, '_> {
         }
         self.launch(
             at,
-            KernelId::Norm {
+            KernelId::Norm(Kernel::Norm {
                 rms,
-                pass: NormPass::Forward,
+                pass: Pass::Forward,
                 input: g.ty(x).dtype,
                 output: y_dtype,
-            },
+            }),
             grid_rows(rows),
             (norm_block(h), 1, 1),
             args,
@@ -207,12 +208,12 @@ impl RunLowering<'_, '_> {
         let h = g.ty(x).shape.last();
         let rows = g.ty(x).shape.numel().unwrap_or(0) / h.max(1);
         let stats = self.norm_stats(ins, to, rms, eps, dx)?;
-        let norm = |pass| KernelId::Norm {
+        let norm = |pass| KernelId::Norm(Kernel::Norm {
             rms,
             pass,
             input: ti,
             output: to,
-        };
+        });
         let (xp, wp, dyp) = (self.at(x)?, self.at(w)?, self.at(dy)?);
         // Weight gradients first: the input gradient may be written over dy.
         let per_group = rows_per_group(rows, h);
@@ -237,7 +238,7 @@ impl RunLowering<'_, '_> {
         }
         self.launch(
             dx,
-            norm(NormPass::BackwardWeight),
+            norm(Pass::BackwardWeight),
             (
                 h.div_ceil(WEIGHT_BLOCK.0 as usize) as u32,
                 groups.min(65_535) as u32,
@@ -268,7 +269,7 @@ impl RunLowering<'_, '_> {
             };
             self.launch(
                 out,
-                KernelId::NormWeightGradReduce,
+                KernelId::Norm(Kernel::WeightGradReduce),
                 (h.div_ceil(WEIGHT_BLOCK.0 as usize) as u32, 1, 1),
                 WEIGHT_BLOCK,
                 vec![
@@ -282,10 +283,10 @@ impl RunLowering<'_, '_> {
                 let o = self.out(out)?;
                 self.launch(
                     out,
-                    KernelId::Cast {
+                    KernelId::Layout(crate::cuda::families::layout::Kernel::Cast {
                         from: DType::F32,
                         to: od,
-                    },
+                    }),
                     grid_1d(h, BLOCK),
                     (BLOCK, 1, 1),
                     vec![
@@ -327,7 +328,7 @@ impl RunLowering<'_, '_> {
         }
         self.launch(
             dx,
-            norm(NormPass::Backward),
+            norm(Pass::Backward),
             grid_rows(rows),
             (norm_block(h), 1, 1),
             args,

@@ -11,6 +11,8 @@ pub(crate) mod contract;
 pub(crate) mod tests;
 
 use castor_kernels::KernelFile;
+use castor_ir::DType;
+use crate::cuda::kernel_id::{io, float_pairs};
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
 pub const FILES: &[KernelFile] = &[
@@ -64,3 +66,68 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
 ];
+
+/// A kernel of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Layer norm or RMSNorm (`rms`), one pass of it.
+    Norm {
+        rms: bool,
+        pass: Pass,
+        input: DType,
+        output: DType,
+    },
+    /// The sum of the norms' weight-gradient partials.
+    WeightGradReduce,
+}
+
+/// A pass of a norm.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pass {
+    Forward,
+    /// The input's gradient.
+    Backward,
+    /// The weight's (and bias's) gradient partials.
+    BackwardWeight,
+}
+
+impl Kernel {
+    /// The entry point's name in its kernel file.
+    pub fn entry(&self) -> String {
+        match *self {
+            Kernel::Norm {
+                rms,
+                pass,
+                input,
+                output,
+            } => {
+                let kind = if rms { "rms_norm" } else { "layer_norm" };
+                let pass = match pass {
+                    Pass::Forward => "fwd",
+                    Pass::Backward => "bwd",
+                    Pass::BackwardWeight => "bwd_weight",
+                };
+                format!("{kind}_{pass}_{}", io(input, output))
+            }
+            Kernel::WeightGradReduce => "norm_weight_grad_reduce".into(),
+        }
+    }
+
+    /// Every kernel the family could name (a superset of its files' entry points).
+    pub fn candidates() -> Vec<Kernel> {
+        let mut ids = vec![Kernel::WeightGradReduce];
+        for (input, output) in float_pairs() {
+            for rms in [false, true] {
+                for pass in [Pass::Forward, Pass::Backward, Pass::BackwardWeight] {
+                    ids.push(Kernel::Norm {
+                        rms,
+                        pass,
+                        input,
+                        output,
+                    });
+                }
+            }
+        }
+        ids
+    }
+}

@@ -7,6 +7,18 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Ptr, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use super::{UpdateRule, Kernel};
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k {
+        Kernel::GradNormPartials => grad_norm_partials(m, l),
+        Kernel::GradNormFinalize => grad_norm_finalize(m, l),
+        Kernel::CountStep => count_step(m, l),
+        Kernel::LossScaleUpdate => loss_scale_update(m, l),
+        Kernel::Update { rule, state, copy } => multi_tensor_update(m, l, rule, state, copy),
+    }
+}
 
 /// The chunk table `{i32 tensor; i32 len; i64 start}` of a multi-tensor launch, checked to
 /// cover every tensor exactly once (`numel` per tensor).
@@ -84,7 +96,7 @@ fn table_rows(
 pub(crate) fn multi_tensor_update(
     m: &Mem,
     l: &Launch,
-    adamw: bool,
+    rule: UpdateRule,
     state_dt: DType,
     copy_dt: DType,
 ) -> R<Vec<Use>> {
@@ -96,19 +108,17 @@ pub(crate) fn multi_tensor_update(
     let step = a.need(m, "step")?;
     let scale = a.need(m, "scale")?;
     let grad_norm = a.need(m, "grad_norm")?;
-    if adamw {
-        for h in ["beta1", "beta2", "eps", "max_grad_norm"] {
-            a.f64(h)?;
-        }
-    } else {
-        for h in ["momentum", "max_grad_norm"] {
-            a.f64(h)?;
-        }
+    let hyperparameters: &[&str] = match rule {
+        UpdateRule::AdamW => &["beta1", "beta2", "eps", "max_grad_norm"],
+        UpdateRule::Sgd => &["momentum", "max_grad_norm"],
+    };
+    for h in hyperparameters {
+        a.f64(h)?;
     }
     a.end()?;
     // Rows: AdamWTensor (master, grad, m, v, copy, numel, wd: 56 bytes) or SgdTensor
     // (master, grad, buf, copy, numel, wd: 48 bytes).
-    let bufs = if adamw { 4 } else { 3 };
+    let bufs = 2 + rule.moments();
     let row_bytes = (bufs + 3) * 8;
     let n_tensors = table_rows(m, tensors, row_bytes, chunk_table, n_chunks)?;
     let mut uses = vec![
@@ -121,10 +131,9 @@ pub(crate) fn multi_tensor_update(
         ),
         use_("chunks", Some(chunk_table), n_chunks as u64 * 16, 8, Io::R),
     ];
-    let names = if adamw {
-        ["master", "grad", "m", "v"].as_slice()
-    } else {
-        ["master", "grad", "buf"].as_slice()
+    let names = match rule {
+        UpdateRule::AdamW => ["master", "grad", "m", "v"].as_slice(),
+        UpdateRule::Sgd => ["master", "grad", "buf"].as_slice(),
     };
     let mut numel = Vec::with_capacity(n_tensors);
     for t in 0..n_tensors as i64 {

@@ -1,5 +1,6 @@
 //! `loss_scale.cu`: the step counter and the dynamic loss scaler's update.
 
+use super::Kernel;
 use crate::cuda::program::Arg;
 use crate::cuda::lower::{LowerError, RunLowering};
 use crate::cuda::kernel_id::KernelId;
@@ -15,7 +16,7 @@ impl RunLowering<'_, '_> {
         let out = self.out(y)?;
         self.launch(
             y,
-            KernelId::CountStep,
+            KernelId::Optimizer(Kernel::CountStep),
             (1, 1, 1),
             (1, 1, 1),
             vec![
@@ -47,7 +48,7 @@ impl RunLowering<'_, '_> {
         let (so, co) = (self.out(outs[0])?, self.out(outs[1])?);
         self.launch(
             y,
-            KernelId::LossScaleUpdate,
+            KernelId::Optimizer(Kernel::LossScaleUpdate),
             (1, 1, 1),
             (1, 1, 1),
             vec![

@@ -1,9 +1,10 @@
 //! The optimizer step: the gradient norm and the multi-tensor AdamW/SGD launches of
 //! `optimizer.cu` and `grad_norm.cu`.
+use super::{Kernel, UpdateRule};
 use crate::cuda::program::{Arg, Command, Field, Place, Table};
 use crate::cuda::lower::ops::{row_threads, BLOCK};
 use crate::cuda::lower::{LowerError, RunLowering};
-use crate::cuda::kernel_id::{KernelId, UpdateRule};
+use crate::cuda::kernel_id::KernelId;
 use castor_ir::{DType, Node, Op, Value};
 
 /// Elements per chunk of the multi-tensor kernels (the grad-norm's F64 partial sums group
@@ -42,7 +43,7 @@ impl RunLowering<'_, '_> {
         let sp = self.at(scale)?;
         self.launch(
             y,
-            KernelId::GradNormPartials,
+            KernelId::Optimizer(Kernel::GradNormPartials),
             (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
             (BLOCK, 1, 1),
             vec![
@@ -56,7 +57,7 @@ impl RunLowering<'_, '_> {
         let out = self.out(y)?;
         self.launch(
             y,
-            KernelId::GradNormFinalize,
+            KernelId::Optimizer(Kernel::GradNormFinalize),
             (1, 1, 1),
             (row_threads(n_chunks, 1024), 1, 1),
             vec![
@@ -77,7 +78,10 @@ impl RunLowering<'_, '_> {
         };
         let node = g.node(n);
         let y = node.outputs[0];
-        let adamw = matches!(node.op, Op::AdamW { .. });
+        let moments = match node.op {
+            Op::AdamW { .. } => 2,
+            _ => 1,
+        };
         let state = g.ty(node.inputs[2]).dtype;
         if !matches!(state, DType::F32 | DType::BF16) {
             return Err(self.err(
@@ -89,7 +93,7 @@ impl RunLowering<'_, '_> {
         let mut numels = Vec::new();
         for &m in batch {
             let md = g.node(m);
-            let k = if adamw { 4 } else { 3 };
+            let k = 2 + moments;
             if md.inputs[2..k].iter().any(|&v| g.ty(v).dtype != state) {
                 return Err(self.err(y, "one launch's moments must share one dtype"));
             }
@@ -111,7 +115,7 @@ impl RunLowering<'_, '_> {
                 }
                 row.push(Field::Ptr(dst));
             }
-            let copy = match md.outputs.get(if adamw { 3 } else { 2 }) {
+            let copy = match md.outputs.get(1 + moments) {
                 Some(&c) => Field::Ptr(self.out(c)?),
                 None => Field::Null,
             };
@@ -173,11 +177,11 @@ impl RunLowering<'_, '_> {
         };
         self.launch(
             y,
-            KernelId::Update {
+            KernelId::Optimizer(Kernel::Update {
                 rule,
                 state,
                 copy: copy.unwrap_or(DType::F32),
-            },
+            }),
             (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
             (BLOCK, 1, 1),
             args,

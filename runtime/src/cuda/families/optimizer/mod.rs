@@ -14,6 +14,8 @@ pub(crate) mod contract;
 pub(crate) mod tests;
 
 use castor_kernels::KernelFile;
+use castor_ir::DType;
+use crate::cuda::kernel_id::FLOATS;
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
 pub const FILES: &[KernelFile] = &[
@@ -52,3 +54,76 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
 ];
+
+/// A kernel of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    GradNormPartials,
+    GradNormFinalize,
+    CountStep,
+    LossScaleUpdate,
+    /// The multi-tensor AdamW or SGD update, moments in `state`, copies in `copy`.
+    Update {
+        rule: UpdateRule,
+        state: DType,
+        copy: DType,
+    },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UpdateRule {
+    AdamW,
+    Sgd,
+}
+
+impl UpdateRule {
+    /// The moments the rule keeps: AdamW two, SGD one.
+    pub fn moments(self) -> usize {
+        match self {
+            UpdateRule::AdamW => 2,
+            UpdateRule::Sgd => 1,
+        }
+    }
+}
+
+impl Kernel {
+    /// The entry point's name in its kernel file.
+    pub fn entry(&self) -> String {
+        match *self {
+            Kernel::GradNormPartials => "grad_norm_partials".into(),
+            Kernel::GradNormFinalize => "grad_norm_finalize".into(),
+            Kernel::CountStep => "count_step".into(),
+            Kernel::LossScaleUpdate => "loss_scale_update".into(),
+            Kernel::Update { rule, state, copy } => {
+                let rule = match rule {
+                    UpdateRule::AdamW => "adamw",
+                    UpdateRule::Sgd => "sgd",
+                };
+                let state = if state == DType::BF16 {
+                    "bf16state_"
+                } else {
+                    ""
+                };
+                format!("{rule}_{state}{}", copy.name())
+            }
+        }
+    }
+
+    /// Every kernel the family could name (a superset of its files' entry points).
+    pub fn candidates() -> Vec<Kernel> {
+        let mut ids = vec![
+            Kernel::GradNormPartials,
+            Kernel::GradNormFinalize,
+            Kernel::CountStep,
+            Kernel::LossScaleUpdate,
+        ];
+        for state in [DType::F32, DType::BF16] {
+            for copy in FLOATS {
+                for rule in [UpdateRule::AdamW, UpdateRule::Sgd] {
+                    ids.push(Kernel::Update { rule, state, copy });
+                }
+            }
+        }
+        ids
+    }
+}

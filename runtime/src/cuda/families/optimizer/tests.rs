@@ -6,6 +6,7 @@ use crate::cuda::emulate::kernel_tests::{check, dec, dec_i32, enc, i32, Launcher
 use crate::cpu::optimizer::{self as opt, Control, LossScaler};
 use crate::cuda::program::{Arg, Field};
 use castor_ir::{round_to, DType};
+use super::UpdateRule;
 use castor_ir::{AdamWHparams, SgdHparams};
 
 pub(crate) fn entries() -> Vec<String> {
@@ -60,10 +61,11 @@ fn f32s(v: &[f32]) -> Vec<u8> {
 fn adamw_and_sgd_updates_equal_the_twin() {
     let mut rng = Rng::new(12);
     for (c, s) in FLOATS {
-        for (adamw, state) in [true, false]
+        for (rule, state) in [UpdateRule::AdamW, UpdateRule::Sgd]
             .into_iter()
-            .flat_map(|a| [(a, DType::F32), (a, DType::BF16)])
+            .flat_map(|r| [(r, DType::F32), (r, DType::BF16)])
         {
+            let adamw = rule == UpdateRule::AdamW;
             // A plain step; clipped with a loss scale; skipped (an inf grad norm).
             for (grad_norm, scale, max_norm) in [
                 (0.7f32, 1.0f32, 0.0),
@@ -88,20 +90,23 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                     let m = rng.values(n, 0.1, state);
                     let v: Vec<f32> = rng.values(n, 0.01, state).iter().map(|x| x.abs()).collect();
                     let (mut p2, mut m2, mut v2) = (p.clone(), m.clone(), v.clone());
-                    if adamw {
-                        let h = AdamWHparams {
-                            beta1: 0.9,
-                            beta2: 0.999,
-                            eps: 1e-8,
-                            weight_decay: wd,
-                        };
-                        opt::adamw(&h, control, &mut p2, &g, &mut m2, &mut v2);
-                    } else {
-                        let h = SgdHparams {
-                            momentum: 0.9,
-                            weight_decay: wd,
-                        };
-                        opt::sgd(&h, control, &mut p2, &g, &mut m2);
+                    match rule {
+                        UpdateRule::AdamW => {
+                            let h = AdamWHparams {
+                                beta1: 0.9,
+                                beta2: 0.999,
+                                eps: 1e-8,
+                                weight_decay: wd,
+                            };
+                            opt::adamw(&h, control, &mut p2, &g, &mut m2, &mut v2);
+                        }
+                        UpdateRule::Sgd => {
+                            let h = SgdHparams {
+                                momentum: 0.9,
+                                weight_decay: wd,
+                            };
+                            opt::sgd(&h, control, &mut p2, &g, &mut m2);
+                        }
                     }
                     for x in m2.iter_mut().chain(v2.iter_mut()) {
                         *x = round_to(state, *x);
@@ -149,15 +154,19 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                     l.ptr(bscale),
                     l.ptr(bnorm),
                 ];
-                if adamw {
-                    args.extend([Arg::F64(0.9), Arg::F64(0.999), Arg::F64(1e-8)]);
-                } else {
-                    args.push(Arg::F64(0.9));
+                match rule {
+                    UpdateRule::AdamW => {
+                        args.extend([Arg::F64(0.9), Arg::F64(0.999), Arg::F64(1e-8)])
+                    }
+                    UpdateRule::Sgd => args.push(Arg::F64(0.9)),
                 }
                 args.push(Arg::F64(max_norm));
                 let entry = format!(
                     "{}_{}{s}",
-                    if adamw { "adamw" } else { "sgd" },
+                    match rule {
+                        UpdateRule::AdamW => "adamw",
+                        UpdateRule::Sgd => "sgd",
+                    },
                     if state == DType::BF16 {
                         "bf16state_"
                     } else {

@@ -6,6 +6,12 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use super::Kernel;
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    reduce(m, l, k.input, k.output)
+}
 
 pub(crate) fn reduce(m: &Mem, l: &Launch, ti: DType, to: DType) -> R<Vec<Use>> {
     let mut a = Args::new(l);

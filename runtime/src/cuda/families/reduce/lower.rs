@@ -1,6 +1,7 @@
 //! Sums, means and maxima over axes: `reduce.cu`, after one strided copy when the reduced
 //! axes are not one run.
 
+use super::Kernel;
 use crate::cuda::program::Arg;
 use crate::cuda::lower::{copies, LowerError, RunLowering};
 use crate::cuda::kernel_id::KernelId;
@@ -73,11 +74,11 @@ impl RunLowering<'_, '_> {
         }
         self.launch(
             y,
-            KernelId::Reduce {
+            KernelId::Reduce(Kernel {
                 op,
                 input: ti,
                 output: to,
-            },
+            }),
             (
                 inner.div_ceil(32).clamp(1, 65_535) as u32,
                 outer.clamp(1, 65_535) as u32,

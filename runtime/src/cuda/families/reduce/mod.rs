@@ -11,6 +11,8 @@ pub(crate) mod contract;
 pub(crate) mod tests;
 
 use castor_kernels::KernelFile;
+use castor_ir::{DType, ReduceOp};
+use crate::cuda::kernel_id::{io, float_pairs};
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
 pub const FILES: &[KernelFile] = &[
@@ -48,3 +50,27 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
 ];
+
+/// A kernel of the family: one reduction over the middle axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Kernel {
+    pub op: ReduceOp,
+    pub input: DType,
+    pub output: DType,
+}
+
+impl Kernel {
+    /// The entry point's name in its kernel file.
+    pub fn entry(&self) -> String {
+        format!("reduce_{}_{}", self.op.name(), io(self.input, self.output))
+    }
+
+    /// Every kernel the family could name (a superset of its files' entry points).
+    pub fn candidates() -> Vec<Kernel> {
+        float_pairs()
+            .flat_map(|(input, output)| {
+                ReduceOp::ALL.map(|op| Kernel { op, input, output })
+            })
+            .collect()
+    }
+}

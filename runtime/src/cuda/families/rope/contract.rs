@@ -6,6 +6,15 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use super::Kernel;
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k {
+        Kernel::Table => rope_table(m, l),
+        Kernel::Rope { backward, dtype } => rope(m, l, backward, dtype),
+    }
+}
 
 /// `rope_fwd_<t>(x, y, ..)` and `rope_bwd_<t>(dy, dx, ..)`.
 pub(crate) fn rope(m: &Mem, l: &Launch, backward: bool, dt: DType) -> R<Vec<Use>> {

@@ -1,5 +1,6 @@
 //! Rotary position embeddings: `rope.cu`, with the (cos, sin) table uploaded once per shape.
 
+use super::Kernel;
 use crate::cuda::program::{Arg, Place, SlotKind};
 use crate::cuda::lower::copies;
 use crate::cuda::lower::views::{fits_i32, heads_of, kernel_strides};
@@ -90,10 +91,10 @@ impl RunLowering<'_, '_> {
         }
         self.launch(
             y,
-            KernelId::Rope {
+            KernelId::Rope(Kernel::Rope {
                 backward,
                 dtype: dt(y),
-            },
+            }),
             rope_grid(batches, t),
             (32, POSITIONS, 1),
             args,

@@ -11,6 +11,8 @@ pub(crate) mod contract;
 pub(crate) mod tests;
 
 use castor_kernels::KernelFile;
+use castor_ir::DType;
+use crate::cuda::kernel_id::{direction, FLOATS};
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
 pub const FILES: &[KernelFile] = &[
@@ -28,3 +30,31 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
 ];
+
+/// A kernel of the family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    Table,
+    Rope { backward: bool, dtype: DType },
+}
+
+impl Kernel {
+    /// The entry point's name in its kernel file.
+    pub fn entry(&self) -> String {
+        match *self {
+            Kernel::Table => "rope_table".into(),
+            Kernel::Rope { backward, dtype } => {
+                format!("rope_{}_{}", direction(backward), dtype.name())
+            }
+        }
+    }
+
+    /// Every kernel the family could name (a superset of its files' entry points).
+    pub fn candidates() -> Vec<Kernel> {
+        let mut ids = vec![Kernel::Table];
+        for dtype in FLOATS {
+            ids.extend([false, true].map(|backward| Kernel::Rope { backward, dtype }));
+        }
+        ids
+    }
+}

@@ -6,6 +6,15 @@ use crate::cuda::emulate::memory::{use_, Io, Mem, Use};
 use crate::cuda::emulate::R;
 use crate::cuda::program::Launch;
 use castor_ir::DType;
+use super::Kernel;
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k.backward {
+        false => softmax_fwd(m, l, k.input, k.output),
+        true => softmax_bwd(m, l, k.input, k.output),
+    }
+}
 
 pub(crate) fn softmax_fwd(m: &Mem, l: &Launch, ti: DType, to: DType) -> R<Vec<Use>> {
     row_block(l)?;

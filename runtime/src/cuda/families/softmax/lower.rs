@@ -1,6 +1,7 @@
 //! Row softmax and its backward: `softmax.cu` (causal and sliding-window masks, additive
 //! masks broadcast over batch dims).
 
+use super::Kernel;
 use crate::cuda::program::Arg;
 use crate::cuda::lower::ops::{fold, row_threads, ROW_BLOCK};
 use crate::cuda::lower::{copies, grid_rows, window_arg, LowerError, RunLowering};
@@ -75,11 +76,11 @@ impl RunLowering<'_, '_> {
         let out = self.out(y)?;
         self.launch(
             y,
-            KernelId::Softmax {
+            KernelId::Softmax(Kernel {
                 backward: false,
                 input: g.ty(x).dtype,
                 output: g.ty(y).dtype,
-            },
+            }),
             grid_rows(rows),
             (if tk > 2048 { 512 } else { row_threads(tk, 128) }, 1, 1),
             vec![
@@ -114,11 +115,11 @@ impl RunLowering<'_, '_> {
         let dx = self.out(y)?;
         self.launch(
             y,
-            KernelId::Softmax {
+            KernelId::Softmax(Kernel {
                 backward: true,
                 input: dt(y),
                 output: dt(yv),
-            },
+            }),
             grid_rows(rows),
             (row_threads(n, ROW_BLOCK), 1, 1),
             vec![

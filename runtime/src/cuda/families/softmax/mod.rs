@@ -11,6 +11,8 @@ pub(crate) mod contract;
 pub(crate) mod tests;
 
 use castor_kernels::KernelFile;
+use castor_ir::DType;
+use crate::cuda::kernel_id::{io, direction, float_pairs};
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
 pub const FILES: &[KernelFile] = &[
@@ -35,3 +37,35 @@ pub const FILES: &[KernelFile] = &[
         ],
     },
 ];
+
+/// A kernel of the family: the row softmax or its gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Kernel {
+    pub backward: bool,
+    pub input: DType,
+    pub output: DType,
+}
+
+impl Kernel {
+    /// The entry point's name in its kernel file.
+    pub fn entry(&self) -> String {
+        format!(
+            "softmax_{}_{}",
+            direction(self.backward),
+            io(self.input, self.output)
+        )
+    }
+
+    /// Every kernel the family could name (a superset of its files' entry points).
+    pub fn candidates() -> Vec<Kernel> {
+        float_pairs()
+            .flat_map(|(input, output)| {
+                [false, true].map(|backward| Kernel {
+                    backward,
+                    input,
+                    output,
+                })
+            })
+            .collect()
+    }
+}
