@@ -181,7 +181,7 @@ pub fn printable_byte(id: u32) -> String {
 
 /// The optimizer of a plan in one phrase.
 pub fn optimizer_text(s: &castor_ir::TrainSettings) -> String {
-    use castor_ir::{AdafactorHparams, AdamWHparams, OptimizerKind, SgdHparams};
+    use castor_ir::{AdafactorHparams, AdamWHparams, LionHparams, OptimizerKind, SgdHparams};
     let optimizer = match s.optimizer {
         OptimizerKind::AdamW(AdamWHparams {
             beta1,
@@ -204,6 +204,11 @@ pub fn optimizer_text(s: &castor_ir::TrainSettings) -> String {
             momentum,
             weight_decay,
         }) => format!("SGD (momentum {momentum}; weight decay {weight_decay})"),
+        OptimizerKind::Lion(LionHparams {
+            beta1,
+            beta2,
+            weight_decay,
+        }) => format!("Lion (betas {beta1}, {beta2}; weight decay {weight_decay})"),
         OptimizerKind::Adafactor(AdafactorHparams {
             beta1,
             decay_rate,
@@ -251,6 +256,7 @@ fn state_text(s: &castor_ir::TrainSettings) -> String {
             castor_ir::quant::MIN_QUANTIZED_NUMEL
         ),
         OptimizerKind::Sgd(_) => format!("SGD momentum in {d}"),
+        OptimizerKind::Lion(_) => format!("Lion moment exp_avg in {d}"),
         OptimizerKind::Adafactor(hp) => format!(
             "Adafactor: {}row and column second moments per matrix, full ones per vector, in {d}",
             if hp.beta1.is_some() { "first moment, " } else { "" }

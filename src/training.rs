@@ -3,8 +3,8 @@
 use crate::CliError;
 use anyhow::Context;
 use castor_ir::{
-    AdafactorHparams, AdamWHparams, Classifier, Epilogues, LoraBase, LoraSettings, LossScaling,
-    OptimizerKind, Remat, SgdHparams, TrainSettings,
+    AdafactorHparams, AdamWHparams, Classifier, Epilogues, LionHparams, LoraBase, LoraSettings,
+    LossScaling, OptimizerKind, Remat, SgdHparams, TrainSettings,
 };
 use castor_models::{Family, Model, Objective};
 use castor_passes::Precision;
@@ -25,6 +25,10 @@ pub enum OptimizerChoice {
     Adamw8bit,
     /// torch.optim.SGD with momentum.
     Sgd,
+    /// Lion (Chen et al. 2023, as lion-pytorch): the sign of an interpolated momentum as the
+    /// update, one moment instead of AdamW's two, decoupled weight decay. Its default rate is
+    /// 1e-4 (lion-pytorch's; Lion wants a rate 3-10x below AdamW's).
+    Lion,
     /// transformers' Adafactor: factored second moments, no first moment unless --beta1 is
     /// given; without --lr, its relative step.
     Adafactor,
@@ -37,6 +41,7 @@ impl OptimizerChoice {
             OptimizerChoice::Adamw => "adamw",
             OptimizerChoice::Adamw8bit => "adamw8bit",
             OptimizerChoice::Sgd => "sgd",
+            OptimizerChoice::Lion => "lion",
             OptimizerChoice::Adafactor => "adafactor",
         }
     }
@@ -52,22 +57,23 @@ pub struct TrainingArgs {
     pub objective: String,
     #[arg(long, value_enum, default_value_t = OptimizerChoice::Adamw, help_heading = "Optimizer")]
     pub optimizer: OptimizerChoice,
-    /// Learning rate (the peak rate when a schedule is used). Default 1e-3; Adafactor without
-    /// it takes its relative step, min(1e-2, 1/sqrt(step)) times the parameter's RMS.
+    /// Learning rate (the peak rate when a schedule is used). Default 1e-3 (Lion: 1e-4);
+    /// Adafactor without it takes its relative step, min(1e-2, 1/sqrt(step)) times the
+    /// parameter's RMS.
     #[arg(long, help_heading = "Optimizer")]
     pub lr: Option<f64>,
-    /// AdamW's (and 8-bit AdamW's) first-moment decay (default 0.9); Adafactor keeps a first moment only when it
-    /// is given.
+    /// AdamW's (and 8-bit AdamW's) first-moment decay (default 0.9); Lion's update
+    /// interpolation (default 0.9); Adafactor keeps a first moment only when it is given.
     #[arg(long, help_heading = "Optimizer")]
     pub beta1: Option<f64>,
-    /// AdamW's second-moment decay (default 0.999).
+    /// AdamW's second-moment decay (default 0.999); Lion's moment decay (default 0.99).
     #[arg(long, help_heading = "Optimizer")]
     pub beta2: Option<f64>,
     /// AdamW's epsilon (default 1e-8).
     #[arg(long, help_heading = "Optimizer")]
     pub eps: Option<f64>,
     /// Weight decay (default: 0.01 for AdamW and 8-bit AdamW, as torch and bitsandbytes; 0 for
-    /// SGD and Adafactor).
+    /// SGD, Lion and Adafactor). Lion's is decoupled, as AdamW's.
     #[arg(long, help_heading = "Optimizer")]
     pub weight_decay: Option<f64>,
     /// SGD momentum (default 0.9).
@@ -238,11 +244,16 @@ pub enum ParamGrads {
 
 /// The learning rate without `--lr`.
 const DEFAULT_LR: f64 = 1e-3;
+/// Lion's rate without `--lr`: lion-pytorch's default.
+const DEFAULT_LION_LR: f64 = 1e-4;
 
 impl TrainingArgs {
-    /// The learning rate: `--lr`, else the default.
+    /// The learning rate: `--lr`, else the optimizer's default.
     pub fn lr(&self) -> f64 {
-        self.lr.unwrap_or(DEFAULT_LR)
+        self.lr.unwrap_or(match self.optimizer {
+            OptimizerChoice::Lion => DEFAULT_LION_LR,
+            _ => DEFAULT_LR,
+        })
     }
 
     /// The objective, resolving `auto` for the model (IR files use their own loss).
@@ -330,14 +341,14 @@ impl TrainingArgs {
     /// A flag of another optimizer than the chosen one is an error naming it: it would
     /// change nothing.
     fn check_optimizer_flags(&self) -> anyhow::Result<()> {
-        use OptimizerChoice::{Adafactor, Adamw, Adamw8bit, Sgd};
+        use OptimizerChoice::{Adafactor, Adamw, Adamw8bit, Lion, Sgd};
         let flags: [(&str, bool, &[OptimizerChoice]); 6] = [
             (
                 "--beta1",
                 self.beta1.is_some(),
-                &[Adamw, Adamw8bit, Adafactor],
+                &[Adamw, Adamw8bit, Lion, Adafactor],
             ),
-            ("--beta2", self.beta2.is_some(), &[Adamw, Adamw8bit]),
+            ("--beta2", self.beta2.is_some(), &[Adamw, Adamw8bit, Lion]),
             ("--eps", self.eps.is_some(), &[Adamw, Adamw8bit]),
             ("--momentum", self.momentum.is_some(), &[Sgd]),
             (
@@ -441,6 +452,12 @@ impl TrainingArgs {
             OptimizerChoice::Adamw8bit => OptimizerKind::AdamW8bit(adamw),
             OptimizerChoice::Sgd => OptimizerKind::Sgd(SgdHparams {
                 momentum: self.momentum.unwrap_or(0.9),
+                weight_decay: self.weight_decay.unwrap_or(0.0),
+            }),
+            // lion-pytorch's defaults.
+            OptimizerChoice::Lion => OptimizerKind::Lion(LionHparams {
+                beta1: self.beta1.unwrap_or(0.9),
+                beta2: self.beta2.unwrap_or(0.99),
                 weight_decay: self.weight_decay.unwrap_or(0.0),
             }),
             // transformers' pairing: the relative step scales by the parameter's RMS, a given

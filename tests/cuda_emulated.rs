@@ -105,7 +105,8 @@ fn every_kernel_family_matches_the_cpu_executor() {
 
 /// Beyond the matrix of [`plan_matrix`]: the loss scaler's other paths, moments stored in
 /// BF16, Adafactor (relative step; a given rate with a first moment, weight decay, clipping
-/// and fp16 overflows), and updates applied inside the backward pass.
+/// and fp16 overflows), Lion (decay, clipping, BF16 moments, fp16 overflows, accumulation),
+/// and updates applied inside the backward pass.
 const EXTRA_PLANS: &[(&str, &str)] = &[
     // Overflowing steps: tolerated (hysteresis 2), then backing off; clipping.
     (
@@ -128,6 +129,15 @@ const EXTRA_PLANS: &[(&str, &str)] = &[
         "--precision fp16 --optimizer sgd --optimizer-state bf16 --grad-clip 1",
     ),
     ("llama_tied", "--precision bf16 --optimizer adafactor"),
+    (
+        "gpt2_lm",
+        "--precision bf16 --optimizer lion --weight-decay 0.1 --grad-clip 1",
+    ),
+    (
+        "llama_gqa",
+        "--precision fp16 --init-scale 1099511627776 --optimizer lion --optimizer-state bf16 \
+         --grad-accum 2",
+    ),
     (
         "gpt2_lm",
         "--precision fp16 --init-scale 1099511627776 --optimizer adafactor --lr 1e-3 \

@@ -4,7 +4,7 @@
 //! - the embedded tiny GPT-2 trained 300 steps on assets/corpus.txt converges in fp32, bf16 and
 //!   fp16 (dynamic loss scaling) to within 3% of the fp32 run, which is within 3% of PyTorch;
 //! - the same run converges with each optimizer choice (AdamW with BF16 moments, SGD with
-//!   momentum, Adafactor with its relative step and with a given rate): the mean of the last
+//!   momentum, Lion, Adafactor with its relative step and with a given rate): the mean of the last
 //!   ten losses under 60% of the first loss, and AdamW's BF16 moments within 3% of F32 ones;
 //! - a run resumed from a checkpoint is bit-identical to the uninterrupted run (the ordinary
 //!   plan, and Adafactor with the updates inside the backward pass).
@@ -171,7 +171,7 @@ fn tiny_gpt2_converges_in_every_precision() {
 #[test]
 fn tiny_gpt2_converges_with_every_optimizer() {
     let tmp = tempfile::tempdir().unwrap();
-    let runs: [(&str, &[&str]); 6] = [
+    let runs: [(&str, &[&str]); 7] = [
         ("adamw", &["--optimizer", "adamw"]),
         ("adamw8bit", &["--optimizer", "adamw8bit"]),
         (
@@ -179,6 +179,8 @@ fn tiny_gpt2_converges_with_every_optimizer() {
             &["--optimizer", "adamw", "--optimizer-state", "bf16"],
         ),
         ("sgd, lr 0.1", &["--optimizer", "sgd", "--lr", "0.1"]),
+        // Measured 5.59 -> 3.23 (0.58 of the first loss); AdamW reaches 0.49.
+        ("lion, lr 1e-3", &["--optimizer", "lion", "--lr", "1e-3"]),
         ("adafactor, relative step", &["--optimizer", "adafactor"]),
         (
             "adafactor, lr 1e-3",

@@ -66,6 +66,27 @@ fn every_optimizer_option() {
     );
 }
 
+/// Lion: one moment per parameter (`lion.exp_avg`), decoupled decay on the decayed
+/// parameters only, BF16 moments.
+#[test]
+fn lion_plan() {
+    plan_snapshot(
+        "train_bf16_lion",
+        &[
+            "--precision",
+            "bf16",
+            "--optimizer",
+            "lion",
+            "--weight-decay",
+            "0.1",
+            "--no-decay",
+            "*bias",
+            "--optimizer-state",
+            "bf16",
+        ],
+    );
+}
+
 /// ZeRO-2 on 4 ranks: each gradient reduce-scattered right after the backward completes it,
 /// moments and the copied masters kept as shards, the global norm combined across ranks, the
 /// updated BF16 copies gathered.

@@ -42,7 +42,7 @@ pub use op::{
     adafactor_moments, AttentionLibrary, Attr, BinaryOp, CollectiveOp, Op, OpClass, ReduceOp,
     UnaryOp,
 };
-pub use optim::{AdafactorHparams, AdamWHparams, SgdHparams, WeightDecay};
+pub use optim::{AdafactorHparams, AdamWHparams, LionHparams, SgdHparams, WeightDecay};
 pub use plan::{
     Classifier, ControlState, Epilogues, LoraBase, LoraSettings, LossScaling, Nf4Part,
     OptimizerKind, Parallel, PlanError, Remat, StateInit, StateRole, StateSpec, TrainSettings,

@@ -47,6 +47,17 @@ hyperparameters! {
 }
 
 hyperparameters! {
+    /// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"): the update is
+    /// the sign of `beta1 m + (1 - beta1) g`, the one moment is `beta2 m + (1 - beta2) g`, and
+    /// the weight decay is decoupled (`p *= 1 - lr wd`), as `lion-pytorch` and optax apply it.
+    LionHparams {
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+    }
+}
+
+hyperparameters! {
     /// transformers' `Adafactor` (Shazeer & Stern 2018): `beta1` `None` keeps no first
     /// moment; `relative_step` replaces the learning rate by `min(1e-2, 1/sqrt(t))` (or `1e-6
     /// t` with `warmup_init`); `scale_parameter` multiplies the step by `max(eps2,
@@ -99,7 +110,7 @@ macro_rules! weight_decay {
         }
     )*};
 }
-weight_decay!(AdamWHparams, SgdHparams, AdafactorHparams);
+weight_decay!(AdamWHparams, SgdHparams, LionHparams, AdafactorHparams);
 
 #[cfg(test)]
 mod tests {

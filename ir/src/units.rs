@@ -45,7 +45,7 @@ pub enum UnitKind {
     /// gradient to its input gradient before it stores, and writes the sum's cast to the
     /// output gradient's 16-bit dtype beside it.
     NormEpilogue,
-    /// AdamW or SGD nodes sharing their scalars: one multi-tensor launch.
+    /// AdamW, SGD or Lion nodes sharing their scalars: one multi-tensor launch.
     OptimizerBatch,
 }
 

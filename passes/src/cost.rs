@@ -296,6 +296,8 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         // AdamW's arithmetic, two decodes, two block maxima and two 8-step code searches.
         Op::AdamW8bit { .. } => 40.0 * in0,
         Op::Sgd { .. } => 6.0 * in0,
+        // Unscale, decay, the interpolation and its sign, the step, the moment.
+        Op::Lion { .. } => 8.0 * in0,
         // Unscale, square, the row and column sums, the factored update, its RMS, the step.
         Op::Adafactor { .. } => 14.0 * in0,
         Op::CountStep | Op::LossScaleUpdate { .. } => 4.0,

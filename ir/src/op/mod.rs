@@ -19,7 +19,7 @@ pub(crate) use attr::{AttrFields, AttrReader, AttrValue};
 pub use library::AttentionLibrary;
 pub use typing::adafactor_moments;
 
-use crate::optim::{AdafactorHparams, AdamWHparams, SgdHparams};
+use crate::optim::{AdafactorHparams, AdamWHparams, LionHparams, SgdHparams};
 use crate::{DType, RopeScaling, TensorType};
 use define::{define_family, define_ops};
 use std::fmt;
@@ -392,6 +392,14 @@ define_ops! {
         max_grad_norm: f64,
         copy: Option<DType>,
     } => "sgd", class Elementwise, arity (7, 7), typing typing::optimizer(inputs, 1, *copy);
+    /// One fused Lion step ([`LionHparams`]) with the operands and rules of [`Op::AdamW`] and
+    /// one moment: `(master, grad, exp_avg, lr [], step [], scale [], grad_norm []) ->
+    /// (master', exp_avg'[, copy'])`.
+    Lion {
+        hp: LionHparams,
+        max_grad_norm: f64,
+        copy: Option<DType>,
+    } => "lion", class Elementwise, arity (7, 7), typing typing::optimizer(inputs, 1, *copy);
     /// One Adafactor step (transformers' `Adafactor`, Shazeer & Stern 2018) of one F32
     /// parameter buffer, with the gradient rules of [`Op::AdamW`]: `(master, grad[, exp_avg],
     /// row, col | exp_avg_sq, lr [], step [], scale [], grad_norm []) -> (master'[,
@@ -433,7 +441,11 @@ impl Op {
     pub fn updates_parameter(&self) -> bool {
         matches!(
             self,
-            Op::AdamW { .. } | Op::AdamW8bit { .. } | Op::Sgd { .. } | Op::Adafactor { .. }
+            Op::AdamW { .. }
+                | Op::AdamW8bit { .. }
+                | Op::Sgd { .. }
+                | Op::Lion { .. }
+                | Op::Adafactor { .. }
         )
     }
 
@@ -545,6 +557,15 @@ mod tests {
                 },
                 max_grad_norm: 0.0,
                 copy: Some(DType::F16),
+            },
+            Op::Lion {
+                hp: LionHparams {
+                    beta1: 0.9,
+                    beta2: 0.99,
+                    weight_decay: 0.1,
+                },
+                max_grad_norm: 1.0,
+                copy: Some(DType::BF16),
             },
             Op::Adafactor {
                 hp: AdafactorHparams {

@@ -67,7 +67,7 @@ pub fn grad_norm(inputs: &[&TensorType]) -> Types {
     one(TensorType::new(DType::F32, Shape::scalar()))
 }
 
-/// AdamW (two moments) and SGD (one): `(master, grad, moments.., lr, step, scale, grad_norm)
+/// AdamW (two moments), SGD and Lion (one): `(master, grad, moments.., lr, step, scale, grad_norm)
 /// -> (master', moments'..[, copy'])`. Moments are stored in F32 or BF16 (computed in F32
 /// either way).
 pub fn optimizer(inputs: &[&TensorType], moments: usize, copy: Option<DType>) -> Types {

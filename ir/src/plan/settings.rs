@@ -1,7 +1,7 @@
 //! The settings a plan was built with: precision, objective, shapes, optimizer, loss
 //! scaling, recomputation.
 
-use crate::optim::{AdafactorHparams, AdamWHparams, SgdHparams};
+use crate::optim::{AdafactorHparams, AdamWHparams, LionHparams, SgdHparams};
 use crate::Precision;
 use serde::{Deserialize, Serialize};
 
@@ -337,6 +337,8 @@ pub enum OptimizerKind {
     /// values keep F32 moments.
     AdamW8bit(AdamWHparams),
     Sgd(SgdHparams),
+    /// Lion: one moment, the sign of an interpolation as the update.
+    Lion(LionHparams),
     /// transformers' `Adafactor`; `relative_step` is its relative step (with parameter
     /// scaling), else a fixed rate from the learning-rate input (without).
     Adafactor(AdafactorHparams),
@@ -354,6 +356,7 @@ impl OptimizerKind {
             OptimizerKind::AdamW(_) => "adamw",
             OptimizerKind::AdamW8bit(_) => "adamw8bit",
             OptimizerKind::Sgd(_) => "sgd",
+            OptimizerKind::Lion(_) => "lion",
             OptimizerKind::Adafactor(_) => "adafactor",
         }
     }

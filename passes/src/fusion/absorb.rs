@@ -146,13 +146,13 @@ pub(super) fn norm_units(
     out
 }
 
-/// True when `n` and `first` (AdamW, or SGD) update with the same scalars (learning rate,
+/// True when `n` and `first` (AdamW, SGD or Lion) update with the same scalars (learning rate,
 /// step, loss scale, gradient norm: the last four operands), so one launch serves both.
 fn shares_scalars(g: &Graph, first: Node, n: Node) -> bool {
     let a = g.node(first);
     let b = g.node(n);
     let k = b.inputs.len();
-    let update = matches!(b.op, Op::AdamW { .. } | Op::Sgd { .. });
+    let update = is_multi_tensor(&b.op);
     if first == n {
         return update;
     }
@@ -183,12 +183,17 @@ pub(super) fn batch_ok(g: &Graph, users: &[Vec<Node>], batch: &[Node]) -> bool {
     })
 }
 
-/// AdamW/SGD nodes grouped by shared scalars; a batch whose results are read before its last
+/// The updates the multi-tensor kernels run (`optimizer.cu`): AdamW, SGD and Lion.
+fn is_multi_tensor(op: &Op) -> bool {
+    matches!(op, Op::AdamW { .. } | Op::Sgd { .. } | Op::Lion { .. })
+}
+
+/// AdamW/SGD/Lion nodes grouped by shared scalars; a batch whose results are read before its last
 /// member splits into one launch per node.
 pub(super) fn optimizer_batches(g: &Graph, users: &[Vec<Node>]) -> Vec<Vec<Node>> {
     let mut batches: Vec<Vec<Node>> = Vec::new();
     for (n, node) in g.nodes() {
-        if !matches!(node.op, Op::AdamW { .. } | Op::Sgd { .. }) {
+        if !is_multi_tensor(&node.op) {
             continue;
         }
         match batches.iter_mut().find(|b| shares_scalars(g, b[0], n)) {

@@ -5,7 +5,7 @@
 //!   generated kernel with a typed body ([`pointwise_body`]);
 //! - a residual add in front of a normalization, and the add of another gradient behind a
 //!   normalization's backward, absorbed by the norm kernels (taken out of their groups);
-//! - AdamW/SGD updates sharing their scalars, one multi-tensor launch per batch.
+//! - AdamW/SGD/Lion updates sharing their scalars, one multi-tensor launch per batch.
 //!
 //! A training plan stores the units of both its graphs; executors read them back through
 //! [`schedule`], which checks that each unit is one this pass could have made (so a plan file

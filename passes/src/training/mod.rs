@@ -13,7 +13,7 @@
 //!    (added to it when gradients accumulate over several micro-batches);
 //! 3. `optimizer` builds the state table (masters, working copies, gradients, moments, control)
 //!    and the optimizer step: the global gradient norm of the unscaled gradients (its
-//!    finiteness is the found-inf flag), one fused AdamW or SGD op per parameter buffer
+//!    finiteness is the found-inf flag), one fused AdamW, SGD or Lion op per parameter buffer
 //!    (unscale, clip, update master and moments, write the working copy), the step count
 //!    unless skipped, the loss-scale update; under `--update-in-backward` it then moves each
 //!    update into the micro step right after its gradient (`in_backward.rs`);

@@ -102,6 +102,7 @@ impl PlanPass for OptimizerStep {
                 OptimizerKind::AdamW(_) => "AdamW",
                 OptimizerKind::AdamW8bit(_) => "8-bit AdamW",
                 OptimizerKind::Sgd(_) => "SGD",
+                OptimizerKind::Lion(_) => "Lion",
                 OptimizerKind::Adafactor(_) => "Adafactor",
             },
             trainable.len(),
@@ -144,6 +145,7 @@ fn moments(settings: &TrainSettings, name: &str, shape: &Shape) -> Vec<(String, 
             vec![full("adamw.m"), full("adamw.v")]
         }
         OptimizerKind::Sgd(_) => vec![full("sgd.momentum")],
+        OptimizerKind::Lion(_) => vec![full("lion.exp_avg")],
         OptimizerKind::Adafactor(hp) => {
             let mut m: Vec<(String, TensorType)> = hp
                 .beta1
@@ -256,6 +258,11 @@ fn optimizer_graph(
                 copy: copy_dtype,
             },
             OptimizerKind::Sgd(hp) => Op::Sgd {
+                hp: hp.with_decay(decay),
+                max_grad_norm,
+                copy: copy_dtype,
+            },
+            OptimizerKind::Lion(hp) => Op::Lion {
                 hp: hp.with_decay(decay),
                 max_grad_norm,
                 copy: copy_dtype,

@@ -180,8 +180,9 @@ fn check(plan: &castor_ir::TrainingPlan, zero: u8) -> Result<(), PassError> {
         )
     {
         return refuse(
-            "--zero 1, 2 and 3 shard AdamW's and SGD's moments: 8-bit AdamW's quantization blocks \
-             and Adafactor's factored moments follow the parameter's shape (use --zero 0)",
+            "--zero 1, 2 and 3 shard AdamW's, SGD's and Lion's moments: 8-bit AdamW's \
+             quantization blocks and Adafactor's factored moments follow the parameter's shape \
+             (use --zero 0)",
         );
     }
     Ok(())

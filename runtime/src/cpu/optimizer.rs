@@ -1,11 +1,12 @@
-//! The training-step ops: global gradient norm, fused AdamW and SGD updates, the step
+//! The training-step ops: global gradient norm, fused AdamW, SGD and Lion updates, the step
 //! counter and the dynamic loss-scale update.
 //!
-//! The updates follow torch.optim's single-tensor implementations operation by operation
-//! (F32 arithmetic on F32 buffers, hyperparameter scalars formed in F64 and used as F32), so
-//! three steps agree with PyTorch to rounding. The CUDA kernels are their twins.
+//! The updates follow torch.optim's single-tensor implementations (and `lion-pytorch`'s)
+//! operation by operation (F32 arithmetic on F32 buffers, hyperparameter scalars formed in
+//! F64 and used as F32), so three steps agree with PyTorch to rounding. The CUDA kernels are
+//! their twins.
 
-use castor_ir::{AdamWHparams, SgdHparams};
+use castor_ir::{AdamWHparams, LionHparams, SgdHparams};
 use rayon::prelude::*;
 
 /// Elements per partial sum of the gradient norm: fixed, so the sum does not depend on the
@@ -136,6 +137,46 @@ pub fn sgd(h: &SgdHparams, c: Control, p: &mut [f32], g: &[f32], buf: &mut [f32]
                 p[i] += -lr * buf[i];
             }
         });
+}
+
+/// One Lion step in place, as `lion-pytorch` computes it: the decoupled decay `p *= 1 - lr
+/// wd`, then `p -= lr sign(beta1 m + (1 - beta1) g)` and `m = beta2 m + (1 - beta2) g`, each
+/// product rounded before its sum (no fused multiply-add, as the CUDA twin). The moment starts
+/// at zero, so the first update is the gradient's sign. Does nothing when the step is
+/// skipped.
+pub fn lion(h: &LionHparams, c: Control, p: &mut [f32], g: &[f32], m: &mut [f32]) {
+    if c.skip() {
+        return;
+    }
+    let (inv_scale, clip) = c.grad_factor();
+    let lr = c.lr;
+    // Formed in F64 as Python forms `1. - lr * wd`, used as F32.
+    let decay = (1.0 - f64::from(lr) * h.weight_decay) as f32;
+    let (b1, b2) = (h.beta1 as f32, h.beta2 as f32);
+    let (c1, c2) = ((1.0 - h.beta1) as f32, (1.0 - h.beta2) as f32);
+    p.par_chunks_mut(NORM_BLOCK)
+        .zip(g.par_chunks(NORM_BLOCK))
+        .zip(m.par_chunks_mut(NORM_BLOCK))
+        .for_each(|((p, g), m)| {
+            for i in 0..p.len() {
+                let grad = g[i] * inv_scale * clip;
+                let p_decayed = p[i] * decay;
+                let blend = m[i] * b1 + c1 * grad;
+                p[i] = p_decayed - lr * sign(blend);
+                m[i] = m[i] * b2 + c2 * grad;
+            }
+        });
+}
+
+/// `torch.sgn` of a float: -1, 0 or 1 (NaN stays NaN).
+fn sign(x: f32) -> f32 {
+    if x > 0.0 {
+        1.0
+    } else if x < 0.0 {
+        -1.0
+    } else {
+        x
+    }
 }
 
 /// The step count after this step: unchanged when it was skipped.

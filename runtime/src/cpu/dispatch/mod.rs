@@ -55,6 +55,7 @@ pub fn execute(
         | Op::AdamW { .. }
         | Op::AdamW8bit { .. }
         | Op::Sgd { .. }
+        | Op::Lion { .. }
         | Op::Adafactor { .. }
         | Op::CountStep
         | Op::LossScaleUpdate { .. } => return step::execute(op, args, outs),

@@ -86,6 +86,16 @@ pub(super) fn execute(
             optimizer::sgd(hp, c, &mut p, args.f32(1)?, &mut buf);
             return updated(args, outs, p, vec![buf], *copy);
         }
+        Op::Lion {
+            hp,
+            max_grad_norm,
+            copy,
+        } => {
+            let c = control(args, 3, *max_grad_norm)?;
+            let (mut p, mut m) = (args.take_f32(0)?, args.take_f32(2)?);
+            optimizer::lion(hp, c, &mut p, args.f32(1)?, &mut m);
+            return updated(args, outs, p, vec![m], *copy);
+        }
         Op::Adafactor {
             hp: h,
             max_grad_norm,

@@ -118,7 +118,7 @@ impl RunLowering<'_, '_> {
             Op::LinearCrossEntropyGrad { .. } => self.linear_cross_entropy_grad(n)?,
             Op::LinearCrossEntropyStep { .. } => self.linear_cross_entropy_step(n)?,
             Op::GradNorm => self.grad_norm(y, &ins)?,
-            Op::AdamW { .. } | Op::Sgd { .. } => self.optimizer(&[n])?,
+            Op::AdamW { .. } | Op::Sgd { .. } | Op::Lion { .. } => self.optimizer(&[n])?,
             Op::Adafactor { .. } => self.adafactor(n)?,
             Op::AdamW8bit { .. } => self.adamw8bit(n)?,
             Op::CountStep => self.count_step(n)?,

@@ -92,7 +92,8 @@ fn table_rows(
     Ok(n)
 }
 
-/// `adamw_<c>` and `sgd_<c>`, and their `bf16state_` twins (moments of `state_dt`).
+/// `adamw_<c>`, `sgd_<c>` and `lion_<c>`, and their `bf16state_` twins (moments of
+/// `state_dt`).
 pub(crate) fn multi_tensor_update(
     m: &Mem,
     l: &Launch,
@@ -111,12 +112,13 @@ pub(crate) fn multi_tensor_update(
     let hyperparameters: &[&str] = match rule {
         UpdateRule::AdamW => &["beta1", "beta2", "eps", "max_grad_norm"],
         UpdateRule::Sgd => &["momentum", "max_grad_norm"],
+        UpdateRule::Lion => &["beta1", "beta2", "max_grad_norm"],
     };
     for h in hyperparameters {
         a.f64(h)?;
     }
     a.end()?;
-    // Rows: AdamWTensor (master, grad, m, v, copy, numel, wd: 56 bytes) or SgdTensor
+    // Rows: AdamWTensor (master, grad, m, v, copy, numel, wd: 56 bytes) or MomentTensor
     // (master, grad, buf, copy, numel, wd: 48 bytes).
     let bufs = 2 + rule.moments();
     let row_bytes = (bufs + 3) * 8;
@@ -133,7 +135,7 @@ pub(crate) fn multi_tensor_update(
     ];
     let names = match rule {
         UpdateRule::AdamW => ["master", "grad", "m", "v"].as_slice(),
-        UpdateRule::Sgd => ["master", "grad", "buf"].as_slice(),
+        UpdateRule::Sgd | UpdateRule::Lion => ["master", "grad", "buf"].as_slice(),
     };
     let mut numel = Vec::with_capacity(n_tensors);
     for t in 0..n_tensors as i64 {

@@ -69,7 +69,7 @@ impl RunLowering<'_, '_> {
         )
     }
 
-    /// One multi-tensor launch for a batch of AdamW (or SGD) nodes (see
+    /// One multi-tensor launch for a batch of AdamW (or SGD, or Lion) nodes (see
     /// `castor_passes::fusion`'s optimizer batches), at the unit of its last member.
     pub(crate) fn optimizer(&mut self, batch: &[Node]) -> Result<(), LowerError> {
         let g = self.g;
@@ -122,6 +122,7 @@ impl RunLowering<'_, '_> {
             let wd = match &md.op {
                 Op::AdamW { hp, .. } => hp.weight_decay,
                 Op::Sgd { hp, .. } => hp.weight_decay,
+                Op::Lion { hp, .. } => hp.weight_decay,
                 _ => 0.0,
             };
             row.extend([copy, Field::I64(numel as i64), Field::F64(wd)]);
@@ -172,6 +173,18 @@ impl RunLowering<'_, '_> {
                     ("max_grad_norm", Arg::F64(*max_grad_norm)),
                 ]);
                 (UpdateRule::Sgd, copy)
+            }
+            Op::Lion {
+                hp,
+                max_grad_norm,
+                copy,
+            } => {
+                args.extend([
+                    ("beta1", Arg::F64(hp.beta1)),
+                    ("beta2", Arg::F64(hp.beta2)),
+                    ("max_grad_norm", Arg::F64(*max_grad_norm)),
+                ]);
+                (UpdateRule::Lion, copy)
             }
             _ => return Err(self.err(y, "not an optimizer node")),
         };

@@ -1,4 +1,4 @@
-//! `optimizer.cu`, `grad_norm.cu`, `loss_scale.cu`: multi-tensor AdamW and SGD updates,
+//! `optimizer.cu`, `grad_norm.cu`, `loss_scale.cu`: multi-tensor AdamW, SGD and Lion updates,
 //! the global gradient norm, the step counter and the dynamic loss scale.
 //!
 //! The family: `optimizer.cu`, `grad_norm.cu`, `loss_scale.cu` (sources, entry points below);
@@ -29,6 +29,12 @@ pub const FILES: &[KernelFile] = &[
             "adamw_bf16state_f32",
             "adamw_f16",
             "adamw_f32",
+            "lion_bf16",
+            "lion_bf16state_bf16",
+            "lion_bf16state_f16",
+            "lion_bf16state_f32",
+            "lion_f16",
+            "lion_f32",
             "sgd_bf16",
             "sgd_bf16state_bf16",
             "sgd_bf16state_f16",
@@ -62,7 +68,7 @@ pub enum Kernel {
     GradNormFinalize,
     CountStep,
     LossScaleUpdate,
-    /// The multi-tensor AdamW or SGD update, moments in `state`, copies in `copy`.
+    /// The multi-tensor AdamW, SGD or Lion update, moments in `state`, copies in `copy`.
     Update {
         rule: UpdateRule,
         state: DType,
@@ -74,14 +80,15 @@ pub enum Kernel {
 pub enum UpdateRule {
     AdamW,
     Sgd,
+    Lion,
 }
 
 impl UpdateRule {
-    /// The moments the rule keeps: AdamW two, SGD one.
+    /// The moments the rule keeps: AdamW two, SGD and Lion one.
     pub fn moments(self) -> usize {
         match self {
             UpdateRule::AdamW => 2,
-            UpdateRule::Sgd => 1,
+            UpdateRule::Sgd | UpdateRule::Lion => 1,
         }
     }
 }
@@ -98,6 +105,7 @@ impl Kernel {
                 let rule = match rule {
                     UpdateRule::AdamW => "adamw",
                     UpdateRule::Sgd => "sgd",
+                    UpdateRule::Lion => "lion",
                 };
                 let state = if state == DType::BF16 {
                     "bf16state_"
@@ -119,7 +127,7 @@ impl Kernel {
         ];
         for state in [DType::F32, DType::BF16] {
             for copy in FLOATS {
-                for rule in [UpdateRule::AdamW, UpdateRule::Sgd] {
+                for rule in [UpdateRule::AdamW, UpdateRule::Sgd, UpdateRule::Lion] {
                     ids.push(Kernel::Update { rule, state, copy });
                 }
             }

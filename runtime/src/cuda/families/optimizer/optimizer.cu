@@ -1,4 +1,4 @@
-// optimizer.cu: fused multi-tensor AdamW and SGD-momentum steps on F32 master weights.
+// optimizer.cu: fused multi-tensor AdamW, SGD-momentum and Lion steps on F32 master weights.
 //
 // Fuses, in one pass over memory per element: unscale (1/loss scale), the found-inf skip,
 // the global-norm clip, weight decay, the moment updates, the master update and the write of
@@ -12,12 +12,17 @@
 //   adamw_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2, eps,
 //             max_grad_norm)
 //   sgd_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, momentum, max_grad_norm)
-//   adamw_bf16state_<c>, sgd_bf16state_<c>: the same with the moments stored in BF16 (read
-//             and widened, updated in F32, rounded to nearest even when stored).
-//   tensors: device table of AdamWTensor / SgdTensor (layouts below), chunks: TensorChunk
+//   lion_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2,
+//            max_grad_norm)
+//   adamw_bf16state_<c>, sgd_bf16state_<c>, lion_bf16state_<c>: the same with the moments
+//             stored in BF16 (read and widened, updated in F32, rounded to nearest even when
+//             stored).
+//   tensors: device table of AdamWTensor / MomentTensor (layouts below; SGD and Lion keep one
+//   moment), chunks: TensorChunk
 //   (castor_common.cuh). lr, step (optimizer steps taken before this one), scale, grad_norm:
 //   device F32 scalars. Hyperparameters are F64 arguments, weight decay per tensor.
-// Semantics: torch.optim.AdamW / SGD single-tensor implementations, operation by operation,
+// Semantics: torch.optim.AdamW / SGD single-tensor implementations and lion-pytorch's Lion,
+// operation by operation,
 // exactly as the CPU twin runtime/src/cpu/optimizer.rs (F32 arithmetic on F32 buffers,
 // scalars formed in F64 and used as F32; the module is compiled without FMA contraction):
 //   g     = grad * (1/scale) * clip,  clip = min(1, F32(max_grad_norm) / (grad_norm + 1e-6))
@@ -30,6 +35,8 @@
 //   SGD (dampening 0, not Nesterov; the momentum buffer starts at zero, so the first step
 //   stores g itself, as torch does):
 //     g += wd * p (when wd != 0);  buf = momentum != 0 ? buf * momentum + g : g;  p += -lr * buf
+//   Lion (Chen et al. 2023; the moment starts at zero):
+//     p *= F32(1 - lr * wd);  p -= lr * sign(m * b1 + (1 - b1) * g);  m = m * b2 + (1 - b2) * g
 //   copy = <c>(p), rounded to nearest even.
 // The step counter is advanced separately (count_step in loss_scale.cu), after every
 // optimizer launch of the step has read it.
@@ -50,8 +57,9 @@ struct AdamWTensor {
     double weight_decay;
 };
 
-// Host layout: 4 pointers, i64 numel, f64 weight decay (48 bytes).
-struct SgdTensor {
+// Host layout: 4 pointers, i64 numel, f64 weight decay (48 bytes). SGD's momentum buffer or
+// Lion's exp_avg.
+struct MomentTensor {
     float* master;
     const float* grad;
     void* buf;
@@ -218,7 +226,7 @@ __device__ __forceinline__ void sgd_elem(float& p, float g, float& b, float wd, 
 }
 
 template <typename C, typename S>
-__device__ __forceinline__ void sgd(const SgdTensor* __restrict__ tensors,
+__device__ __forceinline__ void sgd(const MomentTensor* __restrict__ tensors,
                                     const TensorChunk* __restrict__ chunks, int n_chunks,
                                     const float* lr, const float* step, const float* scale,
                                     const float* grad_norm, double momentum, double max_grad_norm) {
@@ -231,7 +239,7 @@ __device__ __forceinline__ void sgd(const SgdTensor* __restrict__ tensors,
     const float lrf = *lr, mom = float(momentum);
     for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const TensorChunk ch = chunks[c];
-        const SgdTensor tt = tensors[ch.tensor];
+        const MomentTensor tt = tensors[ch.tensor];
         const float wd = float(tt.weight_decay);
         float* P = tt.master + ch.start;
         const float* G = tt.grad + ch.start;
@@ -263,6 +271,74 @@ __device__ __forceinline__ void sgd(const SgdTensor* __restrict__ tensors,
     }
 }
 
+// torch.sgn: -1, 0 or 1 (NaN stays NaN).
+__device__ __forceinline__ float sign_torch(float x) {
+    return x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : x);
+}
+
+struct LionScalars {
+    float decay, lr, b1, c1, b2, c2;
+};
+
+__device__ __forceinline__ void lion_elem(float& p, float g, float& m, const LionScalars& s) {
+    const float decayed = p * s.decay;
+    const float blend = m * s.b1 + s.c1 * g;
+    p = decayed - s.lr * sign_torch(blend);
+    m = m * s.b2 + s.c2 * g;
+}
+
+template <typename C, typename S>
+__device__ __forceinline__ void lion(const MomentTensor* __restrict__ tensors,
+                                     const TensorChunk* __restrict__ chunks, int n_chunks,
+                                     const float* lr, const float* step, const float* scale,
+                                     const float* grad_norm, double beta1, double beta2,
+                                     double max_grad_norm) {
+    (void)step;  // Lion has no bias correction; kept for the common signature
+    const GradFactor f = grad_factor(scale, grad_norm, max_grad_norm);
+    if (f.skip) {
+        refresh_copies<C>(tensors, chunks, n_chunks);
+        return;
+    }
+    LionScalars s;
+    s.lr = *lr;
+    s.b1 = float(beta1);
+    s.c1 = float(1.0 - beta1);
+    s.b2 = float(beta2);
+    s.c2 = float(1.0 - beta2);
+    for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        const TensorChunk ch = chunks[c];
+        const MomentTensor tt = tensors[ch.tensor];
+        s.decay = float(1.0 - double(s.lr) * tt.weight_decay);
+        float* P = tt.master + ch.start;
+        const float* G = tt.grad + ch.start;
+        S* M = static_cast<S*>(tt.buf) + ch.start;
+        C* K = tt.copy ? static_cast<C*>(tt.copy) + ch.start : nullptr;
+        const int len = int(min(i64(ch.len), tt.numel - ch.start));
+        const bool vec = aligned16(P) && aligned16(G) && aligned_to(M, 4 * sizeof(S)) &&
+                         (!K || aligned_to(K, 4 * sizeof(C)));
+        const int units = vec ? len / 4 : 0;
+        for (int u = threadIdx.x; u < units; u += blockDim.x) {
+            float4 p = reinterpret_cast<float4*>(P)[u];
+            const float4 g = reinterpret_cast<const float4*>(G)[u];
+            float4 m = load4<S>(M + 4 * u);
+            lion_elem(p.x, g.x * f.inv_scale * f.clip, m.x, s);
+            lion_elem(p.y, g.y * f.inv_scale * f.clip, m.y, s);
+            lion_elem(p.z, g.z * f.inv_scale * f.clip, m.z, s);
+            lion_elem(p.w, g.w * f.inv_scale * f.clip, m.w, s);
+            reinterpret_cast<float4*>(P)[u] = p;
+            store4<S>(M + 4 * u, m);
+            if (K) store4<C>(K + 4 * u, p);
+        }
+        for (int i = units * 4 + threadIdx.x; i < len; i += blockDim.x) {
+            float p = P[i], m = to_f32(M[i]);
+            lion_elem(p, G[i] * f.inv_scale * f.clip, m, s);
+            P[i] = p;
+            M[i] = from_f32<S>(m);
+            if (K) K[i] = from_f32<C>(p);
+        }
+    }
+}
+
 // `name` names the entry points of moments stored as S.
 #define OPTIMIZER_STATE(C, c, S, name)                                                         \
     extern "C" __global__ void adamw_##name##c(                                                \
@@ -272,13 +348,20 @@ __device__ __forceinline__ void sgd(const SgdTensor* __restrict__ tensors,
         adamw<C, S>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2, eps,  \
                     max_grad_norm);                                                            \
     }                                                                                          \
-    extern "C" __global__ void sgd_##name##c(const SgdTensor* tensors,                         \
+    extern "C" __global__ void sgd_##name##c(const MomentTensor* tensors,                      \
                                              const TensorChunk* chunks, int n_chunks,          \
                                              const float* lr, const float* step,               \
                                              const float* scale, const float* grad_norm,       \
                                              double momentum, double max_grad_norm) {          \
         sgd<C, S>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, momentum,             \
                   max_grad_norm);                                                              \
+    }                                                                                          \
+    extern "C" __global__ void lion_##name##c(                                                 \
+        const MomentTensor* tensors, const TensorChunk* chunks, int n_chunks, const float* lr, \
+        const float* step, const float* scale, const float* grad_norm, double beta1,           \
+        double beta2, double max_grad_norm) {                                                  \
+        lion<C, S>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2,        \
+                   max_grad_norm);                                                             \
     }
 
 #define OPTIMIZER(C, c)                                                                        \

@@ -7,7 +7,7 @@ use crate::cpu::optimizer::{self as opt, Control, LossScaler};
 use crate::cuda::program::{Arg, Field};
 use castor_ir::{round_to, DType};
 use super::UpdateRule;
-use castor_ir::{AdamWHparams, SgdHparams};
+use castor_ir::{AdamWHparams, LionHparams, SgdHparams};
 
 pub(crate) fn entries() -> Vec<String> {
     let mut out: Vec<String> = [
@@ -22,6 +22,7 @@ pub(crate) fn entries() -> Vec<String> {
         for state in ["", "bf16state_"] {
             out.push(format!("adamw_{state}{s}"));
             out.push(format!("sgd_{state}{s}"));
+            out.push(format!("lion_{state}{s}"));
         }
     }
     out
@@ -58,10 +59,10 @@ fn f32s(v: &[f32]) -> Vec<u8> {
 /// Moments in F32 and in BF16: the twin updates in F32 and the executor rounds the stored
 /// moments, which the kernel must match bit for bit.
 #[test]
-fn adamw_and_sgd_updates_equal_the_twin() {
+fn adamw_sgd_and_lion_updates_equal_the_twin() {
     let mut rng = Rng::new(12);
     for (c, s) in FLOATS {
-        for (rule, state) in [UpdateRule::AdamW, UpdateRule::Sgd]
+        for (rule, state) in [UpdateRule::AdamW, UpdateRule::Sgd, UpdateRule::Lion]
             .into_iter()
             .flat_map(|r| [(r, DType::F32), (r, DType::BF16)])
         {
@@ -106,6 +107,14 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                                 weight_decay: wd,
                             };
                             opt::sgd(&h, control, &mut p2, &g, &mut m2);
+                        }
+                        UpdateRule::Lion => {
+                            let h = LionHparams {
+                                beta1: 0.9,
+                                beta2: 0.99,
+                                weight_decay: wd,
+                            };
+                            opt::lion(&h, control, &mut p2, &g, &mut m2);
                         }
                     }
                     for x in m2.iter_mut().chain(v2.iter_mut()) {
@@ -159,6 +168,7 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                         args.extend([Arg::F64(0.9), Arg::F64(0.999), Arg::F64(1e-8)])
                     }
                     UpdateRule::Sgd => args.push(Arg::F64(0.9)),
+                    UpdateRule::Lion => args.extend([Arg::F64(0.9), Arg::F64(0.99)]),
                 }
                 args.push(Arg::F64(max_norm));
                 let entry = format!(
@@ -166,6 +176,7 @@ fn adamw_and_sgd_updates_equal_the_twin() {
                     match rule {
                         UpdateRule::AdamW => "adamw",
                         UpdateRule::Sgd => "sgd",
+                        UpdateRule::Lion => "lion",
                     },
                     if state == DType::BF16 {
                         "bf16state_"
