@@ -62,6 +62,16 @@ fn bind_controls(values: &mut HashMap<String, Tensor>, lr: f32, step: usize) {
     }
 }
 
+/// The relative error of the update three steps made to parameter `p` (`after` minus the
+/// reference's `init.<p>`) against the reference's (`<case>.after.<p>` minus the same).
+fn update_error(file: &SafetensorsFile, case: &str, p: &str, after: &[f32]) -> f64 {
+    let init = file.read_f32(&format!("init.{p}")).unwrap();
+    let update =
+        |after: &[f32]| -> Vec<f32> { after.iter().zip(&init).map(|(a, b)| a - b).collect() };
+    let theirs = file.read_f32(&format!("{case}.after.{p}")).unwrap();
+    relative_error(&update(after), &update(&theirs))
+}
+
 /// The op for one of the reference's parameter groups.
 fn adafactor_op(group: &serde_json::Value) -> Op {
     let f = |k: &str| group[k].as_f64().unwrap();
@@ -187,13 +197,7 @@ fn adafactor_matches_transformers() {
         }
 
         for p in PARAMS {
-            let init = file.read_f32(&format!("init.{p}")).unwrap();
-            let update = |after: &[f32]| -> Vec<f32> {
-                after.iter().zip(&init).map(|(a, b)| a - b).collect()
-            };
-            let ours = update(values[p].as_f32().unwrap());
-            let theirs = update(&file.read_f32(&format!("{case}.after.{p}")).unwrap());
-            let err = relative_error(&ours, &theirs);
+            let err = update_error(&file, case, p, values[p].as_f32().unwrap());
             println!("{case:12} {p}: update error {err:.2e}");
             assert!(
                 err <= 1e-5,
@@ -279,13 +283,7 @@ fn lion_matches_lion_pytorch() {
         }
 
         for p in PARAMS {
-            let init = file.read_f32(&format!("init.{p}")).unwrap();
-            let update = |after: &[f32]| -> Vec<f32> {
-                after.iter().zip(&init).map(|(a, b)| a - b).collect()
-            };
-            let ours = update(values[p].as_f32().unwrap());
-            let theirs = update(&file.read_f32(&format!("{case}.after.{p}")).unwrap());
-            let err = relative_error(&ours, &theirs);
+            let err = update_error(&file, case, p, values[p].as_f32().unwrap());
             let theirs_m = file.read_f32(&format!("{case}.exp_avg.{p}")).unwrap();
             let err_m =
                 relative_error(values[&format!("exp_avg.{p}")].as_f32().unwrap(), &theirs_m);
