@@ -88,6 +88,9 @@ families!(
     softmax: Softmax,
 );
 
+#[cfg(test)]
+mod compile;
+
 /// The kernels the fusion pass generates, one per pointwise unit: no files, no entry points.
 pub mod pointwise;
 
