@@ -18,7 +18,9 @@ fn nvrtc() -> Option<Nvrtc> {
         Ok(Some(n)) => Some(n),
         Ok(None) if ci => panic!("CI=true but CASTOR_NVRTC_DIR is not set: cannot compile kernels"),
         Ok(None) => {
-            eprintln!("skipped: CASTOR_NVRTC_DIR is not set (see runtime/src/cuda/families/README.md)");
+            eprintln!(
+                "skipped: CASTOR_NVRTC_DIR is not set (see runtime/src/cuda/families/README.md)"
+            );
             None
         }
         Err(e) if ci => panic!("CI=true but NVRTC cannot be opened: {e}"),

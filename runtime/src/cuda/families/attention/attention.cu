@@ -30,7 +30,8 @@
 //     part (the causal diagonal, a window's edge, the last keys, a mask byte that drops a
 //     key, a row that sees none); the warp skips a tile its rows see none of.
 //   attention_bwd_delta_<t>(o, do, delta, rows, t, d, heads, <o, do strides>): delta =
-//     sum(do * o) per row, F64 sum.
+//     sum(do * o) per row, F64 sum; a row takes att_delta_lanes(d) lanes (one per 16-byte
+//     unit of the row, a power of two, at most 32), so a warp sums 32 / lanes rows at once.
 //   attention_bwd_<t>_d<P>(q, k, v, mask, do, lse, delta, dq, dk, dv, dq_acc, dq_ready, bkv,
 //                          t, s, d, group, mask_group, causal, window, scale,
 //                          <q, k, v, do, dq, dk, dv strides>)
@@ -76,7 +77,7 @@
 // memory as attention::shared_bytes computes (over 48 KiB, so the host opts in); bwd needs
 // dq_acc of bq t P floats and dq_ready of bq ceil(t / QT) ints zeroed before it. F32 kernels
 // and delta: block (128), grid (ceil(t / 4), bq) for fwd and dq, (ceil(s / 4), bq / group) for
-// dkdv, no dynamic shared memory; delta: ceil(rows / 4) blocks.
+// dkdv, no dynamic shared memory; delta: ceil(rows / (4 * 32 / att_delta_lanes(d))) blocks.
 #include "castor_common.cuh"
 
 #define ATT_PAD 8            // elements of padding per shared-memory row (bank spread)
@@ -581,30 +582,44 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
 
 // ---- backward: delta ---------------------------------------------------------------------
 
+// Lanes that sum one row of d elements: one per 16-byte unit, rounded up to a power of two,
+// at most a warp (geometry.rs's delta_lanes).
+__host__ __device__ __forceinline__ int att_delta_lanes(int d) {
+    const int units = (d + UNIT - 1) / UNIT;
+    int lanes = 1;
+    while (lanes < units && lanes < 32) lanes <<= 1;
+    return lanes;
+}
+
 template <typename T>
 __device__ void att_delta(const T* o, const T* d_o, float* delta, i64 rows, int t, int d,
                           int heads, AttStrides so, AttStrides sdo) {
+    const int lanes = att_delta_lanes(d);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const i64 row = i64(blockIdx.x) * (ATT_THREADS / 32) + warp;
-    if (row >= rows) return;
-    const int b = int(row / t), r = int(row % t), outer = b / heads, h = b % heads;
-    const T* orow = o + so.at(outer, h) + i64(r) * so.row;
-    const T* dorow = d_o + sdo.at(outer, h) + i64(r) * sdo.row;
+    const int l = lane & (lanes - 1);
+    const i64 row = (i64(blockIdx.x) * (ATT_THREADS / 32) + warp) * (32 / lanes) + lane / lanes;
+    // Every lane takes part in the shuffles below; a lane past the last row sums nothing.
     double acc = 0.0;
-    if (d % UNIT == 0 && aligned16(o) && aligned16(d_o) && so.rows16() && sdo.rows16()) {
-        for (int j = lane * UNIT; j < d; j += 32 * UNIT) {
-            float a[UNIT], x[UNIT];
-            load8(dorow + j, a);
-            load8(orow + j, x);
+    if (row < rows) {
+        const int b = int(row / t), r = int(row % t), outer = b / heads, h = b % heads;
+        const T* orow = o + so.at(outer, h) + i64(r) * so.row;
+        const T* dorow = d_o + sdo.at(outer, h) + i64(r) * sdo.row;
+        if (d % UNIT == 0 && aligned16(o) && aligned16(d_o) && so.rows16() && sdo.rows16()) {
+            for (int j = l * UNIT; j < d; j += lanes * UNIT) {
+                float a[UNIT], x[UNIT];
+                load8(dorow + j, a);
+                load8(orow + j, x);
 #pragma unroll
-            for (int u = 0; u < UNIT; ++u) acc += double(a[u]) * double(x[u]);
+                for (int u = 0; u < UNIT; ++u) acc += double(a[u]) * double(x[u]);
+            }
+        } else {
+            for (int j = l; j < d; j += lanes)
+                acc += double(to_f32(dorow[j])) * double(to_f32(orow[j]));
         }
-    } else {
-        for (int j = lane; j < d; j += 32)
-            acc += double(to_f32(dorow[j])) * double(to_f32(orow[j]));
     }
-    acc = warp_sum(acc);
-    if (lane == 0) delta[row] = float(acc);
+    // The row's lanes are adjacent: a butterfly over offsets below `lanes` stays inside them.
+    for (int off = lanes >> 1; off > 0; off >>= 1) acc += __shfl_xor_sync(FULL_WARP, acc, off);
+    if (row < rows && l == 0) delta[row] = float(acc);
 }
 
 // ---- backward: one pass over key blocks ---------------------------------------------------

@@ -358,7 +358,7 @@ pub(crate) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
     let heads = a.count32("heads")?;
     let st = read_strides(&mut a, &["o", "d_o"])?;
     a.end()?;
-    expect_shape(l, geometry::delta_grid(rows as u64), geometry::THREADS, 0)?;
+    expect_shape(l, geometry::delta_grid(rows as u64, d as u32), geometry::THREADS, 0)?;
     if t == 0 || rows % t != 0 {
         return Err(format!("{rows} rows are not whole batches of t = {t}"));
     }

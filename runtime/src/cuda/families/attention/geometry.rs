@@ -104,9 +104,17 @@ pub fn grid(
     }
 }
 
-/// The grid of the `delta` kernel over `rows` query rows.
-pub fn delta_grid(rows: u64) -> (u32, u32, u32) {
-    (rows.div_ceil(u64::from(F32_ROWS)).max(1) as u32, 1, 1)
+/// Lanes of the `delta` kernel that sum one row of `d` elements: one per 16-byte unit (8
+/// elements), rounded up to a power of two, at most a warp (`att_delta_lanes`).
+pub fn delta_lanes(d: u32) -> u32 {
+    d.div_ceil(8).max(1).next_power_of_two().min(32)
+}
+
+/// The grid of the `delta` kernel over `rows` query rows of `d` elements: each warp sums
+/// `32 / delta_lanes(d)` rows.
+pub fn delta_grid(rows: u64, d: u32) -> (u32, u32, u32) {
+    let rows_per_block = u64::from(F32_ROWS * (32 / delta_lanes(d)));
+    (rows.div_ceil(rows_per_block).max(1) as u32, 1, 1)
 }
 
 /// Elements of the tensor-core backward's F32 `dq_acc` (`bq` query batches of `t` rows, rows
@@ -124,6 +132,19 @@ pub fn dq_ready_count(bq: u64, t: u64, p: u32) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A row takes a lane per 16-byte unit, a power of two, at most a warp; a warp then sums
+    /// 32 / lanes rows (GPT-2's d = 64: 8 lanes, 4 rows, where one row per warp left 24 of
+    /// its 32 lanes idle).
+    #[test]
+    fn delta_lanes_cover_a_row_in_16_byte_units() {
+        let lanes: Vec<u32> = [1, 8, 13, 33, 64, 100, 128, 256, 1000]
+            .map(delta_lanes)
+            .into();
+        assert_eq!(lanes, [1, 1, 2, 8, 8, 16, 16, 32, 32]);
+        assert_eq!(delta_grid(96 * 1024, 64), (6144, 1, 1));
+        assert_eq!(delta_grid(17, 256), (5, 1, 1));
+    }
 
     /// The shared memory of every variant fits the device's opt-in limit (227 KiB on H100).
     #[test]

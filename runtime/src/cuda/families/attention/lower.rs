@@ -505,7 +505,7 @@ impl RunLowering<'_, '_> {
         self.launch_shared(
             dq,
             KernelId::Attention(super::Kernel::Delta { dtype: p.dtype }),
-            geometry::delta_grid(rows as u64),
+            geometry::delta_grid(rows as u64, p.d as u32),
             (geometry::THREADS, 1, 1),
             0,
             delta_args,

@@ -483,7 +483,7 @@ fn run_case(
     let out = l
         .run(
             &format!("attention_bwd_delta_{sfx}"),
-            geometry::delta_grid((bq * c.t) as u64),
+            geometry::delta_grid((bq * c.t) as u64, d as u32),
             (geometry::THREADS, 1, 1),
             args,
         )
