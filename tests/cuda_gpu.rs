@@ -104,7 +104,8 @@ fn every_kernel_family_matches_the_cpu_executor() {
 /// The plans run on the GPU, per family: every precision with the defaults, then each
 /// remat mode and each option once, spread over the precisions (the emulator runs the whole
 /// matrix; GPU time is scarce), the fused attention (castor's kernels, cuDNN's where it loads,
-/// and the automatic choice), BF16 moments, 8-bit AdamW and the fused classifier in BF16.
+/// and the automatic choice), BF16 moments, 8-bit AdamW, Lion and the fused classifier in
+/// BF16.
 fn gpu_plans(family: &str) -> Vec<String> {
     let mut out: Vec<String> = PLAN_PRECISIONS
         .iter()
@@ -131,10 +132,12 @@ fn gpu_plans(family: &str) -> Vec<String> {
         Err(why) => eprintln!("{family}: no --attention cudnn case: {why}"),
     }
     out.push("--precision fp16 --attention auto".into());
-    // The choices the remat rows leave out, once each: BF16 moments, 8-bit AdamW, the fused
-    // classifier in chunks small enough that a fixture's head takes several, and epilogues.
+    // The choices the remat rows leave out, once each: BF16 moments, 8-bit AdamW, Lion, the
+    // fused classifier in chunks small enough that a fixture's head takes several, and
+    // epilogues.
     out.push("--precision bf16 --optimizer-state bf16".into());
     out.push("--precision bf16 --optimizer adamw8bit".into());
+    out.push("--precision bf16 --optimizer lion".into());
     out.push("--precision bf16 --classifier fused:5".into());
     // cuBLASLt's epilogues (bias, bias + GELU, GELU gradient, bias gradients).
     out.push("--precision bf16 --epilogues fused".into());
