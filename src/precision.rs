@@ -3,7 +3,7 @@
 
 use crate::CliError;
 use anyhow::Context;
-use castor_ir::{Graph, Op};
+use castor_ir::{Graph, Op, TrainSettings};
 use castor_models::Model;
 use castor_passes::{
     precision_pipeline, PipelineOutput, Policy, PolicyFileFormat, Precision, Target,
@@ -126,6 +126,16 @@ impl PrecisionArgs {
             policy.apply_file(&text, format, &path.display().to_string())?;
         }
         Ok(policy)
+    }
+
+    /// These flags for a training plan of `settings`: the plan's settings are the one carrier
+    /// of its precision, and the flags give only the policy's rules (`--keep-f32`,
+    /// `--force-low`, `--residual`, `--policy`, the attention).
+    pub fn for_plan(&self, settings: &TrainSettings) -> PrecisionArgs {
+        PrecisionArgs {
+            precision: settings.precision,
+            ..self.clone()
+        }
     }
 
     /// Runs the precision passes on a forward graph; `verify` checks the graph after each pass

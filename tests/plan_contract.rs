@@ -1,7 +1,8 @@
 //! The training plan's typed contract: control entries are named once (`ControlState`), a
 //! renamed or missing one is an error when a plan is checked, loaded or run (never a silent
-//! scale of 1.0); the precision is stored typed; the forward extent travels with the plan, so
-//! `train --plan` reports the planned memory of a plan file.
+//! scale of 1.0); the precision is stored typed, and the plan's settings are its one carrier
+//! (the policy is built from them); the forward extent travels with the plan, so `train
+//! --plan` reports the planned memory of a plan file.
 
 use crate::common;
 
@@ -82,6 +83,44 @@ fn rename_control(plan: &mut TrainingPlan, c: ControlState, to: &str) {
     {
         w.state = to.into();
     }
+}
+
+/// `compile_plan` builds the policy from the settings' precision: flags that said another
+/// precision give their rules, never the plan's dtypes, so the plan's graphs and its recorded
+/// precision cannot disagree.
+#[test]
+fn a_plans_precision_is_its_settings() {
+    use castor::precision::{Attention, PrecisionArgs, Residual};
+    let model = castor_models::Model::load(root().join("assets").join("tiny-gpt2.json")).unwrap();
+    let flags = PrecisionArgs {
+        precision: Precision::Fp32,
+        policy: None,
+        keep_f32: vec!["logits".into()],
+        force_low: Vec::new(),
+        attention: Attention::Eager,
+        residual: Residual::F32,
+    };
+    let mut settings = settings(Precision::Bf16, LossScaling::None);
+    settings.objective = "lm".into();
+    settings.seq = 8;
+    let planned = castor::commands::train::compile_plan(
+        &flags,
+        &model,
+        settings,
+        false,
+        castor_runtime::ExecutorKind::Cpu,
+    )
+    .unwrap();
+    assert_eq!(planned.plan.settings.precision, Precision::Bf16);
+    let g = &planned.plan.micro_step;
+    let bf16 = g
+        .values()
+        .filter(|(_, v)| v.ty.dtype == castor_ir::DType::BF16)
+        .count();
+    assert!(bf16 > 0, "the bf16 plan has no bf16 values");
+    // The flags' rule still applies: the head's product stays F32.
+    let logits = g.lookup("logits").unwrap();
+    assert_eq!(g.ty(logits).dtype, castor_ir::DType::F32);
 }
 
 #[test]

@@ -263,8 +263,16 @@ pub fn compile(args: &Args, given: &Given) -> anyhow::Result<Compiled> {
         .dump_after
         .as_deref()
         .filter(|_| dump_training.is_none());
-    let out = args
-        .precision
+    // A training step's settings carry its precision; the flags, the policy's rules.
+    let settings = match train {
+        true => Some(plan_settings(args, model.as_ref(), batch, seq, lora)?),
+        false => None,
+    };
+    let precision = match &settings {
+        Some(s) => args.precision.for_plan(s),
+        None => args.precision.clone(),
+    };
+    let out = precision
         .compile(graph, model.as_ref(), dump_precision, args.verify)
         .map_err(|e| match e.downcast_ref::<castor_passes::PassError>() {
             Some(castor_passes::PassError::UnknownPass { name, available }) if train => {
@@ -279,10 +287,10 @@ pub fn compile(args: &Args, given: &Given) -> anyhow::Result<Compiled> {
             }
             _ => e,
         })?;
-    let policy = args.precision.policy()?;
+    let policy = precision.policy()?;
 
     writeln!(r, "model       {} ({what})", args.model.display())?;
-    writeln!(r, "precision   {}", args.precision.precision)?;
+    writeln!(r, "precision   {}", precision.precision)?;
     for rule in policy.name_rules() {
         writeln!(r, "rule        {}", rule.describe(policy.precision.low()))?;
     }
@@ -292,7 +300,7 @@ pub fn compile(args: &Args, given: &Given) -> anyhow::Result<Compiled> {
     for (pass, report) in &out.reports {
         writeln!(r, "pass        {pass:<11} {}", report.summary)?;
     }
-    let summary = precision_summary(&out.graph, args.precision.precision.low());
+    let summary = precision_summary(&out.graph, precision.precision.low());
     writeln!(r)?;
     writeln!(r, "{}", summary.headline())?;
     for line in summary.table_lines() {
@@ -329,16 +337,7 @@ pub fn compile(args: &Args, given: &Given) -> anyhow::Result<Compiled> {
         )?;
         write!(r, "{dump}")?;
     }
-    let plan = if train {
-        let objective = args.training.objective(model.as_ref())?;
-        let mut settings =
-            args.training
-                .settings(args.precision.precision, objective, batch, seq)?;
-        if model.is_none() {
-            // An IR file's loss is its first output, whatever --objective says.
-            settings.objective = "first-output".into();
-        }
-        settings.lora = lora;
+    let plan = if let Some(settings) = settings {
         let mut pipeline = training.dump_after(dump_training)?;
         if args.verify {
             pipeline = pipeline.verify_each(true);
@@ -407,10 +406,30 @@ pub fn compile(args: &Args, given: &Given) -> anyhow::Result<Compiled> {
     Ok(Compiled {
         report: r,
         graph: out.graph,
-        low: args.precision.precision.low(),
+        low: precision.precision.low(),
         plan,
         gpu,
     })
+}
+
+/// The settings of `compile --train`: the flags' (an IR file's loss is its first output,
+/// whatever `--objective` says).
+fn plan_settings(
+    args: &Args,
+    model: Option<&Model>,
+    batch: usize,
+    seq: usize,
+    lora: Option<castor_ir::LoraSettings>,
+) -> anyhow::Result<castor_ir::TrainSettings> {
+    let objective = args.training.objective(model)?;
+    let mut settings = args
+        .training
+        .settings(args.precision.precision, objective, batch, seq)?;
+    if model.is_none() {
+        settings.objective = "first-output".into();
+    }
+    settings.lora = lora;
+    Ok(settings)
 }
 
 /// The plan of other settings for the fit verdict: the same model and policy compiled again
@@ -434,7 +453,10 @@ fn replan(
                 .map_err(crate::CliError::InvalidInput)?;
             let loss = m.build_loss_graph(settings.batch, settings.seq, objective)?;
             let (loss, _) = crate::training::with_adapters(loss, settings.lora.as_ref())?;
-            args.precision.compile(loss, model, None, false)?.graph
+            args.precision
+                .for_plan(settings)
+                .compile(loss, model, None, false)?
+                .graph
         }
         None if !same_graph => anyhow::bail!("an IR file has one batch size and no adapters"),
         _ => compiled.clone(),

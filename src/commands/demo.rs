@@ -113,8 +113,12 @@ fn compile(
     let f = flags(precision)?;
     let loss_graph = model.build_loss_graph(batch, seq, Objective::Lm)?;
     castor_ir::verify(&loss_graph).context("the front end built an invalid graph")?;
-    let compiled = f.precision.compile(loss_graph, Some(model), None, false)?;
     let settings = f.training.settings(precision, Objective::Lm, batch, seq)?;
+    // The settings carry the plan's precision; the flags, the policy's rules.
+    let compiled = f
+        .precision
+        .for_plan(&settings)
+        .compile(loss_graph, Some(model), None, false)?;
     let (plan, report) = crate::memory::pipeline(executor).build(&compiled.graph, settings)?;
     Ok(Compiled {
         precision,

@@ -960,6 +960,8 @@ pub fn compile_plan(
     if let (true, Some(report)) = (say, &lora) {
         outln!("lora        {}", report.summary);
     }
+    // The settings carry the plan's precision; the flags, the policy's rules.
+    let precision = precision.for_plan(&settings);
     let compiled = precision.compile(loss_graph, Some(model), None, false)?;
     if say {
         if let Some((_, report)) = compiled.reports.iter().find(|(p, _)| *p == "autocast") {
