@@ -78,10 +78,50 @@ impl RunLowering<'_, '_> {
         };
         let node = g.node(n);
         let y = node.outputs[0];
-        let moments = match node.op {
-            Op::AdamW { .. } => 2,
-            _ => 1,
+        // The rule, its hyperparameters as its kernel takes them, and the copies' dtype.
+        let (rule, hyperparameters, copy) = match &node.op {
+            Op::AdamW {
+                hp,
+                max_grad_norm,
+                copy,
+            } => (
+                UpdateRule::AdamW,
+                vec![
+                    ("beta1", Arg::F64(hp.beta1)),
+                    ("beta2", Arg::F64(hp.beta2)),
+                    ("eps", Arg::F64(hp.eps)),
+                    ("max_grad_norm", Arg::F64(*max_grad_norm)),
+                ],
+                copy,
+            ),
+            Op::Sgd {
+                hp,
+                max_grad_norm,
+                copy,
+            } => (
+                UpdateRule::Sgd,
+                vec![
+                    ("momentum", Arg::F64(hp.momentum)),
+                    ("max_grad_norm", Arg::F64(*max_grad_norm)),
+                ],
+                copy,
+            ),
+            Op::Lion {
+                hp,
+                max_grad_norm,
+                copy,
+            } => (
+                UpdateRule::Lion,
+                vec![
+                    ("beta1", Arg::F64(hp.beta1)),
+                    ("beta2", Arg::F64(hp.beta2)),
+                    ("max_grad_norm", Arg::F64(*max_grad_norm)),
+                ],
+                copy,
+            ),
+            _ => return Err(self.err(y, "not an optimizer node")),
         };
+        let moments = rule.moments();
         let state = g.ty(node.inputs[2]).dtype;
         if !matches!(state, DType::F32 | DType::BF16) {
             return Err(self.err(
@@ -149,45 +189,7 @@ impl RunLowering<'_, '_> {
                 .into_iter()
                 .zip(scalars.into_iter().map(Arg::Ptr)),
         );
-        let (rule, copy) = match &node.op {
-            Op::AdamW {
-                hp,
-                max_grad_norm,
-                copy,
-            } => {
-                args.extend([
-                    ("beta1", Arg::F64(hp.beta1)),
-                    ("beta2", Arg::F64(hp.beta2)),
-                    ("eps", Arg::F64(hp.eps)),
-                    ("max_grad_norm", Arg::F64(*max_grad_norm)),
-                ]);
-                (UpdateRule::AdamW, copy)
-            }
-            Op::Sgd {
-                hp,
-                max_grad_norm,
-                copy,
-            } => {
-                args.extend([
-                    ("momentum", Arg::F64(hp.momentum)),
-                    ("max_grad_norm", Arg::F64(*max_grad_norm)),
-                ]);
-                (UpdateRule::Sgd, copy)
-            }
-            Op::Lion {
-                hp,
-                max_grad_norm,
-                copy,
-            } => {
-                args.extend([
-                    ("beta1", Arg::F64(hp.beta1)),
-                    ("beta2", Arg::F64(hp.beta2)),
-                    ("max_grad_norm", Arg::F64(*max_grad_norm)),
-                ]);
-                (UpdateRule::Lion, copy)
-            }
-            _ => return Err(self.err(y, "not an optimizer node")),
-        };
+        args.extend(hyperparameters);
         self.launch(
             y,
             KernelId::Optimizer(Kernel::Update {
