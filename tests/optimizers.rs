@@ -283,6 +283,14 @@ fn lion_matches_lion_pytorch() {
         }
 
         for p in PARAMS {
+            let after = file.read_f32(&format!("{case}.after.{p}")).unwrap();
+            let ours = values[p].as_f32().unwrap();
+            assert!(
+                ours.iter()
+                    .zip(&after)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{case} {p}: the parameters are not lion-pytorch's bit for bit"
+            );
             let err = update_error(&file, case, p, values[p].as_f32().unwrap());
             let theirs_m = file.read_f32(&format!("{case}.exp_avg.{p}")).unwrap();
             let err_m =
