@@ -8,10 +8,10 @@
 //! Pictures are drawn here as SVG with a `viewBox` and `width: 100%`, so they scale with the
 //! page; text in them stays text.
 
-use crate::fit::Verdict;
 use crate::plot::{smooth, unit_for, LossHistory};
 use crate::report::counted_bytes;
 use crate::report::thousands;
+use crate::training::fit::Verdict;
 use crate::CliError;
 use castor_ir::{StateRole, TrainingPlan};
 use castor_passes::cost::{GpuSpec, StepCost};
@@ -584,7 +584,7 @@ fn verdict_section(h: &mut String, v: &Verdict) {
         if v.fits() { "fits" } else { "nofit" },
         esc(&v.headline())
     );
-    let table = |h: &mut String, id: &str, what: &str, rows: &[crate::fit::Candidate]| {
+    let table = |h: &mut String, id: &str, what: &str, rows: &[crate::training::fit::Candidate]| {
         if rows.is_empty() {
             return;
         }

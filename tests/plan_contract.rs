@@ -103,7 +103,7 @@ fn a_plans_precision_is_its_settings() {
     let mut settings = settings(Precision::Bf16, LossScaling::None);
     settings.objective = "lm".into();
     settings.seq = 8;
-    let planned = castor::commands::train::compile_plan(
+    let planned = castor::training::compile_plan(
         &flags,
         &model,
         settings,

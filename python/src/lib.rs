@@ -285,18 +285,19 @@ fn _train(py: Python<'_>, argv: Vec<String>, callback: Option<Py<PyAny>>) -> PyR
     let stop_raised = raised.clone();
     let outcome = detached(py, move || {
         let (cli, matches) = parse::<TrainCli>(argv)?;
-        let on_step: castor::train_loop::StepHook = Box::new(move |line: &serde_json::Value| {
-            let Some(callback) = &callback else { return };
-            Python::attach(|py| {
-                let result = py
-                    .import("json")
-                    .and_then(|json| json.call_method1("loads", (line.to_string(),)))
-                    .and_then(|record| callback.call1(py, (record,)));
-                if let Err(e) = result {
-                    keep(e, &on_step_raised);
-                }
+        let on_step: castor::training::step_loop::StepHook =
+            Box::new(move |line: &serde_json::Value| {
+                let Some(callback) = &callback else { return };
+                Python::attach(|py| {
+                    let result = py
+                        .import("json")
+                        .and_then(|json| json.call_method1("loads", (line.to_string(),)))
+                        .and_then(|record| callback.call1(py, (record,)));
+                    if let Err(e) = result {
+                        keep(e, &on_step_raised);
+                    }
+                });
             });
-        });
         let stop = Box::new(move || {
             Python::attach(|py| {
                 // Ctrl-C reaches Python's handler, which only flags it: look.

@@ -1,11 +1,11 @@
 //! `castor compile`: run the precision passes and show what they decided.
 
-use crate::fit::{self, MemoryTarget};
 use crate::given::Given;
 use crate::html::{self, Report};
 use crate::out::Stream;
 use crate::precision::PrecisionArgs;
 use crate::report::thousands;
+use crate::training::fit::{self, MemoryTarget};
 use crate::training::TrainingArgs;
 use anyhow::Context;
 use castor_ir::{text, verify, Graph};

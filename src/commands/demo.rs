@@ -7,16 +7,16 @@
 //! and a checkpoint into an output folder.
 
 use crate::anatomy::{anatomy, AnatomyRow};
-use crate::checkpoint::{self, CheckpointFiles};
-use crate::data::Data;
 use crate::generate::{Generator, Sampling};
 use crate::html::Report;
 use crate::plot::{self, AnatomyBar, LossHistory};
 use crate::precision::PrecisionArgs;
 use crate::report::{model_summary, printable_byte, thousands};
 use crate::rng::Rng;
-use crate::train_loop::{self, LoopOptions, LrSchedule, Schedule, StateTemplate};
-use crate::trainer::Trainer;
+use crate::training::checkpoint::{self, CheckpointFiles};
+use crate::training::data::Data;
+use crate::training::step_loop::{self, LoopOptions, LrSchedule, Schedule, StateTemplate};
+use crate::training::trainer::Trainer;
 use crate::training::TrainingArgs;
 use anyhow::Context;
 use castor_ir::{Graph, Tensor, TrainingPlan};
@@ -343,14 +343,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         executor,
     );
     let gpu = castor_passes::cost::GpuSpec::default();
-    report.verdict = crate::fit::MemoryTarget::host().map(|target| {
+    report.verdict = crate::training::fit::MemoryTarget::host().map(|target| {
         let on_host = crate::memory::anatomy(ExecutorKind::Cpu, &trained.plan);
-        crate::fit::verdict(&trained.plan, &on_host, target, &gpu, None, &|_| {
+        crate::training::fit::verdict(&trained.plan, &on_host, target, &gpu, None, &|_| {
             anyhow::bail!("the demo fits")
         })
     });
     report.cost(&trained.plan, &gpu);
-    train_loop::catch_interrupts();
+    step_loop::catch_interrupts();
     let mut opts = LoopOptions {
         first_step: 0,
         steps: args.steps,
@@ -379,7 +379,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         profile_last_step: false,
         hooks: Default::default(),
     };
-    let run = train_loop::train_loop(&mut runner, &mut data, &mut opts, LossHistory::default())?;
+    let run = step_loop::train_loop(&mut runner, &mut data, &mut opts, LossHistory::default())?;
     let first = run.history.train.first().map_or(f64::NAN, |p| p.1);
     let last = run
         .history

@@ -2,7 +2,7 @@
 //! a full Hugging Face folder (PEFT's `merge_and_unload` followed by `save_pretrained`).
 
 use crate::adapter;
-use crate::checkpoint::{CheckpointFiles, MODEL_WEIGHTS};
+use crate::training::checkpoint::{CheckpointFiles, MODEL_WEIGHTS};
 use crate::CliError;
 use anyhow::Context;
 use castor_ir::{DType, Tensor};

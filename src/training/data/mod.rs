@@ -14,7 +14,7 @@
 //!   - a pre-tokenized `.bin` file: llm.c's format (a header of 256 little-endian int32, magic
 //!     20240520, version 1 = u16 tokens, version 2 = u32 tokens, then the token count) or, when
 //!     the magic is absent, nanoGPT's raw little-endian u16 tokens; mapped, not read
-//!     (`crate::tokens`).
+//!     (`crate::training::data::tokens`).
 //! - For masked-LM training (`--objective mlm` on a stream) each window is masked as
 //!   transformers' `DataCollatorForLanguageModeling` masks: 15% of the tokens that are not
 //!   special are chosen (their labels are the tokens, every other label -100); of those, 80%
@@ -25,19 +25,22 @@
 //! them, and [`Data::validation_batches`] cuts them into fixed windows (masked with fixed
 //! draws for mlm).
 
+pub mod labelled;
+pub mod tokens;
+
 use crate::batch::{read_batch, read_labels};
-use crate::labelled::{is_labelled_file, Labelled, LabelledOptions};
 use crate::rng::Rng;
 use crate::tokenizer::TextTokenizer;
 use crate::CliError;
 use castor_ir::{DType, Tensor};
 use castor_models::{Model, Objective, IGNORE_INDEX};
+use labelled::{is_labelled_file, Labelled, LabelledOptions};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
-use crate::tokens::{map_token_file, Tokens};
-pub use crate::tokens::{LLMC_HEADER_INTS, LLMC_MAGIC};
+use tokens::{map_token_file, Tokens};
+pub use tokens::{LLMC_HEADER_INTS, LLMC_MAGIC};
 
 /// The order windows are read in.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]

@@ -17,8 +17,8 @@
 //! own file, or the last `--val-fraction` of the examples) is cut into fixed micro-batches;
 //! the rows that fill the last one out are repeats whose labels are ignored.
 
-use crate::data::{read_index, DataOrder};
 use crate::tokenizer::TextTokenizer;
+use crate::training::data::{read_index, DataOrder};
 use crate::CliError;
 use castor_ir::{DType, Tensor};
 use castor_models::{Model, ProblemType, IGNORE_INDEX};

@@ -314,7 +314,7 @@ impl Trainer {
         batches: &[HashMap<String, Tensor>],
     ) -> anyhow::Result<(f64, f64)> {
         let eval = |runner: &PlanRunner| {
-            crate::train_loop::classification_eval(runner, batches)
+            crate::training::step_loop::classification_eval(runner, batches)
                 .map(|(loss, accuracy)| vec![loss, accuracy])
                 .map_err(|e| RuntimeError::Plan(format!("{e:#}")))
         };

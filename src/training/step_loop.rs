@@ -3,12 +3,12 @@
 //! periodic checkpoints, the loss-scale floor and Ctrl-C. Steps are numbered from 1 in
 //! everything it writes.
 
-use crate::checkpoint::{self, CheckpointFiles, TrainerState};
-use crate::data::Data;
 use crate::html::Report;
 use crate::plot::{self, LossHistory};
-use crate::progress::{Progress, StepLine};
-use crate::trainer::Trainer;
+use crate::training::checkpoint::{self, CheckpointFiles, TrainerState};
+use crate::training::data::Data;
+use crate::training::progress::{Progress, StepLine};
+use crate::training::trainer::Trainer;
 use anyhow::Context;
 use castor_ir::{Tensor, TrainSettings};
 use castor_runtime::{LossScale, PlanRunner, RuntimeError, StepReport};

@@ -6,7 +6,7 @@
 //! the flag and both values. A plan (`--plan`) fixes its settings the same way. The model a
 //! resumed checkpoint holds must be the one MODEL names. Nothing here is silent.
 
-use crate::commands::train::{Args, RunArgs};
+use super::args::{Args, RunArgs};
 use crate::given::Given;
 use crate::precision::PrecisionArgs;
 use crate::training::TrainingArgs;
@@ -68,7 +68,8 @@ impl RunFlags {
         Ok(serde_json::from_value(Value::Object(ours)).map_err(|e| {
             CliError::InvalidInput(format!(
                 "`{}`: the run's recorded flags cannot be read: {e}",
-                dir.join(crate::checkpoint::TRAINER_STATE).display()
+                dir.join(crate::training::checkpoint::TRAINER_STATE)
+                    .display()
             ))
         })?)
     }
