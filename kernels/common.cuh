@@ -255,6 +255,39 @@ struct NegFn {
     static __device__ __forceinline__ float df(float) { return -1.0f; }
 };
 
+// ---- Philox4x32-10 --------------------------------------------------------------------------
+// The counter-based generator of castor_ir::philox (Salmon et al. 2011, as cuRAND's): four
+// 32-bit draws from a 128-bit counter and a 64-bit key, no state between draws. Dropout masks
+// are drawn from it (dropout.cu; the CPU twin is castor_ir::philox::dropout_draws).
+__device__ __forceinline__ void philox4x32_10(unsigned (&c)[4], unsigned k0, unsigned k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const u64 p0 = (u64)0xD2511F53u * c[0];
+        const u64 p1 = (u64)0xCD9E8D57u * c[2];
+        const unsigned hi0 = (unsigned)(p0 >> 32), lo0 = (unsigned)p0;
+        const unsigned hi1 = (unsigned)(p1 >> 32), lo1 = (unsigned)p1;
+        c[0] = hi1 ^ c[1] ^ k0;
+        c[1] = lo1;
+        c[2] = hi0 ^ c[3] ^ k1;
+        c[3] = lo0;
+    }
+}
+
+// The draws of elements 4 block .. 4 block + 3 of a dropout keyed by (seed, offset) and
+// stream: counter (block lo, block hi, stream, offset lo), key (seed lo, seed hi).
+__device__ __forceinline__ void dropout_draws(unsigned (&r)[4], u64 seed, i64 offset,
+                                              unsigned stream, u64 block) {
+    r[0] = (unsigned)block;
+    r[1] = (unsigned)(block >> 32);
+    r[2] = stream;
+    r[3] = (unsigned)offset;
+    philox4x32_10(r, (unsigned)seed, (unsigned)(seed >> 32));
+}
+
 // ---- warp matrix products ------------------------------------------------------------------
 // D += A B for one warp, in the shape of mma.sync.m16n8k16 (A 16 x 16, B 16 x 8, D 16 x 8 in
 // F32), with every fragment held as F32 values (exactly representable in the operand dtype

@@ -205,6 +205,19 @@ fn attention_with_groups_causal_and_padding_masks() {
 }
 
 #[test]
+fn dropout_regenerates_its_mask_in_the_backward() {
+    // Some elements dropped, the rest scaled: the gradient is the same mask applied to dy.
+    for p in [0.0, 0.3, 0.9] {
+        let src = graph(
+            "  %a: f32[3,7] = param\n  %key: i64[2] = input",
+            &format!("  %y: f32[3,7] = dropout(%a, %key) {{p={p}, stream=2}}"),
+            "f32[3,7]",
+        );
+        gradcheck(&format!("dropout p={p}"), &src, &[("key", vec![11, 5])]);
+    }
+}
+
+#[test]
 fn rope_and_layout_ops() {
     let src = graph(
         "  %x: f32[2,3,8] = param",

@@ -108,3 +108,30 @@ fn zero3_plan() {
         &["--precision", "bf16", "--world-size", "4", "--zero", "3"],
     );
 }
+
+/// Dropout in a training plan (tests/ir/dropout.ir, bf16): the forward's dropout follows its
+/// producer's dtype, and the backward applies the same dropout (same key, same stream) to the
+/// gradient instead of saving a mask.
+#[test]
+fn dropout_plan() {
+    let o = castor(&[
+        "compile",
+        "tests/ir/dropout.ir",
+        "--train",
+        "--emit",
+        "ir",
+        "--precision",
+        "bf16",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan = stdout(&o);
+    let dropouts: Vec<&str> = plan.lines().filter(|l| l.contains("= dropout(")).collect();
+    assert_eq!(dropouts.len(), 2, "{plan}");
+    assert!(
+        dropouts
+            .iter()
+            .all(|l| l.contains("%key) {p=0.1, stream=0}")),
+        "{plan}"
+    );
+    insta::assert_snapshot!("train_bf16_dropout", plan);
+}

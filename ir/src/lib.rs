@@ -20,6 +20,7 @@ mod graph;
 pub mod nf4;
 mod op;
 pub mod optim;
+pub mod philox;
 mod plan;
 mod precision;
 pub mod quant;

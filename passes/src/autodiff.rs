@@ -452,6 +452,17 @@ impl Backward<'_> {
                     self.contribute(x[0], d)?;
                 }
             }
+            // The same mask (same key and stream), regenerated: dx = dropout(dy).
+            Op::Dropout { p, stream } => {
+                if let (true, Some(dy)) = (need(0), dy) {
+                    let op = Op::Dropout {
+                        p: *p,
+                        stream: *stream,
+                    };
+                    let d = self.b.op(&name, op, &[dy, x[1]])?;
+                    self.contribute(x[0], d)?;
+                }
+            }
             Op::Rope { theta, scaling } => {
                 if let (true, Some(dy)) = (need(0), dy) {
                     let op = Op::RopeGrad {

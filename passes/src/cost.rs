@@ -275,7 +275,8 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
             };
             per * grad * out
         }
-        Op::Binary(_) | Op::Scale { .. } => out,
+        // Dropout's Philox draws are integer work: its FLOPs are the scale's multiply.
+        Op::Binary(_) | Op::Scale { .. } | Op::Dropout { .. } => out,
         Op::LayerNorm { .. } => 8.0 * out,
         Op::RmsNorm { .. } => 5.0 * out,
         Op::Softmax { .. } => 5.0 * out,

@@ -375,6 +375,7 @@ fn table_ops() -> Vec<Op> {
             transpose_b: false,
         },
         Op::Scale { factor: 1.0 },
+        Op::Dropout { p: 0.0, stream: 0 },
         Op::LayerNorm { eps: 0.0 },
         Op::RmsNorm { eps: 0.0 },
         Op::Softmax {

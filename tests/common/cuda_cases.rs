@@ -136,6 +136,7 @@ pub const CASES: &[(&str, &str)] = &[
     ("softmax_gqa", "%x: {t}[2,2,2,3,5] = input\n%m: bool[2,1,1,1,5] = input\n%y: {t}[2,2,2,3,5] = softmax(%x, %m) {causal=false}"),
     ("cross_entropy", "%x: {t}[11,37] = input\n%l: i64[11] = input\n%loss: f32[] = cross_entropy(%x, %l) {ignore_index=-100}\n%s: f32[] = input\n%dx: {t}[11,37] = cross_entropy_grad(%x, %l, %s) {ignore_index=-100}"),
     ("embedding", "%w: {t}[37,13] = input\n%ids: i64[3,11] = input\n%y: {t}[3,11,13] = embedding(%w, %ids)\n%dy: {t}[3,11,13] = input\n%dw: f32[37,13] = embedding_grad(%ids, %dy) {vocab=37}"),
+    ("dropout", "%x: {t}[5,37] = input\n%key: i64[2] = input\n%y: {t}[5,37] = dropout(%x, %key) {p=0.25, stream=5}\n%dy: {t}[5,37] = input\n%dx: {t}[5,37] = dropout(%dy, %key) {p=0.25, stream=5}"),
     ("rope", "%x: {t}[2,3,7,10] = input\n%y: {t}[2,3,7,10] = rope(%x) {theta=10000}\n%dx: {t}[2,3,7,10] = rope_grad(%y) {theta=10000}"),
     ("layout", "%x: {t}[3,5,7] = input\n%t: {t}[7,3,5] = transpose(%x) {perm=[2,0,1]}\n%s: {t}[3,2,7] = slice(%x) {axis=1, start=1, end=3}\n%p1: {t}[3,1,7], %p2: {t}[3,4,7] = split(%x) {axis=1, sizes=[1,4]}\n%c: {t}[3,10,7] = concat(%x, %x) {axis=1}\n%pd: {t}[3,9,7] = pad(%x) {axis=1, before=1, after=3}\n%bc: {t}[2,3,5,7] = broadcast_to(%x) {shape=[2,3,5,7]}"),
     ("reduce", "%x: {t}[3,5,7] = input\n%a: f32[3,5] = sum(%x) {axes=[2], keepdim=false}\n%b: {t}[5,7] = mean(%x) {axes=[0], keepdim=false}\n%c: f32[5] = sum(%x) {axes=[0,2], keepdim=false}\n%d: {t}[3,1,7] = max(%x) {axes=[1], keepdim=true}"),

@@ -221,6 +221,13 @@ define_ops! {
     /// says ([`crate::rope_inv_freq`]).
     Rope { theta: f64, scaling: RopeScaling } => "rope", class Elementwise, arity (1, 1),
         typing typing::rope(inputs);
+    /// Inverted dropout, as `torch.nn.functional.dropout` in training: `(x, key i64[2]) -> y`,
+    /// each element kept with probability `1 - p` and scaled by `1 / (1 - p)`, else zero. The
+    /// mask is drawn from Philox4x32-10 keyed by `key = [seed, offset]`, the node's `stream`
+    /// and the element's index ([`crate::philox`]): every executor draws the same mask, and it
+    /// is regenerated, never stored. The gradient is the same dropout of `dy` (same key).
+    Dropout { p: f64, stream: usize } => "dropout", class Elementwise, arity (2, 2),
+        typing typing::dropout(inputs, *p, *stream);
     Reshape { shape: Vec<usize> } => "reshape", class Layout, arity (1, 1),
         typing typing::reshape(inputs, shape);
     Transpose { perm: Vec<usize> } => "transpose", class Layout, arity (1, 1),
@@ -621,6 +628,7 @@ mod tests {
                 theta: 1e6,
                 scaling: RopeScaling::Linear { factor: 2.0 },
             },
+            Op::Dropout { p: 0.1, stream: 3 },
         ];
         for op in ops {
             let attrs: Vec<(String, Attr)> = op

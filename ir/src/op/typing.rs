@@ -634,6 +634,25 @@ pub fn rope(inputs: &[&TensorType]) -> Types {
     one(x.clone())
 }
 
+/// `(x, key i64[2]) -> y` like `x`, for `p` in `[0, 1)` and a 32-bit `stream` (the Philox
+/// counter word it fills).
+pub fn dropout(inputs: &[&TensorType], p: f64, stream: usize) -> Types {
+    let (x, key) = (inputs[0], inputs[1]);
+    require_float("input", x)?;
+    if *key != TensorType::new(DType::I64, [2]) {
+        return Err(format!(
+            "the dropout key must be i64[2] (seed, offset), found {key}"
+        ));
+    }
+    if !(0.0..1.0).contains(&p) {
+        return Err(format!("dropout p must lie in [0, 1), found {p}"));
+    }
+    if u32::try_from(stream).is_err() {
+        return Err(format!("dropout stream {stream} does not fit 32 bits"));
+    }
+    one(x.clone())
+}
+
 pub fn reshape(inputs: &[&TensorType], shape: &[usize]) -> Types {
     let x = inputs[0];
     let to = Shape(shape.to_vec());

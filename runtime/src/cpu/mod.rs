@@ -18,6 +18,7 @@ pub(crate) mod cast;
 pub(crate) mod classifier;
 pub mod collective;
 mod dispatch;
+pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod epilogue;

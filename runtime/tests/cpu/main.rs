@@ -4,6 +4,7 @@
 mod common;
 
 mod casts;
+mod dropout;
 mod errors;
 mod executor;
 mod grads;

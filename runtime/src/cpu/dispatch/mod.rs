@@ -3,7 +3,7 @@
 //! by `Tensor::from_f32`).
 
 use super::operand::Args;
-use super::{cast, elementwise, embedding, loss, norm, pool, reduce, rope, softmax};
+use super::{cast, dropout, elementwise, embedding, loss, norm, pool, reduce, rope, softmax};
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
 
@@ -104,6 +104,13 @@ pub fn execute(
         Op::Scale { factor } => {
             let mut x = args.take_f32(0)?;
             elementwise::scale(&mut x, *factor);
+            float(args, x)?
+        }
+        Op::Dropout { p, stream } => {
+            let key: &[i64] = args.values(1)?;
+            let key = [key[0], key[1]];
+            let mut x = args.take_f32(0)?;
+            dropout::dropout(&mut x, key, *stream as u32, *p);
             float(args, x)?
         }
         Op::LayerNorm { eps } => {

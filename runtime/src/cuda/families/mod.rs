@@ -77,6 +77,7 @@ families!(
     adamw8bit: AdamW8bit,
     attention: Attention,
     cross_entropy: CrossEntropy,
+    dropout: Dropout,
     elementwise: Elementwise,
     embedding: Embedding,
     layout: Layout,

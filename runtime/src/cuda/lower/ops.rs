@@ -103,6 +103,7 @@ impl RunLowering<'_, '_> {
             Op::Softmax { causal, window } => self.softmax(y, &ins, *causal, *window)?,
             Op::SoftmaxGrad => self.softmax_grad(n)?,
             Op::Rope { .. } | Op::RopeGrad { .. } => self.rope(n)?,
+            Op::Dropout { .. } => self.dropout(n)?,
             Op::Concat { .. } => self.concat(n)?,
             Op::Pad { .. } => self.pad(n)?,
             Op::Reduce { op, axes, .. } => self.reduce(y, ins[0], *op, axes)?,
