@@ -393,6 +393,12 @@ fn flags_against_a_plan_name_the_setting_and_both_values() {
         3,
         "--grad-accum disagrees with the plan",
     );
+    // Every setting is compared, the data-parallel group too.
+    fails(
+        &run(&["--world-size", "2"]),
+        3,
+        "--world-size disagrees with the plan",
+    );
     fails(
         &run(&["--keep-f32", "logits"]),
         3,
@@ -544,6 +550,26 @@ fn a_resumed_run_keeps_its_flags_and_names_any_that_differ() {
             run_a.display()
         ),
     );
+    // A plan compiled with other settings than the checkpoint's names each of them.
+    let plan = tmp.path().join("bf16.json");
+    ok(&castor(&[
+        "compile",
+        path_str(&tiny()),
+        "--precision",
+        "bf16",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--emit",
+        "plan",
+        "-o",
+        path_str(&plan),
+    ]));
+    let mut other_plan = base("12");
+    other_plan.extend(["--resume", path_str(&run_a), "--plan", path_str(&plan)].map(String::from));
+    let o = train(other_plan);
+    fails(&o, 3, "the checkpoint was trained with other settings (precision: fp16 in the checkpoint, bf16 now; loss_scaling: ");
     let mut done = base("8");
     done.extend(["--resume", path_str(&run_a)].map(String::from));
     fails(

@@ -45,9 +45,9 @@ pub use op::{
 };
 pub use optim::{AdafactorHparams, AdamWHparams, LionHparams, SgdHparams, WeightDecay};
 pub use plan::{
-    Classifier, ControlState, Epilogues, LoraBase, LoraSettings, LossScaling, Nf4Part,
-    OptimizerKind, Parallel, PlanError, Remat, StateInit, StateRole, StateSpec, TrainSettings,
-    TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
+    show_value, Classifier, ControlState, Difference, Epilogues, LoraBase, LoraSettings,
+    LossScaling, Nf4Part, OptimizerKind, Parallel, PlanError, Remat, Setting, StateInit, StateRole,
+    StateSpec, TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
 };
 pub use precision::Precision;
 pub use rope::{rope_inv_freq, RopeScaling};

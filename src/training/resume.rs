@@ -11,7 +11,7 @@ use crate::given::Given;
 use crate::precision::PrecisionArgs;
 use crate::training::TrainingArgs;
 use crate::CliError;
-use castor_ir::TrainSettings;
+use castor_ir::{show_value as show, Setting, TrainSettings};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::path::Path;
@@ -26,17 +26,6 @@ pub struct RunFlags {
 
 /// Flags a resumed run may change: `--steps` is where it trains until.
 const FREE: [&str; 1] = ["steps"];
-
-/// A flag value for people: strings bare, lists comma-separated.
-fn show(v: &Value) -> String {
-    match v {
-        Value::Null => "(not set)".into(),
-        Value::String(s) => s.clone(),
-        Value::Array(a) if a.is_empty() => "(none)".into(),
-        Value::Array(a) => a.iter().map(show).collect::<Vec<_>>().join(", "),
-        other => other.to_string(),
-    }
-}
 
 impl RunFlags {
     pub fn to_json(&self) -> Value {
@@ -155,16 +144,16 @@ pub fn check_same_model(model: &Path, dir: &Path) -> anyhow::Result<()> {
     .into())
 }
 
-/// Which flags feed each plan setting.
-const SETTING_FLAGS: [(&str, &[&str]); 16] = [
-    ("precision", &["precision"]),
-    ("objective", &["objective"]),
-    ("batch", &["batch"]),
-    ("seq", &["seq"]),
-    ("grad_accum", &["grad_accum"]),
-    (
-        "optimizer",
-        &[
+/// The flags that feed each plan setting. The match is exhaustive: a new setting does not
+/// compile until it says which flags set it.
+fn flags_of(setting: Setting) -> &'static [&'static str] {
+    match setting {
+        Setting::Precision => &["precision"],
+        Setting::Objective => &["objective"],
+        Setting::Batch => &["batch"],
+        Setting::Seq => &["seq"],
+        Setting::GradAccum => &["grad_accum"],
+        Setting::Optimizer => &[
             "optimizer",
             "beta1",
             "beta2",
@@ -177,27 +166,28 @@ const SETTING_FLAGS: [(&str, &[&str]); 16] = [
             // Adafactor takes its relative step exactly when no rate is given.
             "lr",
         ],
-    ),
-    ("optimizer_state", &["optimizer_state"]),
-    ("update_in_backward", &["update_in_backward"]),
-    ("max_grad_norm", &["grad_clip"]),
-    (
-        "loss_scaling",
-        &[
+        Setting::OptimizerState => &["optimizer_state"],
+        Setting::UpdateInBackward => &["update_in_backward"],
+        Setting::MaxGradNorm => &["grad_clip"],
+        Setting::LossScaling => &[
             "loss_scale",
             "init_scale",
             "growth_interval",
             "hysteresis",
             "min_scale",
         ],
-    ),
-    ("frozen", &["freeze"]),
-    ("no_decay", &["no_decay"]),
-    ("param_grads_in_compute_dtype", &["param_grads"]),
-    ("remat", &["remat"]),
-    ("classifier", &["classifier"]),
-    ("epilogues", &["epilogues"]),
-];
+        Setting::Frozen => &["freeze"],
+        Setting::NoDecay => &["no_decay"],
+        Setting::ParamGradsInComputeDtype => &["param_grads"],
+        Setting::Remat => &["remat"],
+        Setting::Classifier => &["classifier"],
+        Setting::Epilogues => &["epilogues"],
+        // Checked against `--adapter` and the `--lora-*` flags where the plan is read
+        // (`plan::plan_and_data`), which also knows the adapter folder's settings.
+        Setting::Lora => &[],
+        Setting::Parallel => &["world_size", "zero"],
+    }
+}
 
 /// `--plan`: the plan decides every setting; a flag that disagrees with it is an error naming
 /// the setting and both values, and the precision policy flags (compiled into the plan's
@@ -229,29 +219,20 @@ pub fn check_plan_flags(
         args.run.batch.unwrap_or(plan.batch),
         args.run.seq.unwrap_or(plan.seq),
     )?;
-    let (Value::Object(ours), Value::Object(theirs)) = (
-        serde_json::to_value(&ours).unwrap_or(Value::Null),
-        serde_json::to_value(plan).unwrap_or(Value::Null),
-    ) else {
-        return Ok(());
-    };
-    for (setting, flags) in SETTING_FLAGS {
-        let Some(flag) = flags.iter().find(|f| given.has(f)) else {
+    for d in ours.differences(plan) {
+        let Some(flag) = flags_of(d.setting).iter().find(|f| given.has(f)) else {
             continue;
         };
-        let (a, b) = (ours.get(setting), theirs.get(setting));
-        if a != b {
-            let v = |x: Option<&Value>| x.map_or("(none)".into(), show);
-            return Err(CliError::InvalidInput(format!(
-                "{} disagrees with the plan `{}`: its {setting} is {}, the flags give {}; leave \
-                 the flag out (the plan decides it) or compile a new plan",
-                Given::flag(flag),
-                path.display(),
-                v(b),
-                v(a)
-            ))
-            .into());
-        }
+        return Err(CliError::InvalidInput(format!(
+            "{} disagrees with the plan `{}`: its {} is {}, the flags give {}; leave the flag \
+             out (the plan decides it) or compile a new plan",
+            Given::flag(flag),
+            path.display(),
+            d.setting.name(),
+            d.theirs,
+            d.ours
+        ))
+        .into());
     }
     Ok(())
 }
@@ -263,21 +244,16 @@ pub fn check_settings(
     current: &TrainSettings,
     dir: Option<&Path>,
 ) -> anyhow::Result<()> {
-    let (Value::Object(a), Value::Object(b)) = (
-        serde_json::to_value(saved).unwrap_or(Value::Null),
-        serde_json::to_value(current).unwrap_or(Value::Null),
-    ) else {
-        return Ok(());
-    };
-    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
-    keys.sort();
-    keys.dedup();
-    let differences: Vec<String> = keys
+    let differences: Vec<String> = saved
+        .differences(current)
         .into_iter()
-        .filter(|k| a.get(*k) != b.get(*k))
-        .map(|k| {
-            let v = |m: &Map<String, Value>| m.get(k).map_or("(none)".into(), show);
-            format!("{k}: {} in the checkpoint, {} now", v(&a), v(&b))
+        .map(|d| {
+            format!(
+                "{}: {} in the checkpoint, {} now",
+                d.setting.name(),
+                d.ours,
+                d.theirs
+            )
         })
         .collect();
     if differences.is_empty() {

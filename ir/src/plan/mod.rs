@@ -16,9 +16,11 @@
 //! prints and parses), so a plan written by `castor compile` runs anywhere.
 
 mod control;
+mod differences;
 mod settings;
 
 pub use control::{ControlState, GRAD_NORM, LEARNING_RATE};
+pub use differences::{show_value, Difference, Setting};
 pub use settings::{
     Classifier, Epilogues, LoraBase, LoraSettings, LossScaling, OptimizerKind, Parallel, Remat,
     TrainSettings,
