@@ -11,6 +11,7 @@ pub mod out;
 pub mod adapter;
 pub mod anatomy;
 pub mod batch;
+pub mod chat;
 pub mod classifier;
 pub mod commands;
 pub mod device;

@@ -352,3 +352,79 @@ fn generate_refuses_what_it_cannot_do() {
     let o = castor(&["generate", "--help"]);
     assert!(stdout(&o).contains("`cpu` only for now"), "{}", stdout(&o));
 }
+
+/// `--chat`: the conversation (`--system` and `--prompt`, or `--messages`) through the
+/// model's chat template with the generation prompt is the prompt, and only the reply is
+/// printed: the same tokens as continuing the rendered text itself. A model without a
+/// template, or a template that refuses the conversation, is an error that says so.
+#[test]
+fn generate_chat_applies_the_chat_template() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ckpt = demo_checkpoint(tmp.path());
+    let run = |args: &[&str]| {
+        let mut all = vec!["generate", path_str(&ckpt), "--max-new-tokens", "12"];
+        all.extend_from_slice(args);
+        castor(&all)
+    };
+    let o = run(&["--chat", "--prompt", "The compiler"]);
+    fails(
+        &o,
+        3,
+        "--chat: `", // the folder is named, then why
+    );
+    assert!(
+        stderr(&o).contains("has no chat template"),
+        "{}",
+        stderr(&o)
+    );
+    std::fs::write(
+        ckpt.join("tokenizer_config.json"),
+        serde_json::json!({
+            "chat_template": "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}<{{ m['role'] }}>{{ m['content'] | trim }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let chat = run(&[
+        "--chat",
+        "--system",
+        "Be terse.",
+        "--prompt",
+        " The compiler ",
+    ]);
+    ok(&chat);
+    assert!(
+        stderr(&chat).contains("chat        2 message(s) through the chat template of `"),
+        "{}",
+        stderr(&chat)
+    );
+    let rendered = "<system>Be terse.\n<user>The compiler\n<assistant>";
+    let plain = run(&["--prompt", rendered]);
+    ok(&plain);
+    assert_eq!(
+        stdout(&chat),
+        stdout(&plain)[rendered.len()..],
+        "the reply alone, the same tokens"
+    );
+    let messages = tmp.path().join("messages.json");
+    std::fs::write(
+        &messages,
+        r#"[{"role": "system", "content": "Be terse."}, {"role": "user", "content": "The compiler"}]"#,
+    )
+    .unwrap();
+    let from_file = run(&["--chat", "--messages", path_str(&messages)]);
+    ok(&from_file);
+    assert_eq!(stdout(&from_file), stdout(&chat));
+    std::fs::write(&messages, r#"[{"role": "tool", "content": "x"}]"#).unwrap();
+    fails(
+        &run(&["--chat", "--messages", path_str(&messages)]),
+        3,
+        "the chat template refuses the conversation: no tools here",
+    );
+    std::fs::write(&messages, r#"[{"content": "x"}]"#).unwrap();
+    fails(
+        &run(&["--chat", "--messages", path_str(&messages)]),
+        3,
+        "message 0 needs a string `role` and a `content`",
+    );
+}

@@ -11,6 +11,7 @@ mod common;
 mod attention;
 mod autocast_vs_pytorch;
 mod autodiff_gradcheck;
+mod chat;
 mod classifier;
 mod cli;
 mod crash_safety;

@@ -21,10 +21,6 @@ fn corpus() -> PathBuf {
     root().join("assets").join("corpus.txt")
 }
 
-fn ok(o: &std::process::Output) {
-    assert!(o.status.success(), "{}\n{}", stdout(o), stderr(o));
-}
-
 /// The cuBLAS workspace the CUDA executor allocates beside a plan's other buffers (32 MiB,
 /// cuBLAS's recommendation on Hopper): part of every planned peak with a product.
 const WORKSPACE: u64 = 32 << 20;

@@ -20,20 +20,6 @@ fn corpus() -> PathBuf {
     root().join("assets").join("corpus.txt")
 }
 
-fn ok(o: &std::process::Output) {
-    assert!(o.status.success(), "{}\n{}", stdout(o), stderr(o));
-}
-
-fn fails(o: &std::process::Output, code: i32, words: &str) {
-    assert_eq!(o.status.code(), Some(code), "{}\n{}", stdout(o), stderr(o));
-    assert!(
-        stderr(o).contains(words),
-        "expected `{words}` in:\n{}",
-        stderr(o)
-    );
-    assert!(!stderr(o).contains("panicked"), "{}", stderr(o));
-}
-
 // ---- streams ---------------------------------------------------------------------------------
 
 #[test]

@@ -319,20 +319,23 @@ class Generated:
     """What ``generate`` made."""
 
     text: str
-    """The prompt and its continuation."""
+    """The prompt and its continuation (with ``chat=True``, the reply alone)."""
     tokens: List[int]
     """The new token ids."""
     stopped: str
     """Why generation stopped (``end of text``, ``--max-new-tokens reached``, ...)."""
 
 
-def generate(path: PathLike, prompt: str, *, max_new_tokens: int = 50,
+def generate(path: PathLike, prompt: Optional[str], *, max_new_tokens: int = 50,
              temperature: Optional[float] = None, top_k: Optional[int] = None,
              top_p: Optional[float] = None, seed: int = 0, verbose: bool = False,
              **flags: Any) -> Generated:
     """Continue ``prompt`` with a causal model, as ``castor generate`` does: greedy unless
     the checkpoint's generation_config.json samples or a sampling argument is given, as
-    transformers' ``generate``; ``adapter=`` adds a PEFT LoRA adapter."""
+    transformers' ``generate``; ``adapter=`` adds a PEFT LoRA adapter. ``chat=True`` renders
+    the conversation (``system=`` and ``prompt``, or ``messages=`` a JSON file of messages,
+    with ``prompt`` None) through the model's chat template and continues it with the
+    assistant's reply."""
     argv = [os.fspath(path)] + _flags(
         prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
         top_p=top_p, seed=seed, **flags)

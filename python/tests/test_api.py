@@ -552,6 +552,16 @@ def test_generate_merge_and_load(tmp_path):
     done = cli("generate", ckpt, "--prompt", "The compiler ", "--max-new-tokens", "8")
     assert g.text == done.stdout.rstrip("\n")
     assert len(g.tokens) == 8 and g.stopped == "--max-new-tokens reached"
+    with pytest.raises(castor.InputError, match="has no chat template"):
+        castor.generate(ckpt, "The compiler", chat=True)
+    (ckpt / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}<assistant>{% endif %}"}))
+    reply = castor.generate(ckpt, "The compiler", chat=True, system="Be terse.",
+                            max_new_tokens=8)
+    done = cli("generate", ckpt, "--chat", "--prompt", "The compiler", "--system", "Be terse.",
+               "--max-new-tokens", "8")
+    assert reply.text == done.stdout.rstrip("\n") and len(reply.tokens) == 8
     weights = castor.load(ckpt)
     ref = load_file(ckpt / "model.safetensors")
     assert weights.keys() == ref.keys()

@@ -4,6 +4,7 @@
 //! The text goes to stdout as it is generated (the prompt first); what ran and how fast to
 //! stderr.
 
+use crate::chat::ChatTemplate;
 use crate::generate::{Generator, Sampling};
 use crate::precision::PrecisionArgs;
 use crate::rng::Rng;
@@ -26,9 +27,23 @@ pub struct Args {
     /// A checkpoint folder (config.json + safetensors; a folder `castor train --save` wrote
     /// works) of a causal model, with its tokenizer files.
     pub model: PathBuf,
-    /// The text to continue.
-    #[arg(long)]
-    pub prompt: String,
+    /// The text to continue (with --chat: the user's message).
+    #[arg(long, required_unless_present = "messages")]
+    pub prompt: Option<String>,
+    /// Chat with an instruct model: its chat template (`chat_template.jinja`, or
+    /// `chat_template` in tokenizer_config.json, rendered as transformers'
+    /// `apply_chat_template` renders it) turns the conversation into the prompt, with the
+    /// assistant's generation prompt; only the reply is printed, and it ends at the model's
+    /// end-of-turn token.
+    #[arg(long, help_heading = "Chat")]
+    pub chat: bool,
+    /// With --chat: a system message before the user's.
+    #[arg(long, value_name = "TEXT", requires = "chat", help_heading = "Chat")]
+    pub system: Option<String>,
+    /// With --chat: the conversation to continue, a JSON list of messages (`{"role": ...,
+    /// "content": ...}`), instead of --prompt and --system.
+    #[arg(long, value_name = "FILE.json", requires = "chat", conflicts_with_all = ["prompt", "system"], help_heading = "Chat")]
+    pub messages: Option<PathBuf>,
     /// Tokens to generate at most (generation also stops at the tokenizer's end-of-text token
     /// and at the model's last position).
     #[arg(long, default_value_t = 50, value_name = "N")]
@@ -69,9 +84,10 @@ pub struct Generated {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    // The prompt first, then the text as it grows; a token that ends inside a UTF-8 character
-    // waits.
-    out!("{}", args.prompt);
+    // The prompt first (not in a chat: the reply alone), then the text as it grows; a token
+    // that ends inside a UTF-8 character waits.
+    let shown = shown_prompt(&args);
+    out!("{shown}");
     let mut printed = String::new();
     let done = generate(&args, &mut |text| {
         if let Some(more) = text.strip_prefix(printed.as_str()) {
@@ -81,13 +97,52 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             }
         }
     })?;
-    let text = &done.text[args.prompt.len()..];
+    let text = &done.text[shown.len()..];
     match text.strip_prefix(printed.as_str()) {
         Some(more) => outln!("{more}"),
         // The decoder rewrote what was printed (rare: a cleanup across tokens).
-        None => outln!("\n{}{text}", args.prompt),
+        None => outln!("\n{shown}{text}"),
     }
     Ok(())
+}
+
+/// What is printed before the continuation: the prompt, or nothing in a chat.
+fn shown_prompt(args: &Args) -> &str {
+    match (args.chat, &args.prompt) {
+        (false, Some(p)) => p,
+        _ => "",
+    }
+}
+
+/// The conversation `--chat` continues: `--messages`, else `--system` and `--prompt`.
+fn conversation(args: &Args) -> anyhow::Result<serde_json::Value> {
+    if let Some(path) = &args.messages {
+        let invalid = |what: String| {
+            CliError::InvalidInput(format!("--messages `{}`: {what}", path.display()))
+        };
+        let text =
+            std::fs::read_to_string(path).map_err(|e| invalid(format!("cannot read: {e}")))?;
+        let messages: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+        let list = messages
+            .as_array()
+            .ok_or_else(|| invalid("must be a JSON list of messages".into()))?;
+        for (i, m) in list.iter().enumerate() {
+            if !m.get("role").is_some_and(|r| r.is_string()) || m.get("content").is_none() {
+                return Err(
+                    invalid(format!("message {i} needs a string `role` and a `content`")).into(),
+                );
+            }
+        }
+        return Ok(messages);
+    }
+    let mut messages = Vec::new();
+    if let Some(system) = &args.system {
+        messages.push(serde_json::json!({"role": "system", "content": system}));
+    }
+    let prompt = args.prompt.clone().unwrap_or_default();
+    messages.push(serde_json::json!({"role": "user", "content": prompt}));
+    Ok(serde_json::Value::Array(messages))
 }
 
 /// Continues `args.prompt`; `on_text` sees the decoded continuation each time it grows.
@@ -119,8 +174,14 @@ pub fn generate(args: &Args, on_text: &mut dyn FnMut(&str)) -> anyhow::Result<Ge
         .into());
     }
     let tokenizer = TextTokenizer::for_model(&model)?;
+    // A chat's prompt is the rendered conversation, tokenized without added framing (the
+    // template writes it), as `apply_chat_template(tokenize=True)` does.
+    let (text, framed) = match args.chat {
+        true => (chat_prompt(args, &model)?, false),
+        false => (args.prompt.clone().unwrap_or_default(), true),
+    };
     let prompt: Vec<i64> = tokenizer
-        .encode(&args.prompt, true)?
+        .encode(&text, framed)?
         .into_iter()
         .map(i64::from)
         .collect();
@@ -201,10 +262,35 @@ pub fn generate(args: &Args, on_text: &mut dyn FnMut(&str)) -> anyhow::Result<Ge
         new.len() as f64 / seconds.max(1e-9)
     );
     Ok(Generated {
-        text: format!("{}{text}", args.prompt),
+        text: format!("{}{text}", shown_prompt(args)),
         tokens: new,
         stopped: why,
     })
+}
+
+/// The prompt text of a chat: the conversation through the model's chat template, with the
+/// generation prompt.
+fn chat_prompt(args: &Args, model: &Model) -> anyhow::Result<String> {
+    let dir = model
+        .config()
+        .file
+        .parent()
+        .unwrap_or(std::path::Path::new("."));
+    let template = ChatTemplate::find(dir)?.ok_or_else(|| {
+        CliError::InvalidInput(format!(
+            "--chat: `{}` has no chat template (chat_template.jinja, or chat_template in \
+             tokenizer_config.json); a base model continues text: leave out --chat",
+            dir.display()
+        ))
+    })?;
+    let messages = conversation(args)?;
+    let rendered = template.render(&messages, true)?;
+    errln!(
+        "chat        {} message(s) through the chat template of `{}`",
+        messages.as_array().map_or(0, Vec::len),
+        template.origin().display()
+    );
+    Ok(rendered.text)
 }
 
 /// What a checkpoint's generation_config.json says about decoding (the fields castor reads).

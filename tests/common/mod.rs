@@ -80,6 +80,22 @@ pub fn eval(model: &Path, input: &Path, out: &Path, extra: &[&str]) -> Output {
     castor(&args)
 }
 
+/// Asserts that a run succeeded, showing its output if not.
+pub fn ok(o: &Output) {
+    assert!(o.status.success(), "{}\n{}", stdout(o), stderr(o));
+}
+
+/// Asserts that a run failed with exit code `code`, its stderr saying `words`, without a panic.
+pub fn fails(o: &Output, code: i32, words: &str) {
+    assert_eq!(o.status.code(), Some(code), "{}\n{}", stdout(o), stderr(o));
+    assert!(
+        stderr(o).contains(words),
+        "expected `{words}` in:\n{}",
+        stderr(o)
+    );
+    assert!(!stderr(o).contains("panicked"), "{}", stderr(o));
+}
+
 pub fn stdout(o: &Output) -> String {
     String::from_utf8_lossy(&o.stdout).into_owned()
 }
