@@ -267,6 +267,32 @@ impl TextTokenizer {
         }
     }
 
+    /// `text` as token ids with the byte range of `text` each came from (as [`Self::encode`];
+    /// a token the framing adds has an empty range).
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        special: bool,
+    ) -> anyhow::Result<Vec<(u32, std::ops::Range<usize>)>> {
+        match &self.inner {
+            None => Ok(text
+                .bytes()
+                .enumerate()
+                .map(|(i, b)| (u32::from(b), i..i + 1))
+                .collect()),
+            Some(t) => {
+                let e = t
+                    .encode(text, special)
+                    .map_err(|e| CliError::InvalidInput(format!("tokenizing failed: {e}")))?;
+                Ok(e.get_ids()
+                    .iter()
+                    .zip(e.get_offsets())
+                    .map(|(&id, &(start, end))| (id, start..end))
+                    .collect())
+            }
+        }
+    }
+
     /// A document as training tokens: framed as the tokenizer frames a text, then ended with
     /// the end-of-text token unless the framing already ends with it (BERT's `[SEP]`), so
     /// documents joined one after another stay apart.

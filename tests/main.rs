@@ -37,6 +37,7 @@ mod plan_contract;
 mod qlora;
 mod remat;
 mod report;
+mod sft;
 mod text_data;
 mod train_data;
 mod train_runs;

@@ -2,6 +2,7 @@
 //! need nothing but the flags: outputs writable, flags that need another flag or a device,
 //! the step to train until.
 
+use super::data::sft::LossOn;
 use super::data::DataOrder;
 use super::step_loop::Schedule;
 use super::TrainingArgs;
@@ -52,6 +53,12 @@ pub struct RunArgs {
     /// Seed of the window order and of masked-LM masking.
     #[arg(long, default_value_t = 0, help_heading = "Data")]
     pub seed: u64,
+    /// SFT data (conversations, prompt-completion pairs): take the loss on the `completion`
+    /// (what the assistant says; TRL's completion_only_loss / assistant_only_loss) or on
+    /// `all` tokens.
+    #[arg(long, value_enum, default_value_t = LossOn::Completion, help_heading = "Data")]
+    #[serde(default)]
+    pub loss_on: LossOn,
 }
 
 #[derive(clap::Args)]
@@ -60,8 +67,10 @@ pub struct Args {
     pub model: PathBuf,
     /// Training data: a safetensors batch (`input_ids` [B, T], optional `labels`; the same
     /// batch every step), a token file (.bin: llm.c's format, or nanoGPT's raw u16 tokens),
-    /// or text tokenized with the model's tokenizer: a text file (one document), a folder of
-    /// text files (one document each) or a .jsonl file (one `text` per line).
+    /// text tokenized with the model's tokenizer: a text file (one document), a folder of
+    /// text files (one document each) or a .jsonl file (one `text` per line), or SFT examples:
+    /// a .jsonl file of `messages` conversations or `prompt`/`completion` pairs (see
+    /// --loss-on).
     #[arg(long, help_heading = "Data")]
     pub data: PathBuf,
     /// Labelled validation examples (.jsonl or .csv, as --data for a classifier): the loss and

@@ -26,9 +26,10 @@ pub const OPTIMIZER_STATE: &str = "optimizer.safetensors";
 pub const MODEL_WEIGHTS: &str = "model.safetensors";
 
 /// Files a Hugging Face checkpoint carries besides config and weights, copied along.
-const TOKENIZER_FILES: [&str; 7] = [
+const TOKENIZER_FILES: [&str; 8] = [
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",
     "special_tokens_map.json",
     "vocab.json",
     "merges.txt",

@@ -70,6 +70,7 @@ pub(super) fn plan_and_data(
         seed: args.run.seed,
         validation: args.validation.clone(),
         plan: None,
+        loss_on: args.run.loss_on,
     };
     Ok(match &args.plan {
         Some(path) => {

@@ -26,6 +26,7 @@
 //! draws for mlm).
 
 pub mod labelled;
+pub mod sft;
 pub mod tokens;
 
 use crate::batch::{read_batch, read_labels};
@@ -36,6 +37,7 @@ use castor_ir::{DType, Tensor};
 use castor_models::{Model, Objective, IGNORE_INDEX};
 use labelled::{is_labelled_file, Labelled, LabelledOptions};
 use serde::{Deserialize, Serialize};
+use sft::{LossOn, Sft, SftOptions};
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
@@ -118,6 +120,8 @@ pub enum Data {
     Stream(Box<Stream>),
     /// Labelled examples for a sequence classifier (`labelled.rs`).
     Labelled(Box<Labelled>),
+    /// Conversations or prompt-completion pairs for supervised fine-tuning (`sft.rs`).
+    Sft(Box<Sft>),
 }
 
 pub struct Stream {
@@ -152,6 +156,8 @@ pub struct DataOptions {
     pub validation: Option<std::path::PathBuf>,
     /// The plan file `batch` and `seq` come from (`train --plan`), to name in a shape error.
     pub plan: Option<std::path::PathBuf>,
+    /// Which tokens of SFT examples the loss is on.
+    pub loss_on: LossOn,
 }
 
 impl Data {
@@ -194,10 +200,23 @@ impl Data {
             };
             return Ok(Data::Labelled(Box::new(Labelled::open(path, model, &o)?)));
         }
+        if objective == Objective::Lm && !classifier && sft::format_of(path).is_some() {
+            let o = SftOptions {
+                batch,
+                seq,
+                validation: options.validation.as_deref(),
+                val_fraction: options.val_fraction,
+                order: options.order,
+                seed: options.seed,
+                loss_on: options.loss_on,
+            };
+            return Ok(Data::Sft(Box::new(Sft::open(path, model, &o)?)));
+        }
         if options.validation.is_some() {
             return Err(CliError::InvalidInput(
-                "--validation FILE is for labelled data (objective `classify`); token streams \
-                 hold out --val-fraction"
+                "--validation FILE is for labelled data (objective `classify`) and SFT examples \
+                 (conversations, prompt-completion pairs); token streams hold out \
+                 --val-fraction"
                     .into(),
             )
             .into());
@@ -368,6 +387,7 @@ impl Data {
             Data::Fixed { batch, seq, .. } => (*batch, *seq),
             Data::Stream(s) => (s.batch, s.seq),
             Data::Labelled(l) => l.shape(),
+            Data::Sft(d) => d.shape(),
         }
     }
 
@@ -378,6 +398,7 @@ impl Data {
             Data::Fixed { .. } => 0,
             Data::Stream(s) => s.tokens.len(),
             Data::Labelled(l) => l.training_tokens(),
+            Data::Sft(d) => d.training_tokens(),
         }
     }
 
@@ -386,6 +407,7 @@ impl Data {
         match self {
             Data::Fixed { batch, seq, .. } => format!("a fixed [{batch}, {seq}] batch"),
             Data::Labelled(l) => l.describe(),
+            Data::Sft(d) => d.describe(),
             Data::Stream(s) => {
                 let mut out = format!(
                     "{}: {} training tokens",
@@ -421,6 +443,7 @@ impl Data {
             Data::Fixed { .. } => 0,
             Data::Stream(s) => s.read as usize,
             Data::Labelled(l) => l.position(),
+            Data::Sft(d) => d.position(),
         }
     }
 
@@ -429,6 +452,7 @@ impl Data {
         match self {
             Data::Stream(s) => s.read = windows as u64,
             Data::Labelled(l) => l.seek(windows),
+            Data::Sft(d) => d.seek(windows),
             Data::Fixed { .. } => {}
         }
     }
@@ -438,6 +462,7 @@ impl Data {
         Ok(match self {
             Data::Fixed { tensors, .. } => tensors.clone(),
             Data::Labelled(l) => l.next_batch(input_names)?,
+            Data::Sft(d) => d.next_batch(input_names)?,
             Data::Stream(s) => {
                 let (b, t) = (s.batch, s.seq);
                 let mut ids = Vec::with_capacity(b * t);
@@ -464,6 +489,7 @@ impl Data {
         match self {
             Data::Stream(s) => !s.validation.is_empty(),
             Data::Labelled(l) => l.has_validation(),
+            Data::Sft(d) => d.has_validation(),
             Data::Fixed { .. } => false,
         }
     }
@@ -483,6 +509,7 @@ impl Data {
         let s = match self {
             Data::Stream(s) => s,
             Data::Labelled(l) => return l.validation_batches(input_names, max_batches),
+            Data::Sft(d) => return d.validation_batches(input_names, max_batches),
             Data::Fixed { .. } => return Ok(Vec::new()),
         };
         let (b, t) = (s.batch, s.seq);
