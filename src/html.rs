@@ -52,6 +52,8 @@ pub struct Report {
     cost: Vec<String>,
     /// What the run did (its closing lines).
     pub outcome: Vec<String>,
+    /// The answers to `--sample-prompts` at each evaluation (1-based step).
+    pub samples: Vec<(u64, Vec<crate::training::samples::Sample>)>,
 }
 
 impl Report {
@@ -65,6 +67,7 @@ impl Report {
             verdict: None,
             cost: Vec::new(),
             outcome: Vec::new(),
+            samples: Vec::new(),
         }
     }
 
@@ -150,6 +153,9 @@ impl Report {
         if let Some(history) = history.filter(|h| !h.train.is_empty()) {
             curves_section(&mut h, history);
         }
+        if !self.samples.is_empty() {
+            samples_section(&mut h, &self.samples);
+        }
         if let Some(m) = &self.memory {
             memory_section(&mut h, m);
         }
@@ -221,6 +227,23 @@ svg .grid { stroke: #eceff3; stroke-width: 1; }
 const COLOURS: [&str; 8] = [
     "#ff7f0e", "#1f77b4", "#2ca02c", "#9467bd", "#7f7f7f", "#d62728", "#8c564b", "#17becf",
 ];
+
+/// The answers to the sample prompts, newest evaluation first.
+fn samples_section(h: &mut String, samples: &[(u64, Vec<crate::training::samples::Sample>)]) {
+    h.push_str("<section id=\"samples\">\n<h2>Samples</h2>\n<table>\n");
+    h.push_str("<tr><th class=\"num\">step</th><th>prompt</th><th>answer</th></tr>\n");
+    for (step, answers) in samples.iter().rev() {
+        for a in answers {
+            let _ = writeln!(
+                h,
+                "<tr><td class=\"num\">{step}</td><td>{}</td><td>{}</td></tr>",
+                esc(&a.prompt),
+                esc(&a.answer)
+            );
+        }
+    }
+    h.push_str("</table>\n</section>\n");
+}
 
 fn esc(s: &str) -> String {
     s.replace('&', "&amp;")

@@ -156,51 +156,16 @@ fn the_quickstart_runs_on_the_demo_checkpoint() {
     std::fs::copy(&corpus, tmp.path().join("notes.txt")).unwrap();
     // `assets/configs/...` as from the repository's root.
     std::os::unix::fs::symlink(root().join("assets"), tmp.path().join("assets")).unwrap();
-    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
-    let section = &readme[readme.find("## Quickstart").unwrap()..];
-    let block = &section[section.find("```sh\n").unwrap() + 6..];
-    let block = &block[..block.find("```").unwrap()];
-    let mut commands: Vec<String> = Vec::new();
-    let mut continued = false;
-    for line in block.lines() {
-        let code = line.split("  #").next().unwrap().trim();
-        if continued {
-            commands.last_mut().unwrap().push(' ');
-            commands
-                .last_mut()
-                .unwrap()
-                .push_str(code.trim_end_matches('\\'));
-        } else if let Some(rest) = code.strip_prefix("castor ") {
-            commands.push(rest.trim_end_matches('\\').to_string());
-        }
-        continued = code.ends_with('\\');
-    }
+    let commands = readme_commands("## Quickstart");
     assert!(commands.len() >= 10, "{commands:?}");
-    for command in commands {
-        let command = command
-            .split(" | ")
-            .next()
-            .unwrap()
-            .split(" > ")
-            .next()
-            .unwrap();
+    for words in commands {
         let mut args: Vec<String> = Vec::new();
-        let mut words = command.split_whitespace().peekable();
+        let mut words = words.into_iter();
         while let Some(w) = words.next() {
-            let w = match w {
+            args.push(match w.as_str() {
                 "./gpt2" => path_str(&ckpt).to_string(),
-                // The quoted prompt and text are single arguments.
-                _ if w.starts_with('"') => {
-                    let mut s = w.trim_start_matches('"').to_string();
-                    while !s.ends_with('"') {
-                        s.push(' ');
-                        s.push_str(words.next().unwrap());
-                    }
-                    s.trim_end_matches('"').to_string()
-                }
-                _ => w.to_string(),
-            };
-            args.push(w);
+                _ => w,
+            });
             // Thousands of steps (and their cadences) are a few here.
             if ["--steps", "--save-every", "--eval-every"].contains(&args.last().unwrap().as_str())
             {

@@ -155,3 +155,114 @@ fn sft_files_train_from_the_cli_and_bad_lines_are_named() {
     fails(&o, 3, "line 1: no assistant tokens");
     assert!(stderr(&o).contains("--loss-on all"), "{}", stderr(&o));
 }
+
+/// `--val-data` with `--sample-prompts`: each evaluation prints and logs the validation
+/// perplexity and greedy answers through the chat template, the report shows them, and the
+/// last answers are what `generate --chat` says with the saved weights.
+#[test]
+fn evaluations_report_perplexity_and_sample_answers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let prompts = tmp.path().join("prompts.txt");
+    std::fs::write(
+        &prompts,
+        "Colour of the sky?\n\nWhat is the capital of France?\n",
+    )
+    .unwrap();
+    let (log, report, out) = (
+        tmp.path().join("run.jsonl"),
+        tmp.path().join("run.html"),
+        tmp.path().join("out"),
+    );
+    let messages = sft_dir().join("messages.jsonl");
+    let o = castor(&[
+        "train",
+        path_str(&sft_dir().join("model/config.json")),
+        "--data",
+        path_str(&messages),
+        "--val-data",
+        path_str(&messages),
+        "--steps",
+        "30",
+        "--batch",
+        "2",
+        "--eval-every",
+        "15",
+        "--sample-prompts",
+        path_str(&prompts),
+        "--sample-tokens",
+        "6",
+        "--log",
+        path_str(&log),
+        "--report",
+        path_str(&report),
+        "--save",
+        path_str(&out),
+        "--device",
+        "cpu",
+    ]);
+    ok(&o);
+    let text = stdout(&o);
+    assert!(text.contains("eval       15  validation loss"), "{text}");
+    assert!(text.contains(", perplexity "), "{text}");
+    assert!(
+        text.contains("sample     30  \"Colour of the sky?\" -> "),
+        "{text}"
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&log)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let last = lines.last().unwrap();
+    let val = last["val_loss"].as_f64().unwrap();
+    assert!((last["val_perplexity"].as_f64().unwrap() - val.exp()).abs() < 1e-9);
+    let samples = last["samples"].as_array().unwrap();
+    assert_eq!(samples.len(), 2);
+    assert!(std::fs::read_to_string(&report)
+        .unwrap()
+        .contains("<section id=\"samples\">"));
+    // The last evaluation's answers are the saved model's.
+    for s in samples {
+        let g = castor(&[
+            "generate",
+            path_str(&out),
+            "--chat",
+            "--prompt",
+            s["prompt"].as_str().unwrap(),
+            "--max-new-tokens",
+            "6",
+        ]);
+        ok(&g);
+        assert_eq!(
+            stdout(&g).trim_end_matches('\n'),
+            s["answer"].as_str().unwrap(),
+            "{}",
+            s["prompt"]
+        );
+    }
+}
+
+/// The README's fine-tuning commands run as written, from the repository's root (in a
+/// scratch folder that links `tests` and `assets`).
+#[test]
+fn the_readme_fine_tuning_commands_run_as_written() {
+    let tmp = tempfile::tempdir().unwrap();
+    for dir in ["tests", "assets"] {
+        std::os::unix::fs::symlink(root().join(dir), tmp.path().join(dir)).unwrap();
+    }
+    let commands = readme_commands("## Fine-tune an instruct model");
+    assert_eq!(commands.len(), 3, "{commands:?}");
+    for args in commands {
+        let o = std::process::Command::new(castor_bin())
+            .args(&args)
+            .current_dir(tmp.path())
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "castor {}: {}",
+            args.join(" "),
+            stderr(&o)
+        );
+    }
+}

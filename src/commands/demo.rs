@@ -377,6 +377,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         input_names: model.input_names(),
         label: "demo".into(),
         profile_last_step: false,
+        samples: None,
         hooks: Default::default(),
     };
     let run = step_loop::train_loop(&mut runner, &mut data, &mut opts, LossHistory::default())?;

@@ -76,7 +76,12 @@ pub struct Args {
     /// Labelled validation examples (.jsonl or .csv, as --data for a classifier): the loss and
     /// accuracy are reported on them at --eval-every and at the end (instead of
     /// --val-fraction).
-    #[arg(long, value_name = "FILE", help_heading = "Data")]
+    #[arg(
+        long,
+        value_name = "FILE",
+        visible_alias = "val-data",
+        help_heading = "Data"
+    )]
     pub validation: Option<PathBuf>,
     #[command(flatten)]
     pub run: RunArgs,
@@ -95,6 +100,14 @@ pub struct Args {
     /// that disagree with the plan are an error).
     #[arg(long, value_name = "PLAN.json", help_heading = "Run")]
     pub plan: Option<PathBuf>,
+    /// Prompts to answer at each evaluation (and at the end), one per line: through the
+    /// model's chat template when it has one (as `generate --chat`), else continued as text;
+    /// greedy, printed, logged (`samples`) and shown in the report.
+    #[arg(long, value_name = "FILE", help_heading = "Data")]
+    pub sample_prompts: Option<PathBuf>,
+    /// Tokens per sample answer at most.
+    #[arg(long, default_value_t = 48, value_name = "N", help_heading = "Data")]
+    pub sample_tokens: usize,
     /// Evaluate the validation loss every N steps (and at the end; needs --val-fraction).
     #[arg(long, value_name = "N", help_heading = "Data")]
     pub eval_every: Option<u64>,

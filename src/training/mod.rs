@@ -12,6 +12,7 @@
 //! | [`trainer`] | the plan on one executor (CPU, CUDA, emulator; ranks in this process or launched) |
 //! | [`launcher`] | a process a launcher started: its rank and its group |
 //! | [`step_loop`] | the loop: schedule, progress, log, validation, saves, Ctrl-C |
+//! | [`samples`] | answers to `--sample-prompts` at each evaluation |
 //! | [`checkpoint`], [`resume`] | what a checkpoint holds, and a resumed run's flags against it |
 //! | [`run`] | one run as named phases, from the flags to its outcome |
 
@@ -25,6 +26,7 @@ pub mod plan;
 pub mod progress;
 pub mod resume;
 pub mod run;
+pub mod samples;
 pub mod step_loop;
 pub mod trainer;
 pub mod weights;

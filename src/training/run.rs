@@ -267,6 +267,32 @@ fn loop_options(
         r.cost(plan, &planned.gpu);
         r
     });
+    let samples = match &args.sample_prompts {
+        Some(path) => {
+            if plan
+                .settings
+                .lora
+                .as_ref()
+                .is_some_and(|l| !l.base.is_compute())
+            {
+                return Err(CliError::InvalidInput(
+                    "--sample-prompts decodes with the weights in their checkpoint form; a \
+                     quantized base (--base nf4) has none yet"
+                        .into(),
+                )
+                .into());
+            }
+            let model_path = start.resume_dir.as_deref().unwrap_or(&args.model);
+            Some(super::samples::Samples::open(
+                path,
+                model_path,
+                args.precision.clone(),
+                plan.settings.lora.clone(),
+                args.sample_tokens,
+            )?)
+        }
+        None => None,
+    };
     let flags = RunFlags {
         precision: args.precision.clone(),
         training: args.training.clone(),
@@ -306,6 +332,7 @@ fn loop_options(
         input_names: model.input_names(),
         label: "train".into(),
         profile_last_step: args.profile_kernels.is_some(),
+        samples,
         hooks,
     };
     Ok((opts, history))
@@ -336,7 +363,7 @@ fn finish(
         )?;
     }
     let step = first_step + out.steps_done;
-    let outcome = outcome_lines(&out);
+    let outcome = outcome_lines(&out, &opts.state.settings.objective);
     for line in &outcome {
         outln!("{line}");
     }
@@ -391,7 +418,7 @@ fn finish(
 }
 
 /// The `done` and `validation` lines of a finished run (printed, and the report's outcome).
-fn outcome_lines(out: &LoopOutcome) -> Vec<String> {
+fn outcome_lines(out: &LoopOutcome, objective: &str) -> Vec<String> {
     let mut outcome = Vec::new();
     if let Some(r) = &out.last {
         outcome.push(format!(
@@ -408,6 +435,9 @@ fn outcome_lines(out: &LoopOutcome) -> Vec<String> {
         let accuracy = out
             .accuracy
             .map(|a| format!(", accuracy {:.1}%", a * 100.0))
+            .or_else(|| {
+                super::step_loop::perplexity(objective, *v).map(|p| format!(", perplexity {p:.2}"))
+            })
             .unwrap_or_default();
         outcome.push(format!(
             "validation  loss {v:.4}{accuracy} at step {}",

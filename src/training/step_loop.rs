@@ -55,6 +55,7 @@ fn log_line(
     tokens_per_s: f64,
     val_loss: Option<f64>,
     val_accuracy: Option<f64>,
+    objective: &str,
 ) -> serde_json::Value {
     let mut line = serde_json::json!({
         "step": done,
@@ -72,11 +73,20 @@ fn log_line(
     if let Some(a) = val_accuracy {
         line["val_accuracy"] = serde_json::json!(a);
     }
+    if let Some(p) = val_loss.and_then(|v| perplexity(objective, v)) {
+        line["val_perplexity"] = serde_json::json!(p);
+    }
     if let Some(t) = report.device_time {
         line["micro_steps_ms"] = serde_json::json!(t.micro_steps_ms);
         line["optimizer_step_ms"] = serde_json::json!(t.optimizer_step_ms);
     }
     line
+}
+
+/// The perplexity of a language model's mean token loss (`exp(loss)`, as transformers'
+/// examples report it); other objectives have none.
+pub fn perplexity(objective: &str, loss: f64) -> Option<f64> {
+    matches!(objective, "lm" | "mlm").then(|| loss.exp())
 }
 
 /// Installs the Ctrl-C handler (once per process).
@@ -156,6 +166,8 @@ pub struct LoopOptions {
     pub label: String,
     /// Profile the last step command by command (`--profile-kernels`).
     pub profile_last_step: bool,
+    /// Prompts answered at each evaluation (`--sample-prompts`).
+    pub samples: Option<super::samples::Samples>,
     pub hooks: Hooks,
 }
 
@@ -350,14 +362,45 @@ pub fn train_loop(
             if let Some(v) = v {
                 history.validation.push((done, v));
                 out.evaluated_at = Some(done);
-                progress.println(&format!("eval   {done:>6}  validation loss {v:.4}"));
+                let ppl = perplexity(&settings.objective, v)
+                    .map(|p| format!(", perplexity {p:.2}"))
+                    .unwrap_or_default();
+                progress.println(&format!("eval   {done:>6}  validation loss {v:.4}{ppl}"));
             }
             (v, None)
         } else {
             (None, None)
         };
+        // Samples at each evaluation, and at the end of a run without validation data.
+        let sampled = match &opts.samples {
+            Some(samples) if eval_now || (val_batches.is_empty() && last_step) => {
+                let answers = samples.answer(runner.host()?)?;
+                for a in &answers {
+                    progress.println(&format!(
+                        "sample {done:>6}  {:?} -> {:?}",
+                        a.prompt, a.answer
+                    ));
+                }
+                Some(answers)
+            }
+            _ => None,
+        };
         if logged {
-            let line = log_line(done, &report, lr, tokens_per_s, val_loss, val_accuracy);
+            let mut line = log_line(
+                done,
+                &report,
+                lr,
+                tokens_per_s,
+                val_loss,
+                val_accuracy,
+                &settings.objective,
+            );
+            if let Some(answers) = &sampled {
+                line["samples"] = answers
+                    .iter()
+                    .map(|a| serde_json::json!({"prompt": a.prompt, "answer": a.answer}))
+                    .collect();
+            }
             if let Some(f) = opts.log.as_mut() {
                 writeln!(f, "{line}").context("cannot write the training log")?;
             }
@@ -377,6 +420,9 @@ pub fn train_loop(
             },
             print,
         );
+        if let (Some(answers), Some(report)) = (sampled, opts.report.as_mut()) {
+            report.samples.push((done, answers));
+        }
         if print || eval_now {
             redraw(opts, &history);
         }
@@ -477,13 +523,16 @@ mod tests {
             grad_norm: 0.5,
             device_time: None,
         };
-        let plain = log_line(3, &report, 1e-3, 100.0, None, None);
+        let plain = log_line(3, &report, 1e-3, 100.0, None, None, "lm");
         assert!(plain.get("micro_steps_ms").is_none() && plain.get("optimizer_step_ms").is_none());
         report.device_time = Some(DeviceTime {
             micro_steps_ms: 12.5,
             optimizer_step_ms: 1.25,
         });
-        let timed = log_line(3, &report, 1e-3, 100.0, Some(2.0), None);
+        let timed = log_line(3, &report, 1e-3, 100.0, Some(2.0), None, "lm");
+        assert_eq!(timed["val_perplexity"], serde_json::json!(2f64.exp()));
+        let classifier = log_line(3, &report, 1e-3, 100.0, Some(2.0), None, "classify");
+        assert!(classifier.get("val_perplexity").is_none());
         assert_eq!(timed["micro_steps_ms"], serde_json::json!(12.5));
         assert_eq!(timed["optimizer_step_ms"], serde_json::json!(1.25));
         assert_eq!(timed["val_loss"], serde_json::json!(2.0));

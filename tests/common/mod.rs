@@ -80,6 +80,50 @@ pub fn eval(model: &Path, input: &Path, out: &Path, extra: &[&str]) -> Output {
     castor(&args)
 }
 
+/// The `castor` commands of the first `sh` block after `heading` in README.md, as argument
+/// lists: continued lines joined, comments, pipes and redirections left out, quoted words kept
+/// whole.
+pub fn readme_commands(heading: &str) -> Vec<Vec<String>> {
+    let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
+    let section = &readme[readme.find(heading).unwrap()..];
+    let block = &section[section.find("```sh\n").unwrap() + 6..];
+    let block = &block[..block.find("```").unwrap()];
+    let mut commands: Vec<String> = Vec::new();
+    let mut continued = false;
+    for line in block.lines() {
+        let code = line.split("  #").next().unwrap().trim();
+        if continued {
+            let last = commands.last_mut().unwrap();
+            last.push(' ');
+            last.push_str(code.trim_end_matches('\\'));
+        } else if let Some(rest) = code.strip_prefix("castor ") {
+            commands.push(rest.trim_end_matches('\\').to_string());
+        }
+        continued = code.ends_with('\\');
+    }
+    commands
+        .iter()
+        .map(|c| {
+            let c = c.split(" | ").next().unwrap().split(" > ").next().unwrap();
+            let mut args = Vec::new();
+            let mut words = c.split_whitespace();
+            while let Some(w) = words.next() {
+                if let Some(quoted) = w.strip_prefix('"') {
+                    let mut s = quoted.to_string();
+                    while !s.ends_with('"') {
+                        s.push(' ');
+                        s.push_str(words.next().unwrap());
+                    }
+                    args.push(s.trim_end_matches('"').to_string());
+                } else {
+                    args.push(w.to_string());
+                }
+            }
+            args
+        })
+        .collect()
+}
+
 /// Asserts that a run succeeded, showing its output if not.
 pub fn ok(o: &Output) {
     assert!(o.status.success(), "{}\n{}", stdout(o), stderr(o));
