@@ -187,6 +187,8 @@ fn evaluations_report_perplexity_and_sample_answers() {
         "2",
         "--eval-every",
         "15",
+        "--data-order",
+        "sequential",
         "--sample-prompts",
         path_str(&prompts),
         "--sample-tokens",
@@ -214,6 +216,9 @@ fn evaluations_report_perplexity_and_sample_answers() {
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
     let last = lines.last().unwrap();
+    // Throughput counts real tokens: 30 steps of 2 read the 3 examples (127 tokens) 20 times.
+    assert!(text.contains("3 conversations, 127 tokens"), "{text}");
+    assert_eq!(last["tokens"].as_f64().unwrap(), 20.0 * 127.0);
     let val = last["val_loss"].as_f64().unwrap();
     assert!((last["val_perplexity"].as_f64().unwrap() - val.exp()).abs() < 1e-9);
     let samples = last["samples"].as_array().unwrap();

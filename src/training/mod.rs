@@ -5,7 +5,7 @@
 //! |---|---|
 //! | [`args`] | the `train` flags, and the checks that need only the flags |
 //! | `flags` (re-exported here) | the training flags `compile --train` shares: optimizer, loss scaling, LoRA, parallelism; the [`TrainSettings`](castor_ir::TrainSettings) they make |
-//! | [`data`] | token streams, text, labelled examples, batch files: micro-batches and their position |
+//! | [`data`] | token streams, text, labelled examples, SFT examples, batch files: micro-batches and their position |
 //! | [`plan`] | the plan compiled (or read and checked), the data opened for its shape, the fit verdict |
 //! | [`fit`] | the planned peak against a device's memory, and the changes that would fit |
 //! | [`weights`] | the starting weights and adapters, and what is wrong with them |

@@ -281,7 +281,15 @@ pub fn train_loop(
     let (batch, seq) = (settings.batch, settings.seq);
     // A data-parallel step takes a micro-batch per rank and micro step.
     let micro_batches = settings.grad_accum * settings.parallel.world_size.max(1);
-    let tokens_per_step = (batch * seq * micro_batches) as f64;
+    // Throughput counts the tokens under the attention mask: padding is not trained on.
+    let real_tokens = |batch_inputs: &HashMap<String, Tensor>| -> f64 {
+        match batch_inputs.get("attention_mask").and_then(|m| m.as_i64()) {
+            Some(mask) => mask.iter().filter(|&&m| m != 0).count() as f64,
+            None => (batch * seq) as f64,
+        }
+    };
+    let mut total_tokens = 0.0;
+    let mut tokens_since_report = 0.0;
     let val_batches = data.validation_batches(opts.input_names, opts.eval_batches)?;
     let accuracy = data.has_classes();
     let progress = Progress::new(opts.first_step, opts.steps, &opts.label);
@@ -298,12 +306,15 @@ pub fn train_loop(
         accuracy: None,
     };
     let end = opts.first_step + opts.steps;
-    let (mut queued, mut last_report) = (0u64, Instant::now());
+    let mut last_report = Instant::now();
     for step in opts.first_step..end {
         let lr = opts.lr.at(step);
         let micro: Vec<HashMap<String, Tensor>> = (0..micro_batches)
             .map(|_| data.next_batch(opts.input_names))
             .collect::<anyhow::Result<_>>()?;
+        let step_tokens: f64 = micro.iter().map(real_tokens).sum();
+        total_tokens += step_tokens;
+        tokens_since_report += step_tokens;
         // Steps are numbered from 1 everywhere people and files see them.
         let done = step + 1;
         let last_step = done == end;
@@ -330,13 +341,11 @@ pub fn train_loop(
         out.steps_done += 1;
         let Some(report) = stepped else {
             progress.tick();
-            queued += 1;
             continue;
         };
         // Throughput over the steps since the last report (queued device steps included).
-        let tokens_per_s =
-            tokens_per_step * (queued + 1) as f64 / last_report.elapsed().as_secs_f64().max(1e-9);
-        queued = 0;
+        let tokens_per_s = tokens_since_report / last_report.elapsed().as_secs_f64().max(1e-9);
+        tokens_since_report = 0.0;
         last_report = Instant::now();
         out.skipped += u64::from(report.skipped);
         history.train.push((done, f64::from(report.loss)));
@@ -395,6 +404,8 @@ pub fn train_loop(
                 val_accuracy,
                 &settings.objective,
             );
+            // The tokens trained on so far by this run (padding left out).
+            line["tokens"] = serde_json::json!(total_tokens);
             if let Some(answers) = &sampled {
                 line["samples"] = answers
                     .iter()
@@ -453,7 +464,7 @@ pub fn train_loop(
     }
     progress.finish();
     out.seconds = start.elapsed().as_secs_f64();
-    out.tokens = tokens_per_step * out.steps_done as f64;
+    out.tokens = total_tokens;
     out.history = history;
     Ok(out)
 }
