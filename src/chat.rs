@@ -27,8 +27,9 @@ const GENERATION_END: char = '\u{F8F1}';
 
 /// A chat template with the variables it is rendered with.
 pub struct ChatTemplate {
-    /// The template's text, its generation tags as calls of the marker function.
-    source: String,
+    /// transformers' environment holding the template (parsed once), its generation tags as
+    /// calls of the marker function.
+    env: Environment<'static>,
     /// Where it came from, for people.
     origin: PathBuf,
     /// The tokenizer's special tokens by name (`bos_token`, `eos_token`, ...).
@@ -98,14 +99,15 @@ impl ChatTemplate {
         origin: PathBuf,
         specials: BTreeMap<String, String>,
     ) -> anyhow::Result<ChatTemplate> {
-        let template = ChatTemplate {
-            source: with_generation_calls(&source),
+        let mut template = ChatTemplate {
+            env: environment(),
             origin,
             specials,
         };
-        let env = environment();
-        env.template_from_str(&template.source)
-            .map_err(|e| template.error(e))?;
+        let parsed = template
+            .env
+            .add_template_owned(TEMPLATE, with_generation_calls(&source));
+        parsed.map_err(|e| template.error(e))?;
         Ok(template)
     }
 
@@ -126,10 +128,7 @@ impl ChatTemplate {
         messages: &serde_json::Value,
         add_generation_prompt: bool,
     ) -> anyhow::Result<Rendered> {
-        let env = environment();
-        let template = env
-            .template_from_str(&self.source)
-            .map_err(|e| self.error(e))?;
+        let template = self.env.get_template(TEMPLATE).map_err(|e| self.error(e))?;
         let mut context: BTreeMap<String, Value> = self
             .specials
             .iter()
@@ -170,6 +169,9 @@ impl ChatTemplate {
         .into()
     }
 }
+
+/// The template's name in its environment.
+const TEMPLATE: &str = "chat_template";
 
 /// The prefix of the errors `raise_exception` raises.
 const RAISED: &str = "raise_exception: ";

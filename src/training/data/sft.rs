@@ -76,12 +76,16 @@ impl Format {
 /// The format of a `.jsonl` file, by its first line: `None` for other files (and for lines
 /// of `text`, which train as a token stream).
 pub fn format_of(path: &Path) -> Option<Format> {
+    use std::io::BufRead;
     if path.extension().is_none_or(|e| e != "jsonl") {
         return None;
     }
-    let text = std::fs::read_to_string(path).ok()?;
-    let line = text.lines().find(|l| !l.trim().is_empty())?;
-    Format::of(&serde_json::from_str(line).ok()?)
+    let file = std::io::BufReader::new(std::fs::File::open(path).ok()?);
+    let line = file
+        .lines()
+        .map_while(Result::ok)
+        .find(|l| !l.trim().is_empty())?;
+    Format::of(&serde_json::from_str(&line).ok()?)
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -405,36 +409,46 @@ fn invalid(path: &Path, line: usize, what: String) -> anyhow::Error {
     CliError::InvalidInput(format!("`{}` line {line}: {what}", path.display())).into()
 }
 
-/// The examples of a `.jsonl` file in `format`, tokenized and labelled (not yet cut).
+/// The examples of a `.jsonl` file in `format`, tokenized and labelled (not yet cut), in
+/// parallel; the first bad line (in file order) is the error.
 fn read_examples(path: &Path, format: Format, r: &Readers) -> anyhow::Result<Vec<Example>> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    use rayon::prelude::*;
+    use std::io::BufRead;
+    let cannot = |e: std::io::Error| {
         CliError::InvalidInput(format!("cannot read data `{}`: {e}", path.display()))
-    })?;
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
+    };
+    let file = std::io::BufReader::new(std::fs::File::open(path).map_err(cannot)?);
+    let mut lines = Vec::new();
+    for (i, line) in file.lines().enumerate() {
+        let line = line.map_err(cannot)?;
+        if !line.trim().is_empty() {
+            lines.push((i + 1, line));
         }
-        let at = |what: String| invalid(path, i + 1, what);
-        let v: Value = serde_json::from_str(line).map_err(|e| at(e.to_string()))?;
-        if Format::of(&v) != Some(format) {
-            return Err(at(format!(
-                "every line must be one of {} as the first is (`messages`, or `prompt` and \
-                 `completion`)",
-                format.name()
-            )));
-        }
-        let example = match format {
-            Format::Messages => messages_example(&v, r),
-            Format::PromptCompletion => prompt_completion(&v, r),
-            Format::ConversationalPromptCompletion => conversational_prompt_completion(&v, r),
-        };
-        out.push(example.map_err(|e| at(format!("{e:#}")))?);
     }
-    if out.is_empty() {
+    if lines.is_empty() {
         return Err(invalid(path, 1, "holds no examples".into()));
     }
-    Ok(out)
+    let examples: Vec<anyhow::Result<Example>> = lines
+        .par_iter()
+        .map(|(number, line)| {
+            let at = |what: String| invalid(path, *number, what);
+            let v: Value = serde_json::from_str(line).map_err(|e| at(e.to_string()))?;
+            if Format::of(&v) != Some(format) {
+                return Err(at(format!(
+                    "every line must be one of {} as the first is (`messages`, or `prompt` \
+                     and `completion`)",
+                    format.name()
+                )));
+            }
+            let example = match format {
+                Format::Messages => messages_example(&v, r),
+                Format::PromptCompletion => prompt_completion(&v, r),
+                Format::ConversationalPromptCompletion => conversational_prompt_completion(&v, r),
+            };
+            example.map_err(|e| at(format!("{e:#}")))
+        })
+        .collect();
+    examples.into_iter().collect()
 }
 
 /// A field that must be a list of messages (`{"role": string, "content": ...}`).
