@@ -271,3 +271,46 @@ fn the_readme_fine_tuning_commands_run_as_written() {
         );
     }
 }
+
+/// An SFT run resumed from its checkpoint reads the examples the uninterrupted run reads
+/// (shuffled, with a validation split; rows of 2 from 3 training examples, so the resumed run
+/// starts in the middle of a pass): the same losses step for step.
+#[test]
+fn a_resumed_sft_run_continues_the_same_examples() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = sft_dir().join("model/config.json");
+    let data = sft_dir().join("prompt_completion.jsonl");
+    let train = |steps: &str, log: &std::path::Path, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            path_str(&model),
+            "--data",
+            path_str(&data),
+            "--steps",
+            steps,
+            "--batch",
+            "2",
+            "--val-fraction",
+            "0.25",
+            "--seed",
+            "5",
+            "--device",
+            "cpu",
+            "--log",
+            path_str(log),
+        ];
+        args.extend_from_slice(extra);
+        ok(&castor(&args));
+    };
+    let (straight, resumed) = (
+        tmp.path().join("straight.jsonl"),
+        tmp.path().join("resumed.jsonl"),
+    );
+    let ckpt = tmp.path().join("ckpt");
+    train("6", &straight, &[]);
+    train("3", &resumed, &["--save", path_str(&ckpt)]);
+    train("6", &resumed, &["--resume", path_str(&ckpt)]);
+    let losses = log_losses(&straight);
+    assert_eq!(losses.len(), 6);
+    assert_eq!(log_losses(&resumed), losses);
+}
