@@ -14,7 +14,9 @@
 //! `stream` is the node's attribute (which dropout of the graph) and `offset` the low 32 bits
 //! of the second word of `key` (which micro step). Element `i` is kept when its draw
 //! `r = philox(..)[i % 4]` is below [`keep_threshold`], and then scaled by
-//! [`dropout_scale`], as `torch.nn.functional.dropout` scales by `1 / (1 - p)`.
+//! [`dropout_scale`], as `torch.nn.functional.dropout` scales by `1 / (1 - p)`. A negative
+//! offset is evaluation mode (transformers' `model.eval()`): every element is kept unscaled,
+//! so one plan both trains (a key per micro step) and validates (offset -1).
 
 /// Philox4x32's multipliers and Weyl key increments (Random123's `PHILOX_M4x32_*` and
 /// `PHILOX_W32_*`).
@@ -62,8 +64,17 @@ pub fn dropout_draws(key: [i64; 2], stream: u32, block: u64) -> [u32; 4] {
     )
 }
 
-/// Whether each element of a dropout of `n` elements is kept.
+/// Whether `key` is evaluation mode (a negative offset): dropout is the identity.
+pub fn is_evaluation(key: [i64; 2]) -> bool {
+    key[1] < 0
+}
+
+/// Whether each element of a dropout of `n` elements is kept (all of them in evaluation
+/// mode, where they are also not scaled).
 pub fn dropout_mask(key: [i64; 2], stream: u32, p: f64, n: usize) -> Vec<bool> {
+    if is_evaluation(key) {
+        return vec![true; n];
+    }
     let threshold = keep_threshold(p);
     let mut keep = Vec::with_capacity(n);
     for block in 0..n.div_ceil(4) as u64 {
@@ -126,6 +137,7 @@ mod tests {
         // A prefix of a longer mask is the shorter mask: element i depends on i alone.
         assert_eq!(dropout_mask([42, 7], 3, 0.5, 4097)[..4093], base[..4093]);
         assert!(dropout_mask([1, 2], 0, 0.0, 999).iter().all(|&k| k));
+        assert!(dropout_mask([1, -1], 0, 0.9, 999).iter().all(|&k| k));
         assert_eq!(keep_threshold(0.0), 1 << 32);
         assert_eq!(dropout_scale(0.1), (1.0f64 / 0.9) as f32);
     }

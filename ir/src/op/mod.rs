@@ -225,7 +225,8 @@ define_ops! {
     /// each element kept with probability `1 - p` and scaled by `1 / (1 - p)`, else zero. The
     /// mask is drawn from Philox4x32-10 keyed by `key = [seed, offset]`, the node's `stream`
     /// and the element's index ([`crate::philox`]): every executor draws the same mask, and it
-    /// is regenerated, never stored. The gradient is the same dropout of `dy` (same key).
+    /// is regenerated, never stored. The gradient is the same dropout of `dy` (same key). A
+    /// negative offset is evaluation mode: `y = x`.
     Dropout { p: f64, stream: usize } => "dropout", class Elementwise, arity (2, 2),
         typing typing::dropout(inputs, *p, *stream);
     Reshape { shape: Vec<usize> } => "reshape", class Layout, arity (1, 1),

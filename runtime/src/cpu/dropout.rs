@@ -5,10 +5,14 @@
 //! in any order, in parallel.
 
 use super::par::for_each_block;
-use castor_ir::philox::{dropout_draws, dropout_scale, keep_threshold};
+use castor_ir::philox::{dropout_draws, dropout_scale, is_evaluation, keep_threshold};
 
-/// `x = x * (keep ? scale : 0)` for the mask keyed by `key` (`[seed, offset]`) and `stream`.
+/// `x = x * (keep ? scale : 0)` for the mask keyed by `key` (`[seed, offset]`) and `stream`;
+/// `x` unchanged in evaluation mode (a negative offset).
 pub fn dropout(x: &mut [f32], key: [i64; 2], stream: u32, p: f64) {
+    if is_evaluation(key) {
+        return;
+    }
     let threshold = keep_threshold(p);
     let scale = dropout_scale(p);
     // A Philox call is about 40 integer operations: the work of ten elements' pointwise ops.

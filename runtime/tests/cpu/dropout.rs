@@ -53,4 +53,7 @@ fn dropout_keeps_the_mean_and_its_mask_follows_the_key() {
     assert_eq!(f32s(&y), f32s(&again));
     let next = run_op(Op::Dropout { p: 0.2, stream: 0 }, &[&ones, &key(1, 1)]).expect("runs");
     assert_ne!(f32s(&y), f32s(&next));
+    // Evaluation mode (a negative offset): the identity.
+    let eval = run_op(Op::Dropout { p: 0.2, stream: 0 }, &[&ones, &key(1, -1)]).expect("runs");
+    assert!(f32s(&eval).iter().all(|&v| v == 1.0));
 }

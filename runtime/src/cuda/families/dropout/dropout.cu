@@ -8,7 +8,8 @@
 //     Philox draws of block i / 4 keyed by key = (seed, offset) and stream
 //     (castor_common.cuh), threshold = round((1 - p) 2^32) and scale the F32 1 / (1 - p)
 //     (given as a double holding that F32). The product by 0 keeps NaN and Inf visible to
-//     the overflow check, as PyTorch's x * mask * scale does.
+//     the overflow check, as PyTorch's x * mask * scale does. A negative offset is evaluation
+//     mode: y = x (rounded to T, which changes nothing).
 // Arithmetic in F32, one rounding at the store: bit for bit the CPU twin
 // (runtime/src/cpu/dropout.rs). The key is read from device memory, so a captured graph
 // draws a new mask each time the key's offset changes.
@@ -24,6 +25,10 @@ __device__ __forceinline__ void dropout(const T* x, T* y, const i64* key, i64 n,
     const i64 blocks = (n + 3) / 4;
     const i64 tid = i64(blockIdx.x) * blockDim.x + threadIdx.x;
     const i64 stride = i64(gridDim.x) * blockDim.x;
+    if (offset < 0) {
+        for (i64 i = tid; i < n; i += stride) y[i] = x[i];
+        return;
+    }
     for (i64 b = tid; b < blocks; b += stride) {
         unsigned r[4];
         dropout_draws(r, seed, offset, stream, (u64)b);

@@ -22,6 +22,8 @@ fn dropout_equals_the_twin() {
                 (0.1, [7i64, 0], 0u32),
                 (0.5, [-3, 1 << 40], 9),
                 (0.0, [1, 2], 1),
+                // Evaluation mode: every element kept unscaled.
+                (0.5, [3, -1], 2),
             ] {
                 let mut x = rng.values(n, 4.0, d);
                 // An infinity that is dropped stays visible (Inf * 0 = NaN), as in PyTorch.
