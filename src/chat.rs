@@ -34,6 +34,8 @@ pub struct ChatTemplate {
     origin: PathBuf,
     /// The tokenizer's special tokens by name (`bos_token`, `eos_token`, ...).
     specials: BTreeMap<String, String>,
+    /// Whether it has `{% generation %}` blocks (what an assistant-only loss needs).
+    marks_generation: bool,
 }
 
 /// A rendered conversation.
@@ -99,14 +101,14 @@ impl ChatTemplate {
         origin: PathBuf,
         specials: BTreeMap<String, String>,
     ) -> anyhow::Result<ChatTemplate> {
+        let calls = with_generation_calls(&source);
         let mut template = ChatTemplate {
             env: environment(),
             origin,
             specials,
+            marks_generation: calls != source,
         };
-        let parsed = template
-            .env
-            .add_template_owned(TEMPLATE, with_generation_calls(&source));
+        let parsed = template.env.add_template_owned(TEMPLATE, calls);
         parsed.map_err(|e| template.error(e))?;
         Ok(template)
     }
@@ -114,6 +116,11 @@ impl ChatTemplate {
     /// Where the template came from.
     pub fn origin(&self) -> &Path {
         &self.origin
+    }
+
+    /// Whether the template marks the assistant's turns with `{% generation %}` blocks.
+    pub fn marks_generation(&self) -> bool {
+        self.marks_generation
     }
 
     /// The special token named `name` (`eos_token`, ...), as the tokenizer config gives it.

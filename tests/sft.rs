@@ -154,6 +154,15 @@ fn sft_files_train_from_the_cli_and_bad_lines_are_named() {
     ]);
     fails(&o, 3, "line 1: no assistant tokens");
     assert!(stderr(&o).contains("--loss-on all"), "{}", stderr(&o));
+    // inspect says which templates mark the assistant's turns.
+    let said = |dir: &std::path::Path| {
+        let o = castor(&["inspect", path_str(&dir.join("config.json"))]);
+        ok(&o);
+        stdout(&o)
+    };
+    assert!(said(&sft_dir().join("model")).contains("marks the assistant's turns"));
+    assert!(said(&plain)
+        .contains("no {% generation %} blocks: SFT on conversations needs --loss-on all"));
 }
 
 /// `--val-data` with `--sample-prompts`: each evaluation prints and logs the validation

@@ -92,6 +92,27 @@ pub fn inspect(args: &Args) -> anyhow::Result<Inspected> {
         Err(e) if has_tokenizer_files(&model) => return Err(e),
         Err(_) => writeln!(r, "tokenizer   none (token files and batches only)")?,
     }
+    let dir = model
+        .config()
+        .file
+        .parent()
+        .unwrap_or(std::path::Path::new("."));
+    match crate::chat::ChatTemplate::find(dir) {
+        Ok(Some(t)) => writeln!(
+            r,
+            "chat        template `{}`; {}",
+            t.origin().display(),
+            if t.marks_generation() {
+                "marks the assistant's turns ({% generation %}): SFT on conversations takes \
+                 the loss on them"
+            } else {
+                "no {% generation %} blocks: SFT on conversations needs --loss-on all"
+            }
+        )?,
+        Ok(None) => {}
+        // Said, not fatal: inspect is where a broken template should show.
+        Err(e) => writeln!(r, "chat        {}", crate::error_message(&e))?,
+    }
     let graph = match &args.adapter {
         Some(dir) => {
             let a = crate::adapter::load(dir)?;
