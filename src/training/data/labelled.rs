@@ -18,7 +18,7 @@
 //! the rows that fill the last one out are repeats whose labels are ignored.
 
 use crate::tokenizer::TextTokenizer;
-use crate::training::data::{read_index, DataOrder};
+use crate::training::data::{hold_out, read_index, row_inputs, validation_rows, DataOrder};
 use crate::CliError;
 use castor_ir::{DType, Tensor};
 use castor_models::{Model, ProblemType, IGNORE_INDEX};
@@ -114,27 +114,7 @@ impl Labelled {
         }
         let validation = match o.validation {
             Some(v) => read_examples(v, model, &tokenizer)?,
-            None => {
-                if !(0.0..1.0).contains(&o.val_fraction) {
-                    return Err(CliError::InvalidInput(format!(
-                        "--val-fraction must be in [0, 1), found {}",
-                        o.val_fraction
-                    ))
-                    .into());
-                }
-                let held = (train.len() as f64 * o.val_fraction).ceil() as usize;
-                if held >= train.len() && held > 0 {
-                    return Err(invalid(
-                        path,
-                        format!(
-                            "--val-fraction {} holds out every one of its {} examples",
-                            o.val_fraction,
-                            train.len()
-                        ),
-                    ));
-                }
-                train.split_off(train.len() - held)
-            }
+            None => hold_out(path, &mut train, o.val_fraction)?,
         };
         let positions = model.max_positions();
         let longest = train.iter().map(|e| e.ids.len()).max().unwrap_or(1);
@@ -240,18 +220,12 @@ impl Labelled {
         input_names: &[&str],
         max_batches: usize,
     ) -> anyhow::Result<Vec<HashMap<String, Tensor>>> {
-        let n = self.validation.len();
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let count = n.div_ceil(self.batch).clamp(1, max_batches.max(1));
-        (0..count)
-            .map(|k| {
-                let rows: Vec<(Example, bool)> = (0..self.batch)
-                    .map(|r| {
-                        let i = k * self.batch + r;
-                        (self.validation[i % n].clone(), i >= n)
-                    })
+        validation_rows(self.validation.len(), self.batch, max_batches)
+            .into_iter()
+            .map(|rows| {
+                let rows: Vec<(Example, bool)> = rows
+                    .into_iter()
+                    .map(|(i, filler)| (self.validation[i].clone(), filler))
                     .collect();
                 self.make_batch(&rows, input_names)
             })
@@ -291,17 +265,7 @@ impl Labelled {
                 Tensor::from_i64(DType::I64, [b], last),
             );
         }
-        for &name in input_names {
-            let values = match name {
-                "input_ids" => ids.clone(),
-                "attention_mask" => mask.clone(),
-                _ => vec![0; b * t],
-            };
-            out.insert(
-                name.to_string(),
-                Tensor::from_i64(DType::I64, [b, t], values),
-            );
-        }
+        out.extend(row_inputs(&ids, &mask, b, t, input_names));
         let labels = if self.problem == ProblemType::Regression {
             Tensor::from_f32(DType::F32, [b, self.num_labels], targets)
         } else {

@@ -592,23 +592,85 @@ fn window_batch(
     t: usize,
     input_names: &[&str],
 ) -> HashMap<String, Tensor> {
-    let mut out = HashMap::new();
-    for &name in input_names {
-        let values = match name {
-            "input_ids" => ids.clone(),
-            "attention_mask" => vec![1; b * t],
-            _ => vec![0; b * t],
-        };
-        out.insert(
-            name.to_string(),
-            Tensor::from_i64(DType::I64, [b, t], values),
-        );
-    }
+    let mut out = row_inputs(&ids, &vec![1; b * t], b, t, input_names);
     out.insert(
         "labels".into(),
         Tensor::from_i64(DType::I64, [b, t], labels),
     );
     out
+}
+
+/// A [b, t] batch's graph inputs by name: the ids, the attention mask, zero token types.
+pub(crate) fn row_inputs(
+    ids: &[i64],
+    mask: &[i64],
+    b: usize,
+    t: usize,
+    input_names: &[&str],
+) -> HashMap<String, Tensor> {
+    input_names
+        .iter()
+        .map(|&name| {
+            let values = match name {
+                "input_ids" => ids.to_vec(),
+                "attention_mask" => mask.to_vec(),
+                _ => vec![0; b * t],
+            };
+            (
+                name.to_string(),
+                Tensor::from_i64(DType::I64, [b, t], values),
+            )
+        })
+        .collect()
+}
+
+/// The last `fraction` of `examples` (labelled or SFT), held out for validation; an error when
+/// it would hold out every one.
+pub(crate) fn hold_out<T>(
+    path: &Path,
+    examples: &mut Vec<T>,
+    fraction: f64,
+) -> anyhow::Result<Vec<T>> {
+    if !(0.0..1.0).contains(&fraction) {
+        return Err(CliError::InvalidInput(format!(
+            "--val-fraction must be in [0, 1), found {fraction}"
+        ))
+        .into());
+    }
+    let held = (examples.len() as f64 * fraction).ceil() as usize;
+    if held >= examples.len() && held > 0 {
+        return Err(invalid(
+            path,
+            format!(
+                "--val-fraction {fraction} holds out every one of its {} examples",
+                examples.len()
+            ),
+        ));
+    }
+    Ok(examples.split_off(examples.len() - held))
+}
+
+/// The validation examples of each of up to `max_batches` micro-batches of `batch` rows, in
+/// order: `(index, filler)`, the last batch filled out with repeats flagged as fillers.
+pub(crate) fn validation_rows(
+    n: usize,
+    batch: usize,
+    max_batches: usize,
+) -> Vec<Vec<(usize, bool)>> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let count = n.div_ceil(batch).clamp(1, max_batches.max(1));
+    (0..count)
+        .map(|k| {
+            (0..batch)
+                .map(|r| {
+                    let i = k * batch + r;
+                    (i % n, i >= n)
+                })
+                .collect()
+        })
+        .collect()
 }
 
 fn invalid(path: &Path, what: String) -> anyhow::Error {

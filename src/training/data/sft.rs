@@ -22,7 +22,7 @@
 //! token under an attention mask. Order, validation split and resume position are as for
 //! labelled examples.
 
-use super::{read_index, DataOrder};
+use super::{hold_out, read_index, row_inputs, validation_rows, DataOrder};
 use crate::chat::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
 use crate::CliError;
@@ -180,28 +180,7 @@ impl Sft {
                 }
                 read_examples(v, format, &readers)?
             }
-            None => {
-                if !(0.0..1.0).contains(&o.val_fraction) {
-                    return Err(CliError::InvalidInput(format!(
-                        "--val-fraction must be in [0, 1), found {}",
-                        o.val_fraction
-                    ))
-                    .into());
-                }
-                let held = (train.len() as f64 * o.val_fraction).ceil() as usize;
-                if held >= train.len() && held > 0 {
-                    return Err(invalid(
-                        path,
-                        1,
-                        format!(
-                            "--val-fraction {} holds out every one of its {} examples",
-                            o.val_fraction,
-                            train.len()
-                        ),
-                    ));
-                }
-                train.split_off(train.len() - held)
-            }
+            None => hold_out(path, &mut train, o.val_fraction)?,
         };
         let positions = model.max_positions();
         let longest = train.iter().map(|e| e.ids.len()).max().unwrap_or(1);
@@ -349,22 +328,18 @@ impl Sft {
         input_names: &[&str],
         max_batches: usize,
     ) -> anyhow::Result<Vec<HashMap<String, Tensor>>> {
-        let n = self.validation.len();
-        if n == 0 {
-            return Ok(Vec::new());
-        }
-        let count = n.div_ceil(self.batch).clamp(1, max_batches.max(1));
-        Ok((0..count)
-            .map(|k| {
-                let rows: Vec<(&Example, bool)> = (0..self.batch)
-                    .map(|r| {
-                        let i = k * self.batch + r;
-                        (&self.validation[i % n], i >= n)
-                    })
-                    .collect();
-                self.make_batch(&rows, input_names)
-            })
-            .collect())
+        Ok(
+            validation_rows(self.validation.len(), self.batch, max_batches)
+                .into_iter()
+                .map(|rows| {
+                    let rows: Vec<(&Example, bool)> = rows
+                        .into_iter()
+                        .map(|(i, filler)| (&self.validation[i], filler))
+                        .collect();
+                    self.make_batch(&rows, input_names)
+                })
+                .collect(),
+        )
     }
 
     /// Rows `(example, filler)` as graph inputs; a filler row's labels are all ignored.
@@ -385,18 +360,7 @@ impl Sft {
                 labels[r * t..r * t + n].copy_from_slice(&e.labels);
             }
         }
-        let mut out = HashMap::new();
-        for &name in input_names {
-            let values = match name {
-                "input_ids" => ids.clone(),
-                "attention_mask" => mask.clone(),
-                _ => vec![0; b * t],
-            };
-            out.insert(
-                name.to_string(),
-                Tensor::from_i64(DType::I64, [b, t], values),
-            );
-        }
+        let mut out = row_inputs(&ids, &mask, b, t, input_names);
         out.insert(
             "labels".into(),
             Tensor::from_i64(DType::I64, [b, t], labels),
