@@ -131,6 +131,13 @@ fn sft_files_train_from_the_cli_and_bad_lines_are_named() {
     );
     std::fs::write(&bad, "{\"prompt\": \"a\", \"completion\": 3}\n").unwrap();
     fails(&run(&bad, &[]), 3, "line 1: `completion` must be a string");
+    // Flags that choose nothing for this data are errors, not ignored.
+    fails(
+        &run(&root().join("assets/corpus.txt"), &["--loss-on", "all"]),
+        3,
+        "--loss-on chooses the tokens of SFT examples",
+    );
+    fails(&run(&bad, &["--sample-tokens", "4"]), 2, "--sample-prompts");
     // A template without generation blocks has no assistant tokens to train on.
     let plain = tmp.path().join("plain");
     std::fs::create_dir(&plain).unwrap();

@@ -106,7 +106,13 @@ pub struct Args {
     #[arg(long, value_name = "FILE", help_heading = "Data")]
     pub sample_prompts: Option<PathBuf>,
     /// Tokens per sample answer at most.
-    #[arg(long, default_value_t = 48, value_name = "N", help_heading = "Data")]
+    #[arg(
+        long,
+        default_value_t = 48,
+        value_name = "N",
+        requires = "sample_prompts",
+        help_heading = "Data"
+    )]
     pub sample_tokens: usize,
     /// Evaluate the validation loss every N steps (and at the end; needs --val-fraction).
     #[arg(long, value_name = "N", help_heading = "Data")]

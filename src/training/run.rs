@@ -155,6 +155,14 @@ fn plan(args: &Args, given: &Given, start: &Start, loaded: &mut Loaded) -> anyho
     if compiled.plan.settings.lora.is_some() {
         loaded.files.adapter = Some(crate::adapter::AdapterBase::of(&loaded.model, &args.model));
     }
+    if given.has("loss_on") && !matches!(data, Data::Sft(_)) {
+        return Err(CliError::InvalidInput(format!(
+            "--loss-on chooses the tokens of SFT examples (a .jsonl of `messages` or \
+             `prompt`/`completion` lines); `{}` is not such data",
+            args.data.display()
+        ))
+        .into());
+    }
     outln!("data        {}", data.describe());
     let anatomy = crate::memory::anatomy(executor, &compiled.plan);
     outln!("{}", memory_line(&anatomy));
