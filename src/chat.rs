@@ -177,6 +177,20 @@ impl ChatTemplate {
     }
 }
 
+/// `value` as a conversation: a list of messages, each with a string `role` and a `content`
+/// (what every template reads); the error says which is not.
+pub fn as_messages(value: &serde_json::Value) -> Result<&Vec<serde_json::Value>, String> {
+    let list = value
+        .as_array()
+        .ok_or_else(|| "must be a JSON list of messages".to_string())?;
+    for (i, m) in list.iter().enumerate() {
+        if !m.get("role").is_some_and(|r| r.is_string()) || m.get("content").is_none() {
+            return Err(format!("message {i} needs a string `role` and a `content`"));
+        }
+    }
+    Ok(list)
+}
+
 /// The template's name in its environment.
 const TEMPLATE: &str = "chat_template";
 

@@ -124,16 +124,7 @@ fn conversation(args: &Args) -> anyhow::Result<serde_json::Value> {
             std::fs::read_to_string(path).map_err(|e| invalid(format!("cannot read: {e}")))?;
         let messages: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
-        let list = messages
-            .as_array()
-            .ok_or_else(|| invalid("must be a JSON list of messages".into()))?;
-        for (i, m) in list.iter().enumerate() {
-            if !m.get("role").is_some_and(|r| r.is_string()) || m.get("content").is_none() {
-                return Err(
-                    invalid(format!("message {i} needs a string `role` and a `content`")).into(),
-                );
-            }
-        }
+        crate::chat::as_messages(&messages).map_err(invalid)?;
         return Ok(messages);
     }
     let mut messages = Vec::new();

@@ -417,19 +417,9 @@ fn read_examples(path: &Path, format: Format, r: &Readers) -> anyhow::Result<Vec
 
 /// A field that must be a list of messages (`{"role": string, "content": ...}`).
 fn messages<'v>(v: &'v Value, field: &str) -> anyhow::Result<&'v Vec<Value>> {
-    let list = v
-        .get(field)
-        .and_then(Value::as_array)
-        .ok_or_else(|| CliError::InvalidInput(format!("`{field}` must be a list of messages")))?;
-    for (k, m) in list.iter().enumerate() {
-        if !m.get("role").is_some_and(Value::is_string) || m.get("content").is_none() {
-            return Err(CliError::InvalidInput(format!(
-                "`{field}` message {k} needs a string `role` and a `content`"
-            ))
-            .into());
-        }
-    }
-    Ok(list)
+    let list = v.get(field).unwrap_or(&Value::Null);
+    Ok(crate::chat::as_messages(list)
+        .map_err(|e| CliError::InvalidInput(format!("`{field}` {e}")))?)
 }
 
 fn text_field<'v>(v: &'v Value, field: &str) -> anyhow::Result<&'v str> {
