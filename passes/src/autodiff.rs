@@ -469,7 +469,9 @@ impl Backward<'_> {
                         theta: *theta,
                         scaling: *scaling,
                     };
-                    let d = self.b.op(&name, op, &[dy])?;
+                    let mut operands = vec![dy];
+                    operands.extend(x.get(1));
+                    let d = self.b.op(&name, op, &operands)?;
                     self.contribute(x[0], d)?;
                 }
             }

@@ -200,7 +200,11 @@ define_ops! {
     /// sees keys up to `i + Tk - Tq`), narrowed by a sliding `window` when given (query i sees
     /// only the `window` keys ending there, as Mistral's sliding-window attention), and an
     /// optional bool operand broadcast to `x` (false = masked out). A row with every key masked
-    /// becomes uniform, as with a finite `-inf`.
+    /// becomes uniform, as with a finite `-inf`. The operand may instead be i64 *positions*
+    /// `[.., 1, Tk]`, each key's position in its own sequence, for sequences packed in one row
+    /// (with `causal` only): query `i`, key `a = i + Tk - Tq`, then sees only keys
+    /// `a - pos[a] ..= a` (`pos[a]` clamped to `0..=a`), its own sequence, as FlashAttention's
+    /// varlen does with the sequences' offsets.
     Softmax { causal: bool, window: Option<usize> } => "softmax", class Normalization,
         arity (1, 2), typing typing::softmax(inputs, *causal, *window);
     /// Scaled dot-product attention in one op, as FlashAttention computes it: `(q [.., T, D],
@@ -211,15 +215,17 @@ define_ops! {
     /// attention without repeating `k` and `v`. With `causal`, query `i` sees keys
     /// `j <= i + S - T`, and with a sliding `window` also only `j > i + S - T - window`. A row
     /// with every key masked attends uniformly to all `S` keys, as a finite `-inf` mask gives.
-    /// No `[T, S]` tensor exists outside the op. `library` says what runs it on CUDA
+    /// The mask may instead be i64 positions `[.., 1, S]` (packed sequences), as for
+    /// [`Op::Softmax`]. No `[T, S]` tensor exists outside the op. `library` says what runs it on CUDA
     /// ([`AttentionLibrary`]); every other executor computes the same function.
     Attention { causal: bool, window: Option<usize>, scale: f64, library: AttentionLibrary }
         => "attention",
         class Contraction, arity (3, 4), typing typing::attention(inputs, *causal, *window);
-    /// Rotary position embedding of `x [.., T, D]` at positions `0..T`, rotate-half layout
-    /// (LLaMA's `apply_rotary_pos_emb`), frequencies `theta^(-2i/D)` rescaled as `scaling`
-    /// says ([`crate::rope_inv_freq`]).
-    Rope { theta: f64, scaling: RopeScaling } => "rope", class Elementwise, arity (1, 1),
+    /// Rotary position embedding of `x [.., T, D]` at positions `0..T`, or at the positions of
+    /// an i64 operand broadcasting to `[.., T]` (packed sequences, each restarting at 0),
+    /// rotate-half layout (LLaMA's `apply_rotary_pos_emb`), frequencies `theta^(-2i/D)`
+    /// rescaled as `scaling` says ([`crate::rope_inv_freq`]).
+    Rope { theta: f64, scaling: RopeScaling } => "rope", class Elementwise, arity (1, 2),
         typing typing::rope(inputs);
     /// Inverted dropout, as `torch.nn.functional.dropout` in training: `(x, key i64[2]) -> y`,
     /// each element kept with probability `1 - p` and scaled by `1 / (1 - p)`, else zero. The
@@ -305,9 +311,10 @@ define_ops! {
     } => "attention_grad",
         class Contraction, arity (6, 7),
         typing typing::attention_grad(inputs, *causal, *window);
-    /// The transpose of [`Op::Rope`]: rotation by the negated angles.
+    /// The transpose of [`Op::Rope`] (with its positions operand, if any): rotation by the
+    /// negated angles.
     RopeGrad { theta: f64, scaling: RopeScaling } => "rope_grad", class Elementwise,
-        arity (1, 1),
+        arity (1, 2),
         typing typing::rope(inputs);
     /// Zeros before and after along `axis`: the transpose of [`Op::Slice`].
     Pad { axis: usize, before: usize, after: usize } => "pad", class Layout, arity (1, 1),

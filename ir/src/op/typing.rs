@@ -507,17 +507,42 @@ pub fn softmax(inputs: &[&TensorType], causal: bool, window: Option<usize>) -> T
         return Err("softmax input must have at least one dim".into());
     }
     if let Some(mask) = inputs.get(1) {
-        if mask.dtype != DType::Bool {
-            return Err(format!("softmax mask must be bool, found {}", mask.dtype));
-        }
-        if Shape::broadcast(&mask.shape, &x.shape).as_ref() != Some(&x.shape) {
-            return Err(format!(
-                "softmax mask {} does not broadcast to {}",
-                mask.shape, x.shape
-            ));
-        }
+        mask_operand("softmax", mask, &x.shape, causal)?;
     }
     one(x.clone())
+}
+
+/// The mask operand of a softmax or an attention over `scores [.., T, S]`: bool, broadcast to
+/// the scores (false = masked out), or i64 positions `[.., 1, S]` (each key's position in its
+/// own sequence, for sequences packed in one row), which need the causal mask.
+fn mask_operand(what: &str, mask: &TensorType, scores: &Shape, causal: bool) -> Result<(), String> {
+    let broadcasts = Shape::broadcast(&mask.shape, scores).as_ref() == Some(scores);
+    match mask.dtype {
+        DType::Bool if broadcasts => Ok(()),
+        DType::Bool => Err(format!(
+            "{what} mask {} does not broadcast to the scores {scores}",
+            mask.shape
+        )),
+        DType::I64 => {
+            let rows = mask.shape.rank() >= 2 && mask.shape.dims()[mask.shape.rank() - 2] == 1;
+            if !causal {
+                Err(format!(
+                    "{what} positions (an i64 mask) need the causal mask: packed sequences \
+                     are separated by where each one starts"
+                ))
+            } else if !broadcasts || !rows {
+                Err(format!(
+                    "{what} positions {} should be [.., 1, S], broadcasting to the scores {scores}",
+                    mask.shape
+                ))
+            } else {
+                Ok(())
+            }
+        }
+        other => Err(format!(
+            "{what} mask must be bool (kept keys) or i64 (positions), found {other}"
+        )),
+    }
 }
 
 /// The batch dims (all but the last two) of a shape.
@@ -575,17 +600,9 @@ pub fn attention(inputs: &[&TensorType], causal: bool, window: Option<usize>) ->
         ));
     }
     if let Some(mask) = inputs.get(3) {
-        if mask.dtype != DType::Bool {
-            return Err(format!("attention mask must be bool, found {}", mask.dtype));
-        }
         let mut scores = batch.clone();
         scores.0.extend([t, s]);
-        if Shape::broadcast(&mask.shape, &scores).as_ref() != Some(&scores) {
-            return Err(format!(
-                "attention mask {} does not broadcast to the scores {scores}",
-                mask.shape
-            ));
-        }
+        mask_operand("attention", mask, &scores, causal)?;
     }
     let mut o = batch.clone();
     o.0.extend([t, vd[vd.len() - 1]]);
@@ -630,6 +647,17 @@ pub fn rope(inputs: &[&TensorType]) -> Types {
             "rope needs [.., T, D] with even D, found {}",
             x.shape
         ));
+    }
+    if let Some(positions) = inputs.get(1) {
+        let rows = Shape(x.shape.0[..x.shape.rank() - 1].to_vec());
+        if positions.dtype != DType::I64
+            || Shape::broadcast(&positions.shape, &rows).as_ref() != Some(&rows)
+        {
+            return Err(format!(
+                "rope positions should be i64 broadcasting to {rows} (one per row of x), \
+                 found {positions}"
+            ));
+        }
     }
     one(x.clone())
 }

@@ -12,10 +12,12 @@
 //! products, and `dv = Σ p̃ do`; every sum is F64, in a fixed order (so results do not depend
 //! on the thread count).
 //!
-//! Masking follows [`super::softmax`]: masked keys get probability exactly 0, and a row with
+//! Masking follows [`super::softmax`] (with positions, a query sees only its own packed
+//! sequence): masked keys get probability exactly 0, and a row with
 //! no visible key attends uniformly to all `S` keys (every score then equals the mask's finite
 //! minimum, which is what PyTorch computes), with the gradient of that uniform softmax.
 
+use super::mask::{KeyMask, PositionRows};
 use super::par::for_each_block;
 use super::strides::{broadcast_strides, offset};
 use castor_ir::{round_tf32, round_to, DType};
@@ -42,7 +44,7 @@ pub struct Problem<'a> {
     pub q: &'a [usize],
     pub k: &'a [usize],
     pub v: &'a [usize],
-    pub mask: Option<(&'a [bool], &'a [usize])>,
+    pub mask: Option<KeyMask<'a>>,
     pub causal: bool,
     /// A sliding window narrowing the causal mask: only the last `window` causal keys.
     pub window: Option<usize>,
@@ -64,8 +66,10 @@ struct Layout<'a> {
     v_batch: Vec<usize>,
     k_batches: usize,
     v_batches: usize,
-    /// The mask, with its strides broadcast to `[batch.., T, S]`.
+    /// The bool mask, with its strides broadcast to `[batch.., T, S]`.
     mask: Option<(&'a [bool], Vec<usize>)>,
+    /// Packed sequences' positions.
+    positions: Option<PositionRows<'a>>,
     /// `[batch.., T]`: the dims whose rows are query rows.
     rows_dims: Vec<usize>,
     causal: bool,
@@ -94,9 +98,16 @@ impl<'a> Layout<'a> {
             v_batch: strides_of(p.v),
             k_batches: p.k[..p.k.len() - 2].iter().product(),
             v_batches: p.v[..p.v.len() - 2].iter().product(),
-            mask: p
-                .mask
-                .map(|(data, shape)| (data, broadcast_strides(shape, &scores))),
+            mask: match p.mask {
+                Some(KeyMask::Keep(data, shape)) => Some((data, broadcast_strides(shape, &scores))),
+                _ => None,
+            },
+            positions: match p.mask {
+                Some(KeyMask::Positions(data, shape)) => {
+                    Some(PositionRows::new(data, shape, &scores))
+                }
+                _ => None,
+            },
             rows_dims,
             causal: p.causal,
             window: p.window,
@@ -121,7 +132,10 @@ impl<'a> Layout<'a> {
         } else {
             self.s
         };
-        let first = self.window.map_or(0, |w| visible.saturating_sub(w));
+        let mut first = self.window.map_or(0, |w| visible.saturating_sub(w));
+        if let Some(p) = &self.positions {
+            first = first.max(p.first_key(b * self.t + i));
+        }
         let mut keep = vec![false; self.s];
         let (row, last) = match &self.mask {
             Some((_, strides)) => {

@@ -24,6 +24,7 @@ pub(crate) mod embedding;
 pub(crate) mod epilogue;
 pub(crate) mod layout;
 pub(crate) mod loss;
+pub(crate) mod mask;
 pub(crate) mod math;
 pub(crate) mod matmul;
 pub(crate) mod norm;

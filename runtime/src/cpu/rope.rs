@@ -11,36 +11,56 @@
 use super::par::for_each_block;
 use castor_ir::RopeScaling;
 
-/// Rotates `x` of shape `[.., t, d]` (`d` even) at positions `0..t` along the `t` axis:
+/// Rotates `x` of shape `dims` (`[.., t, d]`, `d` even), row `r` at position `positions[r]`
+/// (one per row, flat over `[.., t]`; packed sequences' positions lie in `0..t`, and one
+/// outside is clamped into it, as the CUDA kernels' table of `t` positions does), or `r % t`
+/// (positions `0..t` along the `t` axis):
 /// `out[i] = x[i] cos - x[i + d/2] sin`, `out[i + d/2] = x[i + d/2] cos + x[i] sin`.
-pub fn rope(x: &mut [f32], t: usize, d: usize, theta: f64, scaling: RopeScaling) {
-    let half = d / 2;
-    let table = rope_table(t, d, theta, scaling);
-    for_each_block(x, d, d, |r, row| {
-        let pos = r % t;
-        let cs = &table[pos * half..(pos + 1) * half];
-        let (lo, hi) = row.split_at_mut(half);
-        for ((a, b), &(c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
-            let (x1, x2) = (*a, *b);
-            *a = x1 * c - x2 * s;
-            *b = x2 * c + x1 * s;
-        }
-    });
+pub fn rope(
+    x: &mut [f32],
+    dims: &[usize],
+    positions: Option<&[i64]>,
+    theta: f64,
+    scaling: RopeScaling,
+) {
+    rotate(x, dims, positions, theta, scaling, 1.0);
 }
 
 /// The transpose of [`rope`], in place: rotation of `dy` by the negated angles (the same F32
 /// `cos`/`sin`), `dx[i] = dy[i] cos + dy[i + d/2] sin`, `dx[i + d/2] = dy[i + d/2] cos - dy[i] sin`.
-pub fn rope_grad(dy: &mut [f32], t: usize, d: usize, theta: f64, scaling: RopeScaling) {
+pub fn rope_grad(
+    dy: &mut [f32],
+    dims: &[usize],
+    positions: Option<&[i64]>,
+    theta: f64,
+    scaling: RopeScaling,
+) {
+    rotate(dy, dims, positions, theta, scaling, -1.0);
+}
+
+/// Rotation by the angles (`sign` 1) or their negation (`sign` -1: `sin` negated).
+fn rotate(
+    x: &mut [f32],
+    dims: &[usize],
+    positions: Option<&[i64]>,
+    theta: f64,
+    scaling: RopeScaling,
+    sign: f32,
+) {
+    let (t, d) = (dims[dims.len() - 2], dims[dims.len() - 1]);
     let half = d / 2;
+    // Positions `0..t`: a position is data, so one outside (negative, or past the row) is
+    // clamped into the table rather than sizing it.
     let table = rope_table(t, d, theta, scaling);
-    for_each_block(dy, d, d, |r, row| {
-        let pos = r % t;
-        let cs = &table[pos * half..(pos + 1) * half];
-        let (lo, hi) = row.split_at_mut(half);
-        for ((a, b), &(c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
-            let (g1, g2) = (*a, *b);
-            *a = g1 * c + g2 * s;
-            *b = g2 * c - g1 * s;
+    let last = t.saturating_sub(1) as i64;
+    for_each_block(x, d, d, |r, row| {
+        let pos = positions.map_or(r % t, |p| p[r].clamp(0, last) as usize);
+        let cs = &table[pos * half..][..half];
+        let (a, b) = row.split_at_mut(half);
+        for ((a, b), &(c, s)) in a.iter_mut().zip(b.iter_mut()).zip(cs) {
+            let (x1, x2, s) = (*a, *b, sign * s);
+            *a = x1 * c - x2 * s;
+            *b = x2 * c + x1 * s;
         }
     });
 }

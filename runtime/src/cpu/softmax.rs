@@ -1,19 +1,15 @@
-//! Softmax over the last axis, in place, with the causal and bool masks.
+//! Softmax over the last axis, in place, with the causal mask and a mask operand (kept keys,
+//! or packed sequences' positions).
 //!
 //! Masked entries get probability exactly 0 (HF adds the dtype's finite minimum, whose `exp`
 //! underflows to 0). A row with every key masked becomes uniform, `1 / Tk`, which is what the
 //! finite mask gives: every entry is then the same minimum.
 
+use super::mask::{KeyMask, PositionRows};
 use super::math;
 use super::par::for_each_block;
 use super::simd::multiversion;
 use super::strides::{broadcast_strides, offset};
-
-/// A bool mask (true = keep) broadcast over `x`.
-pub struct Mask<'a> {
-    pub data: &'a [bool],
-    pub shape: &'a [usize],
-}
 
 /// One row's view of the mask.
 #[derive(Clone, Copy)]
@@ -37,13 +33,14 @@ impl Keep<'_> {
 
 /// Softmax of `x` (shape `dims`, at least 1-D) over its last axis. With `causal`, query `i`
 /// of `Tq` (the second-to-last axis) sees keys `j <= i + Tk - Tq`, and with a sliding
-/// `window` only the last `window` of those.
+/// `window` only the last `window` of those; with positions, only the keys of its own packed
+/// sequence.
 pub fn softmax(
     x: &mut [f32],
     dims: &[usize],
     causal: bool,
     window: Option<usize>,
-    mask: Option<Mask>,
+    mask: Option<KeyMask>,
 ) {
     if x.is_empty() {
         return;
@@ -52,27 +49,34 @@ pub fn softmax(
     let tk = dims[rank - 1];
     let tq = if rank >= 2 { dims[rank - 2] } else { 1 };
     let outer = &dims[..rank - 1];
-    let mask = mask.map(|m| {
-        let strides = broadcast_strides(m.shape, dims);
-        // Where each mask row's first `false` is, found once rather than per query row.
-        let first_false: Vec<usize> = if strides[rank - 1] == 0 {
-            Vec::new()
-        } else {
-            m.data
-                .chunks(tk)
-                .map(|r| r.iter().position(|&k| !k).unwrap_or(tk))
-                .collect()
-        };
-        (m.data, strides, first_false)
-    });
+    let (keep_mask, positions) = match mask {
+        None => (None, None),
+        Some(KeyMask::Keep(data, shape)) => {
+            let strides = broadcast_strides(shape, dims);
+            // Where each mask row's first `false` is, found once rather than per query row.
+            let first_false: Vec<usize> = if strides[rank - 1] == 0 {
+                Vec::new()
+            } else {
+                data.chunks(tk)
+                    .map(|r| r.iter().position(|&k| !k).unwrap_or(tk))
+                    .collect()
+            };
+            (Some((data, strides, first_false)), None)
+        }
+        // Typing admits positions only with the causal mask, so `dims` is `[.., Tq, Tk]`.
+        Some(KeyMask::Positions(data, shape)) => (None, Some(PositionRows::new(data, shape, dims))),
+    };
     for_each_block(x, tk, tk, |r, row| {
         let visible = if causal {
             (r % tq + 1 + tk - tq).min(tk)
         } else {
             tk
         };
-        let first = window.map_or(0, |w| visible.saturating_sub(w));
-        let keep = match &mask {
+        let mut first = window.map_or(0, |w| visible.saturating_sub(w));
+        if let Some(p) = &positions {
+            first = first.max(p.first_key(r));
+        }
+        let keep = match &keep_mask {
             None => Keep::All,
             Some((data, strides, first_false)) => {
                 let start = offset(r, outer, &strides[..rank - 1]);

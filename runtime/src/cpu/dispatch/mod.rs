@@ -2,7 +2,9 @@
 //! tensors with the types the graph records (float results are rounded to their dtype there,
 //! by `Tensor::from_f32`).
 
+use super::mask::KeyMask;
 use super::operand::Args;
+use super::strides::{broadcast_strides, offset};
 use super::{cast, dropout, elementwise, embedding, loss, norm, pool, reduce, rope, softmax};
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
@@ -126,10 +128,7 @@ pub fn execute(
         Op::Softmax { causal, window } => {
             let mut x = args.take_f32(0)?;
             let mask = if args.len() > 1 {
-                Some(softmax::Mask {
-                    data: args.values::<bool>(1)?,
-                    shape: args.shape(1)?,
-                })
+                Some(key_mask(args, 1)?)
             } else {
                 None
             };
@@ -139,7 +138,8 @@ pub fn execute(
         Op::Rope { theta, scaling } => {
             let mut x = args.take_f32(0)?;
             let d = out.shape.dims();
-            rope::rope(&mut x, d[d.len() - 2], d[d.len() - 1], *theta, *scaling);
+            let positions = rope_positions(args, d)?;
+            rope::rope(&mut x, d, positions.as_deref(), *theta, *scaling);
             float(args, x)?
         }
         Op::Reduce { op, axes, .. } => {
@@ -209,7 +209,8 @@ pub fn execute(
         Op::RopeGrad { theta, scaling } => {
             let mut dy = args.take_f32(0)?;
             let d = out.shape.dims();
-            rope::rope_grad(&mut dy, d[d.len() - 2], d[d.len() - 1], *theta, *scaling);
+            let positions = rope_positions(args, d)?;
+            rope::rope_grad(&mut dy, d, positions.as_deref(), *theta, *scaling);
             float(args, dy)?
         }
         Op::EmbeddingGrad { vocab, padding } => {
@@ -249,6 +250,29 @@ pub fn execute(
         }
     };
     Ok(vec![result])
+}
+
+/// Mask operand `i` of a softmax or an attention: kept keys (bool) or positions (i64).
+pub(super) fn key_mask<'a>(args: &'a Args, i: usize) -> Result<KeyMask<'a>, RuntimeError> {
+    let shape = args.shape(i)?;
+    Ok(match args.tensor(i)?.dtype() {
+        DType::Bool => KeyMask::Keep(args.values(i)?, shape),
+        _ => KeyMask::Positions(args.values(i)?, shape),
+    })
+}
+
+/// A rope's positions operand (if any), one per row of `x` (`dims`, `[.., T, D]`).
+fn rope_positions(args: &Args, dims: &[usize]) -> Result<Option<Vec<i64>>, RuntimeError> {
+    if args.len() < 2 {
+        return Ok(None);
+    }
+    let (data, shape) = (args.values::<i64>(1)?, args.shape(1)?);
+    let rows = &dims[..dims.len() - 1];
+    let strides = broadcast_strides(shape, rows);
+    let n: usize = rows.iter().product();
+    Ok(Some(
+        (0..n).map(|r| data[offset(r, rows, &strides)]).collect(),
+    ))
 }
 
 /// The F32 scalar operand `i`.

@@ -279,7 +279,7 @@ fn attention_problem<'a>(
     scale: f64,
 ) -> Result<attention::Problem<'a>, RuntimeError> {
     let mask = match mask {
-        Some(i) => Some((args.values::<bool>(i)?, args.shape(i)?)),
+        Some(i) => Some(super::key_mask(args, i)?),
         None => None,
     };
     let operand = if acc == Some(Accum::Tf32) {

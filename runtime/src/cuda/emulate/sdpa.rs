@@ -7,6 +7,7 @@
 use super::memory::{check_uses, ranges_use, use_, Io, Mem, Ptr, Use};
 use super::R;
 use crate::cpu::attention::{attention, attention_grad, Operand, Problem};
+use crate::cpu::mask::KeyMask;
 use crate::cuda::sdpa::{Sdpa, SdpaPass, Tensor4};
 use castor_ir::{round_to, DType};
 
@@ -110,7 +111,7 @@ pub(super) fn twin(m: &mut Mem, c: &Sdpa) -> R<()> {
         q: &q_shape,
         k: &kv_shape,
         v: &kv_shape,
-        mask: keep.as_deref().map(|k| (k, &mask_shape[..])),
+        mask: keep.as_deref().map(|k| KeyMask::Keep(k, &mask_shape[..])),
         causal: p.causal,
         window: p.window,
         scale: p.scale(),
