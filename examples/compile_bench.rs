@@ -96,6 +96,7 @@ fn main() -> anyhow::Result<()> {
                 epilogues: castor_ir::Epilogues::Eager,
                 lora: None,
                 parallel: Default::default(),
+                packed: false,
             };
             let (plan, _) = castor::memory::pipeline(ExecutorKind::Cuda).build(&g, settings)?;
             times[4] = ms(t0);

@@ -31,6 +31,7 @@ mod lora;
 mod malformed;
 mod memory_model;
 mod nf4;
+mod packing;
 mod optimizers;
 mod passes_snapshots;
 mod plan_contract;

@@ -39,6 +39,7 @@ fn settings(precision: Precision, loss_scaling: LossScaling) -> TrainSettings {
         epilogues: castor_ir::Epilogues::Eager,
         lora: None,
         parallel: Default::default(),
+        packed: false,
     }
 }
 

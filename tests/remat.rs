@@ -75,6 +75,7 @@ fn try_plan(
         epilogues: castor_ir::Epilogues::Eager,
         lora: None,
         parallel: Default::default(),
+        packed: false,
     };
     castor::memory::pipeline(castor_runtime::ExecutorKind::Cuda)
         .build(&g, settings)

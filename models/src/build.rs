@@ -33,6 +33,13 @@ pub(crate) struct Ctx<'m> {
     presents: Vec<Value>,
     /// How the attention core is built.
     pub attention: AttentionImpl,
+    /// Rows hold several sequences packed end to end: the graph reads `position_ids` (each
+    /// token's position in its own sequence) instead of `attention_mask`, positions are
+    /// looked up or rotated at them, and each attention sees only its query's sequence.
+    pub packed: bool,
+    /// `position_ids` and its views, declared on first use (packed graphs).
+    positions: Option<Value>,
+    position_rows: Option<Value>,
 }
 
 /// How a model's attention core is built, as transformers' `attn_implementation` chooses it.
@@ -85,6 +92,9 @@ impl<'m> Ctx<'m> {
             cache: None,
             presents: Vec::new(),
             attention: AttentionImpl::Eager,
+            packed: false,
+            positions: None,
+            position_rows: None,
         }
     }
 
@@ -149,7 +159,36 @@ impl<'m> Ctx<'m> {
         Ok((out[0], out[1]))
     }
 
-    /// Rotary embedding of `x [.., T, D]` at this graph's positions. Decoding after `past`
+    /// A packed graph's `position_ids` (i64 `[B, T]`, declared on first use); `None` for other
+    /// graphs, whose positions are `past..past + T` in every row.
+    pub fn positions(&mut self) -> Result<Option<Value>, ModelError> {
+        if !self.packed {
+            return Ok(None);
+        }
+        if self.positions.is_none() {
+            let ty = TensorType::new(DType::I64, [self.batch, self.seq]);
+            self.positions = Some(self.input("position_ids", ty)?);
+        }
+        Ok(self.positions)
+    }
+
+    /// The mask operand of every attention over `[B, .., T, keys]` scores of rank `rank`: the
+    /// key-padding mask from `attention_mask` (int `[B, keys]`), or in a packed graph the
+    /// positions as `[B, 1, .., 1, T]` (each query then sees only its own sequence).
+    pub fn sequence_mask(&mut self, rank: usize) -> Result<Value, ModelError> {
+        let (b, keys) = (self.batch, self.keys());
+        let mut shape = vec![1; rank];
+        shape[0] = b;
+        shape[rank - 1] = keys;
+        if let Some(positions) = self.positions()? {
+            return self.op_exact("position_ids.keys", Op::Reshape { shape }, &[positions]);
+        }
+        let am = self.input("attention_mask", TensorType::new(DType::I64, [b, keys]))?;
+        self.key_mask(am, rank)
+    }
+
+    /// Rotary embedding of `x [.., T, D]` at this graph's positions (a packed graph's
+    /// `position_ids`, broadcast over the heads as `[B, 1, T]`). Decoding after `past`
     /// cached positions pads `past` zero rows in front, rotates, and keeps the last `T` rows:
     /// the rotation at position `p` is then computed exactly as the full sequence computes
     /// it (the padding's rows cost what the attention over the cache costs anyway).
@@ -161,6 +200,18 @@ impl<'m> Ctx<'m> {
         scaling: RopeScaling,
     ) -> Result<Value, ModelError> {
         let past = self.past();
+        if let Some(positions) = self.positions()? {
+            let rows = match self.position_rows {
+                Some(rows) => rows,
+                None => {
+                    let shape = vec![self.batch, 1, self.seq];
+                    let rows =
+                        self.op_exact("position_ids.rows", Op::Reshape { shape }, &[positions])?;
+                    *self.position_rows.insert(rows)
+                }
+            };
+            return self.op(name, Op::Rope { theta, scaling }, &[x, rows]);
+        }
         if past == 0 {
             return self.op(name, Op::Rope { theta, scaling }, &[x]);
         }

@@ -166,6 +166,14 @@ pub enum ModelError {
     )]
     NotCausal { architecture: String },
 
+    /// Packed rows are for causal LMs.
+    #[error(
+        "{architecture} cannot take packed sequences: packing (--pack) trains a causal LM \
+         (GPT2LMHeadModel, LlamaForCausalLM and its family), whose rows can hold several \
+         examples each attending only to itself"
+    )]
+    NotPackable { architecture: String },
+
     /// A decoder classifier without `pad_token_id` cannot tell which token ends each row.
     #[error(
         "the config has no `pad_token_id`, so the classifier cannot find the last token of \

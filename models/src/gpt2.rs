@@ -120,23 +120,25 @@ impl Arch for Gpt2Config {
         let (b, t) = (ctx.batch, ctx.seq);
         let p = |n: &str| pre(prefix, n);
         let ids = ctx.input("input_ids", TensorType::new(DType::I64, [b, t]))?;
-        let keys = ctx.keys();
-        let am = ctx.input("attention_mask", TensorType::new(DType::I64, [b, keys]))?;
-        let mask = ctx.key_mask(am, 4)?;
+        let mask = ctx.sequence_mask(4)?;
 
         let wte = ctx.param(&p("wte.weight"))?;
         let tokens = ctx.op("wte", Op::Embedding { padding: None }, &[wte, ids])?;
         let wpe = ctx.param(&p("wpe.weight"))?;
         let past = ctx.past();
-        let positions = ctx.op(
-            "wpe",
-            Op::Slice {
-                axis: 0,
-                start: past,
-                end: past + t,
-            },
-            &[wpe],
-        )?;
+        let positions = match ctx.positions()? {
+            // Packed rows: each token's learned position in its own sequence.
+            Some(ids) => ctx.op("wpe", Op::Embedding { padding: None }, &[wpe, ids])?,
+            None => ctx.op(
+                "wpe",
+                Op::Slice {
+                    axis: 0,
+                    start: past,
+                    end: past + t,
+                },
+                &[wpe],
+            )?,
+        };
         let mut h = ctx.add("embeddings", tokens, positions)?;
         for i in 0..self.n_layer {
             h = ctx.block(i, &format!("h.{i}"), |ctx| {

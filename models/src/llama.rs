@@ -172,9 +172,7 @@ impl Arch for LlamaConfig {
         let (b, t) = (ctx.batch, ctx.seq);
         let p = |n: &str| pre(prefix, n);
         let ids = ctx.input("input_ids", TensorType::new(DType::I64, [b, t]))?;
-        let keys = ctx.keys();
-        let am = ctx.input("attention_mask", TensorType::new(DType::I64, [b, keys]))?;
-        let mask = ctx.key_mask(am, 5)?;
+        let mask = ctx.sequence_mask(5)?;
 
         let emb = ctx.param(&p("embed_tokens.weight"))?;
         let padding = self.pad_token_id;

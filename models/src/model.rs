@@ -119,6 +119,8 @@ pub struct Model {
     canonical: Vec<String>,
     report: LoadReport,
     attention: AttentionImpl,
+    /// Training graphs take packed rows ([`Model::set_packed`]).
+    packed: bool,
     /// With a new classification head: the parameters it may initialize when the checkpoint
     /// lacks them (the head's and, for BERT, the pooler's), by checkpoint name.
     new_head_params: BTreeSet<String>,
@@ -280,6 +282,7 @@ impl Model {
             canonical,
             report: LoadReport::default(),
             attention: AttentionImpl::Eager,
+            packed: false,
             new_head_params,
         };
         if let Some(ckpt) = checkpoint {
@@ -450,13 +453,34 @@ impl Model {
     }
 
     /// Graph inputs a batch provides, in order: `input_ids`, `attention_mask` and, for BERT,
-    /// `token_type_ids` (all i64 `[B, T]`). A decoder classifier's graph also reads inputs
-    /// computed from these ([`Model::derive_inputs`]).
+    /// `token_type_ids` (all i64 `[B, T]`); packed, `input_ids` and `position_ids`. A decoder
+    /// classifier's graph also reads inputs computed from these ([`Model::derive_inputs`]).
     pub fn input_names(&self) -> &'static [&'static str] {
         match self.family() {
             Family::Bert => &["input_ids", "attention_mask", "token_type_ids"],
+            _ if self.packed => &["input_ids", "position_ids"],
             _ => &["input_ids", "attention_mask"],
         }
+    }
+
+    /// From now on, the forward and loss graphs take *packed* rows: several sequences end to
+    /// end in each row, given by `position_ids` (i64 `[B, T]`, each token's position in its
+    /// own sequence, restarting at 0 where a sequence starts), as transformers' padding-free
+    /// training passes them. Positions are looked up (GPT-2) or rotated (LLaMA) at them and
+    /// each token attends only to the tokens before it in its own sequence. Decoding graphs
+    /// are never packed. Causal LMs only: an encoder or a classifier is an error.
+    pub fn set_packed(&mut self, packed: bool) -> Result<(), ModelError> {
+        if packed && (self.family() == Family::Bert || self.head != Head::CausalLm) {
+            return Err(ModelError::NotPackable {
+                architecture: self.architecture().to_string(),
+            });
+        }
+        self.packed = packed;
+        Ok(())
+    }
+
+    pub fn packed(&self) -> bool {
+        self.packed
     }
 
     /// Graph outputs, in order.
@@ -695,6 +719,7 @@ impl Model {
         let mut ctx = Ctx::new(self.architecture(), params, batch, seq);
         ctx.cache = cache;
         ctx.attention = self.attention;
+        ctx.packed = self.packed && cache.is_none();
         let mut outputs = arch.build(self.head, &self.prefix, &mut ctx)?;
         if self.head == Head::SequenceClassification {
             outputs = crate::classify::build(self.family(), &mut ctx, outputs)?;

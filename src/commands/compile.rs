@@ -157,6 +157,7 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
     }
     let mut model = args.classifier.load(path)?;
     model.set_attention(args.precision.attention.into());
+    model.set_packed(args.training.pack)?;
     crate::report::warn_unused(&model);
     let seq = args.seq.unwrap_or_else(|| model.max_positions());
     let g = if train {

@@ -55,6 +55,12 @@ pub struct TrainingArgs {
     /// that head; `train` refuses a model without one unless an objective is named).
     #[arg(long, default_value = "auto")]
     pub objective: String,
+    /// Pack SFT examples into rows: whole examples end to end, placed best-fit decreasing as
+    /// TRL's `packing=True` places them, positions restarting at each example and attention
+    /// never crossing from one to another (causal LMs).
+    #[arg(long, help_heading = "Data")]
+    #[serde(default)]
+    pub pack: bool,
     #[arg(long, value_enum, default_value_t = OptimizerChoice::Adamw, help_heading = "Optimizer")]
     pub optimizer: OptimizerChoice,
     /// Learning rate (the peak rate when a schedule is used). Default 1e-3 (Lion: 1e-4);
@@ -537,6 +543,7 @@ impl TrainingArgs {
                 world_size: self.world_size,
                 zero: self.zero,
             },
+            packed: self.pack,
         })
     }
 }

@@ -58,7 +58,7 @@ pub(super) fn lora_settings(
 pub(super) fn plan_and_data(
     args: &Args,
     given: &Given,
-    model: &Model,
+    model: &mut Model,
     lora: &Option<LoraSettings>,
     executor: ExecutorKind,
 ) -> anyhow::Result<(CompiledPlan, Data)> {
@@ -107,6 +107,7 @@ pub(super) fn plan_and_data(
                 .into());
             }
             let objective = plan_objective(&plan)?;
+            model.set_packed(plan.settings.packed)?;
             let options = DataOptions {
                 batch: Some(plan.settings.batch),
                 seq: Some(plan.settings.seq),
@@ -118,6 +119,7 @@ pub(super) fn plan_and_data(
         }
         None => {
             let objective = args.training.training_objective(model)?;
+            model.set_packed(args.training.pack)?;
             let data = Data::open(&args.data, model, objective, &data_options)?;
             let (batch, seq) = data.shape();
             let mut settings =

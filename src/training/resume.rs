@@ -186,6 +186,7 @@ fn flags_of(setting: Setting) -> &'static [&'static str] {
         // (`plan::plan_and_data`), which also knows the adapter folder's settings.
         Setting::Lora => &[],
         Setting::Parallel => &["world_size", "zero"],
+        Setting::Packed => &["pack"],
     }
 }
 

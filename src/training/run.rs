@@ -150,7 +150,7 @@ struct Planned {
 /// weights are even read).
 fn plan(args: &Args, given: &Given, start: &Start, loaded: &mut Loaded) -> anyhow::Result<Planned> {
     let executor = start.device;
-    let (compiled, data) = plan_and_data(args, given, &loaded.model, &loaded.lora, executor)?;
+    let (compiled, data) = plan_and_data(args, given, &mut loaded.model, &loaded.lora, executor)?;
     // A plan that trains adapters saves them as a PEFT adapter folder.
     if compiled.plan.settings.lora.is_some() {
         loaded.files.adapter = Some(crate::adapter::AdapterBase::of(&loaded.model, &args.model));

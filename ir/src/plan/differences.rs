@@ -77,6 +77,7 @@ settings!(
     epilogues => Epilogues,
     lora => Lora,
     parallel => Parallel,
+    packed => Packed,
 );
 
 /// A setting's value for people (see [`show_value`]).
@@ -125,6 +126,7 @@ mod tests {
             epilogues: Default::default(),
             lora: None,
             parallel: Default::default(),
+            packed: false,
         };
         let Value::Object(fields) = serde_json::to_value(&s).unwrap() else {
             panic!("settings serialize as an object");

@@ -51,6 +51,10 @@ pub struct TrainSettings {
     /// Data parallelism: the ranks that run the plan, and what they shard.
     #[serde(default, skip_serializing_if = "Parallel::is_single")]
     pub parallel: Parallel,
+    /// Rows hold several examples packed end to end (`position_ids` instead of
+    /// `attention_mask`; each example attends only to itself).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub packed: bool,
 }
 
 /// How a plan runs on a data-parallel group (`--world-size`, `--zero`): every rank runs the

@@ -531,6 +531,7 @@ mod tests {
             epilogues: castor_ir::Epilogues::Eager,
             lora: None,
             parallel: Default::default(),
+            packed: false,
         }
     }
 

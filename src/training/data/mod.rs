@@ -26,6 +26,7 @@
 //! draws for mlm).
 
 pub mod labelled;
+pub mod packing;
 pub mod sft;
 pub mod tokens;
 
@@ -211,6 +212,14 @@ impl Data {
                 loss_on: options.loss_on,
             };
             return Ok(Data::Sft(Box::new(Sft::open(path, model, &o)?)));
+        }
+        if model.packed() {
+            return Err(invalid(
+                path,
+                "--pack packs SFT examples (a .jsonl of `messages` or `prompt`/`completion` \
+                 lines, objective `lm`); this data is not such examples"
+                    .into(),
+            ));
         }
         if options.validation.is_some() {
             return Err(CliError::InvalidInput(

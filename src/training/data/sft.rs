@@ -22,7 +22,7 @@
 //! token under an attention mask. Order, validation split and resume position are as for
 //! labelled examples.
 
-use super::{hold_out, read_index, row_inputs, validation_rows, DataOrder};
+use super::{hold_out, packing, read_index, row_inputs, validation_rows, DataOrder};
 use crate::chat::ChatTemplate;
 use crate::tokenizer::TextTokenizer;
 use crate::CliError;
@@ -92,6 +92,46 @@ pub fn format_of(path: &Path) -> Option<Format> {
 struct Example {
     ids: Vec<i64>,
     labels: Vec<i64>,
+    /// Where each example of a packed row starts (`[0]` for one example).
+    starts: Vec<usize>,
+}
+
+impl Example {
+    fn new(ids: Vec<i64>, labels: Vec<i64>) -> Example {
+        Example {
+            ids,
+            labels,
+            starts: vec![0],
+        }
+    }
+
+    /// Examples `rows` name, end to end: each one's first label ignored, as TRL's padding-free
+    /// collator ignores it (the token before it belongs to another example).
+    fn packed(examples: &[Example], rows: Vec<Vec<usize>>) -> Vec<Example> {
+        rows.into_iter()
+            .map(|row| {
+                let mut out = Example::new(Vec::new(), Vec::new());
+                out.starts.clear();
+                for i in row {
+                    let e = &examples[i];
+                    out.starts.push(out.ids.len());
+                    out.ids.extend(&e.ids);
+                    out.labels.push(IGNORE_INDEX);
+                    out.labels.extend(&e.labels[1..]);
+                }
+                out
+            })
+            .collect()
+    }
+
+    /// Each token's position in its own example.
+    fn positions(&self) -> impl Iterator<Item = i64> + '_ {
+        let ends = self.starts[1..].iter().copied().chain([self.ids.len()]);
+        self.starts
+            .iter()
+            .zip(ends)
+            .flat_map(|(&start, end)| 0..(end - start) as i64)
+    }
 }
 
 /// SFT examples, tokenized and labelled, with their batch shape and read position.
@@ -106,6 +146,8 @@ pub struct Sft {
     /// Examples cut to `seq`, and examples dropped for having no label left.
     truncated: usize,
     dropped: usize,
+    /// With packing: the training examples, and the padding they would have had one per row.
+    packed: Option<(usize, f64)>,
     order: DataOrder,
     seed: u64,
     read: u64,
@@ -202,8 +244,8 @@ impl Sft {
                 })
                 .collect()
         };
-        let train = keep(train);
-        let validation = keep(validation);
+        let mut train = keep(train);
+        let mut validation = keep(validation);
         let dropped = before - train.len();
         if train.is_empty() {
             return Err(invalid(
@@ -219,6 +261,17 @@ impl Sft {
                 ),
             ));
         }
+        let packed = model.packed().then(|| {
+            let examples = train.len();
+            let unpacked = padding_fraction(&train, seq);
+            let pack = |examples: Vec<Example>| {
+                let lengths: Vec<usize> = examples.iter().map(|e| e.ids.len()).collect();
+                Example::packed(&examples, packing::pack_bfd(&lengths, seq))
+            };
+            train = pack(std::mem::take(&mut train));
+            validation = pack(std::mem::take(&mut validation));
+            (examples, unpacked)
+        });
         // The padding's id only fills rows (masked out, no loss): the config's, else the end
         // of text.
         let pad = model
@@ -236,6 +289,7 @@ impl Sft {
             loss_on: o.loss_on,
             truncated,
             dropped,
+            packed,
             order: o.order,
             seed: o.seed,
             read: 0,
@@ -272,11 +326,11 @@ impl Sft {
             .map(|e| e.labels.iter().filter(|&&l| l != IGNORE_INDEX).count())
             .sum();
         let tokens = self.training_tokens();
-        let padding = self.train.len() * self.seq - tokens;
+        let examples = self.packed.map_or(self.train.len(), |(n, _)| n);
         let mut out = format!(
             "{}: {} {}, {} tokens of which {} in the loss ({})",
             self.source,
-            self.train.len(),
+            examples,
             self.format.name(),
             crate::report::thousands(tokens as u64),
             crate::report::thousands(labelled as u64),
@@ -298,10 +352,22 @@ impl Sft {
                 self.truncated, self.seq, self.dropped
             ));
         }
+        let padding = 100.0 * padding_fraction(&self.train, self.seq);
+        let rows = match self.packed {
+            Some((_, unpacked)) => format!(
+                "; packed into {} rows of {} tokens ({padding:.1}% padding, {:.1}% one example \
+                 per row)",
+                self.train.len(),
+                self.seq,
+                100.0 * unpacked
+            ),
+            None => format!(
+                "; rows of {} tokens, right-padded ({padding:.0}% padding)",
+                self.seq
+            ),
+        };
         out.push_str(&format!(
-            "; rows of {} tokens, right-padded ({:.0}% padding), {}",
-            self.seq,
-            100.0 * padding as f64 / (self.train.len() * self.seq).max(1) as f64,
+            "{rows}, {}",
             match self.order {
                 DataOrder::Shuffle => format!("shuffled (seed {})", self.seed),
                 DataOrder::Sequential => "in order".to_string(),
@@ -352,12 +418,19 @@ impl Sft {
         let mut ids = vec![self.pad; b * t];
         let mut mask = vec![0i64; b * t];
         let mut labels = vec![IGNORE_INDEX; b * t];
+        let mut positions = vec![0i64; b * t];
         for (r, (e, filler)) in rows.iter().enumerate() {
             let n = e.ids.len();
+            let row = r * t..(r + 1) * t;
             ids[r * t..r * t + n].copy_from_slice(&e.ids);
             mask[r * t..r * t + n].fill(1);
             if !filler {
                 labels[r * t..r * t + n].copy_from_slice(&e.labels);
+            }
+            // The padding after the examples is one more sequence of its own.
+            let padding = 0..(t - n) as i64;
+            for (p, v) in positions[row].iter_mut().zip(e.positions().chain(padding)) {
+                *p = v;
             }
         }
         let mut out = row_inputs(&ids, &mask, b, t, input_names);
@@ -365,8 +438,26 @@ impl Sft {
             "labels".into(),
             Tensor::from_i64(DType::I64, [b, t], labels),
         );
+        if input_names.contains(&"position_ids") {
+            out.insert(
+                "position_ids".into(),
+                Tensor::from_i64(DType::I64, [b, t], positions),
+            );
+            // Not a graph input of a packed plan: what throughput counts as real tokens.
+            out.insert(
+                "attention_mask".into(),
+                Tensor::from_i64(DType::I64, [b, t], mask),
+            );
+        }
         out
     }
+}
+
+/// The fraction of `rows` rows of `seq` tokens that is padding.
+fn padding_fraction(rows: &[Example], seq: usize) -> f64 {
+    let tokens: usize = rows.iter().map(|e| e.ids.len()).sum();
+    let slots = (rows.len() * seq).max(1);
+    (slots - tokens) as f64 / slots as f64
 }
 
 fn invalid(path: &Path, line: usize, what: String) -> anyhow::Error {
@@ -448,7 +539,7 @@ fn after_prefix(prompt: &[i64], whole: Vec<i64>, loss_on: LossOn) -> Example {
             _ => id,
         })
         .collect();
-    Example { ids: whole, labels }
+    Example::new(whole, labels)
 }
 
 fn prompt_completion(v: &Value, r: &Readers) -> anyhow::Result<Example> {
@@ -487,10 +578,7 @@ fn messages_example(v: &Value, r: &Readers) -> anyhow::Result<Example> {
     let tokens = r.tokenizer.encode_with_offsets(&rendered.text, false)?;
     let ids: Vec<i64> = tokens.iter().map(|(id, _)| i64::from(*id)).collect();
     if r.loss_on == LossOn::All {
-        return Ok(Example {
-            labels: ids.clone(),
-            ids,
-        });
+        return Ok(Example::new(ids.clone(), ids));
     }
     // transformers' assistant mask: from the token holding a block's first character to the
     // token holding its last.
@@ -520,5 +608,5 @@ fn messages_example(v: &Value, r: &Readers) -> anyhow::Result<Example> {
         .zip(&keep)
         .map(|(&id, &k)| if k { id } else { IGNORE_INDEX })
         .collect();
-    Ok(Example { ids, labels })
+    Ok(Example::new(ids, labels))
 }
