@@ -2,8 +2,11 @@
 //! for conversations (the model's chat template with `{% generation %}` blocks),
 //! prompt-completion pairs and conversational prompt-completion pairs, with the loss on the
 //! completion and on every token, each example's token ids and labels are TRL's exactly,
-//! after TRL's truncation to 48 tokens and with the examples TRL drops dropped; then a short
-//! run trains on each file from the CLI.
+//! after TRL's truncation to 48 tokens and with the examples TRL drops dropped; packed
+//! (`--pack`), the rows are TRL's `packing=True` rows with the ids, labels and positions of its
+//! padding-free collator, and best-fit-decreasing packing places 2,500 examples exactly as
+//! TRL's `pack_dataset` does (tests/fixtures/generate_sft_packing.py); then a short run trains
+//! on each file from the CLI.
 
 use crate::common;
 
@@ -74,6 +77,88 @@ fn examples_are_trls_token_for_token() {
         }
     }
     assert_eq!(compared, 3 + 4 + 4 + 4 + 3 + 3 + 6);
+}
+
+fn ints(v: &serde_json::Value) -> Vec<i64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect()
+}
+
+fn packed_fixture() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(sft_dir().join("packed.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn best_fit_decreasing_places_examples_as_trl_does() {
+    let bfd = &packed_fixture()["bfd"];
+    let seq = bfd["seq_length"].as_u64().unwrap() as usize;
+    let lengths: Vec<usize> = ints(&bfd["lengths"]).iter().map(|&n| n as usize).collect();
+    let want: Vec<Vec<usize>> = bfd["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| ints(r).iter().map(|&i| i as usize).collect())
+        .collect();
+    let rows = castor::training::data::packing::pack_bfd(&lengths, seq);
+    println!("{} examples in {} rows of {seq}", lengths.len(), rows.len());
+    assert_eq!(rows, want);
+}
+
+#[test]
+fn packed_rows_are_trls_token_for_token() {
+    let expected = packed_fixture();
+    let seq = expected["max_length"].as_u64().unwrap() as usize;
+    let mut model = Model::load(sft_dir().join("model/config.json")).unwrap();
+    model.set_packed(true).unwrap();
+    let names = model.input_names();
+    let mut compared = 0;
+    for (file, by_loss) in expected["files"].as_object().unwrap() {
+        for (loss, rows) in by_loss.as_object().unwrap() {
+            let loss_on = match loss.as_str() {
+                "completion" => LossOn::Completion,
+                _ => LossOn::All,
+            };
+            let options = DataOptions {
+                batch: Some(1),
+                seq: Some(seq),
+                order: DataOrder::Sequential,
+                loss_on,
+                ..Default::default()
+            };
+            let mut data =
+                Data::open(&sft_dir().join(file), &model, Objective::Lm, &options).unwrap();
+            // TRL keeps an example left without a label (a row that adds nothing to the loss);
+            // castor drops it before packing, as it does unpacked.
+            let rows: Vec<&serde_json::Value> = rows
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|r| ints(&r["labels"]).iter().any(|&l| l != -100))
+                .collect();
+            for (k, want) in rows.iter().enumerate() {
+                let what = format!("{file} --loss-on {loss} packed row {k}");
+                let batch = data.next_batch(names).unwrap();
+                let got = |name: &str| batch[name].as_i64().unwrap().to_vec();
+                let (ids, labels, positions) =
+                    (got("input_ids"), got("labels"), got("position_ids"));
+                let want_ids = ints(&want["input_ids"]);
+                let n = want_ids.len();
+                assert_eq!(ids[..n], want_ids[..], "{what}: ids");
+                assert_eq!(labels[..n], ints(&want["labels"])[..], "{what}: labels");
+                assert_eq!(
+                    positions[..n],
+                    ints(&want["position_ids"])[..],
+                    "{what}: positions"
+                );
+                assert!(labels[n..].iter().all(|&l| l == -100), "{what}: padding");
+                compared += 1;
+            }
+        }
+    }
+    assert_eq!(compared, 3 + 4 + 2 + 2 + 3 + 3);
 }
 
 #[test]

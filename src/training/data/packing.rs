@@ -11,7 +11,8 @@ use std::collections::{BTreeMap, VecDeque};
 /// Examples per packing batch (`datasets.map`'s default `batch_size`).
 pub const PACKING_BATCH: usize = 1000;
 
-/// The rows of examples (by index into `lengths`, each at most `seq` and at least 1) packed
+/// The rows of examples (by index into `lengths`, each at least 1; longer than `seq` is cut
+/// to `seq`) packed
 /// best-fit decreasing, in TRL's order: batch by batch, rows in the order they were opened,
 /// examples in the order they were placed.
 pub fn pack_bfd(lengths: &[usize], seq: usize) -> Vec<Vec<usize>> {
@@ -26,6 +27,8 @@ pub fn pack_bfd(lengths: &[usize], seq: usize) -> Vec<Vec<usize>> {
 }
 
 fn pack_batch(lengths: &[usize], seq: usize) -> Vec<Vec<usize>> {
+    // Lengths as cut to a row: a longer example sorts with the full rows.
+    let lengths: Vec<usize> = lengths.iter().map(|&n| n.min(seq)).collect();
     let mut order: Vec<usize> = (0..lengths.len()).collect();
     // Stable: equal lengths keep their order, as Arrow's sort does.
     order.sort_by(|&a, &b| lengths[b].cmp(&lengths[a]));
@@ -34,7 +37,7 @@ fn pack_batch(lengths: &[usize], seq: usize) -> Vec<Vec<usize>> {
     // closed and not listed).
     let mut open: BTreeMap<usize, VecDeque<usize>> = BTreeMap::new();
     for i in order {
-        let length = lengths[i].min(seq);
+        let length = lengths[i];
         let fit = open.range(length..).next().map(|(&space, _)| space);
         let (row, space) = match fit {
             Some(space) => {
