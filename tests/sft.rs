@@ -357,7 +357,7 @@ fn the_readme_fine_tuning_commands_run_as_written() {
         std::os::unix::fs::symlink(root().join(dir), tmp.path().join(dir)).unwrap();
     }
     let commands = readme_commands("## Fine-tune an instruct model");
-    assert_eq!(commands.len(), 3, "{commands:?}");
+    assert_eq!(commands.len(), 4, "{commands:?}");
     for args in commands {
         let o = std::process::Command::new(castor_bin())
             .args(&args)
@@ -407,11 +407,20 @@ fn a_resumed_sft_run_continues_the_same_examples() {
         tmp.path().join("straight.jsonl"),
         tmp.path().join("resumed.jsonl"),
     );
-    let ckpt = tmp.path().join("ckpt");
-    train("6", &straight, &[]);
-    train("3", &resumed, &["--save", path_str(&ckpt)]);
-    train("6", &resumed, &["--resume", path_str(&ckpt)]);
-    let losses = log_losses(&straight);
-    assert_eq!(losses.len(), 6);
-    assert_eq!(log_losses(&resumed), losses);
+    // Packed too: the resumed run takes --pack from the checkpoint.
+    for pack in [&[][..], &["--pack"][..]] {
+        let ckpt = tmp.path().join(format!("ckpt{}", pack.len()));
+        let _ = std::fs::remove_file(&resumed);
+        let _ = std::fs::remove_file(&straight);
+        train("6", &straight, pack);
+        train(
+            "3",
+            &resumed,
+            &[pack, &["--save", path_str(&ckpt)][..]].concat(),
+        );
+        train("6", &resumed, &["--resume", path_str(&ckpt)]);
+        let losses = log_losses(&straight);
+        assert_eq!(losses.len(), 6);
+        assert_eq!(log_losses(&resumed), losses, "{pack:?}");
+    }
 }
