@@ -222,7 +222,8 @@ define_ops! {
         => "attention",
         class Contraction, arity (3, 4), typing typing::attention(inputs, *causal, *window);
     /// Rotary position embedding of `x [.., T, D]` at positions `0..T`, or at the positions of
-    /// an i64 operand broadcasting to `[.., T]` (packed sequences, each restarting at 0),
+    /// an i64 operand broadcasting to `[.., T]` (packed sequences, each restarting at 0 and so
+    /// within `0..T`; a position outside is clamped into it),
     /// rotate-half layout (LLaMA's `apply_rotary_pos_emb`), frequencies `theta^(-2i/D)`
     /// rescaled as `scaling` says ([`crate::rope_inv_freq`]).
     Rope { theta: f64, scaling: RopeScaling } => "rope", class Elementwise, arity (1, 2),
