@@ -365,6 +365,23 @@ fn low_residual_plans_match_the_cpu_executor() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// Packed plans (`--pack`: `position_ids`, rope at positions, attention within each
+/// sequence) of GPT-2 and the LLaMA family, with the sliding window and LLaMA 3.1's rope
+/// scaling, in F32 and BF16, with and without recomputation: bit-identical to the CPU executor.
+#[test]
+fn packed_training_plans_match_the_cpu_executor() {
+    let mut failures = Vec::new();
+    for variant in ["gpt2_lm", "llama_gqa", "mistral_window", "llama31_rope"] {
+        for precision in ["fp32", "bf16"] {
+            for remat in ["none", "full"] {
+                let flags = format!("--pack --precision {precision} --remat {remat}");
+                println!("{}", compare_training(variant, &flags, &mut failures));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 #[test]
 fn loss_scaler_and_optimizer_paths_match_the_cpu_executor() {
     let mut failures = Vec::new();

@@ -103,6 +103,25 @@ pub fn batch(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
             .collect();
         *t = Tensor::from_i64(t.dtype(), t.shape().clone(), v);
     }
+    // Packed rows: sequences of random lengths (about 5), positions restarting at each.
+    if let Some(t) = out.get_mut("position_ids") {
+        let (b, n) = match t.shape().dims() {
+            &[b, n] => (b, n),
+            _ => (1, t.shape().numel().unwrap_or(0)),
+        };
+        let mut v = Vec::with_capacity(b * n);
+        for _ in 0..b {
+            let mut p = 0;
+            for i in 0..n {
+                if i > 0 && rng.next() % 5 == 0 {
+                    p = 0;
+                }
+                v.push(p);
+                p += 1;
+            }
+        }
+        *t = Tensor::from_i64(t.dtype(), t.shape().clone(), v);
+    }
     out
 }
 

@@ -1,4 +1,5 @@
-//! `rope.cu`: rotary embeddings forward and backward, and the (cos, sin) table.
+//! `rope.cu`: rotary embeddings forward and backward (at packed sequences' positions when
+//! given), and the (cos, sin) table.
 
 use crate::cuda::emulate::contracts::{checked, Strides};
 use crate::cuda::emulate::args::Args;
@@ -24,13 +25,15 @@ pub(crate) fn rope(m: &Mem, l: &Launch, backward: bool, dt: DType) -> R<Vec<Use>
     let x = a.need(m, input)?;
     let y = a.need(m, output)?;
     let cs = a.need(m, "cs")?;
+    let positions = a.ptr(m, "positions")?;
     let batches = a.count32("batches")?;
     let t = a.count32("t")?;
     let d = a.count32("d")?;
     let heads = a.count32("heads")?;
-    let (sx, sy) = (
+    let (sx, sy, sp) = (
         Strides::read(&mut a, input)?,
         Strides::read(&mut a, output)?,
+        Strides::read(&mut a, "positions")?,
     );
     a.end()?;
     if d % 2 != 0 {
@@ -38,15 +41,16 @@ pub(crate) fn rope(m: &Mem, l: &Launch, backward: bool, dt: DType) -> R<Vec<Use>
     }
     let s = dt.size_bytes();
     let dims = (batches, heads, t, d);
-    checked(
-        m,
-        vec![
-            sx.use_of(input, x, dims, s, Io::R)?,
-            sy.use_of(output, y, dims, s, Io::W)?,
-            use_("cs", Some(cs), (t * (d / 2) * 8) as u64, 8, Io::R),
-        ],
-        &[(output, input)],
-    )
+    let mut uses = vec![
+        sx.use_of(input, x, dims, s, Io::R)?,
+        sy.use_of(output, y, dims, s, Io::W)?,
+        use_("cs", Some(cs), (t * (d / 2) * 8) as u64, 8, Io::R),
+    ];
+    // One i64 position per row, through its own strides (0 where it broadcasts).
+    if let Some(p) = positions {
+        uses.push(sp.use_of("positions", p, (batches, heads, t, 1), 8, Io::R)?);
+    }
+    checked(m, uses, &[(output, input)])
 }
 
 pub(crate) fn rope_table(m: &Mem, l: &Launch) -> R<Vec<Use>> {

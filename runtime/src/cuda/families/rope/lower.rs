@@ -1,8 +1,11 @@
-//! Rotary position embeddings: `rope.cu`, with the (cos, sin) table uploaded once per shape.
+//! Rotary position embeddings: `rope.cu`, with the (cos, sin) table of positions `0..T`
+//! uploaded once per shape, and packed sequences' positions (an optional i64 operand
+//! broadcast to `[.., T]`) read through strides.
 
 use super::Kernel;
 use crate::cuda::program::{Arg, Place, SlotKind};
 use crate::cuda::lower::copies;
+use crate::cuda::lower::ops::fold;
 use crate::cuda::lower::views::{fits_i32, heads_of, kernel_strides};
 use crate::cuda::lower::{LowerError, RunLowering};
 use crate::cuda::kernel_id::KernelId;
@@ -54,34 +57,45 @@ impl RunLowering<'_, '_> {
         if !fits_i32(batches as i64) {
             return Err(self.err(y, "too many batches for rope's 32-bit count"));
         }
-        let heads = heads_of(&d[..d.len() - 2], 1);
+        let lead = &d[..d.len() - 2];
+        let heads = heads_of(lead, 1);
+        let (positions, positions_strides) = match ins.get(1) {
+            None => (Arg::Null, [0; 3]),
+            Some(&p) => (
+                Arg::Ptr(self.at(p)?),
+                self.rope_positions(y, p, lead, heads, t)?,
+            ),
+        };
         let table = self.rope_table(t, hd, *theta, *scaling)?;
         // The operand read, and the result written, in place when they are views.
         let (x, xs) = self.strided_read(ins[0], heads)?;
         let (out, ys) = self.strided_write(y, heads)?;
         // The kernels name their operand and result by direction.
         let (input, output) = if backward { ("dy", "dx") } else { ("x", "y") };
-        let names: [[&'static str; 3]; 2] = if backward {
+        let names: [[&'static str; 3]; 3] = if backward {
             [
                 ["dy_batch", "dy_head", "dy_row"],
                 ["dx_batch", "dx_head", "dx_row"],
+                ["positions_batch", "positions_head", "positions_row"],
             ]
         } else {
             [
                 ["x_batch", "x_head", "x_row"],
                 ["y_batch", "y_head", "y_row"],
+                ["positions_batch", "positions_head", "positions_row"],
             ]
         };
         let mut args = vec![
             (input, Arg::Ptr(x)),
             (output, Arg::Ptr(out)),
             ("cs", Arg::Ptr(table)),
+            ("positions", positions),
             ("batches", Arg::I32(batches as i32)),
             ("t", Arg::I32(t as i32)),
             ("d", Arg::I32(hd as i32)),
             ("heads", Arg::I32(heads as i32)),
         ];
-        for (names, strides) in names.iter().zip([xs, ys]) {
+        for (names, strides) in names.iter().zip([xs, ys, positions_strides]) {
             for (name, stride) in names.iter().zip(strides) {
                 if !fits_i32(stride) {
                     return Err(self.err(y, "too large for rope's 32-bit strides"));
@@ -100,6 +114,59 @@ impl RunLowering<'_, '_> {
             args,
         )?;
         Ok(())
+    }
+
+    /// The (batch, head, row) strides, in elements, by which the kernels read positions
+    /// operand `p` (i64, broadcast to x's rows `[lead.., t]`) for batch `(outer, head)` of x's
+    /// leading dims `lead` split by `heads`, as [`heads_of`] splits them.
+    fn rope_positions(
+        &self,
+        y: Value,
+        p: Value,
+        lead: &[usize],
+        heads: usize,
+        t: usize,
+    ) -> Result<[i64; 3], LowerError> {
+        let g = self.g;
+        let mut rows = lead.to_vec();
+        rows.push(t);
+        let pd = g.ty(p).shape.dims().to_vec();
+        if g.ty(p).dtype != castor_ir::DType::I64 || pd.len() > rows.len() {
+            return Err(self.err(
+                y,
+                format!("rope positions must be i64 broadcasting to {rows:?}, one per row of x"),
+            ));
+        }
+        // Element strides of the positions over [lead.., t]: 0 along a broadcast dim.
+        let own = copies::strides(&pd);
+        let skip = rows.len() - pd.len();
+        let st: Vec<i64> = (0..rows.len())
+            .map(|i| {
+                if i < skip || pd[i - skip] == 1 {
+                    0
+                } else {
+                    own[i - skip]
+                }
+            })
+            .collect();
+        // The lead dims split as the kernels split batches: outer `lead[..k]`, heads `lead[k..]`.
+        let k = (0..=lead.len())
+            .find(|&k| lead[k..].iter().product::<usize>() == heads)
+            .unwrap_or(0);
+        let n = lead.len();
+        let (Some(batch), Some(head)) = (fold(&lead[..k], &st[..k]), fold(&lead[k..], &st[k..n]))
+        else {
+            return Err(self.err(
+                y,
+                "the rope positions broadcast over x's batch dims in a way the kernels cannot \
+                 index",
+            ));
+        };
+        let strides = [batch, head, st[n]];
+        if !strides.into_iter().all(fits_i32) {
+            return Err(self.err(y, "rope positions too large for the kernels' 32-bit strides"));
+        }
+        Ok(strides)
     }
 
     /// The RoPE `(cos, sin)` table for `(t, d, theta, scaling)`: the CPU twin's values,

@@ -1,4 +1,5 @@
-//! `rope.cu`: rotary embeddings forward and backward, and the (cos, sin) table.
+//! `rope.cu`: rotary embeddings forward and backward (at packed sequences' positions when
+//! given), and the (cos, sin) table.
 //!
 //! The family: `rope.cu` (sources, entry points below); `lower.rs` (its launches in a CUDA
 //! program); `contract.rs` (what the emulator lets each launch read and write); `tests.rs` (the

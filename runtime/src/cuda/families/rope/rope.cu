@@ -6,16 +6,24 @@
 //     them. Built once per plan (constant); the executor may instead upload the CPU twin's
 //     table (runtime/src/cpu/rope.rs) for bit-identical angles: CUDA's powf/sincosf are within
 //     a few ulp of the host libm's, not always equal.
-//   rope_fwd_<t>(x, y, cs, batches, t, d, heads, x_batch, x_head, x_row, y_batch, y_head,
-//                y_row): x, y [batches, t, d] (batches = the leading dims); position p of
-//     batch b starts at (b / heads) X_batch + (b % heads) X_head + p X_row, so that a head
-//     read from a [B, T, H, d] product or written into one is used in place (dense:
-//     (heads t d, t d, d));
+//   rope_fwd_<t>(x, y, cs, positions, batches, t, d, heads, x_batch, x_head, x_row, y_batch,
+//                y_head, y_row, positions_batch, positions_head, positions_row): x, y
+//     [batches, t, d] (batches = the leading dims); row p of batch b starts at
+//     (b / heads) X_batch + (b % heads) X_head + p X_row, so that a head read from a
+//     [B, T, H, d] product or written into one is used in place (dense: (heads t d, t d, d));
 //       y[i]       = x[i] cos - x[i + d/2] sin
 //       y[i + d/2] = x[i + d/2] cos + x[i] sin            (i < d/2)
-//   rope_bwd_<t>(dy, dx, cs, batches, t, d, heads, <dy, dx strides>): the transpose (rotation by
-//     the negated angle),
+//     at the angles of position p, or, with positions (nullable, i64: packed sequences, each
+//     restarting at 0), of position positions[(b / heads) positions_batch + (b % heads)
+//     positions_head + p positions_row] (0 strides broadcast, e.g. one row of positions per
+//     sequence shared by its heads).
+//   rope_bwd_<t>(dy, dx, cs, positions, batches, t, d, heads, <dy, dx, positions strides>): the
+//     transpose (rotation by the negated angle),
 //       dx[i] = dy[i] cos + dy[i + d/2] sin, dx[i + d/2] = dy[i + d/2] cos - dy[i] sin.
+// The table holds positions 0..t, so packed positions are looked up, not computed: the angles
+// stay the CPU twin's bit for bit (CUDA's sincosf is not the host's). A packed sequence fits
+// in its row of t, so its positions lie in 0..t; a position outside (data no packing makes) is
+// clamped into 0..t - 1, as the CPU twin clamps it.
 // Fuses: the rotation of both halves with one read and one write of each element.
 // Dtypes: <t> storage dtype of x/y (dy/dx); the table is F32. Rounding: the rotation in F32
 // from F32 cos/sin, rounded once to <t>, as the CPU twin (HF rounds cos/sin to the activation
@@ -56,14 +64,18 @@ struct RopeStrides {
 
 template <typename T, bool BWD>
 __device__ __forceinline__ void rope(const T* x, T* y, const float2* __restrict__ cs,
-                                     int batches, int t, int d, int heads, RopeStrides sx,
-                                     RopeStrides sy) {
+                                     const i64* __restrict__ positions, int batches, int t,
+                                     int d, int heads, RopeStrides sx, RopeStrides sy,
+                                     RopeStrides sp) {
     const int half = d / 2;
     for (int b = blockIdx.y; b < batches; b += gridDim.y) {
         const int outer = b / heads, h = b % heads;
         for (int pos = blockIdx.x * blockDim.y + threadIdx.y; pos < t;
              pos += gridDim.x * blockDim.y) {
-            const float2* table = cs + i64(pos) * half;
+            int at = pos;
+            if (positions != nullptr)
+                at = int(min(max(positions[sp.at(outer, h, pos)], i64(0)), i64(t - 1)));
+            const float2* table = cs + i64(at) * half;
             const T* xr = x + sx.at(outer, h, pos);
             T* yr = y + sy.at(outer, h, pos);
             for (int i = threadIdx.x; i < half; i += blockDim.x) {
@@ -83,18 +95,22 @@ __device__ __forceinline__ void rope(const T* x, T* y, const float2* __restrict_
 }
 
 #define ROPE(T, t)                                                                             \
-    extern "C" __global__ void rope_fwd_##t(const T* x, T* y, const float2* cs, int batches,   \
-                                            int t, int d, int heads, int x_batch, int x_head,  \
-                                            int x_row, int y_batch, int y_head, int y_row) {   \
-        rope<T, false>(x, y, cs, batches, t, d, heads, RopeStrides{x_batch, x_head, x_row},    \
-                       RopeStrides{y_batch, y_head, y_row});                                   \
+    extern "C" __global__ void rope_fwd_##t(                                                   \
+        const T* x, T* y, const float2* cs, const i64* positions, int batches, int t, int d,   \
+        int heads, int x_batch, int x_head, int x_row, int y_batch, int y_head, int y_row,     \
+        int positions_batch, int positions_head, int positions_row) {                          \
+        rope<T, false>(x, y, cs, positions, batches, t, d, heads,                              \
+                       RopeStrides{x_batch, x_head, x_row}, RopeStrides{y_batch, y_head, y_row}, \
+                       RopeStrides{positions_batch, positions_head, positions_row});           \
     }                                                                                          \
-    extern "C" __global__ void rope_bwd_##t(const T* dy, T* dx, const float2* cs, int batches, \
-                                            int t, int d, int heads, int dy_batch,             \
-                                            int dy_head, int dy_row, int dx_batch,             \
-                                            int dx_head, int dx_row) {                         \
-        rope<T, true>(dy, dx, cs, batches, t, d, heads, RopeStrides{dy_batch, dy_head, dy_row}, \
-                      RopeStrides{dx_batch, dx_head, dx_row});                                 \
+    extern "C" __global__ void rope_bwd_##t(                                                   \
+        const T* dy, T* dx, const float2* cs, const i64* positions, int batches, int t, int d, \
+        int heads, int dy_batch, int dy_head, int dy_row, int dx_batch, int dx_head,           \
+        int dx_row, int positions_batch, int positions_head, int positions_row) {              \
+        rope<T, true>(dy, dx, cs, positions, batches, t, d, heads,                             \
+                      RopeStrides{dy_batch, dy_head, dy_row},                                  \
+                      RopeStrides{dx_batch, dx_head, dx_row},                                  \
+                      RopeStrides{positions_batch, positions_head, positions_row});            \
     }
 
 CASTOR_FOR_EACH_T(ROPE)

@@ -1,8 +1,11 @@
 //! `rope.cu` against `cpu/rope.rs`: the table with the twin's powf, sinf and cosf (the host
 //! build's are the C library's, which the twin calls too), the rotation in F32 rounded once:
-//! bit for bit.
+//! bit for bit, at positions `0..t` or at packed sequences' positions (clamped into `0..t`
+//! alike).
 
-use crate::cuda::emulate::kernel_tests::{check, dec, enc, grid_1d, i32, Launcher, Rng, FLOATS};
+use crate::cuda::emulate::kernel_tests::{
+    check, dec, enc, enc_i64, grid_1d, i32, Launcher, Rng, FLOATS,
+};
 use crate::cpu::rope::{rope, rope_grad, rope_table};
 use crate::cuda::program::Arg;
 use castor_ir::{round_to, DType, RopeScaling};
@@ -50,10 +53,11 @@ fn the_table_and_both_rotations_equal_the_twin() {
             let x = rng.values(rows * d, 2.0, dt);
             for bwd in [false, true] {
                 let mut y = x.clone();
+                let dims = [3, t, d];
                 if bwd {
-                    rope_grad(&mut y, t, d, theta, RopeScaling::None);
+                    rope_grad(&mut y, &dims, None, theta, RopeScaling::None);
                 } else {
-                    rope(&mut y, t, d, theta, RopeScaling::None);
+                    rope(&mut y, &dims, None, theta, RopeScaling::None);
                 }
                 let y: Vec<f32> = y.iter().map(|&v| round_to(dt, v)).collect();
                 let name = format!("rope_{}_{s}", if bwd { "bwd" } else { "fwd" });
@@ -65,10 +69,11 @@ fn the_table_and_both_rotations_equal_the_twin() {
                 let (grid, block) = ((2, 2, 1), (32, 4, 1));
                 // In place, as the lowering allows; the 3 batches as 3 heads of one.
                 let dense = [3 * t * d, t * d, d].map(i32);
-                let mut args = vec![l.ptr(bx), l.ptr(bx), l.ptr(bcs), i32(3), i32(t), i32(d)];
-                args.push(i32(3));
+                let mut args = vec![l.ptr(bx), l.ptr(bx), l.ptr(bcs), Arg::Null];
+                args.extend([i32(3), i32(t), i32(d), i32(3)]);
                 args.extend(dense.clone());
                 args.extend(dense);
+                args.extend([i32(0), i32(0), i32(0)]);
                 let got = l.run(&name, grid, block, args).unwrap();
                 check(
                     &format!("{name} t={t} d={d}"),
@@ -94,10 +99,11 @@ fn the_table_and_both_rotations_equal_the_twin() {
                 let by = l.buf(enc(dt, &vec![7.0f32; t * 3 * w]), 0);
                 let bcs = l.buf(out[cs.0].clone(), 0);
                 let strided = [t * 3 * w, w, 3 * w].map(i32);
-                let mut args = vec![l.ptr(bx), l.ptr(by), l.ptr(bcs), i32(3), i32(t), i32(d)];
-                args.push(i32(3));
+                let mut args = vec![l.ptr(bx), l.ptr(by), l.ptr(bcs), Arg::Null];
+                args.extend([i32(3), i32(t), i32(d), i32(3)]);
                 args.extend(strided.clone());
                 args.extend(strided);
+                args.extend([i32(0), i32(0), i32(0)]);
                 let got = dec(dt, &l.run(&name, grid, block, args).unwrap()[by.0]);
                 let mut inside = vec![false; got.len()];
                 let mut dense_y = vec![0.0; rows * d];
@@ -112,6 +118,70 @@ fn the_table_and_both_rotations_equal_the_twin() {
                 check(&format!("{name} t={t} d={d} in place"), dt, &dense_y, &y, 0);
                 let gap = (0..got.len()).find(|&i| !inside[i] && got[i] != 7.0);
                 assert!(gap.is_none(), "{name}: a gap was written at {gap:?}");
+            }
+        }
+    }
+}
+
+/// Packed sequences' positions: x `[2, 3, t, d]` (two sequences' rows of three heads each)
+/// with positions `[2, 1, t]` shared by the heads (the kernels' head stride 0). Row 0 packs
+/// sequences of 5, 1 and 4 tokens in turn; row 1 holds positions no packing makes (negative,
+/// at and past t), which both sides clamp into `0..t`. Bit for bit, forward and backward, in
+/// place and out of place.
+#[test]
+fn rotations_at_packed_positions_equal_the_twin() {
+    let mut rng = Rng::new(12);
+    for (t, d, theta) in [(1usize, 2usize, 10_000.0), (33, 16, 500_000.0), (40, 130, 10_000.0)] {
+        let mut positions: Vec<i64> = [5usize, 1, 4]
+            .iter()
+            .cycle()
+            .flat_map(|&n| 0..n as i64)
+            .take(t)
+            .collect();
+        positions.extend((0..t).map(|i| match i % 4 {
+            0 => -(i as i64) - 1,
+            1 => t as i64 + i as i64,
+            2 => t as i64,
+            _ => (rng.next() % t as u64) as i64,
+        }));
+        let (outer, heads) = (2usize, 3usize);
+        let rows = outer * heads * t;
+        // One position per row of x, as the CPU dispatch broadcasts them.
+        let per_row: Vec<i64> = (0..rows)
+            .map(|r| positions[(r / (heads * t)) * t + r % t])
+            .collect();
+        let table: Vec<f32> = rope_table(t, d, theta, RopeScaling::None)
+            .iter()
+            .flat_map(|&(c, s)| [c, s])
+            .collect();
+        for (dt, s) in FLOATS {
+            let x = rng.values(rows * d, 2.0, dt);
+            for bwd in [false, true] {
+                let mut y = x.clone();
+                let dims = [outer, heads, t, d];
+                if bwd {
+                    rope_grad(&mut y, &dims, Some(&per_row), theta, RopeScaling::None);
+                } else {
+                    rope(&mut y, &dims, Some(&per_row), theta, RopeScaling::None);
+                }
+                let y: Vec<f32> = y.iter().map(|&v| round_to(dt, v)).collect();
+                let name = format!("rope_{}_{s}", if bwd { "bwd" } else { "fwd" });
+                for in_place in [false, true] {
+                    let mut l = Launcher::new("rope.cu");
+                    let bx = l.buf(enc(dt, &x), dt.size_bytes() as u64);
+                    let by = if in_place { bx } else { l.out(rows * d * dt.size_bytes(), 0) };
+                    let bcs = l.buf(enc(DType::F32, &table), 0);
+                    let bp = l.buf(enc_i64(&positions), 0);
+                    let dense = [heads * t * d, t * d, d].map(i32);
+                    let mut args = vec![l.ptr(bx), l.ptr(by), l.ptr(bcs), l.ptr(bp)];
+                    args.extend([i32(outer * heads), i32(t), i32(d), i32(heads)]);
+                    args.extend(dense.clone());
+                    args.extend(dense);
+                    args.extend([i32(t), i32(0), i32(1)]);
+                    let got = l.run(&name, (2, 2, 1), (32, 4, 1), args).unwrap();
+                    let what = format!("{name} t={t} d={d} positions in_place={in_place}");
+                    check(&what, dt, &dec(dt, &got[by.0]), &y, 0);
+                }
             }
         }
     }

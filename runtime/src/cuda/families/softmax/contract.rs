@@ -1,4 +1,5 @@
-//! `softmax.cu`: softmax forward with the causal and padding masks, and backward.
+//! `softmax.cu`: softmax forward with the causal and padding masks or packed sequences'
+//! positions, and backward.
 
 use crate::cuda::emulate::contracts::{checked, row_block};
 use crate::cuda::emulate::args::Args;
@@ -30,6 +31,7 @@ pub(crate) fn softmax_fwd(m: &Mem, l: &Launch, ti: DType, to: DType) -> R<Vec<Us
         return Err("a negative sliding window".into());
     }
     let mask = a.ptr(m, "mask")?;
+    let positions = a.ptr(m, "positions")?;
     let strides = [a.i64("msb")?, a.i64("msh")?, a.i64("msq")?, a.i64("msk")?];
     a.end()?;
     if tq == 0 || heads == 0 || rows % (tq * heads) != 0 {
@@ -40,9 +42,12 @@ pub(crate) fn softmax_fwd(m: &Mem, l: &Launch, ti: DType, to: DType) -> R<Vec<Us
     if strides.iter().any(|&s| s < 0) {
         return Err(format!("negative mask strides {strides:?}"));
     }
-    // The mask bytes the row walk reaches: the last (b, h, q, j) at every stride.
+    if mask.is_some() && positions.is_some() {
+        return Err("a bool mask and positions together (the kernel takes one or the other)".into());
+    }
+    // The mask elements the row walk reaches: the last (b, h, q, j) at every stride.
     let dims = [rows / (tq * heads), heads, tq, tk];
-    let mask_bytes = if dims.contains(&0) {
+    let mask_elems = if dims.contains(&0) {
         0
     } else {
         1 + dims
@@ -57,7 +62,8 @@ pub(crate) fn softmax_fwd(m: &Mem, l: &Launch, ti: DType, to: DType) -> R<Vec<Us
         vec![
             use_("x", Some(x), (rows * tk * si) as u64, si, Io::R),
             use_("y", Some(y), (rows * tk * so) as u64, so, Io::W),
-            use_("mask", mask, mask_bytes, 1, Io::R),
+            use_("mask", mask, mask_elems, 1, Io::R),
+            use_("positions", positions, 8 * mask_elems, 8, Io::R),
         ],
         &[("y", "x")],
     )

@@ -1,5 +1,5 @@
-//! Row softmax and its backward: `softmax.cu` (causal and sliding-window masks, additive
-//! masks broadcast over batch dims).
+//! Row softmax and its backward: `softmax.cu` (causal and sliding-window masks, bool masks
+//! broadcast over batch dims, or packed sequences' i64 positions `[.., 1, Tk]`).
 
 use super::Kernel;
 use crate::cuda::program::Arg;
@@ -31,12 +31,33 @@ impl RunLowering<'_, '_> {
         // grouped-query attention's [B, kv, groups, tq, tk] with a [B, 1, 1, 1, tk] mask folds
         // kv and groups into heads).
         let lead_dims = &d[..r - 2];
-        let (mask, heads, strides) = match ins.get(1) {
-            None => (Arg::Null, lead_dims.last().copied().unwrap_or(1), [0i64; 4]),
+        let (mask, positions, heads, strides) = match ins.get(1) {
+            None => (
+                Arg::Null,
+                Arg::Null,
+                lead_dims.last().copied().unwrap_or(1),
+                [0i64; 4],
+            ),
             Some(&m) => {
-                if g.ty(m).dtype != DType::Bool {
-                    return Err(self.err(y, "a softmax mask must be bool"));
-                }
+                let is_positions = match g.ty(m).dtype {
+                    DType::Bool => false,
+                    DType::I64 if causal => true,
+                    DType::I64 => {
+                        return Err(self.err(
+                            y,
+                            "softmax positions (an i64 mask) need the causal mask",
+                        ))
+                    }
+                    other => {
+                        return Err(self.err(
+                            y,
+                            format!(
+                                "a softmax mask must be bool (kept keys) or i64 (positions), \
+                                 found {other}"
+                            ),
+                        ))
+                    }
+                };
                 let md = g.ty(m).shape.dims().to_vec();
                 if md.len() > r {
                     return Err(self.err(y, "the mask has more dims than the scores"));
@@ -65,11 +86,18 @@ impl RunLowering<'_, '_> {
                          cannot index",
                     ));
                 };
-                (
-                    Arg::Ptr(self.at(m)?),
-                    heads,
-                    [sb, sh, stride(r - 2), stride(r - 1)],
-                )
+                let strides = [sb, sh, stride(r - 2), stride(r - 1)];
+                let at = Arg::Ptr(self.at(m)?);
+                if !is_positions {
+                    (at, Arg::Null, heads, strides)
+                } else if strides[2] == 0 {
+                    (Arg::Null, at, heads, strides)
+                } else {
+                    return Err(self.err(
+                        y,
+                        "softmax positions must be [.., 1, Tk]: one key row per batch",
+                    ));
+                }
             }
         };
         let xp = self.at(x)?;
@@ -93,6 +121,7 @@ impl RunLowering<'_, '_> {
                 ("causal", Arg::I32(i32::from(causal))),
                 ("window", Arg::I32(window_arg(window))),
                 ("mask", mask),
+                ("positions", positions),
                 ("msb", Arg::I64(strides[0])),
                 ("msh", Arg::I64(strides[1])),
                 ("msq", Arg::I64(strides[2])),

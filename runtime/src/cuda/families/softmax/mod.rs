@@ -1,4 +1,5 @@
-//! `softmax.cu`: softmax forward with the causal and padding masks, and backward.
+//! `softmax.cu`: softmax forward with the causal and padding masks or packed sequences'
+//! positions, and backward.
 //!
 //! The family: `softmax.cu` (sources, entry points below); `lower.rs` (its launches in a CUDA
 //! program); `contract.rs` (what the emulator lets each launch read and write); `tests.rs` (the

@@ -1,15 +1,21 @@
-// softmax.cu: softmax over the last axis with the causal and boolean padding masks, and its
-// backward.
+// softmax.cu: softmax over the last axis with the causal mask and a boolean padding mask or
+// packed sequences' positions, and its backward.
 //
 // Forward, one block per row (grid-stride over rows):
-//   softmax_fwd_<io>(x, y, rows, tk, tq, heads, causal, window, mask, mask_sb, mask_sh, mask_sq,
-//                    mask_sk)
+//   softmax_fwd_<io>(x, y, rows, tk, tq, heads, causal, window, mask, positions, msb, msh, msq,
+//                    msk)
 //     x, y: [B, heads, tq, tk] (any leading shape folded into B and heads; rows = B*heads*tq).
 //     causal != 0: query q (row % tq) sees keys j <= q + tk - tq; window > 0 (with causal, a
 //     sliding window) narrows that to the last `window` of them, j > q + tk - tq - window.
 //     mask (nullable): bytes, nonzero = keep, broadcast over x through element strides
-//     (mask_sb, mask_sh, mask_sq, mask_sk), 0 along broadcast axes: the keep bit of (b, h, q, j)
-//     is mask[b*sb + h*sh + q*sq + j*sk].
+//     (msb, msh, msq, msk), 0 along broadcast axes: the keep bit of (b, h, q, j) is
+//     mask[b*msb + h*msh + q*msq + j*msk].
+//     positions (nullable; with causal, the lowering passes it or mask, not both): i64, each
+//     key's position in its own packed sequence, through the same strides (msq is 0: one row
+//     of tk per (b, h)). Query q, whose own key is a = q + tk - tq, sees only keys
+//     j >= a - clamp(pos[a], 0, a), the start of its sequence (a malformed position never
+//     reaches before the row); with a window, the later of the two starts. Such a row always
+//     sees its own key.
 //     Masked and causally hidden entries get exactly 0. A row with every key masked (or hidden)
 //     becomes uniform, 1/tk over the whole row, as the CPU executor and HF's finite mask give.
 // Backward, one block per row:
@@ -79,7 +85,8 @@ template <typename TI, typename TO>
 __device__ __forceinline__ void softmax_fwd(const TI* x, TO* y, i64 rows, int tk, int tq, int heads,
                                             int causal, int window,
                                             const unsigned char* __restrict__ mask,
-                                            i64 msb, i64 msh, i64 msq, i64 msk) {
+                                            const i64* __restrict__ positions, i64 msb, i64 msh,
+                                            i64 msq, i64 msk) {
     __shared__ float fscratch[32];
     __shared__ double dscratch[32];
     __shared__ int iscratch[32];
@@ -90,10 +97,15 @@ __device__ __forceinline__ void softmax_fwd(const TI* x, TO* y, i64 rows, int tk
         const i64 hh = bh % heads, bb = bh / heads;
         const TI* xr = x + row * tk;
         TO* yr = y + row * tk;
-        const unsigned char* mr = mask ? mask + bb * msb + hh * msh + i64(q) * msq : nullptr;
+        const i64 at = bb * msb + hh * msh + i64(q) * msq;
+        const unsigned char* mr = mask ? mask + at : nullptr;
         int visible = tk;
         if (causal) visible = max(0, min(tk, q + 1 + tk - tq));
-        const int first = window > 0 ? max(0, visible - window) : 0;
+        int first = window > 0 ? max(0, visible - window) : 0;
+        // The start of the packed sequence of the row's own key a (none before the keys).
+        const int a = q + tk - tq;
+        if (positions != nullptr && a >= 0)
+            first = max(first, a - int(min(max(positions[at + i64(a) * msk], i64(0)), i64(a))));
         auto keep = [&](int j) {
             return j >= first && j < visible && (mr == nullptr || mr[i64(j) * msk] != 0);
         };
@@ -166,10 +178,11 @@ __device__ __forceinline__ void softmax_bwd(const TO* __restrict__ y, const TO* 
 #define SOFTMAX(TI, TO, io)                                                                    \
     extern "C" __global__ void softmax_fwd_##io(const TI* x, TO* y, i64 rows, int tk, int tq,  \
                                                 int heads, int causal, int window,             \
-                                                const unsigned char* mask, i64 msb, i64 msh,   \
+                                                const unsigned char* mask,                     \
+                                                const i64* positions, i64 msb, i64 msh,        \
                                                 i64 msq, i64 msk) {                            \
-        softmax_fwd<TI, TO>(x, y, rows, tk, tq, heads, causal, window, mask, msb, msh, msq,    \
-                            msk);                                                              \
+        softmax_fwd<TI, TO>(x, y, rows, tk, tq, heads, causal, window, mask, positions, msb,   \
+                            msh, msq, msk);                                                    \
     }                                                                                          \
     extern "C" __global__ void softmax_bwd_##io(const TO* y, const TO* dy, TI* dx, i64 rows,   \
                                                 int n) {                                       \
