@@ -38,12 +38,14 @@ fn pack_batch(lengths: &[usize], seq: usize) -> Vec<Vec<usize>> {
     let mut open: BTreeMap<usize, VecDeque<usize>> = BTreeMap::new();
     for i in order {
         let length = lengths[i];
-        let fit = open.range(length..).next().map(|(&space, _)| space);
+        // The smallest listed space that holds the example (listed queues are never empty).
+        let fit = open
+            .range_mut(length..)
+            .next()
+            .and_then(|(&space, queue)| queue.pop_front().map(|row| (row, space)));
         let (row, space) = match fit {
-            Some(space) => {
-                let queue = open.get_mut(&space).expect("listed space");
-                let row = queue.pop_front().expect("a row per listed space");
-                if queue.is_empty() {
+            Some((row, space)) => {
+                if open.get(&space).is_some_and(VecDeque::is_empty) {
                     open.remove(&space);
                 }
                 (row, space)
