@@ -113,7 +113,7 @@ pub fn batch(g: &Graph, seed: u64) -> HashMap<String, Tensor> {
         for _ in 0..b {
             let mut p = 0;
             for i in 0..n {
-                if i > 0 && rng.next() % 5 == 0 {
+                if i > 0 && rng.next().is_multiple_of(5) {
                     p = 0;
                 }
                 v.push(p);
