@@ -9,6 +9,7 @@
 
 use crate::cuda::emulate::kernel_tests::{dec, enc, i32, i64, Launcher, Rng};
 use crate::cpu::attention::{attention, attention_grad, Operand, Problem};
+use crate::cpu::mask::KeyMask;
 use crate::cuda::program::Arg;
 use castor_ir::{relative_error, round_to, DType};
 use super::geometry::{self, Kernel};
@@ -375,7 +376,7 @@ fn run_case(
         q: &q_shape,
         k: &kv_shape,
         v: &kv_shape,
-        mask: c.masked.then_some((&keep[..], &mask_shape[..])),
+        mask: c.masked.then_some(KeyMask::Keep(&keep[..], &mask_shape[..])),
         causal: c.causal,
         window: c.window,
         scale,
