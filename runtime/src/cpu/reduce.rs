@@ -51,7 +51,14 @@ pub fn reduce(op: ReduceOp, x: &[f32], dims: &[usize], axes: &[usize]) -> Option
         }
     }
     let (outer, inner) = match runs.as_slice() {
-        [] | [(_, false)] => return Some(x.to_vec()),
+        // One element per result: a max is that element; a sum (and a mean) starts from +0,
+        // as PyTorch's and the kernels' do, so -0 becomes +0 and nothing else changes.
+        [] | [(_, false)] => {
+            return Some(match op {
+                ReduceOp::Max => x.to_vec(),
+                ReduceOp::Sum | ReduceOp::Mean => x.iter().map(|&v| v + 0.0).collect(),
+            })
+        }
         [(_, true)] => (1, 1),
         [(_, true), (i, false)] => (1, *i),
         [(o, false), (_, true)] => (*o, 1),
@@ -129,4 +136,23 @@ fn reduce_columns(op: ReduceOp, x: &[f32], outer: usize, len: usize, inner: usiz
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A sum over a size-1 axis starts from +0 as PyTorch's does: -0 becomes +0 (a max keeps
+    /// it), so the CPU and the kernels agree on the sign of a zero gradient.
+    #[test]
+    fn a_sum_over_one_element_starts_from_positive_zero() {
+        let x = [-0.0f32, 1.5, -2.0];
+        let sum = reduce(ReduceOp::Sum, &x, &[1, 3], &[0]).unwrap();
+        assert_eq!(
+            sum.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            [0.0f32.to_bits(), 1.5f32.to_bits(), (-2.0f32).to_bits()]
+        );
+        let max = reduce(ReduceOp::Max, &x, &[1, 3], &[0]).unwrap();
+        assert_eq!(max[0].to_bits(), (-0.0f32).to_bits());
+    }
 }
