@@ -382,6 +382,23 @@ fn packed_training_plans_match_the_cpu_executor() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// Dropout plans (`--dropout config`: GPT-2's and BERT's embedding, attention-probability and
+/// residual dropout, masks regenerated in the backward and by recomputation), in F32 and BF16,
+/// with and without recomputation: bit-identical to the CPU executor.
+#[test]
+fn dropout_training_plans_match_the_cpu_executor() {
+    let mut failures = Vec::new();
+    for variant in ["gpt2_lm", "bert_mlm"] {
+        for precision in ["fp32", "bf16"] {
+            for remat in ["none", "full"] {
+                let flags = format!("--dropout config --precision {precision} --remat {remat}");
+                println!("{}", compare_training(variant, &flags, &mut failures));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 #[test]
 fn loss_scaler_and_optimizer_paths_match_the_cpu_executor() {
     let mut failures = Vec::new();

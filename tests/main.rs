@@ -19,6 +19,7 @@ mod cuda_emulated;
 mod cuda_lowering;
 mod data_parallel;
 mod demo;
+mod dropout;
 mod emulate_cli;
 mod epilogues;
 mod eval_vs_pytorch;

@@ -76,6 +76,7 @@ fn try_plan(
         lora: None,
         parallel: Default::default(),
         packed: false,
+        dropout: Default::default(),
     };
     castor::memory::pipeline(castor_runtime::ExecutorKind::Cuda)
         .build(&g, settings)

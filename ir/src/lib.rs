@@ -45,7 +45,7 @@ pub use op::{
 };
 pub use optim::{AdafactorHparams, AdamWHparams, LionHparams, SgdHparams, WeightDecay};
 pub use plan::{
-    show_value, Classifier, ControlState, Difference, Epilogues, LoraBase, LoraSettings,
+    show_value, Classifier, ControlState, Difference, Dropout, Epilogues, LoraBase, LoraSettings,
     LossScaling, Nf4Part, OptimizerKind, Parallel, PlanError, Remat, Setting, StateInit, StateRole,
     StateSpec, TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
 };

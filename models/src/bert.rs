@@ -147,6 +147,10 @@ impl Arch for BertConfig {
         name.ends_with("position_ids") || name.ends_with("embeddings.token_type_ids")
     }
 
+    fn dropout(&self) -> crate::config::DropoutRates {
+        self.dropout
+    }
+
     fn max_positions(&self) -> Option<usize> {
         Some(self.max_position_embeddings)
     }
@@ -197,7 +201,9 @@ impl Arch for BertConfig {
                 &[pe],
             )?;
             let x = ctx.add("with_positions", x, pos)?;
-            layer_norm(ctx, "LayerNorm", &p("embeddings.LayerNorm"), x, eps, false)
+            let x = layer_norm(ctx, "LayerNorm", &p("embeddings.LayerNorm"), x, eps, false)?;
+            let rate = ctx.dropout.embeddings;
+            ctx.dropout("dropout", x, rate)
         })?;
 
         let n = self.num_hidden_layers;
@@ -340,6 +346,8 @@ fn layer(
             Some(&w("attention.output.dense.bias")),
             true,
         )?;
+        let residual = ctx.dropout.residual;
+        let y = ctx.dropout("output.dropout", y, residual)?;
         let y = ctx.add("output.residual", y, h)?;
         layer_norm(
             ctx,
@@ -365,6 +373,8 @@ fn layer(
         Some(&w("output.dense.bias")),
         true,
     )?;
+    let residual = ctx.dropout.residual;
+    let y = ctx.dropout("output.dropout", y, residual)?;
     let y = ctx.add("output.residual", y, attn)?;
     layer_norm(
         ctx,

@@ -40,6 +40,11 @@ pub(crate) struct Ctx<'m> {
     /// `position_ids` and its views, declared on first use (packed graphs).
     positions: Option<Value>,
     position_rows: Option<Value>,
+    /// Dropout applied in this graph (training graphs with `--dropout`), its key input
+    /// `dropout_key` (declared on first use) and the stream the next dropout node takes.
+    pub dropout: crate::config::DropoutRates,
+    dropout_key: Option<Value>,
+    dropout_streams: usize,
 }
 
 /// How a model's attention core is built, as transformers' `attn_implementation` chooses it.
@@ -95,6 +100,9 @@ impl<'m> Ctx<'m> {
             packed: false,
             positions: None,
             position_rows: None,
+            dropout: Default::default(),
+            dropout_key: None,
+            dropout_streams: 0,
         }
     }
 
@@ -157,6 +165,27 @@ impl<'m> Ctx<'m> {
             *x = all;
         }
         Ok((out[0], out[1]))
+    }
+
+    /// `x` through dropout with probability `p` (nothing for `None` or 0) as `scope.name`: a
+    /// `dropout` node keyed by the graph input `dropout_key` (i64 `[2]`: seed, offset; the
+    /// trainer gives each micro-batch its own offset, and a negative one is evaluation mode)
+    /// and its own stream, so no two nodes draw the same mask.
+    pub fn dropout(&mut self, name: &str, x: Value, p: Option<f64>) -> Result<Value, ModelError> {
+        let p = p.unwrap_or(0.0);
+        if p == 0.0 {
+            return Ok(x);
+        }
+        let key = match self.dropout_key {
+            Some(key) => key,
+            None => {
+                let key = self.input("dropout_key", TensorType::new(DType::I64, [2]))?;
+                *self.dropout_key.insert(key)
+            }
+        };
+        let stream = self.dropout_streams;
+        self.dropout_streams += 1;
+        self.op(name, Op::Dropout { p, stream }, &[x, key])
     }
 
     /// A packed graph's `position_ids` (i64 `[B, T]`, declared on first use); `None` for other
@@ -455,7 +484,20 @@ impl<'m> Ctx<'m> {
             KeysSeen::Causal => (true, None),
             KeysSeen::Window(w) => (true, Some(w)),
         };
-        if let Some(library) = self.attention.library() {
+        // The fused kernels do not drop probabilities: with attention dropout, `auto` builds
+        // the eager core, and a fused attention asked for by name is an error.
+        let attention_dropout = self.dropout.attention.filter(|&p| p > 0.0);
+        let library = match (self.attention, attention_dropout) {
+            (AttentionImpl::Auto, Some(_)) => None,
+            (_, Some(p)) if self.attention.library().is_some() => {
+                return Err(ModelError::FusedAttentionDropout {
+                    architecture: self.architecture.to_string(),
+                    p,
+                })
+            }
+            _ => self.attention.library(),
+        };
+        if let Some(library) = library {
             let scale = scales.iter().product();
             let op = Op::Attention {
                 causal,
@@ -477,7 +519,8 @@ impl<'m> Ctx<'m> {
         for &factor in scales {
             s = self.op("scores.scaled", Op::Scale { factor }, &[s])?;
         }
-        let p = self.op("probs", Op::Softmax { causal, window }, &[s, mask])?;
+        let mut p = self.op("probs", Op::Softmax { causal, window }, &[s, mask])?;
+        p = self.dropout("probs.dropout", p, attention_dropout)?;
         self.op(
             "context",
             Op::MatMul {

@@ -163,6 +163,38 @@ pub struct Gpt2Config {
     pub tie_word_embeddings: bool,
     /// Standard deviation of the initial weights (`init_params`); not used when loading.
     pub initializer_range: f64,
+    /// Where training applies dropout: `embd_pdrop`, `attn_pdrop`, `resid_pdrop`.
+    pub dropout: DropoutRates,
+}
+
+/// Dropout probabilities at the places transformers' modules apply it in training: the
+/// embeddings (GPT-2's `embd_pdrop` on their sum; BERT's `hidden_dropout_prob` after their
+/// norm), the attention probabilities, and each sublayer's output before its residual add.
+/// `None`: the family has no dropout there.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct DropoutRates {
+    pub embeddings: Option<f64>,
+    pub attention: Option<f64>,
+    pub residual: Option<f64>,
+}
+
+impl DropoutRates {
+    /// Every site the family has at `p` (`--dropout P`).
+    pub fn all_at(self, p: f64) -> DropoutRates {
+        let at = |site: Option<f64>| site.map(|_| p);
+        DropoutRates {
+            embeddings: at(self.embeddings),
+            attention: at(self.attention),
+            residual: at(self.residual),
+        }
+    }
+
+    /// No dropout anywhere.
+    pub fn is_off(&self) -> bool {
+        [self.embeddings, self.attention, self.residual]
+            .iter()
+            .all(|p| p.unwrap_or(0.0) == 0.0)
+    }
 }
 
 /// `BertConfig`, resolved.
@@ -181,6 +213,8 @@ pub struct BertConfig {
     pub initializer_range: f64,
     /// The word embeddings' `padding_idx` (`pad_token_id`, 0 by default): no gradient.
     pub pad_token_id: Option<usize>,
+    /// `hidden_dropout_prob` (embeddings, sublayer outputs), `attention_probs_dropout_prob`.
+    pub dropout: DropoutRates,
 }
 
 /// A LLaMA-style decoder's config, resolved: `LlamaConfig`, and the families built from the
@@ -220,6 +254,8 @@ pub struct LlamaConfig {
     /// The token embeddings' `padding_idx` (`pad_token_id`; 0 by default for Gemma, none for
     /// the others): that row gets no gradient.
     pub pad_token_id: Option<usize>,
+    /// `attention_dropout`, on the attention probabilities only.
+    pub dropout: DropoutRates,
 }
 
 /// A sliding attention window over the layers from `first_layer` on.
@@ -510,6 +546,11 @@ fn gpt2(f: &Fields) -> Result<Gpt2Config, ModelError> {
         scale_attn_by_inverse_layer_idx: f.boolean("scale_attn_by_inverse_layer_idx", false)?,
         tie_word_embeddings: f.boolean("tie_word_embeddings", true)?,
         initializer_range: f.eps("initializer_range", 0.02)?,
+        dropout: DropoutRates {
+            embeddings: Some(f.probability("embd_pdrop", 0.1)?),
+            attention: Some(f.probability("attn_pdrop", 0.1)?),
+            residual: Some(f.probability("resid_pdrop", 0.1)?),
+        },
     })
 }
 
@@ -540,6 +581,14 @@ fn bert(f: &Fields) -> Result<BertConfig, ModelError> {
         tie_word_embeddings: f.boolean("tie_word_embeddings", true)?,
         initializer_range: f.eps("initializer_range", 0.02)?,
         pad_token_id: f.padding_index(Some(0)),
+        dropout: {
+            let hidden = f.probability("hidden_dropout_prob", 0.1)?;
+            DropoutRates {
+                embeddings: Some(hidden),
+                attention: Some(f.probability("attention_probs_dropout_prob", 0.1)?),
+                residual: Some(hidden),
+            }
+        },
     })
 }
 
@@ -678,6 +727,10 @@ fn llama(f: &Fields, family: Family) -> Result<LlamaConfig, ModelError> {
         sliding_window: sliding_window(f, family, num_hidden_layers)?,
         gemma_norm_and_embed: family == Family::Gemma,
         pad_token_id: f.padding_index((family == Family::Gemma).then_some(0)),
+        dropout: DropoutRates {
+            attention: Some(f.probability("attention_dropout", 0.0)?),
+            ..Default::default()
+        },
     })
 }
 
@@ -976,6 +1029,15 @@ impl Fields<'_> {
                 key,
                 format!("expected a small non-negative number, found {x}"),
             ));
+        }
+        Ok(x)
+    }
+
+    /// A probability in [0, 1) (a dropout rate).
+    fn probability(&self, key: &str, default: f64) -> Result<f64, ModelError> {
+        let x = self.number(key, default)?;
+        if !(0.0..1.0).contains(&x) {
+            return Err(self.field_err(key, format!("expected a probability in [0, 1), found {x}")));
         }
         Ok(x)
     }

@@ -94,6 +94,10 @@ impl Arch for Gpt2Config {
         name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias")
     }
 
+    fn dropout(&self) -> crate::config::DropoutRates {
+        self.dropout
+    }
+
     fn max_positions(&self) -> Option<usize> {
         Some(self.n_positions)
     }
@@ -140,6 +144,8 @@ impl Arch for Gpt2Config {
             )?,
         };
         let mut h = ctx.add("embeddings", tokens, positions)?;
+        let rate = ctx.dropout.embeddings;
+        h = ctx.dropout("embeddings.dropout", h, rate)?;
         for i in 0..self.n_layer {
             h = ctx.block(i, &format!("h.{i}"), |ctx| {
                 block(self, ctx, &p(&format!("h.{i}.")), i, h, mask)
@@ -218,13 +224,15 @@ fn block(
         }
         let context = ctx.attention(q, k, v, mask, &scales, KeysSeen::Causal)?;
         let merged = ctx.merge_heads("context", context)?;
-        ctx.linear(
+        let out = ctx.linear(
             "proj",
             merged,
             &w("attn.c_proj.weight"),
             Some(&w("attn.c_proj.bias")),
             false,
-        )
+        )?;
+        let rate = ctx.dropout.residual;
+        ctx.dropout("proj.dropout", out, rate)
     })?;
     let h = ctx.add("attn_residual", attn, h)?;
 
@@ -238,13 +246,15 @@ fn block(
             false,
         )?;
         let act = ctx.op("act", Op::Unary(c.activation.unary()), &[fc])?;
-        ctx.linear(
+        let out = ctx.linear(
             "proj",
             act,
             &w("mlp.c_proj.weight"),
             Some(&w("mlp.c_proj.bias")),
             false,
-        )
+        )?;
+        let rate = ctx.dropout.residual;
+        ctx.dropout("proj.dropout", out, rate)
     })?;
     ctx.add("mlp_residual", mlp, h)
 }

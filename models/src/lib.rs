@@ -42,7 +42,8 @@ pub use build::AttentionImpl;
 pub use checkpoint::Checkpoint;
 pub use classify::{Labels, ProblemType};
 pub use config::{
-    Activation, BertConfig, Config, Family, Gpt2Config, LlamaConfig, ModelConfig, SlidingWindow,
+    Activation, BertConfig, Config, DropoutRates, Family, Gpt2Config, LlamaConfig, ModelConfig,
+    SlidingWindow,
 };
 pub use error::{DtypeProblem, MismatchReport, ModelError, ParamSpec, ShapeMismatch};
 pub use finite::{find_non_finite, NonFinite};

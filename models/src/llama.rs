@@ -139,6 +139,10 @@ impl Arch for LlamaConfig {
         name.ends_with("rotary_emb.inv_freq")
     }
 
+    fn dropout(&self) -> crate::config::DropoutRates {
+        self.dropout
+    }
+
     fn max_positions(&self) -> Option<usize> {
         // Rotary positions are computed, not looked up: transformers does not enforce
         // `max_position_embeddings`, and neither does castor.

@@ -88,6 +88,8 @@ pub(crate) trait Arch {
     fn is_buffer(&self, name: &str) -> bool;
     /// The longest sequence the model takes, if it has a learned position table.
     fn max_positions(&self) -> Option<usize>;
+    /// Where the config puts dropout, and how much.
+    fn dropout(&self) -> crate::config::DropoutRates;
     /// (widest activation row, attention heads), to refuse graphs too large to address.
     fn widths(&self) -> (usize, usize);
     /// The model's shape for graphs of `batch` x `seq` tokens, recorded in the IR.
@@ -121,6 +123,8 @@ pub struct Model {
     attention: AttentionImpl,
     /// Training graphs take packed rows ([`Model::set_packed`]).
     packed: bool,
+    /// Dropout in the forward and loss graphs ([`Model::set_dropout`]).
+    dropout: castor_ir::Dropout,
     /// With a new classification head: the parameters it may initialize when the checkpoint
     /// lacks them (the head's and, for BERT, the pooler's), by checkpoint name.
     new_head_params: BTreeSet<String>,
@@ -283,6 +287,7 @@ impl Model {
             report: LoadReport::default(),
             attention: AttentionImpl::Eager,
             packed: false,
+            dropout: castor_ir::Dropout::Off,
             new_head_params,
         };
         if let Some(ckpt) = checkpoint {
@@ -481,6 +486,25 @@ impl Model {
 
     pub fn packed(&self) -> bool {
         self.packed
+    }
+
+    /// From now on, the forward and loss graphs apply dropout in training mode as `dropout`
+    /// says: none, where and as much as the config says (transformers' `train()`), or every
+    /// one of the family's dropout sites at one probability. Each `dropout` node reads the
+    /// graph input `dropout_key` (i64 `[seed, offset]`; a negative offset is evaluation mode).
+    /// Decoding graphs never drop.
+    pub fn set_dropout(&mut self, dropout: castor_ir::Dropout) {
+        self.dropout = dropout;
+    }
+
+    /// The dropout probabilities the forward graph applies at each site.
+    pub fn dropout_rates(&self) -> crate::config::DropoutRates {
+        let config = self.config.model.arch().dropout();
+        match self.dropout {
+            castor_ir::Dropout::Off => Default::default(),
+            castor_ir::Dropout::Config => config,
+            castor_ir::Dropout::P(p) => config.all_at(p),
+        }
     }
 
     /// Graph outputs, in order.
@@ -720,6 +744,9 @@ impl Model {
         ctx.cache = cache;
         ctx.attention = self.attention;
         ctx.packed = self.packed && cache.is_none();
+        if cache.is_none() {
+            ctx.dropout = self.dropout_rates();
+        }
         let mut outputs = arch.build(self.head, &self.prefix, &mut ctx)?;
         if self.head == Head::SequenceClassification {
             outputs = crate::classify::build(self.family(), &mut ctx, outputs)?;

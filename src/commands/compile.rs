@@ -158,6 +158,9 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
     let mut model = args.classifier.load(path)?;
     model.set_attention(args.precision.attention.into());
     model.set_packed(args.training.pack)?;
+    if train {
+        model.set_dropout(args.training.dropout);
+    }
     crate::report::warn_unused(&model);
     let seq = args.seq.unwrap_or_else(|| model.max_positions());
     let g = if train {

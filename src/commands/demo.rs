@@ -375,6 +375,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             data_tokens: data.training_tokens(),
         },
         input_names: model.input_names(),
+        dropout_seed: 0,
         label: "demo".into(),
         profile_last_step: false,
         samples: None,

@@ -61,6 +61,14 @@ pub struct TrainingArgs {
     #[arg(long, help_heading = "Data")]
     #[serde(default)]
     pub pack: bool,
+    /// Dropout in training: `off`, `config` (where and as much as config.json says, as
+    /// transformers' train() mode applies it: GPT-2's embd/attn/resid_pdrop, BERT's
+    /// hidden/attention_probs_dropout_prob, the LLaMA family's attention_dropout) or a
+    /// probability for every one of those places. Masks are Philox draws keyed by --seed and
+    /// the micro-step; validation runs without.
+    #[arg(long, default_value = "off", value_name = "off|config|P")]
+    #[serde(default)]
+    pub dropout: castor_ir::Dropout,
     #[arg(long, value_enum, default_value_t = OptimizerChoice::Adamw, help_heading = "Optimizer")]
     pub optimizer: OptimizerChoice,
     /// Learning rate (the peak rate when a schedule is used). Default 1e-3 (Lion: 1e-4);
@@ -544,6 +552,7 @@ impl TrainingArgs {
                 zero: self.zero,
             },
             packed: self.pack,
+            dropout: self.dropout,
         })
     }
 }

@@ -187,6 +187,7 @@ fn flags_of(setting: Setting) -> &'static [&'static str] {
         Setting::Lora => &[],
         Setting::Parallel => &["world_size", "zero"],
         Setting::Packed => &["pack"],
+        Setting::Dropout => &["dropout"],
     }
 }
 

@@ -338,6 +338,7 @@ fn loop_options(
             data_tokens: planned.data.training_tokens(),
         },
         input_names: model.input_names(),
+        dropout_seed: args.run.seed,
         label: "train".into(),
         profile_last_step: args.profile_kernels.is_some(),
         samples,

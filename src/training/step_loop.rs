@@ -162,6 +162,9 @@ pub struct LoopOptions {
     /// What every checkpoint's trainer state records besides the step and data position.
     pub state: StateTemplate,
     pub input_names: &'static [&'static str],
+    /// The seed of dropout's masks (`--seed`): micro-batch `i` of step `s` (0-based) draws with
+    /// the key `[seed, s * micro_batches + i]`, so a resumed run continues the same stream.
+    pub dropout_seed: u64,
     /// The progress bar's prefix.
     pub label: String,
     /// Profile the last step command by command (`--profile-kernels`).
@@ -270,6 +273,14 @@ pub fn redraw(opts: &LoopOptions, history: &LossHistory) {
     }
 }
 
+/// The graph input dropout nodes read their key from.
+pub const DROPOUT_KEY: &str = "dropout_key";
+
+/// Dropout's key `[seed, offset]` (a negative offset: evaluation mode, no dropout).
+pub fn dropout_key(seed: u64, offset: i64) -> Tensor {
+    Tensor::from_i64(castor_ir::DType::I64, [2], vec![seed as i64, offset])
+}
+
 /// Runs `opts.steps` steps of `runner` on `data`, continuing `history`.
 pub fn train_loop(
     runner: &mut Trainer,
@@ -290,7 +301,11 @@ pub fn train_loop(
     };
     let mut total_tokens = 0.0;
     let mut tokens_since_report = 0.0;
-    let val_batches = data.validation_batches(opts.input_names, opts.eval_batches)?;
+    let mut val_batches = data.validation_batches(opts.input_names, opts.eval_batches)?;
+    // Validation is evaluation mode: a negative offset turns dropout off.
+    for b in &mut val_batches {
+        b.insert(DROPOUT_KEY.into(), dropout_key(opts.dropout_seed, -1));
+    }
     let accuracy = data.has_classes();
     let progress = Progress::new(opts.first_step, opts.steps, &opts.label);
     let start = Instant::now();
@@ -309,9 +324,14 @@ pub fn train_loop(
     let mut last_report = Instant::now();
     for step in opts.first_step..end {
         let lr = opts.lr.at(step);
-        let micro: Vec<HashMap<String, Tensor>> = (0..micro_batches)
+        let mut micro: Vec<HashMap<String, Tensor>> = (0..micro_batches)
             .map(|_| data.next_batch(opts.input_names))
             .collect::<anyhow::Result<_>>()?;
+        // Read only by plans with dropout; every micro-batch of every step its own offset.
+        for (i, b) in micro.iter_mut().enumerate() {
+            let offset = step as i64 * micro_batches as i64 + i as i64;
+            b.insert(DROPOUT_KEY.into(), dropout_key(opts.dropout_seed, offset));
+        }
         let step_tokens: f64 = micro.iter().map(real_tokens).sum();
         total_tokens += step_tokens;
         tokens_since_report += step_tokens;

@@ -78,6 +78,7 @@ settings!(
     lora => Lora,
     parallel => Parallel,
     packed => Packed,
+    dropout => Dropout,
 );
 
 /// A setting's value for people (see [`show_value`]).
@@ -127,6 +128,7 @@ mod tests {
             lora: None,
             parallel: Default::default(),
             packed: false,
+            dropout: Default::default(),
         };
         let Value::Object(fields) = serde_json::to_value(&s).unwrap() else {
             panic!("settings serialize as an object");

@@ -22,7 +22,8 @@ mod settings;
 pub use control::{ControlState, GRAD_NORM, LEARNING_RATE};
 pub use differences::{show_value, Difference, Setting};
 pub use settings::{
-    Classifier, Epilogues, LoraBase, LoraSettings, LossScaling, OptimizerKind, Parallel, Remat,
+    Classifier, Dropout, Epilogues, LoraBase, LoraSettings, LossScaling, OptimizerKind, Parallel,
+    Remat,
     TrainSettings,
 };
 

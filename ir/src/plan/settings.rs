@@ -55,6 +55,56 @@ pub struct TrainSettings {
     /// `attention_mask`; each example attends only to itself).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub packed: bool,
+    /// Dropout in the micro step's forward (`dropout` nodes keyed by the graph input
+    /// `dropout_key`): none, where the model's config puts it, or at one probability there.
+    #[serde(default, skip_serializing_if = "Dropout::is_off")]
+    pub dropout: Dropout,
+}
+
+/// Which dropout a training plan applies (`--dropout off|config|P`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Dropout {
+    /// None: the forward is the model's eval-mode forward.
+    #[default]
+    Off,
+    /// Where the config puts it, at its probabilities (transformers' `train()` mode).
+    Config,
+    /// Where the config puts it, every site at this probability.
+    P(f64),
+}
+
+impl Dropout {
+    pub fn is_off(&self) -> bool {
+        *self == Dropout::Off
+    }
+}
+
+impl std::str::FromStr for Dropout {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Dropout, String> {
+        match s {
+            "off" => Ok(Dropout::Off),
+            "config" => Ok(Dropout::Config),
+            _ => match s.parse::<f64>() {
+                Ok(p) if (0.0..1.0).contains(&p) => Ok(Dropout::P(p)),
+                _ => Err(format!(
+                    "expected `off`, `config` or a probability in [0, 1), found `{s}`"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for Dropout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Dropout::Off => f.write_str("off"),
+            Dropout::Config => f.write_str("config"),
+            Dropout::P(p) => write!(f, "{p}"),
+        }
+    }
 }
 
 /// How a plan runs on a data-parallel group (`--world-size`, `--zero`): every rank runs the

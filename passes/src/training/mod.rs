@@ -532,6 +532,7 @@ mod tests {
             lora: None,
             parallel: Default::default(),
             packed: false,
+            dropout: Default::default(),
         }
     }
 
