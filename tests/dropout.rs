@@ -59,6 +59,15 @@ fn dropout_sits_where_transformers_applies_it() {
     assert_eq!(d[0].0, "embeddings.dropout");
     assert!(d.iter().all(|(_, p, _)| *p == 0.25));
 
+    // A BERT classifier also drops its pooled output (`classifier_dropout`, else the hidden
+    // rate).
+    let mut cls = Model::load(common::fixture("bert_cls")).unwrap();
+    cls.set_dropout(Dropout::Config);
+    let g = cls.build_loss_graph(2, 8, Objective::Classify).unwrap();
+    let d = dropouts(&g);
+    assert_eq!(d.len(), 1 + 3 * 2 + 1, "{d:?}");
+    assert_eq!(d[d.len() - 1].0, "classifier.dropout");
+
     // The LLaMA family has attention_dropout only (0.0 in the fixture: nothing to insert
     // unless a probability is given).
     assert!(dropouts(&loss_graph(

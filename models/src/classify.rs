@@ -243,6 +243,9 @@ pub(crate) fn build(
     match family {
         Family::Bert => {
             let pooled = outputs[outputs.len() - 1];
+            // BertForSequenceClassification drops the pooled output in training.
+            let rate = ctx.dropout.classifier;
+            let pooled = ctx.dropout("classifier.dropout", pooled, rate)?;
             let y = ctx.linear("classifier.matmul", pooled, "classifier.weight", None, true)?;
             let bias = ctx.param("classifier.bias")?;
             let logits = ctx.op_exact(

@@ -169,13 +169,15 @@ pub struct Gpt2Config {
 
 /// Dropout probabilities at the places transformers' modules apply it in training: the
 /// embeddings (GPT-2's `embd_pdrop` on their sum; BERT's `hidden_dropout_prob` after their
-/// norm), the attention probabilities, and each sublayer's output before its residual add.
+/// norm), the attention probabilities, each sublayer's output before its residual add, and a
+/// sequence classifier's input (BERT's `classifier_dropout`, else `hidden_dropout_prob`).
 /// `None`: the family has no dropout there.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct DropoutRates {
     pub embeddings: Option<f64>,
     pub attention: Option<f64>,
     pub residual: Option<f64>,
+    pub classifier: Option<f64>,
 }
 
 impl DropoutRates {
@@ -186,14 +188,20 @@ impl DropoutRates {
             embeddings: at(self.embeddings),
             attention: at(self.attention),
             residual: at(self.residual),
+            classifier: at(self.classifier),
         }
     }
 
     /// No dropout anywhere.
     pub fn is_off(&self) -> bool {
-        [self.embeddings, self.attention, self.residual]
-            .iter()
-            .all(|p| p.unwrap_or(0.0) == 0.0)
+        [
+            self.embeddings,
+            self.attention,
+            self.residual,
+            self.classifier,
+        ]
+        .iter()
+        .all(|p| p.unwrap_or(0.0) == 0.0)
     }
 }
 
@@ -550,6 +558,7 @@ fn gpt2(f: &Fields) -> Result<Gpt2Config, ModelError> {
             embeddings: Some(f.probability("embd_pdrop", 0.1)?),
             attention: Some(f.probability("attn_pdrop", 0.1)?),
             residual: Some(f.probability("resid_pdrop", 0.1)?),
+            classifier: None,
         },
     })
 }
@@ -583,10 +592,15 @@ fn bert(f: &Fields) -> Result<BertConfig, ModelError> {
         pad_token_id: f.padding_index(Some(0)),
         dropout: {
             let hidden = f.probability("hidden_dropout_prob", 0.1)?;
+            let classifier = match f.obj.get("classifier_dropout") {
+                None | Some(serde_json::Value::Null) => hidden,
+                Some(_) => f.probability("classifier_dropout", hidden)?,
+            };
             DropoutRates {
                 embeddings: Some(hidden),
                 attention: Some(f.probability("attention_probs_dropout_prob", 0.1)?),
                 residual: Some(hidden),
+                classifier: Some(classifier),
             }
         },
     })
