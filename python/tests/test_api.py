@@ -347,7 +347,7 @@ def malformed_cases():
 
 
 # The corpus's flags that take no value.
-SWITCHES = {"strict", "train", "grad", "ir", "verify"}
+SWITCHES = {"strict", "train", "grad", "ir", "verify", "pack"}
 
 
 def call(args, out):
