@@ -23,8 +23,7 @@ pub use control::{ControlState, GRAD_NORM, LEARNING_RATE};
 pub use differences::{show_value, Difference, Setting};
 pub use settings::{
     Classifier, Dropout, Epilogues, LoraBase, LoraSettings, LossScaling, OptimizerKind, Parallel,
-    Remat,
-    TrainSettings,
+    Remat, TrainSettings,
 };
 
 use crate::{text, DType, Graph, IrError, KernelUnit, Shape, TensorType};
