@@ -19,6 +19,23 @@ fn sft_dir() -> std::path::PathBuf {
     root().join("tests/fixtures/sft")
 }
 
+/// `file` of the SFT fixtures read in order, one example (or packed row) per batch, with the
+/// loss on `loss` (`completion` or `all`).
+fn one_per_batch(model: &Model, file: &str, loss: &str, seq: usize) -> Data {
+    let loss_on = match loss {
+        "completion" => LossOn::Completion,
+        _ => LossOn::All,
+    };
+    let options = DataOptions {
+        batch: Some(1),
+        seq: Some(seq),
+        order: DataOrder::Sequential,
+        loss_on,
+        ..Default::default()
+    };
+    Data::open(&sft_dir().join(file), model, Objective::Lm, &options).unwrap()
+}
+
 #[test]
 fn examples_are_trls_token_for_token() {
     let expected: serde_json::Value =
@@ -30,19 +47,7 @@ fn examples_are_trls_token_for_token() {
     let mut compared = 0;
     for (file, by_loss) in expected["files"].as_object().unwrap() {
         for (loss, examples) in by_loss.as_object().unwrap() {
-            let loss_on = match loss.as_str() {
-                "completion" => LossOn::Completion,
-                _ => LossOn::All,
-            };
-            let options = DataOptions {
-                batch: Some(1),
-                seq: Some(seq),
-                order: DataOrder::Sequential,
-                loss_on,
-                ..Default::default()
-            };
-            let mut data =
-                Data::open(&sft_dir().join(file), &model, Objective::Lm, &options).unwrap();
+            let mut data = one_per_batch(&model, file, loss, seq);
             let examples = examples.as_array().unwrap();
             // One more than there are: the read wraps to the first, so there are no others.
             for k in 0..=examples.len() {
@@ -117,19 +122,7 @@ fn packed_rows_are_trls_token_for_token() {
     let mut compared = 0;
     for (file, by_loss) in expected["files"].as_object().unwrap() {
         for (loss, rows) in by_loss.as_object().unwrap() {
-            let loss_on = match loss.as_str() {
-                "completion" => LossOn::Completion,
-                _ => LossOn::All,
-            };
-            let options = DataOptions {
-                batch: Some(1),
-                seq: Some(seq),
-                order: DataOrder::Sequential,
-                loss_on,
-                ..Default::default()
-            };
-            let mut data =
-                Data::open(&sft_dir().join(file), &model, Objective::Lm, &options).unwrap();
+            let mut data = one_per_batch(&model, file, loss, seq);
             // TRL keeps an example left without a label (a row that adds nothing to the loss);
             // castor drops it before packing, as it does unpacked.
             let rows: Vec<&serde_json::Value> = rows
