@@ -198,3 +198,23 @@ fn a_resumed_run_continues_the_dropout_stream() {
     assert_eq!(log_losses(&resumed), losses);
     assert_ne!(log_losses(&off), losses);
 }
+
+/// A forward pass is evaluation: `compile --dropout config` asks for the training step, whose
+/// IR holds the dropout nodes, rather than silently compiling a forward pass without them.
+#[test]
+fn compile_with_dropout_compiles_the_training_step() {
+    let model = fixture("gpt2_lm");
+    let ir = |extra: &[&str]| {
+        let mut args = vec!["compile", path_str(&model), "--emit", "ir"];
+        args.extend_from_slice(extra);
+        let o = castor(&args);
+        ok(&o);
+        stdout(&o)
+    };
+    let with = ir(&["--dropout", "config"]);
+    assert!(with.contains("dropout("), "{with}");
+    assert!(with.contains("grad."), "not a training step:\n{with}");
+    let forward = ir(&["--dropout", "off"]);
+    assert!(!forward.contains("dropout("));
+    assert!(!forward.contains("grad."));
+}

@@ -80,7 +80,7 @@ pub struct Args {
     /// Compile a training step (loss, backward, optimizer, loss scaling, memory plan) rather
     /// than the forward pass. For an IR file, its first output is the loss. Implied by
     /// `--emit plan|cuda`, `--report`, a `--remat` mode other than `none`, `--classifier
-    /// fused` and `--epilogues fused`.
+    /// fused`, `--epilogues fused` and a `--dropout` other than `off`.
     #[arg(long, help_heading = "Training step")]
     pub train: bool,
     #[command(flatten)]
@@ -225,15 +225,17 @@ pub fn check_outputs(args: &Args) -> anyhow::Result<()> {
 }
 
 /// Whether these arguments ask for a training step: recomputation, the fused classifier and
-/// epilogues, adapters and the report page only mean something for one, so asking for one
-/// of them asks for one. The classifier and epilogues are fused by default: only giving
-/// `--classifier fused` or `--epilogues fused` on the command line asks.
+/// epilogues, dropout, adapters and the report page only mean something for one, so asking
+/// for one of them asks for one (a forward pass is evaluation, where dropout is off). The
+/// classifier and epilogues are fused by default: only giving `--classifier fused` or
+/// `--epilogues fused` on the command line asks.
 fn wants_training(args: &Args, given: &Given) -> bool {
     args.train
         || matches!(args.emit, Emit::Plan | Emit::Cuda)
         || args.training.remat != castor_ir::Remat::None
         || (given.has("classifier") && !args.training.classifier.is_eager())
         || (given.has("epilogues") && !args.training.epilogues.is_eager())
+        || (given.has("dropout") && !args.training.dropout.is_off())
         || args.training.lora_rank.is_some()
         || args.report.is_some()
 }
