@@ -342,3 +342,18 @@ fn real_model_configs_lower_for_cuda() {
         }
     }
 }
+
+/// The CUDA executor has no FP8 kernels yet: lowering a graph with FP8 values is a typed error
+/// that names the value and its dtype, not a panic.
+#[test]
+fn fp8_values_are_refused_by_name() {
+    let src = std::fs::read_to_string(common::root().join("tests/ir/fp8_casts.ir")).unwrap();
+    let g = castor_ir::text::parse(&src).unwrap();
+    let e = castor_runtime::cuda::lower::lower_graph(&g).unwrap_err();
+    assert_eq!(e.node, "x.f8");
+    assert!(
+        e.message
+            .contains("f8e4m3[4,8]: the CUDA executor cannot run f8e4m3 values yet"),
+        "{e}"
+    );
+}

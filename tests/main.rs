@@ -23,6 +23,7 @@ mod dropout;
 mod emulate_cli;
 mod epilogues;
 mod eval_vs_pytorch;
+mod fp8;
 mod fusion;
 mod generate;
 mod gpu_check_script;

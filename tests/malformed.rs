@@ -385,6 +385,16 @@ fn checkpoint_corpus() -> Vec<(String, Vec<u8>)> {
         }
     }
     folder("ckpt_integer_weights", single(file(&params)));
+    // FP8 weights (a quantized checkpoint's values, scaled by tensors castor does not read)
+    // are not read as plain weights.
+    let mut params = params_of(TINY);
+    for (name, dtype, _, bytes) in params.iter_mut() {
+        if name == "transformer.ln_f.weight" {
+            *dtype = "F8_E4M3";
+            *bytes = vec![0x38; bytes.len() / 4];
+        }
+    }
+    folder("ckpt_fp8_weights", single(file(&params)));
     // The config says 8 wide; the tensors are 4 wide (a config from another model).
     let wide = TINY.replace("\"n_embd\": 4", "\"n_embd\": 8");
     out.push((

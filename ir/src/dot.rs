@@ -16,6 +16,8 @@ pub fn dtype_colour(d: DType) -> &'static str {
         DType::I32 | DType::I64 => "#d9d9d9",
         DType::Bool => "#f0f0f0",
         DType::U8 => "#bcbddc",
+        DType::F8E4M3 => "#a1d99b",
+        DType::F8E5M2 => "#31a354",
     }
 }
 

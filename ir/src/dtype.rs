@@ -17,10 +17,14 @@ pub enum DType {
     Bool,
     /// Unsigned bytes: the codes of block-wise quantized optimizer moments.
     U8,
+    /// FP8 E4M3 (`e4m3fn`: bias 7, largest finite 448, no infinities); see [`crate::fp8`].
+    F8E4M3,
+    /// FP8 E5M2 (bias 15, largest finite 57344, with infinities); see [`crate::fp8`].
+    F8E5M2,
 }
 
 impl DType {
-    pub const ALL: [DType; 7] = [
+    pub const ALL: [DType; 9] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -28,6 +32,8 @@ impl DType {
         DType::I64,
         DType::Bool,
         DType::U8,
+        DType::F8E4M3,
+        DType::F8E5M2,
     ];
 
     /// The name used in the IR text (`f32`, `bf16`, ...).
@@ -40,20 +46,36 @@ impl DType {
             DType::I64 => "i64",
             DType::Bool => "bool",
             DType::U8 => "u8",
+            DType::F8E4M3 => "f8e4m3",
+            DType::F8E5M2 => "f8e5m2",
         }
     }
 
+    /// True for every float type, the FP8 types included: their values are floats computed
+    /// in F32 like the others', rounded where they are stored.
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::F16 | DType::BF16)
+        matches!(
+            self,
+            DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+        )
+    }
+
+    /// True for the 8-bit float types (E4M3, E5M2).
+    pub fn is_fp8(self) -> bool {
+        matches!(self, DType::F8E4M3 | DType::F8E5M2)
     }
 
     pub fn is_int(self) -> bool {
         matches!(self, DType::I32 | DType::I64)
     }
 
-    /// True for the 16-bit float types that mixed precision stores.
+    /// True for the float types narrower than F32 that mixed precision stores: the 16-bit
+    /// types and the FP8 types.
     pub fn is_low_precision(self) -> bool {
-        matches!(self, DType::F16 | DType::BF16)
+        matches!(
+            self,
+            DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2
+        )
     }
 
     /// Bytes one element occupies on a device.
@@ -62,7 +84,7 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 => 2,
             DType::I64 => 8,
-            DType::Bool | DType::U8 => 1,
+            DType::Bool | DType::U8 | DType::F8E4M3 | DType::F8E5M2 => 1,
         }
     }
 }
@@ -80,7 +102,8 @@ impl FromStr for DType {
             .into_iter()
             .find(|d| d.name() == s)
             .ok_or_else(|| {
-                format!("unknown dtype `{s}` (expected one of f32, f16, bf16, i32, i64, bool, u8)")
+                let names: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
+                format!("unknown dtype `{s}` (expected one of {})", names.join(", "))
             })
     }
 }
@@ -170,4 +193,36 @@ pub fn round_tf32(x: f32) -> f32 {
         return x;
     }
     f32::from_bits((x.to_bits().wrapping_add(0x1000)) & 0xffff_e000)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_dtype_parses_from_its_name() {
+        for d in DType::ALL {
+            assert_eq!(d.name().parse::<DType>(), Ok(d));
+            assert_eq!(d.to_string(), d.name());
+        }
+        let e = "f8".parse::<DType>().unwrap_err();
+        assert_eq!(
+            e,
+            "unknown dtype `f8` (expected one of f32, f16, bf16, i32, i64, bool, u8, f8e4m3, \
+             f8e5m2)"
+        );
+    }
+
+    #[test]
+    fn fp8_dtypes_are_one_byte_low_precision_floats() {
+        for d in [DType::F8E4M3, DType::F8E5M2] {
+            assert!(d.is_float() && d.is_fp8() && d.is_low_precision() && !d.is_int());
+            assert_eq!(d.size_bytes(), 1);
+        }
+        assert_eq!(
+            DType::ALL.iter().filter(|d| d.is_fp8()).count(),
+            2,
+            "no other dtype is FP8"
+        );
+    }
 }

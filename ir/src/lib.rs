@@ -16,6 +16,7 @@ mod dot;
 mod dtype;
 mod entities;
 mod error;
+pub mod fp8;
 mod graph;
 pub mod nf4;
 mod op;

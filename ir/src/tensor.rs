@@ -1,12 +1,14 @@
 //! Host tensors: the values that bind a graph's inputs and parameters and that executors
 //! return.
 
+use crate::fp8::{Fp8Format, Overflow};
 use crate::{DType, Shape, TensorType};
 use half::{bf16, f16};
 
 /// Element storage. Float tensors of every float dtype hold `f32` values that are exactly
-/// representable in their dtype (an F16 tensor holds F16 values widened to F32), so arithmetic
-/// is always F32 and rounding happens only where a value is stored. I32 and I64 share `I64`.
+/// representable in their dtype (an F16 tensor holds F16 values widened to F32, an FP8 tensor
+/// its decoded bytes), so arithmetic is always F32 and rounding happens only where a value is
+/// stored. I32 and I64 share `I64`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum TensorData {
     F32(Vec<f32>),
@@ -24,20 +26,32 @@ pub struct Tensor {
 
 /// Rounds an F32 value to the nearest value of `dtype` (round-to-nearest-even, as CUDA's
 /// `__float2half_rn` and `__float2bfloat16_rn`); identity for F32.
+///
+/// The FP8 dtypes round *saturating* ([`Fp8Format::round_saturating`]): finite overflow and
+/// infinities become ±max (448 for E4M3, 57344 for E5M2), NaN stays NaN. That is the
+/// conversion of FP8 training (torchao clamps to ±max before casting; cuBLASLt and CUDA's
+/// `__NV_SATFINITE` saturate), so one overflowing value never makes a tensor infinite.
 #[inline]
 pub fn round_to(dtype: DType, x: f32) -> f32 {
     match dtype {
         DType::F16 => f16::from_f32(x).to_f32(),
         DType::BF16 => bf16::from_f32(x).to_f32(),
+        DType::F8E4M3 => Fp8Format::E4M3.round_saturating(x),
+        DType::F8E5M2 => Fp8Format::E5M2.round_saturating(x),
         _ => x,
     }
 }
 
 /// Rounds every value of `data` to `dtype` in place, exactly as [`round_to`] does one value:
 /// BF16 by the round-to-nearest-even bit trick (a loop the compiler vectorizes), F16 through
-/// `half`'s slice conversion (F16C instructions where the CPU has them).
+/// `half`'s slice conversion (F16C instructions where the CPU has them), FP8 saturating.
 pub fn round_slice(dtype: DType, data: &mut [f32]) {
     match dtype {
+        DType::F8E4M3 | DType::F8E5M2 => {
+            for x in data.iter_mut() {
+                *x = round_to(dtype, *x);
+            }
+        }
         DType::BF16 => {
             for x in data.iter_mut() {
                 let b = x.to_bits();
@@ -81,6 +95,57 @@ impl Tensor {
             ty: TensorType::new(dtype, shape),
             data: TensorData::F32(data),
         }
+    }
+
+    /// An FP8 tensor from its stored bytes, decoded exactly (E5M2's infinities and NaNs are
+    /// kept as they are: nothing is rounded). Panics if the length is wrong or `dtype` is not
+    /// an FP8 type, as [`Tensor::from_f32`] does.
+    pub fn from_fp8_bytes(dtype: DType, shape: impl Into<Shape>, bytes: &[u8]) -> Tensor {
+        let shape = shape.into();
+        let Some(format) = Fp8Format::of(dtype) else {
+            panic!("from_fp8_bytes needs an FP8 dtype, got {dtype}");
+        };
+        assert_eq!(
+            shape.numel(),
+            Some(bytes.len()),
+            "data length does not match {shape}"
+        );
+        Tensor {
+            ty: TensorType::new(dtype, shape),
+            data: TensorData::F32(bytes.iter().map(|&b| format.decode(b)).collect()),
+        }
+    }
+
+    /// The bytes of an FP8 tensor, or `None` for any other dtype. Its values are values of its
+    /// format, so each encodes exactly (E5M2's infinities to infinity bytes, which is why this
+    /// does not saturate); NaN is written as `0x7F | sign`.
+    pub fn fp8_bytes(&self) -> Option<Vec<u8>> {
+        let format = Fp8Format::of(self.dtype())?;
+        let values = self.as_f32()?;
+        Some(
+            values
+                .iter()
+                .map(|&x| format.encode(x, Overflow::NonFinite))
+                .collect(),
+        )
+    }
+
+    /// A tensor of `dtype` holding `data` as it is, not rounded: values already of `dtype`
+    /// that are moved rather than computed (layout ops), so each stays exactly what it was (an
+    /// E5M2 infinity is not saturated again, as [`round_to`] would). `None` if the storage
+    /// does not hold `dtype` (F32 for floats, I64 for integers) or the length is wrong.
+    pub fn from_stored(dtype: DType, shape: impl Into<Shape>, data: TensorData) -> Option<Tensor> {
+        let shape = shape.into();
+        let (len, fits) = match &data {
+            TensorData::F32(v) => (v.len(), dtype.is_float()),
+            TensorData::I64(v) => (v.len(), dtype.is_int()),
+            TensorData::Bool(v) => (v.len(), dtype == DType::Bool),
+            TensorData::U8(v) => (v.len(), dtype == DType::U8),
+        };
+        (fits && shape.numel() == Some(len)).then(|| Tensor {
+            ty: TensorType::new(dtype, shape),
+            data,
+        })
     }
 
     /// An integer tensor (I32 or I64).
@@ -256,7 +321,7 @@ mod round_tests {
             state ^= state << 17;
             values.push(f32::from_bits((state >> 32) as u32));
         }
-        for dtype in [DType::BF16, DType::F16] {
+        for dtype in [DType::BF16, DType::F16, DType::F8E4M3, DType::F8E5M2] {
             let mut got = values.clone();
             round_slice(dtype, &mut got);
             for (&x, &g) in values.iter().zip(&got) {
@@ -268,5 +333,33 @@ mod round_tests {
                 );
             }
         }
+    }
+
+    /// FP8 tensors hold decoded bytes and give the same bytes back (NaNs as `0x7F | sign`);
+    /// building one from F32 values rounds them saturating.
+    #[test]
+    fn fp8_tensors_round_trip_their_bytes() {
+        use crate::fp8::Fp8Format;
+        for format in Fp8Format::ALL {
+            let bytes: Vec<u8> = (0..=255).collect();
+            let t = Tensor::from_fp8_bytes(format.dtype(), [16, 16], &bytes);
+            assert_eq!(t.dtype(), format.dtype());
+            let back = t.fp8_bytes().unwrap();
+            for (&b, &c) in bytes.iter().zip(&back) {
+                if format.is_nan_byte(b) {
+                    assert_eq!(c, (b & 0x80) | 0x7F, "{format} {b:#04x}");
+                } else {
+                    assert_eq!(c, b, "{format} {b:#04x}");
+                }
+            }
+            let big = Tensor::from_f32(format.dtype(), [3], vec![1e6, f32::NEG_INFINITY, 0.3]);
+            let max = format.max();
+            let want = [max, -max, format.round_saturating(0.3)];
+            assert_eq!(big.as_f32().unwrap(), want);
+        }
+        assert_eq!(
+            Tensor::from_f32(DType::F32, [1], vec![1.0]).fp8_bytes(),
+            None
+        );
     }
 }

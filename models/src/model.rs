@@ -326,7 +326,9 @@ impl Model {
                     expected: p.shape.clone(),
                     found: info.shape.clone(),
                 });
-            } else if !info.ir_dtype().is_some_and(|d| d.is_float()) {
+            } else if !info.ir_dtype().is_some_and(|d| d.is_float() && !d.is_fp8()) {
+                // FP8 checkpoints hold scaled values (with `weight_scale_inv` tensors beside
+                // them): read as plain weights they would be wrong.
                 problems.bad_dtypes.push(DtypeProblem {
                     name: p.name.clone(),
                     file: ckpt

@@ -12,6 +12,7 @@
 //! in tests, the writer.
 
 use crate::error::{dims, ModelError};
+use castor_ir::fp8::Fp8Format;
 use castor_ir::{DType, Tensor};
 use half::{bf16, f16};
 use memmap2::Mmap;
@@ -48,7 +49,8 @@ impl TensorInfo {
     }
 }
 
-/// The IR dtype of a safetensors dtype, for the ones castor reads.
+/// The IR dtype of a safetensors dtype, for the ones castor reads. `F8_E4M3` is OCP E4M3
+/// (PyTorch's `float8_e4m3fn`), `F8_E5M2` is E5M2; the AMD `FNUZ` variants are not read.
 pub fn ir_dtype(d: Dtype) -> Option<DType> {
     match d {
         Dtype::F32 => Some(DType::F32),
@@ -58,6 +60,8 @@ pub fn ir_dtype(d: Dtype) -> Option<DType> {
         Dtype::I32 => Some(DType::I32),
         Dtype::BOOL => Some(DType::Bool),
         Dtype::U8 => Some(DType::U8),
+        Dtype::F8_E4M3 => Some(DType::F8E4M3),
+        Dtype::F8_E5M2 => Some(DType::F8E5M2),
         _ => None,
     }
 }
@@ -200,7 +204,8 @@ impl SafetensorsFile {
             .ok_or_else(|| self.entry_err(name, "data_offsets out of range".into()))
     }
 
-    /// A float tensor as F32, widening F16 and BF16 exactly.
+    /// A float tensor as F32, widening F16, BF16 and FP8 exactly (FP8 as
+    /// [`Fp8Format::decode`]: E5M2's infinities and NaNs kept).
     pub fn read_f32(&self, name: &str) -> Result<Vec<f32>, ModelError> {
         let info = self.info_or_err(name)?;
         let bytes = self.bytes(name)?;
@@ -217,6 +222,8 @@ impl SafetensorsFile {
                 .chunks_exact(2)
                 .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
                 .collect()),
+            Dtype::F8_E4M3 => Ok(bytes.iter().map(|&b| Fp8Format::E4M3.decode(b)).collect()),
+            Dtype::F8_E5M2 => Ok(bytes.iter().map(|&b| Fp8Format::E5M2.decode(b)).collect()),
             other => Err(self.dtype_err(name, other, "F32")),
         }
     }
@@ -238,8 +245,8 @@ impl SafetensorsFile {
         }
     }
 
-    /// The tensor as an IR host tensor of its stored dtype (F16/BF16 values are held as
-    /// exactly widened F32, as [`Tensor`] does).
+    /// The tensor as an IR host tensor of its stored dtype (F16, BF16 and FP8 values are held
+    /// as exactly widened F32, as [`Tensor`] does).
     pub fn tensor(&self, name: &str) -> Result<Tensor, ModelError> {
         let info = self.info_or_err(name)?;
         let shape = info.shape.clone();
@@ -257,6 +264,16 @@ impl SafetensorsFile {
                 Ok(Tensor::from_bool(shape, data))
             }
             Dtype::U8 => Ok(Tensor::from_u8(shape, self.bytes(name)?.to_vec())),
+            Dtype::F8_E4M3 => Ok(Tensor::from_fp8_bytes(
+                DType::F8E4M3,
+                shape,
+                self.bytes(name)?,
+            )),
+            Dtype::F8_E5M2 => Ok(Tensor::from_fp8_bytes(
+                DType::F8E5M2,
+                shape,
+                self.bytes(name)?,
+            )),
             other => Err(self.dtype_err(name, other, "an IR tensor")),
         }
     }

@@ -5,6 +5,7 @@
 //! half-written file.
 
 use crate::ModelError;
+use castor_ir::fp8::{Fp8Format, Overflow};
 use castor_ir::{DType, Tensor, TensorData};
 use half::{bf16, f16};
 use std::fs::File;
@@ -105,6 +106,8 @@ fn storage(t: &Tensor) -> (&'static str, usize) {
         (DType::F32, TensorData::F32(_)) => ("F32", 4),
         (DType::F16, TensorData::F32(_)) => ("F16", 2),
         (DType::BF16, TensorData::F32(_)) => ("BF16", 2),
+        (DType::F8E4M3, TensorData::F32(_)) => ("F8_E4M3", 1),
+        (DType::F8E5M2, TensorData::F32(_)) => ("F8_E5M2", 1),
         (DType::I32, TensorData::I64(_)) => ("I32", 4),
         (_, TensorData::I64(_)) => ("I64", 8),
         (_, TensorData::Bool(_)) => ("BOOL", 1),
@@ -137,6 +140,14 @@ fn write_data(t: &Tensor, w: &mut impl Write, chunk: &mut Vec<u8>) -> std::io::R
         }
         (DType::BF16, TensorData::F32(v)) => each(v, w, chunk, |x, c| {
             c.extend(bf16::from_f32(x).to_le_bytes())
+        }),
+        // An FP8 tensor's values are values of its format: each encodes exactly (E5M2's
+        // infinities too, so not saturating); NaN as 0x7F | sign.
+        (DType::F8E4M3, TensorData::F32(v)) => each(v, w, chunk, |x, c| {
+            c.push(Fp8Format::E4M3.encode(x, Overflow::NonFinite))
+        }),
+        (DType::F8E5M2, TensorData::F32(v)) => each(v, w, chunk, |x, c| {
+            c.push(Fp8Format::E5M2.encode(x, Overflow::NonFinite))
         }),
         (_, TensorData::F32(v)) => each(v, w, chunk, |x, c| c.extend(x.to_le_bytes())),
         (DType::I32, TensorData::I64(v)) => {

@@ -631,6 +631,82 @@ fn writer_round_trips_through_the_reader() {
     assert_eq!(f.tensor("c").unwrap(), c);
 }
 
+/// FP8 tensors (`F8_E4M3`, `F8_E5M2`) write one byte per value and read back as they were:
+/// every byte of each format (NaNs written as `0x7F | sign`), the values the `safetensors`
+/// crate reads, and an FP8 tensor made from F32 values (rounded saturating).
+#[test]
+fn fp8_tensors_round_trip_through_the_writer_and_reader() {
+    use castor_ir::fp8::Fp8Format;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fp8.safetensors");
+    let every: Vec<u8> = (0..=255).collect();
+    let e4m3 = castor_ir::Tensor::from_fp8_bytes(DType::F8E4M3, [16, 16], &every);
+    let e5m2 = castor_ir::Tensor::from_fp8_bytes(DType::F8E5M2, [2, 128], &every);
+    let rounded =
+        castor_ir::Tensor::from_f32(DType::F8E5M2, [4], vec![0.3, -1e6, f32::INFINITY, 1e-9]);
+    castor_models::write_safetensors(
+        &path,
+        &[("e4m3", &e4m3), ("e5m2", &e5m2), ("rounded", &rounded)],
+    )
+    .unwrap();
+    let bytes = std::fs::read(&path).unwrap();
+    let parsed = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert_eq!(parsed.tensor("e4m3").unwrap().dtype(), Dtype::F8_E4M3);
+    assert_eq!(parsed.tensor("e5m2").unwrap().dtype(), Dtype::F8_E5M2);
+    let f = SafetensorsFile::open(&path).unwrap();
+    for (name, format, t) in [
+        ("e4m3", Fp8Format::E4M3, &e4m3),
+        ("e5m2", Fp8Format::E5M2, &e5m2),
+    ] {
+        let stored = f.bytes(name).unwrap();
+        assert_eq!(stored, parsed.tensor(name).unwrap().data());
+        for (&b, &s) in every.iter().zip(stored) {
+            let want = if format.is_nan_byte(b) { b | 0x7F } else { b };
+            assert_eq!(s, want, "{name} {b:#04x}");
+        }
+        let back = f.tensor(name).unwrap();
+        assert_eq!(back.ty(), t.ty());
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let values = f.read_f32(name).unwrap();
+        assert_eq!(bits(back.as_f32().unwrap()), bits(&values), "{name}");
+        for (&b, &v) in every.iter().zip(&values) {
+            let want = format.decode(b);
+            assert!(v.to_bits() == want.to_bits() || (v.is_nan() && want.is_nan()));
+        }
+    }
+    assert_eq!(f.tensor("rounded").unwrap(), rounded);
+    assert_eq!(
+        f.read_f32("rounded").unwrap(),
+        [0.3125, -57344.0, 57344.0, 0.0]
+    );
+}
+
+/// FP8 checkpoints store scaled weights (with scale tensors beside them): an FP8 parameter is
+/// an unsupported dtype, not weights read as they are.
+#[test]
+fn fp8_parameters_are_unsupported_dtypes() {
+    let mut tensors = params_for(TINY_GPT2, Dtype::F32);
+    for (n, t) in tensors.iter_mut() {
+        if n == "transformer.h.0.ln_1.bias" {
+            *t = Owned {
+                dtype: Dtype::F8_E4M3,
+                shape: vec![8],
+                data: vec![0x38; 8],
+            };
+        }
+    }
+    let dir = write_checkpoint(TINY_GPT2, tensors);
+    let e = err_text(Model::load(dir.path()));
+    assert_contains(
+        &e,
+        &[
+            "1 unsupported dtype(s)",
+            "`transformer.h.0.ln_1.bias` in",
+            "stored as F8_E4M3, expected F32, F16 or BF16",
+        ],
+    );
+}
+
 /// The streamed writer's files are valid safetensors for the reference implementation too,
 /// across every dtype and over several write chunks.
 #[test]

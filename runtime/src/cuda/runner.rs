@@ -846,6 +846,7 @@ pub fn to_bytes(t: &Tensor) -> Vec<u8> {
             .iter()
             .flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes())
             .collect(),
+        (TensorData::F32(_), DType::F8E4M3 | DType::F8E5M2) => t.fp8_bytes().unwrap_or_default(),
         (TensorData::I64(v), DType::I32) => {
             v.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect()
         }
@@ -904,6 +905,7 @@ pub fn from_bytes(ty: &TensorType, b: &[u8]) -> Result<Tensor, RuntimeError> {
         ),
         DType::Bool => Tensor::from_bool(shape, b.iter().map(|&x| x != 0).collect()),
         DType::U8 => Tensor::from_u8(shape, b.to_vec()),
+        DType::F8E4M3 | DType::F8E5M2 => Tensor::from_fp8_bytes(ty.dtype, shape, b),
     })
 }
 
@@ -954,6 +956,13 @@ mod tests {
         for dtype in [DType::F32, DType::F16, DType::BF16] {
             let t = Tensor::from_f32(dtype, vec![3], vec![1.5, -2.25, 1e-3]);
             assert_eq!(from_bytes(t.ty(), &to_bytes(&t)).unwrap(), t);
+        }
+        // FP8: one byte each, every byte back as it was (E5M2's infinities included).
+        for dtype in [DType::F8E4M3, DType::F8E5M2] {
+            let bytes = [0x00, 0x80, 0x01, 0x7B, 0xFB, 0x7C, 0xFC, 0x38];
+            let t = Tensor::from_fp8_bytes(dtype, vec![8], &bytes);
+            assert_eq!(to_bytes(&t), bytes);
+            assert_eq!(from_bytes(t.ty(), &bytes).unwrap(), t);
         }
         for dtype in [DType::I64, DType::I32] {
             let t = Tensor::from_i64(dtype, vec![2], vec![-7, 1 << 20]);

@@ -13,7 +13,9 @@ use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
 macro_rules! by_storage {
     ($dtype:expr, $f:ident($($arg:expr),*)) => {
         match $dtype {
-            DType::F32 | DType::F16 | DType::BF16 => $f::<f32>($($arg),*),
+            DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2 => {
+                $f::<f32>($($arg),*)
+            }
             DType::I32 | DType::I64 => $f::<i64>($($arg),*),
             DType::Bool => $f::<bool>($($arg),*),
             DType::U8 => $f::<u8>($($arg),*),
@@ -177,7 +179,9 @@ pub fn execute(
         Op::Full { value, .. } => {
             let n = out.shape.numel().unwrap_or(0);
             match out.dtype {
-                DType::F32 | DType::F16 | DType::BF16 => float(args, vec![*value as f32; n])?,
+                DType::F32 | DType::F16 | DType::BF16 | DType::F8E4M3 | DType::F8E5M2 => {
+                    float(args, vec![*value as f32; n])?
+                }
                 DType::I32 | DType::I64 => {
                     make(args, out, TensorData::I64(vec![*value as i64; n]))?
                 }
@@ -319,6 +323,13 @@ fn make(args: &Args, ty: &TensorType, data: TensorData) -> Result<Tensor, Runtim
         (TensorData::U8(v), DType::U8) => Ok(Tensor::from_u8(shape, v)),
         _ => Err(args.internal(format!("a kernel made the wrong storage for {ty}"))),
     }
+}
+
+/// A tensor of type `ty` holding `data` as it is: the elements of an operand of the same dtype,
+/// moved by a layout op, which are not rounded again (see [`Tensor::from_stored`]).
+fn moved(args: &Args, ty: &TensorType, data: TensorData) -> Result<Tensor, RuntimeError> {
+    Tensor::from_stored(ty.dtype, ty.shape.clone(), data)
+        .ok_or_else(|| args.internal(format!("a layout op made the wrong storage for {ty}")))
 }
 
 /// `a op b`, writing into an operand's buffer when it is owned and has the output's shape

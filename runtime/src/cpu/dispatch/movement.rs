@@ -1,8 +1,8 @@
 //! Data movement: reshapes, transposes, slices, concatenation, splits, padding and broadcasts, for
-//! every storage type.
+//! every storage type. Results hold their operands' elements as they are, not rounded again.
 
 use super::super::layout;
-use super::make;
+use super::moved;
 use crate::cpu::operand::{Args, Storage};
 use crate::RuntimeError;
 use castor_ir::{DType, Op, Tensor, TensorData, TensorType};
@@ -17,26 +17,26 @@ pub(super) fn execute(
     let result = match op {
         Op::Reshape { .. } => {
             let (_, data) = args.take(0)?;
-            make(args, out, data)?
+            moved(args, out, data)?
         }
         Op::Transpose { perm } => {
             let data = by_storage!(out.dtype, transpose(args, perm))?;
-            make(args, out, data)?
+            moved(args, out, data)?
         }
         Op::Slice { axis, start, end } => {
             let data = by_storage!(out.dtype, slice(args, *axis, *start, *end))?;
-            make(args, out, data)?
+            moved(args, out, data)?
         }
         Op::Concat { axis } => {
             let data = by_storage!(out.dtype, concat(args, *axis, out))?;
-            make(args, out, data)?
+            moved(args, out, data)?
         }
         Op::Split { axis, sizes } => {
             let pieces = by_storage!(out.dtype, split(args, *axis, sizes))?;
             return pieces
                 .into_iter()
                 .zip(outs)
-                .map(|(data, ty)| make(args, ty, data))
+                .map(|(data, ty)| moved(args, ty, data))
                 .collect();
         }
         Op::Pad {
@@ -45,11 +45,11 @@ pub(super) fn execute(
             after,
         } => {
             let data = by_storage!(out.dtype, pad(args, *axis, *before, *after))?;
-            make(args, out, data)?
+            moved(args, out, data)?
         }
         Op::BroadcastTo { shape } => {
             let data = by_storage!(out.dtype, broadcast_to(args, shape))?;
-            make(args, out, data)?
+            moved(args, out, data)?
         }
         _ => return Err(args.internal(format!("`{}` is not a data-movement op", op.mnemonic()))),
     };

@@ -43,6 +43,22 @@ pub struct LowerError {
     pub message: String,
 }
 
+/// The CUDA executor has no FP8 kernels yet: a value or state entry of an FP8 dtype is refused
+/// before lowering starts, naming it and its dtype (the CPU executor runs FP8 values).
+pub(crate) fn refuse_fp8(name: &str, ty: &castor_ir::TensorType) -> Result<(), LowerError> {
+    if ty.dtype.is_fp8() {
+        return Err(LowerError {
+            node: name.into(),
+            message: format!(
+                "{ty}: the CUDA executor cannot run {} values yet (no FP8 kernels); the CPU \
+                 executor can",
+                ty.dtype
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// A launch's arguments by kernel parameter name.
 pub(crate) type Args = Vec<(&'static str, Arg)>;
 
@@ -74,6 +90,7 @@ pub fn lower_step(
 ) -> Result<Program, LowerError> {
     let mut l = Lowerer::default();
     for spec in &plan.state {
+        refuse_fp8(&spec.name, &spec.ty)?;
         l.slot(&spec.name, SlotKind::Bound(spec.ty.clone()), &spec.name)?;
     }
     if plan.settings.grad_accum > 1 {

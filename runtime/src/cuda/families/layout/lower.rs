@@ -208,6 +208,9 @@ impl RunLowering<'_, '_> {
             DType::I32 => (4, Arg::U32(*value as i32 as u32)),
             DType::Bool => (1, Arg::U32(u32::from(*value != 0.0))),
             DType::U8 => (1, Arg::U32(u32::from(*value as u8))),
+            DType::F8E4M3 | DType::F8E5M2 => {
+                return Err(self.err(y, format!("no CUDA fill of {dtype} values yet")));
+            }
         };
         let out = self.out(y)?;
         self.launch(
