@@ -14,8 +14,9 @@ use std::path::PathBuf;
 #[derive(clap::Args, Clone, Debug, Serialize, Deserialize)]
 #[command(next_help_heading = "Precision policy")]
 pub struct PrecisionArgs {
-    /// Precision policy: fp32 (also float32), tf32 (TF32 contractions), bf16 (also bfloat16)
-    /// or fp16 (also float16, half); any case.
+    /// Precision policy: fp32 (also float32), tf32 (TF32 contractions), bf16 (also bfloat16),
+    /// fp16 (also float16, half) or fp8 (also fp8:tensorwise: bf16, with the transformer
+    /// layers' products on FP8 operands scaled per tensor); any case.
     #[arg(long, default_value = "fp32", value_parser = parse_precision)]
     #[serde(with = "precision_name")]
     pub precision: Precision,
@@ -30,6 +31,16 @@ pub struct PrecisionArgs {
     /// that matches nothing is an error.
     #[arg(long = "force-low", value_name = "GLOB")]
     pub force_low: Vec<String>,
+    /// Under --precision fp8: keep the products whose name, or whose weight's name, matches
+    /// GLOB in BF16 (repeatable). A glob that matches no product by a weight is an error.
+    #[arg(long = "keep-bf16", value_name = "GLOB")]
+    #[serde(default)]
+    pub keep_bf16: Vec<String>,
+    /// Under --precision fp8: keep the first and the last transformer layer's products in
+    /// BF16, as some FP8 recipes do.
+    #[arg(long = "fp8-skip-first-last")]
+    #[serde(default)]
+    pub fp8_skip_first_last: bool,
     /// How the attention core is built: fused, one FlashAttention-2 op (no [.., T, S]
     /// tensor; the backward recomputes the probabilities), or `eager` (q k^T, scale, masked
     /// softmax, p v: a [.., T, S] score tensor per layer), as transformers'
@@ -114,6 +125,10 @@ impl PrecisionArgs {
         if self.residual == Residual::Low {
             policy.set_residual_low()?;
         }
+        policy.set_fp8(castor_passes::Fp8Options {
+            skip_first_last: self.fp8_skip_first_last,
+            keep_bf16: self.keep_bf16.clone(),
+        })?;
         if let Some(path) = &self.policy {
             let text = std::fs::read_to_string(path).map_err(|e| {
                 CliError::InvalidInput(format!("cannot read policy file `{}`: {e}", path.display()))

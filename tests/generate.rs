@@ -41,6 +41,8 @@ fn policy(precision: Precision) -> PrecisionArgs {
         policy: None,
         keep_f32: Vec::new(),
         force_low: Vec::new(),
+        keep_bf16: Vec::new(),
+        fp8_skip_first_last: false,
         attention: Default::default(),
         residual: Default::default(),
     }

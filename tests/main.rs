@@ -24,6 +24,7 @@ mod emulate_cli;
 mod epilogues;
 mod eval_vs_pytorch;
 mod fp8;
+mod fp8_training;
 mod fusion;
 mod generate;
 mod gpu_check_script;

@@ -8,7 +8,7 @@ use crate::common;
 use castor::precision::PrecisionArgs;
 use castor_ir::{text, verify, Accum, DType, Graph, Op, OpClass};
 use castor_models::Model;
-use castor_passes::{Autocast, Classify, FoldCasts, Pass, Precision};
+use castor_passes::{Autocast, Classify, FoldCasts, Fp8Products, Pass, Precision};
 use clap::Parser;
 use common::*;
 use std::collections::HashSet;
@@ -35,11 +35,14 @@ fn run_passes(graph: Graph, args: &[&str], dir: &std::path::Path) -> (String, Op
         Ok(p) => p,
         Err(e) => return (local(format!("{out}== error\n{e:#}\n")), None),
     };
-    let passes: Vec<Box<dyn Pass>> = vec![
+    let mut passes: Vec<Box<dyn Pass>> = vec![
         Box::new(Classify),
-        Box::new(Autocast::new(policy)),
+        Box::new(Autocast::new(policy.clone())),
         Box::new(FoldCasts),
     ];
+    if policy.precision.is_fp8() {
+        passes.push(Box::new(Fp8Products::new(policy.fp8().clone())));
+    }
     let mut g = graph;
     for pass in passes {
         match pass.run(&g) {

@@ -99,6 +99,8 @@ fn a_plans_precision_is_its_settings() {
         policy: None,
         keep_f32: vec!["logits".into()],
         force_low: Vec::new(),
+        keep_bf16: Vec::new(),
+        fp8_skip_first_last: false,
         attention: Attention::Eager,
         residual: Residual::F32,
     };

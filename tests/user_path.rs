@@ -700,6 +700,8 @@ fn precision_names_as_users_write_them() {
         ("half", "fp16"),
         ("fp32", "fp32"),
         ("float32", "fp32"),
+        ("FP8", "fp8"),
+        ("fp8:tensorwise", "fp8"),
     ] {
         let o = castor(&[
             "compile",
@@ -716,12 +718,14 @@ fn precision_names_as_users_write_them() {
             stdout(&o)
         );
     }
-    let o = castor(&["compile", path_str(&gpt2), "--precision", "fp8"]);
+    let o = castor(&["compile", path_str(&gpt2), "--precision", "fp4"]);
     fails(
         &o,
         2,
-        "unknown precision `fp8` (expected fp32/float32, tf32, bf16/bfloat16 or fp16/float16/half)",
+        "unknown precision `fp4` (expected fp32/float32, tf32, bf16/bfloat16, fp16/float16/half or fp8/fp8:tensorwise)",
     );
+    let o = castor(&["compile", path_str(&gpt2), "--precision", "fp8:delayed"]);
+    fails(&o, 2, "FP8 with delayed scaling (`fp8:delayed`");
     // Policy files take the same names.
     let tmp = tempfile::tempdir().unwrap();
     let policy = tmp.path().join("p.toml");

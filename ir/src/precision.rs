@@ -17,20 +17,25 @@ pub enum Precision {
     Bf16,
     /// F16 for contractions and what lies between them; needs loss scaling in training.
     Fp16,
+    /// BF16 as [`Precision::Bf16`], and the products of the transformer layers on FP8
+    /// operands (E4M3 in the forward, E5M2 gradients in the backward) with tensorwise
+    /// current scaling, as torchao's float8 training recipe.
+    Fp8,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 4] = [
+    pub const ALL: [Precision; 5] = [
         Precision::Fp32,
         Precision::Tf32,
         Precision::Bf16,
         Precision::Fp16,
+        Precision::Fp8,
     ];
 
     /// The low-precision storage dtype, if the policy has one.
     pub fn low(self) -> Option<DType> {
         match self {
-            Precision::Bf16 => Some(DType::BF16),
+            Precision::Bf16 | Precision::Fp8 => Some(DType::BF16),
             Precision::Fp16 => Some(DType::F16),
             Precision::Fp32 | Precision::Tf32 => None,
         }
@@ -42,6 +47,7 @@ impl Precision {
             Precision::Tf32 => "tf32",
             Precision::Bf16 => "bf16",
             Precision::Fp16 => "fp16",
+            Precision::Fp8 => "fp8",
         }
     }
 }
@@ -53,9 +59,14 @@ impl fmt::Display for Precision {
 }
 
 impl Precision {
+    /// True when the policy puts products on FP8 operands.
+    pub fn is_fp8(self) -> bool {
+        self == Precision::Fp8
+    }
+
     /// The spellings users write for each precision (case is ignored): the short names,
-    /// PyTorch's dtype names and `half`.
-    pub const ALIASES: [(&'static str, Precision); 9] = [
+    /// PyTorch's dtype names, `half`, and FP8's scaling named (`fp8:tensorwise`).
+    pub const ALIASES: [(&'static str, Precision); 11] = [
         ("fp32", Precision::Fp32),
         ("float32", Precision::Fp32),
         ("tf32", Precision::Tf32),
@@ -65,6 +76,8 @@ impl Precision {
         ("float16", Precision::Fp16),
         ("half", Precision::Fp16),
         ("f16", Precision::Fp16),
+        ("fp8", Precision::Fp8),
+        ("fp8:tensorwise", Precision::Fp8),
     ];
 }
 
@@ -72,14 +85,22 @@ impl FromStr for Precision {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let lower = s.to_ascii_lowercase();
+        if lower == "fp8:delayed" {
+            return Err(
+                "FP8 with delayed scaling (`fp8:delayed`, amax histories as plan state) \
+                        is not available yet; `fp8` scales each tensor by its own amax \
+                        (tensorwise current scaling)"
+                    .to_string(),
+            );
+        }
         Precision::ALIASES
             .iter()
             .find(|(name, _)| *name == lower)
             .map(|&(_, p)| p)
             .ok_or_else(|| {
                 format!(
-                    "unknown precision `{s}` (expected fp32/float32, tf32, bf16/bfloat16 or \
-                     fp16/float16/half)"
+                    "unknown precision `{s}` (expected fp32/float32, tf32, bf16/bfloat16, \
+                     fp16/float16/half or fp8/fp8:tensorwise)"
                 )
             })
     }

@@ -222,7 +222,12 @@ impl Backward<'_> {
     /// The dtype a value's gradient has: F32 for parameters and (unless gradients stay in the
     /// compute dtype) their copies.
     fn grad_dtype(&self, v: Value) -> DType {
-        let producer = &self.fwd.node(self.fwd.value(v).producer).op;
+        let producer = self.fwd.node(self.fwd.value(v).producer);
+        // An FP8 cast's gradient is the gradient of what it casts (it passes through).
+        if let Op::Quantize { .. } = producer.op {
+            return self.grad_dtype(producer.inputs[0]);
+        }
+        let producer = &producer.op;
         if matches!(producer, Op::ParamCopy { .. }) && self.copy_grads_in_compute_dtype {
             self.fwd.ty(v).dtype
         } else if matches!(producer, Op::Param | Op::ParamCopy { .. }) {
@@ -552,10 +557,20 @@ impl Backward<'_> {
                     }
                 }
             }
-            Op::Cast { .. } | Op::ParamCopy { .. } => {
+            // The FP8 cast passes the gradient through, as torchao's does; scales (and the
+            // amax) are constants of the step.
+            Op::Cast { .. } | Op::ParamCopy { .. } | Op::Quantize { .. } => {
                 if let (true, Some(dy)) = (need(0), dy) {
                     self.contribute(x[0], dy)?;
                 }
+            }
+            Op::Fp8Scale { .. } => {}
+            Op::Fp8MatMul {
+                transpose_a: false,
+                transpose_b: tb,
+            } => {
+                let Some(dy) = dy else { return Ok(()) };
+                self.vjp_fp8_matmul(&site, *tb, dy)?;
             }
             Op::AllReduce { .. }
             | Op::ReduceScatter { .. }
@@ -564,6 +579,76 @@ impl Backward<'_> {
             other => {
                 return Err(bad(&format!("no gradient rule for `{}`", other.mnemonic())));
             }
+        }
+        Ok(())
+    }
+
+    /// The VJP of `y = fp8_matmul(a, b, a_scale, b_scale)` (`a` not transposed; `b` a
+    /// matrix): the output gradient is cast to E5M2 with its own tensorwise scale, and both
+    /// gradient products take FP8 operands, as torchao's float8 linear computes them:
+    /// `da = dy op(b)ᵀ` and `db` from `aᵀ dy` (every row of `a` folded into one product).
+    fn vjp_fp8_matmul(&mut self, site: &Site, tb: bool, dy: Value) -> Result<(), PassError> {
+        let (x, name) = (site.x, site.name);
+        let (a, b, a_scale, b_scale) = (x[0], x[1], x[2], x[3]);
+        let to = DType::F8E5M2;
+        let dy_scale = self.b.op(
+            &format!("{name}.dy_scale"),
+            Op::Fp8Scale { to, margin: 0 },
+            &[dy],
+        )?;
+        let dy8 = self.b.op_multi(
+            &format!("{name}.dy_fp8"),
+            Op::Quantize { to },
+            &[dy, dy_scale],
+        )?[0];
+        if site.need(0) {
+            let op = Op::Fp8MatMul {
+                transpose_a: false,
+                transpose_b: !tb,
+            };
+            let dtype = self.grad_dtype(a);
+            let d = self.b.op_with_dtype(
+                &format!("{name}.lhs"),
+                op,
+                &[dy8, b, dy_scale, b_scale],
+                dtype,
+            )?;
+            self.contribute(a, d)?;
+        }
+        if site.need(1) {
+            let (at, dyt) = (self.ty(a), self.ty(dy8));
+            let (k, n) = (at.shape.last(), dyt.shape.last());
+            let rows = at.shape.numel().unwrap_or(0) / k.max(1);
+            let flat = |s: &mut Self, v: Value, cols: usize, what: &str| {
+                if s.ty(v).shape.rank() == 2 {
+                    Ok(v)
+                } else {
+                    s.b.op(
+                        &format!("{name}.rhs.{what}2d"),
+                        Op::Reshape {
+                            shape: vec![rows, cols],
+                        },
+                        &[v],
+                    )
+                }
+            };
+            let a2 = flat(self, a, k, "a")?;
+            let dy2 = flat(self, dy8, n, "dy")?;
+            // `x Wᵀ`: dW [n, k] = dyᵀ x; `x W`: dW [k, n] = xᵀ dy.
+            let operands = if tb {
+                [dy2, a2, dy_scale, a_scale]
+            } else {
+                [a2, dy2, a_scale, dy_scale]
+            };
+            let op = Op::Fp8MatMul {
+                transpose_a: true,
+                transpose_b: false,
+            };
+            let dtype = self.grad_dtype(b);
+            let d = self
+                .b
+                .op_with_dtype(&format!("{name}.rhs"), op, &operands, dtype)?;
+            self.contribute(b, d)?;
         }
         Ok(())
     }

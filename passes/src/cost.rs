@@ -28,6 +28,10 @@ pub struct GpuSpec {
     pub name: String,
     /// Dense BF16/F16 tensor-core FLOP/s.
     pub low_precision_flops: f64,
+    /// Dense FP8 tensor-core FLOP/s with F32 accumulation; `None` for a GPU without FP8
+    /// tensor cores, whose FP8 products the cost model prices at the BF16 rate.
+    #[serde(default)]
+    pub fp8_flops: Option<f64>,
     /// Dense TF32 tensor-core FLOP/s.
     pub tf32_flops: f64,
     /// FP32 (CUDA core) FLOP/s.
@@ -114,6 +118,7 @@ impl GpuSpec {
         GpuSpec {
             name: "H100 SXM".into(),
             low_precision_flops: 989e12,
+            fp8_flops: Some(1979e12),
             tf32_flops: 495e12,
             f32_flops: 67e12,
             memory_bandwidth: 3.35e12,
@@ -157,6 +162,9 @@ impl GpuSpec {
         }
         let dtype = node.inputs.first().map(|&v| g.ty(v).dtype);
         match (dtype, node.acc) {
+            (Some(DType::F8E4M3 | DType::F8E5M2), _) => {
+                self.fp8_flops.unwrap_or(self.low_precision_flops)
+            }
             (Some(DType::BF16 | DType::F16), _) => self.low_precision_flops,
             (_, Some(Accum::Tf32)) => self.tf32_flops,
             _ => self.f32_flops,
@@ -194,7 +202,9 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
     let out = node.outputs.first().map_or(0.0, |&v| numel(g, v));
     let in0 = node.inputs.first().map_or(0.0, |&v| numel(g, v));
     match &node.op {
-        Op::MatMul { transpose_a, .. } => 2.0 * out * product_depth(g, node, *transpose_a),
+        Op::MatMul { transpose_a, .. } | Op::Fp8MatMul { transpose_a, .. } => {
+            2.0 * out * product_depth(g, node, *transpose_a)
+        }
         // The product, then the scale's one multiply per element (as the separate op counts).
         Op::MatMulScaled { transpose_a, .. } => {
             (2.0 * product_depth(g, node, *transpose_a) + 1.0) * out
@@ -282,6 +292,9 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         Op::Softmax { .. } => 5.0 * out,
         Op::Rope { .. } | Op::RopeGrad { .. } => 3.0 * out,
         Op::Reduce { .. } => in0,
+        // The amax's one comparison per element; the cast's multiply and the amax's compare.
+        Op::Fp8Scale { .. } => in0,
+        Op::Quantize { .. } => 2.0 * in0,
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => 5.0 * in0,
         Op::LayerNormGrad { .. } => 12.0 * in0,
         Op::RmsNormGrad { .. } => 8.0 * in0,

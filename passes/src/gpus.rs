@@ -14,6 +14,7 @@ fn table() -> Vec<(&'static [&'static str], GpuSpec)> {
     let spec = |name: &str, low: f64, tf32: f64, f32: f64, tb_s: f64, gib: u64| GpuSpec {
         name: name.to_string(),
         low_precision_flops: low * 1e12,
+        fp8_flops: None,
         tf32_flops: tf32 * 1e12,
         f32_flops: f32 * 1e12,
         memory_bandwidth: tb_s * 1e12,
@@ -24,6 +25,12 @@ fn table() -> Vec<(&'static [&'static str], GpuSpec)> {
     // SXM parts in HGX servers: NVLink per GPU and direction, one InfiniBand NIC per GPU.
     let sxm = |s: GpuSpec, link_gb_s: f64, nic_gbit_s: f64| GpuSpec {
         interconnect: Interconnect::nvlink(link_gb_s, nic_gbit_s),
+        ..s
+    };
+    // Hopper and Ada: FP8 tensor cores (dense, F32 accumulation; GeForce at half the
+    // F16-accumulate rate, as its BF16 rate above).
+    let fp8 = |s: GpuSpec, tflops: f64| GpuSpec {
+        fp8_flops: Some(tflops * 1e12),
         ..s
     };
     // PCIe 5.0 x16.
@@ -38,14 +45,20 @@ fn table() -> Vec<(&'static [&'static str], GpuSpec)> {
         (&["h100", "h100-sxm", "h100-80gb"], GpuSpec::h100_sxm()),
         (
             &["h100-pcie"],
-            pcie5(spec("H100 PCIe 80 GB", 756.0, 378.0, 51.0, 2.0, 80)),
+            fp8(
+                pcie5(spec("H100 PCIe 80 GB", 756.0, 378.0, 51.0, 2.0, 80)),
+                1513.0,
+            ),
         ),
         (
             &["h200", "h200-sxm"],
-            sxm(
-                spec("H200 SXM 141 GB", 989.0, 495.0, 67.0, 4.8, 141),
-                450.0,
-                400.0,
+            fp8(
+                sxm(
+                    spec("H200 SXM 141 GB", 989.0, 495.0, 67.0, 4.8, 141),
+                    450.0,
+                    400.0,
+                ),
+                1979.0,
             ),
         ),
         (
@@ -66,16 +79,22 @@ fn table() -> Vec<(&'static [&'static str], GpuSpec)> {
         ),
         (
             &["l40s"],
-            pcie5(spec("L40S 48 GB", 362.0, 183.0, 91.6, 0.864, 48)),
+            fp8(
+                pcie5(spec("L40S 48 GB", 362.0, 183.0, 91.6, 0.864, 48)),
+                733.0,
+            ),
         ),
-        (&["l4"], spec("L4 24 GB", 121.0, 60.0, 30.3, 0.3, 24)),
+        (
+            &["l4"],
+            fp8(spec("L4 24 GB", 121.0, 60.0, 30.3, 0.3, 24), 242.0),
+        ),
         (
             &["a10", "a10g"],
             spec("A10 24 GB", 125.0, 62.5, 31.2, 0.6, 24),
         ),
         (
             &["rtx-4090", "4090"],
-            spec("RTX 4090 24 GB", 165.2, 82.6, 82.6, 1.008, 24),
+            fp8(spec("RTX 4090 24 GB", 165.2, 82.6, 82.6, 1.008, 24), 330.3),
         ),
         (
             &["rtx-3090", "3090"],

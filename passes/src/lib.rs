@@ -16,6 +16,7 @@ mod classify;
 pub mod cost;
 mod error;
 mod fold_casts;
+mod fp8;
 pub mod fusion;
 pub mod gpus;
 pub mod lora;
@@ -37,15 +38,21 @@ pub use pass::{Pass, PassReport};
 pub use pipeline::{Pipeline, PipelineOutput};
 // The policy families are defined beside the plan that records them.
 pub use castor_ir::Precision;
-pub use policy::{NameRule, Policy, PolicyFileFormat, Rule, Target};
+pub use fp8::Fp8Products;
+pub use policy::{Fp8Options, NameRule, Policy, PolicyFileFormat, Rule, Target};
 pub use summary::{decisions, explain, precision_summary, Decision, PrecisionSummary};
 pub use training::{build_training_plan, PlanBuild, PlanPass, TrainingOutput, TrainingPipeline};
 
-/// The passes `castor compile` runs, in order, for a policy.
+/// The passes `castor compile` runs, in order, for a policy (`fp8` only under
+/// `--precision fp8`).
 pub fn precision_pipeline(policy: Policy) -> Pipeline {
-    Pipeline::new(vec![
+    let mut passes: Vec<Box<dyn Pass>> = vec![
         Box::new(Classify),
-        Box::new(Autocast::new(policy)),
+        Box::new(Autocast::new(policy.clone())),
         Box::new(FoldCasts),
-    ])
+    ];
+    if policy.precision.is_fp8() {
+        passes.push(Box::new(Fp8Products::new(policy.fp8().clone())));
+    }
+    Pipeline::new(passes)
 }

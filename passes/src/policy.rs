@@ -125,6 +125,18 @@ pub struct Policy {
     /// Keep the residual stream in the low dtype (llm.c's and Apex O2's choice) rather than
     /// autocast's F32 (see [`Policy::set_residual_low`]).
     residual_low: bool,
+    /// Which products stay BF16 under `--precision fp8` ([`crate::Fp8Products`]).
+    fp8: Fp8Options,
+}
+
+/// The choices of `--precision fp8` beyond the default: products kept in BF16.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Fp8Options {
+    /// Keep the first and the last layer's products in BF16 (`--fp8-skip-first-last`).
+    pub skip_first_last: bool,
+    /// Keep the products whose name, or whose weight's name, matches one of these globs in
+    /// BF16 (`--keep-bf16`).
+    pub keep_bf16: Vec<String>,
 }
 
 impl Policy {
@@ -145,7 +157,38 @@ impl Policy {
             table,
             rules: Vec::new(),
             residual_low: false,
+            fp8: Fp8Options::default(),
         }
+    }
+
+    /// Sets the FP8 choices; an error unless the policy is `fp8`.
+    pub fn set_fp8(&mut self, options: Fp8Options) -> Result<(), PassError> {
+        if !self.precision.is_fp8() && options != Fp8Options::default() {
+            let flag = if options.skip_first_last {
+                "--fp8-skip-first-last"
+            } else {
+                "--keep-bf16"
+            };
+            return Err(PassError::Policy {
+                source_name: flag.into(),
+                message: format!(
+                    "keeps products out of FP8, but --precision {} puts none in it (use fp8)",
+                    self.precision
+                ),
+            });
+        }
+        if let Some(empty) = options.keep_bf16.iter().find(|g| g.is_empty()) {
+            return Err(PassError::Policy {
+                source_name: "--keep-bf16".into(),
+                message: format!("empty name pattern `{empty}`"),
+            });
+        }
+        self.fp8 = options;
+        Ok(())
+    }
+
+    pub fn fp8(&self) -> &Fp8Options {
+        &self.fp8
     }
 
     /// Stores the residual stream in the policy's low dtype: the adds whose sum a

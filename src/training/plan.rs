@@ -268,6 +268,9 @@ pub fn compile_plan(
         if let Some((_, report)) = compiled.reports.iter().find(|(p, _)| *p == "autocast") {
             outln!("precision   {} ({})", precision.precision, report.summary);
         }
+        if let Some((_, report)) = compiled.reports.iter().find(|(p, _)| *p == "fp8") {
+            outln!("fp8         {}", report.summary);
+        }
     }
     let summary = castor_passes::precision_summary(&compiled.graph, precision.precision.low());
     let (plan, report) = crate::memory::pipeline(executor).build(&compiled.graph, settings)?;

@@ -180,6 +180,30 @@ define_ops! {
     Nf4MatMul { transpose_b: bool, rows: usize, cols: usize } => "nf4_matmul",
         class Contraction, arity (3, 3),
         typing typing::nf4_matmul(inputs, *transpose_b, *rows, *cols);
+    /// A product of FP8 operands with F32 accumulation, as cuBLASLt's FP8 matmul computes it:
+    /// `(a [.., M, K], b [.., K, N], a_scale f32[], b_scale f32[]) -> [.., M, N]`. Each
+    /// operand holds its values times its scale ([`Op::Quantize`]); the F32 sum of the
+    /// products (exact for FP8 values) is multiplied by `(1 / a_scale) · (1 / b_scale)`, each
+    /// reciprocal and their product rounded to F32 (the dequantization factors cuBLASLt's
+    /// scale pointers give), and rounded once to the result's dtype (BF16, or F32 where a
+    /// consumer needs it). The operands may be E4M3 or E5M2, each its own.
+    Fp8MatMul { transpose_a: bool, transpose_b: bool } => "fp8_matmul", class Contraction,
+        arity (4, 4), typing typing::fp8_matmul(inputs, *transpose_a, *transpose_b);
+    /// The FP8 scale of a tensor (`amax_to_scale` of Transformer Engine and torchao):
+    /// `x -> f32[]`, `fmax / max(amax, 1e-12) / 2^margin` computed in F64 and rounded to F32,
+    /// where `amax` is the largest magnitude in `x` and `fmax` the largest finite value of
+    /// `to`. Tensorwise current scaling reads the tensor itself (the scale of this step's
+    /// values); delayed scaling reads an amax history. No gradient flows through a scale.
+    Fp8Scale { to: DType, margin: usize } => "fp8_scale", class Normalization, arity (1, 1),
+        typing typing::fp8_scale(inputs, *to);
+    /// A cast to FP8 with a scale: `(x, scale f32[]) -> (q [..] of to, amax f32[])`, `q` the
+    /// F32 product `x · scale` rounded to nearest even and saturated at `to`'s largest finite
+    /// value (torchao's `to_fp8_saturated`, cuBLASLt's `SATFINITE`), `amax` the largest
+    /// magnitude in `x` (what delayed scaling records). In the backward it passes the gradient
+    /// through unchanged, as torchao's cast does: the products that read `q` differentiate
+    /// with respect to the value `q / scale` stands for.
+    Quantize { to: DType } => "quantize", class Elementwise, arity (2, 2),
+        typing typing::quantize(inputs, *to);
     MatMulGeluGrad { transpose_a: bool, transpose_b: bool } => "matmul_gelu_grad",
         class Contraction, arity (3, 3),
         typing typing::matmul_gelu_grad(inputs, *transpose_a, *transpose_b);

@@ -352,6 +352,69 @@ pub fn matmul(inputs: &[&TensorType], transpose_a: bool, transpose_b: bool) -> T
     one(TensorType::new(a.dtype, batch))
 }
 
+fn require_fp8(what: &str, t: &TensorType) -> Result<(), String> {
+    if t.dtype.is_fp8() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what} must be an FP8 tensor (f8e4m3 or f8e5m2), found {}",
+            t.dtype
+        ))
+    }
+}
+
+/// `(a, b, a_scale f32[], b_scale f32[]) -> [.., M, N]` of FP8 operands, shaped as
+/// [`matmul`]'s; the result is BF16 unless a pass chooses F32.
+pub fn fp8_matmul(inputs: &[&TensorType], transpose_a: bool, transpose_b: bool) -> Types {
+    let (a, b) = (inputs[0], inputs[1]);
+    require_fp8("lhs", a)?;
+    require_fp8("rhs", b)?;
+    require_f32_scalar("the lhs scale", inputs[2])?;
+    require_f32_scalar("the rhs scale", inputs[3])?;
+    // The shapes follow matmul's rule; the operands' two FP8 formats may differ.
+    let a16 = TensorType::new(DType::BF16, a.shape.clone());
+    let b16 = TensorType::new(DType::BF16, b.shape.clone());
+    matmul(&[&a16, &b16], transpose_a, transpose_b)
+}
+
+fn require_fp8_target(to: DType) -> Result<(), String> {
+    if to.is_fp8() {
+        Ok(())
+    } else {
+        Err(format!(
+            "an FP8 scale or cast targets f8e4m3 or f8e5m2, found {to}"
+        ))
+    }
+}
+
+/// `x -> f32[]`: the scale that maps `x`'s largest magnitude to `to`'s largest value.
+pub fn fp8_scale(inputs: &[&TensorType], to: DType) -> Types {
+    require_fp8_target(to)?;
+    let x = inputs[0];
+    require_float("operand", x)?;
+    if x.dtype.is_fp8() {
+        return Err(format!(
+            "the scale is taken of a value before its cast, found {x}"
+        ));
+    }
+    one(TensorType::new(DType::F32, Shape(vec![])))
+}
+
+/// `(x, scale f32[]) -> (q of to, amax f32[])`.
+pub fn quantize(inputs: &[&TensorType], to: DType) -> Types {
+    require_fp8_target(to)?;
+    let x = inputs[0];
+    require_float("operand", x)?;
+    if x.dtype.is_fp8() {
+        return Err(format!("quantize casts a wider float to FP8, found {x}"));
+    }
+    require_f32_scalar("the scale", inputs[1])?;
+    Ok(vec![
+        TensorType::new(to, x.shape.clone()),
+        TensorType::new(DType::F32, Shape(vec![])),
+    ])
+}
+
 /// `(x [.., K], codes u8, absmax f32) -> [.., N]` of a product by an NF4 weight `[rows, cols]`.
 pub fn nf4_matmul(inputs: &[&TensorType], transpose_b: bool, rows: usize, cols: usize) -> Types {
     let (x, codes, absmax) = (inputs[0], inputs[1], inputs[2]);

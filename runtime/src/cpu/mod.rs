@@ -22,6 +22,7 @@ pub(crate) mod dropout;
 pub(crate) mod elementwise;
 pub(crate) mod embedding;
 pub(crate) mod epilogue;
+pub(crate) mod fp8;
 pub(crate) mod layout;
 pub(crate) mod loss;
 pub(crate) mod mask;

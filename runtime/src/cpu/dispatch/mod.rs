@@ -5,7 +5,7 @@
 use super::mask::KeyMask;
 use super::operand::Args;
 use super::strides::{broadcast_strides, offset};
-use super::{cast, dropout, elementwise, embedding, loss, norm, pool, reduce, rope, softmax};
+use super::{cast, dropout, elementwise, embedding, fp8, loss, norm, pool, reduce, rope, softmax};
 use crate::RuntimeError;
 use castor_ir::{Accum, BinaryOp, DType, Op, Tensor, TensorData, TensorType};
 
@@ -66,6 +66,7 @@ pub fn execute(
         Op::MatMul { .. }
         | Op::MatMulScaled { .. }
         | Op::Nf4MatMul { .. }
+        | Op::Fp8MatMul { .. }
         | Op::MatMulBias { .. }
         | Op::MatMulBiasGelu { .. }
         | Op::MatMulBiasGrad { .. }
@@ -156,6 +157,18 @@ pub fn execute(
                 }
             })?;
             float(args, reduced)?
+        }
+        Op::Fp8Scale { to, margin } => {
+            let format = fp8_format(args, *to)?;
+            let amax = fp8::amax(args.f32(0)?);
+            float(args, vec![fp8::scale(format, amax, *margin)])?
+        }
+        Op::Quantize { to } => {
+            let format = fp8_format(args, *to)?;
+            let x = args.f32(0)?;
+            let q = fp8::quantize(format, x, scalar(args, 1)?);
+            let amax = fp8::amax(x);
+            return f32_results(args, outs, [q, vec![amax]]);
         }
         Op::CrossEntropy { ignore_index } => {
             let (logits, labels) = (args.f32(0)?, args.values::<i64>(1)?);
@@ -285,6 +298,12 @@ fn scalar(args: &Args, i: usize) -> Result<f32, RuntimeError> {
         &[x] => Ok(x),
         _ => Err(args.internal(format!("operand {i} must be a scalar"))),
     }
+}
+
+/// The FP8 format of an FP8 dtype attribute (typing has checked it is one).
+fn fp8_format(args: &Args, to: DType) -> Result<castor_ir::fp8::Fp8Format, RuntimeError> {
+    castor_ir::fp8::Fp8Format::of(to)
+        .ok_or_else(|| args.internal(format!("{to} is not an FP8 dtype")))
 }
 
 fn to_tf32(x: &[f32]) -> Vec<f32> {

@@ -1,7 +1,7 @@
 //! Contractions: the matrix products and their fused epilogues, NF4 products, fused attention and
 //! the fused LM head with its loss.
 
-use super::super::{attention, classifier, epilogue, loss, matmul};
+use super::super::{attention, classifier, epilogue, fp8, loss, matmul};
 use super::{f32_results, make, scalar, to_tf32};
 use crate::cpu::operand::Args;
 use crate::RuntimeError;
@@ -38,6 +38,17 @@ pub(super) fn execute(
             args,
             nf4_product(args, acc, out, *transpose_b, (*rows, *cols))?,
         )?,
+        Op::Fp8MatMul {
+            transpose_a,
+            transpose_b,
+        } => {
+            // FP8 values are exact in F32 and so are their products: the F32 sum is what the
+            // tensor cores accumulate, then one multiplication dequantizes it.
+            let mut sum = product(args, None, out, *transpose_a, *transpose_b)?;
+            let factor = fp8::dequantization(scalar(args, 2)?, scalar(args, 3)?);
+            sum.iter_mut().for_each(|v| *v *= factor);
+            float(args, sum)?
+        }
         Op::MatMulBias {
             transpose_a,
             transpose_b,

@@ -1,0 +1,119 @@
+//! `--precision fp8` against the FP8 training recipe of torchao (tensorwise current scaling:
+//! E4M3 operands in the forward, E5M2 output gradients, BF16 everywhere else), one step of every
+//! decoder fixture: `castor eval --grad` on the CPU against
+//! `tests/fixtures/generate_fp8_training.py`'s `fp8.safetensors`.
+//!
+//! Both castor and the reference are measured against the F32 gradients of
+//! `generate_training.py`: FP8's 3-bit mantissa moves the loss and gradients far more than any
+//! difference in summation order, so the test holds castor's error within 1.25x the recipe's own
+//! (and the loss within 1e-2 of the recipe's, relative), and prints castor's distance to the
+//! recipe beside them. The same products are on FP8 in both (`fp8.json` lists the reference's;
+//! the IR of castor's step is checked to hold as many `fp8_matmul` forward products).
+
+use crate::common::*;
+use castor_ir::relative_error;
+use castor_models::SafetensorsFile;
+
+const DECODERS: [&str; 7] = [
+    "gpt2_lm",
+    "llama_gqa",
+    "llama_tied",
+    "qwen2_bias",
+    "mistral_window",
+    "gemma_tiny",
+    "llama31_rope",
+];
+
+/// castor's error against F32 may exceed the recipe's own by this factor, no more.
+const ERROR_RATIO: f64 = 1.25;
+
+#[test]
+fn one_fp8_step_of_every_decoder_is_as_close_to_f32_as_the_recipe() {
+    let out_dir = tempfile::tempdir().unwrap();
+    println!(
+        "{:<15} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        "variant", "loss err", "grads", "castor", "recipe", "to recipe"
+    );
+    for variant in DECODERS {
+        let dir = fixture(variant);
+        let f32_ref = SafetensorsFile::open(dir.join("training.safetensors")).unwrap();
+        let fp8_ref = SafetensorsFile::open(dir.join("fp8.safetensors")).unwrap();
+        let info: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("fp8.json")).unwrap()).unwrap();
+        let objective = info["objective"].as_str().unwrap();
+        let converted = info["converted"].as_array().unwrap().len();
+
+        let batch = batch_with_labels(variant, objective, out_dir.path());
+        let out = out_dir.path().join(format!("{variant}-fp8.safetensors"));
+        let o = eval(
+            &dir,
+            &batch,
+            &out,
+            &[
+                "--device",
+                "cpu",
+                "--grad",
+                "--objective",
+                objective,
+                "--precision",
+                "fp8",
+            ],
+        );
+        assert!(o.status.success(), "{variant}: {}", stderr(&o));
+        let got = SafetensorsFile::open(&out).unwrap();
+
+        let loss = got.read_f32("loss").unwrap();
+        let recipe_loss = fp8_ref.read_f32("fp8.loss").unwrap();
+        let loss_err = relative_error(&loss, &recipe_loss);
+        assert!(
+            loss_err < 1e-2,
+            "{variant}: loss {} vs the recipe's {}",
+            loss[0],
+            recipe_loss[0]
+        );
+
+        // All gradients as one vector each: castor's, the recipe's and F32's.
+        let prefix = "fp8.grad.";
+        let (mut ours, mut recipe, mut exact) = (Vec::new(), Vec::new(), Vec::new());
+        for key in fp8_ref.names().filter(|k| k.starts_with(prefix)) {
+            let name = &key[prefix.len()..];
+            ours.extend(got.read_f32(&format!("grad.{name}")).unwrap());
+            recipe.extend(fp8_ref.read_f32(key).unwrap());
+            exact.extend(
+                f32_ref
+                    .read_f32(&format!("{objective}.grad.{name}"))
+                    .unwrap(),
+            );
+        }
+        let (e_ours, e_recipe) = (
+            relative_error(&ours, &exact),
+            relative_error(&recipe, &exact),
+        );
+        let to_recipe = relative_error(&ours, &recipe);
+        println!(
+            "{variant:<15} {loss_err:>10.2e} {:>10} {e_ours:>10.3e} {e_recipe:>10.3e} {to_recipe:>10.3e}",
+            ours.len()
+        );
+        assert!(
+            e_ours <= ERROR_RATIO * e_recipe,
+            "{variant}: castor's FP8 gradients are {e_ours:.3e} from F32, the recipe's {e_recipe:.3e}"
+        );
+        // FP8 must have been used at all: far from F32's gradients, as the recipe is.
+        assert!(
+            e_ours > 1e-3,
+            "{variant}: FP8 gradients equal F32's ({e_ours:.1e})"
+        );
+
+        let ir = castor(&[
+            "compile",
+            path_str(&dir),
+            "--precision",
+            "fp8",
+            "--emit",
+            "ir",
+        ]);
+        ok(&ir);
+        let products = stdout(&ir).matches("= fp8_matmul").count();
+        assert_eq!(products, converted, "{variant}: FP8 products");
+    }
+}
