@@ -1,7 +1,7 @@
 //! Snapshot tests of training plans: the micro step (forward, backward, gradient
 //! accumulation) and the optimizer step (gradient norm, fused updates, step count, loss-scale
 //! update) that `castor compile --train` builds from a hand-written IR file, with the
-//! persistent-state table, for the fp32 and fp16 policies, for a plan that uses every
+//! persistent-state table, for the fp32, fp16 and fp8 policies, for a plan that uses every
 //! optimizer option, and for data-parallel plans under ZeRO-2 and ZeRO-3.
 
 use crate::common;
@@ -30,6 +30,24 @@ fn fp32_adamw_plan() {
 #[test]
 fn fp16_dynamic_loss_scaling_plan() {
     plan_snapshot("train_fp16_dynamic", &["--precision", "fp16"]);
+}
+
+/// FP8 products: E4M3 operands in the forward, the output gradients cast to E5M2 in the
+/// backward, both gradient products on FP8 operands; the weights cast from their F32 masters.
+#[test]
+fn fp8_plan() {
+    let args = [
+        "compile",
+        "tests/ir/fp8_products.ir",
+        "--train",
+        "--emit",
+        "ir",
+        "--precision",
+        "fp8",
+    ];
+    let o = castor(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    insta::assert_snapshot!("train_fp8", stdout(&o), "fp8_products.ir --precision fp8");
 }
 
 /// Bias add, GELU and their gradients in the products' epilogues (one rounding each).
