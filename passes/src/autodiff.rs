@@ -596,11 +596,13 @@ impl Backward<'_> {
             Op::Fp8Scale { to, margin: 0 },
             &[dy],
         )?;
-        let dy8 = self.b.op_multi(
+        let cast = self.b.op_multi(
             &format!("{name}.dy_fp8"),
             Op::Quantize { to },
             &[dy, dy_scale],
-        )?[0];
+        )?;
+        self.b.rename(cast[1], &format!("{name}.dy_amax"))?;
+        let dy8 = cast[0];
         if site.need(0) {
             let op = Op::Fp8MatMul {
                 transpose_a: false,
