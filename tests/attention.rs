@@ -571,3 +571,59 @@ fn what_cudnn_cannot_run_falls_back_or_is_refused_by_name() {
         "{err}"
     );
 }
+
+/// Packed rows (`--pack`): `--attention auto`, the default, builds the fused attention op,
+/// which castor's kernels run with the rows' positions (no eager softmax), the listing saying
+/// why cuDNN does not; `--attention cudnn` refuses the plan, naming the reason.
+#[test]
+fn packed_rows_run_castors_fused_kernels_under_auto_and_cudnn_refuses_them() {
+    let model = common::fixture("gpt2_lm");
+    let compile = |attention: &[&str]| {
+        let mut args = vec![
+            "compile",
+            common::path_str(&model),
+            "--train",
+            "--pack",
+            "--precision",
+            "bf16",
+            "--emit",
+            "cuda",
+        ];
+        args.extend_from_slice(attention);
+        common::castor(&args)
+    };
+    let o = compile(&[]);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let listing = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        listing.contains(
+            "cuDNN cannot run it (packed sequences' positions (cuDNN takes packed rows as ragged \
+             THD layouts, which castor does not build)); castor's kernels:"
+        ),
+        "{listing}"
+    );
+    // The positions (an input slot) follow the null mask in every attention launch.
+    let launches: Vec<&str> = listing
+        .lines()
+        .filter(|l| {
+            l.contains("launch attention_fwd_bf16") || l.contains("launch attention_bwd_bf16")
+        })
+        .collect();
+    assert!(!launches.is_empty(), "{listing}");
+    for l in &launches {
+        let args: Vec<&str> = l.split(">>>(").nth(1).unwrap_or("").split(", ").collect();
+        assert!(args[3] == "null" && args[4] != "null", "{l}");
+    }
+    assert!(!listing.contains("softmax_fwd"), "{listing}");
+    let o = compile(&["--attention", "cudnn"]);
+    assert!(!o.status.success());
+    let err = common::stderr(&o);
+    assert!(
+        err.contains("%h.0.attn.context")
+            && err.contains(
+                "--attention cudnn: cuDNN's fused attention cannot run this op: packed \
+                 sequences' positions"
+            ),
+        "{err}"
+    );
+}
