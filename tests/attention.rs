@@ -234,58 +234,95 @@ fn bounds(precision: &str) -> (f64, f64) {
 
 #[test]
 fn fused_attention_training_plans_on_the_emulator_stay_within_bounds() {
+    let mut failures = Vec::new();
+    let variants = ["gpt2_lm", "bert_mlm", "llama_gqa", "llama_tied"];
+    for variant in variants.into_iter().chain(common::NEW_DECODERS) {
+        for precision in ["fp32", "tf32", "bf16", "fp16"] {
+            let bounds = bounds(precision);
+            fused_plan_within_bounds(variant, precision, &[], bounds, &mut failures);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Packed plans (`--pack`: each row holds several sequences, `position_ids` restarting at
+/// each) with `--attention fused`: castor's attention kernels take the positions, each query
+/// seeing only its own sequence, beside the CPU executor. GPT-2 and the LLaMA family (grouped
+/// heads, Mistral's sliding window, LLaMA 3.1's rope scaling), in F32 and BF16, within the
+/// bounds above but for F32's state: an element whose gradient lies within AdamW's epsilon
+/// (1e-8) of zero takes a first update of lr g / (|g| + eps), which the kernels' F32 noise
+/// moves by a fraction of lr (LLaMA-GQA's first `up_proj`: one gradient of 1.5e-9 on the CPU
+/// and 5.2e-9 here, where the tensor's are about 1e-2, moves its weight by 0.2 lr), and the
+/// next steps carry that into every entry. Measured worst (loss, state entry): fp32 6.1e-7,
+/// 2.8e-5 (that run); bf16 0, 1.8e-5. F32's state bound is 6e-5.
+#[test]
+fn packed_fused_attention_training_plans_on_the_emulator_stay_within_bounds() {
+    let mut failures = Vec::new();
+    for variant in ["gpt2_lm", "llama_gqa", "mistral_window", "llama31_rope"] {
+        for precision in ["fp32", "bf16"] {
+            let (loss, state) = bounds(precision);
+            let state = if precision == "fp32" { 6e-5 } else { state };
+            let flags = ["--pack"];
+            fused_plan_within_bounds(variant, precision, &flags, (loss, state), &mut failures);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Three steps of `variant`'s plan with `--attention fused` and `extra` flags, on the emulator
+/// beside the CPU executor: the loss and every state entry within `(loss_bound, state_bound)`;
+/// disagreements are pushed to `failures`.
+fn fused_plan_within_bounds(
+    variant: &str,
+    precision: &str,
+    extra: &[&str],
+    (loss_bound, state_bound): (f64, f64),
+    failures: &mut Vec<String>,
+) {
     use castor_runtime::cuda::EmulatedPlanRunner;
     use castor_runtime::PlanRunner;
     use common::cuda_cases::{
         as_f32, batch, exact_zero_slices, load_params, mask_exact_zero, plan, state_error,
     };
-    let mut failures = Vec::new();
-    let variants = ["gpt2_lm", "bert_mlm", "llama_gqa", "llama_tied"];
-    for variant in variants.into_iter().chain(common::NEW_DECODERS) {
-        let params = load_params(variant);
-        let noise = exact_zero_slices(variant);
-        for precision in ["fp32", "tf32", "bf16", "fp16"] {
-            let flags = ["--precision", precision, "--attention", "fused"];
-            let p = plan(variant, &flags);
-            let case = format!("{variant} {precision}");
-            let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
-            let mut emu = EmulatedPlanRunner::new(p.clone(), &|n| params.get(n).cloned())
-                .unwrap_or_else(|e| panic!("{case}: {e}"));
-            let (loss_bound, state_bound) = bounds(precision);
-            let mut worst_loss = 0f64;
-            for step in 0..3u64 {
-                let batches = [batch(&p.micro_step, 77 + 10 * step)];
-                let a = cpu.step(&batches, 1e-3).unwrap();
-                let b = emu
-                    .step(&batches, 1e-3)
-                    .unwrap_or_else(|e| panic!("{case} step {step}: {e}"));
-                let err = f64::from(((a.loss - b.loss) / a.loss).abs());
-                worst_loss = worst_loss.max(err);
-                if err.is_nan() || err > loss_bound {
-                    failures.push(format!("{case} step {step}: loss error {err:.3e}"));
-                }
-            }
-            let emulated: HashMap<String, Tensor> =
-                emu.state_entries().unwrap().into_iter().collect();
-            let mut worst_state = 0f64;
-            for (name, t) in cpu.state_entries() {
-                let (mut x, mut y) = (as_f32(&emulated[name]), as_f32(t));
-                mask_exact_zero(&noise, name, t.shape().dims(), &mut x, &mut y);
-                let err = state_error(&x, &y);
-                let bound = if name.contains("self_attn.k_proj.bias") {
-                    state_bound.max(CANCELLING_STATE_BOUND)
-                } else {
-                    state_bound
-                };
-                if err.is_nan() || err > bound {
-                    failures.push(format!("{case}: state {name} error {err:.3e}"));
-                }
-                worst_state = worst_state.max(err);
-            }
-            println!("{case:<18} loss {worst_loss:.2e}, state {worst_state:.2e}");
+    let params = load_params(variant);
+    let noise = exact_zero_slices(variant);
+    let mut flags = vec!["--precision", precision, "--attention", "fused"];
+    flags.extend_from_slice(extra);
+    let p = plan(variant, &flags);
+    let case = format!("{variant} {}", flags[1..].join(" "));
+    let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
+    let mut emu = EmulatedPlanRunner::new(p.clone(), &|n| params.get(n).cloned())
+        .unwrap_or_else(|e| panic!("{case}: {e}"));
+    let mut worst_loss = 0f64;
+    for step in 0..3u64 {
+        let batches = [batch(&p.micro_step, 77 + 10 * step)];
+        let a = cpu.step(&batches, 1e-3).unwrap();
+        let b = emu
+            .step(&batches, 1e-3)
+            .unwrap_or_else(|e| panic!("{case} step {step}: {e}"));
+        let err = f64::from(((a.loss - b.loss) / a.loss).abs());
+        worst_loss = worst_loss.max(err);
+        if err.is_nan() || err > loss_bound {
+            failures.push(format!("{case} step {step}: loss error {err:.3e}"));
         }
     }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    let emulated: HashMap<String, Tensor> = emu.state_entries().unwrap().into_iter().collect();
+    let mut worst_state = 0f64;
+    for (name, t) in cpu.state_entries() {
+        let (mut x, mut y) = (as_f32(&emulated[name]), as_f32(t));
+        mask_exact_zero(&noise, name, t.shape().dims(), &mut x, &mut y);
+        let err = state_error(&x, &y);
+        let bound = if name.contains("self_attn.k_proj.bias") {
+            state_bound.max(CANCELLING_STATE_BOUND)
+        } else {
+            state_bound
+        };
+        if err.is_nan() || err > bound {
+            failures.push(format!("{case}: state {name} error {err:.3e}"));
+        }
+        worst_state = worst_state.max(err);
+    }
+    println!("{case:<45} loss {worst_loss:.2e}, state {worst_state:.2e}");
 }
 
 /// GPT-2 124M (B=8, T=1024, bf16): with `--attention fused` no value of the training plan has
@@ -348,9 +385,9 @@ fn fused_attention_plans_hold_no_score_tensor() {
     );
 }
 
-/// The GPU test's attention case (`ATTENTION_CASES`: head dim 64, grouped-query heads, a
-/// padding mask, 33 queries and 40 keys) on the emulator, within the kernels' bounds, so the
-/// case a GPU runs is known to lower and run.
+/// The GPU test's attention cases (`ATTENTION_CASES`: head dim 64, grouped-query heads, a
+/// padding mask or packed sequences' positions, 33 queries and 40 keys) on the emulator,
+/// within the kernels' bounds, so the cases a GPU runs are known to lower and run.
 #[test]
 fn the_gpu_attention_case_runs_on_the_emulator() {
     use castor_runtime::cuda::emulate::Emulator;
@@ -530,6 +567,62 @@ fn what_cudnn_cannot_run_falls_back_or_is_refused_by_name() {
         err.contains("%h.0.attn.context")
             && err.contains(
                 "--attention cudnn: cuDNN's fused attention cannot run this op: f32 operands"
+            ),
+        "{err}"
+    );
+}
+
+/// Packed rows (`--pack`): `--attention auto`, the default, builds the fused attention op,
+/// which castor's kernels run with the rows' positions (no eager softmax), the listing saying
+/// why cuDNN does not; `--attention cudnn` refuses the plan, naming the reason.
+#[test]
+fn packed_rows_run_castors_fused_kernels_under_auto_and_cudnn_refuses_them() {
+    let model = common::fixture("gpt2_lm");
+    let compile = |attention: &[&str]| {
+        let mut args = vec![
+            "compile",
+            common::path_str(&model),
+            "--train",
+            "--pack",
+            "--precision",
+            "bf16",
+            "--emit",
+            "cuda",
+        ];
+        args.extend_from_slice(attention);
+        common::castor(&args)
+    };
+    let o = compile(&[]);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let listing = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        listing.contains(
+            "cuDNN cannot run it (packed sequences' positions (cuDNN takes packed rows as ragged \
+             THD layouts, which castor does not build)); castor's kernels:"
+        ),
+        "{listing}"
+    );
+    // The positions (an input slot) follow the null mask in every attention launch.
+    let launches: Vec<&str> = listing
+        .lines()
+        .filter(|l| {
+            l.contains("launch attention_fwd_bf16") || l.contains("launch attention_bwd_bf16")
+        })
+        .collect();
+    assert!(!launches.is_empty(), "{listing}");
+    for l in &launches {
+        let args: Vec<&str> = l.split(">>>(").nth(1).unwrap_or("").split(", ").collect();
+        assert!(args[3] == "null" && args[4] != "null", "{l}");
+    }
+    assert!(!listing.contains("softmax_fwd"), "{listing}");
+    let o = compile(&["--attention", "cudnn"]);
+    assert!(!o.status.success());
+    let err = common::stderr(&o);
+    assert!(
+        err.contains("%h.0.attn.context")
+            && err.contains(
+                "--attention cudnn: cuDNN's fused attention cannot run this op: packed \
+                 sequences' positions"
             ),
         "{err}"
     );

@@ -231,6 +231,21 @@ template <typename T> inline unsigned __match_all_sync(unsigned mask, T value, i
     return unsigned(r);
 }
 
+// sm_80's warp reductions (redux.sync), over the shuffles above.
+#define CASTOR_HOST_REDUCE(name, T, pick)                                                      \
+    inline T name(unsigned mask, T v) {                                                        \
+        for (int o = 16; o > 0; o >>= 1) {                                                     \
+            const T w = __shfl_xor_sync(mask, v, o);                                           \
+            v = pick;                                                                          \
+        }                                                                                      \
+        return v;                                                                              \
+    }
+CASTOR_HOST_REDUCE(__reduce_min_sync, int, w < v ? w : v)
+CASTOR_HOST_REDUCE(__reduce_min_sync, unsigned, w < v ? w : v)
+CASTOR_HOST_REDUCE(__reduce_max_sync, int, w > v ? w : v)
+CASTOR_HOST_REDUCE(__reduce_max_sync, unsigned, w > v ? w : v)
+#undef CASTOR_HOST_REDUCE
+
 // ---- integer intrinsics ----------------------------------------------------------------------
 
 inline int __popc(unsigned x) { return __builtin_popcount(x); }

@@ -121,7 +121,7 @@ fn warp_operations_follow_cudas_lane_semantics() {
     for width in [32usize, 16, 8, 4, 2, 1] {
         for order in ORDERS {
             let mut inp = input.clone();
-            let mut out = vec![0i32; 12 * threads];
+            let mut out = vec![0i32; 14 * threads];
             launch(
                 "warp_ops",
                 2,
@@ -151,9 +151,11 @@ fn warp_operations_follow_cudas_lane_semantics() {
                     i32::from(all_equal),
                     (i64::from(at(7)) * 3_000_000_000 / 1_000_000) as i32,
                     1,
+                    (0..32).map(|l| at(l) - 50).min().unwrap_or(0),
+                    (0..32).map(|l| at(l) - 50).max().unwrap_or(0),
                 ];
                 assert_eq!(
-                    out[12 * t..12 * t + 12],
+                    out[14 * t..14 * t + 14],
                     want,
                     "thread {t} width {width} {order:?}"
                 );

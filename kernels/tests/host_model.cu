@@ -2,12 +2,12 @@
 // model (host/castor_host.h, host/runtime.cpp) against CUDA's documented semantics, and
 // kernels with seeded bugs it must catch. Not part of castor's kernels.
 
-// Every warp operation, each lane's results in out[12 * thread ..]: the shuffles with `width`,
-// the votes, the matches.
+// Every warp operation, each lane's results in out[14 * thread ..]: the shuffles with `width`,
+// the votes, the matches, the reductions.
 extern "C" __global__ void warp_ops(const int* in, int* out, int width) {
     const int t = blockIdx.x * blockDim.x + threadIdx.x;
     const int v = in[t];
-    int* o = out + 12 * t;
+    int* o = out + 14 * t;
     o[0] = __shfl_sync(0xffffffffu, v, 3, width);
     o[1] = __shfl_up_sync(0xffffffffu, v, 1, width);
     o[2] = __shfl_down_sync(0xffffffffu, v, 2, width);
@@ -21,6 +21,8 @@ extern "C" __global__ void warp_ops(const int* in, int* out, int width) {
     o[9] = pred;
     o[10] = __shfl_sync(0xffffffffu, (long long)v * 3000000000ll, 7) / 1000000;  // 8 bytes
     o[11] = int(__activemask() >> (threadIdx.x & 31) & 1u);  // the active mask holds the caller
+    o[12] = __reduce_min_sync(0xffffffffu, v - 50);
+    o[13] = __reduce_max_sync(0xffffffffu, v - 50);
 }
 
 // Two half-warps, each with its own mask: lanes 0-15 and 16-31 exchange separately.

@@ -485,13 +485,10 @@ impl<'m> Ctx<'m> {
             KeysSeen::Window(w) => (true, Some(w)),
         };
         // The fused kernels do not drop probabilities: with attention dropout, `auto` builds
-        // the eager core, and a fused attention asked for by name is an error. Packed rows
-        // take the eager core under `auto` too: castor's CUDA attention kernels do not take
-        // positions yet (the CPU computes the fused op with them).
+        // the eager core, and a fused attention asked for by name is an error.
         let attention_dropout = self.dropout.attention.filter(|&p| p > 0.0);
         let library = match (self.attention, attention_dropout) {
             (AttentionImpl::Auto, Some(_)) => None,
-            (AttentionImpl::Auto, None) if self.packed => None,
             (_, Some(p)) if self.attention.library().is_some() => {
                 return Err(ModelError::FusedAttentionDropout {
                     architecture: self.architecture.to_string(),

@@ -132,12 +132,6 @@ pub(super) fn plan_and_data(
                     );
                 }
             }
-            if args.training.pack && model.attention() == castor_models::AttentionImpl::Auto {
-                crate::outln!(
-                    "note        packed rows run the eager attention: castor's CUDA attention \
-                     kernels do not take positions yet"
-                );
-            }
             let data = Data::open(&args.data, model, objective, &data_options)?;
             let (batch, seq) = data.shape();
             let mut settings =

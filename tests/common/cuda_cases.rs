@@ -136,13 +136,20 @@ pub fn as_f32(t: &Tensor) -> Vec<f32> {
 
 /// Single-op graphs over `{t}` = f32, bf16, f16, at awkward sizes (as in `tests/cuda_gpu.rs`).
 /// The fused attention op, forward and backward, at a head dim of 64 with grouped-query heads
-/// (2 query heads per kv head), a padding mask, 33 queries and 40 keys (neither a multiple of
-/// the 64-row tiles), causal. Apart from [`CASES`] because its kernels agree with the CPU
-/// executor to a bound (tests/attention.rs), not bit for bit.
-pub const ATTENTION_CASES: &[(&str, &str)] = &[(
-    "attention",
-    "%q: {t}[2,2,2,33,64] = input\n%k: {t}[2,2,1,40,64] = input\n%v: {t}[2,2,1,40,64] = input\n%m: bool[2,1,1,1,40] = input\n%o: {t}[2,2,2,33,64], %lse: f32[2,2,2,33] = attention(%q, %k, %v, %m) {causal=true, scale=0.125}\n%do: {t}[2,2,2,33,64] = input\n%dq: {t}[2,2,2,33,64], %dk: {t}[2,2,1,40,64], %dv: {t}[2,2,1,40,64] = attention_grad(%q, %k, %v, %o, %lse, %do, %m) {causal=true, scale=0.125}",
-)];
+/// (2 query heads per kv head), a padding mask or packed sequences' positions (any values: the
+/// kernels clamp them), 33 queries and 40 keys (neither a multiple of the 64-row tiles),
+/// causal. Apart from [`CASES`] because its kernels agree with the CPU executor to a bound
+/// (tests/attention.rs), not bit for bit.
+pub const ATTENTION_CASES: &[(&str, &str)] = &[
+    (
+        "attention",
+        "%q: {t}[2,2,2,33,64] = input\n%k: {t}[2,2,1,40,64] = input\n%v: {t}[2,2,1,40,64] = input\n%m: bool[2,1,1,1,40] = input\n%o: {t}[2,2,2,33,64], %lse: f32[2,2,2,33] = attention(%q, %k, %v, %m) {causal=true, scale=0.125}\n%do: {t}[2,2,2,33,64] = input\n%dq: {t}[2,2,2,33,64], %dk: {t}[2,2,1,40,64], %dv: {t}[2,2,1,40,64] = attention_grad(%q, %k, %v, %o, %lse, %do, %m) {causal=true, scale=0.125}",
+    ),
+    (
+        "attention_packed",
+        "%q: {t}[2,2,2,33,64] = input\n%k: {t}[2,2,1,40,64] = input\n%v: {t}[2,2,1,40,64] = input\n%position_ids: i64[2,1,1,1,40] = input\n%o: {t}[2,2,2,33,64], %lse: f32[2,2,2,33] = attention(%q, %k, %v, %position_ids) {causal=true, scale=0.125}\n%do: {t}[2,2,2,33,64] = input\n%dq: {t}[2,2,2,33,64], %dk: {t}[2,2,1,40,64], %dv: {t}[2,2,1,40,64] = attention_grad(%q, %k, %v, %o, %lse, %do, %position_ids) {causal=true, scale=0.125}",
+    ),
+];
 
 pub const CASES: &[(&str, &str)] = &[
     ("matmul", "%a: {t}[3,7,13] = input\n%b: {t}[13,9] = input\n%y: {t}[3,7,9] = matmul(%a, %b) {transpose_a=false, transpose_b=false}"),

@@ -197,17 +197,27 @@ impl Sdpa {
     }
 }
 
+/// The mask operand of an attention op, as [`unsupported`] weighs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SdpaMask {
+    /// A key-padding mask whose rows each serve `group` consecutive query heads.
+    KeyPadding { group: usize },
+    /// Packed sequences' positions (each query sees only its own sequence).
+    Positions,
+}
+
 /// Why cuDNN's fused attention cannot run an attention op of these shapes and attributes, or
 /// `None` when it can: 16-bit operands, a head dim that is a multiple of 8 and at most 256,
 /// equal query and key counts when causal (castor's causal mask is aligned to the last key,
-/// cuDNN's graphs here to the first; they agree when the counts do), a key-padding mask each
-/// of whose rows serves the `heads` query heads of one batch (`mask_group` of them), and a
-/// backward of more than one row.
+/// cuDNN's graphs here to the first; they agree when the counts do), no packed sequences'
+/// positions (cuDNN's attention takes packed rows as ragged THD layouts, sequence offsets
+/// rather than positions, which castor does not build), a key-padding mask each of whose rows
+/// serves the `heads` query heads of one batch, and a backward of more than one row.
 pub fn unsupported(
     dtype: DType,
     (rows_q, rows_kv, head_dim): (usize, usize, usize),
     causal: bool,
-    (heads, mask_group): (usize, Option<usize>),
+    (heads, mask): (usize, Option<SdpaMask>),
     pass: SdpaPass,
 ) -> Option<String> {
     if !matches!(dtype, DType::F16 | DType::BF16) {
@@ -221,12 +231,20 @@ pub fn unsupported(
             "head dim {head_dim} (cuDNN needs a multiple of 8, at most 256)"
         ));
     }
-    if let Some(m) = mask_group {
-        if m != heads {
+    match mask {
+        Some(SdpaMask::Positions) => {
+            return Some(
+                "packed sequences' positions (cuDNN takes packed rows as ragged THD layouts, \
+                 which castor does not build)"
+                    .into(),
+            )
+        }
+        Some(SdpaMask::KeyPadding { group }) if group != heads => {
             return Some(format!(
-                "a mask row shared by {m} query heads, not by the {heads} heads of one batch"
+                "a mask row shared by {group} query heads, not by the {heads} heads of one batch"
             ));
         }
+        _ => {}
     }
     if causal && rows_q != rows_kv {
         return Some(format!(
@@ -996,13 +1014,28 @@ mod tests {
     fn what_cudnn_cannot_express_is_named() {
         let f = SdpaPass::Forward;
         let plain = (1, None);
+        let padding = |group| Some(SdpaMask::KeyPadding { group });
         assert!(unsupported(DType::BF16, (1024, 1024, 64), true, plain, f).is_none());
-        assert!(unsupported(DType::BF16, (1024, 1024, 64), true, (32, Some(32)), f).is_none());
+        assert!(unsupported(DType::BF16, (1024, 1024, 64), true, (32, padding(32)), f).is_none());
         let why = |r: Option<String>| r.unwrap_or_default();
         assert!(why(unsupported(DType::F32, (8, 8, 64), true, plain, f)).contains("f32 operands"));
         assert!(why(unsupported(DType::F16, (8, 8, 60), true, plain, f)).contains("head dim 60"));
-        let shared = why(unsupported(DType::F16, (8, 8, 64), true, (4, Some(2)), f));
+        let shared = why(unsupported(
+            DType::F16,
+            (8, 8, 64),
+            true,
+            (4, padding(2)),
+            f,
+        ));
         assert!(shared.contains("mask row shared by 2"), "{shared}");
+        let packed = why(unsupported(
+            DType::BF16,
+            (8, 8, 64),
+            true,
+            (4, Some(SdpaMask::Positions)),
+            f,
+        ));
+        assert!(packed.contains("packed sequences' positions"), "{packed}");
         assert!(why(unsupported(DType::F16, (8, 9, 64), true, plain, f)).contains("causal"));
         let b = SdpaPass::Backward;
         assert!(why(unsupported(DType::F16, (1, 1, 64), false, plain, b)).contains("one query"));

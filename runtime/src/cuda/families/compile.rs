@@ -218,6 +218,12 @@ fn rope_machine_code_has_no_out_of_line_division() {
 /// tiles by 16-byte asynchronous copies, almost no 2-byte loads, no spills, and few other
 /// instructions per tensor-core instruction (static counts from `nvdisasm`; 58 to 92 per
 /// tensor-core instruction before the rebuild). Prints every attention kernel's mix.
+///
+/// At most 17.1 others per tensor-core instruction: packed sequences' positions need code
+/// the other masks do not (the backward's scan of a key block's query rows, each tile's
+/// least and greatest first key, a ballot per key on tiles a sequence's start straddles).
+/// Measured: the backward at d64 17.1 (16.0 before positions), at d128 16.0 (15.6); the
+/// forward at d64 15.8 (15.0), at d128 15.1 (14.2).
 #[test]
 fn attention_machine_code_has_the_flash_attention_shape() {
     let Some((resources, mixes)) = machine_code("attention.cu") else {
@@ -262,9 +268,9 @@ fn attention_machine_code_has_the_flash_attention_shape() {
         if spills > 0 {
             why.push(format!("{spills} bytes spilled"));
         }
-        if mix.others_per_tensor() > 16.0 {
+        if mix.others_per_tensor() > 17.1 {
             why.push(format!(
-                "{:.1} other instructions per tensor-core instruction (at most 16)",
+                "{:.1} other instructions per tensor-core instruction (at most 17.1)",
                 mix.others_per_tensor()
             ));
         }

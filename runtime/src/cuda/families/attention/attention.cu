@@ -15,10 +15,20 @@
 // the mask's finite minimum in PyTorch), with the gradient of that uniform softmax, as the CPU
 // twin (runtime/src/cpu/attention.rs) and the unfused softmax do; with a window and a mask,
 // whether a row sees a kept key is found by one warp scanning the row's window of the mask.
+// positions (nullable; only with causal, and never with a mask: the lowering passes one or the
+// other): i64, each key's position in its own packed sequence, one row of s per mask batch
+// (query batch b reads row b / mask_group, as the mask). Query i, whose own key is
+// a = i + s - t, sees only keys j >= a - clamp(pos[a], 0, a), the start of its sequence (a
+// malformed position never reaches before the row), as the CPU twin's PositionRows and
+// softmax.cu; with a window, the later of the two starts. Such a row always sees its own key.
+// That first key need not grow with the row (a malformed position may start a later row's
+// sequence earlier), so the kernels take a warp's, block's or tile's bounds as the least and
+// greatest first key over its rows (for the causal and window bounds, its first and last
+// row's).
 //
 // Tensor-core kernels (f16, bf16; <P> = 16, 32, 64 or 128, the head dim d rounded up):
-//   attention_fwd_<t>_d<P>(q, k, v, mask, o, lse, bq, t, s, d, group, mask_group, causal,
-//                          window, scale, <q, k, v, o strides>)
+//   attention_fwd_<t>_d<P>(q, k, v, mask, positions, o, lse, bq, t, s, d, group, mask_group,
+//                          causal, window, scale, <q, k, v, o strides>)
 //     One block of 8 warps per (128 query rows, query batch); the block of the last rows
 //     starts first (a causal block of later rows has the most keys). Q is copied to shared
 //     memory and from there, by ldmatrix, into registers, once; K and V tiles (128 keys for
@@ -27,13 +37,14 @@
 //     (mma.sync, K fragments by ldmatrix), online softmax in the log2 domain, O += P V (P
 //     straight from the score registers, rounded to <t>; V fragments by ldmatrix.trans);
 //     o = O / l, lse = max + log(l). Masks are tested only on a tile a warp's rows see in
-//     part (the causal diagonal, a window's edge, the last keys, a mask byte that drops a
-//     key, a row that sees none); the warp skips a tile its rows see none of.
+//     part (the causal diagonal, a window's edge, a sequence's start, the last keys, a mask
+//     byte that drops a key, a row that sees none); the warp skips a tile its rows see none
+//     of, and the block starts at the key tile of its rows' least first key.
 //   attention_bwd_delta_<t>(o, do, delta, rows, t, d, heads, <o, do strides>): delta =
 //     sum(do * o) per row, F64 sum; a row takes att_delta_lanes(d) lanes (one per 16-byte
 //     unit of the row, a power of two, at most 32), so a warp sums 32 / lanes rows at once.
-//   attention_bwd_<t>_d<P>(q, k, v, mask, do, lse, delta, dq, dk, dv, dq_acc, dq_ready, bkv,
-//                          t, s, d, group, mask_group, causal, window, scale,
+//   attention_bwd_<t>_d<P>(q, k, v, mask, positions, do, lse, delta, dq, dk, dv, dq_acc,
+//                          dq_ready, bkv, t, s, d, group, mask_group, causal, window, scale,
 //                          <q, k, v, do, dq, dk, dv strides>)
 //     One pass over key blocks: one block of 8 warps per (128 keys, kv batch); each warp
 //     owns 16 keys. For every query batch of the group and every tile of query rows
@@ -53,7 +64,13 @@
 //     tiles before the next lower one). The result does not depend on timing.
 //     A query batch with a row that may see no kept key (a mask's first kept key past the
 //     first row's last visible key, or any mask under a window) sends every tile to every
-//     key block.
+//     key block. With positions, a key block takes the tiles from its diagonal's to that of
+//     the last row whose sequence starts before the block's end (its threads scan the rows'
+//     positions once per query batch), passes over a tile between them none of whose rows
+//     starts that early (all blocks agree on a tile's blocks from its rows' least first key,
+//     which the block finds as it copies the tile), and on a tile that a sequence's start
+//     straddles tests each score against its row's start (each warp's 16 keys against the
+//     tile's rows by one ballot per key).
 // F32 kernels (one warp per row, no tensor cores; any d <= 256):
 //   attention_fwd_f32, attention_bwd_dq_f32, attention_bwd_dkdv_f32, attention_bwd_delta_f32
 //   (below).
@@ -143,6 +160,13 @@ __device__ __forceinline__ int first_visible_key(int r, int t, int s, int causal
     return window > 0 ? max(0, visible_keys(r, t, s, causal) - window) : 0;
 }
 
+// The first key of the packed sequence of key a >= 0, from its position: a - clamp(pos[a], 0,
+// a), the CPU twin's sequence_start.
+__device__ __forceinline__ int sequence_start(const i64* pos, int a) {
+    const i64 p = pos[a];
+    return p <= 0 ? a : p >= a ? 0 : a - int(p);
+}
+
 // Whether mask row `m` keeps no key in [lo, end): the calling warp scans it, 32 bytes at a
 // time, and stops at the first kept one (so a row that keeps most keys costs one step).
 __device__ __forceinline__ bool warp_keeps_none(const unsigned char* m, int lo, int end) {
@@ -163,9 +187,21 @@ struct Visibility {
     // window (window_rows fills them); null otherwise.
     const unsigned char* empty_rows = nullptr;
     int row0 = 0;
+    // Packed sequences' positions of the batch's keys (one row of s), or null.
+    const i64* pos = nullptr;
+    // The first key row r sees by the causal mask and the window (it grows with the row).
     __device__ __forceinline__ int lo(int r) const {
         return first_visible_key(r, t, s, causal, window);
     }
+    // Where the packed sequence of row r's own key starts (0 without positions, for a row
+    // past t and for one before the keys).
+    __device__ __forceinline__ int start(int r) const {
+        const int a = r + s - t;
+        return pos != nullptr && r < t && a >= 0 ? sequence_start(pos, a) : 0;
+    }
+    // The first key row r < t sees: lo(r), or its sequence's start if later (which need not
+    // grow with the row).
+    __device__ __forceinline__ int first_key(int r) const { return max(lo(r), start(r)); }
     __device__ __forceinline__ bool none(int r) const {
         return r >= t || first >= visible_keys(r, t, s, causal) ||
                (empty_rows != nullptr && empty_rows[r - row0] != 0);
@@ -371,8 +407,9 @@ __device__ __forceinline__ void stage_keys(T* ks, T* vs, unsigned char* keep, co
 }
 
 template <typename T, int P>
-__device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char* mask, T* o,
-                        float* lse, int t, int s, int d, int group, int mask_group, int causal,
+__device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char* mask,
+                        const i64* positions, T* o, float* lse, int t, int s, int d, int group,
+                        int mask_group, int causal,
                         int window, float scale_log2, AttStrides sq, AttStrides sk,
                         AttStrides sv, AttStrides so) {
     constexpr int LD = P + ATT_PAD, KEYS = AttShape<P>::KEYS, ROWS = ATT_FWD_ROWS;
@@ -384,6 +421,7 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
     unsigned char* keep = reinterpret_cast<unsigned char*>(vs + 2 * KEYS * LD);  // [2][KEYS]
     __shared__ int first_slot, any_empty;
     __shared__ unsigned char empty_rows[ROWS];
+    __shared__ int warp_lo[ROWS / 16];  // each warp's least first key
 
     // Query head h of outer batch `outer`, query batch b; 32-bit (grid dimensions), and no
     // 64-bit divisions below.
@@ -396,35 +434,48 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
     const int kv_ld[2] = {sk.row, sv.row};
     const unsigned char* mrow = mask ? mask + i64(b / mask_group) * s : nullptr;
     Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+    vis.pos = positions ? positions + i64(b / mask_group) * s : nullptr;
     const bool some_empty = window_rows(vis, empty_rows, &any_empty, mrow, r0, ROWS);
     const bool vec = d % 8 == 0 && aligned16(q) && aligned16(k) && aligned16(v) &&
                      sq.rows16() && sk.rows16() && sv.rows16();
-
-    // Keys the block needs: from the first key its first row sees to the last key its last
-    // row sees, or all when a row sees none (visible_keys grows with the row: the first row
-    // is the one that might see none before the mask's first kept key).
-    const int last_row = min(r0 + ROWS, t) - 1;
-    const bool uniform = some_empty || vis.first >= visible_keys(r0, t, s, causal);
-    const int kend = uniform ? s : visible_keys(last_row, t, s, causal);
-    const int kstart = uniform ? 0 : vis.lo(r0) / KEYS * KEYS;
     load_tile<T, P, ROWS>(qs, qb, sq.row, r0, t, d, vec);
 
     // This lane's two rows, and what the warp's 16 rows see: keys [see_lo, see_hi) hold every
-    // key any of them sees; [full_lo, full_hi) the keys all of them see (causal, window).
+    // key any of them sees; [full_lo, full_hi) the keys all of them see (causal, window,
+    // positions).
     const int wr0 = r0 + warp * 16, wlast = min(wr0 + 15, t - 1);
     const bool active = wr0 < t;
     const int rows[2] = {wr0 + g, wr0 + g + 8};
     bool none_r[2];
     int lo_r[2], hi_r[2];
+    const int start_r[2] = {vis.start(rows[0]), vis.start(rows[1])};
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         none_r[h] = vis.none(rows[h]);  // rows past t count as none: never stored
-        lo_r[h] = none_r[h] ? 0 : vis.lo(rows[h]);
+        lo_r[h] = none_r[h] ? 0 : max(vis.lo(rows[h]), start_r[h]);
         hi_r[h] = none_r[h] ? s : visible_keys(rows[h], t, s, causal);
     }
     const bool wnone = __any_sync(FULL_WARP, (rows[0] < t && none_r[0]) || (rows[1] < t && none_r[1]));
-    const int see_lo = active ? vis.lo(wr0) : 0, see_hi = active ? visible_keys(wlast, t, s, causal) : 0;
-    const int full_lo = active ? vis.lo(wlast) : 0, full_hi = active ? visible_keys(wr0, t, s, causal) : 0;
+    const int see_hi = active ? visible_keys(wlast, t, s, causal) : 0;
+    const int full_hi = active ? visible_keys(wr0, t, s, causal) : 0;
+    // The least and greatest first key of the warp's rows (its first and last row's, but for
+    // positions, which need not grow with the row; which rows see none does not matter here).
+    const int see_lo = __reduce_min_sync(FULL_WARP, min(rows[0] < t ? lo_r[0] : s,
+                                                        rows[1] < t ? lo_r[1] : s));
+    const int full_lo = __reduce_max_sync(FULL_WARP, max(lo_r[0], lo_r[1]));
+
+    // Keys the block needs: from the least first key of its rows to the last key its last row
+    // sees, or all when a row sees none (visible_keys grows with the row: the first row is
+    // the one that might see none before the mask's first kept key).
+    const int last_row = min(r0 + ROWS, t) - 1;
+    const bool uniform = some_empty || vis.first >= visible_keys(r0, t, s, causal);
+    const int kend = uniform ? s : visible_keys(last_row, t, s, causal);
+    if (lane == 0) warp_lo[warp] = see_lo;
+    __syncthreads();
+    int block_lo = warp_lo[0];
+#pragma unroll
+    for (int w = 1; w < ROWS / 16; ++w) block_lo = min(block_lo, warp_lo[w]);
+    const int kstart = uniform ? 0 : block_lo / KEYS * KEYS;
 
     float m2[2] = {F32_NEG_INF, F32_NEG_INF};  // running max of s scale log2(e)
     float l[2] = {0.0f, 0.0f};                 // this lane's part of the running sum
@@ -631,18 +682,19 @@ __device__ __forceinline__ bool may_see_none(const Visibility& vis, bool masked)
     return vis.first >= visible_keys(0, vis.t, vis.s, vis.causal) || (vis.window > 0 && masked);
 }
 
-// The key blocks [lo, hi] of KB keys that query tile qt (rows qt QROWS ..) reads; every block
-// computes the same for a tile, which is how they agree on who adds to dQ in which order.
+// The key blocks [lo, hi] of KB keys that query tile qt (rows qt QROWS ..) reads, given the
+// least first key of its rows `tile_lo`; every block computes the same for a tile, which is
+// how they agree on who adds to dQ in which order.
 template <int KB, int QROWS>
 __device__ __forceinline__ void tile_key_blocks(const Visibility& vis, bool maybe_none, int qt,
-                                                int nkb, int& lo, int& hi) {
+                                                int tile_lo, int nkb, int& lo, int& hi) {
     if (maybe_none) {
         lo = 0;
         hi = nkb - 1;
         return;
     }
-    const int r0 = qt * QROWS, rl = min(r0 + QROWS, vis.t) - 1;
-    lo = vis.lo(r0) / KB;
+    const int rl = min(qt * QROWS + QROWS, vis.t) - 1;
+    lo = tile_lo / KB;
     hi = (visible_keys(rl, vis.t, vis.s, vis.causal) - 1) / KB;
 }
 
@@ -656,8 +708,9 @@ __device__ __forceinline__ u64 bit_range(int lo, int hi) {
 
 template <typename T, int P>
 __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char* mask,
-                        const T* d_o, const float* lse, const float* delta, T* dq, T* dk, T* dv,
-                        float* dq_acc, int* dq_ready, int t, int s, int d, int group,
+                        const i64* positions, const T* d_o, const float* lse,
+                        const float* delta, T* dq, T* dk, T* dv, float* dq_acc, int* dq_ready,
+                        int t, int s, int d, int group,
                         int mask_group, int causal, int window, float scale, float scale_log2,
                         AttStrides sq, AttStrides sk, AttStrides sv, AttStrides sdo,
                         AttStrides sdq, AttStrides sdk, AttStrides sdv) {
@@ -679,6 +732,11 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
     unsigned char* keep = reinterpret_cast<unsigned char*>(delta_s + 2 * QT);  // [KB]
     __shared__ int first_slot, any_empty;
     __shared__ unsigned char empty_rows[QT];
+    // Per staged tile: each row's sequence start, and the least and greatest first key of its
+    // rows per warp of 32; with positions, the last row that reads this block's keys.
+    __shared__ int starts[2][QT];
+    __shared__ int first_keys[2][QT / 32][2];
+    __shared__ int reading;
 
     const int nkb = gridDim.x, kb = nkb - 1 - blockIdx.x, key0 = kb * KB;
     // Key head hk of outer batch `outer`, key batch bk; its query heads are hk group + i.
@@ -714,22 +772,42 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             mrow_left = mask_group;
         }
         const unsigned char* mrow = mask ? mask + i64(mrow_index) * s : nullptr;
-        __syncthreads();  // keep[] is about to be rewritten
+        const i64* prow = positions ? positions + i64(mrow_index) * s : nullptr;
+        __syncthreads();  // keep[] and `reading` are about to be rewritten
         if (mrow != nullptr && threadIdx.x < KB)
             keep[threadIdx.x] = key0 + int(threadIdx.x) < s ? mrow[key0 + threadIdx.x] : 0;
+        if (threadIdx.x == 0) reading = -1;
         Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot),
                        mrow ? keep : nullptr, key0};
+        vis.pos = prow;
         const bool maybe_none = may_see_none(vis, mrow != nullptr);
         // The tiles of this batch that read this block's keys: a run [qa, qz].
         int qa = nqt, qz = -1;
+        if (prow == nullptr || maybe_none) {
 #pragma unroll 1
-        for (int qt = 0; qt < nqt; ++qt) {
-            int lo, hi;
-            tile_key_blocks<KB, QT>(vis, maybe_none, qt, nkb, lo, hi);
-            if (lo <= kb && kb <= hi) {
-                qa = min(qa, qt);
-                qz = qt;
+            for (int qt = 0; qt < nqt; ++qt) {
+                int lo, hi;
+                tile_key_blocks<KB, QT>(vis, maybe_none, qt, vis.lo(qt * QT), nkb, lo, hi);
+                if (lo <= kb && kb <= hi) {
+                    qa = min(qa, qt);
+                    qz = qt;
+                }
             }
+        } else {
+            // With positions (causal, t <= s): from the tile whose last row sees key0, up to
+            // the last row whose sequence starts before the block's end (and whose window
+            // does), which the block's threads find, a row each. A tile inside the run whose
+            // rows all start past the block is passed over below.
+            const int end = key0 + KB;
+            const int rows = window > 0 ? min(t, end - 1 + window + t - s) : t;
+            qa = int(unsigned(max(0, key0 + t - s)) / QT);
+            int last = -1;
+#pragma unroll 1
+            for (int r = qa * QT + int(threadIdx.x); r < rows; r += ATT_TC_THREADS)
+                if (sequence_start(prow, r + s - t) < end) last = r;
+            atomicMax(&reading, last);
+            __syncthreads();
+            qz = reading >= 0 ? int(unsigned(reading) / QT) : -1;
         }
         if (qa > qz) continue;
         // This lane's keys: whether each is before s, and kept by the mask.
@@ -753,12 +831,25 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                 T* const to[2] = {qs + (buf ^ 1) * QT * LD, dos + (buf ^ 1) * QT * LD};
                 const T* const from[2] = {qb, dob};
                 load_tiles<T, P, QT, 2>(to, from, q_ld, n0, t, d, vec);
+                // Each row's sequence start (0 without positions), which the scores are tested
+                // against, and the least and greatest first key of the tile's rows (causal,
+                // window and positions), per warp of 32 rows.
+                int key_lo = s, key_hi = 0;
                 if (threadIdx.x < QT) {
                     const int r = n0 + threadIdx.x;
                     const i64 at = i64(b) * t + r;
                     lse_s[(buf ^ 1) * QT + threadIdx.x] =
                         r < t ? lse[at] * float(ATT_LOG2E) : F32_INF;
                     delta_s[(buf ^ 1) * QT + threadIdx.x] = r < t ? delta[at] : 0.0f;
+                    const int start = vis.start(r);
+                    starts[buf ^ 1][threadIdx.x] = start;
+                    if (r < t) key_lo = key_hi = max(vis.lo(r), start);
+                }
+                const int least = __reduce_min_sync(FULL_WARP, key_lo);
+                const int most = __reduce_max_sync(FULL_WARP, key_hi);
+                if (lane == 0 && warp < QT / 32) {
+                    first_keys[buf ^ 1][warp][0] = least;
+                    first_keys[buf ^ 1][warp][1] = most;
                 }
             }
             cp_async_commit();
@@ -771,6 +862,20 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             const int q0 = qt * QT, qlast = min(q0 + QT, t) - 1;
             window_rows(vis, empty_rows, &any_empty, mrow, q0, QT);
             __syncthreads();
+            // The least and greatest first key of the tile's rows (its first and last row's
+            // but for positions).
+            int tile_lo = first_keys[buf][0][0], tile_hi = first_keys[buf][0][1];
+#pragma unroll
+            for (int w = 1; w < QT / 32; ++w) {
+                tile_lo = min(tile_lo, first_keys[buf][w][0]);
+                tile_hi = max(tile_hi, first_keys[buf][w][1]);
+            }
+            if (!maybe_none && tile_lo >= key0 + KB) {
+                // No row of the tile sees the block (positions may leave such a tile inside
+                // the run): it takes no part in the tile's dQ.
+                __syncthreads();  // first_keys[buf] is rewritten next
+                continue;
+            }
             if constexpr (KV_REGS) {
                 if (!have_kv) {
 #pragma unroll
@@ -787,7 +892,7 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             const float* dl = delta_s + buf * QT;
             T* my_dst = dst + warp * 16 * LDS;
             const bool skip = !maybe_none && (j0 >= visible_keys(qlast, t, s, causal) ||
-                                              j0 + 16 <= vis.lo(q0));
+                                              j0 + 16 <= tile_lo);
             if (skip) {
                 // The warp's keys are not seen by the tile: its dS^T rows are zero.
 #pragma unroll
@@ -826,7 +931,7 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                 }
                 const bool plain = !maybe_none && keys_kept &&
                                    j0 + 16 <= visible_keys(q0, t, s, causal) &&
-                                   j0 >= vis.lo(qlast);
+                                   j0 >= tile_hi;
                 if (!plain) {
                     // Per key of this lane, the tile's queries whose score it keeps (`kept`)
                     // and those that see no kept key (`zero`: score 0, kept for keys before
@@ -839,6 +944,29 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                     for (int w = 0; w < (QT + 31) / 32; ++w)
                         zero |= u64(__ballot_sync(FULL_WARP, vis.none(q0 + 32 * w + lane))) << (32 * w);
                     zero >>= 2 * c;
+                    // With positions, the rows that start at or before each of this lane's keys
+                    // (which need not be a range): one ballot over the tile's rows per key of
+                    // the warp, kept by the lanes that hold the key.
+                    u64 started[2] = {~0ull, ~0ull};
+                    if (prow != nullptr) {
+                        int from[QT / 32];
+#pragma unroll
+                        for (int w = 0; w < QT / 32; ++w) from[w] = starts[buf][32 * w + lane];
+#pragma unroll 1
+                        for (int k = 0; k < 8; ++k) {
+                            u64 m[2] = {0ull, 0ull};
+#pragma unroll
+                            for (int w = 0; w < QT / 32; ++w) {
+                                m[0] |= u64(__ballot_sync(FULL_WARP, from[w] <= j0 + k)) << (32 * w);
+                                m[1] |= u64(__ballot_sync(FULL_WARP, from[w] <= j0 + k + 8))
+                                        << (32 * w);
+                            }
+                            if (k == g) {
+                                started[0] = m[0] >> (2 * c);
+                                started[1] = m[1] >> (2 * c);
+                            }
+                        }
+                    }
                     u64 kept[2];
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
@@ -849,7 +977,7 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                             if (!causal && j < s - window) hi = -1;
                         }
                         const u64 seen = jok[h] ? bit_range(lo - q0 - 2 * c, hi - q0 - 2 * c) : 0ull;
-                        kept[h] = (seen & ~zero) | (jin[h] ? zero : 0ull);
+                        kept[h] = (seen & started[h] & ~zero) | (jin[h] ? zero : 0ull);
                     }
 #pragma unroll
                     for (int n = 0; n < NQ; ++n) {
@@ -926,7 +1054,7 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             // all passed the barrier below, and the next tile writes it after its own first
             // barrier).
             int lo_kb, hi_kb;
-            tile_key_blocks<KB, QT>(vis, maybe_none, qt, nkb, lo_kb, hi_kb);
+            tile_key_blocks<KB, QT>(vis, maybe_none, qt, tile_lo, nkb, lo_kb, hi_kb);
             const bool first = kb == hi_kb, last = kb == lo_kb;
             int* ready = dq_ready + i64(b) * nqt + qt;
             if (threadIdx.x == 0) wait_flag(ready, hi_kb - kb);
@@ -1025,13 +1153,15 @@ __device__ __forceinline__ void lane_row(float (&x)[ATT_LANE_DIMS], const float*
 }
 
 __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
-                            const unsigned char* mask, float* o, float* lse, int t, int s, int d,
-                            int group, int mask_group, int causal, int window, double scale) {
+                            const unsigned char* mask, const i64* positions, float* o,
+                            float* lse, int t, int s, int d, int group, int mask_group,
+                            int causal, int window, double scale) {
     __shared__ int first_slot;
     const i64 b = blockIdx.y;
     const int r = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
-    const Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+    Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+    vis.pos = positions ? positions + (b / mask_group) * i64(s) : nullptr;
     if (r >= t) return;
     const float* kb = k + (b / group) * i64(s) * d;
     const float* vb = v + (b / group) * i64(s) * d;
@@ -1042,7 +1172,7 @@ __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
     const bool none = vis.warp_none(r, mrow);
     const int end = none ? s : visible_keys(r, t, s, causal);
     float m = F32_NEG_INF, l = 0.0f;
-    for (int j = none ? 0 : vis.lo(r); j < end; ++j) {
+    for (int j = none ? 0 : vis.first_key(r); j < end; ++j) {
         if (!none && mrow != nullptr && mrow[j] == 0) continue;
         const float x = none ? 0.0f : float(warp_dot(qi, kb + i64(j) * d, d) * double(scale));
         const float mn = fmaxf(m, x);
@@ -1065,14 +1195,16 @@ __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
 }
 
 __device__ void att_dq_f32(const float* q, const float* k, const float* v,
-                           const unsigned char* mask, const float* d_o, const float* lse,
-                           const float* delta, float* dq, int t, int s, int d, int group,
-                           int mask_group, int causal, int window, double scale) {
+                           const unsigned char* mask, const i64* positions, const float* d_o,
+                           const float* lse, const float* delta, float* dq, int t, int s,
+                           int d, int group, int mask_group, int causal, int window,
+                           double scale) {
     __shared__ int first_slot;
     const i64 b = blockIdx.y;
     const int r = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
     const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
-    const Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+    Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+    vis.pos = positions ? positions + (b / mask_group) * i64(s) : nullptr;
     if (r >= t) return;
     const float* kb = k + (b / group) * i64(s) * d;
     const float* vb = v + (b / group) * i64(s) * d;
@@ -1085,7 +1217,7 @@ __device__ void att_dq_f32(const float* q, const float* k, const float* v,
     for (int u = 0; u < ATT_LANE_DIMS; ++u) acc[u] = 0.0;
     const bool none = vis.warp_none(r, mrow);
     const int end = none ? s : visible_keys(r, t, s, causal);
-    for (int j = none ? 0 : vis.lo(r); j < end; ++j) {
+    for (int j = none ? 0 : vis.first_key(r); j < end; ++j) {
         if (!none && mrow != nullptr && mrow[j] == 0) continue;
         const float x = none ? 0.0f : float(warp_dot(qi, kb + i64(j) * d, d) * double(scale));
         const float p = expf(x - lse[row]);
@@ -1106,9 +1238,10 @@ __device__ void att_dq_f32(const float* q, const float* k, const float* v,
 }
 
 __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
-                             const unsigned char* mask, const float* d_o, const float* lse,
-                             const float* delta, float* dk, float* dv, int t, int s, int d,
-                             int group, int mask_group, int causal, int window, double scale) {
+                             const unsigned char* mask, const i64* positions,
+                             const float* d_o, const float* lse, const float* delta, float* dk,
+                             float* dv, int t, int s, int d, int group, int mask_group,
+                             int causal, int window, double scale) {
     __shared__ int first_slot;
     const i64 bk = blockIdx.y;
     const int j = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -1123,12 +1256,14 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
     for (i64 b = bk * group; b < (bk + 1) * group; ++b) {
         const unsigned char* mrow = mask ? mask + (b / mask_group) * i64(s) : nullptr;
         __syncthreads();  // first_slot is about to be rewritten
-        const Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+        Visibility vis{t, s, causal, window, first_kept(mrow, s, &first_slot), nullptr, 0};
+        vis.pos = positions ? positions + (b / mask_group) * i64(s) : nullptr;
         if (j >= s) continue;
         const bool key_kept = mrow == nullptr || mrow[j] != 0;
         for (int r = 0; r < t; ++r) {
             const bool none = vis.warp_none(r, mrow);
-            if (!none && (!key_kept || j >= visible_keys(r, t, s, causal) || j < vis.lo(r)))
+            if (!none && (!key_kept || j >= visible_keys(r, t, s, causal) ||
+                          j < vis.first_key(r)))
                 continue;
             const i64 row = b * t + r;
             const float* qr = q + row * d;
@@ -1166,25 +1301,25 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
 // The strides of operand X (AttStrides) come after the shape as X_batch, X_head, X_row.
 #define CASTOR_ATTENTION(T, sfx, P)                                                                \
     extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_fwd_##sfx##_d##P(    \
-        const T* q, const T* k, const T* v, const unsigned char* mask, T* o, float* lse,           \
-        i64 bq, int t, int s, int d, int group, int mask_group, int causal, int window,            \
-        double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head, int k_row,      \
-        int v_batch, int v_head, int v_row, int o_batch, int o_head, int o_row) {                  \
-        att_fwd<T, P>(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, window,           \
-                      float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},                \
+        const T* q, const T* k, const T* v, const unsigned char* mask, const i64* positions, T* o, \
+        float* lse, i64 bq, int t, int s, int d, int group, int mask_group, int causal,            \
+        int window, double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head,     \
+        int k_row, int v_batch, int v_head, int v_row, int o_batch, int o_head, int o_row) {       \
+        att_fwd<T, P>(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal,        \
+                      window, float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},        \
                       AttStrides{k_batch, k_head, k_row}, AttStrides{v_batch, v_head, v_row},      \
                       AttStrides{o_batch, o_head, o_row});                                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_bwd_##sfx##_d##P(    \
-        const T* q, const T* k, const T* v, const unsigned char* mask, const T* d_o,               \
-        const float* lse, const float* delta, T* dq, T* dk, T* dv, float* dq_acc, int* dq_ready,   \
-        i64 bkv, int t, int s, int d, int group, int mask_group, int causal, int window,           \
-        double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head, int k_row,      \
-        int v_batch, int v_head, int v_row, int d_o_batch, int d_o_head, int d_o_row,              \
+        const T* q, const T* k, const T* v, const unsigned char* mask, const i64* positions,       \
+        const T* d_o, const float* lse, const float* delta, T* dq, T* dk, T* dv, float* dq_acc,    \
+        int* dq_ready, i64 bkv, int t, int s, int d, int group, int mask_group, int causal,        \
+        int window, double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head,     \
+        int k_row, int v_batch, int v_head, int v_row, int d_o_batch, int d_o_head, int d_o_row,   \
         int dq_batch, int dq_head, int dq_row, int dk_batch, int dk_head, int dk_row,              \
         int dv_batch, int dv_head, int dv_row) {                                                   \
-        att_bwd<T, P>(q, k, v, mask, d_o, lse, delta, dq, dk, dv, dq_acc, dq_ready, t, s, d,       \
-                      group, mask_group, causal, window, float(scale),                             \
+        att_bwd<T, P>(q, k, v, mask, positions, d_o, lse, delta, dq, dk, dv, dq_acc, dq_ready, t,  \
+                      s, d, group, mask_group, causal, window, float(scale),                       \
                       float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},                \
                       AttStrides{k_batch, k_head, k_row}, AttStrides{v_batch, v_head, v_row},      \
                       AttStrides{d_o_batch, d_o_head, d_o_row},                                    \
@@ -1203,24 +1338,27 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
 
 #define CASTOR_ATTENTION_F32                                                                       \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_fwd_f32(                   \
-        const float* q, const float* k, const float* v, const unsigned char* mask, float* o,       \
-        float* lse, i64 bq, int t, int s, int d, int group, int mask_group, int causal,            \
-        int window, double scale) {                                                                \
-        att_fwd_f32(q, k, v, mask, o, lse, t, s, d, group, mask_group, causal, window, scale);     \
+        const float* q, const float* k, const float* v, const unsigned char* mask,                 \
+        const i64* positions, float* o, float* lse, i64 bq, int t, int s, int d, int group,        \
+        int mask_group, int causal, int window, double scale) {                                    \
+        att_fwd_f32(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal, window,  \
+                    scale);                                                                        \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dq_f32(                \
         const float* q, const float* k, const float* v, const unsigned char* mask,                 \
-        const float* d_o, const float* lse, const float* delta, float* dq, i64 bq, int t,          \
-        int s, int d, int group, int mask_group, int causal, int window, double scale) {           \
-        att_dq_f32(q, k, v, mask, d_o, lse, delta, dq, t, s, d, group, mask_group, causal,         \
-                   window, scale);                                                                 \
+        const i64* positions, const float* d_o, const float* lse, const float* delta, float* dq,   \
+        i64 bq, int t, int s, int d, int group, int mask_group, int causal, int window,            \
+        double scale) {                                                                            \
+        att_dq_f32(q, k, v, mask, positions, d_o, lse, delta, dq, t, s, d, group, mask_group,      \
+                   causal, window, scale);                                                         \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dkdv_f32(              \
         const float* q, const float* k, const float* v, const unsigned char* mask,                 \
-        const float* d_o, const float* lse, const float* delta, float* dk, float* dv, i64 bkv,     \
-        int t, int s, int d, int group, int mask_group, int causal, int window, double scale) {    \
-        att_dkdv_f32(q, k, v, mask, d_o, lse, delta, dk, dv, t, s, d, group, mask_group,           \
-                     causal, window, scale);                                                       \
+        const i64* positions, const float* d_o, const float* lse, const float* delta, float* dk,   \
+        float* dv, i64 bkv, int t, int s, int d, int group, int mask_group, int causal,            \
+        int window, double scale) {                                                                \
+        att_dkdv_f32(q, k, v, mask, positions, d_o, lse, delta, dk, dv, t, s, d, group,           \
+                     mask_group, causal, window, scale);                                           \
     }                                                                                              \
     CASTOR_ATTENTION_DELTA(float, f32)
 

@@ -46,6 +46,7 @@ struct Shape {
     d: usize,
     group: usize,
     mask_group: usize,
+    causal: bool,
 }
 
 impl Shape {
@@ -57,7 +58,7 @@ impl Shape {
         let d = a.count32("d")?;
         let group = a.count32("group")?;
         let mask_group = a.count32("mask_group")?;
-        a.i32("causal")?;
+        let causal = a.i32("causal")? != 0;
         if a.i32("window")? < 0 {
             return Err("a negative sliding window".into());
         }
@@ -90,6 +91,7 @@ impl Shape {
             d,
             group,
             mask_group,
+            causal,
         })
     }
 
@@ -168,10 +170,10 @@ impl Shape {
         Ok((self.bq / self.group, heads / self.group, self.s, self.d))
     }
 
-    /// The uses of q, k, v (through `st`) and the mask.
+    /// The uses of q, k, v (through `st`), the mask and the positions.
     fn strided_operands(
         &self,
-        p: [Option<Ptr>; 4],
+        p: [Option<Ptr>; 5],
         heads: usize,
         st: &[Strides],
         elem: usize,
@@ -182,12 +184,23 @@ impl Shape {
             st[0].use_of("q", need(p[0])?, qd, elem, Io::R)?,
             st[1].use_of("k", need(p[1])?, kd, elem, Io::R)?,
             st[2].use_of("v", need(p[2])?, kd, elem, Io::R)?,
-            use_("mask", p[3], self.mask_bytes(), 1, Io::R),
+            self.mask_use(p[3]),
+            self.positions_use(p[4])?,
         ])
     }
 
-    fn mask_bytes(&self) -> u64 {
-        (self.bq / self.mask_group * self.s) as u64
+    /// One mask row of s bytes per `mask_group` query batches.
+    fn mask_use(&self, mask: Option<Ptr>) -> Option<Use> {
+        use_("mask", mask, (self.bq / self.mask_group * self.s) as u64, 1, Io::R)
+    }
+
+    /// One row of s i64 positions per `mask_group` query batches, with the causal mask.
+    fn positions_use(&self, positions: Option<Ptr>) -> R<Option<Use>> {
+        if positions.is_some() && !self.causal {
+            return Err("positions without the causal mask".into());
+        }
+        let bytes = (8 * (self.bq / self.mask_group) * self.s) as u64;
+        Ok(use_("positions", positions, bytes, 8, Io::R))
     }
 
     fn rows(&self) -> u64 {
@@ -214,23 +227,30 @@ fn expect_shape(l: &Launch, grid: (u32, u32, u32), threads: u32, shared: u32) ->
     Ok(())
 }
 
-/// The pointers the three main kernels read first: q, k, v and the nullable mask.
-fn operands(a: &mut Args, m: &Mem) -> R<[Option<Ptr>; 4]> {
-    Ok([
+/// The pointers the three main kernels read first: q, k, v, and the nullable mask and
+/// positions (one or the other).
+fn operands(a: &mut Args, m: &Mem) -> R<[Option<Ptr>; 5]> {
+    let p = [
         Some(a.need(m, "q")?),
         Some(a.need(m, "k")?),
         Some(a.need(m, "v")?),
         a.ptr(m, "mask")?,
-    ])
+        a.ptr(m, "positions")?,
+    ];
+    if p[3].is_some() && p[4].is_some() {
+        return Err("a bool mask and positions together (the kernels take one or the other)".into());
+    }
+    Ok(p)
 }
 
-fn operand_uses(sh: &Shape, p: [Option<Ptr>; 4], elem: usize) -> Vec<Option<Use>> {
-    vec![
+fn operand_uses(sh: &Shape, p: [Option<Ptr>; 5], elem: usize) -> R<Vec<Option<Use>>> {
+    Ok(vec![
         use_("q", p[0], sh.q_bytes(elem), elem, Io::R),
         use_("k", p[1], sh.kv_bytes(elem), elem, Io::R),
         use_("v", p[2], sh.kv_bytes(elem), elem, Io::R),
-        use_("mask", p[3], sh.mask_bytes(), 1, Io::R),
-    ]
+        sh.mask_use(p[3]),
+        sh.positions_use(p[4])?,
+    ])
 }
 
 pub(crate) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
@@ -249,7 +269,7 @@ pub(crate) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
         uses
     } else {
         a.end()?;
-        let mut uses = operand_uses(&sh, ops, elem);
+        let mut uses = operand_uses(&sh, ops, elem)?;
         uses.push(use_("o", Some(o), sh.q_bytes(elem), elem, Io::W));
         uses
     };
@@ -269,7 +289,7 @@ pub(crate) fn dq(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     a.end()?;
     sh.check_launch(l, Kernel::Dq, v)?;
     let elem = v.dtype.size_bytes();
-    let mut uses = operand_uses(&sh, ops, elem);
+    let mut uses = operand_uses(&sh, ops, elem)?;
     uses.push(use_("do", Some(d_o), sh.q_bytes(elem), elem, Io::R));
     uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::R));
     uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));
@@ -289,7 +309,7 @@ pub(crate) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     a.end()?;
     sh.check_launch(l, Kernel::DkDv, v)?;
     let elem = v.dtype.size_bytes();
-    let mut uses = operand_uses(&sh, ops, elem);
+    let mut uses = operand_uses(&sh, ops, elem)?;
     uses.push(use_("do", Some(d_o), sh.q_bytes(elem), elem, Io::R));
     uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::R));
     uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));

@@ -1,10 +1,11 @@
 //! Fused attention: `attention.cu`'s forward, and its backward: `delta`, then (16-bit operands)
 //! one pass over key blocks writing dq, dk and dv, its dQ counters zeroed first, or (F32) the
-//! query gradient and the key and value gradients. Launch shapes, dynamic shared memory and
-//! scratch come from `geometry.rs`, as the emulator's contract reads them.
+//! query gradient and the key and value gradients; the mask operand (kept keys, or packed
+//! sequences' positions) as the kernels' `mask` or `positions`. Launch shapes, dynamic shared
+//! memory and scratch come from `geometry.rs`, as the emulator's contract reads them.
 
 use crate::cuda::program::{Arg, Command, Place};
-use crate::cuda::sdpa::{self, Sdpa, SdpaGrads, SdpaPass, SdpaProblem, Tensor4};
+use crate::cuda::sdpa::{self, Sdpa, SdpaGrads, SdpaMask, SdpaPass, SdpaProblem, Tensor4};
 use crate::cuda::lower::copies;
 use crate::cuda::lower::views::{fits_i32, heads_of, kernel_strides};
 use crate::cuda::lower::{window_arg, LowerError, RunLowering};
@@ -13,7 +14,7 @@ use castor_ir::{Accum, AttentionLibrary, DType, Graph, Node, NodeData, Op, Value
 use super::geometry::{self, Kernel};
 
 /// An attention op as the kernels see it: `bq` query batches of `t` rows and head dim `d`;
-/// query batch `b` reads key/value batch `b / group` (`s` keys) and mask row
+/// query batch `b` reads key/value batch `b / group` (`s` keys) and mask (or positions) row
 /// `b / mask_group`.
 struct Problem {
     bq: usize,
@@ -22,6 +23,8 @@ struct Problem {
     d: usize,
     group: usize,
     mask_group: usize,
+    /// Whether the mask operand is packed sequences' positions (i64), not kept keys (bool).
+    positions: bool,
     dtype: DType,
     /// The tensor-core tile (`None`: the F32 kernels).
     tile: Option<u32>,
@@ -145,12 +148,13 @@ fn sharing(qb: &[usize], other: &[usize]) -> Option<usize> {
 
 impl RunLowering<'_, '_> {
     /// The kernels' view of attention node `n` (operands `q, k, v` at `ins[..3]`, the mask at
-    /// `mask`).
+    /// `mask`: kept keys, or with `causal` packed sequences' positions).
     fn attention_problem(
         &self,
         n: Node,
         y: Value,
         mask: Option<Value>,
+        causal: bool,
     ) -> Result<Problem, LowerError> {
         let g = self.g;
         let node = g.node(n);
@@ -189,16 +193,28 @@ impl RunLowering<'_, '_> {
                      index (they share a key batch among consecutive query batches)",
                 )
             })?;
+        let positions = mask.is_some_and(|m| g.ty(m).dtype == DType::I64);
+        if positions && !causal {
+            return Err(self.err(
+                y,
+                "attention positions (an i64 mask) need the causal mask",
+            ));
+        }
         let mask_group = match mask {
             None => 1,
             Some(m) => {
                 let md = dims(m);
                 let keys_only = md.len() < 2 || md[md.len() - 2] == 1;
-                if g.ty(m).dtype != DType::Bool || !keys_only || md.last() != Some(&s) {
+                let dtype = g.ty(m).dtype;
+                if !matches!(dtype, DType::Bool | DType::I64)
+                    || !keys_only
+                    || md.last() != Some(&s)
+                {
                     return Err(self.err(
                         y,
-                        "the attention kernels take a key-padding mask (bool [.., 1, S]); \
-                         a mask per query row needs the unfused softmax",
+                        "the attention kernels take a key-padding mask (bool [.., 1, S]) or \
+                         packed sequences' positions (i64 [.., 1, S]); a mask per query row \
+                         needs the unfused softmax",
                     ));
                 }
                 let batch = &md[..md.len().saturating_sub(2)];
@@ -237,6 +253,7 @@ impl RunLowering<'_, '_> {
             d,
             group,
             mask_group,
+            positions,
             dtype,
             tile,
             heads,
@@ -338,10 +355,35 @@ impl RunLowering<'_, '_> {
         ))
     }
 
-    fn mask_arg(&self, mask: Option<Value>) -> Result<Arg, LowerError> {
-        Ok(match mask {
+    /// The kernels' `mask` and `positions` arguments: the mask operand as one of them (the
+    /// other null), or both null.
+    fn mask_args(
+        &self,
+        p: &Problem,
+        mask: Option<Value>,
+    ) -> Result<[(&'static str, Arg); 2], LowerError> {
+        let at = match mask {
             Some(m) => Arg::Ptr(self.at(m)?),
             None => Arg::Null,
+        };
+        Ok(if p.positions {
+            [("mask", Arg::Null), ("positions", at)]
+        } else {
+            [("mask", at), ("positions", Arg::Null)]
+        })
+    }
+
+    /// The mask operand as cuDNN's call would take it.
+    fn sdpa_mask(p: &Problem, mask: Option<Value>) -> Option<(Value, SdpaMask)> {
+        mask.map(|m| {
+            let kind = if p.positions {
+                SdpaMask::Positions
+            } else {
+                SdpaMask::KeyPadding {
+                    group: p.mask_group,
+                }
+            };
+            (m, kind)
         })
     }
 
@@ -361,21 +403,20 @@ impl RunLowering<'_, '_> {
         let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
         let (o, lse) = (outs[0], outs[1]);
         let mask = ins.get(3).copied();
-        let p = self.attention_problem(n, o, mask)?;
+        let p = self.attention_problem(n, o, mask, causal)?;
         if g.ty(o).dtype != p.dtype || g.ty(lse).dtype != DType::F32 {
             return Err(self.err(o, "attention writes o in q's dtype and lse in F32"));
         }
         let mark = self.commands.len();
         let (qo, ko, vo) = self.attention_inputs(&p, &ins)?;
         let oo = self.attention_output(o, p.heads)?;
-        let args = vec![
+        let mut args = vec![
             ("q", Arg::Ptr(qo.at)),
             ("k", Arg::Ptr(ko.at)),
             ("v", Arg::Ptr(vo.at)),
-            ("mask", self.mask_arg(mask)?),
-            ("o", Arg::Ptr(oo.at)),
-            ("lse", Arg::Ptr(self.out(lse)?)),
         ];
+        args.extend(self.mask_args(&p, mask)?);
+        args.extend([("o", Arg::Ptr(oo.at)), ("lse", Arg::Ptr(self.out(lse)?))]);
         let strides = [("q", qo), ("k", ko), ("v", vo), ("o", oo)];
         let attrs = (causal, window, scale);
         self.attention_launch(o, &p, Kernel::Forward, args, attrs, &strides)?;
@@ -385,7 +426,7 @@ impl RunLowering<'_, '_> {
         let call = Sdpa {
             node: g.name(o).to_string(),
             pass: SdpaPass::Forward,
-            problem: sdpa_problem(&p, mask.is_some(), causal, window, scale),
+            problem: sdpa_problem(&p, mask.is_some() && !p.positions, causal, window, scale),
             q: qo.tensor4(),
             k: ko.tensor4(),
             v: vo.tensor4(),
@@ -396,7 +437,7 @@ impl RunLowering<'_, '_> {
             fallback: Vec::new(),
             unsupported: None,
         };
-        self.cudnn_or_kernels(o, call, mark, library, mask.map(|m| (m, p.mask_group)))
+        self.cudnn_or_kernels(o, call, mark, library, Self::sdpa_mask(&p, mask))
     }
 
     /// Replaces the kernels lowered since `mark` by `call` run on cuDNN, those kernels its
@@ -409,14 +450,14 @@ impl RunLowering<'_, '_> {
         mut call: Sdpa,
         mark: usize,
         library: AttentionLibrary,
-        mask: Option<(Value, usize)>,
+        mask: Option<(Value, SdpaMask)>,
     ) -> Result<(), LowerError> {
         let p = call.problem;
         call.unsupported = sdpa::unsupported(
             p.dtype,
             (p.rows_q, p.rows_kv, p.head_dim),
             p.causal,
-            (p.heads_q, mask.map(|(_, group)| group)),
+            (p.heads_q, mask.map(|(_, kind)| kind)),
             call.pass,
         );
         if library == AttentionLibrary::Cudnn {
@@ -433,7 +474,7 @@ impl RunLowering<'_, '_> {
         } else {
             call.fallback = self.commands.split_off(mark);
         }
-        if let (Some((m, _)), None) = (mask, &call.unsupported) {
+        if let (Some((m, SdpaMask::KeyPadding { .. })), None) = (mask, &call.unsupported) {
             let n = p.batch * p.rows_kv;
             let flags = self.scratch(n as u64 * 4);
             self.launch(
@@ -474,7 +515,7 @@ impl RunLowering<'_, '_> {
         let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
         let (dq, dk, dv) = (outs[0], outs[1], outs[2]);
         let mask = ins.get(6).copied();
-        let p = self.attention_problem(n, dq, mask)?;
+        let p = self.attention_problem(n, dq, mask, causal)?;
         let same = |v: Value| g.ty(v).dtype == p.dtype;
         if !(same(ins[3]) && same(ins[5]) && same(dq) && same(dk) && same(dv))
             || g.ty(ins[4]).dtype != DType::F32
@@ -514,15 +555,17 @@ impl RunLowering<'_, '_> {
         let dqo = self.attention_output(dq, p.heads)?;
         let dko = self.attention_output(dk, kv_heads)?;
         let dvo = self.attention_output(dv, kv_heads)?;
-        let common = vec![
+        let mut common = vec![
             ("q", Arg::Ptr(qo.at)),
             ("k", Arg::Ptr(ko.at)),
             ("v", Arg::Ptr(vo.at)),
-            ("mask", self.mask_arg(mask)?),
+        ];
+        common.extend(self.mask_args(&p, mask)?);
+        common.extend([
             ("d_o", Arg::Ptr(doo.at)),
             ("lse", Arg::Ptr(self.at(ins[4])?)),
             ("delta", Arg::Ptr(delta)),
-        ];
+        ]);
         let strides = [
             ("q", qo),
             ("k", ko),
@@ -573,7 +616,7 @@ impl RunLowering<'_, '_> {
         let call = Sdpa {
             node: g.name(dq).to_string(),
             pass: SdpaPass::Backward,
-            problem: sdpa_problem(&p, mask.is_some(), causal, window, scale),
+            problem: sdpa_problem(&p, mask.is_some() && !p.positions, causal, window, scale),
             q: qo.tensor4(),
             k: ko.tensor4(),
             v: vo.tensor4(),
@@ -590,7 +633,7 @@ impl RunLowering<'_, '_> {
             fallback: Vec::new(),
             unsupported: None,
         };
-        self.cudnn_or_kernels(dq, call, mark, library, mask.map(|m| (m, p.mask_group)))
+        self.cudnn_or_kernels(dq, call, mark, library, Self::sdpa_mask(&p, mask))
     }
 }
 

@@ -7,7 +7,7 @@
 //! with a margin, stated as a relative error ‖a−b‖/‖b‖ per output (and, for the F32 kernels,
 //! whose sums are the twin's F64 sums, in units in the last place per element).
 
-use crate::cuda::emulate::kernel_tests::{dec, enc, i32, i64, Launcher, Rng};
+use crate::cuda::emulate::kernel_tests::{dec, enc, enc_i64, i32, i64, Launcher, Rng};
 use crate::cpu::attention::{attention, attention_grad, Operand, Problem};
 use crate::cpu::mask::KeyMask;
 use crate::cuda::program::Arg;
@@ -57,7 +57,8 @@ pub(crate) fn entries() -> Vec<String> {
 /// One problem: `nb` batches of `hkv` kv heads, each shared by `g` query heads; `t` queries,
 /// `s` keys; a causal mask, narrowed by a sliding `window`, and/or a padding mask (one row of
 /// keys per batch; the last batch keeps no key, so its rows are uniform; with one batch, every
-/// third key is masked, so a window of one key sees none in every third row).
+/// third key is masked, so a window of one key sees none in every third row), or (`packed`,
+/// with the causal mask) packed sequences' positions ([`positions`]).
 #[derive(Clone, Copy, Debug)]
 struct Case {
     nb: usize,
@@ -68,6 +69,7 @@ struct Case {
     causal: bool,
     window: Option<usize>,
     masked: bool,
+    packed: bool,
 }
 
 impl Case {
@@ -87,6 +89,7 @@ const CASES: [Case; 6] = [
         causal: true,
         window: None,
         masked: true,
+        packed: false,
     },
     Case {
         nb: 1,
@@ -97,6 +100,7 @@ const CASES: [Case; 6] = [
         causal: false,
         window: None,
         masked: false,
+        packed: false,
     },
     Case {
         nb: 1,
@@ -107,6 +111,7 @@ const CASES: [Case; 6] = [
         causal: true,
         window: None,
         masked: false,
+        packed: false,
     },
     Case {
         nb: 2,
@@ -117,6 +122,7 @@ const CASES: [Case; 6] = [
         causal: true,
         window: None,
         masked: true,
+        packed: false,
     },
     // A sliding window: the last query tile skips the first key tile, the last key block
     // skips the first query tiles.
@@ -129,6 +135,7 @@ const CASES: [Case; 6] = [
         causal: true,
         window: Some(5),
         masked: true,
+        packed: false,
     },
     // A window of one key over a mask with holes: rows whose key is masked see none.
     Case {
@@ -140,6 +147,7 @@ const CASES: [Case; 6] = [
         causal: true,
         window: Some(1),
         masked: true,
+        packed: false,
     },
 ];
 
@@ -158,6 +166,7 @@ const LONG_CASES: [Case; 3] = [
         causal: true,
         window: None,
         masked: true,
+        packed: false,
     },
     // Every key block reads every tile: no causal mask.
     Case {
@@ -169,6 +178,7 @@ const LONG_CASES: [Case; 3] = [
         causal: false,
         window: None,
         masked: false,
+        packed: false,
     },
     // A window over a mask: every tile goes to every key block (a row may see none).
     Case {
@@ -180,6 +190,7 @@ const LONG_CASES: [Case; 3] = [
         causal: true,
         window: Some(60),
         masked: true,
+        packed: false,
     },
 ];
 
@@ -284,9 +295,160 @@ struct Worst {
     err: f64,
 }
 
+/// Packed sequences' positions ([`positions`]), with the causal mask: each query sees only the
+/// keys of its own sequence up to itself.
+const PACKED_CASES: [Case; 5] = [
+    // GPT-2's test fixture: four heads share the positions.
+    Case {
+        nb: 1,
+        hkv: 4,
+        g: 1,
+        t: 32,
+        s: 32,
+        causal: true,
+        window: None,
+        masked: false,
+        packed: true,
+    },
+    Case {
+        nb: 1,
+        hkv: 1,
+        g: 1,
+        t: 1,
+        s: 1,
+        causal: true,
+        window: None,
+        masked: false,
+        packed: true,
+    },
+    // Grouped heads, more keys than queries; the second batch's positions are malformed.
+    Case {
+        nb: 2,
+        hkv: 1,
+        g: 2,
+        t: 65,
+        s: 70,
+        causal: true,
+        window: None,
+        masked: false,
+        packed: true,
+    },
+    // A sliding window over packed rows (Mistral's): the later of the two starts.
+    Case {
+        nb: 2,
+        hkv: 1,
+        g: 1,
+        t: 65,
+        s: 65,
+        causal: true,
+        window: Some(5),
+        masked: false,
+        packed: true,
+    },
+    // Far fewer queries than keys: the rows' keys start at s - t.
+    Case {
+        nb: 2,
+        hkv: 1,
+        g: 1,
+        t: 17,
+        s: 40,
+        causal: true,
+        window: None,
+        masked: false,
+        packed: true,
+    },
+];
+
+/// Packed rows over several key tiles, backward key blocks and query tiles: key blocks that
+/// skip query tiles whose rows all start past them, tiles inside a block's run that no row of
+/// it reads (the third batch's), and sequences across tile edges. Run as [`LONG_CASES`].
+const PACKED_LONG_CASES: [Case; 2] = [
+    Case {
+        nb: 3,
+        hkv: 1,
+        g: 2,
+        t: 300,
+        s: 300,
+        causal: true,
+        window: None,
+        masked: false,
+        packed: true,
+    },
+    Case {
+        nb: 2,
+        hkv: 1,
+        g: 1,
+        t: 140,
+        s: 260,
+        causal: true,
+        window: Some(60),
+        masked: false,
+        packed: true,
+    },
+];
+
+/// Positions of `nb` rows of `s` keys, each counting 0, 1, .. along its sequences. Row 0 packs
+/// sequences of random lengths (a third of them one key long, some longer than a key tile);
+/// row 1 too, with one key in five given a position no packing makes (negative, past the key
+/// itself, past the row), which the kernels clamp as the twin does; row 2 packs sequences of
+/// 64 keys (starting at the backward's query tiles' edges) and gives its last key a position
+/// past itself, so that its sequence reaches back to the row's start: a key block then reads
+/// the last query tile but none of the tiles between it and the block's own.
+fn positions(rng: &mut Rng, nb: usize, s: usize) -> Vec<i64> {
+    let mut out = Vec::with_capacity(nb * s);
+    for b in 0..nb {
+        let row = out.len();
+        while out.len() < row + s {
+            let len = match (b, rng.next() % 6) {
+                (2, _) => 64,
+                (_, 0 | 1) => 1,
+                (_, 2) => 2 + rng.next() % 4,
+                (_, 3) => 6 + rng.next() % 20,
+                _ => 30 + rng.next() % 150,
+            } as usize;
+            let len = len.min(row + s - out.len());
+            out.extend((0..len).map(|p| p as i64));
+        }
+        match b {
+            1 => {
+                for p in &mut out[row..] {
+                    if rng.next().is_multiple_of(5) {
+                        *p = (rng.next() % (s as u64 + 12)) as i64 - 6;
+                    }
+                }
+            }
+            2 => out[row + s - 1] = s as i64 + 3,
+            _ => {}
+        }
+    }
+    out
+}
+
 #[test]
 fn attention_kernels_agree_with_the_twin() {
-    let mut rng = Rng::new(11);
+    let worst = agree_with_the_twin(Rng::new(11), &CASES, &LONG_CASES);
+    for (dtype, w) in worst {
+        println!(
+            "attention {dtype:?}: worst relative error {:.2e} ({})",
+            w.err, w.what
+        );
+    }
+}
+
+#[test]
+fn attention_kernels_over_packed_sequences_agree_with_the_twin() {
+    let worst = agree_with_the_twin(Rng::new(23), &PACKED_CASES, &PACKED_LONG_CASES);
+    for (dtype, w) in worst {
+        println!(
+            "attention over packed sequences {dtype:?}: worst relative error {:.2e} ({})",
+            w.err, w.what
+        );
+    }
+}
+
+/// Runs `cases` at every variant and head dim (and `long` at one tile per 16-bit dtype) beside
+/// the twin, each output within [`bound`]; returns each dtype's worst.
+fn agree_with_the_twin(mut rng: Rng, cases: &[Case], long_cases: &[Case]) -> Vec<(DType, Worst)> {
     let mut worst: Vec<(DType, Worst)> = Vec::new();
     for (dtype, sfx, tile, dims) in variants() {
         let suffix = tile.map_or(sfx.to_string(), |p| format!("{sfx}_d{p}"));
@@ -296,7 +458,7 @@ fn attention_kernels_agree_with_the_twin() {
         ) && !host::sanitize().is_ok_and(|s| s != Sanitize::None);
         let first = dims.first().copied();
         for d in dims {
-            for case in CASES.iter().chain(if long { &LONG_CASES[..] } else { &[] }) {
+            for case in cases.iter().chain(if long { long_cases } else { &[] }) {
                 let case = *case;
                 // In place: the tensor-core kernels, at the variant's first head dim.
                 let in_place = tile.is_some() && Some(d) == first;
@@ -319,12 +481,7 @@ fn attention_kernels_agree_with_the_twin() {
             }
         }
     }
-    for (dtype, w) in worst {
-        println!(
-            "attention {dtype:?}: worst relative error {:.2e} ({})",
-            w.err, w.what
-        );
-    }
+    worst
 }
 
 /// Runs the forward, delta, dq and dk/dv kernels of one case beside the twin; returns each
@@ -370,13 +527,23 @@ fn run_case(
             (_, b) => b + 1 < c.nb && i % c.s >= 8,
         })
         .collect();
+    let pos = if c.packed {
+        positions(rng, c.nb, c.s)
+    } else {
+        Vec::new()
+    };
     let (q_shape, kv_shape) = ([c.nb, c.hkv, c.g, c.t, d], [c.nb, c.hkv, 1, c.s, d]);
     let mask_shape = [c.nb, 1, 1, 1, c.s];
+    let mask = if c.packed {
+        Some(KeyMask::Positions(&pos[..], &mask_shape[..]))
+    } else {
+        c.masked.then_some(KeyMask::Keep(&keep[..], &mask_shape[..]))
+    };
     let problem = Problem {
         q: &q_shape,
         k: &kv_shape,
         v: &kv_shape,
-        mask: c.masked.then_some(KeyMask::Keep(&keep[..], &mask_shape[..])),
+        mask,
         causal: c.causal,
         window: c.window,
         scale,
@@ -429,6 +596,14 @@ fn run_case(
         (grid, (geometry::threads(kernel, tile.is_some()), 1, 1))
     };
     let mask_bytes: Vec<u8> = keep.iter().map(|&k| u8::from(k)).collect();
+    // The kernels' mask and positions arguments: one of them, or neither.
+    let mask_args = |l: &Launcher, bm, bp| -> [Arg; 2] {
+        match (c.packed, c.masked) {
+            (true, _) => [Arg::Null, l.ptr(bp)],
+            (false, true) => [l.ptr(bm), Arg::Null],
+            (false, false) => [Arg::Null, Arg::Null],
+        }
+    };
     let mut errors = Vec::new();
 
     // Forward.
@@ -437,17 +612,12 @@ fn run_case(
     let bk = l.buf(enc(dtype, &kl.place(&k, bkv)), 0);
     let bv = l.buf(enc(dtype, &kl.place(&v, bkv)), 0);
     let bm = l.buf(mask_bytes.clone(), 1);
+    let bp = l.buf(enc_i64(&pos), 0);
     let bo = l.buf(enc(dtype, &ql.place(&vec![0.0; bq * c.t * d], bq)), 0);
     let blse = l.out(bq * c.t * 4, 0);
-    let mask_arg = |l: &Launcher| if c.masked { l.ptr(bm) } else { Arg::Null };
-    let mut args = vec![
-        l.ptr(bqv),
-        l.ptr(bk),
-        l.ptr(bv),
-        mask_arg(&l),
-        l.ptr(bo),
-        l.ptr(blse),
-    ];
+    let mut args = vec![l.ptr(bqv), l.ptr(bk), l.ptr(bv)];
+    args.extend(mask_args(&l, bm, bp));
+    args.extend([l.ptr(bo), l.ptr(blse)]);
     args.extend(shape_args(bq));
     if tile.is_some() {
         args.extend(strides_args(&[&ql, &kl, &kl, &ql]));
@@ -501,18 +671,13 @@ fn run_case(
         let bk = l.buf(enc(dtype, &kl.place(&k, bkv)), skew);
         let bv = l.buf(enc(dtype, &kl.place(&v, bkv)), 0);
         let bm = l.buf(mask_bytes.clone(), 0);
+        let bp = l.buf(enc_i64(&pos), 8);
         let bdo = l.buf(enc(dtype, &ql.place(&d_o, bq)), 0);
         let blse = l.buf(enc(DType::F32, &lse), 0);
         let bdelta = l.buf(enc(DType::F32, &delta), 0);
-        let mut args = vec![
-            l.ptr(bqv),
-            l.ptr(bk),
-            l.ptr(bv),
-            if c.masked { l.ptr(bm) } else { Arg::Null },
-            l.ptr(bdo),
-            l.ptr(blse),
-            l.ptr(bdelta),
-        ];
+        let mut args = vec![l.ptr(bqv), l.ptr(bk), l.ptr(bv)];
+        args.extend(mask_args(&l, bm, bp));
+        args.extend([l.ptr(bdo), l.ptr(blse), l.ptr(bdelta)]);
         let (entry, outs) = match kernel {
             Kernel::Dq => {
                 let b = l.out(bq * c.t * d * elem, 0);
