@@ -14,16 +14,6 @@ use crate::common::*;
 use castor_ir::relative_error;
 use castor_models::SafetensorsFile;
 
-const DECODERS: [&str; 7] = [
-    "gpt2_lm",
-    "llama_gqa",
-    "llama_tied",
-    "qwen2_bias",
-    "mistral_window",
-    "gemma_tiny",
-    "llama31_rope",
-];
-
 /// castor's error against F32 may exceed the recipe's own by this factor, no more.
 const ERROR_RATIO: f64 = 1.25;
 
@@ -34,7 +24,7 @@ fn one_fp8_step_of_every_decoder_is_as_close_to_f32_as_the_recipe() {
         "{:<15} {:>10} {:>10} {:>10} {:>10} {:>10}",
         "variant", "loss err", "grads", "castor", "recipe", "to recipe"
     );
-    for variant in DECODERS {
+    for variant in CAUSAL_LMS {
         let dir = fixture(variant);
         let f32_ref = SafetensorsFile::open(dir.join("training.safetensors")).unwrap();
         let fp8_ref = SafetensorsFile::open(dir.join("fp8.safetensors")).unwrap();

@@ -19,16 +19,6 @@ use castor_runtime::cpu::CpuExecutor;
 use common::*;
 use std::collections::HashMap;
 
-const CAUSAL: [&str; 7] = [
-    "gpt2_lm",
-    "llama_gqa",
-    "llama_tied",
-    "qwen2_bias",
-    "mistral_window",
-    "gemma_tiny",
-    "llama31_rope",
-];
-
 /// Under the bf16 policy the two graphs' F32 differences (products of other shapes, so sums
 /// in other orders) almost always vanish in the BF16 roundings (measured 5e-8 and below), but a
 /// value on a rounding boundary now and then lands one BF16 ulp (2^-8) apart and carries into
@@ -100,7 +90,7 @@ fn reference(variant: &str) -> Reference {
 
 #[test]
 fn kv_decoding_matches_the_full_forward_token_for_token() {
-    for variant in CAUSAL {
+    for variant in CAUSAL_LMS {
         let model = Model::load(fixture(variant)).unwrap();
         let weights = model.load_params().unwrap();
         let r = reference(variant);
@@ -139,7 +129,7 @@ fn kv_decoding_matches_the_full_forward_token_for_token() {
 
 #[test]
 fn kv_decoding_matches_transformers_and_its_greedy_tokens() {
-    for variant in CAUSAL {
+    for variant in CAUSAL_LMS {
         let model = Model::load(fixture(variant)).unwrap();
         let weights = model.load_params().unwrap();
         let r = reference(variant);

@@ -198,7 +198,7 @@ fn rewrite(g: &Graph, decisions: &[Option<Decision>]) -> Result<Graph, PassError
         })
     };
     for (n, node) in g.nodes() {
-        if node.outputs.iter().all(|&v| dead_copy(v)) && matches!(node.op, Op::ParamCopy { .. }) {
+        if node.outputs.iter().all(|&v| dead_copy(v)) {
             continue;
         }
         match &decisions[n.index()] {

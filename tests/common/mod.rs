@@ -25,6 +25,17 @@ pub const VARIANTS: [&str; 14] = [
     "qwen2_cls",
 ];
 
+/// The causal language-model fixtures (every decoder with an LM head).
+pub const CAUSAL_LMS: [&str; 7] = [
+    "gpt2_lm",
+    "llama_gqa",
+    "llama_tied",
+    "qwen2_bias",
+    "mistral_window",
+    "gemma_tiny",
+    "llama31_rope",
+];
+
 /// The decoder families beyond LLaMA itself (tests/fixtures/generate.py): Qwen2 with linear
 /// rope scaling, Mistral with a window shorter than the sequence, Gemma, LLaMA 3.1 rope scaling
 /// past the original context.
