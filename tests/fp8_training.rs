@@ -202,6 +202,12 @@ fn fp8_choices_are_flags_with_reasons() {
     ok(&explain);
     assert!(stdout(&explain).contains("fp8: a layer's product by a weight"));
 
+    // The weight is cast from its F32 master: its gradient is F32 whatever --param-grads says.
+    let compute = compile(&["fp8", "--train", "--param-grads", "compute"]);
+    ok(&compute);
+    assert!(stderr(&compute)
+        .contains("warning: --param-grads compute: the FP8 products' weight gradients are F32"));
+
     fails(
         &compile(&["fp8", "--keep-bf16", "nothing.*"]),
         3,

@@ -526,6 +526,13 @@ impl TrainingArgs {
             )
             .into());
         }
+        if precision.is_fp8() && self.param_grads == ParamGrads::Compute {
+            crate::errln!(
+                "warning: --param-grads compute: the FP8 products' weight gradients are F32 \
+                 (--precision fp8 casts each weight from its F32 master, not from a BF16 copy); \
+                 the other products' follow the flag"
+            );
+        }
         Ok(TrainSettings {
             precision,
             objective: objective.to_string(),
