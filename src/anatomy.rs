@@ -18,13 +18,14 @@ pub struct AnatomyRow {
 }
 
 /// The rows of the anatomy, in the order the compile report prints them.
-pub const STATE_ROLES: [StateRole; 6] = [
+pub const STATE_ROLES: [StateRole; 7] = [
     StateRole::WorkingCopy,
     StateRole::Master,
     StateRole::Frozen,
     StateRole::Gradient,
     StateRole::OptimizerState,
     StateRole::Control,
+    StateRole::Fp8Scaling,
 ];
 
 /// The row of every buffer besides the state, the arena and the workspace.
@@ -40,8 +41,10 @@ pub fn anatomy(plan: &TrainingPlan, executor: ExecutorKind) -> Vec<AnatomyRow> {
 pub fn rows(plan: &TrainingPlan, a: &Anatomy, executor: ExecutorKind) -> Vec<AnatomyRow> {
     let mut rows: Vec<AnatomyRow> = STATE_ROLES
         .iter()
-        // Only a plan with a frozen base (LoRA) has that row.
-        .filter(|&&role| role != StateRole::Frozen || plan.state_bytes(role) > 0)
+        // Only a plan with a frozen base (LoRA) has that row, only fp8:delayed the scaling's.
+        .filter(|&&role| {
+            !matches!(role, StateRole::Frozen | StateRole::Fp8Scaling) || plan.state_bytes(role) > 0
+        })
         .map(|&role| AnatomyRow {
             what: role.describe().to_string(),
             bytes: plan.state_bytes(role),

@@ -54,6 +54,8 @@ pub struct Report {
     pub outcome: Vec<String>,
     /// The answers to `--sample-prompts` at each evaluation (1-based step).
     pub samples: Vec<(u64, Vec<crate::training::samples::Sample>)>,
+    /// Under `--precision fp8:delayed`: each cast's scale and amax history at the end.
+    pub delayed_casts: Vec<crate::report::DelayedCast>,
 }
 
 impl Report {
@@ -68,6 +70,7 @@ impl Report {
             cost: Vec::new(),
             outcome: Vec::new(),
             samples: Vec::new(),
+            delayed_casts: Vec::new(),
         }
     }
 
@@ -165,6 +168,9 @@ impl Report {
         if let Some(p) = &self.precision {
             precision_section(&mut h, p);
         }
+        if !self.delayed_casts.is_empty() {
+            delayed_scaling_section(&mut h, &self.delayed_casts);
+        }
         if !self.cost.is_empty() {
             h.push_str("<section id=\"cost\">\n<h2>Cost model</h2>\n<pre>");
             for line in &self.cost {
@@ -191,6 +197,29 @@ impl Report {
         }
         h.push_str("</section>\n");
     }
+}
+
+/// The delayed scales: each cast's scale for the next step and its amax history, newest
+/// first.
+fn delayed_scaling_section(h: &mut String, casts: &[crate::report::DelayedCast]) {
+    h.push_str(
+        "<section id=\"fp8-scaling\">\n<h2>FP8 delayed scaling</h2>\n<p>Each cast's scale is \
+         the FP8 maximum over the largest amax of its history (Transformer Engine's max \
+         algorithm); the histories are listed newest first.</p>\n<table>\n<tr><th>cast</th>\
+         <th>scale</th><th>largest amax</th><th>amax history</th></tr>\n",
+    );
+    for c in casts {
+        let history: Vec<String> = c.history.iter().map(|a| format!("{a:.3e}")).collect();
+        let _ = writeln!(
+            h,
+            "<tr><td>{}</td><td>{:.4e}</td><td>{:.3e}</td><td class=\"history\">{}</td></tr>",
+            esc(&c.cast),
+            c.scale,
+            crate::report::largest(&c.history),
+            esc(&history.join(" "))
+        );
+    }
+    h.push_str("</table>\n</section>\n");
 }
 
 const STYLE: &str = "

@@ -15,8 +15,10 @@ use std::path::PathBuf;
 #[command(next_help_heading = "Precision policy")]
 pub struct PrecisionArgs {
     /// Precision policy: fp32 (also float32), tf32 (TF32 contractions), bf16 (also bfloat16),
-    /// fp16 (also float16, half) or fp8 (also fp8:tensorwise: bf16, with the transformer
-    /// layers' products on FP8 operands scaled per tensor); any case.
+    /// fp16 (also float16, half), fp8 (also fp8:tensorwise: bf16, with the transformer
+    /// layers' products on FP8 operands scaled per tensor by its own amax) or fp8:delayed
+    /// (the activations and gradients scaled from amax histories kept as plan state); any
+    /// case.
     #[arg(long, default_value = "fp32", value_parser = parse_precision)]
     #[serde(with = "precision_name")]
     pub precision: Precision,
@@ -41,6 +43,11 @@ pub struct PrecisionArgs {
     #[arg(long = "fp8-skip-first-last")]
     #[serde(default)]
     pub fp8_skip_first_last: bool,
+    /// Under --precision fp8:delayed: how many past amaxes each cast's scale is taken from
+    /// (the largest of them), as Transformer Engine's amax_history_len [default: 16].
+    #[arg(long = "amax-history", value_name = "N")]
+    #[serde(default)]
+    pub amax_history: Option<usize>,
     /// How the attention core is built: fused, one FlashAttention-2 op (no [.., T, S]
     /// tensor; the backward recomputes the probabilities), or `eager` (q k^T, scale, masked
     /// softmax, p v: a [.., T, S] score tensor per layer), as transformers'
@@ -128,6 +135,7 @@ impl PrecisionArgs {
         policy.set_fp8(castor_passes::Fp8Options {
             skip_first_last: self.fp8_skip_first_last,
             keep_bf16: self.keep_bf16.clone(),
+            amax_history: self.amax_history,
         })?;
         if let Some(path) = &self.policy {
             let text = std::fs::read_to_string(path).map_err(|e| {
@@ -151,6 +159,20 @@ impl PrecisionArgs {
             precision: settings.precision,
             ..self.clone()
         }
+    }
+
+    /// `fp8:delayed` reads each cast's scale from amax histories that only a training run
+    /// keeps: a command that runs a forward graph alone (`eval`, `generate`) refuses it.
+    pub fn refuse_delayed(&self, command: &str) -> anyhow::Result<()> {
+        if self.precision.is_delayed() {
+            return Err(CliError::InvalidInput(format!(
+                "castor {command} keeps no training state, and --precision fp8:delayed reads \
+                 each cast's scale from the amax histories a training run keeps; use \
+                 --precision fp8 (each tensor scaled by its own amax)"
+            ))
+            .into());
+        }
+        Ok(())
     }
 
     /// Runs the precision passes on a forward graph; `verify` checks the graph after each pass

@@ -1,7 +1,7 @@
 //! Human-readable summaries shared by the commands: the model, the training plan's settings,
 //! its memory anatomy and cost, and warnings about the checkpoint.
 
-use castor_ir::Graph;
+use castor_ir::{Graph, StateRole};
 use castor_models::{Model, ModelConfig};
 use std::fmt::Write;
 
@@ -357,6 +357,16 @@ pub fn anatomy_lines(
         ),
         row("total", a.total(), "18", "+ activations by the rule"),
     ];
+    // Only fp8:delayed has the scaling's row, after the control state.
+    if a.fp8_scaling > 0 {
+        let scaling = row(
+            StateRole::Fp8Scaling.describe(),
+            a.fp8_scaling,
+            "",
+            "FP8 delayed scaling: a scale and an amax history per cast",
+        );
+        lines.insert(6, scaling);
+    }
     // Only a plan with a frozen base (LoRA) has the row.
     if a.frozen_weights > 0 {
         let frozen = row(
@@ -468,4 +478,66 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
         ));
     }
     lines
+}
+
+/// One FP8 cast under delayed scaling (`--precision fp8:delayed`), as its state stands.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DelayedCast {
+    /// The cast's FP8 value (`<product>.x_fp8`, `<product>.dy_fp8`).
+    pub cast: String,
+    /// The scale the next cast reads.
+    pub scale: f32,
+    /// The amax history, newest first.
+    pub history: Vec<f32>,
+}
+
+/// Every delayed-scaling cast of `plan` with its state, found through the micro step's
+/// `amax_history` nodes; `state` looks up a state entry's values. Empty unless the plan
+/// scales by histories.
+pub fn delayed_casts(
+    plan: &castor_ir::TrainingPlan,
+    state: impl Fn(&str) -> Option<Vec<f32>>,
+) -> Vec<DelayedCast> {
+    let g = &plan.micro_step;
+    g.nodes()
+        .filter(|(_, n)| matches!(n.op, castor_ir::Op::AmaxHistory { .. }))
+        .filter_map(|(_, n)| {
+            let cast = g.node(g.value(n.inputs[2]).producer).outputs[0];
+            Some(DelayedCast {
+                cast: g.name(cast).to_string(),
+                scale: *state(g.name(n.inputs[1]))?.first()?,
+                history: state(g.name(n.inputs[0]))?,
+            })
+        })
+        .collect()
+}
+
+/// One line on the delayed scales at the end of a run: their range, and the range of the
+/// largest amax each history holds.
+pub fn delayed_scaling_line(casts: &[DelayedCast]) -> Option<String> {
+    let range = |v: &mut dyn Iterator<Item = f32>| {
+        v.fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), x| {
+            (lo.min(x), hi.max(x))
+        })
+    };
+    let first = casts.first()?;
+    let (lo, hi) = range(&mut casts.iter().map(|c| c.scale));
+    let (alo, ahi) = range(&mut casts.iter().map(|c| largest(&c.history)));
+    Some(format!(
+        "fp8 scales  {} casts with amax histories of {}: scales {lo:.3e} ..= {hi:.3e}, largest \
+         amaxes {alo:.3e} ..= {ahi:.3e}",
+        casts.len(),
+        first.history.len()
+    ))
+}
+
+/// The largest amax of a history (NaN if it holds one).
+pub fn largest(history: &[f32]) -> f32 {
+    history.iter().fold(0.0f32, |m, &v| {
+        if m.is_nan() || v.is_nan() {
+            f32::NAN
+        } else {
+            m.max(v)
+        }
+    })
 }

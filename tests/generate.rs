@@ -33,6 +33,7 @@ fn policy(precision: Precision) -> PrecisionArgs {
         force_low: Vec::new(),
         keep_bf16: Vec::new(),
         fp8_skip_first_last: false,
+        amax_history: None,
         attention: Default::default(),
         residual: Default::default(),
     }

@@ -41,7 +41,10 @@ fn run_passes(graph: Graph, args: &[&str], dir: &std::path::Path) -> (String, Op
         Box::new(FoldCasts),
     ];
     if policy.precision.is_fp8() {
-        passes.push(Box::new(Fp8Products::new(policy.fp8().clone())));
+        passes.push(Box::new(Fp8Products::new(
+            policy.fp8().clone(),
+            policy.precision.is_delayed(),
+        )));
     }
     let mut g = graph;
     for pass in passes {
@@ -106,8 +109,9 @@ fn every_family_under_every_policy() {
             let (_, compiled) = run_passes(g, &["--precision", precision.name()], &root());
             let compiled = compiled.expect("the default policies compile every family");
             check_invariants(&compiled, precision, &format!("{variant} {precision}"));
+            // `fp8:delayed` is `family_<variant>_fp8_delayed`.
             insta::assert_snapshot!(
-                format!("family_{variant}_{precision}"),
+                format!("family_{variant}_{}", precision.name().replace(':', "_")),
                 text::print(&compiled)
             );
         }

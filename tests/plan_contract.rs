@@ -101,6 +101,7 @@ fn a_plans_precision_is_its_settings() {
         force_low: Vec::new(),
         keep_bf16: Vec::new(),
         fp8_skip_first_last: false,
+        amax_history: None,
         attention: Attention::Eager,
         residual: Residual::F32,
     };

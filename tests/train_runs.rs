@@ -213,20 +213,22 @@ fn tiny_gpt2_converges_with_every_optimizer() {
 fn resumed_runs_are_bit_identical() {
     // The ordinary plan, Adafactor with the updates inside the backward pass (whose
     // settings, eps 1e-30 included, must read back exactly from the checkpoint), and state
-    // stored in other dtypes than F32: 8-bit codes, BF16 moments.
-    let options: [&[&str]; 4] = [
+    // stored in other dtypes than F32: 8-bit codes, BF16 moments; and FP8's delayed scales
+    // with their amax histories.
+    let options: [&[&str]; 5] = [
         &[],
         &["--optimizer", "adafactor", "--update-in-backward"],
         &["--optimizer", "adamw8bit"],
         &["--optimizer-state", "bf16"],
+        &["--precision", "fp8:delayed", "--amax-history", "4"],
     ];
     for (k, options) in options.iter().enumerate() {
         resume_matches_straight_run(&format!("{k}"), options);
     }
 }
 
-/// Twelve steps straight, and six then six resumed, with `options`: the same losses, weights
-/// and optimizer state.
+/// Twelve steps straight, and six then six resumed, with `options` (fp16 unless they name a
+/// precision): the same losses, weights and optimizer state.
 fn resume_matches_straight_run(label: &str, options: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let config = root().join("assets").join("tiny-gpt2.json");
@@ -242,13 +244,14 @@ fn resume_matches_straight_run(label: &str, options: &[&str]) {
             "4",
             "--seq",
             "32",
-            "--precision",
-            "fp16",
             "--schedule",
             "cosine",
             "--warmup",
             "3",
         ];
+        if !options.contains(&"--precision") {
+            args.extend_from_slice(&["--precision", "fp16"]);
+        }
         args.extend_from_slice(options);
         args.extend_from_slice(extra);
         args.into_iter().map(str::to_string).collect::<Vec<_>>()

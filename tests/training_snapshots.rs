@@ -50,6 +50,30 @@ fn fp8_plan() {
     insta::assert_snapshot!("train_fp8", stdout(&o), "fp8_products.ir --precision fp8");
 }
 
+/// Delayed scaling: the activations' and gradients' casts read their scales from state, and
+/// each `amax_history` result is written back after every micro-batch.
+#[test]
+fn fp8_delayed_plan() {
+    let args = [
+        "compile",
+        "tests/ir/fp8_products.ir",
+        "--train",
+        "--emit",
+        "ir",
+        "--precision",
+        "fp8:delayed",
+        "--amax-history",
+        "4",
+    ];
+    let o = castor(&args);
+    assert!(o.status.success(), "{}", stderr(&o));
+    insta::assert_snapshot!(
+        "train_fp8_delayed",
+        stdout(&o),
+        "fp8_products.ir --precision fp8:delayed --amax-history 4"
+    );
+}
+
 /// Bias add, GELU and their gradients in the products' epilogues (one rounding each).
 #[test]
 fn bf16_epilogues_plan() {

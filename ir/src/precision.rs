@@ -21,21 +21,27 @@ pub enum Precision {
     /// operands (E4M3 in the forward, E5M2 gradients in the backward) with tensorwise
     /// current scaling, as torchao's float8 training recipe.
     Fp8,
+    /// [`Precision::Fp8`] with delayed scaling for the activations and gradients, as
+    /// Transformer Engine's `DelayedScaling`: each cast reads a scale kept in the plan's state,
+    /// computed from a history of the tensor's past amaxes (the weights, cast once per
+    /// optimizer step, keep their current scale).
+    Fp8Delayed,
 }
 
 impl Precision {
-    pub const ALL: [Precision; 5] = [
+    pub const ALL: [Precision; 6] = [
         Precision::Fp32,
         Precision::Tf32,
         Precision::Bf16,
         Precision::Fp16,
         Precision::Fp8,
+        Precision::Fp8Delayed,
     ];
 
     /// The low-precision storage dtype, if the policy has one.
     pub fn low(self) -> Option<DType> {
         match self {
-            Precision::Bf16 | Precision::Fp8 => Some(DType::BF16),
+            Precision::Bf16 | Precision::Fp8 | Precision::Fp8Delayed => Some(DType::BF16),
             Precision::Fp16 => Some(DType::F16),
             Precision::Fp32 | Precision::Tf32 => None,
         }
@@ -48,6 +54,7 @@ impl Precision {
             Precision::Bf16 => "bf16",
             Precision::Fp16 => "fp16",
             Precision::Fp8 => "fp8",
+            Precision::Fp8Delayed => "fp8:delayed",
         }
     }
 }
@@ -61,12 +68,19 @@ impl fmt::Display for Precision {
 impl Precision {
     /// True when the policy puts products on FP8 operands.
     pub fn is_fp8(self) -> bool {
-        self == Precision::Fp8
+        matches!(self, Precision::Fp8 | Precision::Fp8Delayed)
+    }
+
+    /// True when the FP8 casts of activations and gradients read scales from amax histories
+    /// kept in the plan's state.
+    pub fn is_delayed(self) -> bool {
+        self == Precision::Fp8Delayed
     }
 
     /// The spellings users write for each precision (case is ignored): the short names,
-    /// PyTorch's dtype names, `half`, and FP8's scaling named (`fp8:tensorwise`).
-    pub const ALIASES: [(&'static str, Precision); 11] = [
+    /// PyTorch's dtype names, `half`, and FP8's scalings named (`fp8:tensorwise`,
+    /// `fp8:delayed`).
+    pub const ALIASES: [(&'static str, Precision); 12] = [
         ("fp32", Precision::Fp32),
         ("float32", Precision::Fp32),
         ("tf32", Precision::Tf32),
@@ -78,6 +92,7 @@ impl Precision {
         ("f16", Precision::Fp16),
         ("fp8", Precision::Fp8),
         ("fp8:tensorwise", Precision::Fp8),
+        ("fp8:delayed", Precision::Fp8Delayed),
     ];
 }
 
@@ -85,14 +100,6 @@ impl FromStr for Precision {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         let lower = s.to_ascii_lowercase();
-        if lower == "fp8:delayed" {
-            return Err(
-                "FP8 with delayed scaling (`fp8:delayed`, amax histories as plan state) \
-                        is not available yet; `fp8` scales each tensor by its own amax \
-                        (tensorwise current scaling)"
-                    .to_string(),
-            );
-        }
         Precision::ALIASES
             .iter()
             .find(|(name, _)| *name == lower)
@@ -100,7 +107,7 @@ impl FromStr for Precision {
             .ok_or_else(|| {
                 format!(
                     "unknown precision `{s}` (expected fp32/float32, tf32, bf16/bfloat16, \
-                     fp16/float16/half or fp8/fp8:tensorwise)"
+                     fp16/float16/half, fp8/fp8:tensorwise or fp8:delayed)"
                 )
             })
     }

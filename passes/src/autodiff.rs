@@ -564,7 +564,7 @@ impl Backward<'_> {
                     self.contribute(x[0], dy)?;
                 }
             }
-            Op::Fp8Scale { .. } => {}
+            Op::Fp8Scale { .. } | Op::AmaxHistory { .. } => {}
             Op::Fp8MatMul {
                 transpose_a: false,
                 transpose_b: tb,
@@ -591,11 +591,20 @@ impl Backward<'_> {
         let (x, name) = (site.x, site.name);
         let (a, b, a_scale, b_scale) = (x[0], x[1], x[2], x[3]);
         let to = DType::F8E5M2;
-        let dy_scale = self.b.op(
-            &format!("{name}.dy_scale"),
-            Op::Fp8Scale { to, margin: 0 },
-            &[dy],
-        )?;
+        // Under delayed scaling (the activation's scale is state), the gradient's cast reads
+        // its scale from its own amax history of the same length.
+        let history = self.delayed_history(a_scale);
+        let dy_scale = match history {
+            Some(_) => {
+                let scalar = TensorType::new(DType::F32, castor_ir::Shape(vec![]));
+                self.b.state(&format!("{name}.dy_scale"), scalar)?
+            }
+            None => self.b.op(
+                &format!("{name}.dy_scale"),
+                Op::Fp8Scale { to, margin: 0 },
+                &[dy],
+            )?,
+        };
         let cast = self.b.op_multi(
             &format!("{name}.dy_fp8"),
             Op::Quantize { to },
@@ -603,6 +612,17 @@ impl Backward<'_> {
         )?;
         self.b.rename(cast[1], &format!("{name}.dy_amax"))?;
         let dy8 = cast[0];
+        if let Some(h) = history {
+            let ty = TensorType::new(DType::F32, castor_ir::Shape(vec![h]));
+            let past = self.b.state(&format!("{name}.dy_amax_history"), ty)?;
+            let next = self.b.op_multi(
+                &format!("{name}.dy_amax_history.next"),
+                Op::AmaxHistory { to, margin: 0 },
+                &[past, dy_scale, cast[1]],
+            )?;
+            self.b.rename(next[1], &format!("{name}.dy_scale.next"))?;
+            self.b.set_acc(next[0], Some(castor_ir::Accum::F32));
+        }
         if site.need(0) {
             let op = Op::Fp8MatMul {
                 transpose_a: false,
@@ -653,6 +673,18 @@ impl Backward<'_> {
             self.contribute(b, d)?;
         }
         Ok(())
+    }
+
+    /// The amax history length when `scale` (a forward FP8 cast's scale) is delayed-scaling
+    /// state, read off the `amax_history` node that updates it.
+    fn delayed_history(&self, scale: Value) -> Option<usize> {
+        let g = self.b.graph();
+        if g.node(g.value(scale).producer).op != Op::State {
+            return None;
+        }
+        g.nodes()
+            .find(|(_, n)| matches!(n.op, Op::AmaxHistory { .. }) && n.inputs[1] == scale)
+            .and_then(|(_, n)| g.ty(n.inputs[0]).shape.dims().first().copied())
     }
 
     /// The VJP of an elementwise binary op.

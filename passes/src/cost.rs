@@ -295,6 +295,8 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         // The amax's one comparison per element; the cast's multiply and the amax's compare.
         Op::Fp8Scale { .. } => in0,
         Op::Quantize { .. } => 2.0 * in0,
+        // A comparison per history entry.
+        Op::AmaxHistory { .. } => in0,
         Op::CrossEntropy { .. } | Op::CrossEntropyGrad { .. } => 5.0 * in0,
         Op::LayerNormGrad { .. } => 12.0 * in0,
         Op::RmsNormGrad { .. } => 8.0 * in0,

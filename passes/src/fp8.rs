@@ -11,9 +11,16 @@
 //! ```
 //!
 //! The weight is quantized from its F32 master, not from its BF16 copy (one rounding, as
-//! torchao casts the high-precision weight); a BF16 copy no other node reads is dropped. In
-//! the backward (the autodiff pass), the output gradient is cast to E5M2 with its own scale
-//! and both gradient products run on FP8 operands too.
+//! torchao casts the high-precision weight); a BF16 copy no other node reads is dropped. An
+//! activation that several products read (the attention's q, k and v; the gated MLP's gate
+//! and up) is cast once, named after its first product, and its cast is shared: the same
+//! values as one cast per product. In the backward (the autodiff pass), the output gradient is
+//! cast to E5M2 with its own scale and both gradient products run on FP8 operands too.
+//!
+//! Under `fp8:delayed` (Transformer Engine's delayed scaling) the activation's scale is state
+//! rather than `fp8_scale(x)`: the cast's amax enters an amax history (`amax_history`), whose
+//! largest amax gives the next cast's scale; the `fp8_scaling` plan pass makes both state
+//! entries and writes them back. The weights keep their current scale.
 //!
 //! Kept in BF16, with the reason in the node's note (`--explain`): products that read no
 //! weight (the attention's), the embedding, the LM head and classifier heads (products outside
@@ -34,11 +41,13 @@ const FORWARD_FORMAT: DType = DType::F8E4M3;
 
 pub struct Fp8Products {
     options: Fp8Options,
+    /// `fp8:delayed`: the activations' casts read their scales from amax histories.
+    delayed: bool,
 }
 
 impl Fp8Products {
-    pub fn new(options: Fp8Options) -> Self {
-        Fp8Products { options }
+    pub fn new(options: Fp8Options, delayed: bool) -> Self {
+        Fp8Products { options, delayed }
     }
 }
 
@@ -86,10 +95,18 @@ impl Pass for Fp8Products {
             .iter()
             .filter(|d| matches!(d, Some(Decision::Keep(_))))
             .count();
-        let out = rewrite(g, &decisions)?;
+        let history = self.delayed.then(|| self.options.history());
+        let out = rewrite(g, &decisions, history)?;
+        let scaling = match history {
+            Some(h) => format!(
+                "delayed scales of the activations and gradients from amax histories of {h}, \
+                 tensorwise current scales of the weights"
+            ),
+            None => "tensorwise current scales".to_string(),
+        };
         let mut report = PassReport::new(format!(
             "{fp8} product(s) by a weight on FP8 operands (E4M3 forward, E5M2 gradients, \
-             tensorwise scales), {kept} kept in BF16"
+             {scaling}), {kept} kept in BF16"
         ));
         report.details = g
             .nodes()
@@ -174,12 +191,13 @@ impl Fp8Products {
     }
 }
 
-/// The graph with every FP8 decision carried out and every kept product's reason noted.
-fn rewrite(g: &Graph, decisions: &[Option<Decision>]) -> Result<Graph, PassError> {
-    let ir = |e: castor_ir::IrError| PassError::Internal {
-        pass: "fp8",
-        message: e.to_string(),
-    };
+/// The graph with every FP8 decision carried out and every kept product's reason noted;
+/// `history`: the activations' amax history length under delayed scaling.
+fn rewrite(
+    g: &Graph,
+    decisions: &[Option<Decision>],
+    history: Option<usize>,
+) -> Result<Graph, PassError> {
     // A BF16 weight copy that only FP8 products read is no longer needed.
     let users = g.users();
     let rewritten = |n: Node| matches!(decisions[n.index()], Some(Decision::Fp8 { .. }));
@@ -191,6 +209,8 @@ fn rewrite(g: &Graph, decisions: &[Option<Decision>]) -> Result<Graph, PassError
     };
     let mut out = Graph::empty_like(g);
     let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
+    // Each activation's FP8 cast and scale, made for the first product that reads it.
+    let mut shared: std::collections::HashMap<Value, (Value, Value)> = Default::default();
     let at = |map: &[Option<Value>], v: Value| {
         map[v.index()].ok_or_else(|| PassError::Internal {
             pass: "fp8",
@@ -215,53 +235,19 @@ fn rewrite(g: &Graph, decisions: &[Option<Decision>]) -> Result<Graph, PassError
                 };
                 let y = node.outputs[0];
                 let name = g.name(y);
-                let mut cast = |operand: Value, role: &str| -> Result<(Value, Value), PassError> {
-                    let scale = out
-                        .push_node(
-                            Op::Fp8Scale {
-                                to: FORWARD_FORMAT,
-                                margin: 0,
-                            },
-                            vec![operand],
-                            vec![(format!("{name}.{role}_scale"), scalar_f32())],
-                        )
-                        .map_err(ir)?;
-                    out.set_block(scale, node.block);
-                    out.set_acc(scale, Some(Accum::F32));
-                    out.set_note(
-                        scale,
-                        Some(format!(
-                            "fp8: the tensorwise scale of %{name}'s {role} operand, this step: \
-                             448 / amax"
-                        )),
-                    );
-                    let scale = out.node(scale).outputs[0];
-                    let shape = out.ty(operand).shape.clone();
-                    let q = out
-                        .push_node(
-                            Op::Quantize { to: FORWARD_FORMAT },
-                            vec![operand, scale],
-                            vec![
-                                (
-                                    format!("{name}.{role}_fp8"),
-                                    castor_ir::TensorType::new(FORWARD_FORMAT, shape),
-                                ),
-                                (format!("{name}.{role}_amax"), scalar_f32()),
-                            ],
-                        )
-                        .map_err(ir)?;
-                    out.set_block(q, node.block);
-                    out.set_note(
-                        q,
-                        Some(format!(
-                            "fp8: %{name}'s {role} operand times its scale, rounded to E4M3 \
-                             (nearest even, saturating at 448)"
-                        )),
-                    );
-                    Ok((out.node(q).outputs[0], scale))
+                // Products that read one activation (q, k and v; gate and up) share its cast.
+                let x = node.inputs[0];
+                let (xq, xs) = match shared.get(&x) {
+                    Some(&cast) => cast,
+                    None => {
+                        let cast = match history {
+                            Some(h) => delayed_cast(&mut out, at(&map, x)?, name, h, node)?,
+                            None => current_cast(&mut out, at(&map, x)?, name, "x", node)?,
+                        };
+                        *shared.entry(x).or_insert(cast)
+                    }
                 };
-                let (xq, xs) = cast(at(&map, node.inputs[0])?, "x")?;
-                let (wq, ws) = cast(at(&map, *weight)?, "w")?;
+                let (wq, ws) = current_cast(&mut out, at(&map, *weight)?, name, "w", node)?;
                 let made = out
                     .push_node(
                         Op::Fp8MatMul {
@@ -278,8 +264,13 @@ fn rewrite(g: &Graph, decisions: &[Option<Decision>]) -> Result<Graph, PassError
                 out.set_note(
                     made,
                     Some(format!(
-                        "fp8: a layer's product by a weight: E4M3 operands with tensorwise \
-                         scales, F32 accumulation, {} result (E5M2 gradients in the backward)",
+                        "fp8: a layer's product by a weight: E4M3 operands with {} scales, F32 \
+                         accumulation, {} result (E5M2 gradients in the backward)",
+                        if history.is_some() {
+                            "delayed (activation) and tensorwise (weight)"
+                        } else {
+                            "tensorwise"
+                        },
                         g.ty(y).dtype
                     )),
                 );
@@ -317,6 +308,149 @@ fn rewrite(g: &Graph, decisions: &[Option<Decision>]) -> Result<Graph, PassError
         .collect::<Result<Vec<_>, _>>()?;
     out.set_outputs(outputs);
     Ok(out)
+}
+
+fn ir(e: castor_ir::IrError) -> PassError {
+    PassError::Internal {
+        pass: "fp8",
+        message: e.to_string(),
+    }
+}
+
+/// The cast of `operand` (the `role` operand of product `name`) to E4M3 with its tensorwise
+/// current scale: `(q, scale)`.
+fn current_cast(
+    out: &mut Graph,
+    operand: Value,
+    name: &str,
+    role: &str,
+    product: &castor_ir::NodeData,
+) -> Result<(Value, Value), PassError> {
+    let scale = out
+        .push_node(
+            Op::Fp8Scale {
+                to: FORWARD_FORMAT,
+                margin: 0,
+            },
+            vec![operand],
+            vec![(format!("{name}.{role}_scale"), scalar_f32())],
+        )
+        .map_err(ir)?;
+    out.set_block(scale, product.block);
+    out.set_acc(scale, Some(Accum::F32));
+    out.set_note(
+        scale,
+        Some(format!(
+            "fp8: the tensorwise scale of %{name}'s {role} operand, this step: 448 / amax"
+        )),
+    );
+    let scale = out.node(scale).outputs[0];
+    let q = quantize(out, operand, scale, name, role, product)?;
+    Ok((q, scale))
+}
+
+/// The cast of product `name`'s activation operand to E4M3 under delayed scaling: the scale
+/// and the amax history are state, the cast's amax enters the history, and the history gives
+/// the scale of the next cast (`amax_history`, whose results the plan writes back).
+fn delayed_cast(
+    out: &mut Graph,
+    operand: Value,
+    name: &str,
+    history: usize,
+    product: &castor_ir::NodeData,
+) -> Result<(Value, Value), PassError> {
+    let state = |out: &mut Graph, n: String, ty: castor_ir::TensorType| {
+        let node = out
+            .push_node(Op::State, vec![], vec![(n, ty)])
+            .map_err(ir)?;
+        Ok::<Value, PassError>(out.node(node).outputs[0])
+    };
+    let scale = state(out, format!("{name}.x_scale"), scalar_f32())?;
+    let past = state(
+        out,
+        format!("{name}.x_amax_history"),
+        castor_ir::TensorType::new(DType::F32, castor_ir::Shape(vec![history])),
+    )?;
+    let q = quantize(out, operand, scale, name, "x", product)?;
+    let amax = out.node(out.value(q).producer).outputs[1];
+    record_amax(out, past, scale, amax, FORWARD_FORMAT, product.block)?;
+    Ok((q, scale))
+}
+
+/// `amax_history(past, scale, amax)`: the next history and scale, named after the state
+/// entries they replace (`<entry>.next`), which the training plan writes back (the autodiff
+/// pass does the same for the gradients' casts).
+fn record_amax(
+    out: &mut Graph,
+    past: Value,
+    scale: Value,
+    amax: Value,
+    to: DType,
+    block: Option<u32>,
+) -> Result<(), PassError> {
+    let (h, s) = (out.name(past).to_string(), out.name(scale).to_string());
+    let node = out
+        .push_node(
+            Op::AmaxHistory { to, margin: 0 },
+            vec![past, scale, amax],
+            vec![
+                (format!("{h}.next"), out.ty(past).clone()),
+                (format!("{s}.next"), scalar_f32()),
+            ],
+        )
+        .map_err(ir)?;
+    out.set_block(node, block);
+    out.set_acc(node, Some(Accum::F32));
+    out.set_note(
+        node,
+        Some(format!(
+            "fp8 delayed scaling: %{} enters %{h}, whose largest amax gives the next cast's \
+             scale ({} / amax)",
+            out.name(amax),
+            castor_ir::fp8::Fp8Format::of(to).map_or(0.0, |f| f.max())
+        )),
+    );
+    Ok(())
+}
+
+/// The saturating cast of `operand` to E4M3 by `scale`: `q` (its amax is the node's second
+/// result).
+fn quantize(
+    out: &mut Graph,
+    operand: Value,
+    scale: Value,
+    name: &str,
+    role: &str,
+    product: &castor_ir::NodeData,
+) -> Result<Value, PassError> {
+    let shape = out.ty(operand).shape.clone();
+    let q = out
+        .push_node(
+            Op::Quantize { to: FORWARD_FORMAT },
+            vec![operand, scale],
+            vec![
+                (
+                    format!("{name}.{role}_fp8"),
+                    castor_ir::TensorType::new(FORWARD_FORMAT, shape),
+                ),
+                (format!("{name}.{role}_amax"), scalar_f32()),
+            ],
+        )
+        .map_err(ir)?;
+    out.set_block(q, product.block);
+    let shared = if role == "x" {
+        "; the other products that read this activation share it"
+    } else {
+        ""
+    };
+    out.set_note(
+        q,
+        Some(format!(
+            "fp8: %{name}'s {role} operand times its scale, rounded to E4M3 (nearest even, \
+             saturating at 448){shared}"
+        )),
+    );
+    Ok(out.node(q).outputs[0])
 }
 
 fn scalar_f32() -> castor_ir::TensorType {

@@ -39,7 +39,9 @@ pub use pipeline::{Pipeline, PipelineOutput};
 // The policy families are defined beside the plan that records them.
 pub use castor_ir::Precision;
 pub use fp8::Fp8Products;
-pub use policy::{Fp8Options, NameRule, Policy, PolicyFileFormat, Rule, Target};
+pub use policy::{
+    Fp8Options, NameRule, Policy, PolicyFileFormat, Rule, Target, DEFAULT_AMAX_HISTORY,
+};
 pub use summary::{decisions, explain, precision_summary, Decision, PrecisionSummary};
 pub use training::{build_training_plan, PlanBuild, PlanPass, TrainingOutput, TrainingPipeline};
 
@@ -52,7 +54,10 @@ pub fn precision_pipeline(policy: Policy) -> Pipeline {
         Box::new(FoldCasts),
     ];
     if policy.precision.is_fp8() {
-        passes.push(Box::new(Fp8Products::new(policy.fp8().clone())));
+        passes.push(Box::new(Fp8Products::new(
+            policy.fp8().clone(),
+            policy.precision.is_delayed(),
+        )));
     }
     Pipeline::new(passes)
 }

@@ -137,6 +137,19 @@ pub struct Fp8Options {
     /// Keep the products whose name, or whose weight's name, matches one of these globs in
     /// BF16 (`--keep-bf16`).
     pub keep_bf16: Vec<String>,
+    /// The length of each amax history under `fp8:delayed` (`--amax-history`); `None` is
+    /// [`DEFAULT_AMAX_HISTORY`].
+    pub amax_history: Option<usize>,
+}
+
+/// Transformer Engine's default `amax_history_len`.
+pub const DEFAULT_AMAX_HISTORY: usize = 16;
+
+impl Fp8Options {
+    /// The length of each amax history.
+    pub fn history(&self) -> usize {
+        self.amax_history.unwrap_or(DEFAULT_AMAX_HISTORY)
+    }
 }
 
 impl Policy {
@@ -163,6 +176,24 @@ impl Policy {
 
     /// Sets the FP8 choices; an error unless the policy is `fp8`.
     pub fn set_fp8(&mut self, options: Fp8Options) -> Result<(), PassError> {
+        if let Some(h) = options.amax_history {
+            if !self.precision.is_delayed() {
+                return Err(PassError::Policy {
+                    source_name: "--amax-history".into(),
+                    message: format!(
+                        "sets the length of the amax histories of delayed scaling, but \
+                         --precision {} keeps none (use fp8:delayed)",
+                        self.precision
+                    ),
+                });
+            }
+            if h == 0 {
+                return Err(PassError::Policy {
+                    source_name: "--amax-history".into(),
+                    message: "a history holds at least one amax (this step's)".into(),
+                });
+            }
+        }
         if !self.precision.is_fp8() && options != Fp8Options::default() {
             let flag = if options.skip_first_last {
                 "--fp8-skip-first-last"

@@ -173,6 +173,7 @@ pub struct Evaluation {
 /// Runs the evaluation `args` ask for on the batch in `input` (a safetensors file, or one
 /// built in memory) or on `--text`; writes nothing.
 pub fn evaluate(args: &Args, input: Option<&SafetensorsFile>) -> anyhow::Result<Evaluation> {
+    args.precision.refuse_delayed("eval")?;
     let device = crate::device::select(args.device)?;
 
     let mut model = args.classifier.load(&args.model)?;

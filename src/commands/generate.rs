@@ -138,6 +138,7 @@ fn conversation(args: &Args) -> anyhow::Result<serde_json::Value> {
 
 /// Continues `args.prompt`; `on_text` sees the decoded continuation each time it grows.
 pub fn generate(args: &Args, on_text: &mut dyn FnMut(&str)) -> anyhow::Result<Generated> {
+    args.precision.refuse_delayed("generate")?;
     if let Some(t) = args.temperature.filter(|t| !(*t >= 0.0 && t.is_finite())) {
         return Err(CliError::InvalidInput(format!(
             "--temperature must be 0 (greedy) or positive, found {t}"

@@ -3,8 +3,8 @@
 //! - `config.json`: the model's config, as given (and the model's tokenizer files, if any).
 //! - `model.safetensors`: the F32 master weights under their checkpoint names (the input's
 //!   names and layout; tied weights stored once, as transformers writes them).
-//! - `optimizer.safetensors`: optimizer moments, step count and loss-scaler state, under
-//!   their plan state names.
+//! - `optimizer.safetensors`: optimizer moments, step count, loss-scaler state and FP8
+//!   delayed-scaling state (scales and amax histories), under their plan state names.
 //! - `trainer_state.json`: the step, the data position, the plan's settings and the run's
 //!   flags.
 //!
@@ -116,7 +116,11 @@ fn write_files(
     }
     write_safetensors(
         &dir.join(OPTIMIZER_STATE),
-        &by_role(&[StateRole::OptimizerState, StateRole::Control]),
+        &by_role(&[
+            StateRole::OptimizerState,
+            StateRole::Control,
+            StateRole::Fp8Scaling,
+        ]),
     )?;
     let json = serde_json::to_string_pretty(state)?;
     write_atomically(&dir.join(TRAINER_STATE), json.as_bytes())?;

@@ -372,7 +372,9 @@ fn finish(
         )?;
     }
     let step = first_step + out.steps_done;
-    let outcome = outcome_lines(&out, &opts.state.settings.objective);
+    let mut outcome = outcome_lines(&out, &opts.state.settings.objective);
+    let delayed = delayed_casts(runner)?;
+    outcome.extend(crate::report::delayed_scaling_line(&delayed));
     for line in &outcome {
         outln!("{line}");
     }
@@ -388,6 +390,7 @@ fn finish(
     }
     if let Some(report) = &mut opts.report {
         report.outcome = outcome;
+        report.delayed_casts = delayed;
     }
     redraw(opts, &out.history);
     if let Some(path) = &args.plot {
@@ -424,6 +427,23 @@ fn finish(
         saved: args.save.clone(),
         losses: out.history.train.clone(),
     })
+}
+
+/// The delayed-scaling casts with their state at the end of the run (none unless the plan
+/// is `fp8:delayed`).
+fn delayed_casts(runner: &mut Trainer) -> anyhow::Result<Vec<crate::report::DelayedCast>> {
+    if !runner.plan().settings.precision.is_delayed() {
+        return Ok(Vec::new());
+    }
+    let host = runner.host()?;
+    let entries = host.state_entries();
+    Ok(crate::report::delayed_casts(host.plan(), |name| {
+        entries
+            .iter()
+            .find(|(n, _)| *n == name)
+            .and_then(|(_, t)| t.as_f32())
+            .map(<[f32]>::to_vec)
+    }))
 }
 
 /// The `done` and `validation` lines of a finished run (printed, and the report's outcome).

@@ -204,6 +204,16 @@ define_ops! {
     /// with respect to the value `q / scale` stands for.
     Quantize { to: DType } => "quantize", class Elementwise, arity (2, 2),
         typing typing::quantize(inputs, *to);
+    /// One step of delayed scaling (Transformer Engine's `DelayedScaling`, max algorithm):
+    /// `(history f32[H], scale f32[], amax f32[]) -> (history' f32[H], scale' f32[])`.
+    /// `history'` is `[amax, history[0], .., history[H-2]]` (newest first; the oldest amax
+    /// leaves), and `scale'` is `fmax / a / 2^margin` with `a` the largest value of `history'`
+    /// (NaN if it holds one), computed in F64 and rounded to F32 (F32's largest value where
+    /// that overflows) — or `scale` unchanged when `a` is 0 or not finite, as Transformer
+    /// Engine's `_default_sf_compute` does. The scale a cast uses is the
+    /// one its history gave at the previous cast; the new one serves the next.
+    AmaxHistory { to: DType, margin: usize } => "amax_history", class Normalization,
+        arity (3, 3), typing typing::amax_history(inputs, *to);
     MatMulGeluGrad { transpose_a: bool, transpose_b: bool } => "matmul_gelu_grad",
         class Contraction, arity (3, 3),
         typing typing::matmul_gelu_grad(inputs, *transpose_a, *transpose_b);

@@ -415,6 +415,20 @@ pub fn quantize(inputs: &[&TensorType], to: DType) -> Types {
     ])
 }
 
+/// `(history f32[H], scale f32[], amax f32[]) -> (history', scale')`.
+pub fn amax_history(inputs: &[&TensorType], to: DType) -> Types {
+    require_fp8_target(to)?;
+    let h = inputs[0];
+    if h.dtype != DType::F32 || h.shape.rank() != 1 || h.shape.numel() == Some(0) {
+        return Err(format!(
+            "an amax history is a non-empty f32 vector, found {h}"
+        ));
+    }
+    require_f32_scalar("the scale", inputs[1])?;
+    require_f32_scalar("the amax", inputs[2])?;
+    Ok(vec![h.clone(), inputs[1].clone()])
+}
+
 /// `(x [.., K], codes u8, absmax f32) -> [.., N]` of a product by an NF4 weight `[rows, cols]`.
 pub fn nf4_matmul(inputs: &[&TensorType], transpose_b: bool, rows: usize, cols: usize) -> Types {
     let (x, codes, absmax) = (inputs[0], inputs[1], inputs[2]);

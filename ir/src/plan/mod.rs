@@ -98,6 +98,8 @@ pub enum StateRole {
     OptimizerState,
     /// Step count and loss-scaler state.
     Control,
+    /// FP8 delayed scaling: each cast's amax history and the scale it reads.
+    Fp8Scaling,
 }
 
 /// How a persistent buffer starts.
@@ -401,6 +403,7 @@ impl StateRole {
             StateRole::Gradient => "gradients",
             StateRole::OptimizerState => "optimizer state",
             StateRole::Control => "step and loss-scale state",
+            StateRole::Fp8Scaling => "FP8 scales and amax histories",
         }
     }
 }

@@ -281,6 +281,8 @@ pub struct Anatomy {
     pub gradients: u64,
     pub optimizer_state: u64,
     pub control: u64,
+    /// FP8 delayed scaling's scales and amax histories (`fp8:delayed`).
+    pub fp8_scaling: u64,
     /// Forward values read by the backward pass (part of the arena).
     pub saved_activations: u64,
     /// The rest of the step as `model` lays it out: arena, workspace, other buffers.
@@ -303,6 +305,7 @@ impl Anatomy {
             gradients: plan.state_bytes(StateRole::Gradient),
             optimizer_state: plan.state_bytes(StateRole::OptimizerState),
             control: plan.state_bytes(StateRole::Control),
+            fp8_scaling: plan.state_bytes(StateRole::Fp8Scaling),
             saved_activations: saved_activations(&plan.micro_step, plan.forward_nodes)
                 .iter()
                 .map(|(_, b)| b)
@@ -318,6 +321,7 @@ impl Anatomy {
             + self.gradients
             + self.optimizer_state
             + self.control
+            + self.fp8_scaling
     }
 
     /// Persistent state + the step's memory: the step's planned peak, what the executor

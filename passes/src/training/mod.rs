@@ -17,6 +17,8 @@
 //!    (unscale, clip, update master and moments, write the working copy), the step count
 //!    unless skipped, the loss-scale update; under `--update-in-backward` it then moves each
 //!    update into the micro step right after its gradient (`in_backward.rs`);
+//!    `fp8_scaling` makes the amax histories and scales of `--precision fp8:delayed` state,
+//!    written back after every micro-batch (`fp8_scaling.rs`);
 //!    `nf4` stores a QLoRA base in NF4 (`nf4.rs`); `parallel` makes the plan one rank's of a
 //!    data-parallel group under `--world-size`: gradients averaged across ranks as they
 //!    complete, and under `--zero` the moments (and gradients) sharded (`parallel.rs`);
@@ -32,6 +34,7 @@
 
 mod classifier;
 mod epilogue;
+mod fp8_scaling;
 mod gradients;
 mod in_backward;
 mod nf4;
@@ -238,6 +241,7 @@ impl Default for TrainingPipeline {
             Box::new(epilogue::FuseEpilogues),
             Box::new(gradients::Accumulate),
             Box::new(optimizer::OptimizerStep),
+            Box::new(fp8_scaling::DelayedScaling),
             Box::new(nf4::Nf4Base),
             Box::new(parallel::DataParallel),
             Box::new(Rematerialize),

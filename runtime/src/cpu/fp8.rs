@@ -23,8 +23,48 @@ pub fn amax(x: &[f32]) -> f32 {
 /// `fmax / max(amax, 1e-12) / 2^margin`, in F64 rounded to F32: torchao's `amax_to_scale`
 /// (with Transformer Engine's margin).
 pub fn scale(format: Fp8Format, amax: f32, margin: usize) -> f32 {
-    let s = f64::from(format.max()) / f64::from(amax).max(AMAX_FLOOR);
+    ratio(format, f64::from(amax).max(AMAX_FLOOR), margin)
+}
+
+/// `fmax / amax / 2^margin` in F64, rounded once to F32: the F32 division correctly rounded
+/// (F64 holds the quotient exactly enough), as Transformer Engine's `__fdiv_rn`.
+fn ratio(format: Fp8Format, amax: f64, margin: usize) -> f32 {
+    let s = f64::from(format.max()) / amax;
     (s / 2f64.powi(margin.min(1024) as i32)) as f32
+}
+
+/// One step of delayed scaling (Transformer Engine's max algorithm): the history with `amax`
+/// entered first and the oldest amax dropped, and the scale its largest amax gives (F32's
+/// largest value where that overflows), or `scale` unchanged when that amax is 0 or not
+/// finite (NaN included): Transformer Engine's `_default_sf_compute`.
+pub fn amax_history(
+    format: Fp8Format,
+    margin: usize,
+    history: &[f32],
+    scale: f32,
+    amax: f32,
+) -> (Vec<f32>, f32) {
+    let mut next = Vec::with_capacity(history.len());
+    if !history.is_empty() {
+        next.push(amax);
+        next.extend_from_slice(&history[..history.len() - 1]);
+    }
+    // torch.max: NaN wins.
+    let largest = next.iter().fold(0.0f32, |m, &v| {
+        if m.is_nan() || v.is_nan() {
+            f32::NAN
+        } else {
+            m.max(v)
+        }
+    });
+    let scale = if largest.is_finite() && largest > 0.0 {
+        // No floor here (Transformer Engine's delayed scaling has none): an amax so small
+        // that the scale overflows F32 gives F32's largest value.
+        ratio(format, f64::from(largest), margin).min(f32::MAX)
+    } else {
+        scale
+    };
+    (next, scale)
 }
 
 /// `x · scale` in F32, rounded to `format` (nearest even, saturating): the values the FP8
@@ -60,6 +100,27 @@ mod tests {
         // 3 * 224 = 672 saturates at 448.
         assert_eq!(q, vec![448.0, -224.0, 448.0]);
         assert!(amax(&[1.0, f32::NAN]).is_nan());
+        // Delayed scaling: newest first, the oldest leaves; the largest amax gives the scale.
+        let (h, s) = amax_history(Fp8Format::E4M3, 0, &[4.0, 8.0, 2.0], 1.0, 1.0);
+        assert_eq!((h, s), (vec![1.0, 4.0, 8.0], 56.0));
+        // A zero or non-finite history keeps the scale.
+        assert_eq!(amax_history(Fp8Format::E5M2, 0, &[0.0], 3.0, 0.0).1, 3.0);
+        let (h, s) = amax_history(Fp8Format::E4M3, 0, &[2.0, 1.0], 5.0, f32::NAN);
+        assert!(h[0].is_nan());
+        assert_eq!(s, 5.0);
+        assert_eq!(
+            amax_history(Fp8Format::E4M3, 0, &[f32::INFINITY, 0.0], 5.0, 1.0).1,
+            5.0
+        );
+        assert_eq!(
+            amax_history(Fp8Format::E4M3, 0, &[f32::INFINITY], 5.0, 1.0).1,
+            448.0
+        );
+        let tiny = f32::from_bits(1);
+        assert_eq!(
+            amax_history(Fp8Format::E4M3, 0, &[0.0], 5.0, tiny).1,
+            f32::MAX
+        );
         assert_eq!(amax(&[-3.0, 2.0]), 3.0);
     }
 }

@@ -170,6 +170,17 @@ pub fn execute(
             let amax = fp8::amax(x);
             return f32_results(args, outs, [q, vec![amax]]);
         }
+        Op::AmaxHistory { to, margin } => {
+            let format = fp8_format(args, *to)?;
+            let (history, scale) = fp8::amax_history(
+                format,
+                *margin,
+                args.f32(0)?,
+                scalar(args, 1)?,
+                scalar(args, 2)?,
+            );
+            return f32_results(args, outs, [history, vec![scale]]);
+        }
         Op::CrossEntropy { ignore_index } => {
             let (logits, labels) = (args.f32(0)?, args.values::<i64>(1)?);
             let v = args.shape(0)?[1];

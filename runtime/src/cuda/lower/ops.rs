@@ -130,7 +130,10 @@ impl RunLowering<'_, '_> {
             // FP8 plans run on the CPU executor for now: cuBLASLt's FP8 products (with scale
             // pointers and the TN operand layout they require) and the fused scaling kernels
             // are not lowered yet.
-            Op::Fp8MatMul { .. } | Op::Fp8Scale { .. } | Op::Quantize { .. } => {
+            Op::Fp8MatMul { .. }
+            | Op::Fp8Scale { .. }
+            | Op::Quantize { .. }
+            | Op::AmaxHistory { .. } => {
                 return Err(self.err(
                     y,
                     format!(
