@@ -438,11 +438,9 @@ fn plan_settings(
     Ok(settings)
 }
 
-/// The plan of other settings for the fit verdict: the same model and policy compiled again
-/// for the settings' micro-batch, or (an IR file, or the same micro-batch) the compiled graph
-/// itself.
-/// The plan of `settings`: from `compiled` (the graph of `original`) when the graph stays
-/// the same, else from a graph built again for the new batch or adapters.
+/// The plan of other settings for the fit verdict: from `compiled` (the graph of `original`)
+/// when the graph stays the same, else from the model's graph built and compiled again for
+/// the settings' micro-batch, adapters or precision (an IR file has one of each).
 fn replan(
     args: &Args,
     model: Option<&Model>,
@@ -450,7 +448,9 @@ fn replan(
     original: &castor_ir::TrainSettings,
     settings: &castor_ir::TrainSettings,
 ) -> anyhow::Result<castor_ir::TrainingPlan> {
-    let same_graph = settings.batch == original.batch && settings.lora == original.lora;
+    let same_graph = settings.batch == original.batch
+        && settings.lora == original.lora
+        && settings.precision == original.precision;
     let graph = match model {
         Some(m) if !same_graph => {
             let objective = settings
@@ -464,7 +464,9 @@ fn replan(
                 .compile(loss, model, None, false)?
                 .graph
         }
-        None if !same_graph => anyhow::bail!("an IR file has one batch size and no adapters"),
+        None if !same_graph => {
+            anyhow::bail!("an IR file has one batch size, one precision and no adapters")
+        }
         _ => compiled.clone(),
     };
     Ok(crate::memory::pipeline(ExecutorKind::Cuda)
