@@ -180,6 +180,7 @@ pub fn matmul(
             accumulate: false,
             alpha: 1.0,
             epilogue: Epilogue::None,
+            fp8: None,
         });
     }
     Ok(gemms)
