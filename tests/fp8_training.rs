@@ -218,11 +218,28 @@ fn fp8_choices_are_flags_with_reasons() {
         3,
         "--fp8-skip-first-last: keeps products out of FP8, but --precision bf16 puts none in it",
     );
+    // On CUDA, cuBLASLt's FP8 products (tests/cuda_lowering.rs holds the listing). Their
+    // inner dims must be multiples of 16: a weight gradient's is the micro-batch's tokens, 8
+    // here, which the lowering refuses by name.
     fails(
         &compile(&["fp8", "--train", "--emit", "cuda"]),
         3,
-        "the CUDA executor cannot run f8e4m3 values yet (no FP8 kernels); the CPU executor can",
+        "k (the inner dim) = 8: cuBLASLt's FP8 products need it a multiple of 16 (the FP8 \
+         product of [128,8] by [32,8]ᵀ)",
     );
+    let cuda = castor(&[
+        "compile",
+        path_str(&gpt2),
+        "--seq",
+        "16",
+        "--precision",
+        "fp8",
+        "--train",
+        "--emit",
+        "cuda",
+    ]);
+    ok(&cuda);
+    assert!(stdout(&cuda).contains("gemm f8e4m3ᵀ x f8e4m3 -> bf16"));
 }
 
 /// One layer's FP8 product on known inputs, through the fp8 pass, autodiff and the CPU
