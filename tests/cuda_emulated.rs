@@ -287,6 +287,57 @@ fn family_matrix(family: &str) {
     );
 }
 
+/// `--precision fp8` plans (tensorwise current scaling: the fp8 family's amax, scale and cast
+/// kernels, transposed FP8 copies, cuBLASLt FP8 products reading their dequantization factors
+/// through scale pointers) of GPT-2 (`x W` weights) and LLaMA (`x Wᵀ`, grouped-query and tied
+/// heads), under each remat mode, with accumulation, SGD and the first and last layers kept in
+/// BF16, and with delayed scaling (`amax_history` written back in place), bit for bit: the
+/// emulator computes an FP8 product as the CPU executor does, so this checks the lowering
+/// (layouts, copies, scale pointers, the kernels that fill them), not cuBLASLt's summation
+/// order.
+#[test]
+fn fp8_training_plans_match_the_cpu_executor() {
+    let mut failures = Vec::new();
+    let mut rows = Vec::new();
+    for (family, flags) in [
+        ("gpt2_lm", "--precision fp8"),
+        ("gpt2_lm", "--precision fp8 --remat full --grad-accum 2"),
+        (
+            "gpt2_lm",
+            "--precision fp8 --remat selective --optimizer-state bf16",
+        ),
+        ("llama_gqa", "--precision fp8"),
+        (
+            "llama_gqa",
+            "--precision fp8 --remat full --optimizer sgd --momentum 0.9",
+        ),
+        (
+            "llama_tied",
+            "--precision fp8 --remat selective --grad-accum 2",
+        ),
+        // Delayed scaling: the scales and histories written back after every micro-batch.
+        (
+            "gpt2_lm",
+            "--precision fp8:delayed --amax-history 2 --grad-accum 2",
+        ),
+        (
+            "llama_gqa",
+            "--precision fp8:delayed --amax-history 4 --remat full",
+        ),
+    ] {
+        rows.push(compare_training(family, flags, &mut failures));
+    }
+    for r in &rows {
+        println!("{r}");
+    }
+    assert!(
+        failures.is_empty(),
+        "{} failure(s):\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}
+
 #[test]
 fn gpt2_training_plans_match_the_cpu_executor() {
     family_matrix("gpt2_lm");

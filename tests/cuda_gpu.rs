@@ -141,14 +141,31 @@ fn gpu_plans(family: &str) -> Vec<String> {
     out.push("--precision bf16 --classifier fused:5".into());
     // cuBLASLt's epilogues (bias, bias + GELU, GELU gradient, bias gradients).
     out.push("--precision bf16 --epilogues fused".into());
+    // cuBLASLt's FP8 products with scale pointers, and the fp8 family's kernels: a GPT-2
+    // (`x W` weights, transposed copies in the forward) and a LLaMA (`x Wᵀ`, copies in the
+    // backward).
+    if FP8_FAMILIES.contains(&family) {
+        out.push("--precision fp8".into());
+        out.push("--precision fp8 --remat selective --grad-accum 2".into());
+    }
     out
 }
+
+/// The families whose FP8 plans run on the GPU.
+const FP8_FAMILIES: [&str; 2] = ["gpt2_lm", "llama_gqa"];
 
 /// The largest relative error allowed on the GPU: F32 1e-4 (cuBLAS sums in another order;
 /// TF32 off), TF32 (operands rounded to 11 significant bits) 2e-2, BF16/F16 5e-2, the bound
 /// the comparisons with PyTorch hold: where cuBLAS rounds a 16-bit product differently, the
 /// difference travels through three steps, and AdamW's first steps move a weight by about
 /// `lr * sign(gradient)`, so a gradient at rounding-noise level flips its update.
+///
+/// FP8 plans get BF16's 5e-2 and, per state entry, their own noise floor (`noise_floors`): the
+/// products' operands are quantized to 3 (E4M3) or 2 (E5M2) mantissa bits from BF16 values
+/// that cuBLAS rounds differently from the CPU, so a value on a rounding boundary lands one FP8
+/// step (12.5% or 25% of it) apart, and each differing step moves the scales, the casts and
+/// the products after it; cuBLASLt's FP8 sums (fast accumulation off) add their own order.
+/// Two FP8 executors can then lie as far apart as FP8 lies from F32, which the floor measures.
 fn gpu_tolerance(flags: &str) -> f64 {
     if flags.contains("fp32") {
         1e-4
@@ -172,18 +189,22 @@ fn gpu_tolerance(flags: &str) -> f64 {
 /// only here and there (the next GPU run measured 0.126 on LLaMA-GQA's `v_absmax` of one
 /// layer, past that entry's own bound of 0.119 and inside the 8-bit entries' shared 0.39).
 /// F16 plans get none: their gradients are loss-scaled, which the F32 run has no counterpart
-/// of.
-fn bf16_noise_floors(
+/// of. FP8 plans get theirs the same way, from the CPU executor's FP8 and F32 runs (see
+/// [`gpu_tolerance`]).
+fn noise_floors(
     family: &str,
     flags: &str,
     params: &HashMap<String, Tensor>,
     low: &HashMap<String, Tensor>,
     noise: &HashMap<String, (usize, usize)>,
 ) -> HashMap<String, f64> {
-    if !flags.contains("--precision bf16") {
+    let Some(low_precision) = ["--precision bf16", "--precision fp8"]
+        .into_iter()
+        .find(|p| flags.contains(p))
+    else {
         return HashMap::new();
-    }
-    let twin = flags.replace("--precision bf16", "--precision fp32");
+    };
+    let twin = flags.replace(low_precision, "--precision fp32");
     let split: Vec<&str> = twin.split_whitespace().collect();
     let p = plan(family, &split);
     let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
@@ -307,7 +328,7 @@ fn training_steps_match_the_cpu_executor() {
                 .into_iter()
                 .map(|(n, t)| (n.to_string(), t.clone()))
                 .collect();
-            let floors = bf16_noise_floors(family, &flags, &params, &cpu_state, &noise);
+            let floors = noise_floors(family, &flags, &params, &cpu_state, &noise);
             let bounds = state_bounds(tol, floors, &cpu_state);
             let device_state: HashMap<String, Tensor> = match gpu.state_entries() {
                 Ok(s) => s.into_iter().collect(),
@@ -330,7 +351,7 @@ fn training_steps_match_the_cpu_executor() {
             } else {
                 format!(
                     "{case:<70} worst {worst:.2e} (bound {:.2e}; {} entries up to {raised:.2e} \
-                     by the BF16 noise floor)",
+                     by the BF16 or FP8 noise floor)",
                     bounds.tol,
                     bounds.raised.len()
                 )

@@ -38,6 +38,8 @@ const VARIANTS: &[(&str, &[&str])] = &[
         "llama_tied",
         &["--precision", "fp32", "--remat", "selective"],
     ),
+    ("gpt2_lm", &["--precision", "fp8"]),
+    ("llama_gqa", &["--precision", "fp8", "--remat", "full"]),
 ];
 
 fn programs() -> Vec<(String, Program)> {
@@ -61,7 +63,10 @@ fn places(c: &Command) -> Vec<Place> {
                 _ => None,
             })
             .collect(),
-        Command::Gemm(g) => vec![g.a, g.b, g.c],
+        Command::Gemm(g) => [g.a, g.b, g.c]
+            .into_iter()
+            .chain(g.fp8.iter().flat_map(|s| s.buffers().map(|(_, p)| p)))
+            .collect(),
         Command::Copy { dst, src, .. } => vec![*dst, *src],
         Command::Memset { dst, .. } => vec![*dst],
         Command::Collective { dst, src, .. } => vec![*dst, *src],
@@ -343,17 +348,150 @@ fn real_model_configs_lower_for_cuda() {
     }
 }
 
-/// The CUDA executor has no FP8 kernels yet: lowering a graph with FP8 values is a typed error
-/// that names the value and its dtype, not a panic.
+/// On CUDA, FP8 values are made by `quantize` and read by `fp8_matmul`: a plain cast to FP8
+/// (which only the CPU executor runs) is a typed error that names the value, the op and the
+/// dtype, not a panic.
 #[test]
-fn fp8_values_are_refused_by_name() {
+fn fp8_casts_are_refused_by_name() {
     let src = std::fs::read_to_string(common::root().join("tests/ir/fp8_casts.ir")).unwrap();
     let g = castor_ir::text::parse(&src).unwrap();
     let e = castor_runtime::cuda::lower::lower_graph(&g).unwrap_err();
     assert_eq!(e.node, "x.f8");
     assert!(
-        e.message
-            .contains("f8e4m3[4,8]: the CUDA executor cannot run f8e4m3 values yet"),
+        e.message.contains(
+            "`cast` with a f8e4m3[4,8] value has no CUDA kernel: on CUDA, FP8 values are made by \
+             `quantize` and read by `fp8_matmul`"
+        ),
         "{e}"
     );
+}
+
+/// The place after `p` (`a+128`, `s3`, `s3+8`) `bytes` further on, as the listing prints it.
+fn listed_plus(p: &str, bytes: u64) -> String {
+    let (base, offset) = match p.split_once('+') {
+        Some((b, o)) => (b, o.parse::<u64>().unwrap()),
+        None => (p, 0),
+    };
+    format!("{base}+{}", offset + bytes)
+}
+
+/// An FP8 training plan's CUDA listing (`compile --emit cuda`): each FP8 product of the step
+/// (the forward's, the input gradient's, the weight gradient's: three per product by a weight)
+/// is one cuBLASLt call in the "TN" form (A transposed, B not) with E4M3 forward operands and
+/// E5M2 output gradients, its two scale pointers at the factors the `fp8_dequantization`
+/// launch before it writes (cuBLAS's A is the IR's rhs, so A's factor is the second), fast
+/// accumulation off; the operands the IR stores the other way are transposed by strided byte
+/// copies just before it, three per product (GPT-2: the `x W` weight and both weight-gradient
+/// operands; LLaMA: `dX = dY W`'s weight and both weight-gradient operands). The scales and
+/// casts are the fp8 family's kernels.
+#[test]
+fn fp8_plans_lower_to_cublaslt_fp8_products() {
+    for variant in ["gpt2_lm", "llama_gqa"] {
+        let model = fixture(variant);
+        let ir = castor(&[
+            "compile",
+            path_str(&model),
+            "--precision",
+            "fp8",
+            "--emit",
+            "ir",
+        ]);
+        assert!(ir.status.success(), "{variant}: {}", stderr(&ir));
+        let products = common::stdout(&ir).matches("= fp8_matmul").count();
+        assert!(products >= 8, "{variant}: {products} FP8 products");
+        let o = castor(&[
+            "compile",
+            path_str(&model),
+            "--precision",
+            "fp8",
+            "--train",
+            "--emit",
+            "cuda",
+        ]);
+        assert!(o.status.success(), "{variant}: {}", stderr(&o));
+        let listing = common::stdout(&o);
+        let lines: Vec<&str> = listing.lines().map(str::trim_start).collect();
+        let node = |l: &str| l.rsplit_once("  # %").map(|(_, n)| n.to_string());
+        let mut gemms = 0;
+        let mut copies = 0;
+        let mut kinds: HashMap<String, usize> = HashMap::new();
+        for (i, l) in lines.iter().enumerate() {
+            if !l.starts_with("gemm f8e") {
+                continue;
+            }
+            gemms += 1;
+            let head: String = l.split(" m=").next().unwrap().into();
+            *kinds.entry(head.clone()).or_default() += 1;
+            assert!(
+                l.contains(" fp8(a_scale=") && l.ends_with(&format!("  # %{}", node(l).unwrap()))
+            );
+            assert!(l.contains("fast_accum=off)"), "{l}");
+            // The factors: written by the dequantization launch of the same node.
+            let name = node(l).unwrap();
+            let field = |key: &str| {
+                l.split(key)
+                    .nth(1)
+                    .and_then(|r| r.split([' ', ')']).next())
+                    .unwrap()
+                    .to_string()
+            };
+            let dequant = lines[..i]
+                .iter()
+                .rev()
+                .take_while(|p| node(p).as_deref() == Some(name.as_str()))
+                .find(|p| p.starts_with("launch fp8_dequantization"))
+                .unwrap_or_else(|| panic!("{variant}: no dequantization before {l}"));
+            let factors = dequant
+                .split(">>>(")
+                .nth(1)
+                .and_then(|r| r.split(')').next())
+                .unwrap()
+                .split(", ")
+                .nth(2)
+                .unwrap()
+                .to_string();
+            assert_eq!(field("b_scale="), factors, "{l}");
+            assert_eq!(field("a_scale="), listed_plus(&factors, 4), "{l}");
+            copies += lines[..i]
+                .iter()
+                .rev()
+                .take_while(|p| node(p).as_deref() == Some(name.as_str()))
+                .filter(|p| p.starts_with("launch strided_copy_b1<<<"))
+                .count();
+        }
+        println!("{variant}: {products} products, {gemms} FP8 gemms, {copies} copies: {kinds:?}");
+        assert_eq!(gemms, 3 * products, "{variant}");
+        assert_eq!(copies, 3 * products, "{variant}: transposed copies");
+        // The forward's E4M3 x E4M3 (into BF16, or F32 where its reader needs it); the input
+        // gradient's, E4M3 weight by E5M2 output gradient into BF16; the weight gradient's,
+        // activation by output gradient into the F32 gradient.
+        let count = |f: &dyn Fn(&str) -> bool| -> usize {
+            kinds.iter().filter(|(h, _)| f(h)).map(|(_, n)| n).sum()
+        };
+        assert_eq!(
+            count(&|h| h.starts_with("gemm f8e4m3ᵀ x f8e4m3 ->")),
+            products
+        );
+        assert_eq!(
+            count(&|h| h.contains("f8e5m2") && h.ends_with("-> bf16")),
+            products
+        );
+        assert_eq!(
+            count(&|h| h.contains("f8e5m2") && h.ends_with("-> f32")),
+            products
+        );
+        for kernel in [
+            "fp8_amax_bf16",
+            "fp8_amax_f32",
+            "fp8_scale_finalize",
+            "fp8_quantize_bf16_e4m3",
+            "fp8_quantize_f32_e4m3",
+            "fp8_quantize_bf16_e5m2",
+        ] {
+            assert!(
+                listing.contains(&format!("launch {kernel}<<<")),
+                "{variant}: {kernel}"
+            );
+        }
+    }
 }

@@ -323,6 +323,7 @@ mod tests {
             accumulate: false,
             alpha: 1.0,
             epilogue,
+            fp8: None,
         })
     }
 

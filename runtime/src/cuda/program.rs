@@ -269,7 +269,50 @@ pub struct Gemm {
     pub alpha: f32,
     /// What the product does in its accumulator before storing C (a cuBLASLt epilogue).
     pub epilogue: Epilogue,
+    /// An FP8 product (cuBLASLt): its operands' dequantization factors in device memory.
+    pub fp8: Option<Fp8Scales>,
 }
+
+/// The scale pointers of an FP8 product, `C = (a_scale · b_scale) · op(A) op(B)` with the sum
+/// in F32 (cuBLASLt's `D = scale_A · scale_B · op(A) op(B)` for a BF16, F16 or F32 D, which
+/// has no D scale or amax). Each points at one F32 in device memory, written on the device
+/// before the product (`fp8_dequantization` in `fp8.cu`: the reciprocal of the operand's
+/// quantization scale), so a captured graph reads each step's scales.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Fp8Scales {
+    /// `CUBLASLT_MATMUL_DESC_A_SCALE_POINTER`: A's factor.
+    pub a_scale: Place,
+    /// `CUBLASLT_MATMUL_DESC_B_SCALE_POINTER`: B's factor.
+    pub b_scale: Place,
+    /// `CUBLASLT_MATMUL_DESC_FAST_ACCUM`. Off in castor's products: with it on, Hopper's FP8
+    /// tensor cores keep partial sums in their own reduced-precision accumulator over the
+    /// whole inner dimension; off, cuBLASLt promotes them to F32 at intervals, which is the
+    /// F32 sum the CPU executor computes (Transformer Engine turns it on for forward products
+    /// only, trading accuracy for speed; castor's gradients and loss are checked against the
+    /// CPU executor, so it is off everywhere).
+    pub fast_accum: bool,
+}
+
+impl Fp8Scales {
+    /// The scale pointers: name, place (one F32 each).
+    pub fn buffers(&self) -> [(&'static str, Place); 2] {
+        [("a_scale", self.a_scale), ("b_scale", self.b_scale)]
+    }
+}
+
+/// The byte offset of `p` in its buffer (buffers start 256-byte aligned).
+fn offset_of(p: Place) -> u64 {
+    match p {
+        Place::Arena { offset } | Place::Slot { offset, .. } | Place::Buffer { offset, .. } => {
+            offset
+        }
+    }
+}
+
+/// The multiple cuBLASLt's FP8 products need, in bytes, of every pointer and leading
+/// dimension and of the inner and output dimensions (its Tensor Core rules, which the FP8
+/// kernels require).
+pub const FP8_ALIGN: u64 = 16;
 
 /// A cuBLASLt epilogue: work done on the F32 accumulator of a single product (`batch` 1)
 /// before C is stored, so it costs no pass over memory and C is rounded once. Vectors hold
@@ -410,6 +453,10 @@ impl Gemm {
     /// it before issuing, and the emulator before computing.
     pub fn check(&self) -> Result<(u64, u64, u64), String> {
         let g = self;
+        if let Some(scales) = &g.fp8 {
+            g.check_fp8(scales)?;
+            return g.extents();
+        }
         let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
         let types_ok = float(g.a_dtype)
             && float(g.c_dtype)
@@ -423,6 +470,80 @@ impl Gemm {
                 g.a_dtype, g.b_dtype, g.c_dtype, g.compute
             ));
         }
+        g.extents()
+    }
+
+    /// cuBLASLt's rules for an FP8 product (cuBLAS's `cublasLtMatmul` documentation): FP8
+    /// A and B (not both E5M2) into BF16, F16 or F32 with F32 compute; A transposed and B
+    /// not (the "TN" form: both operands contiguous along the inner dim); every pointer and
+    /// leading dimension a multiple of 16 bytes, the inner dim `k` and `m` (the IR product's
+    /// output columns) multiples of 16. castor's FP8 products are single products (`batch` 1, no epilogue,
+    /// alpha 1, C overwritten).
+    fn check_fp8(&self, scales: &Fp8Scales) -> Result<(), String> {
+        let g = self;
+        let out_ok = matches!(g.c_dtype, DType::BF16 | DType::F16 | DType::F32);
+        let both_e5m2 = g.a_dtype == DType::F8E5M2 && g.b_dtype == DType::F8E5M2;
+        if !g.a_dtype.is_fp8() || !g.b_dtype.is_fp8() || both_e5m2 || !out_ok {
+            return Err(format!(
+                "cuBLASLt has no FP8 product of {} x {} into {}",
+                g.a_dtype, g.b_dtype, g.c_dtype
+            ));
+        }
+        if g.compute != GemmCompute::F32 {
+            return Err("cuBLASLt's FP8 products compute in F32".into());
+        }
+        if !g.transa || g.transb {
+            return Err(format!(
+                "cuBLASLt's FP8 products take A transposed and B not (the \"TN\" form, both \
+                 operands contiguous along the inner dim), found transa={} transb={}",
+                g.transa, g.transb
+            ));
+        }
+        if g.batch != 1 || g.accumulate || g.epilogue != Epilogue::None || g.alpha != 1.0 {
+            return Err(format!(
+                "an FP8 product is one product that overwrites C, without epilogue or alpha \
+                 (batch {}, accumulate {}, epilogue {}, alpha {})",
+                g.batch,
+                g.accumulate,
+                g.epilogue.name(),
+                g.alpha
+            ));
+        }
+        let c_size = g.c_dtype.size_bytes() as u64;
+        for (name, place) in [("A", g.a), ("B", g.b), ("C", g.c)] {
+            if !offset_of(place).is_multiple_of(FP8_ALIGN) {
+                return Err(format!(
+                    "{name} starts {} bytes into its buffer: cuBLASLt's FP8 products need \
+                     16-byte aligned operands",
+                    offset_of(place)
+                ));
+            }
+        }
+        for (name, place) in scales.buffers() {
+            if !offset_of(place).is_multiple_of(4) {
+                return Err(format!("the {name} pointer is not 4-byte aligned"));
+            }
+        }
+        for (what, value, bytes) in [
+            ("k (the inner dim)", i64::from(g.k), 1),
+            ("m (the output's columns)", i64::from(g.m), 1),
+            ("lda", g.lda, 1),
+            ("ldb", g.ldb, 1),
+            ("ldc", g.ldc, c_size),
+        ] {
+            if !(value.max(0) as u64 * bytes).is_multiple_of(FP8_ALIGN) {
+                return Err(format!(
+                    "{what} = {value}: cuBLASLt's FP8 products need it a multiple of {}",
+                    FP8_ALIGN / bytes
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The operands' extents in bytes, `(a, b, c)`, or why cuBLAS refuses their sizes.
+    fn extents(&self) -> Result<(u64, u64, u64), String> {
+        let g = self;
         let (m, n, k, batch) = (
             i128::from(g.m),
             i128::from(g.n),
@@ -774,7 +895,7 @@ impl Command {
             ),
             Command::Gemm(g) => format!(
                 "gemm {}{} x {}{} -> {} m={} n={} k={} batch={} A={} lda={} sA={} B={} ldb={} \
-                 sB={} C={} ldc={} sC={} {}{}{}  # %{}",
+                 sB={} C={} ldc={} sC={} {}{}{}{}  # %{}",
                 g.a_dtype.name(),
                 if g.transa { "ᵀ" } else { "" },
                 g.b_dtype.name(),
@@ -812,6 +933,15 @@ impl Command {
                             .map(|(name, p, ..)| format!("{name}={}", p.short()))
                             .collect::<Vec<_>>()
                             .join(" ")
+                    ),
+                },
+                match &g.fp8 {
+                    None => String::new(),
+                    Some(f) => format!(
+                        " fp8(a_scale={} b_scale={} fast_accum={})",
+                        f.a_scale.short(),
+                        f.b_scale.short(),
+                        if f.fast_accum { "on" } else { "off" }
                     ),
                 },
                 g.node

@@ -716,6 +716,9 @@ fn run_reads_slot(program: &Program, run: usize, slot: usize) -> bool {
                         .buffers(g.c_dtype)
                         .iter()
                         .any(|(_, p, _, _, written)| !written && hit(p))
+                    || g.fp8
+                        .iter()
+                        .any(|s| s.buffers().iter().any(|(_, p)| hit(p)))
             }
             Command::Copy { src, .. } | Command::Collective { src, .. } => hit(src),
             Command::Memset { .. } | Command::Join { .. } => false,

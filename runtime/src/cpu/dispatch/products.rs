@@ -1,7 +1,7 @@
 //! Contractions: the matrix products and their fused epilogues, NF4 products, fused attention and
 //! the fused LM head with its loss.
 
-use super::super::{attention, classifier, epilogue, fp8, loss, matmul};
+use super::super::{attention, classifier, epilogue, fp8, layout, loss, matmul};
 use super::{f32_results, make, scalar, to_tf32};
 use crate::cpu::operand::Args;
 use crate::RuntimeError;
@@ -44,7 +44,7 @@ pub(super) fn execute(
         } => {
             // FP8 values are exact in F32 and so are their products: the F32 sum is what the
             // tensor cores accumulate, then one multiplication dequantizes it.
-            let mut sum = product(args, None, out, *transpose_a, *transpose_b)?;
+            let mut sum = fp8_product(args, out, *transpose_a, *transpose_b)?;
             let factor = fp8::dequantization(scalar(args, 2)?, scalar(args, 3)?);
             sum.iter_mut().for_each(|v| *v *= factor);
             float(args, sum)?
@@ -181,6 +181,60 @@ fn product(
         data: if tf32 { &b_tf32 } else { args.f32(1)? },
         shape: args.shape(1)?,
         transpose: transpose_b,
+    };
+    Ok(matmul::matmul(&a, &b, out.shape.dims()))
+}
+
+/// The F32 sum of an FP8 product, on its operands brought to the form cuBLASLt's FP8 kernels
+/// take (both contiguous along the inner dim: `a` as `[.., M, K]`, `b` as `[.., N, K]` read
+/// transposed), transposing the ones the IR stores the other way. The CUDA lowering makes the
+/// same transposed copies, so the emulator multiplies the same matrices laid out the same way
+/// (`cuda/emulate/gemm.rs`); the sum is the same either way.
+fn fp8_product(
+    args: &Args,
+    out: &TensorType,
+    transpose_a: bool,
+    transpose_b: bool,
+) -> Result<Vec<f32>, RuntimeError> {
+    let swapped = |i: usize| -> Result<(Vec<f32>, Vec<usize>), RuntimeError> {
+        let shape = args.shape(i)?;
+        let r = shape.len();
+        if r < 2 {
+            return Err(args.internal(format!("operand {i} of an FP8 product is not a matrix")));
+        }
+        let mut perm: Vec<usize> = (0..r).collect();
+        perm.swap(r - 2, r - 1);
+        let dims: Vec<usize> = perm.iter().map(|&p| shape[p]).collect();
+        Ok((layout::transpose(args.f32(i)?, shape, &perm), dims))
+    };
+    let (a_copy, b_copy);
+    let a = if transpose_a {
+        a_copy = swapped(0)?;
+        matmul::Operand {
+            data: &a_copy.0,
+            shape: &a_copy.1,
+            transpose: false,
+        }
+    } else {
+        matmul::Operand {
+            data: args.f32(0)?,
+            shape: args.shape(0)?,
+            transpose: false,
+        }
+    };
+    let b = if transpose_b {
+        matmul::Operand {
+            data: args.f32(1)?,
+            shape: args.shape(1)?,
+            transpose: true,
+        }
+    } else {
+        b_copy = swapped(1)?;
+        matmul::Operand {
+            data: &b_copy.0,
+            shape: &b_copy.1,
+            transpose: true,
+        }
     };
     Ok(matmul::matmul(&a, &b, out.shape.dims()))
 }

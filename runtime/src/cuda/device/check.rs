@@ -15,6 +15,9 @@ fn blas_type(d: DType) -> Option<blas_sys::cudaDataType> {
         DType::F32 => Some(blas_sys::cudaDataType::CUDA_R_32F),
         DType::F16 => Some(blas_sys::cudaDataType::CUDA_R_16F),
         DType::BF16 => Some(blas_sys::cudaDataType::CUDA_R_16BF),
+        // cuBLASLt only (FP8 products).
+        DType::F8E4M3 => Some(blas_sys::cudaDataType::CUDA_R_8F_E4M3),
+        DType::F8E5M2 => Some(blas_sys::cudaDataType::CUDA_R_8F_E5M2),
         _ => None,
     }
 }
@@ -182,6 +185,9 @@ pub(super) fn check_program(program: &Program) -> Result<(), CudaError> {
                     }
                     for (_, p, bytes, _) in g.epilogue_extents().map_err(|why| bad(&at, why))? {
                         ext.check(p, bytes).map_err(|why| bad(&at, why))?;
+                    }
+                    for (_, p) in g.fp8.iter().flat_map(|s| s.buffers()) {
+                        ext.check(p, 4).map_err(|why| bad(&at, why))?;
                     }
                 }
                 Command::Copy { dst, src, bytes } => {

@@ -298,7 +298,7 @@ impl Loaded {
 
     fn gemm(&self, g: &Gemm) -> Result<(), CudaError> {
         let p = gemm_params(g)?;
-        if g.epilogue != Epilogue::None {
+        if g.epilogue != Epilogue::None || g.fp8.is_some() {
             return self.gemm_lt(g, &p);
         }
         let op = |t: bool| {

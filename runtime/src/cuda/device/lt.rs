@@ -1,7 +1,15 @@
-//! Products with an epilogue, through cuBLASLt: the matmul descriptor carries the epilogue
-//! and its buffers, the algorithm is cuBLASLt's first heuristic choice within the program's
-//! workspace, and split-K reductions are kept out of the output type (as the cuBLAS handle's
-//! math mode does for plain products), so C is rounded once.
+//! Products with an epilogue, and FP8 products, through cuBLASLt: the matmul descriptor
+//! carries the epilogue and its buffers, or an FP8 product's scale pointers and its fast
+//! accumulation setting; the algorithm is cuBLASLt's first heuristic choice within the
+//! program's workspace, and split-K reductions are kept out of the output type (as the cuBLAS
+//! handle's math mode does for plain products), so C is rounded once.
+//!
+//! An FP8 product (`Gemm::fp8`): A and B are `CUDA_R_8F_E4M3` or `CUDA_R_8F_E5M2` in the "TN"
+//! form `Gemm::check` holds them to, C (= D) BF16, F16 or F32, compute `CUBLAS_COMPUTE_32F`
+//! with F32 scalars, `A_SCALE_POINTER` and `B_SCALE_POINTER` at the device F32 dequantization
+//! factors the program wrote before the call, and `FAST_ACCUM` as the program says (off in
+//! castor's plans: see `Fp8Scales::fast_accum`). No C or D scale and no `AMAX_D_POINTER`:
+//! cuBLASLt reads those only for an FP8 C or D.
 
 use super::check::GemmParams;
 use super::load::Loaded;
@@ -50,6 +58,8 @@ fn lt_type(d: DType) -> lt_sys::cudaDataType {
     match d {
         DType::F16 => lt_sys::cudaDataType::CUDA_R_16F,
         DType::BF16 => lt_sys::cudaDataType::CUDA_R_16BF,
+        DType::F8E4M3 => lt_sys::cudaDataType::CUDA_R_8F_E4M3,
+        DType::F8E5M2 => lt_sys::cudaDataType::CUDA_R_8F_E5M2,
         _ => lt_sys::cudaDataType::CUDA_R_32F,
     }
 }
@@ -156,6 +166,19 @@ impl Loaded {
             set(
                 A::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
                 &g.ldc.to_ne_bytes(),
+            )?;
+        }
+        if let Some(scales) = &g.fp8 {
+            for (attr, place) in [
+                (A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scales.a_scale),
+                (A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scales.b_scale),
+            ] {
+                set(attr, &(ptr(place) as usize).to_ne_bytes())?;
+            }
+            // An int8_t: 0 promotes the tensor cores' partial sums to F32 at intervals.
+            set(
+                A::CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                &[i8::from(scales.fast_accum) as u8],
             )?;
         }
         // Layouts of A, B and C (= D) as stored, column-major.

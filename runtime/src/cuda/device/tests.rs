@@ -123,6 +123,7 @@ fn gemm(m: i32, n: i32, k: i32) -> Gemm {
         accumulate: false,
         alpha: 1.0,
         epilogue: Default::default(),
+        fp8: None,
     }
 }
 
@@ -185,6 +186,79 @@ fn gemm_types_follow_cublas() {
         ..gemm(2, 2, 2)
     };
     assert!(gemm_params(&ints).is_err());
+}
+
+/// cuBLASLt's FP8 rules: FP8 operands (not both E5M2) in the "TN" form into BF16, F16 or
+/// F32, 16-byte aligned pointers and leading dims, `k` and `m` multiples of 16, one product.
+#[test]
+fn fp8_products_follow_cublaslt() {
+    use crate::cuda::program::Fp8Scales;
+    let fp8 = |m: i32, n: i32, k: i32| Gemm {
+        a_dtype: DType::F8E4M3,
+        b_dtype: DType::F8E5M2,
+        c_dtype: DType::BF16,
+        transa: true,
+        lda: k as i64,
+        ldb: k as i64,
+        ldc: m as i64,
+        fp8: Some(Fp8Scales {
+            a_scale: Place::Slot { slot: 2, offset: 4 },
+            b_scale: Place::Slot { slot: 2, offset: 0 },
+            fast_accum: false,
+        }),
+        ..gemm(m, n, k)
+    };
+    let ok = fp8(32, 3, 16);
+    assert!(gemm_params(&ok).is_ok());
+    // A is k x m stored (transposed), B k x n, C m x n in BF16.
+    assert_eq!(ok.check(), Ok((16 * 32, 16 * 3, 32 * 3 * 2)));
+    let refused = |g: Gemm, why: &str| {
+        let e = g.check().unwrap_err();
+        assert!(e.contains(why), "{e}");
+        assert!(gemm_params(&g).is_err());
+    };
+    refused(
+        Gemm {
+            transa: false,
+            lda: 32,
+            ..fp8(32, 3, 16)
+        },
+        "the \"TN\" form",
+    );
+    refused(
+        Gemm {
+            b_dtype: DType::F8E5M2,
+            a_dtype: DType::F8E5M2,
+            ..fp8(32, 3, 16)
+        },
+        "no FP8 product of f8e5m2 x f8e5m2",
+    );
+    refused(
+        Gemm {
+            a_dtype: DType::BF16,
+            ..fp8(32, 3, 16)
+        },
+        "no FP8 product",
+    );
+    refused(fp8(32, 3, 24), "k (the inner dim) = 24");
+    refused(fp8(40, 3, 16), "m (the output's columns) = 40");
+    refused(
+        Gemm {
+            a: Place::Arena { offset: 8 },
+            ..fp8(32, 3, 16)
+        },
+        "A starts 8 bytes into its buffer",
+    );
+    refused(
+        Gemm {
+            batch: 2,
+            stride_a: 512,
+            stride_b: 48,
+            stride_c: 96,
+            ..fp8(32, 3, 16)
+        },
+        "one product that overwrites C",
+    );
 }
 
 fn slot(name: &str, bytes: u64) -> Slot {
@@ -381,6 +455,7 @@ if (k < n) x[k] *= by;
         accumulate: false,
         alpha: 1.0,
         epilogue: Default::default(),
+        fp8: None,
     };
     let program = Program {
         modules: vec![Module {

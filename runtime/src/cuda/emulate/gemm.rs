@@ -2,6 +2,16 @@
 //! product on the same operands, so that an emulated plan's products are the CPU executor's
 //! bit for bit. (The device's cuBLAS sums in its own order: on a GPU, products agree with the
 //! CPU executor to F32 rounding, not bit for bit.)
+//!
+//! An FP8 product (cuBLASLt, `Gemm::fp8`) is checked against cuBLASLt's FP8 rules (types, the
+//! "TN" form, alignment; `Gemm::check`), its FP8 operands are read from the bytes the program
+//! wrote (the quantize kernels' output, or the transposed copies the lowering planned), and its
+//! two dequantization factors from device memory through the scale pointers. It is computed as
+//! the CPU executor computes `fp8_matmul` (`cpu/dispatch/products.rs`, which brings its operands
+//! to the same "TN" form): the F32 product of the FP8 values, times the product of the two
+//! factors, rounded once to C's type. What this checks is the lowering (layouts, transposed
+//! copies, scale pointers and the kernels that fill them), not cuBLASLt's summation order or
+//! its fast-accumulation mode, which only a GPU shows.
 
 use super::memory::{check_uses, use_, Io, Mem, Ptr};
 use super::R;
@@ -38,6 +48,9 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
         let size = if name == "bias_grad" { 4 } else { ec };
         let io = if written { Io::W } else { Io::R };
         uses.push(use_(name, Some(m.place(place)), bytes, size, io));
+    }
+    for (name, place) in g.fp8.iter().flat_map(|s| s.buffers()) {
+        uses.push(use_(name, Some(m.place(place)), 4, 4, Io::R));
     }
     check_uses(m, &uses, &[])?;
     let tf32 = g.compute == GemmCompute::Tf32;
@@ -110,6 +123,14 @@ pub(super) fn gemm(m: &mut Mem, g: &Gemm) -> R<()> {
         }
         Ok(())
     };
+    // cuBLASLt's FP8 scales: the product of the two factors (each 1 / an operand's scale, in
+    // F32), then the F32 sum times it, as the CPU executor's `fp8_matmul` dequantizes.
+    if let Some(scales) = &g.fp8 {
+        let a_scale = m.f(m.place(scales.a_scale), 0, DType::F32)?;
+        let b_scale = m.f(m.place(scales.b_scale), 0, DType::F32)?;
+        let factor = a_scale * b_scale;
+        out.iter_mut().for_each(|v| *v *= factor);
+    }
     // cuBLAS's alpha on the F32 product, before the epilogue (as the CPU executor's
     // `matmul_scaled` multiplies it).
     if g.alpha != 1.0 {

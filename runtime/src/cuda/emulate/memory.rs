@@ -183,6 +183,10 @@ impl Mem {
             DType::F32 => f32::from_le_bytes(self.get(p, i)?),
             DType::F16 => f16::from_bits(u16::from_le_bytes(self.get(p, i)?)).to_f32(),
             DType::BF16 => bf16::from_bits(u16::from_le_bytes(self.get(p, i)?)).to_f32(),
+            DType::F8E4M3 | DType::F8E5M2 => {
+                let [byte] = self.get(p, i)?;
+                castor_ir::fp8::Fp8Format::of(dt).map_or(f32::NAN, |f| f.decode(byte))
+            }
             other => return Err(format!("a float load from a {} buffer", other.name())),
         })
     }

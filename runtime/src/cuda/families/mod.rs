@@ -80,6 +80,7 @@ families!(
     dropout: Dropout,
     elementwise: Elementwise,
     embedding: Embedding,
+    fp8: Fp8,
     layout: Layout,
     nf4: Nf4,
     norm: Norm,

@@ -7,7 +7,7 @@
 //! other operand's stride is 0; a plain `x @ W` with `x [.., M, K]` folds the batch into `M`,
 //! one large product).
 
-use super::super::program::{Epilogue, Gemm, GemmCompute, Place};
+use super::super::program::{Epilogue, Fp8Scales, Gemm, GemmCompute, Place};
 use castor_ir::{DType, Shape};
 
 /// The product `out = op(a) · op(b)` as one or more cuBLAS calls, or why cuBLAS cannot run
@@ -28,19 +28,6 @@ pub fn matmul(
     transpose_b: bool,
     tf32: bool,
 ) -> Result<Vec<Gemm>, String> {
-    let (ad, bd) = (a_shape.dims(), b_shape.dims());
-    if ad.len() < 2 || bd.len() < 2 {
-        return Err("matmul operands must have at least two dims".into());
-    }
-    let (ar, ac) = (ad[ad.len() - 2], ad[ad.len() - 1]);
-    let (br, bc) = (bd[bd.len() - 2], bd[bd.len() - 1]);
-    let (m, k) = if transpose_a { (ac, ar) } else { (ar, ac) };
-    let (k2, n) = if transpose_b { (bc, br) } else { (br, bc) };
-    if k != k2 {
-        return Err(format!(
-            "inner dims differ: {a_shape} and {b_shape} (transpose {transpose_a}/{transpose_b})"
-        ));
-    }
     let dtype_ok = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
     if a_dtype != b_dtype || !dtype_ok(a_dtype) || !dtype_ok(c_dtype) {
         return Err(format!(
@@ -55,6 +42,73 @@ pub fn matmul(
             "a {} product cannot write {}",
             a_dtype.name(),
             c_dtype.name()
+        ));
+    }
+    calls(
+        node,
+        (a, a_shape, a_dtype),
+        (b, b_shape, b_dtype),
+        (c, c_dtype),
+        (transpose_a, transpose_b),
+        if tf32 && a_dtype == DType::F32 {
+            GemmCompute::Tf32
+        } else {
+            GemmCompute::F32
+        },
+    )
+}
+
+/// The FP8 product `out = a · bᵀ` of `a` stored `[.., M, K]` and `b` stored `[N, K]` (both
+/// contiguous along the inner dim: the IR's `fp8_matmul` with its operands brought to that
+/// form) as one cuBLASLt FP8 call, `C = (a_scale · b_scale) · op(A) op(B)` with cuBLAS's `A`
+/// the IR's `b` (transposed) and `B` the IR's `a` (not): the "TN" form cuBLASLt's FP8 kernels
+/// require. `scales` points at the dequantization factors of cuBLAS's `A` and `B`. Or why
+/// cuBLASLt cannot run it ([`Gemm::check`]'s FP8 rules, or a product that is not one call).
+pub fn fp8_matmul(
+    node: &str,
+    a: (Place, &Shape, DType),
+    b: (Place, &Shape, DType),
+    c: (Place, DType),
+    scales: Fp8Scales,
+) -> Result<Gemm, String> {
+    let mut gemms = calls(node, a, b, c, (false, true), GemmCompute::F32)?;
+    if gemms.len() != 1 || gemms[0].batch != 1 {
+        return Err(format!(
+            "an FP8 product of {} by {} is {} cuBLASLt call(s) of batch {}; castor's FP8 \
+             products are single products (a batch of matrices by one matrix)",
+            a.1,
+            b.1,
+            gemms.len(),
+            gemms.first().map_or(0, |g| g.batch)
+        ));
+    }
+    let mut g = gemms.remove(0);
+    g.fp8 = Some(scales);
+    g.check()
+        .map_err(|e| format!("{e} (the FP8 product of {} by {}ᵀ)", a.1, b.1))?;
+    Ok(g)
+}
+
+/// The cuBLAS calls of `out = op(a) · op(b)` (see [`matmul`]), types unchecked.
+fn calls(
+    node: &str,
+    (a, a_shape, a_dtype): (Place, &Shape, DType),
+    (b, b_shape, b_dtype): (Place, &Shape, DType),
+    (c, c_dtype): (Place, DType),
+    (transpose_a, transpose_b): (bool, bool),
+    compute: GemmCompute,
+) -> Result<Vec<Gemm>, String> {
+    let (ad, bd) = (a_shape.dims(), b_shape.dims());
+    if ad.len() < 2 || bd.len() < 2 {
+        return Err("matmul operands must have at least two dims".into());
+    }
+    let (ar, ac) = (ad[ad.len() - 2], ad[ad.len() - 1]);
+    let (br, bc) = (bd[bd.len() - 2], bd[bd.len() - 1]);
+    let (m, k) = if transpose_a { (ac, ar) } else { (ar, ac) };
+    let (k2, n) = if transpose_b { (bc, br) } else { (br, bc) };
+    if k != k2 {
+        return Err(format!(
+            "inner dims differ: {a_shape} and {b_shape} (transpose {transpose_a}/{transpose_b})"
         ));
     }
     // Batch dims, right-aligned, with each operand's matrix stride per dim (0: broadcast).
@@ -172,14 +226,11 @@ pub fn matmul(
             ldc: n as i64,
             stride_c: (rows * n) as i64,
             batch: narrow(batch, "batch")?,
-            compute: if tf32 && a_dtype == DType::F32 {
-                GemmCompute::Tf32
-            } else {
-                GemmCompute::F32
-            },
+            compute,
             accumulate: false,
             alpha: 1.0,
             epilogue: Epilogue::None,
+            fp8: None,
         });
     }
     Ok(gemms)

@@ -210,9 +210,7 @@ impl Lowerer {
             node: g.name.clone(),
             message: format!("invalid graph: {e}"),
         })?;
-        for (v, data) in g.values() {
-            super::refuse_fp8(g.name(v), &data.ty)?;
-        }
+        super::refuse_fp8(g)?;
         let schedule = unit_schedule(g, units)?;
         let mut r = RunLowering::new(self, g, run, schedule, stored)?;
         r.assign_sources()?;

@@ -43,18 +43,43 @@ pub struct LowerError {
     pub message: String,
 }
 
-/// The CUDA executor has no FP8 kernels yet: a value or state entry of an FP8 dtype is refused
-/// before lowering starts, naming it and its dtype (the CPU executor runs FP8 values).
-pub(crate) fn refuse_fp8(name: &str, ty: &castor_ir::TensorType) -> Result<(), LowerError> {
-    if ty.dtype.is_fp8() {
-        return Err(LowerError {
-            node: name.into(),
-            message: format!(
-                "{ty}: the CUDA executor cannot run {} values yet (no FP8 kernels); the CPU \
-                 executor can",
-                ty.dtype
-            ),
-        });
+/// FP8 values on CUDA are made by `quantize` (`families/fp8`), read by `fp8_matmul`
+/// (cuBLASLt's FP8 products), moved by layout ops as bytes, or bound as sources: any other
+/// op with an FP8 operand or result (a plain `cast` to FP8, a pointwise op on FP8 values) has
+/// no CUDA kernel and is refused before lowering starts, naming its first result (the CPU
+/// executor runs it).
+pub(crate) fn refuse_fp8(g: &Graph) -> Result<(), LowerError> {
+    for (_, node) in g.nodes() {
+        let fp8_op = matches!(
+            node.op,
+            Op::Quantize { .. }
+                | Op::Fp8MatMul { .. }
+                | Op::Input
+                | Op::Param
+                | Op::State
+                | Op::Reshape { .. }
+                | Op::Transpose { .. }
+                | Op::Slice { .. }
+                | Op::Split { .. }
+                | Op::Concat { .. }
+                | Op::BroadcastTo { .. }
+        );
+        let fp8 = node
+            .inputs
+            .iter()
+            .chain(&node.outputs)
+            .map(|&v| g.ty(v))
+            .find(|t| t.dtype.is_fp8());
+        if let (false, Some(ty), Some(&y)) = (fp8_op, fp8, node.outputs.first()) {
+            return Err(LowerError {
+                node: g.name(y).into(),
+                message: format!(
+                    "`{}` with a {ty} value has no CUDA kernel: on CUDA, FP8 values are made by \
+                     `quantize` and read by `fp8_matmul` (the CPU executor runs it)",
+                    node.op.mnemonic()
+                ),
+            });
+        }
     }
     Ok(())
 }
@@ -90,7 +115,6 @@ pub fn lower_step(
 ) -> Result<Program, LowerError> {
     let mut l = Lowerer::default();
     for spec in &plan.state {
-        refuse_fp8(&spec.name, &spec.ty)?;
         l.slot(&spec.name, SlotKind::Bound(spec.ty.clone()), &spec.name)?;
     }
     if plan.settings.grad_accum > 1 {

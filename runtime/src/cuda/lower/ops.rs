@@ -127,22 +127,10 @@ impl RunLowering<'_, '_> {
             Op::Unary(_) | Op::UnaryGrad(_) | Op::Binary(_) | Op::Scale { .. } => {
                 return Err(self.err(y, "pointwise ops on non-float tensors have no CUDA kernel"));
             }
-            // FP8 plans run on the CPU executor for now: cuBLASLt's FP8 products (with scale
-            // pointers and the TN operand layout they require) and the fused scaling kernels
-            // are not lowered yet.
-            Op::Fp8MatMul { .. }
-            | Op::Fp8Scale { .. }
-            | Op::Quantize { .. }
-            | Op::AmaxHistory { .. } => {
-                return Err(self.err(
-                    y,
-                    format!(
-                        "`{}` (--precision fp8) has no CUDA lowering yet; FP8 plans run on the \
-                         CPU executor (--device cpu)",
-                        node.op.mnemonic()
-                    ),
-                ));
-            }
+            Op::Fp8Scale { .. } => self.fp8_scale(n)?,
+            Op::Quantize { .. } => self.quantize(n)?,
+            Op::Fp8MatMul { .. } => self.fp8_matmul(n)?,
+            Op::AmaxHistory { .. } => self.amax_history(n)?,
         }
         Ok(())
     }

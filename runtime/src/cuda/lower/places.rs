@@ -238,6 +238,10 @@ fn map_places(c: &mut Command, f: &dyn Fn(Place) -> Place) {
             gm.b = f(gm.b);
             gm.c = f(gm.c);
             gm.epilogue = gm.epilogue.map(f);
+            if let Some(s) = &mut gm.fp8 {
+                s.a_scale = f(s.a_scale);
+                s.b_scale = f(s.b_scale);
+            }
         }
         Command::Copy { dst, src, .. } => {
             *dst = f(*dst);

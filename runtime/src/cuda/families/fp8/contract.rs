@@ -1,0 +1,141 @@
+//! `fp8.cu`: the amax and quantize launches read `x` and write one partial maximum per block
+//! of the grid (and quantize the FP8 bytes); the finalizers, one block each, read `count`
+//! partials and write one F32; the dequantization reads two F32 scales and writes two F32
+//! factors; the amax history step reads a history, a scale and an amax and writes the next
+//! history and scale (in place allowed).
+
+use super::Kernel;
+use crate::cuda::emulate::args::Args;
+use crate::cuda::emulate::contracts::{checked, one_block, row_block};
+use crate::cuda::emulate::memory::{use_, Io, Mem, Use};
+use crate::cuda::emulate::R;
+use crate::cuda::program::Launch;
+
+/// What a launch of kernel `k` may read and write.
+pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    match k {
+        Kernel::Amax { dtype } => {
+            row_block(l)?;
+            let mut a = Args::new(l);
+            let x = a.need(m, "x")?;
+            let n = a.count("n")?;
+            let partials = a.need(m, "partials")?;
+            a.end()?;
+            let s = dtype.size_bytes();
+            checked(
+                m,
+                vec![
+                    use_("x", Some(x), (n * s) as u64, s, Io::R),
+                    use_("partials", Some(partials), blocks(l)? * 4, 4, Io::W),
+                ],
+                &[],
+            )
+        }
+        Kernel::Quantize { dtype, .. } => {
+            row_block(l)?;
+            let mut a = Args::new(l);
+            let x = a.need(m, "x")?;
+            let n = a.count("n")?;
+            let scale = a.need(m, "scale")?;
+            let q = a.need(m, "q")?;
+            let partials = a.ptr(m, "partials")?;
+            a.end()?;
+            let s = dtype.size_bytes();
+            checked(
+                m,
+                vec![
+                    use_("x", Some(x), (n * s) as u64, s, Io::R),
+                    use_("scale", Some(scale), 4, 4, Io::R),
+                    use_("q", Some(q), n as u64, 1, Io::W),
+                    use_("partials", partials, blocks(l)? * 4, 4, Io::W),
+                ],
+                &[],
+            )
+        }
+        Kernel::ScaleFinalize | Kernel::AmaxFinalize => {
+            row_block(l)?;
+            one_block(l)?;
+            let mut a = Args::new(l);
+            let partials = a.need(m, "partials")?;
+            let count = a.count32("count")?;
+            let out = if k == Kernel::ScaleFinalize {
+                let largest = a.f64("largest")?;
+                let divisor = a.f64("divisor")?;
+                if !(largest > 0.0 && divisor >= 1.0) {
+                    return Err(format!(
+                        "largest {largest} and divisor {divisor}: a format's largest value and \
+                         2^margin"
+                    ));
+                }
+                ("scale", a.need(m, "scale")?)
+            } else {
+                ("amax", a.need(m, "amax")?)
+            };
+            a.end()?;
+            checked(
+                m,
+                vec![
+                    use_("partials", Some(partials), count as u64 * 4, 4, Io::R),
+                    use_(out.0, Some(out.1), 4, 4, Io::W),
+                ],
+                &[],
+            )
+        }
+        Kernel::AmaxHistory => {
+            one_block(l)?;
+            let mut a = Args::new(l);
+            let history = a.need(m, "history")?;
+            let length = a.count32("length")?;
+            let scale = a.need(m, "scale")?;
+            let amax = a.need(m, "amax")?;
+            let largest = a.f64("largest")?;
+            let divisor = a.f64("divisor")?;
+            if !(largest > 0.0 && divisor >= 1.0) {
+                return Err(format!(
+                    "largest {largest} and divisor {divisor}: a format's largest value and \
+                     2^margin"
+                ));
+            }
+            let history_next = a.need(m, "history_next")?;
+            let scale_next = a.need(m, "scale_next")?;
+            a.end()?;
+            let bytes = length as u64 * 4;
+            checked(
+                m,
+                vec![
+                    use_("history", Some(history), bytes, 4, Io::R),
+                    use_("scale", Some(scale), 4, 4, Io::R),
+                    use_("amax", Some(amax), 4, 4, Io::R),
+                    use_("history_next", Some(history_next), bytes, 4, Io::W),
+                    use_("scale_next", Some(scale_next), 4, 4, Io::W),
+                ],
+                // It reads everything before it writes: a write back in place is safe.
+                &[("history", "history_next"), ("scale", "scale_next")],
+            )
+        }
+        Kernel::Dequantization => {
+            let mut a = Args::new(l);
+            let a_scale = a.need(m, "a_scale")?;
+            let b_scale = a.need(m, "b_scale")?;
+            let factors = a.need(m, "factors")?;
+            a.end()?;
+            checked(
+                m,
+                vec![
+                    use_("a_scale", Some(a_scale), 4, 4, Io::R),
+                    use_("b_scale", Some(b_scale), 4, 4, Io::R),
+                    use_("factors", Some(factors), 8, 4, Io::W),
+                ],
+                &[],
+            )
+        }
+    }
+}
+
+/// The blocks of a 1-D grid: one partial maximum each.
+fn blocks(l: &Launch) -> R<u64> {
+    match l.grid {
+        (x, 1, 1) if x > 0 => Ok(u64::from(x)),
+        g => Err(format!("grid {g:?}: the kernel takes a 1-D grid")),
+    }
+}

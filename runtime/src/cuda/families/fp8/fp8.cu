@@ -1,0 +1,249 @@
+// fp8.cu: FP8 tensorwise scaling: the largest magnitude of a tensor and its scale
+// (`fp8_scale`), the scaled saturating cast to E4M3 or E5M2 with the amax of its input
+// (`quantize`), and the dequantization factors a cuBLASLt FP8 product reads through its scale
+// pointers (`fp8_matmul`).
+//
+// Entry points (t = storage dtype of x: f32, f16, bf16; f = e4m3, e5m2):
+//   fp8_amax_<t>(const T* x, i64 n, float* partials)
+//     partials[blockIdx.x] = the largest |x[i]| over the elements the block takes (grid-stride),
+//     NaN if one of them is NaN, 0 if none. One float per block of the grid.
+//   fp8_scale_finalize(const float* partials, int count, double largest, double divisor,
+//                      float* scale), one block:
+//     amax = the NaN-propagating max of partials[0 .. count);
+//     *scale = F32((largest / max(F64(amax), 1e-12)) / divisor), in F64: `largest` is the
+//     format's largest finite value (448 or 57344), `divisor` 2^margin (the host's
+//     2f64.powi(min(margin, 1024))). max() is IEEE maxNum, as Rust's f64::max: a NaN amax
+//     gives the floor's scale, as the CPU twin computes it.
+//   fp8_quantize_<t>_<f>(const T* x, i64 n, const float* scale, unsigned char* q,
+//                        float* partials)
+//     q[i] = the FP8 byte nearest to the F32 product x[i] * *scale (ties to even, saturating at
+//     the largest finite value, NaN as 0x7F | sign); partials (nullable) as fp8_amax_<t>.
+//   fp8_amax_finalize(const float* partials, int count, float* amax), one block:
+//     *amax = the NaN-propagating max of the partials, a NaN written as 0x7FC00000 (Rust's
+//     f32::NAN, which the CPU twin returns whatever the NaN it met).
+//   fp8_amax_history(const float* history, int length, const float* scale, const float* amax,
+//                    double largest, double divisor, float* history_next, float* scale_next),
+//     one thread (delayed scaling, `amax_history`):
+//     history_next = [*amax, history[0 .. length - 1)] (newest first);
+//     a = the NaN-propagating max of history_next; *scale_next = F32((largest / a) / divisor)
+//     in F64 (F32's largest where that is infinite) when a is finite and positive, else
+//     *scale (Transformer Engine's `_default_sf_compute`). Reads every input before it writes,
+//     so history_next may be history and scale_next scale (a write back in place).
+//   fp8_dequantization(const float* a_scale, const float* b_scale, float* factors):
+//     factors[0] = 1 / *a_scale, factors[1] = 1 / *b_scale, each rounded to F32: what a
+//     cuBLASLt FP8 product's A_SCALE_POINTER and B_SCALE_POINTER point at (only thread 0 of
+//     block 0 writes).
+// Bit for bit the CPU twin (runtime/src/cpu/fp8.rs, castor_ir::fp8::Fp8Format::encode with
+// Overflow::Saturate): the product in F32 is rounded once, to FP8. The maximum of magnitudes is
+// exact and independent of the order it is taken in, so the result depends on no grid or block
+// size; the NaN flag is kept beside it, so a NaN anywhere gives NaN. Where the device differs:
+// its F32 product of a NaN is the canonical (positive) NaN, so a negative NaN input gives 0x7F
+// there and 0xFF here and on the CPU (both NaN).
+//
+// The conversion is written out on the bits rather than taken from cuda_fp8.h's
+// __nv_cvt_float_to_fp8(x, __NV_SATFINITE, ...): CUDA writes E5M2's NaN as 0x7E where castor
+// (as PyTorch) writes 0x7F | sign, and the same source must run in the host build, where
+// cuda_fp8.h's device conversion (a `cvt.rn.satfinite` instruction) does not exist. The kernel
+// tests hold it to castor_ir::fp8 for every BF16 and F16 bit pattern and many F32 values.
+// Launch: amax and quantize: any 1-D grid, blockDim.x a multiple of 32 (at most 1024), with a
+// partials buffer of gridDim.x floats; the finalizers: one block, blockDim.x a multiple of 32.
+#include "castor_common.cuh"
+
+#define F32_CANONICAL_NAN __int_as_float(0x7fc00000)
+
+// |x| folded into the running maximum `m`, a NaN remembered in `nan`.
+__device__ __forceinline__ void fold_abs(float x, float& m, bool& nan) {
+    m = fmaxf(m, fabsf(x));
+    nan = nan || isnan(x);
+}
+
+// The FP8 byte nearest to x, saturating (castor_ir::fp8::Fp8Format::encode): M mantissa bits,
+// exponent bias BIAS, MAX_BYTE the largest finite value's byte.
+template <int M, int BIAS, unsigned MAX_BYTE>
+__device__ __forceinline__ unsigned char fp8_encode(float x) {
+    const unsigned bits = __float_as_uint(x);
+    const unsigned sign = (bits >> 24) & 0x80u;
+    const unsigned biased = (bits >> 23) & 0xFFu;
+    const unsigned fraction = bits & 0x007FFFFFu;
+    if (biased == 0xFFu) {
+        // NaN: 0x7F with its sign; an infinity saturates.
+        return (unsigned char)(sign | (fraction != 0 ? 0x7Fu : MAX_BYTE));
+    }
+    // |x| = significand * 2^scale exactly; `exponent` is floor(log2 |x|) for normal values and
+    // below every FP8 exponent for F32 subnormals (which all round to zero).
+    unsigned significand;
+    int scale, exponent;
+    if (biased == 0) {
+        significand = fraction;
+        scale = -149;
+        exponent = -127;
+    } else {
+        significand = fraction | 0x00800000u;
+        scale = int(biased) - 150;
+        exponent = int(biased) - 127;
+    }
+    const int emin = 1 - BIAS;
+    // The exponent of one unit in the last place of the FP8 values around |x|; the shift from
+    // F32's units to it is at least 20.
+    const int ulp = (exponent > emin ? exponent : emin) - M;
+    const int shift = ulp - scale;
+    // |x| in those units, rounded to nearest, ties to even (a significand below 2^24 is below
+    // half a unit once the shift passes 24).
+    unsigned steps = 0;
+    if (shift <= 24) {
+        const unsigned kept = significand >> shift;
+        const unsigned rest = significand & ((1u << shift) - 1u);
+        const unsigned halfway = 1u << (shift - 1);
+        steps = kept + ((rest > halfway || (rest == halfway && (kept & 1u))) ? 1u : 0u);
+    }
+    const unsigned code =
+        exponent < emin ? steps : (unsigned(exponent - emin) << M) + steps;
+    return (unsigned char)(sign | (code > MAX_BYTE ? MAX_BYTE : code));
+}
+
+struct E4M3 {
+    static __device__ __forceinline__ unsigned char encode(float x) {
+        return fp8_encode<3, 7, 0x7Eu>(x);
+    }
+};
+struct E5M2 {
+    static __device__ __forceinline__ unsigned char encode(float x) {
+        return fp8_encode<2, 15, 0x7Bu>(x);
+    }
+};
+
+// The block's maximum of |x| over the grid-stride elements of x (16-byte loads when aligned).
+template <typename T>
+__device__ __forceinline__ float block_amax(const T* x, i64 n, float* scratch) {
+    float m = 0.0f;
+    bool nan = false;
+    const i64 tid = i64(blockIdx.x) * blockDim.x + threadIdx.x;
+    const i64 stride = i64(gridDim.x) * blockDim.x;
+    const i64 units = aligned16(x) ? n / UNIT : 0;
+    for (i64 u = tid; u < units; u += stride) {
+        float v[UNIT];
+        load8(x + u * UNIT, v);
+#pragma unroll
+        for (int k = 0; k < UNIT; ++k) fold_abs(v[k], m, nan);
+    }
+    for (i64 i = units * UNIT + tid; i < n; i += stride) fold_abs(to_f32(x[i]), m, nan);
+    return block_max(nan ? F32_CANONICAL_NAN : m, scratch);
+}
+
+template <typename T>
+__device__ __forceinline__ void amax_partials(const T* x, i64 n, float* partials) {
+    __shared__ float scratch[32];
+    const float m = block_amax(x, n, scratch);
+    if (threadIdx.x == 0) partials[blockIdx.x] = m;
+}
+
+#define FP8_AMAX(T, t)                                                                         \
+    extern "C" __global__ void fp8_amax_##t(const T* __restrict__ x, i64 n,                   \
+                                            float* __restrict__ partials) {                   \
+        amax_partials<T>(x, n, partials);                                                      \
+    }
+CASTOR_FOR_EACH_T(FP8_AMAX)
+
+// The NaN-propagating max of `count` partial maxima, in one block.
+__device__ __forceinline__ float finalize_amax(const float* partials, int count, float* scratch) {
+    float m = 0.0f;
+    for (int i = threadIdx.x; i < count; i += blockDim.x) m = max_nan(m, partials[i]);
+    return block_max(m, scratch);
+}
+
+extern "C" __global__ void fp8_scale_finalize(const float* __restrict__ partials, int count,
+                                              double largest, double divisor, float* scale) {
+    __shared__ float scratch[32];
+    const float amax = finalize_amax(partials, count, scratch);
+    if (threadIdx.x == 0) {
+        const double s = largest / fmax(double(amax), 1e-12);
+        *scale = float(s / divisor);
+    }
+}
+
+extern "C" __global__ void fp8_amax_finalize(const float* __restrict__ partials, int count,
+                                             float* amax) {
+    __shared__ float scratch[32];
+    const float m = finalize_amax(partials, count, scratch);
+    if (threadIdx.x == 0) *amax = isnan(m) ? F32_CANONICAL_NAN : m;
+}
+
+template <typename T, typename F>
+__device__ __forceinline__ void quantize(const T* x, i64 n, const float* scale_p,
+                                         unsigned char* q, float* partials) {
+    __shared__ float scratch[32];
+    const float s = *scale_p;
+    float m = 0.0f;
+    bool nan = false;
+    const i64 tid = i64(blockIdx.x) * blockDim.x + threadIdx.x;
+    const i64 stride = i64(gridDim.x) * blockDim.x;
+    // Units of 8 elements: 16-byte loads, one 8-byte store of the 8 codes.
+    const bool vector = aligned16(x) && (reinterpret_cast<u64>(q) & 7ull) == 0;
+    const i64 units = vector ? n / UNIT : 0;
+    for (i64 u = tid; u < units; u += stride) {
+        float v[UNIT];
+        load8(x + u * UNIT, v);
+        u64 packed = 0;
+#pragma unroll
+        for (int k = 0; k < UNIT; ++k) {
+            fold_abs(v[k], m, nan);
+            packed |= u64(F::encode(v[k] * s)) << (8 * k);
+        }
+        *reinterpret_cast<u64*>(q + u * UNIT) = packed;
+    }
+    for (i64 i = units * UNIT + tid; i < n; i += stride) {
+        const float v = to_f32(x[i]);
+        fold_abs(v, m, nan);
+        q[i] = F::encode(v * s);
+    }
+    if (partials != nullptr) {
+        const float r = block_max(nan ? F32_CANONICAL_NAN : m, scratch);
+        if (threadIdx.x == 0) partials[blockIdx.x] = r;
+    }
+}
+
+#define FP8_QUANTIZE(T, t, F, f)                                                               \
+    extern "C" __global__ void fp8_quantize_##t##_##f(const T* __restrict__ x, i64 n,         \
+                                                      const float* scale,                     \
+                                                      unsigned char* __restrict__ q,          \
+                                                      float* __restrict__ partials) {         \
+        quantize<T, F>(x, n, scale, q, partials);                                              \
+    }
+FP8_QUANTIZE(float, f32, E4M3, e4m3)
+FP8_QUANTIZE(float, f32, E5M2, e5m2)
+FP8_QUANTIZE(__half, f16, E4M3, e4m3)
+FP8_QUANTIZE(__half, f16, E5M2, e5m2)
+FP8_QUANTIZE(__nv_bfloat16, bf16, E4M3, e4m3)
+FP8_QUANTIZE(__nv_bfloat16, bf16, E5M2, e5m2)
+
+extern "C" __global__ void fp8_dequantization(const float* a_scale, const float* b_scale,
+                                              float* factors) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        factors[0] = 1.0f / *a_scale;
+        factors[1] = 1.0f / *b_scale;
+    }
+}
+
+extern "C" __global__ void fp8_amax_history(const float* history, int length,
+                                            const float* scale, const float* amax,
+                                            double largest, double divisor,
+                                            float* history_next, float* scale_next) {
+    if (blockIdx.x != 0 || threadIdx.x != 0 || length <= 0) return;
+    const float old_scale = *scale;
+    const float newest = *amax;
+    // Shift from the end, so that history_next may be history itself.
+    float a = 0.0f;
+    for (int i = length - 1; i >= 1; --i) {
+        const float v = history[i - 1];
+        history_next[i] = v;
+        a = max_nan(a, v);
+    }
+    history_next[0] = newest;
+    a = max_nan(a, newest);
+    float s = old_scale;
+    if (isfinite(a) && a > 0.0f) {
+        s = float((largest / double(a)) / divisor);
+        if (isinf(s)) s = __int_as_float(0x7f7fffff);  // F32's largest
+    }
+    *scale_next = s;
+}

@@ -1,0 +1,243 @@
+//! FP8 nodes. `amax_history` (delayed scaling): one thread (`fp8_amax_history`).
+//! `fp8_scale`: per-block maxima of `|x|` (`fp8_amax_<t>`), then the scale
+//! (`fp8_scale_finalize`). `quantize`: the cast with per-block maxima (`fp8_quantize_<t>_<f>`),
+//! then the amax (`fp8_amax_finalize`) where something reads it. `fp8_matmul`: the two
+//! dequantization factors (`fp8_dequantization`, into an 8-byte arena buffer the product's scale
+//! pointers point at), a transposed copy of each operand the IR does not store contiguous along
+//! the inner dim (cuBLASLt's FP8 products take only the "TN" form: the backward's `dX = dY W`
+//! and `dW = Xᵀ dY`, and `x W` of a weight stored `[in, out]`), then one cuBLASLt FP8 product
+//! (`crate::cuda::lower::gemm::fp8_matmul`). The copies are arena buffers of the product's unit,
+//! so they show in the program's allocation, and in its listing as `strided_copy_b1` launches
+//! for the product's node, just before its `gemm`.
+
+use super::Kernel;
+use crate::cuda::kernel_id::KernelId;
+use crate::cuda::lower::ops::{row_threads, BLOCK};
+use crate::cuda::lower::{copies, gemm, LowerError, RunLowering};
+use crate::cuda::program::{Arg, Command, Fp8Scales, Place};
+use castor_ir::fp8::Fp8Format;
+use castor_ir::{DType, Node, Op, Value};
+
+/// The most blocks (and so partial maxima) of an amax: each thread takes 8 elements at least.
+const MAX_BLOCKS: usize = 1024;
+
+/// The grid of an amax or quantize launch over `n` elements.
+fn amax_grid(n: usize) -> (u32, u32, u32) {
+    let blocks = n.div_ceil(BLOCK as usize * 8).clamp(1, MAX_BLOCKS);
+    (blocks as u32, 1, 1)
+}
+
+impl RunLowering<'_, '_> {
+    /// The FP8 format of an FP8 dtype attribute, and the dtype of `x`, which the kernels take
+    /// in F32, F16 or BF16.
+    fn fp8_operands(&self, y: Value, x: Value, to: DType) -> Result<(Fp8Format, DType), LowerError> {
+        let format = Fp8Format::of(to)
+            .ok_or_else(|| self.err(y, format!("{to} is not an FP8 dtype")))?;
+        let dtype = self.g.ty(x).dtype;
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(self.err(y, format!("no FP8 kernel reads {dtype} values")));
+        }
+        Ok((format, dtype))
+    }
+
+    pub(crate) fn fp8_scale(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (x, y) = (node.inputs[0], node.outputs[0]);
+        let Op::Fp8Scale { to, margin } = node.op else {
+            return Err(self.err(y, "not an fp8_scale node"));
+        };
+        let (format, dtype) = self.fp8_operands(y, x, to)?;
+        let count = g.ty(x).shape.numel().unwrap_or(0);
+        let grid = amax_grid(count);
+        let partials = self.scratch(u64::from(grid.0) * 4);
+        let px = self.at(x)?;
+        self.launch(
+            y,
+            KernelId::Fp8(Kernel::Amax { dtype }),
+            grid,
+            (BLOCK, 1, 1),
+            vec![
+                ("x", Arg::Ptr(px)),
+                ("n", Arg::I64(count as i64)),
+                ("partials", Arg::Ptr(partials)),
+            ],
+        )?;
+        let out = self.out(y)?;
+        // The CPU twin's divisor, 2^margin in F64 (infinite past 2^1023).
+        let divisor = 2f64.powi(margin.min(1024) as i32);
+        self.launch(
+            y,
+            KernelId::Fp8(Kernel::ScaleFinalize),
+            (1, 1, 1),
+            (row_threads(grid.0 as usize, 1024), 1, 1),
+            vec![
+                ("partials", Arg::Ptr(partials)),
+                ("count", Arg::I32(grid.0 as i32)),
+                ("largest", Arg::F64(f64::from(format.max()))),
+                ("divisor", Arg::F64(divisor)),
+                ("scale", Arg::Ptr(out)),
+            ],
+        )
+    }
+
+    pub(crate) fn quantize(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (x, scale) = (node.inputs[0], node.inputs[1]);
+        let (q, amax) = (node.outputs[0], node.outputs[1]);
+        let Op::Quantize { to } = node.op else {
+            return Err(self.err(q, "not a quantize node"));
+        };
+        let (format, dtype) = self.fp8_operands(q, x, to)?;
+        let count = g.ty(x).shape.numel().unwrap_or(0);
+        let grid = amax_grid(count);
+        // The amax only where something reads it (delayed scaling records it).
+        let read = !self.users[amax.index()].is_empty()
+            || g.outputs().contains(&amax)
+            || self.stored.contains_key(g.name(amax));
+        let partials = read.then(|| self.scratch(u64::from(grid.0) * 4));
+        let (px, ps, pq) = (self.at(x)?, self.at(scale)?, self.out(q)?);
+        self.launch(
+            q,
+            KernelId::Fp8(Kernel::Quantize { dtype, to: format }),
+            grid,
+            (BLOCK, 1, 1),
+            vec![
+                ("x", Arg::Ptr(px)),
+                ("n", Arg::I64(count as i64)),
+                ("scale", Arg::Ptr(ps)),
+                ("q", Arg::Ptr(pq)),
+                ("partials", partials.map_or(Arg::Null, Arg::Ptr)),
+            ],
+        )?;
+        let Some(partials) = partials else {
+            return Ok(());
+        };
+        let out = self.out(amax)?;
+        self.launch(
+            amax,
+            KernelId::Fp8(Kernel::AmaxFinalize),
+            (1, 1, 1),
+            (row_threads(grid.0 as usize, 1024), 1, 1),
+            vec![
+                ("partials", Arg::Ptr(partials)),
+                ("count", Arg::I32(grid.0 as i32)),
+                ("amax", Arg::Ptr(out)),
+            ],
+        )
+    }
+
+    /// One step of delayed scaling: one thread shifts the history and computes the next
+    /// scale (histories are short: Transformer Engine's default is 16).
+    pub(crate) fn amax_history(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (history, scale, amax) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+        let (history_next, scale_next) = (node.outputs[0], node.outputs[1]);
+        let Op::AmaxHistory { to, margin } = node.op else {
+            return Err(self.err(history_next, "not an amax_history node"));
+        };
+        let format = Fp8Format::of(to)
+            .ok_or_else(|| self.err(history_next, format!("{to} is not an FP8 dtype")))?;
+        let length = g.ty(history).shape.numel().unwrap_or(0);
+        let (ph, ps, pa) = (self.at(history)?, self.at(scale)?, self.at(amax)?);
+        let (ph2, ps2) = (self.out(history_next)?, self.out(scale_next)?);
+        self.launch(
+            history_next,
+            KernelId::Fp8(Kernel::AmaxHistory),
+            (1, 1, 1),
+            (32, 1, 1),
+            vec![
+                ("history", Arg::Ptr(ph)),
+                ("length", Arg::I32(length as i32)),
+                ("scale", Arg::Ptr(ps)),
+                ("amax", Arg::Ptr(pa)),
+                ("largest", Arg::F64(f64::from(format.max()))),
+                ("divisor", Arg::F64(2f64.powi(margin.min(1024) as i32))),
+                ("history_next", Arg::Ptr(ph2)),
+                ("scale_next", Arg::Ptr(ps2)),
+            ],
+        )
+    }
+
+    pub(crate) fn fp8_matmul(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (a, b, sa, sb) = (
+            node.inputs[0],
+            node.inputs[1],
+            node.inputs[2],
+            node.inputs[3],
+        );
+        let y = node.outputs[0];
+        let Op::Fp8MatMul {
+            transpose_a,
+            transpose_b,
+        } = node.op
+        else {
+            return Err(self.err(y, "not an fp8_matmul node"));
+        };
+        // a as [.., M, K] and b as [.., N, K].
+        let (pa, a_shape) = self.inner_last(y, a, transpose_a)?;
+        let (pb, b_shape) = self.inner_last(y, b, !transpose_b)?;
+        let factors = self.scratch(8);
+        let (psa, psb) = (self.at(sa)?, self.at(sb)?);
+        self.launch(
+            y,
+            KernelId::Fp8(Kernel::Dequantization),
+            (1, 1, 1),
+            (32, 1, 1),
+            vec![
+                ("a_scale", Arg::Ptr(psa)),
+                ("b_scale", Arg::Ptr(psb)),
+                ("factors", Arg::Ptr(factors)),
+            ],
+        )?;
+        let c = self.out(y)?;
+        let dt = |v: Value| g.ty(v).dtype;
+        let gm = gemm::fp8_matmul(
+            g.name(y),
+            (pa, &a_shape, dt(a)),
+            (pb, &b_shape, dt(b)),
+            (c, dt(y)),
+            // cuBLAS's A is the IR's b (factors[1]), its B the IR's a (factors[0]).
+            Fp8Scales {
+                a_scale: factors.plus(4),
+                b_scale: factors,
+                fast_accum: false,
+            },
+        )
+        .map_err(|m| self.err(y, m))?;
+        self.commands.push(Command::Gemm(gm));
+        Ok(())
+    }
+
+    /// The place and shape of `v` with its last two dims swapped when `swap` (a strided copy
+    /// into an arena buffer of this unit, launched for node `y`), else as it is.
+    fn inner_last(
+        &mut self,
+        y: Value,
+        v: Value,
+        swap: bool,
+    ) -> Result<(Place, castor_ir::Shape), LowerError> {
+        let ty = self.g.ty(v).clone();
+        let src = self.at(v)?;
+        if !swap {
+            return Ok((src, ty.shape));
+        }
+        let dims = ty.shape.dims();
+        let r = dims.len();
+        if r < 2 {
+            return Err(self.err(y, "an FP8 product's operand is not a matrix"));
+        }
+        let mut perm: Vec<usize> = (0..r).collect();
+        perm.swap(r - 2, r - 1);
+        let swapped: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
+        let layout = copies::transpose(dims, &perm).map_err(|m| self.err(y, m))?;
+        let bytes = crate::cuda::lower::bytes_of(&ty, self.g.name(v))?;
+        let dst = self.scratch(bytes);
+        self.strided_copy(y, ty.dtype, src, dst, layout)?;
+        Ok((dst, castor_ir::Shape::from(swapped)))
+    }
+}
