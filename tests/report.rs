@@ -585,3 +585,56 @@ fn the_verdict_offers_the_fused_classifier() {
         "{offer}"
     );
 }
+
+/// On a GPU with FP8 tensor cores, `--precision fp8` is one of the changes the verdict plans
+/// for a bf16 step: the layers' weights lose their BF16 copies. Here the GPU's memory lies
+/// between the two plans' peaks, so it is named, and compiled it fits at the peak shown.
+#[test]
+fn the_verdict_plans_fp8_on_a_gpu_with_fp8_tensor_cores() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tiny();
+    let compile = |precision: &str, gpu: &Path| {
+        let o = castor(&[
+            "compile",
+            path_str(&model),
+            "--train",
+            "--precision",
+            precision,
+            "--batch",
+            "8",
+            "--seq",
+            "64",
+            "--gpu",
+            path_str(gpu),
+        ]);
+        ok(&o);
+        stdout(&o)
+    };
+    let roomy = small_gpu(tmp.path(), 1 << 40);
+    let (bf16, fp8) = (
+        peak(&compile("bf16", &roomy)),
+        peak(&compile("fp8", &roomy)),
+    );
+    assert!(fp8 < bf16, "fp8 {fp8} bf16 {bf16}");
+    let between = (bf16 + fp8) / 2;
+    let gpu = tmp.path().join("fp8-gpu.toml");
+    std::fs::write(
+        &gpu,
+        format!(
+            "name = \"FP8 GPU\"\nlow_precision_flops = 989e12\ntf32_flops = 495e12\n\
+             f32_flops = 67e12\nfp8_flops = 1979e12\nmemory_bandwidth = 3.35e12\n\
+             memory_bytes = {between}\n"
+        ),
+    )
+    .unwrap();
+    let out = compile("bf16", &gpu);
+    let line = out
+        .lines()
+        .find(|l| l.contains("--precision fp8 "))
+        .unwrap_or_else(|| panic!("no fp8 change in:\n{out}"));
+    assert_eq!(bytes_after(line, "planned peak "), fp8, "{line}");
+    assert!(compile("fp8", &gpu).contains(": fits, "));
+    // A GPU without an FP8 rate gets no such change.
+    let plain = small_gpu(tmp.path(), between);
+    assert!(!compile("bf16", &plain).contains("--precision fp8"));
+}
