@@ -24,6 +24,8 @@ the least wanted):
 6. castor's other attentions on GPT-2: `--attention eager` (the default before 2026-11-27)
    and `--attention fused` (castor's kernels without cuDNN).
 7. PyTorch eager on GPT-2 and LLaMA, and castor's other attentions on LLaMA.
+8. castor's LLaMA-3.2-1B step under `--precision fp8` and `fp8:delayed` (group `fp8`), beside
+   the bf16 row of 2. (MFU against the card's BF16 peak, as every row).
 
 Every model starts from random weights and every token is random: speed does not depend on
 them. PyTorch is timed with CUDA events after warm-up (the median of --repeat steps; host
@@ -227,12 +229,25 @@ def last_line(text):
     return lines[-1][-300:] if lines else "no output"
 
 
+def split_precision(flags):
+    """(the precision a row's flags name, bf16 unless they do; the other flags)."""
+    flags = list(flags)
+    if "--precision" in flags:
+        i = flags.index("--precision")
+        precision = flags[i + 1]
+        del flags[i:i + 2]
+        return precision, flags
+    return "bf16", flags
+
+
 class Plan:
     """What `castor compile --train` says of a configuration: parameters, model FLOPs per
-    token, the program roofline on the card, the planned peak and the card's BF16 peak."""
+    token, the program roofline on the card, the planned peak and the card's BF16 peak (the
+    MFU of an FP8 row is against it too, so rows compare)."""
 
     def __init__(self, bench, cfg, flags):
-        cmd = [bench.args.castor, "compile", cfg.path, "--train", "--precision", "bf16",
+        precision, flags = split_precision(flags)
+        cmd = [bench.args.castor, "compile", cfg.path, "--train", "--precision", precision,
                "--batch", cfg.batch, "--seq", cfg.seq, "--optimizer", cfg.optimizer,
                *cfg.lora_flags(), *flags]
         gpu = castor_gpu(bench.record["device"])
@@ -291,37 +306,42 @@ def median(xs):
 def castor_train(bench, cfg, flags, tag):
     """One castor row: `castor train` on the configuration for --steps steps, timed from its
     JSON log, beside the plan's roofline and planned peak."""
-    flags = list(flags)
+    plan = Plan(bench, cfg, flags) if bench.time_left() else None
+    precision, flags = split_precision(flags)
     shown = " ".join(cfg.lora_flags() + flags)
-    if not bench.time_left():
-        return row(cfg, "castor", shown, note="not run: the benchmark's time budget ran out")
-    plan = Plan(bench, cfg, flags)
+    if plan is None:
+        return row(cfg, "castor", shown, precision,
+                   note="not run: the benchmark's time budget ran out")
     if plan.error:
-        return row(cfg, "castor", shown, note=plan.error)
+        return row(cfg, "castor", shown, precision, note=plan.error)
     log = bench.runs / f"castor-{tag}.jsonl"
     log.unlink(missing_ok=True)
     steps = bench.args.steps
     cmd = [bench.args.castor, "train", cfg.path, "--data", token_file(bench, cfg.json()["vocab_size"]),
-           "--steps", steps, "--batch", cfg.batch, "--seq", cfg.seq, "--precision", "bf16",
+           "--steps", steps, "--batch", cfg.batch, "--seq", cfg.seq, "--precision", precision,
            "--optimizer", cfg.optimizer, "--device", bench.args.castor_device, "--log", log,
            "--profile", *cfg.lora_flags(), *flags]
     code, so, se = run(cmd, timeout=600)
     (bench.runs / f"castor-{tag}.out").write_text(f"$ {' '.join(map(str, cmd))}\n{so}\n{se}")
     if code != 0 or not log.exists():
-        return row(cfg, "castor", shown, note=f"castor train: exit {code}: {last_line(se)}")
-    return castor_row_from_log(cfg, shown, log, plan, bench.args.castor_device == "cuda", so)
+        return row(cfg, "castor", shown, precision,
+                   note=f"castor train: exit {code}: {last_line(se)}")
+    return castor_row_from_log(cfg, shown, log, plan, bench.args.castor_device == "cuda", so,
+                               precision=precision)
 
 
-def castor_row_from_log(cfg, flags, log, plan, on_gpu, stdout="", steady_from=None):
+def castor_row_from_log(cfg, flags, log, plan, on_gpu, stdout="", steady_from=None,
+                        precision="bf16"):
     lines = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
     lines = [l for l in lines if "tokens_per_s" in l]
     if not lines:
-        return row(cfg, "castor", flags, note=f"{log.name} has no timed step")
+        return row(cfg, "castor", flags, precision, note=f"{log.name} has no timed step")
     steady = lines[len(lines) // 4 if steady_from is None else steady_from:] or lines[-1:]
     rate = median(l["tokens_per_s"] for l in steady)
     ms = 1e3 * cfg.batch * cfg.seq / rate if rate else None
     mem = re.search(r"^memory\s+.*\((\d+) bytes\) allocated", stdout, re.M)
-    return row(cfg, "castor", flags, ms_per_step=ms, tokens_per_s=rate, mfu=plan.mfu(rate),
+    return row(cfg, "castor", flags, precision, ms_per_step=ms, tokens_per_s=rate,
+               mfu=plan.mfu(rate),
                roofline_ms=plan.roofline_ms,
                # The roofline is the card's: a step on the CPU is not measured against it.
                x_roofline=ms / plan.roofline_ms if ms and plan.roofline_ms and on_gpu else None,
@@ -521,7 +541,7 @@ def sdpa_backend(step, dev):
 # The benchmark's groups of rows, in the order they run (`--only` picks some: a second GPU
 # run completes a record that a time budget cut short; `bench/record.py merge` joins them).
 GROUPS = ["gpt2", "llama", "lora", "recipe", "profile", "gpt2-attention", "eager",
-          "llama-attention"]
+          "llama-attention", "fp8"]
 
 
 def main():
@@ -600,6 +620,11 @@ def main():
     if wanted("llama-attention"):
         for flags in (["--attention", "eager"], ["--attention", "fused"]):
             bench.add(castor_train(bench, llama, flags, f"llama-{'-'.join(flags).strip('-')}"))
+    # FP8 beside the llama group's bf16 row (issue: at least 1.3x at this shape).
+    if wanted("fp8"):
+        for precision in ("fp8", "fp8:delayed"):
+            bench.add(castor_train(bench, llama, ["--precision", precision],
+                                   f"llama-{precision.replace(':', '-')}"))
     bench.save()
     problems = record_format.validate(bench.record)
     table = record_format.render_record(bench.path, bench.record, root=bench.out)
