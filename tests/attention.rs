@@ -68,6 +68,11 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 
 /// The loss's output `y` and the gradients of q, k and v, in F32.
 fn run(src: &str, dtype: DType) -> Vec<Vec<f32>> {
+    run_keyed(src, dtype, [0, -1])
+}
+
+/// [`run`] with the graph input `key` (a dropout key, where the graph reads one).
+fn run_keyed(src: &str, dtype: DType, key: [i64; 2]) -> Vec<Vec<f32>> {
     let g: Graph = text::parse(src).unwrap_or_else(|e| panic!("{e}\n{src}"));
     castor_ir::verify(&g).unwrap();
     let (back, _) = Autodiff::default().run(&g).unwrap();
@@ -90,6 +95,10 @@ fn run(src: &str, dtype: DType) -> Vec<Vec<f32>> {
         "r".into(),
         Tensor::from_f32(DType::F32, [2, 2, 2, 5, 6], values(n, 99)),
     );
+    b.insert(
+        "key".into(),
+        Tensor::from_i64(DType::I64, [2], key.to_vec()),
+    );
     let cpu = CpuExecutor::new();
     let y = cpu.run(&g, &|n| b.get(n)).unwrap()[1].clone();
     let grads = cpu.run(&back, &|n| b.get(n)).unwrap();
@@ -99,6 +108,141 @@ fn run(src: &str, dtype: DType) -> Vec<Vec<f32>> {
 }
 
 const WHAT: [&str; 4] = ["y", "dq", "dk", "dv"];
+
+/// The fused op with dropout on its probabilities (`dropout=P, stream=3`, the key last).
+fn fused_dropout(t: &str, scale: f64, p: f64) -> String {
+    format!(
+        "graph fused {{\n  %q: {t}[{Q}] = param\n  %k: {t}[{K}] = param\n  %v: {t}[{V}] = param\n  %m: bool[2,1,1,1,7] = input\n  %key: i64[2] = input\n  %y: {t}[{Y}], %lse: f32[2,2,2,5] = attention(%q, %k, %v, %m, %key) {{causal=true, scale={scale}, dropout={p}, stream=3}}\n{}}}\n",
+        loss(t)
+    )
+}
+
+/// The eager attention with a `dropout` node (the same p and stream) on its probabilities.
+fn unfused_dropout(t: &str, scale: f64, p: f64) -> String {
+    format!(
+        "graph unfused {{\n  %q: {t}[{Q}] = param\n  %k: {t}[{K}] = param\n  %v: {t}[{V}] = param\n  %m: bool[2,1,1,1,7] = input\n  %key: i64[2] = input\n  %s: {t}[{SCORES}] = matmul(%q, %k) {{transpose_a=false, transpose_b=true}}\n  %ss: {t}[{SCORES}] = scale(%s) {{factor={scale}}}\n  %p: {t}[{SCORES}] = softmax(%ss, %m) {{causal=true}}\n  %pd: {t}[{SCORES}] = dropout(%p, %key) {{p={p}, stream=3}}\n  %y: {t}[{Y}] = matmul(%pd, %v) {{transpose_a=false, transpose_b=false}}\n{}}}\n",
+        loss(t)
+    )
+}
+
+/// Dropout inside the fused op against the eager softmax, dropout node, product (same p, key
+/// and stream), forward and backward, in F32: within 1e-5, the unfused comparison's bound (the
+/// two differ only in where scores are rounded, and the fused op scales `Σ p v / l` by
+/// 1 / (1 - p) in F64 where the eager graph scales each probability in F32). A mask that
+/// differed in one entry would move its row by that probability's share, far past 1e-5 (the
+/// next test checks the entries themselves). Two keys and two probabilities.
+#[test]
+fn fused_attention_dropout_matches_the_eager_dropout_graph_in_f32() {
+    let scale = 1.0 / 8f64.sqrt();
+    for (p, key) in [(0.1, [5, 0]), (0.1, [5, 1]), (0.5, [123, 7])] {
+        let a = run_keyed(&fused_dropout("f32", scale, p), DType::F32, key);
+        let b = run_keyed(&unfused_dropout("f32", scale, p), DType::F32, key);
+        let plain = run(&fused("f32", scale), DType::F32);
+        for (i, what) in WHAT.iter().enumerate() {
+            let err = relative_error(&a[i], &b[i]);
+            let moved = relative_error(&a[i], &plain[i]);
+            println!(
+                "p={p} key={key:?} {what}: fused vs eager {err:.2e} (vs no dropout {moved:.2e})"
+            );
+            assert!(err < 1e-5, "p={p} {what}: relative error {err:.3e}");
+            assert!(
+                moved > 1e-2,
+                "p={p} {what}: dropout changed nothing ({moved:.1e})"
+            );
+        }
+    }
+}
+
+/// Which probabilities the fused op drops, read off its output: with `v` the identity over the
+/// keys, `o` is the dropped and scaled probabilities themselves, so its zeros are the dropped
+/// entries (and the masked ones); they are exactly the zeros of the eager graph's dropout
+/// output, and exactly the entries `castor_ir::philox::dropout_mask` drops for a
+/// `[2, 2, 2, 5, 7]` tensor under that key and stream, row-major.
+#[test]
+fn fused_attention_drops_the_entries_a_dropout_node_drops() {
+    use castor_ir::philox::dropout_mask;
+    let (p, key, stream) = (0.3, [77i64, 4i64], 3u32);
+    let ident: Vec<f32> = (0..2 * 2 * 7 * 7)
+        .map(|i| if (i % 49) / 7 == i % 7 { 1.0 } else { 0.0 })
+        .collect();
+    let graph = |fused: bool| {
+        let core = if fused {
+            "  %o: f32[2,2,2,5,7], %lse: f32[2,2,2,5] = attention(%q, %k, %v, %key) {causal=true, scale=0.25, dropout=0.3, stream=3}
+  return %o
+".to_string()
+        } else {
+            "  %s: f32[2,2,2,5,7] = matmul(%q, %k) {transpose_a=false, transpose_b=true}
+  %ss: f32[2,2,2,5,7] = scale(%s) {factor=0.25}
+  %p: f32[2,2,2,5,7] = softmax(%ss) {causal=true}
+  %pd: f32[2,2,2,5,7] = dropout(%p, %key) {p=0.3, stream=3}
+  return %pd
+"
+            .to_string()
+        };
+        format!(
+            "graph g {{
+  %q: f32[{Q}] = input
+  %k: f32[{K}] = input
+  %v: f32[2,2,1,7,7] = input
+  %key: i64[2] = input
+{core}}}
+"
+        )
+    };
+    let mut b: HashMap<String, Tensor> = HashMap::new();
+    b.insert(
+        "q".into(),
+        Tensor::from_f32(DType::F32, [2, 2, 2, 5, 8], values(320, 11)),
+    );
+    b.insert(
+        "k".into(),
+        Tensor::from_f32(DType::F32, [2, 2, 1, 7, 8], values(224, 12)),
+    );
+    b.insert(
+        "v".into(),
+        Tensor::from_f32(DType::F32, [2, 2, 1, 7, 7], ident),
+    );
+    b.insert(
+        "key".into(),
+        Tensor::from_i64(DType::I64, [2], key.to_vec()),
+    );
+    let zeros = |fused: bool| -> Vec<bool> {
+        let g = text::parse(&graph(fused)).unwrap();
+        let out = CpuExecutor::new().run(&g, &|n| b.get(n)).unwrap();
+        out[0].as_f32().unwrap().iter().map(|&x| x == 0.0).collect()
+    };
+    let (fused, eager) = (zeros(true), zeros(false));
+    assert_eq!(fused, eager);
+    // Causal with 5 queries over 7 keys: query i sees keys 0..=i + 2; the others are masked.
+    let dropped = dropout_mask(key, stream, p, fused.len());
+    let mut count = 0;
+    for (i, &z) in fused.iter().enumerate() {
+        let (row, j) = (i / 7 % 5, i % 7);
+        let visible = j <= row + 2;
+        assert_eq!(z, !visible || !dropped[i], "element {i}");
+        count += usize::from(visible && !dropped[i]);
+    }
+    println!("{count} of {} probabilities dropped", fused.len());
+    assert!(count > 0);
+}
+
+/// Evaluation mode (a negative key offset): the fused op with dropout is the op without it, bit
+/// for bit, forward and backward.
+#[test]
+fn fused_attention_dropout_in_evaluation_mode_is_no_dropout() {
+    let scale = 1.0 / 8f64.sqrt();
+    for (t, dtype) in [("f32", DType::F32), ("bf16", DType::BF16)] {
+        let a = run_keyed(&fused_dropout(t, scale, 0.1), dtype, [5, -1]);
+        let b = run(&fused(t, scale), dtype);
+        for (i, what) in WHAT.iter().enumerate() {
+            let same = a[i]
+                .iter()
+                .zip(&b[i])
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same, "{t} {what} differs");
+        }
+    }
+}
 
 #[test]
 fn fused_attention_matches_the_unfused_graph_in_f32() {
@@ -264,6 +408,28 @@ fn packed_fused_attention_training_plans_on_the_emulator_stay_within_bounds() {
             let state = if precision == "fp32" { 6e-5 } else { state };
             let flags = ["--pack"];
             fused_plan_within_bounds(variant, precision, &flags, (loss, state), &mut failures);
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Plans with attention dropout in the fused op (`--attention fused`, castor's `_dropout`
+/// kernels): GPT-2 with `--dropout config` (its `attn_pdrop` in the op, and its other dropout
+/// nodes) and LLaMA-GQA with `--dropout 0.1` (grouped heads), F32 and BF16, with and without
+/// recomputation (a recomputed attention regenerates the same mask from the same key and
+/// stream), on the emulator beside the CPU executor, within the fused plans' bounds above:
+/// the kernels drop exactly the CPU executor's entries (a different mask would move the loss
+/// by percents), and differ from it only as the kernels without dropout do.
+#[test]
+fn fused_attention_dropout_plans_on_the_emulator_stay_within_bounds() {
+    let mut failures = Vec::new();
+    for (variant, dropout) in [("gpt2_lm", "config"), ("llama_gqa", "0.1")] {
+        for precision in ["fp32", "bf16"] {
+            for remat in ["none", "full"] {
+                let flags = ["--dropout", dropout, "--remat", remat];
+                let bounds = bounds(precision);
+                fused_plan_within_bounds(variant, precision, &flags, bounds, &mut failures);
+            }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -623,6 +789,59 @@ fn packed_rows_run_castors_fused_kernels_under_auto_and_cudnn_refuses_them() {
             && err.contains(
                 "--attention cudnn: cuDNN's fused attention cannot run this op: packed \
                  sequences' positions"
+            ),
+        "{err}"
+    );
+}
+
+/// Attention dropout (`--dropout config`: GPT-2's `attn_pdrop`): cuDNN's dropout draws its own
+/// mask, not castor's Philox mask, so `--attention auto` (the default) runs castor's
+/// `_dropout` kernels, the listing saying why, and `--attention cudnn` refuses the plan by
+/// name.
+#[test]
+fn attention_dropout_runs_castors_kernels_under_auto_and_cudnn_refuses_it() {
+    let model = common::fixture("gpt2_lm");
+    let compile = |attention: &[&str]| {
+        let mut args = vec![
+            "compile",
+            common::path_str(&model),
+            "--train",
+            "--dropout",
+            "config",
+            "--precision",
+            "bf16",
+            "--emit",
+            "cuda",
+        ];
+        args.extend_from_slice(attention);
+        common::castor(&args)
+    };
+    let o = compile(&[]);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let listing = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        listing.contains(
+            "cuDNN cannot run it (dropout on the probabilities (cuDNN's dropout draws its own \
+             mask, not castor's Philox mask, which the CPU executor and the emulator draw)); \
+             castor's kernels:"
+        ),
+        "{listing}"
+    );
+    for entry in [
+        "launch attention_fwd_bf16_d16_dropout",
+        "launch attention_bwd_bf16_d16_dropout",
+    ] {
+        assert_eq!(listing.matches(entry).count(), 2, "{entry}\n{listing}");
+    }
+    assert!(!listing.contains("softmax_fwd"), "{listing}");
+    let o = compile(&["--attention", "cudnn"]);
+    assert!(!o.status.success());
+    let err = common::stderr(&o);
+    assert!(
+        err.contains("%h.0.attn.context")
+            && err.contains(
+                "--attention cudnn: cuDNN's fused attention cannot run this op: dropout on the \
+                 probabilities"
             ),
         "{err}"
     );

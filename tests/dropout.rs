@@ -31,7 +31,7 @@ fn loss_graph(variant: &str, dropout: Dropout, attention: AttentionImpl) -> Grap
 fn dropout_sits_where_transformers_applies_it() {
     // GPT-2 (2 layers, every *_pdrop 0.1): the embeddings' sum, each layer's attention
     // probabilities, and the attention's and the MLP's outputs before their residual adds.
-    let g = loss_graph("gpt2_lm", Dropout::Config, AttentionImpl::Auto);
+    let g = loss_graph("gpt2_lm", Dropout::Config, AttentionImpl::Eager);
     let names: Vec<String> = dropouts(&g).iter().map(|d| d.0.clone()).collect();
     assert_eq!(
         names,
@@ -87,18 +87,38 @@ fn dropout_sits_where_transformers_applies_it() {
     let g = loss_graph("gpt2_lm", Dropout::Off, AttentionImpl::Eager);
     assert!(dropouts(&g).is_empty() && g.lookup("dropout_key").is_none());
 
-    // The fused kernels do not drop probabilities: asked for by name, an error.
-    let mut model = Model::load(common::fixture("gpt2_lm")).unwrap();
-    model.set_attention(AttentionImpl::Fused);
-    model.set_dropout(Dropout::Config);
-    let err = model
-        .build_loss_graph(2, 8, Objective::Lm)
-        .unwrap_err()
-        .to_string();
-    assert!(
-        err.contains("the fused attention kernels do not yet"),
-        "{err}"
-    );
+    // The fused attention (auto, fused, cudnn) drops its probabilities itself: each layer's
+    // `attention` op carries the probability and the stream the eager `probs.dropout` node
+    // takes (so both draw the same mask) and reads `dropout_key` last; no probabilities node.
+    let eager = loss_graph("gpt2_lm", Dropout::Config, AttentionImpl::Eager);
+    let eager_streams: Vec<usize> = dropouts(&eager)
+        .iter()
+        .filter(|d| d.0.ends_with("probs.dropout"))
+        .map(|d| d.2)
+        .collect();
+    for attention in [
+        AttentionImpl::Auto,
+        AttentionImpl::Fused,
+        AttentionImpl::Cudnn,
+    ] {
+        let g = loss_graph("gpt2_lm", Dropout::Config, attention);
+        let key = g.lookup("dropout_key").unwrap();
+        let mut streams = Vec::new();
+        for (_, n) in g.nodes() {
+            if let Op::Attention {
+                dropout: Some(d), ..
+            } = n.op
+            {
+                assert_eq!(d.p, 0.1);
+                assert_eq!(n.inputs.last(), Some(&key));
+                streams.push(d.stream);
+            }
+        }
+        assert_eq!(streams, eager_streams, "{attention:?}");
+        let names: Vec<String> = dropouts(&g).iter().map(|d| d.0.clone()).collect();
+        assert_eq!(names.len(), 5, "{names:?}");
+        assert!(names.iter().all(|n| !n.ends_with("probs.dropout")));
+    }
 }
 
 /// The loss and every gradient of GPT-2's training graph with dropout under `key`.
@@ -185,8 +205,7 @@ fn a_resumed_run_continues_the_dropout_stream() {
     );
     let ckpt = tmp.path().join("ckpt");
     train("4", &off, &[]);
-    let o = train("4", &straight, &["--dropout", "config"]);
-    assert!(stdout(&o).contains("attention dropout (0.1) runs in the eager attention"));
+    train("4", &straight, &["--dropout", "config"]);
     train(
         "2",
         &resumed,

@@ -177,3 +177,32 @@ fn dropout_plan() {
     );
     insta::assert_snapshot!("train_bf16_dropout", plan);
 }
+
+/// Attention dropout inside the fused op (tests/ir/attention_dropout.ir, bf16): the forward's
+/// `attention` and the backward's `attention_grad` carry the same `dropout=0.1, stream=0` and
+/// read the same key last, so the backward regenerates the forward's mask.
+#[test]
+fn attention_dropout_plan() {
+    let o = castor(&[
+        "compile",
+        "tests/ir/attention_dropout.ir",
+        "--train",
+        "--emit",
+        "ir",
+        "--precision",
+        "bf16",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let plan = stdout(&o);
+    let ops: Vec<&str> = plan
+        .lines()
+        .filter(|l| l.contains("= attention(") || l.contains("= attention_grad("))
+        .collect();
+    assert_eq!(ops.len(), 2, "{plan}");
+    assert!(
+        ops.iter()
+            .all(|l| l.contains("%key) {causal=true, scale=0.5, dropout=0.1, stream=0")),
+        "{plan}"
+    );
+    insta::assert_snapshot!("train_bf16_attention_dropout", plan);
+}

@@ -41,8 +41,8 @@ pub use entities::{Node, Value};
 pub use error::{IrError, Site};
 pub use graph::{Graph, Location, NodeData, Origin, ValueData};
 pub use op::{
-    adafactor_moments, AttentionLibrary, Attr, BinaryOp, CollectiveOp, Op, OpClass, ReduceOp,
-    UnaryOp,
+    adafactor_moments, AttentionDropout, AttentionLibrary, AttentionOperands, Attr, BinaryOp,
+    CollectiveOp, Op, OpClass, ReduceOp, UnaryOp,
 };
 pub use optim::{AdafactorHparams, AdamWHparams, LionHparams, SgdHparams, WeightDecay};
 pub use plan::{

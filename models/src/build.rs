@@ -10,8 +10,8 @@
 
 use crate::error::ModelError;
 use castor_ir::{
-    BinaryOp, DType, Graph, GraphBuilder, IrError, ModelShape, Op, Origin, RopeScaling, TensorType,
-    Value,
+    AttentionDropout, BinaryOp, DType, Graph, GraphBuilder, IrError, ModelShape, Op, Origin,
+    RopeScaling, TensorType, Value,
 };
 use std::collections::HashMap;
 
@@ -176,6 +176,12 @@ impl<'m> Ctx<'m> {
         if p == 0.0 {
             return Ok(x);
         }
+        let (key, stream) = self.dropout_stream()?;
+        self.op(name, Op::Dropout { p, stream }, &[x, key])
+    }
+
+    /// The graph input `dropout_key` (declared on first use) and the next dropout's stream.
+    fn dropout_stream(&mut self) -> Result<(Value, usize), ModelError> {
         let key = match self.dropout_key {
             Some(key) => key,
             None => {
@@ -185,7 +191,7 @@ impl<'m> Ctx<'m> {
         };
         let stream = self.dropout_streams;
         self.dropout_streams += 1;
-        self.op(name, Op::Dropout { p, stream }, &[x, key])
+        Ok((key, stream))
     }
 
     /// A packed graph's `position_ids` (i64 `[B, T]`, declared on first use); `None` for other
@@ -469,7 +475,10 @@ impl<'m> Ctx<'m> {
     /// (`scores.scaled`, `scores.scaled.1`, ...), `probs = softmax(scores, causal, mask)`,
     /// `context = probs v`; or, with a fused [`AttentionImpl`], one `attention` op scaled by the
     /// product of the factors (`context`, with its log-sum-exp `context.1`). Works for any
-    /// matching batch dims (4-D heads, 5-D GQA groups).
+    /// matching batch dims (4-D heads, 5-D GQA groups). Attention dropout is the eager core's
+    /// `probs.dropout` node, or the fused op's `dropout` attribute with the same stream (the
+    /// next one in either case) and the `dropout_key` operand: both drop the same
+    /// probabilities.
     pub fn attention(
         &mut self,
         q: Value,
@@ -484,28 +493,26 @@ impl<'m> Ctx<'m> {
             KeysSeen::Causal => (true, None),
             KeysSeen::Window(w) => (true, Some(w)),
         };
-        // The fused kernels do not drop probabilities: with attention dropout, `auto` builds
-        // the eager core, and a fused attention asked for by name is an error.
         let attention_dropout = self.dropout.attention.filter(|&p| p > 0.0);
-        let library = match (self.attention, attention_dropout) {
-            (AttentionImpl::Auto, Some(_)) => None,
-            (_, Some(p)) if self.attention.library().is_some() => {
-                return Err(ModelError::FusedAttentionDropout {
-                    architecture: self.architecture.to_string(),
-                    p,
-                })
-            }
-            _ => self.attention.library(),
-        };
-        if let Some(library) = library {
+        if let Some(library) = self.attention.library() {
             let scale = scales.iter().product();
+            let mut operands = vec![q, k, v, mask];
+            let dropout = match attention_dropout {
+                Some(p) => {
+                    let (key, stream) = self.dropout_stream()?;
+                    operands.push(key);
+                    Some(AttentionDropout { p, stream })
+                }
+                None => None,
+            };
             let op = Op::Attention {
                 causal,
                 window,
                 scale,
                 library,
+                dropout,
             };
-            let out = self.op_multi("context", op, &[q, k, v, mask])?;
+            let out = self.op_multi("context", op, &operands)?;
             return Ok(out[0]);
         }
         let mut s = self.op(

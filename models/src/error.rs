@@ -166,14 +166,6 @@ pub enum ModelError {
     )]
     NotCausal { architecture: String },
 
-    /// The fused attention kernels do not drop probabilities.
-    #[error(
-        "{architecture}'s attention probabilities take dropout ({p}) in training, which the \
-         eager attention applies and the fused attention kernels do not yet: train with \
-         --attention eager or auto, or without attention dropout (--dropout off)"
-    )]
-    FusedAttentionDropout { architecture: String, p: f64 },
-
     /// Packed rows are for causal LMs.
     #[error(
         "{architecture} cannot take packed sequences: packing (--pack) trains a causal LM \

@@ -427,6 +427,7 @@ impl Backward<'_> {
                 window,
                 scale,
                 library,
+                dropout,
             } => {
                 let Some(dy) = dy else { return Ok(()) };
                 if !(need(0) || need(1) || need(2)) {
@@ -435,13 +436,16 @@ impl Backward<'_> {
                 // The output gradient enters the kernel's products in the output's dtype.
                 let (o, lse) = (y, node.outputs[1]);
                 let dy = self.convert(dy, self.fwd.ty(o).dtype, &name)?;
+                // The mask and the dropout key (the same key and stream: the backward
+                // regenerates the forward's dropout mask).
                 let mut operands = vec![x[0], x[1], x[2], o, lse, dy];
-                operands.extend(x.get(3));
+                operands.extend_from_slice(&x[3..]);
                 let op = Op::AttentionGrad {
                     causal: *causal,
                     window: *window,
                     scale: *scale,
                     library: *library,
+                    dropout: *dropout,
                 };
                 let outs = self.b.op_multi(&name, op, &operands)?;
                 for (i, &d) in outs.iter().enumerate() {

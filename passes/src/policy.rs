@@ -461,6 +461,7 @@ fn table_ops() -> Vec<Op> {
             window: None,
             scale: 1.0,
             library: castor_ir::AttentionLibrary::Kernels,
+            dropout: None,
         },
         Op::Rope {
             theta: 0.0,

@@ -122,16 +122,6 @@ pub(super) fn plan_and_data(
             let objective = args.training.training_objective(model)?;
             model.set_packed(args.training.pack)?;
             model.set_dropout(args.training.dropout);
-            if let (Some(p), castor_models::AttentionImpl::Auto) =
-                (model.dropout_rates().attention, model.attention())
-            {
-                if p > 0.0 {
-                    crate::outln!(
-                        "note        attention dropout ({p}) runs in the eager attention: the \
-                         fused kernels do not drop probabilities yet"
-                    );
-                }
-            }
             let data = Data::open(&args.data, model, objective, &data_options)?;
             let (batch, seq) = data.shape();
             let mut settings =

@@ -138,7 +138,7 @@ pub fn as_f32(t: &Tensor) -> Vec<f32> {
 /// The fused attention op, forward and backward, at a head dim of 64 with grouped-query heads
 /// (2 query heads per kv head), a padding mask or packed sequences' positions (any values: the
 /// kernels clamp them), 33 queries and 40 keys (neither a multiple of the 64-row tiles),
-/// causal. Apart from [`CASES`] because its kernels agree with the CPU executor to a bound
+/// causal; and the padded case with dropout on its probabilities. Apart from [`CASES`] because its kernels agree with the CPU executor to a bound
 /// (tests/attention.rs), not bit for bit.
 pub const ATTENTION_CASES: &[(&str, &str)] = &[
     (
@@ -148,6 +148,12 @@ pub const ATTENTION_CASES: &[(&str, &str)] = &[
     (
         "attention_packed",
         "%q: {t}[2,2,2,33,64] = input\n%k: {t}[2,2,1,40,64] = input\n%v: {t}[2,2,1,40,64] = input\n%position_ids: i64[2,1,1,1,40] = input\n%o: {t}[2,2,2,33,64], %lse: f32[2,2,2,33] = attention(%q, %k, %v, %position_ids) {causal=true, scale=0.125}\n%do: {t}[2,2,2,33,64] = input\n%dq: {t}[2,2,2,33,64], %dk: {t}[2,2,1,40,64], %dv: {t}[2,2,1,40,64] = attention_grad(%q, %k, %v, %o, %lse, %do, %position_ids) {causal=true, scale=0.125}",
+    ),
+    // Dropout on the probabilities (the `_dropout` entry points; the key's random offset is
+    // non-negative: training mode).
+    (
+        "attention_dropout",
+        "%q: {t}[2,2,2,33,64] = input\n%k: {t}[2,2,1,40,64] = input\n%v: {t}[2,2,1,40,64] = input\n%m: bool[2,1,1,1,40] = input\n%dropout_key: i64[2] = input\n%o: {t}[2,2,2,33,64], %lse: f32[2,2,2,33] = attention(%q, %k, %v, %m, %dropout_key) {causal=true, scale=0.125, dropout=0.1, stream=1}\n%do: {t}[2,2,2,33,64] = input\n%dq: {t}[2,2,2,33,64], %dk: {t}[2,2,1,40,64], %dv: {t}[2,2,1,40,64] = attention_grad(%q, %k, %v, %o, %lse, %do, %m, %dropout_key) {causal=true, scale=0.125, dropout=0.1, stream=1}",
     ),
 ];
 

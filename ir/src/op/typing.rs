@@ -2,6 +2,7 @@
 //! has already checked), or a message saying which rule is broken. The op table names one
 //! rule per op.
 
+use super::AttentionDropout;
 use crate::{DType, Shape, TensorType};
 
 type Types = Result<Vec<TensorType>, String>;
@@ -627,9 +628,39 @@ fn batch_of(s: &Shape) -> Shape {
     Shape(s.0[..s.rank().saturating_sub(2)].to_vec())
 }
 
-/// `(q [.., T, D], k [.., S, D], v [.., S, Dv][, mask bool [.., T, S]]) -> (o [.., T, Dv],
-/// lse f32 [.., T])`; the batch dims of k, v and the mask broadcast to q's.
-pub fn attention(inputs: &[&TensorType], causal: bool, window: Option<usize>) -> Types {
+/// `(q [.., T, D], k [.., S, D], v [.., S, Dv][, mask bool [.., T, S]][, key i64[2]]) ->
+/// (o [.., T, Dv], lse f32 [.., T])`; the batch dims of k, v and the mask broadcast to q's;
+/// the dropout key is there exactly when the op has `dropout`.
+pub fn attention(
+    inputs: &[&TensorType],
+    causal: bool,
+    window: Option<usize>,
+    dropout: Option<AttentionDropout>,
+) -> Types {
+    let inputs = if let Some(d) = dropout {
+        let Some((key, rest)) = inputs.split_last().filter(|(_, rest)| rest.len() >= 3) else {
+            return Err("attention with dropout takes (q, k, v[, mask], key)".into());
+        };
+        dropout_key(key)?;
+        if !(d.p > 0.0 && d.p < 1.0) {
+            return Err(format!(
+                "attention dropout must lie in (0, 1), found {}",
+                d.p
+            ));
+        }
+        if u32::try_from(d.stream).is_err() {
+            return Err(format!("dropout stream {} does not fit 32 bits", d.stream));
+        }
+        rest
+    } else {
+        if inputs.len() > 4 {
+            return Err(format!(
+                "attention without dropout takes (q, k, v[, mask]), found {} operands",
+                inputs.len()
+            ));
+        }
+        inputs
+    };
     let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
     window_needs_causal("attention", causal, window)?;
     for (what, t) in [("query", q), ("key", k), ("value", v)] {
@@ -691,14 +722,19 @@ pub fn attention(inputs: &[&TensorType], causal: bool, window: Option<usize>) ->
     ])
 }
 
-/// `(q, k, v, o, lse, do[, mask]) -> (dq, dk, dv)` like q, k and v.
-pub fn attention_grad(inputs: &[&TensorType], causal: bool, window: Option<usize>) -> Types {
+/// `(q, k, v, o, lse, do[, mask][, key]) -> (dq, dk, dv)` like q, k and v.
+pub fn attention_grad(
+    inputs: &[&TensorType],
+    causal: bool,
+    window: Option<usize>,
+    dropout: Option<AttentionDropout>,
+) -> Types {
     let (q, k, v, o, lse, d_o) = (
         inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
     );
     let mut forward = vec![q, k, v];
-    forward.extend(inputs.get(6));
-    let outs = attention(&forward, causal, window)?;
+    forward.extend(&inputs[6..]);
+    let outs = attention(&forward, causal, window, dropout)?;
     if o.shape != outs[0].shape || d_o.shape != o.shape {
         return Err(format!(
             "attention output {} and its gradient {} should be {}",
@@ -744,11 +780,7 @@ pub fn rope(inputs: &[&TensorType]) -> Types {
 pub fn dropout(inputs: &[&TensorType], p: f64, stream: usize) -> Types {
     let (x, key) = (inputs[0], inputs[1]);
     require_float("input", x)?;
-    if *key != TensorType::new(DType::I64, [2]) {
-        return Err(format!(
-            "the dropout key must be i64[2] (seed, offset), found {key}"
-        ));
-    }
+    dropout_key(key)?;
     if !(0.0..1.0).contains(&p) {
         return Err(format!("dropout p must lie in [0, 1), found {p}"));
     }
@@ -756,6 +788,16 @@ pub fn dropout(inputs: &[&TensorType], p: f64, stream: usize) -> Types {
         return Err(format!("dropout stream {stream} does not fit 32 bits"));
     }
     one(x.clone())
+}
+
+/// The key operand of a dropout (or an attention with dropout): `i64[2]`, `[seed, offset]`.
+fn dropout_key(key: &TensorType) -> Result<(), String> {
+    if *key != TensorType::new(DType::I64, [2]) {
+        return Err(format!(
+            "the dropout key must be i64[2] (seed, offset), found {key}"
+        ));
+    }
+    Ok(())
 }
 
 pub fn reshape(inputs: &[&TensorType], shape: &[usize]) -> Types {

@@ -12,6 +12,15 @@
 //! products, and `dv = Σ p̃ do`; every sum is F64, in a fixed order (so results do not depend
 //! on the thread count).
 //!
+//! With dropout ([`Dropout`]) the probabilities are dropped where a `dropout` node over the
+//! `[batch.., T, S]` probabilities would drop them (the Philox draw of element
+//! `(row * S + key)`, [`castor_ir::philox`]): a dropped probability does not enter `Σ p̃ v`
+//! (the row sum `l` still adds it: `lse` is the undropped scores'), and `o = (Σ p̃ v) / l · c`
+//! with `c = 1 / (1 - p)` (the F32 [`castor_ir::philox::dropout_scale`]), in F64. The backward
+//! regenerates the mask: `dp` of a dropped key is 0, of a kept one `dp · c`, and
+//! `ds = p (dp - D)`; `dv = Σ z̃ do` with `z = p · c` (F32) for a kept key, 0 for a dropped one,
+//! rounded as `p̃` is.
+//!
 //! Masking follows [`super::softmax`] (with positions, a query sees only its own packed
 //! sequence): masked keys get probability exactly 0, and a row with
 //! no visible key attends uniformly to all `S` keys (every score then equals the mask's finite
@@ -20,6 +29,7 @@
 use super::mask::{KeyMask, PositionRows};
 use super::par::for_each_block;
 use super::strides::{broadcast_strides, offset};
+use castor_ir::philox::{dropout_draws, dropout_scale, keep_threshold};
 use castor_ir::{round_tf32, round_to, DType};
 
 /// How a value entering a product is rounded: to the operands' dtype, or to TF32.
@@ -50,6 +60,44 @@ pub struct Problem<'a> {
     pub window: Option<usize>,
     pub scale: f64,
     pub operand: Operand,
+    /// Dropout on the probabilities (`None` also in evaluation mode).
+    pub dropout: Option<Dropout>,
+}
+
+/// Dropout on an attention's probabilities: the key (`[seed, offset]`, training mode), the
+/// stream and the probability, as the `dropout` node they stand for.
+#[derive(Clone, Copy, Debug)]
+pub struct Dropout {
+    pub key: [i64; 2],
+    pub stream: u32,
+    pub p: f64,
+}
+
+impl Dropout {
+    /// Which keys of query row `row` (flattened over the batch dims) are kept: the draws of
+    /// elements `row * s .. row * s + s`.
+    fn kept(&self, row: usize, s: usize) -> Vec<bool> {
+        let threshold = keep_threshold(self.p);
+        let (first, end) = ((row * s) as u64, (row * s + s) as u64);
+        let mut keep = Vec::with_capacity(s);
+        let mut block = first / 4;
+        while block * 4 < end {
+            let draws = dropout_draws(self.key, self.stream, block);
+            for (lane, &r) in draws.iter().enumerate() {
+                let i = block * 4 + lane as u64;
+                if (first..end).contains(&i) {
+                    keep.push(u64::from(r) < threshold);
+                }
+            }
+            block += 1;
+        }
+        keep
+    }
+
+    /// The factor kept probabilities are multiplied by.
+    fn scale(&self) -> f32 {
+        dropout_scale(self.p)
+    }
 }
 
 /// Index arithmetic shared by the forward and the backward.
@@ -76,6 +124,7 @@ struct Layout<'a> {
     window: Option<usize>,
     scale: f64,
     operand: Operand,
+    dropout: Option<Dropout>,
 }
 
 impl<'a> Layout<'a> {
@@ -113,7 +162,13 @@ impl<'a> Layout<'a> {
             window: p.window,
             scale: p.scale,
             operand: p.operand,
+            dropout: p.dropout,
         }
+    }
+
+    /// The dropout mask of query row `r` (`None`: no dropout).
+    fn dropped(&self, r: usize) -> Option<Vec<bool>> {
+        self.dropout.map(|d| d.kept(r, self.s))
     }
 
     fn k_index(&self, b: usize) -> usize {
@@ -202,6 +257,7 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], p: &Problem) -> (Vec<f32>, Vec
     for_each_block(&mut packed, l.dv + 1, l.s * (l.d + l.dv), |r, out| {
         let (b, i) = (r / l.t, r % l.t);
         let (s, keep, max) = row_scores(&l, q, k, b, i);
+        let kept = l.dropped(r);
         let vb = l.v_index(b) * l.s * l.dv;
         let mut sum = 0f64;
         let mut acc = vec![0f64; l.dv];
@@ -211,13 +267,17 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], p: &Problem) -> (Vec<f32>, Vec
             }
             let pj = super::math::exp(s[j] - max);
             sum += f64::from(pj);
+            if kept.as_ref().is_some_and(|z| !z[j]) {
+                continue;
+            }
             let pr = f64::from(l.operand.round(pj));
             for (a, &x) in acc.iter_mut().zip(&v[vb + j * l.dv..][..l.dv]) {
                 *a += pr * f64::from(x);
             }
         }
+        let c = l.dropout.map_or(1.0, |d| f64::from(d.scale()));
         for (dst, a) in out[..l.dv].iter_mut().zip(&acc) {
-            *dst = (a / sum) as f32;
+            *dst = (a / sum * c) as f32;
         }
         out[l.dv] = max + (sum.ln() as f32);
     });
@@ -256,8 +316,11 @@ pub fn attention_grad(
     let ds_row = |b: usize, i: usize| -> (Vec<f32>, Vec<f32>, Vec<bool>) {
         let r = b * l.t + i;
         let (s, keep, _) = row_scores(&l, q, k, b, i);
+        let kept = l.dropped(r);
+        let c = l.dropout.map(|d| d.scale());
         let vb = l.v_index(b) * l.s * l.dv;
         let doi = &d_o[r * l.dv..][..l.dv];
+        // With dropout, `pr` holds the dropped, scaled probabilities that multiplied v.
         let mut pr = vec![0f32; l.s];
         let mut ds = vec![0f32; l.s];
         for j in 0..l.s {
@@ -270,8 +333,13 @@ pub fn attention_grad(
                 .zip(&v[vb + j * l.dv..][..l.dv])
                 .map(|(&a, &b)| f64::from(a) * f64::from(b))
                 .sum();
-            pr[j] = pj;
-            ds[j] = pj * (dp as f32 - delta[r]);
+            let (zj, dp) = match (c, &kept) {
+                (Some(_), Some(z)) if !z[j] => (0.0, 0.0),
+                (Some(c), _) => (pj * c, dp as f32 * c),
+                _ => (pj, dp as f32),
+            };
+            pr[j] = zj;
+            ds[j] = pj * (dp - delta[r]);
         }
         (pr, ds, keep)
     };

@@ -87,9 +87,7 @@ pub(super) fn execute(
             ..
         } => {
             let ops = attention_operands(args, acc, &[0, 1, 2])?;
-            let mask = args.len() > 3;
-            let problem =
-                attention_problem(args, acc, mask.then_some(3), (*causal, *window), *scale)?;
+            let problem = attention_problem(args, acc, op, (*causal, *window), *scale)?;
             let (o, lse) = attention::attention(&ops[0], &ops[1], &ops[2], &problem);
             return f32_results(args, outs, [o, lse]);
         }
@@ -100,9 +98,7 @@ pub(super) fn execute(
             ..
         } => {
             let ops = attention_operands(args, acc, &[0, 1, 2, 5])?;
-            let mask = args.len() > 6;
-            let problem =
-                attention_problem(args, acc, mask.then_some(6), (*causal, *window), *scale)?;
+            let problem = attention_problem(args, acc, op, (*causal, *window), *scale)?;
             let (dq, dk, dv) = attention::attention_grad(
                 &ops[0],
                 &ops[1],
@@ -335,17 +331,35 @@ fn attention_operands(
         .collect()
 }
 
-/// An attention op's shapes, mask (operand `mask`) and rounding.
+/// An attention op's shapes, mask, dropout and rounding.
 fn attention_problem<'a>(
     args: &'a Args,
     acc: Option<Accum>,
-    mask: Option<usize>,
+    op: &Op,
     (causal, window): (bool, Option<usize>),
     scale: f64,
 ) -> Result<attention::Problem<'a>, RuntimeError> {
-    let mask = match mask {
+    let at = op
+        .attention_operands(args.len())
+        .unwrap_or(castor_ir::AttentionOperands {
+            mask: None,
+            key: None,
+        });
+    let mask = match at.mask {
         Some(i) => Some(super::key_mask(args, i)?),
         None => None,
+    };
+    let dropout = match (op.attention_dropout(), at.key) {
+        (Some(d), Some(i)) => {
+            let key: &[i64] = args.values(i)?;
+            let key = [key[0], key[1]];
+            (!castor_ir::philox::is_evaluation(key)).then_some(attention::Dropout {
+                key,
+                stream: d.stream as u32,
+                p: d.p,
+            })
+        }
+        _ => None,
     };
     let operand = if acc == Some(Accum::Tf32) {
         attention::Operand::Tf32
@@ -361,5 +375,6 @@ fn attention_problem<'a>(
         window,
         scale,
         operand,
+        dropout,
     })
 }

@@ -116,6 +116,7 @@ pub(super) fn twin(m: &mut Mem, c: &Sdpa) -> R<()> {
         window: p.window,
         scale: p.scale(),
         operand: Operand::Dtype(p.dtype),
+        dropout: None,
     };
     match &c.grads {
         None => {

@@ -246,6 +246,55 @@ __device__ __forceinline__ bool window_rows(Visibility& vis, unsigned char* flag
     return *any != 0;
 }
 
+// Dropout on the probabilities (the `_dropout` entry points): element (row, key) of the
+// [bq t, s] probabilities, row-major index idx = row s + key, is kept when Philox draw idx % 4
+// of block idx / 4, keyed by (seed, offset) and the stream, is below threshold, exactly as a
+// dropout node over the probabilities keeps it (dropout.cu, castor_ir::philox); kept ones are
+// scaled by `scale`, the F32 1 / (1 - p). A negative offset is evaluation mode: `on` is false
+// and the kernels compute what the entry points without dropout do, bit for bit.
+struct AttDropout {
+    u64 seed = 0, threshold = 0;
+    i64 offset = -1;
+    unsigned stream = 0;
+    float scale = 1.0f;
+    bool on = false;
+    // Whether elements idx and idx + 1 are kept: one Philox call when they share a block.
+    __device__ __forceinline__ void kept2(i64 idx, bool& k0, bool& k1) const {
+        unsigned r[4];
+        dropout_draws(r, seed, offset, stream, u64(idx) >> 2);
+        const int lane = int(idx & 3);
+        const unsigned x0 = lane == 0 ? r[0] : lane == 1 ? r[1] : lane == 2 ? r[2] : r[3];
+        k0 = u64(x0) < threshold;
+        if (lane < 3) {
+            const unsigned x1 = lane == 0 ? r[1] : lane == 1 ? r[2] : r[3];
+            k1 = u64(x1) < threshold;
+        } else {
+            dropout_draws(r, seed, offset, stream, (u64(idx) >> 2) + 1);
+            k1 = u64(r[0]) < threshold;
+        }
+    }
+    __device__ __forceinline__ bool kept(i64 idx) const {
+        unsigned r[4];
+        dropout_draws(r, seed, offset, stream, u64(idx) >> 2);
+        const int lane = int(idx & 3);
+        const unsigned x = lane == 0 ? r[0] : lane == 1 ? r[1] : lane == 2 ? r[2] : r[3];
+        return u64(x) < threshold;
+    }
+};
+
+// The dropout of the `_dropout` entry points' arguments (the key in device memory).
+__device__ __forceinline__ AttDropout att_dropout(const i64* key, unsigned stream, u64 threshold,
+                                                  double scale) {
+    AttDropout dr;
+    dr.seed = u64(key[0]);
+    dr.offset = key[1];
+    dr.stream = stream;
+    dr.threshold = threshold;
+    dr.scale = float(scale);
+    dr.on = dr.offset >= 0;
+    return dr;
+}
+
 // The row max across the four lanes that share a row.
 __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(FULL_WARP, v, 1));
@@ -406,12 +455,12 @@ __device__ __forceinline__ void stage_keys(T* ks, T* vs, unsigned char* keep, co
     }
 }
 
-template <typename T, int P>
+template <typename T, int P, bool DROP>
 __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char* mask,
                         const i64* positions, T* o, float* lse, int t, int s, int d, int group,
                         int mask_group, int causal,
                         int window, float scale_log2, AttStrides sq, AttStrides sk,
-                        AttStrides sv, AttStrides so) {
+                        AttStrides sv, AttStrides so, AttDropout dr) {
     constexpr int LD = P + ATT_PAD, KEYS = AttShape<P>::KEYS, ROWS = ATT_FWD_ROWS;
     constexpr int NT = KEYS / 8, DT = P / 16, OT = P / 8, WORDS = KEYS / 64;
     CASTOR_DYNAMIC_SHARED(att_smem);
@@ -586,6 +635,24 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
                 }
                 l[h] = l[h] * corr[h] + part;
             }
+            if constexpr (DROP) {
+                // The dropped probabilities leave the product (l keeps them: lse is the
+                // undropped scores'); the kept ones are scaled with o below.
+                if (dr.on) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        if (rows[h] >= t) continue;
+                        const i64 base = (i64(b) * t + rows[h]) * s + key0 + 2 * c;
+#pragma unroll
+                        for (int n = 0; n < NT; ++n) {
+                            bool k0, k1;
+                            dr.kept2(base + n * 8, k0, k1);
+                            if (!k0) sc[n][2 * h] = 0.0f;
+                            if (!k1) sc[n][2 * h + 1] = 0.0f;
+                        }
+                    }
+                }
+            }
 #pragma unroll
             for (int i = 0; i < OT; ++i) {
                 acc[i][0] *= corr[0];
@@ -615,7 +682,10 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(l[h]);
-        const float inv = rcp_approx(sum);
+        float inv = rcp_approx(sum);
+        if constexpr (DROP) {
+            if (dr.on) inv = inv * dr.scale;
+        }
 #pragma unroll
         for (int i = 0; i < OT; ++i)
             *reinterpret_cast<unsigned*>(ow + (g + 8 * h) * LD + i * 8 + 2 * c) =
@@ -706,14 +776,14 @@ __device__ __forceinline__ u64 bit_range(int lo, int hi) {
     return ((~0ull) >> (63 - hi)) & ~((1ull << lo) - 1ull);
 }
 
-template <typename T, int P>
+template <typename T, int P, bool DROP>
 __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char* mask,
                         const i64* positions, const T* d_o, const float* lse,
                         const float* delta, T* dq, T* dk, T* dv, float* dq_acc, int* dq_ready,
                         int t, int s, int d, int group,
                         int mask_group, int causal, int window, float scale, float scale_log2,
                         AttStrides sq, AttStrides sk, AttStrides sv, AttStrides sdo,
-                        AttStrides sdq, AttStrides sdk, AttStrides sdv) {
+                        AttStrides sdq, AttStrides sdk, AttStrides sdv, AttDropout dr) {
     constexpr int KB = ATT_BWD_KEYS, QT = AttShape<P>::QROWS, LD = P + ATT_PAD;
     constexpr int LDS = QT + ATT_PAD, DT = P / 16, OT = P / 8, NQ = QT / 8;
     // The dQ product's warps: MT tiles of 16 query rows, CW warps on each, NW 8-column tiles
@@ -995,6 +1065,18 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                     for (int e = 0; e < 4; ++e) {
                         const int i = n * 8 + 2 * c + (e & 1);
                         const float p = exp2_approx(fmaf(st[n][e], scale_log2, -l2[i]));
+                        if constexpr (DROP) {
+                            if (dr.on) {
+                                // The forward's mask, regenerated: dP of a dropped key is 0,
+                                // of a kept one scaled, and dV reads the dropped, scaled P.
+                                const int qi = q0 + i, j = keys[e >> 1];
+                                const bool kept = qi < t && j < s &&
+                                                  dr.kept((i64(b) * t + qi) * s + j);
+                                st[n][e] = kept ? p * dr.scale : 0.0f;
+                                dpt[n][e] = p * ((kept ? dpt[n][e] * dr.scale : 0.0f) - dl[i]);
+                                continue;
+                            }
+                        }
                         st[n][e] = p;                          // P^T
                         dpt[n][e] = p * (dpt[n][e] - dl[i]);  // dS^T
                     }
@@ -1155,7 +1237,7 @@ __device__ __forceinline__ void lane_row(float (&x)[ATT_LANE_DIMS], const float*
 __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
                             const unsigned char* mask, const i64* positions, float* o,
                             float* lse, int t, int s, int d, int group, int mask_group,
-                            int causal, int window, double scale) {
+                            int causal, int window, double scale, AttDropout dr) {
     __shared__ int first_slot;
     const i64 b = blockIdx.y;
     const int r = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -1165,6 +1247,7 @@ __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
     if (r >= t) return;
     const float* kb = k + (b / group) * i64(s) * d;
     const float* vb = v + (b / group) * i64(s) * d;
+    const i64 drow = (b * t + r) * i64(s);  // the row's first element of the probabilities
     float qi[ATT_LANE_DIMS], acc[ATT_LANE_DIMS];
     lane_row(qi, q + (b * t + r) * i64(d), d);
 #pragma unroll
@@ -1179,17 +1262,19 @@ __device__ void att_fwd_f32(const float* q, const float* k, const float* v,
         const float corr = expf(m - mn), p = expf(x - mn);
         m = mn;
         l = l * corr + p;
+        // A dropped probability leaves the product, not the sum.
+        const float pv = dr.on && !dr.kept(drow + j) ? 0.0f : p;
         const float* vj = vb + i64(j) * d;
 #pragma unroll
         for (int u = 0; u < ATT_LANE_DIMS; ++u) {
             const int col = lane + 32 * u;
-            acc[u] = acc[u] * corr + (col < d ? p * vj[col] : 0.0f);
+            acc[u] = acc[u] * corr + (col < d ? pv * vj[col] : 0.0f);
         }
     }
 #pragma unroll
     for (int u = 0; u < ATT_LANE_DIMS; ++u) {
         const int col = lane + 32 * u;
-        if (col < d) o[(b * t + r) * i64(d) + col] = acc[u] / l;
+        if (col < d) o[(b * t + r) * i64(d) + col] = dr.on ? acc[u] / l * dr.scale : acc[u] / l;
     }
     if (lane == 0) lse[b * t + r] = m + logf(l);
 }
@@ -1198,7 +1283,7 @@ __device__ void att_dq_f32(const float* q, const float* k, const float* v,
                            const unsigned char* mask, const i64* positions, const float* d_o,
                            const float* lse, const float* delta, float* dq, int t, int s,
                            int d, int group, int mask_group, int causal, int window,
-                           double scale) {
+                           double scale, AttDropout dr) {
     __shared__ int first_slot;
     const i64 b = blockIdx.y;
     const int r = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -1221,7 +1306,8 @@ __device__ void att_dq_f32(const float* q, const float* k, const float* v,
         if (!none && mrow != nullptr && mrow[j] == 0) continue;
         const float x = none ? 0.0f : float(warp_dot(qi, kb + i64(j) * d, d) * double(scale));
         const float p = expf(x - lse[row]);
-        const float dp = float(warp_dot(doi, vb + i64(j) * d, d));
+        float dp = float(warp_dot(doi, vb + i64(j) * d, d));
+        if (dr.on) dp = dr.kept(row * s + j) ? dp * dr.scale : 0.0f;
         const double ds = double(p * (dp - delta[row]));
         const float* kj = kb + i64(j) * d;
 #pragma unroll
@@ -1241,7 +1327,7 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
                              const unsigned char* mask, const i64* positions,
                              const float* d_o, const float* lse, const float* delta, float* dk,
                              float* dv, int t, int s, int d, int group, int mask_group,
-                             int causal, int window, double scale) {
+                             int causal, int window, double scale, AttDropout dr) {
     __shared__ int first_slot;
     const i64 bk = blockIdx.y;
     const int j = blockIdx.x * (ATT_THREADS / 32) + (threadIdx.x >> 5), lane = threadIdx.x & 31;
@@ -1270,14 +1356,19 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
             const float* dor = d_o + row * d;
             const float x = none ? 0.0f : float(warp_dot(kj, qr, d) * double(scale));
             const float p = expf(x - lse[row]);
-            const float dp = float(warp_dot(vj, dor, d));
+            float dp = float(warp_dot(vj, dor, d)), z = p;
+            if (dr.on) {
+                const bool kept = dr.kept(row * s + j);
+                dp = kept ? dp * dr.scale : 0.0f;
+                z = kept ? p * dr.scale : 0.0f;
+            }
             const double ds = double(p * (dp - delta[row]));
 #pragma unroll
             for (int u = 0; u < ATT_LANE_DIMS; ++u) {
                 const int col = lane + 32 * u;
                 if (col < d) {
                     acc_k[u] += ds * double(qr[col]);
-                    acc_v[u] += double(p) * double(dor[col]);
+                    acc_v[u] += double(z) * double(dor[col]);
                 }
             }
         }
@@ -1299,16 +1390,21 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
 // them all: NVRTC takes a while the first time a machine compiles it, then the PTX cache
 // answers.
 // The strides of operand X (AttStrides) come after the shape as X_batch, X_head, X_row.
+// The `_dropout` entry points take the dropout last: the key ([seed, offset], device memory),
+// the stream, the keep threshold round((1 - p) 2^32) and the F32 1 / (1 - p) as a double
+// (dropout.cu's arguments). The tensor-core entry points without it are the same templates
+// with the dropout compiled out (DROP = false), so they run exactly the code they ran before.
 #define CASTOR_ATTENTION(T, sfx, P)                                                                \
     extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_fwd_##sfx##_d##P(    \
         const T* q, const T* k, const T* v, const unsigned char* mask, const i64* positions, T* o, \
         float* lse, i64 bq, int t, int s, int d, int group, int mask_group, int causal,            \
         int window, double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head,     \
         int k_row, int v_batch, int v_head, int v_row, int o_batch, int o_head, int o_row) {       \
-        att_fwd<T, P>(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal,        \
-                      window, float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},        \
-                      AttStrides{k_batch, k_head, k_row}, AttStrides{v_batch, v_head, v_row},      \
-                      AttStrides{o_batch, o_head, o_row});                                         \
+        att_fwd<T, P, false>(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal, \
+                            window, float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},  \
+                            AttStrides{k_batch, k_head, k_row},                                    \
+                            AttStrides{v_batch, v_head, v_row},                                    \
+                            AttStrides{o_batch, o_head, o_row}, AttDropout{});                     \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_bwd_##sfx##_d##P(    \
         const T* q, const T* k, const T* v, const unsigned char* mask, const i64* positions,       \
@@ -1318,14 +1414,49 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
         int k_row, int v_batch, int v_head, int v_row, int d_o_batch, int d_o_head, int d_o_row,   \
         int dq_batch, int dq_head, int dq_row, int dk_batch, int dk_head, int dk_row,              \
         int dv_batch, int dv_head, int dv_row) {                                                   \
-        att_bwd<T, P>(q, k, v, mask, positions, d_o, lse, delta, dq, dk, dv, dq_acc, dq_ready, t,  \
-                      s, d, group, mask_group, causal, window, float(scale),                       \
-                      float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},                \
-                      AttStrides{k_batch, k_head, k_row}, AttStrides{v_batch, v_head, v_row},      \
-                      AttStrides{d_o_batch, d_o_head, d_o_row},                                    \
-                      AttStrides{dq_batch, dq_head, dq_row},                                       \
-                      AttStrides{dk_batch, dk_head, dk_row},                                       \
-                      AttStrides{dv_batch, dv_head, dv_row});                                      \
+        att_bwd<T, P, false>(q, k, v, mask, positions, d_o, lse, delta, dq, dk, dv, dq_acc,        \
+                            dq_ready, t, s, d, group, mask_group, causal, window, float(scale),    \
+                            float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},          \
+                            AttStrides{k_batch, k_head, k_row},                                    \
+                            AttStrides{v_batch, v_head, v_row},                                    \
+                            AttStrides{d_o_batch, d_o_head, d_o_row},                              \
+                            AttStrides{dq_batch, dq_head, dq_row},                                 \
+                            AttStrides{dk_batch, dk_head, dk_row},                                 \
+                            AttStrides{dv_batch, dv_head, dv_row}, AttDropout{});                  \
+    }
+#define CASTOR_ATTENTION_DROPOUT(T, sfx, P)                                                        \
+    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_fwd_##sfx##_d##P##_dropout( \
+        const T* q, const T* k, const T* v, const unsigned char* mask, const i64* positions, T* o, \
+        float* lse, i64 bq, int t, int s, int d, int group, int mask_group, int causal,            \
+        int window, double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head,     \
+        int k_row, int v_batch, int v_head, int v_row, int o_batch, int o_head, int o_row,         \
+        const i64* dropout_key, unsigned stream, u64 threshold, double keep_scale) {               \
+        att_fwd<T, P, true>(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal,  \
+                            window, float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},  \
+                            AttStrides{k_batch, k_head, k_row},                                    \
+                            AttStrides{v_batch, v_head, v_row},                                    \
+                            AttStrides{o_batch, o_head, o_row},                                    \
+                            att_dropout(dropout_key, stream, threshold, keep_scale)); \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_bwd_##sfx##_d##P##_dropout( \
+        const T* q, const T* k, const T* v, const unsigned char* mask, const i64* positions,       \
+        const T* d_o, const float* lse, const float* delta, T* dq, T* dk, T* dv, float* dq_acc,    \
+        int* dq_ready, i64 bkv, int t, int s, int d, int group, int mask_group, int causal,        \
+        int window, double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head,     \
+        int k_row, int v_batch, int v_head, int v_row, int d_o_batch, int d_o_head, int d_o_row,   \
+        int dq_batch, int dq_head, int dq_row, int dk_batch, int dk_head, int dk_row,              \
+        int dv_batch, int dv_head, int dv_row,                                                     \
+        const i64* dropout_key, unsigned stream, u64 threshold, double keep_scale) {               \
+        att_bwd<T, P, true>(q, k, v, mask, positions, d_o, lse, delta, dq, dk, dv, dq_acc,         \
+                            dq_ready, t, s, d, group, mask_group, causal, window, float(scale),    \
+                            float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},          \
+                            AttStrides{k_batch, k_head, k_row},                                    \
+                            AttStrides{v_batch, v_head, v_row},                                    \
+                            AttStrides{d_o_batch, d_o_head, d_o_row},                              \
+                            AttStrides{dq_batch, dq_head, dq_row},                                 \
+                            AttStrides{dk_batch, dk_head, dk_row},                                 \
+                            AttStrides{dv_batch, dv_head, dv_row},                                 \
+                            att_dropout(dropout_key, stream, threshold, keep_scale)); \
     }
 
 #define CASTOR_ATTENTION_DELTA(T, sfx)                                                             \
@@ -1342,7 +1473,7 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
         const i64* positions, float* o, float* lse, i64 bq, int t, int s, int d, int group,        \
         int mask_group, int causal, int window, double scale) {                                    \
         att_fwd_f32(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal, window,  \
-                    scale);                                                                        \
+                    scale, AttDropout{});                                                          \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dq_f32(                \
         const float* q, const float* k, const float* v, const unsigned char* mask,                 \
@@ -1350,19 +1481,47 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
         i64 bq, int t, int s, int d, int group, int mask_group, int causal, int window,            \
         double scale) {                                                                            \
         att_dq_f32(q, k, v, mask, positions, d_o, lse, delta, dq, t, s, d, group, mask_group,      \
-                   causal, window, scale);                                                         \
+                   causal, window, scale, AttDropout{});                                           \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dkdv_f32(              \
         const float* q, const float* k, const float* v, const unsigned char* mask,                 \
         const i64* positions, const float* d_o, const float* lse, const float* delta, float* dk,   \
         float* dv, i64 bkv, int t, int s, int d, int group, int mask_group, int causal,            \
         int window, double scale) {                                                                \
-        att_dkdv_f32(q, k, v, mask, positions, d_o, lse, delta, dk, dv, t, s, d, group,           \
-                     mask_group, causal, window, scale);                                           \
+        att_dkdv_f32(q, k, v, mask, positions, d_o, lse, delta, dk, dv, t, s, d, group,            \
+                     mask_group, causal, window, scale, AttDropout{});                             \
+    }
+#define CASTOR_ATTENTION_F32_DROPOUT                                                               \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_fwd_f32_dropout(           \
+        const float* q, const float* k, const float* v, const unsigned char* mask,                 \
+        const i64* positions, float* o, float* lse, i64 bq, int t, int s, int d, int group,        \
+        int mask_group, int causal, int window, double scale,                                      \
+        const i64* dropout_key, unsigned stream, u64 threshold, double keep_scale) {               \
+        att_fwd_f32(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal, window,  \
+                    scale, att_dropout(dropout_key, stream, threshold, keep_scale));               \
     }                                                                                              \
-    CASTOR_ATTENTION_DELTA(float, f32)
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dq_f32_dropout(        \
+        const float* q, const float* k, const float* v, const unsigned char* mask,                 \
+        const i64* positions, const float* d_o, const float* lse, const float* delta, float* dq,   \
+        i64 bq, int t, int s, int d, int group, int mask_group, int causal, int window,            \
+        double scale,                                                                              \
+        const i64* dropout_key, unsigned stream, u64 threshold, double keep_scale) {               \
+        att_dq_f32(q, k, v, mask, positions, d_o, lse, delta, dq, t, s, d, group, mask_group,      \
+                   causal, window, scale, att_dropout(dropout_key, stream, threshold, keep_scale)); \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(ATT_THREADS) attention_bwd_dkdv_f32_dropout(      \
+        const float* q, const float* k, const float* v, const unsigned char* mask,                 \
+        const i64* positions, const float* d_o, const float* lse, const float* delta, float* dk,   \
+        float* dv, i64 bkv, int t, int s, int d, int group, int mask_group, int causal,            \
+        int window, double scale,                                                                  \
+        const i64* dropout_key, unsigned stream, u64 threshold, double keep_scale) {               \
+        att_dkdv_f32(q, k, v, mask, positions, d_o, lse, delta, dk, dv, t, s, d, group,            \
+                     mask_group, causal, window, scale, att_dropout(dropout_key, stream, threshold, keep_scale)); \
+    }
 
 CASTOR_ATTENTION_F32
+CASTOR_ATTENTION_F32_DROPOUT
+CASTOR_ATTENTION_DELTA(float, f32)
 CASTOR_ATTENTION_DELTA(__half, f16)
 CASTOR_ATTENTION_DELTA(__nv_bfloat16, bf16)
 CASTOR_ATTENTION(__half, f16, 16)
@@ -1373,3 +1532,11 @@ CASTOR_ATTENTION(__nv_bfloat16, bf16, 16)
 CASTOR_ATTENTION(__nv_bfloat16, bf16, 32)
 CASTOR_ATTENTION(__nv_bfloat16, bf16, 64)
 CASTOR_ATTENTION(__nv_bfloat16, bf16, 128)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 16)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 32)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 64)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 128)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 16)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 32)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 64)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 128)

@@ -17,8 +17,13 @@ pub(crate) fn uses(k: super::Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
             kernel,
             dtype,
             tile,
+            dropout,
         } => {
-            let v = Variant { dtype, tile };
+            let v = Variant {
+                dtype,
+                tile,
+                dropout,
+            };
             match kernel {
                 geometry::Kernel::Forward => forward(m, l, v),
                 geometry::Kernel::Backward => backward(m, l, v),
@@ -30,11 +35,32 @@ pub(crate) fn uses(k: super::Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
     }
 }
 
-/// The operands' dtype and the head-dim tile (`None`: the F32 warp-per-row kernels).
+/// The operands' dtype, the head-dim tile (`None`: the F32 warp-per-row kernels) and whether
+/// the entry point drops probabilities (its dropout arguments come last).
 #[derive(Clone, Copy)]
 pub(crate) struct Variant {
     pub(crate) dtype: DType,
     pub(crate) tile: Option<u32>,
+    pub(crate) dropout: bool,
+}
+
+/// The `_dropout` entry points' last arguments, as `dropout.cu`'s: the 16-byte key (read),
+/// the stream, the keep threshold (at most 2^32) and the F32 `1 / (1 - p)` as a double.
+fn dropout_use(a: &mut Args, m: &Mem, v: Variant) -> R<Option<Use>> {
+    if !v.dropout {
+        return Ok(None);
+    }
+    let key = a.need(m, "dropout_key")?;
+    a.u32("stream")?;
+    let threshold = a.u64("threshold")?;
+    let scale = a.f64("keep_scale")?;
+    if threshold > 1 << 32 {
+        return Err(format!("threshold {threshold} is above 2^32"));
+    }
+    if !(scale >= 1.0 && scale as f32 as f64 == scale) {
+        return Err(format!("keep_scale {scale} is not an F32 of at least 1"));
+    }
+    Ok(use_("dropout_key", Some(key), 16, 8, Io::R))
 }
 
 /// The shape arguments every attention kernel takes after its pointers.
@@ -262,15 +288,19 @@ pub(crate) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let elem = v.dtype.size_bytes();
     let mut uses = if v.tile.is_some() {
         let st = read_strides(&mut a, &["q", "k", "v", "o"])?;
+        let key = dropout_use(&mut a, m, v)?;
         a.end()?;
         let heads = sh.heads(l, Kernel::Forward, v);
         let mut uses = sh.strided_operands(ops, heads, &st[..3], elem)?;
         uses.push(st[3].use_of("o", o, sh.q_dims(heads)?, elem, Io::W)?);
+        uses.push(key);
         uses
     } else {
+        let key = dropout_use(&mut a, m, v)?;
         a.end()?;
         let mut uses = operand_uses(&sh, ops, elem)?;
         uses.push(use_("o", Some(o), sh.q_bytes(elem), elem, Io::W));
+        uses.push(key);
         uses
     };
     sh.check_launch(l, Kernel::Forward, v)?;
@@ -286,6 +316,7 @@ pub(crate) fn dq(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let delta = a.need(m, "delta")?;
     let dq = a.need(m, "dq")?;
     let sh = Shape::read(&mut a, Kernel::Dq)?;
+    let key = dropout_use(&mut a, m, v)?;
     a.end()?;
     sh.check_launch(l, Kernel::Dq, v)?;
     let elem = v.dtype.size_bytes();
@@ -294,6 +325,7 @@ pub(crate) fn dq(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     uses.push(use_("lse", Some(lse), 4 * sh.rows(), 4, Io::R));
     uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));
     uses.push(use_("dq", Some(dq), sh.q_bytes(elem), elem, Io::W));
+    uses.push(key);
     checked(m, uses, &[])
 }
 
@@ -306,6 +338,7 @@ pub(crate) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let dk = a.need(m, "dk")?;
     let dv = a.need(m, "dv")?;
     let sh = Shape::read(&mut a, Kernel::DkDv)?;
+    let key = dropout_use(&mut a, m, v)?;
     a.end()?;
     sh.check_launch(l, Kernel::DkDv, v)?;
     let elem = v.dtype.size_bytes();
@@ -315,6 +348,7 @@ pub(crate) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     uses.push(use_("delta", Some(delta), 4 * sh.rows(), 4, Io::R));
     uses.push(use_("dk", Some(dk), sh.kv_bytes(elem), elem, Io::W));
     uses.push(use_("dv", Some(dv), sh.kv_bytes(elem), elem, Io::W));
+    uses.push(key);
     checked(m, uses, &[])
 }
 
@@ -334,6 +368,7 @@ pub(crate) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let ready = a.need(m, "dq_ready")?;
     let sh = Shape::read(&mut a, Kernel::Backward)?;
     let st = read_strides(&mut a, &["q", "k", "v", "d_o", "dq", "dk", "dv"])?;
+    let key = dropout_use(&mut a, m, v)?;
     a.end()?;
     let Some(p) = v.tile else {
         return Err("the one-pass backward has tensor-core variants only".into());
@@ -364,6 +399,7 @@ pub(crate) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
         4,
         Io::Rw,
     ));
+    uses.push(key);
     checked(m, uses, &[])
 }
 

@@ -10,7 +10,10 @@ use crate::cuda::lower::copies;
 use crate::cuda::lower::views::{fits_i32, heads_of, kernel_strides};
 use crate::cuda::lower::{window_arg, LowerError, RunLowering};
 use crate::cuda::kernel_id::KernelId;
-use castor_ir::{Accum, AttentionLibrary, DType, Graph, Node, NodeData, Op, Value};
+use castor_ir::philox::{dropout_scale, keep_threshold};
+use castor_ir::{
+    Accum, AttentionDropout, AttentionLibrary, DType, Graph, Node, NodeData, Op, Value,
+};
 use super::geometry::{self, Kernel};
 
 /// An attention op as the kernels see it: `bq` query batches of `t` rows and head dim `d`;
@@ -28,6 +31,8 @@ struct Problem {
     dtype: DType,
     /// The tensor-core tile (`None`: the F32 kernels).
     tile: Option<u32>,
+    /// Whether the `_dropout` entry points run (their dropout arguments are in the launch's).
+    dropout: bool,
     /// Query batches per outer batch: the kernels split query batch `b` as
     /// `(b / heads, b % heads)` to find it through an operand's strides (a multiple of
     /// `group`, so that key batches split the same way by `heads / group`).
@@ -256,6 +261,7 @@ impl RunLowering<'_, '_> {
             positions,
             dtype,
             tile,
+            dropout: false,
             heads,
         })
     }
@@ -274,6 +280,7 @@ impl RunLowering<'_, '_> {
             kernel,
             dtype: p.dtype,
             tile: p.tile,
+            dropout: p.dropout,
         });
         let per_key_batch = matches!(kernel, Kernel::Backward | Kernel::DkDv);
         let batches = if per_key_batch { p.bq / p.group } else { p.bq };
@@ -373,6 +380,24 @@ impl RunLowering<'_, '_> {
         })
     }
 
+    /// The `_dropout` entry points' arguments (none without dropout): the key's place, the
+    /// stream, the keep threshold and the F32 `1 / (1 - p)`, as a dropout node's launch.
+    fn dropout_args(
+        &self,
+        key: Option<Value>,
+        dropout: Option<AttentionDropout>,
+    ) -> Result<Vec<(&'static str, Arg)>, LowerError> {
+        let (Some(key), Some(d)) = (key, dropout) else {
+            return Ok(Vec::new());
+        };
+        Ok(vec![
+            ("dropout_key", Arg::Ptr(self.at(key)?)),
+            ("stream", Arg::U32(d.stream as u32)),
+            ("threshold", Arg::U64(keep_threshold(d.p))),
+            ("keep_scale", Arg::F64(f64::from(dropout_scale(d.p)))),
+        ])
+    }
+
     /// The mask operand as cuDNN's call would take it.
     fn sdpa_mask(p: &Problem, mask: Option<Value>) -> Option<(Value, SdpaMask)> {
         mask.map(|m| {
@@ -396,14 +421,16 @@ impl RunLowering<'_, '_> {
             window,
             scale,
             library,
+            dropout,
         } = node.op
         else {
             return Err(self.err(node.outputs[0], "not an attention node"));
         };
         let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
         let (o, lse) = (outs[0], outs[1]);
-        let mask = ins.get(3).copied();
-        let p = self.attention_problem(n, o, mask, causal)?;
+        let (mask, key) = optional_operands(&node.op, &ins);
+        let mut p = self.attention_problem(n, o, mask, causal)?;
+        p.dropout = dropout.is_some();
         if g.ty(o).dtype != p.dtype || g.ty(lse).dtype != DType::F32 {
             return Err(self.err(o, "attention writes o in q's dtype and lse in F32"));
         }
@@ -417,6 +444,7 @@ impl RunLowering<'_, '_> {
         ];
         args.extend(self.mask_args(&p, mask)?);
         args.extend([("o", Arg::Ptr(oo.at)), ("lse", Arg::Ptr(self.out(lse)?))]);
+        args.extend(self.dropout_args(key, dropout)?);
         let strides = [("q", qo), ("k", ko), ("v", vo), ("o", oo)];
         let attrs = (causal, window, scale);
         self.attention_launch(o, &p, Kernel::Forward, args, attrs, &strides)?;
@@ -437,29 +465,39 @@ impl RunLowering<'_, '_> {
             fallback: Vec::new(),
             unsupported: None,
         };
-        self.cudnn_or_kernels(o, call, mark, library, Self::sdpa_mask(&p, mask))
+        self.cudnn_or_kernels(o, call, mark, (library, p.dropout), Self::sdpa_mask(&p, mask))
     }
 
     /// Replaces the kernels lowered since `mark` by `call` run on cuDNN, those kernels its
     /// fallback under `library=auto`; where cuDNN cannot express the pass, the kernels run
     /// (auto, the reason in the listing) or the lowering fails naming it (cudnn). A key-padding
-    /// `mask` is cast to the F32 keep flags cuDNN's graph reads, just before the call.
+    /// `mask` is cast to the F32 keep flags cuDNN's graph reads, just before the call. An op
+    /// with `dropout` is castor's kernels' alone: cuDNN's dropout draws its own mask, not the
+    /// Philox mask every other executor draws.
     fn cudnn_or_kernels(
         &mut self,
         y: Value,
         mut call: Sdpa,
         mark: usize,
-        library: AttentionLibrary,
+        (library, dropout): (AttentionLibrary, bool),
         mask: Option<(Value, SdpaMask)>,
     ) -> Result<(), LowerError> {
         let p = call.problem;
-        call.unsupported = sdpa::unsupported(
-            p.dtype,
-            (p.rows_q, p.rows_kv, p.head_dim),
-            p.causal,
-            (p.heads_q, mask.map(|(_, kind)| kind)),
-            call.pass,
-        );
+        call.unsupported = if dropout {
+            Some(
+                "dropout on the probabilities (cuDNN's dropout draws its own mask, not castor's \
+                 Philox mask, which the CPU executor and the emulator draw)"
+                    .into(),
+            )
+        } else {
+            sdpa::unsupported(
+                p.dtype,
+                (p.rows_q, p.rows_kv, p.head_dim),
+                p.causal,
+                (p.heads_q, mask.map(|(_, kind)| kind)),
+                call.pass,
+            )
+        };
         if library == AttentionLibrary::Cudnn {
             if let Some(why) = &call.unsupported {
                 return Err(self.err(
@@ -508,14 +546,16 @@ impl RunLowering<'_, '_> {
             window,
             scale,
             library,
+            dropout,
         } = node.op
         else {
             return Err(self.err(node.outputs[0], "not an attention gradient node"));
         };
         let (ins, outs) = (node.inputs.clone(), node.outputs.clone());
         let (dq, dk, dv) = (outs[0], outs[1], outs[2]);
-        let mask = ins.get(6).copied();
-        let p = self.attention_problem(n, dq, mask, causal)?;
+        let (mask, key) = optional_operands(&node.op, &ins);
+        let mut p = self.attention_problem(n, dq, mask, causal)?;
+        p.dropout = dropout.is_some();
         let same = |v: Value| g.ty(v).dtype == p.dtype;
         if !(same(ins[3]) && same(ins[5]) && same(dq) && same(dk) && same(dv))
             || g.ty(ins[4]).dtype != DType::F32
@@ -566,6 +606,7 @@ impl RunLowering<'_, '_> {
             ("lse", Arg::Ptr(self.at(ins[4])?)),
             ("delta", Arg::Ptr(delta)),
         ]);
+        common.extend(self.dropout_args(key, dropout)?);
         let strides = [
             ("q", qo),
             ("k", ko),
@@ -633,8 +674,18 @@ impl RunLowering<'_, '_> {
             fallback: Vec::new(),
             unsupported: None,
         };
-        self.cudnn_or_kernels(dq, call, mark, library, Self::sdpa_mask(&p, mask))
+        self.cudnn_or_kernels(dq, call, mark, (library, p.dropout), Self::sdpa_mask(&p, mask))
     }
+}
+
+/// The mask (or positions) and the dropout key of attention node `op` with operands `ins`.
+fn optional_operands(op: &Op, ins: &[Value]) -> (Option<Value>, Option<Value>) {
+    let at = op.attention_operands(ins.len());
+    let pick = |i: Option<usize>| i.and_then(|i| ins.get(i).copied());
+    (
+        pick(at.and_then(|a| a.mask)),
+        pick(at.and_then(|a| a.key)),
+    )
 }
 
 /// The attention problem as cuDNN sees it: castor's query batches split as the kernels split

@@ -21,13 +21,21 @@ use crate::cuda::kernel_id::FLOATS;
 /// sums; see [`super::waits_for_earlier_blocks`]).
 pub const BLOCK_ORDERED: &[&str] = &[
     "attention_bwd_bf16_d128",
+    "attention_bwd_bf16_d128_dropout",
     "attention_bwd_bf16_d16",
+    "attention_bwd_bf16_d16_dropout",
     "attention_bwd_bf16_d32",
+    "attention_bwd_bf16_d32_dropout",
     "attention_bwd_bf16_d64",
+    "attention_bwd_bf16_d64_dropout",
     "attention_bwd_f16_d128",
+    "attention_bwd_f16_d128_dropout",
     "attention_bwd_f16_d16",
+    "attention_bwd_f16_d16_dropout",
     "attention_bwd_f16_d32",
+    "attention_bwd_f16_d32_dropout",
     "attention_bwd_f16_d64",
+    "attention_bwd_f16_d64_dropout",
 ];
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
@@ -37,27 +45,46 @@ pub const FILES: &[KernelFile] = &[
         source: include_str!("attention.cu"),
         entry_points: &[
             "attention_bwd_bf16_d128",
+            "attention_bwd_bf16_d128_dropout",
             "attention_bwd_bf16_d16",
+            "attention_bwd_bf16_d16_dropout",
             "attention_bwd_bf16_d32",
+            "attention_bwd_bf16_d32_dropout",
             "attention_bwd_bf16_d64",
+            "attention_bwd_bf16_d64_dropout",
             "attention_bwd_delta_bf16",
             "attention_bwd_delta_f16",
             "attention_bwd_delta_f32",
             "attention_bwd_dkdv_f32",
+            "attention_bwd_dkdv_f32_dropout",
             "attention_bwd_dq_f32",
+            "attention_bwd_dq_f32_dropout",
             "attention_bwd_f16_d128",
+            "attention_bwd_f16_d128_dropout",
             "attention_bwd_f16_d16",
+            "attention_bwd_f16_d16_dropout",
             "attention_bwd_f16_d32",
+            "attention_bwd_f16_d32_dropout",
             "attention_bwd_f16_d64",
+            "attention_bwd_f16_d64_dropout",
             "attention_fwd_bf16_d128",
+            "attention_fwd_bf16_d128_dropout",
             "attention_fwd_bf16_d16",
+            "attention_fwd_bf16_d16_dropout",
             "attention_fwd_bf16_d32",
+            "attention_fwd_bf16_d32_dropout",
             "attention_fwd_bf16_d64",
+            "attention_fwd_bf16_d64_dropout",
             "attention_fwd_f16_d128",
+            "attention_fwd_f16_d128_dropout",
             "attention_fwd_f16_d16",
+            "attention_fwd_f16_d16_dropout",
             "attention_fwd_f16_d32",
+            "attention_fwd_f16_d32_dropout",
             "attention_fwd_f16_d64",
+            "attention_fwd_f16_d64_dropout",
             "attention_fwd_f32",
+            "attention_fwd_f32_dropout",
         ],
     },
 ];
@@ -66,11 +93,13 @@ pub const FILES: &[KernelFile] = &[
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
     /// castor's fused attention: tensor-core kernels for a head-dim `tile` (16-bit), the F32
-    /// reference kernels without one.
+    /// reference kernels without one; with `dropout`, the `_dropout` entry points (the
+    /// probabilities dropped by the Philox mask of a key, a stream and a threshold).
     Attention {
         kernel: geometry::Kernel,
         dtype: DType,
         tile: Option<u32>,
+        dropout: bool,
     },
     /// The backward's `rowsum(dO · O)`.
     Delta { dtype: DType },
@@ -84,6 +113,7 @@ impl Kernel {
                 kernel,
                 dtype,
                 tile,
+                dropout,
             } => {
                 let kernel = match kernel {
                     geometry::Kernel::Forward => "fwd",
@@ -91,9 +121,10 @@ impl Kernel {
                     geometry::Kernel::Dq => "bwd_dq",
                     geometry::Kernel::DkDv => "bwd_dkdv",
                 };
+                let suffix = if dropout { "_dropout" } else { "" };
                 match tile {
-                    Some(tile) => format!("attention_{kernel}_{}_d{tile}", dtype.name()),
-                    None => format!("attention_{kernel}_{}", dtype.name()),
+                    Some(tile) => format!("attention_{kernel}_{}_d{tile}{suffix}", dtype.name()),
+                    None => format!("attention_{kernel}_{}{suffix}", dtype.name()),
                 }
             }
             Kernel::Delta { dtype } => format!("attention_bwd_delta_{}", dtype.name()),
@@ -112,11 +143,14 @@ impl Kernel {
                 geometry::Kernel::DkDv,
             ] {
                 for tile in [None, Some(16), Some(32), Some(64), Some(128)] {
-                    ids.push(Kernel::Attention {
-                        kernel,
-                        dtype,
-                        tile,
-                    });
+                    for dropout in [false, true] {
+                        ids.push(Kernel::Attention {
+                            kernel,
+                            dtype,
+                            tile,
+                            dropout,
+                        });
+                    }
                 }
             }
         }

@@ -8,9 +8,10 @@
 //! whose sums are the twin's F64 sums, in units in the last place per element).
 
 use crate::cuda::emulate::kernel_tests::{dec, enc, enc_i64, i32, i64, Launcher, Rng};
-use crate::cpu::attention::{attention, attention_grad, Operand, Problem};
+use crate::cpu::attention::{attention, attention_grad, Dropout, Operand, Problem};
 use crate::cpu::mask::KeyMask;
 use crate::cuda::program::Arg;
+use castor_ir::philox::{dropout_scale, keep_threshold};
 use castor_ir::{relative_error, round_to, DType};
 use super::geometry::{self, Kernel};
 use castor_kernels::host::{self, Sanitize};
@@ -46,6 +47,7 @@ pub(crate) fn entries() -> Vec<String> {
         };
         for k in kernels {
             out.push(format!("attention_{k}_{suffix}"));
+            out.push(format!("attention_{k}_{suffix}_dropout"));
         }
     }
     for sfx in ["f32", "f16", "bf16"] {
@@ -426,7 +428,7 @@ fn positions(rng: &mut Rng, nb: usize, s: usize) -> Vec<i64> {
 
 #[test]
 fn attention_kernels_agree_with_the_twin() {
-    let worst = agree_with_the_twin(Rng::new(11), &CASES, &LONG_CASES);
+    let worst = agree_with_the_twin(Rng::new(11), &CASES, &LONG_CASES, None);
     for (dtype, w) in worst {
         println!(
             "attention {dtype:?}: worst relative error {:.2e} ({})",
@@ -437,7 +439,7 @@ fn attention_kernels_agree_with_the_twin() {
 
 #[test]
 fn attention_kernels_over_packed_sequences_agree_with_the_twin() {
-    let worst = agree_with_the_twin(Rng::new(23), &PACKED_CASES, &PACKED_LONG_CASES);
+    let worst = agree_with_the_twin(Rng::new(23), &PACKED_CASES, &PACKED_LONG_CASES, None);
     for (dtype, w) in worst {
         println!(
             "attention over packed sequences {dtype:?}: worst relative error {:.2e} ({})",
@@ -446,9 +448,44 @@ fn attention_kernels_over_packed_sequences_agree_with_the_twin() {
     }
 }
 
+/// The `_dropout` entry points beside the twin with the same dropout: every case (plain,
+/// padded, grouped, windowed, and packed) at every variant and head dim, in training mode
+/// (p = 0.1 and, on the plain cases, 0.5) and in evaluation mode (a negative offset), each
+/// output within the bound of the kernels without dropout. A mask that differed from the
+/// twin's in one entry of a row would move that row's output by about that probability times
+/// 1 / (1 - p), far past the bound: the kernels drop exactly the twin's entries.
+#[test]
+fn attention_kernels_with_dropout_agree_with_the_twin() {
+    let sanitized = host::sanitize().is_ok_and(|s| s != Sanitize::None);
+    let runs: &[(&[Case], &[Case], Dropout)] = &[
+        (&CASES, &LONG_CASES, Dropout { key: [42, 3], stream: 5, p: 0.1 }),
+        (&PACKED_CASES, &PACKED_LONG_CASES, Dropout { key: [7, 11], stream: 2, p: 0.1 }),
+        (&CASES[..3], &[], Dropout { key: [9, 1], stream: 0, p: 0.5 }),
+        (&CASES[3..4], &[], Dropout { key: [42, -1], stream: 5, p: 0.1 }),
+    ];
+    for (i, &(cases, long, drop)) in runs.iter().enumerate() {
+        if sanitized && i > 0 {
+            break;
+        }
+        let worst = agree_with_the_twin(Rng::new(31 + i as u64), cases, long, Some(drop));
+        for (dtype, w) in worst {
+            println!(
+                "attention with dropout {drop:?} {dtype:?}: worst relative error {:.2e} ({})",
+                w.err, w.what
+            );
+        }
+    }
+}
+
 /// Runs `cases` at every variant and head dim (and `long` at one tile per 16-bit dtype) beside
-/// the twin, each output within [`bound`]; returns each dtype's worst.
-fn agree_with_the_twin(mut rng: Rng, cases: &[Case], long_cases: &[Case]) -> Vec<(DType, Worst)> {
+/// the twin, each output within [`bound`]; returns each dtype's worst. With `drop`, the
+/// `_dropout` entry points and the twin with that dropout.
+fn agree_with_the_twin(
+    mut rng: Rng,
+    cases: &[Case],
+    long_cases: &[Case],
+    drop: Option<Dropout>,
+) -> Vec<(DType, Worst)> {
     let mut worst: Vec<(DType, Worst)> = Vec::new();
     for (dtype, sfx, tile, dims) in variants() {
         let suffix = tile.map_or(sfx.to_string(), |p| format!("{sfx}_d{p}"));
@@ -465,7 +502,7 @@ fn agree_with_the_twin(mut rng: Rng, cases: &[Case], long_cases: &[Case]) -> Vec
                 let layouts: &[bool] = if in_place { &[false, true] } else { &[false] };
                 for (what, err) in layouts
                     .iter()
-                    .flat_map(|&ip| run_case(&mut rng, dtype, &suffix, tile, d, case, ip))
+                    .flat_map(|&ip| run_case(&mut rng, dtype, &suffix, tile, d, case, (ip, drop)))
                 {
                     assert!(
                         err <= bound(dtype),
@@ -493,7 +530,7 @@ fn run_case(
     tile: Option<u32>,
     d: usize,
     c: Case,
-    in_place: bool,
+    (in_place, drop): (bool, Option<Dropout>),
 ) -> Vec<(String, f64)> {
     let (bq, bkv) = (c.bq(), c.nb * c.hkv);
     let hq = c.hkv * c.g;
@@ -548,6 +585,8 @@ fn run_case(
         window: c.window,
         scale,
         operand: Operand::Dtype(dtype),
+        // Evaluation mode is the twin without dropout.
+        dropout: drop.filter(|d| d.key[1] >= 0),
     };
     let (o, lse) = attention(&q, &k, &v, &problem);
     let o: Vec<f32> = o.iter().map(|&x| round_to(dtype, x)).collect();
@@ -566,7 +605,19 @@ fn run_case(
         .collect();
 
     let at = if in_place { " in place" } else { "" };
-    let name = |k: &str| format!("attention_{k}_{suffix} d={d} {c:?}{at}");
+    // The dropout entry points and their last arguments (the key in device memory).
+    let ds = if drop.is_some() { "_dropout" } else { "" };
+    let drop_args = |l: &mut Launcher| -> Vec<Arg> {
+        let Some(dr) = drop else { return Vec::new() };
+        let key = l.buf(enc_i64(&dr.key), 0);
+        vec![
+            l.ptr(key),
+            Arg::U32(dr.stream),
+            Arg::U64(keep_threshold(dr.p)),
+            Arg::F64(f64::from(dropout_scale(dr.p))),
+        ]
+    };
+    let name = |k: &str| format!("attention_{k}_{suffix}{ds} d={d} {c:?}{at}");
     // The kernels' strides, each operand's (q-side or key-side) in turn.
     let strides_args =
         |sides: &[&Layout]| -> Vec<Arg> { sides.iter().flat_map(|l| l.args()).collect() };
@@ -622,10 +673,11 @@ fn run_case(
     if tile.is_some() {
         args.extend(strides_args(&[&ql, &kl, &kl, &ql]));
     }
+    args.extend(drop_args(&mut l));
     let (grid, block) = launch(&mut l, Kernel::Forward);
     let what = name("fwd");
     let out = l
-        .run(&format!("attention_fwd_{suffix}"), grid, block, args)
+        .run(&format!("attention_fwd_{suffix}{ds}"), grid, block, args)
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     let got_o = ql.gather(&dec(dtype, &out[bo.0]), bq, &what);
     errors.push((format!("{what} o"), relative_error(&got_o, &o)));
@@ -714,10 +766,11 @@ fn run_case(
                 ("bwd", vec![b, bdk, bdv])
             }
         };
+        args.extend(drop_args(&mut l));
         let (grid, block) = launch(&mut l, kernel);
         let what = name(entry);
         let out = l
-            .run(&format!("attention_{entry}_{suffix}"), grid, block, args)
+            .run(&format!("attention_{entry}_{suffix}{ds}"), grid, block, args)
             .unwrap_or_else(|e| panic!("{what}: {e}"));
         if tile.is_some() {
             let layouts = [(ql, bq), (kl, bkv), (kl, bkv)];
@@ -732,9 +785,15 @@ fn run_case(
     // With one key (or one visible key per row) dq and dk are zero in exact arithmetic: the
     // score gradient dS = P (dP - D) is the difference of two sums of the same products in
     // other orders. There the error is measured against the incoming gradient's norm.
+    // With dropout, such a gradient is not zero but the rounding of o (whose delta no longer
+    // cancels dP exactly once o is scaled by 1 / (1 - p)): wherever the twin's gradient is
+    // that small against do, the error is measured the same way.
     let gradient_error = |got: &[f32], want: &[f32]| {
         if want.iter().all(|&x| x == 0.0) {
             relative_error(got, &vec![0.0; got.len()]).min(norm(got) / norm(&d_o))
+        } else if drop.is_some() && norm(want) < 1e-2 * norm(&d_o) {
+            let diff: Vec<f32> = got.iter().zip(want).map(|(a, b)| a - b).collect();
+            relative_error(got, want).min(norm(&diff) / norm(&d_o))
         } else {
             relative_error(got, want)
         }
