@@ -148,6 +148,11 @@ fn gpu_plans(family: &str) -> Vec<String> {
         out.push("--precision fp8".into());
         out.push("--precision fp8 --remat selective --grad-accum 2".into());
     }
+    // Delayed scaling: the scales read from state, the fp8 family's amax_history kernel
+    // writing the histories back in place.
+    if family == "llama_gqa" {
+        out.push("--precision fp8:delayed --amax-history 4".into());
+    }
     out
 }
 
@@ -198,14 +203,22 @@ fn noise_floors(
     low: &HashMap<String, Tensor>,
     noise: &HashMap<String, (usize, usize)>,
 ) -> HashMap<String, f64> {
-    let Some(low_precision) = ["--precision bf16", "--precision fp8"]
-        .into_iter()
-        .find(|p| flags.contains(p))
-    else {
+    // fp8:delayed before fp8, which it contains.
+    let Some(low_precision) = [
+        "--precision bf16",
+        "--precision fp8:delayed",
+        "--precision fp8",
+    ]
+    .into_iter()
+    .find(|p| flags.contains(p)) else {
         return HashMap::new();
     };
     let twin = flags.replace(low_precision, "--precision fp32");
-    let split: Vec<&str> = twin.split_whitespace().collect();
+    // The F32 twin keeps no amax histories: their length is no flag of it.
+    let mut split: Vec<&str> = twin.split_whitespace().collect();
+    if let Some(i) = split.iter().position(|w| *w == "--amax-history") {
+        split.drain(i..(i + 2).min(split.len()));
+    }
     let p = plan(family, &split);
     let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
     for step in 0..3u64 {
