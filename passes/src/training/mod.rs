@@ -587,6 +587,7 @@ mod tests {
                 "epilogue",
                 "accumulate",
                 "optimizer",
+                "fp8_scaling",
                 "nf4",
                 "parallel",
                 "remat",
@@ -599,7 +600,7 @@ mod tests {
                 .unwrap()
                 .run(&loss_graph(), settings())
                 .unwrap();
-            assert_eq!(out.reports.len(), 10);
+            assert_eq!(out.reports.len(), 11);
             let dump = out.dump.unwrap();
             assert!(dump.starts_with("graph micro_step {"), "{name}: {dump}");
             // Accumulation over two micro-batches adds the gradient to its state.
