@@ -628,7 +628,7 @@ mod tests {
             .to_string();
         assert!(
             err.contains(
-                "autodiff, classifier_step, epilogue, accumulate, optimizer, nf4, parallel, remat, fusion"
+                "autodiff, classifier_step, epilogue, accumulate, optimizer, fp8_scaling, nf4, parallel, remat, fusion"
             ),
             "{err}"
         );
