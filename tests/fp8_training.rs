@@ -14,6 +14,19 @@ use crate::common::*;
 use castor_ir::relative_error;
 use castor_models::SafetensorsFile;
 
+/// One layer's product by a weight and a loss that makes its output gradient `r`: the IR of
+/// the FP8 layer references (`tests/fixtures/generate_fp8_training.py`,
+/// `generate_fp8_delayed.py`).
+const FP8_LAYER: &str = "graph fp8_layer {
+  %x: f32[8,16] = input
+  %r: f32[8,32] = input
+  %w: f32[32,16] = param
+  %y: f32[8,32] = matmul(%x, %w) {transpose_a=false, transpose_b=true, block=0}
+  %p: f32[8,32] = mul(%y, %r) {block=0}
+  %loss: f32[] = sum(%p) {axes=[0,1], keepdim=false}
+  return %loss
+}";
+
 /// castor's error against F32 may exceed the recipe's own by this factor, no more.
 const ERROR_RATIO: f64 = 1.25;
 
@@ -348,16 +361,7 @@ fn one_layer_matches_the_recipe_worked_in_pytorch() {
     use castor_ir::{text, Precision, Tensor};
     use castor_passes::{precision_pipeline, Autodiff, Pass, Policy};
     use castor_runtime::cpu::CpuExecutor;
-    let src = "graph fp8_layer {
-  %x: f32[8,16] = input
-  %r: f32[8,32] = input
-  %w: f32[32,16] = param
-  %y: f32[8,32] = matmul(%x, %w) {transpose_a=false, transpose_b=true, block=0}
-  %p: f32[8,32] = mul(%y, %r) {block=0}
-  %loss: f32[] = sum(%p) {axes=[0,1], keepdim=false}
-  return %loss
-}";
-    let g = text::parse(src).unwrap();
+    let g = text::parse(FP8_LAYER).unwrap();
     let g = precision_pipeline(Policy::new(Precision::Fp8))
         .run(g)
         .unwrap()
@@ -400,19 +404,7 @@ fn delayed_scaling_matches_transformer_engines_recipe() {
     use std::collections::HashMap;
     let dir = tempfile::tempdir().unwrap();
     let (ir, plan) = (dir.path().join("layer.ir"), dir.path().join("plan.json"));
-    std::fs::write(
-        &ir,
-        "graph fp8_layer {
-  %x: f32[8,16] = input
-  %r: f32[8,32] = input
-  %w: f32[32,16] = param
-  %y: f32[8,32] = matmul(%x, %w) {transpose_a=false, transpose_b=true, block=0}
-  %p: f32[8,32] = mul(%y, %r) {block=0}
-  %loss: f32[] = sum(%p) {axes=[0,1], keepdim=false}
-  return %loss
-}",
-    )
-    .unwrap();
+    std::fs::write(&ir, FP8_LAYER).unwrap();
     let o = castor(&[
         "compile",
         path_str(&ir),
