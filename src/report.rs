@@ -321,7 +321,12 @@ pub fn anatomy_lines(
             "  {:<34} {:>19} {:>9} {:>7} {:>6}",
             "memory anatomy", "bytes", unit_name, "B/param", "rule"
         ),
-        row("low-precision weights", a.low_precision_weights, "2", ""),
+        row(
+            "low-precision weights",
+            a.low_precision_weights,
+            "2",
+            &fp8_copies_note(a.fp8_copies),
+        ),
         row("F32 master weights", a.master_weights, "4", ""),
         row("gradients", a.gradients, "4", ""),
         row(
@@ -373,11 +378,29 @@ pub fn anatomy_lines(
             "frozen base weights",
             a.frozen_weights,
             "",
-            "not trained: stored once, in the dtype the step reads",
+            &format!(
+                "not trained: stored once, in the dtype the step reads{}",
+                match fp8_copies_note(a.fp8_frozen) {
+                    n if n.is_empty() => n,
+                    n => format!("; {n}"),
+                }
+            ),
         );
         lines.insert(3, frozen);
     }
     lines
+}
+
+/// The note on a row that holds `bytes` of FP8 weight copies (1 byte per weight, with a scale
+/// each), empty when it holds none.
+fn fp8_copies_note(bytes: u64) -> String {
+    match bytes {
+        0 => String::new(),
+        b => format!(
+            "{} bytes of FP8 weight copies and their scales",
+            thousands(b)
+        ),
+    }
 }
 
 /// The cost model's lines: FLOPs per token against 6N + 6·L·C·T, step time, MFU. Without the

@@ -323,8 +323,8 @@ fn compile_emits_ir_and_dot_and_dumps_after_a_pass() {
     assert!(
         stderr(&o).contains(
             "(passes: input, classify, autocast, fold_casts; training: classifier, autodiff, \
-             classifier_step, epilogue, accumulate, optimizer, fp8_scaling, nf4, parallel, remat, \
-             fusion)"
+             classifier_step, epilogue, accumulate, optimizer, fp8_scaling, fp8_weights, nf4, \
+             parallel, remat, fusion)"
         ),
         "{}",
         stderr(&o)

@@ -515,3 +515,149 @@ fn delayed_scales_are_in_the_log_and_the_report() {
         .unwrap();
     assert_eq!(rows, casts, "{line}");
 }
+
+/// The optimizer step casts each trained weight to its FP8 copy after the update (the `fp8`
+/// recipe's `fp8_scale` and `quantize`, moved out of the micro step): the micro step reads the
+/// copy and its scale as state and never the F32 master. After every step the copy the runner
+/// holds is the master's tensorwise cast, computed here from the formula (torchao's
+/// `amax_to_scale`, 448 / amax in F64 rounded to F32, then the saturating nearest-even cast),
+/// bit for bit; with `--grad-accum 2` the step casts each weight once. Under LoRA the frozen
+/// base is cast once from the checkpoint, keeps no F32 master, and never changes.
+#[test]
+fn weight_copies_are_cast_by_the_optimizer_step() {
+    use crate::common::cuda_cases::{batch, load_params, plan};
+    use castor_ir::fp8::Fp8Format;
+    use castor_ir::{Fp8Part, Op, StateInit, StateRole, TrainingPlan};
+    use castor_runtime::PlanRunner;
+    let params = load_params("llama_gqa");
+    let reads_a_master = |p: &TrainingPlan| {
+        let g = &p.micro_step;
+        g.nodes().any(|(_, n)| {
+            matches!(n.op, Op::Fp8Scale { .. } | Op::Quantize { .. })
+                && g.node(g.value(n.inputs[0]).producer).op == Op::Param
+        })
+    };
+    let copies = |p: &TrainingPlan| -> Vec<(String, String, Fp8Part, StateRole)> {
+        p.state
+            .iter()
+            .filter_map(|s| match &s.init {
+                StateInit::Fp8CopyOf { master, part, .. } => {
+                    Some((s.name.clone(), master.clone(), *part, s.role))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    // The tensorwise cast of `master`: (values, scale).
+    let cast = |master: &[f32]| -> (Vec<f32>, f32) {
+        let amax = master.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = (448.0 / f64::from(amax)) as f32;
+        let values = master
+            .iter()
+            .map(|&v| Fp8Format::E4M3.round_saturating(v * scale))
+            .collect();
+        (values, scale)
+    };
+
+    let full = plan(
+        "llama_gqa",
+        &["--train", "--precision", "fp8", "--grad-accum", "2"],
+    );
+    assert!(!reads_a_master(&full), "the micro step casts a master");
+    let held = copies(&full);
+    // q, k, v, o, gate, up, down of both layers: a copy and a scale each.
+    assert_eq!(held.len(), 2 * 7 * 2, "{held:?}");
+    assert!(held.iter().all(|c| c.3 == StateRole::WorkingCopy));
+    let casts = full
+        .optimizer_step
+        .nodes()
+        .filter(|(_, n)| matches!(n.op, Op::Quantize { .. }))
+        .count();
+    assert_eq!(casts, 14, "one cast per weight per step");
+    let mut runner = PlanRunner::new(full.clone(), &|n| params.get(n).cloned()).unwrap();
+    for step in 0..3u64 {
+        let batches = [
+            batch(&full.micro_step, 2 * step),
+            batch(&full.micro_step, 2 * step + 1),
+        ];
+        let report = runner.step(&batches, 1e-2).unwrap();
+        assert!(!report.skipped);
+        for (name, master, part, _) in &held {
+            let m = runner.state(master).unwrap().as_f32().unwrap();
+            let (values, scale) = cast(m);
+            let got = runner.state(name).unwrap().as_f32().unwrap();
+            match part {
+                Fp8Part::Values => assert!(got == values, "step {step}: `{name}`"),
+                Fp8Part::Scale => assert_eq!(got, [scale], "step {step}: `{name}`"),
+            }
+        }
+    }
+
+    // LoRA: the frozen base's copies replace its F32 values and stay as cast.
+    let lora = plan(
+        "llama_gqa",
+        &["--train", "--precision", "fp8", "--lora-rank", "4"],
+    );
+    assert!(!reads_a_master(&lora));
+    let held = copies(&lora);
+    assert_eq!(held.len(), 28);
+    assert!(held.iter().all(|c| c.3 == StateRole::Frozen));
+    for (_, master, _, _) in &held {
+        assert!(
+            lora.state_spec(master).is_none(),
+            "`{master}` keeps its F32 values"
+        );
+    }
+    // The adapters start small and nonzero (B too), so the step trains them.
+    let adapter = |n: &str| {
+        let ty = &lora.state_spec(n)?.ty;
+        let len = ty.shape.numel()?;
+        let values = (0..len).map(|i| ((i % 7) as f32 - 3.0) * 1e-2).collect();
+        Some(castor_ir::Tensor::from_f32(
+            ty.dtype,
+            ty.shape.clone(),
+            values,
+        ))
+    };
+    let mut runner = PlanRunner::new(lora.clone(), &|n| {
+        params.get(n).cloned().or_else(|| adapter(n))
+    })
+    .unwrap();
+    for step in 0..2u64 {
+        runner.step(&[batch(&lora.micro_step, step)], 1e-2).unwrap();
+    }
+    for (name, master, part, _) in &held {
+        let (values, scale) = cast(params[master].as_f32().unwrap());
+        let got = runner.state(name).unwrap().as_f32().unwrap();
+        match part {
+            Fp8Part::Values => assert!(got == values, "`{name}`"),
+            Fp8Part::Scale => assert_eq!(got, [scale], "`{name}`"),
+        }
+    }
+
+    // Where the cast stays in the micro step, the report says why.
+    for (flags, why) in [
+        (&["--update-in-backward"][..], "under --update-in-backward"),
+        (&["--world-size", "2", "--zero", "3"][..], "under ZeRO-3"),
+    ] {
+        let o = castor(
+            &[
+                &[
+                    "compile",
+                    path_str(&fixture("llama_gqa")),
+                    "--train",
+                    "--precision",
+                    "fp8",
+                ][..],
+                flags,
+            ]
+            .concat(),
+        );
+        ok(&o);
+        let out = stdout(&o);
+        assert!(
+            out.contains("FP8 weight cast(s) kept in the micro step") && out.contains(why),
+            "{flags:?}: {out}"
+        );
+    }
+}

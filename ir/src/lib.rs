@@ -46,9 +46,10 @@ pub use op::{
 };
 pub use optim::{AdafactorHparams, AdamWHparams, LionHparams, SgdHparams, WeightDecay};
 pub use plan::{
-    show_value, Classifier, ControlState, Difference, Dropout, Epilogues, LoraBase, LoraSettings,
-    LossScaling, Nf4Part, OptimizerKind, Parallel, PlanError, Remat, Setting, StateInit, StateRole,
-    StateSpec, TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE, PLAN_FORMAT,
+    show_value, Classifier, ControlState, Difference, Dropout, Epilogues, Fp8Part, LoraBase,
+    LoraSettings, LossScaling, Nf4Part, OptimizerKind, Parallel, PlanError, Remat, Setting,
+    StateInit, StateRole, StateSpec, TrainSettings, TrainingPlan, Write, GRAD_NORM, LEARNING_RATE,
+    PLAN_FORMAT,
 };
 pub use precision::Precision;
 pub use rope::{rope_inv_freq, RopeScaling};

@@ -11,7 +11,9 @@
 //! ```
 //!
 //! The weight is quantized from its F32 master, not from its BF16 copy (one rounding, as
-//! torchao casts the high-precision weight); a BF16 copy no other node reads is dropped. An
+//! torchao casts the high-precision weight); a BF16 copy no other node reads is dropped. In a
+//! training plan the `fp8_weights` pass moves the weights' casts into the optimizer step, after
+//! each update, so the micro step reads FP8 copies kept as state. An
 //! activation that several products read (the attention's q, k and v; the gated MLP's gate
 //! and up) is cast once, named after its first product, and its cast is shared: the same
 //! values as one cast per product. In the backward (the autodiff pass), the output gradient is

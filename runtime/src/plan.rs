@@ -123,6 +123,11 @@ impl PlanRunner {
         entries: Vec<(String, Tensor)>,
     ) -> Result<PlanRunner, RuntimeError> {
         plan.check()?;
+        // A single-rank plan's held copies are derived from the masters given.
+        let entries = match plan.settings.parallel.is_single() {
+            true => rank_entries(&plan, entries, 0)?,
+            false => entries,
+        };
         let state: HashMap<String, Tensor> = entries.into_iter().collect();
         for spec in &plan.state {
             if spec.role == StateRole::WorkingCopy || matches!(spec.init, StateInit::CopyOf(_)) {
@@ -169,7 +174,12 @@ impl PlanRunner {
     }
 
     /// Replaces state entries (resuming from a checkpoint). Each must exist with that type.
+    /// The copies this runner holds (FP8 copies) are derived again from restored masters.
     pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
+        let entries = match self.plan.settings.parallel.is_single() {
+            true => rank_entries(&self.plan, entries, 0)?,
+            false => entries,
+        };
         for (name, t) in entries {
             let Some(old) = self.state.get(&name) else {
                 return Err(RuntimeError::Internal {
@@ -378,12 +388,17 @@ pub fn initial_entries(
     let mut nf4 = Nf4States::default();
     for spec in &plan.state {
         let t = match &spec.init {
-            // A copy the micro step reads as state (its master is sharded) is held, from
-            // the whole master rounded; any other is derived by its `param_copy`.
-            StateInit::CopyOf(master) if holds_copy(plan, spec) => {
+            // A copy the micro step reads as state (its master is sharded, or it is an FP8
+            // copy) is held, from the whole master; any other is derived by its `param_copy`.
+            StateInit::CopyOf(master) | StateInit::Fp8CopyOf { master, .. }
+                if holds_copy(plan, spec) || spec.role == StateRole::Frozen =>
+            {
                 let t = checkpoint(master).ok_or_else(|| RuntimeError::MissingBinding {
                     name: master.clone(),
-                    expected: spec.ty.clone(),
+                    expected: TensorType::new(
+                        DType::F32,
+                        spec.shard_of.as_ref().unwrap_or(&spec.ty).shape.clone(),
+                    ),
                 })?;
                 held_copy(spec, t, rank)?
             }
@@ -403,7 +418,7 @@ pub fn initial_entries(
                 }
             }
             StateInit::Nf4 { tensor, part } => nf4.entry(checkpoint, tensor, *part, spec)?,
-            StateInit::CopyOf(_) => continue,
+            StateInit::CopyOf(_) | StateInit::Fp8CopyOf { .. } => continue,
             StateInit::Zeros => zeros(&spec.ty),
             StateInit::Values(v) => Tensor::from_f32(
                 spec.ty.dtype,
@@ -416,17 +431,41 @@ pub fn initial_entries(
     Ok(state)
 }
 
-/// Held working copy `spec` for rank `rank`: its whole master rounded to the copy's dtype
-/// (under ZeRO-3 this rank's shard of that).
+/// Held copy `spec` for rank `rank`: its whole master rounded to the copy's dtype, or the
+/// part of its FP8 copy (the scale of the master's amax, or the master times that scale cast
+/// to FP8, as the `fp8_scale` and `quantize` ops make them); under ZeRO-3 this rank's shard.
 fn held_copy(
     spec: &castor_ir::StateSpec,
     master: Tensor,
     rank: usize,
 ) -> Result<Tensor, RuntimeError> {
     let copy = spec.shard_of.as_ref().unwrap_or(&spec.ty);
-    let whole = TensorType::new(castor_ir::DType::F32, copy.shape.clone());
+    let master_shape = match spec.init {
+        StateInit::Fp8CopyOf {
+            part: castor_ir::Fp8Part::Scale,
+            ..
+        } => master.shape().clone(),
+        _ => copy.shape.clone(),
+    };
+    let whole = TensorType::new(castor_ir::DType::F32, master_shape);
     let master = checkpoint_state(master, &spec.name, &whole)?;
-    let values = master.as_f32().unwrap_or(&[]).to_vec();
+    let values = master.as_f32().unwrap_or(&[]);
+    let values = match &spec.init {
+        StateInit::Fp8CopyOf { format, part, .. } => {
+            let format = castor_ir::fp8::Fp8Format::of(*format).ok_or_else(|| {
+                RuntimeError::Plan(format!(
+                    "state entry `{}`: an FP8 copy in {format}, which is no FP8 format",
+                    spec.name
+                ))
+            })?;
+            let scale = crate::cpu::fp8::scale(format, crate::cpu::fp8::amax(values), 0);
+            match part {
+                castor_ir::Fp8Part::Scale => vec![scale],
+                castor_ir::Fp8Part::Values => crate::cpu::fp8::quantize(format, values, scale),
+            }
+        }
+        _ => values.to_vec(),
+    };
     let t = Tensor::from_f32(copy.dtype, copy.shape.clone(), values);
     Ok(match spec.shard_of {
         Some(_) => shard_of(&t, &spec.ty, rank),
@@ -444,7 +483,7 @@ pub fn rank_entries(
 ) -> Result<Vec<(String, Tensor)>, RuntimeError> {
     let mut held = Vec::new();
     for spec in plan.state.iter().filter(|s| holds_copy(plan, s)) {
-        if let StateInit::CopyOf(master) = &spec.init {
+        if let StateInit::CopyOf(master) | StateInit::Fp8CopyOf { master, .. } = &spec.init {
             if let Some((_, t)) = entries.iter().find(|(n, _)| n == master) {
                 held.push((spec.name.clone(), held_copy(spec, t.clone(), rank)?));
             }
@@ -469,7 +508,7 @@ pub fn rank_entries(
 
 /// Whether the micro step reads working copy `spec` as state (a data-parallel plan whose
 /// master is sharded), so the runner holds it instead of deriving it.
-fn holds_copy(plan: &TrainingPlan, spec: &castor_ir::StateSpec) -> bool {
+pub(crate) fn holds_copy(plan: &TrainingPlan, spec: &castor_ir::StateSpec) -> bool {
     spec.role == StateRole::WorkingCopy
         && plan.micro_step.lookup(&spec.name).is_some_and(|v| {
             plan.micro_step.node(plan.micro_step.value(v).producer).op == castor_ir::Op::State

@@ -65,7 +65,7 @@ pub struct Args {
     pub explain: Vec<String>,
     /// Print the IR after the named pass (`input`, `classify`, `autocast`, `fold_casts`; with
     /// --train also `classifier`, `autodiff`, `classifier_step`, `epilogue`, `accumulate`,
-    /// `optimizer`, `fp8_scaling`, `nf4`, `parallel`, `remat`, `fusion`).
+    /// `optimizer`, `fp8_scaling`, `fp8_weights`, `nf4`, `parallel`, `remat`, `fusion`).
     #[arg(long, value_name = "PASS", help_heading = "Output")]
     pub dump_after: Option<String>,
     /// Run the IR verifier after every pass (always on in debug builds).

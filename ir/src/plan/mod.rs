@@ -119,6 +119,34 @@ pub enum StateInit {
         tensor: String,
         part: Nf4Part,
     },
+    /// One part of the named master's FP8 copy in `format`, made as the `fp8_scale` and
+    /// `quantize` ops make it from the master: the scale of its amax, and the values times
+    /// that scale, rounded (nearest even, saturating).
+    Fp8CopyOf {
+        master: String,
+        format: crate::DType,
+        part: Fp8Part,
+    },
+}
+
+/// The two state entries of a weight's FP8 copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fp8Part {
+    /// The FP8 values, in the master's shape.
+    Values,
+    /// Their scale (F32 scalar): the values are the master times it.
+    Scale,
+}
+
+impl Fp8Part {
+    /// The entry's name for weight `weight`.
+    pub fn name(self, weight: &str) -> String {
+        match self {
+            Fp8Part::Values => format!("{weight}.fp8"),
+            Fp8Part::Scale => format!("{weight}.fp8_scale"),
+        }
+    }
 }
 
 /// The two state entries of a weight stored in NF4.

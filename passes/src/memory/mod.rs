@@ -275,6 +275,10 @@ pub fn saved_per_block(g: &Graph, forward_nodes: usize) -> (Vec<(u32, u64)>, u64
 pub struct Anatomy {
     pub params: u64,
     pub low_precision_weights: u64,
+    /// Of the low-precision weights: the FP8 copies and their scales.
+    pub fp8_copies: u64,
+    /// Of the frozen weights: the FP8 copies and their scales.
+    pub fp8_frozen: u64,
     pub master_weights: u64,
     /// Parameters that are not trained, stored once (the base under LoRA adapters).
     pub frozen_weights: u64,
@@ -289,6 +293,15 @@ pub struct Anatomy {
     pub memory: StepMemory,
 }
 
+/// The bytes of the FP8 weight copies (and their scales) of `role`.
+fn fp8_copy_bytes(plan: &TrainingPlan, role: StateRole) -> u64 {
+    plan.state
+        .iter()
+        .filter(|s| s.role == role && matches!(s.init, castor_ir::StateInit::Fp8CopyOf { .. }))
+        .map(|s| s.ty.size_bytes().unwrap_or(0) as u64)
+        .sum()
+}
+
 impl Anatomy {
     /// The plan's state by role and its step's memory as `model` lays it out.
     pub fn of_plan(plan: &TrainingPlan, model: &dyn MemoryModel) -> Anatomy {
@@ -300,6 +313,8 @@ impl Anatomy {
         Anatomy {
             params: crate::cost::param_count(plan),
             low_precision_weights: plan.state_bytes(StateRole::WorkingCopy),
+            fp8_copies: fp8_copy_bytes(plan, StateRole::WorkingCopy),
+            fp8_frozen: fp8_copy_bytes(plan, StateRole::Frozen),
             master_weights: plan.state_bytes(StateRole::Master),
             frozen_weights: plan.state_bytes(StateRole::Frozen),
             gradients: plan.state_bytes(StateRole::Gradient),

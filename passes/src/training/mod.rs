@@ -18,7 +18,9 @@
 //!    unless skipped, the loss-scale update; under `--update-in-backward` it then moves each
 //!    update into the micro step right after its gradient (`in_backward.rs`);
 //!    `fp8_scaling` makes the amax histories and scales of `--precision fp8:delayed` state,
-//!    written back after every micro-batch (`fp8_scaling.rs`);
+//!    written back after every micro-batch (`fp8_scaling.rs`); `fp8_weights` moves the casts
+//!    of the weights to FP8 from the micro step into the optimizer step, after each update
+//!    (`fp8_weights.rs`);
 //!    `nf4` stores a QLoRA base in NF4 (`nf4.rs`); `parallel` makes the plan one rank's of a
 //!    data-parallel group under `--world-size`: gradients averaged across ranks as they
 //!    complete, and under `--zero` the moments (and gradients) sharded (`parallel.rs`);
@@ -35,6 +37,7 @@
 mod classifier;
 mod epilogue;
 mod fp8_scaling;
+mod fp8_weights;
 mod gradients;
 mod in_backward;
 mod nf4;
@@ -231,8 +234,8 @@ pub struct TrainingOutput {
 }
 
 impl Default for TrainingPipeline {
-    /// classifier, autodiff, classifier_step, epilogue, accumulate, optimizer, nf4, remat,
-    /// fusion.
+    /// classifier, autodiff, classifier_step, epilogue, accumulate, optimizer, fp8_scaling,
+    /// fp8_weights, nf4, parallel, remat, fusion.
     fn default() -> Self {
         TrainingPipeline::new(vec![
             Box::new(classifier::FuseClassifier),
@@ -242,6 +245,7 @@ impl Default for TrainingPipeline {
             Box::new(gradients::Accumulate),
             Box::new(optimizer::OptimizerStep),
             Box::new(fp8_scaling::DelayedScaling),
+            Box::new(fp8_weights::Fp8WeightCopies),
             Box::new(nf4::Nf4Base),
             Box::new(parallel::DataParallel),
             Box::new(Rematerialize),
@@ -588,6 +592,7 @@ mod tests {
                 "accumulate",
                 "optimizer",
                 "fp8_scaling",
+                "fp8_weights",
                 "nf4",
                 "parallel",
                 "remat",
@@ -600,7 +605,7 @@ mod tests {
                 .unwrap()
                 .run(&loss_graph(), settings())
                 .unwrap();
-            assert_eq!(out.reports.len(), 11);
+            assert_eq!(out.reports.len(), 12);
             let dump = out.dump.unwrap();
             assert!(dump.starts_with("graph micro_step {"), "{name}: {dump}");
             // Accumulation over two micro-batches adds the gradient to its state.
@@ -628,7 +633,7 @@ mod tests {
             .to_string();
         assert!(
             err.contains(
-                "autodiff, classifier_step, epilogue, accumulate, optimizer, fp8_scaling, nf4, parallel, remat, fusion"
+                "autodiff, classifier_step, epilogue, accumulate, optimizer, fp8_scaling, fp8_weights, nf4, parallel, remat, fusion"
             ),
             "{err}"
         );

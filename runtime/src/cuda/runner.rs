@@ -284,25 +284,24 @@ impl<T: Target> LoweredPlanRunner<T> {
         self.target.run_prologue()
     }
 
-    /// Replaces state entries (resuming), then re-derives the working copies. A rank of a
-    /// data-parallel plan takes entries in the single-rank layout (a checkpoint): it keeps its
-    /// shard of each sharded one, and the copies it holds are its masters' rounded again.
+    /// Replaces state entries (resuming), then re-derives the working copies. Entries come
+    /// in the single-rank layout (a checkpoint): a rank of a data-parallel plan keeps its
+    /// shard of each sharded one, and the copies a runner holds (FP8 copies; a rank's copies
+    /// of sharded masters) are derived again from their masters.
     pub fn restore(&mut self, entries: Vec<(String, Tensor)>) -> Result<(), RuntimeError> {
-        if self.plan.settings.parallel.is_single() {
-            return self.upload(entries);
-        }
         let mine = crate::plan::rank_entries(&self.plan, entries, self.rank)?;
         self.upload(mine)
     }
 
-    /// The persistent state, read back from the device, in the plan's order (working copies,
-    /// which the masters determine, are left out, as on the CPU). A rank of a data-parallel
+    /// The persistent state, read back from the device, in the plan's order (working copies
+    /// the micro step derives from their masters are left out, as on the CPU; held copies,
+    /// which the optimizer step writes, are read). A rank of a data-parallel
     /// plan gathers each sharded entry from every rank (all ranks must call it together), so
     /// the result is the single-rank layout.
     pub fn state_entries(&self) -> Result<Vec<(String, Tensor)>, RuntimeError> {
         let mut out = Vec::new();
         for spec in &self.plan.state {
-            if spec.role == StateRole::WorkingCopy {
+            if spec.role == StateRole::WorkingCopy && !crate::plan::holds_copy(&self.plan, spec) {
                 continue;
             }
             let t = match &spec.shard_of {
