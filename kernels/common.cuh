@@ -145,6 +145,73 @@ __device__ float block_max(float v, float* scratch) {
     return warp_max(r);
 }
 
+// ---- FP8 -----------------------------------------------------------------------------------
+// The saturating cast to E4M3 or E5M2 (castor_ir::fp8::Fp8Format::encode) and the running
+// amax of a cast's input, shared by the fp8 family and the fused pointwise kernels.
+
+#define F32_CANONICAL_NAN __int_as_float(0x7fc00000)
+
+// |x| folded into the running maximum `m`, a NaN remembered in `nan`.
+__device__ __forceinline__ void fold_abs(float x, float& m, bool& nan) {
+    m = fmaxf(m, fabsf(x));
+    nan = nan || isnan(x);
+}
+
+// The FP8 byte nearest to x, saturating (castor_ir::fp8::Fp8Format::encode): M mantissa bits,
+// exponent bias BIAS, MAX_BYTE the largest finite value's byte.
+template <int M, int BIAS, unsigned MAX_BYTE>
+__device__ __forceinline__ unsigned char fp8_encode(float x) {
+    const unsigned bits = __float_as_uint(x);
+    const unsigned sign = (bits >> 24) & 0x80u;
+    const unsigned biased = (bits >> 23) & 0xFFu;
+    const unsigned fraction = bits & 0x007FFFFFu;
+    if (biased == 0xFFu) {
+        // NaN: 0x7F with its sign; an infinity saturates.
+        return (unsigned char)(sign | (fraction != 0 ? 0x7Fu : MAX_BYTE));
+    }
+    // |x| = significand * 2^scale exactly; `exponent` is floor(log2 |x|) for normal values and
+    // below every FP8 exponent for F32 subnormals (which all round to zero).
+    unsigned significand;
+    int scale, exponent;
+    if (biased == 0) {
+        significand = fraction;
+        scale = -149;
+        exponent = -127;
+    } else {
+        significand = fraction | 0x00800000u;
+        scale = int(biased) - 150;
+        exponent = int(biased) - 127;
+    }
+    const int emin = 1 - BIAS;
+    // The exponent of one unit in the last place of the FP8 values around |x|; the shift from
+    // F32's units to it is at least 20.
+    const int ulp = (exponent > emin ? exponent : emin) - M;
+    const int shift = ulp - scale;
+    // |x| in those units, rounded to nearest, ties to even (a significand below 2^24 is below
+    // half a unit once the shift passes 24).
+    unsigned steps = 0;
+    if (shift <= 24) {
+        const unsigned kept = significand >> shift;
+        const unsigned rest = significand & ((1u << shift) - 1u);
+        const unsigned halfway = 1u << (shift - 1);
+        steps = kept + ((rest > halfway || (rest == halfway && (kept & 1u))) ? 1u : 0u);
+    }
+    const unsigned code =
+        exponent < emin ? steps : (unsigned(exponent - emin) << M) + steps;
+    return (unsigned char)(sign | (code > MAX_BYTE ? MAX_BYTE : code));
+}
+
+struct E4M3 {
+    static __device__ __forceinline__ unsigned char encode(float x) {
+        return fp8_encode<3, 7, 0x7Eu>(x);
+    }
+};
+struct E5M2 {
+    static __device__ __forceinline__ unsigned char encode(float x) {
+        return fp8_encode<2, 15, 0x7Bu>(x);
+    }
+};
+
 // ---- error reporting -----------------------------------------------------------------------
 
 // Bad data (an out-of-range id or label) is reported through an int the host initializes to

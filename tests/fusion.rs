@@ -206,3 +206,110 @@ fn fusion_decisions() {
         insta::assert_snapshot!(format!("fusion_{precision}"), out);
     }
 }
+
+/// Under `fp8:delayed` a cast to FP8 whose scale is state ends the pointwise unit that makes
+/// its operand: LLaMA's `silu(gate) * up` is cast for the down projection in the kernel that
+/// computes it, which stores the FP8 values (and not the BF16 product nobody else reads) and
+/// the amax, reduced by `fp8_amax_finalize`; the gradients' E5M2 casts end their units the
+/// same way. Under `fp8` (current scaling) the scale is the amax of the operand itself, which
+/// exists only once the whole operand does: no cast joins a unit. The generated kernels
+/// compile with NVRTC (the emulated plans of `tests/cuda_emulated.rs` check their values).
+#[test]
+fn delayed_fp8_casts_end_the_units_that_make_their_operands() {
+    let plan_of = |variant: &str, precision: &str| {
+        let model = Model::load(fixture(variant)).unwrap();
+        let flags = Flags::try_parse_from(["castor", "--precision", precision]).unwrap();
+        let objective = Objective::auto(&model);
+        let graph = model.build_loss_graph(2, 8, objective).unwrap();
+        let compiled = flags
+            .precision
+            .compile(graph, None, None, false)
+            .unwrap()
+            .graph;
+        let settings = flags
+            .training
+            .settings(flags.precision.precision, objective, 2, 8)
+            .unwrap();
+        castor_passes::build_training_plan(&compiled, settings)
+            .unwrap()
+            .0
+    };
+    let tails = |plan: &TrainingPlan| -> Vec<(String, castor_ir::PointwiseBody)> {
+        plan.kernel_units
+            .iter()
+            .filter_map(|u| match &u.kind {
+                UnitKind::Pointwise(b)
+                    if b.steps.iter().any(|s| matches!(s, Step::Quantize { .. })) =>
+                {
+                    Some((u.members.join(" + "), b.clone()))
+                }
+                _ => None,
+            })
+            .collect()
+    };
+    let nvrtc = castor_kernels::Nvrtc::from_env().ok().flatten();
+    for variant in ["llama_gqa", "gpt2_lm"] {
+        assert!(
+            tails(&plan_of(variant, "fp8")).is_empty(),
+            "{variant}: a current-scaling cast joined a unit"
+        );
+        let plan = plan_of(variant, "fp8:delayed");
+        let fused = tails(&plan);
+        for (members, body) in &fused {
+            println!("{variant}: {members}");
+            let amax = body.amax.as_ref().expect("the amax the history reads");
+            assert!(
+                members.ends_with(".x_fp8") || members.contains(".dy_fp8"),
+                "{members}"
+            );
+            assert!(body.outputs.iter().any(|o| o.dtype.is_fp8()), "{members}");
+            assert!(amax.value.ends_with("_amax"), "{members}");
+        }
+        // Forward: the down projection's (LLaMA) or the MLP projection's (GPT-2, eager GELU)
+        // input, one per layer; backward: LLaMA's gate and up gradients. GPT-2's MLP gradient
+        // is read by its bias gradient before the cast, so its unit cannot run at the cast.
+        let forward = fused.iter().filter(|(m, _)| m.ends_with(".x_fp8")).count();
+        let backward = fused.iter().filter(|(m, _)| m.contains(".dy_fp8")).count();
+        let want_backward = if variant == "llama_gqa" { 4 } else { 0 };
+        assert!(
+            forward == 2 && backward == want_backward,
+            "{variant}: {forward} forward, {backward} backward"
+        );
+        if variant == "llama_gqa" {
+            // The gated product is not stored, only its FP8 cast (and `silu(gate)`, which the
+            // backward reads).
+            let (members, body) = fused
+                .iter()
+                .find(|(m, _)| m.contains("down_proj.x_fp8"))
+                .expect("the down projection's input cast is fused");
+            let stored: Vec<&str> = body.outputs.iter().map(|o| o.value.as_str()).collect();
+            assert!(
+                stored.iter().all(|v| !v.ends_with("mlp.gated"))
+                    && stored.iter().any(|v| v.ends_with("down_proj.x_fp8")),
+                "{members}: {stored:?}"
+            );
+        }
+        let program = lower_plan(&plan).unwrap();
+        let module = program
+            .modules
+            .iter()
+            .find(|m| m.name == GENERATED_MODULE)
+            .unwrap();
+        assert!(module.generated.iter().any(|k| k.partials), "{variant}");
+        assert!(module.source.contains("E4M3::encode"), "{variant}");
+        assert_eq!(
+            module.source.contains("E5M2::encode"),
+            want_backward > 0,
+            "{variant}"
+        );
+        if let Some(nvrtc) = &nvrtc {
+            nvrtc
+                .compile_kernel(
+                    GENERATED_MODULE,
+                    &module.source,
+                    castor_kernels::DEFAULT_ARCH,
+                )
+                .unwrap_or_else(|e| panic!("{variant}: {e}\n{}", module.source));
+        }
+    }
+}

@@ -69,6 +69,18 @@ pub struct PointwiseBody {
     pub inputs: Vec<UnitInput>,
     pub steps: Vec<Step>,
     pub outputs: Vec<UnitOutput>,
+    /// A `quantize` the unit ends with: the largest magnitude of the value it casts, over the
+    /// whole iteration space.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub amax: Option<UnitAmax>,
+}
+
+/// The amax a unit computes: the largest `|r<step>|` over the iteration space (NaN if one is
+/// NaN, 0 for none), stored as the F32 scalar `value`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UnitAmax {
+    pub value: String,
+    pub step: usize,
 }
 
 impl PointwiseBody {
@@ -86,7 +98,9 @@ pub struct UnitInput {
     pub index: IndexMap,
 }
 
-/// A member's value the unit writes to memory: the one step `step` computes.
+/// A member's value the unit writes to memory: the one step `step` computes. An FP8 output
+/// stores its step's F32 value rounded to the format (nearest even, saturating), as `quantize`
+/// does.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct UnitOutput {
     pub value: String,
@@ -216,6 +230,11 @@ pub enum Step {
         x: usize,
         to: DType,
     },
+    /// `x * scale` in F32: the value an FP8 output of `quantize` rounds to its format.
+    Quantize {
+        x: usize,
+        scale: usize,
+    },
 }
 
 impl Step {
@@ -226,6 +245,7 @@ impl Step {
             Step::Unary { x, .. } | Step::Scale { x, .. } | Step::Round { x, .. } => vec![x],
             Step::UnaryGrad { x, dy, .. } => vec![x, dy],
             Step::Binary { a, b, .. } => vec![a, b],
+            Step::Quantize { x, scale } => vec![x, scale],
         }
     }
 }
@@ -239,6 +259,7 @@ impl fmt::Display for Step {
             Step::Binary { op, a, b } => write!(f, "{} r{a} r{b}", op.name()),
             Step::Scale { x, factor } => write!(f, "scale r{x} {factor:?}"),
             Step::Round { x, to } => write!(f, "round r{x} {to}"),
+            Step::Quantize { x, scale } => write!(f, "quantize r{x} r{scale}"),
         }
     }
 }
@@ -273,6 +294,10 @@ impl FromStr for Step {
             [name, x] => match UnaryOp::ALL.into_iter().find(|u| u.name() == *name) {
                 Some(op) => Step::Unary { op, x: reg(x)? },
                 None => return Err(format!("unknown step `{name}` in `{s}`")),
+            },
+            ["quantize", x, scale] => Step::Quantize {
+                x: reg(x)?,
+                scale: reg(scale)?,
             },
             [name, a, b] => {
                 if let Some(op) = UnaryOp::ALL.into_iter().find(|u| u.grad_name() == *name) {
@@ -332,6 +357,14 @@ impl PointwiseBody {
                 ));
             }
         }
+        if let Some(a) = &self.amax {
+            if a.step >= self.steps.len() {
+                return Err(format!(
+                    "amax `%{}` is of r{}, which no step defines",
+                    a.value, a.step
+                ));
+            }
+        }
         Ok(())
     }
 }
@@ -362,6 +395,9 @@ impl fmt::Display for KernelUnit {
                 }
                 for o in &body.outputs {
                     writeln!(f, "  store %{}: {} = r{}", o.value, o.dtype, o.step)?;
+                }
+                if let Some(a) = &body.amax {
+                    writeln!(f, "  amax %{}: f32 = max |r{}|", a.value, a.step)?;
                 }
                 Ok(())
             }
@@ -407,6 +443,7 @@ mod tests {
                 x: 4,
                 to: DType::BF16,
             },
+            Step::Quantize { x: 5, scale: 0 },
         ];
         for s in steps {
             assert_eq!(s.to_string().parse::<Step>(), Ok(s), "{s}");
@@ -442,6 +479,7 @@ mod tests {
                 to: DType::F32,
             }],
             outputs: Vec::new(),
+            amax: None,
         };
         assert!(body.check().unwrap_err().contains("before it is defined"));
     }

@@ -1,13 +1,16 @@
 //! The typed body of a pointwise unit, built from its members.
 
 use super::groups::{group_inputs, group_outputs};
-use castor_ir::{Graph, IndexMap, Node, Op, PointwiseBody, Step, UnitInput, UnitOutput, Value};
+use castor_ir::{
+    Graph, IndexMap, Node, Op, PointwiseBody, Step, UnitAmax, UnitInput, UnitOutput, Value,
+};
 use std::collections::HashMap;
 
 /// The body of the pointwise unit `members` (in node order): each input loaded once through
 /// its index map, each member's op applied to F32 registers and rounded to the member's dtype
 /// (so fused and unfused execution agree bit for bit), and the members read outside the unit
-/// stored.
+/// stored. A `quantize` ending the unit is its product by the scale, stored in FP8 (the store
+/// rounds it), and the amax of the value it casts where something reads that amax.
 pub fn pointwise_body(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> PointwiseBody {
     let inputs = group_inputs(g, members);
     let outputs = group_outputs(g, users, members);
@@ -17,6 +20,7 @@ pub fn pointwise_body(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> Point
         .unwrap_or_default();
     let space = castor_ir::Shape::from(dims.clone());
     let mut steps = Vec::new();
+    let mut amax = None;
     let mut reg: HashMap<Value, usize> = HashMap::new();
     for (k, &v) in inputs.iter().enumerate() {
         steps.push(Step::Load { input: k });
@@ -33,6 +37,19 @@ pub fn pointwise_body(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> Point
                 .copied()
                 .unwrap_or(0)
         };
+        if let Op::Quantize { .. } = node.op {
+            let (x, scale) = (r(0), r(1));
+            steps.push(Step::Quantize { x, scale });
+            reg.insert(v, steps.len() - 1);
+            let a = node.outputs[1];
+            if !users[a.index()].is_empty() || g.outputs().contains(&a) {
+                amax = Some(UnitAmax {
+                    value: g.name(a).to_string(),
+                    step: x,
+                });
+            }
+            continue;
+        }
         let op = match &node.op {
             Op::Unary(op) => Some(Step::Unary { op: *op, x: r(0) }),
             Op::UnaryGrad(op) => Some(Step::UnaryGrad {
@@ -84,5 +101,6 @@ pub fn pointwise_body(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> Point
                 step: reg.get(&v).copied().unwrap_or(0),
             })
             .collect(),
+        amax,
     }
 }

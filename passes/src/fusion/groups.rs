@@ -81,6 +81,30 @@ pub(super) fn runs_at_last_member(g: &Graph, users: &[Vec<Node>], members: &[Nod
     })
 }
 
+/// `quantize` node `q` can end the pointwise unit `members` (a cast to FP8 that the kernel
+/// writes instead of, or beside, the value it casts): it casts a member's value, of the unit's
+/// iteration shape, by a scalar scale made before the unit runs (delayed scaling's, from the
+/// amax history: a current scale is the amax of the value itself, which only exists once the
+/// whole value does), and the unit with `q` can run where `q` stands.
+pub fn quantize_tail_ok(g: &Graph, users: &[Vec<Node>], members: &[Node], q: Node) -> bool {
+    let node = g.node(q);
+    let (Op::Quantize { .. }, Some(&last)) = (&node.op, members.last()) else {
+        return false;
+    };
+    let (x, scale) = (node.inputs[0], node.inputs[1]);
+    let space = &g.ty(g.node(last).outputs[0]).shape;
+    let mut all = members.to_vec();
+    all.push(q);
+    q > last
+        && members.iter().all(|&m| is_pointwise(g, m))
+        && members.contains(&g.value(x).producer)
+        && g.ty(x).dtype.is_float()
+        && &g.ty(x).shape == space
+        && g.ty(scale).shape.numel() == Some(1)
+        && !members.contains(&g.value(scale).producer)
+        && runs_at_last_member(g, users, &all)
+}
+
 /// The members' values read outside the group or returned by the graph: the group's results.
 pub fn group_outputs(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> Vec<Value> {
     members

@@ -5,6 +5,9 @@
 //!   generated kernel with a typed body ([`pointwise_body`]);
 //! - a residual add in front of a normalization, and the add of another gradient behind a
 //!   normalization's backward, absorbed by the norm kernels (taken out of their groups);
+//! - a cast to FP8 whose scale is known before the unit runs (delayed scaling's), ending the
+//!   pointwise unit that makes its operand ([`quantize_tail_ok`]): the kernel stores the FP8
+//!   values and the amax;
 //! - AdamW/SGD/Lion updates sharing their scalars, one multi-tensor launch per batch.
 //!
 //! A training plan stores the units of both its graphs; executors read them back through
@@ -18,7 +21,9 @@ mod body;
 mod groups;
 
 pub use body::pointwise_body;
-pub use groups::{fused_order, fusion_groups, group_inputs, group_outputs, is_pointwise};
+pub use groups::{
+    fused_order, fusion_groups, group_inputs, group_outputs, is_pointwise, quantize_tail_ok,
+};
 
 use castor_ir::{Graph, KernelUnit, Node, UnitKind};
 
@@ -31,6 +36,7 @@ pub fn kernel_units(g: &Graph, graph: &str) -> Vec<KernelUnit> {
     let users = g.users();
     let mut groups = fusion_groups(g);
     let norms = absorb::norm_units(g, &users, &mut groups);
+    quantize_tails(g, &users, &mut groups, &norms);
     let batches = absorb::optimizer_batches(g, &users);
     let mut claimed = vec![false; g.num_nodes()];
     let mut units: Vec<(Vec<Node>, String, Option<UnitKind>)> = Vec::new();
@@ -83,6 +89,36 @@ pub fn kernel_units(g: &Graph, graph: &str) -> Vec<KernelUnit> {
             }
         })
         .collect()
+}
+
+/// Each `quantize` that can end the pointwise unit making its operand joins it (a lone
+/// pointwise node not in a norm unit becomes a unit of two with it), so the kernel writes the
+/// FP8 values and their amax instead of storing the operand for a cast to read back.
+fn quantize_tails(
+    g: &Graph,
+    users: &[Vec<Node>],
+    groups: &mut Vec<Vec<Node>>,
+    norms: &[(Vec<Node>, bool)],
+) {
+    let in_norm: std::collections::HashSet<Node> =
+        norms.iter().flat_map(|(m, _)| m.iter().copied()).collect();
+    for (q, node) in g.nodes() {
+        if !matches!(node.op, castor_ir::Op::Quantize { .. }) {
+            continue;
+        }
+        let producer = g.value(node.inputs[0]).producer;
+        match groups.iter().position(|m| m.contains(&producer)) {
+            Some(gi) if quantize_tail_ok(g, users, &groups[gi], q) => groups[gi].push(q),
+            Some(_) => {}
+            None if is_pointwise(g, producer)
+                && !in_norm.contains(&producer)
+                && quantize_tail_ok(g, users, &[producer], q) =>
+            {
+                groups.push(vec![producer, q]);
+            }
+            None => {}
+        }
+    }
 }
 
 /// A unit that cannot run as its graph says.
@@ -139,12 +175,28 @@ pub fn schedule(g: &Graph, units: Vec<KernelUnit>) -> Result<UnitSchedule, UnitE
         }
         let ok = match &unit.kind {
             UnitKind::Pointwise(body) => {
-                let shape = &g.ty(g.node(members[members.len() - 1]).outputs[0]).shape;
-                let same = members
-                    .iter()
-                    .all(|&m| is_pointwise(g, m) && &g.ty(g.node(m).outputs[0]).shape == shape);
+                // A cast to FP8 may end the unit.
+                let last = members[members.len() - 1];
+                let tail = matches!(g.node(last).op, castor_ir::Op::Quantize { .. });
+                let pointwise = if tail {
+                    &members[..members.len() - 1]
+                } else {
+                    &members[..]
+                };
+                let shape = &g.ty(g.node(last).outputs[0]).shape;
+                let same = !pointwise.is_empty()
+                    && pointwise
+                        .iter()
+                        .all(|&m| is_pointwise(g, m) && &g.ty(g.node(m).outputs[0]).shape == shape);
                 if !same {
                     return Err(bad("members are not pointwise nodes of one shape".into()));
+                }
+                if tail && !quantize_tail_ok(g, &users, pointwise, last) {
+                    return Err(bad(
+                        "its cast to FP8 does not cast a member's value by a scale made before \
+                         the unit"
+                            .into(),
+                    ));
                 }
                 if !groups::runs_at_last_member(g, &users, &members) {
                     return Err(bad(

@@ -676,6 +676,8 @@ pub struct Module {
 pub struct GeneratedKernel {
     pub entry: String,
     pub inputs: Vec<InputExtent>,
+    /// The kernel takes an amax: its last pointer holds one partial maximum per block.
+    pub partials: bool,
 }
 
 /// The elements a generated kernel's input holds.

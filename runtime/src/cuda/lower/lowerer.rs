@@ -42,6 +42,7 @@ fn code_of(body: &PointwiseBody) -> PointwiseBody {
     key.dims.clear();
     key.inputs.iter_mut().for_each(|i| i.value.clear());
     key.outputs.iter_mut().for_each(|o| o.value.clear());
+    key.amax.iter_mut().for_each(|a| a.value.clear());
     key
 }
 
@@ -142,6 +143,7 @@ impl Lowerer {
         m.generated.push(GeneratedKernel {
             entry: name.to_string(),
             inputs,
+            partials: body.amax.is_some(),
         });
         self.generated.push((key, name.to_string()));
         (module, name.to_string())

@@ -1,6 +1,7 @@
 //! The kernels the fusion pass generates: `entry(const T* in0, .., T* out0, .., i64 n)`, each
 //! output `n` elements, each input as many as the module's record of the kernel says (a
-//! broadcast operand holds fewer), the element sizes from the kernel's own parameter types.
+//! broadcast operand holds fewer), the element sizes from the kernel's own parameter types. A
+//! kernel that takes an amax has `float* partials` before `n`: one float per block.
 
 use crate::cuda::emulate::args::Args;
 use crate::cuda::emulate::contracts::checked;
@@ -28,7 +29,11 @@ pub(crate) fn generated(
             l.entry
         ));
     }
-    let n_out = params.len() - n_in - 1;
+    let n_partials = usize::from(kernel.partials);
+    if params.len() < n_in + n_partials + 2 {
+        return Err(format!("`{}` has no partials buffer", l.entry));
+    }
+    let n_out = params.len() - n_in - n_partials - 1;
     let mut a = Args::new(l);
     let ins = (0..n_in)
         .map(|k| a.need(m, &format!("in{k}")))
@@ -36,6 +41,10 @@ pub(crate) fn generated(
     let outs = (0..n_out)
         .map(|o| a.need(m, &format!("out{o}")))
         .collect::<R<Vec<_>>>()?;
+    let partials = match kernel.partials {
+        true => Some(a.need(m, "partials")?),
+        false => None,
+    };
     let n = a.count("n")? as u64;
     a.end()?;
     let names_in: Vec<String> = (0..n_in).map(|k| format!("in{k}")).collect();
@@ -67,6 +76,15 @@ pub(crate) fn generated(
                 in_place.push((names_out[o].as_str(), names_in[k].as_str()));
             }
         }
+    }
+    if let Some(p) = partials {
+        uses.push(use_(
+            "partials".to_string(),
+            Some(p),
+            u64::from(l.grid.0) * 4,
+            4,
+            Io::W,
+        ));
     }
     checked(m, uses, &in_place)
 }

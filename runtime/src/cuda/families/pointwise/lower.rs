@@ -5,7 +5,18 @@
 //! and stores the outputs. It reads and writes 8 elements per step with 16-byte vectors when
 //! every full-size pointer is 16-byte aligned, and element by element otherwise and for the
 //! tail.
+//!
+//! A unit that ends with a cast to FP8 (`quantize`) stores that output with the fp8 family's
+//! saturating nearest-even encoding, one byte per element, and where the body has an amax
+//! writes each block's largest magnitude of the cast's input to a partials buffer (an extra
+//! parameter before `n`, one float per block); the fp8 family's `fp8_amax_finalize` reduces
+//! them, as after the family's own `fp8_quantize`. The maximum is exact in any order, so the
+//! result is the CPU twin's whatever the grid. These kernels take 8 elements at a time only as
+//! a thread's grid-stride steps: their stores are bytes.
 
+use crate::cuda::families::fp8::Kernel as Fp8Kernel;
+use crate::cuda::kernel_id::KernelId;
+use crate::cuda::lower::ops::row_threads;
 use crate::cuda::lower::{grid_1d, Loc, LowerError, RunLowering};
 use crate::cuda::program::{Arg, Command, InputExtent, Launch};
 use castor_ir::{BinaryOp, DType, Graph, IndexMap, Node, PointwiseBody, Step, UnaryOp};
@@ -48,6 +59,11 @@ impl RunLowering<'_, '_> {
         }
         let n = body.numel();
         let source = cuda_source(g, members, body, name);
+        // An amax takes partial maxima per block: at most AMAX_BLOCKS of them.
+        let grid = match body.amax {
+            Some(_) => (n.div_ceil(256 * 8).clamp(1, AMAX_BLOCKS) as u32, 1, 1),
+            None => grid_1d(n.div_ceil(8), 256),
+        };
         // The same code is the same shapes for broadcast operands; full-size ones follow `n`.
         let extents = body
             .inputs
@@ -70,18 +86,58 @@ impl RunLowering<'_, '_> {
         for &v in &outputs {
             args.push(Arg::Ptr(self.out(v)?));
         }
+        let partials = body
+            .amax
+            .as_ref()
+            .map(|_| self.scratch(u64::from(grid.0) * 4));
+        if let Some(p) = partials {
+            args.push(Arg::Ptr(p));
+        }
         args.push(Arg::I64(n as i64));
+        let node = g.name(g.node(last).outputs[0]).to_string();
         self.commands.push(Command::Launch(Launch {
-            node: g.name(g.node(last).outputs[0]).into(),
+            node: node.clone(),
             module,
             kernel: None,
             entry,
-            grid: grid_1d(n.div_ceil(8), 256),
+            grid,
             block: (256, 1, 1),
             shared_bytes: 0,
             args,
         }));
+        if let (Some(amax), Some(partials)) = (&body.amax, partials) {
+            let a = value(&amax.value)?;
+            let out = self.out(a)?;
+            self.launch(
+                a,
+                KernelId::Fp8(Fp8Kernel::AmaxFinalize),
+                (1, 1, 1),
+                (row_threads(grid.0 as usize, 1024), 1, 1),
+                vec![
+                    ("partials", Arg::Ptr(partials)),
+                    ("count", Arg::I32(grid.0 as i32)),
+                    ("amax", Arg::Ptr(out)),
+                ],
+            )?;
+        }
         Ok(())
+    }
+}
+
+/// The most blocks (and so partial maxima) of a unit with an amax, as the fp8 family's.
+const AMAX_BLOCKS: usize = 1024;
+
+/// Whether the body stores bytes (an FP8 output) or takes an amax: no 16-byte vector path.
+fn elementwise_only(body: &PointwiseBody) -> bool {
+    body.amax.is_some() || body.outputs.iter().any(|o| o.dtype.is_fp8())
+}
+
+/// The statement that stores `r` in output `o` of dtype `d` at element `at`.
+fn store(o: usize, d: DType, at: &str, r: &str) -> String {
+    match d {
+        DType::F8E4M3 => format!("out{o}[{at}] = E4M3::encode({r});"),
+        DType::F8E5M2 => format!("out{o}[{at}] = E5M2::encode({r});"),
+        _ => format!("out{o}[{at}] = from_f32<{}>({r});", cuda_type(d)),
     }
 }
 
@@ -89,6 +145,7 @@ fn cuda_type(d: DType) -> &'static str {
     match d {
         DType::F16 => "__half",
         DType::BF16 => "__nv_bfloat16",
+        DType::F8E4M3 | DType::F8E5M2 => "unsigned char",
         _ => "float",
     }
 }
@@ -165,6 +222,9 @@ pub(crate) fn cuda_source(g: &Graph, members: &[Node], body: &PointwiseBody, nam
         .map(|k| format!("float x{k}"))
         .collect();
     params.extend((0..body.outputs.len()).map(|o| format!("float* r{o}")));
+    if body.amax.is_some() {
+        params.push("float* ra".into());
+    }
     let _ = writeln!(
         src,
         "__device__ __forceinline__ void {name}_body({}) {{",
@@ -196,6 +256,8 @@ pub(crate) fn cuda_source(g: &Graph, members: &[Node], body: &PointwiseBody, nam
                 format!("{} {sym} {}", reg(&expr, a), reg(&expr, b))
             }
             Step::Scale { x, factor } => format!("{} * {}", reg(&expr, x), f32_literal(factor)),
+            // The F32 product; the FP8 output's store rounds it.
+            Step::Quantize { x, scale } => format!("({} * {})", reg(&expr, x), reg(&expr, scale)),
             Step::Round { x, to } => {
                 let member = members
                     .get(rounds)
@@ -216,6 +278,9 @@ pub(crate) fn cuda_source(g: &Graph, members: &[Node], body: &PointwiseBody, nam
     for (o, out) in body.outputs.iter().enumerate() {
         let _ = writeln!(src, "    *r{o} = {};", reg(&expr, out.step));
     }
+    if let Some(a) = &body.amax {
+        let _ = writeln!(src, "    *ra = {};", reg(&expr, a.step));
+    }
     src.push_str("}\n\n");
 
     // No `__restrict__`: the CUDA lowering updates state in place (an accumulated gradient is
@@ -234,6 +299,9 @@ pub(crate) fn cuda_source(g: &Graph, members: &[Node], body: &PointwiseBody, nam
             .enumerate()
             .map(|(o, out)| format!("{}* out{o}", cuda_type(out.dtype))),
     );
+    if body.amax.is_some() {
+        args.push("float* partials".into());
+    }
     args.push("i64 n".into());
     let _ = writeln!(
         src,
@@ -243,10 +311,16 @@ pub(crate) fn cuda_source(g: &Graph, members: &[Node], body: &PointwiseBody, nam
     src.push_str("    const i64 tid = i64(blockIdx.x) * blockDim.x + threadIdx.x;\n");
     src.push_str("    const i64 stride = i64(gridDim.x) * blockDim.x;\n");
     src.push_str("    i64 done = 0;\n");
+    if body.amax.is_some() {
+        src.push_str("    float m = 0.0f;\n    bool nan = false;\n");
+    }
     let index: Vec<String> = body.inputs.iter().map(|x| index_expr(&x.index)).collect();
-    let outs: Vec<String> = (0..body.outputs.len()).map(|o| format!("&r{o}")).collect();
-    // The vector path needs every input to be full-size or a scalar.
-    if index.iter().all(|e| e == "i" || e == "0") {
+    let mut outs: Vec<String> = (0..body.outputs.len()).map(|o| format!("&r{o}")).collect();
+    if body.amax.is_some() {
+        outs.push("&ra".into());
+    }
+    // The vector path needs every input to be full-size or a scalar, and 16-bit or F32 stores.
+    if index.iter().all(|e| e == "i" || e == "0") && !elementwise_only(body) {
         let mut aligned: Vec<String> = (0..body.outputs.len())
             .map(|o| format!("aligned16(out{o})"))
             .collect();
@@ -286,14 +360,11 @@ pub(crate) fn cuda_source(g: &Graph, members: &[Node], body: &PointwiseBody, nam
         src.push_str("        }\n        done = units * UNIT;\n    }\n");
     }
     src.push_str("    for (i64 i = done + tid; i < n; i += stride) {\n");
-    let _ = writeln!(
-        src,
-        "        float {};",
-        (0..body.outputs.len())
-            .map(|o| format!("r{o}"))
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
+    let mut regs: Vec<String> = (0..body.outputs.len()).map(|o| format!("r{o}")).collect();
+    if body.amax.is_some() {
+        regs.push("ra".into());
+    }
+    let _ = writeln!(src, "        float {};", regs.join(", "));
     let mut call: Vec<String> = index
         .iter()
         .enumerate()
@@ -304,10 +375,20 @@ pub(crate) fn cuda_source(g: &Graph, members: &[Node], body: &PointwiseBody, nam
     for (o, out) in body.outputs.iter().enumerate() {
         let _ = writeln!(
             src,
-            "        out{o}[i] = from_f32<{}>(r{o});",
-            cuda_type(out.dtype)
+            "        {}",
+            store(o, out.dtype, "i", &format!("r{o}"))
         );
     }
-    src.push_str("    }\n}\n");
+    if body.amax.is_some() {
+        src.push_str("        fold_abs(ra, m, nan);\n");
+    }
+    src.push_str("    }\n");
+    if body.amax.is_some() {
+        // Every thread reaches the block reduction (the loop above is grid-stride).
+        src.push_str("    __shared__ float scratch[32];\n");
+        src.push_str("    const float b = block_max(nan ? F32_CANONICAL_NAN : m, scratch);\n");
+        src.push_str("    if (threadIdx.x == 0) partials[blockIdx.x] = b;\n");
+    }
+    src.push_str("}\n");
     src
 }
