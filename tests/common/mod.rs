@@ -214,34 +214,49 @@ pub fn log_losses(log: &Path) -> Vec<f64> {
         .collect()
 }
 
-/// Runs `castor` with `args`: its output, and its own peak resident memory in KiB (the child's
-/// rusage from wait4, so other tests' processes do not count).
+/// Runs `castor` with `args`: its output, and its own peak resident memory in KiB.
+///
+/// The peak is the child's `VmHWM` (its address space's high-water mark), read from
+/// `/proc/<pid>/status` every millisecond until it exits. Not the rusage of `wait4`: a child
+/// spawned with `posix_spawn` (or fork) takes the parent's high-water mark into its
+/// `ru_maxrss` when it execs, so a busy test process would count as the child's.
 pub fn castor_peak_rss(args: &[&str]) -> (Output, u64) {
-    use std::os::unix::process::ExitStatusExt;
     let dir = tempfile::tempdir().unwrap();
     let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
-    let child = Command::new(castor_bin())
+    let mut child = Command::new(castor_bin())
         .args(args)
         .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&err).unwrap())
         .spawn()
         .unwrap();
-    let pid = child.id() as libc::pid_t;
-    // SAFETY: wait4 on our own child, writing the status and rusage it is given; the child is
-    // reaped here, so its `Child` handle is only dropped afterwards.
-    let (status, usage) = unsafe {
-        let mut status = 0;
-        let mut usage: libc::rusage = std::mem::zeroed();
-        assert_eq!(libc::wait4(pid, &mut status, 0, &mut usage), pid);
-        (status, usage)
+    let status_file = format!("/proc/{}/status", child.id());
+    let mut peak_kib = 0u64;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        let hwm = std::fs::read_to_string(&status_file)
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmHWM:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+            .unwrap_or(0);
+        peak_kib = peak_kib.max(hwm);
+        std::thread::sleep(std::time::Duration::from_millis(1));
     };
-    drop(child);
+    assert!(
+        peak_kib > 0,
+        "no VmHWM read for `castor {}`",
+        args.join(" ")
+    );
     let output = Output {
-        status: std::process::ExitStatus::from_raw(status),
+        status,
         stdout: std::fs::read(&out).unwrap(),
         stderr: std::fs::read(&err).unwrap(),
     };
-    (output, usage.ru_maxrss as u64)
+    (output, peak_kib)
 }
 
 /// The anatomy's `total` row of a `compile --train` report: the planned peak in bytes.
