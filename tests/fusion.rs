@@ -212,8 +212,10 @@ fn fusion_decisions() {
 /// computes it, which stores the FP8 values (and not the BF16 product nobody else reads) and
 /// the amax, reduced by `fp8_amax_finalize`; the gradients' E5M2 casts end their units the
 /// same way. Under `fp8` (current scaling) the scale is the amax of the operand itself, which
-/// exists only once the whole operand does: no cast joins a unit. The generated kernels
-/// compile with NVRTC (the emulated plans of `tests/cuda_emulated.rs` check their values).
+/// exists only once the whole operand does: no cast joins a unit, but the scale does (the unit
+/// stores the operand and its partial maxima, `fp8_scale_finalize` makes the scale). The
+/// generated kernels compile with NVRTC (the emulated plans of `tests/cuda_emulated.rs` check
+/// their values).
 #[test]
 fn delayed_fp8_casts_end_the_units_that_make_their_operands() {
     let plan_of = |variant: &str, precision: &str| {
@@ -248,11 +250,52 @@ fn delayed_fp8_casts_end_the_units_that_make_their_operands() {
             .collect()
     };
     let nvrtc = castor_kernels::Nvrtc::from_env().ok().flatten();
+    let compile = |variant: &str, plan: &TrainingPlan| {
+        let program = lower_plan(plan).unwrap();
+        let module = program
+            .modules
+            .into_iter()
+            .find(|m| m.name == GENERATED_MODULE)
+            .unwrap();
+        assert!(module.generated.iter().any(|k| k.partials), "{variant}");
+        if let Some(nvrtc) = &nvrtc {
+            nvrtc
+                .compile_kernel(
+                    GENERATED_MODULE,
+                    &module.source,
+                    castor_kernels::DEFAULT_ARCH,
+                )
+                .unwrap_or_else(|e| panic!("{variant}: {e}\n{}", module.source));
+        }
+        module.source
+    };
     for variant in ["llama_gqa", "gpt2_lm"] {
+        let want_backward = if variant == "llama_gqa" { 4 } else { 0 };
+        // Current scaling: the casts stay separate, but the scales end the units that make
+        // their operands (the same operands as the delayed casts below).
+        let plan = plan_of(variant, "fp8");
         assert!(
-            tails(&plan_of(variant, "fp8")).is_empty(),
+            tails(&plan).is_empty(),
             "{variant}: a current-scaling cast joined a unit"
         );
+        let scales: Vec<String> = plan
+            .kernel_units
+            .iter()
+            .filter_map(|u| match &u.kind {
+                UnitKind::Pointwise(b) if b.amax.as_ref().is_some_and(|a| a.scale.is_some()) => {
+                    Some(u.members.join(" + "))
+                }
+                _ => None,
+            })
+            .collect();
+        let forward = scales.iter().filter(|m| m.ends_with(".x_scale")).count();
+        let backward = scales.iter().filter(|m| m.ends_with(".dy_scale")).count();
+        assert!(
+            forward == 2 && backward == want_backward,
+            "{variant}: {forward} forward and {backward} backward scales fused: {scales:?}"
+        );
+        compile(variant, &plan);
+
         let plan = plan_of(variant, "fp8:delayed");
         let fused = tails(&plan);
         for (members, body) in &fused {
@@ -270,7 +313,6 @@ fn delayed_fp8_casts_end_the_units_that_make_their_operands() {
         // is read by its bias gradient before the cast, so its unit cannot run at the cast.
         let forward = fused.iter().filter(|(m, _)| m.ends_with(".x_fp8")).count();
         let backward = fused.iter().filter(|(m, _)| m.contains(".dy_fp8")).count();
-        let want_backward = if variant == "llama_gqa" { 4 } else { 0 };
         assert!(
             forward == 2 && backward == want_backward,
             "{variant}: {forward} forward, {backward} backward"
@@ -289,27 +331,12 @@ fn delayed_fp8_casts_end_the_units_that_make_their_operands() {
                 "{members}: {stored:?}"
             );
         }
-        let program = lower_plan(&plan).unwrap();
-        let module = program
-            .modules
-            .iter()
-            .find(|m| m.name == GENERATED_MODULE)
-            .unwrap();
-        assert!(module.generated.iter().any(|k| k.partials), "{variant}");
-        assert!(module.source.contains("E4M3::encode"), "{variant}");
+        let source = compile(variant, &plan);
+        assert!(source.contains("E4M3::encode"), "{variant}");
         assert_eq!(
-            module.source.contains("E5M2::encode"),
+            source.contains("E5M2::encode"),
             want_backward > 0,
             "{variant}"
         );
-        if let Some(nvrtc) = &nvrtc {
-            nvrtc
-                .compile_kernel(
-                    GENERATED_MODULE,
-                    &module.source,
-                    castor_kernels::DEFAULT_ARCH,
-                )
-                .unwrap_or_else(|e| panic!("{variant}: {e}\n{}", module.source));
-        }
     }
 }

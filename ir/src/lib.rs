@@ -57,6 +57,7 @@ pub use shape::Shape;
 pub use structure::ModelShape;
 pub use tensor::{relative_error, round_slice, round_to, Tensor, TensorData};
 pub use units::{
-    IndexMap, IndexTerm, KernelUnit, PointwiseBody, Step, UnitAmax, UnitInput, UnitKind, UnitOutput,
+    AmaxScale, IndexMap, IndexTerm, KernelUnit, PointwiseBody, Step, UnitAmax, UnitInput, UnitKind,
+    UnitOutput,
 };
 pub use verify::verify;

@@ -69,18 +69,29 @@ pub struct PointwiseBody {
     pub inputs: Vec<UnitInput>,
     pub steps: Vec<Step>,
     pub outputs: Vec<UnitOutput>,
-    /// A `quantize` the unit ends with: the largest magnitude of the value it casts, over the
-    /// whole iteration space.
+    /// A `quantize` or `fp8_scale` the unit ends with: the largest magnitude of the value it
+    /// reads, over the whole iteration space (or the scale made of it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub amax: Option<UnitAmax>,
 }
 
 /// The amax a unit computes: the largest `|r<step>|` over the iteration space (NaN if one is
-/// NaN, 0 for none), stored as the F32 scalar `value`.
+/// NaN, 0 for none), stored as the F32 scalar `value`; with `scale`, the `fp8_scale` of it
+/// instead (`fmax / max(amax, 1e-12) / 2^margin` in F64, rounded to F32).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct UnitAmax {
     pub value: String,
     pub step: usize,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale: Option<AmaxScale>,
+}
+
+/// The `fp8_scale` a unit's amax becomes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AmaxScale {
+    /// The FP8 format whose largest value the scale maps the amax to.
+    pub to: DType,
+    pub margin: usize,
 }
 
 impl PointwiseBody {
@@ -396,8 +407,22 @@ impl fmt::Display for KernelUnit {
                 for o in &body.outputs {
                     writeln!(f, "  store %{}: {} = r{}", o.value, o.dtype, o.step)?;
                 }
-                if let Some(a) = &body.amax {
-                    writeln!(f, "  amax %{}: f32 = max |r{}|", a.value, a.step)?;
+                match &body.amax {
+                    Some(UnitAmax {
+                        value,
+                        step,
+                        scale: None,
+                    }) => writeln!(f, "  amax %{value}: f32 = max |r{step}|")?,
+                    Some(UnitAmax {
+                        value,
+                        step,
+                        scale: Some(s),
+                    }) => writeln!(
+                        f,
+                        "  scale %{value}: f32 = {} scale of max |r{step}|, margin {}",
+                        s.to, s.margin
+                    )?,
+                    None => {}
                 }
                 Ok(())
             }

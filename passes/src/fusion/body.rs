@@ -2,7 +2,8 @@
 
 use super::groups::{group_inputs, group_outputs};
 use castor_ir::{
-    Graph, IndexMap, Node, Op, PointwiseBody, Step, UnitAmax, UnitInput, UnitOutput, Value,
+    AmaxScale, Graph, IndexMap, Node, Op, PointwiseBody, Step, UnitAmax, UnitInput, UnitOutput,
+    Value,
 };
 use std::collections::HashMap;
 
@@ -10,12 +11,16 @@ use std::collections::HashMap;
 /// its index map, each member's op applied to F32 registers and rounded to the member's dtype
 /// (so fused and unfused execution agree bit for bit), and the members read outside the unit
 /// stored. A `quantize` ending the unit is its product by the scale, stored in FP8 (the store
-/// rounds it), and the amax of the value it casts where something reads that amax.
+/// rounds it), and the amax of the value it casts where something reads that amax; an
+/// `fp8_scale` ending it is the scale of its operand's amax.
 pub fn pointwise_body(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> PointwiseBody {
     let inputs = group_inputs(g, members);
     let outputs = group_outputs(g, users, members);
+    // The iteration space: the last member's shape (a scale ending the unit is a scalar).
     let dims = members
-        .last()
+        .iter()
+        .rev()
+        .find(|&&m| !matches!(g.node(m).op, Op::Fp8Scale { .. }))
         .map(|&m| g.ty(g.node(m).outputs[0]).shape.dims().to_vec())
         .unwrap_or_default();
     let space = castor_ir::Shape::from(dims.clone());
@@ -37,6 +42,14 @@ pub fn pointwise_body(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> Point
                 .copied()
                 .unwrap_or(0)
         };
+        if let Op::Fp8Scale { to, margin } = node.op {
+            amax = Some(UnitAmax {
+                value: g.name(v).to_string(),
+                step: r(0),
+                scale: Some(AmaxScale { to, margin }),
+            });
+            continue;
+        }
         if let Op::Quantize { .. } = node.op {
             let (x, scale) = (r(0), r(1));
             steps.push(Step::Quantize { x, scale });
@@ -46,6 +59,7 @@ pub fn pointwise_body(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> Point
                 amax = Some(UnitAmax {
                     value: g.name(a).to_string(),
                     step: x,
+                    scale: None,
                 });
             }
             continue;

@@ -105,10 +105,44 @@ pub fn quantize_tail_ok(g: &Graph, users: &[Vec<Node>], members: &[Node], q: Nod
         && runs_at_last_member(g, users, &all)
 }
 
+/// `fp8_scale` node `s` can end the pointwise unit `members` (current scaling: the kernel that
+/// makes the value also takes its amax, and a one-block kernel turns it into the scale, so the
+/// cast's own kernel is the only other read of the value): it reads a member's value, of the
+/// unit's iteration shape, and the unit with `s` can run where `s` stands.
+pub fn scale_tail_ok(g: &Graph, users: &[Vec<Node>], members: &[Node], s: Node) -> bool {
+    let node = g.node(s);
+    let (Op::Fp8Scale { .. }, Some(&last)) = (&node.op, members.last()) else {
+        return false;
+    };
+    let x = node.inputs[0];
+    let space = &g.ty(g.node(last).outputs[0]).shape;
+    let mut all = members.to_vec();
+    all.push(s);
+    s > last
+        && members.iter().all(|&m| is_pointwise(g, m))
+        && members.contains(&g.value(x).producer)
+        && g.ty(x).dtype.is_float()
+        && &g.ty(x).shape == space
+        && runs_at_last_member(g, users, &all)
+}
+
+/// Whether `n` may end a pointwise unit (a cast to FP8, or the scale of one).
+pub fn is_fp8_tail(g: &Graph, n: Node) -> bool {
+    matches!(g.node(n).op, Op::Quantize { .. } | Op::Fp8Scale { .. })
+}
+
+/// Whether `tail` can end the pointwise unit `members` (see [`quantize_tail_ok`] and
+/// [`scale_tail_ok`]).
+pub fn fp8_tail_ok(g: &Graph, users: &[Vec<Node>], members: &[Node], tail: Node) -> bool {
+    quantize_tail_ok(g, users, members, tail) || scale_tail_ok(g, users, members, tail)
+}
+
 /// The members' values read outside the group or returned by the graph: the group's results.
 pub fn group_outputs(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> Vec<Value> {
     members
         .iter()
+        // A scale is the unit's amax, not one of its per-element results.
+        .filter(|&&m| !matches!(g.node(m).op, Op::Fp8Scale { .. }))
         .map(|&m| g.node(m).outputs[0])
         .filter(|v| {
             g.outputs().contains(v) || users[v.index()].iter().any(|u| !members.contains(u))

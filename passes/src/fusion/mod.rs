@@ -7,7 +7,8 @@
 //!   normalization's backward, absorbed by the norm kernels (taken out of their groups);
 //! - a cast to FP8 whose scale is known before the unit runs (delayed scaling's), ending the
 //!   pointwise unit that makes its operand ([`quantize_tail_ok`]): the kernel stores the FP8
-//!   values and the amax;
+//!   values and the amax; under current scaling the scale instead ([`scale_tail_ok`]): the
+//!   kernel stores the value and its amax, and a one-block kernel makes the scale;
 //! - AdamW/SGD/Lion updates sharing their scalars, one multi-tensor launch per batch.
 //!
 //! A training plan stores the units of both its graphs; executors read them back through
@@ -22,7 +23,8 @@ mod groups;
 
 pub use body::pointwise_body;
 pub use groups::{
-    fused_order, fusion_groups, group_inputs, group_outputs, is_pointwise, quantize_tail_ok,
+    fp8_tail_ok, fused_order, fusion_groups, group_inputs, group_outputs, is_fp8_tail,
+    is_pointwise, quantize_tail_ok, scale_tail_ok,
 };
 
 use castor_ir::{Graph, KernelUnit, Node, UnitKind};
@@ -36,7 +38,7 @@ pub fn kernel_units(g: &Graph, graph: &str) -> Vec<KernelUnit> {
     let users = g.users();
     let mut groups = fusion_groups(g);
     let norms = absorb::norm_units(g, &users, &mut groups);
-    quantize_tails(g, &users, &mut groups, &norms);
+    fp8_tails(g, &users, &mut groups, &norms);
     let batches = absorb::optimizer_batches(g, &users);
     let mut claimed = vec![false; g.num_nodes()];
     let mut units: Vec<(Vec<Node>, String, Option<UnitKind>)> = Vec::new();
@@ -91,10 +93,11 @@ pub fn kernel_units(g: &Graph, graph: &str) -> Vec<KernelUnit> {
         .collect()
 }
 
-/// Each `quantize` that can end the pointwise unit making its operand joins it (a lone
-/// pointwise node not in a norm unit becomes a unit of two with it), so the kernel writes the
-/// FP8 values and their amax instead of storing the operand for a cast to read back.
-fn quantize_tails(
+/// Each `quantize` or `fp8_scale` that can end the pointwise unit making its operand joins it
+/// (a lone pointwise node not in a norm unit becomes a unit of two with it), so the kernel
+/// writes the FP8 values and their amax (or the value's scale) instead of storing the value
+/// for a separate kernel to read back.
+fn fp8_tails(
     g: &Graph,
     users: &[Vec<Node>],
     groups: &mut Vec<Vec<Node>>,
@@ -102,19 +105,19 @@ fn quantize_tails(
 ) {
     let in_norm: std::collections::HashSet<Node> =
         norms.iter().flat_map(|(m, _)| m.iter().copied()).collect();
-    for (q, node) in g.nodes() {
-        if !matches!(node.op, castor_ir::Op::Quantize { .. }) {
+    for (t, node) in g.nodes() {
+        if !is_fp8_tail(g, t) {
             continue;
         }
         let producer = g.value(node.inputs[0]).producer;
         match groups.iter().position(|m| m.contains(&producer)) {
-            Some(gi) if quantize_tail_ok(g, users, &groups[gi], q) => groups[gi].push(q),
+            Some(gi) if fp8_tail_ok(g, users, &groups[gi], t) => groups[gi].push(t),
             Some(_) => {}
             None if is_pointwise(g, producer)
                 && !in_norm.contains(&producer)
-                && quantize_tail_ok(g, users, &[producer], q) =>
+                && fp8_tail_ok(g, users, &[producer], t) =>
             {
-                groups.push(vec![producer, q]);
+                groups.push(vec![producer, t]);
             }
             None => {}
         }
@@ -175,15 +178,18 @@ pub fn schedule(g: &Graph, units: Vec<KernelUnit>) -> Result<UnitSchedule, UnitE
         }
         let ok = match &unit.kind {
             UnitKind::Pointwise(body) => {
-                // A cast to FP8 may end the unit.
+                // A cast to FP8, or the scale of one, may end the unit.
                 let last = members[members.len() - 1];
-                let tail = matches!(g.node(last).op, castor_ir::Op::Quantize { .. });
+                let tail = is_fp8_tail(g, last);
                 let pointwise = if tail {
                     &members[..members.len() - 1]
                 } else {
                     &members[..]
                 };
-                let shape = &g.ty(g.node(last).outputs[0]).shape;
+                let Some(&space) = pointwise.last() else {
+                    return Err(bad("a unit of a cast alone".into()));
+                };
+                let shape = &g.ty(g.node(space).outputs[0]).shape;
                 let same = !pointwise.is_empty()
                     && pointwise
                         .iter()
@@ -191,10 +197,10 @@ pub fn schedule(g: &Graph, units: Vec<KernelUnit>) -> Result<UnitSchedule, UnitE
                 if !same {
                     return Err(bad("members are not pointwise nodes of one shape".into()));
                 }
-                if tail && !quantize_tail_ok(g, &users, pointwise, last) {
+                if tail && !fp8_tail_ok(g, &users, pointwise, last) {
                     return Err(bad(
-                        "its cast to FP8 does not cast a member's value by a scale made before \
-                         the unit"
+                        "its last member does not cast a member's value to FP8 by a scale made \
+                         before the unit, or take its scale"
                             .into(),
                     ));
                 }

@@ -10,7 +10,9 @@
 //! saturating nearest-even encoding, one byte per element, and where the body has an amax
 //! writes each block's largest magnitude of the cast's input to a partials buffer (an extra
 //! parameter before `n`, one float per block); the fp8 family's `fp8_amax_finalize` reduces
-//! them, as after the family's own `fp8_quantize`. The maximum is exact in any order, so the
+//! them, as after the family's own `fp8_quantize`. A unit that ends with an `fp8_scale` takes
+//! the same partials, and `fp8_scale_finalize` makes the scale of them, as after the family's
+//! `fp8_amax`. The maximum is exact in any order, so the
 //! result is the CPU twin's whatever the grid. These kernels take 8 elements at a time only as
 //! a thread's grid-stride steps: their stores are bytes.
 
@@ -19,6 +21,7 @@ use crate::cuda::kernel_id::KernelId;
 use crate::cuda::lower::ops::row_threads;
 use crate::cuda::lower::{grid_1d, Loc, LowerError, RunLowering};
 use crate::cuda::program::{Arg, Command, InputExtent, Launch};
+use castor_ir::fp8::Fp8Format;
 use castor_ir::{BinaryOp, DType, Graph, IndexMap, Node, PointwiseBody, Step, UnaryOp};
 use std::fmt::Write;
 
@@ -42,9 +45,11 @@ impl RunLowering<'_, '_> {
             .iter()
             .map(|o| value(&o.value))
             .collect::<Result<_, _>>()?;
+        let amax_value = body.amax.as_ref().map(|a| a.value.as_str());
         for &m in members {
             let v = g.node(m).outputs[0];
-            if !outputs.contains(&v) {
+            // A scale ending the unit is written by its finalizing kernel.
+            if !outputs.contains(&v) && amax_value != Some(g.name(v)) {
                 self.loc[v.index()] = Loc::InKernel;
             }
         }
@@ -105,22 +110,47 @@ impl RunLowering<'_, '_> {
             shared_bytes: 0,
             args,
         }));
-        if let (Some(amax), Some(partials)) = (&body.amax, partials) {
-            let a = value(&amax.value)?;
-            let out = self.out(a)?;
-            self.launch(
+        let (Some(amax), Some(partials)) = (&body.amax, partials) else {
+            return Ok(());
+        };
+        let a = value(&amax.value)?;
+        let out = self.out(a)?;
+        let threads = (row_threads(grid.0 as usize, 1024), 1, 1);
+        let count = ("count", Arg::I32(grid.0 as i32));
+        match amax.scale {
+            None => self.launch(
                 a,
                 KernelId::Fp8(Fp8Kernel::AmaxFinalize),
                 (1, 1, 1),
-                (row_threads(grid.0 as usize, 1024), 1, 1),
+                threads,
                 vec![
                     ("partials", Arg::Ptr(partials)),
-                    ("count", Arg::I32(grid.0 as i32)),
+                    count,
                     ("amax", Arg::Ptr(out)),
                 ],
-            )?;
+            ),
+            Some(scale) => {
+                let format = Fp8Format::of(scale.to)
+                    .ok_or_else(|| self.err(a, format!("{} is not an FP8 dtype", scale.to)))?;
+                self.launch(
+                    a,
+                    KernelId::Fp8(Fp8Kernel::ScaleFinalize),
+                    (1, 1, 1),
+                    threads,
+                    vec![
+                        ("partials", Arg::Ptr(partials)),
+                        count,
+                        ("largest", Arg::F64(f64::from(format.max()))),
+                        // The CPU twin's divisor, 2^margin in F64 (infinite past 2^1023).
+                        (
+                            "divisor",
+                            Arg::F64(2f64.powi(scale.margin.min(1024) as i32)),
+                        ),
+                        ("scale", Arg::Ptr(out)),
+                    ],
+                )
+            }
         }
-        Ok(())
     }
 }
 
