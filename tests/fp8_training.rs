@@ -564,6 +564,12 @@ fn weight_copies_are_cast_by_the_optimizer_step() {
         &["--train", "--precision", "fp8", "--grad-accum", "2"],
     );
     assert!(!reads_a_master(&full), "the micro step casts a master");
+    // The weights still count as parameters (the anatomy's bytes per parameter, 6N in MFU).
+    let bf16 = plan("llama_gqa", &["--train", "--precision", "bf16"]);
+    assert_eq!(
+        castor_passes::cost::param_count(&full),
+        castor_passes::cost::param_count(&bf16)
+    );
     let held = copies(&full);
     // q, k, v, o, gate, up, down of both layers: a copy and a scale each.
     assert_eq!(held.len(), 2 * 7 * 2, "{held:?}");

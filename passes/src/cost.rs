@@ -500,9 +500,9 @@ pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
     c
 }
 
-/// Parameters of a plan: every `param` of its micro step (tied weights once), and the
-/// masters a data-parallel rank keeps a shard of, which the micro step reads only through
-/// their working copies.
+/// Parameters of a plan: every `param` of its micro step (tied weights once), the masters a
+/// data-parallel rank keeps a shard of, which the micro step reads only through their working
+/// copies, and the weights it reads only as FP8 copies.
 pub fn param_count(plan: &TrainingPlan) -> u64 {
     let g = &plan.micro_step;
     let read = g
@@ -516,7 +516,23 @@ pub fn param_count(plan: &TrainingPlan) -> u64 {
         .filter_map(|s| s.shard_of.as_ref())
         .map(|t| t.shape.numel().unwrap_or(0) as u64)
         .sum::<u64>();
-    read + sharded
+    // Weights the micro step reads only as their FP8 copies (state, not parameters).
+    let fp8 = plan
+        .state
+        .iter()
+        .filter(|s| {
+            matches!(
+                &s.init,
+                castor_ir::StateInit::Fp8CopyOf {
+                    master,
+                    part: castor_ir::Fp8Part::Values,
+                    ..
+                } if g.lookup(master).is_none()
+            )
+        })
+        .map(|s| s.ty.shape.numel().unwrap_or(0) as u64)
+        .sum::<u64>();
+    read + sharded + fp8
 }
 
 /// 6N + 6·L·C·T: training FLOPs per token by the llm.c convention (attention products
