@@ -53,7 +53,7 @@ impl RunLowering<'_, '_> {
     /// True when writing `v` straight into `state`'s slot cannot change what any reader of
     /// the old state value sees: no reader after `v`'s unit, and within the unit only
     /// element-for-element readers (pointwise kernels over the same shape, the optimizer and
-    /// step kernels, which are written for in-place updates).
+    /// step kernels and `fp8_amax_history`, which are written for in-place updates).
     pub(crate) fn in_place_is_safe(&self, v: Value, state: &str) -> bool {
         let g = self.g;
         let Some(old) = g.lookup(state) else {
@@ -70,7 +70,7 @@ impl RunLowering<'_, '_> {
             }
             let node = g.node(u);
             match node.op {
-                Op::CountStep | Op::LossScaleUpdate { .. } => true,
+                Op::CountStep | Op::LossScaleUpdate { .. } | Op::AmaxHistory { .. } => true,
                 _ if node.op.updates_parameter() => true,
                 _ => fusion::is_pointwise(g, u) && g.ty(old).shape == g.ty(node.outputs[0]).shape,
             }
