@@ -88,21 +88,13 @@ pub(super) fn runs_at_last_member(g: &Graph, users: &[Vec<Node>], members: &[Nod
 /// whole value does), and the unit with `q` can run where `q` stands.
 pub fn quantize_tail_ok(g: &Graph, users: &[Vec<Node>], members: &[Node], q: Node) -> bool {
     let node = g.node(q);
-    let (Op::Quantize { .. }, Some(&last)) = (&node.op, members.last()) else {
+    let Op::Quantize { .. } = node.op else {
         return false;
     };
-    let (x, scale) = (node.inputs[0], node.inputs[1]);
-    let space = &g.ty(g.node(last).outputs[0]).shape;
-    let mut all = members.to_vec();
-    all.push(q);
-    q > last
-        && members.iter().all(|&m| is_pointwise(g, m))
-        && members.contains(&g.value(x).producer)
-        && g.ty(x).dtype.is_float()
-        && &g.ty(x).shape == space
+    let scale = node.inputs[1];
+    ends_unit(g, users, members, q)
         && g.ty(scale).shape.numel() == Some(1)
         && !members.contains(&g.value(scale).producer)
-        && runs_at_last_member(g, users, &all)
 }
 
 /// `fp8_scale` node `s` can end the pointwise unit `members` (current scaling: the kernel that
@@ -110,15 +102,21 @@ pub fn quantize_tail_ok(g: &Graph, users: &[Vec<Node>], members: &[Node], q: Nod
 /// cast's own kernel is the only other read of the value): it reads a member's value, of the
 /// unit's iteration shape, and the unit with `s` can run where `s` stands.
 pub fn scale_tail_ok(g: &Graph, users: &[Vec<Node>], members: &[Node], s: Node) -> bool {
-    let node = g.node(s);
-    let (Op::Fp8Scale { .. }, Some(&last)) = (&node.op, members.last()) else {
+    matches!(g.node(s).op, Op::Fp8Scale { .. }) && ends_unit(g, users, members, s)
+}
+
+/// What every tail of a pointwise unit needs: `tail` comes after the pointwise `members`, its
+/// first operand is a float member value of the unit's iteration shape, and the unit with
+/// `tail` can run where `tail` stands.
+fn ends_unit(g: &Graph, users: &[Vec<Node>], members: &[Node], tail: Node) -> bool {
+    let Some(&last) = members.last() else {
         return false;
     };
-    let x = node.inputs[0];
+    let x = g.node(tail).inputs[0];
     let space = &g.ty(g.node(last).outputs[0]).shape;
     let mut all = members.to_vec();
-    all.push(s);
-    s > last
+    all.push(tail);
+    tail > last
         && members.iter().all(|&m| is_pointwise(g, m))
         && members.contains(&g.value(x).producer)
         && g.ty(x).dtype.is_float()
