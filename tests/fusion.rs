@@ -1,4 +1,4 @@
-//! The fusion pass on every model family under bf16 and fp16 training plans:
+//! The fusion pass on every model family under bf16, fp16, fp8 and fp8:delayed training plans:
 //! - the plan's kernel units are what runs: the CUDA lowering prints one generated kernel per
 //!   pointwise unit with outputs (each distinct body once), and every one compiles with NVRTC
 //!   13.0 to PTX for sm_90 (with no GPU; skipped with a message when NVRTC is absent, except
@@ -145,7 +145,7 @@ fn a_unit_that_misstates_its_body_is_refused() {
 #[test]
 fn fused_order_is_bit_identical() {
     for variant in FAMILIES {
-        for precision in ["bf16", "fp16"] {
+        for precision in ["bf16", "fp16", "fp8", "fp8:delayed"] {
             let (model, plan) = plan(variant, precision);
             let g = &plan.micro_step;
             // Every unit of the plan (pointwise, norm), its members run back to back.
@@ -164,11 +164,18 @@ fn fused_order_is_bit_identical() {
                 castor_ir::Shape::scalar(),
                 vec![if precision == "fp16" { 1024.0 } else { 1.0 }],
             );
+            // The plan's state as a run starts it (FP8 weight copies, delayed scales).
+            let runner =
+                castor_runtime::PlanRunner::new(plan.clone(), &|n| params.get(n).cloned()).unwrap();
             let loss_scale = castor_ir::ControlState::LossScale.name();
             let bind = |name: &str| match name {
                 "labels" => Some(&ids),
                 _ if name == loss_scale => Some(&scale),
-                _ => batch.tensors.get(name).or_else(|| params.get(name)),
+                _ => batch
+                    .tensors
+                    .get(name)
+                    .or_else(|| params.get(name))
+                    .or_else(|| runner.state(name)),
             };
             let a = CpuExecutor::new().run(g, &bind).unwrap();
             let b = CpuExecutor::new().run(&fused, &bind).unwrap();
@@ -182,7 +189,7 @@ fn fused_order_is_bit_identical() {
 
 #[test]
 fn fusion_decisions() {
-    for precision in ["bf16", "fp16"] {
+    for precision in ["bf16", "fp16", "fp8", "fp8:delayed"] {
         let mut out = String::new();
         for variant in FAMILIES {
             let (_, plan) = plan(variant, precision);
@@ -208,7 +215,7 @@ fn fusion_decisions() {
                 );
             }
         }
-        insta::assert_snapshot!(format!("fusion_{precision}"), out);
+        insta::assert_snapshot!(format!("fusion_{}", precision.replace(':', "_")), out);
     }
 }
 
@@ -327,5 +334,118 @@ fn delayed_fp8_casts_end_the_units_that_make_their_operands() {
             want_backward > 0,
             "{variant}"
         );
+    }
+}
+
+/// The FP8 cast of a norm's output ends the norm's unit (`norm_fp8`), with the residual add
+/// in front where the norm has one: under `fp8:delayed` the norm kernel writes the E4M3 values
+/// and their amax (reduced by `fp8_amax_finalize`) and does not store the 16-bit output, which
+/// only the cast read; under `fp8` it stores the output and its partial maxima, and
+/// `fp8_scale_finalize` makes the scale the separate cast reads. Every layer's two norms (the
+/// attention's and the MLP's input) do so in LLaMA (RMSNorm) and GPT-2 (LayerNorm); the final
+/// norm, which the BF16 LM head reads, does not. The emulated plans of
+/// `tests/cuda_emulated.rs` check the values.
+#[test]
+fn fp8_casts_of_norm_outputs_end_the_norm_units() {
+    use castor_runtime::cuda::program::Arg;
+    for variant in ["llama_gqa", "gpt2_lm"] {
+        for (precision, tail) in [("fp8:delayed", ".x_fp8"), ("fp8", ".x_scale")] {
+            let case = format!("{variant} {precision}");
+            let plan = plan_at(variant, precision, 8).1;
+            let units: Vec<&castor_ir::KernelUnit> = plan
+                .kernel_units
+                .iter()
+                .filter(|u| u.kind == UnitKind::NormFp8)
+                .collect();
+            assert_eq!(units.len(), 4, "{case}: {units:?}");
+            for u in &units {
+                let last = u.members.last().unwrap();
+                assert!(last.ends_with(tail), "{case}: {u}");
+            }
+            let norms: Vec<&str> = units
+                .iter()
+                .map(|u| u.members[u.members.len() - 2].as_str())
+                .collect();
+            let program = lower_plan(&plan).unwrap();
+            let launches: Vec<_> = program
+                .runs
+                .iter()
+                .flat_map(|r| &r.commands)
+                .filter_map(|c| match c {
+                    Command::Launch(l) => Some(l),
+                    _ => None,
+                })
+                .collect();
+            let fused: Vec<_> = launches
+                .iter()
+                .filter(|l| l.entry.contains("_fwd_fp8_"))
+                .collect();
+            assert_eq!(fused.len(), 4, "{case}");
+            for l in &fused {
+                assert!(norms.contains(&l.node.as_str()), "{case}: {}", l.node);
+                let names = castor_runtime::cuda::families::signature(&l.entry)
+                    .unwrap()
+                    .names();
+                let arg = |name: &str| &l.args[names.iter().position(|n| *n == name).unwrap()];
+                let delayed = precision == "fp8:delayed";
+                assert_eq!(
+                    matches!(arg("y"), Arg::Null),
+                    delayed,
+                    "{case}: {} stores its 16-bit output",
+                    l.node
+                );
+                assert_eq!(
+                    matches!(arg("q"), Arg::Null),
+                    !delayed,
+                    "{case}: {}",
+                    l.node
+                );
+            }
+            // Each unit's tail runs in the norm kernel (no cast or amax kernel of its own), and
+            // one finalizing kernel reduces the partial maxima: into the cast's amax (which
+            // the history reads) or the scale.
+            let (separate, finalize) = if precision == "fp8:delayed" {
+                ("fp8_quantize_", "fp8_amax_finalize")
+            } else {
+                ("fp8_amax_", "fp8_scale_finalize")
+            };
+            if case == "llama_gqa fp8:delayed" {
+                // A plan file whose norm unit ends with a cast of another value is refused.
+                let mut bad = plan.clone();
+                let unit = bad
+                    .kernel_units
+                    .iter_mut()
+                    .find(|u| u.kind == UnitKind::NormFp8)
+                    .unwrap();
+                *unit.members.last_mut().unwrap() = "layers.0.self_attn.o_proj.x_fp8".into();
+                let name = unit.name.clone();
+                let e = lower_plan(&TrainingPlan::from_json(&bad.to_json()).unwrap())
+                    .unwrap_err()
+                    .to_string();
+                assert!(
+                    e.contains(&format!("kernel unit `{name}`"))
+                        && e.contains("cannot run as one norm_fp8 unit"),
+                    "{e}"
+                );
+            }
+            for u in &units {
+                let tail = u.members.last().unwrap();
+                let reduced = tail.replace(".x_fp8", ".x_amax");
+                assert!(
+                    !launches
+                        .iter()
+                        .any(|l| l.entry.starts_with(separate) && &l.node == tail),
+                    "{case}: {tail} has a kernel of its own"
+                );
+                assert_eq!(
+                    launches
+                        .iter()
+                        .filter(|l| l.entry == finalize && l.node == reduced)
+                        .count(),
+                    1,
+                    "{case}: {reduced}"
+                );
+            }
+        }
     }
 }

@@ -3,8 +3,9 @@
 //! The fusion pass (`castor_passes::fusion`) decides which nodes of a graph run together, and
 //! a [`KernelUnit`] records each decision: a pointwise group with its typed body, a
 //! normalization with the residual add it absorbs in front ([`UnitKind::NormPrologue`]) or the
-//! gradient add (and the sum's cast) it absorbs behind ([`UnitKind::NormEpilogue`]), or a batch of optimizer
-//! updates that share their scalars. A unit runs where its last member stands. Nodes in no
+//! gradient add (and the sum's cast) it absorbs behind ([`UnitKind::NormEpilogue`]), a
+//! normalization that also makes its output's FP8 cast or scale ([`UnitKind::NormFp8`]), or a
+//! batch of optimizer updates that share their scalars. A unit runs where its last member stands. Nodes in no
 //! unit run as one kernel (or product, or copy) each. Executors read the units; none decides
 //! fusion again, so what a plan says is fused is exactly what runs.
 //!
@@ -45,6 +46,12 @@ pub enum UnitKind {
     /// gradient to its input gradient before it stores, and writes the sum's cast to the
     /// output gradient's 16-bit dtype beside it.
     NormEpilogue,
+    /// `[norm, tail]` or `[add, norm, tail]` (the add as in a prologue), where the tail is a
+    /// `quantize` of the norm's output to E4M3 by a scale made before the unit (delayed
+    /// scaling's) or the `fp8_scale` of the output (current scaling's): the norm kernel also
+    /// takes the output's amax and, for a `quantize`, writes its FP8 cast, storing the output
+    /// itself only where something outside the unit reads it.
+    NormFp8,
     /// AdamW, SGD or Lion nodes sharing their scalars: one multi-tensor launch.
     OptimizerBatch,
 }
@@ -55,6 +62,7 @@ impl UnitKind {
             UnitKind::Pointwise(_) => "pointwise",
             UnitKind::NormPrologue => "norm_prologue",
             UnitKind::NormEpilogue => "norm_epilogue",
+            UnitKind::NormFp8 => "norm_fp8",
             UnitKind::OptimizerBatch => "optimizer_batch",
         }
     }

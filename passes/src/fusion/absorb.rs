@@ -1,8 +1,8 @@
-//! Units beside the pointwise groups: normalizations that absorb a residual add, and batches
-//! of optimizer updates. Each rule is one predicate, used both to decide the units and to
-//! check the units a plan file brings.
+//! Units beside the pointwise groups: normalizations that absorb a residual add or end with
+//! their output's FP8 cast, and batches of optimizer updates. Each rule is one predicate, used
+//! both to decide the units and to check the units a plan file brings.
 
-use castor_ir::{BinaryOp, DType, Graph, Node, NodeData, Op, Value};
+use castor_ir::{BinaryOp, DType, Graph, Node, NodeData, Op, UnitKind, Value};
 use std::collections::HashSet;
 
 fn is_norm(op: &Op) -> bool {
@@ -15,6 +15,15 @@ fn is_norm_grad(op: &Op) -> bool {
 
 fn is_add(op: &Op) -> bool {
     matches!(op, Op::Binary(BinaryOp::Add))
+}
+
+/// The norm (or norm gradient) node of a norm unit's `members`, which names the unit.
+pub(super) fn norm_member(g: &Graph, members: &[Node]) -> Node {
+    members
+        .iter()
+        .copied()
+        .find(|&m| is_norm(&g.node(m).op) || is_norm_grad(&g.node(m).op))
+        .unwrap_or(members[0])
 }
 
 /// `[add, norm]` can be a norm prologue: `add` sums two operands of the norm input's dtype
@@ -89,15 +98,64 @@ fn low_copy(g: &Graph, users: &[Vec<Node>], grad: Node, add: Node) -> Option<Nod
         .find(|&c| low_copy_ok(g, users, g.node(grad), sum, c))
 }
 
+/// `members` (`[norm, tail]` or `[add, norm, tail]`) can be a [`UnitKind::NormFp8`] unit: the
+/// add, if any, is the norm's prologue; the tail reads the norm's output and is either its
+/// `quantize` to E4M3 (the format `norm.cu`'s FP8 kernels write, the forward's) by a scalar
+/// scale no member makes, or its `fp8_scale`; and nothing outside the unit reads what the
+/// members make before the tail, where the unit runs.
+pub(super) fn norm_fp8_ok(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> bool {
+    let (norm, tail) = match *members {
+        [norm, tail] => (norm, tail),
+        [add, norm, tail] if prologue_ok(g, users, add, norm) => (norm, tail),
+        _ => return false,
+    };
+    let nn = g.node(norm);
+    let tn = g.node(tail);
+    if !is_norm(&nn.op) || tn.inputs[0] != nn.outputs[0] || tail < norm {
+        return false;
+    }
+    let tail_ok = match tn.op {
+        Op::Quantize { to } => {
+            let scale = tn.inputs[1];
+            to == DType::F8E4M3
+                && g.ty(scale).shape.numel() == Some(1)
+                && !members.contains(&g.value(scale).producer)
+        }
+        Op::Fp8Scale { .. } => true,
+        _ => false,
+    };
+    tail_ok
+        && matches!(
+            g.ty(nn.outputs[0]).dtype,
+            DType::F32 | DType::F16 | DType::BF16
+        )
+        && super::groups::runs_at_last_member(g, users, members)
+}
+
+/// The FP8 tail that can end the norm unit `base` (`[norm]` or a prologue `[add, norm]`): the
+/// first reader of the norm's output that [`norm_fp8_ok`] takes.
+fn fp8_tail(g: &Graph, users: &[Vec<Node>], base: &[Node]) -> Option<Node> {
+    let norm = *base.last()?;
+    let y = g.node(norm).outputs[0];
+    users[y.index()].iter().copied().find(|&t| {
+        let mut members = base.to_vec();
+        members.push(t);
+        norm_fp8_ok(g, users, &members)
+    })
+}
+
 /// The norm prologues and epilogues of `g`, with each absorbed add taken out of its pointwise
 /// group in `groups` (an add is absorbed only when it reads nothing its group makes, so the
 /// rest of the group still runs where it did: its readers of the sum come after the add, so
 /// after the norm unit, and read the sum the norm kernel writes).
+///
+/// A forward norm (with its prologue, or alone) whose output's FP8 cast or scale can end it
+/// ([`norm_fp8_ok`]) becomes a [`UnitKind::NormFp8`] unit instead.
 pub(super) fn norm_units(
     g: &Graph,
     users: &[Vec<Node>],
     groups: &mut [Vec<Node>],
-) -> Vec<(Vec<Node>, bool)> {
+) -> Vec<(Vec<Node>, UnitKind)> {
     let mut out = Vec::new();
     let mut claimed = HashSet::new();
     let take = |add: Node, groups: &mut [Vec<Node>]| -> bool {
@@ -120,9 +178,21 @@ pub(super) fn norm_units(
     for (n, node) in g.nodes() {
         if is_norm(&node.op) {
             let p = g.value(node.inputs[0]).producer;
+            let mut members = vec![n];
             if prologue_ok(g, users, p, n) && !claimed.contains(&p) && take(p, groups) {
                 claimed.insert(p);
-                out.push((vec![p, n], true));
+                members.insert(0, p);
+            }
+            let tail = fp8_tail(g, users, &members);
+            let kind = match tail {
+                Some(t) => {
+                    members.push(t);
+                    UnitKind::NormFp8
+                }
+                None => UnitKind::NormPrologue,
+            };
+            if members.len() > 1 {
+                out.push((members, kind));
             }
         } else if is_norm_grad(&node.op) {
             let [e] = users[node.outputs[0].index()].as_slice() else {
@@ -140,7 +210,7 @@ pub(super) fn norm_units(
                     members.push(c);
                 }
             }
-            out.push((members, false));
+            out.push((members, UnitKind::NormEpilogue));
         }
     }
     out

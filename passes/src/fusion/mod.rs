@@ -5,6 +5,9 @@
 //!   generated kernel with a typed body ([`pointwise_body`]);
 //! - a residual add in front of a normalization, and the add of another gradient behind a
 //!   normalization's backward, absorbed by the norm kernels (taken out of their groups);
+//! - the FP8 cast of a normalization's output (delayed scaling's `quantize`) or its scale
+//!   (current scaling's `fp8_scale`), ending the norm's unit: the norm kernel writes the FP8
+//!   values (or the output) and the amax, and does not store an output only the cast reads;
 //! - a cast to FP8 whose scale is known before the unit runs (delayed scaling's), ending the
 //!   pointwise unit that makes its operand ([`quantize_tail_ok`]): the kernel stores the FP8
 //!   values and the amax; under current scaling the scale instead ([`scale_tail_ok`]): the
@@ -47,13 +50,8 @@ pub fn kernel_units(g: &Graph, graph: &str) -> Vec<KernelUnit> {
             units.push((members, format!("fused_{k}"), None));
         }
     }
-    for (members, prologue) in norms {
-        let at = if prologue { members[1] } else { members[0] };
-        let kind = if prologue {
-            UnitKind::NormPrologue
-        } else {
-            UnitKind::NormEpilogue
-        };
+    for (members, kind) in norms {
+        let at = absorb::norm_member(g, &members);
         units.push((members, format!("norm_{}", at.index()), Some(kind)));
     }
     for members in batches {
@@ -101,7 +99,7 @@ fn fp8_tails(
     g: &Graph,
     users: &[Vec<Node>],
     groups: &mut Vec<Vec<Node>>,
-    norms: &[(Vec<Node>, bool)],
+    norms: &[(Vec<Node>, UnitKind)],
 ) {
     let in_norm: std::collections::HashSet<Node> =
         norms.iter().flat_map(|(m, _)| m.iter().copied()).collect();
@@ -217,6 +215,7 @@ pub fn schedule(g: &Graph, units: Vec<KernelUnit>) -> Result<UnitSchedule, UnitE
             UnitKind::NormPrologue => {
                 members.len() == 2 && absorb::prologue_ok(g, &users, members[0], members[1])
             }
+            UnitKind::NormFp8 => absorb::norm_fp8_ok(g, &users, &members),
             UnitKind::NormEpilogue => {
                 (2..=3).contains(&members.len())
                     && absorb::epilogue_ok(

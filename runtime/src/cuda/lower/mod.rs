@@ -439,6 +439,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                         }
                         UnitKind::OptimizerBatch => self.optimizer(&members)?,
                         UnitKind::NormPrologue => self.norm_unit(members[1], Some(members[0]))?,
+                        UnitKind::NormFp8 => self.norm_fp8_unit(&members)?,
                         UnitKind::NormEpilogue => self.norm_grad_unit(
                             members[0],
                             Some((members[1], members.get(2).copied())),

@@ -40,6 +40,50 @@ impl RunLowering<'_, '_> {
         Ok((format, dtype))
     }
 
+    /// The one-block kernel that reduces `count` per-block maxima at `partials` into `v`: the
+    /// amax itself (`scale: None`), or the `fp8_scale` of it for format `to` with its margin.
+    /// The quantize and amax kernels, the fused pointwise units and the norms' FP8 tails all
+    /// end this way.
+    pub(crate) fn finish_amax(
+        &mut self,
+        v: Value,
+        partials: Place,
+        count: u32,
+        scale: Option<(DType, usize)>,
+    ) -> Result<(), LowerError> {
+        let out = self.out(v)?;
+        let threads = (row_threads(count as usize, 1024), 1, 1);
+        let mut args = vec![
+            ("partials", Arg::Ptr(partials)),
+            ("count", Arg::I32(count as i32)),
+        ];
+        let kernel = match scale {
+            None => {
+                args.push(("amax", Arg::Ptr(out)));
+                Kernel::AmaxFinalize
+            }
+            Some((to, margin)) => {
+                let format = Fp8Format::of(to)
+                    .ok_or_else(|| self.err(v, format!("{to} is not an FP8 dtype")))?;
+                args.extend([
+                    ("largest", Arg::F64(f64::from(format.max()))),
+                    // The CPU twin's divisor, 2^margin in F64 (infinite past 2^1023).
+                    ("divisor", Arg::F64(2f64.powi(margin.min(1024) as i32))),
+                    ("scale", Arg::Ptr(out)),
+                ]);
+                Kernel::ScaleFinalize
+            }
+        };
+        self.launch(v, KernelId::Fp8(kernel), (1, 1, 1), threads, args)
+    }
+
+    /// Whether something reads `v`, or the run returns or stores it.
+    pub(crate) fn is_read(&self, v: Value) -> bool {
+        !self.users[v.index()].is_empty()
+            || self.g.outputs().contains(&v)
+            || self.stored.contains_key(self.g.name(v))
+    }
+
     pub(crate) fn fp8_scale(&mut self, n: Node) -> Result<(), LowerError> {
         let g = self.g;
         let node = g.node(n);
@@ -47,7 +91,7 @@ impl RunLowering<'_, '_> {
         let Op::Fp8Scale { to, margin } = node.op else {
             return Err(self.err(y, "not an fp8_scale node"));
         };
-        let (format, dtype) = self.fp8_operands(y, x, to)?;
+        let (_, dtype) = self.fp8_operands(y, x, to)?;
         let count = g.ty(x).shape.numel().unwrap_or(0);
         let grid = amax_grid(count);
         let partials = self.scratch(u64::from(grid.0) * 4);
@@ -63,22 +107,7 @@ impl RunLowering<'_, '_> {
                 ("partials", Arg::Ptr(partials)),
             ],
         )?;
-        let out = self.out(y)?;
-        // The CPU twin's divisor, 2^margin in F64 (infinite past 2^1023).
-        let divisor = 2f64.powi(margin.min(1024) as i32);
-        self.launch(
-            y,
-            KernelId::Fp8(Kernel::ScaleFinalize),
-            (1, 1, 1),
-            (row_threads(grid.0 as usize, 1024), 1, 1),
-            vec![
-                ("partials", Arg::Ptr(partials)),
-                ("count", Arg::I32(grid.0 as i32)),
-                ("largest", Arg::F64(f64::from(format.max()))),
-                ("divisor", Arg::F64(divisor)),
-                ("scale", Arg::Ptr(out)),
-            ],
-        )
+        self.finish_amax(y, partials, grid.0, Some((to, margin)))
     }
 
     pub(crate) fn quantize(&mut self, n: Node) -> Result<(), LowerError> {
@@ -93,10 +122,9 @@ impl RunLowering<'_, '_> {
         let count = g.ty(x).shape.numel().unwrap_or(0);
         let grid = amax_grid(count);
         // The amax only where something reads it (delayed scaling records it).
-        let read = !self.users[amax.index()].is_empty()
-            || g.outputs().contains(&amax)
-            || self.stored.contains_key(g.name(amax));
-        let partials = read.then(|| self.scratch(u64::from(grid.0) * 4));
+        let partials = self
+            .is_read(amax)
+            .then(|| self.scratch(u64::from(grid.0) * 4));
         let (px, ps, pq) = (self.at(x)?, self.at(scale)?, self.out(q)?);
         self.launch(
             q,
@@ -111,21 +139,10 @@ impl RunLowering<'_, '_> {
                 ("partials", partials.map_or(Arg::Null, Arg::Ptr)),
             ],
         )?;
-        let Some(partials) = partials else {
-            return Ok(());
-        };
-        let out = self.out(amax)?;
-        self.launch(
-            amax,
-            KernelId::Fp8(Kernel::AmaxFinalize),
-            (1, 1, 1),
-            (row_threads(grid.0 as usize, 1024), 1, 1),
-            vec![
-                ("partials", Arg::Ptr(partials)),
-                ("count", Arg::I32(grid.0 as i32)),
-                ("amax", Arg::Ptr(out)),
-            ],
-        )
+        match partials {
+            Some(p) => self.finish_amax(amax, p, grid.0, None),
+            None => Ok(()),
+        }
     }
 
     /// One step of delayed scaling: one thread shifts the history and computes the next

@@ -17,7 +17,8 @@ pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
             input,
             output,
         } => match pass {
-            Pass::Forward => norm_fwd(m, l, rms, input, output),
+            Pass::Forward => norm_fwd(m, l, rms, input, output, false),
+            Pass::ForwardFp8 => norm_fwd(m, l, rms, input, output, true),
             Pass::Backward => norm_bwd(m, l, rms, input, output),
             Pass::BackwardWeight => norm_bwd_weight(m, l, rms, input, output),
         },
@@ -25,7 +26,16 @@ pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
     }
 }
 
-pub(crate) fn norm_fwd(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DType) -> R<Vec<Use>> {
+/// A forward launch; `fp8`: the `*_fwd_fp8` kernels, which always normalize (`y` may be null)
+/// and write the output's amax partials (one float per block) and, with a scale, its E4M3 cast.
+pub(crate) fn norm_fwd(
+    m: &Mem,
+    l: &Launch,
+    rms: bool,
+    ti: DType,
+    to: DType,
+    fp8: bool,
+) -> R<Vec<Use>> {
     row_block(l)?;
     let mut a = Args::new(l);
     let x = a.need(m, "x")?;
@@ -36,31 +46,46 @@ pub(crate) fn norm_fwd(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DType) -> 
     let y = a.ptr(m, "y")?;
     let mean_out = if rms { None } else { a.ptr(m, "mean_out")? };
     let rstd_out = a.ptr(m, "rstd_out")?;
+    let (scale, q, partials) = if fp8 {
+        (a.ptr(m, "scale")?, a.ptr(m, "q")?, Some(a.need(m, "partials")?))
+    } else {
+        (None, None, None)
+    };
     let rows = a.count("rows")?;
     let h = a.count32("h")?;
     a.f64("eps")?;
     a.end()?;
-    // A null `y` computes the statistics only and reads neither `w` nor `b`; a LayerNorm that
-    // normalizes reads its bias, which must then exist.
-    if y.is_some() && !rms && b.is_none() {
-        return Err(
-            "argument `b` is null, but the kernel normalizes (`y` is set) and reads it".into(),
-        );
+    // A null `y` computes the statistics only (except under FP8, which always normalizes) and
+    // reads neither `w` nor `b`; a LayerNorm that normalizes reads its bias, which must then
+    // exist.
+    let normalizes = fp8 || y.is_some();
+    if normalizes && !rms && b.is_none() {
+        return Err("argument `b` is null, but the kernel normalizes and reads it".into());
     }
-    let normalizes = |p: Option<Ptr>| if y.is_some() { p } else { None };
+    if q.is_some() != scale.is_some() {
+        return Err("arguments `q` and `scale`: the cast needs both or neither".into());
+    }
+    let normalized = |p: Option<Ptr>| if normalizes { p } else { None };
     let (si, so) = (ti.size_bytes(), to.size_bytes());
     let big = |s: usize| (rows * h * s) as u64;
+    let blocks = u64::from(l.grid.0);
+    if fp8 && (l.grid.1, l.grid.2) != (1, 1) {
+        return Err(format!("grid {:?}: the kernel takes a 1-D grid", l.grid));
+    }
     checked(
         m,
         vec![
             use_("x", Some(x), big(si), si, Io::R),
             use_("res", res, big(si), si, Io::R),
             use_("sum_out", sum_out, big(si), si, Io::W),
-            use_("w", normalizes(Some(w)), h as u64 * 4, 4, Io::R),
-            use_("b", normalizes(b), h as u64 * 4, 4, Io::R),
+            use_("w", normalized(Some(w)), h as u64 * 4, 4, Io::R),
+            use_("b", normalized(b), h as u64 * 4, 4, Io::R),
             use_("y", y, big(so), so, Io::W),
             use_("mean_out", mean_out, rows as u64 * 4, 4, Io::W),
             use_("rstd_out", rstd_out, rows as u64 * 4, 4, Io::W),
+            use_("scale", scale, 4, 4, Io::R),
+            use_("q", q, big(1), 1, Io::W),
+            use_("partials", partials, blocks * 4, 4, Io::W),
         ],
         &[("y", "x"), ("y", "sum_out"), ("sum_out", "x")],
     )

@@ -1,5 +1,6 @@
-//! Layer and RMS norms: `norm.cu`'s forward (with a fused residual add), statistics-only
-//! recomputation, and backward with its weight-gradient reduction.
+//! Layer and RMS norms: `norm.cu`'s forward (with a fused residual add, and with the FP8 cast
+//! or scale of its output fused behind), statistics-only recomputation, and backward with its
+//! weight-gradient reduction.
 use super::{Kernel, Pass};
 use crate::cuda::program::Arg;
 use crate::cuda::lower::ops::{row_threads, BLOCK, ROW_BLOCK};
@@ -38,7 +39,30 @@ impl RunLowering<'_, '_> {
             _ => return Err(self.err(node.outputs[0], "not a norm")),
         };
         let ins = node.inputs.clone();
-        self.norm(node.outputs[0], &ins, rms, eps, prologue)
+        self.norm(node.outputs[0], &ins, rms, eps, prologue, None)
+    }
+
+    /// A [`castor_ir::UnitKind::NormFp8`] unit, `[norm, tail]` or `[add, norm, tail]`: the
+    /// forward's `*_fwd_fp8` kernel takes the output's amax per block and, for a `quantize`
+    /// tail, writes its E4M3 cast; then `fp8_amax_finalize` makes the cast's amax (where it is
+    /// read) or `fp8_scale_finalize` the scale.
+    pub(crate) fn norm_fp8_unit(&mut self, members: &[Node]) -> Result<(), LowerError> {
+        let (prologue, n, tail) = match *members {
+            [n, tail] => (None, n, tail),
+            [add, n, tail] => (Some(add), n, tail),
+            _ => {
+                let v = self.g.node(members[0]).outputs[0];
+                return Err(self.err(v, "a norm_fp8 unit has two or three members"));
+            }
+        };
+        let node = self.g.node(n);
+        let (rms, eps) = match node.op {
+            Op::LayerNorm { eps } => (false, eps),
+            Op::RmsNorm { eps } => (true, eps),
+            _ => return Err(self.err(node.outputs[0], "not a norm")),
+        };
+        let ins = node.inputs.clone();
+        self.norm(node.outputs[0], &ins, rms, eps, prologue, Some(tail))
     }
 
     /// A norm-gradient node, with the add of another gradient to its input gradient when
@@ -67,6 +91,7 @@ impl RunLowering<'_, '_> {
         rms: bool,
         eps: f64,
         prologue: Option<Node>,
+        fp8_tail: Option<Node>,
     ) -> Result<(), LowerError> {
         let g = self.g;
         let x = ins[0];
@@ -105,13 +130,26 @@ impl RunLowering<'_, '_> {
             None => (self.at(x)?, Arg::Null, Arg::Null),
         };
         let w = self.at(ins[1])?;
-        let out = self.out(y)?;
+        // Under an FP8 tail the output is stored only where something outside the unit reads
+        // it (current scaling's cast does; delayed scaling's products read only the cast).
+        let out = match fp8_tail {
+            Some(t)
+                if self.users[y.index()].as_slice() == [t]
+                    && !g.outputs().contains(&y)
+                    && !self.stored.contains_key(g.name(y)) =>
+            {
+                self.loc[y.index()] = crate::cuda::lower::Loc::InKernel;
+                Arg::Null
+            }
+            _ => Arg::Ptr(self.out(y)?),
+        };
+        let grid = grid_rows(rows);
         let mut args = vec![
             ("x", Arg::Ptr(xp)),
             ("res", res),
             ("sum_out", sum_out),
             ("w", Arg::Ptr(w)),
-            ("y", Arg::Ptr(out)),
+            ("y", out),
             ("rstd_out", Arg::Ptr(rstd)),
             ("rows", Arg::I64(rows as i64)),
             ("h", Arg::I32(h as i32)),
@@ -121,18 +159,77 @@ impl RunLowering<'_, '_> {
             let b = self.at(ins[2])?;
             args.extend([("b", Arg::Ptr(b)), ("mean_out", Arg::Ptr(m))]);
         }
+        let partials = match fp8_tail {
+            Some(t) => {
+                let partials = self.scratch(u64::from(grid.0) * 4);
+                args.extend(self.fp8_tail_args(t, partials)?);
+                Some(partials)
+            }
+            None => None,
+        };
         self.launch(
             y,
             KernelId::Norm(Kernel::Norm {
                 rms,
-                pass: Pass::Forward,
+                pass: if fp8_tail.is_some() {
+                    Pass::ForwardFp8
+                } else {
+                    Pass::Forward
+                },
                 input: g.ty(x).dtype,
                 output: g.ty(y).dtype,
             }),
-            grid_rows(rows),
+            grid,
             (norm_block(h), 1, 1),
             args,
-        )
+        )?;
+        match (fp8_tail, partials) {
+            (Some(t), Some(p)) => self.fp8_tail_finalize(t, p, grid.0),
+            _ => Ok(()),
+        }
+    }
+
+    /// The `scale`, `q` and `partials` arguments of a `*_fwd_fp8` launch for its tail: a
+    /// `quantize`'s scale and FP8 output, or none for an `fp8_scale` (the amax alone).
+    fn fp8_tail_args(
+        &mut self,
+        tail: Node,
+        partials: crate::cuda::program::Place,
+    ) -> Result<Vec<(&'static str, Arg)>, LowerError> {
+        let node = self.g.node(tail);
+        let (scale, q) = match node.op {
+            Op::Quantize { .. } => {
+                let (s, q) = (node.inputs[1], node.outputs[0]);
+                (Arg::Ptr(self.at(s)?), Arg::Ptr(self.out(q)?))
+            }
+            _ => (Arg::Null, Arg::Null),
+        };
+        Ok(vec![
+            ("scale", scale),
+            ("q", q),
+            ("partials", Arg::Ptr(partials)),
+        ])
+    }
+
+    /// What the tail makes of the `count` partial maxima: a `quantize`'s amax where something
+    /// reads it, or an `fp8_scale`'s scale.
+    fn fp8_tail_finalize(
+        &mut self,
+        tail: Node,
+        partials: crate::cuda::program::Place,
+        count: u32,
+    ) -> Result<(), LowerError> {
+        let node = self.g.node(tail);
+        match node.op {
+            Op::Quantize { .. } if self.is_read(node.outputs[1]) => {
+                self.finish_amax(node.outputs[1], partials, count, None)
+            }
+            Op::Quantize { .. } => Ok(()),
+            Op::Fp8Scale { to, margin } => {
+                self.finish_amax(node.outputs[0], partials, count, Some((to, margin)))
+            }
+            _ => Err(self.err(node.outputs[0], "not an FP8 tail of a norm")),
+        }
     }
 
     /// Saved statistics of the forward `(x, weight)`, or recomputed by a forward launch into

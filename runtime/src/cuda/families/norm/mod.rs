@@ -1,4 +1,5 @@
-//! `norm.cu`: layer and RMS norm, forward and backward, and the weight-gradient reduction.
+//! `norm.cu`: layer and RMS norm, forward (alone, or with its output's FP8 cast and amax fused
+//! behind) and backward, and the weight-gradient reduction.
 //!
 //! The family: `norm.cu` (sources, entry points below); `lower.rs` (its launches in a CUDA
 //! program); `contract.rs` (what the emulator lets each launch read and write); `tests.rs` (the
@@ -41,6 +42,13 @@ pub const FILES: &[KernelFile] = &[
             "layer_norm_fwd_f32",
             "layer_norm_fwd_f32_bf16",
             "layer_norm_fwd_f32_f16",
+            "layer_norm_fwd_fp8_bf16",
+            "layer_norm_fwd_fp8_bf16_f32",
+            "layer_norm_fwd_fp8_f16",
+            "layer_norm_fwd_fp8_f16_f32",
+            "layer_norm_fwd_fp8_f32",
+            "layer_norm_fwd_fp8_f32_bf16",
+            "layer_norm_fwd_fp8_f32_f16",
             "norm_weight_grad_reduce",
             "rms_norm_bwd_bf16",
             "rms_norm_bwd_bf16_f32",
@@ -63,6 +71,13 @@ pub const FILES: &[KernelFile] = &[
             "rms_norm_fwd_f32",
             "rms_norm_fwd_f32_bf16",
             "rms_norm_fwd_f32_f16",
+            "rms_norm_fwd_fp8_bf16",
+            "rms_norm_fwd_fp8_bf16_f32",
+            "rms_norm_fwd_fp8_f16",
+            "rms_norm_fwd_fp8_f16_f32",
+            "rms_norm_fwd_fp8_f32",
+            "rms_norm_fwd_fp8_f32_bf16",
+            "rms_norm_fwd_fp8_f32_f16",
         ],
     },
 ];
@@ -85,6 +100,8 @@ pub enum Kernel {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Pass {
     Forward,
+    /// The forward with its output's amax, and its E4M3 cast, fused behind.
+    ForwardFp8,
     /// The input's gradient.
     Backward,
     /// The weight's (and bias's) gradient partials.
@@ -104,6 +121,7 @@ impl Kernel {
                 let kind = if rms { "rms_norm" } else { "layer_norm" };
                 let pass = match pass {
                     Pass::Forward => "fwd",
+                    Pass::ForwardFp8 => "fwd_fp8",
                     Pass::Backward => "bwd",
                     Pass::BackwardWeight => "bwd_weight",
                 };
@@ -118,7 +136,12 @@ impl Kernel {
         let mut ids = vec![Kernel::WeightGradReduce];
         for (input, output) in float_pairs() {
             for rms in [false, true] {
-                for pass in [Pass::Forward, Pass::Backward, Pass::BackwardWeight] {
+                for pass in [
+                    Pass::Forward,
+                    Pass::ForwardFp8,
+                    Pass::Backward,
+                    Pass::BackwardWeight,
+                ] {
                     ids.push(Kernel::Norm {
                         rms,
                         pass,

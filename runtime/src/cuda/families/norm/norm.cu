@@ -11,6 +11,17 @@
 //     mean_out / rstd_out: F32 per row (nullable), saved for the backward.
 //     y (nullable): when null, only the statistics are computed (a backward recomputing
 //     them): the normalize pass is skipped and w and b are not read (b may be null then).
+// Forward with the FP8 cast of its output fused behind (a norm unit ending with `quantize` or
+// `fp8_scale`, under `--precision fp8`):
+//   layer_norm_fwd_fp8_<io>(x, res, sum_out, w, b, y, mean_out, rstd_out, scale, q, partials,
+//                           rows, h, eps)
+//   rms_norm_fwd_fp8_<io>  (x, res, sum_out, w, y, rstd_out, scale, q, partials, rows, h, eps)
+//     as the forward, always normalizing; y is stored only when not null. Of each output value
+//     as stored, o = TO(y):
+//     q (nullable, with scale): q[i] = the E4M3 byte nearest to the F32 product o * *scale
+//       (ties to even, saturating), as fp8.cu's fp8_quantize;
+//     partials: partials[blockIdx.x] = the NaN-propagating largest |o| over the block's rows,
+//       as fp8.cu's fp8_amax partials (fp8_amax_finalize or fp8_scale_finalize reduce them).
 // Backward, dx, one block per row:
 //   layer_norm_bwd_<io>(s, dy, w, mean, rstd, dadd, dx, dx_low, rows, h)
 //     g = dy * w, xhat = (s - mean) * rstd,
@@ -73,6 +84,31 @@ template <typename A> __device__ __forceinline__ A row_sum(A v, A* scratch) {
     return blockDim.x == 32 ? warp_sum(v) : block_sum(v, scratch);
 }
 
+// The FP8 tail of a forward (the *_fwd_fp8 kernels): the running largest magnitude of the
+// output as stored, and its E4M3 cast by the scale where `q` is set.
+template <typename TO> struct Fp8Tail {
+    float s;  // *scale, read once (0 when there is no cast)
+    float m = 0.0f;
+    bool nan = false;
+    // 8 outputs at q (8-byte aligned, nullable).
+    __device__ __forceinline__ void unit(unsigned char* q, const float (&v)[UNIT]) {
+        u64 packed = 0;
+#pragma unroll
+        for (int k = 0; k < UNIT; ++k) {
+            const float o = round_to<TO>(v[k]);
+            fold_abs(o, m, nan);
+            packed |= u64(E4M3::encode(o * s)) << (8 * k);
+        }
+        if (q) *reinterpret_cast<u64*>(q) = packed;
+    }
+    // One output at q (nullable).
+    __device__ __forceinline__ void one(unsigned char* q, float v) {
+        const float o = round_to<TO>(v);
+        fold_abs(o, m, nan);
+        if (q) *q = E4M3::encode(o * s);
+    }
+};
+
 // One row's input, possibly with the residual added: element j, or 8 elements at j.
 template <typename TI> struct RowIn {
     const TI* x;
@@ -94,11 +130,12 @@ template <typename TI> struct RowIn {
 
 // One row of the forward through registers (row_in_registers): thread tid holds units
 // tid + k blockDim.x, k < NORM_SLOTS, summed in the general loop's order.
-template <typename TI, typename TO, bool RMS>
+template <typename TI, typename TO, bool RMS, bool FP8>
 __device__ __forceinline__ void norm_fwd_regs(RowIn<TI> in, TI* s_out, const float* __restrict__ w,
                                               const float* __restrict__ b, TO* yr,
                                               float* mean_out, float* rstd_out, i64 row, int h,
-                                              double eps, double* scratch) {
+                                              double eps, double* scratch, Fp8Tail<TO>& tail,
+                                              unsigned char* qr) {
     const int tid = threadIdx.x, nt = blockDim.x, units = h / UNIT;
     float v[NORM_SLOTS][UNIT];
     double acc = 0.0;
@@ -136,7 +173,7 @@ __device__ __forceinline__ void norm_fwd_regs(RowIn<TI> in, TI* s_out, const flo
         if (mean_out) mean_out[row] = meanf;
         if (rstd_out) rstd_out[row] = rstd;
     }
-    if (!yr) return;
+    if (!FP8 && !yr) return;
 #pragma unroll
     for (int k = 0; k < NORM_SLOTS; ++k) {
         const int u = tid + k * nt;
@@ -148,32 +185,41 @@ __device__ __forceinline__ void norm_fwd_regs(RowIn<TI> in, TI* s_out, const flo
 #pragma unroll
             for (int e = 0; e < UNIT; ++e)
                 v[k][e] = RMS ? v[k][e] * rstd * wv[e] : (v[k][e] - meanf) * rstd * wv[e] + bv[e];
-            store8(yr + j, v[k]);
+            if (FP8) tail.unit(qr ? qr + j : nullptr, v[k]);
+            if (!FP8 || yr) store8(yr + j, v[k]);
         }
     }
 }
 
-template <typename TI, typename TO, bool RMS>
+// FP8: the *_fwd_fp8 kernels (always normalizing, y nullable), with the output's amax per
+// block into partials and its E4M3 cast into q where q is set.
+template <typename TI, typename TO, bool RMS, bool FP8>
 __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
                                          TI* sum_out, const float* __restrict__ w,
                                          const float* __restrict__ b, TO* y, float* mean_out,
-                                         float* rstd_out, i64 rows, int h, double eps) {
+                                         float* rstd_out, const float* scale, unsigned char* q,
+                                         float* partials, i64 rows, int h, double eps) {
     __shared__ double scratch[32];
+    __shared__ float amax_scratch[32];
     const int tid = threadIdx.x, nt = blockDim.x;
+    Fp8Tail<TO> tail{FP8 && q ? *scale : 0.0f};
+    const bool normalizes = FP8 || y;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const i64 off = row * h;
         RowIn<TI> in{x + off, res ? res + off : nullptr};
         TI* s_out = sum_out ? sum_out + off : nullptr;
         TO* yr = y ? y + off : nullptr;
+        unsigned char* qr = q ? q + off : nullptr;
         const bool vec = in.aligned() && (!s_out || aligned16(s_out)) &&
-                         (!y || (aligned16(yr) && aligned16(w) && (RMS || aligned16(b))));
+                         (!normalizes || (aligned16(w) && (RMS || aligned16(b)))) &&
+                         (!yr || aligned16(yr)) && (!qr || (reinterpret_cast<u64>(qr) & 7ull) == 0);
         if (row_in_registers(vec, h)) {
-            norm_fwd_regs<TI, TO, RMS>(in, s_out, w, b, yr, mean_out, rstd_out, row, h, eps,
-                                       scratch);
+            norm_fwd_regs<TI, TO, RMS, FP8>(in, s_out, w, b, yr, mean_out, rstd_out, row, h, eps,
+                                            scratch, tail, qr);
             continue;
         }
         const int units = vec ? h / UNIT : 0;
-        const int tail = units * UNIT;
+        const int rest = units * UNIT;
 
         // Pass 1: the sum (LN) or sum of squares (RMS), writing the residual sum.
         double acc = 0.0;
@@ -184,7 +230,7 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
 #pragma unroll
             for (int k = 0; k < UNIT; ++k) acc += RMS ? double(v[k]) * double(v[k]) : double(v[k]);
         }
-        for (int j = tail + tid; j < h; j += nt) {
+        for (int j = rest + tid; j < h; j += nt) {
             const float v = in.at(j);
             if (s_out) s_out[j] = from_f32<TI>(v);
             acc += RMS ? double(v) * double(v) : double(v);
@@ -206,7 +252,7 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
 #pragma unroll
                 for (int k = 0; k < UNIT; ++k) dev += (double(v[k]) - mean) * (double(v[k]) - mean);
             }
-            for (int j = tail + tid; j < h; j += nt) {
+            for (int j = rest + tid; j < h; j += nt) {
                 const double d = double(in.at(j)) - mean;
                 dev += d * d;
             }
@@ -218,7 +264,7 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
             if (mean_out) mean_out[row] = meanf;
             if (rstd_out) rstd_out[row] = rstd;
         }
-        if (!y) continue;
+        if (!normalizes) continue;
         // Pass 3: normalize.
         for (int u = tid; u < units; u += nt) {
             const int j = u * UNIT;
@@ -229,12 +275,19 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
 #pragma unroll
             for (int k = 0; k < UNIT; ++k)
                 v[k] = RMS ? v[k] * rstd * wv[k] : (v[k] - meanf) * rstd * wv[k] + bv[k];
-            store8(yr + j, v);
+            if (FP8) tail.unit(qr ? qr + j : nullptr, v);
+            if (!FP8 || yr) store8(yr + j, v);
         }
-        for (int j = tail + tid; j < h; j += nt) {
+        for (int j = rest + tid; j < h; j += nt) {
             const float v = in.at(j);
-            yr[j] = from_f32<TO>(RMS ? v * rstd * w[j] : (v - meanf) * rstd * w[j] + b[j]);
+            const float o = RMS ? v * rstd * w[j] : (v - meanf) * rstd * w[j] + b[j];
+            if (FP8) tail.one(qr ? qr + j : nullptr, o);
+            if (!FP8 || yr) yr[j] = from_f32<TO>(o);
         }
+    }
+    if (FP8) {
+        const float m = block_max(tail.nan ? F32_CANONICAL_NAN : tail.m, amax_scratch);
+        if (tid == 0) partials[blockIdx.x] = m;
     }
 }
 
@@ -463,13 +516,14 @@ extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ pa
     extern "C" __global__ void layer_norm_fwd_##io(                                            \
         const TI* x, const TI* res, TI* sum_out, const float* w, const float* b, TO* y,        \
         float* mean_out, float* rstd_out, i64 rows, int h, double eps) {                       \
-        norm_fwd<TI, TO, false>(x, res, sum_out, w, b, y, mean_out, rstd_out, rows, h, eps);   \
+        norm_fwd<TI, TO, false, false>(x, res, sum_out, w, b, y, mean_out, rstd_out, nullptr,  \
+                                       nullptr, nullptr, rows, h, eps);                        \
     }                                                                                          \
     extern "C" __global__ void rms_norm_fwd_##io(const TI* x, const TI* res, TI* sum_out,      \
                                                  const float* w, TO* y, float* rstd_out,       \
                                                  i64 rows, int h, double eps) {                \
-        norm_fwd<TI, TO, true>(x, res, sum_out, w, nullptr, y, nullptr, rstd_out, rows, h,     \
-                               eps);                                                           \
+        norm_fwd<TI, TO, true, false>(x, res, sum_out, w, nullptr, y, nullptr, rstd_out,       \
+                                      nullptr, nullptr, nullptr, rows, h, eps);                \
     }                                                                                          \
     extern "C" __global__ void layer_norm_bwd_##io(const TI* s, const TO* dy, const float* w,  \
                                                    const float* mean, const float* rstd,       \
@@ -496,3 +550,20 @@ extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ pa
     }
 
 CASTOR_FOR_EACH_IO(NORM)
+
+#define NORM_FP8(TI, TO, io)                                                                   \
+    extern "C" __global__ void layer_norm_fwd_fp8_##io(                                        \
+        const TI* x, const TI* res, TI* sum_out, const float* w, const float* b, TO* y,        \
+        float* mean_out, float* rstd_out, const float* scale, unsigned char* q,                \
+        float* partials, i64 rows, int h, double eps) {                                        \
+        norm_fwd<TI, TO, false, true>(x, res, sum_out, w, b, y, mean_out, rstd_out, scale, q,  \
+                                      partials, rows, h, eps);                                 \
+    }                                                                                          \
+    extern "C" __global__ void rms_norm_fwd_fp8_##io(                                          \
+        const TI* x, const TI* res, TI* sum_out, const float* w, TO* y, float* rstd_out,       \
+        const float* scale, unsigned char* q, float* partials, i64 rows, int h, double eps) {  \
+        norm_fwd<TI, TO, true, true>(x, res, sum_out, w, nullptr, y, nullptr, rstd_out, scale, \
+                                     q, partials, rows, h, eps);                               \
+    }
+
+CASTOR_FOR_EACH_IO(NORM_FP8)

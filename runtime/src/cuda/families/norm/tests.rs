@@ -1,7 +1,9 @@
 //! `norm.cu` against `cpu/norm.rs`: the header's rounding points are the twin's, with the F64
 //! row sums added in another order (a block tree here), so each result is within 1 ulp of the
 //! twin's; the residual sum is exact. Both of the kernels' paths: the general loop (rows off
-//! 16-byte alignment, or more units than 4 a thread) and the one-read path.
+//! 16-byte alignment, or more units than 4 a thread) and the one-read path. The forward with
+//! its FP8 tail writes exactly the bytes and amax that `fp8.cu` (and the CPU twin) make of the
+//! output it stores.
 
 use crate::cuda::emulate::kernel_tests::{check, dec, enc, i32, i64, Launcher, Rng, FLOATS};
 use crate::cpu::{math, norm};
@@ -23,7 +25,7 @@ pub(crate) fn entries() -> Vec<String> {
     for (ti, to) in pairs() {
         let s = crate::cuda::emulate::kernel_tests::io(ti, to);
         for k in ["layer_norm", "rms_norm"] {
-            for step in ["fwd", "bwd", "bwd_weight"] {
+            for step in ["fwd", "fwd_fp8", "bwd", "bwd_weight"] {
                 out.push(format!("{k}_{step}_{s}"));
             }
         }
@@ -278,4 +280,109 @@ fn norms_forward_and_backward_agree_with_the_twin() {
         }
     }
     println!("norms: {differ} elements 1 ulp from the twin");
+}
+
+/// The `*_fwd_fp8` kernels: the output as the plain forward stores it; its E4M3 cast the bytes
+/// `castor_ir::fp8` makes of that output times the scale (saturating: the scale sends some
+/// values past 448); the partials' maximum its amax (NaN where a row holds one). Each with `y`
+/// stored, with `y` null (the cast alone) and without the cast (the amax alone, current
+/// scaling's), on both paths of the kernel.
+#[test]
+fn norms_with_an_fp8_tail_write_the_cast_and_amax_of_their_output() {
+    use castor_ir::fp8::{Fp8Format, Overflow};
+    let mut rng = Rng::new(17);
+    let scale = 96.0f32;
+    let blocks = 3u32;
+    for (ti, to) in pairs() {
+        let s = crate::cuda::emulate::kernel_tests::io(ti, to);
+        // (h, aligned, block, a NaN in the input)
+        let cases = [
+            (33usize, false, 64u32, false),
+            (64, true, 32, false),
+            (776, true, 32, true),
+            (2048, true, 32, false),
+            (2048, true, 64, false),
+        ];
+        for (h, aligned, block, nan) in cases {
+            let skew = if aligned { 0 } else { ti.size_bytes() as u64 };
+            let oskew = if aligned { 0 } else { to.size_bytes() as u64 };
+            let n = ROWS * h;
+            let mut x = rng.values(n, 3.0, ti);
+            if nan {
+                x[2 * h + 5] = f32::NAN;
+            }
+            let res = rng.values(n, 1.0, ti);
+            let w = rng.values(h, 2.0, DType::F32);
+            let b = rng.values(h, 0.5, DType::F32);
+            for rms in [false, true] {
+                let kind = if rms { "rms_norm" } else { "layer_norm" };
+                // The plain forward's output: what the cast reads in the unfused plan.
+                let run = |entry: &str, y: bool, cast: bool| -> (Vec<u8>, Vec<u8>, Vec<f32>) {
+                    let fp8 = entry.contains("fp8");
+                    let mut l = Launcher::new("norm.cu");
+                    let (bx, br) = (l.buf(enc(ti, &x), skew), l.buf(enc(ti, &res), skew));
+                    let (bw, bb) = (l.buf(f32s(&w), 0), l.buf(f32s(&b), 0));
+                    let by = l.out(n * to.size_bytes(), oskew);
+                    let (bm, bs) = (l.out(ROWS * 4, 0), l.out(ROWS * 4, 0));
+                    let bscale = l.buf(f32s(&[scale]), 0);
+                    let bq = l.out(n, if aligned { 0 } else { 1 });
+                    let bp = l.out(blocks as usize * 4, 0);
+                    let mut args = vec![l.ptr(bx), l.ptr(br), Arg::Null, l.ptr(bw)];
+                    if !rms {
+                        args.push(l.ptr(bb));
+                    }
+                    args.push(if y { l.ptr(by) } else { Arg::Null });
+                    if !rms {
+                        args.push(l.ptr(bm));
+                    }
+                    args.push(l.ptr(bs));
+                    if fp8 {
+                        if cast {
+                            args.extend([l.ptr(bscale), l.ptr(bq)]);
+                        } else {
+                            args.extend([Arg::Null, Arg::Null]);
+                        }
+                        args.push(l.ptr(bp));
+                    }
+                    args.extend([i64(ROWS), i32(h), Arg::F64(EPS)]);
+                    let what = format!("{entry} h={h} block={block} y={y} cast={cast}");
+                    let out = l
+                        .run(entry, (blocks, 1, 1), (block, 1, 1), args)
+                        .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let partials = dec(DType::F32, &out[bp.0]);
+                    (out[by.0].clone(), out[bq.0].clone(), partials)
+                };
+                let (y, _, _) = run(&format!("{kind}_fwd_{s}"), true, false);
+                let yv = dec(to, &y);
+                let want_q: Vec<u8> = yv
+                    .iter()
+                    .map(|&v| Fp8Format::E4M3.encode(v * scale, Overflow::Saturate))
+                    .collect();
+                let want_amax = crate::cpu::fp8::amax(&yv);
+                let entry = format!("{kind}_fwd_fp8_{s}");
+                for (with_y, cast) in [(true, true), (false, true), (true, false)] {
+                    let what = format!("{entry} h={h} block={block} y={with_y} cast={cast}");
+                    let (y2, q, partials) = run(&entry, with_y, cast);
+                    if with_y {
+                        assert_eq!(y2, y, "{what}: y is not the plain forward's");
+                    }
+                    if cast {
+                        if let Some(i) = (0..n).find(|&i| q[i] != want_q[i]) {
+                            panic!(
+                                "{what}: byte {i} of the cast is {:#04x}, not {:#04x} ({:e} x {scale})",
+                                q[i], want_q[i], yv[i]
+                            );
+                        }
+                    }
+                    let amax = crate::cpu::fp8::amax(&partials);
+                    assert!(
+                        amax.to_bits() == want_amax.to_bits()
+                            || (amax.is_nan() && want_amax.is_nan()),
+                        "{what}: amax {amax:e}, not {want_amax:e}"
+                    );
+                    assert_eq!(want_amax.is_nan(), nan, "{what}: the case's NaN");
+                }
+            }
+        }
+    }
 }

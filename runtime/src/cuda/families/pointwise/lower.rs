@@ -16,12 +16,8 @@
 //! result is the CPU twin's whatever the grid. These kernels take 8 elements at a time only as
 //! a thread's grid-stride steps: their stores are bytes.
 
-use crate::cuda::families::fp8::Kernel as Fp8Kernel;
-use crate::cuda::kernel_id::KernelId;
-use crate::cuda::lower::ops::row_threads;
 use crate::cuda::lower::{grid_1d, Loc, LowerError, RunLowering};
 use crate::cuda::program::{Arg, Command, InputExtent, Launch};
-use castor_ir::fp8::Fp8Format;
 use castor_ir::{BinaryOp, DType, Graph, IndexMap, Node, PointwiseBody, Step, UnaryOp};
 use std::fmt::Write;
 
@@ -114,43 +110,7 @@ impl RunLowering<'_, '_> {
             return Ok(());
         };
         let a = value(&amax.value)?;
-        let out = self.out(a)?;
-        let threads = (row_threads(grid.0 as usize, 1024), 1, 1);
-        let count = ("count", Arg::I32(grid.0 as i32));
-        match amax.scale {
-            None => self.launch(
-                a,
-                KernelId::Fp8(Fp8Kernel::AmaxFinalize),
-                (1, 1, 1),
-                threads,
-                vec![
-                    ("partials", Arg::Ptr(partials)),
-                    count,
-                    ("amax", Arg::Ptr(out)),
-                ],
-            ),
-            Some(scale) => {
-                let format = Fp8Format::of(scale.to)
-                    .ok_or_else(|| self.err(a, format!("{} is not an FP8 dtype", scale.to)))?;
-                self.launch(
-                    a,
-                    KernelId::Fp8(Fp8Kernel::ScaleFinalize),
-                    (1, 1, 1),
-                    threads,
-                    vec![
-                        ("partials", Arg::Ptr(partials)),
-                        count,
-                        ("largest", Arg::F64(f64::from(format.max()))),
-                        // The CPU twin's divisor, 2^margin in F64 (infinite past 2^1023).
-                        (
-                            "divisor",
-                            Arg::F64(2f64.powi(scale.margin.min(1024) as i32)),
-                        ),
-                        ("scale", Arg::Ptr(out)),
-                    ],
-                )
-            }
-        }
+        self.finish_amax(a, partials, grid.0, amax.scale.map(|s| (s.to, s.margin)))
     }
 }
 
