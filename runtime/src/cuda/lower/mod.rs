@@ -227,6 +227,9 @@ pub(crate) struct RunLowering<'l, 'g> {
     pub(crate) side: HashMap<Node, (usize, usize)>,
     /// Side events issued and not joined yet, with their join units.
     pub(crate) pending: Vec<(usize, usize)>,
+    /// The dequantization factors of the FP8 products whose factors are made already (by an
+    /// earlier product's batch), by product node.
+    pub(crate) fp8_factors: HashMap<Node, Place>,
 }
 
 impl<'l, 'g> RunLowering<'l, 'g> {
@@ -327,6 +330,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             units,
             side,
             pending: Vec::new(),
+            fp8_factors: HashMap::new(),
         })
     }
 

@@ -115,19 +115,35 @@ pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
         }
         Kernel::Dequantization => {
             let mut a = Args::new(l);
-            let a_scale = a.need(m, "a_scale")?;
-            let b_scale = a.need(m, "b_scale")?;
-            let factors = a.need(m, "factors")?;
+            let products = a.need(m, "products")?;
+            let count = a.count32("count")?;
             a.end()?;
-            checked(
-                m,
-                vec![
-                    use_("a_scale", Some(a_scale), 4, 4, Io::R),
-                    use_("b_scale", Some(b_scale), 4, 4, Io::R),
-                    use_("factors", Some(factors), 8, 4, Io::W),
-                ],
-                &[],
-            )
+            let threads = u64::from(l.grid.0) * u64::from(l.block.0);
+            if (l.grid.1, l.grid.2, l.block.1, l.block.2) != (1, 1, 1, 1) || threads < count as u64
+            {
+                return Err(format!(
+                    "grid {:?} block {:?}: the kernel takes a 1-D grid of a thread per product                      ({count})",
+                    l.grid, l.block
+                ));
+            }
+            // Rows {a_scale, b_scale, factors}: three pointers.
+            let mut uses = vec![use_("products", Some(products), count as u64 * 24, 8, Io::R)];
+            for p in 0..count as i64 {
+                for (k, (name, bytes, io)) in [("a_scale", 4, Io::R), ("b_scale", 4, Io::R), ("factors", 8, Io::W)]
+                    .into_iter()
+                    .enumerate()
+                {
+                    let addr = m
+                        .u64_at(products, 3 * p + k as i64)
+                        .map_err(|e| format!("`products` row {p}: {e}"))?;
+                    let ptr = m
+                        .decode(addr)
+                        .map_err(|e| format!("product {p} `{name}`: {e}"))?
+                        .ok_or_else(|| format!("product {p} `{name}` is null"))?;
+                    uses.push(use_(format!("product {p} {name}"), Some(ptr), bytes, 4, io));
+                }
+            }
+            checked(m, uses, &[])
         }
     }
 }

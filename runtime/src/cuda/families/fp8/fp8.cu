@@ -29,10 +29,12 @@
 //     in F64 (F32's largest where that is infinite) when a is finite and positive, else
 //     *scale (Transformer Engine's `_default_sf_compute`). Reads every input before it writes,
 //     so history_next may be history and scale_next scale (a write back in place).
-//   fp8_dequantization(const float* a_scale, const float* b_scale, float* factors):
+//   fp8_dequantization(const Fp8Factors* products, int count), thread i of the grid taking
+//   row i < count of the table (struct Fp8Factors { const float* a_scale;
+//   const float* b_scale; float* factors; }):
 //     factors[0] = 1 / *a_scale, factors[1] = 1 / *b_scale, each rounded to F32: what a
-//     cuBLASLt FP8 product's A_SCALE_POINTER and B_SCALE_POINTER point at (only thread 0 of
-//     block 0 writes).
+//     cuBLASLt FP8 product's A_SCALE_POINTER and B_SCALE_POINTER point at. One launch serves
+//     every product whose scales are made by then (under delayed scaling, all of a run's).
 // Bit for bit the CPU twin (runtime/src/cpu/fp8.rs, castor_ir::fp8::Fp8Format::encode with
 // Overflow::Saturate): the product in F32 is rounded once, to FP8. The maximum of magnitudes is
 // exact and independent of the order it is taken in, so the result depends on no grid or block
@@ -46,7 +48,8 @@
 // cuda_fp8.h's device conversion (a `cvt.rn.satfinite` instruction) does not exist. The kernel
 // tests hold it to castor_ir::fp8 for every BF16 and F16 bit pattern and many F32 values.
 // Launch: amax and quantize: any 1-D grid, blockDim.x a multiple of 32 (at most 1024), with a
-// partials buffer of gridDim.x floats; the finalizers: one block, blockDim.x a multiple of 32.
+// partials buffer of gridDim.x floats; the finalizers: one block, blockDim.x a multiple of 32;
+// the dequantization factors: a 1-D grid of at least `count` threads.
 #include "castor_common.cuh"
 
 // F32_CANONICAL_NAN, fold_abs, fp8_encode, E4M3 and E5M2 are in castor_common.cuh (the
@@ -156,12 +159,18 @@ FP8_QUANTIZE(__half, f16, E5M2, e5m2)
 FP8_QUANTIZE(__nv_bfloat16, bf16, E4M3, e4m3)
 FP8_QUANTIZE(__nv_bfloat16, bf16, E5M2, e5m2)
 
-extern "C" __global__ void fp8_dequantization(const float* a_scale, const float* b_scale,
-                                              float* factors) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        factors[0] = 1.0f / *a_scale;
-        factors[1] = 1.0f / *b_scale;
-    }
+struct Fp8Factors {
+    const float* a_scale;
+    const float* b_scale;
+    float* factors;
+};
+
+extern "C" __global__ void fp8_dequantization(const Fp8Factors* products, int count) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    const Fp8Factors p = products[i];
+    p.factors[0] = 1.0f / *p.a_scale;
+    p.factors[1] = 1.0f / *p.b_scale;
 }
 
 extern "C" __global__ void fp8_amax_history(const float* history, int length,

@@ -2,8 +2,9 @@
 //! `fp8_scale`: per-block maxima of `|x|` (`fp8_amax_<t>`), then the scale
 //! (`fp8_scale_finalize`). `quantize`: the cast with per-block maxima (`fp8_quantize_<t>_<f>`),
 //! then the amax (`fp8_amax_finalize`) where something reads it. `fp8_matmul`: the two
-//! dequantization factors (`fp8_dequantization`, into an 8-byte arena buffer the product's scale
-//! pointers point at), a transposed copy of each operand the IR does not store contiguous along
+//! dequantization factors (`fp8_dequantization`, 8 bytes of an arena buffer the product's scale
+//! pointers point at, made with those of every later product whose scales exist by then), a
+//! transposed copy of each operand the IR does not store contiguous along
 //! the inner dim (cuBLASLt's FP8 products take only the "TN" form: the backward's `dX = dY W`
 //! and `dW = Xᵀ dY`, and `x W` of a weight stored `[in, out]`), then one cuBLASLt FP8 product
 //! (`crate::cuda::lower::gemm::fp8_matmul`). The copies are arena buffers of the product's unit,
@@ -14,7 +15,7 @@ use super::Kernel;
 use crate::cuda::kernel_id::KernelId;
 use crate::cuda::lower::ops::{row_threads, BLOCK};
 use crate::cuda::lower::{copies, gemm, LowerError, RunLowering};
-use crate::cuda::program::{Arg, Command, Fp8Scales, Place};
+use crate::cuda::program::{Arg, Command, Field, Fp8Scales, Place, Table};
 use castor_ir::fp8::Fp8Format;
 use castor_ir::{DType, Node, Op, Value};
 
@@ -181,12 +182,8 @@ impl RunLowering<'_, '_> {
     pub(crate) fn fp8_matmul(&mut self, n: Node) -> Result<(), LowerError> {
         let g = self.g;
         let node = g.node(n);
-        let (a, b, sa, sb) = (
-            node.inputs[0],
-            node.inputs[1],
-            node.inputs[2],
-            node.inputs[3],
-        );
+        // The scales (operands 2 and 3) reach the product through its dequantization factors.
+        let (a, b) = (node.inputs[0], node.inputs[1]);
         let y = node.outputs[0];
         let Op::Fp8MatMul {
             transpose_a,
@@ -198,19 +195,10 @@ impl RunLowering<'_, '_> {
         // a as [.., M, K] and b as [.., N, K].
         let (pa, a_shape) = self.inner_last(y, a, transpose_a)?;
         let (pb, b_shape) = self.inner_last(y, b, !transpose_b)?;
-        let factors = self.scratch(8);
-        let (psa, psb) = (self.at(sa)?, self.at(sb)?);
-        self.launch(
-            y,
-            KernelId::Fp8(Kernel::Dequantization),
-            (1, 1, 1),
-            (32, 1, 1),
-            vec![
-                ("a_scale", Arg::Ptr(psa)),
-                ("b_scale", Arg::Ptr(psb)),
-                ("factors", Arg::Ptr(factors)),
-            ],
-        )?;
+        let factors = match self.fp8_factors.get(&n) {
+            Some(&f) => f,
+            None => self.dequantization_batch(n)?,
+        };
         let c = self.out(y)?;
         let dt = |v: Value| g.ty(v).dtype;
         let gm = gemm::fp8_matmul(
@@ -228,6 +216,59 @@ impl RunLowering<'_, '_> {
         .map_err(|m| self.err(y, m))?;
         self.commands.push(Command::Gemm(gm));
         Ok(())
+    }
+
+    /// The dequantization factors of FP8 product `n` and of every later product of the run
+    /// whose two scales are made by now (sources, or values made before `n`): one
+    /// `fp8_dequantization` launch, into one arena buffer of 8 bytes a product that lives until
+    /// the last of them. Under delayed scaling every scale is state, so the first product
+    /// makes the factors of all; under current scaling the products that share an operand's
+    /// scale share a launch.
+    fn dequantization_batch(&mut self, n: Node) -> Result<Place, LowerError> {
+        let g = self.g;
+        let here = self.unit_of[n.index()];
+        let ready = |v: Value| self.unit_of[g.value(v).producer.index()] < here;
+        let group: Vec<Node> = g
+            .nodes()
+            .filter(|&(m, node)| {
+                m >= n
+                    && matches!(node.op, Op::Fp8MatMul { .. })
+                    && !self.fp8_factors.contains_key(&m)
+                    && ready(node.inputs[2])
+                    && ready(node.inputs[3])
+            })
+            .map(|(m, _)| m)
+            .collect();
+        let y = g.node(n).outputs[0];
+        if group.first() != Some(&n) {
+            return Err(self.err(y, "an FP8 product's scales are not made before it"));
+        }
+        let end = group.iter().map(|m| self.unit_of[m.index()]).max().unwrap_or(here);
+        let buffer = self.arena(8 * group.len() as u64, end);
+        let mut rows = Vec::with_capacity(group.len());
+        for (i, &m) in group.iter().enumerate() {
+            let node = g.node(m);
+            let factors = buffer.plus(8 * i as u64);
+            rows.push(vec![
+                Field::Ptr(self.at(node.inputs[2])?),
+                Field::Ptr(self.at(node.inputs[3])?),
+                Field::Ptr(factors),
+            ]);
+            self.fp8_factors.insert(m, factors);
+        }
+        let table = self.l.table(Table::Rows(rows));
+        let threads = row_threads(group.len(), BLOCK);
+        self.launch(
+            y,
+            KernelId::Fp8(Kernel::Dequantization),
+            (group.len().div_ceil(threads as usize) as u32, 1, 1),
+            (threads, 1, 1),
+            vec![
+                ("products", Arg::Table(table)),
+                ("count", Arg::I32(group.len() as i32)),
+            ],
+        )?;
+        Ok(buffer)
     }
 
     /// The place and shape of `v` with its last two dims swapped when `swap` (a strided copy

@@ -6,7 +6,7 @@
 
 use crate::cpu::fp8 as twin;
 use crate::cuda::emulate::kernel_tests::{dec, enc, grid_1d, i32, i64, Buf, Launcher, Rng, SIZES};
-use crate::cuda::program::Arg;
+use crate::cuda::program::{Arg, Field};
 use castor_ir::fp8::{Fp8Format, Overflow};
 use castor_ir::DType;
 
@@ -270,7 +270,8 @@ fn amax_and_scale_equal_the_twin() {
     }
 }
 
-/// The two reciprocals, as `cpu::fp8::dequantization` forms them before their product.
+/// The two reciprocals, as `cpu::fp8::dequantization` forms them before their product, for
+/// every product of one launch (a grid with threads to spare, two products sharing a scale).
 #[test]
 fn dequantization_factors_are_the_reciprocals() {
     let mut rng = Rng::new(3);
@@ -281,16 +282,43 @@ fn dequantization_factors_are_the_reciprocals() {
         })
         .collect();
     pairs.extend([(0.0, -0.0), (f32::NAN, f32::INFINITY), (448.0 / 1e-12, 3.0)]);
-    for (a, b) in pairs {
-        let mut l = Launcher::new("fp8.cu");
-        let ba = scalar(&mut l, a);
-        let bb = scalar(&mut l, b);
-        let bf = l.out(8, 0);
-        let args = vec![l.ptr(ba), l.ptr(bb), l.ptr(bf)];
-        let out = l
-            .run("fp8_dequantization", (1, 1, 1), (32, 1, 1), args)
-            .unwrap();
-        let (fa, fb) = (f32_of(&out[bf.0][..4]), f32_of(&out[bf.0][4..]));
+    let mut l = Launcher::new("fp8.cu");
+    let scales: Vec<(Buf, Buf)> = pairs
+        .iter()
+        .map(|&(a, b)| (scalar(&mut l, a), scalar(&mut l, b)))
+        .collect();
+    let factors = l.out(8 * pairs.len(), 0);
+    let mut rows: Vec<Vec<Field>> = scales
+        .iter()
+        .enumerate()
+        .map(|(i, &(ba, bb))| {
+            vec![
+                Field::Ptr(l.place(ba)),
+                Field::Ptr(l.place(bb)),
+                Field::Ptr(l.place(factors).plus(8 * i as u64)),
+            ]
+        })
+        .collect();
+    // The first product's a scale read again by one more product, written past the others.
+    let extra = l.out(8, 0);
+    rows.push(vec![
+        Field::Ptr(l.place(scales[0].0)),
+        Field::Ptr(l.place(scales[1].1)),
+        Field::Ptr(l.place(extra)),
+    ]);
+    let count = rows.len();
+    let table = l.table(rows);
+    let out = l
+        .run("fp8_dequantization", (2, 1, 1), (64, 1, 1), vec![table, i32(count)])
+        .unwrap();
+    let mut got: Vec<(f32, f32)> = out[factors.0]
+        .chunks(8)
+        .map(|c| (f32_of(&c[..4]), f32_of(&c[4..])))
+        .collect();
+    got.push((f32_of(&out[extra.0][..4]), f32_of(&out[extra.0][4..])));
+    let mut want = pairs.clone();
+    want.push((pairs[0].0, pairs[1].1));
+    for (&(fa, fb), &(a, b)) in got.iter().zip(&want) {
         assert_same_f32(&format!("1/{a:e}"), fa, 1.0 / a);
         assert_same_f32(&format!("1/{b:e}"), fb, 1.0 / b);
         let product = fa * fb;
