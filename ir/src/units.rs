@@ -4,8 +4,9 @@
 //! a [`KernelUnit`] records each decision: a pointwise group with its typed body, a
 //! normalization with the residual add it absorbs in front ([`UnitKind::NormPrologue`]) or the
 //! gradient add (and the sum's cast) it absorbs behind ([`UnitKind::NormEpilogue`]), a
-//! normalization that also makes its output's FP8 cast or scale ([`UnitKind::NormFp8`]), or a
-//! batch of optimizer updates that share their scalars. A unit runs where its last member stands. Nodes in no
+//! normalization that also makes its output's FP8 cast or scale ([`UnitKind::NormFp8`]), a
+//! batch of optimizer updates that share their scalars, or a batch of delayed scaling's
+//! history updates. A unit runs where its last member stands. Nodes in no
 //! unit run as one kernel (or product, or copy) each. Executors read the units; none decides
 //! fusion again, so what a plan says is fused is exactly what runs.
 //!
@@ -54,6 +55,9 @@ pub enum UnitKind {
     NormFp8,
     /// AdamW, SGD or Lion nodes sharing their scalars: one multi-tensor launch.
     OptimizerBatch,
+    /// `amax_history` nodes (delayed scaling's updates, a thread each): one launch where the
+    /// last of them stands.
+    AmaxHistoryBatch,
 }
 
 impl UnitKind {
@@ -64,6 +68,7 @@ impl UnitKind {
             UnitKind::NormEpilogue => "norm_epilogue",
             UnitKind::NormFp8 => "norm_fp8",
             UnitKind::OptimizerBatch => "optimizer_batch",
+            UnitKind::AmaxHistoryBatch => "amax_history_batch",
         }
     }
 }

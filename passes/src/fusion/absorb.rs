@@ -253,6 +253,28 @@ pub(super) fn batch_ok(g: &Graph, users: &[Vec<Node>], batch: &[Node]) -> bool {
     })
 }
 
+/// `batch` (in node order) can run as one `amax_history` launch: every member is one, and
+/// nothing reads their results before the last.
+pub(super) fn history_batch_ok(g: &Graph, users: &[Vec<Node>], batch: &[Node]) -> bool {
+    !batch.is_empty()
+        && batch
+            .iter()
+            .all(|&n| matches!(g.node(n).op, Op::AmaxHistory { .. }))
+        && batch_runs_at_end(g, users, batch)
+}
+
+/// The graph's `amax_history` nodes as one batch (two or more), where it can run at its last
+/// member; else none (each runs alone). In a micro step nothing reads them: their results are
+/// written back to state after the micro-batch.
+pub(super) fn history_batch(g: &Graph, users: &[Vec<Node>]) -> Option<Vec<Node>> {
+    let batch: Vec<Node> = g
+        .nodes()
+        .filter(|(_, node)| matches!(node.op, Op::AmaxHistory { .. }))
+        .map(|(n, _)| n)
+        .collect();
+    (batch.len() >= 2 && history_batch_ok(g, users, &batch)).then_some(batch)
+}
+
 /// The updates the multi-tensor kernels run (`optimizer.cu`): AdamW, SGD and Lion.
 fn is_multi_tensor(op: &Op) -> bool {
     matches!(op, Op::AdamW { .. } | Op::Sgd { .. } | Op::Lion { .. })

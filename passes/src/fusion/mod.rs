@@ -12,7 +12,8 @@
 //!   pointwise unit that makes its operand ([`quantize_tail_ok`]): the kernel stores the FP8
 //!   values and the amax; under current scaling the scale instead ([`scale_tail_ok`]): the
 //!   kernel stores the value and its amax, and a one-block kernel makes the scale;
-//! - AdamW/SGD/Lion updates sharing their scalars, one multi-tensor launch per batch.
+//! - AdamW/SGD/Lion updates sharing their scalars, one multi-tensor launch per batch;
+//! - delayed scaling's `amax_history` updates, one launch for all of a graph's.
 //!
 //! A training plan stores the units of both its graphs; executors read them back through
 //! [`schedule`], which checks that each unit is one this pass could have made (so a plan file
@@ -36,13 +37,15 @@ use castor_ir::{Graph, KernelUnit, Node, UnitKind};
 ///
 /// Names: `fused_<k>` for the `k`-th pointwise group, `pw_<n>` for pointwise node `n` alone,
 /// `norm_<n>` for the unit around norm (or norm gradient) node `n`, `update_<n>` for the
-/// optimizer batch whose last member is node `n`.
+/// optimizer batch whose last member is node `n`, `histories_<n>` for the batch of
+/// `amax_history` updates whose last member is node `n`.
 pub fn kernel_units(g: &Graph, graph: &str) -> Vec<KernelUnit> {
     let users = g.users();
     let mut groups = fusion_groups(g);
     let norms = absorb::norm_units(g, &users, &mut groups);
     fp8_tails(g, &users, &mut groups, &norms);
     let batches = absorb::optimizer_batches(g, &users);
+    let histories = absorb::history_batch(g, &users);
     let mut claimed = vec![false; g.num_nodes()];
     let mut units: Vec<(Vec<Node>, String, Option<UnitKind>)> = Vec::new();
     for (k, members) in groups.into_iter().enumerate() {
@@ -60,6 +63,14 @@ pub fn kernel_units(g: &Graph, graph: &str) -> Vec<KernelUnit> {
             members,
             format!("update_{at}"),
             Some(UnitKind::OptimizerBatch),
+        ));
+    }
+    if let Some(members) = histories {
+        let at = members.last().map_or(0, |m| m.index());
+        units.push((
+            members,
+            format!("histories_{at}"),
+            Some(UnitKind::AmaxHistoryBatch),
         ));
     }
     for (members, _, _) in &units {
@@ -227,6 +238,7 @@ pub fn schedule(g: &Graph, units: Vec<KernelUnit>) -> Result<UnitSchedule, UnitE
                     )
             }
             UnitKind::OptimizerBatch => absorb::batch_ok(g, &users, &members),
+            UnitKind::AmaxHistoryBatch => absorb::history_batch_ok(g, &users, &members),
         };
         if !ok {
             return Err(bad(format!(

@@ -442,6 +442,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                             self.pointwise(&members, &body, &name)?;
                         }
                         UnitKind::OptimizerBatch => self.optimizer(&members)?,
+                        UnitKind::AmaxHistoryBatch => self.amax_histories(&members)?,
                         UnitKind::NormPrologue => self.norm_unit(members[1], Some(members[0]))?,
                         UnitKind::NormFp8 => self.norm_fp8_unit(&members)?,
                         UnitKind::NormEpilogue => self.norm_grad_unit(

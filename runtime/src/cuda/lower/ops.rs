@@ -130,7 +130,7 @@ impl RunLowering<'_, '_> {
             Op::Fp8Scale { .. } => self.fp8_scale(n)?,
             Op::Quantize { .. } => self.quantize(n)?,
             Op::Fp8MatMul { .. } => self.fp8_matmul(n)?,
-            Op::AmaxHistory { .. } => self.amax_history(n)?,
+            Op::AmaxHistory { .. } => self.amax_histories(&[n])?,
         }
         Ok(())
     }

@@ -82,50 +82,59 @@ pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
             )
         }
         Kernel::AmaxHistory => {
-            one_block(l)?;
             let mut a = Args::new(l);
-            let history = a.need(m, "history")?;
-            let length = a.count32("length")?;
-            let scale = a.need(m, "scale")?;
-            let amax = a.need(m, "amax")?;
-            let largest = a.f64("largest")?;
-            let divisor = a.f64("divisor")?;
-            if !(largest > 0.0 && divisor >= 1.0) {
-                return Err(format!(
-                    "largest {largest} and divisor {divisor}: a format's largest value and \
-                     2^margin"
-                ));
-            }
-            let history_next = a.need(m, "history_next")?;
-            let scale_next = a.need(m, "scale_next")?;
+            let histories = a.need(m, "histories")?;
+            let count = a.count32("count")?;
             a.end()?;
-            let bytes = length as u64 * 4;
-            checked(
-                m,
-                vec![
-                    use_("history", Some(history), bytes, 4, Io::R),
-                    use_("scale", Some(scale), 4, 4, Io::R),
-                    use_("amax", Some(amax), 4, 4, Io::R),
-                    use_("history_next", Some(history_next), bytes, 4, Io::W),
-                    use_("scale_next", Some(scale_next), 4, 4, Io::W),
-                ],
-                // It reads everything before it writes: a write back in place is safe.
-                &[("history", "history_next"), ("scale", "scale_next")],
-            )
+            thread_per_row(l, count, "history")?;
+            // Rows {history, scale, amax, history_next, scale_next, largest, divisor, length,
+            // pad}: 64 bytes.
+            let mut uses = vec![use_("histories", Some(histories), count as u64 * 64, 8, Io::R)];
+            let mut in_place = Vec::new();
+            for r in 0..count as i64 {
+                let base = 8 * r;
+                let largest = f64::from_bits(m.u64_at(histories, base + 5)?);
+                let divisor = f64::from_bits(m.u64_at(histories, base + 6)?);
+                if !(largest > 0.0 && divisor >= 1.0) {
+                    return Err(format!(
+                        "history {r}: largest {largest} and divisor {divisor}: a format's \
+                         largest value and 2^margin"
+                    ));
+                }
+                let length = m.i32_at(histories, 2 * (base + 7))?;
+                let length =
+                    u64::try_from(length).map_err(|_| format!("history {r}: length {length}"))?;
+                let fields = [
+                    ("history", length * 4, Io::R),
+                    ("scale", 4, Io::R),
+                    ("amax", 4, Io::R),
+                    ("history_next", length * 4, Io::W),
+                    ("scale_next", 4, Io::W),
+                ];
+                for (k, (name, bytes, io)) in fields.into_iter().enumerate() {
+                    let ptr = m
+                        .decode(m.u64_at(histories, base + k as i64)?)
+                        .map_err(|e| format!("history {r} `{name}`: {e}"))?
+                        .ok_or_else(|| format!("history {r} `{name}` is null"))?;
+                    uses.push(use_(format!("history {r} {name}"), Some(ptr), bytes, 4, io));
+                }
+                // A row reads everything before it writes: its write back in place is safe.
+                for (read, write) in [("history", "history_next"), ("scale", "scale_next")] {
+                    in_place.push((format!("history {r} {read}"), format!("history {r} {write}")));
+                }
+            }
+            let in_place: Vec<(&str, &str)> = in_place
+                .iter()
+                .map(|(a, b)| (a.as_str(), b.as_str()))
+                .collect();
+            checked(m, uses, &in_place)
         }
         Kernel::Dequantization => {
             let mut a = Args::new(l);
             let products = a.need(m, "products")?;
             let count = a.count32("count")?;
             a.end()?;
-            let threads = u64::from(l.grid.0) * u64::from(l.block.0);
-            if (l.grid.1, l.grid.2, l.block.1, l.block.2) != (1, 1, 1, 1) || threads < count as u64
-            {
-                return Err(format!(
-                    "grid {:?} block {:?}: the kernel takes a 1-D grid of a thread per product                      ({count})",
-                    l.grid, l.block
-                ));
-            }
+            thread_per_row(l, count, "product")?;
             // Rows {a_scale, b_scale, factors}: three pointers.
             let mut uses = vec![use_("products", Some(products), count as u64 * 24, 8, Io::R)];
             for p in 0..count as i64 {
@@ -146,6 +155,18 @@ pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
             checked(m, uses, &[])
         }
     }
+}
+
+/// A 1-D grid of at least a thread for each of `count` rows (`what`s).
+fn thread_per_row(l: &Launch, count: usize, what: &str) -> R<()> {
+    let threads = u64::from(l.grid.0) * u64::from(l.block.0);
+    if (l.grid.1, l.grid.2, l.block.1, l.block.2) != (1, 1, 1, 1) || threads < count as u64 {
+        return Err(format!(
+            "grid {:?} block {:?}: the kernel takes a 1-D grid of a thread per {what} ({count})",
+            l.grid, l.block
+        ));
+    }
+    Ok(())
 }
 
 /// The blocks of a 1-D grid: one partial maximum each.

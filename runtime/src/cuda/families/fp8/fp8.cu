@@ -21,14 +21,16 @@
 //   fp8_amax_finalize(const float* partials, int count, float* amax), one block:
 //     *amax = the NaN-propagating max of the partials, a NaN written as 0x7FC00000 (Rust's
 //     f32::NAN, which the CPU twin returns whatever the NaN it met).
-//   fp8_amax_history(const float* history, int length, const float* scale, const float* amax,
-//                    double largest, double divisor, float* history_next, float* scale_next),
-//     one thread (delayed scaling, `amax_history`):
+//   fp8_amax_history(const Fp8History* histories, int count), thread i of the grid taking row
+//   i < count of the table (delayed scaling, `amax_history`; one launch for a batch of them):
+//     struct Fp8History { const float* history; const float* scale; const float* amax;
+//                         float* history_next; float* scale_next; double largest;
+//                         double divisor; int length; int pad; }
 //     history_next = [*amax, history[0 .. length - 1)] (newest first);
 //     a = the NaN-propagating max of history_next; *scale_next = F32((largest / a) / divisor)
 //     in F64 (F32's largest where that is infinite) when a is finite and positive, else
-//     *scale (Transformer Engine's `_default_sf_compute`). Reads every input before it writes,
-//     so history_next may be history and scale_next scale (a write back in place).
+//     *scale (Transformer Engine's `_default_sf_compute`). Reads every input of its row before
+//     it writes, so history_next may be history and scale_next scale (a write back in place).
 //   fp8_dequantization(const Fp8Factors* products, int count), thread i of the grid taking
 //   row i < count of the table (struct Fp8Factors { const float* a_scale;
 //   const float* b_scale; float* factors; }):
@@ -49,7 +51,7 @@
 // tests hold it to castor_ir::fp8 for every BF16 and F16 bit pattern and many F32 values.
 // Launch: amax and quantize: any 1-D grid, blockDim.x a multiple of 32 (at most 1024), with a
 // partials buffer of gridDim.x floats; the finalizers: one block, blockDim.x a multiple of 32;
-// the dequantization factors: a 1-D grid of at least `count` threads.
+// the amax histories and the dequantization factors: a 1-D grid of at least `count` threads.
 #include "castor_common.cuh"
 
 // F32_CANONICAL_NAN, fold_abs, fp8_encode, E4M3 and E5M2 are in castor_common.cuh (the
@@ -173,26 +175,38 @@ extern "C" __global__ void fp8_dequantization(const Fp8Factors* products, int co
     p.factors[1] = 1.0f / *p.b_scale;
 }
 
-extern "C" __global__ void fp8_amax_history(const float* history, int length,
-                                            const float* scale, const float* amax,
-                                            double largest, double divisor,
-                                            float* history_next, float* scale_next) {
-    if (blockIdx.x != 0 || threadIdx.x != 0 || length <= 0) return;
-    const float old_scale = *scale;
-    const float newest = *amax;
+struct Fp8History {
+    const float* history;
+    const float* scale;
+    const float* amax;
+    float* history_next;
+    float* scale_next;
+    double largest;
+    double divisor;
+    int length;
+    int pad;
+};
+
+extern "C" __global__ void fp8_amax_history(const Fp8History* histories, int count) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= count) return;
+    const Fp8History h = histories[i];
+    if (h.length <= 0) return;
+    const float old_scale = *h.scale;
+    const float newest = *h.amax;
     // Shift from the end, so that history_next may be history itself.
     float a = 0.0f;
-    for (int i = length - 1; i >= 1; --i) {
-        const float v = history[i - 1];
-        history_next[i] = v;
+    for (int k = h.length - 1; k >= 1; --k) {
+        const float v = h.history[k - 1];
+        h.history_next[k] = v;
         a = max_nan(a, v);
     }
-    history_next[0] = newest;
+    h.history_next[0] = newest;
     a = max_nan(a, newest);
     float s = old_scale;
     if (isfinite(a) && a > 0.0f) {
-        s = float((largest / double(a)) / divisor);
+        s = float((h.largest / double(a)) / h.divisor);
         if (isinf(s)) s = __int_as_float(0x7f7fffff);  // F32's largest
     }
-    *scale_next = s;
+    *h.scale_next = s;
 }

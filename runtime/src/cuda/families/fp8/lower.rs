@@ -1,4 +1,5 @@
-//! FP8 nodes. `amax_history` (delayed scaling): one thread (`fp8_amax_history`).
+//! FP8 nodes. `amax_history` (delayed scaling): a thread per history, one launch for a batch
+//! unit of them (`fp8_amax_history`).
 //! `fp8_scale`: per-block maxima of `|x|` (`fp8_amax_<t>`), then the scale
 //! (`fp8_scale_finalize`). `quantize`: the cast with per-block maxima (`fp8_quantize_<t>_<f>`),
 //! then the amax (`fp8_amax_finalize`) where something reads it. `fp8_matmul`: the two
@@ -146,35 +147,51 @@ impl RunLowering<'_, '_> {
         }
     }
 
-    /// One step of delayed scaling: one thread shifts the history and computes the next
-    /// scale (histories are short: Transformer Engine's default is 16).
-    pub(crate) fn amax_history(&mut self, n: Node) -> Result<(), LowerError> {
+    /// Steps of delayed scaling, one launch for all of `members` (an `amax_history` node, or
+    /// a batch unit of them): a thread per history shifts it and computes the next scale
+    /// (histories are short: Transformer Engine's default is 16).
+    pub(crate) fn amax_histories(&mut self, members: &[Node]) -> Result<(), LowerError> {
         let g = self.g;
-        let node = g.node(n);
-        let (history, scale, amax) = (node.inputs[0], node.inputs[1], node.inputs[2]);
-        let (history_next, scale_next) = (node.outputs[0], node.outputs[1]);
-        let Op::AmaxHistory { to, margin } = node.op else {
-            return Err(self.err(history_next, "not an amax_history node"));
+        let mut rows = Vec::with_capacity(members.len());
+        let mut at = None;
+        for &n in members {
+            let node = g.node(n);
+            let (history, scale, amax) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+            let (history_next, scale_next) = (node.outputs[0], node.outputs[1]);
+            let Op::AmaxHistory { to, margin } = node.op else {
+                return Err(self.err(history_next, "not an amax_history node"));
+            };
+            let format = Fp8Format::of(to)
+                .ok_or_else(|| self.err(history_next, format!("{to} is not an FP8 dtype")))?;
+            let length = g.ty(history).shape.numel().unwrap_or(0);
+            rows.push(vec![
+                Field::Ptr(self.at(history)?),
+                Field::Ptr(self.at(scale)?),
+                Field::Ptr(self.at(amax)?),
+                Field::Ptr(self.out(history_next)?),
+                Field::Ptr(self.out(scale_next)?),
+                Field::F64(f64::from(format.max())),
+                // The CPU twin's divisor, 2^margin in F64 (infinite past 2^1023).
+                Field::F64(2f64.powi(margin.min(1024) as i32)),
+                Field::I32(length as i32),
+                Field::I32(0),
+            ]);
+            at = Some(history_next);
+        }
+        let Some(at) = at else {
+            return Ok(());
         };
-        let format = Fp8Format::of(to)
-            .ok_or_else(|| self.err(history_next, format!("{to} is not an FP8 dtype")))?;
-        let length = g.ty(history).shape.numel().unwrap_or(0);
-        let (ph, ps, pa) = (self.at(history)?, self.at(scale)?, self.at(amax)?);
-        let (ph2, ps2) = (self.out(history_next)?, self.out(scale_next)?);
+        let count = rows.len();
+        let table = self.l.table(Table::Rows(rows));
+        let threads = row_threads(count, BLOCK);
         self.launch(
-            history_next,
+            at,
             KernelId::Fp8(Kernel::AmaxHistory),
-            (1, 1, 1),
-            (32, 1, 1),
+            (count.div_ceil(threads as usize) as u32, 1, 1),
+            (threads, 1, 1),
             vec![
-                ("history", Arg::Ptr(ph)),
-                ("length", Arg::I32(length as i32)),
-                ("scale", Arg::Ptr(ps)),
-                ("amax", Arg::Ptr(pa)),
-                ("largest", Arg::F64(f64::from(format.max()))),
-                ("divisor", Arg::F64(2f64.powi(margin.min(1024) as i32))),
-                ("history_next", Arg::Ptr(ph2)),
-                ("scale_next", Arg::Ptr(ps2)),
+                ("histories", Arg::Table(table)),
+                ("count", Arg::I32(count as i32)),
             ],
         )
     }

@@ -330,7 +330,8 @@ fn dequantization_factors_are_the_reciprocals() {
 /// `fp8_amax_history` against `cpu::fp8::amax_history`: histories of 1 to 16 with random
 /// amaxes, zeros (the scale kept), a NaN or an infinity anywhere (kept), an amax so small the
 /// scale overflows (F32's largest), margins 0 and 3, both formats; and written in place (the
-/// next history and scale over the old ones), as a plan's write back makes it.
+/// next history and scale over the old ones), as a plan's write back makes it. Each format and
+/// length is one launch of all its cases, as a batch unit runs them.
 #[test]
 fn amax_history_equals_the_twin() {
     let mut rng = Rng::new(11);
@@ -345,6 +346,10 @@ fn amax_history_equals_the_twin() {
             with_nan[length / 2] = f32::NAN;
             let mut with_inf = random.clone();
             with_inf[0] = f32::INFINITY;
+            // Every case of this format and length is a row of one launch (a batch).
+            let mut l = Launcher::new("fp8.cu");
+            let mut rows = Vec::new();
+            let mut checks = Vec::new();
             for (case, history, amax) in [
                 ("random", random.clone(), 3.5f32),
                 ("zeros", vec![0.0; length], 0.0),
@@ -355,7 +360,6 @@ fn amax_history_equals_the_twin() {
             ] {
                 for margin in [0usize, 3] {
                     for in_place in [false, true] {
-                        let mut l = Launcher::new("fp8.cu");
                         let bh = l.buf(enc(DType::F32, &history), 0);
                         let bs = scalar(&mut l, 7.0);
                         let ba = scalar(&mut l, amax);
@@ -364,29 +368,35 @@ fn amax_history_equals_the_twin() {
                         } else {
                             (l.out(length * 4, 0), l.out(4, 0))
                         };
-                        let args = vec![
-                            l.ptr(bh),
-                            i32(length),
-                            l.ptr(bs),
-                            l.ptr(ba),
-                            Arg::F64(f64::from(f.max())),
-                            Arg::F64(2f64.powi(margin as i32)),
-                            l.ptr(bh2),
-                            l.ptr(bs2),
-                        ];
-                        let out = l
-                            .run("fp8_amax_history", (1, 1, 1), (32, 1, 1), args)
-                            .unwrap();
-                        let (want_h, want_s) = twin::amax_history(f, margin, &history, 7.0, amax);
+                        rows.push(vec![
+                            Field::Ptr(l.place(bh)),
+                            Field::Ptr(l.place(bs)),
+                            Field::Ptr(l.place(ba)),
+                            Field::Ptr(l.place(bh2)),
+                            Field::Ptr(l.place(bs2)),
+                            Field::F64(f64::from(f.max())),
+                            Field::F64(2f64.powi(margin as i32)),
+                            Field::I32(length as i32),
+                            Field::I32(0),
+                        ]);
+                        let want = twin::amax_history(f, margin, &history, 7.0, amax);
                         let what = format!("{f} {case} length {length} margin {margin}");
-                        let got_h = dec(DType::F32, &out[bh2.0]);
-                        assert_eq!(got_h.len(), want_h.len(), "{what}");
-                        for (g, w) in got_h.iter().zip(&want_h) {
-                            assert_same_f32(&what, *g, *w);
-                        }
-                        assert_same_f32(&what, f32_of(&out[bs2.0]), want_s);
+                        checks.push((what, bh2, bs2, want));
                     }
                 }
+            }
+            let count = rows.len();
+            let table = l.table(rows);
+            let out = l
+                .run("fp8_amax_history", (2, 1, 1), (32, 1, 1), vec![table, i32(count)])
+                .unwrap();
+            for (what, bh2, bs2, (want_h, want_s)) in checks {
+                let got_h = dec(DType::F32, &out[bh2.0]);
+                assert_eq!(got_h.len(), want_h.len(), "{what}");
+                for (g, w) in got_h.iter().zip(&want_h) {
+                    assert_same_f32(&what, *g, *w);
+                }
+                assert_same_f32(&what, f32_of(&out[bs2.0]), want_s);
             }
         }
     }
