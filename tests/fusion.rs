@@ -449,3 +449,61 @@ fn fp8_casts_of_norm_outputs_end_the_norm_units() {
         }
     }
 }
+
+/// cuBLASLt's FP8 products take both operands with the inner dim last, so the lowering copies
+/// an operand stored the other way; products that read the same elements share one copy
+/// (LLaMA's q, k and v weight gradients read their input once, as the gate and up
+/// projections' do): 18 copies a layer where each product copying its own made 21 (7 weights
+/// for the input gradients, 7 output gradients and 4 inputs for the weight gradients). The
+/// program roofline counts each copy's read and write, on top of its product's time.
+#[test]
+fn fp8_products_share_their_operand_copies_and_the_roofline_counts_them() {
+    use castor_runtime::cuda::roofline::roofline_of;
+    let plan = plan_at("llama_gqa", "fp8:delayed", 8).1;
+    let program = lower_plan(&plan).unwrap();
+    let micro = program.run("micro_step").unwrap();
+    let copies: Vec<(String, i64)> = program.runs[micro]
+        .commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Launch(l) if l.entry.starts_with("strided_copy") => Some(l),
+            _ => None,
+        })
+        .filter(|l| {
+            let v = plan.micro_step.lookup(&l.node).unwrap();
+            let node = plan.micro_step.node(plan.micro_step.value(v).producer);
+            matches!(node.op, castor_ir::Op::Fp8MatMul { .. })
+        })
+        .map(|l| {
+            let names = castor_runtime::cuda::families::signature(&l.entry)
+                .unwrap()
+                .names();
+            let n = names.iter().position(|p| *p == "n").unwrap();
+            let castor_runtime::cuda::program::Arg::I64(n) = l.args[n] else {
+                panic!("{}: n is not an i64", l.entry)
+            };
+            (l.node.clone(), n)
+        })
+        .collect();
+    assert_eq!(copies.len(), 2 * 18, "{copies:?}");
+    let qkv = copies
+        .iter()
+        .filter(|(node, _)| node.starts_with("grad.model.layers.0.self_attn."))
+        .filter(|(node, _)| ["q_proj", "k_proj", "v_proj"].iter().any(|p| node.contains(p)))
+        .count();
+    // Each of q, k and v copies its output gradient; q alone copies the shared input.
+    assert_eq!(qkv, 4, "{copies:?}");
+    let copied: f64 = copies.iter().map(|(_, n)| 2.0 * *n as f64).sum();
+    let with = roofline_of(&plan, &program, &castor_passes::cost::GpuSpec::h100_sxm()).unwrap();
+    let mut without = program.clone();
+    without.runs[micro].commands.retain(|c| {
+        !matches!(c, Command::Launch(l) if l.entry.starts_with("strided_copy"))
+    });
+    let base = roofline_of(&plan, &without, &castor_passes::cost::GpuSpec::h100_sxm()).unwrap();
+    assert!(
+        (with.micro_step.bytes - base.micro_step.bytes - copied).abs() < 0.5,
+        "{} - {} != {copied}",
+        with.micro_step.bytes,
+        base.micro_step.bytes
+    );
+}

@@ -6,14 +6,18 @@
 //! `max(Σ flops / peak, bytes / bandwidth)`: its members' FLOPs at the peak of the unit that
 //! runs each (tensor cores by operand dtype), and the bytes it moves, which are only the values
 //! it reads from outside and writes for others, plus the scratch traffic of its chunked ops
-//! ([`scratch_bytes`]); values inside a fused kernel move nothing.
+//! ([`scratch_bytes`]); values inside a fused kernel move nothing. The copies an FP8 product
+//! makes of its operands (cuBLASLt's "TN" form) are kernels of their own: their traffic adds
+//! its time to the product's.
 //! Layout ops the lowering turns into views (never stored, or aliased) cost nothing. Each
 //! command of the lowered program then adds [`LAUNCH_SECONDS`], the gap between kernels
 //! inside a CUDA graph.
 
+use super::families::layout::Kernel as LayoutKernel;
+use super::kernel_id::KernelId;
 use super::lower::{layout_views, lower_plan, unit_schedule, LowerError};
 use super::lower::{MICRO_STEP, OPTIMIZER_STEP};
-use super::program::Program;
+use super::program::{Arg, Command, Program};
 use castor_ir::{Graph, Op, OpClass, TrainingPlan, Value};
 use castor_passes::cost::{node_flops, scratch_bytes, GpuSpec, StepCost};
 use castor_passes::fusion::UnitSchedule;
@@ -230,6 +234,13 @@ fn costed_units(
             }
         }
     }
+    // The FP8 products' operand copies (cuBLASLt's "TN" form), which the lowering adds: a
+    // read and a write of each copied element, by kernels of their own that run before the
+    // product (so their time adds to the product's rather than hiding under it).
+    let mut copies = vec![0f64; n];
+    for (u, bytes) in fp8_operand_copies(g, units, program, run) {
+        copies[u] += bytes;
+    }
     let mut out = RunRoofline {
         commands: program
             .run(run)
@@ -244,15 +255,56 @@ fn costed_units(
             .map(|&v| value_bytes(g, v))
             .sum::<f64>()
             + scratch[u];
-        let seconds = compute[u].max(bytes / gpu.memory_bandwidth);
+        let seconds =
+            compute[u].max(bytes / gpu.memory_bandwidth) + copies[u] / gpu.memory_bandwidth;
         out.units += 1;
         out.flops += flops[u];
-        out.bytes += bytes;
+        out.bytes += bytes + copies[u];
         out.seconds += seconds;
         per_unit.push((std::mem::take(&mut names[u]), seconds));
     }
     out.seconds += out.commands as f64 * LAUNCH_SECONDS;
     (out, per_unit)
+}
+
+/// The bytes each unit's FP8 products move copying their operands into the "TN" form: the
+/// `strided_copy` launches the lowering makes for an `fp8_matmul` node, each a read and a
+/// write of its elements.
+fn fp8_operand_copies(
+    g: &Graph,
+    units: &UnitSchedule,
+    program: &Program,
+    run: &str,
+) -> Vec<(usize, f64)> {
+    let Some(r) = program.run(run) else {
+        return Vec::new();
+    };
+    program.runs[r]
+        .commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Launch(l) => Some(l),
+            _ => None,
+        })
+        .filter_map(|l| {
+            let Some(KernelId::Layout(LayoutKernel::StridedCopy { bytes })) = l.kernel else {
+                return None;
+            };
+            let node = g.value(g.lookup(&l.node)?).producer;
+            if !matches!(g.node(node).op, Op::Fp8MatMul { .. }) {
+                return None;
+            }
+            let names = super::families::signature(&l.entry).ok()?.names();
+            let n = names.iter().position(|&p| p == "n")?;
+            let Arg::I64(n) = l.args[n] else {
+                return None;
+            };
+            Some((
+                units.step_of[node.index()],
+                2.0 * n as f64 * f64::from(bytes),
+            ))
+        })
+        .collect()
 }
 
 #[cfg(test)]

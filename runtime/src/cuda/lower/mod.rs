@@ -230,6 +230,9 @@ pub(crate) struct RunLowering<'l, 'g> {
     /// The dequantization factors of the FP8 products whose factors are made already (by an
     /// earlier product's batch), by product node.
     pub(crate) fp8_factors: HashMap<Node, Place>,
+    /// FP8 operands copied with their last two dims swapped, by the elements they hold (buffer
+    /// value, view offset, dims and strides), each an arena buffer live until its last reader.
+    pub(crate) fp8_swapped: HashMap<(Value, i64, Vec<usize>, Vec<i64>), Place>,
 }
 
 impl<'l, 'g> RunLowering<'l, 'g> {
@@ -331,6 +334,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
             side,
             pending: Vec::new(),
             fp8_factors: HashMap::new(),
+            fp8_swapped: HashMap::new(),
         })
     }
 

@@ -210,8 +210,8 @@ impl RunLowering<'_, '_> {
             return Err(self.err(y, "not an fp8_matmul node"));
         };
         // a as [.., M, K] and b as [.., N, K].
-        let (pa, a_shape) = self.inner_last(y, a, transpose_a)?;
-        let (pb, b_shape) = self.inner_last(y, b, !transpose_b)?;
+        let (pa, a_shape) = self.inner_last(n, a, transpose_a)?;
+        let (pb, b_shape) = self.inner_last(n, b, !transpose_b)?;
         let factors = match self.fp8_factors.get(&n) {
             Some(&f) => f,
             None => self.dequantization_batch(n)?,
@@ -288,15 +288,20 @@ impl RunLowering<'_, '_> {
         Ok(buffer)
     }
 
-    /// The place and shape of `v` with its last two dims swapped when `swap` (a strided copy
-    /// into an arena buffer of this unit, launched for node `y`), else as it is.
+    /// The place and shape of `v` with its last two dims swapped when `swap`, else as it is.
+    /// The swapped copy is a strided copy (launched for product `n`) into an arena buffer that
+    /// every later product of the run reading the same elements swapped shares, so it lives
+    /// until the last of them (LLaMA's q, k and v weight gradients read one copy of their
+    /// input, as the gate and up projections' do).
     fn inner_last(
         &mut self,
-        y: Value,
+        n: Node,
         v: Value,
         swap: bool,
     ) -> Result<(Place, castor_ir::Shape), LowerError> {
-        let ty = self.g.ty(v).clone();
+        let g = self.g;
+        let y = g.node(n).outputs[0];
+        let ty = g.ty(v).clone();
         let src = self.at(v)?;
         if !swap {
             return Ok((src, ty.shape));
@@ -308,11 +313,50 @@ impl RunLowering<'_, '_> {
         }
         let mut perm: Vec<usize> = (0..r).collect();
         perm.swap(r - 2, r - 1);
-        let swapped: Vec<usize> = perm.iter().map(|&p| dims[p]).collect();
+        let swapped = castor_ir::Shape::from(perm.iter().map(|&p| dims[p]).collect::<Vec<_>>());
+        let key = self.swap_key(v);
+        if let Some(&dst) = self.fp8_swapped.get(&key) {
+            return Ok((dst, swapped));
+        }
+        // The products from here on that read these elements swapped.
+        let end = g
+            .nodes()
+            .filter(|&(m, node)| m >= n && swapped_operands(&node.op, &node.inputs).iter().any(|&o| g.ty(o).shape == ty.shape && self.swap_key(o) == key))
+            .map(|(m, _)| self.unit_of[m.index()])
+            .max()
+            .unwrap_or(self.unit);
         let layout = copies::transpose(dims, &perm).map_err(|m| self.err(y, m))?;
-        let bytes = crate::cuda::lower::bytes_of(&ty, self.g.name(v))?;
-        let dst = self.scratch(bytes);
+        let bytes = crate::cuda::lower::bytes_of(&ty, g.name(v))?;
+        let dst = self.arena(bytes, end);
         self.strided_copy(y, ty.dtype, src, dst, layout)?;
-        Ok((dst, castor_ir::Shape::from(swapped)))
+        self.fp8_swapped.insert(key, dst);
+        Ok((dst, swapped))
+    }
+
+    /// What identifies the elements `v` reads: its buffer's value and the view of it.
+    fn swap_key(&self, v: Value) -> (Value, i64, Vec<usize>, Vec<i64>) {
+        let (root, view) = self.source(v);
+        (root, view.offset, view.dims, view.strides)
+    }
+}
+
+/// The operands of an `fp8_matmul` that its product reads swapped (cuBLASLt's "TN" form wants
+/// both with the inner dim last): `a` when transposed, `b` when not.
+fn swapped_operands(op: &Op, inputs: &[Value]) -> Vec<Value> {
+    match *op {
+        Op::Fp8MatMul {
+            transpose_a,
+            transpose_b,
+        } => {
+            let mut out = Vec::new();
+            if transpose_a {
+                out.push(inputs[0]);
+            }
+            if !transpose_b {
+                out.push(inputs[1]);
+            }
+            out
+        }
+        _ => Vec::new(),
     }
 }
