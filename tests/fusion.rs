@@ -489,16 +489,20 @@ fn fp8_products_share_their_operand_copies_and_the_roofline_counts_them() {
     let qkv = copies
         .iter()
         .filter(|(node, _)| node.starts_with("grad.model.layers.0.self_attn."))
-        .filter(|(node, _)| ["q_proj", "k_proj", "v_proj"].iter().any(|p| node.contains(p)))
+        .filter(|(node, _)| {
+            ["q_proj", "k_proj", "v_proj"]
+                .iter()
+                .any(|p| node.contains(p))
+        })
         .count();
     // Each of q, k and v copies its output gradient; q alone copies the shared input.
     assert_eq!(qkv, 4, "{copies:?}");
     let copied: f64 = copies.iter().map(|(_, n)| 2.0 * *n as f64).sum();
     let with = roofline_of(&plan, &program, &castor_passes::cost::GpuSpec::h100_sxm()).unwrap();
     let mut without = program.clone();
-    without.runs[micro].commands.retain(|c| {
-        !matches!(c, Command::Launch(l) if l.entry.starts_with("strided_copy"))
-    });
+    without.runs[micro]
+        .commands
+        .retain(|c| !matches!(c, Command::Launch(l) if l.entry.starts_with("strided_copy")));
     let base = roofline_of(&plan, &without, &castor_passes::cost::GpuSpec::h100_sxm()).unwrap();
     assert!(
         (with.micro_step.bytes - base.micro_step.bytes - copied).abs() < 0.5,
