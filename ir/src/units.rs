@@ -53,7 +53,9 @@ pub enum UnitKind {
     /// takes the output's amax and, for a `quantize`, writes its FP8 cast, storing the output
     /// itself only where something outside the unit reads it.
     NormFp8,
-    /// AdamW, SGD or Lion nodes sharing their scalars: one multi-tensor launch.
+    /// AdamW, SGD or Lion nodes sharing their scalars: one multi-tensor launch; then any
+    /// `fp8_scale` of a master they update, made of the maxima the launch takes of the masters
+    /// it leaves.
     OptimizerBatch,
     /// `amax_history` nodes (delayed scaling's updates, a thread each): one launch where the
     /// last of them stands.

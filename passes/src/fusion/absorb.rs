@@ -233,24 +233,67 @@ fn shares_scalars(g: &Graph, first: Node, n: Node) -> bool {
         && a.inputs[k - 4..] == b.inputs[k - 4..]
 }
 
-/// True when nothing reads the batch's results before its last member (where it runs).
+/// True when nothing outside the batch reads its results before its last member (where it
+/// runs).
 fn batch_runs_at_end(g: &Graph, users: &[Vec<Node>], batch: &[Node]) -> bool {
     let Some(&last) = batch.last() else {
         return true;
     };
     batch.iter().all(|&m| {
-        g.node(m)
-            .outputs
-            .iter()
-            .all(|o| users[o.index()].iter().all(|&u| u > last))
+        g.node(m).outputs.iter().all(|o| {
+            users[o.index()]
+                .iter()
+                .all(|&u| u > last || batch.contains(&u))
+        })
     })
 }
 
-/// `batch` (in node order) can run as one multi-tensor launch.
+/// `batch` (in node order) can run as one multi-tensor launch: updates sharing their scalars,
+/// then any `fp8_scale` of a master they update (the launch takes the maxima of the masters
+/// it leaves, and one-block kernels make the scales of them), nothing reading what the batch
+/// makes before its last member.
 pub(super) fn batch_ok(g: &Graph, users: &[Vec<Node>], batch: &[Node]) -> bool {
-    batch.first().is_some_and(|&first| {
-        batch.iter().all(|&n| shares_scalars(g, first, n)) && batch_runs_at_end(g, users, batch)
+    let updates = batch
+        .iter()
+        .take_while(|&&n| is_multi_tensor(&g.node(n).op))
+        .count();
+    let (updates, tails) = batch.split_at(updates);
+    updates.first().is_some_and(|&first| {
+        updates.iter().all(|&n| shares_scalars(g, first, n))
+            && tails.iter().all(|&t| scales_an_update(g, updates, t))
+            && batch_runs_at_end(g, users, batch)
     })
+}
+
+/// `t` is the `fp8_scale` of a master one of `updates` writes.
+fn scales_an_update(g: &Graph, updates: &[Node], t: Node) -> bool {
+    let node = g.node(t);
+    matches!(node.op, Op::Fp8Scale { .. })
+        && updates
+            .iter()
+            .any(|&u| g.node(u).outputs[0] == node.inputs[0])
+}
+
+/// `batch` with the `fp8_scale`s of the masters it updates, where the batch can still run as
+/// one launch with them (the FP8 weight copies' scales, made once per optimizer step).
+fn with_master_scales(g: &Graph, users: &[Vec<Node>], batch: Vec<Node>) -> Vec<Node> {
+    let mut trial = batch.clone();
+    for &u in &batch {
+        let master = g.node(u).outputs[0];
+        trial.extend(
+            users[master.index()]
+                .iter()
+                .copied()
+                .filter(|&t| scales_an_update(g, &batch, t)),
+        );
+    }
+    trial.sort();
+    trial.dedup();
+    if trial.len() > batch.len() && batch_ok(g, users, &trial) {
+        trial
+    } else {
+        batch
+    }
 }
 
 /// `batch` (in node order) can run as one `amax_history` launch: every member is one, and
@@ -301,5 +344,7 @@ pub(super) fn optimizer_batches(g: &Graph, users: &[Vec<Node>]) -> Vec<Vec<Node>
             out.extend(b.into_iter().map(|m| vec![m]));
         }
     }
-    out
+    out.into_iter()
+        .map(|b| with_master_scales(g, users, b))
+        .collect()
 }

@@ -12,7 +12,8 @@
 //!   pointwise unit that makes its operand ([`quantize_tail_ok`]): the kernel stores the FP8
 //!   values and the amax; under current scaling the scale instead ([`scale_tail_ok`]): the
 //!   kernel stores the value and its amax, and a one-block kernel makes the scale;
-//! - AdamW/SGD/Lion updates sharing their scalars, one multi-tensor launch per batch;
+//! - AdamW/SGD/Lion updates sharing their scalars, one multi-tensor launch per batch, with
+//!   the `fp8_scale`s of the masters they update (the launch takes the masters' maxima);
 //! - delayed scaling's `amax_history` updates, one launch for all of a graph's.
 //!
 //! A training plan stores the units of both its graphs; executors read them back through

@@ -304,6 +304,9 @@ fn cast_updates(
     let mut outputs = out.outputs().to_vec();
     let mut new_writes = Vec::new();
     let mut done = HashSet::new();
+    // The scales first, then the casts: the scales can then join the update's multi-tensor
+    // launch (which takes the maxima of the masters it leaves) before any cast reads them.
+    let mut scales = Vec::new();
     for cast in casts {
         let master = micro.name(cast.master);
         if !done.insert(master) {
@@ -319,8 +322,7 @@ fn cast_updates(
             continue;
         };
         let block = opt.node(opt.value(updated).producer).block;
-        let (values_entry, scale_entry) =
-            (Fp8Part::Values.name(master), Fp8Part::Scale.name(master));
+        let scale_entry = Fp8Part::Scale.name(master);
         let scale = out
             .push_node(
                 Op::Fp8Scale {
@@ -339,7 +341,11 @@ fn cast_updates(
                 "fp8: the scale of the updated `{master}`'s FP8 copy, once per optimizer step"
             )),
         );
-        let scale = out.node(scale).outputs[0];
+        scales.push((cast, master, updated, block, out.node(scale).outputs[0]));
+    }
+    for (cast, master, updated, block, scale) in scales {
+        let (values_entry, scale_entry) =
+            (Fp8Part::Values.name(master), Fp8Part::Scale.name(master));
         let q = out
             .push_node(
                 Op::Quantize { to: cast.format },

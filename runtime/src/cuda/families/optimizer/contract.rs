@@ -117,6 +117,7 @@ pub(crate) fn multi_tensor_update(
     for h in hyperparameters {
         a.f64(h)?;
     }
+    let amax_partials = a.ptr(m, "amax_partials")?;
     a.end()?;
     // Rows: AdamWTensor (master, grad, m, v, copy, numel, wd: 56 bytes) or MomentTensor
     // (master, grad, buf, copy, numel, wd: 48 bytes).
@@ -132,6 +133,7 @@ pub(crate) fn multi_tensor_update(
             Io::R,
         ),
         use_("chunks", Some(chunk_table), n_chunks as u64 * 16, 8, Io::R),
+        use_("amax_partials", amax_partials, n_chunks as u64 * 4, 4, Io::W),
     ];
     let names = match rule {
         UpdateRule::AdamW => ["master", "grad", "m", "v"].as_slice(),

@@ -70,9 +70,16 @@ impl RunLowering<'_, '_> {
     }
 
     /// One multi-tensor launch for a batch of AdamW (or SGD, or Lion) nodes (see
-    /// `castor_passes::fusion`'s optimizer batches), at the unit of its last member.
-    pub(crate) fn optimizer(&mut self, batch: &[Node]) -> Result<(), LowerError> {
+    /// `castor_passes::fusion`'s optimizer batches), at the unit of its last member. The
+    /// batch's `fp8_scale` members (the scales of updated masters' FP8 copies) take the
+    /// launch's per-chunk maxima of the masters it leaves: one `fp8_scale_finalize` each over
+    /// its tensor's chunks.
+    pub(crate) fn optimizer(&mut self, members: &[Node]) -> Result<(), LowerError> {
         let g = self.g;
+        let (tails, batch): (Vec<Node>, Vec<Node>) = members
+            .iter()
+            .partition(|&&m| matches!(g.node(m).op, Op::Fp8Scale { .. }));
+        let batch = batch.as_slice();
         let Some(&n) = batch.last() else {
             return Ok(());
         };
@@ -174,8 +181,18 @@ impl RunLowering<'_, '_> {
             .iter()
             .map(|&v| self.at(v))
             .collect::<Result<_, _>>()?;
-        let chunks = Table::chunks(numels, CHUNK);
+        // Each tensor's first chunk: a tensor's chunks are consecutive in the table.
+        let first_chunk: Vec<usize> = numels
+            .iter()
+            .scan(0usize, |at, &numel| {
+                let first = *at;
+                *at += numel.div_ceil(CHUNK) as usize;
+                Some(first)
+            })
+            .collect();
+        let chunks = Table::chunks(numels.clone(), CHUNK);
         let n_chunks = chunks.len();
+        let amax_partials = (!tails.is_empty()).then(|| self.scratch(n_chunks.max(1) as u64 * 4));
         let tt = self.l.table(Table::Rows(rows));
         let ct = self.l.table(chunks);
         let mut args = vec![
@@ -190,6 +207,7 @@ impl RunLowering<'_, '_> {
                 .zip(scalars.into_iter().map(Arg::Ptr)),
         );
         args.extend(hyperparameters);
+        args.push(("amax_partials", amax_partials.map_or(Arg::Null, Arg::Ptr)));
         self.launch(
             y,
             KernelId::Optimizer(Kernel::Update {
@@ -200,6 +218,23 @@ impl RunLowering<'_, '_> {
             (n_chunks.clamp(1, 65_535 * 4) as u32, 1, 1),
             (BLOCK, 1, 1),
             args,
-        )
+        )?;
+        let Some(partials) = amax_partials else {
+            return Ok(());
+        };
+        for t in tails {
+            let tail = g.node(t);
+            let Op::Fp8Scale { to, margin } = tail.op else {
+                continue;
+            };
+            let k = batch
+                .iter()
+                .position(|&m| g.node(m).outputs[0] == tail.inputs[0])
+                .ok_or_else(|| self.err(tail.outputs[0], "not the scale of an updated master"))?;
+            let count = numels[k].div_ceil(CHUNK) as u32;
+            let at = partials.plus(4 * first_chunk[k] as u64);
+            self.finish_amax(tail.outputs[0], at, count, Some((to, margin)))?;
+        }
+        Ok(())
     }
 }

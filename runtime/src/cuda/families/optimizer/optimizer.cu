@@ -10,10 +10,11 @@
 // gathered after the update) that nothing else writes; a persistent copy gets the same bits.
 // Entry points (<c> = the working copy's dtype: f16, bf16, or f32; copy pointers may be null):
 //   adamw_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2, eps,
-//             max_grad_norm)
-//   sgd_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, momentum, max_grad_norm)
+//             max_grad_norm, amax_partials)
+//   sgd_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, momentum, max_grad_norm,
+//           amax_partials)
 //   lion_<c>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2,
-//            max_grad_norm)
+//            max_grad_norm, amax_partials)
 //   adamw_bf16state_<c>, sgd_bf16state_<c>, lion_bf16state_<c>: the same with the moments
 //             stored in BF16 (read and widened, updated in F32, rounded to nearest even when
 //             stored).
@@ -40,6 +41,11 @@
 //   copy = <c>(p), rounded to nearest even.
 // The step counter is advanced separately (count_step in loss_scale.cu), after every
 // optimizer launch of the step has read it.
+// amax_partials (nullable, the last parameter of every entry point): n_chunks floats,
+// amax_partials[c] = the largest |p| of chunk c's masters as the step leaves them (updated, or
+// unchanged when the step is skipped), NaN if one is NaN: fp8.cu's amax partials, which
+// fp8_scale_finalize turns into the scale of a weight's FP8 copy (the `fp8_scale` of an updated
+// master fused into its update). A tensor's chunks are consecutive in the chunk table.
 // Launch: any grid (up to one block per chunk) and blockDim.x; 4-float vectors when a chunk's
 // pointers are 16-byte aligned (copy: 8-byte for 16-bit dtypes), scalar otherwise and for the
 // chunk's tail.
@@ -131,19 +137,49 @@ template <> __device__ __forceinline__ float4 load4<__nv_bfloat16>(const __nv_bf
     return make_float4(to_f32(e[0]), to_f32(e[1]), to_f32(e[2]), to_f32(e[3]));
 }
 
-// A skipped step's copies: each written from its unchanged master.
+// The largest magnitude of one chunk's masters as the step leaves them (amax_partials).
+struct ChunkAmax {
+    float* partials;  // nullable: no amax wanted
+    float m;
+    bool nan;
+    __device__ __forceinline__ void start() {
+        m = 0.0f;
+        nan = false;
+    }
+    __device__ __forceinline__ void fold(float p) {
+        if (partials) fold_abs(p, m, nan);
+    }
+    __device__ __forceinline__ void fold4(float4 p) {
+        fold(p.x);
+        fold(p.y);
+        fold(p.z);
+        fold(p.w);
+    }
+    // Every thread of the block calls it, once a chunk (the chunk loop is uniform).
+    __device__ __forceinline__ void store(int c, float* scratch) {
+        if (!partials) return;
+        const float r = block_max(nan ? F32_CANONICAL_NAN : m, scratch);
+        if (threadIdx.x == 0) partials[c] = r;
+    }
+};
+
+// A skipped step's copies: each written from its unchanged master (and its amax taken).
 template <typename C, typename T>
 __device__ __forceinline__ void refresh_copies(const T* __restrict__ tensors,
                                                const TensorChunk* __restrict__ chunks,
-                                               int n_chunks) {
+                                               int n_chunks, ChunkAmax amax, float* scratch) {
     for (int c = blockIdx.x; c < n_chunks; c += gridDim.x) {
         const TensorChunk ch = chunks[c];
         const T tt = tensors[ch.tensor];
-        if (!tt.copy) continue;
         const float* P = tt.master + ch.start;
-        C* K = static_cast<C*>(tt.copy) + ch.start;
+        C* K = tt.copy ? static_cast<C*>(tt.copy) + ch.start : nullptr;
         const int len = int(min(i64(ch.len), tt.numel - ch.start));
-        for (int i = threadIdx.x; i < len; i += blockDim.x) K[i] = from_f32<C>(P[i]);
+        amax.start();
+        for (int i = threadIdx.x; i < len; i += blockDim.x) {
+            if (K) K[i] = from_f32<C>(P[i]);
+            amax.fold(P[i]);
+        }
+        amax.store(c, scratch);
     }
 }
 
@@ -165,10 +201,12 @@ __device__ __forceinline__ void adamw(const AdamWTensor* __restrict__ tensors,
                                       const TensorChunk* __restrict__ chunks, int n_chunks,
                                       const float* lr, const float* step, const float* scale,
                                       const float* grad_norm, double beta1, double beta2,
-                                      double eps, double max_grad_norm) {
+                                      double eps, double max_grad_norm, float* amax_partials) {
+    __shared__ float scratch[32];
+    ChunkAmax amax{amax_partials};
     const GradFactor f = grad_factor(scale, grad_norm, max_grad_norm);
     if (f.skip) {
-        refresh_copies<C>(tensors, chunks, n_chunks);
+        refresh_copies<C>(tensors, chunks, n_chunks, amax, scratch);
         return;
     }
     const double t = double(*step) + 1.0;
@@ -190,6 +228,7 @@ __device__ __forceinline__ void adamw(const AdamWTensor* __restrict__ tensors,
         S* V = static_cast<S*>(tt.v) + ch.start;
         C* K = tt.copy ? static_cast<C*>(tt.copy) + ch.start : nullptr;
         const int len = int(min(i64(ch.len), tt.numel - ch.start));
+        amax.start();
         const bool vec = aligned16(P) && aligned16(G) && aligned_to(M, 4 * sizeof(S)) &&
                          aligned_to(V, 4 * sizeof(S)) && (!K || aligned_to(K, 4 * sizeof(C)));
         const int units = vec ? len / 4 : 0;
@@ -203,6 +242,7 @@ __device__ __forceinline__ void adamw(const AdamWTensor* __restrict__ tensors,
             adamw_elem(p.z, g.z * f.inv_scale * f.clip, m.z, v.z, s);
             adamw_elem(p.w, g.w * f.inv_scale * f.clip, m.w, v.w, s);
             reinterpret_cast<float4*>(P)[u] = p;
+            amax.fold4(p);
             store4<S>(M + 4 * u, m);
             store4<S>(V + 4 * u, v);
             if (K) store4<C>(K + 4 * u, p);
@@ -211,10 +251,12 @@ __device__ __forceinline__ void adamw(const AdamWTensor* __restrict__ tensors,
             float p = P[i], m = to_f32(M[i]), v = to_f32(V[i]);
             adamw_elem(p, G[i] * f.inv_scale * f.clip, m, v, s);
             P[i] = p;
+            amax.fold(p);
             M[i] = from_f32<S>(m);
             V[i] = from_f32<S>(v);
             if (K) K[i] = from_f32<C>(p);
         }
+        amax.store(c, scratch);
     }
 }
 
@@ -229,11 +271,14 @@ template <typename C, typename S>
 __device__ __forceinline__ void sgd(const MomentTensor* __restrict__ tensors,
                                     const TensorChunk* __restrict__ chunks, int n_chunks,
                                     const float* lr, const float* step, const float* scale,
-                                    const float* grad_norm, double momentum, double max_grad_norm) {
+                                    const float* grad_norm, double momentum, double max_grad_norm,
+                                    float* amax_partials) {
     (void)step;  // SGD has no bias correction; kept for the common signature
+    __shared__ float scratch[32];
+    ChunkAmax amax{amax_partials};
     const GradFactor f = grad_factor(scale, grad_norm, max_grad_norm);
     if (f.skip) {
-        refresh_copies<C>(tensors, chunks, n_chunks);
+        refresh_copies<C>(tensors, chunks, n_chunks, amax, scratch);
         return;
     }
     const float lrf = *lr, mom = float(momentum);
@@ -246,6 +291,7 @@ __device__ __forceinline__ void sgd(const MomentTensor* __restrict__ tensors,
         S* B = static_cast<S*>(tt.buf) + ch.start;
         C* K = tt.copy ? static_cast<C*>(tt.copy) + ch.start : nullptr;
         const int len = int(min(i64(ch.len), tt.numel - ch.start));
+        amax.start();
         const bool vec = aligned16(P) && aligned16(G) && aligned_to(B, 4 * sizeof(S)) &&
                          (!K || aligned_to(K, 4 * sizeof(C)));
         const int units = vec ? len / 4 : 0;
@@ -258,6 +304,7 @@ __device__ __forceinline__ void sgd(const MomentTensor* __restrict__ tensors,
             sgd_elem(p.z, g.z * f.inv_scale * f.clip, b.z, wd, mom, lrf);
             sgd_elem(p.w, g.w * f.inv_scale * f.clip, b.w, wd, mom, lrf);
             reinterpret_cast<float4*>(P)[u] = p;
+            amax.fold4(p);
             store4<S>(B + 4 * u, b);
             if (K) store4<C>(K + 4 * u, p);
         }
@@ -265,9 +312,11 @@ __device__ __forceinline__ void sgd(const MomentTensor* __restrict__ tensors,
             float p = P[i], b = to_f32(B[i]);
             sgd_elem(p, G[i] * f.inv_scale * f.clip, b, wd, mom, lrf);
             P[i] = p;
+            amax.fold(p);
             B[i] = from_f32<S>(b);
             if (K) K[i] = from_f32<C>(p);
         }
+        amax.store(c, scratch);
     }
 }
 
@@ -292,11 +341,13 @@ __device__ __forceinline__ void lion(const MomentTensor* __restrict__ tensors,
                                      const TensorChunk* __restrict__ chunks, int n_chunks,
                                      const float* lr, const float* step, const float* scale,
                                      const float* grad_norm, double beta1, double beta2,
-                                     double max_grad_norm) {
+                                     double max_grad_norm, float* amax_partials) {
     (void)step;  // Lion has no bias correction; kept for the common signature
+    __shared__ float scratch[32];
+    ChunkAmax amax{amax_partials};
     const GradFactor f = grad_factor(scale, grad_norm, max_grad_norm);
     if (f.skip) {
-        refresh_copies<C>(tensors, chunks, n_chunks);
+        refresh_copies<C>(tensors, chunks, n_chunks, amax, scratch);
         return;
     }
     LionScalars s;
@@ -314,6 +365,7 @@ __device__ __forceinline__ void lion(const MomentTensor* __restrict__ tensors,
         S* M = static_cast<S*>(tt.buf) + ch.start;
         C* K = tt.copy ? static_cast<C*>(tt.copy) + ch.start : nullptr;
         const int len = int(min(i64(ch.len), tt.numel - ch.start));
+        amax.start();
         const bool vec = aligned16(P) && aligned16(G) && aligned_to(M, 4 * sizeof(S)) &&
                          (!K || aligned_to(K, 4 * sizeof(C)));
         const int units = vec ? len / 4 : 0;
@@ -326,6 +378,7 @@ __device__ __forceinline__ void lion(const MomentTensor* __restrict__ tensors,
             lion_elem(p.z, g.z * f.inv_scale * f.clip, m.z, s);
             lion_elem(p.w, g.w * f.inv_scale * f.clip, m.w, s);
             reinterpret_cast<float4*>(P)[u] = p;
+            amax.fold4(p);
             store4<S>(M + 4 * u, m);
             if (K) store4<C>(K + 4 * u, p);
         }
@@ -333,9 +386,11 @@ __device__ __forceinline__ void lion(const MomentTensor* __restrict__ tensors,
             float p = P[i], m = to_f32(M[i]);
             lion_elem(p, G[i] * f.inv_scale * f.clip, m, s);
             P[i] = p;
+            amax.fold(p);
             M[i] = from_f32<S>(m);
             if (K) K[i] = from_f32<C>(p);
         }
+        amax.store(c, scratch);
     }
 }
 
@@ -344,24 +399,25 @@ __device__ __forceinline__ void lion(const MomentTensor* __restrict__ tensors,
     extern "C" __global__ void adamw_##name##c(                                                \
         const AdamWTensor* tensors, const TensorChunk* chunks, int n_chunks, const float* lr,  \
         const float* step, const float* scale, const float* grad_norm, double beta1,           \
-        double beta2, double eps, double max_grad_norm) {                                      \
+        double beta2, double eps, double max_grad_norm, float* amax_partials) {                \
         adamw<C, S>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2, eps,  \
-                    max_grad_norm);                                                            \
+                    max_grad_norm, amax_partials);                                             \
     }                                                                                          \
     extern "C" __global__ void sgd_##name##c(const MomentTensor* tensors,                      \
                                              const TensorChunk* chunks, int n_chunks,          \
                                              const float* lr, const float* step,               \
                                              const float* scale, const float* grad_norm,       \
-                                             double momentum, double max_grad_norm) {          \
+                                             double momentum, double max_grad_norm,            \
+                                             float* amax_partials) {                           \
         sgd<C, S>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, momentum,             \
-                  max_grad_norm);                                                              \
+                  max_grad_norm, amax_partials);                                               \
     }                                                                                          \
     extern "C" __global__ void lion_##name##c(                                                 \
         const MomentTensor* tensors, const TensorChunk* chunks, int n_chunks, const float* lr, \
         const float* step, const float* scale, const float* grad_norm, double beta1,           \
-        double beta2, double max_grad_norm) {                                                  \
+        double beta2, double max_grad_norm, float* amax_partials) {                            \
         lion<C, S>(tensors, chunks, n_chunks, lr, step, scale, grad_norm, beta1, beta2,        \
-                   max_grad_norm);                                                             \
+                   max_grad_norm, amax_partials);                                              \
     }
 
 #define OPTIMIZER(C, c)                                                                        \

@@ -171,6 +171,10 @@ fn adamw_sgd_and_lion_updates_equal_the_twin() {
                     UpdateRule::Lion => args.extend([Arg::F64(0.9), Arg::F64(0.99)]),
                 }
                 args.push(Arg::F64(max_norm));
+                // The masters' largest magnitudes per chunk, on every other launch (null on the
+                // rest).
+                let amax = (grad_norm != 3.5).then(|| l.out(n_chunks * 4, 0));
+                args.push(amax.map_or(Arg::Null, |b| l.ptr(b)));
                 let entry = format!(
                     "{}_{}{s}",
                     match rule {
@@ -188,6 +192,20 @@ fn adamw_sgd_and_lion_updates_equal_the_twin() {
                 let out = l
                     .run(&entry, (3, 1, 1), (128, 1, 1), args)
                     .unwrap_or_else(|e| panic!("{what}: {e}"));
+                if let Some(b) = amax {
+                    // Each tensor's chunks, in order: the maximum of its partials is the
+                    // amax of its master as the step left it (fp8_scale's input).
+                    let partials = dec(DType::F32, &out[b.0]);
+                    let mut at = 0;
+                    for (&n, (p, _, _)) in SIZES.iter().zip(&want) {
+                        let count = n.div_ceil(CHUNK);
+                        let got = crate::cpu::fp8::amax(&partials[at..at + count]);
+                        let wanted = crate::cpu::fp8::amax(p);
+                        assert_eq!(got.to_bits(), wanted.to_bits(), "{entry} amax of {n}");
+                        at += count;
+                    }
+                    assert_eq!(at, n_chunks);
+                }
                 for ((bp, bm, bv, copy), (p, m, v)) in bufs.iter().zip(&want) {
                     check(
                         &format!("{what} master"),
