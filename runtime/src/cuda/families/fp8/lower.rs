@@ -8,9 +8,10 @@
 //! transposed copy of each operand the IR does not store contiguous along
 //! the inner dim (cuBLASLt's FP8 products take only the "TN" form: the backward's `dX = dY W`
 //! and `dW = Xᵀ dY`, and `x W` of a weight stored `[in, out]`), then one cuBLASLt FP8 product
-//! (`crate::cuda::lower::gemm::fp8_matmul`). The copies are arena buffers of the product's unit,
-//! so they show in the program's allocation, and in its listing as `strided_copy_b1` launches
-//! for the product's node, just before its `gemm`.
+//! (`crate::cuda::lower::gemm::fp8_matmul`). The copies are arena buffers, shared by the later
+//! products that read the same elements and live until the last of them, so they show in the
+//! program's allocation, and in its listing as `strided_copy_b1` launches for the first such
+//! product's node, just before its `gemm`.
 
 use super::Kernel;
 use crate::cuda::kernel_id::KernelId;
@@ -22,6 +23,11 @@ use castor_ir::{DType, Node, Op, Value};
 
 /// The most blocks (and so partial maxima) of an amax: each thread takes 8 elements at least.
 const MAX_BLOCKS: usize = 1024;
+
+/// The CPU twin's divisor of a scale, 2^margin in F64 (infinite past 2^1023).
+fn margin_divisor(margin: usize) -> f64 {
+    2f64.powi(margin.min(1024) as i32)
+}
 
 /// The grid of an amax or quantize launch over `n` elements.
 fn amax_grid(n: usize) -> (u32, u32, u32) {
@@ -69,8 +75,7 @@ impl RunLowering<'_, '_> {
                     .ok_or_else(|| self.err(v, format!("{to} is not an FP8 dtype")))?;
                 args.extend([
                     ("largest", Arg::F64(f64::from(format.max()))),
-                    // The CPU twin's divisor, 2^margin in F64 (infinite past 2^1023).
-                    ("divisor", Arg::F64(2f64.powi(margin.min(1024) as i32))),
+                    ("divisor", Arg::F64(margin_divisor(margin))),
                     ("scale", Arg::Ptr(out)),
                 ]);
                 Kernel::ScaleFinalize
@@ -171,8 +176,7 @@ impl RunLowering<'_, '_> {
                 Field::Ptr(self.out(history_next)?),
                 Field::Ptr(self.out(scale_next)?),
                 Field::F64(f64::from(format.max())),
-                // The CPU twin's divisor, 2^margin in F64 (infinite past 2^1023).
-                Field::F64(2f64.powi(margin.min(1024) as i32)),
+                Field::F64(margin_divisor(margin)),
                 Field::I32(length as i32),
                 Field::I32(0),
             ]);

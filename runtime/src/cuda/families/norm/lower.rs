@@ -2,7 +2,7 @@
 //! or scale of its output fused behind), statistics-only recomputation, and backward with its
 //! weight-gradient reduction.
 use super::{Kernel, Pass};
-use crate::cuda::program::Arg;
+use crate::cuda::program::{Arg, Place};
 use crate::cuda::lower::ops::{row_threads, BLOCK, ROW_BLOCK};
 use crate::cuda::lower::{grid_1d, grid_rows, LowerError, RunLowering, Saved};
 use crate::cuda::kernel_id::KernelId;
@@ -28,9 +28,18 @@ fn rows_per_group(rows: usize, h: usize) -> usize {
 }
 
 impl RunLowering<'_, '_> {
-    /// A norm node, with the residual add that makes its input when `prologue` names it: the
-    /// kernel reads the add's operands (`x`, `res`) and writes their sum (`sum_out`).
-    pub(crate) fn norm_unit(&mut self, n: Node, prologue: Option<Node>) -> Result<(), LowerError> {
+    /// A norm node, with the residual add that makes its input when `prologue` names it (the
+    /// kernel reads the add's operands, `x` and `res`, and writes their sum, `sum_out`), and
+    /// the FP8 cast or scale of its output when `fp8_tail` names it (a
+    /// [`castor_ir::UnitKind::NormFp8`] unit: the `*_fwd_fp8` kernel takes the output's amax
+    /// per block and, for a `quantize`, writes its E4M3 cast; then `fp8_amax_finalize` makes
+    /// the cast's amax, where it is read, or `fp8_scale_finalize` the scale).
+    pub(crate) fn norm_unit(
+        &mut self,
+        n: Node,
+        prologue: Option<Node>,
+        fp8_tail: Option<Node>,
+    ) -> Result<(), LowerError> {
         let g = self.g;
         let node = g.node(n);
         let (rms, eps) = match node.op {
@@ -39,30 +48,19 @@ impl RunLowering<'_, '_> {
             _ => return Err(self.err(node.outputs[0], "not a norm")),
         };
         let ins = node.inputs.clone();
-        self.norm(node.outputs[0], &ins, rms, eps, prologue, None)
+        self.norm(node.outputs[0], &ins, rms, eps, prologue, fp8_tail)
     }
 
-    /// A [`castor_ir::UnitKind::NormFp8`] unit, `[norm, tail]` or `[add, norm, tail]`: the
-    /// forward's `*_fwd_fp8` kernel takes the output's amax per block and, for a `quantize`
-    /// tail, writes its E4M3 cast; then `fp8_amax_finalize` makes the cast's amax (where it is
-    /// read) or `fp8_scale_finalize` the scale.
+    /// A [`castor_ir::UnitKind::NormFp8`] unit, `[norm, tail]` or `[add, norm, tail]`.
     pub(crate) fn norm_fp8_unit(&mut self, members: &[Node]) -> Result<(), LowerError> {
-        let (prologue, n, tail) = match *members {
-            [n, tail] => (None, n, tail),
-            [add, n, tail] => (Some(add), n, tail),
+        match *members {
+            [n, tail] => self.norm_unit(n, None, Some(tail)),
+            [add, n, tail] => self.norm_unit(n, Some(add), Some(tail)),
             _ => {
                 let v = self.g.node(members[0]).outputs[0];
-                return Err(self.err(v, "a norm_fp8 unit has two or three members"));
+                Err(self.err(v, "a norm_fp8 unit has two or three members"))
             }
-        };
-        let node = self.g.node(n);
-        let (rms, eps) = match node.op {
-            Op::LayerNorm { eps } => (false, eps),
-            Op::RmsNorm { eps } => (true, eps),
-            _ => return Err(self.err(node.outputs[0], "not a norm")),
-        };
-        let ins = node.inputs.clone();
-        self.norm(node.outputs[0], &ins, rms, eps, prologue, Some(tail))
+        }
     }
 
     /// A norm-gradient node, with the add of another gradient to its input gradient when
@@ -194,7 +192,7 @@ impl RunLowering<'_, '_> {
     fn fp8_tail_args(
         &mut self,
         tail: Node,
-        partials: crate::cuda::program::Place,
+        partials: Place,
     ) -> Result<Vec<(&'static str, Arg)>, LowerError> {
         let node = self.g.node(tail);
         let (scale, q) = match node.op {
@@ -216,7 +214,7 @@ impl RunLowering<'_, '_> {
     fn fp8_tail_finalize(
         &mut self,
         tail: Node,
-        partials: crate::cuda::program::Place,
+        partials: Place,
         count: u32,
     ) -> Result<(), LowerError> {
         let node = self.g.node(tail);
