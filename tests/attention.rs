@@ -636,6 +636,27 @@ fn cudnn_attention_runs_every_layer_with_no_score_tensor() {
     );
     assert_eq!(count("launch cast_bool_f32"), 24);
     assert_eq!(count("(cuDNN required: no fallback)"), 24);
+    // Each backward has its F32 dQ accumulator ([B, H, T, d]) in the arena, for the graph of
+    // cuDNN's flash backward (CASTOR_CUDNN_NONDETERMINISTIC=1).
+    let arena: u64 = listing
+        .lines()
+        .next()
+        .and_then(|l| l.split("arena ").nth(1))
+        .and_then(|l| l.split(' ').next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    let accumulators: Vec<u64> = listing
+        .lines()
+        .filter(|l| l.contains("cudnn attention backward"))
+        .map(|l| {
+            let at = l.split("dq accum=a+").nth(1).unwrap();
+            at.split([' ', ')']).next().unwrap().parse().unwrap()
+        })
+        .collect();
+    assert_eq!(accumulators.len(), 12);
+    let accum_bytes = 4 * 8 * 12 * 1024 * 64;
+    assert!(accumulators.iter().all(|&at| at + accum_bytes <= arena));
     assert_eq!(
         count("launch attention_"),
         0,

@@ -6,8 +6,12 @@
 //! The graphs are cuDNN's composite scaled-dot-product attention (the patterns its runtime
 //! fusion engines recognise, as cudnn-frontend's SDPA nodes build them for cuDNN 9): the
 //! forward `S = scale Q Kᵀ`, masks, softmax with the F32 log-sum-exp saved (`Stats`), `O = P V`;
-//! the backward from Q, K, V, O, dO and the log-sum-exp, with `dQ = dS K` written directly (no
-//! F32 dQ accumulator: the graph shape by which cuDNN runs its deterministic engine on Hopper).
+//! the backward from Q, K, V, O, dO and the log-sum-exp, in one of two shapes ([`DqForm`]).
+//! With `dQ = dS K` written directly, cuDNN runs a deterministic backward (on Hopper the one
+//! cudnn-frontend builds when asked for a deterministic algorithm). With `dQ` summed into an F32
+//! accumulator first (the frontend's default graph on Hopper, and PyTorch's), cuDNN runs its
+//! flash backward, whose key blocks add their shares of dQ by atomic adds: faster, but a
+//! replay is not bit-identical.
 //! Tensors are 4-D `(batch, heads, rows, head dim)` with strides: castor's flattened query
 //! batches split as its kernels split them (`(b / heads, b % heads)`), so that a head read in
 //! place from a fused QKV product has the same strides here as there; a key-padding mask row
@@ -91,6 +95,20 @@ pub struct SdpaGrads {
     /// F32 `[heads_q, rows_q]` scratch for `rowsum(dO · O)`, which the backward graph writes
     /// and reads (cuDNN's "softmax_sum").
     pub row_sums: Place,
+    /// F32 dense `[batch, heads_q, rows_q, head_dim]` scratch in which the accumulating graph
+    /// ([`DqForm::Accumulated`]) sums dQ; the direct graph leaves it alone.
+    pub dq_accum: Place,
+}
+
+/// How the backward graph produces dQ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DqForm {
+    /// `dQ = dS K` into dQ itself: the graph of cuDNN's deterministic backward.
+    Direct,
+    /// `dQ = dS K` summed into the F32 [`SdpaGrads::dq_accum`], then converted into dQ: the
+    /// graph of cuDNN's flash backward, which adds each key block's share by atomic adds
+    /// (cuDNN zeroes the accumulator itself from 9.6 on; the caller does before that).
+    Accumulated,
 }
 
 /// One fused attention pass run by cuDNN, with what runs instead where cuDNN does not.
@@ -136,9 +154,16 @@ impl Sdpa {
                 ("dk", g.dk.place),
                 ("dv", g.dv.place),
                 ("row sums", g.row_sums),
+                ("dq accum", g.dq_accum),
             ]);
         }
         out
+    }
+
+    /// Bytes of the backward's F32 dQ accumulator.
+    pub fn dq_accum_bytes(&self) -> u64 {
+        let p = &self.problem;
+        4 * (p.batch * p.heads_q * p.rows_q * p.head_dim) as u64
     }
 
     /// Each tensor's role, bytes (from its first element to one past its last) and place.
@@ -170,6 +195,7 @@ impl Sdpa {
                 ("dk", span(&g.dk, hk, sk), g.dk.place),
                 ("dv", span(&g.dv, hk, sk), g.dv.place),
                 ("row sums", rows, g.row_sums),
+                ("dq accum", self.dq_accum_bytes(), g.dq_accum),
             ]);
         }
         out
@@ -192,6 +218,7 @@ impl Sdpa {
                 t.place = f(t.place);
             }
             g.row_sums = f(g.row_sums);
+            g.dq_accum = f(g.dq_accum);
         }
         commands(&mut self.fallback);
     }
@@ -310,13 +337,15 @@ pub enum Pointwise {
     GenIndex {
         axis: i64,
     },
+    /// `y = x`, converted to `y`'s type.
+    Identity,
 }
 
 impl Pointwise {
     /// Operand count: `x` (and `b`, and `t`).
     pub fn inputs(self) -> usize {
         match self {
-            Pointwise::Exp | Pointwise::Log | Pointwise::GenIndex { .. } => 1,
+            Pointwise::Exp | Pointwise::Log | Pointwise::GenIndex { .. } | Pointwise::Identity => 1,
             Pointwise::BinarySelect => 3,
             _ => 2,
         }
@@ -582,11 +611,11 @@ fn masks(g: &mut Graph, s: usize, p: &SdpaProblem) -> usize {
     out
 }
 
-/// The operation graph of `call`.
-pub fn graph(call: &Sdpa) -> Result<Graph, String> {
+/// The operation graph of `call`; a backward's produces dQ in `form`.
+pub fn graph(call: &Sdpa, form: DqForm) -> Result<Graph, String> {
     match (call.pass, &call.grads) {
         (SdpaPass::Forward, _) => Ok(forward(call)),
-        (SdpaPass::Backward, Some(grads)) => Ok(backward(call, grads)),
+        (SdpaPass::Backward, Some(grads)) => Ok(backward(call, grads, form)),
         (SdpaPass::Backward, None) => Err(format!(
             "the backward of %{} names no gradient tensors",
             call.node
@@ -674,7 +703,7 @@ fn forward(c: &Sdpa) -> Graph {
     g
 }
 
-fn backward(c: &Sdpa, grads: &SdpaGrads) -> Graph {
+fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
     let p = &c.problem;
     let (b, hq, hk) = (p.batch as i64, p.heads_q as i64, p.heads_kv as i64);
     let (sq, sk, d) = (p.rows_q as i64, p.rows_kv as i64, p.head_dim as i64);
@@ -837,7 +866,8 @@ fn backward(c: &Sdpa, grads: &SdpaGrads) -> Graph {
     );
     g.ops.push(OpSpec::Reshape { x: ds, y: dst });
     grouped_product(&mut g, "dk", dst, q, dk, [b, hq, sk, d], hq != hk);
-    // dQ = dS K, written directly (the deterministic engine's graph).
+    // dQ = dS K, written directly (the deterministic engine's graph) or through the F32
+    // accumulator (the flash backward's).
     let k_view = g.tensor(
         "k view",
         ElemType::Io,
@@ -846,11 +876,28 @@ fn backward(c: &Sdpa, grads: &SdpaGrads) -> Graph {
         Binding::Virtual,
     );
     g.ops.push(OpSpec::Reshape { x: kt, y: k_view });
-    g.ops.push(OpSpec::Matmul {
-        a: ds,
-        b: k_view,
-        c: dq,
-    });
+    match form {
+        DqForm::Direct => g.ops.push(OpSpec::Matmul {
+            a: ds,
+            b: k_view,
+            c: dq,
+        }),
+        DqForm::Accumulated => {
+            let accum = g.tensor(
+                "dq accum",
+                ElemType::F32,
+                q_dims,
+                dense(q_dims),
+                Binding::Operand("dq accum"),
+            );
+            g.ops.push(OpSpec::Matmul {
+                a: ds,
+                b: k_view,
+                c: accum,
+            });
+            g.pointwise(Pointwise::Identity, &[accum], dq, ElemType::F32);
+        }
+    }
     g
 }
 
@@ -922,6 +969,7 @@ mod tests {
                 dk: t(7 << 20, hk),
                 dv: t(8 << 20, hk),
                 row_sums: at(9 << 20),
+                dq_accum: at(11 << 20),
             }),
             mask,
             fallback: Vec::new(),
@@ -929,10 +977,15 @@ mod tests {
         }
     }
 
-    /// Every variant's graph is well formed, and binds exactly the call's places and scalars.
+    /// Every variant's graph is well formed, and binds exactly the call's places and scalars
+    /// (the direct backward all but the dQ accumulator).
     #[test]
     fn graphs_are_well_formed_and_bind_the_calls_tensors() {
-        for pass in [SdpaPass::Forward, SdpaPass::Backward] {
+        for (pass, form) in [
+            (SdpaPass::Forward, DqForm::Direct),
+            (SdpaPass::Backward, DqForm::Direct),
+            (SdpaPass::Backward, DqForm::Accumulated),
+        ] {
             for heads in [(4, 4), (8, 2)] {
                 for (causal, window, masked) in [
                     (false, None, false),
@@ -941,7 +994,7 @@ mod tests {
                     (false, None, true),
                 ] {
                     let c = call(pass, heads, causal, window, masked);
-                    let g = graph(&c).unwrap();
+                    let g = graph(&c, form).unwrap();
                     g.check()
                         .unwrap_or_else(|e| panic!("{pass:?} {heads:?} {causal}: {e}"));
                     let mut operands: Vec<&str> = g
@@ -952,9 +1005,14 @@ mod tests {
                         })
                         .collect();
                     operands.sort_unstable();
-                    let mut roles: Vec<&str> = c.places().iter().map(|(r, _)| *r).collect();
+                    let mut roles: Vec<&str> = c
+                        .places()
+                        .iter()
+                        .map(|(r, _)| *r)
+                        .filter(|r| *r != "dq accum" || form == DqForm::Accumulated)
+                        .collect();
                     roles.sort_unstable();
-                    assert_eq!(operands, roles, "{pass:?}");
+                    assert_eq!(operands, roles, "{pass:?} {form:?}");
                     let masks = g
                         .ops
                         .iter()
@@ -972,7 +1030,8 @@ mod tests {
                     assert_eq!(masks, want.iter().filter(|&&m| m).count());
                     // cuDNN's fused engines refuse a pointwise op on the scores' path whose
                     // first operand is a tensor of the call (the padding flags once were):
-                    // such an op reads only the call's tensors (the backward's dO · O).
+                    // such an op reads only the call's tensors (the backward's dO · O and
+                    // the accumulator's conversion into dQ).
                     for op in &g.ops {
                         let OpSpec::Pointwise { mode, inputs, .. } = op else {
                             continue;
@@ -990,12 +1049,60 @@ mod tests {
         }
     }
 
+    /// The direct backward writes dQ by its product; the accumulating one sums the product
+    /// into the dense F32 accumulator and converts that into dQ, as cudnn-frontend's graph.
+    #[test]
+    fn dq_is_written_directly_or_through_the_f32_accumulator() {
+        let c = call(SdpaPass::Backward, (8, 2), true, None, false);
+        let writer = |g: &Graph, name: &str| {
+            g.ops
+                .iter()
+                .find(|op| match op {
+                    OpSpec::Matmul { c, .. } => g.tensors[*c].name == name,
+                    OpSpec::Pointwise { y, .. } => g.tensors[*y].name == name,
+                    _ => false,
+                })
+                .cloned()
+        };
+        let direct = graph(&c, DqForm::Direct).unwrap();
+        assert!(matches!(writer(&direct, "dq"), Some(OpSpec::Matmul { .. })));
+        assert!(direct.tensors.iter().all(|t| t.name != "dq accum"));
+        let accumulated = graph(&c, DqForm::Accumulated).unwrap();
+        let accum = accumulated
+            .tensors
+            .iter()
+            .position(|t| t.name == "dq accum")
+            .unwrap();
+        let t = &accumulated.tensors[accum];
+        assert_eq!((t.elem, t.dims), (ElemType::F32, [2, 8, 256, 64]));
+        assert_eq!(t.strides, [8 * 256 * 64, 256 * 64, 64, 1]);
+        assert!(matches!(
+            writer(&accumulated, "dq accum"),
+            Some(OpSpec::Matmul { .. })
+        ));
+        assert_eq!(
+            writer(&accumulated, "dq"),
+            Some(OpSpec::Pointwise {
+                mode: Pointwise::Identity,
+                inputs: vec![accum],
+                y: accumulated
+                    .tensors
+                    .iter()
+                    .position(|t| t.name == "dq")
+                    .unwrap(),
+                compute: ElemType::F32,
+            })
+        );
+        assert_eq!(c.dq_accum_bytes(), 4 * 2 * 8 * 256 * 64);
+        assert_eq!(accumulated.ops.len(), direct.ops.len() + 1);
+    }
+
     /// Kᵀ is K's memory with the last two dims and strides swapped, and grouped heads sum
     /// their per-head gradients into the key heads.
     #[test]
     fn k_is_transposed_by_strides_and_groups_reduce() {
         let c = call(SdpaPass::Backward, (8, 2), true, None, false);
-        let g = graph(&c).unwrap();
+        let g = graph(&c, DqForm::Direct).unwrap();
         let k = g.tensors.iter().find(|t| t.name == "k").unwrap();
         assert_eq!(k.dims, [2, 2, 64, 256]);
         assert_eq!(k.strides, [2 * 256 * 64, 256 * 64, 1, 64]);

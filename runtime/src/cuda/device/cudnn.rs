@@ -10,7 +10,7 @@
 //! any CUDA-graph capture, and hold the by-value scalars they were built with, so a captured
 //! execution reads them at the same addresses on every replay.
 
-use crate::cuda::sdpa::{self, Binding, ElemType, OpSpec, Pointwise, Sdpa};
+use crate::cuda::sdpa::{self, Binding, DqForm, ElemType, OpSpec, Pointwise, Sdpa};
 use castor_ir::DType;
 use cudarc::cudnn::sys;
 use std::collections::HashMap;
@@ -177,6 +177,7 @@ fn mode(p: Pointwise) -> sys::cudnnPointwiseMode_t {
         Pointwise::CmpGt => CUDNN_POINTWISE_CMP_GT,
         Pointwise::BinarySelect => CUDNN_POINTWISE_BINARY_SELECT,
         Pointwise::GenIndex { .. } => CUDNN_POINTWISE_GEN_INDEX,
+        Pointwise::Identity => CUDNN_POINTWISE_IDENTITY,
     }
 }
 
@@ -189,14 +190,18 @@ pub(super) struct Plan {
     /// resized after the plan is built, so they stay put).
     scalars: Vec<f32>,
     pub(super) deterministic: bool,
+    /// How a backward's graph produces dQ (a forward's is `Direct`).
+    pub(super) dq_form: DqForm,
     /// The engine, for the device line: `engine 8 (heuristics' 1st)`, and the heuristics'
     /// first plan that built when it was passed over as nondeterministic.
     pub(super) engine: String,
 }
 
-/// Set to 1, the engine choice takes the heuristics' first plan that builds whether or not it
-/// is deterministic (as PyTorch does unless asked for determinism): a diagnostic that
-/// measures what the deterministic backward costs. Replays are then no longer bit-identical.
+/// Set to 1, the backward's graph sums dQ in an F32 accumulator ([`DqForm::Accumulated`], the
+/// graph of cuDNN's flash backward, which cudnn-frontend builds by default on Hopper and
+/// PyTorch runs) and the engine choice takes the heuristics' first plan that builds whether or
+/// not it is deterministic: what the deterministic backward costs, measurable. Replays are then
+/// no longer bit-identical.
 pub const ANY_ENGINE_ENV: &str = "CASTOR_CUDNN_NONDETERMINISTIC";
 
 /// Whether [`ANY_ENGINE_ENV`] asks for the heuristics' first engine: unset or `0` no, `1`
@@ -303,7 +308,12 @@ impl Cudnn {
     }
 
     fn build(&self, call: &Sdpa, workspace: u64) -> Result<Plan, String> {
-        let graph = sdpa::graph(call)?;
+        let dq_form = if self.any_engine && call.pass == sdpa::SdpaPass::Backward {
+            DqForm::Accumulated
+        } else {
+            DqForm::Direct
+        };
+        let graph = sdpa::graph(call, dq_form)?;
         graph
             .check()
             .map_err(|e| format!("the attention graph: {e}"))?;
@@ -483,6 +493,7 @@ impl Cudnn {
             graph,
             scalars,
             deterministic,
+            dq_form,
             engine,
         })
     }
@@ -662,6 +673,16 @@ impl Cudnn {
             && notes[..count.clamp(0, 16) as usize].contains(
                 &(sys::cudnnBackendNumericalNote_t::CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC as u32),
             )
+    }
+
+    /// What must be zeroed before `call`'s plan runs: the F32 dQ accumulator of an
+    /// accumulating backward, where cuDNN predates 9.6 (from 9.6 on the plan zeroes it itself,
+    /// as cudnn-frontend relies on).
+    pub(super) fn zeroed_first(&self, call: &Sdpa) -> Option<(crate::cuda::program::Place, u64)> {
+        let plan = self.built(call)?;
+        let grads = call.grads.as_ref()?;
+        (plan.dq_form == DqForm::Accumulated && self.version < 90600)
+            .then(|| (grads.dq_accum, call.dq_accum_bytes()))
     }
 
     /// Runs `call`'s plan on `stream`: `address` gives each place's device address.

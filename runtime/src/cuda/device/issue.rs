@@ -76,6 +76,13 @@ impl Loaded {
             match c {
                 Command::Sdpa(call) => {
                     let plan = self.cudnn.as_ref().filter(|c| c.built(call).is_some());
+                    if let Some((dst, bytes)) = plan.and_then(|c| c.zeroed_first(call)) {
+                        self.issue(&[Command::Memset {
+                            dst,
+                            bytes,
+                            byte: 0,
+                        }])?;
+                    }
                     match plan {
                         // SAFETY: every place of the call was checked at load to lie in its
                         // live buffer; the workspace is the program's, as large as the plan

@@ -616,12 +616,16 @@ impl RunLowering<'_, '_> {
             ("dk", dko),
             ("dv", dvo),
         ];
+        // The kernel's F32 dq accumulator, which cuDNN's accumulating graph may use in its
+        // place (the kernels and cuDNN never both run the pass).
+        let mut kernel_acc = None;
         match p.tile {
             Some(tile) => {
                 // One pass over key blocks: dq summed in dq_acc across key blocks, in the
                 // order the dq_ready counters (zeroed here) keep.
                 let (bq, t) = (p.bq as u64, p.t as u64);
                 let acc = self.scratch(geometry::dq_acc_elems(bq, t, tile) * 4);
+                kernel_acc = Some(acc);
                 let ready_bytes = geometry::dq_ready_count(bq, t, tile) * 4;
                 let ready = self.scratch(ready_bytes);
                 self.commands.push(Command::Memset {
@@ -654,6 +658,11 @@ impl RunLowering<'_, '_> {
         if !library.may_use_cudnn() {
             return Ok(());
         }
+        // cuDNN's dense [bq, t, d] F32 accumulator fits in the kernel's [bq, t, P], P >= d.
+        let dq_accum = match kernel_acc {
+            Some(acc) => acc,
+            None => self.scratch(rows as u64 * p.d as u64 * 4),
+        };
         let call = Sdpa {
             node: g.name(dq).to_string(),
             pass: SdpaPass::Backward,
@@ -669,6 +678,7 @@ impl RunLowering<'_, '_> {
                 dk: dko.tensor4(),
                 dv: dvo.tensor4(),
                 row_sums: delta,
+                dq_accum,
             }),
             mask: None,
             fallback: Vec::new(),
