@@ -789,7 +789,8 @@ fn packed_rows_run_castors_fused_kernels_under_auto_and_cudnn_refuses_them() {
         ),
         "{listing}"
     );
-    // The positions (an input slot) follow the null mask in every attention launch.
+    // The positions (an input slot) follow the null mask in every attention launch, each of a
+    // `_packed` entry point (the others compile the positions out).
     let launches: Vec<&str> = listing
         .lines()
         .filter(|l| {
@@ -800,6 +801,7 @@ fn packed_rows_run_castors_fused_kernels_under_auto_and_cudnn_refuses_them() {
     for l in &launches {
         let args: Vec<&str> = l.split(">>>(").nth(1).unwrap_or("").split(", ").collect();
         assert!(args[3] == "null" && args[4] != "null", "{l}");
+        assert!(l.contains("_d16_packed<<<"), "{l}");
     }
     assert!(!listing.contains("softmax_fwd"), "{listing}");
     let o = compile(&["--attention", "cudnn"]);

@@ -70,7 +70,9 @@ pub fn disassemble(nvdisasm: &Path, cubin: &[u8]) -> Result<String, NvdisasmErro
 /// One kernel's machine code, counted.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct InstructionMix {
-    /// Static instructions (each instruction of the listing once, whether or not it runs).
+    /// Static instructions (each instruction of the listing once, whether or not it runs),
+    /// but `NOP`s: the padding that aligns a kernel's end and some branch targets does no
+    /// work.
     pub total: u32,
     /// Tensor-core instructions: `HMMA` (mma.sync), `HGMMA` (wgmma).
     pub tensor: u32,
@@ -131,8 +133,11 @@ pub fn count(listing: &str) -> BTreeMap<String, InstructionMix> {
             continue;
         };
         let mix = out.entry(kernel.clone()).or_default();
-        mix.total += 1;
         let base = op.split('.').next().unwrap_or(op);
+        if base == "NOP" {
+            continue;
+        }
+        mix.total += 1;
         match base {
             "HMMA" | "HGMMA" => mix.tensor += 1,
             "LDSM" => mix.ldsm += 1,
@@ -161,8 +166,10 @@ mod tests {
         /*0050*/                   LDS.U16 R7, [R9] ;\n\
         /*0060*/                   HMMA.16816.F32.BF16 R8, R12, R18, R8 ;\n\
         /*0070*/                   CALL.REL.NOINC 0x200 ;\n\
+        /*0080*/                   NOP;\n\
 \t.text.k2:\n\
-        /*0000*/                   EXIT ;\n";
+        /*0000*/                   EXIT ;\n\
+        /*0010*/                   NOP;\n";
         let mix = count(listing);
         assert_eq!(
             mix["k1"],

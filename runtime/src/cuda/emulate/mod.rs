@@ -569,6 +569,57 @@ mod tests {
         assert!(e.contains("overlaps"), "{e}");
     }
 
+    /// A tensor-core attention kernel takes packed sequences' positions exactly when it is a
+    /// `_packed` entry point: the others compile the positions out and would ignore them.
+    #[test]
+    fn attention_positions_go_only_to_the_packed_entry_points() {
+        use crate::cuda::families::attention::{geometry, Kernel};
+        let file = crate::cuda::families::file("attention.cu").unwrap();
+        let slot = |slot| Arg::Ptr(Place::Slot { slot, offset: 0 });
+        let launch = |packed: bool, positions: Arg| {
+            let mut args = vec![slot(0), slot(1), slot(2), Arg::Null, positions, slot(3)];
+            args.extend([slot(4), Arg::I64(1), Arg::I32(1), Arg::I32(1), Arg::I32(8)]);
+            args.extend([
+                Arg::I32(1),
+                Arg::I32(1),
+                Arg::I32(1),
+                Arg::I32(0),
+                Arg::F64(1.0),
+            ]);
+            args.extend((0..12).map(|_| Arg::I32(8)));
+            let kernel = Kernel::Attention {
+                kernel: geometry::Kernel::Forward,
+                dtype: castor_ir::DType::BF16,
+                tile: Some(16),
+                packed,
+                dropout: false,
+            };
+            Command::Launch(Launch {
+                node: "att".into(),
+                module: 0,
+                kernel: Some(crate::cuda::kernel_id::KernelId::Attention(kernel)),
+                entry: kernel.entry(),
+                grid: (1, 1, 1),
+                block: (256, 1, 1),
+                shared_bytes: geometry::shared_bytes(geometry::Kernel::Forward, 16, 2),
+                args,
+            })
+        };
+        for (packed, positions, why) in [
+            (false, slot(5), "ignores them"),
+            (true, Arg::Null, "`_packed` entry point without positions"),
+        ] {
+            let mut p = program(vec![launch(packed, positions)], &[16, 16, 16, 16, 4, 8]);
+            p.modules.push(Module {
+                name: file.name.into(),
+                source: file.source.into(),
+                ..Module::default()
+            });
+            let e = Emulator::new(&p).run(0).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+    }
+
     #[test]
     fn launches_check_arguments_and_poison_fills_the_arena() {
         let file = crate::cuda::families::file("layout.cu").unwrap();

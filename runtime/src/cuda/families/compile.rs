@@ -215,22 +215,24 @@ fn rope_machine_code_has_no_out_of_line_division() {
 }
 
 /// The attention kernels' machine code has the FlashAttention-2 shape: fragments by ldmatrix,
-/// tiles by 16-byte asynchronous copies, almost no 2-byte loads, no spills, and few other
-/// instructions per tensor-core instruction (static counts from `nvdisasm`; 58 to 92 per
-/// tensor-core instruction before the rebuild). Prints every attention kernel's mix.
+/// tiles by 16-byte asynchronous copies, almost no 2-byte loads, no spills, and at most 16
+/// other instructions per tensor-core instruction (static counts from `nvdisasm`, padding
+/// `NOP`s left out; 58 to 92 per tensor-core instruction before the rebuild). Prints every
+/// attention kernel's mix.
 ///
-/// At most 17.1 others per tensor-core instruction: packed sequences' positions need code
-/// the other masks do not (the backward's scan of a key block's query rows, each tile's
-/// least and greatest first key, a ballot per key on tiles a sequence's start straddles).
-/// Measured: the backward at d64 17.1 (16.0 before positions), at d128 16.0 (15.6); the
-/// forward at d64 15.8 (15.0), at d128 15.1 (14.2).
+/// The bound holds the entry points without packed sequences' positions and without dropout,
+/// at d64 and d128. Positions need code the other masks do not (the backward's scan of a key
+/// block's query rows, each tile's least and greatest first key, a ballot per key on tiles a
+/// sequence's start straddles), which only the `_packed` entry points compile in. Measured,
+/// bf16 and f16 alike: the backward 15.97 at d64 and 15.46 at d128, the forward 15.03 and
+/// 14.33; their `_packed` forms 17.01, 15.91, 15.70 and 14.95.
 #[test]
 fn attention_machine_code_has_the_flash_attention_shape() {
     let Some((resources, mixes)) = machine_code("attention.cu") else {
         return;
     };
     println!(
-        "{:<28} {:>6} {:>6} {:>9} {:>5} {:>6} {:>6} {:>6}",
+        "{:<36} {:>6} {:>6} {:>9} {:>5} {:>6} {:>6} {:>6}",
         "kernel", "total", "tensor", "per tensor", "LDSM", "async", "2-byte", "spills"
     );
     let mut failures = Vec::new();
@@ -240,7 +242,7 @@ fn attention_machine_code_has_the_flash_attention_shape() {
             .find(|r| &r.kernel == kernel)
             .map_or(0, |r| r.spill_stores + r.spill_loads);
         println!(
-            "{kernel:<28} {:>6} {:>6} {:>9.1} {:>5} {:>6} {:>6} {:>6}",
+            "{kernel:<36} {:>6} {:>6} {:>9.2} {:>5} {:>6} {:>6} {:>6}",
             mix.total,
             mix.tensor,
             mix.others_per_tensor(),
@@ -268,9 +270,9 @@ fn attention_machine_code_has_the_flash_attention_shape() {
         if spills > 0 {
             why.push(format!("{spills} bytes spilled"));
         }
-        if mix.others_per_tensor() > 17.1 {
+        if mix.others_per_tensor() > 16.0 {
             why.push(format!(
-                "{:.1} other instructions per tensor-core instruction (at most 17.1)",
+                "{:.2} other instructions per tensor-core instruction (at most 16)",
                 mix.others_per_tensor()
             ));
         }

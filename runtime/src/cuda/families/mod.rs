@@ -184,10 +184,13 @@ mod tests {
             signature("attention_fwd_f32").unwrap().family,
             "attention_fwd_f32"
         );
-        assert_eq!(
-            signature("attention_fwd_bf16_d64").unwrap().family,
-            "attention_fwd_*_d*"
-        );
+        // `_d##P##pk`: the head-dim tile, then `_packed` or nothing.
+        for entry in ["attention_fwd_bf16_d64", "attention_fwd_bf16_d64_packed"] {
+            assert_eq!(signature(entry).unwrap().family, "attention_fwd_*_d**");
+        }
+        let dropout = signature("attention_bwd_f16_d128_packed_dropout").unwrap();
+        assert_eq!(dropout.family, "attention_bwd_*_d**_dropout");
+        assert_eq!(dropout.params.last().unwrap().name, "keep_scale");
         assert_eq!(names("cast_i64_bool"), "x,y,n");
         assert_eq!(signature("cast_i64_bool").unwrap().file, "layout.cu");
         assert_eq!(names("fill_b4"), "dst,n,value");

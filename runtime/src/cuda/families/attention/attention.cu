@@ -16,7 +16,9 @@
 // twin (runtime/src/cpu/attention.rs) and the unfused softmax do; with a window and a mask,
 // whether a row sees a kept key is found by one warp scanning the row's window of the mask.
 // positions (nullable; only with causal, and never with a mask: the lowering passes one or the
-// other): i64, each key's position in its own packed sequence, one row of s per mask batch
+// other; of the tensor-core kernels, only the `_packed` entry points read it, and the others,
+// which must be passed null, compile that code out):
+// i64, each key's position in its own packed sequence, one row of s per mask batch
 // (query batch b reads row b / mask_group, as the mask). Query i, whose own key is
 // a = i + s - t, sees only keys j >= a - clamp(pos[a], 0, a), the start of its sequence (a
 // malformed position never reaches before the row), as the CPU twin's PositionRows and
@@ -455,12 +457,13 @@ __device__ __forceinline__ void stage_keys(T* ks, T* vs, unsigned char* keep, co
     }
 }
 
-template <typename T, int P, bool DROP>
+template <typename T, int P, bool DROP, bool POS>
 __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char* mask,
                         const i64* positions, T* o, float* lse, int t, int s, int d, int group,
                         int mask_group, int causal,
                         int window, float scale_log2, AttStrides sq, AttStrides sk,
                         AttStrides sv, AttStrides so, AttDropout dr) {
+    if constexpr (!POS) positions = nullptr;  // the plain entry points compile it out
     constexpr int LD = P + ATT_PAD, KEYS = AttShape<P>::KEYS, ROWS = ATT_FWD_ROWS;
     constexpr int NT = KEYS / 8, DT = P / 16, OT = P / 8, WORDS = KEYS / 64;
     CASTOR_DYNAMIC_SHARED(att_smem);
@@ -764,7 +767,7 @@ __device__ __forceinline__ void tile_key_blocks(const Visibility& vis, bool mayb
         return;
     }
     const int rl = min(qt * QROWS + QROWS, vis.t) - 1;
-    lo = tile_lo / KB;
+    lo = int(unsigned(tile_lo) / KB);  // tile_lo >= 0: a shift
     hi = (visible_keys(rl, vis.t, vis.s, vis.causal) - 1) / KB;
 }
 
@@ -776,7 +779,7 @@ __device__ __forceinline__ u64 bit_range(int lo, int hi) {
     return ((~0ull) >> (63 - hi)) & ~((1ull << lo) - 1ull);
 }
 
-template <typename T, int P, bool DROP>
+template <typename T, int P, bool DROP, bool POS>
 __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char* mask,
                         const i64* positions, const T* d_o, const float* lse,
                         const float* delta, T* dq, T* dk, T* dv, float* dq_acc, int* dq_ready,
@@ -784,6 +787,7 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                         int mask_group, int causal, int window, float scale, float scale_log2,
                         AttStrides sq, AttStrides sk, AttStrides sv, AttStrides sdo,
                         AttStrides sdq, AttStrides sdk, AttStrides sdv, AttDropout dr) {
+    if constexpr (!POS) positions = nullptr;  // the plain entry points compile it out
     constexpr int KB = ATT_BWD_KEYS, QT = AttShape<P>::QROWS, LD = P + ATT_PAD;
     constexpr int LDS = QT + ATT_PAD, DT = P / 16, OT = P / 8, NQ = QT / 8;
     // The dQ product's warps: MT tiles of 16 query rows, CW warps on each, NW 8-column tiles
@@ -911,15 +915,19 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                     lse_s[(buf ^ 1) * QT + threadIdx.x] =
                         r < t ? lse[at] * float(ATT_LOG2E) : F32_INF;
                     delta_s[(buf ^ 1) * QT + threadIdx.x] = r < t ? delta[at] : 0.0f;
-                    const int start = vis.start(r);
-                    starts[buf ^ 1][threadIdx.x] = start;
-                    if (r < t) key_lo = key_hi = max(vis.lo(r), start);
+                    if constexpr (POS) {
+                        const int start = vis.start(r);
+                        starts[buf ^ 1][threadIdx.x] = start;
+                        if (r < t) key_lo = key_hi = max(vis.lo(r), start);
+                    }
                 }
-                const int least = __reduce_min_sync(FULL_WARP, key_lo);
-                const int most = __reduce_max_sync(FULL_WARP, key_hi);
-                if (lane == 0 && warp < QT / 32) {
-                    first_keys[buf ^ 1][warp][0] = least;
-                    first_keys[buf ^ 1][warp][1] = most;
+                if constexpr (POS) {
+                    const int least = __reduce_min_sync(FULL_WARP, key_lo);
+                    const int most = __reduce_max_sync(FULL_WARP, key_hi);
+                    if (lane == 0 && warp < QT / 32) {
+                        first_keys[buf ^ 1][warp][0] = least;
+                        first_keys[buf ^ 1][warp][1] = most;
+                    }
                 }
             }
             cp_async_commit();
@@ -932,13 +940,17 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             const int q0 = qt * QT, qlast = min(q0 + QT, t) - 1;
             window_rows(vis, empty_rows, &any_empty, mrow, q0, QT);
             __syncthreads();
-            // The least and greatest first key of the tile's rows (its first and last row's
-            // but for positions).
-            int tile_lo = first_keys[buf][0][0], tile_hi = first_keys[buf][0][1];
+            // The least and greatest first key of the tile's rows: its first and last row's
+            // (the first key grows with the row), but for positions.
+            int tile_lo = vis.lo(q0), tile_hi = vis.lo(qlast);
+            if constexpr (POS) {
+                tile_lo = first_keys[buf][0][0];
+                tile_hi = first_keys[buf][0][1];
 #pragma unroll
-            for (int w = 1; w < QT / 32; ++w) {
-                tile_lo = min(tile_lo, first_keys[buf][w][0]);
-                tile_hi = max(tile_hi, first_keys[buf][w][1]);
+                for (int w = 1; w < QT / 32; ++w) {
+                    tile_lo = min(tile_lo, first_keys[buf][w][0]);
+                    tile_hi = max(tile_hi, first_keys[buf][w][1]);
+                }
             }
             if (!maybe_none && tile_lo >= key0 + KB) {
                 // No row of the tile sees the block (positions may leave such a tile inside
@@ -1390,23 +1402,25 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
 // them all: NVRTC takes a while the first time a machine compiles it, then the PTX cache
 // answers.
 // The strides of operand X (AttStrides) come after the shape as X_batch, X_head, X_row.
+// The `_packed` entry points are the same templates with packed sequences' positions compiled
+// in (POS = true); the others take a null `positions` and carry none of that code.
 // The `_dropout` entry points take the dropout last: the key ([seed, offset], device memory),
 // the stream, the keep threshold round((1 - p) 2^32) and the F32 1 / (1 - p) as a double
 // (dropout.cu's arguments). The tensor-core entry points without it are the same templates
 // with the dropout compiled out (DROP = false), so they run exactly the code they ran before.
-#define CASTOR_ATTENTION(T, sfx, P)                                                                \
-    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_fwd_##sfx##_d##P(    \
+#define CASTOR_ATTENTION(T, sfx, P, pk, POS)                                                          \
+    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_fwd_##sfx##_d##P##pk(    \
         const T* q, const T* k, const T* v, const unsigned char* mask, const i64* positions, T* o, \
         float* lse, i64 bq, int t, int s, int d, int group, int mask_group, int causal,            \
         int window, double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head,     \
         int k_row, int v_batch, int v_head, int v_row, int o_batch, int o_head, int o_row) {       \
-        att_fwd<T, P, false>(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal, \
+        att_fwd<T, P, false, POS>(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal, \
                             window, float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},  \
                             AttStrides{k_batch, k_head, k_row},                                    \
                             AttStrides{v_batch, v_head, v_row},                                    \
                             AttStrides{o_batch, o_head, o_row}, AttDropout{});                     \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_bwd_##sfx##_d##P(    \
+    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_bwd_##sfx##_d##P##pk(    \
         const T* q, const T* k, const T* v, const unsigned char* mask, const i64* positions,       \
         const T* d_o, const float* lse, const float* delta, T* dq, T* dk, T* dv, float* dq_acc,    \
         int* dq_ready, i64 bkv, int t, int s, int d, int group, int mask_group, int causal,        \
@@ -1414,7 +1428,7 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
         int k_row, int v_batch, int v_head, int v_row, int d_o_batch, int d_o_head, int d_o_row,   \
         int dq_batch, int dq_head, int dq_row, int dk_batch, int dk_head, int dk_row,              \
         int dv_batch, int dv_head, int dv_row) {                                                   \
-        att_bwd<T, P, false>(q, k, v, mask, positions, d_o, lse, delta, dq, dk, dv, dq_acc,        \
+        att_bwd<T, P, false, POS>(q, k, v, mask, positions, d_o, lse, delta, dq, dk, dv, dq_acc,        \
                             dq_ready, t, s, d, group, mask_group, causal, window, float(scale),    \
                             float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},          \
                             AttStrides{k_batch, k_head, k_row},                                    \
@@ -1424,21 +1438,21 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
                             AttStrides{dk_batch, dk_head, dk_row},                                 \
                             AttStrides{dv_batch, dv_head, dv_row}, AttDropout{});                  \
     }
-#define CASTOR_ATTENTION_DROPOUT(T, sfx, P)                                                        \
-    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_fwd_##sfx##_d##P##_dropout( \
+#define CASTOR_ATTENTION_DROPOUT(T, sfx, P, pk, POS)                                                  \
+    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_fwd_##sfx##_d##P##pk##_dropout( \
         const T* q, const T* k, const T* v, const unsigned char* mask, const i64* positions, T* o, \
         float* lse, i64 bq, int t, int s, int d, int group, int mask_group, int causal,            \
         int window, double scale, int q_batch, int q_head, int q_row, int k_batch, int k_head,     \
         int k_row, int v_batch, int v_head, int v_row, int o_batch, int o_head, int o_row,         \
         const i64* dropout_key, unsigned stream, u64 threshold, double keep_scale) {               \
-        att_fwd<T, P, true>(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal,  \
+        att_fwd<T, P, true, POS>(q, k, v, mask, positions, o, lse, t, s, d, group, mask_group, causal,  \
                             window, float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},  \
                             AttStrides{k_batch, k_head, k_row},                                    \
                             AttStrides{v_batch, v_head, v_row},                                    \
                             AttStrides{o_batch, o_head, o_row},                                    \
                             att_dropout(dropout_key, stream, threshold, keep_scale)); \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_bwd_##sfx##_d##P##_dropout( \
+    extern "C" __global__ void __launch_bounds__(ATT_TC_THREADS, 1) attention_bwd_##sfx##_d##P##pk##_dropout( \
         const T* q, const T* k, const T* v, const unsigned char* mask, const i64* positions,       \
         const T* d_o, const float* lse, const float* delta, T* dq, T* dk, T* dv, float* dq_acc,    \
         int* dq_ready, i64 bkv, int t, int s, int d, int group, int mask_group, int causal,        \
@@ -1447,7 +1461,7 @@ __device__ void att_dkdv_f32(const float* q, const float* k, const float* v,
         int dq_batch, int dq_head, int dq_row, int dk_batch, int dk_head, int dk_row,              \
         int dv_batch, int dv_head, int dv_row,                                                     \
         const i64* dropout_key, unsigned stream, u64 threshold, double keep_scale) {               \
-        att_bwd<T, P, true>(q, k, v, mask, positions, d_o, lse, delta, dq, dk, dv, dq_acc,         \
+        att_bwd<T, P, true, POS>(q, k, v, mask, positions, d_o, lse, delta, dq, dk, dv, dq_acc,         \
                             dq_ready, t, s, d, group, mask_group, causal, window, float(scale),    \
                             float(scale * ATT_LOG2E), AttStrides{q_batch, q_head, q_row},          \
                             AttStrides{k_batch, k_head, k_row},                                    \
@@ -1524,19 +1538,35 @@ CASTOR_ATTENTION_F32_DROPOUT
 CASTOR_ATTENTION_DELTA(float, f32)
 CASTOR_ATTENTION_DELTA(__half, f16)
 CASTOR_ATTENTION_DELTA(__nv_bfloat16, bf16)
-CASTOR_ATTENTION(__half, f16, 16)
-CASTOR_ATTENTION(__half, f16, 32)
-CASTOR_ATTENTION(__half, f16, 64)
-CASTOR_ATTENTION(__half, f16, 128)
-CASTOR_ATTENTION(__nv_bfloat16, bf16, 16)
-CASTOR_ATTENTION(__nv_bfloat16, bf16, 32)
-CASTOR_ATTENTION(__nv_bfloat16, bf16, 64)
-CASTOR_ATTENTION(__nv_bfloat16, bf16, 128)
-CASTOR_ATTENTION_DROPOUT(__half, f16, 16)
-CASTOR_ATTENTION_DROPOUT(__half, f16, 32)
-CASTOR_ATTENTION_DROPOUT(__half, f16, 64)
-CASTOR_ATTENTION_DROPOUT(__half, f16, 128)
-CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 16)
-CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 32)
-CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 64)
-CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 128)
+CASTOR_ATTENTION(__half, f16, 16, , false)
+CASTOR_ATTENTION(__half, f16, 32, , false)
+CASTOR_ATTENTION(__half, f16, 64, , false)
+CASTOR_ATTENTION(__half, f16, 128, , false)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 16, , false)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 32, , false)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 64, , false)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 128, , false)
+CASTOR_ATTENTION(__half, f16, 16, _packed, true)
+CASTOR_ATTENTION(__half, f16, 32, _packed, true)
+CASTOR_ATTENTION(__half, f16, 64, _packed, true)
+CASTOR_ATTENTION(__half, f16, 128, _packed, true)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 16, _packed, true)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 32, _packed, true)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 64, _packed, true)
+CASTOR_ATTENTION(__nv_bfloat16, bf16, 128, _packed, true)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 16, , false)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 32, , false)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 64, , false)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 128, , false)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 16, , false)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 32, , false)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 64, , false)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 128, , false)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 16, _packed, true)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 32, _packed, true)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 64, _packed, true)
+CASTOR_ATTENTION_DROPOUT(__half, f16, 128, _packed, true)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 16, _packed, true)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 32, _packed, true)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 64, _packed, true)
+CASTOR_ATTENTION_DROPOUT(__nv_bfloat16, bf16, 128, _packed, true)

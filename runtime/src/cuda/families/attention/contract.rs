@@ -17,11 +17,13 @@ pub(crate) fn uses(k: super::Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
             kernel,
             dtype,
             tile,
+            packed,
             dropout,
         } => {
             let v = Variant {
                 dtype,
                 tile,
+                packed,
                 dropout,
             };
             match kernel {
@@ -35,12 +37,14 @@ pub(crate) fn uses(k: super::Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
     }
 }
 
-/// The operands' dtype, the head-dim tile (`None`: the F32 warp-per-row kernels) and whether
-/// the entry point drops probabilities (its dropout arguments come last).
+/// The operands' dtype, the head-dim tile (`None`: the F32 warp-per-row kernels), whether a
+/// tensor-core entry point reads packed sequences' positions (the others compile them out),
+/// and whether the entry point drops probabilities (its dropout arguments come last).
 #[derive(Clone, Copy)]
 pub(crate) struct Variant {
     pub(crate) dtype: DType,
     pub(crate) tile: Option<u32>,
+    pub(crate) packed: bool,
     pub(crate) dropout: bool,
 }
 
@@ -254,8 +258,9 @@ fn expect_shape(l: &Launch, grid: (u32, u32, u32), threads: u32, shared: u32) ->
 }
 
 /// The pointers the three main kernels read first: q, k, v, and the nullable mask and
-/// positions (one or the other).
-fn operands(a: &mut Args, m: &Mem) -> R<[Option<Ptr>; 5]> {
+/// positions (one or the other; a tensor-core kernel takes positions exactly when it is a
+/// `_packed` entry point, since the others ignore them).
+fn operands(a: &mut Args, m: &Mem, v: Variant) -> R<[Option<Ptr>; 5]> {
     let p = [
         Some(a.need(m, "q")?),
         Some(a.need(m, "k")?),
@@ -265,6 +270,14 @@ fn operands(a: &mut Args, m: &Mem) -> R<[Option<Ptr>; 5]> {
     ];
     if p[3].is_some() && p[4].is_some() {
         return Err("a bool mask and positions together (the kernels take one or the other)".into());
+    }
+    if v.tile.is_some() && v.packed != p[4].is_some() {
+        return Err(if v.packed {
+            "a `_packed` entry point without positions".into()
+        } else {
+            "positions passed to an entry point that ignores them (the `_packed` ones read them)"
+                .into()
+        });
     }
     Ok(p)
 }
@@ -281,7 +294,7 @@ fn operand_uses(sh: &Shape, p: [Option<Ptr>; 5], elem: usize) -> R<Vec<Option<Us
 
 pub(crate) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let mut a = Args::new(l);
-    let ops = operands(&mut a, m)?;
+    let ops = operands(&mut a, m, v)?;
     let o = a.need(m, "o")?;
     let lse = a.need(m, "lse")?;
     let sh = Shape::read(&mut a, Kernel::Forward)?;
@@ -310,7 +323,7 @@ pub(crate) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
 
 pub(crate) fn dq(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let mut a = Args::new(l);
-    let ops = operands(&mut a, m)?;
+    let ops = operands(&mut a, m, v)?;
     let d_o = a.need(m, "d_o")?;
     let lse = a.need(m, "lse")?;
     let delta = a.need(m, "delta")?;
@@ -331,7 +344,7 @@ pub(crate) fn dq(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
 
 pub(crate) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let mut a = Args::new(l);
-    let ops = operands(&mut a, m)?;
+    let ops = operands(&mut a, m, v)?;
     let d_o = a.need(m, "d_o")?;
     let lse = a.need(m, "lse")?;
     let delta = a.need(m, "delta")?;
@@ -357,7 +370,7 @@ pub(crate) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
 /// counters (zeroed before the launch) keep.
 pub(crate) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let mut a = Args::new(l);
-    let ops = operands(&mut a, m)?;
+    let ops = operands(&mut a, m, v)?;
     let d_o = a.need(m, "d_o")?;
     let lse = a.need(m, "lse")?;
     let delta = a.need(m, "delta")?;

@@ -280,6 +280,7 @@ impl RunLowering<'_, '_> {
             kernel,
             dtype: p.dtype,
             tile: p.tile,
+            packed: p.positions && p.tile.is_some(),
             dropout: p.dropout,
         });
         let per_key_batch = matches!(kernel, Kernel::Backward | Kernel::DkDv);

@@ -22,20 +22,36 @@ use crate::cuda::kernel_id::FLOATS;
 pub const BLOCK_ORDERED: &[&str] = &[
     "attention_bwd_bf16_d128",
     "attention_bwd_bf16_d128_dropout",
+    "attention_bwd_bf16_d128_packed",
+    "attention_bwd_bf16_d128_packed_dropout",
     "attention_bwd_bf16_d16",
     "attention_bwd_bf16_d16_dropout",
+    "attention_bwd_bf16_d16_packed",
+    "attention_bwd_bf16_d16_packed_dropout",
     "attention_bwd_bf16_d32",
     "attention_bwd_bf16_d32_dropout",
+    "attention_bwd_bf16_d32_packed",
+    "attention_bwd_bf16_d32_packed_dropout",
     "attention_bwd_bf16_d64",
     "attention_bwd_bf16_d64_dropout",
+    "attention_bwd_bf16_d64_packed",
+    "attention_bwd_bf16_d64_packed_dropout",
     "attention_bwd_f16_d128",
     "attention_bwd_f16_d128_dropout",
+    "attention_bwd_f16_d128_packed",
+    "attention_bwd_f16_d128_packed_dropout",
     "attention_bwd_f16_d16",
     "attention_bwd_f16_d16_dropout",
+    "attention_bwd_f16_d16_packed",
+    "attention_bwd_f16_d16_packed_dropout",
     "attention_bwd_f16_d32",
     "attention_bwd_f16_d32_dropout",
+    "attention_bwd_f16_d32_packed",
+    "attention_bwd_f16_d32_packed_dropout",
     "attention_bwd_f16_d64",
     "attention_bwd_f16_d64_dropout",
+    "attention_bwd_f16_d64_packed",
+    "attention_bwd_f16_d64_packed_dropout",
 ];
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
@@ -46,12 +62,20 @@ pub const FILES: &[KernelFile] = &[
         entry_points: &[
             "attention_bwd_bf16_d128",
             "attention_bwd_bf16_d128_dropout",
+            "attention_bwd_bf16_d128_packed",
+            "attention_bwd_bf16_d128_packed_dropout",
             "attention_bwd_bf16_d16",
             "attention_bwd_bf16_d16_dropout",
+            "attention_bwd_bf16_d16_packed",
+            "attention_bwd_bf16_d16_packed_dropout",
             "attention_bwd_bf16_d32",
             "attention_bwd_bf16_d32_dropout",
+            "attention_bwd_bf16_d32_packed",
+            "attention_bwd_bf16_d32_packed_dropout",
             "attention_bwd_bf16_d64",
             "attention_bwd_bf16_d64_dropout",
+            "attention_bwd_bf16_d64_packed",
+            "attention_bwd_bf16_d64_packed_dropout",
             "attention_bwd_delta_bf16",
             "attention_bwd_delta_f16",
             "attention_bwd_delta_f32",
@@ -61,28 +85,52 @@ pub const FILES: &[KernelFile] = &[
             "attention_bwd_dq_f32_dropout",
             "attention_bwd_f16_d128",
             "attention_bwd_f16_d128_dropout",
+            "attention_bwd_f16_d128_packed",
+            "attention_bwd_f16_d128_packed_dropout",
             "attention_bwd_f16_d16",
             "attention_bwd_f16_d16_dropout",
+            "attention_bwd_f16_d16_packed",
+            "attention_bwd_f16_d16_packed_dropout",
             "attention_bwd_f16_d32",
             "attention_bwd_f16_d32_dropout",
+            "attention_bwd_f16_d32_packed",
+            "attention_bwd_f16_d32_packed_dropout",
             "attention_bwd_f16_d64",
             "attention_bwd_f16_d64_dropout",
+            "attention_bwd_f16_d64_packed",
+            "attention_bwd_f16_d64_packed_dropout",
             "attention_fwd_bf16_d128",
             "attention_fwd_bf16_d128_dropout",
+            "attention_fwd_bf16_d128_packed",
+            "attention_fwd_bf16_d128_packed_dropout",
             "attention_fwd_bf16_d16",
             "attention_fwd_bf16_d16_dropout",
+            "attention_fwd_bf16_d16_packed",
+            "attention_fwd_bf16_d16_packed_dropout",
             "attention_fwd_bf16_d32",
             "attention_fwd_bf16_d32_dropout",
+            "attention_fwd_bf16_d32_packed",
+            "attention_fwd_bf16_d32_packed_dropout",
             "attention_fwd_bf16_d64",
             "attention_fwd_bf16_d64_dropout",
+            "attention_fwd_bf16_d64_packed",
+            "attention_fwd_bf16_d64_packed_dropout",
             "attention_fwd_f16_d128",
             "attention_fwd_f16_d128_dropout",
+            "attention_fwd_f16_d128_packed",
+            "attention_fwd_f16_d128_packed_dropout",
             "attention_fwd_f16_d16",
             "attention_fwd_f16_d16_dropout",
+            "attention_fwd_f16_d16_packed",
+            "attention_fwd_f16_d16_packed_dropout",
             "attention_fwd_f16_d32",
             "attention_fwd_f16_d32_dropout",
+            "attention_fwd_f16_d32_packed",
+            "attention_fwd_f16_d32_packed_dropout",
             "attention_fwd_f16_d64",
             "attention_fwd_f16_d64_dropout",
+            "attention_fwd_f16_d64_packed",
+            "attention_fwd_f16_d64_packed_dropout",
             "attention_fwd_f32",
             "attention_fwd_f32_dropout",
         ],
@@ -93,12 +141,16 @@ pub const FILES: &[KernelFile] = &[
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
     /// castor's fused attention: tensor-core kernels for a head-dim `tile` (16-bit), the F32
-    /// reference kernels without one; with `dropout`, the `_dropout` entry points (the
-    /// probabilities dropped by the Philox mask of a key, a stream and a threshold).
+    /// reference kernels without one; with `packed` (tensor-core kernels only), the
+    /// `_packed` entry points, which read packed sequences' positions (the others compile
+    /// that code out and take a null `positions`); with `dropout`, the `_dropout` entry
+    /// points (the probabilities dropped by the Philox mask of a key, a stream and a
+    /// threshold).
     Attention {
         kernel: geometry::Kernel,
         dtype: DType,
         tile: Option<u32>,
+        packed: bool,
         dropout: bool,
     },
     /// The backward's `rowsum(dO · O)`.
@@ -113,6 +165,7 @@ impl Kernel {
                 kernel,
                 dtype,
                 tile,
+                packed,
                 dropout,
             } => {
                 let kernel = match kernel {
@@ -122,8 +175,12 @@ impl Kernel {
                     geometry::Kernel::DkDv => "bwd_dkdv",
                 };
                 let suffix = if dropout { "_dropout" } else { "" };
+                let packed = if packed { "_packed" } else { "" };
                 match tile {
-                    Some(tile) => format!("attention_{kernel}_{}_d{tile}{suffix}", dtype.name()),
+                    Some(tile) => format!(
+                        "attention_{kernel}_{}_d{tile}{packed}{suffix}",
+                        dtype.name()
+                    ),
                     None => format!("attention_{kernel}_{}{suffix}", dtype.name()),
                 }
             }
@@ -143,13 +200,16 @@ impl Kernel {
                 geometry::Kernel::DkDv,
             ] {
                 for tile in [None, Some(16), Some(32), Some(64), Some(128)] {
-                    for dropout in [false, true] {
-                        ids.push(Kernel::Attention {
-                            kernel,
-                            dtype,
-                            tile,
-                            dropout,
-                        });
+                    for packed in [false, true].into_iter().filter(|&p| !p || tile.is_some()) {
+                        for dropout in [false, true] {
+                            ids.push(Kernel::Attention {
+                                kernel,
+                                dtype,
+                                tile,
+                                packed,
+                                dropout,
+                            });
+                        }
                     }
                 }
             }

@@ -45,9 +45,16 @@ pub(crate) fn entries() -> Vec<String> {
         } else {
             &["fwd", "bwd_dq", "bwd_dkdv"]
         };
+        let packed: &[&str] = if tile.is_some() {
+            &["", "_packed"]
+        } else {
+            &[""]
+        };
         for k in kernels {
-            out.push(format!("attention_{k}_{suffix}"));
-            out.push(format!("attention_{k}_{suffix}_dropout"));
+            for pk in packed {
+                out.push(format!("attention_{k}_{suffix}{pk}"));
+                out.push(format!("attention_{k}_{suffix}{pk}_dropout"));
+            }
         }
     }
     for sfx in ["f32", "f16", "bf16"] {
@@ -607,6 +614,11 @@ fn run_case(
     let at = if in_place { " in place" } else { "" };
     // The dropout entry points and their last arguments (the key in device memory).
     let ds = if drop.is_some() { "_dropout" } else { "" };
+    // Packed sequences' positions: the tensor-core kernels' `_packed` entry points.
+    let ds = match (c.packed && tile.is_some(), ds) {
+        (true, ds) => format!("_packed{ds}"),
+        (false, ds) => ds.to_string(),
+    };
     let drop_args = |l: &mut Launcher| -> Vec<Arg> {
         let Some(dr) = drop else { return Vec::new() };
         let key = l.buf(enc_i64(&dr.key), 0);
