@@ -242,7 +242,37 @@ fn engine_name(index: Option<i64>, mode: &str, rank: usize) -> String {
         3 => "3rd".to_string(),
         n => format!("{n}th"),
     };
-    format!("engine {index} ({mode}'s {nth})")
+    // The possessive: "heuristics' 1st", "fallback list's 2nd".
+    let of = if mode.ends_with('s') { "'" } else { "'s" };
+    format!("engine {index} ({mode}{of} {nth})")
+}
+
+/// An engine's name for the device line, with the first engine passed over because its plan
+/// needed more workspace than the program's (a larger workspace would let it run).
+fn passed_over(name: String, too_big: &Option<(String, i64)>, workspace: u64) -> String {
+    match too_big {
+        Some((first, bytes)) => format!(
+            "{name}; {first} was passed over: it needs {bytes} bytes of workspace, the program \
+             has {workspace}"
+        ),
+        None => name,
+    }
+}
+
+#[cfg(test)]
+#[test]
+fn an_engine_passed_over_for_its_workspace_is_named() {
+    let big = Some((engine_name(Some(9), "heuristics", 1), 1 << 30));
+    assert_eq!(
+        passed_over(engine_name(Some(3), "heuristics", 2), &big, 32 << 20),
+        "engine 3 (heuristics' 2nd); engine 9 (heuristics' 1st) was passed over: it needs \
+         1073741824 bytes of workspace, the program has 33554432"
+    );
+    assert_eq!(passed_over("engine 3".into(), &None, 1), "engine 3");
+    assert_eq!(
+        engine_name(None, "fallback list", 11),
+        "engine ? (fallback list's 11th)"
+    );
 }
 
 /// Plans are shared by calls with the same problem and layout.
@@ -505,6 +535,8 @@ impl Cudnn {
         let any_engine = self.any_engine;
         let mut last = "cuDNN's heuristics proposed no engine".to_string();
         let mut nondeterministic: Option<(Desc, String)> = None;
+        // The first engine passed over for its workspace, which the device line names.
+        let mut too_big: Option<(String, i64)> = None;
         for (heur_mode, mode) in [
             (sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A, "heuristics"),
             (
@@ -597,6 +629,7 @@ impl Cudnn {
                         "the plans that build need {bytes} bytes of workspace, more than the \
                          program's {workspace}"
                     );
+                    too_big.get_or_insert((name, bytes));
                     continue;
                 }
                 if deterministic || any_engine {
@@ -606,13 +639,13 @@ impl Cudnn {
                         }
                         None => name,
                     };
-                    return Ok((plan, deterministic, name));
+                    return Ok((plan, deterministic, passed_over(name, &too_big, workspace)));
                 }
                 nondeterministic.get_or_insert((plan, name));
             }
         }
         match nondeterministic {
-            Some((plan, name)) => Ok((plan, false, name)),
+            Some((plan, name)) => Ok((plan, false, passed_over(name, &too_big, workspace))),
             None => Err(last),
         }
     }
