@@ -252,7 +252,7 @@ def part_tests(steps, out_dir):
             # cuDNN says why it builds no engine only in its API log: keep one (castor's and
             # PyTorch's graphs at GPT-2's shape) with the logs.
             steps.run("cudnn_api_log", [sys.executable, "bench/gpu/cudnn_log.py", steps.logs,
-                                        "--castor", castor], 60)
+                                        "--castor", castor], 90)
     steps.run("kernels_and_steps_no_graphs", [gpu_tests, "--test-threads", "1", "--nocapture"], 180,
               env={"CASTOR_CUDA_GRAPHS": "0"})
     # The 7B recipe of docs/commands.md: one step on the card, its peak device memory (polled with

@@ -6,9 +6,10 @@ heuristics find no engine for its graph):
     python3 bench/gpu/cudnn_log.py OUT [--castor gpu-pack/castor]
 
 Writes OUT/cudnn-logs.tar.gz with castor.log (castor's descriptors, one GPT-2 124M step with
-`--attention cudnn` at B=2, T=1024: 12 heads of 64, causal, bf16), torch.log (PyTorch's cuDNN
-SDPA forward and backward at the same shape) and torch-frontend.log (the graph PyTorch's
-cudnn-frontend builds, as JSON). Needs a GPU, PyTorch, and libcudnn.so.9 where check.py's
+`--attention cudnn` at B=2, T=1024: 12 heads of 64, causal, bf16), castor-accumulated.log
+(the same with CASTOR_CUDNN_NONDETERMINISTIC=1: the backward sums dQ in F32), torch.log
+(PyTorch's cuDNN SDPA forward and backward at the same shape) and torch-frontend.log (the
+graph PyTorch's cudnn-frontend builds, as JSON). Needs a GPU, PyTorch, and libcudnn.so.9 where check.py's
 preflight finds it (CASTOR_CUDNN_DIR).
 """
 
@@ -53,14 +54,20 @@ def main():
     tokens.write_bytes(b"".join(((i * 7919) % 50257).to_bytes(2, "little")
                                 for i in range(4 * 1024)))
     env = dict(os.environ)
-    castor = subprocess.run(
-        [str(args.castor), "train", "assets/configs/gpt2-124m.json", "--data", str(tokens),
-         "--steps", "1", "--batch", "2", "--seq", "1024", "--precision", "bf16", "--device",
-         "cuda", "--attention", "cudnn"],
-        env=logged(env, work / "castor.log"), cwd=ROOT, capture_output=True, text=True)
-    (work / "castor.out").write_text(castor.stdout + castor.stderr)
-    print(f"castor --attention cudnn: exit {castor.returncode}: "
-          f"{(castor.stderr.strip().splitlines() or ['no output'])[-1]}")
+    # castor's graphs twice: the deterministic backward (dQ written directly, the default) and
+    # the accumulating one (dQ summed in F32, the graph of cuDNN's flash backward), which tells
+    # whether the backward's form is what cuDNN refuses.
+    for name, extra in [("castor", {}), ("castor-accumulated",
+                                         {"CASTOR_CUDNN_NONDETERMINISTIC": "1"})]:
+        castor = subprocess.run(
+            [str(args.castor), "train", "assets/configs/gpt2-124m.json", "--data", str(tokens),
+             "--steps", "1", "--batch", "2", "--seq", "1024", "--precision", "bf16", "--device",
+             "cuda", "--attention", "cudnn"],
+            env=logged({**env, **extra}, work / f"{name}.log"), cwd=ROOT, capture_output=True,
+            text=True)
+        (work / f"{name}.out").write_text(castor.stdout + castor.stderr)
+        print(f"{name} --attention cudnn: exit {castor.returncode}: "
+              f"{(castor.stderr.strip().splitlines() or ['no output'])[-1]}")
     torch_env = {**logged(env, work / "torch.log"), "CUDNN_FRONTEND_LOG_INFO": "1",
                  "CUDNN_FRONTEND_LOG_FILE": str(work / "torch-frontend.log")}
     torch = subprocess.run([sys.executable, "-c", TORCH_SDPA], env=torch_env, cwd=ROOT,
