@@ -193,7 +193,8 @@ pub(super) struct Plan {
     /// How a backward's graph produces dQ (a forward's is `Direct`).
     pub(super) dq_form: DqForm,
     /// The engine, for the device line: `engine 8 (heuristics' 1st)`, and the heuristics'
-    /// first plan that built when it was passed over as nondeterministic.
+    /// first plan that built when it was passed over as nondeterministic, and the graph's dQ
+    /// accumulator where it has one.
     pub(super) engine: String,
 }
 
@@ -518,6 +519,10 @@ impl Cudnn {
         )?;
         op_graph.finalize("the operation graph")?;
         let (plan, deterministic, engine) = self.choose(&op_graph, workspace)?;
+        let engine = match dq_form {
+            DqForm::Accumulated => format!("{engine}, dQ summed in an F32 accumulator"),
+            DqForm::Direct => engine,
+        };
         Ok(Plan {
             plan,
             graph,

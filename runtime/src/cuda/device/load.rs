@@ -345,9 +345,6 @@ impl Loaded {
         }
         for (pass, engine) in &engines {
             line.push_str(&format!("; {pass}: {engine}"));
-            if *pass == "backward" && cudnn.any_engine {
-                line.push_str(", dQ summed in an F32 accumulator");
-            }
         }
         self.attention = Some(line);
         self.cudnn = Some(cudnn);
