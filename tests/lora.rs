@@ -668,3 +668,109 @@ fn selective_recomputation_keeps_the_adapted_sums() {
         "selective still recomputes the cheap ops"
     );
 }
+
+/// An adapter's work runs in its products' accumulators, not in passes of its own: its
+/// product adds into the base product's result (`matmul_add`, cuBLAS's `beta = 1` in place
+/// of that result), and in the backward the scale by `lora_alpha / r` joins the two products
+/// that read the output gradient (directly, and reshaped to rows for the weight gradient).
+/// In F32, where the fixture's scale of 2 is exact, three steps save the adapter the separate
+/// ops save, byte for byte, with the same losses.
+#[test]
+fn the_adapters_add_and_scale_in_their_products_accumulators() {
+    let model = fixture("llama_gqa");
+    let compile = |emit: &str| {
+        let o = castor(&[
+            "compile",
+            path_str(&model),
+            "--lora-rank",
+            "4",
+            "--lora-alpha",
+            "8",
+            "--train",
+            "--precision",
+            "bf16",
+            "--emit",
+            emit,
+        ]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stdout(&o), stderr(&o))
+    };
+    let (ir, report) = compile("ir");
+    let adapted: usize = report
+        .lines()
+        .find_map(|l| l.split("adapters on ").nth(1))
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no lora line: {report}"));
+    assert!(adapted > 0);
+    assert_eq!(ir.matches("= matmul_add(").count(), adapted, "{ir}");
+    assert!(
+        report.contains(&format!(
+            "{adapted} addition(s) and {} scale(s)",
+            2 * adapted
+        )),
+        "{report}"
+    );
+    // No scale of an adapter's product or of its gradient, and no add of the adapter's
+    // product (`%<proj>.lora`) to the base's, is left.
+    for line in ir.lines().filter(|l| l.contains(".lora")) {
+        assert!(!line.contains("= scale("), "a scale left: {line}");
+        let adds_adapter = line.contains("= add(") && line.contains("_proj.lora)");
+        assert!(!adds_adapter, "a sum left: {line}");
+    }
+    // The adapter's product writes where the base product wrote, reading it as C.
+    let (cuda, _) = compile("cuda");
+    let gemm_c = |node: &str| {
+        let line = cuda
+            .lines()
+            .find(|l| l.starts_with("  gemm ") && l.ends_with(&format!("# %{node}")))
+            .unwrap_or_else(|| panic!("no product for %{node}"));
+        let c = line.split(" C=").nth(1).unwrap().split(' ').next().unwrap();
+        (c.to_string(), line.contains(" beta=1 "))
+    };
+    let (base, base_adds) = gemm_c("layers.0.self_attn.q_proj.base");
+    let (sum, sum_adds) = gemm_c("layers.0.self_attn.q_proj");
+    assert!(!base_adds && sum_adds);
+    assert_eq!(
+        base, sum,
+        "the sum is written in place of the base product's result"
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let data = model.join("input.safetensors");
+    let runs: Vec<(Vec<f64>, Vec<u8>)> = ["eager", "fused"]
+        .iter()
+        .map(|mode| {
+            let (log, save) = (
+                tmp.path().join(format!("{mode}.jsonl")),
+                tmp.path().join(mode),
+            );
+            let o = castor(&[
+                "train",
+                path_str(&model),
+                "--data",
+                path_str(&data),
+                "--adapter",
+                path_str(&model.join("lora")),
+                "--steps",
+                "3",
+                "--precision",
+                "fp32",
+                "--epilogues",
+                mode,
+                "--log",
+                path_str(&log),
+                "--save",
+                path_str(&save),
+            ]);
+            assert!(o.status.success(), "{mode}: {}", stderr(&o));
+            (
+                log_losses(&log),
+                std::fs::read(save.join("adapter_model.safetensors")).unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(runs[0].0, runs[1].0, "losses");
+    assert!(runs[0].1 == runs[1].1, "the saved adapters differ");
+}
+

@@ -142,6 +142,26 @@ fn contractions_may_write_another_float_dtype() {
     assert!(verify(&text::parse(&bad).unwrap()).is_err());
 }
 
+/// A product that adds into its addend writes the addend's type and shape: a BF16 product
+/// may add into an F32 addend (and so write F32), but never into another shape or type.
+#[test]
+fn a_product_adds_into_an_addend_of_its_result_type() {
+    let ok = "graph g {\n  %a: bf16[2,3] = input\n  %b: bf16[4,3] = input\n  %c: f32[2,4] = input\n  %y: f32[2,4] = matmul_add(%a, %b, %c) {transpose_a=false, transpose_b=true, alpha=0.5}\n  return %y\n}\n";
+    let g = text::parse(ok).unwrap();
+    verify(&g).unwrap();
+    assert_eq!(text::print(&g), ok);
+    let m = verify_err(&ok.replace("%c: f32[2,4] = input", "%c: f32[4,2] = input"));
+    assert!(
+        m.contains("the addend must have the product's shape [2,4], found f32[4,2]"),
+        "{m}"
+    );
+    let m = verify_err(&ok.replace("%y: f32[2,4]", "%y: bf16[2,4]"));
+    assert!(
+        m.contains("result of `matmul_add` should be f32[2,4]"),
+        "{m}"
+    );
+}
+
 #[test]
 fn verifier_rejects_use_before_definition_and_cycles() {
     let m = verify_err("graph g {\n  %a: f32[2] = input\n  %c: f32[2] = neg(%b)\n  %b: f32[2] = neg(%a)\n  return %c\n}\n");

@@ -209,6 +209,11 @@ pub fn node_flops(g: &Graph, node: &NodeData) -> f64 {
         Op::MatMulScaled { transpose_a, .. } => {
             (2.0 * product_depth(g, node, *transpose_a) + 1.0) * out
         }
+        // The product, then per element the scale's multiply and the add (as the separate
+        // ops count them).
+        Op::MatMulAdd { transpose_a, .. } => {
+            (2.0 * product_depth(g, node, *transpose_a) + 2.0) * out
+        }
         // The product, then per element the bias add (and the GELU or its gradient, as the
         // separate ops count them).
         Op::MatMulBias { transpose_a, .. } => {

@@ -152,6 +152,14 @@ define_ops! {
     /// 1/sqrt(d) scale this way, instead of a pass over the `[.., T, S]` scores.
     MatMulScaled { transpose_a: bool, transpose_b: bool, alpha: f64 } => "matmul_scaled",
         class Contraction, arity (2, 2), typing typing::matmul(inputs, *transpose_a, *transpose_b);
+    /// A product added to a tensor in its accumulator (cuBLAS's `beta = 1`): `(a, b, c) ->
+    /// alpha · op(a)·op(b) + c`, `c` of the result's type and shape; the F32 product
+    /// multiplied by `alpha` (as an F32), `c` added in F32 and the sum rounded once. A LoRA
+    /// adapter's product joins its base product's result this way (the CUDA executor adds it
+    /// in place of `c` where nothing else reads `c`), instead of by a pass of its own.
+    MatMulAdd { transpose_a: bool, transpose_b: bool, alpha: f64 } => "matmul_add",
+        class Contraction, arity (3, 3),
+        typing typing::matmul_add(inputs, *transpose_a, *transpose_b);
     /// A product with a bias-add epilogue (cuBLASLt's `BIAS`): `(a [.., M, K], b [K, N],
     /// bias [N]) -> [.., M, N]`, `op(a)·op(b) + bias` with the bias added to the F32
     /// accumulator and the sum rounded once, as PyTorch's `addmm` stores it.
@@ -526,10 +534,11 @@ impl Op {
 
     /// True if the output dtype may differ from the natural one that [`Op::infer`] gives:
     /// contractions and normalizations may write a different float dtype than they read
-    /// (a BF16 matmul writing F32, a layer norm reading F32 and writing BF16).
+    /// (a BF16 matmul writing F32, a layer norm reading F32 and writing BF16). A
+    /// `matmul_add` writes its addend's type, which it adds to in place.
     pub fn output_dtype_is_free(&self) -> bool {
         matches!(self.class(), Contraction | Normalization)
-            && !matches!(self, Op::CrossEntropy { .. })
+            && !matches!(self, Op::CrossEntropy { .. } | Op::MatMulAdd { .. })
     }
 
     /// The output types of the op applied to operands of the given types, or a message
@@ -576,6 +585,11 @@ mod tests {
                 transpose_a: false,
                 transpose_b: true,
                 alpha: 0.125,
+            },
+            Op::MatMulAdd {
+                transpose_a: false,
+                transpose_b: true,
+                alpha: 2.0,
             },
             Op::MatMulBiasGelu {
                 transpose_a: false,

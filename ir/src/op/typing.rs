@@ -465,6 +465,22 @@ pub fn nf4_matmul(inputs: &[&TensorType], transpose_b: bool, rows: usize, cols: 
     one(TensorType::new(x.dtype, Shape(out)))
 }
 
+/// `(a, b, c) -> like c`: a product and the addend its accumulator starts from, of the
+/// product's shape; the result has the addend's type (a float of any width, as a product's
+/// result may be wider than its operands).
+pub fn matmul_add(inputs: &[&TensorType], transpose_a: bool, transpose_b: bool) -> Types {
+    let out = matmul(&inputs[..2], transpose_a, transpose_b)?.remove(0);
+    let c = inputs[2];
+    require_float("addend", c)?;
+    if c.shape != out.shape {
+        return Err(format!(
+            "the addend must have the product's shape {}, found {c}",
+            out.shape
+        ));
+    }
+    one(c.clone())
+}
+
 /// `(a, b [K, N], bias [N]) -> outputs x [.., M, N]`: a product by a matrix (a weight) whose
 /// bias has one value per output column, of the operands' dtype.
 pub fn matmul_bias(

@@ -20,6 +20,14 @@
 //!   keeps the F32 plans bit-identical; in 16-bit it always folds (one rounding instead of
 //!   two, as SDPA scales inside its kernel).
 //!
+//! - in the forward, `add(p, c)` where `p` is a product (or the scale of one) and the add is
+//!   the only reader of both becomes `matmul_add(x, W, c)`: the product adds into `c` in its
+//!   accumulator (cuBLAS's `beta = 1`, written in place of `c`), as a LoRA adapter's product
+//!   joins its base product's result, instead of a pass that reads both and writes their
+//!   sum. The backward's sums of input gradients stay one pointwise kernel
+//!   (each product written once, then read once by it), which saves as much as a chain of
+//!   adding products would.
+//!
 //! The same fusions are made under every `--remat` mode, so recomputation never changes the
 //! arithmetic: a fused forward GELU is a product's result, which selective recomputation
 //! keeps (as it keeps products) instead of recomputing it from the pre-activation.
@@ -68,24 +76,26 @@ impl PlanPass for FuseEpilogues {
                 .collect(),
             false => HashSet::new(),
         };
-        let fusions = find(g, &plain);
+        let fusions = find(g, &plain, build.plan.forward_nodes);
         let (graph, forward_nodes) = rewrite(g, &fusions, build.plan.forward_nodes)?;
         build.plan.micro_step = graph;
         build.plan.forward_nodes = forward_nodes;
         let count = |f: fn(&Fusion) -> bool| fusions.iter().filter(|x| f(x)).count();
         Ok(PassReport::new(format!(
-            "{} bias add(s), {} bias + GELU(s), {} GELU gradient(s), {} bias gradient(s) and {} \
-             scale(s) fused into their products' epilogues (one rounding each)",
+            "{} bias add(s), {} bias + GELU(s), {} GELU gradient(s), {} bias gradient(s), {} \
+             addition(s) and {} scale(s) fused into their products' epilogues (one rounding each)",
             count(|f| matches!(f, Fusion::Bias { gelu: None, .. })),
             count(|f| matches!(f, Fusion::Bias { gelu: Some(_), .. })),
             count(|f| matches!(f, Fusion::GeluGrad { .. })),
             count(|f| matches!(f, Fusion::BiasGrad { .. })),
+            count(|f| matches!(f, Fusion::Accumulate { .. })),
             fusions
                 .iter()
                 .filter_map(|f| match *f {
                     Fusion::ScaledProduct { scale, .. } | Fusion::ScaledOperand { scale, .. } => {
                         Some(scale)
                     }
+                    Fusion::Accumulate { scale, .. } => scale,
                     _ => None,
                 })
                 .collect::<std::collections::BTreeSet<_>>()
@@ -114,11 +124,21 @@ enum Fusion {
         scale: Node,
         alpha: f64,
     },
-    /// A `matmul` that reads the result of `scale` (whose every reader is a product): the
-    /// product reads the scale's input and scales in its accumulator.
+    /// A `matmul` that reads the result of `scale` (whose every reader is a product, or a
+    /// reshape that only products read): the product reads the scale's input and scales in
+    /// its accumulator.
     ScaledOperand {
         matmul: Node,
         scale: Node,
+        alpha: f64,
+    },
+    /// `add(p, addend)` at node `add`, `p` the result of `matmul` (or of its `scale` by
+    /// `alpha`): the product adds into the addend.
+    Accumulate {
+        matmul: Node,
+        scale: Option<Node>,
+        add: Node,
+        addend: Value,
         alpha: f64,
     },
 }
@@ -133,6 +153,7 @@ impl Fusion {
             Fusion::BiasGrad { matmul, .. } => matmul,
             Fusion::ScaledProduct { scale, .. } => scale,
             Fusion::ScaledOperand { matmul, .. } => matmul,
+            Fusion::Accumulate { add, .. } => add,
         }
     }
 
@@ -148,6 +169,12 @@ impl Fusion {
             Fusion::BiasGrad { matmul, sum, .. } => vec![matmul, sum],
             Fusion::ScaledProduct { matmul, scale, .. }
             | Fusion::ScaledOperand { matmul, scale, .. } => vec![matmul, scale],
+            Fusion::Accumulate {
+                matmul, scale, add, ..
+            } => [Some(matmul), scale, Some(add)]
+                .into_iter()
+                .flatten()
+                .collect(),
         }
     }
 }
@@ -174,8 +201,8 @@ fn weight_product(
         .then_some(m)
 }
 
-/// The fusions in `g`.
-fn find(g: &Graph, plain: &HashSet<String>) -> Vec<Fusion> {
+/// The fusions in `g`, whose first `forward_nodes` nodes are the forward.
+fn find(g: &Graph, plain: &HashSet<String>, forward_nodes: usize) -> Vec<Fusion> {
     let users = g.users();
     let mut found = Vec::new();
     for (n, node) in g.nodes() {
@@ -188,7 +215,12 @@ fn find(g: &Graph, plain: &HashSet<String>) -> Vec<Fusion> {
                 let (m, bias) = match (node.inputs[0], node.inputs[1]) {
                     (p, b) if is_bias(b) => (weight_product(g, &users, p, n, plain), b),
                     (b, p) if is_bias(b) => (weight_product(g, &users, p, n, plain), b),
-                    _ => continue,
+                    _ => {
+                        if n.index() < forward_nodes {
+                            found.extend(accumulate_fusion(g, &users, n, plain));
+                        }
+                        continue;
+                    }
                 };
                 let Some(matmul) = m else { continue };
                 if g.ty(g.node(matmul).outputs[0]) != g.ty(y) {
@@ -235,7 +267,8 @@ fn find(g: &Graph, plain: &HashSet<String>) -> Vec<Fusion> {
         .flat_map(|f| match *f {
             Fusion::Bias { matmul, .. }
             | Fusion::GeluGrad { matmul, .. }
-            | Fusion::BiasGrad { matmul, .. } => Some(matmul),
+            | Fusion::BiasGrad { matmul, .. }
+            | Fusion::Accumulate { matmul, .. } => Some(matmul),
             _ => None,
         })
         .collect();
@@ -243,22 +276,89 @@ fn find(g: &Graph, plain: &HashSet<String>) -> Vec<Fusion> {
         let Op::Scale { factor } = node.op else {
             continue;
         };
-        for f in scale_fusions(g, &users, n, factor) {
-            let matmul = match f {
+        let group = scale_fusions(g, &users, n, factor);
+        let products: Vec<Node> = group
+            .iter()
+            .map(|f| match *f {
                 Fusion::ScaledProduct { matmul, .. } | Fusion::ScaledOperand { matmul, .. } => {
                     matmul
                 }
                 _ => unreachable!("scale_fusions gives scale fusions"),
-            };
-            // A product takes part in one fusion: a group whose product is taken goes whole.
-            if taken.contains(&matmul) {
-                continue;
-            }
-            taken.insert(matmul);
-            found.push(f);
+            })
+            .collect();
+        // A product takes part in one fusion, and a scale's group fuses whole or not at all:
+        // the scale is gone only when every product that reads it scales instead.
+        if products.iter().any(|m| taken.contains(m)) {
+            continue;
         }
+        taken.extend(products);
+        found.extend(group);
     }
     found
+}
+
+/// The fusion of `add` (a node of the forward) as a product adding into its other operand:
+/// the second operand's product where both are products (a LoRA adapter's, added to its base
+/// product's result), else the first's; none unless the add alone reads both operands, one
+/// of them a product's, or when the operands and the sum differ in type (a broadcast).
+fn accumulate_fusion(
+    g: &Graph,
+    users: &[Vec<Node>],
+    add: Node,
+    plain: &HashSet<String>,
+) -> Option<Fusion> {
+    let node = g.node(add);
+    let (x0, x1, y) = (node.inputs[0], node.inputs[1], node.outputs[0]);
+    if x0 == x1 || g.ty(x0) != g.ty(y) || g.ty(x1) != g.ty(y) {
+        return None;
+    }
+    // The product writes its sum over the addend, so the addend must be read by nothing else
+    // (a residual stream that a norm and the backward read too keeps its add, which the
+    // norm's kernel absorbs).
+    let only_here = |v: Value| users[v.index()] == [add] && !g.outputs().contains(&v);
+    [(x1, x0), (x0, x1)].into_iter().find_map(|(p, addend)| {
+        if !only_here(addend) {
+            return None;
+        }
+        let (matmul, scale, alpha) = added_product(g, users, p, add, plain)?;
+        Some(Fusion::Accumulate {
+            matmul,
+            scale,
+            add,
+            addend,
+            alpha,
+        })
+    })
+}
+
+/// The product whose result `p` is read by `reader` alone: a `matmul`, or the `scale` of a
+/// `matmul` that only the scale reads (a factor that may fold, [`scale_folds`]); with that
+/// scale and its factor (1 without). None for a product by one of `plain`.
+fn added_product(
+    g: &Graph,
+    users: &[Vec<Node>],
+    p: Value,
+    reader: Node,
+    plain: &HashSet<String>,
+) -> Option<(Node, Option<Node>, f64)> {
+    let only = |v: Value, r: Node| users[v.index()] == [r] && !g.outputs().contains(&v);
+    if !only(p, reader) {
+        return None;
+    }
+    let n = g.value(p).producer;
+    let (m, scale, alpha) = match g.node(n).op {
+        Op::Scale { factor } => {
+            let x = g.node(n).inputs[0];
+            let folds = g.ty(x) == g.ty(p) && scale_folds(factor, g.ty(p).dtype);
+            if !folds || !only(x, n) {
+                return None;
+            }
+            (g.value(x).producer, Some(n), factor)
+        }
+        _ => (n, None, 1.0),
+    };
+    let is_product = matches!(g.node(m).op, Op::MatMul { .. });
+    (is_product && !plain.contains(g.name(g.node(m).inputs[1]))).then_some((m, scale, alpha))
 }
 
 /// Whether a scale by `factor` of a `dtype` value may join a product: always in 16 bits (one
@@ -289,20 +389,44 @@ fn scale_fusions(g: &Graph, users: &[Vec<Node>], n: Node, factor: f64) -> Vec<Fu
             alpha: factor,
         }];
     }
-    let readers = &users[y.index()];
-    let all_products = !readers.is_empty()
-        && !g.outputs().contains(&y)
-        && readers.iter().all(|&r| {
-            let ins = &g.node(r).inputs;
-            matches!(g.node(r).op, Op::MatMul { .. })
-                && ins.iter().filter(|&&i| i == y).count() == 1
-        });
-    if !all_products {
+    // The products that read `y`: directly, or through a reshape that only products read
+    // (a weight gradient reads the output gradient reshaped to rows). Each reads it once.
+    let reads_once = |r: Node, v: Value| {
+        matches!(g.node(r).op, Op::MatMul { .. })
+            && g.node(r).inputs.iter().filter(|&&i| i == v).count() == 1
+    };
+    let products_of = |v: Value| -> Option<Vec<Node>> {
+        let mut readers = users[v.index()].clone();
+        readers.dedup();
+        let ok = !readers.is_empty()
+            && !g.outputs().contains(&v)
+            && readers.iter().all(|&r| reads_once(r, v));
+        ok.then_some(readers)
+    };
+    if g.outputs().contains(&y) {
         return vec![];
     }
-    let mut readers = readers.clone();
+    let mut readers = users[y.index()].clone();
     readers.dedup();
-    readers
+    let mut products = Vec::new();
+    for r in readers {
+        match g.node(r).op {
+            Op::MatMul { .. } if reads_once(r, y) => products.push(r),
+            Op::Reshape { .. } => match products_of(g.node(r).outputs[0]) {
+                Some(more) => products.extend(more),
+                None => return vec![],
+            },
+            _ => return vec![],
+        }
+    }
+    // A product that reads the scale twice (directly and reshaped) would take it twice.
+    let mut distinct = products.clone();
+    distinct.sort();
+    distinct.dedup();
+    if products.is_empty() || distinct.len() != products.len() {
+        return vec![];
+    }
+    products
         .into_iter()
         .map(|matmul| Fusion::ScaledOperand {
             matmul,
@@ -356,6 +480,33 @@ fn weight_gradient_of(
     (!read_early && matmul.0.index() > sum.index()).then_some(matmul)
 }
 
+/// A product scaled by `alpha` in its accumulator: a plain product when `alpha` is 1 (a
+/// scale by 1, as LoRA gives with `lora_alpha = r`, asks for no work).
+fn scaled_product(transpose_a: bool, transpose_b: bool, alpha: f64) -> Op {
+    if alpha == 1.0 {
+        Op::MatMul {
+            transpose_a,
+            transpose_b,
+        }
+    } else {
+        Op::MatMulScaled {
+            transpose_a,
+            transpose_b,
+            alpha,
+        }
+    }
+}
+
+/// The note of a product that took a scale by `alpha`: `note`, or for a scale by 1 that
+/// it was dropped.
+fn scale_note(alpha: f64, note: &'static str) -> &'static str {
+    if alpha == 1.0 {
+        "epilogue: a scale by 1 dropped"
+    } else {
+        note
+    }
+}
+
 /// A fused product's transposes.
 fn transposes(op: &Op) -> Result<(bool, bool), String> {
     match *op {
@@ -385,6 +536,13 @@ fn rewrite(
             absorbed[n.index()] = true;
         }
     }
+    let operand_scales: HashSet<Node> = fusions
+        .iter()
+        .filter_map(|f| match *f {
+            Fusion::ScaledOperand { scale, .. } => Some(scale),
+            _ => None,
+        })
+        .collect();
     let mut out = Graph::empty_like(g);
     let mut map: Vec<Option<Value>> = vec![None; g.num_values()];
     let mut new_forward = 0;
@@ -443,15 +601,11 @@ fn rewrite(
                     let mm = g.node(matmul);
                     let (transpose_a, transpose_b) = transposes(&mm.op).map_err(internal)?;
                     (
-                        Op::MatMulScaled {
-                            transpose_a,
-                            transpose_b,
-                            alpha,
-                        },
+                        scaled_product(transpose_a, transpose_b, alpha),
                         mm.inputs.clone(),
                         vec![g.node(scale).outputs[0]],
                         matmul,
-                        "epilogue: the scale applied in the product's F32 accumulator, rounded once (cuBLAS alpha)",
+                        scale_note(alpha, "epilogue: the scale applied in the product's F32 accumulator, rounded once (cuBLAS alpha)"),
                     )
                 }
                 Fusion::ScaledOperand {
@@ -463,18 +617,35 @@ fn rewrite(
                     let (transpose_a, transpose_b) = transposes(&mm.op).map_err(internal)?;
                     let (x, y) = (g.node(scale).inputs[0], g.node(scale).outputs[0]);
                     (
-                        Op::MatMulScaled {
-                            transpose_a,
-                            transpose_b,
-                            alpha,
-                        },
+                        scaled_product(transpose_a, transpose_b, alpha),
                         mm.inputs
                             .iter()
                             .map(|&i| if i == y { x } else { i })
                             .collect(),
                         mm.outputs.clone(),
                         matmul,
-                        "epilogue: the operand's scale applied in the product's F32 accumulator instead (cuBLAS alpha)",
+                        scale_note(alpha, "epilogue: the operand's scale applied in the product's F32 accumulator instead (cuBLAS alpha)"),
+                    )
+                }
+                Fusion::Accumulate {
+                    matmul,
+                    add,
+                    addend,
+                    alpha,
+                    ..
+                } => {
+                    let mm = g.node(matmul);
+                    let (transpose_a, transpose_b) = transposes(&mm.op).map_err(internal)?;
+                    (
+                        Op::MatMulAdd {
+                            transpose_a,
+                            transpose_b,
+                            alpha,
+                        },
+                        vec![mm.inputs[0], mm.inputs[1], addend],
+                        vec![g.node(add).outputs[0]],
+                        matmul,
+                        "epilogue: the product added to the other operand in its F32 accumulator, rounded once (cuBLAS beta = 1)",
                     )
                 }
                 Fusion::GeluGrad { matmul, grad } => {
@@ -505,6 +676,11 @@ fn rewrite(
             }
             true
         } else if absorbed[n.index()] {
+            if operand_scales.contains(&n) {
+                // Every reader of the scale's result scales instead (directly, or through a
+                // reshape that now reads the scale's input).
+                map[node.outputs[0].index()] = Some(mapped(&map, node.inputs[0])?);
+            }
             false
         } else {
             let ins = node

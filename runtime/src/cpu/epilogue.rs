@@ -16,6 +16,13 @@ pub fn scale(acc: &mut [f32], alpha: f64) {
     acc.iter_mut().for_each(|v| *v *= a);
 }
 
+/// `acc + c` in F32, element by element, in place: the sum the stored result rounds once
+/// (cuBLAS's `beta = 1` with C the addend), as the separate `add` would add the rounded
+/// product.
+pub fn add_addend(acc: &mut [f32], c: &[f32]) {
+    acc.iter_mut().zip(c).for_each(|(v, c)| *v += c);
+}
+
 /// `acc + bias` in F32, in place: the sum the stored result rounds once (`BIAS`).
 pub fn add_bias(acc: &mut [f32], bias: &[f32]) {
     let n = bias.len();

@@ -897,7 +897,7 @@ impl Command {
             ),
             Command::Gemm(g) => format!(
                 "gemm {}{} x {}{} -> {} m={} n={} k={} batch={} A={} lda={} sA={} B={} ldb={} \
-                 sB={} C={} ldc={} sC={} {}{}{}{}  # %{}",
+                 sB={} C={} ldc={} sC={} {}{}{}{}{}  # %{}",
                 g.a_dtype.name(),
                 if g.transa { "ᵀ" } else { "" },
                 g.b_dtype.name(),
@@ -925,6 +925,8 @@ impl Command {
                 } else {
                     format!(" alpha={}", g.alpha)
                 },
+                // C read and added to (cuBLAS's beta = 1), not overwritten.
+                if g.accumulate { " beta=1" } else { "" },
                 match g.epilogue {
                     Epilogue::None => String::new(),
                     e => format!(

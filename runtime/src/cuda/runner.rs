@@ -711,6 +711,7 @@ fn run_reads_slot(program: &Program, run: usize, slot: usize) -> bool {
             Command::Gemm(g) => {
                 hit(&g.a)
                     || hit(&g.b)
+                    || (g.accumulate && hit(&g.c))
                     || g.epilogue
                         .buffers(g.c_dtype)
                         .iter()

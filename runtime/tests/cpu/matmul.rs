@@ -119,3 +119,66 @@ fn empty_inner_dimension_gives_zeros() {
     let y = run_op(op, &[&a, &b]).expect("matmul runs");
     assert_eq!(f32s(&y), &[0.0; 6]);
 }
+
+/// A product that adds into its addend (`matmul_add`) is the product scaled by alpha, plus the
+/// addend, in F32, rounded once to the result: in F32 with a power-of-two alpha the separate
+/// `scale` and `add` bit for bit; in BF16 one rounding of the F32 sum (the separate ops round
+/// the product, the scaled product and the sum).
+#[test]
+fn a_product_adds_into_its_addend_before_one_rounding() {
+    let mut rng = Rng::new(5);
+    for dtype in [DType::F32, DType::BF16] {
+        let a = rng.tensor(dtype, &[3, 7, 5]);
+        let b = rng.tensor(dtype, &[6, 5]);
+        let c = rng.tensor(dtype, &[3, 7, 6]);
+        let fused = run_op(
+            Op::MatMulAdd {
+                transpose_a: false,
+                transpose_b: true,
+                alpha: 2.0,
+            },
+            &[&a, &b, &c],
+        )
+        .expect("matmul_add runs");
+        // The product of the operands widened to F32 (exactly) is the F32 accumulator.
+        let wide = |t: &Tensor| Tensor::from_f32(DType::F32, t.shape().clone(), f32s(t).to_vec());
+        let product = Op::MatMul {
+            transpose_a: false,
+            transpose_b: true,
+        };
+        let acc = run_op(product, &[&wide(&a), &wide(&b)]).expect("matmul runs");
+        let sum: Vec<f32> = f32s(&acc)
+            .iter()
+            .zip(f32s(&c))
+            .map(|(p, c)| p * 2.0 + c)
+            .collect();
+        let want = Tensor::from_f32(dtype, c.shape().clone(), sum);
+        assert_eq!(fused, want, "{dtype}");
+    }
+    // The separate ops in F32, which the epilogue pass replaces in F32 plans.
+    let (a, b, c) = (
+        rng.tensor(DType::F32, &[4, 5]),
+        rng.tensor(DType::F32, &[5, 3]),
+        rng.tensor(DType::F32, &[4, 3]),
+    );
+    let fused = run_op(
+        Op::MatMulAdd {
+            transpose_a: false,
+            transpose_b: false,
+            alpha: 0.5,
+        },
+        &[&a, &b, &c],
+    )
+    .unwrap();
+    let product = run_op(
+        Op::MatMul {
+            transpose_a: false,
+            transpose_b: false,
+        },
+        &[&a, &b],
+    )
+    .unwrap();
+    let scaled = run_op(Op::Scale { factor: 0.5 }, &[&product]).unwrap();
+    let separate = run_op(Op::Binary(castor_ir::BinaryOp::Add), &[&c, &scaled]).unwrap();
+    assert_eq!(fused, separate);
+}

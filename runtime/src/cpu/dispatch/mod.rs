@@ -65,6 +65,7 @@ pub fn execute(
         | Op::LossScaleUpdate { .. } => return step::execute(op, args, outs),
         Op::MatMul { .. }
         | Op::MatMulScaled { .. }
+        | Op::MatMulAdd { .. }
         | Op::Nf4MatMul { .. }
         | Op::Fp8MatMul { .. }
         | Op::MatMulBias { .. }

@@ -30,6 +30,16 @@ pub(super) fn execute(
             epilogue::scale(&mut scaled, *alpha);
             float(args, scaled)?
         }
+        Op::MatMulAdd {
+            transpose_a,
+            transpose_b,
+            alpha,
+        } => {
+            let mut sum = product(args, acc, out, *transpose_a, *transpose_b)?;
+            epilogue::scale(&mut sum, *alpha);
+            epilogue::add_addend(&mut sum, args.f32(2)?);
+            float(args, sum)?
+        }
         Op::Nf4MatMul {
             transpose_b,
             rows,

@@ -2,8 +2,8 @@
 //! `lower.rs` in `super::super::families`), products to `gemm.rs`; and the helpers they
 //! share.
 
-use super::super::program::{Command, Epilogue, Gemm};
-use super::{gemm, LowerError, RunLowering};
+use super::super::program::{Command, Epilogue, Gemm, Place};
+use super::{gemm, Loc, LowerError, RunLowering, Storage};
 use castor_ir::{Accum, Node, Op, Value};
 
 /// Threads per block of the row kernels (norms, softmax, cross-entropy, embeddings).
@@ -89,6 +89,7 @@ impl RunLowering<'_, '_> {
                 self.commands
                     .extend(gm.into_iter().map(|g| Command::Gemm(Gemm { alpha, ..g })));
             }
+            Op::MatMulAdd { .. } => self.matmul_add(n)?,
             Op::MatMulBias { .. }
             | Op::MatMulBiasGelu { .. }
             | Op::MatMulGeluGrad { .. }
@@ -163,6 +164,94 @@ pub(crate) fn row_threads(len: usize, most: u32) -> u32 {
 }
 
 impl RunLowering<'_, '_> {
+    /// `alpha · op(a)·op(b) + c` as products that add into C (cuBLAS's beta = 1): in place of
+    /// `c` where the result may take its buffer over ([`Self::addend_buffer`]), else into a
+    /// buffer of its own that `c` is copied into first.
+    fn matmul_add(&mut self, n: Node) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let Op::MatMulAdd {
+            transpose_a,
+            transpose_b,
+            alpha,
+        } = node.op
+        else {
+            unreachable!("matmul_add is called for `matmul_add` nodes");
+        };
+        let (ins, y) = (node.inputs.clone(), node.outputs[0]);
+        let dt = |v: Value| g.ty(v).dtype;
+        let c = ins[2];
+        if dt(c) != dt(y) {
+            return Err(self.err(
+                y,
+                format!(
+                    "a product adds into its addend's buffer: the addend `%{}` is {}, the result {}",
+                    g.name(c),
+                    dt(c),
+                    dt(y)
+                ),
+            ));
+        }
+        let dst = match self.addend_buffer(n, c, y) {
+            Some(place) => place,
+            None => {
+                let dst = self.out(y)?;
+                let (root, view) = self.source(c);
+                let l = view.materialize().map_err(|m| self.err(y, m))?;
+                let src = self.at(root)?;
+                self.copy(y, src, dst, l)?;
+                dst
+            }
+        };
+        let (a, b) = (self.at(ins[0])?, self.at(ins[1])?);
+        let gm = gemm::matmul(
+            g.name(y),
+            (a, &g.ty(ins[0]).shape, dt(ins[0])),
+            (b, &g.ty(ins[1]).shape, dt(ins[1])),
+            (dst, dt(y)),
+            transpose_a,
+            transpose_b,
+            node.acc == Some(Accum::Tf32),
+        )
+        .map_err(|m| self.err(y, m))?;
+        self.commands.extend(gm.into_iter().map(|g| {
+            Command::Gemm(Gemm {
+                alpha: alpha as f32,
+                accumulate: true,
+                ..g
+            })
+        }));
+        Ok(())
+    }
+
+    /// The buffer of `c` when node `n`'s result `y` may take it over and be written there:
+    /// `c` has an arena buffer of its own that nothing reads after `n` (through no view
+    /// either, on no side stream), and `y` would get a new one (it is no view, graph output
+    /// or state). The buffer then lives until `y`'s last reader.
+    fn addend_buffer(&mut self, n: Node, c: Value, y: Value) -> Option<Place> {
+        let g = self.g;
+        let Loc::At(
+            place @ Place::Buffer {
+                buffer, offset: 0, ..
+            },
+        ) = self.loc[c.index()]
+        else {
+            return None;
+        };
+        let own = |v: Value| self.storage[v.index()] == Storage::Own && self.root[v.index()] == v;
+        let fixed = |v: Value| g.outputs().contains(&v) || self.stored.contains_key(g.name(v));
+        let read_later = self.end_of[c.index()] > self.unit_of[n.index()];
+        let unplaced = matches!(self.loc[y.index()], Loc::Unset);
+        if !own(c) || !own(y) || fixed(c) || fixed(y) || read_later || !unplaced {
+            return None;
+        }
+        let end = self.end_of[y.index()];
+        let entry = &mut self.buffers[buffer.0 as usize];
+        entry.2 = entry.2.max(end);
+        self.loc[y.index()] = Loc::At(place);
+        Some(place)
+    }
+
     /// A product with a cuBLASLt epilogue: one call (the op's rhs is a matrix and its lhs is
     /// not transposed, so every leading dim folds into the product's rows).
     fn epilogue_product(&mut self, n: Node) -> Result<(), LowerError> {
