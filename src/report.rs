@@ -410,9 +410,14 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
     let g = &c.gpu;
     let micro = &c.micro_step;
     let per_tok = |f: f64| f * c.grad_accum as f64 / c.tokens.max(1) as f64 / 1e6;
+    // Frozen parameters (a LoRA base) count 4 FLOPs per token: no weight gradient.
+    let frozen = match c.frozen_params {
+        0 => String::new(),
+        f => format!(", of which {} frozen at 4N", thousands(f)),
+    };
     let rule = match (&c.shape, c.flops_per_token_rule()) {
         (Some(s), Some(rule)) => format!(
-            "{:.1} MFLOP (N {}, L {}, C {}, T {})",
+            "{:.1} MFLOP (N {}{frozen}, L {}, C {}, T {})",
             rule / 1e6,
             thousands(c.params),
             s.layers,
@@ -448,8 +453,9 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
     };
     let mfu = match c.mfu() {
         Some(m) => format!(
-            "{:.1}% estimated (6N+6LCT per token over the roofline step time, of {:.0} TFLOP/s; every kernel at peak, no fusion credit)",
+            "{:.1}% estimated (6N+6LCT per token{} over the roofline step time, of {:.0} TFLOP/s; every kernel at peak, no fusion credit)",
             m * 100.0,
+            if c.frozen_params > 0 { ", 4N for the frozen," } else { "" },
             g.low_precision_flops / 1e12
         ),
         None => "n/a (needs the model's shape and a token count)".into(),

@@ -540,10 +540,29 @@ pub fn param_count(plan: &TrainingPlan) -> u64 {
     read + sharded + fp8
 }
 
+/// The parameters of [`param_count`] that the step reads frozen (a LoRA base, stored once as
+/// state of the frozen role): they get no weight gradient.
+pub fn frozen_param_count(plan: &TrainingPlan) -> u64 {
+    let g = &plan.micro_step;
+    plan.state
+        .iter()
+        .filter(|s| s.role == castor_ir::StateRole::Frozen)
+        .filter_map(|s| g.lookup(&s.name))
+        .filter(|&v| g.node(g.value(v).producer).op == castor_ir::Op::Param)
+        .map(|v| g.ty(v).shape.numel().unwrap_or(0) as u64)
+        .sum()
+}
+
 /// 6N + 6·L·C·T: training FLOPs per token by the llm.c convention (attention products
-/// counted with the causal half), from the model's shape as the front end recorded it.
-pub fn flops_per_token_rule(params: u64, shape: &ModelShape) -> f64 {
-    6.0 * params as f64 + 6.0 * (shape.layers * shape.width * shape.seq) as f64
+/// counted with the causal half), from the model's shape as the front end recorded it. Of the
+/// `params`, the `frozen` ones count 4 (their products forward and their input gradients)
+/// instead of 6, as PEFT's and the benchmark's MFU count a LoRA base: without that a LoRA
+/// step would claim the FLOPs of weight gradients it never computes.
+pub fn flops_per_token_rule(params: u64, frozen: u64, shape: &ModelShape) -> f64 {
+    let frozen = frozen.min(params);
+    6.0 * (params - frozen) as f64
+        + 4.0 * frozen as f64
+        + 6.0 * (shape.layers * shape.width * shape.seq) as f64
 }
 
 /// The estimated cost of one training step.
@@ -557,6 +576,8 @@ pub struct StepCost {
     pub tokens: u64,
     /// Parameters (N of the 6N + 6·L·C·T rule).
     pub params: u64,
+    /// Of `params`, those read frozen (counted 4 per token instead of 6).
+    pub frozen_params: u64,
     /// The model's shape, when the graph records it (not for hand-written IR without a
     /// `model` line): the rule and MFU need it.
     pub shape: Option<ModelShape>,
@@ -574,6 +595,7 @@ impl StepCost {
             grad_accum: s.grad_accum,
             tokens: (s.batch * s.seq * s.grad_accum) as u64,
             params: param_count(plan),
+            frozen_params: frozen_param_count(plan),
             shape: plan.micro_step.shape,
             world_size: s.parallel.world_size.max(1),
         }
@@ -617,11 +639,11 @@ impl StepCost {
             / self.tokens.max(1) as f64
     }
 
-    /// 6N + 6·L·C·T per token, when the model's shape is known.
+    /// 6N + 6·L·C·T per token (4 per frozen parameter), when the model's shape is known.
     pub fn flops_per_token_rule(&self) -> Option<f64> {
         self.shape
             .as_ref()
-            .map(|s| flops_per_token_rule(self.params, s))
+            .map(|s| flops_per_token_rule(self.params, self.frozen_params, s))
     }
 
     /// Model FLOPs utilization: 6N + 6·L·C·T per token (no recompute) over the estimated step
