@@ -362,8 +362,11 @@ def part_bench(steps, out_dir, budget=None):
 # roofline, with the defaults and with cuDNN's engine chosen by its heuristics alone (the
 # deterministic backward cuDNN ran at 14x its roofline on the 2026-11-28 H100 record: this
 # measures what determinism costs); and GPT-2 with the products' epilogues unfused (the
-# bias-gradient epilogue's products ran at 2.15x their roofline, plain products at 1.1-1.3x).
+# bias-gradient epilogue's products ran at 2.15x their roofline, plain products at 1.1-1.3x);
+# and the benchmark's LoRA step on LLaMA-3.2-1B (r=16 on the seven projections; 2.17x its
+# roofline on the 2026-11-28 H100 record, with no profile to say where).
 # Each: (tag, config, batch, seq, flags, environment).
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 GPT2 = "assets/configs/gpt2-124m.json"
 LLAMA = "assets/configs/llama-3.2-1b.json"
 PROFILED = [("default", GPT2, 8, 1024, [], {}),
@@ -372,6 +375,8 @@ PROFILED = [("default", GPT2, 8, 1024, [], {}),
             ("llama-1b-any-engine", LLAMA, 4, 2048, [], {"CASTOR_CUDNN_NONDETERMINISTIC": "1"}),
             ("epilogues-eager", GPT2, 8, 1024, ["--attention", "fused", "--epilogues", "eager"],
              {}),
+            ("llama-1b-lora", LLAMA, 4, 2048, ["--lora-rank", "16", "--lora-targets",
+                                               ",".join(LORA_TARGETS)], {}),
             ("attention-eager", GPT2, 8, 1024, ["--attention", "eager"], {})]
 
 
@@ -396,7 +401,7 @@ def part_profile(steps, out_dir, plans=PROFILED):
 
 
 # Seconds `--part all` keeps for the profile part when it starts the benchmark.
-PROFILE_SHARE = 100
+PROFILE_SHARE = 125
 
 
 def part_all(steps, out_dir):
@@ -404,9 +409,9 @@ def part_all(steps, out_dir):
     left = steps.deadline - time.monotonic()
     part_bench(steps, out_dir, budget=left - PROFILE_SHARE - 30)
     # The benchmark's record holds the default plan's profile already: castor's own attention
-    # kernels and the LLaMA step with either engine choice (the eager attention's profile is
-    # for `--part profile`).
-    part_profile(steps, out_dir / "profile", PROFILED[1:5])
+    # kernels, the LLaMA step with either engine choice, the unfused epilogues and the LoRA
+    # step (the eager attention's profile is for `--part profile`).
+    part_profile(steps, out_dir / "profile", PROFILED[1:6])
 
 
 def main():
