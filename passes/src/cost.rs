@@ -505,14 +505,23 @@ pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
     c
 }
 
-/// Parameters of a plan: every `param` of its micro step (tied weights once), the masters a
-/// data-parallel rank keeps a shard of, which the micro step reads only through their working
-/// copies, and the weights it reads only as FP8 copies.
+/// Parameters of a plan: every `param` of its micro step (tied weights once; a shard a
+/// data-parallel rank reads counts whole), the masters a rank keeps a shard of, which the micro
+/// step reads only through their working copies, and the weights it reads only as FP8 copies.
 pub fn param_count(plan: &TrainingPlan) -> u64 {
     let g = &plan.micro_step;
+    // A parameter the micro step reads as this rank's shard (ZeRO-3) counts whole.
+    let whole: std::collections::HashMap<&str, u64> = plan
+        .state
+        .iter()
+        .filter_map(|s| Some((s.name.as_str(), s.shard_of.as_ref()?.shape.numel()? as u64)))
+        .collect();
     let read = g
         .params()
-        .map(|p| g.ty(p).shape.numel().unwrap_or(0) as u64)
+        .map(|p| match whole.get(g.name(p)) {
+            Some(&n) => n,
+            None => g.ty(p).shape.numel().unwrap_or(0) as u64,
+        })
         .sum::<u64>();
     let sharded = plan
         .state
