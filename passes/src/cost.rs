@@ -505,24 +505,13 @@ pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
     c
 }
 
-/// Parameters of a plan: every `param` of its micro step (tied weights once; a shard a
-/// data-parallel rank reads counts whole), the masters a rank keeps a shard of, which the micro
-/// step reads only through their working copies, and the weights it reads only as FP8 copies.
+/// Parameters of a plan: every `param` of its micro step (tied weights once), as the model
+/// counts them ([`model_numel`]), the masters a data-parallel rank keeps a shard of, which the
+/// micro step reads only through their working copies, and the weights it reads only as FP8
+/// copies.
 pub fn param_count(plan: &TrainingPlan) -> u64 {
     let g = &plan.micro_step;
-    // A parameter the micro step reads as this rank's shard (ZeRO-3) counts whole.
-    let whole: std::collections::HashMap<&str, u64> = plan
-        .state
-        .iter()
-        .filter_map(|s| Some((s.name.as_str(), s.shard_of.as_ref()?.shape.numel()? as u64)))
-        .collect();
-    let read = g
-        .params()
-        .map(|p| match whole.get(g.name(p)) {
-            Some(&n) => n,
-            None => g.ty(p).shape.numel().unwrap_or(0) as u64,
-        })
-        .sum::<u64>();
+    let read = g.params().map(|p| model_numel(plan, p)).sum::<u64>();
     let sharded = plan
         .state
         .iter()
@@ -558,8 +547,29 @@ pub fn frozen_param_count(plan: &TrainingPlan) -> u64 {
         .filter(|s| s.role == castor_ir::StateRole::Frozen)
         .filter_map(|s| g.lookup(&s.name))
         .filter(|&v| g.node(g.value(v).producer).op == castor_ir::Op::Param)
-        .map(|v| g.ty(v).shape.numel().unwrap_or(0) as u64)
+        .map(|v| model_numel(plan, v))
         .sum()
+}
+
+/// How many of the model's parameters the micro step's `param` `p` holds: its elements, but
+/// a ZeRO-3 rank's shard counts the whole parameter, NF4 codes count the two weights each
+/// byte packs, and NF4 block maxima count none (they are part of their weight).
+fn model_numel(plan: &TrainingPlan, p: castor_ir::Value) -> u64 {
+    let g = &plan.micro_step;
+    let stored = g.ty(p).shape.numel().unwrap_or(0) as u64;
+    let Some(entry) = plan.state.iter().find(|s| s.name == g.name(p)) else {
+        return stored;
+    };
+    if let Some(whole) = &entry.shard_of {
+        return whole.shape.numel().unwrap_or(0) as u64;
+    }
+    match &entry.init {
+        castor_ir::StateInit::Nf4 { part, .. } => match part {
+            castor_ir::Nf4Part::Codes => 2 * stored,
+            castor_ir::Nf4Part::Absmax => 0,
+        },
+        _ => stored,
+    }
 }
 
 /// 6N + 6·L·C·T: training FLOPs per token by the llm.c convention (attention products
