@@ -215,7 +215,8 @@ fn a_kernel_profile_needs_a_gpu() {
 
 /// A LoRA plan (adapters beside the products, the base frozen in the step's dtype or in NF4)
 /// trains on the emulator as on the CPU: the same losses and the same saved adapter, byte for
-/// byte.
+/// byte; also with the forward recomputed (whose adapter products add into recomputed base
+/// results, in place).
 #[test]
 fn lora_trains_on_the_emulator_as_on_the_cpu() {
     let tmp = tempfile::tempdir().unwrap();
@@ -226,17 +227,19 @@ fn lora_trains_on_the_emulator_as_on_the_cpu() {
     ] {
         let model = fixture(family);
         let data = model.join("input.safetensors");
-        for (precision, base) in [
-            ("fp32", "compute"),
-            ("bf16", "compute"),
-            ("fp16", "compute"),
-            ("fp32", "nf4"),
-            ("tf32", "nf4"),
-            ("bf16", "nf4"),
+        for (precision, base, remat) in [
+            ("fp32", "compute", "none"),
+            ("bf16", "compute", "none"),
+            ("fp16", "compute", "none"),
+            ("fp32", "nf4", "none"),
+            ("tf32", "nf4", "none"),
+            ("bf16", "nf4", "none"),
+            ("bf16", "compute", "full"),
+            ("bf16", "compute", "selective"),
         ] {
             let mut runs = Vec::new();
             for device in ["cpu", "emulate"] {
-                let tag = format!("lora-{family}-{precision}-{base}-{device}");
+                let tag = format!("lora-{family}-{precision}-{base}-{remat}-{device}");
                 let (log, save) = (
                     tmp.path().join(format!("{tag}.jsonl")),
                     tmp.path().join(&tag),
@@ -256,6 +259,8 @@ fn lora_trains_on_the_emulator_as_on_the_cpu() {
                     precision,
                     "--base",
                     base,
+                    "--remat",
+                    remat,
                     "--device",
                     device,
                     "--attention",
@@ -271,10 +276,13 @@ fn lora_trains_on_the_emulator_as_on_the_cpu() {
                     std::fs::read(save.join("adapter_model.safetensors")).unwrap(),
                 ));
             }
-            assert_eq!(runs[0].0, runs[1].0, "{family} {precision} {base}: losses");
+            assert_eq!(
+                runs[0].0, runs[1].0,
+                "{family} {precision} {base} remat {remat}: losses"
+            );
             assert!(
                 runs[0].1 == runs[1].1,
-                "{family} {precision} {base}: saved adapters differ"
+                "{family} {precision} {base} remat {remat}: saved adapters differ"
             );
         }
     }
