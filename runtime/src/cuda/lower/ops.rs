@@ -71,23 +71,11 @@ impl RunLowering<'_, '_> {
                 ..
             } => {
                 let alpha = match node.op {
-                    Op::MatMulScaled { alpha, .. } => alpha as f32,
+                    Op::MatMulScaled { alpha, .. } => alpha,
                     _ => 1.0,
                 };
-                let (a, b) = (self.at(ins[0])?, self.at(ins[1])?);
                 let c = self.out(y)?;
-                let gm = gemm::matmul(
-                    g.name(y),
-                    (a, &g.ty(ins[0]).shape, dt(ins[0])),
-                    (b, &g.ty(ins[1]).shape, dt(ins[1])),
-                    (c, dt(y)),
-                    *transpose_a,
-                    *transpose_b,
-                    node.acc == Some(Accum::Tf32),
-                )
-                .map_err(|m| self.err(y, m))?;
-                self.commands
-                    .extend(gm.into_iter().map(|g| Command::Gemm(Gemm { alpha, ..g })));
+                self.product(n, (*transpose_a, *transpose_b), c, alpha, false)?;
             }
             Op::MatMulAdd { .. } => self.matmul_add(n)?,
             Op::MatMulBias { .. }
@@ -203,12 +191,29 @@ impl RunLowering<'_, '_> {
                 dst
             }
         };
+        self.product(n, (transpose_a, transpose_b), dst, alpha, true)
+    }
+
+    /// The gemms of node `n`'s product of its first two operands into `c` (its result's
+    /// place), scaled by `alpha` in the accumulator, overwriting C or adding into it.
+    fn product(
+        &mut self,
+        n: Node,
+        (transpose_a, transpose_b): (bool, bool),
+        c: Place,
+        alpha: f64,
+        accumulate: bool,
+    ) -> Result<(), LowerError> {
+        let g = self.g;
+        let node = g.node(n);
+        let (ins, y) = (&node.inputs, node.outputs[0]);
+        let dt = |v: Value| g.ty(v).dtype;
         let (a, b) = (self.at(ins[0])?, self.at(ins[1])?);
         let gm = gemm::matmul(
             g.name(y),
             (a, &g.ty(ins[0]).shape, dt(ins[0])),
             (b, &g.ty(ins[1]).shape, dt(ins[1])),
-            (dst, dt(y)),
+            (c, dt(y)),
             transpose_a,
             transpose_b,
             node.acc == Some(Accum::Tf32),
@@ -217,7 +222,7 @@ impl RunLowering<'_, '_> {
         self.commands.extend(gm.into_iter().map(|g| {
             Command::Gemm(Gemm {
                 alpha: alpha as f32,
-                accumulate: true,
+                accumulate,
                 ..g
             })
         }));
