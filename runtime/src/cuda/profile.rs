@@ -28,8 +28,9 @@ pub struct CommandTime {
 }
 
 impl CommandTime {
-    /// The row of command `index` of run `run`, which took `ms`.
-    pub fn of(run: &str, index: usize, command: &Command, ms: f32) -> CommandTime {
+    /// The row of command `index` of run `run`, which took `ms`; a fused attention pass is
+    /// named by what ran it: cuDNN (`on_cudnn`), or castor's kernels where cuDNN built no plan.
+    pub fn of(run: &str, index: usize, command: &Command, on_cudnn: bool, ms: f32) -> CommandTime {
         let (what, node, size) = match command {
             Command::Launch(l) => (
                 l.entry.clone(),
@@ -75,10 +76,14 @@ impl CommandTime {
                 format!("{} side event(s)", events.len()),
             ),
             Command::Sdpa(c) => (
-                match c.pass {
-                    crate::cuda::sdpa::SdpaPass::Forward => "cudnn attention forward".into(),
-                    crate::cuda::sdpa::SdpaPass::Backward => "cudnn attention backward".into(),
-                },
+                format!(
+                    "{} attention {}",
+                    if on_cudnn { "cudnn" } else { "castor" },
+                    match c.pass {
+                        crate::cuda::sdpa::SdpaPass::Forward => "forward",
+                        crate::cuda::sdpa::SdpaPass::Backward => "backward",
+                    }
+                ),
                 c.node.clone(),
                 format!(
                     "heads {}/{} rows {}x{} dim {}",
@@ -351,7 +356,7 @@ mod tests {
             commands: commands
                 .iter()
                 .enumerate()
-                .map(|(i, (c, ms))| CommandTime::of("micro_step", i, c, *ms))
+                .map(|(i, (c, ms))| CommandTime::of("micro_step", i, c, false, *ms))
                 .collect(),
         }
     }
@@ -418,6 +423,19 @@ mod tests {
         assert!(p.by_kind().iter().all(|k| k.roofline_ms.is_none()));
     }
 
+    /// A fused attention pass is named by what ran it: cuDNN, or castor's kernels where cuDNN
+    /// built no plan (they once were all named cuDNN's, which hid that cuDNN refused them).
+    #[test]
+    fn an_attention_pass_is_named_by_what_ran_it() {
+        use crate::cuda::sdpa::{tests::call, SdpaPass};
+        let pass = |p| Command::Sdpa(Box::new(call(p, (12, 12), true, None, false)));
+        let what = |p, on_cudnn| CommandTime::of("micro_step", 0, &pass(p), on_cudnn, 1.0).what;
+        assert_eq!(what(SdpaPass::Forward, true), "cudnn attention forward");
+        assert_eq!(what(SdpaPass::Backward, true), "cudnn attention backward");
+        assert_eq!(what(SdpaPass::Forward, false), "castor attention forward");
+        assert_eq!(what(SdpaPass::Backward, false), "castor attention backward");
+    }
+
     /// A unit lowered to two commands (a fused attention's backward and its `delta` kernel)
     /// splits its roofline time by their measured times: both stand at the unit's ratio.
     #[test]
@@ -428,9 +446,16 @@ mod tests {
                     "micro_step",
                     0,
                     &launch("attention_bwd_delta", "attn.grad"),
+                    false,
                     1.0,
                 ),
-                CommandTime::of("micro_step", 1, &launch("attention_bwd", "attn.grad"), 3.0),
+                CommandTime::of(
+                    "micro_step",
+                    1,
+                    &launch("attention_bwd", "attn.grad"),
+                    false,
+                    3.0,
+                ),
             ],
         };
         let units = HashMap::from([("attn.grad".to_string(), 2e-3)]);

@@ -15,7 +15,7 @@ use super::emulate::Emulator;
 use super::lower::{self, LowerError, MICRO_STEP, OPTIMIZER_STEP, ZERO_GRADS};
 use super::nccl::NcclRank;
 use super::profile::{CommandTime, KernelProfile};
-use super::program::{ErrorFlag, Place, Program, SlotKind};
+use super::program::{Command, ErrorFlag, Place, Program, SlotKind};
 use super::target::{Gpu, Target};
 use crate::{DeviceTime, RuntimeError, StepReport};
 use castor_ir::{
@@ -257,13 +257,15 @@ impl<T: Target> LoweredPlanRunner<T> {
             Some(times) => {
                 let r = &self.program.runs[run];
                 if let Some(p) = self.profiling.as_mut() {
-                    p.commands.extend(
-                        r.commands
-                            .iter()
-                            .zip(times)
-                            .enumerate()
-                            .map(|(i, (c, ms))| CommandTime::of(&r.name, i, c, ms)),
-                    );
+                    let target = &self.target;
+                    p.commands
+                        .extend(r.commands.iter().zip(times).enumerate().map(
+                        |(i, (c, ms))| {
+                            let on_cudnn =
+                                matches!(c, Command::Sdpa(call) if target.runs_on_cudnn(call));
+                            CommandTime::of(&r.name, i, c, on_cudnn, ms)
+                        },
+                    ));
                 }
             }
             // No device clock: nothing to profile.

@@ -926,10 +926,11 @@ fn grouped_product(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn call(
+    /// A call on GPT-2-like heads (two batches of 256 rows, head dim 64) at arena places.
+    pub(crate) fn call(
         pass: SdpaPass,
         heads: (usize, usize),
         causal: bool,

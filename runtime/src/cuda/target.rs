@@ -21,6 +21,10 @@ pub trait Target: Sized {
     /// What runs the program's cuDNN attention passes (cuDNN, castor's kernels, the CPU
     /// twin), when it has any.
     fn attention(&self) -> Option<String>;
+    /// Whether cuDNN runs `call` (a plan was built for it), not its fallback kernels.
+    fn runs_on_cudnn(&self, _call: &crate::cuda::sdpa::Sdpa) -> bool {
+        false
+    }
     /// Replaces a whole slot's bytes, after every earlier run.
     fn write_slot(&mut self, slot: usize, bytes: &[u8]) -> Result<(), RuntimeError>;
     /// Replaces a whole input slot's bytes, after every earlier run, without waiting for the
@@ -95,6 +99,9 @@ impl Target for Gpu {
         let device = Device::open()?;
         let loaded = device.load(program)?;
         Ok(Gpu { loaded, device })
+    }
+    fn runs_on_cudnn(&self, call: &crate::cuda::sdpa::Sdpa) -> bool {
+        self.loaded.runs_on_cudnn(call)
     }
     fn gather_slot(
         &self,

@@ -10,6 +10,7 @@
 //! any CUDA-graph capture, and hold the by-value scalars they were built with, so a captured
 //! execution reads them at the same addresses on every replay.
 
+use super::cudnn_api::{self, api};
 use crate::cuda::sdpa::{self, Binding, DqForm, ElemType, OpSpec, Pointwise, Sdpa};
 use castor_ir::DType;
 use cudarc::cudnn::sys;
@@ -23,43 +24,14 @@ pub const CUDNN_DIR_VAR: &str = "CASTOR_CUDNN_DIR";
 /// The oldest cuDNN with the fused attention graphs built here (sliding windows from 9.2).
 const MIN_VERSION: usize = 90200;
 
-/// Finds libcudnn (in `CASTOR_CUDNN_DIR` first, then on the loader path) and returns its
-/// version (`major * 10000 + minor * 100 + patch`), or why it cannot be used.
+/// Finds libcudnn (the folder `CASTOR_CUDNN_DIR` names, else `libcudnn.so.9` on the loader
+/// path), loads it for every later call ([`cudnn_api`]) and returns its version
+/// (`major * 10000 + minor * 100 + patch`), or why it cannot be used.
 pub fn probe() -> Result<usize, String> {
-    if let Some(dir) = std::env::var_os(CUDNN_DIR_VAR) {
-        let dir = std::path::PathBuf::from(dir);
-        let candidates = [
-            dir.join("libcudnn.so.9"),
-            dir.join("lib/libcudnn.so.9"),
-            dir.join("nvidia/cudnn/lib/libcudnn.so.9"),
-        ];
-        let Some(path) = candidates.iter().find(|p| p.is_file()) else {
-            return Err(format!(
-                "{CUDNN_DIR_VAR}={} holds no libcudnn.so.9",
-                dir.display()
-            ));
-        };
-        // Loaded globally and kept, so that cudarc's own load by name finds it.
-        // SAFETY: loading a shared library runs its initializers; libcudnn's are benign.
-        let lib = unsafe {
-            libloading::os::unix::Library::open(
-                Some(path),
-                libloading::os::unix::RTLD_NOW | libloading::os::unix::RTLD_GLOBAL,
-            )
-        }
-        .map_err(|e| format!("cannot load {}: {e}", path.display()))?;
-        std::mem::forget(lib);
-    }
-    // SAFETY: only tries to open the library.
-    if !unsafe { sys::is_culib_present() } {
-        return Err(format!(
-            "libcudnn.so.9 not found: `pip install \"nvidia-cudnn-cu13==9.*\"` (or a CUDA \
-             toolkit's cuDNN) and set {CUDNN_DIR_VAR} to the folder holding it, or put it on \
-             LD_LIBRARY_PATH"
-        ));
-    }
-    // SAFETY: the library is present; cudnnGetVersion exists in every cuDNN.
-    let version = unsafe { sys::cudnnGetVersion() };
+    let dir = std::env::var_os(CUDNN_DIR_VAR).map(std::path::PathBuf::from);
+    let api = cudnn_api::load(dir.as_deref())?;
+    // SAFETY: cudnnGetVersion takes nothing and exists in every cuDNN.
+    let version = unsafe { (api.get_version)() };
     if version < MIN_VERSION {
         return Err(format!(
             "cuDNN {} is too old for its fused attention graphs here (9.2 or newer)",
@@ -87,7 +59,7 @@ fn check(status: sys::cudnnStatus_t, call: &str) -> Result<(), String> {
     }
     let mut buf = [0 as std::ffi::c_char; 512];
     // SAFETY: the buffer is writable for its length.
-    unsafe { sys::cudnnGetLastErrorString(buf.as_mut_ptr(), buf.len()) };
+    unsafe { (api().get_last_error_string)(buf.as_mut_ptr(), buf.len()) };
     // SAFETY: cuDNN wrote a NUL-terminated string (or left the buffer zeroed).
     let last = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy();
     Err(format!(
@@ -106,7 +78,7 @@ struct Desc(sys::cudnnBackendDescriptor_t);
 impl Drop for Desc {
     fn drop(&mut self) {
         // SAFETY: created by cudnnBackendCreateDescriptor and destroyed once.
-        unsafe { sys::cudnnBackendDestroyDescriptor(self.0) };
+        unsafe { (api().destroy_descriptor)(self.0) };
     }
 }
 
@@ -119,7 +91,7 @@ impl Desc {
         let mut d = std::ptr::null_mut();
         // SAFETY: `d` receives a new descriptor.
         check(
-            unsafe { sys::cudnnBackendCreateDescriptor(kind, &mut d) },
+            unsafe { (api().create_descriptor)(kind, &mut d) },
             &format!("cudnnBackendCreateDescriptor({kind:?})"),
         )?;
         Ok(Desc(d))
@@ -130,7 +102,7 @@ impl Desc {
         // SAFETY: `values` holds `len` elements of the type `ty` names, read during the call.
         check(
             unsafe {
-                sys::cudnnBackendSetAttribute(
+                (api().set_attribute)(
                     self.0,
                     name,
                     ty,
@@ -149,7 +121,7 @@ impl Desc {
 
     fn finalize(&self, what: &str) -> Result<(), String> {
         // SAFETY: a live descriptor whose attributes were set.
-        check(unsafe { sys::cudnnBackendFinalize(self.0) }, what)
+        check(unsafe { (api().finalize)(self.0) }, what)
     }
 }
 
@@ -305,7 +277,7 @@ impl Drop for Cudnn {
     fn drop(&mut self) {
         self.plans.clear();
         // SAFETY: created by cudnnCreate, destroyed once, after every plan of it.
-        unsafe { sys::cudnnDestroy(self.handle) };
+        unsafe { (api().destroy)(self.handle) };
     }
 }
 
@@ -314,7 +286,7 @@ impl Cudnn {
     pub(super) fn new(version: usize, any_engine: bool) -> Result<Cudnn, String> {
         let mut handle = std::ptr::null_mut();
         // SAFETY: the library is present (probed); `handle` receives a new handle.
-        check(unsafe { sys::cudnnCreate(&mut handle) }, "cudnnCreate")?;
+        check(unsafe { (api().create)(&mut handle) }, "cudnnCreate")?;
         Ok(Cudnn {
             handle,
             version,
@@ -564,7 +536,7 @@ impl Cudnn {
             // SAFETY: asks for the count only (no elements written).
             check(
                 unsafe {
-                    sys::cudnnBackendGetAttribute(
+                    (api().get_attribute)(
                         heur.0,
                         A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
                         T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
@@ -583,7 +555,7 @@ impl Cudnn {
             // SAFETY: `raw` holds `count` created engine-config descriptors cuDNN fills.
             check(
                 unsafe {
-                    sys::cudnnBackendGetAttribute(
+                    (api().get_attribute)(
                         heur.0,
                         A::CUDNN_ATTR_ENGINEHEUR_RESULTS,
                         T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
@@ -618,7 +590,7 @@ impl Cudnn {
                 // SAFETY: one INT64 written into `bytes`.
                 check(
                     unsafe {
-                        sys::cudnnBackendGetAttribute(
+                        (api().get_attribute)(
                             plan.0,
                             A::CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE,
                             T::CUDNN_TYPE_INT64,
@@ -662,7 +634,7 @@ impl Cudnn {
         let mut raw = [engine.0];
         // SAFETY: one descriptor written into the created engine descriptor.
         let got = unsafe {
-            sys::cudnnBackendGetAttribute(
+            (api().get_attribute)(
                 config.0,
                 A::CUDNN_ATTR_ENGINECFG_ENGINE,
                 T::CUDNN_TYPE_BACKEND_DESCRIPTOR,
@@ -679,7 +651,7 @@ impl Cudnn {
         let (mut index, mut n) = (0i64, 0i64);
         // SAFETY: one INT64 written into `index`.
         let got = unsafe {
-            sys::cudnnBackendGetAttribute(
+            (api().get_attribute)(
                 engine.0,
                 A::CUDNN_ATTR_ENGINE_GLOBAL_INDEX,
                 T::CUDNN_TYPE_INT64,
@@ -698,7 +670,7 @@ impl Cudnn {
         let mut count = 0i64;
         // SAFETY: at most 16 four-byte notes written into `notes`.
         let ok = unsafe {
-            sys::cudnnBackendGetAttribute(
+            (api().get_attribute)(
                 engine.0,
                 A::CUDNN_ATTR_ENGINE_NUMERICAL_NOTE,
                 T::CUDNN_TYPE_NUMERICAL_NOTE,
@@ -782,12 +754,12 @@ impl Cudnn {
         // SAFETY: the handle is live; the stream is this context's (cuDNN's own stream type
         // is the same opaque CUstream).
         check(
-            unsafe { sys::cudnnSetStream(self.handle, stream as sys::cudaStream_t) },
+            unsafe { (api().set_stream)(self.handle, stream as sys::cudaStream_t) },
             "cudnnSetStream",
         )?;
         // SAFETY: the plan and pack are live and finalized; the caller vouches for the memory.
         check(
-            unsafe { sys::cudnnBackendExecute(self.handle, plan.plan.0, pack.0) },
+            unsafe { (api().execute)(self.handle, plan.plan.0, pack.0) },
             &format!("cudnnBackendExecute for %{}", call.node),
         )
     }

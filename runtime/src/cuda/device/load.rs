@@ -324,8 +324,9 @@ impl Loaded {
             }
         }
         let mut line = format!(
-            "cuDNN {} runs {on_cudnn} of {passes} passes",
-            super::cudnn::version_name(cudnn.version)
+            "cuDNN {} ({}) runs {on_cudnn} of {passes} passes",
+            super::cudnn::version_name(cudnn.version),
+            super::cudnn_api::api().source
         );
         if on_cudnn < passes {
             line.push_str(", castor's kernels the rest");
@@ -352,9 +353,15 @@ impl Loaded {
     }
 
     /// What runs the program's fused attention passes (cuDNN, castor's kernels, and why),
-    /// when it has any that cuDNN may run: `cuDNN 9.19.0 runs 32 of 32 passes`.
+    /// when it has any that cuDNN may run: `cuDNN 9.19.0 (/usr/lib/libcudnn.so.9) runs 32 of 32
+    /// passes`.
     pub fn attention(&self) -> Option<&str> {
         self.attention.as_deref()
+    }
+
+    /// Whether cuDNN runs `call`: a plan was built for it at load.
+    pub fn runs_on_cudnn(&self, call: &crate::cuda::sdpa::Sdpa) -> bool {
+        self.cudnn.as_ref().is_some_and(|c| c.built(call).is_some())
     }
 
     /// Device memory this program holds: [`Program::allocation`], which is what `load`

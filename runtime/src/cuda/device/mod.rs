@@ -28,6 +28,7 @@ mod args;
 mod capture;
 mod check;
 mod cudnn;
+mod cudnn_api;
 mod host;
 mod issue;
 mod load;
