@@ -634,7 +634,7 @@ fn cudnn_attention_runs_every_layer_with_no_score_tensor() {
         count("cudnn attention backward bf16 heads 12/12 rows 1024x1024 dim 64 causal"),
         12
     );
-    assert_eq!(count("launch cast_bool_f32"), 24);
+    assert_eq!(count("launch cast_bool_i32"), 24);
     assert_eq!(count("(cuDNN required: no fallback)"), 24);
     // Each backward has its F32 dQ accumulator ([B, H, T, d]) in the arena, for the graph of
     // cuDNN's flash backward (CASTOR_CUDNN_NONDETERMINISTIC=1).

@@ -126,7 +126,7 @@ pub struct Sdpa {
     pub lse: Place,
     /// The backward's tensors (`None` for the forward).
     pub grads: Option<SdpaGrads>,
-    /// With a key-padding mask: its keep flags as F32 1 or 0, `[batch, rows_kv]` (the
+    /// With a key-padding mask: its keep flags as INT32 1 or 0, `[batch, rows_kv]` (the
     /// lowering casts the mask's bytes into this scratch just before the call).
     pub mask: Option<Place>,
     /// castor's kernels for the same pass, run where cuDNN is missing or builds no plan for
@@ -534,9 +534,13 @@ fn masks(g: &mut Graph, s: usize, p: &SdpaProblem) -> usize {
     };
     if p.masked {
         let (b, sk) = (p.batch as i64, p.rows_kv as i64);
+        // INT32: cuDNN's fused engines read a tensor of the call in a pointwise op on the
+        // scores' path only as INT32 (cuDNN 9.14 refused the F32 flags of castor's first graph:
+        // `get_fort_io_type_str(port.first.getKernelType()) != "int32_t"`), as its own padding
+        // masks read the sequence lengths.
         let flags = g.tensor(
             "mask",
-            ElemType::F32,
+            ElemType::I32,
             [b, 1, 1, sk],
             [sk, sk, sk, 1],
             Binding::Operand("mask"),
@@ -1033,6 +1037,8 @@ pub(crate) mod tests {
                     // first operand is a tensor of the call (the padding flags once were):
                     // such an op reads only the call's tensors (the backward's dO · O and
                     // the accumulator's conversion into dQ).
+                    // And the padding flags they read beside the scores are INT32 (they once
+                    // were F32, which cuDNN 9.14's engines refused).
                     for op in &g.ops {
                         let OpSpec::Pointwise { mode, inputs, .. } = op else {
                             continue;
@@ -1044,6 +1050,11 @@ pub(crate) mod tests {
                             "{pass:?} masked={masked}: {mode:?} takes `{}` first",
                             g.tensors[inputs[0]].name
                         );
+                        for i in inputs {
+                            if matches!(g.tensors[*i].binding, Binding::Operand("mask")) {
+                                assert_eq!(g.tensors[*i].elem, ElemType::I32, "{mode:?}");
+                            }
+                        }
                     }
                 }
             }

@@ -101,7 +101,7 @@ pub(super) fn twin(m: &mut Mem, c: &Sdpa) -> R<()> {
             check_uses(m, &[use_("mask", Some(mp), 4 * n, 4, Io::R)], &[])?;
             Some(
                 (0..n as i64)
-                    .map(|i| m.f(mp, i, DType::F32).map(|x| x > 0.5))
+                    .map(|i| m.i32_at(mp, i).map(|x| x != 0))
                     .collect::<R<_>>()?,
             )
         }

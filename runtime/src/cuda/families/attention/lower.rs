@@ -472,7 +472,7 @@ impl RunLowering<'_, '_> {
     /// Replaces the kernels lowered since `mark` by `call` run on cuDNN, those kernels its
     /// fallback under `library=auto`; where cuDNN cannot express the pass, the kernels run
     /// (auto, the reason in the listing) or the lowering fails naming it (cudnn). A key-padding
-    /// `mask` is cast to the F32 keep flags cuDNN's graph reads, just before the call. An op
+    /// `mask` is cast to the INT32 keep flags cuDNN's graph reads, just before the call. An op
     /// with `dropout` is castor's kernels' alone: cuDNN's dropout draws its own mask, not the
     /// Philox mask every other executor draws.
     fn cudnn_or_kernels(
@@ -520,7 +520,7 @@ impl RunLowering<'_, '_> {
                 y,
                 KernelId::Layout(crate::cuda::families::layout::Kernel::Cast {
                     from: DType::Bool,
-                    to: DType::F32,
+                    to: DType::I32,
                 }),
                 crate::cuda::lower::grid_1d(n, 256),
                 (256, 1, 1),

@@ -28,7 +28,7 @@
 //     that involve bool or i64 (float <-> float is cast.cu). bool is one byte holding 0 or 1;
 //     a nonzero byte reads as true, and bools are written as 0 or 1.
 //       cast_i64_bool, cast_f32_bool:  x != 0 (NaN is true, -0.0 false)
-//       cast_bool_f32, cast_bool_f16, cast_bool_bf16, cast_bool_i64:  0 or 1
+//       cast_bool_f32, cast_bool_f16, cast_bool_bf16, cast_bool_i32, cast_bool_i64:  0 or 1
 //       cast_i64_f32, cast_i64_f16, cast_i64_bf16:  x to F32 rounded to nearest even (Rust's
 //         `as`), then rounded to the target to nearest even: the CPU keeps the F32 value and
 //         rounds it where it is stored, so i64 -> f16/bf16 is the same double rounding there
@@ -197,6 +197,7 @@ CONVERT(cast_f32_bool, float, bool8, bool8(v != 0.0f))
 CONVERT(cast_bool_f32, bool8, float, bool_to<float>(v))
 CONVERT(cast_bool_f16, bool8, __half, bool_to<__half>(v))
 CONVERT(cast_bool_bf16, bool8, __nv_bfloat16, bool_to<__nv_bfloat16>(v))
+CONVERT(cast_bool_i32, bool8, int, int(v != 0))
 CONVERT(cast_bool_i64, bool8, i64, i64(v != 0))
 CONVERT(cast_i64_f32, i64, float, i64_to<float>(v))
 CONVERT(cast_i64_f16, i64, __half, i64_to<__half>(v))

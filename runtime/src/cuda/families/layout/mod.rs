@@ -22,6 +22,7 @@ pub const FILES: &[KernelFile] = &[
             "cast_bool_bf16",
             "cast_bool_f16",
             "cast_bool_f32",
+            "cast_bool_i32",
             "cast_bool_i64",
             "cast_f32_bool",
             "cast_f32_i64",

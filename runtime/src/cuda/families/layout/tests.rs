@@ -7,12 +7,13 @@ use crate::cuda::program::{Arg, CopyLayout, MAX_RANK};
 use castor_ir::{round_to, DType, TensorData};
 
 /// The casts of `layout.cu` that involve bool or i64: (name, from, to).
-const INT_CASTS: [(&str, DType, DType); 10] = [
+const INT_CASTS: [(&str, DType, DType); 11] = [
     ("cast_i64_bool", DType::I64, DType::Bool),
     ("cast_f32_bool", DType::F32, DType::Bool),
     ("cast_bool_f32", DType::Bool, DType::F32),
     ("cast_bool_f16", DType::Bool, DType::F16),
     ("cast_bool_bf16", DType::Bool, DType::BF16),
+    ("cast_bool_i32", DType::Bool, DType::I32),
     ("cast_bool_i64", DType::Bool, DType::I64),
     ("cast_i64_f32", DType::I64, DType::F32),
     ("cast_i64_f16", DType::I64, DType::F16),
@@ -91,6 +92,9 @@ fn bytes(d: DType, v: &TensorData) -> Vec<u8> {
         TensorData::F32(f) => {
             let rounded: Vec<f32> = f.iter().map(|&x| round_to(d, x)).collect();
             enc(d, &rounded)
+        }
+        TensorData::I64(i) if d == DType::I32 => {
+            i.iter().flat_map(|&x| (x as i32).to_le_bytes()).collect()
         }
         TensorData::I64(i) => enc_i64(i),
         TensorData::Bool(b) => b.iter().map(|&x| u8::from(x)).collect(),
