@@ -157,8 +157,9 @@ def render_record(path, record, root=ROOT):
            record["dry_run"] else ""),
     ]
     if record.get("completed_by"):
-        lines[-1] += (f" {len(record['completed_by']['rows'])} rows were measured by a second run "
-                      "on the same card and castor, after the first run's time budget ran out.")
+        n = len(record["completed_by"]["rows"])
+        lines[-1] += (f" {n} {'row was' if n == 1 else 'rows were'} measured by another run on "
+                      "the same card and castor (one run's time budget did not reach every row).")
     lines += [
         "",
         "| model | shape | precision | optimizer | system | flags | ms/step | tokens/s | MFU "
