@@ -13,7 +13,8 @@ A record is {"date", "device", "castor_commit", "versions": {"torch", "cuda", "c
 `model`, `shape` (e.g. B8xT1024), `precision`, `optimizer`, `system` (torch eager,
 torch.compile, castor, peft), `flags` (castor's flags beyond shape, precision and optimizer;
 empty for its defaults), `ms_per_step`, `tokens_per_s`, `mfu`, and optionally `note` (why a
-row did not run: its numbers are then null). Needs only the standard library.
+row did not run: its numbers are then null) and, for castor, `attention` (what ran its fused
+attention: the `attention` line of `castor train`). Needs only the standard library.
 """
 
 import json
@@ -176,6 +177,12 @@ def render_record(path, record, root=ROOT):
             f"{r['system']}{note} | {flags} | {fmt(r['ms_per_step'], '.2f')} | "
             f"{fmt(r['tokens_per_s'], ',.0f')} | {fmt(mfu, '.1f', '%')} | {fmt(vs, '.2f', 'x')} | "
             f"{fmt(r.get('x_roofline'), '.2f', 'x') if r['system'] == 'castor' else ''} |")
+    ran = [r for r in record["rows"] if r["system"] == "castor" and r.get("attention")]
+    if ran:
+        lines += ["", "What ran castor's fused attention (its `attention` line):", ""]
+        lines += [f"- {r['model']} {r['shape']} "
+                  f"{'`' + r['flags'] + '`' if r['flags'] else '(defaults)'}: {r['attention']}"
+                  for r in ran]
     lines += ["", "Targets:", ""] + [f"- {t}" for t in targets(record)]
     profile = record.get("profile") or {}
     if profile.get("kinds"):

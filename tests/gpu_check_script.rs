@@ -170,12 +170,14 @@ fn a_record_renders_its_rows_and_judges_the_targets() {
         })
     };
     let lora = "--lora-rank 16 --lora-targets q_proj,v_proj";
+    let mut gpt2 = row("GPT-2 124M", "castor", "", 400_000.0, Some(1.4));
+    gpt2["attention"] = "cuDNN 9.19.0 (libcudnn.so.9) runs 24 of 24 passes".into();
     let record = serde_json::json!({
         "date": "2026-12-01", "device": "NVIDIA H100 80GB HBM3", "castor_commit": "abc",
         "versions": {"torch": "2.11", "cuda": "13.0", "cublas": "13.0.0", "cudnn": "91000"},
         "torch_compile_sdpa": "FlashAttention-2", "dry_run": false,
         "rows": [
-            row("GPT-2 124M", "castor", "", 400_000.0, Some(1.4)),
+            gpt2,
             row("GPT-2 124M", "torch.compile", "", 320_000.0, None),
             row("GPT-2 124M", "castor", "--attention auto", 300_000.0, Some(2.0)),
             row("LLaMA-3.2-1B", "castor", "", 100_000.0, Some(1.6)),
@@ -210,6 +212,8 @@ fn a_record_renders_its_rows_and_judges_the_targets() {
         "castor's default plan on LLaMA-3.2-1B B8xT1024: measured step 1.60x castor's roofline (20.00 ms; target at most 1.5x): NOT MET",
         "| GPT-2 124M | B8xT1024 | bf16 | adamw | castor | `--attention auto` | 27.31 | 300,000 | 30.0% | 0.94x | 2.00x |",
         "| layer_norm_fwd | 25 | 1.500 | 1.000 | 1.50 |",
+        // What ran castor's attention, for the rows whose run said.
+        "- GPT-2 124M B8xT1024 (defaults): cuDNN 9.19.0 (libcudnn.so.9) runs 24 of 24 passes",
     ] {
         assert!(text.contains(line), "{line}\nnot in\n{text}");
     }

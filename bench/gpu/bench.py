@@ -340,7 +340,11 @@ def castor_row_from_log(cfg, flags, log, plan, on_gpu, stdout="", steady_from=No
     rate = median(l["tokens_per_s"] for l in steady)
     ms = 1e3 * cfg.batch * cfg.seq / rate if rate else None
     mem = re.search(r"^memory\s+.*\((\d+) bytes\) allocated", stdout, re.M)
+    # What ran the fused attention (cuDNN and which engines, or castor's kernels and why):
+    # a record once credited castor's kernels' time to cuDNN for want of it.
+    attention = re.search(r"^attention\s+(.+)$", stdout, re.M)
     return row(cfg, "castor", flags, precision, ms_per_step=ms, tokens_per_s=rate,
+               attention=attention.group(1).strip() if attention else None,
                mfu=plan.mfu(rate),
                roofline_ms=plan.roofline_ms,
                # The roofline is the card's: a step on the CPU is not measured against it.
