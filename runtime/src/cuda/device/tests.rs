@@ -616,3 +616,52 @@ fn nvrtc_newer_than_the_driver_is_refused() {
     );
     assert!(e.contains("nvidia-cuda-nvrtc==13.0.*"), "{e}");
 }
+
+/// On a GPU with cuDNN: which of castor's attention graphs cuDNN builds an engine for (12
+/// heads, 256 rows, head dim 64, bf16, causal), forward and backward, with and without the
+/// key-padding mask. Without the mask the graph is the one PyTorch's cuDNN attention runs, so
+/// it must build; the masked graphs' outcome is printed (castor's kernels run a pass cuDNN
+/// refuses, and `--attention cudnn` plans fail on it in `tests/cuda_gpu.rs`). Skips without
+/// a device or without cuDNN.
+#[test]
+fn cudnn_builds_the_unmasked_attention_graphs_on_gpu() {
+    use crate::cuda::sdpa::{tests::call, SdpaPass};
+    let _device = match Device::open() {
+        Ok(d) => d,
+        Err(e) => {
+            assert!(
+                std::env::var("CASTOR_REQUIRE_GPU").as_deref() != Ok("1"),
+                "CASTOR_REQUIRE_GPU=1 but {e}"
+            );
+            println!("skipped: {e}");
+            return;
+        }
+    };
+    let version = match super::cudnn::probe() {
+        Ok(v) => v,
+        Err(e) => {
+            println!("skipped: no cuDNN: {e}");
+            return;
+        }
+    };
+    let mut cudnn = super::cudnn::Cudnn::new(version, false).expect("a cuDNN handle");
+    let mut refused = Vec::new();
+    for masked in [false, true] {
+        for pass in [SdpaPass::Forward, SdpaPass::Backward] {
+            let c = call(pass, (12, 12), true, None, masked);
+            let outcome = cudnn.plan(&c, 256 << 20).map(|p| p.engine.clone());
+            println!(
+                "cuDNN {}: {pass:?} causal{}: {outcome:?}",
+                super::cudnn::version_name(version),
+                if masked { " masked" } else { "" }
+            );
+            if let (false, Err(why)) = (masked, outcome) {
+                refused.push(format!("{pass:?}: {why}"));
+            }
+        }
+    }
+    assert!(
+        refused.is_empty(),
+        "unmasked causal graphs refused: {refused:?}"
+    );
+}
