@@ -227,7 +227,9 @@ def part_tests(steps, out_dir):
     gpu_tests = PACK / "cuda_gpu"
     # castor creates an output folder, never its parents: the demo writes under out_dir.
     out_dir.mkdir(parents=True, exist_ok=True)
-    steps.run("device_layer", [PACK / "runtime_tests", "--test-threads", "1", "cuda::device"], 90)
+    # --nocapture: the cuDNN test prints which of castor's attention graphs cuDNN builds.
+    steps.run("device_layer", [PACK / "runtime_tests", "--test-threads", "1", "--nocapture",
+                               "cuda::device"], 90)
     ok = steps.run("kernels_and_steps", [gpu_tests, "--test-threads", "1", "--nocapture"], 180)
     if not ok:
         # cuBLASLt says why it refuses a product only in its log (the 2026-11-29 H200 run's FP8
