@@ -369,21 +369,28 @@ fn device_open_does_not_panic() {
     }
 }
 
-/// On a GPU: a small program with a kernel of every argument kind, a product, copies
-/// and fills, run through a graph twice with new inputs. Skips without a device.
-#[test]
-fn device_runs_a_program_on_gpu() {
-    let device = match Device::open() {
-        Ok(d) => d,
+/// The GPU, or `None` (the test skips, saying why) where there is none; a GPU run
+/// (`CASTOR_REQUIRE_GPU=1`) must not skip silently, so there it fails instead.
+fn gpu_or_skip() -> Option<Device> {
+    match Device::open() {
+        Ok(d) => Some(d),
         Err(e) => {
-            // A GPU run must not skip silently.
             assert!(
                 std::env::var("CASTOR_REQUIRE_GPU").as_deref() != Ok("1"),
                 "CASTOR_REQUIRE_GPU=1 but {e}"
             );
             println!("skipped: {e}");
-            return;
+            None
         }
+    }
+}
+
+/// On a GPU: a small program with a kernel of every argument kind, a product, copies
+/// and fills, run through a graph twice with new inputs. Skips without a device.
+#[test]
+fn device_runs_a_program_on_gpu() {
+    let Some(device) = gpu_or_skip() else {
+        return;
     };
     let source = r#"
 struct CopyLayout {
@@ -626,16 +633,8 @@ fn nvrtc_newer_than_the_driver_is_refused() {
 #[test]
 fn cudnn_builds_the_unmasked_attention_graphs_on_gpu() {
     use crate::cuda::sdpa::{tests::call, SdpaPass};
-    let _device = match Device::open() {
-        Ok(d) => d,
-        Err(e) => {
-            assert!(
-                std::env::var("CASTOR_REQUIRE_GPU").as_deref() != Ok("1"),
-                "CASTOR_REQUIRE_GPU=1 but {e}"
-            );
-            println!("skipped: {e}");
-            return;
-        }
+    let Some(_device) = gpu_or_skip() else {
+        return;
     };
     let version = match super::cudnn::probe() {
         Ok(v) => v,
