@@ -634,7 +634,8 @@ fn cudnn_attention_runs_every_layer_with_no_score_tensor() {
         count("cudnn attention backward bf16 heads 12/12 rows 1024x1024 dim 64 causal"),
         12
     );
-    assert_eq!(count("launch cast_bool_i32"), 24);
+    // Each pass first computes cuDNN's sequence lengths from the padding mask.
+    assert_eq!(count("first: launch attention_key_lengths"), 24);
     assert_eq!(count("(cuDNN required: no fallback)"), 24);
     // Each backward has its F32 dQ accumulator ([B, H, T, d]) in the arena, for the graph of
     // cuDNN's flash backward (CASTOR_CUDNN_NONDETERMINISTIC=1).
@@ -658,7 +659,7 @@ fn cudnn_attention_runs_every_layer_with_no_score_tensor() {
     let accum_bytes = 4 * 8 * 12 * 1024 * 64;
     assert!(accumulators.iter().all(|&at| at + accum_bytes <= arena));
     assert_eq!(
-        count("launch attention_"),
+        count("launch attention_") - count("launch attention_key_lengths"),
         0,
         "castor's attention kernels are not run"
     );
@@ -677,15 +678,16 @@ fn cudnn_attention_runs_every_layer_with_no_score_tensor() {
 }
 
 /// Emulated `--attention cudnn` programs: the emulator has no cuDNN, so each cuDNN pass runs the
-/// attention op's CPU twin on the command's tensors (through its strides, the mask through the
-/// keep flags the program casts): every family's program then matches the CPU executor bit for
-/// bit, causal or not, padded, grouped-query and windowed, in BF16 and F16. (This checks the
-/// lowering around cuDNN, not cuDNN's arithmetic, which only a GPU runs.)
+/// attention op's CPU twin on the command's tensors (through its strides, the mask as the
+/// sequence lengths the program computes from it for cuDNN's graph): every family's program
+/// then matches the CPU executor bit for bit, causal or not, right-padded, grouped-query and
+/// windowed, in BF16 and F16. (This checks the lowering around cuDNN, not cuDNN's arithmetic,
+/// which only a GPU runs.)
 #[test]
 fn cudnn_attention_plans_on_the_emulator_match_the_cpu_executor() {
     use castor_runtime::cuda::EmulatedPlanRunner;
     use castor_runtime::PlanRunner;
-    use common::cuda_cases::{as_f32, batch, load_params, plan};
+    use common::cuda_cases::{as_f32, batch, load_params, plan, right_padded};
     for variant in ["gpt2_lm", "bert_mlm", "llama_gqa", "mistral_window"] {
         let params = load_params(variant);
         for precision in ["bf16", "fp16"] {
@@ -695,7 +697,7 @@ fn cudnn_attention_plans_on_the_emulator_match_the_cpu_executor() {
             let mut emu = EmulatedPlanRunner::new(p.clone(), &|n| params.get(n).cloned())
                 .unwrap_or_else(|e| panic!("{case}: {e}"));
             for step in 0..2u64 {
-                let batches = [batch(&p.micro_step, 41 + 10 * step)];
+                let batches = [right_padded(batch(&p.micro_step, 41 + 10 * step))];
                 let a = cpu.step(&batches, 1e-3).unwrap();
                 let b = emu
                     .step(&batches, 1e-3)
@@ -714,6 +716,47 @@ fn cudnn_attention_plans_on_the_emulator_match_the_cpu_executor() {
                 );
             }
         }
+    }
+}
+
+/// cuDNN's graphs take the padding mask as sequence lengths, so a mask with a hole, left
+/// padding or a row that keeps no key is an error naming the row and the way out
+/// (`--attention fused`) when cuDNN runs the pass; where castor's kernels run it (`auto` on
+/// a machine without cuDNN, as the emulator is), the same batch trains.
+#[test]
+fn a_mask_cudnn_lengths_cannot_express_is_an_error_naming_the_row() {
+    use castor_runtime::cuda::EmulatedPlanRunner;
+    use common::cuda_cases::{batch, load_params, plan, right_padded};
+    let params = load_params("gpt2_lm");
+    let p = plan("gpt2_lm", &["--precision", "bf16", "--attention", "cudnn"]);
+    let mut emu = EmulatedPlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
+    let good = right_padded(batch(&p.micro_step, 41));
+    let keys = *good["attention_mask"].shape().dims().last().unwrap();
+    for (row, keep, problem) in [
+        (0, vec![0; keys], "keeps no key".to_string()),
+        (
+            0,
+            (0..keys).map(|j| i64::from(j != 2)).collect(),
+            format!("keeps key {} after dropping an earlier one", keys - 1),
+        ),
+    ] {
+        let mut b = good.clone();
+        let t = &b["attention_mask"];
+        let mut v = t.as_i64().unwrap().to_vec();
+        v[row * keys..(row + 1) * keys].copy_from_slice(&keep);
+        let t = Tensor::from_i64(t.dtype(), t.shape().clone(), v);
+        b.insert("attention_mask".into(), t);
+        let e = emu.step(&[b.clone()], 1e-3).unwrap_err().to_string();
+        for want in [
+            format!("row {row} {problem}"),
+            "right padding".into(),
+            "--attention fused".into(),
+        ] {
+            assert!(e.contains(&want), "{want}: {e}");
+        }
+        let auto = plan("gpt2_lm", &["--precision", "bf16", "--attention", "auto"]);
+        let mut kernels = EmulatedPlanRunner::new(auto, &|n| params.get(n).cloned()).unwrap();
+        kernels.step(&[b], 1e-3).unwrap();
     }
 }
 

@@ -25,8 +25,8 @@ use castor_runtime::cuda::{CudaGraphRunner, CudaPlanRunner};
 use castor_runtime::{cuda_probe, PlanRunner};
 use common::cuda_cases::{
     as_f32, batch, case_graph, compare_state, exact_zero_slices, inputs, load_params,
-    mask_exact_zero, plan, plan_matrix, state_error, Bounds, ATTENTION_CASES, CASES, PLAN_FAMILIES,
-    PLAN_OPTIONS, PLAN_PRECISIONS, PLAN_REMATS,
+    mask_exact_zero, plan, plan_matrix, right_padded, state_error, Bounds, ATTENTION_CASES, CASES,
+    PLAN_FAMILIES, PLAN_OPTIONS, PLAN_PRECISIONS, PLAN_REMATS,
 };
 use std::collections::HashMap;
 
@@ -223,7 +223,7 @@ fn noise_floors(
     let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
     for step in 0..3u64 {
         let batches: Vec<_> = (0..p.settings.grad_accum as u64)
-            .map(|i| batch(&p.micro_step, 77 + 10 * step + i))
+            .map(|i| right_padded(batch(&p.micro_step, 77 + 10 * step + i)))
             .collect();
         cpu.step(&batches, 1e-3).unwrap();
     }
@@ -304,7 +304,7 @@ fn training_steps_match_the_cpu_executor() {
             let mut ok = true;
             for step in 0..3u64 {
                 let batches: Vec<_> = (0..p.settings.grad_accum as u64)
-                    .map(|i| batch(&p.micro_step, 77 + 10 * step + i))
+                    .map(|i| right_padded(batch(&p.micro_step, 77 + 10 * step + i)))
                     .collect();
                 let a = cpu.step(&batches, 1e-3).unwrap();
                 let b = match gpu.step(&batches, 1e-3) {
@@ -449,7 +449,7 @@ fn a_profiled_step_times_every_command_and_gives_the_same_state() {
     let mut plain = CudaPlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
     let mut profiled = CudaPlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
     for step in 0..2u64 {
-        let batches = vec![batch(&p.micro_step, 77 + step)];
+        let batches = vec![right_padded(batch(&p.micro_step, 77 + step))];
         plain.step(&batches, 1e-3).unwrap();
         if step == 1 {
             profiled.profile_next_step();

@@ -33,6 +33,18 @@ pub enum RuntimeError {
         position: usize,
         limit: usize,
     },
+    /// A key-padding mask that cuDNN's fused attention cannot express by sequence lengths.
+    #[error(
+        "node `%{node}`: cuDNN's fused attention takes key-padding masks by sequence lengths, \
+         so each row must keep its first keys and drop the rest (right padding), keeping at \
+         least one; row {row} {problem}. castor's kernels take any mask: run with \
+         --attention fused"
+    )]
+    MaskNotRightPadded {
+        node: String,
+        row: usize,
+        problem: String,
+    },
     /// A `max` reduction over an axis of length 0, which has no value (PyTorch raises too).
     #[error("node `%{node}`: max over an empty axis of {shape}")]
     EmptyReduction { node: String, shape: Shape },

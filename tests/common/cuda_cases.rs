@@ -78,6 +78,28 @@ pub fn inputs(g: &Graph, limit: i64, seed: u64) -> HashMap<String, Tensor> {
     out
 }
 
+/// `b` with its attention mask right-padded: each row keeps as many first keys as it kept
+/// keys, and at least one, as castor's SFT and classification data pad rows. cuDNN's
+/// attention takes padding as sequence lengths, so the batches of a plan cuDNN may run
+/// (`--attention auto`, the default, and `cudnn`) are these; masks with holes and left padding
+/// are castor's kernels' (the kernel tests, and `tests/attention.rs`).
+pub fn right_padded(mut b: HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+    if let Some(t) = b.get_mut("attention_mask") {
+        let keys = t.shape().dims().last().copied().unwrap_or(1).max(1);
+        let v: Vec<i64> = t
+            .as_i64()
+            .unwrap_or(&[])
+            .chunks(keys)
+            .flat_map(|row| {
+                let kept = row.iter().filter(|&&x| x != 0).count().max(1);
+                (0..keys).map(move |j| i64::from(j < kept))
+            })
+            .collect();
+        *t = Tensor::from_i64(t.dtype(), t.shape().clone(), v);
+    }
+    b
+}
+
 /// A training batch: [`inputs`], with about a quarter of the labels PyTorch's ignore index
 /// (-100) and about a fifth of the attention mask padding (0), so the ignored-row and masked
 /// paths of cross-entropy and softmax run too.

@@ -702,17 +702,31 @@ pub struct Output {
 #[derive(Clone, Debug, PartialEq)]
 pub struct ErrorFlag {
     pub node: String,
-    /// What was out of range: `"token id"`, `"label"`.
+    pub kind: FlagKind,
+    /// What was out of range: `"token id"`, `"label"` (for [`FlagKind::Range`]).
     pub what: &'static str,
     pub place: Place,
-    /// The index tensor the position refers to and the range it must be in.
+    /// The tensor the position refers to: the index tensor, or the key-padding flags.
     pub indices: Place,
+    /// The range the indices must be in, or the keys of a row of flags.
     pub limit: usize,
     /// An index value allowed outside the range (cross-entropy's `ignore_index`).
     pub ignore: Option<i64>,
     /// Positions of the whole index tensor before `indices` (a chunk's first row): added to
     /// the position the kernel reports.
     pub first: usize,
+}
+
+/// What an [`ErrorFlag`] checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlagKind {
+    /// I64 indices in `[0, limit)` (token ids, labels).
+    Range,
+    /// Key-padding flags in rows of `limit` bytes that cuDNN's sequence lengths express: each
+    /// row keeps its first keys and drops the rest, keeping at least one
+    /// (`attention_key_lengths`, which reports `row * limit + key`: key 0 for a row that keeps
+    /// none, else a key kept after a dropped one).
+    RightPadded,
 }
 
 /// One sequence of commands the host launches as a unit (captured once as a CUDA graph and
@@ -828,18 +842,18 @@ impl Program {
         a
     }
 
-    /// Every command of the prologue and the runs (a cuDNN attention's fallback commands
-    /// after it).
+    /// Every command of the prologue and the runs (a cuDNN attention's prelude and fallback
+    /// commands after it).
     pub fn all_commands(&self) -> impl Iterator<Item = &Command> {
         self.prologue
             .iter()
             .chain(self.runs.iter().flat_map(|r| r.commands.iter()))
             .flat_map(|c| {
-                let fallback = match c {
-                    Command::Sdpa(call) => call.fallback.iter(),
-                    _ => [].iter(),
+                let nested: Vec<&Command> = match c {
+                    Command::Sdpa(call) => call.nested().collect(),
+                    _ => Vec::new(),
                 };
-                std::iter::once(c).chain(fallback)
+                std::iter::once(c).chain(nested)
             })
     }
 }
@@ -1039,6 +1053,9 @@ impl Program {
             for c in commands {
                 let _ = writeln!(s, "  {}", c.describe());
                 if let Command::Sdpa(call) = c {
+                    for p in &call.prelude {
+                        let _ = writeln!(s, "    first: {}", p.describe());
+                    }
                     if let Some(why) = &call.unsupported {
                         let _ = writeln!(s, "    cuDNN cannot run it ({why}); castor's kernels:");
                         for f in &call.fallback {

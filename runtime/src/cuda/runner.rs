@@ -15,7 +15,7 @@ use super::emulate::Emulator;
 use super::lower::{self, LowerError, MICRO_STEP, OPTIMIZER_STEP, ZERO_GRADS};
 use super::nccl::NcclRank;
 use super::profile::{CommandTime, KernelProfile};
-use super::program::{Command, ErrorFlag, Place, Program, SlotKind};
+use super::program::{Command, ErrorFlag, FlagKind, Place, Program, SlotKind};
 use super::target::{Gpu, Target};
 use crate::{DeviceTime, RuntimeError, StepReport};
 use castor_ir::{
@@ -684,7 +684,9 @@ fn check_indices(
         return Ok(());
     };
     for f in &program.runs[run].error_flags {
-        if !matches!(f.indices, Place::Slot { slot: s, offset: 0 } if s == slot) {
+        if f.kind != FlagKind::Range
+            || !matches!(f.indices, Place::Slot { slot: s, offset: 0 } if s == slot)
+        {
             continue;
         }
         let bad = values
@@ -725,8 +727,7 @@ fn run_reads_slot(program: &Program, run: usize, slot: usize) -> bool {
             Command::Copy { src, .. } | Command::Collective { src, .. } => hit(src),
             Command::Memset { .. } | Command::Join { .. } => false,
             Command::Sdpa(call) => {
-                call.places().iter().any(|(_, p)| hit(p))
-                    || call.fallback.iter().any(|f| reads(f, hit))
+                call.places().iter().any(|(_, p)| hit(p)) || call.nested().any(|f| reads(f, hit))
             }
         }
     }
@@ -745,6 +746,9 @@ fn check_flag<T: Target>(target: &T, f: &ErrorFlag) -> Result<(), RuntimeError> 
     if pos == i32::MAX || pos < 0 {
         return Ok(());
     }
+    if f.kind == FlagKind::RightPadded {
+        return Err(mask_not_right_padded(f, pos as usize));
+    }
     let idx = target.read(f.indices.plus(8 * pos as u64), 8)?;
     let index = i64::from_le_bytes([
         idx[0], idx[1], idx[2], idx[3], idx[4], idx[5], idx[6], idx[7],
@@ -756,6 +760,22 @@ fn check_flag<T: Target>(target: &T, f: &ErrorFlag) -> Result<(), RuntimeError> 
         position: f.first + pos as usize,
         limit: f.limit,
     })
+}
+
+/// The error of a [`FlagKind::RightPadded`] flag that reported `position`.
+pub(crate) fn mask_not_right_padded(f: &ErrorFlag, position: usize) -> RuntimeError {
+    let keys = f.limit.max(1);
+    let (row, key) = (position / keys, position % keys);
+    let problem = if key == 0 {
+        "keeps no key".to_string()
+    } else {
+        format!("keeps key {key} after dropping an earlier one")
+    };
+    RuntimeError::MaskNotRightPadded {
+        node: f.node.clone(),
+        row,
+        problem,
+    }
 }
 
 /// One graph on a target: bound tensors uploaded once, inputs per run.
@@ -923,6 +943,7 @@ mod tests {
         use super::super::program::Run;
         let flag = |what, ignore| ErrorFlag {
             node: "n".into(),
+            kind: FlagKind::Range,
             what,
             place: Place::Slot { slot: 1, offset: 0 },
             indices: Place::Slot { slot: 0, offset: 0 },

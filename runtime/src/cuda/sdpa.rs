@@ -18,13 +18,19 @@
 //! serves the heads of one batch, and grouped-query attention is `h_kv < h_q` as cuDNN reads
 //! it (query head `i` uses key head `i / group`, castor's consecutive sharing).
 //!
-//! Masks replace a masked score by [`FILL`], a finite value rather than `-inf`, so that a row
-//! whose mask keeps none of the keys it sees (a left-padded row) gets every key's score equal
-//! and attends uniformly to all keys, as castor's kernels, the CPU executor and PyTorch's
-//! finite-minimum masks do. Its log-sum-exp is then `FILL + ln S`, exact to about 1e-3, so the
-//! backward recomputes such a row's probabilities within 0.1% (castor's kernels: exactly); a
-//! masked key of any other row gets `exp(FILL - max) = 0` unless every score it sees is below
-//! -9900, which scaled dot products do not reach.
+//! A key-padding mask reaches the graphs as cuDNN's own padding masks take it: INT32 sequence
+//! lengths per batch (the query rows, all of them, and the keys kept), compared with each
+//! score's row and column index, as cudnn-frontend builds its `padding_mask`. That expresses a
+//! right-padded batch whose rows each keep at least one key, which is what castor's data
+//! feeds (token windows keep every key; SFT and classification rows are right-padded). The
+//! lengths come from the mask's flags by `attention_key_lengths` just before the call, which
+//! reports any other row through an error flag: castor's kernels, which read the flags
+//! themselves, run such masks (`--attention fused`).
+//!
+//! Masks replace a masked score by [`FILL`], a finite value rather than `-inf`, as castor's
+//! kernels, the CPU executor and PyTorch's finite-minimum masks do: a masked key gets
+//! `exp(FILL - max) = 0` unless every score its row sees is below -9900, which scaled dot
+//! products do not reach.
 
 use super::program::{Command, Place};
 use castor_ir::DType;
@@ -126,9 +132,14 @@ pub struct Sdpa {
     pub lse: Place,
     /// The backward's tensors (`None` for the forward).
     pub grads: Option<SdpaGrads>,
-    /// With a key-padding mask: its keep flags as INT32 1 or 0, `[batch, rows_kv]` (the
-    /// lowering casts the mask's bytes into this scratch just before the call).
-    pub mask: Option<Place>,
+    /// With a key-padding mask: cuDNN's INT32 sequence lengths, each batch's query rows at
+    /// `lengths`, then the keys each batch keeps at `lengths + `[`kv_lengths_offset`]
+    /// (written by the `prelude`).
+    pub lengths: Option<Place>,
+    /// What runs just before cuDNN's graph, and only where cuDNN runs the pass: the kernel
+    /// that writes the sequence lengths from the mask's flags (and reports a mask they cannot
+    /// express).
+    pub prelude: Vec<Command>,
     /// castor's kernels for the same pass, run where cuDNN is missing or builds no plan for
     /// it (`library=auto`); empty when cuDNN is required (`library=cudnn`).
     pub fallback: Vec<Command>,
@@ -146,7 +157,10 @@ impl Sdpa {
             ("o", self.o.place),
             ("lse", self.lse),
         ];
-        out.extend(self.mask.map(|m| ("mask", m)));
+        if let Some(lengths) = self.lengths {
+            let kv = lengths.plus(kv_lengths_offset(self.problem.batch));
+            out.extend([("seq len q", lengths), ("seq len kv", kv)]);
+        }
         if let Some(g) = &self.grads {
             out.extend([
                 ("do", g.d_o.place),
@@ -158,6 +172,11 @@ impl Sdpa {
             ]);
         }
         out
+    }
+
+    /// The commands inside the call: its prelude, then its fallback.
+    pub fn nested(&self) -> impl Iterator<Item = &Command> {
+        self.prelude.iter().chain(&self.fallback)
     }
 
     /// Bytes of the backward's F32 dQ accumulator.
@@ -187,7 +206,10 @@ impl Sdpa {
             ("o", span(&self.o, hq, sq), self.o.place),
             ("lse", rows, self.lse),
         ];
-        out.extend(self.mask.map(|m| ("mask", 4 * (p.batch * sk) as u64, m)));
+        if let Some(lengths) = self.lengths {
+            let bytes = kv_lengths_offset(p.batch) + 4 * p.batch as u64;
+            out.push(("seq lens", bytes, lengths));
+        }
         if let Some(g) = &self.grads {
             out.extend([
                 ("do", span(&g.d_o, hq, sq), g.d_o.place),
@@ -212,7 +234,7 @@ impl Sdpa {
             t.place = f(t.place);
         }
         self.lse = f(self.lse);
-        self.mask = self.mask.map(&mut *f);
+        self.lengths = self.lengths.map(&mut *f);
         if let Some(g) = &mut self.grads {
             for t in [&mut g.d_o, &mut g.dq, &mut g.dk, &mut g.dv] {
                 t.place = f(t.place);
@@ -220,8 +242,15 @@ impl Sdpa {
             g.row_sums = f(g.row_sums);
             g.dq_accum = f(g.dq_accum);
         }
+        commands(&mut self.prelude);
         commands(&mut self.fallback);
     }
+}
+
+/// Bytes from the query rows' sequence lengths to the keys' in [`Sdpa::lengths`]: `batch`
+/// INT32 values, rounded up to the 16 bytes cuDNN's tensors are declared aligned to.
+pub fn kv_lengths_offset(batch: usize) -> u64 {
+    (4 * batch as u64).next_multiple_of(16)
 }
 
 /// The mask operand of an attention op, as [`unsupported`] weighs it.
@@ -239,7 +268,8 @@ pub enum SdpaMask {
 /// cuDNN's graphs here to the first; they agree when the counts do), no packed sequences'
 /// positions (cuDNN's attention takes packed rows as ragged THD layouts, sequence offsets
 /// rather than positions, which castor does not build), a key-padding mask each of whose rows
-/// serves the `heads` query heads of one batch, and a backward of more than one row.
+/// serves the `heads` query heads of one batch, and a backward of more than one row. (A
+/// key-padding mask must also be right-padded when the plan runs: see the module docs.)
 pub fn unsupported(
     dtype: DType,
     (rows_q, rows_kv, head_dim): (usize, usize, usize),
@@ -331,6 +361,8 @@ pub enum Pointwise {
     Log,
     CmpGe,
     CmpGt,
+    CmpLt,
+    LogicalAnd,
     /// `y = t ? x : b`.
     BinarySelect,
     /// Each element's index along an axis.
@@ -426,8 +458,9 @@ impl Graph {
     ) -> usize {
         let y = self.virt(name, elem, dims);
         let compute = match mode {
-            Pointwise::GenIndex { .. } => ElemType::I32,
-            Pointwise::CmpGe | Pointwise::CmpGt => ElemType::Bool,
+            // The padding comparisons compute in INT32 (cudnn-frontend's padding mask).
+            Pointwise::GenIndex { .. } | Pointwise::CmpLt => ElemType::I32,
+            Pointwise::CmpGe | Pointwise::CmpGt | Pointwise::LogicalAnd => ElemType::Bool,
             _ => ElemType::F32,
         };
         self.pointwise(mode, inputs, y, compute);
@@ -513,9 +546,10 @@ fn swapped(dims: [i64; 4], strides: [i64; 4]) -> ([i64; 4], [i64; 4]) {
     )
 }
 
-/// The masks of `s` (scores `[b, hq, sq, skv]`): the key-padding mask keeps the keys whose
-/// flag is 1, the causal mask `col <= row`, a window of `w` also `col + w > row`; masked scores
-/// become [`FILL`].
+/// The masks of `s` (scores `[b, hq, sq, skv]`): the key-padding mask keeps the scores of
+/// rows below the batch's query length and keys below its key length (cuDNN's padding mask),
+/// the causal mask `col <= row`, a window of `w` also `col + w > row`; masked scores become
+/// [`FILL`].
 fn masks(g: &mut Graph, s: usize, p: &SdpaProblem) -> usize {
     if !p.causal && p.window.is_none() && !p.masked {
         return s;
@@ -533,36 +567,56 @@ fn masks(g: &mut Graph, s: usize, p: &SdpaProblem) -> usize {
         )
     };
     if p.masked {
-        let (b, sk) = (p.batch as i64, p.rows_kv as i64);
-        // INT32: cuDNN's fused engines read a tensor of the call in a pointwise op on the
-        // scores' path only as INT32 (cuDNN 9.14 refused the F32 flags of castor's first graph:
-        // `get_fort_io_type_str(port.first.getKernelType()) != "int32_t"`), as its own padding
-        // masks read the sequence lengths.
-        let flags = g.tensor(
-            "mask",
-            ElemType::I32,
-            [b, 1, 1, sk],
-            [sk, sk, sk, 1],
-            Binding::Operand("mask"),
+        // As cudnn-frontend's padding mask: INT32 `[b, 1, 1, 1]` lengths (cuDNN's fused
+        // engines read a tensor of the call beside the scores only as INT32, and only after a
+        // virtual tensor computed from the scores: 9.14 refused castor's earlier F32 and
+        // per-key flags), compared with the generated row and column indices.
+        let b = p.batch as i64;
+        let mut lengths = |name, role| {
+            g.tensor(
+                name,
+                ElemType::I32,
+                [b, 1, 1, 1],
+                [1, 1, 1, 1],
+                Binding::Operand(role),
+            )
+        };
+        let (len_q, len_kv) = (
+            lengths("seq len q", "seq len q"),
+            lengths("seq len kv", "seq len kv"),
         );
-        // cuDNN's fused engines take a pointwise op only with a virtual tensor computed from
-        // the scores at its first operand (a graph whose first operand is the flags is
-        // refused: `in_ports[0].first.isVirtual != true`), so the flags are broadcast onto
-        // the scores' shape first, as zeros from the scores plus the flags, then compared.
-        let zero = g.scalar("zero", 0.0);
-        let zeros = g.apply("zeros", Pointwise::Mul, &[s, zero], ElemType::F32, dims);
-        let spread = g.apply(
-            "flags per score",
-            Pointwise::Add,
-            &[zeros, flags],
-            ElemType::F32,
+        let row = g.apply(
+            "padding row",
+            Pointwise::GenIndex { axis: 2 },
+            &[s],
+            ElemType::I32,
             dims,
         );
-        let half = g.scalar("one half", 0.5);
+        let col = g.apply(
+            "padding col",
+            Pointwise::GenIndex { axis: 3 },
+            &[s],
+            ElemType::I32,
+            dims,
+        );
+        let rows = g.apply(
+            "row < seq len q",
+            Pointwise::CmpLt,
+            &[row, len_q],
+            ElemType::I32,
+            dims,
+        );
+        let cols = g.apply(
+            "col < seq len kv",
+            Pointwise::CmpLt,
+            &[col, len_kv],
+            ElemType::I32,
+            dims,
+        );
         let keep = g.apply(
             "kept",
-            Pointwise::CmpGt,
-            &[spread, half],
+            Pointwise::LogicalAnd,
+            &[rows, cols],
             ElemType::Bool,
             dims,
         );
@@ -958,7 +1012,7 @@ pub(crate) mod tests {
             scale_bits: 0.125f64.to_bits(),
         };
         let t = |o, h| Tensor4::dense(at(o), h, s, d);
-        let mask = masked.then(|| at(10 << 20));
+        let lengths = masked.then(|| at(10 << 20));
         Sdpa {
             node: "context".into(),
             pass,
@@ -976,7 +1030,8 @@ pub(crate) mod tests {
                 row_sums: at(9 << 20),
                 dq_accum: at(11 << 20),
             }),
-            mask,
+            lengths,
+            prelude: Vec::new(),
             fallback: Vec::new(),
             unsupported: None,
         }
@@ -1037,8 +1092,9 @@ pub(crate) mod tests {
                     // first operand is a tensor of the call (the padding flags once were):
                     // such an op reads only the call's tensors (the backward's dO · O and
                     // the accumulator's conversion into dQ).
-                    // And the padding flags they read beside the scores are INT32 (they once
-                    // were F32, which cuDNN 9.14's engines refused).
+                    // And the sequence lengths they read beside the scores are INT32
+                    // `[b, 1, 1, 1]` (castor's first graphs read F32, then INT32 per-key
+                    // flags, which cuDNN 9.14's engines refused), compared in INT32.
                     for op in &g.ops {
                         let OpSpec::Pointwise { mode, inputs, .. } = op else {
                             continue;
@@ -1051,14 +1107,21 @@ pub(crate) mod tests {
                             g.tensors[inputs[0]].name
                         );
                         for i in inputs {
-                            if matches!(g.tensors[*i].binding, Binding::Operand("mask")) {
-                                assert_eq!(g.tensors[*i].elem, ElemType::I32, "{mode:?}");
+                            let t = &g.tensors[*i];
+                            if matches!(t.binding, Binding::Operand("seq len q" | "seq len kv")) {
+                                assert_eq!((t.elem, t.dims), (ElemType::I32, [2, 1, 1, 1]));
+                                assert_eq!(*mode, Pointwise::CmpLt);
+                                assert!(op_computes(op, ElemType::I32), "{mode:?}");
                             }
                         }
                     }
                 }
             }
         }
+    }
+
+    fn op_computes(op: &OpSpec, elem: ElemType) -> bool {
+        matches!(op, OpSpec::Pointwise { compute, .. } if *compute == elem)
     }
 
     /// The direct backward writes dQ by its product; the accumulating one sums the product

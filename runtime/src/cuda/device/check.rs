@@ -130,13 +130,13 @@ pub(super) fn check_program(program: &Program) -> Result<(), CudaError> {
     let runs = std::iter::once(("the prologue", &program.prologue))
         .chain(program.runs.iter().map(|r| (r.name.as_str(), &r.commands)));
     for (run, commands) in runs {
-        // A cuDNN attention's fallback commands are checked as commands of the run.
+        // A cuDNN attention's prelude and fallback are checked as commands of the run.
         let expanded = commands.iter().flat_map(|c| {
-            let fallback = match c {
-                Command::Sdpa(call) => call.fallback.iter(),
-                _ => [].iter(),
+            let nested: Vec<&Command> = match c {
+                Command::Sdpa(call) => call.nested().collect(),
+                _ => Vec::new(),
             };
-            std::iter::once(c).chain(fallback)
+            std::iter::once(c).chain(nested)
         });
         for (i, c) in expanded.enumerate() {
             let at = |node: &str| format!("run `{run}` command {i} (node `%{node}`)");

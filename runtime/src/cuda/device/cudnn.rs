@@ -147,6 +147,8 @@ fn mode(p: Pointwise) -> sys::cudnnPointwiseMode_t {
         Pointwise::Log => CUDNN_POINTWISE_LOG,
         Pointwise::CmpGe => CUDNN_POINTWISE_CMP_GE,
         Pointwise::CmpGt => CUDNN_POINTWISE_CMP_GT,
+        Pointwise::CmpLt => CUDNN_POINTWISE_CMP_LT,
+        Pointwise::LogicalAnd => CUDNN_POINTWISE_LOGICAL_AND,
         Pointwise::BinarySelect => CUDNN_POINTWISE_BINARY_SELECT,
         Pointwise::GenIndex { .. } => CUDNN_POINTWISE_GEN_INDEX,
         Pointwise::Identity => CUDNN_POINTWISE_IDENTITY,

@@ -84,21 +84,24 @@ impl Loaded {
                         }])?;
                     }
                     match plan {
-                        // SAFETY: every place of the call was checked at load to lie in its
-                        // live buffer; the workspace is the program's, as large as the plan
-                        // asked for.
-                        Some(cudnn) => unsafe {
-                            cudnn.execute(
-                                call,
-                                &|p| self.address(p),
-                                self.workspace,
-                                self.dev.stream(),
-                            )
+                        Some(cudnn) => {
+                            self.issue(&call.prelude)?;
+                            // SAFETY: every place of the call was checked at load to lie in
+                            // its live buffer; the workspace is the program's, as large as
+                            // the plan asked for.
+                            unsafe {
+                                cudnn.execute(
+                                    call,
+                                    &|p| self.address(p),
+                                    self.workspace,
+                                    self.dev.stream(),
+                                )
+                            }
+                            .map_err(|message| CudaError::Cudnn {
+                                node: call.node.clone(),
+                                message,
+                            })?
                         }
-                        .map_err(|message| CudaError::Cudnn {
-                            node: call.node.clone(),
-                            message,
-                        })?,
                         None if call.fallback.is_empty() => {
                             return Err(CudaError::Unsupported(format!(
                                 "%{}: no cuDNN plan and no fallback",

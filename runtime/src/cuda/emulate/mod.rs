@@ -313,6 +313,9 @@ impl Emulator {
             if pos == i32::MAX || pos < 0 {
                 continue;
             }
+            if f.kind == crate::cuda::program::FlagKind::RightPadded {
+                return Err(crate::cuda::runner::mask_not_right_padded(f, pos as usize).to_string());
+            }
             let index = self.mem.i64_at(self.mem.place(f.indices), i64::from(pos))?;
             return Err(format!(
                 "%{}: {} {index} at position {} is out of range (limit {})",
@@ -400,7 +403,13 @@ fn exec(
             }
             Ok(())
         }
-        Command::Sdpa(call) => sdpa::twin(mem, call),
+        Command::Sdpa(call) => {
+            for c in &call.prelude {
+                exec(program, mem, modules, (order, member), c)
+                    .map_err(|e| format!("{} (before cuDNN's graph): {e}", describe(c)))?;
+            }
+            sdpa::twin(mem, call)
+        }
     }
 }
 

@@ -1,14 +1,15 @@
 //! A cuDNN attention command on the host: its fallback (castor's kernels, which a machine
-//! without cuDNN runs) when it has one, else the attention op's CPU twin
-//! (`cpu::attention`) on the command's tensors, read and written through their strides. So an
-//! emulated `--attention cudnn` program is checked against the twin, not against cuDNN's own
-//! code, which runs only on a GPU.
+//! without cuDNN runs) when it has one, else its prelude (the kernels cuDNN's graph needs
+//! first) and then the attention op's CPU twin (`cpu::attention`) on the command's tensors,
+//! read and written through their strides, with the padding mask the graph's sequence
+//! lengths express. So an emulated `--attention cudnn` program is checked against the twin,
+//! not against cuDNN's own code, which runs only on a GPU.
 
 use super::memory::{check_uses, ranges_use, use_, Io, Mem, Ptr, Use};
 use super::R;
 use crate::cpu::attention::{attention, attention_grad, Operand, Problem};
 use crate::cpu::mask::KeyMask;
-use crate::cuda::sdpa::{Sdpa, SdpaPass, Tensor4};
+use crate::cuda::sdpa::{kv_lengths_offset, Sdpa, SdpaPass, SdpaProblem, Tensor4};
 use castor_ir::{round_to, DType};
 
 /// The dims of a tensor: `batch` batches of `heads` heads, `rows` rows of `dim` elements.
@@ -37,6 +38,29 @@ fn use_of(what: &str, p: Ptr, t: &Tensor4, dims: Dims, elem: usize, io: Io) -> R
         })
         .collect::<R<Vec<_>>>()?;
     Ok(ranges_use(what, p, ranges, elem, io))
+}
+
+/// The keys the graph's padding mask keeps, `[batch, rows_kv]`, from the sequence lengths at
+/// `place` (key `j` of batch `b` while `j` is below the batch's key length). The twin takes
+/// every query row, which is what the lowering's lengths say (the prelude writes `rows_q`).
+fn kept_keys(m: &Mem, place: crate::cuda::program::Place, p: &SdpaProblem) -> R<Vec<bool>> {
+    let lp = m.place(place);
+    let kv = kv_lengths_offset(p.batch) / 4;
+    let bytes = 4 * (kv + p.batch as u64);
+    check_uses(m, &[use_("seq lens", Some(lp), bytes, 4, Io::R)], &[])?;
+    let mut keep = Vec::with_capacity(p.batch * p.rows_kv);
+    for b in 0..p.batch as i64 {
+        let rows = m.i32_at(lp, b)?;
+        if usize::try_from(rows).ok() != Some(p.rows_q) {
+            return Err(format!(
+                "batch {b}'s query length is {rows}, not the {} rows the twin takes",
+                p.rows_q
+            ));
+        }
+        let keys = m.i32_at(lp, kv as i64 + b)?;
+        keep.extend((0..p.rows_kv as i64).map(|j| j < i64::from(keys)));
+    }
+    Ok(keep)
 }
 
 /// The elements of `t`, in `[batch, heads, rows, dim]` order.
@@ -94,17 +118,8 @@ pub(super) fn twin(m: &mut Mem, c: &Sdpa) -> R<()> {
     let q_shape = [p.batch, p.heads_kv, group, p.rows_q, p.head_dim];
     let kv_shape = [p.batch, p.heads_kv, 1, p.rows_kv, p.head_dim];
     let mask_shape = [p.batch, 1, 1, 1, p.rows_kv];
-    let keep: Option<Vec<bool>> = match c.mask {
-        Some(place) => {
-            let mp = m.place(place);
-            let n = (p.batch * p.rows_kv) as u64;
-            check_uses(m, &[use_("mask", Some(mp), 4 * n, 4, Io::R)], &[])?;
-            Some(
-                (0..n as i64)
-                    .map(|i| m.i32_at(mp, i).map(|x| x != 0))
-                    .collect::<R<_>>()?,
-            )
-        }
+    let keep: Option<Vec<bool>> = match c.lengths {
+        Some(place) => Some(kept_keys(m, place, p)?),
         None => None,
     };
     let problem = Problem {

@@ -30,7 +30,7 @@ use lowerer::Lowerer;
 pub(crate) use views::{layout_views, Storage};
 
 use super::kernel_id::KernelId;
-use super::program::{Arg, Command, ErrorFlag, Place, Program, Run, SlotKind};
+use super::program::{Arg, Command, ErrorFlag, FlagKind, Place, Program, Run, SlotKind};
 use castor_ir::{DType, Graph, KernelUnit, Node, Op, StateRole, TrainingPlan, UnitKind, Value};
 use castor_passes::fusion::{self, UnitSchedule};
 use std::collections::HashMap;
@@ -476,6 +476,32 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         self.chunk_flag(node, what, (indices, 0), limit, ignore)
     }
 
+    /// An error flag for key-padding flags in rows of `keys` bytes at `flags`, which must be
+    /// right-padded ([`FlagKind::RightPadded`]): one per mask and run (every layer's passes
+    /// read the same mask, and report it by the first pass's node).
+    pub(crate) fn padding_flag(&mut self, node: Value, flags: Place, keys: usize) -> Place {
+        let same = |f: &&ErrorFlag| {
+            f.kind == FlagKind::RightPadded && f.indices == flags && f.limit == keys
+        };
+        if let Some(f) = self.flags.iter().find(same) {
+            return f.place;
+        }
+        let name = format!("{}.flag.{}.padding", self.run, self.g.name(node));
+        let slot = self.l.internal(&name, 4);
+        let place = Place::Slot { slot, offset: 0 };
+        self.flags.push(ErrorFlag {
+            node: self.g.name(node).into(),
+            kind: FlagKind::RightPadded,
+            what: "key-padding flag",
+            place,
+            indices: flags,
+            limit: keys,
+            ignore: None,
+            first: 0,
+        });
+        place
+    }
+
     /// An error flag for the indices of one chunk, which starts at position `first` of the
     /// whole index tensor: a flag of its own, whose reported positions count from `first`.
     pub(crate) fn chunk_flag(
@@ -494,6 +520,7 @@ impl<'l, 'g> RunLowering<'l, 'g> {
         let place = Place::Slot { slot, offset: 0 };
         self.flags.push(ErrorFlag {
             node: self.g.name(node).into(),
+            kind: FlagKind::Range,
             what,
             place,
             indices,

@@ -34,6 +34,7 @@ pub(crate) fn uses(k: super::Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
             }
         }
         super::Kernel::Delta { dtype } => delta(m, l, dtype),
+        super::Kernel::KeyLengths => key_lengths(m, l),
     }
 }
 
@@ -439,6 +440,35 @@ pub(crate) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
             st[0].use_of("o", o, dims, elem, Io::R)?,
             st[1].use_of("do", d_o, dims, elem, Io::R)?,
             use_("delta", Some(delta), 4 * rows as u64, 4, Io::W),
+        ],
+        &[],
+    )
+}
+
+/// `attention_key_lengths`: one block of 256 per mask row, reading the row's flags and
+/// writing its two lengths.
+pub(crate) fn key_lengths(m: &Mem, l: &Launch) -> R<Vec<Use>> {
+    let mut a = Args::new(l);
+    let flags = a.need(m, "flags")?;
+    let rows = a.count32("rows")?;
+    let keys = a.count32("keys")?;
+    a.count32("rows_q")?;
+    let lengths = a.need(m, "lengths")?;
+    let kv_offset = a.count32("kv_offset")?;
+    let bad = a.ptr(m, "bad")?;
+    a.end()?;
+    expect_shape(l, (rows as u32, 1, 1), 256, 0)?;
+    if kv_offset < rows {
+        return Err(format!(
+            "the key lengths at {kv_offset} overlap the {rows} query lengths"
+        ));
+    }
+    checked(
+        m,
+        vec![
+            use_("flags", Some(flags), (rows * keys) as u64, 1, Io::R),
+            use_("lengths", Some(lengths), 4 * (kv_offset + rows) as u64, 4, Io::W),
+            use_("bad", bad, 4, 4, Io::Rw),
         ],
         &[],
     )

@@ -5,7 +5,9 @@
 //! memory and scratch come from `geometry.rs`, as the emulator's contract reads them.
 
 use crate::cuda::program::{Arg, Command, Place};
-use crate::cuda::sdpa::{self, Sdpa, SdpaGrads, SdpaMask, SdpaPass, SdpaProblem, Tensor4};
+use crate::cuda::sdpa::{
+    self, kv_lengths_offset, Sdpa, SdpaGrads, SdpaMask, SdpaPass, SdpaProblem, Tensor4,
+};
 use crate::cuda::lower::copies;
 use crate::cuda::lower::views::{fits_i32, heads_of, kernel_strides};
 use crate::cuda::lower::{window_arg, LowerError, RunLowering};
@@ -462,7 +464,8 @@ impl RunLowering<'_, '_> {
             o: oo.tensor4(),
             lse: self.at(lse)?,
             grads: None,
-            mask: None,
+            lengths: None,
+            prelude: Vec::new(),
             fallback: Vec::new(),
             unsupported: None,
         };
@@ -472,7 +475,7 @@ impl RunLowering<'_, '_> {
     /// Replaces the kernels lowered since `mark` by `call` run on cuDNN, those kernels its
     /// fallback under `library=auto`; where cuDNN cannot express the pass, the kernels run
     /// (auto, the reason in the listing) or the lowering fails naming it (cudnn). A key-padding
-    /// `mask` is cast to the INT32 keep flags cuDNN's graph reads, just before the call. An op
+    /// `mask` becomes the sequence lengths cuDNN's graph reads, by the call's prelude. An op
     /// with `dropout` is castor's kernels' alone: cuDNN's dropout draws its own mask, not the
     /// Philox mask every other executor draws.
     fn cudnn_or_kernels(
@@ -514,23 +517,30 @@ impl RunLowering<'_, '_> {
             call.fallback = self.commands.split_off(mark);
         }
         if let (Some((m, SdpaMask::KeyPadding { .. })), None) = (mask, &call.unsupported) {
-            let n = p.batch * p.rows_kv;
-            let flags = self.scratch(n as u64 * 4);
+            // cuDNN's sequence lengths from the mask's flags, computed only where cuDNN runs
+            // the pass (castor's kernels read the flags themselves and take any mask).
+            let kv_offset = kv_lengths_offset(p.batch);
+            let lengths = self.scratch(kv_offset + 4 * p.batch as u64);
+            let flags = self.at(m)?;
+            let bad = self.padding_flag(y, flags, p.rows_kv);
+            let prelude = self.commands.len();
             self.launch(
                 y,
-                KernelId::Layout(crate::cuda::families::layout::Kernel::Cast {
-                    from: DType::Bool,
-                    to: DType::I32,
-                }),
-                crate::cuda::lower::grid_1d(n, 256),
+                KernelId::Attention(super::Kernel::KeyLengths),
+                (p.batch as u32, 1, 1),
                 (256, 1, 1),
                 vec![
-                    ("x", Arg::Ptr(self.at(m)?)),
-                    ("y", Arg::Ptr(flags)),
-                    ("n", Arg::I64(n as i64)),
+                    ("flags", Arg::Ptr(flags)),
+                    ("rows", Arg::I32(p.batch as i32)),
+                    ("keys", Arg::I32(p.rows_kv as i32)),
+                    ("rows_q", Arg::I32(p.rows_q as i32)),
+                    ("lengths", Arg::Ptr(lengths)),
+                    ("kv_offset", Arg::I32(kv_offset as i32 / 4)),
+                    ("bad", Arg::Ptr(bad)),
                 ],
             )?;
-            call.mask = Some(flags);
+            call.prelude = self.commands.split_off(prelude);
+            call.lengths = Some(lengths);
         }
         self.commands.push(Command::Sdpa(Box::new(call)));
         Ok(())
@@ -681,7 +691,8 @@ impl RunLowering<'_, '_> {
                 row_sums: delta,
                 dq_accum,
             }),
-            mask: None,
+            lengths: None,
+            prelude: Vec::new(),
             fallback: Vec::new(),
             unsupported: None,
         };

@@ -1,10 +1,11 @@
 //! `attention.cu`: the fused attention forward, its `delta` row sums, and its backward (one
 //! tensor-core kernel, or the F32 dq and dk/dv kernels). Launch shapes, dynamic shared memory
-//! and scratch are `geometry.rs`'s.
+//! and scratch are `geometry.rs`'s. `key_lengths.cu`: the sequence lengths castor's cuDNN
+//! attention graphs read (`crate::cuda::sdpa`).
 //!
-//! The family: `attention.cu` (sources, entry points below); `lower.rs` (its launches in a CUDA
-//! program); `contract.rs` (what the emulator lets each launch read and write); `tests.rs` (the
-//! kernels against the CPU twin, in the host build).
+//! The family: `attention.cu`, `key_lengths.cu` (sources, entry points below); `lower.rs`
+//! (its launches in a CUDA program); `contract.rs` (what the emulator lets each launch read and
+//! write); `tests.rs` (the kernels against the CPU twin, in the host build).
 //! CPU twin: [`crate::cpu::attention`].
 
 pub(crate) mod lower;
@@ -135,6 +136,11 @@ pub const FILES: &[KernelFile] = &[
             "attention_fwd_f32_dropout",
         ],
     },
+    KernelFile {
+        name: "key_lengths.cu",
+        source: include_str!("key_lengths.cu"),
+        entry_points: &["attention_key_lengths"],
+    },
 ];
 
 /// A kernel of the family.
@@ -155,6 +161,8 @@ pub enum Kernel {
     },
     /// The backward's `rowsum(dO · O)`.
     Delta { dtype: DType },
+    /// cuDNN's sequence lengths from a key-padding mask (`key_lengths.cu`).
+    KeyLengths,
 }
 
 impl Kernel {
@@ -185,12 +193,13 @@ impl Kernel {
                 }
             }
             Kernel::Delta { dtype } => format!("attention_bwd_delta_{}", dtype.name()),
+            Kernel::KeyLengths => "attention_key_lengths".into(),
         }
     }
 
     /// Every kernel the family could name (a superset of its files' entry points).
     pub fn candidates() -> Vec<Kernel> {
-        let mut ids = Vec::new();
+        let mut ids = vec![Kernel::KeyLengths];
         for dtype in FLOATS {
             ids.push(Kernel::Delta { dtype });
             for kernel in [

@@ -7,7 +7,7 @@
 //! with a margin, stated as a relative error ‖a−b‖/‖b‖ per output (and, for the F32 kernels,
 //! whose sums are the twin's F64 sums, in units in the last place per element).
 
-use crate::cuda::emulate::kernel_tests::{dec, enc, enc_i64, i32, i64, Launcher, Rng};
+use crate::cuda::emulate::kernel_tests::{dec, dec_i32, enc, enc_i64, i32, i64, Launcher, Rng};
 use crate::cpu::attention::{attention, attention_grad, Dropout, Operand, Problem};
 use crate::cpu::mask::KeyMask;
 use crate::cuda::program::Arg;
@@ -60,7 +60,56 @@ pub(crate) fn entries() -> Vec<String> {
     for sfx in ["f32", "f16", "bf16"] {
         out.push(format!("attention_bwd_delta_{sfx}"));
     }
+    out.push("attention_key_lengths".into());
     out
+}
+
+/// `attention_key_lengths` on rows of 300 keys (more than a block's 256 threads): every
+/// query row, the kept prefix's length, and the first bad row's position for rows that
+/// lengths cannot express (a hole, left padding, no key kept).
+#[test]
+fn key_lengths_are_the_kept_prefixes_and_other_rows_are_reported() {
+    let keys = 300;
+    // Keys kept: [start, end) runs.
+    let row = |kept: &[(usize, usize)]| -> Vec<u8> {
+        (0..keys)
+            .map(|j| u8::from(kept.iter().any(|&(a, b)| (a..b).contains(&j))))
+            .collect()
+    };
+    let run = |rows: &[Vec<u8>]| -> (Vec<i32>, i32) {
+        let n = rows.len();
+        let kv_offset = (4 * n).next_multiple_of(16) / 4;
+        let mut l = Launcher::new("key_lengths.cu");
+        let flags = l.buf(rows.concat(), 0);
+        let lengths = l.out(4 * (kv_offset + n), 0);
+        let bad = l.buf(i32::MAX.to_le_bytes().to_vec(), 0);
+        let args = vec![
+            l.ptr(flags),
+            i32(n),
+            i32(keys),
+            i32(7),
+            l.ptr(lengths),
+            i32(kv_offset),
+            l.ptr(bad),
+        ];
+        let out = l
+            .run("attention_key_lengths", (n as u32, 1, 1), (256, 1, 1), args)
+            .unwrap();
+        let lengths = dec_i32(&out[lengths.0]);
+        assert_eq!(&lengths[..n], vec![7; n].as_slice());
+        assert!(lengths[n..kv_offset].iter().all(|&x| x == 0));
+        (lengths[kv_offset..].to_vec(), dec_i32(&out[bad.0])[0])
+    };
+    // Right-padded rows, a full row, a row of one key, one whose last key is the 257th.
+    let good = [row(&[(0, 300)]), row(&[(0, 1)]), row(&[(0, 257)]), row(&[(0, 120)])];
+    assert_eq!(run(&good), (vec![300, 1, 257, 120], i32::MAX));
+    // A hole in row 1 (key 290 kept after 200 dropped), left padding in row 2, no key in 3.
+    let holes = row(&[(0, 200), (290, 291)]);
+    let bad = [row(&[(0, 5)]), holes, row(&[(10, 300)]), row(&[])];
+    let (lengths, first_bad) = run(&bad);
+    assert_eq!(lengths, vec![5, 200, 0, 0]);
+    assert_eq!(first_bad, (keys + 290) as i32);
+    assert_eq!(run(&[row(&[(0, 3)]), row(&[])]).1, keys as i32);
 }
 
 /// One problem: `nb` batches of `hkv` kv heads, each shared by `g` query heads; `t` queries,
