@@ -1,8 +1,9 @@
 //! Products with an epilogue, and FP8 products, through cuBLASLt: the matmul descriptor
 //! carries the epilogue and its buffers, or an FP8 product's scale pointers and its fast
 //! accumulation setting; the algorithm is cuBLASLt's first heuristic choice within the
-//! program's workspace, and split-K reductions are kept out of the output type (as the cuBLAS
-//! handle's math mode does for plain products), so C is rounded once.
+//! program's workspace and the operands' actual alignment, and split-K reductions are kept
+//! out of the output type (as the cuBLAS handle's math mode does for plain products), so C is
+//! rounded once.
 //!
 //! An FP8 product (`Gemm::fp8`): A and B are `CUDA_R_8F_E4M3` or `CUDA_R_8F_E5M2` in the "TN"
 //! form `Gemm::check` holds them to, C (= D) BF16, F16 or F32, compute `CUBLAS_COMPUTE_32F`
@@ -62,6 +63,15 @@ fn lt_type(d: DType) -> lt_sys::cudaDataType {
         DType::F8E5M2 => lt_sys::cudaDataType::CUDA_R_8F_E5M2,
         _ => lt_sys::cudaDataType::CUDA_R_32F,
     }
+}
+
+/// The alignment cuBLASLt's `MIN_ALIGNMENT_*_BYTES` preferences take for a buffer at
+/// `address`: the largest power of two dividing it, at most 256 (the preferences' default).
+fn min_alignment(address: u64) -> u32 {
+    if address == 0 {
+        return 256;
+    }
+    1u32 << address.trailing_zeros().min(8)
 }
 
 /// Descriptors destroyed on drop, whatever fails in between.
@@ -201,12 +211,22 @@ impl Loaded {
         let scheme = (lt_sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32
             | lt_sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32)
             .to_ne_bytes();
+        // The heuristic assumes 256-byte aligned operands unless told otherwise, and an
+        // algorithm chosen for alignment the pointers lack makes `cublasLtMatmul` itself return
+        // NOT_SUPPORTED; so it is told each operand's alignment (as PyTorch's cuBLASLt calls
+        // do). Places are fixed for the program's life, so the choice holds for every replay.
+        let align = |place: Place| min_alignment(self.address(place)).to_ne_bytes();
+        let (align_a, align_b, align_c) = (align(g.a), align(g.b), align(g.c));
         for (attr, value) in [
             (
                 P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                 &(workspace as u64).to_ne_bytes()[..],
             ),
             (P::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &scheme[..]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a[..]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b[..]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c[..]),
+            (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_c[..]),
         ] {
             // SAFETY: the preference is live; `value` holds the attribute's documented type.
             unsafe {
@@ -245,5 +265,19 @@ impl Loaded {
             )
         }
         .map_err(err("cublasLtMatmul"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::min_alignment;
+
+    #[test]
+    fn alignment_is_the_largest_power_of_two_up_to_256() {
+        assert_eq!(min_alignment(0x7f00_0000_0000), 256);
+        assert_eq!(min_alignment(0x7f00_0000_0100 + 64), 64);
+        assert_eq!(min_alignment(0x7f00_0000_0000 + 16), 16);
+        assert_eq!(min_alignment(0x7f00_0000_0000 + 2), 2);
+        assert_eq!(min_alignment(0x7f00_0000_0000 + 3), 1);
     }
 }
