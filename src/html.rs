@@ -646,9 +646,13 @@ fn verdict_section(h: &mut String, v: &Verdict) {
              <th class=\"num\">planned peak</th><th class=\"num\">step (estimated)</th></tr>"
         );
         for c in rows {
+            let caveat = c
+                .caveat()
+                .map(|w| format!(" ({})", esc(w)))
+                .unwrap_or_default();
             let _ = writeln!(
                 h,
-                "<tr><td><code>{}</code></td><td class=\"num\">{}</td>\
+                "<tr><td><code>{}</code>{caveat}</td><td class=\"num\">{}</td>\
                  <td class=\"num\">{:.1} ms</td></tr>",
                 esc(&c.change),
                 esc(&counted_bytes(c.peak)),

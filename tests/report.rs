@@ -588,7 +588,8 @@ fn the_verdict_offers_the_fused_classifier() {
 
 /// On a GPU with FP8 tensor cores, `--precision fp8` is one of the changes the verdict plans
 /// for a bf16 step: the layers' weights lose their BF16 copies. Here the GPU's memory lies
-/// between the two plans' peaks, so it is named, and compiled it fits at the peak shown.
+/// between the two plans' peaks, so it is named, and compiled it fits at the peak shown. It is
+/// offered saying that FP8 plans have not passed the GPU tests yet.
 #[test]
 fn the_verdict_plans_fp8_on_a_gpu_with_fp8_tensor_cores() {
     let tmp = tempfile::tempdir().unwrap();
@@ -633,6 +634,13 @@ fn the_verdict_plans_fp8_on_a_gpu_with_fp8_tensor_cores() {
         .find(|l| l.contains("--precision fp8 "))
         .unwrap_or_else(|| panic!("no fp8 change in:\n{out}"));
     assert_eq!(bytes_after(line, "planned peak "), fp8, "{line}");
+    // Offered with what is known: FP8 has not passed the GPU tests.
+    assert!(
+        line.ends_with("(FP8 plans have not passed the GPU tests yet)"),
+        "{line}"
+    );
+    let others: Vec<&str> = out.lines().filter(|l| l.contains("--remat")).collect();
+    assert!(others.iter().all(|l| !l.contains("GPU tests")), "{out}");
     assert!(compile("fp8", &gpu).contains(": fits, "));
     // A GPU without an FP8 rate gets no such change.
     let plain = small_gpu(tmp.path(), between);

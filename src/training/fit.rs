@@ -111,6 +111,19 @@ pub struct Candidate {
     pub seconds: f64,
 }
 
+impl Candidate {
+    /// What a user should know before taking the change: it asks for a mode whose plans have
+    /// not passed the GPU tests yet (FP8: on the 2026-11-29 H200 run cuBLASLt refused its
+    /// products), so the verdict offers it with this said.
+    pub fn caveat(&self) -> Option<&'static str> {
+        let words: Vec<&str> = self.change.split_whitespace().collect();
+        let fp8 = words
+            .windows(2)
+            .any(|w| w[0] == "--precision" && w[1].starts_with("fp8"));
+        fp8.then_some("FP8 plans have not passed the GPU tests yet")
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Verdict {
     pub peak: u64,
@@ -163,8 +176,9 @@ impl Verdict {
                 } else {
                     " ".repeat(label.len())
                 };
+                let caveat = c.caveat().map(|w| format!(" ({w})")).unwrap_or_default();
                 out.push(format!(
-                    "  {label} {:<width$} planned peak {}, step {:.1} ms estimated",
+                    "  {label} {:<width$} planned peak {}, step {:.1} ms estimated{caveat}",
                     c.change,
                     counted_bytes(c.peak),
                     c.seconds * 1e3
