@@ -20,7 +20,9 @@
 //!
 //! A key-padding mask reaches the graphs as cuDNN's own padding masks take it: INT32 sequence
 //! lengths per batch (the query rows, all of them, and the keys kept), compared with each
-//! score's row and column index, as cudnn-frontend builds its `padding_mask`. That expresses a
+//! score's row and column index, and the products' M, N and K taken from them, as
+//! cudnn-frontend builds its `padding_mask` (the backward masks twice, before and after the
+//! log-sum-exp is taken off, as the frontend does for cuDNN 9). That expresses a
 //! right-padded batch whose rows each keep at least one key, which is what castor's data
 //! feeds (token windows keep every key; SFT and classification rows are right-padded). The
 //! lengths come from the mask's flags by `attention_key_lengths` just before the call, which
@@ -387,8 +389,14 @@ impl Pointwise {
 /// One operation of a graph; operands are indices into [`Graph::tensors`].
 #[derive(Clone, Debug, PartialEq)]
 pub enum OpSpec {
-    /// `c = a b` over the last two dims (F32 compute).
-    Matmul { a: usize, b: usize, c: usize },
+    /// `c = a b` over the last two dims (F32 compute), its M, N or K per batch taken from the
+    /// sequence lengths in a padded graph (`overrides`).
+    Matmul {
+        a: usize,
+        b: usize,
+        c: usize,
+        overrides: Overrides,
+    },
     /// `y = mode(inputs..)`, computed in `compute`.
     Pointwise {
         mode: Pointwise,
@@ -400,6 +408,77 @@ pub enum OpSpec {
     Reduce { max: bool, x: usize, y: usize },
     /// The same elements under other dims and strides (a transposed view).
     Reshape { x: usize, y: usize },
+}
+
+/// The tensors (indices into [`Graph::tensors`]) from which a product takes its M, N or K per
+/// batch: a padded graph's sequence lengths, as cudnn-frontend's SDPA nodes set them on every
+/// product (`CUDNN_ATTR_OPERATION_MATMUL_GEMM_*_OVERRIDE_DESC`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Overrides {
+    pub m: Option<usize>,
+    pub n: Option<usize>,
+    pub k: Option<usize>,
+}
+
+impl Overrides {
+    fn all(self) -> impl Iterator<Item = usize> {
+        [self.m, self.n, self.k].into_iter().flatten()
+    }
+}
+
+/// A padded graph's sequence lengths: INT32 `[b, 1, 1, 1]` tensors of the call. (cuDNN's fused
+/// engines read a tensor of the call beside the scores only in such a form: 9.14 refused
+/// castor's earlier F32 and then INT32 per-key flags.)
+#[derive(Clone, Copy)]
+struct Lengths {
+    q: usize,
+    kv: usize,
+}
+
+impl Lengths {
+    /// The tensors of a masked problem (none without a key-padding mask).
+    fn of(g: &mut Graph, p: &SdpaProblem) -> Option<Lengths> {
+        let b = p.batch as i64;
+        let mut tensor = |name, role| {
+            g.tensor(
+                name,
+                ElemType::I32,
+                [b, 1, 1, 1],
+                [1, 1, 1, 1],
+                Binding::Operand(role),
+            )
+        };
+        p.masked.then(|| Lengths {
+            q: tensor("seq len q", "seq len q"),
+            kv: tensor("seq len kv", "seq len kv"),
+        })
+    }
+}
+
+/// The overrides of a product whose M and N (`rows`, `cols`) and K (`inner`) each run over
+/// queries (`Q`), keys (`K`) or neither.
+fn overrides(lengths: Option<Lengths>, [m, n, k]: [Axis; 3]) -> Overrides {
+    let Some(l) = lengths else {
+        return Overrides::default();
+    };
+    let pick = |a: Axis| match a {
+        Axis::Q => Some(l.q),
+        Axis::Kv => Some(l.kv),
+        Axis::Dim => None,
+    };
+    Overrides {
+        m: pick(m),
+        n: pick(n),
+        k: pick(k),
+    }
+}
+
+/// What a product's dim runs over: queries, keys, or the head dim.
+#[derive(Clone, Copy)]
+enum Axis {
+    Q,
+    Kv,
+    Dim,
 }
 
 /// An operation graph: tensors and the operations over them, in order.
@@ -432,6 +511,10 @@ impl Graph {
     /// A dense virtual tensor.
     fn virt(&mut self, name: &'static str, elem: ElemType, dims: [i64; 4]) -> usize {
         self.tensor(name, elem, dims, dense(dims), Binding::Virtual)
+    }
+
+    fn matmul(&mut self, a: usize, b: usize, c: usize, overrides: Overrides) {
+        self.ops.push(OpSpec::Matmul { a, b, c, overrides });
     }
 
     fn scalar(&mut self, name: &'static str, value: f32) -> usize {
@@ -500,7 +583,13 @@ impl Graph {
         };
         for op in &self.ops {
             let (ins, out): (Vec<usize>, usize) = match op {
-                OpSpec::Matmul { a, b, c } => (vec![*a, *b], *c),
+                OpSpec::Matmul {
+                    a, b, c, overrides, ..
+                } => {
+                    let mut ins = vec![*a, *b];
+                    ins.extend(overrides.all());
+                    (ins, *c)
+                }
                 OpSpec::Pointwise {
                     mode, inputs, y, ..
                 } => {
@@ -546,128 +635,133 @@ fn swapped(dims: [i64; 4], strides: [i64; 4]) -> ([i64; 4], [i64; 4]) {
     )
 }
 
-/// The masks of `s` (scores `[b, hq, sq, skv]`): the key-padding mask keeps the scores of
-/// rows below the batch's query length and keys below its key length (cuDNN's padding mask),
-/// the causal mask `col <= row`, a window of `w` also `col + w > row`; masked scores become
-/// [`FILL`].
-fn masks(g: &mut Graph, s: usize, p: &SdpaProblem) -> usize {
-    if !p.causal && p.window.is_none() && !p.masked {
-        return s;
-    }
+/// `s` with the scores where `keep` is false replaced by [`FILL`].
+fn select(g: &mut Graph, name: &'static str, s: usize, keep: usize) -> usize {
     let dims = g.tensors[s].dims;
     let fill = g.scalar("fill", FILL);
-    let mut out = s;
-    let select = |g: &mut Graph, name: &'static str, out: usize, keep: usize| {
-        g.apply(
-            name,
-            Pointwise::BinarySelect,
-            &[out, fill, keep],
-            ElemType::F32,
-            dims,
-        )
-    };
-    if p.masked {
-        // As cudnn-frontend's padding mask: INT32 `[b, 1, 1, 1]` lengths (cuDNN's fused
-        // engines read a tensor of the call beside the scores only as INT32, and only after a
-        // virtual tensor computed from the scores: 9.14 refused castor's earlier F32 and
-        // per-key flags), compared with the generated row and column indices.
-        let b = p.batch as i64;
-        let mut lengths = |name, role| {
-            g.tensor(
-                name,
-                ElemType::I32,
-                [b, 1, 1, 1],
-                [1, 1, 1, 1],
-                Binding::Operand(role),
-            )
-        };
-        let (len_q, len_kv) = (
-            lengths("seq len q", "seq len q"),
-            lengths("seq len kv", "seq len kv"),
-        );
-        let row = g.apply(
-            "padding row",
-            Pointwise::GenIndex { axis: 2 },
-            &[s],
-            ElemType::I32,
-            dims,
-        );
-        let col = g.apply(
-            "padding col",
-            Pointwise::GenIndex { axis: 3 },
-            &[s],
-            ElemType::I32,
-            dims,
-        );
-        let rows = g.apply(
-            "row < seq len q",
-            Pointwise::CmpLt,
-            &[row, len_q],
-            ElemType::I32,
-            dims,
-        );
-        let cols = g.apply(
-            "col < seq len kv",
-            Pointwise::CmpLt,
-            &[col, len_kv],
-            ElemType::I32,
-            dims,
-        );
-        let keep = g.apply(
-            "kept",
-            Pointwise::LogicalAnd,
-            &[rows, cols],
-            ElemType::Bool,
-            dims,
-        );
-        out = select(g, "padded scores", out, keep);
-    }
-    if p.causal || p.window.is_some() {
-        let row = g.apply(
-            "row",
-            Pointwise::GenIndex { axis: 2 },
-            &[s],
-            ElemType::I32,
-            dims,
-        );
-        let col = g.apply(
-            "col",
-            Pointwise::GenIndex { axis: 3 },
-            &[s],
-            ElemType::I32,
-            dims,
-        );
-        if p.causal {
-            let keep = g.apply(
-                "causal",
-                Pointwise::CmpGe,
-                &[row, col],
-                ElemType::Bool,
-                dims,
-            );
-            out = select(g, "causal scores", out, keep);
-        }
-        if let Some(w) = p.window {
-            let width = g.scalar("window", w as f32);
-            let edge = g.apply(
-                "window edge",
-                Pointwise::Add,
-                &[col, width],
-                ElemType::F32,
-                dims,
-            );
-            let keep = g.apply(
-                "window",
-                Pointwise::CmpGt,
-                &[edge, row],
-                ElemType::Bool,
-                dims,
-            );
-            out = select(g, "window scores", out, keep);
-        }
-    }
-    out
+    g.apply(
+        name,
+        Pointwise::BinarySelect,
+        &[s, fill, keep],
+        ElemType::F32,
+        dims,
+    )
 }
+
+/// The key-padding mask of scores `s` (`[b, hq, sq, skv]`), as cudnn-frontend's padding mask:
+/// the scores of rows below the batch's query length and keys below its key length are kept.
+/// The comparisons compute in `compare` (the frontend's forward compares in INT32, its
+/// backward in BOOLEAN).
+fn padding(
+    g: &mut Graph,
+    s: usize,
+    l: Lengths,
+    compare: ElemType,
+    names: [&'static str; 6],
+) -> usize {
+    let dims = g.tensors[s].dims;
+    let [row_name, col_name, rows_name, cols_name, keep_name, out_name] = names;
+    let row = g.apply(
+        row_name,
+        Pointwise::GenIndex { axis: 2 },
+        &[s],
+        ElemType::I32,
+        dims,
+    );
+    let col = g.apply(
+        col_name,
+        Pointwise::GenIndex { axis: 3 },
+        &[s],
+        ElemType::I32,
+        dims,
+    );
+    let mut less = |name, index, length| {
+        let y = g.virt(name, compare, dims);
+        g.pointwise(Pointwise::CmpLt, &[index, length], y, compare);
+        y
+    };
+    let rows = less(rows_name, row, l.q);
+    let cols = less(cols_name, col, l.kv);
+    let keep = g.apply(
+        keep_name,
+        Pointwise::LogicalAnd,
+        &[rows, cols],
+        ElemType::Bool,
+        dims,
+    );
+    select(g, out_name, s, keep)
+}
+
+/// The causal mask of scores `s`: `col <= row` kept.
+fn causal(g: &mut Graph, s: usize) -> usize {
+    let dims = g.tensors[s].dims;
+    let row = g.apply(
+        "row",
+        Pointwise::GenIndex { axis: 2 },
+        &[s],
+        ElemType::I32,
+        dims,
+    );
+    let col = g.apply(
+        "col",
+        Pointwise::GenIndex { axis: 3 },
+        &[s],
+        ElemType::I32,
+        dims,
+    );
+    let keep = g.apply(
+        "causal",
+        Pointwise::CmpGe,
+        &[row, col],
+        ElemType::Bool,
+        dims,
+    );
+    select(g, "causal scores", s, keep)
+}
+
+/// The sliding window of `w` keys of scores `s`: `col + w > row` kept.
+fn window(g: &mut Graph, s: usize, w: usize) -> usize {
+    let dims = g.tensors[s].dims;
+    let row = g.apply(
+        "window row",
+        Pointwise::GenIndex { axis: 2 },
+        &[s],
+        ElemType::I32,
+        dims,
+    );
+    let col = g.apply(
+        "window col",
+        Pointwise::GenIndex { axis: 3 },
+        &[s],
+        ElemType::I32,
+        dims,
+    );
+    let width = g.scalar("window", w as f32);
+    let edge = g.apply(
+        "window edge",
+        Pointwise::Add,
+        &[col, width],
+        ElemType::F32,
+        dims,
+    );
+    let keep = g.apply(
+        "window",
+        Pointwise::CmpGt,
+        &[edge, row],
+        ElemType::Bool,
+        dims,
+    );
+    select(g, "window scores", s, keep)
+}
+
+const PADDING: [&str; 6] = [
+    "padding row",
+    "padding col",
+    "row < seq len q",
+    "col < seq len kv",
+    "kept",
+    "padded scores",
+];
 
 /// The operation graph of `call`; a backward's produces dQ in `form`.
 pub fn graph(call: &Sdpa, form: DqForm) -> Result<Graph, String> {
@@ -723,18 +817,33 @@ fn forward(c: &Sdpa) -> Graph {
         dense(rows),
         Binding::Operand("lse"),
     );
+    let lengths = Lengths::of(&mut g, p);
     let scale = g.scalar("scale", p.scale() as f32);
     let scores = [b, hq, sq, sk];
     let s1 = g.virt("q k^T", ElemType::F32, scores);
-    g.ops.push(OpSpec::Matmul { a: q, b: kt, c: s1 });
-    let s2 = g.apply(
+    g.matmul(
+        q,
+        kt,
+        s1,
+        overrides(lengths, [Axis::Q, Axis::Kv, Axis::Dim]),
+    );
+    let mut s3 = g.apply(
         "scores",
         Pointwise::Mul,
         &[s1, scale],
         ElemType::F32,
         scores,
     );
-    let s3 = masks(&mut g, s2, p);
+    // The masks in cudnn-frontend's order: padding, causal, window.
+    if let Some(l) = lengths {
+        s3 = padding(&mut g, s3, l, ElemType::I32, PADDING);
+    }
+    if p.causal {
+        s3 = causal(&mut g, s3);
+    }
+    if let Some(w) = p.window {
+        s3 = window(&mut g, s3, w);
+    }
     let m = g.virt("max", ElemType::F32, rows);
     g.ops.push(OpSpec::Reduce {
         max: true,
@@ -753,11 +862,12 @@ fn forward(c: &Sdpa) -> Graph {
     g.pointwise(Pointwise::Add, &[m, log_z], stats, ElemType::F32);
     // P enters the second product in the operands' dtype.
     let probs = g.apply("p", Pointwise::Div, &[e, z], ElemType::Io, scores);
-    g.ops.push(OpSpec::Matmul {
-        a: probs,
-        b: v,
-        c: o,
-    });
+    g.matmul(
+        probs,
+        v,
+        o,
+        overrides(lengths, [Axis::Q, Axis::Dim, Axis::Kv]),
+    );
     g
 }
 
@@ -841,6 +951,7 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
         dense(rows),
         Binding::Operand("row sums"),
     );
+    let lengths = Lengths::of(&mut g, p);
     let scale = g.scalar("scale", p.scale() as f32);
     let one = g.scalar("one", 1.0);
     let scores = [b, hq, sq, sk];
@@ -856,25 +967,51 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
         y: sums,
     });
     g.pointwise(Pointwise::Mul, &[sums, one], row_sums, ElemType::F32);
-    // P = exp(masked scale Q Kᵀ - lse): masked before the log-sum-exp is taken off, so that
-    // a row that sees no kept key gets back its forward's uniform probabilities.
+    // P = exp(masked scale Q Kᵀ - lse), the masks where cudnn-frontend's backward puts them:
+    // padding and causal before the log-sum-exp is taken off (so that a row that sees no
+    // kept key under them gets back its forward's uniform probabilities), the padding again
+    // after it (the frontend's workaround for cuDNN 9), then the window.
     let s1 = g.virt("q k^T", ElemType::F32, scores);
-    g.ops.push(OpSpec::Matmul { a: q, b: kt, c: s1 });
-    let s2 = g.apply(
+    g.matmul(
+        q,
+        kt,
+        s1,
+        overrides(lengths, [Axis::Q, Axis::Kv, Axis::Dim]),
+    );
+    let mut s3 = g.apply(
         "scores",
         Pointwise::Mul,
         &[s1, scale],
         ElemType::F32,
         scores,
     );
-    let s3 = masks(&mut g, s2, p);
-    let s4 = g.apply(
+    if let Some(l) = lengths {
+        s3 = padding(&mut g, s3, l, ElemType::Bool, PADDING);
+    }
+    if p.causal {
+        s3 = causal(&mut g, s3);
+    }
+    let mut s4 = g.apply(
         "s - lse",
         Pointwise::Sub,
         &[s3, stats],
         ElemType::F32,
         scores,
     );
+    if let Some(l) = lengths {
+        let names = [
+            "padding row again",
+            "padding col again",
+            "row < seq len q again",
+            "col < seq len kv again",
+            "kept again",
+            "padded scores again",
+        ];
+        s4 = padding(&mut g, s4, l, ElemType::Bool, names);
+    }
+    if let Some(w) = p.window {
+        s4 = window(&mut g, s4, w);
+    }
     let probs = g.apply("p", Pointwise::Exp, &[s4], ElemType::F32, scores);
     // dV = Pᵀ dO (summed over a group's query heads).
     let pt = g.tensor(
@@ -885,14 +1022,31 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
         Binding::Virtual,
     );
     g.ops.push(OpSpec::Reshape { x: probs, y: pt });
-    grouped_product(&mut g, "dv", pt, d_o, dv, [b, hq, sk, d], hq != hk);
-    // dS = scale P (dO Vᵀ - rowsum).
+    let kv_by_q = overrides(lengths, [Axis::Kv, Axis::Dim, Axis::Q]);
+    grouped_product(
+        &mut g,
+        "dv",
+        (pt, d_o, dv),
+        [b, hq, sk, d],
+        hq != hk,
+        kv_by_q,
+    );
+    // dS = scale P (dO Vᵀ · 1 - rowsum) (the product by one where cudnn-frontend's graph
+    // multiplies by the dropout mask).
     let dp = g.virt("do v^T", ElemType::F32, scores);
-    g.ops.push(OpSpec::Matmul {
-        a: d_o,
-        b: vt,
-        c: dp,
-    });
+    g.matmul(
+        d_o,
+        vt,
+        dp,
+        overrides(lengths, [Axis::Q, Axis::Kv, Axis::Dim]),
+    );
+    let dp = g.apply(
+        "do v^T * 1",
+        Pointwise::Mul,
+        &[dp, one],
+        ElemType::F32,
+        scores,
+    );
     let centred = g.apply(
         "dp - rowsum",
         Pointwise::Sub,
@@ -923,7 +1077,14 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
         Binding::Virtual,
     );
     g.ops.push(OpSpec::Reshape { x: ds, y: dst });
-    grouped_product(&mut g, "dk", dst, q, dk, [b, hq, sk, d], hq != hk);
+    grouped_product(
+        &mut g,
+        "dk",
+        (dst, q, dk),
+        [b, hq, sk, d],
+        hq != hk,
+        kv_by_q,
+    );
     // dQ = dS K, written directly (the deterministic engine's graph) or through the F32
     // accumulator (the flash backward's).
     let k_view = g.tensor(
@@ -934,12 +1095,9 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
         Binding::Virtual,
     );
     g.ops.push(OpSpec::Reshape { x: kt, y: k_view });
+    let q_by_kv = overrides(lengths, [Axis::Q, Axis::Dim, Axis::Kv]);
     match form {
-        DqForm::Direct => g.ops.push(OpSpec::Matmul {
-            a: ds,
-            b: k_view,
-            c: dq,
-        }),
+        DqForm::Direct => g.matmul(ds, k_view, dq, q_by_kv),
         DqForm::Accumulated => {
             let accum = g.tensor(
                 "dq accum",
@@ -948,11 +1106,7 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
                 dense(q_dims),
                 Binding::Operand("dq accum"),
             );
-            g.ops.push(OpSpec::Matmul {
-                a: ds,
-                b: k_view,
-                c: accum,
-            });
+            g.matmul(ds, k_view, accum, q_by_kv);
             g.pointwise(Pointwise::Identity, &[accum], dq, ElemType::F32);
         }
     }
@@ -964,18 +1118,17 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
 fn grouped_product(
     g: &mut Graph,
     name: &'static str,
-    a: usize,
-    b: usize,
-    out: usize,
+    (a, b, out): (usize, usize, usize),
     full: [i64; 4],
     grouped: bool,
+    overrides: Overrides,
 ) {
     if !grouped {
-        g.ops.push(OpSpec::Matmul { a, b, c: out });
+        g.matmul(a, b, out, overrides);
         return;
     }
     let per_head = g.virt(name, ElemType::Io, full);
-    g.ops.push(OpSpec::Matmul { a, b, c: per_head });
+    g.matmul(a, b, per_head, overrides);
     g.ops.push(OpSpec::Reduce {
         max: false,
         x: per_head,
@@ -1086,8 +1239,11 @@ pub(crate) mod tests {
                             )
                         })
                         .count();
-                    let want = [causal, window.is_some(), masked];
-                    assert_eq!(masks, want.iter().filter(|&&m| m).count());
+                    // The backward masks the padding twice, as cudnn-frontend's does.
+                    let padding =
+                        usize::from(masked) * if pass == SdpaPass::Forward { 1 } else { 2 };
+                    let want = usize::from(causal) + usize::from(window.is_some()) + padding;
+                    assert_eq!(masks, want, "{pass:?} {causal} {window:?} {masked}");
                     // cuDNN's fused engines refuse a pointwise op on the scores' path whose
                     // first operand is a tensor of the call (the padding flags once were):
                     // such an op reads only the call's tensors (the backward's dO · O and
@@ -1111,11 +1267,69 @@ pub(crate) mod tests {
                             if matches!(t.binding, Binding::Operand("seq len q" | "seq len kv")) {
                                 assert_eq!((t.elem, t.dims), (ElemType::I32, [2, 1, 1, 1]));
                                 assert_eq!(*mode, Pointwise::CmpLt);
-                                assert!(op_computes(op, ElemType::I32), "{mode:?}");
+                                // The frontend compares in INT32 forward, BOOLEAN backward.
+                                let compare = match pass {
+                                    SdpaPass::Forward => ElemType::I32,
+                                    SdpaPass::Backward => ElemType::Bool,
+                                };
+                                assert!(op_computes(op, compare), "{pass:?} {mode:?}");
                             }
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// A padded graph's products take their M, N and K from the sequence lengths as
+    /// cudnn-frontend's SDPA nodes set them (each query or key axis of a product, never the
+    /// head dim); an unpadded graph's take none.
+    #[test]
+    fn padded_products_take_their_sizes_from_the_sequence_lengths() {
+        for (pass, form) in [
+            (SdpaPass::Forward, DqForm::Direct),
+            (SdpaPass::Backward, DqForm::Direct),
+            (SdpaPass::Backward, DqForm::Accumulated),
+        ] {
+            for heads in [(4, 4), (8, 2)] {
+                let plain = graph(&call(pass, heads, true, None, false), form).unwrap();
+                let g = graph(&call(pass, heads, true, None, true), form).unwrap();
+                let name = |t: Option<usize>| t.map(|i| g.tensors[i].name);
+                let products: Vec<(&str, [Option<&str>; 3])> = g
+                    .ops
+                    .iter()
+                    .filter_map(|op| match op {
+                        OpSpec::Matmul { c, overrides, .. } => Some((
+                            g.tensors[*c].name,
+                            [name(overrides.m), name(overrides.n), name(overrides.k)],
+                        )),
+                        _ => None,
+                    })
+                    .collect();
+                let (q, kv) = (Some("seq len q"), Some("seq len kv"));
+                let grouped = heads.0 != heads.1;
+                let want: Vec<(&str, [Option<&str>; 3])> = match pass {
+                    SdpaPass::Forward => vec![("q k^T", [q, kv, None]), ("o", [q, None, kv])],
+                    SdpaPass::Backward => {
+                        let dq = if form == DqForm::Direct {
+                            "dq"
+                        } else {
+                            "dq accum"
+                        };
+                        vec![
+                            ("q k^T", [q, kv, None]),
+                            ("dv", [kv, None, q]),
+                            ("do v^T", [q, kv, None]),
+                            ("dk", [kv, None, q]),
+                            (dq, [q, None, kv]),
+                        ]
+                    }
+                };
+                assert_eq!(products, want, "{pass:?} {form:?} grouped={grouped}");
+                assert!(plain.ops.iter().all(|op| match op {
+                    OpSpec::Matmul { overrides, .. } => *overrides == Overrides::default(),
+                    _ => true,
+                }));
             }
         }
     }

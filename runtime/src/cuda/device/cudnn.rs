@@ -376,7 +376,7 @@ impl Cudnn {
         let mut parts = Vec::new();
         for op in &graph.ops {
             let d = match op {
-                OpSpec::Matmul { a, b, c } => {
+                OpSpec::Matmul { a, b, c, overrides } => {
                     let mm = Desc::new(D::CUDNN_BACKEND_MATMUL_DESCRIPTOR)?;
                     mm.set(
                         A::CUDNN_ATTR_MATMUL_COMP_TYPE,
@@ -389,6 +389,26 @@ impl Cudnn {
                     d.descs(A::CUDNN_ATTR_OPERATION_MATMUL_BDESC, &[&tensors[*b]])?;
                     d.descs(A::CUDNN_ATTR_OPERATION_MATMUL_CDESC, &[&tensors[*c]])?;
                     d.descs(A::CUDNN_ATTR_OPERATION_MATMUL_DESC, &[&mm])?;
+                    // A padded graph's products take M, N or K per batch from the sequence
+                    // lengths, as cudnn-frontend's SDPA nodes set them.
+                    for (attr, t) in [
+                        (
+                            A::CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC,
+                            overrides.m,
+                        ),
+                        (
+                            A::CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC,
+                            overrides.n,
+                        ),
+                        (
+                            A::CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC,
+                            overrides.k,
+                        ),
+                    ] {
+                        if let Some(t) = t {
+                            d.descs(attr, &[&tensors[t]])?;
+                        }
+                    }
                     parts.push(mm);
                     d
                 }
