@@ -676,7 +676,7 @@ fn cuda_line(
             let count = |f: &dyn Fn(&Command) -> bool| -> usize {
                 p.runs
                     .iter()
-                    .flat_map(|r| r.commands.iter())
+                    .flat_map(|r| r.issued())
                     .filter(|c| f(c))
                     .count()
             };

@@ -741,6 +741,20 @@ pub struct Run {
     pub error_flags: Vec<ErrorFlag>,
 }
 
+impl Run {
+    /// The commands one replay issues: each command, a cuDNN attention's prelude with it (its
+    /// fallback runs only instead of it).
+    pub fn issued(&self) -> impl Iterator<Item = &Command> {
+        self.commands.iter().flat_map(|c| {
+            let prelude = match c {
+                Command::Sdpa(call) => call.prelude.as_slice(),
+                _ => &[],
+            };
+            std::iter::once(c).chain(prelude)
+        })
+    }
+}
+
 /// A lowered plan or graph.
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct Program {

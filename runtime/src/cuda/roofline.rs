@@ -244,7 +244,7 @@ fn costed_units(
     let mut out = RunRoofline {
         commands: program
             .run(run)
-            .map_or(0, |r| program.runs[r].commands.len()),
+            .map_or(0, |r| program.runs[r].issued().count()),
         ..RunRoofline::default()
     };
     let mut per_unit = Vec::new();

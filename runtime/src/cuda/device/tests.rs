@@ -624,12 +624,13 @@ fn nvrtc_newer_than_the_driver_is_refused() {
     assert!(e.contains("nvidia-cuda-nvrtc==13.0.*"), "{e}");
 }
 
-/// On a GPU with cuDNN: which of castor's attention graphs cuDNN builds an engine for (12
-/// heads, 256 rows, head dim 64, bf16, causal), forward and backward, with and without the
-/// key-padding mask. Without the mask the graph is the one PyTorch's cuDNN attention runs, so
-/// it must build; the masked graphs' outcome is printed (castor's kernels run a pass cuDNN
-/// refuses, and `--attention cudnn` plans fail on it in `tests/cuda_gpu.rs`). Skips without
-/// a device or without cuDNN.
+/// On a GPU with cuDNN: which of castor's attention graphs cuDNN builds an engine for (256
+/// rows, head dim 64, bf16, causal; 12 heads, and 8 query heads on 2 key heads), forward and
+/// backward, with and without the key-padding mask (cudnn-frontend's padding mask: sequence
+/// lengths), and masked under a sliding window. Without the mask the graph is the one
+/// PyTorch's cuDNN attention runs, so it must build; the other graphs' outcomes are printed
+/// (castor's kernels run a pass cuDNN refuses, and `--attention cudnn` plans fail on it in
+/// `tests/cuda_gpu.rs`). Skips without a device or without cuDNN.
 #[test]
 fn cudnn_builds_the_unmasked_attention_graphs_on_gpu() {
     use crate::cuda::sdpa::{tests::call, SdpaPass};
@@ -645,17 +646,23 @@ fn cudnn_builds_the_unmasked_attention_graphs_on_gpu() {
     };
     let mut cudnn = super::cudnn::Cudnn::new(version, false).expect("a cuDNN handle");
     let mut refused = Vec::new();
-    for masked in [false, true] {
-        for pass in [SdpaPass::Forward, SdpaPass::Backward] {
-            let c = call(pass, (12, 12), true, None, masked);
-            let outcome = cudnn.plan(&c, 256 << 20).map(|p| p.engine.clone());
-            println!(
-                "cuDNN {}: {pass:?} causal{}: {outcome:?}",
-                super::cudnn::version_name(version),
-                if masked { " masked" } else { "" }
-            );
-            if let (false, Err(why)) = (masked, outcome) {
-                refused.push(format!("{pass:?}: {why}"));
+    let cases = [(false, None), (true, None), (true, Some(64))];
+    for heads in [(12, 12), (8, 2)] {
+        for (masked, window) in cases {
+            for pass in [SdpaPass::Forward, SdpaPass::Backward] {
+                let c = call(pass, heads, true, window, masked);
+                let outcome = cudnn.plan(&c, 256 << 20).map(|p| p.engine.clone());
+                println!(
+                    "cuDNN {}: {pass:?} heads {}/{} causal{}{}: {outcome:?}",
+                    super::cudnn::version_name(version),
+                    heads.0,
+                    heads.1,
+                    if masked { " masked" } else { "" },
+                    window.map(|w| format!(" window {w}")).unwrap_or_default(),
+                );
+                if let (false, Err(why)) = (masked, outcome) {
+                    refused.push(format!("{pass:?} heads {heads:?}: {why}"));
+                }
             }
         }
     }
