@@ -541,8 +541,7 @@ impl Graph {
     ) -> usize {
         let y = self.virt(name, elem, dims);
         let compute = match mode {
-            // The padding comparisons compute in INT32 (cudnn-frontend's padding mask).
-            Pointwise::GenIndex { .. } | Pointwise::CmpLt => ElemType::I32,
+            Pointwise::GenIndex { .. } => ElemType::I32,
             Pointwise::CmpGe | Pointwise::CmpGt | Pointwise::LogicalAnd => ElemType::Bool,
             _ => ElemType::F32,
         };
@@ -648,6 +647,22 @@ fn select(g: &mut Graph, name: &'static str, s: usize, keep: usize) -> usize {
     )
 }
 
+/// Each score's row and column index (INT32), generated from scores `s` as each mask of
+/// cudnn-frontend's generates its own.
+fn indices(g: &mut Graph, s: usize, [row, col]: [&'static str; 2]) -> (usize, usize) {
+    let dims = g.tensors[s].dims;
+    let mut index = |name, axis| {
+        g.apply(
+            name,
+            Pointwise::GenIndex { axis },
+            &[s],
+            ElemType::I32,
+            dims,
+        )
+    };
+    (index(row, 2), index(col, 3))
+}
+
 /// The key-padding mask of scores `s` (`[b, hq, sq, skv]`), as cudnn-frontend's padding mask:
 /// the scores of rows below the batch's query length and keys below its key length are kept.
 /// The comparisons compute in `compare` (the frontend's forward compares in INT32, its
@@ -661,20 +676,7 @@ fn padding(
 ) -> usize {
     let dims = g.tensors[s].dims;
     let [row_name, col_name, rows_name, cols_name, keep_name, out_name] = names;
-    let row = g.apply(
-        row_name,
-        Pointwise::GenIndex { axis: 2 },
-        &[s],
-        ElemType::I32,
-        dims,
-    );
-    let col = g.apply(
-        col_name,
-        Pointwise::GenIndex { axis: 3 },
-        &[s],
-        ElemType::I32,
-        dims,
-    );
+    let (row, col) = indices(g, s, [row_name, col_name]);
     let mut less = |name, index, length| {
         let y = g.virt(name, compare, dims);
         g.pointwise(Pointwise::CmpLt, &[index, length], y, compare);
@@ -695,20 +697,7 @@ fn padding(
 /// The causal mask of scores `s`: `col <= row` kept.
 fn causal(g: &mut Graph, s: usize) -> usize {
     let dims = g.tensors[s].dims;
-    let row = g.apply(
-        "row",
-        Pointwise::GenIndex { axis: 2 },
-        &[s],
-        ElemType::I32,
-        dims,
-    );
-    let col = g.apply(
-        "col",
-        Pointwise::GenIndex { axis: 3 },
-        &[s],
-        ElemType::I32,
-        dims,
-    );
+    let (row, col) = indices(g, s, ["row", "col"]);
     let keep = g.apply(
         "causal",
         Pointwise::CmpGe,
@@ -722,20 +711,7 @@ fn causal(g: &mut Graph, s: usize) -> usize {
 /// The sliding window of `w` keys of scores `s`: `col + w > row` kept.
 fn window(g: &mut Graph, s: usize, w: usize) -> usize {
     let dims = g.tensors[s].dims;
-    let row = g.apply(
-        "window row",
-        Pointwise::GenIndex { axis: 2 },
-        &[s],
-        ElemType::I32,
-        dims,
-    );
-    let col = g.apply(
-        "window col",
-        Pointwise::GenIndex { axis: 3 },
-        &[s],
-        ElemType::I32,
-        dims,
-    );
+    let (row, col) = indices(g, s, ["window row", "window col"]);
     let width = g.scalar("window", w as f32);
     let edge = g.apply(
         "window edge",
