@@ -688,7 +688,7 @@ fn cudnn_attention_plans_on_the_emulator_match_the_cpu_executor() {
     use castor_runtime::cuda::EmulatedPlanRunner;
     use castor_runtime::PlanRunner;
     use common::cuda_cases::{as_f32, batch, load_params, plan, right_padded};
-    for variant in ["gpt2_lm", "bert_mlm", "llama_gqa", "mistral_window"] {
+    for variant in ["gpt2_lm", "bert_mlm", "llama_gqa", "qwen2_bias"] {
         let params = load_params(variant);
         for precision in ["bf16", "fp16"] {
             let p = plan(variant, &["--precision", precision, "--attention", "cudnn"]);
@@ -797,6 +797,46 @@ fn what_cudnn_cannot_run_falls_back_or_is_refused_by_name() {
         err.contains("%h.0.attn.context")
             && err.contains(
                 "--attention cudnn: cuDNN's fused attention cannot run this op: f32 operands"
+            ),
+        "{err}"
+    );
+}
+
+/// A sliding window (Mistral's): cuDNN's windowed graphs gave an H200 gradients the CPU
+/// executor does not, so `--attention auto` runs castor's kernels, the listing saying why,
+/// and `--attention cudnn` refuses the plan naming the node and the window.
+#[test]
+fn a_sliding_window_runs_castors_kernels_and_cudnn_refuses_it() {
+    let model = common::fixture("mistral_window");
+    let compile = |attention: &str| {
+        common::castor(&[
+            "compile",
+            common::path_str(&model),
+            "--train",
+            "--precision",
+            "bf16",
+            "--attention",
+            attention,
+            "--emit",
+            "cuda",
+        ])
+    };
+    let o = compile("auto");
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let listing = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        listing.contains("cuDNN cannot run it (a sliding window of 3 keys"),
+        "{listing}"
+    );
+    assert!(listing.contains("launch attention_fwd_bf16"), "{listing}");
+    let o = compile("cudnn");
+    assert!(!o.status.success());
+    let err = common::stderr(&o);
+    assert!(
+        err.contains("self_attn.context")
+            && err.contains(
+                "--attention cudnn: cuDNN's fused attention cannot run this op: a sliding window \
+                 of 3 keys"
             ),
         "{err}"
     );

@@ -126,9 +126,20 @@ fn gpu_plans(family: &str) -> Vec<String> {
     }
     out.push("--precision bf16 --attention fused".into());
     // cuDNN's fused attention where it loads (a missing cuDNN is a named error for `cudnn`,
-    // so that case runs only where the probe finds one; `auto` runs everywhere).
+    // so that case runs only where the probe finds one; `auto` runs everywhere), and where
+    // cuDNN can run the family's attention (not a sliding window: tests/attention.rs holds
+    // that refusal); any other lowering error stays a case, and fails.
+    let cudnn = "--precision bf16 --attention cudnn";
     match castor_runtime::cuda::device::probe_cudnn() {
-        Ok(_) => out.push("--precision bf16 --attention cudnn".into()),
+        Ok(_) => match lower_plan(&plan(family, &cudnn.split(' ').collect::<Vec<_>>())) {
+            Err(e)
+                if e.to_string()
+                    .contains("cuDNN's fused attention cannot run this op") =>
+            {
+                eprintln!("{family}: no --attention cudnn case: {e}")
+            }
+            _ => out.push(cudnn.into()),
+        },
         Err(why) => eprintln!("{family}: no --attention cudnn case: {why}"),
     }
     out.push("--precision fp16 --attention auto".into());

@@ -3,7 +3,8 @@
 //! first) and then the attention op's CPU twin (`cpu::attention`) on the command's tensors,
 //! read and written through their strides, with the padding mask the graph's sequence
 //! lengths express. So an emulated `--attention cudnn` program is checked against the twin,
-//! not against cuDNN's own code, which runs only on a GPU.
+//! not against cuDNN's own code, which runs only on a GPU. Like cuDNN's padded backward, the
+//! twin writes no dK or dV row for a padded key, so the lowering's zeroing of them is checked.
 
 use super::memory::{check_uses, ranges_use, use_, Io, Mem, Ptr, Use};
 use super::R;
@@ -72,6 +73,28 @@ fn gather(m: &Mem, p: Ptr, t: &Tensor4, dims: Dims, dtype: DType) -> R<Vec<f32>>
 fn scatter(m: &mut Mem, p: Ptr, t: &Tensor4, dims: Dims, dtype: DType, x: &[f32]) -> R<()> {
     for (o, &v) in offsets(t, dims).zip(x) {
         m.set_f(p, o, dtype, round_to(dtype, v))?;
+    }
+    Ok(())
+}
+
+/// Writes the key rows of `x` (`[batch, heads, rows, dim]` order) into `t` as cuDNN's padded
+/// backward does: only the rows of the keys a batch keeps (`keep`, `[batch, rows]`), leaving
+/// the padded keys' rows as they were (the lowering zeroes them first).
+fn scatter_kept_keys(
+    m: &mut Mem,
+    p: Ptr,
+    t: &Tensor4,
+    dims: Dims,
+    dtype: DType,
+    x: &[f32],
+    keep: &[bool],
+) -> R<()> {
+    let (_, heads, rows, dim) = dims;
+    for (i, (o, &v)) in offsets(t, dims).zip(x).enumerate() {
+        let (b, row) = (i / (heads * rows * dim), (i / dim) % rows);
+        if keep[b * rows + row] {
+            m.set_f(p, o, dtype, round_to(dtype, v))?;
+        }
     }
     Ok(())
 }
@@ -176,8 +199,16 @@ pub(super) fn twin(m: &mut Mem, c: &Sdpa) -> R<()> {
                 .collect::<R<_>>()?;
             let (gq, gk, gv) = attention_grad(&qv, &kv, &vv, &ov, &lv, &dov, &problem);
             scatter(m, dq, &g.dq, qd, p.dtype, &gq)?;
-            scatter(m, dk, &g.dk, kd, p.dtype, &gk)?;
-            scatter(m, dv, &g.dv, kd, p.dtype, &gv)?;
+            match &keep {
+                Some(keep) => {
+                    scatter_kept_keys(m, dk, &g.dk, kd, p.dtype, &gk, keep)?;
+                    scatter_kept_keys(m, dv, &g.dv, kd, p.dtype, &gv, keep)?;
+                }
+                None => {
+                    scatter(m, dk, &g.dk, kd, p.dtype, &gk)?;
+                    scatter(m, dv, &g.dv, kd, p.dtype, &gv)?;
+                }
+            }
             // cuDNN's row sums, rowsum(dO · O), as the device leaves them.
             let d = p.head_dim;
             for r in 0..hq * p.rows_q {

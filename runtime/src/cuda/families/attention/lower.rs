@@ -497,11 +497,23 @@ impl RunLowering<'_, '_> {
             sdpa::unsupported(
                 p.dtype,
                 (p.rows_q, p.rows_kv, p.head_dim),
-                p.causal,
+                (p.causal, p.window),
                 (p.heads_q, mask.map(|(_, kind)| kind)),
                 call.pass,
             )
         };
+        let padded = matches!(mask, Some((_, SdpaMask::KeyPadding { .. })));
+        let zeroing = match (padded, call.pass) {
+            (true, SdpaPass::Backward) => call.key_gradient_zeroing(),
+            _ => Some(Vec::new()),
+        };
+        if zeroing.is_none() && call.unsupported.is_none() {
+            call.unsupported = Some(
+                "a padded backward whose key and value gradients interleave with other bytes \
+                 (cuDNN leaves the padded keys' rows unwritten, and they cannot be zeroed alone)"
+                    .into(),
+            );
+        }
         if library == AttentionLibrary::Cudnn {
             if let Some(why) = &call.unsupported {
                 return Err(self.err(
@@ -539,6 +551,14 @@ impl RunLowering<'_, '_> {
                     ("bad", Arg::Ptr(bad)),
                 ],
             )?;
+            // cuDNN writes no gradient for the padded keys: they start at zero.
+            for (dst, bytes) in zeroing.unwrap_or_default() {
+                self.commands.push(Command::Memset {
+                    dst,
+                    bytes,
+                    byte: 0,
+                });
+            }
             call.prelude = self.commands.split_off(prelude);
             call.lengths = Some(lengths);
         }
