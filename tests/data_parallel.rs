@@ -573,8 +573,8 @@ fn the_readme_7b_example_plans_what_it_says() {
     };
     let gib = |out: &str| anatomy_total(out) as f64 / (1u64 << 30) as f64;
     let ranks = plan(&["--world-size", "8", "--zero", "2"]);
-    assert_eq!(format!("{:.1}", gib(&ranks)), "28.3");
-    assert_eq!(format!("{:.1}", gib(&plan(&[]))), "115.5");
+    assert_eq!(format!("{:.1}", gib(&ranks)), "29.3");
+    assert_eq!(format!("{:.1}", gib(&plan(&[]))), "116.5");
     let network: f64 = ranks
         .lines()
         .find_map(|l| l.strip_prefix("  network      "))

@@ -235,8 +235,9 @@ fn suggestions(out: &str) -> Vec<(Vec<String>, u64)> {
 }
 
 /// LLaMA-2-7B at batch 8 x 1024 on an A100 80 GB: no change alone fits, but changes together
-/// do (Adafactor with the update in the backward, with a recomputation budget, or with full
-/// recomputation), and so do LoRA,
+/// do (Adafactor with a recomputation budget, or with full recomputation; with the update in
+/// the backward it misses by the 0.5 GiB of workspace set aside for cuDNN's attention
+/// backward), and so do LoRA,
 /// QLoRA and ZeRO-3 over 4 devices; each suggestion, compiled, plans the peak it was shown
 /// with and fits.
 #[test]
@@ -259,8 +260,7 @@ fn the_verdict_combines_changes_and_offers_every_way_to_fit() {
     ok(&o);
     let out = stdout(&o);
     for suggestion in [
-        "  would fit: --optimizer adafactor --update-in-backward ",
-        "             --optimizer adafactor --remat budget:80GiB ",
+        "  would fit: --optimizer adafactor --remat budget:80GiB ",
         "             --optimizer adafactor --remat full ",
         "  other ways: --lora-rank 16 ",
         "              --lora-rank 16 --base nf4 ",
@@ -269,7 +269,7 @@ fn the_verdict_combines_changes_and_offers_every_way_to_fit() {
         assert!(out.contains(suggestion), "{suggestion}: {out}");
     }
     let shown = suggestions(&out);
-    assert_eq!(shown.len(), 6, "{out}");
+    assert_eq!(shown.len(), 5, "{out}");
     for (flags, peak_shown) in shown {
         let mut args: Vec<&str> = base.to_vec();
         args.extend(flags.iter().map(String::as_str));

@@ -768,7 +768,8 @@ pub struct Program {
     /// order that won in the run that sets its size.
     pub arena_lower_bound: u64,
     pub arena_order: Option<castor_passes::memory::PlacementOrder>,
-    /// Bytes of cuBLAS workspace the products may use.
+    /// Bytes of workspace the products may use (cuBLAS's 32 MiB), and cuDNN's attention
+    /// plans (a backward's score matrices: [`super::sdpa::backward_workspace`]).
     pub workspace_bytes: u64,
     /// Run once after the state is loaded (working copies from masters, constant tables).
     pub prologue: Vec<Command>,

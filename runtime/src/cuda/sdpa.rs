@@ -296,6 +296,31 @@ fn split_place(p: Place) -> (Place, u64) {
     }
 }
 
+/// The most workspace a program sets aside for cuDNN's attention backward
+/// ([`backward_workspace`]): 4 GiB, a score matrix per head at LLaMA-3.2-1B's 32 heads, batch 4
+/// and about 5.8k rows; a longer backward runs castor's kernels, which need none.
+pub const BACKWARD_WORKSPACE_CAP: u64 = 4 << 30;
+
+/// The workspace a program sets aside for cuDNN's backward of `p`, so that cuDNN runs it
+/// rather than castor's kernels: what cuDNN 9.19's backward plans asked for on an H200
+/// (2026-11-30; 50,331,776 bytes at GPT-2's 12 heads, B2 x T1024; 201,326,720 at B8;
+/// 1,140,850,816 at LLaMA-3.2-1B's 32 of 8 heads, B4 x T2048), which is a BF16 score matrix
+/// per query head, `heads x rows_q x rows_kv x 2` bytes, plus, with grouped heads, an F32
+/// `heads x rows_q x head_dim` accumulator, plus 128 bytes; rounded up to a MiB. `None` above
+/// [`BACKWARD_WORKSPACE_CAP`]. (cuDNN picks its plan when the program loads and refuses one
+/// that needs more: the attention line then names the pass and the bytes.)
+pub fn backward_workspace(p: &SdpaProblem) -> Option<u64> {
+    let heads = (p.batch * p.heads_q) as u64;
+    let scores = heads * p.rows_q as u64 * p.rows_kv as u64 * 2;
+    let grouped = if p.heads_q != p.heads_kv {
+        heads * p.rows_q as u64 * p.head_dim as u64 * 4
+    } else {
+        0
+    };
+    let bytes = (scores + grouped + 128).next_multiple_of(1 << 20);
+    (bytes <= BACKWARD_WORKSPACE_CAP).then_some(bytes)
+}
+
 /// Bytes from the query rows' sequence lengths to the keys' in [`Sdpa::lengths`]: `batch`
 /// INT32 values, rounded up to the 16 bytes cuDNN's tensors are declared aligned to.
 pub fn kv_lengths_offset(batch: usize) -> u64 {
@@ -1439,6 +1464,34 @@ pub(crate) mod tests {
             })
             .count();
         assert_eq!(reductions_into_grads, 2);
+    }
+
+    #[test]
+    fn the_backward_workspace_covers_what_cudnn_asked_for_on_the_h200() {
+        let problem = |batch, heads_q, heads_kv, rows| SdpaProblem {
+            dtype: DType::BF16,
+            batch,
+            heads_q,
+            heads_kv,
+            rows_q: rows,
+            rows_kv: rows,
+            head_dim: 64,
+            causal: true,
+            window: None,
+            masked: false,
+            scale_bits: 0.125f64.to_bits(),
+        };
+        // The bytes cuDNN 9.19's backward plans needed on the 2026-11-30 H200 run: GPT-2 at
+        // B2 and B8 x T1024, LLaMA-3.2-1B at B4 x T2048.
+        for (p, asked) in [
+            (problem(1, 2 * 12, 2 * 12, 1024), 50_331_776u64),
+            (problem(1, 8 * 12, 8 * 12, 1024), 201_326_720),
+            (problem(4, 32, 8, 2048), 1_140_850_816),
+        ] {
+            let set_aside = backward_workspace(&p).unwrap();
+            assert!(set_aside >= asked && set_aside - asked < 1 << 20, "{p:?}");
+        }
+        assert_eq!(backward_workspace(&problem(4, 32, 8, 8192)), None);
     }
 
     #[test]

@@ -514,6 +514,14 @@ impl RunLowering<'_, '_> {
                     .into(),
             );
         }
+        if call.pass == SdpaPass::Backward && call.unsupported.is_none() {
+            // cuDNN's backward plans need a score matrix per head of workspace: the program
+            // sets it aside, so that they run rather than castor's kernels.
+            if let Some(bytes) = sdpa::backward_workspace(&p) {
+                let program = &mut self.l.program;
+                program.workspace_bytes = program.workspace_bytes.max(bytes);
+            }
+        }
         if library == AttentionLibrary::Cudnn {
             if let Some(why) = &call.unsupported {
                 return Err(self.err(
