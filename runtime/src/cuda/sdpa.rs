@@ -245,22 +245,41 @@ impl Sdpa {
                 .map(|(_, bytes, place)| (bytes, place))
         };
         let (dk, dv) = (extent("dk")?, extent("dv")?);
-        if dk.0 == bytes_kv && dv.0 == bytes_kv {
-            return Some(vec![(g.dk.place, bytes_kv), (g.dv.place, bytes_kv)]);
-        }
-        let dq = extent("dq")?;
-        let (base, _) = split_place(g.dq.place);
-        let mut start = u64::MAX;
-        let mut end = 0;
-        for (bytes, place) in [dq, dk, dv] {
-            let (b, offset) = split_place(place);
-            if b != base {
+        let ranges = if dk.0 == bytes_kv && dv.0 == bytes_kv {
+            vec![(g.dk.place, bytes_kv), (g.dv.place, bytes_kv)]
+        } else {
+            let dq = extent("dq")?;
+            let (base, _) = split_place(g.dq.place);
+            let mut start = u64::MAX;
+            let mut end = 0;
+            for (bytes, place) in [dq, dk, dv] {
+                let (b, offset) = split_place(place);
+                if b != base {
+                    return None;
+                }
+                start = start.min(offset);
+                end = end.max(offset + bytes);
+            }
+            if end - start != bytes_q + 2 * bytes_kv {
                 return None;
             }
-            start = start.min(offset);
-            end = end.max(offset + bytes);
-        }
-        (end - start == bytes_q + 2 * bytes_kv).then(|| vec![(base.plus(start), end - start)])
+            vec![(base.plus(start), end - start)]
+        };
+        // Never zero what the graph reads (a gradient written in place of an operand).
+        let overlaps = |(place, bytes): (Place, u64), (other, other_bytes): (Place, u64)| {
+            let ((a, x), (b, y)) = (split_place(place), split_place(other));
+            a == b && x < y + other_bytes && y < x + bytes
+        };
+        let read = self
+            .extents()
+            .into_iter()
+            .filter(|(role, _, _)| !matches!(*role, "dq" | "dk" | "dv" | "row sums" | "dq accum"))
+            .map(|(_, bytes, place)| (place, bytes))
+            .collect::<Vec<_>>();
+        let clear = ranges
+            .iter()
+            .all(|&r| read.iter().all(|&o| !overlaps(r, o)));
+        clear.then_some(ranges)
     }
 
     /// The same call with every place mapped by `f` (the fallback's commands too, by
@@ -1464,6 +1483,54 @@ pub(crate) mod tests {
             })
             .count();
         assert_eq!(reductions_into_grads, 2);
+    }
+
+    /// Before a padded backward: dense dK and dV are zeroed each; interleaved gradients (a
+    /// fused QKV product's) as the one range they tile; nothing where other bytes lie between
+    /// them or where a gradient would overwrite an operand the graph reads.
+    #[test]
+    fn padded_key_gradients_are_zeroed_where_nothing_else_lies() {
+        let backward = |heads| call(SdpaPass::Backward, heads, true, None, true);
+        let dense = backward((8, 2));
+        let kv_bytes = 2 * 2 * 256 * 64 * 2;
+        assert_eq!(
+            dense.key_gradient_zeroing(),
+            Some(vec![
+                (Place::Arena { offset: 7 << 20 }, kv_bytes),
+                (Place::Arena { offset: 8 << 20 }, kv_bytes),
+            ])
+        );
+        // [b, s, 3, h, d] gradients of a fused QKV product: one range of 3 x b x s x h x d.
+        let mut fused = backward((4, 4));
+        let (b, h, s, d) = (2i64, 4i64, 256i64, 64i64);
+        let strides = [s * 3 * h * d, d, 3 * h * d, 1];
+        let g = fused.grads.as_mut().unwrap();
+        for (i, t) in [&mut g.dq, &mut g.dk, &mut g.dv].into_iter().enumerate() {
+            t.place = Place::Arena {
+                offset: (6 << 20) + (i as i64 * h * d * 2) as u64,
+            };
+            t.strides = strides;
+        }
+        let span = (b * s * 3 * h * d * 2) as u64;
+        assert_eq!(
+            fused.key_gradient_zeroing(),
+            Some(vec![(Place::Arena { offset: 6 << 20 }, span)])
+        );
+        // Strided dK and dV with a gap between their rows: nothing can be zeroed alone.
+        let mut gapped = backward((4, 4));
+        let g = gapped.grads.as_mut().unwrap();
+        g.dk.strides = [h * s * 2 * d, s * 2 * d, 2 * d, 1];
+        g.dv.strides = g.dk.strides;
+        assert_eq!(gapped.key_gradient_zeroing(), None);
+        // dV written in place of V.
+        let mut aliased = backward((8, 2));
+        aliased.grads.as_mut().unwrap().dv.place = aliased.v.place;
+        assert_eq!(aliased.key_gradient_zeroing(), None);
+        // A forward zeroes nothing.
+        assert_eq!(
+            call(SdpaPass::Forward, (8, 2), true, None, true).key_gradient_zeroing(),
+            None
+        );
     }
 
     #[test]
