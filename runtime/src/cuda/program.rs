@@ -780,6 +780,11 @@ pub struct Program {
 /// `CUBLAS_STATUS_ALLOC_FAILED` below 16 KiB).
 pub const MIN_WORKSPACE: u64 = 1 << 20;
 
+/// The workspace the products get: cuBLAS's recommended 32 MiB on Hopper. A program that
+/// sets more aside for cuDNN's attention backward still gives cuBLAS and cuBLASLt no more,
+/// so that their algorithm choices do not depend on the attention.
+pub const PRODUCT_WORKSPACE: u64 = 32 << 20;
+
 /// The device bytes of one allocation of `bytes`: 256-byte aligned and at least 256, as the
 /// device layer allocates every buffer.
 pub fn allocated(bytes: u64) -> u64 {

@@ -5,7 +5,7 @@ use super::args::{arg_bytes, to_words};
 use super::check::gemm_params;
 use super::load::Loaded;
 use super::{blas, blas_check, blas_sys, drv, CudaError};
-use crate::cuda::program::{Command, Epilogue, Gemm, Launch, Place};
+use crate::cuda::program::{Command, Epilogue, Gemm, Launch, Place, PRODUCT_WORKSPACE};
 use cudarc::driver::result as cu;
 use cudarc::driver::sys as cu_sys;
 use std::ffi::c_void;
@@ -58,12 +58,13 @@ impl Loaded {
             return Ok(());
         }
         // SAFETY: the handle is live; the workspace is a live 256-byte aligned allocation of
-        // `workspace_bytes` that outlives every product issued with it.
+        // `workspace_bytes` (no fewer than given here) that outlives every product issued
+        // with it.
         let r = unsafe {
             blas_sys::cublasSetWorkspace_v2(
                 self.dev.blas.0,
                 std::ptr::without_provenance_mut(self.workspace as usize),
-                self.workspace_bytes as usize,
+                self.workspace_bytes.min(PRODUCT_WORKSPACE) as usize,
             )
         }
         .result();

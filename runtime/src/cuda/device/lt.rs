@@ -1,7 +1,7 @@
 //! Products with an epilogue, and FP8 products, through cuBLASLt: the matmul descriptor
 //! carries the epilogue and its buffers, or an FP8 product's scale pointers and its fast
 //! accumulation setting; the algorithm is cuBLASLt's first heuristic choice within the
-//! program's workspace and the operands' actual alignment, and split-K reductions are kept
+//! products' workspace (`PRODUCT_WORKSPACE`) and the operands' actual alignment, and split-K reductions are kept
 //! out of the output type (as the cuBLAS handle's math mode does for plain products), so C is
 //! rounded once.
 //!
@@ -15,7 +15,7 @@
 use super::check::GemmParams;
 use super::load::Loaded;
 use super::CudaError;
-use crate::cuda::program::{Epilogue, Gemm, GemmCompute, Place};
+use crate::cuda::program::{Epilogue, Gemm, GemmCompute, Place, PRODUCT_WORKSPACE};
 use castor_ir::DType;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys as lt_sys;
@@ -207,7 +207,7 @@ impl Loaded {
         let pref = lt::create_matmul_pref().map_err(err("cublasLtMatmulPreferenceCreate"))?;
         d.pref = Some(pref);
         use lt_sys::cublasLtMatmulPreferenceAttributes_t as P;
-        let workspace = self.workspace_bytes as usize;
+        let workspace = self.workspace_bytes.min(PRODUCT_WORKSPACE) as usize;
         let scheme = (lt_sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32
             | lt_sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32)
             .to_ne_bytes();

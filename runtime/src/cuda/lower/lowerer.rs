@@ -219,8 +219,10 @@ impl Lowerer {
         r.emit_all()?;
         let run = r.finish()?;
         if run.commands.iter().any(|c| matches!(c, Command::Gemm(_))) {
-            // cuBLAS's recommended workspace on Hopper.
-            self.program.workspace_bytes = self.program.workspace_bytes.max(32 << 20);
+            self.program.workspace_bytes = self
+                .program
+                .workspace_bytes
+                .max(crate::cuda::program::PRODUCT_WORKSPACE);
         }
         self.program.runs.push(run);
         Ok(())
