@@ -1,9 +1,9 @@
 //! Products with an epilogue, and FP8 products, through cuBLASLt: the matmul descriptor
 //! carries the epilogue and its buffers, or an FP8 product's scale pointers and its fast
 //! accumulation setting; the algorithm is cuBLASLt's first heuristic choice within the
-//! products' workspace (`PRODUCT_WORKSPACE`) and the operands' actual alignment, and split-K reductions are kept
-//! out of the output type (as the cuBLAS handle's math mode does for plain products), so C is
-//! rounded once.
+//! products' workspace (`PRODUCT_WORKSPACE`) and the operands' actual alignment, and split-K
+//! reductions are kept out of the output type (as the cuBLAS handle's math mode does for
+//! plain products), so C is rounded once.
 //!
 //! An FP8 product (`Gemm::fp8`): A and B are `CUDA_R_8F_E4M3` or `CUDA_R_8F_E5M2` in the "TN"
 //! form `Gemm::check` holds them to, C (= D) BF16, F16 or F32, compute `CUBLAS_COMPUTE_32F`
