@@ -536,6 +536,7 @@ impl Cudnn {
         let mut nondeterministic: Option<(Desc, String)> = None;
         // The first engine passed over for its workspace, which the device line names.
         let mut too_big: Option<(String, i64)> = None;
+        let mut least = i64::MAX;
         for (heur_mode, mode) in [
             (sys::cudnnBackendHeurMode_t::CUDNN_HEUR_MODE_A, "heuristics"),
             (
@@ -624,9 +625,12 @@ impl Cudnn {
                     "reading the plan's workspace size",
                 )?;
                 if bytes as u64 > workspace {
+                    // The least any plan that builds needs: what the program would have to set
+                    // aside.
+                    least = least.min(bytes);
                     last = format!(
-                        "the plans that build need {bytes} bytes of workspace, more than the \
-                         program's {workspace}"
+                        "the plans that build need at least {least} bytes of workspace, more \
+                         than the program's {workspace}"
                     );
                     too_big.get_or_insert((name, bytes));
                     continue;
