@@ -109,8 +109,8 @@ impl RunLowering<'_, '_> {
                 backward,
                 dtype: dt(y),
             }),
-            rope_grid(batches, t),
-            (32, POSITIONS, 1),
+            rope_grid(batches, t, lanes(hd)),
+            (lanes(hd), THREADS / lanes(hd), 1),
             args,
         )?;
         Ok(())
@@ -196,11 +196,23 @@ impl RunLowering<'_, '_> {
 }
 
 /// Positions per block of the RoPE kernels: blocks of (32 pairs, 8 positions), 256 threads.
-const POSITIONS: u32 = 8;
+/// Threads in a RoPE block.
+const THREADS: u32 = 256;
 
-/// The RoPE kernels' grid: x over blocks of positions, y over batches (each loop of the
-/// kernel is grid-stride, so the caps only bound the grid).
-fn rope_grid(batches: usize, t: usize) -> (u32, u32, u32) {
-    let x = t.div_ceil(POSITIONS as usize).clamp(1, 65_535 * 4);
+/// Threads along a row of `d` elements: one per 8 elements of each half where the halves
+/// are whole vectors of 8 (the kernels' vector path, taken where the rows are aligned too),
+/// else one per pair; at most 32.
+fn lanes(d: usize) -> u32 {
+    let half = d / 2;
+    let lanes = if half.is_multiple_of(8) { half / 8 } else { half };
+    lanes.clamp(1, 32) as u32
+}
+
+/// The RoPE kernels' grid for blocks of `THREADS / lanes` positions: x over blocks of
+/// positions, y over batches (each loop of the kernel is grid-stride, so the caps only bound
+/// the grid).
+fn rope_grid(batches: usize, t: usize, lanes: u32) -> (u32, u32, u32) {
+    let positions = (THREADS / lanes) as usize;
+    let x = t.div_ceil(positions).clamp(1, 65_535 * 4);
     (x as u32, batches.clamp(1, 65_535) as u32, 1)
 }

@@ -31,11 +31,13 @@
 // In place is allowed (y == x, same strides): each thread reads both elements of its pair
 // before writing.
 // Launch: any grid and block (every loop is grid-stride). Best as the lowering launches it:
-// block (32, k), threadIdx.x over a row's pairs (consecutive threads take consecutive i, so
-// both halves are read coalesced) and threadIdx.y over positions; grid x over blocks of
-// positions, y over the rows / t batches. A row's start is computed once per (batch,
-// position) in 32-bit arithmetic: no 64-bit division runs per element (the H100 profile of
-// 2026-11-28 had the per-element form at 3.2x its memory roofline).
+// block (lanes, 256 / lanes), threadIdx.x over a row's pairs, or over its 16-byte vectors
+// where every row of both operands is 16-byte aligned and d/2 a multiple of 8 (consecutive
+// threads take consecutive elements, so both halves are read coalesced), threadIdx.y over
+// positions; grid x over blocks of positions, y over the rows / t batches. A row's start is
+// computed once per (batch, position) in 32-bit arithmetic: no 64-bit division runs per
+// element (the H100 profile of 2026-11-28 had the per-element form at 3.2x its memory
+// roofline; one pair per thread was 4.0x on the 2026-11-30 H200 profile).
 #include "castor_common.cuh"
 
 extern "C" __global__ void rope_table(float2* __restrict__ cs, int t, int d, double theta) {
@@ -60,7 +62,26 @@ struct RopeStrides {
     __device__ __forceinline__ i64 at(int outer, int h, int pos) const {
         return i64(outer) * batch + i64(h) * head + i64(pos) * row;
     }
+    // Whether every row of an operand at `p` with these strides starts 16-byte aligned.
+    template <typename T> __device__ __forceinline__ bool aligned(const T* p) const {
+        const i64 bytes = i64(sizeof(T));
+        return aligned16(p) && (batch * bytes) % 16 == 0 && (head * bytes) % 16 == 0 &&
+               (row * bytes) % 16 == 0;
+    }
 };
+
+// The rotation of one pair (x1 = x[i], x2 = x[i + d/2]) by (c, s), or by its negation.
+template <bool BWD>
+__device__ __forceinline__ void rotate(float x1, float x2, float c, float s, float& y1,
+                                       float& y2) {
+    if (BWD) {
+        y1 = x1 * c + x2 * s;
+        y2 = x2 * c - x1 * s;
+    } else {
+        y1 = x1 * c - x2 * s;
+        y2 = x2 * c + x1 * s;
+    }
+}
 
 template <typename T, bool BWD>
 __device__ __forceinline__ void rope(const T* x, T* y, const float2* __restrict__ cs,
@@ -68,6 +89,10 @@ __device__ __forceinline__ void rope(const T* x, T* y, const float2* __restrict_
                                      int d, int heads, RopeStrides sx, RopeStrides sy,
                                      RopeStrides sp) {
     const int half = d / 2;
+    // Whole rows in 16-byte vectors (UNIT elements of each half per thread), where both halves
+    // of every row of x and y are aligned (uniform across the grid): twice to eight times the
+    // bytes in flight of one pair per thread. Else one pair per thread.
+    const bool vec = half % UNIT == 0 && sx.aligned(x) && sy.aligned(y);
     for (int b = blockIdx.y; b < batches; b += gridDim.y) {
         const int outer = b / heads, h = b % heads;
         for (int pos = blockIdx.x * blockDim.y + threadIdx.y; pos < t;
@@ -78,17 +103,27 @@ __device__ __forceinline__ void rope(const T* x, T* y, const float2* __restrict_
             const float2* table = cs + i64(at) * half;
             const T* xr = x + sx.at(outer, h, pos);
             T* yr = y + sy.at(outer, h, pos);
+            if (vec) {
+                for (int i = threadIdx.x * UNIT; i < half; i += blockDim.x * UNIT) {
+                    float x1[UNIT], x2[UNIT], y1[UNIT], y2[UNIT];
+                    load8(xr + i, x1);
+                    load8(xr + i + half, x2);
+#pragma unroll
+                    for (int k = 0; k < UNIT; ++k) {
+                        const float2 a = table[i + k];
+                        rotate<BWD>(x1[k], x2[k], a.x, a.y, y1[k], y2[k]);
+                    }
+                    store8(yr + i, y1);
+                    store8(yr + i + half, y2);
+                }
+                continue;
+            }
             for (int i = threadIdx.x; i < half; i += blockDim.x) {
                 const float2 a = table[i];
-                const float c = a.x, s = a.y;
-                const float x1 = to_f32(xr[i]), x2 = to_f32(xr[i + half]);
-                if (BWD) {
-                    yr[i] = from_f32<T>(x1 * c + x2 * s);
-                    yr[i + half] = from_f32<T>(x2 * c - x1 * s);
-                } else {
-                    yr[i] = from_f32<T>(x1 * c - x2 * s);
-                    yr[i + half] = from_f32<T>(x2 * c + x1 * s);
-                }
+                float y1, y2;
+                rotate<BWD>(to_f32(xr[i]), to_f32(xr[i + half]), a.x, a.y, y1, y2);
+                yr[i] = from_f32<T>(y1);
+                yr[i + half] = from_f32<T>(y2);
             }
         }
     }

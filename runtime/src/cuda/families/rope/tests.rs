@@ -82,6 +82,27 @@ fn the_table_and_both_rotations_equal_the_twin() {
                     &y,
                     0,
                 );
+                // Out of place, dense and 16-byte aligned: the 16-byte vectors where d/2 is a
+                // multiple of 8 (d = 16), one pair per thread elsewhere; the lowering's
+                // shape of a block for d = 16 (one thread per vector of each half).
+                let mut l = Launcher::new("rope.cu");
+                let bx = l.buf(enc(dt, &x), 0);
+                let by = l.out(rows * d * dt.size_bytes(), 0);
+                let bcs = l.buf(out[cs.0].clone(), 0);
+                let dense = [3 * t * d, t * d, d].map(i32);
+                let mut args = vec![l.ptr(bx), l.ptr(by), l.ptr(bcs), Arg::Null];
+                args.extend([i32(3), i32(t), i32(d), i32(3)]);
+                args.extend(dense.clone());
+                args.extend(dense);
+                args.extend([i32(0), i32(0), i32(0)]);
+                let got = l.run(&name, (2, 2, 1), (1, 8, 1), args).unwrap();
+                check(
+                    &format!("{name} t={t} d={d} aligned"),
+                    dt,
+                    &dec(dt, &got[by.0]),
+                    &y,
+                    0,
+                );
                 // Read from and written into [1, t, 3, d + 4] (a head of a [B, T, H, d]
                 // product), the gaps left alone.
                 let w = d + 4;
