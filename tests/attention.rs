@@ -760,24 +760,30 @@ fn a_mask_cudnn_lengths_cannot_express_is_an_error_naming_the_row() {
     }
 }
 
+/// `castor compile <fixture> --train --emit cuda <flags>`: the training plan's CUDA listing.
+fn emit_cuda(fixture: &str, flags: &[&str]) -> std::process::Output {
+    let model = common::fixture(fixture);
+    let mut args = vec![
+        "compile",
+        common::path_str(&model),
+        "--train",
+        "--emit",
+        "cuda",
+    ];
+    args.extend_from_slice(flags);
+    common::castor(&args)
+}
+
 /// What cuDNN cannot run: an F32 plan's attention (cuDNN takes F16 and BF16). Under
 /// `--attention auto` castor's kernels run it and the listing says why; `--attention cudnn`
 /// refuses the plan, naming the node and the reason.
 #[test]
 fn what_cudnn_cannot_run_falls_back_or_is_refused_by_name() {
-    let model = common::fixture("gpt2_lm");
     let compile = |attention: &str| {
-        common::castor(&[
-            "compile",
-            common::path_str(&model),
-            "--train",
-            "--precision",
-            "fp32",
-            "--attention",
-            attention,
-            "--emit",
-            "cuda",
-        ])
+        emit_cuda(
+            "gpt2_lm",
+            &["--precision", "fp32", "--attention", attention],
+        )
     };
     let o = compile("auto");
     assert!(o.status.success(), "{}", common::stderr(&o));
@@ -807,19 +813,11 @@ fn what_cudnn_cannot_run_falls_back_or_is_refused_by_name() {
 /// and `--attention cudnn` refuses the plan naming the node and the window.
 #[test]
 fn a_sliding_window_runs_castors_kernels_and_cudnn_refuses_it() {
-    let model = common::fixture("mistral_window");
     let compile = |attention: &str| {
-        common::castor(&[
-            "compile",
-            common::path_str(&model),
-            "--train",
-            "--precision",
-            "bf16",
-            "--attention",
-            attention,
-            "--emit",
-            "cuda",
-        ])
+        emit_cuda(
+            "mistral_window",
+            &["--precision", "bf16", "--attention", attention],
+        )
     };
     let o = compile("auto");
     assert!(o.status.success(), "{}", common::stderr(&o));
@@ -847,20 +845,11 @@ fn a_sliding_window_runs_castors_kernels_and_cudnn_refuses_it() {
 /// why cuDNN does not; `--attention cudnn` refuses the plan, naming the reason.
 #[test]
 fn packed_rows_run_castors_fused_kernels_under_auto_and_cudnn_refuses_them() {
-    let model = common::fixture("gpt2_lm");
     let compile = |attention: &[&str]| {
-        let mut args = vec![
-            "compile",
-            common::path_str(&model),
-            "--train",
-            "--pack",
-            "--precision",
-            "bf16",
-            "--emit",
-            "cuda",
-        ];
-        args.extend_from_slice(attention);
-        common::castor(&args)
+        emit_cuda(
+            "gpt2_lm",
+            &[&["--pack", "--precision", "bf16"], attention].concat(),
+        )
     };
     let o = compile(&[]);
     assert!(o.status.success(), "{}", common::stderr(&o));
@@ -906,21 +895,11 @@ fn packed_rows_run_castors_fused_kernels_under_auto_and_cudnn_refuses_them() {
 /// name.
 #[test]
 fn attention_dropout_runs_castors_kernels_under_auto_and_cudnn_refuses_it() {
-    let model = common::fixture("gpt2_lm");
     let compile = |attention: &[&str]| {
-        let mut args = vec![
-            "compile",
-            common::path_str(&model),
-            "--train",
-            "--dropout",
-            "config",
-            "--precision",
-            "bf16",
-            "--emit",
-            "cuda",
-        ];
-        args.extend_from_slice(attention);
-        common::castor(&args)
+        emit_cuda(
+            "gpt2_lm",
+            &[&["--dropout", "config", "--precision", "bf16"], attention].concat(),
+        )
     };
     let o = compile(&[]);
     assert!(o.status.success(), "{}", common::stderr(&o));

@@ -238,11 +238,12 @@ impl Sdpa {
         let elem = p.dtype.size_bytes() as u64;
         let bytes_q = (p.batch * p.heads_q * p.rows_q * p.head_dim) as u64 * elem;
         let bytes_kv = (p.batch * p.heads_kv * p.rows_kv * p.head_dim) as u64 * elem;
+        let extents = self.extents();
         let extent = |role: &str| {
-            self.extents()
-                .into_iter()
+            extents
+                .iter()
                 .find(|(r, _, _)| *r == role)
-                .map(|(_, bytes, place)| (bytes, place))
+                .map(|&(_, bytes, place)| (bytes, place))
         };
         let (dk, dv) = (extent("dk")?, extent("dv")?);
         let ranges = if dk.0 == bytes_kv && dv.0 == bytes_kv {
@@ -270,11 +271,10 @@ impl Sdpa {
             let ((a, x), (b, y)) = (split_place(place), split_place(other));
             a == b && x < y + other_bytes && y < x + bytes
         };
-        let read = self
-            .extents()
-            .into_iter()
+        let read = extents
+            .iter()
             .filter(|(role, _, _)| !matches!(*role, "dq" | "dk" | "dv" | "row sums" | "dq accum"))
-            .map(|(_, bytes, place)| (place, bytes))
+            .map(|&(_, bytes, place)| (place, bytes))
             .collect::<Vec<_>>();
         let clear = ranges
             .iter()

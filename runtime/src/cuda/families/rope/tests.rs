@@ -19,6 +19,17 @@ pub(crate) fn entries() -> Vec<String> {
     out
 }
 
+/// A rotation's arguments: x, y and the table, no positions, the tests' 3 batches as 3 heads
+/// of one, x and y both through the (batch, head, row) `strides`.
+fn three_heads(x: Arg, y: Arg, cs: Arg, t: usize, d: usize, strides: [usize; 3]) -> Vec<Arg> {
+    let mut args = vec![x, y, cs, Arg::Null];
+    args.extend([i32(3), i32(t), i32(d), i32(3)]);
+    args.extend(strides.map(i32));
+    args.extend(strides.map(i32));
+    args.extend([i32(0), i32(0), i32(0)]);
+    args
+}
+
 #[test]
 fn the_table_and_both_rotations_equal_the_twin() {
     let mut rng = Rng::new(10);
@@ -68,12 +79,8 @@ fn the_table_and_both_rotations_equal_the_twin() {
                 // thread per pair of d <= 64, two for d = 128.
                 let (grid, block) = ((2, 2, 1), (32, 4, 1));
                 // In place, as the lowering allows; the 3 batches as 3 heads of one.
-                let dense = [3 * t * d, t * d, d].map(i32);
-                let mut args = vec![l.ptr(bx), l.ptr(bx), l.ptr(bcs), Arg::Null];
-                args.extend([i32(3), i32(t), i32(d), i32(3)]);
-                args.extend(dense.clone());
-                args.extend(dense);
-                args.extend([i32(0), i32(0), i32(0)]);
+                let dense = [3 * t * d, t * d, d];
+                let args = three_heads(l.ptr(bx), l.ptr(bx), l.ptr(bcs), t, d, dense);
                 let got = l.run(&name, grid, block, args).unwrap();
                 check(
                     &format!("{name} t={t} d={d}"),
@@ -89,12 +96,8 @@ fn the_table_and_both_rotations_equal_the_twin() {
                 let bx = l.buf(enc(dt, &x), 0);
                 let by = l.out(rows * d * dt.size_bytes(), 0);
                 let bcs = l.buf(out[cs.0].clone(), 0);
-                let dense = [3 * t * d, t * d, d].map(i32);
-                let mut args = vec![l.ptr(bx), l.ptr(by), l.ptr(bcs), Arg::Null];
-                args.extend([i32(3), i32(t), i32(d), i32(3)]);
-                args.extend(dense.clone());
-                args.extend(dense);
-                args.extend([i32(0), i32(0), i32(0)]);
+                let dense = [3 * t * d, t * d, d];
+                let args = three_heads(l.ptr(bx), l.ptr(by), l.ptr(bcs), t, d, dense);
                 let got = l.run(&name, (2, 2, 1), (1, 8, 1), args).unwrap();
                 check(
                     &format!("{name} t={t} d={d} aligned"),
@@ -119,12 +122,8 @@ fn the_table_and_both_rotations_equal_the_twin() {
                 let bx = l.buf(enc(dt, &xs), 0);
                 let by = l.buf(enc(dt, &vec![7.0f32; t * 3 * w]), 0);
                 let bcs = l.buf(out[cs.0].clone(), 0);
-                let strided = [t * 3 * w, w, 3 * w].map(i32);
-                let mut args = vec![l.ptr(bx), l.ptr(by), l.ptr(bcs), Arg::Null];
-                args.extend([i32(3), i32(t), i32(d), i32(3)]);
-                args.extend(strided.clone());
-                args.extend(strided);
-                args.extend([i32(0), i32(0), i32(0)]);
+                let strided = [t * 3 * w, w, 3 * w];
+                let args = three_heads(l.ptr(bx), l.ptr(by), l.ptr(bcs), t, d, strided);
                 let got = dec(dt, &l.run(&name, grid, block, args).unwrap()[by.0]);
                 let mut inside = vec![false; got.len()];
                 let mut dense_y = vec![0.0; rows * d];
