@@ -640,19 +640,33 @@ __device__ __forceinline__ int warp_index() { return __shfl_sync(FULL_WARP, int(
 // runs such a kernel's blocks in index order (castor_kernels' BLOCK_ORDERED list), so the
 // value must already be there; a wait that would never end is an error naming the thread.
 //
-// wait_flag: the calling thread waits until *flag >= value, then fences, so what the block
-// that raised the flag wrote before raising it is visible to this thread's later loads
-// (which must bypass L1: __ldcg). raise_flag: adds 1 after a fence.
+// The handoff is CUTLASS's semaphore (its GenericBarrier): one thread of each block waits and
+// raises, a block barrier on the other side of each. The writer's threads store, the block
+// passes __syncthreads(), then one thread calls raise_flag, whose release fence covers every
+// store the barrier ordered before it. The reader's one thread calls wait_flag, whose acquire
+// load the following __syncthreads() extends to every thread of the block, whose loads must
+// bypass L1 (__ldcg). One fence per handoff, on one thread, where a fence on every thread
+// would make each wait for its own stores.
+// wait_flag: the calling thread waits until *flag >= value (acquire, device scope).
+// raise_flag: adds 1 to *flag (release, device scope).
 __device__ __forceinline__ void wait_flag(const int* flag, int value) {
 #if defined(__CUDA_ARCH__)
-    while (*reinterpret_cast<const volatile int*>(flag) < value) {
-    }
-    __threadfence();
+    int seen;
+    do {
+        asm volatile("ld.global.acquire.gpu.b32 %0, [%1];" : "=r"(seen) : "l"(flag) : "memory");
+    } while (seen < value);
 #else
     castor_host_wait_flag(flag, value);
 #endif
 }
 __device__ __forceinline__ void raise_flag(int* flag) {
+#if defined(__CUDA_ARCH__)
+    asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.s32 [%0], 1;"
+                 :
+                 : "l"(flag)
+                 : "memory");
+#else
     __threadfence();
     atomicAdd(flag, 1);
+#endif
 }

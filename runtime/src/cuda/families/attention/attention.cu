@@ -63,7 +63,10 @@
 //     indices: a block waits only for blocks the device dispatched before it (it dispatches
 //     in index order, as FlashAttention-3's deterministic backward relies on), so the wait
 //     ends, and with causal masks it rarely waits at all (a higher block reaches a tile two
-//     tiles before the next lower one). The result does not depend on timing.
+//     tiles before the next lower one). The result does not depend on timing. Per tile one
+//     thread waits (an acquire load) and one raises (a release), between block barriers, as
+//     castor_common.cuh's wait_flag and raise_flag describe: one fence per tile, not one per
+//     thread.
 //     A query batch with a row that may see no kept key (a mask's first kept key past the
 //     first row's last visible key, or any mask under a window) sends every tile to every
 //     key block. With positions, a key block takes the tiles from its diagonal's to that of
@@ -1151,8 +1154,8 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             tile_key_blocks<KB, QT>(vis, maybe_none, qt, tile_lo, nkb, lo_kb, hi_kb);
             const bool first = kb == hi_kb, last = kb == lo_kb;
             int* ready = dq_ready + i64(b) * nqt + qt;
-            if (threadIdx.x == 0) wait_flag(ready, hi_kb - kb);
-            __syncthreads();
+            if (threadIdx.x == 0 && !first) wait_flag(ready, hi_kb - kb);
+            __syncthreads();  // the blocks above this one have added their shares
             T* out = dst;  // [QT][LD] now
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
@@ -1175,8 +1178,7 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                             pack2<T>(x0 * scale, x1 * scale);
                 }
             }
-            __threadfence();
-            __syncthreads();
+            __syncthreads();  // this block's share is stored (raise_flag's fence covers it)
             if (last) {
                 const bool dvec = d % 8 == 0 && aligned16(dq) && sdq.rows16();
                 T* dqb = dq + sdq.at(outer, qh) + i64(q0) * sdq.row;
