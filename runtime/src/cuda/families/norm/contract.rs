@@ -140,9 +140,9 @@ pub(crate) fn norm_bwd_weight(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DTy
     let per = a.count32("rows_per_group")?;
     a.end()?;
     weight_block(l)?;
-    // Not a grid-stride kernel: block (x, y) owns columns 32 x.. and row group y.
+    // Not a grid-stride kernel: block (x, y) owns columns 256 x.. (8 a lane) and row group y.
     let groups = l.grid.1 as usize;
-    let cols = (l.grid.0 as usize * l.block.0 as usize).min(h);
+    let cols = (l.grid.0 as usize * l.block.0 as usize * 8).min(h);
     let needed = rows.div_ceil(per.max(1));
     if per == 0 || groups < needed || cols < h {
         return Err(format!(
@@ -194,7 +194,7 @@ pub(crate) fn norm_weight_grad_reduce(m: &Mem, l: &Launch) -> R<Vec<Use>> {
     )
 }
 
-/// The weight-gradient kernels' block: 32 columns, 8 threads each (`NW_COLS`, `NW_LANES`).
+/// The weight-gradient kernels' block: 32 lanes, 8 threads each (`NW_COLS`, `NW_LANES`).
 fn weight_block(l: &Launch) -> R<()> {
     if l.block != (32, 8, 1) {
         return Err(format!(

@@ -11,17 +11,21 @@ use castor_ir::{DType, Node, Op, Value};
 /// `norm.cu`'s NORM_SLOTS: 8-element units a thread of the forward and dx kernels holds in
 /// registers.
 const SLOTS: usize = 4;
-/// `norm.cu`'s weight-gradient block: NW_COLS columns, NW_LANES threads each.
+/// `norm.cu`'s weight-gradient block: NW_COLS lanes, NW_LANES threads each (the reduction's
+/// too).
 const WEIGHT_BLOCK: (u32, u32, u32) = (32, 8, 1);
-/// Threads the weight-gradient launch aims for: enough to keep a large GPU's memory busy
-/// (an H100 holds 132 x 2048), from the shape alone so that the sums' grouping, and so the
-/// result, is the same on every device.
-const WEIGHT_THREADS: usize = 1 << 18;
+/// Columns one weight-gradient block takes: each lane 8 (UNIT, a 16-byte load of each operand).
+const WEIGHT_BLOCK_COLUMNS: usize = 32 * 8;
+/// Threads the weight-gradient launch aims for: with 8 columns a thread and two rows' loads in
+/// flight, enough to keep a large GPU's memory busy (an H100 holds 132 x 2048 threads), and
+/// few groups for the reduction to read; from the shape alone so that the sums' grouping, and
+/// so the result, is the same on every device.
+const WEIGHT_THREADS: usize = 1 << 16;
 
 /// Rows per group of the norms' weight-gradient partial sums, for `rows` rows of `h`: groups
 /// enough for [`WEIGHT_THREADS`] threads, at least 8 rows each (one per lane).
 fn rows_per_group(rows: usize, h: usize) -> usize {
-    let blocks_per_group = h.div_ceil(WEIGHT_BLOCK.0 as usize).max(1);
+    let blocks_per_group = h.div_ceil(WEIGHT_BLOCK_COLUMNS).max(1);
     let threads_per_group = blocks_per_group * (WEIGHT_BLOCK.0 * WEIGHT_BLOCK.1) as usize;
     let groups = WEIGHT_THREADS.div_ceil(threads_per_group).max(1);
     rows.div_ceil(groups).max(WEIGHT_BLOCK.1 as usize)
@@ -335,7 +339,7 @@ impl RunLowering<'_, '_> {
             dx,
             norm(Pass::BackwardWeight),
             (
-                h.div_ceil(WEIGHT_BLOCK.0 as usize) as u32,
+                h.div_ceil(WEIGHT_BLOCK_COLUMNS) as u32,
                 groups.min(65_535) as u32,
                 1,
             ),

@@ -58,18 +58,19 @@
 // loop, which reads the row again for each pass (16-byte vectors where aligned, scalar
 // otherwise and for the tail). Both compute the same values: the units a thread sums and
 // their order are the same either way, so the block size alone fixes the result.
-// Weight gradients and their reduction: block (32, 8): 32 columns per block, lane threadIdx.x
-// owning one, its 8 threads threadIdx.y = t taking the group's rows t, t + 8, ... in order,
-// their 8 F64 partials combined in shared memory in the order t = 0..7 (as reduce.cu's
-// columns); grid (ceil(h / 32), groups) for the weight kernel, (ceil(h / 32)) for the
-// reduction, which sums groups t, t + 8, ... the same way. The lowering picks rows_per_group
+// Weight gradients and their reduction: block (32, 8). The weight kernel takes 32 x 8
+// columns per block, lane threadIdx.x owning 8 consecutive ones (one 16-byte load of each
+// operand a row where aligned), its 8 threads threadIdx.y = t taking the group's rows t,
+// t + 8, ... in order, their 8 F64 partials combined in shared memory in the order t = 0..7
+// (as reduce.cu's columns); grid (ceil(h / 256), groups). The reduction takes 32 columns per
+// block, grid (ceil(h / 32)), and sums groups t, t + 8, ... the same way. The lowering picks rows_per_group
 // from the shape alone (enough groups to fill a large GPU), so results do not depend on the
 // device.
 // In place is allowed for y == s (same dtype) and sum_out == x, dx == dy or dx == s.
 #include "castor_common.cuh"
 
 #define NORM_SLOTS 4  // 8-element units a thread holds in registers on the one-read path
-#define NW_COLS 32    // weight gradients: columns per block
+#define NW_COLS 32    // weight gradients: lanes per block (each UNIT columns of the weight kernel)
 #define NW_LANES 8    // weight gradients: threads per column
 
 // Whether a row takes the one-read path: aligned 16-byte vectors, whole units, and at most
@@ -455,40 +456,68 @@ __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
 }
 
 // Stage one of the weight gradients: one F64 partial per (row group, column); block
-// (NW_COLS, NW_LANES), the lanes of a column taking the group's rows in turn.
+// (NW_COLS, NW_LANES), lane threadIdx.x owning UNIT consecutive columns, the lanes of a column
+// taking the group's rows in turn. A row's UNIT elements are one 16-byte load of each operand
+// where h is a multiple of UNIT and s and dy are 16-byte aligned (a row is then too), else
+// UNIT scalar loads: the same sums in the same order either way.
 template <typename TI, typename TO, bool RMS>
 __device__ __forceinline__ void norm_bwd_weight(const TI* __restrict__ s, const TO* __restrict__ dy,
                                                 const float* __restrict__ mean,
                                                 const float* __restrict__ rstd, double* dw_part,
                                                 double* db_part, i64 rows, int h,
                                                 int rows_per_group) {
-    __shared__ double dw_lanes[NW_LANES][NW_COLS], db_lanes[NW_LANES][NW_COLS];
+    __shared__ double dw_lanes[NW_LANES][NW_COLS * UNIT], db_lanes[NW_LANES][NW_COLS * UNIT];
     const int lane = threadIdx.x, ty = threadIdx.y;
-    const int col = blockIdx.x * NW_COLS + lane;
+    const int col0 = (blockIdx.x * NW_COLS + lane) * UNIT;
     const i64 group = blockIdx.y;
     const i64 r0 = group * rows_per_group;
     const i64 r1 = min(rows, r0 + rows_per_group);
-    double dw = 0.0, db = 0.0;
-    if (col < h) {
-#pragma unroll 4
+    const bool vec = h % UNIT == 0 && aligned16(s) && aligned16(dy);
+    double dw[UNIT], db[UNIT];
+#pragma unroll
+    for (int k = 0; k < UNIT; ++k) dw[k] = db[k] = 0.0;
+    if (col0 < h) {
+#pragma unroll 2
         for (i64 row = r0 + ty; row < r1; row += NW_LANES) {
-            const float d = to_f32(dy[row * h + col]);
-            const float xv = to_f32(s[row * h + col]);
-            const float xhat = RMS ? xv * rstd[row] : (xv - mean[row]) * rstd[row];
-            dw += double(d) * double(xhat);
-            db += double(d);
+            float d[UNIT], xv[UNIT];
+            if (vec) {
+                load8(dy + row * h + col0, d);
+                load8(s + row * h + col0, xv);
+            } else {
+#pragma unroll
+                for (int k = 0; k < UNIT; ++k) {
+                    const bool in = col0 + k < h;
+                    d[k] = in ? to_f32(dy[row * h + col0 + k]) : 0.0f;
+                    xv[k] = in ? to_f32(s[row * h + col0 + k]) : 0.0f;
+                }
+            }
+            const float r = rstd[row];
+            const float m = RMS ? 0.0f : mean[row];
+#pragma unroll
+            for (int k = 0; k < UNIT; ++k) {
+                const float xhat = RMS ? xv[k] * r : (xv[k] - m) * r;
+                dw[k] += double(d[k]) * double(xhat);
+                db[k] += double(d[k]);
+            }
         }
     }
-    dw_lanes[ty][lane] = dw;
-    db_lanes[ty][lane] = db;
+#pragma unroll
+    for (int k = 0; k < UNIT; ++k) {
+        dw_lanes[ty][lane * UNIT + k] = dw[k];
+        db_lanes[ty][lane * UNIT + k] = db[k];
+    }
     __syncthreads();
-    if (ty == 0 && col < h) {
+    // The block's NW_COLS * UNIT columns, a thread each: its NW_LANES partials in the order
+    // t = 0..7.
+    const int j = ty * NW_COLS + lane, col = blockIdx.x * NW_COLS * UNIT + j;
+    if (col < h) {
+        double w_sum = dw_lanes[0][j], b_sum = db_lanes[0][j];
         for (int t = 1; t < NW_LANES; ++t) {
-            dw += dw_lanes[t][lane];
-            db += db_lanes[t][lane];
+            w_sum += dw_lanes[t][j];
+            b_sum += db_lanes[t][j];
         }
-        dw_part[group * h + col] = dw;
-        if (!RMS) db_part[group * h + col] = db;
+        dw_part[group * h + col] = w_sum;
+        if (!RMS) db_part[group * h + col] = b_sum;
     }
 }
 

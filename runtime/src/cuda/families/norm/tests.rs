@@ -232,7 +232,7 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                     let per = if h % 2 == 0 { 2usize } else { ROWS };
                     let groups = ROWS.div_ceil(per);
                     let weight_block = (32u32, 8u32, 1u32);
-                    let grid = (h.div_ceil(32) as u32, groups as u32, 1);
+                    let grid = (h.div_ceil(256) as u32, groups as u32, 1);
                     let mut l = Launcher::new("norm.cu");
                     let bs_ = l.buf(enc(ti, &sum), skew);
                     let bdy = l.buf(enc(to, &dy), oskew);
