@@ -63,9 +63,9 @@
 // operand a row where aligned), its 8 threads threadIdx.y = t taking the group's rows t,
 // t + 8, ... in order, their 8 F64 partials combined in shared memory in the order t = 0..7
 // (as reduce.cu's columns); grid (ceil(h / 256), groups). The reduction takes 32 columns per
-// block, grid (ceil(h / 32)), and sums groups t, t + 8, ... the same way. The lowering picks rows_per_group
-// from the shape alone (enough groups to fill a large GPU), so results do not depend on the
-// device.
+// block, grid (ceil(h / 32)), and sums groups t, t + 8, ... the same way. The lowering picks
+// rows_per_group from the shape alone (enough groups to fill a large GPU), so results do not
+// depend on the device.
 // In place is allowed for y == s (same dtype) and sum_out == x, dx == dy or dx == s.
 #include "castor_common.cuh"
 
