@@ -8,9 +8,6 @@ use crate::cuda::lower::{grid_1d, grid_rows, LowerError, RunLowering, Saved};
 use crate::cuda::kernel_id::KernelId;
 use castor_ir::{DType, Node, Op, Value};
 
-/// `norm.cu`'s NORM_SLOTS: 8-element units a thread of the forward and dx kernels holds in
-/// registers.
-const SLOTS: usize = 4;
 /// `norm.cu`'s weight-gradient block: NW_COLS lanes, NW_LANES threads each (the reduction's
 /// too).
 const WEIGHT_BLOCK: (u32, u32, u32) = (32, 8, 1);
@@ -435,13 +432,13 @@ impl RunLowering<'_, '_> {
     }
 }
 
-/// Threads per row block of the norms: for rows of whole 8-element units, enough threads
-/// that each holds at most [`SLOTS`] units (the kernels' one-read path; one warp up to
-/// h = 1024); else the general loop's block.
+/// Threads per row block of the norms: for rows of whole 8-element units, a thread for each
+/// unit (the kernels' one-read path, up to h = 8192: 3 warps for GPT-2's 768, 8 for
+/// LLaMA-3.2-1B's 2048); else the general loop's block.
 fn norm_block(h: usize) -> u32 {
     let units = h / 8;
-    if h.is_multiple_of(8) && units <= SLOTS * 1024 {
-        (units.div_ceil(SLOTS).div_ceil(32) * 32).clamp(32, 1024) as u32
+    if h.is_multiple_of(8) && units <= 1024 {
+        (units.div_ceil(32) * 32).clamp(32, 1024) as u32
     } else if h > 8192 {
         1024
     } else {

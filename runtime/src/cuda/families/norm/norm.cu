@@ -50,14 +50,17 @@
 // resolution. The backward takes the forward's saved mean/rstd, which are the values the CPU
 // twin recomputes.
 // Launch: forward and dx kernels, blockDim.x a multiple of 32, at most 1024. A row whose
-// pointers are 16-byte aligned, with h a multiple of 8 and at most NORM_SLOTS 8-element units
-// a thread (the lowering's block: ceil(h / (8 NORM_SLOTS)) threads in whole warps, one warp
-// for GPT-2's 768), is read from memory once into registers, and its reductions are warp
-// shuffles when the block is one warp: one read and one write of each element, nothing
-// between the two but the row's sums. Any other row (any h, any alignment) takes the general
-// loop, which reads the row again for each pass (16-byte vectors where aligned, scalar
-// otherwise and for the tail). Both compute the same values: the units a thread sums and
-// their order are the same either way, so the block size alone fixes the result.
+// pointers are 16-byte aligned, with h a multiple of 8 and at most one 8-element unit a
+// thread (the lowering's block: h / 8 threads in whole warps, 3 warps for GPT-2's 768, up to
+// h = 8192), is read from memory once into registers: one read and one write of each element,
+// nothing between the two but the row's sums (warp shuffles, and shared memory across the
+// block's warps). Every operand of the row is loaded before its sums (the dx kernel's dadd
+// too), so a row costs one trip to memory. One unit a thread keeps the registers few
+// (many rows in flight on each SM) and each thread's share of the row short: the row's
+// latency is its loads and its sums' tree. Any other row (any h, any alignment) takes the
+// general loop, which reads the row again for each pass (16-byte vectors where aligned,
+// scalar otherwise and for the tail). Both compute the same values: the units a thread sums
+// and their order are the same either way, so the block size alone fixes the result.
 // Weight gradients and their reduction: block (32, 8). The weight kernel takes 32 x 8
 // columns per block, lane threadIdx.x owning 8 consecutive ones (one 16-byte load of each
 // operand a row where aligned), its 8 threads threadIdx.y = t taking the group's rows t,
@@ -69,20 +72,36 @@
 // In place is allowed for y == s (same dtype) and sum_out == x, dx == dy or dx == s.
 #include "castor_common.cuh"
 
-#define NORM_SLOTS 4  // 8-element units a thread holds in registers on the one-read path
+// The forward and dx kernels' largest block: a block of any size the lowering picks launches
+// (ptxas keeps their registers within 64 a thread).
+#define NORM_ROW_THREADS 1024
 #define NW_COLS 32    // weight gradients: lanes per block (each UNIT columns of the weight kernel)
 #define NW_LANES 8    // weight gradients: threads per column
 
 // Whether a row takes the one-read path: aligned 16-byte vectors, whole units, and at most
-// NORM_SLOTS units a thread.
+// one unit a thread.
 __device__ __forceinline__ bool row_in_registers(bool vec, int h) {
-    return vec && h % UNIT == 0 && h / UNIT <= NORM_SLOTS * int(blockDim.x);
+    return vec && h % UNIT == 0 && h / UNIT <= int(blockDim.x);
 }
 
 // The block's sum of v: the warp's shuffles alone when the block is one warp (the same value
 // block_sum gives: its second stage adds zeros).
 template <typename A> __device__ __forceinline__ A row_sum(A v, A* scratch) {
     return blockDim.x == 32 ? warp_sum(v) : block_sum(v, scratch);
+}
+
+// The block's sums of a pair (the backward's two row sums, under one pair of barriers): each
+// component is the value row_sum gives for it.
+__device__ __forceinline__ double2 row_sum2(double2 v, double2* scratch) {
+    v = make_double2(warp_sum(v.x), warp_sum(v.y));
+    if (blockDim.x == 32) return v;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    __syncthreads();  // `scratch` may still be read by the previous row's sums
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    const double2 r = lane < warps ? scratch[lane] : make_double2(0.0, 0.0);
+    return make_double2(warp_sum(r.x), warp_sum(r.y));
 }
 
 // The FP8 tail of a forward (the *_fwd_fp8 kernels): the running largest magnitude of the
@@ -129,27 +148,23 @@ template <typename TI> struct RowIn {
     __device__ __forceinline__ bool aligned() const { return aligned16(x) && (!r || aligned16(r)); }
 };
 
-// One row of the forward through registers (row_in_registers): thread tid holds units
-// tid + k blockDim.x, k < NORM_SLOTS, summed in the general loop's order.
+// One row of the forward through registers (row_in_registers): thread tid holds unit tid,
+// the general loop's share of a thread when the row has no more units than the block threads.
 template <typename TI, typename TO, bool RMS, bool FP8>
 __device__ __forceinline__ void norm_fwd_regs(RowIn<TI> in, TI* s_out, const float* __restrict__ w,
                                               const float* __restrict__ b, TO* yr,
                                               float* mean_out, float* rstd_out, i64 row, int h,
                                               double eps, double* scratch, Fp8Tail<TO>& tail,
                                               unsigned char* qr) {
-    const int tid = threadIdx.x, nt = blockDim.x, units = h / UNIT;
-    float v[NORM_SLOTS][UNIT];
+    const int tid = threadIdx.x, j = tid * UNIT;
+    const bool mine = tid < h / UNIT;
+    float v[UNIT];
     double acc = 0.0;
+    if (mine) {
+        in.unit(j, v);
+        if (s_out) store8(s_out + j, v);
 #pragma unroll
-    for (int k = 0; k < NORM_SLOTS; ++k) {
-        const int u = tid + k * nt;
-        if (u < units) {
-            in.unit(u * UNIT, v[k]);
-            if (s_out) store8(s_out + u * UNIT, v[k]);
-#pragma unroll
-            for (int e = 0; e < UNIT; ++e)
-                acc += RMS ? double(v[k][e]) * double(v[k][e]) : double(v[k][e]);
-        }
+        for (int e = 0; e < UNIT; ++e) acc += RMS ? double(v[e]) * double(v[e]) : double(v[e]);
     }
     const double total = row_sum(acc, scratch);
     float meanf = 0.0f, rstd;
@@ -158,13 +173,9 @@ __device__ __forceinline__ void norm_fwd_regs(RowIn<TI> in, TI* s_out, const flo
     } else {
         const double mean = total / double(h);
         double dev = 0.0;
+        if (mine) {
 #pragma unroll
-        for (int k = 0; k < NORM_SLOTS; ++k) {
-            if (tid + k * nt < units) {
-#pragma unroll
-                for (int e = 0; e < UNIT; ++e)
-                    dev += (double(v[k][e]) - mean) * (double(v[k][e]) - mean);
-            }
+            for (int e = 0; e < UNIT; ++e) dev += (double(v[e]) - mean) * (double(v[e]) - mean);
         }
         const double var = row_sum(dev, scratch) / double(h);
         rstd = float(1.0 / sqrt(var + eps));
@@ -174,22 +185,15 @@ __device__ __forceinline__ void norm_fwd_regs(RowIn<TI> in, TI* s_out, const flo
         if (mean_out) mean_out[row] = meanf;
         if (rstd_out) rstd_out[row] = rstd;
     }
-    if (!FP8 && !yr) return;
+    if ((!FP8 && !yr) || !mine) return;
+    float wv[UNIT], bv[UNIT];
+    load8(w + j, wv);
+    if (!RMS) load8(b + j, bv);
 #pragma unroll
-    for (int k = 0; k < NORM_SLOTS; ++k) {
-        const int u = tid + k * nt;
-        if (u < units) {
-            const int j = u * UNIT;
-            float wv[UNIT], bv[UNIT];
-            load8(w + j, wv);
-            if (!RMS) load8(b + j, bv);
-#pragma unroll
-            for (int e = 0; e < UNIT; ++e)
-                v[k][e] = RMS ? v[k][e] * rstd * wv[e] : (v[k][e] - meanf) * rstd * wv[e] + bv[e];
-            if (FP8) tail.unit(qr ? qr + j : nullptr, v[k]);
-            if (!FP8 || yr) store8(yr + j, v[k]);
-        }
-    }
+    for (int e = 0; e < UNIT; ++e)
+        v[e] = RMS ? v[e] * rstd * wv[e] : (v[e] - meanf) * rstd * wv[e] + bv[e];
+    if (FP8) tail.unit(qr ? qr + j : nullptr, v);
+    if (!FP8 || yr) store8(yr + j, v);
 }
 
 // FP8: the *_fwd_fp8 kernels (always normalizing, y nullable), with the output's amax per
@@ -292,68 +296,52 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
     }
 }
 
-// One row of dx through registers (row_in_registers): s and dy held, w read twice (it is
-// shared by every row, so the second read hits the cache).
+// One row of dx through registers (row_in_registers): thread tid holds unit tid of s, dy and
+// dadd, all loaded before the row's sums so that a row costs one trip to memory; w is read
+// again after them (every row reads it: the cache has it), which keeps the registers within
+// NORM_ROW_THREADS' bound.
 template <typename TI, typename TO, bool RMS>
 __device__ __forceinline__ void norm_bwd_regs(const TI* sr, const TO* dyr,
                                               const float* __restrict__ w, float m, float r,
                                               const TI* ar, TI* dxr, TO* lr, int h,
-                                              double* scratch) {
-    const int tid = threadIdx.x, nt = blockDim.x, units = h / UNIT;
-    float xv[NORM_SLOTS][UNIT], dv[NORM_SLOTS][UNIT];
+                                              double2* scratch) {
+    const int tid = threadIdx.x, j = tid * UNIT;
+    const bool mine = tid < h / UNIT;
+    float xv[UNIT], dv[UNIT], wv[UNIT], av[UNIT];
     double sg = 0.0, sgx = 0.0;
+    if (mine) {
+        load8(sr + j, xv);
+        load8(dyr + j, dv);
+        load8(w + j, wv);
+        if (ar) load8(ar + j, av);
 #pragma unroll
-    for (int k = 0; k < NORM_SLOTS; ++k) {
-        const int u = tid + k * nt;
-        if (u < units) {
-            const int j = u * UNIT;
-            float wv[UNIT];
-            load8(sr + j, xv[k]);
-            load8(dyr + j, dv[k]);
-            load8(w + j, wv);
-#pragma unroll
-            for (int e = 0; e < UNIT; ++e) {
-                const double g = double(dv[k][e] * wv[e]);
-                if (RMS) {
-                    sgx += g * double(xv[k][e]);
-                } else {
-                    sg += g;
-                    sgx += g * double((xv[k][e] - m) * r);
-                }
+        for (int e = 0; e < UNIT; ++e) {
+            const double g = double(dv[e] * wv[e]);
+            if (RMS) {
+                sgx += g * double(xv[e]);
+            } else {
+                sg += g;
+                sgx += g * double((xv[e] - m) * r);
             }
         }
     }
-    const double tgx = row_sum(sgx, scratch);
-    const double tg = RMS ? 0.0 : row_sum(sg, scratch);
-    const float mean_g = float(tg / double(h));
-    const float mean_gx = float(tgx / double(h));
+    const double2 t = row_sum2(make_double2(sg, sgx), scratch);
+    if (!mine) return;
+    const float mean_g = float(t.x / double(h));
+    const float mean_gx = float(t.y / double(h));
     const float c = r * r * mean_gx;
+    load8(w + j, wv);
 #pragma unroll
-    for (int k = 0; k < NORM_SLOTS; ++k) {
-        const int u = tid + k * nt;
-        if (u < units) {
-            const int j = u * UNIT;
-            float wv[UNIT];
-            load8(w + j, wv);
+    for (int e = 0; e < UNIT; ++e) {
+        const float xhat = (xv[e] - m) * r;
+        dv[e] = RMS ? r * (dv[e] * wv[e] - xv[e] * c) : r * (dv[e] * wv[e] - mean_g - xhat * mean_gx);
+        if (ar) dv[e] = round_to<TI>(dv[e]) + av[e];
+    }
+    store8(dxr + j, dv);
+    if (lr) {
 #pragma unroll
-            for (int e = 0; e < UNIT; ++e) {
-                const float xhat = (xv[k][e] - m) * r;
-                dv[k][e] = RMS ? r * (dv[k][e] * wv[e] - xv[k][e] * c)
-                               : r * (dv[k][e] * wv[e] - mean_g - xhat * mean_gx);
-            }
-            if (ar) {
-                float av[UNIT];
-                load8(ar + j, av);
-#pragma unroll
-                for (int e = 0; e < UNIT; ++e) dv[k][e] = round_to<TI>(dv[k][e]) + av[e];
-            }
-            store8(dxr + j, dv[k]);
-            if (lr) {
-#pragma unroll
-                for (int e = 0; e < UNIT; ++e) dv[k][e] = round_to<TI>(dv[k][e]);
-                store8(lr + j, dv[k]);
-            }
-        }
+        for (int e = 0; e < UNIT; ++e) dv[e] = round_to<TI>(dv[e]);
+        store8(lr + j, dv);
     }
 }
 
@@ -362,7 +350,7 @@ __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
                                          const float* __restrict__ w, const float* __restrict__ mean,
                                          const float* __restrict__ rstd, const TI* dadd, TI* dx,
                                          TO* dx_low, i64 rows, int h) {
-    __shared__ double scratch[32];
+    __shared__ double2 scratch[32];
     const int tid = threadIdx.x, nt = blockDim.x;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const i64 off = row * h;
@@ -411,10 +399,9 @@ __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
                 sgx += g * double((xv - m) * r);
             }
         }
-        const double tgx = row_sum(sgx, scratch);
-        const double tg = RMS ? 0.0 : row_sum(sg, scratch);
-        const float mean_g = float(tg / double(h));
-        const float mean_gx = float(tgx / double(h));
+        const double2 tot = row_sum2(make_double2(sg, sgx), scratch);
+        const float mean_g = float(tot.x / double(h));
+        const float mean_gx = float(tot.y / double(h));
         const float c = r * r * mean_gx;  // RMS: rstd^2 * mean(g s)
 
         // Pass 2: dx.
@@ -542,25 +529,25 @@ extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ pa
 }
 
 #define NORM(TI, TO, io)                                                                       \
-    extern "C" __global__ void layer_norm_fwd_##io(                                            \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) layer_norm_fwd_##io(                                            \
         const TI* x, const TI* res, TI* sum_out, const float* w, const float* b, TO* y,        \
         float* mean_out, float* rstd_out, i64 rows, int h, double eps) {                       \
         norm_fwd<TI, TO, false, false>(x, res, sum_out, w, b, y, mean_out, rstd_out, nullptr,  \
                                        nullptr, nullptr, rows, h, eps);                        \
     }                                                                                          \
-    extern "C" __global__ void rms_norm_fwd_##io(const TI* x, const TI* res, TI* sum_out,      \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) rms_norm_fwd_##io(const TI* x, const TI* res, TI* sum_out,      \
                                                  const float* w, TO* y, float* rstd_out,       \
                                                  i64 rows, int h, double eps) {                \
         norm_fwd<TI, TO, true, false>(x, res, sum_out, w, nullptr, y, nullptr, rstd_out,       \
                                       nullptr, nullptr, nullptr, rows, h, eps);                \
     }                                                                                          \
-    extern "C" __global__ void layer_norm_bwd_##io(const TI* s, const TO* dy, const float* w,  \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) layer_norm_bwd_##io(const TI* s, const TO* dy, const float* w,  \
                                                    const float* mean, const float* rstd,       \
                                                    const TI* dadd, TI* dx, TO* dx_low,         \
                                                    i64 rows, int h) {                          \
         norm_bwd<TI, TO, false>(s, dy, w, mean, rstd, dadd, dx, dx_low, rows, h);              \
     }                                                                                          \
-    extern "C" __global__ void rms_norm_bwd_##io(const TI* s, const TO* dy, const float* w,    \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) rms_norm_bwd_##io(const TI* s, const TO* dy, const float* w,    \
                                                  const float* rstd, const TI* dadd, TI* dx,    \
                                                  TO* dx_low, i64 rows, int h) {                \
         norm_bwd<TI, TO, true>(s, dy, w, nullptr, rstd, dadd, dx, dx_low, rows, h);            \
@@ -581,14 +568,14 @@ extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ pa
 CASTOR_FOR_EACH_IO(NORM)
 
 #define NORM_FP8(TI, TO, io)                                                                   \
-    extern "C" __global__ void layer_norm_fwd_fp8_##io(                                        \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) layer_norm_fwd_fp8_##io(                                        \
         const TI* x, const TI* res, TI* sum_out, const float* w, const float* b, TO* y,        \
         float* mean_out, float* rstd_out, const float* scale, unsigned char* q,                \
         float* partials, i64 rows, int h, double eps) {                                        \
         norm_fwd<TI, TO, false, true>(x, res, sum_out, w, b, y, mean_out, rstd_out, scale, q,  \
                                       partials, rows, h, eps);                                 \
     }                                                                                          \
-    extern "C" __global__ void rms_norm_fwd_fp8_##io(                                          \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) rms_norm_fwd_fp8_##io(                                          \
         const TI* x, const TI* res, TI* sum_out, const float* w, TO* y, float* rstd_out,       \
         const float* scale, unsigned char* q, float* partials, i64 rows, int h, double eps) {  \
         norm_fwd<TI, TO, true, true>(x, res, sum_out, w, nullptr, y, nullptr, rstd_out, scale, \
