@@ -583,8 +583,9 @@ fn seeded_lowering_bugs_are_caught() {
     // 2. Its output placed past the end of the arena.
     let mut bad = good.clone();
     let arena = bad.arena_bytes;
+    // (The forward's arguments: x, x_low, res, sum_out, w, b, y, ...)
     if let Command::Launch(l) = &mut bad.runs[micro].commands[i] {
-        l.args[5] = Arg::Ptr(Place::Arena {
+        l.args[6] = Arg::Ptr(Place::Arena {
             offset: arena - 256,
         });
     }
@@ -594,7 +595,7 @@ fn seeded_lowering_bugs_are_caught() {
     let mut bad = good.clone();
     if let Command::Launch(l) = &mut bad.runs[micro].commands[i] {
         assert_eq!(l.entry, "layer_norm_fwd_f32_bf16");
-        l.args[5] = l.args[0].clone();
+        l.args[6] = l.args[0].clone();
     }
     let e = step(bad).unwrap_err();
     assert!(e.contains("overlaps"), "{e}");

@@ -223,8 +223,9 @@ fn a_model_without_biases_gets_no_bias_epilogues() {
 }
 
 /// GPT-2 124M, B=8, T=1024, bf16 with fused attention and classifier: the epilogues take the
-/// program roofline from 12.0 ms (MFU 55.5%) to 10.2 ms (65.5%) at no higher planned peak
-/// (the figures of docs/commands.md; held here to 0.1 points).
+/// program roofline from 12.0 ms (MFU 55.5%) to 9.9 ms (66.9%) at no higher planned peak
+/// (the figures of docs/commands.md; held here to 0.1 points). With the bias in the
+/// projection's product, the residual add and its cast join the next norm's kernel too.
 #[test]
 fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
     let config = root().join("assets/configs/gpt2-124m.json");
@@ -254,7 +255,7 @@ fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
     let (fused, fused_peak) = report("fused");
     println!("MFU {eager}% eager, {fused}% fused; peaks {eager_peak}, {fused_peak}");
     assert!((eager - 55.5).abs() <= 0.1, "eager MFU {eager}%");
-    assert!((fused - 65.5).abs() <= 0.1, "fused MFU {fused}%");
+    assert!((fused - 66.9).abs() <= 0.1, "fused MFU {fused}%");
     assert!(fused_peak <= eager_peak, "{fused_peak} > {eager_peak}");
 }
 

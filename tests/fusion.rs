@@ -117,7 +117,7 @@ fn generated_kernels_compile_to_ptx() {
 
 #[test]
 fn a_unit_that_misstates_its_body_is_refused() {
-    let (_, mut plan) = plan("gpt2_lm", "bf16");
+    let (_, mut plan) = plan("llama_gqa", "bf16");
     let unit = plan
         .kernel_units
         .iter_mut()

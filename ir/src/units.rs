@@ -41,13 +41,16 @@ pub enum UnitKind {
     /// Pointwise nodes over one iteration space: one generated kernel.
     Pointwise(PointwiseBody),
     /// `[add, norm]`: the norm kernel computes the residual add that makes its input and
-    /// writes the sum on its way.
+    /// writes the sum on its way. `[cast, add, norm]`: also the exact widening of one of the
+    /// add's operands from the norm output's 16-bit dtype to F32, which the kernel does as it
+    /// loads that operand (a projection's result joining an F32 residual stream).
     NormPrologue,
     /// `[norm_grad, add]` or `[norm_grad, add, cast]`: the norm's backward kernel adds another
     /// gradient to its input gradient before it stores, and writes the sum's cast to the
     /// output gradient's 16-bit dtype beside it.
     NormEpilogue,
-    /// `[norm, tail]` or `[add, norm, tail]` (the add as in a prologue), where the tail is a
+    /// `[norm, tail]`, `[add, norm, tail]` or `[cast, add, norm, tail]` (the add and cast as
+    /// in a prologue), where the tail is a
     /// `quantize` of the norm's output to E4M3 by a scale made before the unit (delayed
     /// scaling's) or the `fp8_scale` of the output (current scaling's): the norm kernel also
     /// takes the output's amax and, for a `quantize`, writes its FP8 cast, storing the output

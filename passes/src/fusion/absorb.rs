@@ -26,6 +26,18 @@ pub(super) fn norm_member(g: &Graph, members: &[Node]) -> Node {
         .unwrap_or(members[0])
 }
 
+/// `members` are a norm prologue: `[add, norm]` ([`prologue_ok`]), or `[cast, add, norm]`
+/// where the cast also joins ([`prologue_cast_ok`]).
+pub(super) fn prologue_members_ok(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> bool {
+    match *members {
+        [add, norm] => prologue_ok(g, users, add, norm),
+        [cast, add, norm] => {
+            prologue_ok(g, users, add, norm) && prologue_cast_ok(g, users, cast, add, norm)
+        }
+        _ => false,
+    }
+}
+
 /// `[add, norm]` can be a norm prologue: `add` sums two operands of the norm input's dtype
 /// and shape into the norm's input, and nothing reads the sum before the norm. The norm
 /// kernel rounds the sum to the input dtype exactly where the separate add stores it.
@@ -40,6 +52,44 @@ pub(super) fn prologue_ok(g: &Graph, users: &[Vec<Node>], add: Node, norm: Node)
         && g.ty(x).dtype.is_float()
         && an.inputs.iter().all(|&v| g.ty(v) == g.ty(x))
         && users[x.index()].iter().all(|&u| u >= norm)
+}
+
+/// `cast` can open the prologue `[add, norm]`: it widens one operand of the add, and only
+/// the add reads the widened copy, which is a graph output neither. The operand is a 16-bit
+/// float of the norm output's dtype (the products' dtype, which the norm kernels take beside
+/// their F32 input: a projection's result on its way into an F32 residual stream) and the
+/// cast makes F32, so the widening is exact: the kernel loads the narrow operand and widens it
+/// in registers, the same values the separate cast stores.
+pub(super) fn prologue_cast_ok(
+    g: &Graph,
+    users: &[Vec<Node>],
+    cast: Node,
+    add: Node,
+    norm: Node,
+) -> bool {
+    let c = g.node(cast);
+    let (&[narrow], &[wide]) = (c.inputs.as_slice(), c.outputs.as_slice()) else {
+        return false;
+    };
+    let low = g.ty(narrow).dtype;
+    let adds = g.node(add).inputs.iter().filter(|&&v| v == wide).count();
+    matches!(c.op, Op::Cast { to: DType::F32 })
+        && matches!(low, DType::F16 | DType::BF16)
+        && low == g.ty(g.node(norm).outputs[0]).dtype
+        && g.ty(g.node(norm).inputs[0]).dtype == DType::F32
+        && adds == 1
+        && users[wide.index()].as_slice() == [add]
+        && !g.outputs().contains(&wide)
+}
+
+/// The cast that can open the prologue `[add, norm]`: the producer of one of the add's
+/// operands, where [`prologue_cast_ok`] takes it.
+fn prologue_cast(g: &Graph, users: &[Vec<Node>], add: Node, norm: Node) -> Option<Node> {
+    g.node(add)
+        .inputs
+        .iter()
+        .map(|&v| g.value(v).producer)
+        .find(|&c| prologue_cast_ok(g, users, c, add, norm))
 }
 
 /// `[norm_grad, add]` can be a norm epilogue: the input gradient's only reader is an `add` of
@@ -98,15 +148,18 @@ fn low_copy(g: &Graph, users: &[Vec<Node>], grad: Node, add: Node) -> Option<Nod
         .find(|&c| low_copy_ok(g, users, g.node(grad), sum, c))
 }
 
-/// `members` (`[norm, tail]` or `[add, norm, tail]`) can be a [`UnitKind::NormFp8`] unit: the
-/// add, if any, is the norm's prologue; the tail reads the norm's output and is either its
+/// `members` (`[norm, tail]`, `[add, norm, tail]` or `[cast, add, norm, tail]`) can be a
+/// [`UnitKind::NormFp8`] unit: the add (and cast), if any, are the norm's prologue
+/// ([`prologue_members_ok`]); the tail reads the norm's output and is either its
 /// `quantize` to E4M3 (the format `norm.cu`'s FP8 kernels write, the forward's) by a scalar
 /// scale no member makes, or its `fp8_scale`; and nothing outside the unit reads what the
 /// members make before the tail, where the unit runs.
 pub(super) fn norm_fp8_ok(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> bool {
     let (norm, tail) = match *members {
         [norm, tail] => (norm, tail),
-        [add, norm, tail] if prologue_ok(g, users, add, norm) => (norm, tail),
+        [.., norm, tail] if prologue_members_ok(g, users, &members[..members.len() - 1]) => {
+            (norm, tail)
+        }
         _ => return false,
     };
     let nn = g.node(norm);
@@ -132,8 +185,8 @@ pub(super) fn norm_fp8_ok(g: &Graph, users: &[Vec<Node>], members: &[Node]) -> b
         && super::groups::runs_at_last_member(g, users, members)
 }
 
-/// The FP8 tail that can end the norm unit `base` (`[norm]` or a prologue `[add, norm]`): the
-/// first reader of the norm's output that [`norm_fp8_ok`] takes.
+/// The FP8 tail that can end the norm unit `base` (`[norm]` or a prologue): the first reader
+/// of the norm's output that [`norm_fp8_ok`] takes.
 fn fp8_tail(g: &Graph, users: &[Vec<Node>], base: &[Node]) -> Option<Node> {
     let norm = *base.last()?;
     let y = g.node(norm).outputs[0];
@@ -144,10 +197,12 @@ fn fp8_tail(g: &Graph, users: &[Vec<Node>], base: &[Node]) -> Option<Node> {
     })
 }
 
-/// The norm prologues and epilogues of `g`, with each absorbed add taken out of its pointwise
-/// group in `groups` (an add is absorbed only when it reads nothing its group makes, so the
-/// rest of the group still runs where it did: its readers of the sum come after the add, so
-/// after the norm unit, and read the sum the norm kernel writes).
+/// The norm prologues and epilogues of `g`, with each absorbed node taken out of its pointwise
+/// group in `groups` (the nodes a unit absorbs are taken only when they read nothing else
+/// their group makes, so the rest of the group still runs where it did: its readers of the
+/// sum come after the add, so after the norm unit, and read the sum the norm kernel writes).
+/// A prologue's add takes the cast that widens its operand ([`prologue_cast_ok`]) with it
+/// where it can, and is absorbed alone otherwise.
 ///
 /// A forward norm (with its prologue, or alone) whose output's FP8 cast or scale can end it
 /// ([`norm_fp8_ok`]) becomes a [`UnitKind::NormFp8`] unit instead.
@@ -158,20 +213,23 @@ pub(super) fn norm_units(
 ) -> Vec<(Vec<Node>, UnitKind)> {
     let mut out = Vec::new();
     let mut claimed = HashSet::new();
-    let take = |add: Node, groups: &mut [Vec<Node>]| -> bool {
+    // Takes `nodes` out of their groups, where none reads what another member of its group
+    // makes; else changes nothing and says so.
+    let take = |nodes: &[Node], groups: &mut [Vec<Node>]| -> bool {
+        let reads_group = groups.iter().any(|members| {
+            nodes.iter().filter(|n| members.contains(n)).any(|&n| {
+                g.node(n).inputs.iter().any(|v| {
+                    members
+                        .iter()
+                        .any(|m| !nodes.contains(m) && g.node(*m).outputs.contains(v))
+                })
+            })
+        });
+        if reads_group {
+            return false;
+        }
         for members in groups.iter_mut() {
-            let Some(pos) = members.iter().position(|&m| m == add) else {
-                continue;
-            };
-            let made_inside = |v: &Value| {
-                members
-                    .iter()
-                    .any(|&m| m != add && g.node(m).outputs.contains(v))
-            };
-            if g.node(add).inputs.iter().any(made_inside) {
-                return false;
-            }
-            members.remove(pos);
+            members.retain(|m| !nodes.contains(m));
         }
         true
     };
@@ -179,9 +237,15 @@ pub(super) fn norm_units(
         if is_norm(&node.op) {
             let p = g.value(node.inputs[0]).producer;
             let mut members = vec![n];
-            if prologue_ok(g, users, p, n) && !claimed.contains(&p) && take(p, groups) {
-                claimed.insert(p);
-                members.insert(0, p);
+            if prologue_ok(g, users, p, n) && !claimed.contains(&p) {
+                let cast = prologue_cast(g, users, p, n).filter(|c| !claimed.contains(c));
+                let prologue = match cast {
+                    Some(c) if take(&[c, p], groups) => vec![c, p],
+                    _ if take(&[p], groups) => vec![p],
+                    _ => vec![],
+                };
+                claimed.extend(prologue.iter().copied());
+                members.splice(0..0, prologue);
             }
             let tail = fp8_tail(g, users, &members);
             let kind = match tail {
@@ -198,13 +262,16 @@ pub(super) fn norm_units(
             let [e] = users[node.outputs[0].index()].as_slice() else {
                 continue;
             };
-            if !(epilogue_ok(g, users, n, *e, None) && !claimed.contains(e) && take(*e, groups)) {
+            if !(epilogue_ok(g, users, n, *e, None) && !claimed.contains(e) && take(&[*e], groups))
+            {
                 continue;
             }
             claimed.insert(*e);
             let mut members = vec![n, *e];
             if let Some(c) = low_copy(g, users, n, *e) {
-                if epilogue_ok(g, users, n, *e, Some(c)) && !claimed.contains(&c) && take(c, groups)
+                if epilogue_ok(g, users, n, *e, Some(c))
+                    && !claimed.contains(&c)
+                    && take(&[c], groups)
                 {
                     claimed.insert(c);
                     members.push(c);

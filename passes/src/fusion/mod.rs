@@ -3,8 +3,10 @@
 //! One pass makes every fusion decision of a graph:
 //! - pointwise groups ([`fusion_groups`]) and every pointwise node in no group, each one
 //!   generated kernel with a typed body ([`pointwise_body`]);
-//! - a residual add in front of a normalization, and the add of another gradient behind a
-//!   normalization's backward, absorbed by the norm kernels (taken out of their groups);
+//! - a residual add in front of a normalization (with the cast that widens a 16-bit
+//!   projection's result into an F32 residual stream, where the add reads one), and the add
+//!   of another gradient behind a normalization's backward, absorbed by the norm kernels
+//!   (taken out of their groups);
 //! - the FP8 cast of a normalization's output (delayed scaling's `quantize`) or its scale
 //!   (current scaling's `fp8_scale`), ending the norm's unit: the norm kernel writes the FP8
 //!   values (or the output) and the amax, and does not store an output only the cast reads;
@@ -224,9 +226,7 @@ pub fn schedule(g: &Graph, units: Vec<KernelUnit>) -> Result<UnitSchedule, UnitE
                 }
                 true
             }
-            UnitKind::NormPrologue => {
-                members.len() == 2 && absorb::prologue_ok(g, &users, members[0], members[1])
-            }
+            UnitKind::NormPrologue => absorb::prologue_members_ok(g, &users, &members),
             UnitKind::NormFp8 => absorb::norm_fp8_ok(g, &users, &members),
             UnitKind::NormEpilogue => {
                 (2..=3).contains(&members.len())

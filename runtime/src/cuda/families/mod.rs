@@ -174,7 +174,7 @@ mod tests {
         let names = |e: &str| signature(e).unwrap().names().join(",");
         assert_eq!(
             names("layer_norm_fwd_bf16_f32"),
-            "x,res,sum_out,w,b,y,mean_out,rstd_out,rows,h,eps"
+            "x,x_low,res,sum_out,w,b,y,mean_out,rstd_out,rows,h,eps"
         );
         assert_eq!(
             signature("layer_norm_bwd_weight_f32").unwrap().family,

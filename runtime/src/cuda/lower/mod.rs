@@ -448,7 +448,9 @@ impl<'l, 'g> RunLowering<'l, 'g> {
                         UnitKind::OptimizerBatch => self.optimizer(&members)?,
                         UnitKind::AmaxHistoryBatch => self.amax_histories(&members)?,
                         UnitKind::NormPrologue => {
-                            self.norm_unit(members[1], Some(members[0]), None)?
+                            if let Some((&n, prologue)) = members.split_last() {
+                                self.norm_unit(n, prologue, None)?
+                            }
                         }
                         UnitKind::NormFp8 => self.norm_fp8_unit(&members)?,
                         UnitKind::NormEpilogue => self.norm_grad_unit(

@@ -87,7 +87,7 @@ impl RunLowering<'_, '_> {
             Op::EmbeddingGrad { vocab, padding } => {
                 self.embedding_grad(y, ins[0], ins[1], *vocab, *padding)?
             }
-            Op::LayerNorm { .. } | Op::RmsNorm { .. } => self.norm_unit(n, None, None)?,
+            Op::LayerNorm { .. } | Op::RmsNorm { .. } => self.norm_unit(n, &[], None)?,
             Op::LayerNormGrad { .. } | Op::RmsNormGrad { .. } => self.norm_grad_unit(n, None)?,
             Op::Softmax { causal, window } => self.softmax(y, &ins, *causal, *window)?,
             Op::SoftmaxGrad => self.softmax_grad(n)?,

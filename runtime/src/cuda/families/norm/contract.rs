@@ -38,7 +38,8 @@ pub(crate) fn norm_fwd(
 ) -> R<Vec<Use>> {
     row_block(l)?;
     let mut a = Args::new(l);
-    let x = a.need(m, "x")?;
+    let x = a.ptr(m, "x")?;
+    let x_low = a.ptr(m, "x_low")?;
     let res = a.ptr(m, "res")?;
     let sum_out = a.ptr(m, "sum_out")?;
     let w = a.need(m, "w")?;
@@ -62,6 +63,9 @@ pub(crate) fn norm_fwd(
     if normalizes && !rms && b.is_none() {
         return Err("argument `b` is null, but the kernel normalizes and reads it".into());
     }
+    if x.is_some() == x_low.is_some() {
+        return Err("arguments `x` and `x_low`: the kernel reads exactly one of them".into());
+    }
     if q.is_some() != scale.is_some() {
         return Err("arguments `q` and `scale`: the cast needs both or neither".into());
     }
@@ -75,7 +79,8 @@ pub(crate) fn norm_fwd(
     checked(
         m,
         vec![
-            use_("x", Some(x), big(si), si, Io::R),
+            use_("x", x, big(si), si, Io::R),
+            use_("x_low", x_low, big(so), so, Io::R),
             use_("res", res, big(si), si, Io::R),
             use_("sum_out", sum_out, big(si), si, Io::W),
             use_("w", normalized(Some(w)), h as u64 * 4, 4, Io::R),

@@ -29,8 +29,9 @@ fn rows_per_group(rows: usize, h: usize) -> usize {
 }
 
 impl RunLowering<'_, '_> {
-    /// A norm node, with the residual add that makes its input when `prologue` names it (the
-    /// kernel reads the add's operands, `x` and `res`, and writes their sum, `sum_out`), and
+    /// A norm node, with the residual add that makes its input when `prologue` is `[add]`
+    /// (the kernel reads the add's operands, `x` and `res`, and writes their sum, `sum_out`)
+    /// or `[cast, add]` (the cast's operand read narrow, as `x_low`, in place of `x`), and
     /// the FP8 cast or scale of its output when `fp8_tail` names it (a
     /// [`castor_ir::UnitKind::NormFp8`] unit: the `*_fwd_fp8` kernel takes the output's amax
     /// per block and, for a `quantize`, writes its E4M3 cast; then `fp8_amax_finalize` makes
@@ -38,7 +39,7 @@ impl RunLowering<'_, '_> {
     pub(crate) fn norm_unit(
         &mut self,
         n: Node,
-        prologue: Option<Node>,
+        prologue: &[Node],
         fp8_tail: Option<Node>,
     ) -> Result<(), LowerError> {
         let g = self.g;
@@ -52,11 +53,13 @@ impl RunLowering<'_, '_> {
         self.norm(node.outputs[0], &ins, rms, eps, prologue, fp8_tail)
     }
 
-    /// A [`castor_ir::UnitKind::NormFp8`] unit, `[norm, tail]` or `[add, norm, tail]`.
+    /// A [`castor_ir::UnitKind::NormFp8`] unit: `[norm, tail]`, or a prologue's members
+    /// before the norm.
     pub(crate) fn norm_fp8_unit(&mut self, members: &[Node]) -> Result<(), LowerError> {
         match *members {
-            [n, tail] => self.norm_unit(n, None, Some(tail)),
-            [add, n, tail] => self.norm_unit(n, Some(add), Some(tail)),
+            [ref prologue @ .., n, tail] if prologue.len() <= 2 => {
+                self.norm_unit(n, prologue, Some(tail))
+            }
             _ => {
                 let v = self.g.node(members[0]).outputs[0];
                 Err(self.err(v, "a norm_fp8 unit has two or three members"))
@@ -89,7 +92,7 @@ impl RunLowering<'_, '_> {
         ins: &[Value],
         rms: bool,
         eps: f64,
-        prologue: Option<Node>,
+        prologue: &[Node],
         fp8_tail: Option<Node>,
     ) -> Result<(), LowerError> {
         let g = self.g;
@@ -117,16 +120,26 @@ impl RunLowering<'_, '_> {
                 count: None,
             },
         );
-        let (xp, res, sum_out) = match prologue {
-            Some(add) => {
+        // The add's operands: `x` and `res`, or with a cast `x_low` (the cast's narrow operand,
+        // which the kernel widens as it loads; the widened copy is never stored) and `res`.
+        let (xp, x_low, res, sum_out) = match *prologue {
+            [] => (Arg::Ptr(self.at(x)?), Arg::Null, Arg::Null, Arg::Null),
+            [add] => {
                 let a = g.node(add).inputs.clone();
-                (
-                    self.at(a[0])?,
-                    Arg::Ptr(self.at(a[1])?),
-                    Arg::Ptr(self.out(x)?),
-                )
+                let sum = Arg::Ptr(self.out(x)?);
+                (Arg::Ptr(self.at(a[0])?), Arg::Null, Arg::Ptr(self.at(a[1])?), sum)
             }
-            None => (self.at(x)?, Arg::Null, Arg::Null),
+            [cast, add] => {
+                let (narrow, wide) = (g.node(cast).inputs[0], g.node(cast).outputs[0]);
+                let a = &g.node(add).inputs;
+                let Some(other) = a.iter().copied().find(|&v| v != wide) else {
+                    return Err(self.err(x, "a prologue cast whose add does not read it once"));
+                };
+                self.loc[wide.index()] = crate::cuda::lower::Loc::InKernel;
+                let (low, res) = (Arg::Ptr(self.at(narrow)?), Arg::Ptr(self.at(other)?));
+                (Arg::Null, low, res, Arg::Ptr(self.out(x)?))
+            }
+            _ => return Err(self.err(x, "a norm prologue of more than a cast and an add")),
         };
         let w = self.at(ins[1])?;
         // Under an FP8 tail the output is stored only where something outside the unit reads
@@ -144,7 +157,8 @@ impl RunLowering<'_, '_> {
         };
         let grid = grid_rows(rows);
         let mut args = vec![
-            ("x", Arg::Ptr(xp)),
+            ("x", xp),
+            ("x_low", x_low),
             ("res", res),
             ("sum_out", sum_out),
             ("w", Arg::Ptr(w)),
@@ -255,6 +269,7 @@ impl RunLowering<'_, '_> {
         // weight nor the bias, which the backward does not have.
         let mut args = vec![
             ("x", Arg::Ptr(xp)),
+            ("x_low", Arg::Null),
             ("res", Arg::Null),
             ("sum_out", Arg::Null),
             ("w", Arg::Ptr(w)),

@@ -2,9 +2,11 @@
 // residual add fused in front.
 //
 // Forward, one block per row (grid-stride over rows), rows of h elements:
-//   layer_norm_fwd_<io>(x, res, sum_out, w, b, y, mean_out, rstd_out, rows, h, eps)
-//   rms_norm_fwd_<io>  (x, res, sum_out, w,    y,           rstd_out, rows, h, eps)
-//     s = res ? TI(x + res) : x          (the residual sum, rounded to TI and written to
+//   layer_norm_fwd_<io>(x, x_low, res, sum_out, w, b, y, mean_out, rstd_out, rows, h, eps)
+//   rms_norm_fwd_<io>  (x, x_low, res, sum_out, w,    y,           rstd_out, rows, h, eps)
+//     a = x, or x_low widened to F32 where x_low is set (TO, nullable; x is then null: the
+//         projection's result a norm unit's cast widens on its way into the residual sum)
+//     s = res ? TI(a + res) : a          (the residual sum, rounded to TI and written to
 //                                          sum_out when sum_out is not null)
 //     LN:  y = TO((s - mean) * rstd * w + b), mean and rstd over the row (biased variance)
 //     RMS: y = TO(s * rstd * w),               rstd = 1 / sqrt(mean(s^2) + eps)
@@ -13,9 +15,10 @@
 //     them): the normalize pass is skipped and w and b are not read (b may be null then).
 // Forward with the FP8 cast of its output fused behind (a norm unit ending with `quantize` or
 // `fp8_scale`, under `--precision fp8`):
-//   layer_norm_fwd_fp8_<io>(x, res, sum_out, w, b, y, mean_out, rstd_out, scale, q, partials,
-//                           rows, h, eps)
-//   rms_norm_fwd_fp8_<io>  (x, res, sum_out, w, y, rstd_out, scale, q, partials, rows, h, eps)
+//   layer_norm_fwd_fp8_<io>(x, x_low, res, sum_out, w, b, y, mean_out, rstd_out, scale, q,
+//                           partials, rows, h, eps)
+//   rms_norm_fwd_fp8_<io>  (x, x_low, res, sum_out, w, y, rstd_out, scale, q, partials, rows,
+//                           h, eps)
 //     as the forward, always normalizing; y is stored only when not null. Of each output value
 //     as stored, o = TO(y):
 //     q (nullable, with scale): q[i] = the E4M3 byte nearest to the F32 product o * *scale
@@ -129,15 +132,23 @@ template <typename TO> struct Fp8Tail {
     }
 };
 
-// One row's input, possibly with the residual added: element j, or 8 elements at j.
-template <typename TI> struct RowIn {
-    const TI* x;
-    const TI* r;  // nullable
+// One row's input, possibly with the residual added: element j, or 8 elements at j. The
+// add's first operand is x, or xl (in the output dtype) widened as it is loaded.
+template <typename TI, typename TO> struct RowIn {
+    const TI* x;   // null where xl is set
+    const TO* xl;  // nullable
+    const TI* r;   // nullable
+    __device__ __forceinline__ float first(int j) const {
+        return xl ? to_f32(xl[j]) : to_f32(x[j]);
+    }
     __device__ __forceinline__ float at(int j) const {
-        return r ? round_to<TI>(to_f32(x[j]) + to_f32(r[j])) : to_f32(x[j]);
+        return r ? round_to<TI>(first(j) + to_f32(r[j])) : first(j);
     }
     __device__ __forceinline__ void unit(int j, float (&v)[UNIT]) const {
-        load8(x + j, v);
+        if (xl)
+            load8(xl + j, v);
+        else
+            load8(x + j, v);
         if (r) {
             float w[UNIT];
             load8(r + j, w);
@@ -145,13 +156,16 @@ template <typename TI> struct RowIn {
             for (int k = 0; k < UNIT; ++k) v[k] = round_to<TI>(v[k] + w[k]);
         }
     }
-    __device__ __forceinline__ bool aligned() const { return aligned16(x) && (!r || aligned16(r)); }
+    __device__ __forceinline__ bool aligned() const {
+        return (xl ? aligned16(xl) : aligned16(x)) && (!r || aligned16(r));
+    }
 };
 
 // One row of the forward through registers (row_in_registers): thread tid holds unit tid,
 // the general loop's share of a thread when the row has no more units than the block threads.
 template <typename TI, typename TO, bool RMS, bool FP8>
-__device__ __forceinline__ void norm_fwd_regs(RowIn<TI> in, TI* s_out, const float* __restrict__ w,
+__device__ __forceinline__ void norm_fwd_regs(RowIn<TI, TO> in, TI* s_out,
+                                              const float* __restrict__ w,
                                               const float* __restrict__ b, TO* yr,
                                               float* mean_out, float* rstd_out, i64 row, int h,
                                               double eps, double* scratch, Fp8Tail<TO>& tail,
@@ -199,7 +213,7 @@ __device__ __forceinline__ void norm_fwd_regs(RowIn<TI> in, TI* s_out, const flo
 // FP8: the *_fwd_fp8 kernels (always normalizing, y nullable), with the output's amax per
 // block into partials and its E4M3 cast into q where q is set.
 template <typename TI, typename TO, bool RMS, bool FP8>
-__device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
+__device__ __forceinline__ void norm_fwd(const TI* x, const TO* x_low, const TI* res,
                                          TI* sum_out, const float* __restrict__ w,
                                          const float* __restrict__ b, TO* y, float* mean_out,
                                          float* rstd_out, const float* scale, unsigned char* q,
@@ -211,7 +225,8 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
     const bool normalizes = FP8 || y;
     for (i64 row = blockIdx.x; row < rows; row += gridDim.x) {
         const i64 off = row * h;
-        RowIn<TI> in{x + off, res ? res + off : nullptr};
+        RowIn<TI, TO> in{x_low ? nullptr : x + off, x_low ? x_low + off : nullptr,
+                         res ? res + off : nullptr};
         TI* s_out = sum_out ? sum_out + off : nullptr;
         TO* yr = y ? y + off : nullptr;
         unsigned char* qr = q ? q + off : nullptr;
@@ -242,7 +257,7 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TI* res,
         }
         // Later passes read the rounded sum back where it was stored (each thread its own
         // elements, so no barrier is needed for that).
-        if (s_out) in = RowIn<TI>{s_out, nullptr};
+        if (s_out) in = RowIn<TI, TO>{s_out, nullptr, nullptr};
         const double total = row_sum(acc, scratch);
 
         float meanf = 0.0f, rstd;
@@ -334,7 +349,8 @@ __device__ __forceinline__ void norm_bwd_regs(const TI* sr, const TO* dyr,
 #pragma unroll
     for (int e = 0; e < UNIT; ++e) {
         const float xhat = (xv[e] - m) * r;
-        dv[e] = RMS ? r * (dv[e] * wv[e] - xv[e] * c) : r * (dv[e] * wv[e] - mean_g - xhat * mean_gx);
+        dv[e] = RMS ? r * (dv[e] * wv[e] - xv[e] * c)
+                    : r * (dv[e] * wv[e] - mean_g - xhat * mean_gx);
         if (ar) dv[e] = round_to<TI>(dv[e]) + av[e];
     }
     store8(dxr + j, dv);
@@ -529,27 +545,26 @@ extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ pa
 }
 
 #define NORM(TI, TO, io)                                                                       \
-    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) layer_norm_fwd_##io(                                            \
-        const TI* x, const TI* res, TI* sum_out, const float* w, const float* b, TO* y,        \
-        float* mean_out, float* rstd_out, i64 rows, int h, double eps) {                       \
-        norm_fwd<TI, TO, false, false>(x, res, sum_out, w, b, y, mean_out, rstd_out, nullptr,  \
-                                       nullptr, nullptr, rows, h, eps);                        \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) layer_norm_fwd_##io(        \
+        const TI* x, const TO* x_low, const TI* res, TI* sum_out, const float* w,              \
+        const float* b, TO* y, float* mean_out, float* rstd_out, i64 rows, int h, double eps) { \
+        norm_fwd<TI, TO, false, false>(x, x_low, res, sum_out, w, b, y, mean_out, rstd_out,    \
+                                       nullptr, nullptr, nullptr, rows, h, eps);               \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) rms_norm_fwd_##io(const TI* x, const TI* res, TI* sum_out,      \
-                                                 const float* w, TO* y, float* rstd_out,       \
-                                                 i64 rows, int h, double eps) {                \
-        norm_fwd<TI, TO, true, false>(x, res, sum_out, w, nullptr, y, nullptr, rstd_out,       \
-                                      nullptr, nullptr, nullptr, rows, h, eps);                \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) rms_norm_fwd_##io(          \
+        const TI* x, const TO* x_low, const TI* res, TI* sum_out, const float* w, TO* y,       \
+        float* rstd_out, i64 rows, int h, double eps) {                                        \
+        norm_fwd<TI, TO, true, false>(x, x_low, res, sum_out, w, nullptr, y, nullptr,          \
+                                      rstd_out, nullptr, nullptr, nullptr, rows, h, eps);      \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) layer_norm_bwd_##io(const TI* s, const TO* dy, const float* w,  \
-                                                   const float* mean, const float* rstd,       \
-                                                   const TI* dadd, TI* dx, TO* dx_low,         \
-                                                   i64 rows, int h) {                          \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) layer_norm_bwd_##io(        \
+        const TI* s, const TO* dy, const float* w, const float* mean, const float* rstd,       \
+        const TI* dadd, TI* dx, TO* dx_low, i64 rows, int h) {                                 \
         norm_bwd<TI, TO, false>(s, dy, w, mean, rstd, dadd, dx, dx_low, rows, h);              \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) rms_norm_bwd_##io(const TI* s, const TO* dy, const float* w,    \
-                                                 const float* rstd, const TI* dadd, TI* dx,    \
-                                                 TO* dx_low, i64 rows, int h) {                \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) rms_norm_bwd_##io(          \
+        const TI* s, const TO* dy, const float* w, const float* rstd, const TI* dadd, TI* dx,  \
+        TO* dx_low, i64 rows, int h) {                                                         \
         norm_bwd<TI, TO, true>(s, dy, w, nullptr, rstd, dadd, dx, dx_low, rows, h);            \
     }                                                                                          \
     extern "C" __global__ void layer_norm_bwd_weight_##io(                                     \
@@ -568,18 +583,19 @@ extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ pa
 CASTOR_FOR_EACH_IO(NORM)
 
 #define NORM_FP8(TI, TO, io)                                                                   \
-    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) layer_norm_fwd_fp8_##io(                                        \
-        const TI* x, const TI* res, TI* sum_out, const float* w, const float* b, TO* y,        \
-        float* mean_out, float* rstd_out, const float* scale, unsigned char* q,                \
-        float* partials, i64 rows, int h, double eps) {                                        \
-        norm_fwd<TI, TO, false, true>(x, res, sum_out, w, b, y, mean_out, rstd_out, scale, q,  \
-                                      partials, rows, h, eps);                                 \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) layer_norm_fwd_fp8_##io(    \
+        const TI* x, const TO* x_low, const TI* res, TI* sum_out, const float* w,              \
+        const float* b, TO* y, float* mean_out, float* rstd_out, const float* scale,           \
+        unsigned char* q, float* partials, i64 rows, int h, double eps) {                      \
+        norm_fwd<TI, TO, false, true>(x, x_low, res, sum_out, w, b, y, mean_out, rstd_out,     \
+                                      scale, q, partials, rows, h, eps);                       \
     }                                                                                          \
-    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) rms_norm_fwd_fp8_##io(                                          \
-        const TI* x, const TI* res, TI* sum_out, const float* w, TO* y, float* rstd_out,       \
-        const float* scale, unsigned char* q, float* partials, i64 rows, int h, double eps) {  \
-        norm_fwd<TI, TO, true, true>(x, res, sum_out, w, nullptr, y, nullptr, rstd_out, scale, \
-                                     q, partials, rows, h, eps);                               \
+    extern "C" __global__ void __launch_bounds__(NORM_ROW_THREADS) rms_norm_fwd_fp8_##io(      \
+        const TI* x, const TO* x_low, const TI* res, TI* sum_out, const float* w, TO* y,       \
+        float* rstd_out, const float* scale, unsigned char* q, float* partials, i64 rows,      \
+        int h, double eps) {                                                                   \
+        norm_fwd<TI, TO, true, true>(x, x_low, res, sum_out, w, nullptr, y, nullptr, rstd_out, \
+                                     scale, q, partials, rows, h, eps);                        \
     }
 
 CASTOR_FOR_EACH_IO(NORM_FP8)

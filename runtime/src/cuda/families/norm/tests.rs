@@ -122,7 +122,7 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                     let (bw, bb) = (l.buf(f32s(&w), wskew), l.buf(f32s(&b), wskew));
                     let by = l.out(n * to.size_bytes(), oskew);
                     let (bm, bs) = (l.out(ROWS * 4, 0), l.out(ROWS * 4, 0));
-                    let mut args = vec![l.ptr(bx), l.ptr(br), l.ptr(bsum), l.ptr(bw)];
+                    let mut args = vec![l.ptr(bx), Arg::Null, l.ptr(br), l.ptr(bsum), l.ptr(bw)];
                     if !rms {
                         args.push(l.ptr(bb));
                     }
@@ -159,12 +159,51 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                         );
                     }
 
+                    // The add's first operand in the output dtype, widened as it is loaded
+                    // (`x_low`, a norm unit's cast): the sum and output the twin makes of the
+                    // widened operand.
+                    let low: Vec<f32> = x.iter().map(|&v| round_to(to, v)).collect();
+                    let low_sum: Vec<f32> = low
+                        .iter()
+                        .zip(&res)
+                        .map(|(a, r)| round_to(ti, a + r))
+                        .collect();
+                    let mut low_y = low_sum.clone();
+                    if rms {
+                        norm::rms_norm(&mut low_y, &w, EPS);
+                    } else {
+                        norm::layer_norm(&mut low_y, &w, &b, EPS);
+                    }
+                    let low_y: Vec<f32> = low_y.iter().map(|&v| round_to(to, v)).collect();
+                    let mut l = Launcher::new("norm.cu");
+                    let (bl, br) = (l.buf(enc(to, &low), oskew), l.buf(enc(ti, &res), skew));
+                    let bsum = l.out(n * ti.size_bytes(), skew);
+                    let (bw, bb) = (l.buf(f32s(&w), wskew), l.buf(f32s(&b), wskew));
+                    let by = l.out(n * to.size_bytes(), oskew);
+                    let (bm, bs) = (l.out(ROWS * 4, 0), l.out(ROWS * 4, 0));
+                    let mut args = vec![Arg::Null, l.ptr(bl), l.ptr(br), l.ptr(bsum), l.ptr(bw)];
+                    if !rms {
+                        args.push(l.ptr(bb));
+                    }
+                    args.push(l.ptr(by));
+                    if !rms {
+                        args.push(l.ptr(bm));
+                    }
+                    args.extend([l.ptr(bs), i64(ROWS), i32(h), Arg::F64(EPS)]);
+                    let out = l
+                        .run(&format!("{kind}_fwd_{s}"), (2, 1, 1), (block, 1, 1), args)
+                        .unwrap_or_else(|e| panic!("{what} x_low: {e}"));
+                    let got = dec(ti, &out[bsum.0]);
+                    check(&format!("{what} x_low sum"), ti, &got, &low_sum, 0);
+                    let got = dec(to, &out[by.0]);
+                    differ += check(&format!("{what} x_low y"), to, &got, &low_y, 1);
+
                     // Statistics only (null y, w and b not read), in place over the input.
                     let mut l = Launcher::new("norm.cu");
                     let bx = l.buf(enc(ti, &sum), skew);
                     let bw = l.buf(f32s(&w), wskew);
                     let bs = l.out(ROWS * 4, 0);
-                    let mut args = vec![l.ptr(bx), Arg::Null, Arg::Null, l.ptr(bw)];
+                    let mut args = vec![l.ptr(bx), Arg::Null, Arg::Null, Arg::Null, l.ptr(bw)];
                     if !rms {
                         args.push(Arg::Null);
                     }
@@ -328,7 +367,7 @@ fn norms_with_an_fp8_tail_write_the_cast_and_amax_of_their_output() {
                     let bscale = l.buf(f32s(&[scale]), 0);
                     let bq = l.out(n, if aligned { 0 } else { 1 });
                     let bp = l.out(blocks as usize * 4, 0);
-                    let mut args = vec![l.ptr(bx), l.ptr(br), Arg::Null, l.ptr(bw)];
+                    let mut args = vec![l.ptr(bx), Arg::Null, l.ptr(br), Arg::Null, l.ptr(bw)];
                     if !rms {
                         args.push(l.ptr(bb));
                     }
