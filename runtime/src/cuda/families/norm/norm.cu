@@ -311,6 +311,24 @@ __device__ __forceinline__ void norm_fwd(const TI* x, const TO* x_low, const TI*
     }
 }
 
+// One unit's terms of a dx row's sums, in element order: sum g and sum g * xhat (LN), or sum
+// g * s (RMS), g = dy * w. Both paths add through it, so they sum alike.
+template <bool RMS>
+__device__ __forceinline__ void dx_sums(const float (&xv)[UNIT], const float (&dv)[UNIT],
+                                        const float (&wv)[UNIT], float m, float r, double& sg,
+                                        double& sgx) {
+#pragma unroll
+    for (int e = 0; e < UNIT; ++e) {
+        const double g = double(dv[e] * wv[e]);
+        if (RMS) {
+            sgx += g * double(xv[e]);
+        } else {
+            sg += g;
+            sgx += g * double((xv[e] - m) * r);
+        }
+    }
+}
+
 // One row of dx through registers (row_in_registers): thread tid holds unit tid of s, dy and
 // dadd, all loaded before the row's sums so that a row costs one trip to memory; w is read
 // again after them (every row reads it: the cache has it), which keeps the registers within
@@ -329,16 +347,7 @@ __device__ __forceinline__ void norm_bwd_regs(const TI* sr, const TO* dyr,
         load8(dyr + j, dv);
         load8(w + j, wv);
         if (ar) load8(ar + j, av);
-#pragma unroll
-        for (int e = 0; e < UNIT; ++e) {
-            const double g = double(dv[e] * wv[e]);
-            if (RMS) {
-                sgx += g * double(xv[e]);
-            } else {
-                sg += g;
-                sgx += g * double((xv[e] - m) * r);
-            }
-        }
+        dx_sums<RMS>(xv, dv, wv, m, r, sg, sgx);
     }
     const double2 t = row_sum2(make_double2(sg, sgx), scratch);
     if (!mine) return;
@@ -394,16 +403,7 @@ __device__ __forceinline__ void norm_bwd(const TI* s, const TO* dy,
             load8(sr + j, xv);
             load8(dyr + j, dv);
             load8(w + j, wv);
-#pragma unroll
-            for (int k = 0; k < UNIT; ++k) {
-                const double g = double(dv[k] * wv[k]);
-                if (RMS) {
-                    sgx += g * double(xv[k]);
-                } else {
-                    sg += g;
-                    sgx += g * double((xv[k] - m) * r);
-                }
-            }
+            dx_sums<RMS>(xv, dv, wv, m, r, sg, sgx);
         }
         for (int j = tail + tid; j < h; j += nt) {
             const double g = double(to_f32(dyr[j]) * w[j]);

@@ -105,58 +105,66 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                     .collect();
                 for rms in [false, true] {
                     let kind = if rms { "rms_norm" } else { "layer_norm" };
-                    let mut y = sum.clone();
-                    if rms {
-                        norm::rms_norm(&mut y, &w, EPS);
-                    } else {
-                        norm::layer_norm(&mut y, &w, &b, EPS);
-                    }
-                    let y: Vec<f32> = y.iter().map(|&v| round_to(to, v)).collect();
+                    // The twin's output of a residual sum, rounded to the output dtype.
+                    let normed = |sum: &[f32]| -> Vec<f32> {
+                        let mut y = sum.to_vec();
+                        if rms {
+                            norm::rms_norm(&mut y, &w, EPS);
+                        } else {
+                            norm::layer_norm(&mut y, &w, &b, EPS);
+                        }
+                        y.iter().map(|&v| round_to(to, v)).collect()
+                    };
+                    // The forward with the residual added to `first` (the `x` operand, or
+                    // `x_low` in the output dtype when `low`) over `grid` blocks, every
+                    // output stored: the sum, y, mean and rstd as stored.
+                    let forward = |first: &[f32], low: bool, grid: u32| -> [Vec<f32>; 4] {
+                        let mut l = Launcher::new("norm.cu");
+                        let bx = match low {
+                            true => l.buf(enc(to, first), oskew),
+                            false => l.buf(enc(ti, first), skew),
+                        };
+                        let br = l.buf(enc(ti, &res), skew);
+                        let bsum = l.out(n * ti.size_bytes(), skew);
+                        let (bw, bb) = (l.buf(f32s(&w), wskew), l.buf(f32s(&b), wskew));
+                        let by = l.out(n * to.size_bytes(), oskew);
+                        let (bm, bs) = (l.out(ROWS * 4, 0), l.out(ROWS * 4, 0));
+                        let (xa, la) = match low {
+                            true => (Arg::Null, l.ptr(bx)),
+                            false => (l.ptr(bx), Arg::Null),
+                        };
+                        let mut args = vec![xa, la, l.ptr(br), l.ptr(bsum), l.ptr(bw)];
+                        if !rms {
+                            args.push(l.ptr(bb));
+                        }
+                        args.push(l.ptr(by));
+                        if !rms {
+                            args.push(l.ptr(bm));
+                        }
+                        args.extend([l.ptr(bs), i64(ROWS), i32(h), Arg::F64(EPS)]);
+                        let what = format!("{kind}_fwd_{s} h={h} block={block} x_low={low}");
+                        let out = l
+                            .run(&format!("{kind}_fwd_{s}"), (grid, 1, 1), (block, 1, 1), args)
+                            .unwrap_or_else(|e| panic!("{what}: {e}"));
+                        [
+                            dec(ti, &out[bsum.0]),
+                            dec(to, &out[by.0]),
+                            dec(DType::F32, &out[bm.0]),
+                            dec(DType::F32, &out[bs.0]),
+                        ]
+                    };
+                    let y = normed(&sum);
                     let st: Vec<(f32, f32)> = sum.chunks(h).map(|r| stats(r, rms)).collect();
                     let (mean, rstd): (Vec<f32>, Vec<f32>) = st.iter().copied().unzip();
+                    let what = format!("{kind}_fwd_{s} h={h} block={block}");
 
                     // Forward with the residual add, every output.
-                    let mut l = Launcher::new("norm.cu");
-                    let (bx, br) = (l.buf(enc(ti, &x), skew), l.buf(enc(ti, &res), skew));
-                    let bsum = l.out(n * ti.size_bytes(), skew);
-                    let (bw, bb) = (l.buf(f32s(&w), wskew), l.buf(f32s(&b), wskew));
-                    let by = l.out(n * to.size_bytes(), oskew);
-                    let (bm, bs) = (l.out(ROWS * 4, 0), l.out(ROWS * 4, 0));
-                    let mut args = vec![l.ptr(bx), Arg::Null, l.ptr(br), l.ptr(bsum), l.ptr(bw)];
+                    let [got_sum, got_y, got_mean, got_rstd] = forward(&x, false, ROWS as u32);
+                    check(&format!("{what} sum"), ti, &got_sum, &sum, 0);
+                    differ += check(&format!("{what} y"), to, &got_y, &y, 1);
+                    differ += check(&format!("{what} rstd"), DType::F32, &got_rstd, &rstd, 1);
                     if !rms {
-                        args.push(l.ptr(bb));
-                    }
-                    args.push(l.ptr(by));
-                    if !rms {
-                        args.push(l.ptr(bm));
-                    }
-                    args.extend([l.ptr(bs), i64(ROWS), i32(h), Arg::F64(EPS)]);
-                    let what = format!("{kind}_fwd_{s} h={h} block={block}");
-                    let out = l
-                        .run(
-                            &format!("{kind}_fwd_{s}"),
-                            (ROWS as u32, 1, 1),
-                            (block, 1, 1),
-                            args,
-                        )
-                        .unwrap_or_else(|e| panic!("{what}: {e}"));
-                    check(&format!("{what} sum"), ti, &dec(ti, &out[bsum.0]), &sum, 0);
-                    differ += check(&format!("{what} y"), to, &dec(to, &out[by.0]), &y, 1);
-                    differ += check(
-                        &format!("{what} rstd"),
-                        DType::F32,
-                        &dec(DType::F32, &out[bs.0]),
-                        &rstd,
-                        1,
-                    );
-                    if !rms {
-                        differ += check(
-                            &format!("{what} mean"),
-                            DType::F32,
-                            &dec(DType::F32, &out[bm.0]),
-                            &mean,
-                            1,
-                        );
+                        differ += check(&format!("{what} mean"), DType::F32, &got_mean, &mean, 1);
                     }
 
                     // The add's first operand in the output dtype, widened as it is loaded
@@ -168,35 +176,9 @@ fn norms_forward_and_backward_agree_with_the_twin() {
                         .zip(&res)
                         .map(|(a, r)| round_to(ti, a + r))
                         .collect();
-                    let mut low_y = low_sum.clone();
-                    if rms {
-                        norm::rms_norm(&mut low_y, &w, EPS);
-                    } else {
-                        norm::layer_norm(&mut low_y, &w, &b, EPS);
-                    }
-                    let low_y: Vec<f32> = low_y.iter().map(|&v| round_to(to, v)).collect();
-                    let mut l = Launcher::new("norm.cu");
-                    let (bl, br) = (l.buf(enc(to, &low), oskew), l.buf(enc(ti, &res), skew));
-                    let bsum = l.out(n * ti.size_bytes(), skew);
-                    let (bw, bb) = (l.buf(f32s(&w), wskew), l.buf(f32s(&b), wskew));
-                    let by = l.out(n * to.size_bytes(), oskew);
-                    let (bm, bs) = (l.out(ROWS * 4, 0), l.out(ROWS * 4, 0));
-                    let mut args = vec![Arg::Null, l.ptr(bl), l.ptr(br), l.ptr(bsum), l.ptr(bw)];
-                    if !rms {
-                        args.push(l.ptr(bb));
-                    }
-                    args.push(l.ptr(by));
-                    if !rms {
-                        args.push(l.ptr(bm));
-                    }
-                    args.extend([l.ptr(bs), i64(ROWS), i32(h), Arg::F64(EPS)]);
-                    let out = l
-                        .run(&format!("{kind}_fwd_{s}"), (2, 1, 1), (block, 1, 1), args)
-                        .unwrap_or_else(|e| panic!("{what} x_low: {e}"));
-                    let got = dec(ti, &out[bsum.0]);
-                    check(&format!("{what} x_low sum"), ti, &got, &low_sum, 0);
-                    let got = dec(to, &out[by.0]);
-                    differ += check(&format!("{what} x_low y"), to, &got, &low_y, 1);
+                    let [got_sum, got_y, _, _] = forward(&low, true, 2);
+                    check(&format!("{what} x_low sum"), ti, &got_sum, &low_sum, 0);
+                    differ += check(&format!("{what} x_low y"), to, &got_y, &normed(&low_sum), 1);
 
                     // Statistics only (null y, w and b not read), in place over the input.
                     let mut l = Launcher::new("norm.cu");
