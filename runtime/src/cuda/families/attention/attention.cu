@@ -48,22 +48,32 @@
 //   attention_bwd_<t>_d<P>(q, k, v, mask, positions, do, lse, delta, dq, dk, dv, dq_acc,
 //                          dq_ready, bkv, t, s, d, group, mask_group, causal, window, scale,
 //                          <q, k, v, do, dq, dk, dv strides>)
-//     One pass over key blocks: one block of 8 warps per (128 keys, kv batch); each warp
-//     owns 16 keys. For every query batch of the group and every tile of query rows
-//     (64 rows for P <= 64, else 32) that sees the block's keys, in order, with the next
-//     tile's Q, dO, lse and delta copied while this one computes: S^T = K Q^T and
+//     One pass over key blocks: one block of 8 warps per (128 keys, query batch, segment);
+//     each warp owns 16 keys. For every tile of query rows (64 rows for P <= 64, else 32) of
+//     its segment that sees the block's keys, in order, with the next tile's Q, dO, lse and
+//     delta copied while this one computes: S^T = K Q^T and
 //     dP^T = V dO^T, P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta); dV += P^T dO and
 //     dK += dS^T Q in registers; dS^T (as <t>) through shared memory into the block's share
 //     of dQ = dS K. Five products, nothing recomputed.
+//     A segment is ATT_BWD_SEGMENT_ROWS (512) query rows where the mask is banded (causal or
+//     windowed), else all t: under a causal mask the first key block reads every tile and the
+//     last only the last ones, so a block per whole run would leave the device waiting on the
+//     first blocks at the end of the launch. The blocks of one key block (the group's query
+//     heads, each one's segments: its links) sum dK and dV in that order, in F32 scratch past
+//     dq_acc, each waiting (dkv counters past dq_ready's) until the links before it have
+//     added theirs; the last link writes dk = scale * sum and dv as <t>. With one link
+//     (no grouping, one segment) the block writes them from its registers.
 //     dQ is summed across key blocks without float atomics, in a fixed order: the key blocks
 //     that read a query tile add their shares into the F32 rows of dq_acc ([bq, t, P]) from
 //     the highest block to the lowest, each waiting until dq_ready (one int per (query batch,
 //     tile), zero before the launch) counts the blocks above it; the lowest writes dq =
 //     scale * sum as <t>. Blocks are numbered so that higher key blocks have lower linear
-//     indices: a block waits only for blocks the device dispatched before it (it dispatches
-//     in index order, as FlashAttention-3's deterministic backward relies on), so the wait
-//     ends, and with causal masks it rarely waits at all (a higher block reaches a tile two
-//     tiles before the next lower one). The result does not depend on timing. Per tile one
+//     indices (x), and earlier links of a key block lower ones too (z: segments, each over
+//     y: query heads): a block waits only for blocks the device dispatched before it (it
+//     dispatches in index order, as FlashAttention-3's deterministic backward relies on), so
+//     the wait ends, and with causal masks it rarely waits at all (a higher block reaches a
+//     tile two tiles before the next lower one; a link waits only once it is done, on links
+//     that started before it). The result does not depend on timing. Per tile one
 //     thread waits (an acquire load) and one raises (a release), between block barriers, as
 //     castor_common.cuh's wait_flag and raise_flag describe: one fence per tile, not one per
 //     thread.
@@ -93,13 +103,16 @@
 // rounding to <t>: the kernel test's bounds (relative error against the twin, measured worst
 // with a margin) are 2e-4 in F16 and 1.2e-3 in BF16.
 // Launch (geometry.rs holds these numbers): tensor-core kernels block (256),
-// grid (ceil(t / 128), heads, bq / heads) for fwd and (ceil(s / 128), heads / group,
-// bq / heads) for bwd (heads: the query heads of one outer batch, a multiple of group; the
-// grid gives each block its (outer, head) split), dynamic shared
-// memory as attention::shared_bytes computes (over 48 KiB, so the host opts in); bwd needs
-// dq_acc of bq t P floats and dq_ready of bq ceil(t / QT) ints zeroed before it. F32 kernels
-// and delta: block (128), grid (ceil(t / 4), bq) for fwd and dq, (ceil(s / 4), bq / group) for
-// dkdv, no dynamic shared memory; delta: ceil(rows / (4 * 32 / att_delta_lanes(d))) blocks.
+// grid (ceil(t / 128), heads, bq / heads) for fwd and (ceil(s / 128), heads,
+// bq / heads * segments) for bwd (heads: the query heads of one outer batch, a multiple of
+// group; the grid gives each block its (outer, head) split), dynamic shared memory as
+// attention::shared_bytes computes (over 48 KiB, so the host opts in); bwd needs
+// dq_acc of bq t P floats and dq_ready of bq ceil(t / QT) ints zeroed before it; with more
+// than one link per key block, dq_acc also holds 2 P floats per key of every key block
+// (bq / group ceil(s / 128) 128 keys) past those, and dq_ready one int per key block past
+// its own, zeroed too (geometry::backward_scratch). F32 kernels and delta: block (128), grid
+// (ceil(t / 4), bq) for fwd and dq, (ceil(s / 4), bq / group) for dkdv, no dynamic shared
+// memory; delta: ceil(rows / (4 * 32 / att_delta_lanes(d))) blocks.
 #include "castor_common.cuh"
 
 #define ATT_PAD 8            // elements of padding per shared-memory row (bank spread)
@@ -107,6 +120,7 @@
 #define ATT_TC_THREADS 256   // threads of a tensor-core block: 8 warps
 #define ATT_FWD_ROWS 128     // query rows per tensor-core forward block: 8 warps x 16
 #define ATT_BWD_KEYS 128     // keys per tensor-core backward block: 8 warps x 16
+#define ATT_BWD_SEGMENT_ROWS 512  // query rows per segment of a banded backward's key block
 #define ATT_LOG2E 1.4426950408889634
 #define ATT_LN2 0.69314718055994531f
 
@@ -774,6 +788,14 @@ __device__ __forceinline__ void tile_key_blocks(const Visibility& vis, bool mayb
     hi = (visible_keys(rl, vis.t, vis.s, vis.causal) - 1) / KB;
 }
 
+// The segments a backward key block's query tiles split into: ATT_BWD_SEGMENT_ROWS rows each
+// where the mask is banded (causal or windowed: the key blocks' work differs, the first one's
+// most), else one. geometry.rs computes the same.
+__device__ __forceinline__ int att_bwd_segments(int t, int qrows, int causal, int window) {
+    const int nqt = (t + qrows - 1) / qrows, per = ATT_BWD_SEGMENT_ROWS / qrows;
+    return causal || window > 0 ? max(1, (nqt + per - 1) / per) : 1;
+}
+
 // Bits [lo, hi] (inclusive, clamped to [0, 64)) of a 64-bit word.
 __device__ __forceinline__ u64 bit_range(int lo, int hi) {
     lo = max(lo, 0);
@@ -816,9 +838,13 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
     __shared__ int reading;
 
     const int nkb = gridDim.x, kb = nkb - 1 - blockIdx.x, key0 = kb * KB;
-    // Key head hk of outer batch `outer`, key batch bk; its query heads are hk group + i.
-    const int hk = blockIdx.y, outer = blockIdx.z, bk = outer * int(gridDim.y) + hk;
-    const int nqt = (t + QT - 1) / QT;
+    // Query head qh of outer batch `outer` (query batch b), segment seg of its query tiles;
+    // key head hk = qh / group. The block is one link of the chain that sums its key block's
+    // dK and dV (below, after the loop).
+    const int nqt = (t + QT - 1) / QT, per_seg = ATT_BWD_SEGMENT_ROWS / QT;
+    const int segs = att_bwd_segments(t, QT, causal, window);
+    const int outer = int(blockIdx.z) / segs, seg = int(blockIdx.z) - outer * segs;
+    const int heads = gridDim.y, qh = blockIdx.y, hk = qh / group, b = outer * heads + qh;
     const int warp = warp_index(), lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int j0 = key0 + warp * 16;
     const int keys[2] = {j0 + g, j0 + g + 8};
@@ -837,20 +863,21 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
 #pragma unroll
     for (int i = 0; i < OT; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc_k[i][e] = acc_v[i][e] = 0.0f;
+        for (int e = 0; e < 4; ++e) {
+            acc_k[i][e] = acc_v[i][e] = 0.0f;
+#if defined(__CUDA_ARCH__)
+            // Opaque to the optimizer (no instruction): a block that reads no tile would
+            // otherwise get a copy of the end of the kernel of its own, with constant zeros.
+            asm volatile("" : "+f"(acc_k[i][e]), "+f"(acc_v[i][e]));
+#endif
+        }
     unsigned kf[KV_REGS ? DT : 1][4], vf[KV_REGS ? DT : 1][4];
     bool have_kv = false;
 
-    // The mask row of query batch b is b / mask_group, counted along rather than divided.
-    int mrow_index = bk * group / mask_group, mrow_left = mask_group - bk * group % mask_group;
-    for (int b = bk * group; b < (bk + 1) * group; ++b, mrow_left -= 1) {
-        if (mrow_left == 0) {
-            mrow_index += 1;
-            mrow_left = mask_group;
-        }
+    {
+        const int mrow_index = b / mask_group;
         const unsigned char* mrow = mask ? mask + i64(mrow_index) * s : nullptr;
         const i64* prow = positions ? positions + i64(mrow_index) * s : nullptr;
-        __syncthreads();  // keep[] and `reading` are about to be rewritten
         if (mrow != nullptr && threadIdx.x < KB)
             keep[threadIdx.x] = key0 + int(threadIdx.x) < s ? mrow[key0 + threadIdx.x] : 0;
         if (threadIdx.x == 0) reading = -1;
@@ -886,316 +913,403 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             __syncthreads();
             qz = reading >= 0 ? int(unsigned(reading) / QT) : -1;
         }
-        if (qa > qz) continue;
-        // This lane's keys: whether each is before s, and kept by the mask.
-        bool jin[2], jok[2];
+        // This segment's share of the run.
+        qa = max(qa, seg * per_seg);
+        qz = min(qz, seg * per_seg + per_seg - 1);
+        if (qa <= qz) {
+            // This lane's keys: whether each is before s, and kept by the mask.
+            bool jin[2], jok[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            jin[h] = keys[h] < s;
-            jok[h] = jin[h] && (mrow == nullptr || keep[keys[h] - key0] != 0);
-        }
-        const bool keys_kept = __all_sync(FULL_WARP, jok[0] && jok[1]);
-        const int qh = hk * group + (b - bk * group);
-        const T* qb = q + sq.at(outer, qh);
-        const T* dob = d_o + sdo.at(outer, qh);
-        const int q_ld[2] = {sq.row, sdo.row};
+            for (int h = 0; h < 2; ++h) {
+                jin[h] = keys[h] < s;
+                jok[h] = jin[h] && (mrow == nullptr || keep[keys[h] - key0] != 0);
+            }
+            const bool keys_kept = __all_sync(FULL_WARP, jok[0] && jok[1]);
+            const T* qb = q + sq.at(outer, qh);
+            const T* dob = d_o + sdo.at(outer, qh);
+            const int q_ld[2] = {sq.row, sdo.row};
 
-        // Tile qa - 1 only stages tile qa; every later one stages the next while it computes.
-        for (int qt = qa - 1, buf = 1; qt <= qz; ++qt, buf ^= 1) {
-            const bool more = qt < qz;
-            if (more) {
-                const int n0 = (qt + 1) * QT;
-                T* const to[2] = {qs + (buf ^ 1) * QT * LD, dos + (buf ^ 1) * QT * LD};
-                const T* const from[2] = {qb, dob};
-                load_tiles<T, P, QT, 2>(to, from, q_ld, n0, t, d, vec);
-                // Each row's sequence start (0 without positions), which the scores are tested
-                // against, and the least and greatest first key of the tile's rows (causal,
-                // window and positions), per warp of 32 rows.
-                int key_lo = s, key_hi = 0;
-                if (threadIdx.x < QT) {
-                    const int r = n0 + threadIdx.x;
-                    const i64 at = i64(b) * t + r;
-                    lse_s[(buf ^ 1) * QT + threadIdx.x] =
-                        r < t ? lse[at] * float(ATT_LOG2E) : F32_INF;
-                    delta_s[(buf ^ 1) * QT + threadIdx.x] = r < t ? delta[at] : 0.0f;
+            // Tile qa - 1 only stages tile qa; every later one stages the next while it computes.
+            for (int qt = qa - 1, buf = 1; qt <= qz; ++qt, buf ^= 1) {
+                const bool more = qt < qz;
+                if (more) {
+                    const int n0 = (qt + 1) * QT;
+                    T* const to[2] = {qs + (buf ^ 1) * QT * LD, dos + (buf ^ 1) * QT * LD};
+                    const T* const from[2] = {qb, dob};
+                    load_tiles<T, P, QT, 2>(to, from, q_ld, n0, t, d, vec);
+                    // Each row's sequence start (0 without positions), which the scores are tested
+                    // against, and the least and greatest first key of the tile's rows (causal,
+                    // window and positions), per warp of 32 rows.
+                    int key_lo = s, key_hi = 0;
+                    if (threadIdx.x < QT) {
+                        const int r = n0 + threadIdx.x;
+                        const i64 at = i64(b) * t + r;
+                        lse_s[(buf ^ 1) * QT + threadIdx.x] =
+                            r < t ? lse[at] * float(ATT_LOG2E) : F32_INF;
+                        delta_s[(buf ^ 1) * QT + threadIdx.x] = r < t ? delta[at] : 0.0f;
+                        if constexpr (POS) {
+                            const int start = vis.start(r);
+                            starts[buf ^ 1][threadIdx.x] = start;
+                            if (r < t) key_lo = key_hi = max(vis.lo(r), start);
+                        }
+                    }
                     if constexpr (POS) {
-                        const int start = vis.start(r);
-                        starts[buf ^ 1][threadIdx.x] = start;
-                        if (r < t) key_lo = key_hi = max(vis.lo(r), start);
+                        const int least = __reduce_min_sync(FULL_WARP, key_lo);
+                        const int most = __reduce_max_sync(FULL_WARP, key_hi);
+                        if (lane == 0 && warp < QT / 32) {
+                            first_keys[buf ^ 1][warp][0] = least;
+                            first_keys[buf ^ 1][warp][1] = most;
+                        }
                     }
                 }
+                cp_async_commit();
+                if (qt < qa) continue;
+                if (more) {
+                    cp_async_wait<1>();
+                } else {
+                    cp_async_wait<0>();
+                }
+                const int q0 = qt * QT, qlast = min(q0 + QT, t) - 1;
+                window_rows(vis, empty_rows, &any_empty, mrow, q0, QT);
+                __syncthreads();
+                // The least and greatest first key of the tile's rows: its first and last row's
+                // (the first key grows with the row), but for positions.
+                int tile_lo = vis.lo(q0), tile_hi = vis.lo(qlast);
                 if constexpr (POS) {
-                    const int least = __reduce_min_sync(FULL_WARP, key_lo);
-                    const int most = __reduce_max_sync(FULL_WARP, key_hi);
-                    if (lane == 0 && warp < QT / 32) {
-                        first_keys[buf ^ 1][warp][0] = least;
-                        first_keys[buf ^ 1][warp][1] = most;
+                    tile_lo = first_keys[buf][0][0];
+                    tile_hi = first_keys[buf][0][1];
+#pragma unroll
+                    for (int w = 1; w < QT / 32; ++w) {
+                        tile_lo = min(tile_lo, first_keys[buf][w][0]);
+                        tile_hi = max(tile_hi, first_keys[buf][w][1]);
                     }
                 }
-            }
-            cp_async_commit();
-            if (qt < qa) continue;
-            if (more) {
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            const int q0 = qt * QT, qlast = min(q0 + QT, t) - 1;
-            window_rows(vis, empty_rows, &any_empty, mrow, q0, QT);
-            __syncthreads();
-            // The least and greatest first key of the tile's rows: its first and last row's
-            // (the first key grows with the row), but for positions.
-            int tile_lo = vis.lo(q0), tile_hi = vis.lo(qlast);
-            if constexpr (POS) {
-                tile_lo = first_keys[buf][0][0];
-                tile_hi = first_keys[buf][0][1];
-#pragma unroll
-                for (int w = 1; w < QT / 32; ++w) {
-                    tile_lo = min(tile_lo, first_keys[buf][w][0]);
-                    tile_hi = max(tile_hi, first_keys[buf][w][1]);
+                if (!maybe_none && tile_lo >= key0 + KB) {
+                    // No row of the tile sees the block (positions may leave such a tile inside
+                    // the run): it takes no part in the tile's dQ.
+                    __syncthreads();  // first_keys[buf] is rewritten next
+                    continue;
                 }
-            }
-            if (!maybe_none && tile_lo >= key0 + KB) {
-                // No row of the tile sees the block (positions may leave such a tile inside
-                // the run): it takes no part in the tile's dQ.
-                __syncthreads();  // first_keys[buf] is rewritten next
-                continue;
-            }
-            if constexpr (KV_REGS) {
-                if (!have_kv) {
+                if constexpr (KV_REGS) {
+                    if (!have_kv) {
+#pragma unroll
+                        for (int kk = 0; kk < DT; ++kk) {
+                            ldsm_x4(kf[kk], a_rows<LD>(ks, warp * 16, kk * 16));
+                            ldsm_x4(vf[kk], a_rows<LD>(vs, warp * 16, kk * 16));
+                        }
+                        have_kv = true;
+                    }
+                }
+                const T* qt_s = qs + buf * QT * LD;
+                const T* dot_s = dos + buf * QT * LD;
+                const float* l2 = lse_s + buf * QT;
+                const float* dl = delta_s + buf * QT;
+                T* my_dst = dst + warp * 16 * LDS;
+                const bool skip = !maybe_none && (j0 >= visible_keys(qlast, t, s, causal) ||
+                                                  j0 + 16 <= tile_lo);
+                if (skip) {
+                    // The warp's keys are not seen by the tile: its dS^T rows are zero.
+#pragma unroll
+                    for (int i = lane; i < 16 * QT / 8; i += 32)
+                        *reinterpret_cast<uint4*>(my_dst + (i / (QT / 8)) * LDS + (i % (QT / 8)) * 8) =
+                            make_uint4(0u, 0u, 0u, 0u);
+                } else {
+                    float st[NQ][4], dpt[NQ][4];
+#pragma unroll
+                    for (int n = 0; n < NQ; ++n)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
 #pragma unroll
                     for (int kk = 0; kk < DT; ++kk) {
-                        ldsm_x4(kf[kk], a_rows<LD>(ks, warp * 16, kk * 16));
-                        ldsm_x4(vf[kk], a_rows<LD>(vs, warp * 16, kk * 16));
-                    }
-                    have_kv = true;
-                }
-            }
-            const T* qt_s = qs + buf * QT * LD;
-            const T* dot_s = dos + buf * QT * LD;
-            const float* l2 = lse_s + buf * QT;
-            const float* dl = delta_s + buf * QT;
-            T* my_dst = dst + warp * 16 * LDS;
-            const bool skip = !maybe_none && (j0 >= visible_keys(qlast, t, s, causal) ||
-                                              j0 + 16 <= tile_lo);
-            if (skip) {
-                // The warp's keys are not seen by the tile: its dS^T rows are zero.
+                        unsigned ak[4], av[4];
+                        if constexpr (KV_REGS) {
 #pragma unroll
-                for (int i = lane; i < 16 * QT / 8; i += 32)
-                    *reinterpret_cast<uint4*>(my_dst + (i / (QT / 8)) * LDS + (i % (QT / 8)) * 8) =
-                        make_uint4(0u, 0u, 0u, 0u);
-            } else {
-                float st[NQ][4], dpt[NQ][4];
-#pragma unroll
-                for (int n = 0; n < NQ; ++n)
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
-#pragma unroll
-                for (int kk = 0; kk < DT; ++kk) {
-                    unsigned ak[4], av[4];
-                    if constexpr (KV_REGS) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            ak[e] = kf[kk][e];
-                            av[e] = vf[kk][e];
+                            for (int e = 0; e < 4; ++e) {
+                                ak[e] = kf[kk][e];
+                                av[e] = vf[kk][e];
+                            }
+                        } else {
+                            ldsm_x4(ak, a_rows<LD>(ks, warp * 16, kk * 16));
+                            ldsm_x4(av, a_rows<LD>(vs, warp * 16, kk * 16));
                         }
-                    } else {
-                        ldsm_x4(ak, a_rows<LD>(ks, warp * 16, kk * 16));
-                        ldsm_x4(av, a_rows<LD>(vs, warp * 16, kk * 16));
+#pragma unroll
+                        for (int n2 = 0; n2 < NQ / 2; ++n2) {
+                            unsigned bq[4], bo[4];
+                            ldsm_x4(bq, bt_rows<LD>(qt_s, n2 * 16, kk * 16));
+                            ldsm_x4(bo, bt_rows<LD>(dot_s, n2 * 16, kk * 16));
+                            mma_packed<T>(st[2 * n2], ak, bq[0], bq[1]);       // S^T
+                            mma_packed<T>(st[2 * n2 + 1], ak, bq[2], bq[3]);
+                            mma_packed<T>(dpt[2 * n2], av, bo[0], bo[1]);      // dP^T
+                            mma_packed<T>(dpt[2 * n2 + 1], av, bo[2], bo[3]);
+                        }
                     }
+                    const bool plain = !maybe_none && keys_kept &&
+                                       j0 + 16 <= visible_keys(q0, t, s, causal) &&
+                                       j0 >= tile_hi;
+                    if (!plain) {
+                        // Per key of this lane, the tile's queries whose score it keeps (`kept`)
+                        // and those that see no kept key (`zero`: score 0, kept for keys before
+                        // s), as bits of the query index shifted by 2c, so that an element's bit
+                        // is the same for every lane. The rows that see a key j form a range:
+                        // causal: j < r + 1 + s - t; window: r + 1 + s - t - window <= j (or
+                        // s - window <= j when every row sees all s keys).
+                        u64 zero = 0;
 #pragma unroll
-                    for (int n2 = 0; n2 < NQ / 2; ++n2) {
-                        unsigned bq[4], bo[4];
-                        ldsm_x4(bq, bt_rows<LD>(qt_s, n2 * 16, kk * 16));
-                        ldsm_x4(bo, bt_rows<LD>(dot_s, n2 * 16, kk * 16));
-                        mma_packed<T>(st[2 * n2], ak, bq[0], bq[1]);       // S^T
-                        mma_packed<T>(st[2 * n2 + 1], ak, bq[2], bq[3]);
-                        mma_packed<T>(dpt[2 * n2], av, bo[0], bo[1]);      // dP^T
-                        mma_packed<T>(dpt[2 * n2 + 1], av, bo[2], bo[3]);
-                    }
-                }
-                const bool plain = !maybe_none && keys_kept &&
-                                   j0 + 16 <= visible_keys(q0, t, s, causal) &&
-                                   j0 >= tile_hi;
-                if (!plain) {
-                    // Per key of this lane, the tile's queries whose score it keeps (`kept`)
-                    // and those that see no kept key (`zero`: score 0, kept for keys before
-                    // s), as bits of the query index shifted by 2c, so that an element's bit
-                    // is the same for every lane. The rows that see a key j form a range:
-                    // causal: j < r + 1 + s - t; window: r + 1 + s - t - window <= j (or
-                    // s - window <= j when every row sees all s keys).
-                    u64 zero = 0;
+                        for (int w = 0; w < (QT + 31) / 32; ++w)
+                            zero |= u64(__ballot_sync(FULL_WARP, vis.none(q0 + 32 * w + lane))) << (32 * w);
+                        zero >>= 2 * c;
+                        // With positions, the rows that start at or before each of this lane's keys
+                        // (which need not be a range): one ballot over the tile's rows per key of
+                        // the warp, kept by the lanes that hold the key.
+                        u64 started[2] = {~0ull, ~0ull};
+                        if (prow != nullptr) {
+                            int from[QT / 32];
 #pragma unroll
-                    for (int w = 0; w < (QT + 31) / 32; ++w)
-                        zero |= u64(__ballot_sync(FULL_WARP, vis.none(q0 + 32 * w + lane))) << (32 * w);
-                    zero >>= 2 * c;
-                    // With positions, the rows that start at or before each of this lane's keys
-                    // (which need not be a range): one ballot over the tile's rows per key of
-                    // the warp, kept by the lanes that hold the key.
-                    u64 started[2] = {~0ull, ~0ull};
-                    if (prow != nullptr) {
-                        int from[QT / 32];
-#pragma unroll
-                        for (int w = 0; w < QT / 32; ++w) from[w] = starts[buf][32 * w + lane];
+                            for (int w = 0; w < QT / 32; ++w) from[w] = starts[buf][32 * w + lane];
 #pragma unroll 1
-                        for (int k = 0; k < 8; ++k) {
-                            u64 m[2] = {0ull, 0ull};
+                            for (int k = 0; k < 8; ++k) {
+                                u64 m[2] = {0ull, 0ull};
 #pragma unroll
-                            for (int w = 0; w < QT / 32; ++w) {
-                                m[0] |= u64(__ballot_sync(FULL_WARP, from[w] <= j0 + k)) << (32 * w);
-                                m[1] |= u64(__ballot_sync(FULL_WARP, from[w] <= j0 + k + 8))
-                                        << (32 * w);
-                            }
-                            if (k == g) {
-                                started[0] = m[0] >> (2 * c);
-                                started[1] = m[1] >> (2 * c);
+                                for (int w = 0; w < QT / 32; ++w) {
+                                    m[0] |= u64(__ballot_sync(FULL_WARP, from[w] <= j0 + k)) << (32 * w);
+                                    m[1] |= u64(__ballot_sync(FULL_WARP, from[w] <= j0 + k + 8))
+                                            << (32 * w);
+                                }
+                                if (k == g) {
+                                    started[0] = m[0] >> (2 * c);
+                                    started[1] = m[1] >> (2 * c);
+                                }
                             }
                         }
-                    }
-                    u64 kept[2];
+                        u64 kept[2];
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        const int j = keys[h];
-                        int lo = causal ? j - s + t : 0, hi = t - 1;
-                        if (window > 0) {
-                            if (causal && j + window < s) hi = j + window - 1 - s + t;
-                            if (!causal && j < s - window) hi = -1;
+                        for (int h = 0; h < 2; ++h) {
+                            const int j = keys[h];
+                            int lo = causal ? j - s + t : 0, hi = t - 1;
+                            if (window > 0) {
+                                if (causal && j + window < s) hi = j + window - 1 - s + t;
+                                if (!causal && j < s - window) hi = -1;
+                            }
+                            const u64 seen = jok[h] ? bit_range(lo - q0 - 2 * c, hi - q0 - 2 * c) : 0ull;
+                            kept[h] = (seen & started[h] & ~zero) | (jin[h] ? zero : 0ull);
                         }
-                        const u64 seen = jok[h] ? bit_range(lo - q0 - 2 * c, hi - q0 - 2 * c) : 0ull;
-                        kept[h] = (seen & started[h] & ~zero) | (jin[h] ? zero : 0ull);
+#pragma unroll
+                        for (int n = 0; n < NQ; ++n) {
+#pragma unroll
+                            for (int e = 0; e < 4; ++e) {
+                                const int io = n * 8 + (e & 1);
+                                if ((zero >> io) & 1ull) st[n][e] = 0.0f;
+                                if (!((kept[e >> 1] >> io) & 1ull)) st[n][e] = F32_NEG_INF;
+                            }
+                        }
                     }
 #pragma unroll
                     for (int n = 0; n < NQ; ++n) {
 #pragma unroll
                         for (int e = 0; e < 4; ++e) {
-                            const int io = n * 8 + (e & 1);
-                            if ((zero >> io) & 1ull) st[n][e] = 0.0f;
-                            if (!((kept[e >> 1] >> io) & 1ull)) st[n][e] = F32_NEG_INF;
-                        }
-                    }
-                }
-#pragma unroll
-                for (int n = 0; n < NQ; ++n) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int i = n * 8 + 2 * c + (e & 1);
-                        const float p = exp2_approx(fmaf(st[n][e], scale_log2, -l2[i]));
-                        if constexpr (DROP) {
-                            if (dr.on) {
-                                // The forward's mask, regenerated: dP of a dropped key is 0,
-                                // of a kept one scaled, and dV reads the dropped, scaled P.
-                                const int qi = q0 + i, j = keys[e >> 1];
-                                const bool kept = qi < t && j < s &&
-                                                  dr.kept((i64(b) * t + qi) * s + j);
-                                st[n][e] = kept ? p * dr.scale : 0.0f;
-                                dpt[n][e] = p * ((kept ? dpt[n][e] * dr.scale : 0.0f) - dl[i]);
-                                continue;
+                            const int i = n * 8 + 2 * c + (e & 1);
+                            const float p = exp2_approx(fmaf(st[n][e], scale_log2, -l2[i]));
+                            if constexpr (DROP) {
+                                if (dr.on) {
+                                    // The forward's mask, regenerated: dP of a dropped key is 0,
+                                    // of a kept one scaled, and dV reads the dropped, scaled P.
+                                    const int qi = q0 + i, j = keys[e >> 1];
+                                    const bool kept = qi < t && j < s &&
+                                                      dr.kept((i64(b) * t + qi) * s + j);
+                                    st[n][e] = kept ? p * dr.scale : 0.0f;
+                                    dpt[n][e] = p * ((kept ? dpt[n][e] * dr.scale : 0.0f) - dl[i]);
+                                    continue;
+                                }
                             }
+                            st[n][e] = p;                          // P^T
+                            dpt[n][e] = p * (dpt[n][e] - dl[i]);  // dS^T
                         }
-                        st[n][e] = p;                          // P^T
-                        dpt[n][e] = p * (dpt[n][e] - dl[i]);  // dS^T
+                    }
+#pragma unroll
+                    for (int n = 0; n < NQ; ++n) {
+                        *reinterpret_cast<unsigned*>(my_dst + g * LDS + n * 8 + 2 * c) =
+                            pack2<T>(dpt[n][0], dpt[n][1]);
+                        *reinterpret_cast<unsigned*>(my_dst + (g + 8) * LDS + n * 8 + 2 * c) =
+                            pack2<T>(dpt[n][2], dpt[n][3]);
+                    }
+#pragma unroll
+                    for (int kc = 0; kc < QT / 16; ++kc) {
+                        unsigned ap[4], as[4];
+                        frag_from_acc<T>(ap, st, kc);
+                        frag_from_acc<T>(as, dpt, kc);
+#pragma unroll
+                        for (int i2 = 0; i2 < OT / 2; ++i2) {
+                            unsigned bo[4], bq[4];
+                            ldsm_x4_t(bo, b_rows<LD>(dot_s, kc * 16, i2 * 16));
+                            ldsm_x4_t(bq, b_rows<LD>(qt_s, kc * 16, i2 * 16));
+                            mma_packed<T>(acc_v[2 * i2], ap, bo[0], bo[1]);  // dV += P^T dO
+                            mma_packed<T>(acc_v[2 * i2 + 1], ap, bo[2], bo[3]);
+                            mma_packed<T>(acc_k[2 * i2], as, bq[0], bq[1]);  // dK += dS^T Q
+                            mma_packed<T>(acc_k[2 * i2 + 1], as, bq[2], bq[3]);
+                        }
                     }
                 }
-#pragma unroll
-                for (int n = 0; n < NQ; ++n) {
-                    *reinterpret_cast<unsigned*>(my_dst + g * LDS + n * 8 + 2 * c) =
-                        pack2<T>(dpt[n][0], dpt[n][1]);
-                    *reinterpret_cast<unsigned*>(my_dst + (g + 8) * LDS + n * 8 + 2 * c) =
-                        pack2<T>(dpt[n][2], dpt[n][3]);
-                }
-#pragma unroll
-                for (int kc = 0; kc < QT / 16; ++kc) {
-                    unsigned ap[4], as[4];
-                    frag_from_acc<T>(ap, st, kc);
-                    frag_from_acc<T>(as, dpt, kc);
-#pragma unroll
-                    for (int i2 = 0; i2 < OT / 2; ++i2) {
-                        unsigned bo[4], bq[4];
-                        ldsm_x4_t(bo, b_rows<LD>(dot_s, kc * 16, i2 * 16));
-                        ldsm_x4_t(bq, b_rows<LD>(qt_s, kc * 16, i2 * 16));
-                        mma_packed<T>(acc_v[2 * i2], ap, bo[0], bo[1]);  // dV += P^T dO
-                        mma_packed<T>(acc_v[2 * i2 + 1], ap, bo[2], bo[3]);
-                        mma_packed<T>(acc_k[2 * i2], as, bq[0], bq[1]);  // dK += dS^T Q
-                        mma_packed<T>(acc_k[2 * i2 + 1], as, bq[2], bq[3]);
-                    }
-                }
-            }
-            __syncthreads();  // dS^T is whole
+                __syncthreads();  // dS^T is whole
 
-            // This block's share of dQ for the tile: dS (from dS^T) times the block's K.
-            const int mt = warp % MT, col0 = (warp / MT) * NW * 8;
-            float aq[NW][4];
-#pragma unroll
-            for (int n = 0; n < NW; ++n) aq[n][0] = aq[n][1] = aq[n][2] = aq[n][3] = 0.0f;
-#pragma unroll
-            for (int kc = 0; kc < KB / 16; ++kc) {
-                unsigned a[4];
-                ldsm_x4_t(a, dst + (kc * 16 + ((lane >> 4) << 3) + (lane & 7)) * LDS + mt * 16 +
-                                 ((lane >> 3) & 1) * 8);
-                if constexpr (NW >= 2) {
-#pragma unroll
-                    for (int n2 = 0; n2 < NW / 2; ++n2) {
-                        unsigned bk4[4];
-                        ldsm_x4_t(bk4, b_rows<LD>(ks, kc * 16, col0 + n2 * 16));
-                        mma_packed<T>(aq[2 * n2], a, bk4[0], bk4[1]);
-                        mma_packed<T>(aq[2 * n2 + 1], a, bk4[2], bk4[3]);
-                    }
-                } else {
-                    unsigned bk2[2];
-                    ldsm_x2_t(bk2, b_rows<LD>(ks, kc * 16, col0));
-                    mma_packed<T>(aq[0], a, bk2[0], bk2[1]);
+                // This block's share of dQ for the tile, dS (from dS^T) times the block's K, is
+                // added to the shares of the blocks above this one (dq_acc). The wait for them
+                // comes first, so that their sum loads while the product runs.
+                int lo_kb, hi_kb;
+                tile_key_blocks<KB, QT>(vis, maybe_none, qt, tile_lo, nkb, lo_kb, hi_kb);
+                const bool first = kb == hi_kb, last = kb == lo_kb;
+                int* ready = dq_ready + i64(b) * nqt + qt;
+                if (!first) {
+                    if (threadIdx.x == 0) wait_flag(ready, hi_kb - kb);
+                    __syncthreads();  // the blocks above this one have added their shares
                 }
-            }
-            // Add it to the shares of the blocks above this one (dq_acc), or, as the last,
-            // write dq = scale * sum through the dS^T buffer (read by no warp any more: they
-            // all passed the barrier below, and the next tile writes it after its own first
-            // barrier).
-            int lo_kb, hi_kb;
-            tile_key_blocks<KB, QT>(vis, maybe_none, qt, tile_lo, nkb, lo_kb, hi_kb);
-            const bool first = kb == hi_kb, last = kb == lo_kb;
-            int* ready = dq_ready + i64(b) * nqt + qt;
-            if (threadIdx.x == 0 && !first) wait_flag(ready, hi_kb - kb);
-            __syncthreads();  // the blocks above this one have added their shares
-            T* out = dst;  // [QT][LD] now
+                const int mt = warp % MT, col0 = (warp / MT) * NW * 8;
+                float aq[NW][4], above[NW][4];
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int i = mt * 16 + g + 8 * h;
-                float* arow = dq_acc + (i64(b) * t + q0 + i) * P;
+                for (int h = 0; h < 2; ++h) {
+                    const int i = mt * 16 + g + 8 * h;
+                    const float* arow = dq_acc + (i64(b) * t + q0 + i) * P + col0 + 2 * c;
 #pragma unroll
-                for (int n = 0; n < NW; ++n) {
-                    const int col = col0 + n * 8 + 2 * c;
-                    float x0 = aq[n][2 * h], x1 = aq[n][2 * h + 1];
-                    if (q0 + i < t) {
-                        if (!first) {
-                            const float2 prev = __ldcg(reinterpret_cast<const float2*>(arow + col));
-                            x0 = prev.x + x0;
-                            x1 = prev.y + x1;
+                    for (int n = 0; n < NW; ++n) {
+                        float2 x = make_float2(0.0f, 0.0f);  // 0 + share = share
+                        if (!first && q0 + i < t)
+                            x = __ldcg(reinterpret_cast<const float2*>(arow + n * 8));
+                        above[n][2 * h] = x.x;
+                        above[n][2 * h + 1] = x.y;
+                    }
+                }
+#pragma unroll
+                for (int n = 0; n < NW; ++n) aq[n][0] = aq[n][1] = aq[n][2] = aq[n][3] = 0.0f;
+#pragma unroll
+                for (int kc = 0; kc < KB / 16; ++kc) {
+                    unsigned a[4];
+                    ldsm_x4_t(a, dst + (kc * 16 + ((lane >> 4) << 3) + (lane & 7)) * LDS + mt * 16 +
+                                     ((lane >> 3) & 1) * 8);
+                    if constexpr (NW >= 2) {
+#pragma unroll
+                        for (int n2 = 0; n2 < NW / 2; ++n2) {
+                            unsigned bk4[4];
+                            ldsm_x4_t(bk4, b_rows<LD>(ks, kc * 16, col0 + n2 * 16));
+                            mma_packed<T>(aq[2 * n2], a, bk4[0], bk4[1]);
+                            mma_packed<T>(aq[2 * n2 + 1], a, bk4[2], bk4[3]);
                         }
-                        if (!last) __stcg(reinterpret_cast<float2*>(arow + col), make_float2(x0, x1));
+                    } else {
+                        unsigned bk2[2];
+                        ldsm_x2_t(bk2, b_rows<LD>(ks, kc * 16, col0));
+                        mma_packed<T>(aq[0], a, bk2[0], bk2[1]);
                     }
-                    if (last)
-                        *reinterpret_cast<unsigned*>(out + i * LD + col) =
-                            pack2<T>(x0 * scale, x1 * scale);
                 }
-            }
-            __syncthreads();  // this block's share is stored (raise_flag's fence covers it)
-            if (last) {
-                const bool dvec = d % 8 == 0 && aligned16(dq) && sdq.rows16();
-                T* dqb = dq + sdq.at(outer, qh) + i64(q0) * sdq.row;
-                if (warp < QT / 16) {
-                    T* const to[1] = {dqb + i64(warp) * 16 * sdq.row};
-                    const T* const from[1] = {out + warp * 16 * LD};
-                    const int ld[1] = {sdq.row};
-                    store_rows<T, P, 1>(to, from, ld, min(16, qlast + 1 - q0 - warp * 16), d,
-                                        dvec);
+                // The sum so far: the shares above, then this one.
+#pragma unroll
+                for (int n = 0; n < NW; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) aq[n][e] = above[n][e] + aq[n][e];
+                if (!last) {
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int i = mt * 16 + g + 8 * h;
+                        float* arow = dq_acc + (i64(b) * t + q0 + i) * P + col0 + 2 * c;
+#pragma unroll
+                        for (int n = 0; n < NW; ++n)
+                            if (q0 + i < t)
+                                __stcg(reinterpret_cast<float2*>(arow + n * 8),
+                                       make_float2(aq[n][2 * h], aq[n][2 * h + 1]));
+                    }
                 }
-            } else if (threadIdx.x == 0) {
-                raise_flag(ready);
+                // Every warp has read dS^T, and this block's share is stored (raise_flag's
+                // fence covers it).
+                __syncthreads();
+                if (!last) {
+                    if (threadIdx.x == 0) raise_flag(ready);
+                } else {
+                    // The last block writes dq = scale * sum through the dS^T buffer (the next
+                    // tile writes it after its own first barrier).
+                    T* out = dst;  // [QT][LD] now
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int i = mt * 16 + g + 8 * h;
+#pragma unroll
+                        for (int n = 0; n < NW; ++n)
+                            *reinterpret_cast<unsigned*>(out + i * LD + col0 + n * 8 + 2 * c) =
+                                pack2<T>(aq[n][2 * h] * scale, aq[n][2 * h + 1] * scale);
+                    }
+                    __syncthreads();  // the tile's dq is whole
+                    const bool dvec = d % 8 == 0 && aligned16(dq) && sdq.rows16();
+                    T* dqb = dq + sdq.at(outer, qh) + i64(q0) * sdq.row;
+                    if (warp < QT / 16) {
+                        T* const to[1] = {dqb + i64(warp) * 16 * sdq.row};
+                        const T* const from[1] = {out + warp * 16 * LD};
+                        const int ld[1] = {sdq.row};
+                        store_rows<T, P, 1>(to, from, ld, min(16, qlast + 1 - q0 - warp * 16), d,
+                                            dvec);
+                    }
+                }
             }
         }
     }
     cp_async_wait<0>();
-    __syncthreads();  // K and V are read no more: their tiles take dK and dV
+    __syncthreads();  // K and V are read no more: shared memory takes dK and dV
+    const int links = group * segs;
+    if (links > 1) {
+        // The key block's dK and dV are summed over its links in order (segments, then the
+        // group's query heads), in F32 scratch past dq_acc, a float4 stripe per thread as the
+        // accumulators lie: each link waits until the ones before it have added theirs, adds
+        // its own after theirs and passes the sum on, or, as the last, writes dk and dv from
+        // it below. A link whose segment reads no tile passes the sum on too, so every link
+        // counts. The stripes go through shared memory (P KiB at the front, which
+        // geometry::shared_bytes provides; each thread reads only its own), so that one loop,
+        // not one copy per register, adds them.
+        const int link = (int(blockIdx.z) - outer * segs) * group + qh - hk * group;
+        const i64 bq = i64(gridDim.z / segs) * gridDim.y;
+        const int bk = outer * (int(gridDim.y) / group) + hk;
+        float4* sum = reinterpret_cast<float4*>(dq_acc + bq * t * P) +
+                      (i64(bk) * nkb + kb) * (2 * OT * ATT_TC_THREADS) + threadIdx.x;
+        int* ready = dq_ready + bq * nqt + i64(bk) * nkb + kb;
+        if (link > 0 && threadIdx.x == 0) wait_flag(ready, link);
+        __syncthreads();  // the links before this one have added theirs
+        float4* stripe = reinterpret_cast<float4*>(att_smem) + threadIdx.x;
+        const bool pass_on = link < links - 1;
+#pragma unroll
+        for (int i = 0; i < OT; ++i) {
+            stripe[i * ATT_TC_THREADS] =
+                make_float4(acc_k[i][0], acc_k[i][1], acc_k[i][2], acc_k[i][3]);
+            stripe[(OT + i) * ATT_TC_THREADS] =
+                make_float4(acc_v[i][0], acc_v[i][1], acc_v[i][2], acc_v[i][3]);
+        }
+#pragma unroll 1
+        for (int i = 0; i < 2 * OT; ++i) {
+            float4* at = sum + i * ATT_TC_THREADS;
+            float4 x = stripe[i * ATT_TC_THREADS];
+            if (link > 0) {
+                const float4 y = __ldcg(at);
+                x = make_float4(y.x + x.x, y.y + x.y, y.z + x.z, y.w + x.w);
+            }
+            if (pass_on) {
+                __stcg(at, x);
+            } else {
+                stripe[i * ATT_TC_THREADS] = x;
+            }
+        }
+        if (!pass_on) {
+#pragma unroll
+            for (int i = 0; i < OT; ++i) {
+                const float4 xk = stripe[i * ATT_TC_THREADS];
+                const float4 xv = stripe[(OT + i) * ATT_TC_THREADS];
+                acc_k[i][0] = xk.x;
+                acc_k[i][1] = xk.y;
+                acc_k[i][2] = xk.z;
+                acc_k[i][3] = xk.w;
+                acc_v[i][0] = xv.x;
+                acc_v[i][1] = xv.y;
+                acc_v[i][2] = xv.z;
+                acc_v[i][3] = xv.w;
+            }
+        }
+        __syncthreads();  // the stripes are read; the block's sum is stored (raise_flag's fence)
+        if (pass_on) {
+            if (threadIdx.x == 0) raise_flag(ready);
+            return;
+        }
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
 #pragma unroll

@@ -78,6 +78,8 @@ struct Shape {
     group: usize,
     mask_group: usize,
     causal: bool,
+    /// Causal or windowed (the backward's segments, `geometry::bwd_segments`).
+    banded: bool,
 }
 
 impl Shape {
@@ -90,7 +92,8 @@ impl Shape {
         let group = a.count32("group")?;
         let mask_group = a.count32("mask_group")?;
         let causal = a.i32("causal")? != 0;
-        if a.i32("window")? < 0 {
+        let window = a.i32("window")?;
+        if window < 0 {
             return Err("a negative sliding window".into());
         }
         let scale = a.f64("scale")?;
@@ -123,16 +126,16 @@ impl Shape {
             group,
             mask_group,
             causal,
+            banded: causal || window > 0,
         })
     }
 
     /// The query heads of one outer batch, as the tensor-core kernels' grid splits them (its
-    /// y dim: query heads in the forward, key heads in the backward); 1 for the F32 kernels.
-    fn heads(&self, l: &Launch, kernel: Kernel, v: Variant) -> usize {
-        match (v.tile, kernel) {
-            (None, _) => 1,
-            (Some(_), Kernel::Backward) => l.grid.1 as usize * self.group,
-            (Some(_), _) => l.grid.1 as usize,
+    /// y dim); 1 for the F32 kernels.
+    fn heads(&self, l: &Launch, v: Variant) -> usize {
+        match v.tile {
+            None => 1,
+            Some(_) => l.grid.1 as usize,
         }
     }
 
@@ -154,7 +157,7 @@ impl Shape {
             }
             _ => {}
         }
-        let heads = self.heads(l, kernel, v);
+        let heads = self.heads(l, v);
         let splits = heads > 0 && self.bq.is_multiple_of(heads) && heads.is_multiple_of(self.group);
         if tensor_cores && !splits {
             return Err(format!(
@@ -164,11 +167,11 @@ impl Shape {
         }
         let grid = geometry::grid(
             kernel,
-            tensor_cores,
+            v.tile,
             self.bq as u32,
             (heads as u32, self.group as u32),
-            self.t as u32,
-            self.s as u32,
+            (self.t as u32, self.s as u32),
+            self.banded,
         );
         let shared = v.tile.map_or(0, |p| {
             geometry::shared_bytes(kernel, p, v.dtype.size_bytes() as u32)
@@ -304,7 +307,7 @@ pub(crate) fn forward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
         let st = read_strides(&mut a, &["q", "k", "v", "o"])?;
         let key = dropout_use(&mut a, m, v)?;
         a.end()?;
-        let heads = sh.heads(l, Kernel::Forward, v);
+        let heads = sh.heads(l, v);
         let mut uses = sh.strided_operands(ops, heads, &st[..3], elem)?;
         uses.push(st[3].use_of("o", o, sh.q_dims(heads)?, elem, Io::W)?);
         uses.push(key);
@@ -368,7 +371,8 @@ pub(crate) fn dkdv(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
 
 /// The tensor-core backward: dq, dk and dv in one pass, dq summed in `dq_acc` (F32 rows of the
 /// tile's width, scratch the kernel writes before it reads) in the order the `dq_ready`
-/// counters (zeroed before the launch) keep.
+/// counters (zeroed before the launch) keep; with several links per key block, their dk and
+/// dv sums follow in both (`geometry::backward_scratch`).
 pub(crate) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     let mut a = Args::new(l);
     let ops = operands(&mut a, m, v)?;
@@ -388,9 +392,14 @@ pub(crate) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
         return Err("the one-pass backward has tensor-core variants only".into());
     };
     sh.check_launch(l, Kernel::Backward, v)?;
-    let heads = sh.heads(l, Kernel::Backward, v);
+    let heads = sh.heads(l, v);
     let elem = v.dtype.size_bytes();
-    let (bq, t) = (sh.bq as u64, sh.t as u64);
+    let scratch = geometry::backward_scratch(
+        p,
+        (sh.bq as u64, sh.group as u64),
+        (sh.t as u64, sh.s as u64),
+        sh.banded,
+    );
     let (qd, kd) = (sh.q_dims(heads)?, sh.kv_dims(heads)?);
     let mut uses = sh.strided_operands(ops, heads, &st[..3], elem)?;
     uses.push(st[3].use_of("do", d_o, qd, elem, Io::R)?);
@@ -402,14 +411,14 @@ pub(crate) fn backward(m: &Mem, l: &Launch, v: Variant) -> R<Vec<Use>> {
     uses.push(use_(
         "dq_acc",
         Some(acc),
-        4 * geometry::dq_acc_elems(bq, t, p),
+        4 * scratch.acc_elems,
         4,
         Io::W,
     ));
     uses.push(use_(
         "dq_ready",
         Some(ready),
-        4 * geometry::dq_ready_count(bq, t, p),
+        4 * scratch.ready_count,
         4,
         Io::Rw,
     ));

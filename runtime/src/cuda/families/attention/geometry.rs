@@ -11,6 +11,8 @@ pub const TC_THREADS: u32 = 256;
 pub const FWD_ROWS: u32 = 128;
 /// Keys per tensor-core backward block.
 pub const BWD_KEYS: u32 = 128;
+/// Query rows per segment of a key block's work in a banded backward.
+pub const BWD_SEGMENT_ROWS: u32 = 512;
 /// Elements of padding per shared-memory row.
 const PAD: u32 = 8;
 /// Rows one F32 block takes (a warp per row).
@@ -44,6 +46,18 @@ pub fn bwd_query_rows(p: u32) -> u32 {
     }
 }
 
+/// The segments a backward key block's query tiles split into at tile width `p` over `t`
+/// query rows (`att_bwd_segments`): `BWD_SEGMENT_ROWS` rows each when the mask is banded
+/// (causal or windowed), so that the first key blocks' long runs of tiles share out over
+/// several blocks; else one.
+pub fn bwd_segments(p: u32, t: u32, banded: bool) -> u32 {
+    if !banded {
+        return 1;
+    }
+    let rows = bwd_query_rows(p);
+    t.div_ceil(rows).div_ceil(BWD_SEGMENT_ROWS / rows).max(1)
+}
+
 /// The kernels of one attention op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
@@ -67,7 +81,8 @@ pub fn threads(kernel: Kernel, tensor_cores: bool) -> u32 {
 /// Bytes of dynamic shared memory a tensor-core kernel takes at tile `p` with operands of
 /// `elem` bytes: the forward's Q tile and double-buffered K/V tiles with their mask bytes; the
 /// backward's K/V tiles, double-buffered Q/dO tiles, the dS^T tile, the double-buffered F32
-/// row statistics and the block's mask bytes.
+/// row statistics and the block's mask bytes, or, if more, the F32 dK and dV accumulators of
+/// its 256 threads (`p` KiB), which pass through it when a key block has several links.
 pub fn shared_bytes(kernel: Kernel, p: u32, elem: u32) -> u32 {
     let row = (p + PAD) * elem;
     match kernel {
@@ -77,30 +92,42 @@ pub fn shared_bytes(kernel: Kernel, p: u32, elem: u32) -> u32 {
         }
         Kernel::Backward => {
             let qt = bwd_query_rows(p);
-            2 * BWD_KEYS * row + 4 * qt * row + BWD_KEYS * (qt + PAD) * elem + 4 * qt * 4 + BWD_KEYS
+            let tiles = 2 * BWD_KEYS * row
+                + 4 * qt * row
+                + BWD_KEYS * (qt + PAD) * elem
+                + 4 * qt * 4
+                + BWD_KEYS;
+            tiles.max(TC_THREADS * 2 * p / 8 * 16)
         }
         Kernel::Dq | Kernel::DkDv => 0,
     }
 }
 
 /// The grid of `kernel` over `bq` query batches of `t` rows (`bkv = bq / group` key batches of
-/// `s` keys), tensor-core (`tensor_cores`) or F32. The tensor-core kernels split the batches
-/// as (outer, head) by the grid: `heads` query heads (a multiple of `group`) to an outer batch.
+/// `s` keys), tensor-core (`tile`: the variant's head-dim tile) or F32; `banded`: causal or
+/// windowed. The tensor-core kernels split the batches as (outer, head) by the grid: `heads`
+/// query heads (a multiple of `group`) to an outer batch. The backward takes a block per key
+/// block, query head and segment (`bwd_segments`): its z dim counts (outer batch, segment),
+/// segments fastest.
 pub fn grid(
     kernel: Kernel,
-    tensor_cores: bool,
+    tile: Option<u32>,
     bq: u32,
     (heads, group): (u32, u32),
-    t: u32,
-    s: u32,
+    (t, s): (u32, u32),
+    banded: bool,
 ) -> (u32, u32, u32) {
     let bkv = bq / group.max(1);
-    let (heads, group) = (heads.max(1), group.max(1));
-    match kernel {
-        Kernel::Forward if tensor_cores => (t.div_ceil(FWD_ROWS).max(1), heads, bq / heads),
-        Kernel::Backward => (s.div_ceil(BWD_KEYS).max(1), heads / group, bq / heads),
-        Kernel::Forward | Kernel::Dq => (t.div_ceil(F32_ROWS).max(1), bq, 1),
-        Kernel::DkDv => (s.div_ceil(F32_ROWS).max(1), bkv, 1),
+    let heads = heads.max(1);
+    match (kernel, tile) {
+        (Kernel::Forward, Some(_)) => (t.div_ceil(FWD_ROWS).max(1), heads, bq / heads),
+        (Kernel::Backward, Some(p)) => (
+            s.div_ceil(BWD_KEYS).max(1),
+            heads,
+            bq / heads * bwd_segments(p, t, banded),
+        ),
+        (Kernel::Forward | Kernel::Dq, _) => (t.div_ceil(F32_ROWS).max(1), bq, 1),
+        (Kernel::DkDv | Kernel::Backward, _) => (s.div_ceil(F32_ROWS).max(1), bkv, 1),
     }
 }
 
@@ -117,16 +144,36 @@ pub fn delta_grid(rows: u64, d: u32) -> (u32, u32, u32) {
     (rows.div_ceil(rows_per_block).max(1) as u32, 1, 1)
 }
 
-/// Elements of the tensor-core backward's F32 `dq_acc` (`bq` query batches of `t` rows, rows
-/// of `p` floats).
-pub fn dq_acc_elems(bq: u64, t: u64, p: u32) -> u64 {
-    bq * t * u64::from(p)
+/// The tensor-core backward's scratch at tile `p`: `bq` query batches of `t` rows in groups of
+/// `group` (the key batches), `s` keys, `banded` as for `grid`. `acc_elems` F32 values of
+/// `dq_acc`: dQ's sums, `[bq, t, p]`, then, where more than one block (link) adds to a key
+/// block's dK and dV (grouped query heads or several segments), their sums, `2 p` floats per
+/// key of every key block. `ready_count` ints of `dq_ready`, zero when it starts: one per
+/// query batch and tile, then, with links, one per key batch and key block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackwardScratch {
+    pub acc_elems: u64,
+    pub ready_count: u64,
 }
 
-/// Ints of the tensor-core backward's `dq_ready` counters (one per query batch and tile), which
-/// must be zero when it starts.
-pub fn dq_ready_count(bq: u64, t: u64, p: u32) -> u64 {
-    bq * t.div_ceil(u64::from(bwd_query_rows(p)))
+pub fn backward_scratch(
+    p: u32,
+    (bq, group): (u64, u64),
+    (t, s): (u64, u64),
+    banded: bool,
+) -> BackwardScratch {
+    let dq_tiles = bq * t.div_ceil(u64::from(bwd_query_rows(p)));
+    let mut scratch = BackwardScratch {
+        acc_elems: bq * t * u64::from(p),
+        ready_count: dq_tiles,
+    };
+    let links = group * u64::from(bwd_segments(p, t as u32, banded));
+    if links > 1 {
+        let (bkv, key_blocks) = (bq / group, s.div_ceil(u64::from(BWD_KEYS)).max(1));
+        scratch.acc_elems += bkv * key_blocks * u64::from(BWD_KEYS) * 2 * u64::from(p);
+        scratch.ready_count += bkv * key_blocks;
+    }
+    scratch
 }
 
 #[cfg(test)]
@@ -144,6 +191,46 @@ mod tests {
         assert_eq!(lanes, [1, 1, 2, 8, 8, 16, 16, 32, 32]);
         assert_eq!(delta_grid(96 * 1024, 64), (6144, 1, 1));
         assert_eq!(delta_grid(17, 256), (5, 1, 1));
+    }
+
+    /// A banded backward splits each key block's tiles into segments of 512 query rows (GPT-2
+    /// at T = 1024: 2, LLaMA at 2048: 4), an unbanded one keeps one; the scratch of the dK/dV
+    /// sums exists only where a key block has more than one link (grouped heads or segments).
+    #[test]
+    fn backward_segments_grid_and_scratch() {
+        let segments = [(64, 1024), (128, 2048), (64, 512), (64, 513), (128, 513), (64, 0)]
+            .map(|(p, t)| bwd_segments(p, t, true));
+        assert_eq!(segments, [2, 4, 1, 2, 2, 1]);
+        assert_eq!(bwd_segments(64, 1024, false), 1);
+        // GPT-2 124M at B=8 (96 query batches of 12 heads), LLaMA-3.2-1B at B=4 (32 query
+        // heads in groups of 4).
+        let gpt2 = grid(Kernel::Backward, Some(64), 96, (12, 1), (1024, 1024), true);
+        assert_eq!(gpt2, (8, 12, 16));
+        let llama = grid(Kernel::Backward, Some(64), 128, (32, 4), (2048, 2048), true);
+        assert_eq!(llama, (16, 32, 16));
+        assert_eq!(
+            backward_scratch(64, (96, 1), (1024, 1024), true),
+            BackwardScratch {
+                acc_elems: 96 * 1024 * 64 + 96 * 1024 * 2 * 64,
+                ready_count: 96 * 16 + 96 * 8,
+            }
+        );
+        // BERT's unbanded mask, no grouping: one link, dQ's scratch only.
+        assert_eq!(
+            backward_scratch(64, (96, 1), (512, 512), false),
+            BackwardScratch {
+                acc_elems: 96 * 512 * 64,
+                ready_count: 96 * 8,
+            }
+        );
+        // Grouped heads link even when unbanded; the key blocks' scratch is whole blocks.
+        assert_eq!(
+            backward_scratch(128, (8, 4), (40, 200), false),
+            BackwardScratch {
+                acc_elems: 8 * 40 * 128 + 2 * 256 * 2 * 128,
+                ready_count: 8 * 2 + 2 * 2,
+            }
+        );
     }
 
     /// The shared memory of every variant fits the device's opt-in limit (227 KiB on H100).

@@ -316,11 +316,11 @@ impl RunLowering<'_, '_> {
         }
         let grid = geometry::grid(
             kernel,
-            tensor_cores,
+            p.tile,
             p.bq as u32,
             (p.heads as u32, p.group as u32),
-            p.t as u32,
-            p.s as u32,
+            (p.t as u32, p.s as u32),
+            causal || window.is_some_and(|w| w > 0),
         );
         let shared = p.tile.map_or(0, |tile| {
             geometry::shared_bytes(kernel, tile, p.dtype.size_bytes() as u32)
@@ -662,10 +662,15 @@ impl RunLowering<'_, '_> {
             Some(tile) => {
                 // One pass over key blocks: dq summed in dq_acc across key blocks, in the
                 // order the dq_ready counters (zeroed here) keep.
-                let (bq, t) = (p.bq as u64, p.t as u64);
-                let acc = self.scratch(geometry::dq_acc_elems(bq, t, tile) * 4);
+                let scratch = geometry::backward_scratch(
+                    tile,
+                    (p.bq as u64, p.group as u64),
+                    (p.t as u64, p.s as u64),
+                    causal || window.is_some_and(|w| w > 0),
+                );
+                let acc = self.scratch(scratch.acc_elems * 4);
                 kernel_acc = Some(acc);
-                let ready_bytes = geometry::dq_ready_count(bq, t, tile) * 4;
+                let ready_bytes = scratch.ready_count * 4;
                 let ready = self.scratch(ready_bytes);
                 self.commands.push(Command::Memset {
                     dst: ready,

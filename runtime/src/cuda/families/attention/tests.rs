@@ -213,7 +213,7 @@ const CASES: [Case; 6] = [
 /// tiles take dQ shares from several blocks in the order the counters keep. Run at the tiles
 /// real models use, once per tile (bf16 at 64, f16 at 128), and not again under the
 /// sanitizers: the host build takes longest here, and blocks run one at a time there anyway.
-const LONG_CASES: [Case; 3] = [
+const LONG_CASES: [Case; 4] = [
     // More keys than queries (bottom-right causal), grouped heads, a padding mask.
     Case {
         nb: 1,
@@ -248,6 +248,19 @@ const LONG_CASES: [Case; 3] = [
         causal: true,
         window: Some(60),
         masked: true,
+        packed: false,
+    },
+    // Past one segment of query rows (512): the first key blocks' work splits over blocks
+    // that sum their dK and dV in turn, with the grouped heads' links.
+    Case {
+        nb: 1,
+        hkv: 1,
+        g: 2,
+        t: 530,
+        s: 530,
+        causal: true,
+        window: None,
+        masked: false,
         packed: false,
     },
 ];
@@ -698,11 +711,11 @@ fn run_case(
     let launch = |l: &mut Launcher, kernel: Kernel| {
         let grid = geometry::grid(
             kernel,
-            tile.is_some(),
+            tile,
             bq as u32,
             (hq as u32, c.g as u32),
-            c.t as u32,
-            c.s as u32,
+            (c.t as u32, c.s as u32),
+            c.causal || c.window.is_some_and(|w| w > 0),
         );
         l.shared(tile.map_or(0, |p| geometry::shared_bytes(kernel, p, elem as u32)));
         (grid, (geometry::threads(kernel, tile.is_some()), 1, 1))
@@ -813,12 +826,14 @@ fn run_case(
                 let b = l.buf(zeros(&ql, bq), 0);
                 let bdk = l.buf(zeros(&kl, bkv), 0);
                 let bdv = l.buf(zeros(&kl, bkv), skew);
-                let (bqu, tu) = (bq as u64, c.t as u64);
-                let acc = l.out(4 * geometry::dq_acc_elems(bqu, tu, p) as usize, 0);
-                let ready = l.buf(
-                    vec![0; 4 * geometry::dq_ready_count(bqu, tu, p) as usize],
-                    0,
+                let scratch = geometry::backward_scratch(
+                    p,
+                    (bq as u64, c.g as u64),
+                    (c.t as u64, c.s as u64),
+                    c.causal || c.window.is_some_and(|w| w > 0),
                 );
+                let acc = l.out(4 * scratch.acc_elems as usize, 0);
+                let ready = l.buf(vec![0; 4 * scratch.ready_count as usize], 0);
                 for x in [b, bdk, bdv, acc, ready] {
                     args.push(l.ptr(x));
                 }
