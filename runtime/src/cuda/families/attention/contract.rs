@@ -126,7 +126,7 @@ impl Shape {
             group,
             mask_group,
             causal,
-            banded: causal || window > 0,
+            banded: geometry::banded(causal, window as usize),
         })
     }
 

@@ -46,6 +46,12 @@ pub fn bwd_query_rows(p: u32) -> u32 {
     }
 }
 
+/// Whether a mask is banded, causal or windowed (`window` keys, 0 for none): its key blocks'
+/// work differs, and the backward splits it into segments.
+pub fn banded(causal: bool, window: usize) -> bool {
+    causal || window > 0
+}
+
 /// The segments a backward key block's query tiles split into at tile width `p` over `t`
 /// query rows (`att_bwd_segments`): `BWD_SEGMENT_ROWS` rows each when the mask is banded
 /// (causal or windowed), so that the first key blocks' long runs of tiles share out over

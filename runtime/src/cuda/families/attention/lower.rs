@@ -320,7 +320,7 @@ impl RunLowering<'_, '_> {
             p.bq as u32,
             (p.heads as u32, p.group as u32),
             (p.t as u32, p.s as u32),
-            causal || window.is_some_and(|w| w > 0),
+            geometry::banded(causal, window.unwrap_or(0)),
         );
         let shared = p.tile.map_or(0, |tile| {
             geometry::shared_bytes(kernel, tile, p.dtype.size_bytes() as u32)
@@ -666,7 +666,7 @@ impl RunLowering<'_, '_> {
                     tile,
                     (p.bq as u64, p.group as u64),
                     (p.t as u64, p.s as u64),
-                    causal || window.is_some_and(|w| w > 0),
+                    geometry::banded(causal, window.unwrap_or(0)),
                 );
                 let acc = self.scratch(scratch.acc_elems * 4);
                 kernel_acc = Some(acc);

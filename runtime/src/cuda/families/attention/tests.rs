@@ -715,7 +715,7 @@ fn run_case(
             bq as u32,
             (hq as u32, c.g as u32),
             (c.t as u32, c.s as u32),
-            c.causal || c.window.is_some_and(|w| w > 0),
+            geometry::banded(c.causal, c.window.unwrap_or(0)),
         );
         l.shared(tile.map_or(0, |p| geometry::shared_bytes(kernel, p, elem as u32)));
         (grid, (geometry::threads(kernel, tile.is_some()), 1, 1))
@@ -830,7 +830,7 @@ fn run_case(
                     p,
                     (bq as u64, c.g as u64),
                     (c.t as u64, c.s as u64),
-                    c.causal || c.window.is_some_and(|w| w > 0),
+                    geometry::banded(c.causal, c.window.unwrap_or(0)),
                 );
                 let acc = l.out(4 * scratch.acc_elems as usize, 0);
                 let ready = l.buf(vec![0; 4 * scratch.ready_count as usize], 0);
