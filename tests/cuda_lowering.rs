@@ -511,3 +511,84 @@ fn fp8_plans_lower_to_cublaslt_fp8_products() {
         }
     }
 }
+
+/// The kernel profile sets each kind beside the program roofline's time for its commands
+/// (`castor train --profile-kernels`): summed over every command of a step, that is the
+/// program roofline itself, each unit counted once however many commands and node names it
+/// lowers to (a fused classifier's products and row kernels, a norm's backward and its
+/// weight gradient, an attention's passes). Until 2026-11-30 each node name of a unit took
+/// the unit's whole time: GPT-2 124M B8xT1024's commands added up to 15.28 ms of roofline
+/// against the program's 9.96 ms, the classifier counted three times.
+#[test]
+fn the_profiles_roofline_adds_up_to_the_program_roofline() {
+    use castor_runtime::cuda::profile::{CommandTime, KernelProfile};
+    use castor_runtime::cuda::roofline::{program_roofline, unit_times};
+    let gpu = castor_passes::cost::GpuSpec::default();
+    for (variant, flags) in [
+        ("gpt2_lm", &["--precision", "bf16"][..]),
+        ("gpt2_lm", &["--precision", "bf16", "--attention", "eager"]),
+        ("llama_gqa", &["--precision", "bf16", "--grad-accum", "2"]),
+        ("gpt2_lm", &["--precision", "fp16", "--remat", "selective"]),
+        ("llama_gqa", &["--precision", "bf16", "--lora-rank", "4"]),
+        (
+            "gpt2-124m.json",
+            &["--precision", "bf16", "--batch", "8", "--seq", "1024"],
+        ),
+        (
+            "llama-3.2-1b.json",
+            &["--precision", "bf16", "--batch", "4", "--seq", "2048"],
+        ),
+    ] {
+        let p = if variant.ends_with(".json") {
+            config_plan(variant, flags)
+        } else {
+            plan(variant, flags)
+        };
+        let program = lower_plan(&p).unwrap();
+        let roofline = program_roofline(&p, &gpu).unwrap();
+        let mut commands = Vec::new();
+        for run in &program.runs {
+            let repeats = match run.name.as_str() {
+                "micro_step" => p.settings.grad_accum.max(1),
+                "optimizer_step" => 1,
+                _ => 0,
+            };
+            for _ in 0..repeats {
+                // As the runner profiles a run: its commands, a cuDNN pass's prelude timed
+                // with the pass.
+                for (i, c) in run.commands.iter().enumerate() {
+                    commands.push(CommandTime::of(&run.name, i, c, false, 1.0));
+                }
+            }
+        }
+        let profile = KernelProfile { commands };
+        let units = unit_times(&p, &gpu).unwrap();
+        let summed: f64 = profile.roofline_ms(&units).iter().sum();
+        let want = 1e3 * roofline.seconds();
+        assert!(
+            (summed - want).abs() <= 1e-9 * want,
+            "{variant} {flags:?}: the profile's commands add up to {summed} ms of roofline, \
+             the program roofline is {want} ms"
+        );
+    }
+}
+
+/// The training plan of a model config under assets/configs, compiled by the CLI with `flags`.
+fn config_plan(config: &str, flags: &[&str]) -> castor_ir::TrainingPlan {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let model = common::root().join("assets").join("configs").join(config);
+    let mut args = vec![
+        "compile",
+        path_str(&model),
+        "--train",
+        "--emit",
+        "plan",
+        "-o",
+        path_str(&out),
+    ];
+    args.extend_from_slice(flags);
+    let o = castor(&args);
+    assert!(o.status.success(), "{config} {flags:?}: {}", stderr(&o));
+    castor_ir::TrainingPlan::from_json(&std::fs::read_to_string(&out).unwrap()).unwrap()
+}

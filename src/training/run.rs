@@ -363,7 +363,7 @@ fn finish(
         // Each kind beside its program roofline on this GPU (the H100's where it is unknown).
         let device = runner.device();
         let gpu = castor_passes::gpus::of_device(&device).unwrap_or_default();
-        let units = castor_runtime::cuda::roofline::unit_seconds(runner.plan(), &gpu).ok();
+        let units = castor_runtime::cuda::roofline::unit_times(runner.plan(), &gpu).ok();
         write_kernel_profile(
             path,
             &profile,
@@ -649,7 +649,7 @@ fn write_kernel_profile(
     path: &std::path::Path,
     profile: &castor_runtime::cuda::profile::KernelProfile,
     step: u64,
-    roofline: Option<(&std::collections::HashMap<String, f64>, &str)>,
+    roofline: Option<(&castor_runtime::cuda::roofline::UnitTimes, &str)>,
 ) -> anyhow::Result<()> {
     std::fs::write(path, profile.to_csv(roofline.map(|(u, _)| u))).map_err(|e| {
         CliError::Output(format!(

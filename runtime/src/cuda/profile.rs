@@ -5,6 +5,7 @@
 //! than a graph replay takes: the launch gaps a graph closes are inside them.
 
 use super::program::{Command, Epilogue};
+use super::roofline::UnitTimes;
 use std::collections::HashMap;
 use std::fmt::Write;
 
@@ -25,6 +26,9 @@ pub struct CommandTime {
     pub size: String,
     /// Device time, milliseconds.
     pub ms: f32,
+    /// The commands the program roofline counts a launch gap for in this row: 1, and a
+    /// cuDNN attention pass's prelude, which is issued and timed with it.
+    pub launches: usize,
 }
 
 impl CommandTime {
@@ -95,6 +99,10 @@ impl CommandTime {
                 ),
             ),
         };
+        let launches = 1 + match command {
+            Command::Sdpa(c) => c.prelude.len(),
+            _ => 0,
+        };
         CommandTime {
             run: run.to_string(),
             index,
@@ -102,6 +110,7 @@ impl CommandTime {
             node,
             size,
             ms,
+            launches,
         }
     }
 }
@@ -118,9 +127,8 @@ pub struct KindTime {
     pub what: String,
     pub count: usize,
     pub ms: f64,
-    /// The program roofline's time for these commands, when the table was given one: each
-    /// command's kernel unit at its peak (counted at the unit's first command) plus the launch
-    /// gap of every command.
+    /// The program roofline's time for these commands, when the table was given one: their
+    /// share of their kernel units' times at peak plus the launch gap of every command.
     pub roofline_ms: Option<f64>,
 }
 
@@ -135,11 +143,10 @@ impl KernelProfile {
         self.by_kind_against(None)
     }
 
-    /// [`Self::by_kind`], each kind beside its roofline time from `unit_seconds` (the
-    /// roofline's seconds per unit, by the node names its commands carry:
-    /// `roofline::unit_seconds`).
-    pub fn by_kind_against(&self, unit_seconds: Option<&HashMap<String, f64>>) -> Vec<KindTime> {
-        let roofline = unit_seconds.map(|u| self.roofline_ms(u));
+    /// [`Self::by_kind`], each kind beside its roofline time from `units` (the roofline's
+    /// kernel units of the plan: `roofline::unit_times`).
+    pub fn by_kind_against(&self, units: Option<&UnitTimes>) -> Vec<KindTime> {
+        let roofline = units.map(|u| self.roofline_ms(u));
         let mut kinds: HashMap<&str, KindTime> = HashMap::new();
         for (i, c) in self.commands.iter().enumerate() {
             let k = kinds.entry(&c.what).or_insert_with(|| KindTime {
@@ -159,32 +166,45 @@ impl KernelProfile {
         out
     }
 
-    /// The roofline's milliseconds for each command, in issue order: the launch gap of every
-    /// command, plus its share of its kernel unit's time. A unit lowered to several commands
-    /// (a fused attention's backward and its `delta` kernel, a norm's backward and its weight
-    /// gradient, a chunked classifier's products and row kernels) shares one node name; its
-    /// time is split among them in proportion to their measured times, so that each of them
-    /// stands at the unit's own ratio rather than one command holding the unit's whole time.
-    pub fn roofline_ms(&self, unit_seconds: &HashMap<String, f64>) -> Vec<f64> {
-        let key = |c: &CommandTime| (c.run.clone(), c.node.clone());
-        let mut measured: HashMap<(String, String), (f64, usize)> = HashMap::new();
+    /// The roofline's milliseconds for each command, in issue order: the launch gaps of
+    /// every command, plus its share of its kernel unit's time. A unit lowered to several
+    /// commands (a fused attention's backward and its `delta` kernel, a norm's backward and
+    /// its weight gradient, a chunked classifier's products and row kernels), under one node
+    /// name or several, has its time split among them in proportion to their measured times,
+    /// so that each of them stands at the unit's own ratio and the unit is counted once per
+    /// replay of its run (a run replayed for each accumulated micro-batch counts it each
+    /// time). A command of no working unit (a copy, a fill, a view's) has its launch gap only.
+    pub fn roofline_ms(&self, units: &UnitTimes) -> Vec<f64> {
+        let unit = |c: &CommandTime| units.unit(&c.run, &c.node);
+        // Each replay of a run issues its first command once.
+        let mut replays: HashMap<&str, usize> = HashMap::new();
+        for c in self.commands.iter().filter(|c| c.index == 0) {
+            *replays.entry(&c.run).or_default() += 1;
+        }
+        let mut measured: HashMap<usize, (f64, usize)> = HashMap::new();
         for c in &self.commands {
-            let m = measured.entry(key(c)).or_default();
-            m.0 += f64::from(c.ms);
-            m.1 += 1;
+            if let Some(key) = unit(c) {
+                let m = measured.entry(key).or_default();
+                m.0 += f64::from(c.ms);
+                m.1 += 1;
+            }
         }
         self.commands
             .iter()
             .map(|c| {
-                let unit = unit_seconds.get(&c.node).copied().unwrap_or(0.0);
-                let (total, count) = measured[&key(c)];
+                let launches = c.launches as f64 * super::roofline::LAUNCH_SECONDS;
+                let Some(u) = unit(c) else {
+                    return 1e3 * launches;
+                };
+                let (total, count) = measured[&u];
                 // Commands too short to time share the unit evenly.
                 let share = if total > 0.0 {
                     f64::from(c.ms) / total
                 } else {
                     1.0 / count as f64
                 };
-                1e3 * (unit * share + super::roofline::LAUNCH_SECONDS)
+                let replayed = replays.get(c.run.as_str()).copied().unwrap_or(1) as f64;
+                1e3 * (units.seconds[u] * replayed * share + launches)
             })
             .collect()
     }
@@ -196,11 +216,11 @@ impl KernelProfile {
     }
 
     /// [`Self::table`] with each kind's roofline time and its measured time over it, when
-    /// `unit_seconds` is given (see [`Self::by_kind_against`]).
-    pub fn table_against(&self, top: usize, unit_seconds: Option<&HashMap<String, f64>>) -> String {
+    /// `units` is given (see [`Self::by_kind_against`]).
+    pub fn table_against(&self, top: usize, units: Option<&UnitTimes>) -> String {
         let total = self.total_ms();
         let share = |ms: f64| 100.0 * ms / total.max(f64::MIN_POSITIVE);
-        let roofline = unit_seconds.is_some();
+        let roofline = units.is_some();
         let mut s = format!(
             "{:<48} {:>6} {:>10} {:>6}{}\n",
             "what",
@@ -213,7 +233,7 @@ impl KernelProfile {
                 String::new()
             }
         );
-        let kinds = self.by_kind_against(unit_seconds);
+        let kinds = self.by_kind_against(units);
         for k in kinds.iter().take(top) {
             let roof = match k.roofline_ms {
                 Some(r) => format!(
@@ -253,8 +273,8 @@ impl KernelProfile {
     }
 
     /// Every command as CSV: `run,index,what,node,size,ms,roofline_ms` (the last column
-    /// empty unless `unit_seconds` is given: see [`Self::roofline_ms`]).
-    pub fn to_csv(&self, unit_seconds: Option<&HashMap<String, f64>>) -> String {
+    /// empty unless `units` is given: see [`Self::roofline_ms`]).
+    pub fn to_csv(&self, units: Option<&UnitTimes>) -> String {
         let quote = |f: &str| {
             if f.contains([',', '"', '\n']) {
                 format!("\"{}\"", f.replace('"', "\"\""))
@@ -262,7 +282,7 @@ impl KernelProfile {
                 f.to_string()
             }
         };
-        let roofline = unit_seconds.map(|u| self.roofline_ms(u));
+        let roofline = units.map(|u| self.roofline_ms(u));
         let mut s = String::from("run,index,what,node,size,ms,roofline_ms\n");
         for (i, c) in self.commands.iter().enumerate() {
             let _ = writeln!(
@@ -395,26 +415,39 @@ mod tests {
         assert!(lines[4].starts_with("total") && lines[4].contains("4.000"));
     }
 
-    /// Against a roofline: each kind gets its units' times once per unit plus a microsecond a
-    /// command, and the measured time over that.
+    /// One unit per command's node, unit `i` taking `(i + 1) x 0.1` ms.
+    fn one_unit_per_node(p: &KernelProfile) -> UnitTimes {
+        let mut units = UnitTimes::default();
+        for c in &p.commands {
+            let key = (c.run.clone(), c.node.clone());
+            if !c.node.is_empty() && !units.unit_of.contains_key(&key) {
+                units.unit_of.insert(key, units.seconds.len());
+                units.seconds.push(1e-4 * (units.seconds.len() + 1) as f64);
+            }
+        }
+        units
+    }
+
+    /// Against a roofline: each kind gets its units' times, shared by measured time among the
+    /// unit's commands, plus a microsecond a command; a copy of no unit gets its microsecond.
     #[test]
     fn kinds_are_set_beside_their_roofline() {
         let p = profile();
-        let nodes: Vec<String> = p.commands.iter().map(|c| c.node.clone()).collect();
-        let units: HashMap<String, f64> = nodes
-            .iter()
-            .enumerate()
-            .map(|(i, n)| (n.clone(), 1e-4 * (i + 1) as f64))
-            .collect();
+        let units = one_unit_per_node(&p);
         let kinds = p.by_kind_against(Some(&units));
-        let norm = kinds.iter().find(|k| k.what == "layer_norm_fwd").unwrap();
-        let want: f64 = p
-            .commands
-            .iter()
-            .filter(|c| c.what == "layer_norm_fwd")
-            .map(|c| 1e3 * (units[&c.node] + 1e-6))
-            .sum();
-        assert!((norm.roofline_ms.unwrap() - want).abs() < 1e-12, "{norm:?}");
+        let ms = |what: &str| {
+            kinds
+                .iter()
+                .find(|k| k.what == what)
+                .unwrap()
+                .roofline_ms
+                .unwrap()
+        };
+        // h.0.ln_1 (unit 0) and h.1.ln_1 (unit 2), one command each.
+        assert!((ms("layer_norm_fwd") - (0.1 + 0.3 + 2e-3)).abs() < 1e-12);
+        // Both products carry h.0.mlp.fc (unit 1): 2 and 1 ms measured share its 0.2 ms.
+        assert!((ms("cublas bf16xbf16->bf16") - (0.2 * 2.0 / 3.0 + 1e-3)).abs() < 1e-12);
+        assert!((ms("copy") - 1e-3).abs() < 1e-12);
         let table = p.table_against(4, Some(&units));
         assert!(
             table.lines().next().unwrap().contains("roofline ms"),
@@ -436,32 +469,51 @@ mod tests {
         assert_eq!(what(SdpaPass::Backward, false), "castor attention backward");
     }
 
-    /// A unit lowered to two commands (a fused attention's backward and its `delta` kernel)
-    /// splits its roofline time by their measured times: both stand at the unit's ratio.
+    /// A unit lowered to commands under two node names (a norm's backward and its weight
+    /// gradient) splits its roofline time by their measured times: both stand at the unit's
+    /// ratio, and the unit counts once per replay of its run (twice for two accumulated
+    /// micro-batches).
     #[test]
     fn a_units_commands_share_its_roofline_by_measured_time() {
-        let p = KernelProfile {
-            commands: vec![
+        let replay = || {
+            [
                 CommandTime::of(
                     "micro_step",
                     0,
-                    &launch("attention_bwd_delta", "attn.grad"),
+                    &launch("layer_norm_bwd", "ln.x.grad"),
                     false,
                     1.0,
                 ),
                 CommandTime::of(
                     "micro_step",
                     1,
-                    &launch("attention_bwd", "attn.grad"),
+                    &launch("layer_norm_bwd_weight", "ln.weight.grad"),
                     false,
                     3.0,
                 ),
-            ],
+            ]
         };
-        let units = HashMap::from([("attn.grad".to_string(), 2e-3)]);
-        let ms = p.roofline_ms(&units);
+        let mut units = UnitTimes {
+            seconds: vec![2e-3],
+            ..UnitTimes::default()
+        };
+        for name in ["ln.x.grad", "ln.weight.grad"] {
+            units
+                .unit_of
+                .insert(("micro_step".to_string(), name.to_string()), 0);
+        }
+        let once = KernelProfile {
+            commands: replay().to_vec(),
+        };
+        let ms = once.roofline_ms(&units);
         assert!((ms[0] - (0.5 + 1e-3)).abs() < 1e-12, "{ms:?}");
         assert!((ms[1] - (1.5 + 1e-3)).abs() < 1e-12, "{ms:?}");
+        let twice = KernelProfile {
+            commands: [replay(), replay()].concat(),
+        };
+        let ms = twice.roofline_ms(&units);
+        let total: f64 = ms.iter().sum();
+        assert!((total - (4.0 + 4e-3)).abs() < 1e-12, "{ms:?}");
     }
 
     #[test]
@@ -483,7 +535,10 @@ mod tests {
         assert_eq!(lines[5], "micro_step,4,copy,,1024 bytes,0.25,");
         // With the roofline, each command's share of it: the two products of the unit
         // `h.0.mlp.fc` (2 ms and 1 ms measured) split its 2 ms as 2:1, plus a launch each.
-        let units = HashMap::from([("h.0.mlp.fc".to_string(), 2e-3)]);
+        let units = UnitTimes {
+            seconds: vec![2e-3],
+            unit_of: HashMap::from([(("micro_step".to_string(), "h.0.mlp.fc".to_string()), 0)]),
+        };
         let csv = p.to_csv(Some(&units));
         let lines: Vec<&str> = csv.lines().collect();
         assert!(lines[2].ends_with(",2,1.334333"), "{}", lines[2]);

@@ -116,13 +116,31 @@ fn value_bytes(g: &Graph, v: Value) -> f64 {
     g.ty(v).size_bytes().unwrap_or(0) as f64
 }
 
-/// The roofline seconds of each kernel unit of `plan`'s program, by the names of the values
-/// its nodes compute (the names the lowered commands carry as their node): what a profiled
-/// command's kind is compared with. Launch gaps are not included.
-pub fn unit_seconds(
-    plan: &TrainingPlan,
-    gpu: &GpuSpec,
-) -> Result<HashMap<String, f64>, LowerError> {
+/// The roofline's kernel units of a plan's program, as a kernel profile is set beside them:
+/// each unit's seconds, and the unit of each value its nodes compute, by run and value name
+/// (the run and node that a lowered command carries). A unit lowered to several commands
+/// under several node names (a fused classifier's products and row kernels, a norm's
+/// backward and its weight gradient) is one unit here, so that its time is counted once.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct UnitTimes {
+    /// Each unit's seconds; launch gaps are not included.
+    pub seconds: Vec<f64>,
+    /// `(run, value name)` to its unit's index in `seconds`.
+    pub unit_of: HashMap<(String, String), usize>,
+}
+
+impl UnitTimes {
+    /// The unit computing value `node` in run `run`, if a working unit does.
+    pub fn unit(&self, run: &str, node: &str) -> Option<usize> {
+        self.unit_of
+            .get(&(run.to_string(), node.to_string()))
+            .copied()
+    }
+}
+
+/// The kernel units of `plan`'s program with their roofline seconds: what a profiled
+/// command's kind is compared with.
+pub fn unit_times(plan: &TrainingPlan, gpu: &GpuSpec) -> Result<UnitTimes, LowerError> {
     let program = lower_plan(plan)?;
     let stored = |writes: &[castor_ir::Write]| -> HashMap<String, String> {
         writes
@@ -130,7 +148,7 @@ pub fn unit_seconds(
             .map(|w| (w.output.clone(), w.state.clone()))
             .collect()
     };
-    let mut out = HashMap::new();
+    let mut out = UnitTimes::default();
     for (g, run, writes) in [
         (&plan.micro_step, MICRO_STEP, &plan.micro_step_writes),
         (
@@ -142,8 +160,10 @@ pub fn unit_seconds(
         let units = unit_schedule(g, plan.units_of(run))?;
         let (_, per_unit) = costed_units(g, &units, &stored(writes), &program, run, gpu);
         for (names, seconds) in per_unit {
+            let unit = out.seconds.len();
+            out.seconds.push(seconds);
             for name in names {
-                out.insert(name, seconds);
+                out.unit_of.insert((run.to_string(), name), unit);
             }
         }
     }
