@@ -563,6 +563,42 @@ __device__ __forceinline__ void ldsm_x2_t(unsigned (&r)[2], const void* row) {
 }
 #endif
 
+// The same from a shared-memory address taken once (smem_addr: the 32-bit address in the
+// shared window on the device, the pointer itself on the host) plus a byte offset: a
+// fragment's constant offset then folds into the ldmatrix instruction, where a pointer per
+// fragment costs an add and a shift of its own.
+#if defined(CASTOR_SM80)
+typedef unsigned SmemAddr;
+__device__ __forceinline__ SmemAddr smem_addr(const void* p) {
+    return unsigned(__cvta_generic_to_shared(p));
+}
+#define CASTOR_LDSM_AT(NAME, N, SUFFIX, OUTS, ...)                                              \
+    __device__ __forceinline__ void NAME(unsigned (&r)[N], SmemAddr a) {                       \
+        asm volatile("ldmatrix.sync.aligned.m8n8." SUFFIX ".shared.b16 " OUTS ", [%" #N "];\n" \
+                     : __VA_ARGS__                                                             \
+                     : "r"(a));                                                                \
+    }
+CASTOR_LDSM_AT(ldsm_x4_at, 4, "x4", "{%0, %1, %2, %3}", "=r"(r[0]), "=r"(r[1]), "=r"(r[2]),
+               "=r"(r[3]))
+CASTOR_LDSM_AT(ldsm_x4_t_at, 4, "x4.trans", "{%0, %1, %2, %3}", "=r"(r[0]), "=r"(r[1]),
+               "=r"(r[2]), "=r"(r[3]))
+CASTOR_LDSM_AT(ldsm_x2_t_at, 2, "x2.trans", "{%0, %1}", "=r"(r[0]), "=r"(r[1]))
+#else
+typedef const char* SmemAddr;
+__device__ __forceinline__ SmemAddr smem_addr(const void* p) {
+    return static_cast<const char*>(p);
+}
+__device__ __forceinline__ void ldsm_x4_at(unsigned (&r)[4], SmemAddr a) {
+    ldsm_shuffle<4, false>(r, a);
+}
+__device__ __forceinline__ void ldsm_x4_t_at(unsigned (&r)[4], SmemAddr a) {
+    ldsm_shuffle<4, true>(r, a);
+}
+__device__ __forceinline__ void ldsm_x2_t_at(unsigned (&r)[2], SmemAddr a) {
+    ldsm_shuffle<2, true>(r, a);
+}
+#endif
+
 // ---- cp.async: 16-byte copies from global to shared memory that do not stall the thread ---
 // cp_async16 copies 16 bytes (both addresses 16-byte aligned), or writes 16 zero bytes when
 // `valid` is false (nothing is read then). Copies issued since the last commit form a group;

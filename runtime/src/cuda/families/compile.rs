@@ -224,10 +224,12 @@ fn rope_machine_code_has_no_out_of_line_division() {
 /// at d64 and d128. Positions need code the other masks do not (the backward's scan of a key
 /// block's query rows, each tile's least and greatest first key, a ballot per key on tiles a
 /// sequence's start straddles), which only the `_packed` entry points compile in. Measured,
-/// bf16 and f16 alike: the backward 15.78 at d64 and 16.00 at d128, the forward 15.03 and
-/// 14.33; their `_packed` forms 16.78, 16.94, 15.70 and 14.95. (The backward's key blocks sum
+/// bf16 and f16 alike: the backward 15.26 at d64 and 15.36 at d128, the forward 13.91 and
+/// 13.18; their `_packed` forms 16.28, 16.30, 14.56 and 13.83. (The backward's key blocks sum
 /// dK and dV over several blocks: a loop through shared memory keeps that to about 100
-/// instructions, where adding in registers took 200 to 320.)
+/// instructions, where adding in registers took 200 to 320. Fragments are loaded from each
+/// lane's shared-memory address taken once plus a constant, which ldmatrix's offset holds:
+/// a pointer per fragment cost an add and a shift each, 16.00 at d128 before.)
 #[test]
 fn attention_machine_code_has_the_flash_attention_shape() {
     let Some((resources, mixes)) = machine_code("attention.cu") else {

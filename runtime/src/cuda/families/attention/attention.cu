@@ -552,6 +552,11 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
 #pragma unroll
     for (int i = 0; i < OT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     unsigned qf[DT][4];
+    // Each lane's ldmatrix rows in the K and V tiles, taken once: a fragment adds a constant
+    // and a staged tile its buffer's offset.
+    constexpr int ES = int(sizeof(T));
+    const SmemAddr ks_bt = smem_addr(bt_rows<LD>(ks, 0, 0));
+    const SmemAddr vs_b = smem_addr(b_rows<LD>(vs, 0, 0));
 
     // Tile key0 - KEYS only stages the first tile; every later iteration stages the next one
     // while it computes on its own.
@@ -576,8 +581,7 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
                 if (none_r[1]) qf[kk][1] = qf[kk][3] = 0u;
             }
         }
-        const T* kt = ks + buf * KEYS * LD;
-        const T* vt = vs + buf * KEYS * LD;
+        const int staged = buf * KEYS * LD * ES;  // the tile's buffer, in bytes
         const unsigned char* kp = keep + buf * KEYS;
         // The tile's mask bytes as bits: bit j of word w keeps key key0 + 64 w + j.
         u64 kbits[WORDS];
@@ -603,7 +607,7 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
 #pragma unroll
                 for (int n2 = 0; n2 < NT / 2; ++n2) {
                     unsigned bk[4];
-                    ldsm_x4(bk, bt_rows<LD>(kt, n2 * 16, kk * 16));
+                    ldsm_x4_at(bk, ks_bt + staged + (n2 * 16 * LD + kk * 16) * ES);
                     mma_packed<T>(sc[2 * n2], qf[kk], bk[0], bk[1]);
                     mma_packed<T>(sc[2 * n2 + 1], qf[kk], bk[2], bk[3]);
                 }
@@ -687,7 +691,7 @@ __device__ void att_fwd(const T* q, const T* k, const T* v, const unsigned char*
 #pragma unroll
                 for (int i2 = 0; i2 < OT / 2; ++i2) {
                     unsigned bv[4];
-                    ldsm_x4_t(bv, b_rows<LD>(vt, kc * 16, i2 * 16));
+                    ldsm_x4_t_at(bv, vs_b + staged + (kc * 16 * LD + i2 * 16) * ES);
                     mma_packed<T>(acc[2 * i2], a, bv[0], bv[1]);
                     mma_packed<T>(acc[2 * i2 + 1], a, bv[2], bv[3]);
                 }
@@ -873,6 +877,9 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
         }
     unsigned kf[KV_REGS ? DT : 1][4], vf[KV_REGS ? DT : 1][4];
     bool have_kv = false;
+    // Whether this block's segment has a tile that reads its keys (else its link of the dK and
+    // dV chain adds nothing).
+    bool reads_tiles = false;
 
     {
         const int mrow_index = b / mask_group;
@@ -916,7 +923,8 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
         // This segment's share of the run.
         qa = max(qa, seg * per_seg);
         qz = min(qz, seg * per_seg + per_seg - 1);
-        if (qa <= qz) {
+        reads_tiles = qa <= qz;
+        if (reads_tiles) {
             // This lane's keys: whether each is before s, and kept by the mask.
             bool jin[2], jok[2];
 #pragma unroll
@@ -928,6 +936,20 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             const T* qb = q + sq.at(outer, qh);
             const T* dob = d_o + sdo.at(outer, qh);
             const int q_ld[2] = {sq.row, sdo.row};
+
+            // Each lane's ldmatrix rows in the tiles, taken once: a fragment adds a constant
+            // (and a staged tile its buffer's offset).
+            constexpr int ES = int(sizeof(T));
+            const int mt = warp % MT, col0 = (warp / MT) * NW * 8;
+            const SmemAddr ks_a = smem_addr(a_rows<LD>(ks, warp * 16, 0));
+            const SmemAddr vs_a = smem_addr(a_rows<LD>(vs, warp * 16, 0));
+            const SmemAddr qs_bt = smem_addr(bt_rows<LD>(qs, 0, 0));
+            const SmemAddr dos_bt = smem_addr(bt_rows<LD>(dos, 0, 0));
+            const SmemAddr qs_b = smem_addr(b_rows<LD>(qs, 0, 0));
+            const SmemAddr dos_b = smem_addr(b_rows<LD>(dos, 0, 0));
+            const SmemAddr ks_b = smem_addr(b_rows<LD>(ks, 0, col0));
+            const SmemAddr dst_t = smem_addr(dst + (((lane >> 4) << 3) + (lane & 7)) * LDS +
+                                             mt * 16 + ((lane >> 3) & 1) * 8);
 
             // Tile qa - 1 only stages tile qa; every later one stages the next while it computes.
             for (int qt = qa - 1, buf = 1; qt <= qz; ++qt, buf ^= 1) {
@@ -1000,8 +1022,7 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                         have_kv = true;
                     }
                 }
-                const T* qt_s = qs + buf * QT * LD;
-                const T* dot_s = dos + buf * QT * LD;
+                const int staged = buf * QT * LD * ES;  // the tile's buffer, in bytes
                 const float* l2 = lse_s + buf * QT;
                 const float* dl = delta_s + buf * QT;
                 T* my_dst = dst + warp * 16 * LDS;
@@ -1029,14 +1050,15 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                                 av[e] = vf[kk][e];
                             }
                         } else {
-                            ldsm_x4(ak, a_rows<LD>(ks, warp * 16, kk * 16));
-                            ldsm_x4(av, a_rows<LD>(vs, warp * 16, kk * 16));
+                            ldsm_x4_at(ak, ks_a + kk * 16 * ES);
+                            ldsm_x4_at(av, vs_a + kk * 16 * ES);
                         }
 #pragma unroll
                         for (int n2 = 0; n2 < NQ / 2; ++n2) {
                             unsigned bq[4], bo[4];
-                            ldsm_x4(bq, bt_rows<LD>(qt_s, n2 * 16, kk * 16));
-                            ldsm_x4(bo, bt_rows<LD>(dot_s, n2 * 16, kk * 16));
+                            const int at = staged + (n2 * 16 * LD + kk * 16) * ES;
+                            ldsm_x4_at(bq, qs_bt + at);
+                            ldsm_x4_at(bo, dos_bt + at);
                             mma_packed<T>(st[2 * n2], ak, bq[0], bq[1]);       // S^T
                             mma_packed<T>(st[2 * n2 + 1], ak, bq[2], bq[3]);
                             mma_packed<T>(dpt[2 * n2], av, bo[0], bo[1]);      // dP^T
@@ -1140,8 +1162,9 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
 #pragma unroll
                         for (int i2 = 0; i2 < OT / 2; ++i2) {
                             unsigned bo[4], bq[4];
-                            ldsm_x4_t(bo, b_rows<LD>(dot_s, kc * 16, i2 * 16));
-                            ldsm_x4_t(bq, b_rows<LD>(qt_s, kc * 16, i2 * 16));
+                            const int at = staged + (kc * 16 * LD + i2 * 16) * ES;
+                            ldsm_x4_t_at(bo, dos_b + at);
+                            ldsm_x4_t_at(bq, qs_b + at);
                             mma_packed<T>(acc_v[2 * i2], ap, bo[0], bo[1]);  // dV += P^T dO
                             mma_packed<T>(acc_v[2 * i2 + 1], ap, bo[2], bo[3]);
                             mma_packed<T>(acc_k[2 * i2], as, bq[0], bq[1]);  // dK += dS^T Q
@@ -1162,7 +1185,6 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                     if (threadIdx.x == 0) wait_flag(ready, hi_kb - kb);
                     __syncthreads();  // the blocks above this one have added their shares
                 }
-                const int mt = warp % MT, col0 = (warp / MT) * NW * 8;
                 float aq[NW][4], above[NW][4];
 #pragma unroll
                 for (int h = 0; h < 2; ++h) {
@@ -1182,19 +1204,18 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
 #pragma unroll
                 for (int kc = 0; kc < KB / 16; ++kc) {
                     unsigned a[4];
-                    ldsm_x4_t(a, dst + (kc * 16 + ((lane >> 4) << 3) + (lane & 7)) * LDS + mt * 16 +
-                                     ((lane >> 3) & 1) * 8);
+                    ldsm_x4_t_at(a, dst_t + kc * 16 * LDS * ES);
                     if constexpr (NW >= 2) {
 #pragma unroll
                         for (int n2 = 0; n2 < NW / 2; ++n2) {
                             unsigned bk4[4];
-                            ldsm_x4_t(bk4, b_rows<LD>(ks, kc * 16, col0 + n2 * 16));
+                            ldsm_x4_t_at(bk4, ks_b + (kc * 16 * LD + n2 * 16) * ES);
                             mma_packed<T>(aq[2 * n2], a, bk4[0], bk4[1]);
                             mma_packed<T>(aq[2 * n2 + 1], a, bk4[2], bk4[3]);
                         }
                     } else {
                         unsigned bk2[2];
-                        ldsm_x2_t(bk2, b_rows<LD>(ks, kc * 16, col0));
+                        ldsm_x2_t_at(bk2, ks_b + kc * 16 * LD * ES);
                         mma_packed<T>(aq[0], a, bk2[0], bk2[1]);
                     }
                 }
@@ -1254,10 +1275,13 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
         // group's query heads), in F32 scratch past dq_acc, a float4 stripe per thread as the
         // accumulators lie: each link waits until the ones before it have added theirs, adds
         // its own after theirs and passes the sum on, or, as the last, writes dk and dv from
-        // it below. A link whose segment reads no tile passes the sum on too, so every link
-        // counts. The stripes go through shared memory (P KiB at the front, which
+        // it below. The stripes go through shared memory (P KiB at the front, which
         // geometry::shared_bytes provides; each thread reads only its own), so that one loop,
-        // not one copy per register, adds them.
+        // not one copy per register, adds them, a batch of stripes per L2 round trip. A link
+        // whose segment reads no tile counts too, but moves no more than it must: as the
+        // first it stores zeros, as a middle one it passes the sum on as it is (adding its
+        // zeros would change nothing but a -0 sum into +0), and as the last it adds its zeros
+        // and writes dk and dv.
         const int link = (int(blockIdx.z) - outer * segs) * group + qh - hk * group;
         const i64 bq = i64(gridDim.z / segs) * gridDim.y;
         const int bk = outer * (int(gridDim.y) / group) + hk;
@@ -1268,25 +1292,39 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
         __syncthreads();  // the links before this one have added theirs
         float4* stripe = reinterpret_cast<float4*>(att_smem) + threadIdx.x;
         const bool pass_on = link < links - 1;
+        if (reads_tiles || !pass_on || link == 0) {
 #pragma unroll
-        for (int i = 0; i < OT; ++i) {
-            stripe[i * ATT_TC_THREADS] =
-                make_float4(acc_k[i][0], acc_k[i][1], acc_k[i][2], acc_k[i][3]);
-            stripe[(OT + i) * ATT_TC_THREADS] =
-                make_float4(acc_v[i][0], acc_v[i][1], acc_v[i][2], acc_v[i][3]);
-        }
-#pragma unroll 1
-        for (int i = 0; i < 2 * OT; ++i) {
-            float4* at = sum + i * ATT_TC_THREADS;
-            float4 x = stripe[i * ATT_TC_THREADS];
+            for (int i = 0; i < OT; ++i) {
+                stripe[i * ATT_TC_THREADS] =
+                    make_float4(acc_k[i][0], acc_k[i][1], acc_k[i][2], acc_k[i][3]);
+                stripe[(OT + i) * ATT_TC_THREADS] =
+                    make_float4(acc_v[i][0], acc_v[i][1], acc_v[i][2], acc_v[i][3]);
+            }
+            // The sum so far, a batch of stripes' loads issued together (one L2 round trip a
+            // batch), added into the stripes; the sum passed on is stored from them.
+            constexpr int STRIPES = 2 * OT, BATCH = STRIPES < 4 ? STRIPES : 4;
             if (link > 0) {
-                const float4 y = __ldcg(at);
-                x = make_float4(y.x + x.x, y.y + x.y, y.z + x.z, y.w + x.w);
+                const float4* from = sum;
+                float4* into = stripe;
+#pragma unroll 1
+                for (int i0 = 0; i0 < STRIPES; i0 += BATCH) {
+                    float4 y[BATCH];
+#pragma unroll
+                    for (int u = 0; u < BATCH; ++u) y[u] = __ldcg(from + u * ATT_TC_THREADS);
+#pragma unroll
+                    for (int u = 0; u < BATCH; ++u) {
+                        float4& x = into[u * ATT_TC_THREADS];
+                        x = make_float4(y[u].x + x.x, y[u].y + x.y, y[u].z + x.z, y[u].w + x.w);
+                    }
+                    from += BATCH * ATT_TC_THREADS;
+                    into += BATCH * ATT_TC_THREADS;
+                }
             }
             if (pass_on) {
-                __stcg(at, x);
-            } else {
-                stripe[i * ATT_TC_THREADS] = x;
+                float4* to = sum;
+#pragma unroll 1
+                for (int i = 0; i < STRIPES; ++i, to += ATT_TC_THREADS)
+                    __stcg(to, stripe[i * ATT_TC_THREADS]);
             }
         }
         if (!pass_on) {
