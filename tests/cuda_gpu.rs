@@ -287,12 +287,12 @@ fn state_bounds(
 fn training_steps_match_the_cpu_executor() {
     let on_gpu = gpu();
     let mut failures = Vec::new();
-    let mut rows = Vec::new();
     for family in PLAN_FAMILIES {
         let noise = exact_zero_slices(family);
         let params = load_params(family);
         for flags in gpu_plans(family) {
             let case = format!("{family} {flags}");
+            let started = std::time::Instant::now();
             let split: Vec<&str> = flags.split_whitespace().collect();
             let p = plan(family, &split);
             if let Err(e) = lower_plan(&p) {
@@ -303,6 +303,10 @@ fn training_steps_match_the_cpu_executor() {
                 continue;
             }
             let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
+            // Where a GPU run's time goes, per plan (printed with its line): in all, loading
+            // (kernels, cuDNN's graphs) and the three device steps (the first captures each
+            // run as a CUDA graph).
+            let loading = std::time::Instant::now();
             let mut gpu = match CudaPlanRunner::new(p.clone(), &|n| params.get(n).cloned()) {
                 Ok(r) => r,
                 Err(e) => {
@@ -310,6 +314,8 @@ fn training_steps_match_the_cpu_executor() {
                     continue;
                 }
             };
+            let loaded = loading.elapsed().as_secs_f64();
+            let mut on_device = 0f64;
             let tol = gpu_tolerance(&flags);
             let mut worst = 0f64;
             let mut ok = true;
@@ -318,7 +324,10 @@ fn training_steps_match_the_cpu_executor() {
                     .map(|i| right_padded(batch(&p.micro_step, 77 + 10 * step + i)))
                     .collect();
                 let a = cpu.step(&batches, 1e-3).unwrap();
-                let b = match gpu.step(&batches, 1e-3) {
+                let stepping = std::time::Instant::now();
+                let stepped = gpu.step(&batches, 1e-3);
+                on_device += stepping.elapsed().as_secs_f64();
+                let b = match stepped {
                     Ok(b) => b,
                     Err(e) => {
                         failures.push(format!("{case} step {step}: {e}"));
@@ -370,20 +379,29 @@ fn training_steps_match_the_cpu_executor() {
                 worst = worst.max(err);
             }
             let raised = bounds.raised.values().fold(0f64, |a, &b| a.max(b));
-            rows.push(if bounds.raised.is_empty() {
-                format!("{case:<70} worst {worst:.2e} (bound {:.2e})", bounds.tol)
-            } else {
-                format!(
+            let seconds = format!(
+                "{:.1} s: load {loaded:.1}, 3 steps {on_device:.1}",
+                started.elapsed().as_secs_f64()
+            );
+            // Each plan's line as it ends (the GPU check kills a step that runs out of time:
+            // the lines before show where the time went).
+            println!(
+                "{}",
+                if bounds.raised.is_empty() {
+                    format!(
+                        "{case:<70} worst {worst:.2e} (bound {:.2e}); {seconds}",
+                        bounds.tol
+                    )
+                } else {
+                    format!(
                     "{case:<70} worst {worst:.2e} (bound {:.2e}; {} entries up to {raised:.2e} \
-                     by the BF16 or FP8 noise floor)",
+                     by the BF16 or FP8 noise floor); {seconds}",
                     bounds.tol,
                     bounds.raised.len()
                 )
-            });
+                }
+            );
         }
-    }
-    for r in &rows {
-        println!("{r}");
     }
     assert!(
         failures.is_empty(),
