@@ -213,7 +213,7 @@ const CASES: [Case; 6] = [
 /// tiles take dQ shares from several blocks in the order the counters keep. Run at the tiles
 /// real models use, once per tile (bf16 at 64, f16 at 128), and not again under the
 /// sanitizers: the host build takes longest here, and blocks run one at a time there anyway.
-const LONG_CASES: [Case; 4] = [
+const LONG_CASES: [Case; 5] = [
     // More keys than queries (bottom-right causal), grouped heads, a padding mask.
     Case {
         nb: 1,
@@ -260,6 +260,20 @@ const LONG_CASES: [Case; 4] = [
         s: 530,
         causal: true,
         window: None,
+        masked: false,
+        packed: false,
+    },
+    // A sliding window past one segment: links whose segment reads none of the key block's
+    // tiles, first (the last key block's first segment), in the middle and last (the first
+    // key block's second segment), which pass the dK and dV sum on without adding to it.
+    Case {
+        nb: 1,
+        hkv: 1,
+        g: 2,
+        t: 530,
+        s: 530,
+        causal: true,
+        window: Some(64),
         masked: false,
         packed: false,
     },
