@@ -540,7 +540,8 @@ fn the_profiles_roofline_adds_up_to_the_program_roofline() {
         ),
     ] {
         let p = if variant.ends_with(".json") {
-            config_plan(variant, flags)
+            let config = common::root().join("assets").join("configs").join(variant);
+            common::cuda_cases::plan_of(&config, flags)
         } else {
             plan(variant, flags)
         };
@@ -571,24 +572,4 @@ fn the_profiles_roofline_adds_up_to_the_program_roofline() {
              the program roofline is {want} ms"
         );
     }
-}
-
-/// The training plan of a model config under assets/configs, compiled by the CLI with `flags`.
-fn config_plan(config: &str, flags: &[&str]) -> castor_ir::TrainingPlan {
-    let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("plan.json");
-    let model = common::root().join("assets").join("configs").join(config);
-    let mut args = vec![
-        "compile",
-        path_str(&model),
-        "--train",
-        "--emit",
-        "plan",
-        "-o",
-        path_str(&out),
-    ];
-    args.extend_from_slice(flags);
-    let o = castor(&args);
-    assert!(o.status.success(), "{config} {flags:?}: {}", stderr(&o));
-    castor_ir::TrainingPlan::from_json(&std::fs::read_to_string(&out).unwrap()).unwrap()
 }

@@ -223,12 +223,17 @@ pub fn case_graph(name: &str, body: &str, t: &str) -> Graph {
 
 /// A fixture's training plan compiled by the CLI with `flags`.
 pub fn plan(variant: &str, flags: &[&str]) -> TrainingPlan {
+    plan_of(&fixture(variant), flags)
+}
+
+/// The training plan of `model` (a checkpoint folder or a config) compiled by the CLI with
+/// `flags`.
+pub fn plan_of(model: &std::path::Path, flags: &[&str]) -> TrainingPlan {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("plan.json");
-    let model = fixture(variant);
     let mut args = vec![
         "compile",
-        path_str(&model),
+        path_str(model),
         "--emit",
         "plan",
         "-o",
@@ -236,7 +241,12 @@ pub fn plan(variant: &str, flags: &[&str]) -> TrainingPlan {
     ];
     args.extend_from_slice(flags);
     let o = castor(&args);
-    assert!(o.status.success(), "{variant} {flags:?}: {}", stderr(&o));
+    assert!(
+        o.status.success(),
+        "{} {flags:?}: {}",
+        model.display(),
+        stderr(&o)
+    );
     TrainingPlan::from_json(&std::fs::read_to_string(&out).unwrap()).unwrap()
 }
 
