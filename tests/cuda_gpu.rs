@@ -167,6 +167,36 @@ fn gpu_plans(family: &str) -> Vec<String> {
     out
 }
 
+/// `k/n` (0 <= k < n): the training-steps test runs only the plans whose place in the whole
+/// list is k modulo n, so that the GPU check runs the list as n processes at once (a tiny
+/// fixture's plan spends its time on the host: loading kernels and cuDNN's graphs, capturing,
+/// and the CPU executor's steps). Unset: every plan.
+const PLAN_SHARE_ENV: &str = "CASTOR_GPU_PLAN_SHARE";
+
+/// The share [`PLAN_SHARE_ENV`] names, as (k, n); (0, 1) when unset.
+fn plan_share(value: Option<&str>) -> Result<(usize, usize), String> {
+    let Some(v) = value else { return Ok((0, 1)) };
+    let parsed = v
+        .split_once('/')
+        .and_then(|(k, n)| Some((k.trim().parse().ok()?, n.trim().parse().ok()?)));
+    match parsed {
+        Some((k, n)) if k < n => Ok((k, n)),
+        _ => Err(format!(
+            "{PLAN_SHARE_ENV}={v}: expected k/n with 0 <= k < n, such as 0/4"
+        )),
+    }
+}
+
+#[test]
+fn a_plan_share_is_k_of_n() {
+    assert_eq!(plan_share(None), Ok((0, 1)));
+    assert_eq!(plan_share(Some("2/5")), Ok((2, 5)));
+    for bad in ["5/5", "1", "a/2", "1/0"] {
+        let e = plan_share(Some(bad)).unwrap_err();
+        assert!(e.contains(PLAN_SHARE_ENV) && e.contains(bad), "{e}");
+    }
+}
+
 /// The families whose FP8 plans run on the GPU.
 const FP8_FAMILIES: [&str; 2] = ["gpt2_lm", "llama_gqa"];
 
@@ -286,11 +316,34 @@ fn state_bounds(
 #[test]
 fn training_steps_match_the_cpu_executor() {
     let on_gpu = gpu();
+    let (share, shares) =
+        plan_share(std::env::var(PLAN_SHARE_ENV).ok().as_deref()).unwrap_or_else(|e| panic!("{e}"));
+    let cases: Vec<(&str, String)> = PLAN_FAMILIES
+        .iter()
+        .flat_map(|&family| gpu_plans(family).into_iter().map(move |f| (family, f)))
+        .collect();
+    let total = cases.len();
+    let mut mine: Vec<(&str, Vec<String>)> = Vec::new();
+    for (i, (family, flags)) in cases.into_iter().enumerate() {
+        if i % shares != share {
+            continue;
+        }
+        match mine.last_mut() {
+            Some((f, plans)) if *f == family => plans.push(flags),
+            _ => mine.push((family, vec![flags])),
+        }
+    }
+    if shares > 1 {
+        println!(
+            "plans {share}/{shares}: {} of {total}",
+            mine.iter().map(|(_, p)| p.len()).sum::<usize>()
+        );
+    }
     let mut failures = Vec::new();
-    for family in PLAN_FAMILIES {
+    for (family, plans) in mine {
         let noise = exact_zero_slices(family);
         let params = load_params(family);
-        for flags in gpu_plans(family) {
+        for flags in plans {
             let case = format!("{family} {flags}");
             let started = std::time::Instant::now();
             let split: Vec<&str> = flags.split_whitespace().collect();

@@ -317,3 +317,47 @@ fn a_second_run_completes_the_rows_a_first_run_could_not_measure() {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// The check's step runner, on plain commands: steps run at once (the training plans' shares)
+/// fail together when any one fails or outlives its limit, and a background step (the
+/// benchmark's compile warm-up) is waited for, or killed at its limit, as a row that is never
+/// a failure.
+#[test]
+fn the_gpu_checks_steps_run_at_once_and_in_the_background() {
+    let script = "import sys, tempfile, time; from pathlib import Path\n\
+         sys.path.insert(0, 'bench/gpu'); import check\n\
+         logs = Path(tempfile.mkdtemp())\n\
+         s = check.Steps(logs, {'PATH': '/usr/bin:/bin'}, time.monotonic() + 60)\n\
+         share = lambda k, x: {'CASTOR_GPU_PLAN_SHARE': f'{k}/2', 'X': x}\n\
+         cmd = ['sh', '-c', 'echo share $CASTOR_GPU_PLAN_SHARE; exit $X']\n\
+         print(s.run_together('both', cmd, 20, [share(0, '0'), share(1, '0')]), s.failed)\n\
+         print(s.run_together('one', cmd, 20, [share(0, '0'), share(1, '3')]))\n\
+         print(s.run_together('slow', ['sleep', '30'], 1, [{}]))\n\
+         w = s.start('bg', ['sh', '-c', 'echo warm'])\n\
+         s.finish(w, 20)\n\
+         w = s.start('bg_slow', ['sleep', '30'])\n\
+         s.finish(w, 1)\n\
+         print((logs / 'both-1.log').read_text().splitlines()[-1])\n\
+         print((logs / 'bg.log').read_text().splitlines()[-1])\n\
+         print('\\n'.join(s.rows))";
+    let t0 = std::time::Instant::now();
+    let o = python(&["-c".as_ref(), script.as_ref()]);
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(t0.elapsed().as_secs() < 20, "a limit was not kept: {text}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(
+        &lines[..5],
+        ["True False", "False", "False", "share 1/2", "warm"]
+    );
+    let rows = lines[5..].join("\n");
+    for row in [
+        "both                         ok (exits 0, 0, ",
+        "one                          FAILED (exits 0, 3, ",
+        "slow                         FAILED (exits timeout, ",
+        "bg                           ok (exit 0, ",
+        "bg_slow                      did not finish (exit timeout, ",
+    ] {
+        assert!(rows.contains(row), "{row}\nnot in\n{rows}");
+    }
+}

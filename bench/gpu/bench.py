@@ -3,6 +3,7 @@
 
     python3 bench/gpu/bench.py --out OUT [--castor gpu-pack/castor] [--recipe-log LOG]
     python3 bench/gpu/bench.py --out OUT --dry-run     # tiny shapes, castor on the CPU
+    python3 bench/gpu/bench.py --out OUT --warm-compile  # only fill torch.compile's caches
 
 Writes OUT/<date>-<card>.json, the benchmark record (its format: bench/record.py; commit it
 under bench/results/ and run `python3 bench/record.py render`), OUT/table.txt (the same rows,
@@ -479,30 +480,12 @@ def torch_row(bench, cfg, system, plan, timer):
         return row(cfg, system, note="not run: the benchmark's time budget ran out"), None
     dev = bench.dev
     try:
-        torch.manual_seed(0)
         if system == "peft":
             try:
-                import peft
+                import peft  # noqa: F401
             except ImportError:
                 return row(cfg, system, note="peft is not installed"), None
-            base = torch_model(cfg, dev, torch.bfloat16)
-            model = peft.get_peft_model(base, peft.LoraConfig(
-                r=cfg.lora, lora_alpha=cfg.lora, lora_dropout=0.0, target_modules=LORA_TARGETS))
-        else:
-            model = torch_model(cfg, dev, torch.float32)
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt = torch.optim.AdamW(params, lr=1e-4, fused=dev == "cuda")
-        vocab = cfg.json()["vocab_size"]
-        ids = torch.randint(0, vocab, (cfg.batch, cfg.seq), device=dev)
-        fwd = torch.compile(model) if system == "torch.compile" else model
-
-        def step():
-            opt.zero_grad(set_to_none=True)
-            with torch.autocast(dev, dtype=torch.bfloat16):
-                loss = fwd(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-
+        step = torch_step(cfg, system, dev)
         ms = timer(step)
         sdpa = sdpa_backend(step, dev) if system == "torch.compile" else None
         rate = cfg.batch * cfg.seq / (ms * 1e-3)
@@ -512,12 +495,62 @@ def torch_row(bench, cfg, system, plan, timer):
             step()
             torch.cuda.synchronize()
             measured["max_memory_allocated"] = torch.cuda.max_memory_allocated()
-        del model, opt, fwd
+        del step
         if dev == "cuda":
             torch.cuda.empty_cache()
         return row(cfg, system, **measured), sdpa
     except Exception as e:  # a failed peer is a row that says why, not a lost benchmark
         return row(cfg, system, note=f"{type(e).__name__}: {str(e).strip()[:300]}"), None
+
+
+def torch_step(cfg, system, dev):
+    """One training step of `system` on the configuration, as a callable: zero_grad, the
+    forward and loss under bf16 autocast, backward, fused AdamW."""
+    torch.manual_seed(0)
+    if system == "peft":
+        import peft
+
+        base = torch_model(cfg, dev, torch.bfloat16)
+        model = peft.get_peft_model(base, peft.LoraConfig(
+            r=cfg.lora, lora_alpha=cfg.lora, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    else:
+        model = torch_model(cfg, dev, torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=dev == "cuda")
+    vocab = cfg.json()["vocab_size"]
+    ids = torch.randint(0, vocab, (cfg.batch, cfg.seq), device=dev)
+    fwd = torch.compile(model) if system == "torch.compile" else model
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(dev, dtype=torch.bfloat16):
+            loss = fwd(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def warm_compile(bench, cfgs):
+    """Compiles the `torch.compile` rows' steps once, into Inductor's on-disk caches (the FX
+    graph and AOTAutograd caches, per user under the system's temporary folder unless
+    TORCHINDUCTOR_CACHE_DIR says otherwise), so that a benchmark run after it on this machine
+    reads them instead of compiling: the GPU check runs this beside its tests. Nothing is
+    timed or recorded."""
+    if torch is None:
+        sys.exit("--warm-compile: torch is not installed")
+    for cfg in cfgs:
+        t0 = time.monotonic()
+        step = torch_step(cfg, "torch.compile", bench.dev)
+        step()
+        step()
+        if bench.dev == "cuda":
+            torch.cuda.synchronize()
+        del step
+        if bench.dev == "cuda":
+            torch.cuda.empty_cache()
+        print(f"[warm-compile] {cfg.model} {cfg.shape}: {time.monotonic() - t0:.0f} s",
+              file=sys.stderr, flush=True)
 
 
 def sdpa_backend(step, dev):
@@ -566,6 +599,9 @@ def main():
                     help="seconds for the whole benchmark: rows not started by then say so")
     ap.add_argument("--require-castor", action="store_true",
                     help="exit non-zero when any castor row did not run")
+    ap.add_argument("--warm-compile", action="store_true",
+                    help="only compile the torch.compile rows' steps into Inductor's on-disk "
+                         "caches (the GPU check runs this beside its tests); no record")
     ap.add_argument("--only", default=None,
                     help="run only these groups, comma-separated (default: all, in order): "
                          + ", ".join(GROUPS))
@@ -586,6 +622,10 @@ def main():
     bench = Bench(args)
     timer = Timer(bench.dev, args.repeat, warmup=1 if args.dry_run else 3)
     gpt2, llama, lora = configurations(bench)
+    if args.warm_compile:
+        warm_compile(bench, [cfg for group, cfg in (("gpt2", gpt2), ("llama", llama))
+                             if wanted(group)])
+        return
 
     def pair(cfg, castor_variants, peers):
         """castor's default first, then the peers (the ratio's denominator), then the rest."""
