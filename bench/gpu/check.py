@@ -27,7 +27,10 @@ no Rust: build with bench/gpu/pack.sh first, then run from the repository root):
                                                    # LLaMA-3.2-1B's default plan and with
                                                    # cuDNN's engine by heuristics alone, and
                                                    # GPT-2 with unfused epilogues ("all" runs
-                                                   # all but the default and eager GPT-2 ones)
+                                                   # all but the default and eager GPT-2 ones,
+                                                   # LLaMA's first); where Nsight Compute is
+                                                   # installed, the warp stalls of castor's
+                                                   # attention backward (GPT-2 and LLaMA)
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
 Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
@@ -184,6 +187,14 @@ def preflight(env):
     sanitizer = shutil.which("compute-sanitizer") or next(
         (str(r / "bin/compute-sanitizer") for r in roots if (r / "bin/compute-sanitizer").exists()), None)
     env["CASTOR_SANITIZER"] = sanitizer or ""
+    # Nsight Compute (optional): the profile part's warp-stall reports of castor's attention
+    # backward.
+    ncu = shutil.which("ncu") or next(
+        (str(p) for p in [r / "bin/ncu" for r in roots]
+         + sorted(Path(p) for p in glob.glob("/opt/nvidia/nsight-compute/*/ncu")) if p.exists()),
+        None)
+    env["CASTOR_NCU"] = ncu or ""
+    lines.append(f"ncu                {ncu or 'not found (no warp-stall reports)'}")
     lines.append(f"compute-sanitizer  {sanitizer or 'not found (the sanitizer steps will fail)'}")
     return lines
 
@@ -507,11 +518,26 @@ PROFILED = [("default", GPT2, 8, 1024, [], {}),
             ("attention-eager", GPT2, 8, 1024, ["--attention", "eager"], {})]
 
 
-def part_profile(steps, out_dir, plans=PROFILED):
+# Where castor's attention backward stalls, from Nsight Compute's counters: one launch of the
+# kernel (the last layer's, the first the step runs) in a one-step train of GPT-2 124M (d=64)
+# and of LLaMA-3.2-1B (d=128, grouped heads) with castor's kernels, issued one by one (CUDA
+# graphs off). On the 2026-11-30 H200 run it took about 7 us per query tile a block reads
+# (bench/attention_schedule.py's model of the launch), about 4x what its instruction count
+# allows at two warps per scheduler: the warp states say which waits hold it (the dQ
+# handoff's barriers and fence, L2 latency, the tensor cores). Each:
+# (tag, config, batch, seq, kernel name pattern).
+STALLS = [("gpt2-attention-bwd", GPT2, 8, 1024, "regex:attention_bwd_bf16_d"),
+          ("llama-attention-bwd", LLAMA, 4, 2048, "regex:attention_bwd_bf16_d")]
+NCU_SECTIONS = ["SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats",
+                "MemoryWorkloadAnalysis", "SourceCounters"]
+
+
+def part_profile(steps, out_dir, plans=PROFILED, stalls=STALLS):
     """`castor train --profile-kernels` on each plan of PROFILED (bf16, 3 steps, the last one
     profiled): the printed tables (each kind beside its roofline) are in the logs, every
     command in the CSV files. The quick way to see where castor's step time goes without the
-    whole benchmark."""
+    whole benchmark. Then, where Nsight Compute is installed, its report of the attention
+    backward on each case of `stalls` (in the logs)."""
     castor = PACK / "castor"
     out_dir.mkdir(parents=True, exist_ok=True)
     # nanoGPT's raw u16 token file (the configs have no tokenizer files beside them), long
@@ -525,6 +551,16 @@ def part_profile(steps, out_dir, plans=PROFILED):
                                      "--precision", "bf16", "--device", "cuda",
                                      "--profile-kernels", out_dir / f"kernels-{tag}.csv"] + extra,
                   120, env=env)
+    ncu = steps.env.get("CASTOR_NCU")
+    for tag, config, batch, seq, kernel in stalls if ncu else []:
+        sections = [a for name in NCU_SECTIONS for a in ("--section", name)]
+        # --clock-control none: the card's clocks as the benchmark sees them.
+        steps.run(f"stalls_{tag}", [ncu, "--clock-control", "none", "--kernel-name", kernel,
+                                    "--launch-count", "1"] + sections
+                  + [castor, "train", config, "--data", tokens, "--steps", "1",
+                     "--batch", str(batch), "--seq", str(seq), "--precision", "bf16",
+                     "--device", "cuda", "--attention", "fused"], 90,
+                  env={"CASTOR_CUDA_GRAPHS": "0"})
 
 
 # Seconds `--part all` keeps for the profile part when it starts the benchmark: LLaMA-3.2-1B's
@@ -546,10 +582,12 @@ def part_all(steps, out_dir):
     # target furthest from met), then castor's own attention kernels, the LoRA step, the
     # unfused epilogues and LLaMA with either engine choice, until the budget ends (the eager
     # attention's profile is for `--part profile`).
-    tags = ["llama-1b", "attention-fused", "llama-1b-lora", "epilogues-eager",
-            "llama-1b-any-engine"]
-    part_profile(steps, out_dir / "profile",
-                 [next(p for p in PROFILED if p[0] == tag) for tag in tags])
+    # The warp stalls of castor's attention backward on GPT-2 come second.
+    pick = lambda tags: [next(p for p in PROFILED if p[0] == tag) for tag in tags]
+    part_profile(steps, out_dir / "profile", pick(["llama-1b"]), STALLS[:1])
+    part_profile(steps, out_dir / "profile", pick(["attention-fused", "llama-1b-lora",
+                                                   "epilogues-eager", "llama-1b-any-engine"]),
+                 STALLS[1:])
 
 
 def main():
