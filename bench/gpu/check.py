@@ -337,14 +337,15 @@ def part_tests(steps, out_dir, before_memory_checks=None):
     # --nocapture: the cuDNN test prints which of castor's attention graphs cuDNN builds.
     steps.run("device_layer", [PACK / "runtime_tests", "--test-threads", "1", "--nocapture",
                                "cuda::device"], 90)
-    # The training plans as PLAN_SHARES processes at once, then the binary's other tests but
-    # the planned peak's (last: it reads the device's free memory, which other processes move).
-    # One process took 80 s for the plans without CUDA graphs and more than 180 s with them on
-    # the 2026-11-30 H200 run (cuDNN building each auto plan's graphs): time on the host,
-    # which the machine's 16 cores share out.
-    ok = run_plans(steps, "kernels_and_steps", gpu_tests, 150)
-    ok &= steps.run("kernels_and_rest", [gpu_tests, "--test-threads", "1", "--nocapture",
-                                         "--skip", PLANS_TEST, "--skip", PEAK_TEST], 120)
+    # Every kernel family and the binary's other tests but the training plans and the planned
+    # peak (last: it reads the device's free memory, which other processes move); this
+    # compiles every module into the PTX cache the training plans then read. Then the plans
+    # as PLAN_SHARES processes at once: one process took 80 s for them without CUDA graphs and
+    # more than 180 s with them on the 2026-11-30 H200 run (cuDNN building each auto plan's
+    # graphs), time on the host, which the machine's 16 cores share out.
+    ok = steps.run("kernels", [gpu_tests, "--test-threads", "1", "--nocapture",
+                               "--skip", PLANS_TEST, "--skip", PEAK_TEST], 120)
+    ok &= run_plans(steps, "kernels_and_steps", gpu_tests, 150)
     if not ok:
         # cuBLASLt says why it refuses a product only in its log (the H200 runs' FP8 products
         # failed in cublasLtMatmul with NOT_SUPPORTED after the heuristic found an algorithm):
