@@ -27,7 +27,9 @@ SEGMENT_ROWS = 512
 
 
 def query_rows(d):
-    return 64 if d <= 64 else 32
+    """Query rows per backward tile: 128 at d <= 64 and 64 at d128 (64 and 32 before
+    2026-11-30's change, when the 7 us unit was measured: a tile is twice that work now)."""
+    return 128 if d <= 64 else 64
 
 
 def makespan(works, sms):

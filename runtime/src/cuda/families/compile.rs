@@ -224,12 +224,15 @@ fn rope_machine_code_has_no_out_of_line_division() {
 /// at d64 and d128. Positions need code the other masks do not (the backward's scan of a key
 /// block's query rows, each tile's least and greatest first key, a ballot per key on tiles a
 /// sequence's start straddles), which only the `_packed` entry points compile in. Measured,
-/// bf16 and f16 alike: the backward 15.26 at d64 and 15.36 at d128, the forward 13.91 and
-/// 13.18; their `_packed` forms 16.28, 16.30, 14.56 and 13.83. (The backward's key blocks sum
+/// bf16 and f16 alike: the backward 13.30 at d64 and 13.46 at d128, the forward 13.91 and
+/// 13.18; their `_packed` forms 14.22, 14.32, 14.56 and 13.83. (The backward's key blocks sum
 /// dK and dV over several blocks: a loop through shared memory keeps that to about 100
 /// instructions, where adding in registers took 200 to 320. Fragments are loaded from each
 /// lane's shared-memory address taken once plus a constant, which ldmatrix's offset holds:
-/// a pointer per fragment cost an add and a shift each, 16.00 at d128 before.)
+/// a pointer per fragment cost an add and a shift each, 16.00 at d128 before. The backward's
+/// query tiles are 128 rows at d64 and 64 at d128, their scores taken in two halves, and the
+/// dQ sum it adds to comes through shared memory by cp.async: 15.26 and 15.36 with 64- and
+/// 32-row tiles and that sum in registers.)
 #[test]
 fn attention_machine_code_has_the_flash_attention_shape() {
     let Some((resources, mixes)) = machine_code("attention.cu") else {

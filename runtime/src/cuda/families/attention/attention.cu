@@ -49,12 +49,12 @@
 //                          dq_ready, bkv, t, s, d, group, mask_group, causal, window, scale,
 //                          <q, k, v, do, dq, dk, dv strides>)
 //     One pass over key blocks: one block of 8 warps per (128 keys, query batch, segment);
-//     each warp owns 16 keys. For every tile of query rows (64 rows for P <= 64, else 32) of
-//     its segment that sees the block's keys, in order, with the next tile's Q, dO, lse and
-//     delta copied while this one computes: S^T = K Q^T and
-//     dP^T = V dO^T, P^T = exp(S^T - lse), dS^T = P^T (dP^T - delta); dV += P^T dO and
-//     dK += dS^T Q in registers; dS^T (as <t>) through shared memory into the block's share
-//     of dQ = dS K. Five products, nothing recomputed.
+//     each warp owns 16 keys. For every tile of 64 query rows of its segment that sees the
+//     block's keys, in order, with the next tile's Q, dO, lse and delta copied while this one
+//     computes: S^T = K Q^T and dP^T = V dO^T, P^T = exp(S^T - lse),
+//     dS^T = P^T (dP^T - delta); dV += P^T dO and dK += dS^T Q in registers (for P = 128 these
+//     take the tile's rows 32 at a time); dS^T (as <t>) through shared memory into the
+//     block's share of dQ = dS K. Five products, nothing recomputed.
 //     A segment is ATT_BWD_SEGMENT_ROWS (512) query rows where the mask is banded (causal or
 //     windowed), else all t: under a causal mask the first key block reads every tile and the
 //     last only the last ones, so a block per whole run would leave the device waiting on the
@@ -76,7 +76,9 @@
 //     that started before it). The result does not depend on timing. Per tile one
 //     thread waits (an acquire load) and one raises (a release), between block barriers, as
 //     castor_common.cuh's wait_flag and raise_flag describe: one fence per tile, not one per
-//     thread.
+//     thread. After the wait each warp copies its part of the sum so far into shared memory
+//     by cp.async (.cg: from L2, never a stale L1 line) while its share's product runs, and
+//     adds it after: no registers are held for it across the product.
 //     A query batch with a row that may see no kept key (a mask's first kept key past the
 //     first row's last visible key, or any mask under a window) sends every tile to every
 //     key block. With positions, a key block takes the tiles from its diagonal's to that of
@@ -124,11 +126,13 @@
 #define ATT_LOG2E 1.4426950408889634
 #define ATT_LN2 0.69314718055994531f
 
-// Keys per forward tile and query rows per backward tile, by tile width P: narrower tiles
-// where the accumulators of P columns leave registers for more.
+// Keys per forward tile by tile width P (fewer where the accumulators of P columns leave
+// registers for no more), and query rows per backward tile (64 at every width: at d128 the
+// backward computes a tile's scores in two halves of 32 rows, so that they fit in registers
+// beside the dK and dV accumulators, while the tile's staging and dQ handoff happen once).
 template <int P> struct AttShape {
     static constexpr int KEYS = P <= 64 ? 128 : 64;
-    static constexpr int QROWS = P <= 64 ? 64 : 32;
+    static constexpr int QROWS = P <= 64 ? 128 : 64;
 };
 
 // Where the rows of a tensor-core kernel's operand are: query (or key) batch b, split as
@@ -818,19 +822,23 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                         AttStrides sdq, AttStrides sdk, AttStrides sdv, AttDropout dr) {
     if constexpr (!POS) positions = nullptr;  // the plain entry points compile it out
     constexpr int KB = ATT_BWD_KEYS, QT = AttShape<P>::QROWS, LD = P + ATT_PAD;
-    constexpr int LDS = QT + ATT_PAD, DT = P / 16, OT = P / 8, NQ = QT / 8;
+    constexpr int LDS = QT + ATT_PAD, LDA = P + ATT_PAD, DT = P / 16, OT = P / 8;
+    // S^T and dP^T take the tile's rows in two halves of QH (NH 8-row tiles each): a whole
+    // tile's would not fit in registers beside dK and dV.
+    constexpr int QH = QT / 2, NH = QH / 8;
     // The dQ product's warps: MT tiles of 16 query rows, CW warps on each, NW 8-column tiles
     // per warp.
     constexpr int MT = QT / 16, CW = 8 / MT, NW = P / 8 / CW;
-    // P <= 64: the warp's K and V rows stay in registers as A fragments.
-    constexpr bool KV_REGS = P <= 64;
     CASTOR_DYNAMIC_SHARED(att_smem);
     T* ks = reinterpret_cast<T*>(att_smem);  // [KB][LD]
     T* vs = ks + KB * LD;                    // [KB][LD]
     T* qs = vs + KB * LD;                    // [2][QT][LD]
     T* dos = qs + 2 * QT * LD;               // [2][QT][LD]
     T* dst = dos + 2 * QT * LD;              // [KB][LDS]: the tile's dS^T, as T
-    float* lse_s = reinterpret_cast<float*>(dst + KB * LDS);  // [2][QT]: lse log2(e)
+    // [QT][LDA]: the tile's dQ sum of the blocks above this one, copied while the share's
+    // product runs.
+    float* above_s = reinterpret_cast<float*>(dst + KB * LDS);
+    float* lse_s = above_s + QT * LDA;                          // [2][QT]: lse log2(e)
     float* delta_s = lse_s + 2 * QT;                            // [2][QT]
     unsigned char* keep = reinterpret_cast<unsigned char*>(delta_s + 2 * QT);  // [KB]
     __shared__ int first_slot, any_empty;
@@ -875,8 +883,6 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
             asm volatile("" : "+f"(acc_k[i][e]), "+f"(acc_v[i][e]));
 #endif
         }
-    unsigned kf[KV_REGS ? DT : 1][4], vf[KV_REGS ? DT : 1][4];
-    bool have_kv = false;
     // Whether this block's segment has a tile that reads its keys (else its link of the dK and
     // dV chain adds nothing).
     bool reads_tiles = false;
@@ -1012,163 +1018,161 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                     __syncthreads();  // first_keys[buf] is rewritten next
                     continue;
                 }
-                if constexpr (KV_REGS) {
-                    if (!have_kv) {
-#pragma unroll
-                        for (int kk = 0; kk < DT; ++kk) {
-                            ldsm_x4(kf[kk], a_rows<LD>(ks, warp * 16, kk * 16));
-                            ldsm_x4(vf[kk], a_rows<LD>(vs, warp * 16, kk * 16));
-                        }
-                        have_kv = true;
-                    }
-                }
                 const int staged = buf * QT * LD * ES;  // the tile's buffer, in bytes
                 const float* l2 = lse_s + buf * QT;
                 const float* dl = delta_s + buf * QT;
                 T* my_dst = dst + warp * 16 * LDS;
-                const bool skip = !maybe_none && (j0 >= visible_keys(qlast, t, s, causal) ||
-                                                  j0 + 16 <= tile_lo);
-                if (skip) {
-                    // The warp's keys are not seen by the tile: its dS^T rows are zero.
+                // The tile's rows in two halves (QH rows each): S^T, dP^T, dS^T and their
+                // products into dK and dV one half at a time; the tile's other work once.
+#pragma unroll 1
+                for (int hq = 0; hq < QT; hq += QH) {
+                    const int r0 = q0 + hq;  // the half's first row: bit 0 of the masks below
+                    const bool skip =
+                        !maybe_none && (j0 >= visible_keys(min(r0 + QH, t) - 1, t, s, causal) ||
+                                        j0 + 16 <= tile_lo);
+                    if (skip) {
+                        // The warp's keys are not seen by the half: its dS^T rows are zero.
 #pragma unroll
-                    for (int i = lane; i < 16 * QT / 8; i += 32)
-                        *reinterpret_cast<uint4*>(my_dst + (i / (QT / 8)) * LDS + (i % (QT / 8)) * 8) =
-                            make_uint4(0u, 0u, 0u, 0u);
-                } else {
-                    float st[NQ][4], dpt[NQ][4];
+                        for (int i = lane; i < 16 * QH / 8; i += 32)
+                            *reinterpret_cast<uint4*>(my_dst + (i / (QH / 8)) * LDS + hq +
+                                                      (i % (QH / 8)) * 8) =
+                                make_uint4(0u, 0u, 0u, 0u);
+                    } else {
+                        float st[NH][4], dpt[NH][4];
 #pragma unroll
-                    for (int n = 0; n < NQ; ++n)
+                        for (int n = 0; n < NH; ++n)
 #pragma unroll
-                        for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
+                            for (int e = 0; e < 4; ++e) st[n][e] = dpt[n][e] = 0.0f;
 #pragma unroll
-                    for (int kk = 0; kk < DT; ++kk) {
-                        unsigned ak[4], av[4];
-                        if constexpr (KV_REGS) {
-#pragma unroll
-                            for (int e = 0; e < 4; ++e) {
-                                ak[e] = kf[kk][e];
-                                av[e] = vf[kk][e];
-                            }
-                        } else {
+                        for (int kk = 0; kk < DT; ++kk) {
+                            unsigned ak[4], av[4];
                             ldsm_x4_at(ak, ks_a + kk * 16 * ES);
                             ldsm_x4_at(av, vs_a + kk * 16 * ES);
+#pragma unroll
+                            for (int n2 = 0; n2 < NH / 2; ++n2) {
+                                unsigned bq[4], bo[4];
+                                const int at = staged + ((hq + n2 * 16) * LD + kk * 16) * ES;
+                                ldsm_x4_at(bq, qs_bt + at);
+                                ldsm_x4_at(bo, dos_bt + at);
+                                mma_packed<T>(st[2 * n2], ak, bq[0], bq[1]);       // S^T
+                                mma_packed<T>(st[2 * n2 + 1], ak, bq[2], bq[3]);
+                                mma_packed<T>(dpt[2 * n2], av, bo[0], bo[1]);      // dP^T
+                                mma_packed<T>(dpt[2 * n2 + 1], av, bo[2], bo[3]);
+                            }
                         }
+                        const bool plain = !maybe_none && keys_kept &&
+                                           j0 + 16 <= visible_keys(r0, t, s, causal) &&
+                                           j0 >= tile_hi;
+                        if (!plain) {
+                            // Per key of this lane, the half's queries whose score it keeps
+                            // (`kept`) and those that see no kept key (`zero`: score 0, kept for
+                            // keys before s), as bits of the query index from r0 shifted by 2c,
+                            // so that an element's bit is the same for every lane. The rows that
+                            // see a key j form a range: causal: j < r + 1 + s - t; window:
+                            // r + 1 + s - t - window <= j (or s - window <= j when every row sees
+                            // all s keys).
+                            u64 zero = 0;
 #pragma unroll
-                        for (int n2 = 0; n2 < NQ / 2; ++n2) {
-                            unsigned bq[4], bo[4];
-                            const int at = staged + (n2 * 16 * LD + kk * 16) * ES;
-                            ldsm_x4_at(bq, qs_bt + at);
-                            ldsm_x4_at(bo, dos_bt + at);
-                            mma_packed<T>(st[2 * n2], ak, bq[0], bq[1]);       // S^T
-                            mma_packed<T>(st[2 * n2 + 1], ak, bq[2], bq[3]);
-                            mma_packed<T>(dpt[2 * n2], av, bo[0], bo[1]);      // dP^T
-                            mma_packed<T>(dpt[2 * n2 + 1], av, bo[2], bo[3]);
-                        }
-                    }
-                    const bool plain = !maybe_none && keys_kept &&
-                                       j0 + 16 <= visible_keys(q0, t, s, causal) &&
-                                       j0 >= tile_hi;
-                    if (!plain) {
-                        // Per key of this lane, the tile's queries whose score it keeps (`kept`)
-                        // and those that see no kept key (`zero`: score 0, kept for keys before
-                        // s), as bits of the query index shifted by 2c, so that an element's bit
-                        // is the same for every lane. The rows that see a key j form a range:
-                        // causal: j < r + 1 + s - t; window: r + 1 + s - t - window <= j (or
-                        // s - window <= j when every row sees all s keys).
-                        u64 zero = 0;
+                            for (int w = 0; w < QH / 32; ++w)
+                                zero |= u64(__ballot_sync(FULL_WARP, vis.none(r0 + 32 * w + lane)))
+                                        << (32 * w);
+                            zero >>= 2 * c;
+                            // With positions, the rows that start at or before each of this lane's
+                            // keys (which need not be a range): one ballot over the half's rows per
+                            // key of the warp, kept by the lanes that hold the key.
+                            u64 started[2] = {~0ull, ~0ull};
+                            if (prow != nullptr) {
+                                int from[QH / 32];
 #pragma unroll
-                        for (int w = 0; w < (QT + 31) / 32; ++w)
-                            zero |= u64(__ballot_sync(FULL_WARP, vis.none(q0 + 32 * w + lane))) << (32 * w);
-                        zero >>= 2 * c;
-                        // With positions, the rows that start at or before each of this lane's keys
-                        // (which need not be a range): one ballot over the tile's rows per key of
-                        // the warp, kept by the lanes that hold the key.
-                        u64 started[2] = {~0ull, ~0ull};
-                        if (prow != nullptr) {
-                            int from[QT / 32];
-#pragma unroll
-                            for (int w = 0; w < QT / 32; ++w) from[w] = starts[buf][32 * w + lane];
+                                for (int w = 0; w < QH / 32; ++w)
+                                    from[w] = starts[buf][hq + 32 * w + lane];
 #pragma unroll 1
-                            for (int k = 0; k < 8; ++k) {
-                                u64 m[2] = {0ull, 0ull};
+                                for (int k = 0; k < 8; ++k) {
+                                    u64 m[2] = {0ull, 0ull};
 #pragma unroll
-                                for (int w = 0; w < QT / 32; ++w) {
-                                    m[0] |= u64(__ballot_sync(FULL_WARP, from[w] <= j0 + k)) << (32 * w);
-                                    m[1] |= u64(__ballot_sync(FULL_WARP, from[w] <= j0 + k + 8))
-                                            << (32 * w);
+                                    for (int w = 0; w < QH / 32; ++w) {
+                                        m[0] |= u64(__ballot_sync(FULL_WARP, from[w] <= j0 + k))
+                                                << (32 * w);
+                                        m[1] |= u64(__ballot_sync(FULL_WARP, from[w] <= j0 + k + 8))
+                                                << (32 * w);
+                                    }
+                                    if (k == g) {
+                                        started[0] = m[0] >> (2 * c);
+                                        started[1] = m[1] >> (2 * c);
+                                    }
                                 }
-                                if (k == g) {
-                                    started[0] = m[0] >> (2 * c);
-                                    started[1] = m[1] >> (2 * c);
+                            }
+                            u64 kept[2];
+#pragma unroll
+                            for (int h = 0; h < 2; ++h) {
+                                const int j = keys[h];
+                                int lo = causal ? j - s + t : 0, hi = t - 1;
+                                if (window > 0) {
+                                    if (causal && j + window < s) hi = j + window - 1 - s + t;
+                                    if (!causal && j < s - window) hi = -1;
+                                }
+                                const u64 seen =
+                                    jok[h] ? bit_range(lo - r0 - 2 * c, hi - r0 - 2 * c) : 0ull;
+                                kept[h] = (seen & started[h] & ~zero) | (jin[h] ? zero : 0ull);
+                            }
+#pragma unroll
+                            for (int n = 0; n < NH; ++n) {
+#pragma unroll
+                                for (int e = 0; e < 4; ++e) {
+                                    const int io = n * 8 + (e & 1);
+                                    if ((zero >> io) & 1ull) st[n][e] = 0.0f;
+                                    if (!((kept[e >> 1] >> io) & 1ull)) st[n][e] = F32_NEG_INF;
                                 }
                             }
                         }
-                        u64 kept[2];
 #pragma unroll
-                        for (int h = 0; h < 2; ++h) {
-                            const int j = keys[h];
-                            int lo = causal ? j - s + t : 0, hi = t - 1;
-                            if (window > 0) {
-                                if (causal && j + window < s) hi = j + window - 1 - s + t;
-                                if (!causal && j < s - window) hi = -1;
-                            }
-                            const u64 seen = jok[h] ? bit_range(lo - q0 - 2 * c, hi - q0 - 2 * c) : 0ull;
-                            kept[h] = (seen & started[h] & ~zero) | (jin[h] ? zero : 0ull);
-                        }
-#pragma unroll
-                        for (int n = 0; n < NQ; ++n) {
+                        for (int n = 0; n < NH; ++n) {
 #pragma unroll
                             for (int e = 0; e < 4; ++e) {
-                                const int io = n * 8 + (e & 1);
-                                if ((zero >> io) & 1ull) st[n][e] = 0.0f;
-                                if (!((kept[e >> 1] >> io) & 1ull)) st[n][e] = F32_NEG_INF;
-                            }
-                        }
-                    }
-#pragma unroll
-                    for (int n = 0; n < NQ; ++n) {
-#pragma unroll
-                        for (int e = 0; e < 4; ++e) {
-                            const int i = n * 8 + 2 * c + (e & 1);
-                            const float p = exp2_approx(fmaf(st[n][e], scale_log2, -l2[i]));
-                            if constexpr (DROP) {
-                                if (dr.on) {
-                                    // The forward's mask, regenerated: dP of a dropped key is 0,
-                                    // of a kept one scaled, and dV reads the dropped, scaled P.
-                                    const int qi = q0 + i, j = keys[e >> 1];
-                                    const bool kept = qi < t && j < s &&
-                                                      dr.kept((i64(b) * t + qi) * s + j);
-                                    st[n][e] = kept ? p * dr.scale : 0.0f;
-                                    dpt[n][e] = p * ((kept ? dpt[n][e] * dr.scale : 0.0f) - dl[i]);
-                                    continue;
+                                const int i = hq + n * 8 + 2 * c + (e & 1);
+                                const float p = exp2_approx(fmaf(st[n][e], scale_log2, -l2[i]));
+                                if constexpr (DROP) {
+                                    if (dr.on) {
+                                        // The forward's mask, regenerated: dP of a dropped key is
+                                        // 0, of a kept one scaled, and dV reads the dropped,
+                                        // scaled P.
+                                        const int qi = q0 + i, j = keys[e >> 1];
+                                        const bool kept = qi < t && j < s &&
+                                                          dr.kept((i64(b) * t + qi) * s + j);
+                                        st[n][e] = kept ? p * dr.scale : 0.0f;
+                                        dpt[n][e] =
+                                            p * ((kept ? dpt[n][e] * dr.scale : 0.0f) - dl[i]);
+                                        continue;
+                                    }
                                 }
+                                st[n][e] = p;                          // P^T
+                                dpt[n][e] = p * (dpt[n][e] - dl[i]);  // dS^T
                             }
-                            st[n][e] = p;                          // P^T
-                            dpt[n][e] = p * (dpt[n][e] - dl[i]);  // dS^T
                         }
-                    }
 #pragma unroll
-                    for (int n = 0; n < NQ; ++n) {
-                        *reinterpret_cast<unsigned*>(my_dst + g * LDS + n * 8 + 2 * c) =
-                            pack2<T>(dpt[n][0], dpt[n][1]);
-                        *reinterpret_cast<unsigned*>(my_dst + (g + 8) * LDS + n * 8 + 2 * c) =
-                            pack2<T>(dpt[n][2], dpt[n][3]);
-                    }
+                        for (int n = 0; n < NH; ++n) {
+                            T* row = my_dst + hq + n * 8 + 2 * c;
+                            *reinterpret_cast<unsigned*>(row + g * LDS) =
+                                pack2<T>(dpt[n][0], dpt[n][1]);
+                            *reinterpret_cast<unsigned*>(row + (g + 8) * LDS) =
+                                pack2<T>(dpt[n][2], dpt[n][3]);
+                        }
 #pragma unroll
-                    for (int kc = 0; kc < QT / 16; ++kc) {
-                        unsigned ap[4], as[4];
-                        frag_from_acc<T>(ap, st, kc);
-                        frag_from_acc<T>(as, dpt, kc);
+                        for (int kc = 0; kc < QH / 16; ++kc) {
+                            unsigned ap[4], as[4];
+                            frag_from_acc<T>(ap, st, kc);
+                            frag_from_acc<T>(as, dpt, kc);
 #pragma unroll
-                        for (int i2 = 0; i2 < OT / 2; ++i2) {
-                            unsigned bo[4], bq[4];
-                            const int at = staged + (kc * 16 * LD + i2 * 16) * ES;
-                            ldsm_x4_t_at(bo, dos_b + at);
-                            ldsm_x4_t_at(bq, qs_b + at);
-                            mma_packed<T>(acc_v[2 * i2], ap, bo[0], bo[1]);  // dV += P^T dO
-                            mma_packed<T>(acc_v[2 * i2 + 1], ap, bo[2], bo[3]);
-                            mma_packed<T>(acc_k[2 * i2], as, bq[0], bq[1]);  // dK += dS^T Q
-                            mma_packed<T>(acc_k[2 * i2 + 1], as, bq[2], bq[3]);
+                            for (int i2 = 0; i2 < OT / 2; ++i2) {
+                                unsigned bo[4], bq[4];
+                                const int at = staged + ((hq + kc * 16) * LD + i2 * 16) * ES;
+                                ldsm_x4_t_at(bo, dos_b + at);
+                                ldsm_x4_t_at(bq, qs_b + at);
+                                mma_packed<T>(acc_v[2 * i2], ap, bo[0], bo[1]);  // dV += P^T dO
+                                mma_packed<T>(acc_v[2 * i2 + 1], ap, bo[2], bo[3]);
+                                mma_packed<T>(acc_k[2 * i2], as, bq[0], bq[1]);  // dK += dS^T Q
+                                mma_packed<T>(acc_k[2 * i2 + 1], as, bq[2], bq[3]);
+                            }
                         }
                     }
                 }
@@ -1184,21 +1188,21 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                 if (!first) {
                     if (threadIdx.x == 0) wait_flag(ready, hi_kb - kb);
                     __syncthreads();  // the blocks above this one have added their shares
-                }
-                float aq[NW][4], above[NW][4];
+                    // Their sum, this warp's 16 rows and NW 8-column tiles of it, into shared
+                    // memory by cp.async (16 bytes a copy, NW copies a lane; zeros past t),
+                    // while the share's product runs: no registers held for it.
+                    // A row is 2 NW copies, so lane takes row lane / (2 NW) and, copy j, the
+                    // row 16 / NW j below it, at the same column.
+                    const int r0 = mt * 16 + lane / (2 * NW), cc = lane % (2 * NW) * 4;
+                    const float* from = dq_acc + (i64(b) * t + q0 + r0) * P + col0 + cc;
+                    float* to = above_s + r0 * LDA + col0 + cc;
 #pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    const int i = mt * 16 + g + 8 * h;
-                    const float* arow = dq_acc + (i64(b) * t + q0 + i) * P + col0 + 2 * c;
-#pragma unroll
-                    for (int n = 0; n < NW; ++n) {
-                        float2 x = make_float2(0.0f, 0.0f);  // 0 + share = share
-                        if (!first && q0 + i < t)
-                            x = __ldcg(reinterpret_cast<const float2*>(arow + n * 8));
-                        above[n][2 * h] = x.x;
-                        above[n][2 * h + 1] = x.y;
-                    }
+                    for (int j = 0; j < NW; ++j)
+                        cp_async16(to + j * (16 / NW) * LDA, from + j * (16 / NW) * P,
+                                   q0 + r0 + j * (16 / NW) < t);
+                    cp_async_commit();
                 }
+                float aq[NW][4];
 #pragma unroll
                 for (int n = 0; n < NW; ++n) aq[n][0] = aq[n][1] = aq[n][2] = aq[n][3] = 0.0f;
 #pragma unroll
@@ -1219,11 +1223,22 @@ __device__ void att_bwd(const T* q, const T* k, const T* v, const unsigned char*
                         mma_packed<T>(aq[0], a, bk2[0], bk2[1]);
                     }
                 }
-                // The sum so far: the shares above, then this one.
+                // The sum so far: the shares above, then this one (the first block's share is
+                // the sum).
+                if (!first) {
+                    cp_async_wait<0>();
+                    __syncwarp();  // the warp's copies are in shared memory
 #pragma unroll
-                for (int n = 0; n < NW; ++n)
+                    for (int h = 0; h < 2; ++h) {
+                        const float* arow = above_s + (mt * 16 + g + 8 * h) * LDA + col0 + 2 * c;
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) aq[n][e] = above[n][e] + aq[n][e];
+                        for (int n = 0; n < NW; ++n) {
+                            const float2 x = *reinterpret_cast<const float2*>(arow + n * 8);
+                            aq[n][2 * h] = x.x + aq[n][2 * h];
+                            aq[n][2 * h + 1] = x.y + aq[n][2 * h + 1];
+                        }
+                    }
+                }
                 if (!last) {
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {

@@ -37,12 +37,13 @@ pub fn fwd_keys(p: u32) -> u32 {
     }
 }
 
-/// Query rows per backward tile at tile width `p` (`AttShape<P>::QROWS`).
+/// Query rows per backward tile at tile width `p` (`AttShape<P>::QROWS`); the kernel computes
+/// a tile's scores in two halves of these rows.
 pub fn bwd_query_rows(p: u32) -> u32 {
     if p <= 64 {
-        64
+        128
     } else {
-        32
+        64
     }
 }
 
@@ -86,8 +87,9 @@ pub fn threads(kernel: Kernel, tensor_cores: bool) -> u32 {
 
 /// Bytes of dynamic shared memory a tensor-core kernel takes at tile `p` with operands of
 /// `elem` bytes: the forward's Q tile and double-buffered K/V tiles with their mask bytes; the
-/// backward's K/V tiles, double-buffered Q/dO tiles, the dS^T tile, the double-buffered F32
-/// row statistics and the block's mask bytes, or, if more, the F32 dK and dV accumulators of
+/// backward's K/V tiles, double-buffered Q/dO tiles, the dS^T tile, the F32 dQ sum of the
+/// blocks above (a query tile of padded rows), the double-buffered F32 row statistics and the
+/// block's mask bytes, or, if more, the F32 dK and dV accumulators of
 /// its 256 threads (`p` KiB), which pass through it when a key block has several links.
 pub fn shared_bytes(kernel: Kernel, p: u32, elem: u32) -> u32 {
     let row = (p + PAD) * elem;
@@ -101,6 +103,7 @@ pub fn shared_bytes(kernel: Kernel, p: u32, elem: u32) -> u32 {
             let tiles = 2 * BWD_KEYS * row
                 + 4 * qt * row
                 + BWD_KEYS * (qt + PAD) * elem
+                + qt * (p + PAD) * 4
                 + 4 * qt * 4
                 + BWD_KEYS;
             tiles.max(TC_THREADS * 2 * p / 8 * 16)
@@ -207,6 +210,7 @@ mod tests {
         let segments = [(64, 1024), (128, 2048), (64, 512), (64, 513), (128, 513), (64, 0)]
             .map(|(p, t)| bwd_segments(p, t, true));
         assert_eq!(segments, [2, 4, 1, 2, 2, 1]);
+        assert_eq!([bwd_query_rows(16), bwd_query_rows(64), bwd_query_rows(128)], [128, 128, 64]);
         assert_eq!(bwd_segments(64, 1024, false), 1);
         // GPT-2 124M at B=8 (96 query batches of 12 heads), LLaMA-3.2-1B at B=4 (32 query
         // heads in groups of 4).
@@ -218,7 +222,7 @@ mod tests {
             backward_scratch(64, (96, 1), (1024, 1024), true),
             BackwardScratch {
                 acc_elems: 96 * 1024 * 64 + 96 * 1024 * 2 * 64,
-                ready_count: 96 * 16 + 96 * 8,
+                ready_count: 96 * 8 + 96 * 8,
             }
         );
         // BERT's unbanded mask, no grouping: one link, dQ's scratch only.
@@ -226,7 +230,7 @@ mod tests {
             backward_scratch(64, (96, 1), (512, 512), false),
             BackwardScratch {
                 acc_elems: 96 * 512 * 64,
-                ready_count: 96 * 8,
+                ready_count: 96 * 4,
             }
         );
         // Grouped heads link even when unbanded; the key blocks' scratch is whole blocks.
@@ -234,7 +238,7 @@ mod tests {
             backward_scratch(128, (8, 4), (40, 200), false),
             BackwardScratch {
                 acc_elems: 8 * 40 * 128 + 2 * 256 * 2 * 128,
-                ready_count: 8 * 2 + 2 * 2,
+                ready_count: 8 + 2 * 2,
             }
         );
     }
