@@ -337,6 +337,8 @@ fn the_gpu_checks_steps_run_at_once_and_in_the_background() {
          s.finish(w, 20)\n\
          w = s.start('bg_slow', ['sleep', '30'])\n\
          s.finish(w, 1)\n\
+         w = s.start('bg_bad', ['sh', '-c', 'exit 2'])\n\
+         s.finish(w, 20)\n\
          print((logs / 'both-1.log').read_text().splitlines()[-1])\n\
          print((logs / 'bg.log').read_text().splitlines()[-1])\n\
          print('\\n'.join(s.rows))";
@@ -357,6 +359,7 @@ fn the_gpu_checks_steps_run_at_once_and_in_the_background() {
         "slow                         FAILED (exits timeout, ",
         "bg                           ok (exit 0, ",
         "bg_slow                      did not finish (exit timeout, ",
+        "bg_bad                       failed (exit 2, ",
     ] {
         assert!(rows.contains(row), "{row}\nnot in\n{rows}");
     }

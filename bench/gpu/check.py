@@ -261,8 +261,9 @@ class Steps:
                 p.wait()
                 rc = "timeout"
         f.close()
-        self.rows.append(f"{name:<28} {'ok' if rc == 0 else 'did not finish'} (exit {rc}, "
-                         f"{time.monotonic() - t0:.0f} s, in the background; not a check)")
+        state = "ok" if rc == 0 else "did not finish" if rc == "timeout" else "failed"
+        self.rows.append(f"{name:<28} {state} (exit {rc}, {time.monotonic() - t0:.0f} s, in the "
+                         "background; not a check)")
 
     def run_together(self, name, cmd, limit, envs):
         """Runs `cmd` once per environment of `envs`, all at once, as one step (logs
