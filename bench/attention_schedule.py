@@ -7,8 +7,9 @@ being one unit of time, plus `--overhead` units for the block itself (its K/V lo
 several links, its share of the dK/dV chain); blocks are handed out in linear index order to
 the first free SM, one block per SM (255 registers a thread, 8 warps), as the device
 dispatches them. The busiest SM's total is the launch's length in tile times. The 2026-11-30
-H200 profile gives the unit: about 7 us a tile at d64 (GPT-2 124M: 5.25 ms for 12 layers of
-64 tile times each).
+H200 profile gives the unit for the 64-row tiles of then: about 7 us a tile at d64 (GPT-2
+124M: 5.25 ms for 12 layers of 64 tile times each), with a block's own cost taken as 0.3 of
+one; the tiles are 128 rows at d64 now, so the same cost is 0.15 of one (the default).
 
 Two schedules:
   whole      one block per (key block, key head): it reads every query tile of the group's
@@ -16,7 +17,7 @@ Two schedules:
   segments   one block per (key block, query head, segment of 512 query rows) where the mask is
              causal, the blocks of a key block summing dK/dV in a fixed order (castor now).
 
-Usage: python3 bench/attention_schedule.py [--sms 132] [--overhead 0.3]
+Usage: python3 bench/attention_schedule.py [--sms 132] [--overhead 0.15]
 """
 
 import argparse
@@ -80,7 +81,7 @@ SHAPES = [
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sms", type=int, default=132)
-    ap.add_argument("--overhead", type=float, default=0.3)
+    ap.add_argument("--overhead", type=float, default=0.15)
     args = ap.parse_args()
     print(f"causal backward, {args.sms} SMs, block overhead {args.overhead} tile")
     print(f"{'shape':<42} {'ideal':>7} {'whole':>7} {'segments':>9} {'ratio':>6}")
