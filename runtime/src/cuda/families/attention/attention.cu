@@ -109,7 +109,8 @@
 // bq / heads * segments) for bwd (heads: the query heads of one outer batch, a multiple of
 // group; the grid gives each block its (outer, head) split), dynamic shared memory as
 // attention::shared_bytes computes (over 48 KiB, so the host opts in); bwd needs
-// dq_acc of bq t P floats and dq_ready of bq ceil(t / QT) ints zeroed before it; with more
+// dq_acc of bq t P floats (16-byte aligned: cp.async and float4 stripes read it) and
+// dq_ready of bq ceil(t / QT) ints zeroed before it; with more
 // than one link per key block, dq_acc also holds 2 P floats per key of every key block
 // (bq / group ceil(s / 128) 128 keys) past those, and dq_ready one int per key block past
 // its own, zeroed too (geometry::backward_scratch). F32 kernels and delta: block (128), grid
