@@ -232,35 +232,49 @@ class Steps:
         self.rows.append(f"{name:<28} {'ok' if ok else 'FAILED'} (exit {rc}, {time.monotonic() - t0:.0f} s)")
         return ok
 
-    def start(self, name, cmd):
-        """Starts `cmd` in the background (log name.log); `finish` waits for it. What it does
-        is no check: its end is a row of the summary but never a failure."""
-        f = open(self.logs / f"{name}.log", "w")
-        f.write("$ " + " ".join(map(str, cmd)) + "\n")
+    def spawn(self, log, cmd, env=None):
+        """Starts `cmd` with its output to the file `log` (headed by the command and the
+        environment it adds); returns the process, or None when it cannot start, and the open
+        log."""
+        f = open(log, "w")
+        shown = "".join(f"{k}={v} " for k, v in (env or {}).items())
+        f.write(f"$ {shown}" + " ".join(map(str, cmd)) + "\n")
         f.flush()
         try:
             p = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT,
-                                 env=self.env, cwd=ROOT)
+                                 env={**self.env, **(env or {})}, cwd=ROOT)
         except OSError as e:
             f.write(f"cannot start: {e}\n")
             p = None
+        return p, f
+
+    @staticmethod
+    def reap(p, f, until):
+        """The exit status of a `spawn`ed process, waiting for it until the monotonic time
+        `until` and killing it then ("timeout"); closes its log."""
+        if p is None:
+            rc = "cannot start"
+        else:
+            try:
+                rc = p.wait(timeout=max(until - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                rc = "timeout"
+        f.close()
+        return rc
+
+    def start(self, name, cmd):
+        """Starts `cmd` in the background (log name.log); `finish` waits for it. What it does
+        is no check: its end is a row of the summary but never a failure."""
+        p, f = self.spawn(self.logs / f"{name}.log", cmd)
         return name, p, f, time.monotonic()
 
     def finish(self, started, limit):
         """Waits for a `start`ed command, at most `limit` seconds from its start (and never
         past the deadline), killing it then."""
         name, p, f, t0 = started
-        if p is None:
-            rc = "cannot start"
-        else:
-            wait = min(t0 + limit, self.deadline) - time.monotonic()
-            try:
-                rc = p.wait(timeout=max(wait, 0.1))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                rc = "timeout"
-        f.close()
+        rc = self.reap(p, f, min(t0 + limit, self.deadline))
         state = "ok" if rc == 0 else "did not finish" if rc == "timeout" else "failed"
         self.rows.append(f"{name:<28} {state} (exit {rc}, {time.monotonic() - t0:.0f} s, in the "
                          "background; not a check)")
@@ -274,33 +288,11 @@ class Steps:
             self.rows.append(f"{name:<28} NOT RUN (out of time)")
             self.failed = True
             return False
-        limit = min(limit, left)
         t0 = time.monotonic()
-        running = []
-        for i, env in enumerate(envs):
-            f = open(self.logs / f"{name}-{i}.log", "w")
-            f.write(f"$ {' '.join(f'{k}={v}' for k, v in env.items())} "
-                    + " ".join(map(str, cmd)) + "\n")
-            f.flush()
-            try:
-                p = subprocess.Popen([str(c) for c in cmd], stdout=f, stderr=subprocess.STDOUT,
-                                     env={**self.env, **env}, cwd=ROOT)
-            except OSError as e:
-                f.write(f"cannot start: {e}\n")
-                p = None
-            running.append((p, f))
-        codes = []
-        for p, f in running:
-            if p is None:
-                codes.append("cannot start")
-            else:
-                try:
-                    codes.append(p.wait(timeout=max(t0 + limit - time.monotonic(), 0.1)))
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
-                    codes.append("timeout")
-            f.close()
+        until = t0 + min(limit, left)
+        running = [self.spawn(self.logs / f"{name}-{i}.log", cmd, env)
+                   for i, env in enumerate(envs)]
+        codes = [self.reap(p, f, until) for p, f in running]
         ok = all(c == 0 for c in codes)
         self.failed |= not ok
         exits = ", ".join(map(str, codes))
