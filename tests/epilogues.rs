@@ -146,7 +146,8 @@ fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
     assert_eq!(eager_ir.matches("matmul_bias").count(), 0);
     assert!(eager_report.contains("epilogue    eager"), "{eager_report}");
 
-    // The CUDA program runs each as one cuBLASLt product with its epilogue.
+    // The CUDA program runs each as one cuBLASLt product with its epilogue, but for the bias
+    // gradients of weights this small: the plain product, then the sum in two stages.
     let o = castor(&[
         "compile",
         path_str(&fixture("gpt2_lm")),
@@ -165,10 +166,57 @@ fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
         ("epilogue=bias(", 3 * layers),
         ("epilogue=gelu_aux_bias(", layers),
         ("epilogue=dgelu(", layers),
-        ("epilogue=bgrada(", 4 * layers),
+        ("epilogue=bgrad", 0),
+        ("launch reduce_partials_bf16<<<", 4 * layers),
+        ("launch reduce_groups_sum_f32<<<", 4 * layers),
         (" alpha=0.35355", 3 * layers),
     ] {
         assert_eq!(listing.matches(epilogue).count(), n, "{epilogue}");
+    }
+}
+
+/// A weight gradient of at least 4 x 132 output tiles of 128 x 128 sums its bias gradient in
+/// the product's epilogue; a smaller one runs the plain product and a two-stage column sum
+/// (`castor_passes::cost::BIAS_GRAD_EPILOGUE_MIN_TILES`). Qwen2.5-7B's query projection is
+/// 28 x 28 tiles; its key and value projections 4 x 28.
+#[test]
+fn only_a_large_weight_gradient_sums_its_bias_in_the_epilogue() {
+    let config = root().join("assets/configs/qwen2.5-7b.json");
+    let o = castor(&[
+        "compile",
+        path_str(&config),
+        "--train",
+        "--precision",
+        "bf16",
+        "--batch",
+        "1",
+        "--seq",
+        "64",
+        "--emit",
+        "cuda",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let listing = stdout(&o);
+    let layers = 28;
+    let lines = |pattern: &str, name: &str| {
+        listing
+            .lines()
+            .filter(|l| l.contains(pattern) && l.contains(name))
+            .count()
+    };
+    assert_eq!(lines("epilogue=bgrad", "q_proj.weight"), layers);
+    assert_eq!(listing.matches("epilogue=bgrad").count(), layers);
+    for proj in ["k_proj.bias", "v_proj.bias"] {
+        assert_eq!(
+            lines("launch reduce_partials_bf16<<<", proj),
+            layers,
+            "{proj}"
+        );
+        assert_eq!(
+            lines("launch reduce_groups_sum_f32<<<", proj),
+            layers,
+            "{proj}"
+        );
     }
 }
 
@@ -223,7 +271,9 @@ fn a_model_without_biases_gets_no_bias_epilogues() {
 }
 
 /// GPT-2 124M, B=8, T=1024, bf16 with fused attention and classifier: the epilogues take the
-/// program roofline from 12.0 ms (MFU 55.5%) to 9.9 ms (66.9%) at no higher planned peak
+/// program roofline from 12.0 ms (MFU 55.3%) to 10.5 ms (63.7%) at no higher planned peak
+/// (the bias gradients, summed apart from these small weight gradients, read their operand
+/// again: 9.9 ms and 66.9% when they were epilogues)
 /// (the figures of docs/commands.md; held here to 0.1 points). With the bias in the
 /// projection's product, the residual add and its cast join the next norm's kernel too.
 #[test]
@@ -254,8 +304,8 @@ fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
     let (eager, eager_peak) = report("eager");
     let (fused, fused_peak) = report("fused");
     println!("MFU {eager}% eager, {fused}% fused; peaks {eager_peak}, {fused_peak}");
-    assert!((eager - 55.5).abs() <= 0.1, "eager MFU {eager}%");
-    assert!((fused - 66.9).abs() <= 0.1, "fused MFU {fused}%");
+    assert!((eager - 55.3).abs() <= 0.1, "eager MFU {eager}%");
+    assert!((fused - 63.7).abs() <= 0.1, "fused MFU {fused}%");
     assert!(fused_peak <= eager_peak, "{fused_peak} > {eager_peak}");
 }
 

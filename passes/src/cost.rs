@@ -408,6 +408,23 @@ pub fn scratch_bytes(g: &Graph, node: &NodeData) -> f64 {
     logits_traffic + accumulation
 }
 
+/// Output tiles (128 x 128) a weight gradient needs before its bias gradient runs in the
+/// product's epilogue on CUDA: four waves of an H100's 132 SMs. Below it the CUDA program runs
+/// the plain product and sums the bias gradient's rows in a kernel of its own. A bias-gradient
+/// epilogue product (cuBLASLt's `BGRADA`/`BGRADB`) ran 2.06-2.15x its roofline on H100 and
+/// H200 (GPT-2 124M, 2026-11-27 to 29) where plain products ran about 1.1x; GPT-2's weight
+/// gradients have 36 to 144 such tiles, and one block a tile without a split of the 8192-deep
+/// sum accounts for that time (a product of 144 tiles takes two waves of 132, the second
+/// nearly empty). Where the output fills four waves the last one costs at most a fifth, and
+/// the epilogue saves the sum's read of the gradient.
+pub const BIAS_GRAD_EPILOGUE_MIN_TILES: usize = 4 * 132;
+
+/// Whether a weight gradient of `rows x cols` computes its bias gradient in the product's
+/// epilogue on CUDA (see [`BIAS_GRAD_EPILOGUE_MIN_TILES`]).
+pub fn bias_grad_in_epilogue(rows: usize, cols: usize) -> bool {
+    rows.div_ceil(128) * cols.div_ceil(128) >= BIAS_GRAD_EPILOGUE_MIN_TILES
+}
+
 /// Bytes one node reads and writes in device memory.
 pub fn node_bytes(g: &Graph, node: &NodeData) -> f64 {
     let outs: f64 = node.outputs.iter().map(|&v| size(g, v)).sum();
@@ -422,7 +439,21 @@ pub fn node_bytes(g: &Graph, node: &NodeData) -> f64 {
         // A gather reads the rows it writes and the ids; a slice reads what it keeps.
         Op::Embedding { .. } => 2.0 * outs + node.inputs.get(1).map_or(0.0, |&v| size(g, v)),
         Op::Slice { .. } => 2.0 * outs,
+        Op::MatMulBiasGrad { .. } => ins + outs + bias_grad_apart_bytes(g, node),
         _ => ins + outs,
+    }
+}
+
+/// Bytes a weight gradient's bias gradient reads in a kernel of its own, after the product
+/// (none where it is in the product's epilogue): the summed operand again.
+pub fn bias_grad_apart_bytes(g: &Graph, node: &NodeData) -> f64 {
+    let Op::MatMulBiasGrad { lhs } = node.op else {
+        return 0.0;
+    };
+    let dims = g.ty(node.outputs[0]).shape.dims();
+    match bias_grad_in_epilogue(dims[0], dims[1]) {
+        true => 0.0,
+        false => size(g, node.inputs[usize::from(!lhs)]),
     }
 }
 
@@ -439,7 +470,10 @@ pub fn node_cost(g: &Graph, n: Node, gpu: &GpuSpec) -> NodeCost {
         };
         gpu.interconnect.seconds(&node.op, moved)
     } else {
-        (flops / gpu.peak_for(g, node)).max(bytes / gpu.memory_bandwidth)
+        // A bias gradient summed apart runs after its product, not under it.
+        let apart = bias_grad_apart_bytes(g, node);
+        let product = (flops / gpu.peak_for(g, node)).max((bytes - apart) / gpu.memory_bandwidth);
+        product + apart / gpu.memory_bandwidth
     };
     NodeCost {
         flops,

@@ -8,7 +8,9 @@
 //! it reads from outside and writes for others, plus the scratch traffic of its chunked ops
 //! ([`scratch_bytes`]); values inside a fused kernel move nothing. The copies an FP8 product
 //! makes of its operands (cuBLASLt's "TN" form) are kernels of their own: their traffic adds
-//! its time to the product's.
+//! its time to the product's. So does the read of a weight gradient's output gradient by the
+//! kernel that sums its bias gradient, where that sum is not in the product's epilogue
+//! ([`bias_grad_apart_bytes`]).
 //! Layout ops the lowering turns into views (never stored, or aliased) cost nothing. Each
 //! command of the lowered program then adds [`LAUNCH_SECONDS`], the gap between kernels
 //! inside a CUDA graph.
@@ -19,7 +21,7 @@ use super::lower::{layout_views, lower_plan, unit_schedule, LowerError};
 use super::lower::{MICRO_STEP, OPTIMIZER_STEP};
 use super::program::{Arg, Command, Program};
 use castor_ir::{Graph, Op, OpClass, TrainingPlan, Value};
-use castor_passes::cost::{node_flops, scratch_bytes, GpuSpec, StepCost};
+use castor_passes::cost::{bias_grad_apart_bytes, node_flops, scratch_bytes, GpuSpec, StepCost};
 use castor_passes::fusion::UnitSchedule;
 use std::collections::{HashMap, HashSet};
 
@@ -209,6 +211,9 @@ fn costed_units(
     let mut names: Vec<Vec<String>> = vec![Vec::new(); n];
     // Traffic inside a unit's kernels (the fused classifier's chunks).
     let mut scratch = vec![0f64; n];
+    // Traffic of kernels that run before or after a unit's product rather than under it: the
+    // FP8 operand copies, a bias gradient's sum apart from its product.
+    let mut serial = vec![0f64; n];
     for (node_id, node) in g.nodes() {
         // Working copies are state: the prologue fills them and the optimizer's update
         // rewrites them, so a run reads them as it reads any other state.
@@ -229,6 +234,7 @@ fn costed_units(
         names[u].extend(node.outputs.iter().map(|&v| g.name(v).to_string()));
         let f = node_flops(g, node);
         flops[u] += f;
+        serial[u] += bias_grad_apart_bytes(g, node);
         scratch[u] += scratch_bytes(g, node);
         compute[u] += if node.op.class() == OpClass::Communication {
             // The wire bounds a collective: the whole value's bytes over the interconnect.
@@ -257,9 +263,8 @@ fn costed_units(
     // The FP8 products' operand copies (cuBLASLt's "TN" form), which the lowering adds: a
     // read and a write of each copied element, by kernels of their own that run before the
     // product (so their time adds to the product's rather than hiding under it).
-    let mut copies = vec![0f64; n];
     for (u, bytes) in fp8_operand_copies(g, units, program, run) {
-        copies[u] += bytes;
+        serial[u] += bytes;
     }
     let mut out = RunRoofline {
         commands: program
@@ -276,10 +281,10 @@ fn costed_units(
             .sum::<f64>()
             + scratch[u];
         let seconds =
-            compute[u].max(bytes / gpu.memory_bandwidth) + copies[u] / gpu.memory_bandwidth;
+            compute[u].max(bytes / gpu.memory_bandwidth) + serial[u] / gpu.memory_bandwidth;
         out.units += 1;
         out.flops += flops[u];
-        out.bytes += bytes + copies[u];
+        out.bytes += bytes + serial[u];
         out.seconds += seconds;
         per_unit.push((std::mem::take(&mut names[u]), seconds));
     }

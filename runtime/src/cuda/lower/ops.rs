@@ -4,7 +4,7 @@
 
 use super::super::program::{Command, Epilogue, Gemm, Place};
 use super::{gemm, Loc, LowerError, RunLowering, Storage};
-use castor_ir::{Accum, Node, Op, Value};
+use castor_ir::{Accum, Node, Op, ReduceOp, Value};
 
 /// Threads per block of the row kernels (norms, softmax, cross-entropy, embeddings).
 pub(crate) const ROW_BLOCK: u32 = 256;
@@ -287,7 +287,16 @@ impl RunLowering<'_, '_> {
         };
         let (a, b) = (self.at(ins[0])?, self.at(ins[1])?);
         let c = self.out(y)?;
+        // A small weight gradient: the plain product, and its bias gradient summed apart.
+        let apart = match node.op {
+            Op::MatMulBiasGrad { lhs } => {
+                let d = g.ty(y).shape.dims();
+                (!castor_passes::cost::bias_grad_in_epilogue(d[0], d[1])).then_some(lhs)
+            }
+            _ => None,
+        };
         let epilogue = match node.op {
+            _ if apart.is_some() => Epilogue::None,
             Op::MatMulBias { .. } => Epilogue::Bias {
                 bias: self.at(ins[2])?,
             },
@@ -327,6 +336,14 @@ impl RunLowering<'_, '_> {
         }
         gm[0].epilogue = epilogue;
         self.commands.push(Command::Gemm(gm.remove(0)));
+        if let Some(lhs) = apart {
+            // The summed operand is `[k, len]`: its columns' sums over the k rows.
+            let (summed, db) = (ins[usize::from(!lhs)], outs[1]);
+            let d = g.ty(summed).shape.dims();
+            let (x, out) = (self.at(summed)?, self.out(db)?);
+            let io = ((x, dt(summed)), (out, dt(db)));
+            self.column_reduce_in_two_stages(db, ReduceOp::Sum, io.0, io.1, [1, d[0], d[1]])?;
+        }
         Ok(())
     }
 }
