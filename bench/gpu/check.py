@@ -494,7 +494,9 @@ def part_bench(steps, out_dir, budget=None):
 # roofline, with the defaults and with cuDNN's engine chosen by its heuristics alone (the
 # deterministic backward cuDNN ran at 14x its roofline on the 2026-11-28 H100 record: this
 # measures what determinism costs); and GPT-2 with the products' epilogues unfused (the
-# bias-gradient epilogue's products ran at 2.15x their roofline, plain products at 1.1-1.3x);
+# bias-gradient epilogue's products ran at 2.15x their roofline, plain products at 1.1-1.3x,
+# so GPT-2's weight gradients now sum their bias gradients apart; the bias, GELU and GELU
+# gradient epilogues ran at 1.6-2.4x: this profile sets each beside its unfused kernels);
 # and the benchmark's LoRA step on LLaMA-3.2-1B (r=16 on the seven projections; 2.17x its
 # roofline on the 2026-11-28 H100 record, with no profile to say where).
 # Each: (tag, config, batch, seq, flags, environment).
