@@ -340,9 +340,9 @@ impl RunLowering<'_, '_> {
             // The summed operand is `[k, len]`: its columns' sums over the k rows.
             let (summed, db) = (ins[usize::from(!lhs)], outs[1]);
             let d = g.ty(summed).shape.dims();
-            let (x, out) = (self.at(summed)?, self.out(db)?);
-            let io = ((x, dt(summed)), (out, dt(db)));
-            self.column_reduce_in_two_stages(db, ReduceOp::Sum, io.0, io.1, [1, d[0], d[1]])?;
+            let x = (self.at(summed)?, dt(summed));
+            let out = (self.out(db)?, dt(db));
+            self.column_reduce_in_two_stages(db, ReduceOp::Sum, x, out, [1, d[0], d[1]])?;
         }
         Ok(())
     }

@@ -13,20 +13,6 @@ use castor_ir::{DType, Node, Op, Value};
 const WEIGHT_BLOCK: (u32, u32, u32) = (32, 8, 1);
 /// Columns one weight-gradient block takes: each lane 8 (UNIT, a 16-byte load of each operand).
 const WEIGHT_BLOCK_COLUMNS: usize = 32 * 8;
-/// Threads the weight-gradient launch aims for: with 8 columns a thread and two rows' loads in
-/// flight, enough to keep a large GPU's memory busy (an H100 holds 132 x 2048 threads), and
-/// few groups for the reduction to read; from the shape alone so that the sums' grouping, and
-/// so the result, is the same on every device.
-const WEIGHT_THREADS: usize = 1 << 16;
-
-/// Rows per group of the norms' weight-gradient partial sums, for `rows` rows of `h`: groups
-/// enough for [`WEIGHT_THREADS`] threads, at least 8 rows each (one per lane).
-fn rows_per_group(rows: usize, h: usize) -> usize {
-    let blocks_per_group = h.div_ceil(WEIGHT_BLOCK_COLUMNS).max(1);
-    let threads_per_group = blocks_per_group * (WEIGHT_BLOCK.0 * WEIGHT_BLOCK.1) as usize;
-    let groups = WEIGHT_THREADS.div_ceil(threads_per_group).max(1);
-    rows.div_ceil(groups).max(WEIGHT_BLOCK.1 as usize)
-}
 
 impl RunLowering<'_, '_> {
     /// A norm node, with the residual add that makes its input when `prologue` is `[add]`
@@ -327,7 +313,8 @@ impl RunLowering<'_, '_> {
         });
         let (xp, wp, dyp) = (self.at(x)?, self.at(w)?, self.at(dy)?);
         // Weight gradients first: the input gradient may be written over dy.
-        let per_group = rows_per_group(rows, h);
+        // Row groups as a two-stage column sum's: the same count of threads, from the shape.
+        let per_group = crate::cuda::families::reduce::lower::rows_per_group(1, rows, h);
         let groups = rows.div_ceil(per_group).max(1);
         let dw_part = self.scratch((groups * h * 8) as u64);
         let db_part = if rms {

@@ -12,9 +12,11 @@ use castor_ir::{DType, ReduceOp, Value};
 /// 256 blocks of 256 threads is two an SM on an H100 (132 SMs), about what keeps its memory
 /// busy with one 2-byte load in flight a thread. A bias gradient of 768 columns is 24 blocks.
 const ONE_STAGE_MIN_BLOCKS: usize = 256;
-/// Threads the first stage aims for, 8 columns each (one 16-byte load of a 16-bit row), as
-/// the norms' weight gradients: from the shape alone, so that the grouping, and so the sums,
-/// are the same on every device.
+/// Threads the first stage aims for, 8 columns each (one 16-byte load of a 16-bit row): with
+/// two rows' loads in flight, enough to keep a large GPU's memory busy (an H100 holds 132 x
+/// 2048 threads), and few groups for the second stage to read; from the shape alone, so that
+/// the grouping, and so the sums, are the same on every device. The norms' weight gradients
+/// group their rows by the same rule.
 const PARTIAL_THREADS: usize = 1 << 16;
 /// Columns a first-stage block takes: 32 lanes of 8.
 const PARTIAL_BLOCK_COLUMNS: usize = 32 * 8;
@@ -22,7 +24,7 @@ const PARTIAL_BLOCK_COLUMNS: usize = 32 * 8;
 /// Rows per group of a two-stage column reduction of `[outer, len, inner]`: groups enough for
 /// [`PARTIAL_THREADS`] threads, at least 8 rows each (one per thread of a column).
 pub(crate) fn rows_per_group(outer: usize, len: usize, inner: usize) -> usize {
-    let threads_per_group = outer * inner.div_ceil(PARTIAL_BLOCK_COLUMNS) * 256;
+    let threads_per_group = outer * inner.div_ceil(PARTIAL_BLOCK_COLUMNS).max(1) * 256;
     let groups = PARTIAL_THREADS.div_ceil(threads_per_group.max(1)).max(1);
     len.div_ceil(groups).max(8)
 }
