@@ -2,8 +2,8 @@
 //! carries the epilogue and its buffers, or an FP8 product's scale pointers and its fast
 //! accumulation setting; the algorithm is cuBLASLt's first heuristic choice within the
 //! products' workspace (`PRODUCT_WORKSPACE`) and the operands' actual alignment, and split-K
-//! reductions are kept out of the output type (as the cuBLAS handle's math mode does for
-//! plain products), so C is rounded once.
+//! reductions are kept out of a 16-bit output type (as the cuBLAS handle's math mode does for
+//! plain products: [`reduction_schemes`]), so C is rounded once.
 //!
 //! An FP8 product (`Gemm::fp8`): A and B are `CUDA_R_8F_E4M3` or `CUDA_R_8F_E5M2` in the "TN"
 //! form `Gemm::check` holds them to, C (= D) BF16, F16 or F32, compute `CUBLAS_COMPUTE_32F`
@@ -72,6 +72,20 @@ fn min_alignment(address: u64) -> u32 {
         return 256;
     }
     1u32 << address.trailing_zeros().min(8)
+}
+
+/// The split-K reduction schemes a product with output type `c` may use
+/// (`CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK`; an algorithm without split-K is always
+/// allowed): the partial sums kept in the compute type (F32) in the workspace and summed in a
+/// separate step, so C is rounded once; and, for an F32 C only, the in-place scheme, which adds
+/// the parts up in C's own type (for a 16-bit C that would round after every part).
+fn reduction_schemes(c: DType) -> u32 {
+    use lt_sys::cublasLtReductionScheme_t as R;
+    let compute = R::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+    match c {
+        DType::F32 => compute | R::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32,
+        _ => compute,
+    }
 }
 
 /// Descriptors destroyed on drop, whatever fails in between.
@@ -208,9 +222,7 @@ impl Loaded {
         d.pref = Some(pref);
         use lt_sys::cublasLtMatmulPreferenceAttributes_t as P;
         let workspace = self.workspace_bytes.min(PRODUCT_WORKSPACE) as usize;
-        let scheme = (lt_sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32
-            | lt_sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32)
-            .to_ne_bytes();
+        let scheme = reduction_schemes(g.c_dtype).to_ne_bytes();
         // The heuristic assumes 256-byte aligned operands unless told otherwise, and an
         // algorithm chosen for alignment the pointers lack makes `cublasLtMatmul` itself return
         // NOT_SUPPORTED; so it is told each operand's alignment (as PyTorch's cuBLASLt calls
@@ -270,7 +282,23 @@ impl Loaded {
 
 #[cfg(test)]
 mod tests {
-    use super::min_alignment;
+    use super::{min_alignment, reduction_schemes};
+    use castor_ir::DType;
+    use cudarc::cublaslt::sys::cublasLtReductionScheme_t as R;
+
+    #[test]
+    fn split_k_parts_are_summed_in_f32_never_in_a_16_bit_output() {
+        let (inplace, compute, output) = (
+            R::CUBLASLT_REDUCTION_SCHEME_INPLACE as u32,
+            R::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32,
+            R::CUBLASLT_REDUCTION_SCHEME_OUTPUT_TYPE as u32,
+        );
+        for c in [DType::BF16, DType::F16] {
+            assert_eq!(reduction_schemes(c), compute, "{c}");
+            assert_eq!(reduction_schemes(c) & (inplace | output), 0, "{c}");
+        }
+        assert_eq!(reduction_schemes(DType::F32), compute | inplace);
+    }
 
     #[test]
     fn alignment_is_the_largest_power_of_two_up_to_256() {
