@@ -225,61 +225,45 @@ impl Sdpa {
         out
     }
 
-    /// The byte ranges a padded backward must zero before its graph runs, so that the keys
-    /// beyond each batch's length get a zero gradient, as every other executor gives them:
-    /// cuDNN writes no dK or dV row for those keys (cudnn-frontend's own tests zero them in
-    /// cuDNN's output before comparing). dK and dV each where it is dense; else the one range
-    /// dQ, dK and dV tile together when their rows interleave (a fused QKV product's
-    /// gradient), which the graph then writes whole but for those rows. `None` for a forward,
-    /// or when other bytes lie between the gradients' elements and no range can be zeroed.
-    pub fn key_gradient_zeroing(&self) -> Option<Vec<(Place, u64)>> {
-        let g = self.grads.as_ref()?;
-        let p = &self.problem;
-        let elem = p.dtype.size_bytes() as u64;
-        let bytes_q = (p.batch * p.heads_q * p.rows_q * p.head_dim) as u64 * elem;
-        let bytes_kv = (p.batch * p.heads_kv * p.rows_kv * p.head_dim) as u64 * elem;
+    /// Whether the key-lengths kernel before a padded backward may zero dK's and dV's rows for
+    /// the keys past each batch's length, so that those keys get a zero gradient, as every
+    /// other executor gives them: cuDNN writes no dK or dV row for them (cudnn-frontend's own
+    /// tests zero them in cuDNN's output before comparing). It zeroes them through the
+    /// gradients' strides (a fused QKV product's interleaved gradient too), so it needs a dense
+    /// last dim, strides an `int` holds, and gradients that overlap no operand the graph reads
+    /// (a gradient written in place of an operand would be zeroed before it is read). `false`
+    /// for a forward.
+    pub fn padded_key_rows_zeroable(&self) -> bool {
+        let Some(g) = self.grads.as_ref() else {
+            return false;
+        };
+        let fits = |t: &Tensor4| {
+            t.strides[3] == 1
+                && t.strides
+                    .iter()
+                    .all(|&x| (0..=i32::MAX as i64).contains(&x))
+        };
+        if !fits(&g.dk) || !fits(&g.dv) {
+            return false;
+        }
         let extents = self.extents();
-        let extent = |role: &str| {
-            extents
-                .iter()
-                .find(|(r, _, _)| *r == role)
-                .map(|&(_, bytes, place)| (bytes, place))
-        };
-        let (dk, dv) = (extent("dk")?, extent("dv")?);
-        let ranges = if dk.0 == bytes_kv && dv.0 == bytes_kv {
-            vec![(g.dk.place, bytes_kv), (g.dv.place, bytes_kv)]
-        } else {
-            let dq = extent("dq")?;
-            let (base, _) = split_place(g.dq.place);
-            let mut start = u64::MAX;
-            let mut end = 0;
-            for (bytes, place) in [dq, dk, dv] {
-                let (b, offset) = split_place(place);
-                if b != base {
-                    return None;
-                }
-                start = start.min(offset);
-                end = end.max(offset + bytes);
-            }
-            if end - start != bytes_q + 2 * bytes_kv {
-                return None;
-            }
-            vec![(base.plus(start), end - start)]
-        };
-        // Never zero what the graph reads (a gradient written in place of an operand).
         let overlaps = |(place, bytes): (Place, u64), (other, other_bytes): (Place, u64)| {
             let ((a, x), (b, y)) = (split_place(place), split_place(other));
             a == b && x < y + other_bytes && y < x + bytes
         };
+        let written = extents
+            .iter()
+            .filter(|(role, _, _)| matches!(*role, "dk" | "dv"))
+            .map(|&(_, bytes, place)| (place, bytes))
+            .collect::<Vec<_>>();
         let read = extents
             .iter()
             .filter(|(role, _, _)| !matches!(*role, "dq" | "dk" | "dv" | "row sums" | "dq accum"))
             .map(|&(_, bytes, place)| (place, bytes))
             .collect::<Vec<_>>();
-        let clear = ranges
+        written
             .iter()
-            .all(|&r| read.iter().all(|&o| !overlaps(r, o)));
-        clear.then_some(ranges)
+            .all(|&w| read.iter().all(|&r| !overlaps(w, r)))
     }
 
     /// The same call with every place mapped by `f` (the fallback's commands too, by
@@ -1485,24 +1469,18 @@ pub(crate) mod tests {
         assert_eq!(reductions_into_grads, 2);
     }
 
-    /// Before a padded backward: dense dK and dV are zeroed each; interleaved gradients (a
-    /// fused QKV product's) as the one range they tile; nothing where other bytes lie between
-    /// them or where a gradient would overwrite an operand the graph reads.
+    /// Before a padded backward the key-lengths kernel zeroes the padded keys' dK and dV rows
+    /// through their strides: dense gradients, a fused QKV product's interleaved ones, and rows
+    /// with gaps between them alike; never where a gradient would overwrite an operand the
+    /// graph reads, a stride is beyond an `int`, or the last dim is not dense; a forward has
+    /// none.
     #[test]
-    fn padded_key_gradients_are_zeroed_where_nothing_else_lies() {
+    fn padded_key_rows_are_zeroed_through_strides_unless_an_operand_lies_under_them() {
         let backward = |heads| call(SdpaPass::Backward, heads, true, None, true);
-        let dense = backward((8, 2));
-        let kv_bytes = 2 * 2 * 256 * 64 * 2;
-        assert_eq!(
-            dense.key_gradient_zeroing(),
-            Some(vec![
-                (Place::Arena { offset: 7 << 20 }, kv_bytes),
-                (Place::Arena { offset: 8 << 20 }, kv_bytes),
-            ])
-        );
-        // [b, s, 3, h, d] gradients of a fused QKV product: one range of 3 x b x s x h x d.
+        assert!(backward((8, 2)).padded_key_rows_zeroable());
+        // [b, s, 3, h, d] gradients of a fused QKV product.
         let mut fused = backward((4, 4));
-        let (b, h, s, d) = (2i64, 4i64, 256i64, 64i64);
+        let (h, s, d) = (4i64, 256i64, 64i64);
         let strides = [s * 3 * h * d, d, 3 * h * d, 1];
         let g = fused.grads.as_mut().unwrap();
         for (i, t) in [&mut g.dq, &mut g.dk, &mut g.dv].into_iter().enumerate() {
@@ -1511,26 +1489,26 @@ pub(crate) mod tests {
             };
             t.strides = strides;
         }
-        let span = (b * s * 3 * h * d * 2) as u64;
-        assert_eq!(
-            fused.key_gradient_zeroing(),
-            Some(vec![(Place::Arena { offset: 6 << 20 }, span)])
-        );
-        // Strided dK and dV with a gap between their rows: nothing can be zeroed alone.
+        assert!(fused.padded_key_rows_zeroable());
+        // Strided dK and dV with a gap between their rows.
         let mut gapped = backward((4, 4));
         let g = gapped.grads.as_mut().unwrap();
         g.dk.strides = [h * s * 2 * d, s * 2 * d, 2 * d, 1];
         g.dv.strides = g.dk.strides;
-        assert_eq!(gapped.key_gradient_zeroing(), None);
+        assert!(gapped.padded_key_rows_zeroable());
         // dV written in place of V.
         let mut aliased = backward((8, 2));
         aliased.grads.as_mut().unwrap().dv.place = aliased.v.place;
-        assert_eq!(aliased.key_gradient_zeroing(), None);
+        assert!(!aliased.padded_key_rows_zeroable());
+        // A batch stride beyond an int, and a strided last dim.
+        let mut wide = backward((8, 2));
+        wide.grads.as_mut().unwrap().dk.strides[0] = 1 << 31;
+        assert!(!wide.padded_key_rows_zeroable());
+        let mut transposed = backward((8, 2));
+        transposed.grads.as_mut().unwrap().dv.strides[3] = 2;
+        assert!(!transposed.padded_key_rows_zeroable());
         // A forward zeroes nothing.
-        assert_eq!(
-            call(SdpaPass::Forward, (8, 2), true, None, true).key_gradient_zeroing(),
-            None
-        );
+        assert!(!call(SdpaPass::Forward, (8, 2), true, None, true).padded_key_rows_zeroable());
     }
 
     #[test]

@@ -455,7 +455,8 @@ pub(crate) fn delta(m: &Mem, l: &Launch, dtype: DType) -> R<Vec<Use>> {
 }
 
 /// `attention_key_lengths`: one block of 256 per mask row, reading the row's flags and
-/// writing its two lengths.
+/// writing its two lengths; before a padded backward, also zeroing some of the rows of dK and
+/// dV (16-bit, `[rows, heads, keys, dim]` through their strides).
 pub(crate) fn key_lengths(m: &Mem, l: &Launch) -> R<Vec<Use>> {
     let mut a = Args::new(l);
     let flags = a.need(m, "flags")?;
@@ -465,6 +466,10 @@ pub(crate) fn key_lengths(m: &Mem, l: &Launch) -> R<Vec<Use>> {
     let lengths = a.need(m, "lengths")?;
     let kv_offset = a.count32("kv_offset")?;
     let bad = a.ptr(m, "bad")?;
+    let (dk, dv) = (a.ptr(m, "dk")?, a.ptr(m, "dv")?);
+    let heads = a.count32("heads")?;
+    let dim = a.count32("dim")?;
+    let st = read_strides(&mut a, &["dk", "dv"])?;
     a.end()?;
     expect_shape(l, (rows as u32, 1, 1), 256, 0)?;
     if kv_offset < rows {
@@ -472,13 +477,19 @@ pub(crate) fn key_lengths(m: &Mem, l: &Launch) -> R<Vec<Use>> {
             "the key lengths at {kv_offset} overlap the {rows} query lengths"
         ));
     }
-    checked(
-        m,
-        vec![
-            use_("flags", Some(flags), (rows * keys) as u64, 1, Io::R),
-            use_("lengths", Some(lengths), 4 * (kv_offset + rows) as u64, 4, Io::W),
-            use_("bad", bad, 4, 4, Io::Rw),
-        ],
-        &[],
-    )
+    let mut uses = vec![
+        use_("flags", Some(flags), (rows * keys) as u64, 1, Io::R),
+        use_("lengths", Some(lengths), 4 * (kv_offset + rows) as u64, 4, Io::W),
+        use_("bad", bad, 4, 4, Io::Rw),
+    ];
+    match (dk, dv) {
+        (None, None) => {}
+        (Some(dk), Some(dv)) => {
+            let dims = (rows * heads, heads, keys, dim);
+            uses.push(st[0].use_of("dk", dk, dims, 2, Io::W)?);
+            uses.push(st[1].use_of("dv", dv, dims, 2, Io::W)?);
+        }
+        _ => return Err("dk and dv are both given or both null".into()),
+    }
+    checked(m, uses, &[])
 }

@@ -503,14 +503,12 @@ impl RunLowering<'_, '_> {
             )
         };
         let padded = matches!(mask, Some((_, SdpaMask::KeyPadding { .. })));
-        let zeroing = match (padded, call.pass) {
-            (true, SdpaPass::Backward) => call.key_gradient_zeroing(),
-            _ => Some(Vec::new()),
-        };
-        if zeroing.is_none() && call.unsupported.is_none() {
+        let zeroes_padded_keys = padded && call.pass == SdpaPass::Backward;
+        if zeroes_padded_keys && !call.padded_key_rows_zeroable() && call.unsupported.is_none() {
             call.unsupported = Some(
-                "a padded backward whose key and value gradients interleave with other bytes \
-                 (cuDNN leaves the padded keys' rows unwritten, and they cannot be zeroed alone)"
+                "a padded backward whose key or value gradient is written over an operand it \
+                 reads (cuDNN leaves the padded keys' rows unwritten, and zeroing them first \
+                 would overwrite that operand)"
                     .into(),
             );
         }
@@ -544,29 +542,23 @@ impl RunLowering<'_, '_> {
             let flags = self.at(m)?;
             let bad = self.padding_flag(y, flags, p.rows_kv);
             let prelude = self.commands.len();
+            let mut args = vec![
+                ("flags", Arg::Ptr(flags)),
+                ("rows", Arg::I32(p.batch as i32)),
+                ("keys", Arg::I32(p.rows_kv as i32)),
+                ("rows_q", Arg::I32(p.rows_q as i32)),
+                ("lengths", Arg::Ptr(lengths)),
+                ("kv_offset", Arg::I32(kv_offset as i32 / 4)),
+                ("bad", Arg::Ptr(bad)),
+            ];
+            args.extend(padded_key_rows_args(&call, zeroes_padded_keys));
             self.launch(
                 y,
                 KernelId::Attention(super::Kernel::KeyLengths),
                 (p.batch as u32, 1, 1),
                 (256, 1, 1),
-                vec![
-                    ("flags", Arg::Ptr(flags)),
-                    ("rows", Arg::I32(p.batch as i32)),
-                    ("keys", Arg::I32(p.rows_kv as i32)),
-                    ("rows_q", Arg::I32(p.rows_q as i32)),
-                    ("lengths", Arg::Ptr(lengths)),
-                    ("kv_offset", Arg::I32(kv_offset as i32 / 4)),
-                    ("bad", Arg::Ptr(bad)),
-                ],
+                args,
             )?;
-            // cuDNN writes no gradient for the padded keys: they start at zero.
-            for (dst, bytes) in zeroing.unwrap_or_default() {
-                self.commands.push(Command::Memset {
-                    dst,
-                    bytes,
-                    byte: 0,
-                });
-            }
             call.prelude = self.commands.split_off(prelude);
             call.lengths = Some(lengths);
         }
@@ -734,6 +726,38 @@ impl RunLowering<'_, '_> {
 }
 
 /// The mask (or positions) and the dropout key of attention node `op` with operands `ins`.
+/// The key-lengths kernel's arguments that zero a padded backward's dK and dV rows past each
+/// batch's length (cuDNN writes no gradient there): the two gradients with their strides, or
+/// null pointers where the kernel only computes lengths (a forward).
+fn padded_key_rows_args(call: &Sdpa, zero: bool) -> Vec<(&'static str, Arg)> {
+    let grads = call.grads.as_ref().filter(|_| zero);
+    let (dk, dv) = match grads {
+        Some(g) => (Arg::Ptr(g.dk.place), Arg::Ptr(g.dv.place)),
+        None => (Arg::Null, Arg::Null),
+    };
+    let strides = |t: Option<&Tensor4>| t.map_or([0; 4], |t| t.strides);
+    let (sk, sv) = (
+        strides(grads.map(|g| &g.dk)),
+        strides(grads.map(|g| &g.dv)),
+    );
+    let (heads, dim) = match grads {
+        Some(_) => (call.problem.heads_kv as i32, call.problem.head_dim as i32),
+        None => (0, 0),
+    };
+    vec![
+        ("dk", dk),
+        ("dv", dv),
+        ("heads", Arg::I32(heads)),
+        ("dim", Arg::I32(dim)),
+        ("dk_batch", Arg::I32(sk[0] as i32)),
+        ("dk_head", Arg::I32(sk[1] as i32)),
+        ("dk_row", Arg::I32(sk[2] as i32)),
+        ("dv_batch", Arg::I32(sv[0] as i32)),
+        ("dv_head", Arg::I32(sv[1] as i32)),
+        ("dv_row", Arg::I32(sv[2] as i32)),
+    ]
+}
+
 fn optional_operands(op: &Op, ins: &[Value]) -> (Option<Value>, Option<Value>) {
     let at = op.attention_operands(ins.len());
     let pick = |i: Option<usize>| i.and_then(|i| ins.get(i).copied());

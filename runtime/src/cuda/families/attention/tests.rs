@@ -83,7 +83,7 @@ fn key_lengths_are_the_kept_prefixes_and_other_rows_are_reported() {
         let flags = l.buf(rows.concat(), 0);
         let lengths = l.out(4 * (kv_offset + n), 0);
         let bad = l.buf(i32::MAX.to_le_bytes().to_vec(), 0);
-        let args = vec![
+        let mut args = vec![
             l.ptr(flags),
             i32(n),
             i32(keys),
@@ -91,7 +91,10 @@ fn key_lengths_are_the_kept_prefixes_and_other_rows_are_reported() {
             l.ptr(lengths),
             i32(kv_offset),
             l.ptr(bad),
+            Arg::Null,
+            Arg::Null,
         ];
+        args.extend((0..8).map(|_| i32(0)));
         let out = l
             .run("attention_key_lengths", (n as u32, 1, 1), (256, 1, 1), args)
             .unwrap();
@@ -110,6 +113,64 @@ fn key_lengths_are_the_kept_prefixes_and_other_rows_are_reported() {
     assert_eq!(lengths, vec![5, 200, 0, 0]);
     assert_eq!(first_bad, (keys + 290) as i32);
     assert_eq!(run(&[row(&[(0, 3)]), row(&[])]).1, keys as i32);
+}
+
+/// Before a padded backward, `attention_key_lengths` zeroes the padded keys' dK and dV rows
+/// (every head) through their strides, here a fused QKV product's `[b, s, 3, h, d]` gradient,
+/// and leaves every other element (dQ, the kept keys' rows) as it was.
+#[test]
+fn key_lengths_zero_the_padded_keys_gradient_rows_in_place() {
+    let (b, s, h, d) = (3usize, 300usize, 2usize, 24usize);
+    let kept = [300usize, 1, 0];
+    let flags: Vec<u8> = kept
+        .iter()
+        .flat_map(|&k| (0..s).map(move |j| u8::from(j < k)))
+        .collect();
+    let kv_offset = (4 * b).next_multiple_of(16) / 4;
+    // Every element nonzero: [b, s, 3 (q, k, v), h, d], 16-bit.
+    let elements = b * s * 3 * h * d;
+    let before: Vec<u8> = (0..elements)
+        .flat_map(|i| (1 + (i % 4000) as u16).to_le_bytes())
+        .collect();
+    let mut l = Launcher::new("key_lengths.cu");
+    let flags = l.buf(flags, 0);
+    let lengths = l.out(4 * (kv_offset + b), 0);
+    let grads = l.buf(before.clone(), 0);
+    let elem = 2u64;
+    let (row, head, batch) = (3 * h * d, d, s * 3 * h * d);
+    let args = vec![
+        l.ptr(flags),
+        i32(b),
+        i32(s),
+        i32(s),
+        l.ptr(lengths),
+        i32(kv_offset),
+        Arg::Null,
+        l.at(grads, (h * d) as u64 * elem),
+        l.at(grads, (2 * h * d) as u64 * elem),
+        i32(h),
+        i32(d),
+        i32(batch),
+        i32(head),
+        i32(row),
+        i32(batch),
+        i32(head),
+        i32(row),
+    ];
+    let out = l
+        .run("attention_key_lengths", (b as u32, 1, 1), (256, 1, 1), args)
+        .unwrap();
+    assert_eq!(dec_i32(&out[lengths.0])[kv_offset..], [300, 1, 0]);
+    let after = &out[grads.0];
+    for i in 0..elements {
+        let (bi, rest) = (i / batch, i % batch);
+        let (j, part) = (rest / row, rest % row / (h * d));
+        let zeroed = part > 0 && j >= kept[bi];
+        let x = u16::from_le_bytes([after[2 * i], after[2 * i + 1]]);
+        let was = u16::from_le_bytes([before[2 * i], before[2 * i + 1]]);
+        let want = if zeroed { 0 } else { was };
+        assert_eq!(x, want, "batch {bi} key {j} part {part}");
+    }
 }
 
 /// One problem: `nb` batches of `hkv` kv heads, each shared by `g` query heads; `t` queries,
