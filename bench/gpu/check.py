@@ -31,6 +31,8 @@ no Rust: build with bench/gpu/pack.sh first, then run from the repository root):
                                                    # LLaMA's first); where Nsight Compute is
                                                    # installed, the warp stalls of castor's
                                                    # attention backward (GPT-2 and LLaMA)
+                                                   # and the kernels cuBLAS runs for GPT-2's
+                                                   # products, by name
     python3 bench/gpu/check.py OUT --preflight     # only find and check the CUDA libraries
 
 Every part starts with a preflight that finds libcuda, libcublas.so.13, libcublasLt.so.13 and
@@ -527,8 +529,17 @@ STALLS = [("gpt2-attention-bwd", GPT2, 8, 1024, "regex:attention_bwd_bf16_d"),
 NCU_SECTIONS = ["SpeedOfLight", "LaunchStats", "Occupancy", "SchedulerStats", "WarpStateStats",
                 "MemoryWorkloadAnalysis", "SourceCounters"]
 
+# Which kernels cuBLAS and cuBLASLt run for GPT-2 124M's products, by name, with their
+# durations and throughput: on the 2026-11-29 H200 profile the bias, GELU and GELU-gradient
+# epilogues' products ran at 1.6-2.4x their roofline where plain products ran at about 1.1x.
+# A kernel named for an earlier architecture (`sm80_`, `ampere_`) rather than Hopper's
+# (`sm90_`, `nvjet`) would say the epilogue has no Hopper kernel. The product launches of one
+# step with CUDA graphs off, from the 41st (the last two layers' forward, the classifier, the
+# last layer's backward). (tag, config, batch, seq, kernel name pattern, skip, count).
+PRODUCT_KERNELS = [("gpt2-products", GPT2, 8, 1024, "regex:gemm|nvjet|xmma|cutlass", 40, 32)]
 
-def part_profile(steps, out_dir, plans=PROFILED, stalls=STALLS):
+
+def part_profile(steps, out_dir, plans=PROFILED, stalls=STALLS, products=()):
     """`castor train --profile-kernels` on each plan of PROFILED (bf16, 3 steps, the last one
     profiled): the printed tables (each kind beside its roofline) are in the logs, every
     command in the CSV files. The quick way to see where castor's step time goes without the
@@ -557,6 +568,14 @@ def part_profile(steps, out_dir, plans=PROFILED, stalls=STALLS):
                      "--batch", str(batch), "--seq", str(seq), "--precision", "bf16",
                      "--device", "cuda", "--attention", "fused"], 90,
                   env={"CASTOR_CUDA_GRAPHS": "0"})
+    for tag, config, batch, seq, kernel, skip, count in products if ncu else []:
+        steps.run(f"kernels_{tag}", [ncu, "--clock-control", "none", "--kernel-name", kernel,
+                                     "--launch-skip", str(skip), "--launch-count", str(count),
+                                     "--section", "SpeedOfLight", "--section", "LaunchStats"]
+                  + [castor, "train", config, "--data", tokens, "--steps", "1",
+                     "--batch", str(batch), "--seq", str(seq), "--precision", "bf16",
+                     "--device", "cuda"], 90,
+                  env={"CASTOR_CUDA_GRAPHS": "0"})
 
 
 # Seconds `--part all` keeps for the profile part when it starts the benchmark: LLaMA-3.2-1B's
@@ -578,9 +597,10 @@ def part_all(steps, out_dir):
     # target furthest from met), then castor's own attention kernels, the LoRA step, the
     # unfused epilogues and LLaMA with either engine choice, until the budget ends (the eager
     # attention's profile is for `--part profile`).
-    # The warp stalls of castor's attention backward on GPT-2 come second.
+    # The warp stalls of castor's attention backward on GPT-2 come second, then the names of
+    # the kernels behind GPT-2's products.
     pick = lambda tags: [next(p for p in PROFILED if p[0] == tag) for tag in tags]
-    part_profile(steps, out_dir / "profile", pick(["llama-1b"]), STALLS[:1])
+    part_profile(steps, out_dir / "profile", pick(["llama-1b"]), STALLS[:1], PRODUCT_KERNELS)
     part_profile(steps, out_dir / "profile", pick(["attention-fused", "llama-1b-lora",
                                                    "epilogues-eager", "llama-1b-any-engine"]),
                  STALLS[1:])
@@ -635,7 +655,8 @@ def main():
     # in the archive.
     work = logs / "work"
     {"all": part_all, "tests": part_tests, "bench": part_bench,
-     "profile": lambda s, w: part_profile(s, w / "profile")}[args.part](steps, work)
+     "profile": lambda s, w: part_profile(s, w / "profile", products=PRODUCT_KERNELS)}[
+        args.part](steps, work)
     summary += steps.rows
     summary.append(f"{'FAILED' if steps.failed else 'passed'} in {time.monotonic() - started:.0f} s")
     if (work / "bench" / "table.txt").exists():
