@@ -695,6 +695,25 @@ __device__ __forceinline__ void wait_flag(const int* flag, int value) {
     castor_host_wait_flag(flag, value);
 #endif
 }
+// arrive_count: adds 1 to *counter (acquire and release, device scope) and returns the count
+// before it, so that the block that arrives last sees every other block's stores (each
+// ordered before its arrival by a __syncthreads(), as for raise_flag; the last block's threads
+// read them after a __syncthreads() too, through __ldcg): the "last block sums" handoff.
+__device__ __forceinline__ int arrive_count(int* counter) {
+#if defined(__CUDA_ARCH__)
+    int before;
+    asm volatile("fence.acq_rel.gpu;\n\tatom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+                 : "=r"(before)
+                 : "l"(counter)
+                 : "memory");
+    return before;
+#else
+    __threadfence();
+    const int before = atomicAdd(counter, 1);
+    __threadfence();
+    return before;
+#endif
+}
 __device__ __forceinline__ void raise_flag(int* flag) {
 #if defined(__CUDA_ARCH__)
     asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.s32 [%0], 1;"

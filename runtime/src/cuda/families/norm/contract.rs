@@ -1,4 +1,4 @@
-//! `norm.cu`: layer and RMS norm, forward and backward, and the weight-gradient reduction.
+//! `norm.cu`: layer and RMS norm, forward and backward, and the weight gradients.
 
 use crate::cuda::emulate::contracts::{checked, row_block};
 use crate::cuda::emulate::args::Args;
@@ -22,7 +22,6 @@ pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
             Pass::Backward => norm_bwd(m, l, rms, input, output),
             Pass::BackwardWeight => norm_bwd_weight(m, l, rms, input, output),
         },
-        Kernel::WeightGradReduce => norm_weight_grad_reduce(m, l),
     }
 }
 
@@ -140,6 +139,9 @@ pub(crate) fn norm_bwd_weight(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DTy
     } else {
         Some(a.need(m, "db_part")?)
     };
+    let dw = a.ptr(m, "dw")?;
+    let db = if rms { None } else { a.ptr(m, "db")? };
+    let done = a.need(m, "done")?;
     let rows = a.count("rows")?;
     let h = a.count32("h")?;
     let per = a.count32("rows_per_group")?;
@@ -166,34 +168,12 @@ pub(crate) fn norm_bwd_weight(m: &Mem, l: &Launch, rms: bool, ti: DType, to: DTy
             use_("dy", Some(dy), big(so), so, Io::R),
             use_("mean", mean, rows as u64 * 4, 4, Io::R),
             use_("rstd", Some(rstd), rows as u64 * 4, 4, Io::R),
+            // Written whole by the launch, then read back by its last groups.
             use_("dw_part", Some(dw_part), part, 8, Io::W),
             use_("db_part", db_part, part, 8, Io::W),
-        ],
-        &[],
-    )
-}
-
-pub(crate) fn norm_weight_grad_reduce(m: &Mem, l: &Launch) -> R<Vec<Use>> {
-    weight_block(l)?;
-    let mut a = Args::new(l);
-    let part = a.need(m, "part")?;
-    let groups = a.count32("groups")?;
-    let h = a.count32("h")?;
-    let out = a.need(m, "out")?;
-    a.end()?;
-    // Not a grid-stride kernel: block x owns columns 32 x..
-    if (l.grid.0 as usize * 32) < h {
-        return Err(format!(
-            "grid {:?} covers {} of {h} columns",
-            l.grid,
-            l.grid.0 * 32
-        ));
-    }
-    checked(
-        m,
-        vec![
-            use_("part", Some(part), (groups * h * 8) as u64, 8, Io::R),
-            use_("out", Some(out), h as u64 * 4, 4, Io::W),
+            use_("dw", dw, h as u64 * 4, 4, Io::W),
+            use_("db", db, h as u64 * 4, 4, Io::W),
+            use_("done", Some(done), l.grid.0 as u64 * 4, 4, Io::Rw),
         ],
         &[],
     )

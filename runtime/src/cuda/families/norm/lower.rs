@@ -322,78 +322,79 @@ impl RunLowering<'_, '_> {
         } else {
             Some(self.scratch((groups * h * 8) as u64))
         };
-        let mut args = vec![
-            ("s", Arg::Ptr(xp)),
-            ("dy", Arg::Ptr(dyp)),
-            ("rstd", Arg::Ptr(stats.b)),
-            ("dw_part", Arg::Ptr(dw_part)),
-            ("rows", Arg::I64(rows as i64)),
-            ("h", Arg::I32(h as i32)),
-            ("rows_per_group", Arg::I32(per_group as i32)),
-        ];
-        if let Some(p) = db_part {
-            args.extend([("mean", Arg::Ptr(stats.a)), ("db_part", Arg::Ptr(p))]);
-        }
-        self.launch(
-            dx,
-            norm(Pass::BackwardWeight),
-            (
-                h.div_ceil(WEIGHT_BLOCK_COLUMNS) as u32,
-                groups.min(65_535) as u32,
-                1,
-            ),
-            WEIGHT_BLOCK,
-            args,
-        )?;
-        if groups > 65_535 {
-            return Err(self.err(dx, "too many rows for the norm weight-gradient launch"));
-        }
-        let parts = [Some(dw_part), db_part];
-        for (k, part) in parts.iter().enumerate() {
-            let (Some(part), Some(&out)) = (part, outs.get(k + 1)) else {
+        // The weight and bias gradients the graph reads, in F32 (a narrower one through a
+        // scratch sum and a cast); null where nothing reads one.
+        let mut sums = Vec::new();
+        let mut casts = Vec::new();
+        for k in 0..if rms { 1 } else { 2 } {
+            let Some(&out) = outs.get(k + 1) else {
+                sums.push(Arg::Null);
                 continue;
             };
             if self.users[out.index()].is_empty()
                 && !g.outputs().contains(&out)
                 && !self.stored.contains_key(g.name(out))
             {
+                sums.push(Arg::Null);
                 continue;
             }
-            let od = g.ty(out).dtype;
-            let target = if od == DType::F32 {
+            let target = if g.ty(out).dtype == DType::F32 {
                 self.out(out)?
             } else {
-                self.scratch(h as u64 * 4)
+                let t = self.scratch(h as u64 * 4);
+                casts.push((out, t));
+                t
             };
+            sums.push(Arg::Ptr(target));
+        }
+        // One counter per column block, zero between launches (the last group resets it),
+        // shared by every norm of the program with as many column blocks.
+        let column_blocks = h.div_ceil(WEIGHT_BLOCK_COLUMNS);
+        let done = self.l.internal(&format!("norm.weight_grad.done.{column_blocks}"), 4 * column_blocks as u64);
+        let mut args = vec![
+            ("s", Arg::Ptr(xp)),
+            ("dy", Arg::Ptr(dyp)),
+            ("rstd", Arg::Ptr(stats.b)),
+            ("dw_part", Arg::Ptr(dw_part)),
+            ("dw", sums[0].clone()),
+            ("done", Arg::Ptr(Place::Slot { slot: done, offset: 0 })),
+            ("rows", Arg::I64(rows as i64)),
+            ("h", Arg::I32(h as i32)),
+            ("rows_per_group", Arg::I32(per_group as i32)),
+        ];
+        if let Some(p) = db_part {
+            args.extend([
+                ("mean", Arg::Ptr(stats.a)),
+                ("db_part", Arg::Ptr(p)),
+                ("db", sums[1].clone()),
+            ]);
+        }
+        if groups > 65_535 {
+            return Err(self.err(dx, "too many rows for the norm weight-gradient launch"));
+        }
+        self.launch(
+            dx,
+            norm(Pass::BackwardWeight),
+            (column_blocks as u32, groups as u32, 1),
+            WEIGHT_BLOCK,
+            args,
+        )?;
+        for (out, target) in casts {
+            let o = self.out(out)?;
             self.launch(
                 out,
-                KernelId::Norm(Kernel::WeightGradReduce),
-                (h.div_ceil(WEIGHT_BLOCK.0 as usize) as u32, 1, 1),
-                WEIGHT_BLOCK,
+                KernelId::Layout(crate::cuda::families::layout::Kernel::Cast {
+                    from: DType::F32,
+                    to: g.ty(out).dtype,
+                }),
+                grid_1d(h, BLOCK),
+                (BLOCK, 1, 1),
                 vec![
-                    ("part", Arg::Ptr(*part)),
-                    ("groups", Arg::I32(groups as i32)),
-                    ("h", Arg::I32(h as i32)),
-                    ("out", Arg::Ptr(target)),
+                    ("x", Arg::Ptr(target)),
+                    ("y", Arg::Ptr(o)),
+                    ("n", Arg::I64(h as i64)),
                 ],
             )?;
-            if od != DType::F32 {
-                let o = self.out(out)?;
-                self.launch(
-                    out,
-                    KernelId::Layout(crate::cuda::families::layout::Kernel::Cast {
-                        from: DType::F32,
-                        to: od,
-                    }),
-                    grid_1d(h, BLOCK),
-                    (BLOCK, 1, 1),
-                    vec![
-                        ("x", Arg::Ptr(target)),
-                        ("y", Arg::Ptr(o)),
-                        ("n", Arg::I64(h as i64)),
-                    ],
-                )?;
-            }
         }
         // With an epilogue the kernel writes the add's result and dx itself is never stored.
         let (dadd, dxp, dx_low) = match epilogue {

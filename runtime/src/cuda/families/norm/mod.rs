@@ -49,7 +49,6 @@ pub const FILES: &[KernelFile] = &[
             "layer_norm_fwd_fp8_f32",
             "layer_norm_fwd_fp8_f32_bf16",
             "layer_norm_fwd_fp8_f32_f16",
-            "norm_weight_grad_reduce",
             "rms_norm_bwd_bf16",
             "rms_norm_bwd_bf16_f32",
             "rms_norm_bwd_f16",
@@ -92,8 +91,6 @@ pub enum Kernel {
         input: DType,
         output: DType,
     },
-    /// The sum of the norms' weight-gradient partials.
-    WeightGradReduce,
 }
 
 /// A pass of a norm.
@@ -104,7 +101,8 @@ pub enum Pass {
     ForwardFp8,
     /// The input's gradient.
     Backward,
-    /// The weight's (and bias's) gradient partials.
+    /// The weight's (and bias's) gradient: partials per row group, summed by each column
+    /// block's last group.
     BackwardWeight,
 }
 
@@ -127,13 +125,12 @@ impl Kernel {
                 };
                 format!("{kind}_{pass}_{}", io(input, output))
             }
-            Kernel::WeightGradReduce => "norm_weight_grad_reduce".into(),
         }
     }
 
     /// Every kernel the family could name (a superset of its files' entry points).
     pub fn candidates() -> Vec<Kernel> {
-        let mut ids = vec![Kernel::WeightGradReduce];
+        let mut ids = Vec::new();
         for (input, output) in float_pairs() {
             for rms in [false, true] {
                 for pass in [

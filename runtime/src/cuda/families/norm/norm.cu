@@ -35,12 +35,16 @@
 //   add of the residual branch's gradient), dx = TI(TI(dx) + dadd).
 //   dx_low (nullable, TO): dx as stored, rounded again to TO (the graph's cast of the residual
 //   stream's gradient to the products' dtype), dx_low = TO(dx).
-// Backward, weight gradients, deterministic in two stages (no atomics):
-//   layer_norm_bwd_weight_<io>(s, dy, mean, rstd, dw_part, db_part, rows, h, rows_per_group)
-//   rms_norm_bwd_weight_<io>  (s, dy, rstd, dw_part, rows, h, rows_per_group)
+// Backward, weight gradients, deterministic in two stages in one launch (no float atomics):
+//   layer_norm_bwd_weight_<io>(s, dy, mean, rstd, dw_part, db_part, dw, db, done, rows, h,
+//                              rows_per_group)
+//   rms_norm_bwd_weight_<io>  (s, dy, rstd, dw_part, dw, done, rows, h, rows_per_group)
 //     row group y = blockIdx.y (rows_per_group rows) summed per column into an F64 partial:
-//     dw_part[group * h + col] = sum dy * xhat (RMS: dy * s * rstd), db_part = sum dy.
-//   norm_weight_grad_reduce(part, groups, h, out): out[col] = F32(sum over the groups).
+//     dw_part[group * h + col] = sum dy * xhat (RMS: dy * s * rstd), db_part = sum dy. Then
+//     the last of a column block's gridDim.y groups to finish (done[blockIdx.x] counts them;
+//     zero before the launch, and the last block sets it back to zero) sums that block's
+//     columns of the partials over the groups: dw[col] = F32(sum of dw_part over the groups),
+//     db likewise (each nullable: a gradient nobody reads is not summed).
 // Dtypes: <io> is the input/residual/dx dtype TI and the output/dy dtype TO (suffix `bf16`
 // when both are bf16, `f32_bf16` for F32 in and BF16 out, ...); w, b, mean, rstd and the
 // weight gradients are F32.
@@ -64,12 +68,13 @@
 // general loop, which reads the row again for each pass (16-byte vectors where aligned,
 // scalar otherwise and for the tail). Both compute the same values: the units a thread sums
 // and their order are the same either way, so the block size alone fixes the result.
-// Weight gradients and their reduction: block (32, 8). The weight kernel takes 32 x 8
-// columns per block, lane threadIdx.x owning 8 consecutive ones (one 16-byte load of each
-// operand a row where aligned), its 8 threads threadIdx.y = t taking the group's rows t,
-// t + 8, ... in order, their 8 F64 partials combined in shared memory in the order t = 0..7
-// (as reduce.cu's columns); grid (ceil(h / 256), groups). The reduction takes 32 columns per
-// block, grid (ceil(h / 32)), and sums groups t, t + 8, ... the same way. The lowering picks
+// Weight gradients: block (32, 8). The kernel takes 32 x 8 columns per block, lane
+// threadIdx.x owning 8 consecutive ones (one 16-byte load of each operand a row where
+// aligned), its 8 threads threadIdx.y = t taking the group's rows t, t + 8, ... in order, their
+// 8 F64 partials combined in shared memory in the order t = 0..7 (as reduce.cu's columns);
+// grid (ceil(h / 256), groups). The last block of a column block sums its columns 32 at a time,
+// thread t of a column summing groups t, t + 8, ... in order, the 8 sums added in the order
+// t = 0..7: which block is last changes nothing but who sums. The lowering picks
 // rows_per_group from the shape alone (enough groups to fill a large GPU), so results do not
 // depend on the device.
 // In place is allowed for y == s (same dtype) and sum_out == x, dx == dy or dx == s.
@@ -467,8 +472,8 @@ template <typename TI, typename TO, bool RMS>
 __device__ __forceinline__ void norm_bwd_weight(const TI* __restrict__ s, const TO* __restrict__ dy,
                                                 const float* __restrict__ mean,
                                                 const float* __restrict__ rstd, double* dw_part,
-                                                double* db_part, i64 rows, int h,
-                                                int rows_per_group) {
+                                                double* db_part, float* dw_out, float* db_out,
+                                                int* done, i64 rows, int h, int rows_per_group) {
     __shared__ double dw_lanes[NW_LANES][NW_COLS * UNIT], db_lanes[NW_LANES][NW_COLS * UNIT];
     const int lane = threadIdx.x, ty = threadIdx.y;
     const int col0 = (blockIdx.x * NW_COLS + lane) * UNIT;
@@ -522,25 +527,35 @@ __device__ __forceinline__ void norm_bwd_weight(const TI* __restrict__ s, const 
         dw_part[group * h + col] = w_sum;
         if (!RMS) db_part[group * h + col] = b_sum;
     }
-}
-
-// Stage two: out[col] = F32(the sum of the groups' partials); block (NW_COLS, NW_LANES), lane
-// t summing groups t, t + NW_LANES, ... in order, the lanes' sums added in the order t = 0..7.
-extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ part, int groups,
-                                                   int h, float* __restrict__ out) {
-    __shared__ double lanes[NW_LANES][NW_COLS];
-    const int lane = threadIdx.x, ty = threadIdx.y;
-    const int col = blockIdx.x * NW_COLS + lane;
-    double t = 0.0;
-    if (col < h) {
-#pragma unroll 4
-        for (int g = ty; g < groups; g += NW_LANES) t += part[i64(g) * h + col];
-    }
-    lanes[ty][lane] = t;
+    // Stage two, in the column block's last group to finish.
+    __shared__ int last;
     __syncthreads();
-    if (ty == 0 && col < h) {
-        for (int k = 1; k < NW_LANES; ++k) t += lanes[k][lane];
-        out[col] = float(t);
+    if (lane == 0 && ty == 0) {
+        last = arrive_count(&done[blockIdx.x]) == int(gridDim.y) - 1;
+        if (last) done[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+    const int groups = gridDim.y;
+    double* parts[2] = {dw_part, db_part};
+    float* outs[2] = {dw_out, RMS ? nullptr : db_out};
+    for (int k = 0; k < 2; ++k) {
+        if (outs[k] == nullptr) continue;
+        for (int c = 0; c < NW_COLS * UNIT; c += NW_COLS) {
+            const int col = blockIdx.x * NW_COLS * UNIT + c + lane;
+            double t = 0.0;
+            if (col < h) {
+#pragma unroll 4
+                for (int g = ty; g < groups; g += NW_LANES) t += __ldcg(parts[k] + i64(g) * h + col);
+            }
+            dw_lanes[ty][lane] = t;
+            __syncthreads();
+            if (ty == 0 && col < h) {
+                for (int u = 1; u < NW_LANES; ++u) t += dw_lanes[u][lane];
+                outs[k][col] = float(t);
+            }
+            __syncthreads();
+        }
     }
 }
 
@@ -569,15 +584,16 @@ extern "C" __global__ void norm_weight_grad_reduce(const double* __restrict__ pa
     }                                                                                          \
     extern "C" __global__ void layer_norm_bwd_weight_##io(                                     \
         const TI* s, const TO* dy, const float* mean, const float* rstd, double* dw_part,      \
-        double* db_part, i64 rows, int h, int rows_per_group) {                                \
-        norm_bwd_weight<TI, TO, false>(s, dy, mean, rstd, dw_part, db_part, rows, h,           \
-                                       rows_per_group);                                        \
+        double* db_part, float* dw, float* db, int* done, i64 rows, int h,                     \
+        int rows_per_group) {                                                                  \
+        norm_bwd_weight<TI, TO, false>(s, dy, mean, rstd, dw_part, db_part, dw, db, done,      \
+                                       rows, h, rows_per_group);                               \
     }                                                                                          \
-    extern "C" __global__ void rms_norm_bwd_weight_##io(const TI* s, const TO* dy,             \
-                                                        const float* rstd, double* dw_part,    \
-                                                        i64 rows, int h, int rows_per_group) { \
-        norm_bwd_weight<TI, TO, true>(s, dy, nullptr, rstd, dw_part, nullptr, rows, h,         \
-                                      rows_per_group);                                         \
+    extern "C" __global__ void rms_norm_bwd_weight_##io(                                       \
+        const TI* s, const TO* dy, const float* rstd, double* dw_part, float* dw, int* done,   \
+        i64 rows, int h, int rows_per_group) {                                                 \
+        norm_bwd_weight<TI, TO, true>(s, dy, nullptr, rstd, dw_part, nullptr, dw, nullptr,     \
+                                      done, rows, h, rows_per_group);                          \
     }
 
 CASTOR_FOR_EACH_IO(NORM)
