@@ -714,6 +714,45 @@ __device__ __forceinline__ int arrive_count(int* counter) {
     return before;
 #endif
 }
+// last_to_arrive: whether this block, after its partial results are stored, is the last of
+// `count` blocks to arrive at *counter; that block sets the counter back to zero, so the next
+// launch finds it as the program's load left it. Every thread of the block calls it (it holds
+// two block barriers) and gets the same answer.
+__device__ __forceinline__ bool last_to_arrive(int* counter, int count) {
+    __shared__ int last;
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0) {
+        last = arrive_count(counter) == count - 1;
+        if (last) *counter = 0;
+    }
+    __syncthreads();
+    return last != 0;
+}
+// sum_column_groups: the second stage of a two-stage column sum, in a (32, 8) block that is a
+// column block's last to arrive: for `width` columns from col0 (those below h), thread
+// (lane, t) sums row groups t, t + 8, ... of part[g * h + col] in that order, through L2
+// (__ldcg: other blocks stored them), and the 8 sums are added in the order t = 0..7; each
+// column's F64 total goes to store(col, total). lanes: 8 x 32 doubles of shared scratch.
+template <typename Store>
+__device__ __forceinline__ void sum_column_groups(const double* part, i64 groups, i64 h, i64 col0,
+                                                  int width, double (*lanes)[32], Store store) {
+    const int lane = threadIdx.x, ty = threadIdx.y;
+    for (int c = 0; c < width; c += 32) {
+        const i64 col = col0 + c + lane;
+        double t = 0.0;
+        if (col < h) {
+#pragma unroll 4
+            for (i64 g = ty; g < groups; g += 8) t += __ldcg(part + g * h + col);
+        }
+        lanes[ty][lane] = t;
+        __syncthreads();
+        if (ty == 0 && col < h) {
+            for (int u = 1; u < 8; ++u) t += lanes[u][lane];
+            store(col, t);
+        }
+        __syncthreads();
+    }
+}
 __device__ __forceinline__ void raise_flag(int* flag) {
 #if defined(__CUDA_ARCH__)
     asm volatile("fence.acq_rel.gpu;\n\tred.relaxed.gpu.global.add.s32 [%0], 1;"

@@ -167,8 +167,7 @@ fn gpt2_fuses_every_bias_add_gelu_and_gelu_gradient() {
         ("epilogue=gelu_aux_bias(", layers),
         ("epilogue=dgelu(", layers),
         ("epilogue=bgrad", 0),
-        ("launch reduce_partials_bf16<<<", 4 * layers),
-        ("launch reduce_groups_sum_f32<<<", 4 * layers),
+        ("launch reduce_grouped_sum_bf16_f32<<<", 4 * layers),
         (" alpha=0.35355", 3 * layers),
     ] {
         assert_eq!(listing.matches(epilogue).count(), n, "{epilogue}");
@@ -208,12 +207,7 @@ fn only_a_large_weight_gradient_sums_its_bias_in_the_epilogue() {
     assert_eq!(listing.matches("epilogue=bgrad").count(), layers);
     for proj in ["k_proj.bias", "v_proj.bias"] {
         assert_eq!(
-            lines("launch reduce_partials_bf16<<<", proj),
-            layers,
-            "{proj}"
-        );
-        assert_eq!(
-            lines("launch reduce_groups_sum_f32<<<", proj),
+            lines("launch reduce_grouped_sum_bf16_f32<<<", proj),
             layers,
             "{proj}"
         );
@@ -271,9 +265,9 @@ fn a_model_without_biases_gets_no_bias_epilogues() {
 }
 
 /// GPT-2 124M, B=8, T=1024, bf16 with fused attention and classifier: the epilogues take the
-/// program roofline from 12.0 ms (MFU 55.3%) to 10.5 ms (63.7%) at no higher planned peak
+/// program roofline from 11.9 ms (MFU 55.8%) to 10.4 ms (64.3%) at no higher planned peak
 /// (the bias gradients, summed apart from these small weight gradients, read their operand
-/// again: 9.9 ms and 66.9% when they were epilogues)
+/// again)
 /// (the figures of docs/commands.md; held here to 0.1 points). With the bias in the
 /// projection's product, the residual add and its cast join the next norm's kernel too.
 #[test]
@@ -304,8 +298,8 @@ fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
     let (eager, eager_peak) = report("eager");
     let (fused, fused_peak) = report("fused");
     println!("MFU {eager}% eager, {fused}% fused; peaks {eager_peak}, {fused_peak}");
-    assert!((eager - 55.3).abs() <= 0.1, "eager MFU {eager}%");
-    assert!((fused - 63.7).abs() <= 0.1, "fused MFU {fused}%");
+    assert!((eager - 55.8).abs() <= 0.1, "eager MFU {eager}%");
+    assert!((fused - 64.3).abs() <= 0.1, "fused MFU {fused}%");
     assert!(fused_peak <= eager_peak, "{fused_peak} > {eager_peak}");
 }
 

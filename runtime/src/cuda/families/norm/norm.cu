@@ -528,34 +528,16 @@ __device__ __forceinline__ void norm_bwd_weight(const TI* __restrict__ s, const 
         if (!RMS) db_part[group * h + col] = b_sum;
     }
     // Stage two, in the column block's last group to finish.
-    __shared__ int last;
-    __syncthreads();
-    if (lane == 0 && ty == 0) {
-        last = arrive_count(&done[blockIdx.x]) == int(gridDim.y) - 1;
-        if (last) done[blockIdx.x] = 0;
+    if (!last_to_arrive(&done[blockIdx.x], gridDim.y)) return;
+    double(*lanes)[NW_COLS] = reinterpret_cast<double(*)[NW_COLS]>(&dw_lanes[0][0]);
+    const i64 first = i64(blockIdx.x) * NW_COLS * UNIT;
+    if (dw_out != nullptr) {
+        sum_column_groups(dw_part, gridDim.y, h, first, NW_COLS * UNIT, lanes,
+                          [&](i64 c, double t) { dw_out[c] = float(t); });
     }
-    __syncthreads();
-    if (!last) return;
-    const int groups = gridDim.y;
-    double* parts[2] = {dw_part, db_part};
-    float* outs[2] = {dw_out, RMS ? nullptr : db_out};
-    for (int k = 0; k < 2; ++k) {
-        if (outs[k] == nullptr) continue;
-        for (int c = 0; c < NW_COLS * UNIT; c += NW_COLS) {
-            const int col = blockIdx.x * NW_COLS * UNIT + c + lane;
-            double t = 0.0;
-            if (col < h) {
-#pragma unroll 4
-                for (int g = ty; g < groups; g += NW_LANES) t += __ldcg(parts[k] + i64(g) * h + col);
-            }
-            dw_lanes[ty][lane] = t;
-            __syncthreads();
-            if (ty == 0 && col < h) {
-                for (int u = 1; u < NW_LANES; ++u) t += dw_lanes[u][lane];
-                outs[k][col] = float(t);
-            }
-            __syncthreads();
-        }
+    if (!RMS && db_out != nullptr) {
+        sum_column_groups(db_part, gridDim.y, h, first, NW_COLS * UNIT, lanes,
+                          [&](i64 c, double t) { db_out[c] = float(t); });
     }
 }
 

@@ -12,8 +12,7 @@ use castor_ir::DType;
 pub(crate) fn uses(k: Kernel, m: &Mem, l: &Launch) -> R<Vec<Use>> {
     match k {
         Kernel::Whole { input, output, .. } => reduce(m, l, input, output),
-        Kernel::Partials { input } => partials(m, l, input),
-        Kernel::Groups { output, .. } => groups(m, l, output),
+        Kernel::Grouped { input, output, .. } => grouped(m, l, input, output),
     }
 }
 
@@ -59,10 +58,12 @@ fn reduce(m: &Mem, l: &Launch, ti: DType, to: DType) -> R<Vec<Use>> {
     )
 }
 
-fn partials(m: &Mem, l: &Launch, ti: DType) -> R<Vec<Use>> {
+fn grouped(m: &Mem, l: &Launch, ti: DType, to: DType) -> R<Vec<Use>> {
     let mut a = Args::new(l);
     let x = a.need(m, "x")?;
     let part = a.need(m, "part")?;
+    let y = a.need(m, "y")?;
+    let done = a.need(m, "done")?;
     let outer = a.count("outer")?;
     let len = a.count("len")?;
     let inner = a.count("inner")?;
@@ -72,49 +73,22 @@ fn partials(m: &Mem, l: &Launch, ti: DType) -> R<Vec<Use>> {
         return Err("launched for an empty result or with empty row groups".into());
     }
     let groups = len.div_ceil(per_group).max(1);
-    if groups > 65_535 || outer > 65_535 || inner.div_ceil(256) > 65_535 {
+    let blocks = inner.div_ceil(256);
+    if groups > 65_535 || outer > 65_535 || blocks > 65_535 {
         return Err(format!(
             "{groups} row groups of {outer} x {inner} columns exceed the grid's 65535 per dim"
         ));
     }
-    shape(l, (inner.div_ceil(256) as u32, groups as u32, outer as u32))?;
-    let si = ti.size_bytes();
+    shape(l, (blocks as u32, groups as u32, outer as u32))?;
+    let (si, so) = (ti.size_bytes(), to.size_bytes());
     checked(
         m,
         vec![
             use_("x", Some(x), (outer * len * inner * si) as u64, si, Io::R),
+            // Written whole by the launch, then read back by each column block's last group.
             use_("part", Some(part), (outer * groups * inner * 8) as u64, 8, Io::W),
-        ],
-        &[],
-    )
-}
-
-fn groups(m: &Mem, l: &Launch, to: DType) -> R<Vec<Use>> {
-    let mut a = Args::new(l);
-    let part = a.need(m, "part")?;
-    let y = a.need(m, "y")?;
-    let outer = a.count("outer")?;
-    let groups = a.count("groups")?;
-    let _len = a.count("len")?;
-    let inner = a.count("inner")?;
-    a.end()?;
-    if outer * inner * groups == 0 {
-        return Err("launched for an empty result or no groups".into());
-    }
-    shape(
-        l,
-        (
-            inner.div_ceil(32).min(65_535) as u32,
-            outer.min(65_535) as u32,
-            1,
-        ),
-    )?;
-    let so = to.size_bytes();
-    checked(
-        m,
-        vec![
-            use_("part", Some(part), (outer * groups * inner * 8) as u64, 8, Io::R),
             use_("y", Some(y), (outer * inner * so) as u64, so, Io::W),
+            use_("done", Some(done), (outer * blocks * 4) as u64, 4, Io::Rw),
         ],
         &[],
     )

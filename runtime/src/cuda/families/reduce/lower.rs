@@ -1,6 +1,6 @@
 //! Sums, means and maxima over axes: `reduce.cu`, after one strided copy when the reduced
 //! axes are not one run; column sums and means whose one-stage launch would have few blocks
-//! in two stages (row groups' partials, then their sum).
+//! in two stages of one launch (row groups' partials, then their sum).
 
 use super::Kernel;
 use crate::cuda::kernel_id::KernelId;
@@ -129,8 +129,9 @@ impl RunLowering<'_, '_> {
     }
 
     /// The sums (or means, `op`) of the columns of `x` viewed as `[outer, len, inner]` into
-    /// `y` (`[outer, inner]`), in two launches: each group of rows summed per column into F64
-    /// scratch, then the groups' sums per column. Nothing is launched for an empty `y`.
+    /// `y` (`[outer, inner]`), in two stages of one launch: each group of rows summed per
+    /// column into F64 scratch, then the groups' sums per column by each column block's last
+    /// group to finish. Nothing is launched for an empty `y`.
     pub(crate) fn column_reduce_in_two_stages(
         &mut self,
         v: Value,
@@ -149,36 +150,30 @@ impl RunLowering<'_, '_> {
             return Err(self.err(v, "too many columns or rows for a two-stage column reduction"));
         }
         let part = self.scratch((outer * groups * inner * 8) as u64);
+        // One counter per (outer index, column block), zero between launches (each one's last
+        // group resets it), shared by every such reduction of the program with as many.
+        let counters = dims[0] * outer;
+        let done = self
+            .l
+            .internal(&format!("reduce.grouped.done.{counters}"), 4 * counters as u64);
         self.launch(
             v,
-            KernelId::Reduce(Kernel::Partials { input: ti }),
+            KernelId::Reduce(Kernel::Grouped {
+                op,
+                input: ti,
+                output: to,
+            }),
             (dims[0] as u32, dims[1] as u32, dims[2] as u32),
             (32, 8, 1),
             vec![
                 ("x", Arg::Ptr(x)),
                 ("part", Arg::Ptr(part)),
+                ("y", Arg::Ptr(y)),
+                ("done", Arg::Ptr(Place::Slot { slot: done, offset: 0 })),
                 ("outer", Arg::I64(outer as i64)),
                 ("len", Arg::I64(len as i64)),
                 ("inner", Arg::I64(inner as i64)),
                 ("rows_per_group", Arg::I64(per_group as i64)),
-            ],
-        )?;
-        self.launch(
-            v,
-            KernelId::Reduce(Kernel::Groups { op, output: to }),
-            (
-                inner.div_ceil(32).clamp(1, 65_535) as u32,
-                outer.clamp(1, 65_535) as u32,
-                1,
-            ),
-            (32, 8, 1),
-            vec![
-                ("part", Arg::Ptr(part)),
-                ("y", Arg::Ptr(y)),
-                ("outer", Arg::I64(outer as i64)),
-                ("groups", Arg::I64(groups as i64)),
-                ("len", Arg::I64(len as i64)),
-                ("inner", Arg::I64(inner as i64)),
             ],
         )
     }

@@ -1,5 +1,6 @@
 //! `reduce.cu`: sum, mean and max over one axis; sums and means of columns also in two stages
-//! (row groups' F64 partials, then their sum), where one stage has too few blocks.
+//! in one launch (row groups' F64 partials, then their sum by each column block's last
+//! group), where one stage has too few blocks.
 //!
 //! The family: `reduce.cu` (sources, entry points below); `lower.rs` (its launches in a CUDA
 //! program); `contract.rs` (what the emulator lets each launch read and write); `tests.rs` (the
@@ -13,7 +14,7 @@ pub(crate) mod tests;
 
 use castor_kernels::KernelFile;
 use castor_ir::{DType, ReduceOp};
-use crate::cuda::kernel_id::{float_pairs, io, FLOATS};
+use crate::cuda::kernel_id::{float_pairs, io};
 
 /// The family's kernel files, with their `extern "C"` entry points (sorted).
 pub const FILES: &[KernelFile] = &[
@@ -21,12 +22,24 @@ pub const FILES: &[KernelFile] = &[
         name: "reduce.cu",
         source: include_str!("reduce.cu"),
         entry_points: &[
-            "reduce_groups_mean_bf16",
-            "reduce_groups_mean_f16",
-            "reduce_groups_mean_f32",
-            "reduce_groups_sum_bf16",
-            "reduce_groups_sum_f16",
-            "reduce_groups_sum_f32",
+            "reduce_grouped_mean_bf16",
+            "reduce_grouped_mean_bf16_f16",
+            "reduce_grouped_mean_bf16_f32",
+            "reduce_grouped_mean_f16",
+            "reduce_grouped_mean_f16_bf16",
+            "reduce_grouped_mean_f16_f32",
+            "reduce_grouped_mean_f32",
+            "reduce_grouped_mean_f32_bf16",
+            "reduce_grouped_mean_f32_f16",
+            "reduce_grouped_sum_bf16",
+            "reduce_grouped_sum_bf16_f16",
+            "reduce_grouped_sum_bf16_f32",
+            "reduce_grouped_sum_f16",
+            "reduce_grouped_sum_f16_bf16",
+            "reduce_grouped_sum_f16_f32",
+            "reduce_grouped_sum_f32",
+            "reduce_grouped_sum_f32_bf16",
+            "reduce_grouped_sum_f32_f16",
             "reduce_max_bf16",
             "reduce_max_bf16_f16",
             "reduce_max_bf16_f32",
@@ -45,9 +58,6 @@ pub const FILES: &[KernelFile] = &[
             "reduce_mean_f32",
             "reduce_mean_f32_bf16",
             "reduce_mean_f32_f16",
-            "reduce_partials_bf16",
-            "reduce_partials_f16",
-            "reduce_partials_f32",
             "reduce_sum_bf16",
             "reduce_sum_bf16_f16",
             "reduce_sum_bf16_f32",
@@ -70,12 +80,14 @@ pub enum Kernel {
         input: DType,
         output: DType,
     },
-    /// A two-stage column sum's first stage: the row groups' F64 partials
-    /// (`reduce_partials_<ti>`).
-    Partials { input: DType },
-    /// Its second stage: the partials summed, or averaged, per column
-    /// (`reduce_groups_<op>_<to>`, `op` sum or mean).
-    Groups { op: ReduceOp, output: DType },
+    /// A two-stage column sum or mean in one launch: the row groups' F64 partials, then
+    /// their sum per column by each column block's last group (`reduce_grouped_<op>_<io>`,
+    /// `op` sum or mean).
+    Grouped {
+        op: ReduceOp,
+        input: DType,
+        output: DType,
+    },
 }
 
 impl Kernel {
@@ -85,9 +97,8 @@ impl Kernel {
             Kernel::Whole { op, input, output } => {
                 format!("reduce_{}_{}", op.name(), io(input, output))
             }
-            Kernel::Partials { input } => format!("reduce_partials_{}", input.name()),
-            Kernel::Groups { op, output } => {
-                format!("reduce_groups_{}_{}", op.name(), output.name())
+            Kernel::Grouped { op, input, output } => {
+                format!("reduce_grouped_{}_{}", op.name(), io(input, output))
             }
         }
     }
@@ -99,10 +110,9 @@ impl Kernel {
                 ReduceOp::ALL.map(|op| Kernel::Whole { op, input, output })
             })
             .collect();
-        all.extend(FLOATS.map(|input| Kernel::Partials { input }));
-        for output in FLOATS {
+        for (input, output) in float_pairs() {
             all.extend(
-                [ReduceOp::Sum, ReduceOp::Mean].map(|op| Kernel::Groups { op, output }),
+                [ReduceOp::Sum, ReduceOp::Mean].map(|op| Kernel::Grouped { op, input, output }),
             );
         }
         all

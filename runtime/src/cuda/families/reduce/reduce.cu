@@ -42,23 +42,24 @@
 // Column sums and means in two stages, for a column reduction whose one-stage grid is too
 // small to keep a GPU's memory busy (a bias gradient: 8192 rows of 768 columns are 24 blocks
 // above): the rows split into groups, each summed per column into an F64 partial, then the
-// groups' partials summed per column. No atomics: the grouping comes from the shape alone
-// (the lowering's `rows_per_group`), so the result is the same on every device and run.
-//   reduce_partials_<ti>(const TI* x, double* part, i64 outer, i64 len, i64 inner,
-//                        i64 rows_per_group):
-//     part[(o * groups + g) * inner + c] = sum over rows r of group g (rows_per_group rows
-//     from g * rows_per_group) of x[o, r, c], groups = max(1, ceil(len / rows_per_group)).
-//     Block (32, 8, 1), grid (ceil(inner / 256), groups, outer), all at most 65535: lane
-//     threadIdx.x owns 8 consecutive columns (one 16-byte load a row where inner is a
-//     multiple of 8 and x is 16-byte aligned, else 8 scalar loads: the same sums either way),
-//     its 8 threads threadIdx.y = t take the group's rows t, t + 8, ... in order, and the 8
-//     partials are combined in shared memory in the order t = 0..7.
-//   reduce_groups_<op>_<to>(const double* part, TO* y, i64 outer, i64 groups, i64 len,
-//                           i64 inner), op in sum, mean:
-//     y[o, c] = finish(sum over g of part[(o * groups + g) * inner + c]) as above (the mean
-//     divides the F64 total by len). Block (32, 8, 1), grid (ceil(inner / 32), min(outer,
-//     65535), 1): lane threadIdx.x owns a column, its 8 threads t take groups t, t + 8, ...
-//     in order, their sums added in the order t = 0..7.
+// groups' partials summed per column, in one launch. No float atomics: the grouping comes
+// from the shape alone (the lowering's `rows_per_group`), so the result is the same on every
+// device and run.
+//   reduce_grouped_<op>_<io>(const TI* x, double* part, TO* y, int* done, i64 outer, i64 len,
+//                            i64 inner, i64 rows_per_group), op in sum, mean:
+//     stage one: part[(o * groups + g) * inner + c] = sum over rows r of group g
+//     (rows_per_group rows from g * rows_per_group) of x[o, r, c], groups = max(1,
+//     ceil(len / rows_per_group)). Block (32, 8, 1), grid exactly (ceil(inner / 256), groups,
+//     outer), each at most 65535: block (bx, g, o); lane threadIdx.x owns 8 consecutive
+//     columns (one 16-byte load a row where inner is a multiple of 8 and x is 16-byte aligned,
+//     else 8 scalar loads: the same sums either way), its 8 threads threadIdx.y = t take the
+//     group's rows t, t + 8, ... in order, and the 8 partials are combined in shared memory in
+//     the order t = 0..7.
+//     stage two, by the last of the groups of (o, bx) to store its partials (done[o *
+//     gridDim.x + bx] counts them: zero before the launch, and that block sets it back to
+//     zero): y[o, c] = finish(sum over g of part[(o * groups + g) * inner + c]) for the block's
+//     256 columns, 32 at a time, thread t of a column summing groups t, t + 8, ... in order,
+//     the 8 sums added in the order t = 0..7 (the mean divides the F64 total by len).
 //   Rounding: as the one-stage sums (inputs widen exactly, F64 totals rounded once to F32
 //   and once more to TO), in another grouping of the same F64 additions.
 #include "castor_common.cuh"
@@ -216,95 +217,71 @@ __device__ __forceinline__ void reduce(const TI* x, TO* y, i64 outer, i64 len, i
 
 REDUCE_FOR_EACH_IO(REDUCE)
 
-// Stage one of a two-stage column sum: one F64 partial per (outer, row group, column).
-template <typename TI>
-__device__ __forceinline__ void reduce_partials(const TI* __restrict__ x, double* __restrict__ part,
-                                                i64 outer, i64 len, i64 inner,
-                                                i64 rows_per_group) {
+// A two-stage column sum or mean of x[o = blockIdx.z] (see the file's head).
+template <typename TI, typename TO, int OP>
+__device__ __forceinline__ void reduce_grouped(const TI* __restrict__ x, double* __restrict__ part,
+                                               TO* __restrict__ y, int* done, i64 outer, i64 len,
+                                               i64 inner, i64 rows_per_group) {
     __shared__ double lanes[RH][RW * UNIT];
     const int lane = threadIdx.x, ty = threadIdx.y;
     const i64 groups = gridDim.y;
     const i64 col0 = (i64(blockIdx.x) * RW + lane) * UNIT;
     const i64 group = blockIdx.y;
+    const i64 o = blockIdx.z;
     const i64 r0 = group * rows_per_group;
     const i64 r1 = min(len, r0 + rows_per_group);
     const bool vec = inner % UNIT == 0 && aligned16(x);
-    for (i64 o = blockIdx.z; o < outer; o += gridDim.z) {
-        const TI* xo = x + o * len * inner;
-        double s[UNIT];
+    if (o >= outer) return;
+    const TI* xo = x + o * len * inner;
+    double* po = part + o * groups * inner;
+    double s[UNIT];
 #pragma unroll
-        for (int k = 0; k < UNIT; ++k) s[k] = 0.0;
-        if (col0 < inner) {
+    for (int k = 0; k < UNIT; ++k) s[k] = 0.0;
+    if (col0 < inner) {
 #pragma unroll 2
-            for (i64 r = r0 + ty; r < r1; r += RH) {
-                float v[UNIT];
-                if (vec) {
-                    load8(xo + r * inner + col0, v);
-                } else {
+        for (i64 r = r0 + ty; r < r1; r += RH) {
+            float v[UNIT];
+            if (vec) {
+                load8(xo + r * inner + col0, v);
+            } else {
 #pragma unroll
-                    for (int k = 0; k < UNIT; ++k) {
-                        v[k] = col0 + k < inner ? to_f32(xo[r * inner + col0 + k]) : 0.0f;
-                    }
+                for (int k = 0; k < UNIT; ++k) {
+                    v[k] = col0 + k < inner ? to_f32(xo[r * inner + col0 + k]) : 0.0f;
                 }
-#pragma unroll
-                for (int k = 0; k < UNIT; ++k) s[k] += double(v[k]);
             }
-        }
-        __syncthreads();  // the previous outer index's partials may still be being read
 #pragma unroll
-        for (int k = 0; k < UNIT; ++k) lanes[ty][lane * UNIT + k] = s[k];
-        __syncthreads();
-        // The block's RW * UNIT columns, a thread each: its RH partials in the order t = 0..7.
-        const int j = ty * RW + lane;
-        const i64 col = i64(blockIdx.x) * RW * UNIT + j;
-        if (col < inner) {
-            double t = lanes[0][j];
-            for (int k = 1; k < RH; ++k) t += lanes[k][j];
-            part[(o * groups + group) * inner + col] = t;
+            for (int k = 0; k < UNIT; ++k) s[k] += double(v[k]);
         }
     }
+#pragma unroll
+    for (int k = 0; k < UNIT; ++k) lanes[ty][lane * UNIT + k] = s[k];
+    __syncthreads();
+    // The block's RW * UNIT columns, a thread each: its RH partials in the order t = 0..7.
+    const int j = ty * RW + lane;
+    const i64 first = i64(blockIdx.x) * RW * UNIT;
+    if (first + j < inner) {
+        double t = lanes[0][j];
+        for (int k = 1; k < RH; ++k) t += lanes[k][j];
+        po[group * inner + first + j] = t;
+    }
+    // Stage two, in the last group of (o, blockIdx.x) to store its partials.
+    if (!last_to_arrive(&done[o * gridDim.x + blockIdx.x], gridDim.y)) return;
+    double(*scratch)[RW] = reinterpret_cast<double(*)[RW]>(&lanes[0][0]);
+    sum_column_groups(po, groups, inner, first, RW * UNIT, scratch, [&](i64 c, double t) {
+        y[o * inner + c] = from_f32<TO>(finish<OP>(SumAcc{t}, len));
+    });
 }
 
-// Stage two: the groups' partials of each column, summed in a fixed order.
-template <typename TO, int OP>
-__device__ __forceinline__ void reduce_groups(const double* __restrict__ part, TO* __restrict__ y,
-                                              i64 outer, i64 groups, i64 len, i64 inner) {
-    __shared__ double lanes[RH][RW];
-    const int lane = threadIdx.x, ty = threadIdx.y;
-    for (i64 o = blockIdx.y; o < outer; o += gridDim.y) {
-        for (i64 c0 = i64(blockIdx.x) * RW; c0 < inner; c0 += i64(gridDim.x) * RW) {
-            const i64 c = c0 + lane;
-            double t = 0.0;
-            if (c < inner) {
-#pragma unroll 4
-                for (i64 g = ty; g < groups; g += RH) t += part[(o * groups + g) * inner + c];
-            }
-            __syncthreads();  // the previous columns' sums may still be being read
-            lanes[ty][lane] = t;
-            __syncthreads();
-            if (ty == 0 && c < inner) {
-                for (int k = 1; k < RH; ++k) t += lanes[k][lane];
-                y[o * inner + c] = from_f32<TO>(finish<OP>(SumAcc{t}, len));
-            }
-        }
-    }
-}
-
-#define REDUCE_PARTIALS(TI, ti)                                                                \
-    extern "C" __global__ void reduce_partials_##ti(const TI* x, double* part, i64 outer,      \
-                                                    i64 len, i64 inner, i64 rows_per_group) {  \
-        reduce_partials<TI>(x, part, outer, len, inner, rows_per_group);                       \
-    }
-
-#define REDUCE_GROUPS(TO, to)                                                                  \
-    extern "C" __global__ void reduce_groups_sum_##to(const double* part, TO* y, i64 outer,    \
-                                                      i64 groups, i64 len, i64 inner) {        \
-        reduce_groups<TO, OP_SUM>(part, y, outer, groups, len, inner);                         \
+#define REDUCE_GROUPED(TI, TO, io)                                                             \
+    extern "C" __global__ void reduce_grouped_sum_##io(const TI* x, double* part, TO* y,       \
+                                                       int* done, i64 outer, i64 len,          \
+                                                       i64 inner, i64 rows_per_group) {        \
+        reduce_grouped<TI, TO, OP_SUM>(x, part, y, done, outer, len, inner, rows_per_group);   \
     }                                                                                          \
-    extern "C" __global__ void reduce_groups_mean_##to(const double* part, TO* y, i64 outer,   \
-                                                       i64 groups, i64 len, i64 inner) {       \
-        reduce_groups<TO, OP_MEAN>(part, y, outer, groups, len, inner);                        \
+    extern "C" __global__ void reduce_grouped_mean_##io(const TI* x, double* part, TO* y,      \
+                                                        int* done, i64 outer, i64 len,         \
+                                                        i64 inner, i64 rows_per_group) {       \
+        reduce_grouped<TI, TO, OP_MEAN>(x, part, y, done, outer, len, inner, rows_per_group);  \
     }
 
-CASTOR_FOR_EACH_T(REDUCE_PARTIALS)
-CASTOR_FOR_EACH_T(REDUCE_GROUPS)
+REDUCE_FOR_EACH_IO(REDUCE_GROUPED)

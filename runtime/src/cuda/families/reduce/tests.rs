@@ -23,14 +23,12 @@ const OPS: [(ReduceOp, &str); 3] = [
 pub(crate) fn entries() -> Vec<String> {
     let mut out = Vec::new();
     for (ti, to) in pairs() {
+        let io = crate::cuda::emulate::kernel_tests::io(ti, to);
         for (_, op) in OPS {
-            out.push(format!("reduce_{op}_{}", crate::cuda::emulate::kernel_tests::io(ti, to)));
+            out.push(format!("reduce_{op}_{io}"));
         }
-    }
-    for (d, _) in FLOATS {
-        out.push(format!("reduce_partials_{}", d.name()));
-        out.push(format!("reduce_groups_sum_{}", d.name()));
-        out.push(format!("reduce_groups_mean_{}", d.name()));
+        out.push(format!("reduce_grouped_sum_{io}"));
+        out.push(format!("reduce_grouped_mean_{io}"));
     }
     out
 }
@@ -103,19 +101,9 @@ fn two_stage_column_sums_and_means_agree_with_the_twin() {
         for (outer, len, inner) in [(1usize, 517usize, 100usize), (2, 300, 264), (3, 5, 40), (1, 0, 16)] {
             let per_group = super::lower::rows_per_group(outer, len, inner);
             let groups = len.div_ceil(per_group).max(1);
+            let blocks = inner.div_ceil(256);
             for skew in [0u64, ti.size_bytes() as u64] {
                 let x = rng.values(outer * len * inner, 4.0, ti);
-                let mut l = Launcher::new("reduce.cu");
-                let bx = l.buf(enc(ti, &x), skew);
-                let bp = l.out(outer * groups * inner * 8, 0);
-                let grid = (inner.div_ceil(256) as u32, groups as u32, outer as u32);
-                let args = vec![l.ptr(bx), l.ptr(bp), i64(outer), i64(len), i64(inner), i64(per_group)];
-                let entry = format!("reduce_partials_{}", ti.name());
-                let what = format!("{entry} [{outer}, {len}, {inner}] skew={skew}");
-                let part = l
-                    .run(&entry, grid, (32, 8, 1), args)
-                    .unwrap_or_else(|e| panic!("{what}: {e}"))
-                    .swap_remove(bp.0);
                 for (op, name) in [(ReduceOp::Sum, "sum"), (ReduceOp::Mean, "mean")] {
                     let want: Vec<f32> = reduce(op, &x, &[outer, len, inner], &[1])
                         .unwrap_or_default()
@@ -123,15 +111,29 @@ fn two_stage_column_sums_and_means_agree_with_the_twin() {
                         .map(|&v| round_to(to, v))
                         .collect();
                     let mut l = Launcher::new("reduce.cu");
-                    let bp = l.buf(part.clone(), 0);
+                    let bx = l.buf(enc(ti, &x), skew);
+                    let bp = l.out(outer * groups * inner * 8, 0);
                     let by = l.out(outer * inner * to.size_bytes(), 0);
-                    let grid = (inner.div_ceil(32) as u32, outer as u32, 1);
-                    let args = vec![l.ptr(bp), l.ptr(by), i64(outer), i64(groups), i64(len), i64(inner)];
-                    let entry = format!("reduce_groups_{name}_{}", to.name());
-                    let what = format!("{what}, then {entry}");
+                    let done = l.buf(vec![0; 4 * outer * blocks], 0);
+                    let grid = (blocks as u32, groups as u32, outer as u32);
+                    let args = vec![
+                        l.ptr(bx),
+                        l.ptr(bp),
+                        l.ptr(by),
+                        l.ptr(done),
+                        i64(outer),
+                        i64(len),
+                        i64(inner),
+                        i64(per_group),
+                    ];
+                    let io = crate::cuda::emulate::kernel_tests::io(ti, to);
+                    let entry = format!("reduce_grouped_{name}_{io}");
+                    let what = format!("{entry} [{outer}, {len}, {inner}] skew={skew}");
                     let out = l
                         .run(&entry, grid, (32, 8, 1), args)
                         .unwrap_or_else(|e| panic!("{what}: {e}"));
+                    // Each column block's last group leaves its counter at zero.
+                    assert!(out[done.0].iter().all(|&b| b == 0), "{what}: counters");
                     let got = dec(to, &out[by.0]);
                     if len == 0 && op == ReduceOp::Mean {
                         assert!(got.iter().all(|v| v.is_nan()), "{what}: the mean of no rows");
