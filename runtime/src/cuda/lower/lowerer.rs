@@ -3,7 +3,8 @@
 //! the kernels' signatures, and argument tables.
 
 use super::super::program::{
-    Arg, Command, GeneratedKernel, InputExtent, Launch, Module, Program, Slot, SlotKind, Table,
+    Arg, Command, GeneratedKernel, InputExtent, Launch, Module, Place, Program, Slot, SlotKind,
+    Table,
 };
 use super::{unit_schedule, Args, LowerError, RunLowering, GENERATED_MODULE};
 use crate::cuda::kernel_id::KernelId;
@@ -85,6 +86,19 @@ impl Lowerer {
             Some(&i) => i,
             None => self.push_slot(name, bytes, SlotKind::Internal),
         }
+    }
+
+    /// `count` zeroed ints for the block handoffs of one launch (a counter per column block
+    /// whose last row group sums the others' partials: `last_to_arrive` in
+    /// `castor_common.cuh`). Every such launch shares the one slot, grown to the most any
+    /// asks for: launches run one after another on the stream, and each leaves its counters
+    /// zero, as the program's load made them.
+    pub(crate) fn handoff_counters(&mut self, count: usize) -> Place {
+        let bytes = 4 * count.max(1) as u64;
+        let slot = self.internal("handoff counters", bytes);
+        let s = &mut self.program.slots[slot];
+        s.bytes = s.bytes.max(bytes);
+        Place::Slot { slot, offset: 0 }
     }
 
     /// The slot `name`, if it exists.

@@ -347,17 +347,16 @@ impl RunLowering<'_, '_> {
             };
             sums.push(Arg::Ptr(target));
         }
-        // One counter per column block, zero between launches (the last group resets it),
-        // shared by every norm of the program with as many column blocks.
+        // One counter per column block, zero between launches.
         let column_blocks = h.div_ceil(WEIGHT_BLOCK_COLUMNS);
-        let done = self.l.internal(&format!("norm.weight_grad.done.{column_blocks}"), 4 * column_blocks as u64);
+        let done = self.l.handoff_counters(column_blocks);
         let mut args = vec![
             ("s", Arg::Ptr(xp)),
             ("dy", Arg::Ptr(dyp)),
             ("rstd", Arg::Ptr(stats.b)),
             ("dw_part", Arg::Ptr(dw_part)),
             ("dw", sums[0].clone()),
-            ("done", Arg::Ptr(Place::Slot { slot: done, offset: 0 })),
+            ("done", Arg::Ptr(done)),
             ("rows", Arg::I64(rows as i64)),
             ("h", Arg::I32(h as i32)),
             ("rows_per_group", Arg::I32(per_group as i32)),

@@ -150,12 +150,8 @@ impl RunLowering<'_, '_> {
             return Err(self.err(v, "too many columns or rows for a two-stage column reduction"));
         }
         let part = self.scratch((outer * groups * inner * 8) as u64);
-        // One counter per (outer index, column block), zero between launches (each one's last
-        // group resets it), shared by every such reduction of the program with as many.
-        let counters = dims[0] * outer;
-        let done = self
-            .l
-            .internal(&format!("reduce.grouped.done.{counters}"), 4 * counters as u64);
+        // One counter per (outer index, column block), zero between launches.
+        let done = self.l.handoff_counters(dims[0] * outer);
         self.launch(
             v,
             KernelId::Reduce(Kernel::Grouped {
@@ -169,7 +165,7 @@ impl RunLowering<'_, '_> {
                 ("x", Arg::Ptr(x)),
                 ("part", Arg::Ptr(part)),
                 ("y", Arg::Ptr(y)),
-                ("done", Arg::Ptr(Place::Slot { slot: done, offset: 0 })),
+                ("done", Arg::Ptr(done)),
                 ("outer", Arg::I64(outer as i64)),
                 ("len", Arg::I64(len as i64)),
                 ("inner", Arg::I64(inner as i64)),
