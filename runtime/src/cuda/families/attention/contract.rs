@@ -489,7 +489,7 @@ pub(crate) fn key_lengths(m: &Mem, l: &Launch) -> R<Vec<Use>> {
             uses.push(st[0].use_of("dk", dk, dims, 2, Io::W)?);
             uses.push(st[1].use_of("dv", dv, dims, 2, Io::W)?);
         }
-        _ => return Err("dk and dv are both given or both null".into()),
+        _ => return Err("dk and dv must both be given or both be null".into()),
     }
     checked(m, uses, &[])
 }

@@ -725,24 +725,20 @@ impl RunLowering<'_, '_> {
     }
 }
 
-/// The mask (or positions) and the dropout key of attention node `op` with operands `ins`.
 /// The key-lengths kernel's arguments that zero a padded backward's dK and dV rows past each
 /// batch's length (cuDNN writes no gradient there): the two gradients with their strides, or
-/// null pointers where the kernel only computes lengths (a forward).
+/// null pointers and zeros where the kernel only computes lengths (a forward).
 fn padded_key_rows_args(call: &Sdpa, zero: bool) -> Vec<(&'static str, Arg)> {
-    let grads = call.grads.as_ref().filter(|_| zero);
-    let (dk, dv) = match grads {
-        Some(g) => (Arg::Ptr(g.dk.place), Arg::Ptr(g.dv.place)),
-        None => (Arg::Null, Arg::Null),
-    };
-    let strides = |t: Option<&Tensor4>| t.map_or([0; 4], |t| t.strides);
-    let (sk, sv) = (
-        strides(grads.map(|g| &g.dk)),
-        strides(grads.map(|g| &g.dv)),
-    );
-    let (heads, dim) = match grads {
-        Some(_) => (call.problem.heads_kv as i32, call.problem.head_dim as i32),
-        None => (0, 0),
+    let (dk, dv, heads, dim, sk, sv) = match call.grads.as_ref().filter(|_| zero) {
+        Some(g) => (
+            Arg::Ptr(g.dk.place),
+            Arg::Ptr(g.dv.place),
+            call.problem.heads_kv as i32,
+            call.problem.head_dim as i32,
+            g.dk.strides,
+            g.dv.strides,
+        ),
+        None => (Arg::Null, Arg::Null, 0, 0, [0; 4], [0; 4]),
     };
     vec![
         ("dk", dk),
@@ -758,6 +754,7 @@ fn padded_key_rows_args(call: &Sdpa, zero: bool) -> Vec<(&'static str, Arg)> {
     ]
 }
 
+/// The mask (or positions) and the dropout key of attention node `op` with operands `ins`.
 fn optional_operands(op: &Op, ins: &[Value]) -> (Option<Value>, Option<Value>) {
     let at = op.attention_operands(ins.len());
     let pick = |i: Option<usize>| i.and_then(|i| ins.get(i).copied());
