@@ -97,6 +97,7 @@ fn main() -> anyhow::Result<()> {
                 lora: None,
                 parallel: Default::default(),
                 packed: false,
+                unpadded: false,
                 dropout: Default::default(),
             };
             let (plan, _) = castor::memory::pipeline(ExecutorKind::Cuda).build(&g, settings)?;

@@ -47,4 +47,5 @@ mod train_data;
 mod train_runs;
 mod train_vs_pytorch;
 mod training_snapshots;
+mod unpadded;
 mod user_path;

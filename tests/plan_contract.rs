@@ -40,6 +40,7 @@ fn settings(precision: Precision, loss_scaling: LossScaling) -> TrainSettings {
         lora: None,
         parallel: Default::default(),
         packed: false,
+        unpadded: false,
         dropout: Default::default(),
     }
 }

@@ -76,6 +76,7 @@ fn try_plan(
         lora: None,
         parallel: Default::default(),
         packed: false,
+        unpadded: false,
         dropout: Default::default(),
     };
     castor::memory::pipeline(castor_runtime::ExecutorKind::Cuda)

@@ -248,9 +248,11 @@ class Plan:
 
     def __init__(self, bench, cfg, flags):
         precision, flags = split_precision(flags)
+        # --unpadded: the plan `castor train` runs on the benchmark's token file, which reads
+        # no attention mask.
         cmd = [bench.args.castor, "compile", cfg.path, "--train", "--precision", precision,
                "--batch", cfg.batch, "--seq", cfg.seq, "--optimizer", cfg.optimizer,
-               *cfg.lora_flags(), *flags]
+               "--unpadded", *cfg.lora_flags(), *flags]
         gpu = castor_gpu(bench.record["device"])
         if gpu:
             cmd += ["--gpu", gpu]

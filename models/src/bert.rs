@@ -337,7 +337,7 @@ fn layer(
             qkv.push(ctx.split_heads(role, y, heads, d)?);
         }
         let scale = 1.0 / (d as f64).sqrt();
-        let context = ctx.attention(qkv[0], qkv[1], qkv[2], mask, &[scale], KeysSeen::All)?;
+        let context = ctx.attention(qkv[0], qkv[1], qkv[2], Some(mask), &[scale], KeysSeen::All)?;
         let merged = ctx.merge_heads("context", context)?;
         let y = ctx.linear(
             "output.dense",

@@ -37,6 +37,9 @@ pub(crate) struct Ctx<'m> {
     /// token's position in its own sequence) instead of `attention_mask`, positions are
     /// looked up or rotated at them, and each attention sees only its query's sequence.
     pub packed: bool,
+    /// Rows keep every key (windows of a token stream): the graph reads no
+    /// `attention_mask`, and attention applies only the causal mask and window.
+    pub unpadded: bool,
     /// `position_ids` and its views, declared on first use (packed graphs).
     positions: Option<Value>,
     position_rows: Option<Value>,
@@ -98,6 +101,7 @@ impl<'m> Ctx<'m> {
             presents: Vec::new(),
             attention: AttentionImpl::Eager,
             packed: false,
+            unpadded: false,
             positions: None,
             position_rows: None,
             dropout: Default::default(),
@@ -208,18 +212,23 @@ impl<'m> Ctx<'m> {
     }
 
     /// The mask operand of every attention over `[B, .., T, keys]` scores of rank `rank`: the
-    /// key-padding mask from `attention_mask` (int `[B, keys]`), or in a packed graph the
-    /// positions as `[B, 1, .., 1, T]` (each query then sees only its own sequence).
-    pub fn sequence_mask(&mut self, rank: usize) -> Result<Value, ModelError> {
+    /// key-padding mask from `attention_mask` (int `[B, keys]`), in a packed graph the
+    /// positions as `[B, 1, .., 1, T]` (each query then sees only its own sequence), and none
+    /// in an unpadded graph.
+    pub fn sequence_mask(&mut self, rank: usize) -> Result<Option<Value>, ModelError> {
         let (b, keys) = (self.batch, self.keys());
         let mut shape = vec![1; rank];
         shape[0] = b;
         shape[rank - 1] = keys;
         if let Some(positions) = self.positions()? {
-            return self.op_exact("position_ids.keys", Op::Reshape { shape }, &[positions]);
+            let view = self.op_exact("position_ids.keys", Op::Reshape { shape }, &[positions])?;
+            return Ok(Some(view));
+        }
+        if self.unpadded {
+            return Ok(None);
         }
         let am = self.input("attention_mask", TensorType::new(DType::I64, [b, keys]))?;
-        self.key_mask(am, rank)
+        self.key_mask(am, rank).map(Some)
     }
 
     /// Rotary embedding of `x [.., T, D]` at this graph's positions (a packed graph's
@@ -484,7 +493,7 @@ impl<'m> Ctx<'m> {
         q: Value,
         k: Value,
         v: Value,
-        mask: Value,
+        mask: Option<Value>,
         scales: &[f64],
         keys: KeysSeen,
     ) -> Result<Value, ModelError> {
@@ -496,7 +505,8 @@ impl<'m> Ctx<'m> {
         let attention_dropout = self.dropout.attention.filter(|&p| p > 0.0);
         if let Some(library) = self.attention.library() {
             let scale = scales.iter().product();
-            let mut operands = vec![q, k, v, mask];
+            let mut operands = vec![q, k, v];
+            operands.extend(mask);
             let dropout = match attention_dropout {
                 Some(p) => {
                     let (key, stream) = self.dropout_stream()?;
@@ -526,7 +536,9 @@ impl<'m> Ctx<'m> {
         for &factor in scales {
             s = self.op("scores.scaled", Op::Scale { factor }, &[s])?;
         }
-        let mut p = self.op("probs", Op::Softmax { causal, window }, &[s, mask])?;
+        let mut operands = vec![s];
+        operands.extend(mask);
+        let mut p = self.op("probs", Op::Softmax { causal, window }, &operands)?;
         p = self.dropout("probs.dropout", p, attention_dropout)?;
         self.op(
             "context",

@@ -174,6 +174,21 @@ pub enum ModelError {
     )]
     NotPackable { architecture: String },
 
+    /// Unpadded rows are for causal LMs.
+    #[error(
+        "{architecture} cannot take unpadded rows: --unpadded trains a causal LM \
+         (GPT2LMHeadModel, LlamaForCausalLM and its family) on windows of a token stream, \
+         whose rows keep every key; an encoder or a classifier reads the attention mask"
+    )]
+    NotUnpaddable { architecture: String },
+
+    /// Packed rows read positions, unpadded rows nothing: a model takes one or the other.
+    #[error(
+        "packed rows (--pack: SFT examples end to end, read through `position_ids`) and \
+         unpadded rows (--unpadded: token windows, no mask) exclude each other"
+    )]
+    RowsConflict,
+
     /// A decoder classifier without `pad_token_id` cannot tell which token ends each row.
     #[error(
         "the config has no `pad_token_id`, so the classifier cannot find the last token of \

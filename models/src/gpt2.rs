@@ -180,7 +180,7 @@ fn block(
     l: &str,
     layer: usize,
     h: Value,
-    mask: Value,
+    mask: Option<Value>,
 ) -> Result<Value, ModelError> {
     let (n, heads) = (c.n_embd, c.n_head);
     let d = n / heads;

@@ -218,7 +218,7 @@ fn layer(
     l: &str,
     index: usize,
     h: Value,
-    mask: Value,
+    mask: Option<Value>,
 ) -> Result<Value, ModelError> {
     let (b, t, keys) = (ctx.batch, ctx.seq, ctx.keys());
     let (heads, kv, d) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);

@@ -123,6 +123,8 @@ pub struct Model {
     attention: AttentionImpl,
     /// Training graphs take packed rows ([`Model::set_packed`]).
     packed: bool,
+    /// Training graphs take rows that keep every key ([`Model::set_unpadded`]).
+    unpadded: bool,
     /// Dropout in the forward and loss graphs ([`Model::set_dropout`]).
     dropout: castor_ir::Dropout,
     /// With a new classification head: the parameters it may initialize when the checkpoint
@@ -287,6 +289,7 @@ impl Model {
             report: LoadReport::default(),
             attention: AttentionImpl::Eager,
             packed: false,
+            unpadded: false,
             dropout: castor_ir::Dropout::Off,
             new_head_params,
         };
@@ -460,12 +463,14 @@ impl Model {
     }
 
     /// Graph inputs a batch provides, in order: `input_ids`, `attention_mask` and, for BERT,
-    /// `token_type_ids` (all i64 `[B, T]`); packed, `input_ids` and `position_ids`. A decoder
+    /// `token_type_ids` (all i64 `[B, T]`); packed, `input_ids` and `position_ids`; unpadded,
+    /// `input_ids` alone. A decoder
     /// classifier's graph also reads inputs computed from these ([`Model::derive_inputs`]).
     pub fn input_names(&self) -> &'static [&'static str] {
         match self.family() {
             Family::Bert => &["input_ids", "attention_mask", "token_type_ids"],
             _ if self.packed => &["input_ids", "position_ids"],
+            _ if self.unpadded => &["input_ids"],
             _ => &["input_ids", "attention_mask"],
         }
     }
@@ -482,12 +487,42 @@ impl Model {
                 architecture: self.architecture().to_string(),
             });
         }
+        if packed && self.unpadded {
+            return Err(ModelError::RowsConflict);
+        }
         self.packed = packed;
         Ok(())
     }
 
     pub fn packed(&self) -> bool {
         self.packed
+    }
+
+    /// From now on, the training graphs take rows that keep every key, as windows cut from a
+    /// token stream are: the graph reads no `attention_mask`, and attention applies the causal
+    /// mask (and a sliding window) alone, as transformers' SDPA path does when the mask is all
+    /// ones. The function is the one a mask of ones gives. Decoding graphs keep their mask.
+    /// Causal LMs only: an encoder or a classifier is an error, as is a packed model.
+    pub fn set_unpadded(&mut self, unpadded: bool) -> Result<(), ModelError> {
+        if unpadded && !self.unpaddable() {
+            return Err(ModelError::NotUnpaddable {
+                architecture: self.architecture().to_string(),
+            });
+        }
+        if unpadded && self.packed {
+            return Err(ModelError::RowsConflict);
+        }
+        self.unpadded = unpadded;
+        Ok(())
+    }
+
+    pub fn unpadded(&self) -> bool {
+        self.unpadded
+    }
+
+    /// Whether the model can take unpadded rows ([`Model::set_unpadded`]): a causal LM.
+    pub fn unpaddable(&self) -> bool {
+        self.family() != Family::Bert && self.head == Head::CausalLm
     }
 
     /// From now on, the forward and loss graphs apply dropout in training mode as `dropout`
@@ -746,6 +781,7 @@ impl Model {
         ctx.cache = cache;
         ctx.attention = self.attention;
         ctx.packed = self.packed && cache.is_none();
+        ctx.unpadded = self.unpadded && cache.is_none();
         if cache.is_none() {
             ctx.dropout = self.dropout_rates();
         }

@@ -158,6 +158,7 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
     let mut model = args.classifier.load(path)?;
     model.set_attention(args.precision.attention.into());
     model.set_packed(args.training.pack)?;
+    model.set_unpadded(args.training.unpadded)?;
     if train {
         model.set_dropout(args.training.dropout);
     }

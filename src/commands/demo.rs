@@ -75,7 +75,7 @@ pub fn tiny_gpt2() -> anyhow::Result<(Model, HashMap<String, Tensor>)> {
     Ok((model, params))
 }
 
-/// The training flags `castor train` would use, with the demo's learning rate.
+/// The training flags `castor train` would use on the corpus, with the demo's learning rate.
 #[derive(Parser)]
 struct Flags {
     #[command(flatten)]
@@ -92,6 +92,7 @@ fn flags(precision: Precision) -> anyhow::Result<Flags> {
         &p,
         "--lr",
         "2e-3",
+        "--unpadded",
     ])?)
 }
 
@@ -232,9 +233,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             ExecutorKind::Cpu => format!("cpu ({})", crate::device::why_cpu()),
         }
     );
-    let (model, params) = tiny_gpt2()?;
+    let (mut model, params) = tiny_gpt2()?;
     let (batch, seq) = (args.batch, args.seq.min(model.max_positions()));
     let graph = model.build_graph(batch, seq)?;
+    // The corpus is cut into windows, which keep every key: the plan `castor train` compiles
+    // for a token stream.
+    model.set_unpadded(true)?;
     crate::out!(
         "{}",
         model_summary(

@@ -61,6 +61,14 @@ pub struct TrainingArgs {
     #[arg(long, help_heading = "Data")]
     #[serde(default)]
     pub pack: bool,
+    /// Rows keep every key: windows cut from a token stream, never padded. The plan reads no
+    /// `attention_mask`, and attention applies the causal mask alone, as transformers' SDPA
+    /// path does with a mask of ones (the same function, with no mask to read or test).
+    /// `castor train` takes it for token-stream data without being told; give it to `castor
+    /// compile --train` to see that plan. Causal LMs only; not with --pack.
+    #[arg(long, help_heading = "Data", conflicts_with = "pack")]
+    #[serde(default)]
+    pub unpadded: bool,
     /// Dropout in training: `off`, `config` (where and as much as config.json says, as
     /// transformers' train() mode applies it: GPT-2's embd/attn/resid_pdrop, BERT's
     /// hidden/attention_probs_dropout_prob, the LLaMA family's attention_dropout) or a
@@ -559,6 +567,7 @@ impl TrainingArgs {
                 zero: self.zero,
             },
             packed: self.pack,
+            unpadded: self.unpadded,
             dropout: self.dropout,
         })
     }

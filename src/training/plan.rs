@@ -116,6 +116,18 @@ pub(super) fn plan_and_data(
                 ..data_options
             };
             let data = Data::open(&args.data, model, objective, &options)?;
+            if plan.settings.unpadded && !data.is_token_stream() {
+                return Err(CliError::InvalidInput(format!(
+                    "the plan `{}` was compiled for unpadded rows (token windows: it reads no \
+                     attention mask), but `{}` is not a token stream; compile a plan without \
+                     --unpadded",
+                    path.display(),
+                    args.data.display()
+                ))
+                .into());
+            }
+            // After the data is open: a batch file is read with its mask, and refused above.
+            model.set_unpadded(plan.settings.unpadded)?;
             (CompiledPlan::from_file(plan), data)
         }
         None => {
@@ -123,10 +135,12 @@ pub(super) fn plan_and_data(
             model.set_packed(args.training.pack)?;
             model.set_dropout(args.training.dropout);
             let data = Data::open(&args.data, model, objective, &data_options)?;
+            model.set_unpadded(unpadded_rows(args, model, &data)?)?;
             let (batch, seq) = data.shape();
             let mut settings =
                 args.training
                     .settings(args.precision.precision, objective, batch, seq)?;
+            settings.unpadded = model.unpadded();
             settings.lora = lora.clone();
             (
                 compile_plan(&args.precision, model, settings, true, executor)?,
@@ -134,6 +148,22 @@ pub(super) fn plan_and_data(
             )
         }
     })
+}
+
+/// Whether the plan compiled for `data` takes unpadded rows: windows of a token stream keep
+/// every key, so a causal LM's plan reads no mask for them, told or not; `--unpadded` with
+/// other data is an error.
+fn unpadded_rows(args: &Args, model: &Model, data: &Data) -> anyhow::Result<bool> {
+    let stream = data.is_token_stream();
+    if args.training.unpadded && !stream {
+        return Err(CliError::InvalidInput(format!(
+            "--unpadded is for windows of a token stream, whose rows keep every key; `{}` is \
+             not one (its rows may be padded): leave --unpadded out",
+            args.data.display()
+        ))
+        .into());
+    }
+    Ok(args.training.unpadded || (stream && model.unpaddable() && !model.packed()))
 }
 
 /// The fit verdict (the planned peak against the device's memory, and the changes that would

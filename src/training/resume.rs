@@ -187,6 +187,9 @@ fn flags_of(setting: Setting) -> &'static [&'static str] {
         Setting::Lora => &[],
         Setting::Parallel => &["world_size", "zero"],
         Setting::Packed => &["pack"],
+        // `castor train` takes unpadded rows for token streams unasked: only a typed
+        // `--unpadded` is compared.
+        Setting::Unpadded => &["unpadded"],
         Setting::Dropout => &["dropout"],
     }
 }

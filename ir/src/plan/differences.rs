@@ -78,6 +78,7 @@ settings!(
     lora => Lora,
     parallel => Parallel,
     packed => Packed,
+    unpadded => Unpadded,
     dropout => Dropout,
 );
 
@@ -128,6 +129,7 @@ mod tests {
             lora: None,
             parallel: Default::default(),
             packed: false,
+            unpadded: false,
             dropout: Default::default(),
         };
         let Value::Object(fields) = serde_json::to_value(&s).unwrap() else {

@@ -55,6 +55,11 @@ pub struct TrainSettings {
     /// `attention_mask`; each example attends only to itself).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub packed: bool,
+    /// Rows keep every key (windows of a token stream): the micro step reads no
+    /// `attention_mask`, and attention applies only the causal mask and window. Never with
+    /// `packed`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unpadded: bool,
     /// Dropout in the micro step's forward (`dropout` nodes keyed by the graph input
     /// `dropout_key`): none, where the model's config puts it, or at one probability there.
     #[serde(default, skip_serializing_if = "Dropout::is_off")]

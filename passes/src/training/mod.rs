@@ -385,6 +385,9 @@ fn plan_summary(out: &TrainingOutput) -> String {
         kernels,
         plan.optimizer_step.num_nodes()
     );
+    if plan.settings.unpadded {
+        s.push_str("; unpadded rows (no attention mask)");
+    }
     // The passes a flag asked for say what they did (a fused classifier that stayed eager
     // says why).
     for (pass, asked) in [
@@ -540,6 +543,7 @@ mod tests {
             lora: None,
             parallel: Default::default(),
             packed: false,
+            unpadded: false,
             dropout: Default::default(),
         }
     }

@@ -466,6 +466,11 @@ impl Data {
         }
     }
 
+    /// Whether the data is windows of a token stream, whose rows keep every key.
+    pub fn is_token_stream(&self) -> bool {
+        matches!(self, Data::Stream(_))
+    }
+
     /// The next micro-batch: graph inputs by name (`input_ids`, `attention_mask`, `labels`).
     pub fn next_batch(&mut self, input_names: &[&str]) -> anyhow::Result<HashMap<String, Tensor>> {
         Ok(match self {
