@@ -36,14 +36,7 @@ fn loss_and_grads(model: &Model, batch: &HashMap<String, Tensor>) -> Vec<Vec<f32
 
 #[test]
 fn unpadded_rows_compute_what_a_mask_of_ones_does_bit_for_bit() {
-    for variant in [
-        "gpt2_lm",
-        "llama_gqa",
-        "llama31_rope",
-        "mistral_window",
-        "qwen2_bias",
-        "gemma_tiny",
-    ] {
+    for variant in CAUSAL_LMS {
         for attention in [AttentionImpl::Eager, AttentionImpl::Fused] {
             let mut model = Model::load(common::fixture(variant)).unwrap();
             model.set_attention(attention);
