@@ -44,16 +44,6 @@ pub fn find_ptxas(dir: &Path) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// Assembles `ptx` (from `file`) for `arch` with `ptxas -v` and returns each kernel's resources.
-pub fn report(
-    ptxas: &Path,
-    file: &str,
-    ptx: &str,
-    arch: &str,
-) -> Result<Vec<KernelResources>, PtxasError> {
-    assemble(ptxas, file, ptx, arch).map(|(rows, _)| rows)
-}
-
 /// Assembles `ptx` (from `file`) for `arch` with `ptxas -v`: each kernel's resources, and the
 /// cubin (the machine code, for `nvdisasm`).
 pub fn assemble(

@@ -6,11 +6,12 @@
 //! With `ptxas` there too (`nvidia-cuda-nvcc==13.0.*`), it prints each kernel's registers,
 //! shared memory and spills.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{file, files, signature};
 use castor_kernels::ptx::entry_params;
-use castor_kernels::{ptxas, sass, Nvrtc, ParamKind, DEFAULT_ARCH};
+use castor_kernels::{ptxas, sass, KernelFile, Nvrtc, ParamKind, DEFAULT_ARCH};
 
 fn nvrtc() -> Option<Nvrtc> {
     let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
@@ -29,6 +30,52 @@ fn nvrtc() -> Option<Nvrtc> {
             None
         }
     }
+}
+
+/// Values made once per file name, each behind its own cell ([`once`]).
+type PerFile<T> = OnceLock<Mutex<HashMap<&'static str, Arc<OnceLock<T>>>>>;
+
+/// What `make` gives for `key`, made once for this test process: several tests read each
+/// file's PTX and machine code, and NVRTC alone takes attention.cu over a minute. Tests run on
+/// several threads; one that asks while another makes the value waits for it.
+fn once<T: Clone + Send + Sync + 'static>(
+    cache: &'static PerFile<T>,
+    key: &'static str,
+    make: impl FnOnce() -> T,
+) -> T {
+    let cell = cache
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .entry(key)
+        .or_default()
+        .clone();
+    cell.get_or_init(make).clone()
+}
+
+/// File `f`'s PTX for sm_90, or NVRTC's error, compiled once for this test process.
+fn ptx(nvrtc: &Nvrtc, f: &'static KernelFile) -> Result<Arc<str>, String> {
+    static PTX: PerFile<Result<Arc<str>, String>> = OnceLock::new();
+    once(&PTX, f.name, || {
+        nvrtc
+            .compile(f, DEFAULT_ARCH)
+            .map(Arc::from)
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Each kernel's resources and the cubin, as `ptxas -v` assembles a file's PTX.
+type Assembled = Result<(Vec<ptxas::KernelResources>, Arc<[u8]>), String>;
+
+/// File `f`'s [`Assembled`] machine code, once for this test process.
+fn assembled(nvrtc: &Nvrtc, ptxas_bin: &std::path::Path, f: &'static KernelFile) -> Assembled {
+    static CUBIN: PerFile<Assembled> = OnceLock::new();
+    once(&CUBIN, f.name, || {
+        let ptx = ptx(nvrtc, f)?;
+        ptxas::assemble(ptxas_bin, f.name, &ptx, DEFAULT_ARCH)
+            .map(|(resources, cubin)| (resources, Arc::from(cubin)))
+            .map_err(|e| e.to_string())
+    })
 }
 
 /// The PTX type and size a parameter of `kind` compiles to (a struct's size is its own).
@@ -59,7 +106,7 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
     assert_eq!(major, 13, "NVRTC 13 is required (found {major}.{minor})");
     let mut failures = Vec::new();
     for f in files() {
-        match nvrtc.compile(f, DEFAULT_ARCH) {
+        match ptx(&nvrtc, f) {
             Ok(ptx) => {
                 let got = ptx_entries(&ptx);
                 let want: BTreeSet<String> = f.entry_points.iter().map(|s| s.to_string()).collect();
@@ -72,7 +119,7 @@ fn every_kernel_compiles_to_ptx_for_sm_90() {
                     ));
                 }
             }
-            Err(e) => failures.push(e.to_string()),
+            Err(e) => failures.push(e),
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
@@ -86,9 +133,7 @@ fn every_signature_matches_its_ptx_parameters() {
     let mut failures = Vec::new();
     let mut checked = 0;
     for f in files() {
-        let ptx = nvrtc
-            .compile(f, DEFAULT_ARCH)
-            .unwrap_or_else(|e| panic!("{e}"));
+        let ptx = ptx(&nvrtc, f).unwrap_or_else(|e| panic!("{e}"));
         for (entry, params) in entry_params(&ptx) {
             let sig = signature(&entry).unwrap_or_else(|e| panic!("{e}"));
             let want: Vec<_> = sig.params.iter().map(|p| ptx_form(p.kind)).collect();
@@ -141,11 +186,7 @@ fn ptxas_resource_report() {
     };
     let mut rows = Vec::new();
     for f in files() {
-        let ptx = nvrtc
-            .compile(f, DEFAULT_ARCH)
-            .expect("compiles (see the compile test)");
-        let report =
-            ptxas::report(&ptxas_bin, f.name, &ptx, DEFAULT_ARCH).unwrap_or_else(|e| panic!("{e}"));
+        let (report, _) = assembled(&nvrtc, &ptxas_bin, f).unwrap_or_else(|e| panic!("{e}"));
         rows.extend(report.into_iter().map(|r| (f.name.to_string(), r)));
     }
     println!("{}", ptxas::table(&rows));
@@ -179,11 +220,7 @@ fn machine_code(
         return None;
     };
     let file = file(name).unwrap();
-    let ptx = nvrtc
-        .compile(file, DEFAULT_ARCH)
-        .unwrap_or_else(|e| panic!("{e}"));
-    let (resources, cubin) = ptxas::assemble(&ptxas_bin, file.name, &ptx, DEFAULT_ARCH)
-        .unwrap_or_else(|e| panic!("{e}"));
+    let (resources, cubin) = assembled(&nvrtc, &ptxas_bin, file).unwrap_or_else(|e| panic!("{e}"));
     let listing = sass::disassemble(&nvdisasm, &cubin).unwrap_or_else(|e| panic!("{e}"));
     Some((resources, sass::count(&listing)))
 }
