@@ -129,13 +129,35 @@ fn convergence_run(log: &std::path::Path, flags: &[&str]) -> Vec<f64> {
     log_losses(log)
 }
 
+/// [`convergence_run`] for each (log file name in `dir`, flags), all at once: each run is a
+/// process of its own that keeps about one and a half cores busy, so run one by one they
+/// left the machine half idle at the end of the suite. The losses, in the order given.
+fn convergence_runs(dir: &std::path::Path, runs: &[(String, Vec<&str>)]) -> Vec<Vec<f64>> {
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = runs
+            .iter()
+            .map(|(log, flags)| {
+                let log = dir.join(log);
+                scope.spawn(move || convergence_run(&log, flags))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    })
+}
+
 #[test]
 fn tiny_gpt2_converges_in_every_precision() {
     let tmp = tempfile::tempdir().unwrap();
+    let precisions = ["fp32", "bf16", "fp16"];
+    let runs: Vec<(String, Vec<&str>)> = precisions
+        .iter()
+        .map(|&p| (format!("{p}.jsonl"), vec!["--precision", p]))
+        .collect();
     let mut finals = Vec::new();
-    for precision in ["fp32", "bf16", "fp16"] {
-        let log = tmp.path().join(format!("{precision}.jsonl"));
-        let losses = convergence_run(&log, &["--precision", precision]);
+    for (precision, losses) in precisions.iter().zip(convergence_runs(tmp.path(), &runs)) {
         assert_eq!(losses.len(), 300);
         finals.push((precision, losses[0], final_loss(&losses)));
     }
@@ -187,10 +209,13 @@ fn tiny_gpt2_converges_with_every_optimizer() {
             &["--optimizer", "adafactor", "--lr", "1e-3"],
         ),
     ];
+    let logged: Vec<(String, Vec<&str>)> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, (_, flags))| (format!("{i}.jsonl"), flags.to_vec()))
+        .collect();
     let mut finals = Vec::new();
-    for (i, (run, flags)) in runs.iter().enumerate() {
-        let log = tmp.path().join(format!("{i}.jsonl"));
-        let losses = convergence_run(&log, flags);
+    for ((run, _), losses) in runs.iter().zip(convergence_runs(tmp.path(), &logged)) {
         assert_eq!(losses.len(), 300, "{run}");
         let (first, last) = (losses[0], final_loss(&losses));
         println!("{run:26} loss {first:.4} -> {last:.4} (mean of the last 10 steps)");
