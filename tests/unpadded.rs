@@ -201,6 +201,21 @@ fn unpadded_rows_are_refused_where_rows_may_be_padded() {
     let err = stderr(&o);
     assert!(err.contains("cannot take unpadded rows"), "{err}");
 
+    // An IR file's graph is fixed: the flag cannot apply to it.
+    let ir = root().join("tests").join("ir");
+    let file = std::fs::read_dir(&ir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "ir"))
+        .unwrap();
+    let o = castor(&["compile", path_str(&file), "--unpadded"]);
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("is an IR file") && err.contains("--unpadded"),
+        "{err}"
+    );
+
     // Packed rows read positions instead.
     let o = castor(&[
         "compile",

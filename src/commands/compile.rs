@@ -138,6 +138,21 @@ fn load_graph(args: &Args, train: bool) -> anyhow::Result<Input> {
         let src = std::fs::read_to_string(path).map_err(|e| {
             crate::CliError::InvalidInput(format!("cannot read `{}`: {e}", path.display()))
         })?;
+        // An IR file's graph is built already: the flags that shape a model's graph cannot
+        // apply to it.
+        for (given, flag) in [
+            (args.training.pack, "--pack"),
+            (args.training.unpadded, "--unpadded"),
+        ] {
+            if given {
+                return Err(crate::CliError::InvalidInput(format!(
+                    "{flag} shapes the graph built from a model; `{}` is an IR file, whose \
+                     graph is fixed: leave {flag} out",
+                    path.display()
+                ))
+                .into());
+            }
+        }
         let g = text::parse(&src).with_context(|| format!("`{}`", path.display()))?;
         verify(&g).with_context(|| format!("`{}`", path.display()))?;
         warn_if_compiled(&g, path, args.precision.precision.low());
