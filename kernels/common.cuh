@@ -369,12 +369,12 @@ __device__ __forceinline__ void dropout_draws(unsigned (&r)[4], u64 seed, i64 of
 // accumulation in an order the hardware chooses). Otherwise (F32 operands, older devices, or
 // CASTOR_WARP_MMA_SHUFFLE) each lane gathers its row and column by warp shuffles and sums the
 // 16 products in k order in F32 before adding them to D, with the mul and add rounded
-// separately (--fmad=false). The two differ only in the order of the F32 additions.
+// separately (--fmad=false). The two differ only in the order of the F32 additions. The host
+// build makes the same sums in one warp operation (castor_host_warp_mma: the same bits).
 #define FULL_WARP 0xffffffffu
 
-template <typename T>
-__device__ __forceinline__ void warp_mma_shuffle(float (&d)[4], const float (&a)[8],
-                                                 const float (&b)[4]) {
+__device__ __forceinline__ void warp_mma_by_shuffles(float (&d)[4], const float (&a)[8],
+                                                     const float (&b)[4]) {
     const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -396,6 +396,16 @@ __device__ __forceinline__ void warp_mma_shuffle(float (&d)[4], const float (&a)
     }
 #pragma unroll
     for (int i = 0; i < 4; ++i) d[i] += acc[i];
+}
+
+template <typename T>
+__device__ __forceinline__ void warp_mma_shuffle(float (&d)[4], const float (&a)[8],
+                                                 const float (&b)[4]) {
+#if defined(__CUDA_ARCH__)
+    warp_mma_by_shuffles(d, a, b);
+#else
+    castor_host_warp_mma(d, a, b);
+#endif
 }
 
 template <typename T>
@@ -513,22 +523,35 @@ CASTOR_MMA_PACKED(__nv_bfloat16, "bf16")
 // 2 (l % 4) + 1 (the A fragment's and the B fragment's row-major pairs). ldsm_x4_t receives
 // the transpose: rows 2 (l % 4) and 2 (l % 4) + 1 of column l / 4 (a B fragment from a
 // row-major [k][n] tile). ldsm_x2 / ldsm_x2_t: matrices 0 and 1 only (lanes 0-15 give the
-// addresses; the others' are ignored). Without tensor cores (and on the host) the same
-// exchange is made by warp shuffles of the row addresses.
+// addresses; the others' are ignored). Without tensor cores the same exchange is made by warp
+// shuffles of the row addresses; on the host by one exchange of every lane's
+// (castor_host_gather).
+struct WarpRows {
+#if defined(__CUDA_ARCH__)
+    u64 mine;
+    __device__ __forceinline__ explicit WarpRows(u64 row) : mine(row) {}
+    __device__ __forceinline__ u64 of(int lane) const { return __shfl_sync(FULL_WARP, mine, lane); }
+#else
+    unsigned long long all[32];
+    explicit WarpRows(u64 row) { castor_host_gather(all, row); }
+    u64 of(int lane) const { return all[lane]; }
+#endif
+};
+
 template <int N, bool TRANS>
 __device__ __forceinline__ void ldsm_shuffle(unsigned (&r)[N], const void* row) {
     const int lane = threadIdx.x & 31;
-    const u64 mine = reinterpret_cast<u64>(row);
+    const WarpRows rows(reinterpret_cast<u64>(row));
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         if (TRANS) {
-            const u64 p0 = __shfl_sync(FULL_WARP, mine, 8 * i + 2 * (lane & 3));
-            const u64 p1 = __shfl_sync(FULL_WARP, mine, 8 * i + 2 * (lane & 3) + 1);
+            const u64 p0 = rows.of(8 * i + 2 * (lane & 3));
+            const u64 p1 = rows.of(8 * i + 2 * (lane & 3) + 1);
             const unsigned lo = *reinterpret_cast<const unsigned short*>(p0 + 2 * (lane >> 2));
             const unsigned hi = *reinterpret_cast<const unsigned short*>(p1 + 2 * (lane >> 2));
             r[i] = lo | (hi << 16);
         } else {
-            const u64 p = __shfl_sync(FULL_WARP, mine, 8 * i + (lane >> 2));
+            const u64 p = rows.of(8 * i + (lane >> 2));
             r[i] = *reinterpret_cast<const unsigned*>(p + 4 * (lane & 3));
         }
     }

@@ -111,6 +111,22 @@ enum Collective : int {
     kMatchAny = 7,
     kMatchAll = 8,
     kSyncWarp = 9,
+    // castor_common.cuh's host forms of its warp matrix operations (see below): the value is
+    // the address of the lane's MmaFragments or GatherLane.
+    kWarpMma = 10,
+    kGather = 11,
+};
+
+// A lane's operands and accumulator of a warp's m16n8k16 product (castor_host_warp_mma).
+struct MmaFragments {
+    const float* a;  // 8 values
+    const float* b;  // 4 values
+    float* d;        // 4 values
+};
+// A lane's value and where it receives every lane's (castor_host_gather).
+struct GatherLane {
+    unsigned long long value;
+    unsigned long long* all;  // 32 values, by lane
 };
 
 CASTOR_HOST_API void syncthreads();
@@ -229,6 +245,27 @@ template <typename T> inline unsigned __match_all_sync(unsigned mask, T value, i
                                                         ::castor_host::to_bits(value), 0, 32);
     *pred = r != 0;
     return unsigned(r);
+}
+
+// ---- warp matrix operations -------------------------------------------------------------------
+// castor_common.cuh's host forms of mma.sync and ldmatrix, each one warp operation of the whole
+// warp (mask 0xffffffff) where their shuffle forms make 64 (a product) and up to 8 (an
+// ldmatrix): the emulated tensor-core kernels spent most of their time switching fibers there.
+// castor_host_warp_mma: D += A B over the lanes' F32 fragments in castor_common.cuh's
+// warp_mma_shuffle layout, computed by the last lane to arrive with that function's
+// arithmetic (each lane's 16 products summed in k order in F32, then added to D): the same
+// bits. castor_host_gather: every lane receives the 32 lanes' values, by lane (what a shuffle
+// from each lane would give it); what a lane then reads through them it reads itself, so the
+// sanitizers see those loads.
+inline void castor_host_warp_mma(float (&d)[4], const float (&a)[8], const float (&b)[4]) {
+    ::castor_host::MmaFragments f{a, b, d};
+    ::castor_host::warp_op(::castor_host::kWarpMma, 0xffffffffu,
+                           reinterpret_cast<unsigned long long>(&f), 0, 32);
+}
+inline void castor_host_gather(unsigned long long (&all)[32], unsigned long long value) {
+    ::castor_host::GatherLane g{value, all};
+    ::castor_host::warp_op(::castor_host::kGather, 0xffffffffu,
+                           reinterpret_cast<unsigned long long>(&g), 0, 32);
 }
 
 // sm_80's warp reductions (redux.sync), over the shuffles above.

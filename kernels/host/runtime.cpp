@@ -227,6 +227,8 @@ const char* op_name(Collective k) {
     case kMatchAny: return "__match_any_sync";
     case kMatchAll: return "__match_all_sync";
     case kSyncWarp: return "__syncwarp";
+    case kWarpMma: return "mma.sync (castor_host_warp_mma)";
+    case kGather: return "ldmatrix (castor_host_gather)";
     }
     return "a warp operation";
 }
@@ -539,6 +541,7 @@ namespace {
         fail(op + " names lane " + std::to_string(__builtin_ctz(mask & w.exited)) +
              ", which has exited");
     }
+    if (kind >= kWarpMma) fail(op + ": the warp's matrix operations take all 32 lanes");
     fail(op + " and width " + std::to_string(width) + " (a power of two up to 32)");
 }
 
@@ -565,8 +568,59 @@ namespace {
          &reader);
 }
 
+// castor_host_warp_mma over a whole warp: each lane's D += A B, summed as
+// castor_common.cuh's warp_mma_shuffle sums it (lane l = 4 g + c holds A rows g and g + 8 and
+// B column g; products in k order, each multiply and add rounded to F32), so that replacing its
+// 64 shuffles changes no bit. Every lane's sums are made before any D is written (a lane's D
+// may be another's operand).
+void warp_mma(const Scheduler& s, unsigned base) {
+    const MmaFragments* f[32];
+    for (int l = 0; l < 32; ++l) {
+        f[l] = reinterpret_cast<const MmaFragments*>(s.threads[base + l].value);
+    }
+    float acc[32][4];
+    for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, c = l & 3;
+        float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f, a3 = 0.0f;
+        for (int k = 0; k < 16; ++k) {
+            const int ra = (k & 1) + ((k >> 3) << 2);
+            const int rb = (k & 1) + ((k >> 3) << 1);
+            const int part = (k & 7) >> 1;
+            const float a_lo = f[g * 4 + part]->a[ra];
+            const float a_hi = f[g * 4 + part]->a[ra + 2];
+            const float b0 = f[(2 * c) * 4 + part]->b[rb];
+            const float b1 = f[(2 * c + 1) * 4 + part]->b[rb];
+            a0 += a_lo * b0;
+            a1 += a_lo * b1;
+            a2 += a_hi * b0;
+            a3 += a_hi * b1;
+        }
+        acc[l][0] = a0;
+        acc[l][1] = a1;
+        acc[l][2] = a2;
+        acc[l][3] = a3;
+    }
+    for (int l = 0; l < 32; ++l) {
+        for (int i = 0; i < 4; ++i) f[l]->d[i] += acc[l][i];
+    }
+}
+
+// castor_host_gather over a whole warp: every lane receives every lane's value.
+void gather(const Scheduler& s, unsigned base) {
+    unsigned long long values[32];
+    for (int l = 0; l < 32; ++l) {
+        values[l] = reinterpret_cast<const GatherLane*>(s.threads[base + l].value)->value;
+    }
+    for (int l = 0; l < 32; ++l) {
+        memcpy(reinterpret_cast<const GatherLane*>(s.threads[base + l].value)->all, values,
+               sizeof values);
+    }
+}
+
 // The results of a completed warp operation, in each lane's `result`.
 void complete(Scheduler& s, const Pending& p, unsigned base) {
+    if (p.kind == kWarpMma) return warp_mma(s, base);
+    if (p.kind == kGather) return gather(s, base);
     const unsigned mask = p.mask;
     const int width = p.width;
     unsigned long long ballot = 0;
@@ -601,7 +655,9 @@ void complete(Scheduler& s, const Pending& p, unsigned base) {
             }
             break;
         case kMatchAll: r = all_equal ? mask : 0; break;
-        case kSyncWarp: break;
+        case kSyncWarp:
+        case kWarpMma:
+        case kGather: break;
         }
         if (src >= 0) {
             if (src > 31 || (mask >> src & 1u) == 0) outside_mask(p, o, src);
@@ -621,7 +677,8 @@ unsigned long long warp_op(Collective kind, unsigned mask, unsigned long long va
     const unsigned me = 1u << t.lane;
     const unsigned base = 32 * t.warp;
     if ((mask & me) == 0 || (mask & ~w.lanes) != 0 || (mask & w.exited) != 0 ||
-        (kind <= kShflXor && (width < 1 || width > 32 || (width & (width - 1)) != 0))) {
+        (kind <= kShflXor && (width < 1 || width > 32 || (width & (width - 1)) != 0)) ||
+        (kind >= kWarpMma && mask != 0xffffffffu)) {
         bad_mask(s, t, kind, mask, width);
     }
     // Lanes of the mask must all make this same operation; none may wait at the barrier.

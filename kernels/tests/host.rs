@@ -15,7 +15,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 const SOURCE: &str = include_str!("host_model.cu");
-const ENTRIES: [&str; 10] = [
+const ENTRIES: [&str; 11] = [
     "warp_ops",
     "half_warps",
     "reverse_block",
@@ -26,6 +26,7 @@ const ENTRIES: [&str; 10] = [
     "misuse",
     "write_past_end",
     "chained_blocks",
+    "warp_matrix_ops",
 ];
 
 extern "C" fn expf(x: f32) -> f32 {
@@ -158,6 +159,112 @@ fn warp_operations_follow_cudas_lane_semantics() {
                     out[14 * t..14 * t + 14],
                     want,
                     "thread {t} width {width} {order:?}"
+                );
+            }
+        }
+    }
+}
+
+/// castor_common.cuh's warp product and ldmatrix in the host build, one warp operation each
+/// (castor_host_warp_mma, castor_host_gather): the product has exactly the bits of its shuffle
+/// form and is A B by the fragment layout; ldmatrix gives each lane the values the PTX ISA
+/// assigns it.
+#[test]
+fn warp_matrix_operations_equal_their_shuffle_forms_and_definitions() {
+    let (warps, threads) = (4usize, 128usize);
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    // Values a 16-bit fragment holds: integers over 64 and their halves, so F32 sums are exact
+    // as well as inexact ones (the odd thirds).
+    let mut value = || {
+        let r = next();
+        ((r % 129) as f32 - 64.0) / if r & 256 == 0 { 2.0 } else { 3.0 }
+    };
+    let mut a: Vec<f32> = (0..8 * threads).map(|_| value()).collect();
+    let mut b: Vec<f32> = (0..4 * threads).map(|_| value()).collect();
+    let mut d: Vec<f32> = (0..4 * threads).map(|_| value()).collect();
+    let mut tiles: Vec<u16> = (0..256 * warps).map(|_| next() as u16).collect();
+    for order in ORDERS {
+        let mut d_out = vec![0f32; 8 * threads];
+        let mut r_out = vec![0u32; 12 * threads];
+        launch(
+            "warp_matrix_ops",
+            2,
+            64,
+            order,
+            &[
+                ptr(&mut a),
+                ptr(&mut b),
+                ptr(&mut d),
+                ptr(&mut d_out),
+                ptr(&mut tiles),
+                ptr(&mut r_out),
+            ],
+        )
+        .unwrap();
+        for w in 0..warps {
+            let lane_of = |l: usize| 32 * w + l;
+            // A (16 x 16) and B (16 x 8) from the fragment layout (castor_common.cuh).
+            let a_at = |row: usize, k: usize| {
+                let l = (row % 8) * 4 + (k % 8) / 2;
+                a[8 * lane_of(l) + (k % 2) + 2 * usize::from(row >= 8) + 4 * usize::from(k >= 8)]
+            };
+            let b_at = |k: usize, n: usize| {
+                let l = n * 4 + (k % 8) / 2;
+                b[4 * lane_of(l) + (k % 2) + 2 * usize::from(k >= 8)]
+            };
+            for l in 0..32 {
+                let t = lane_of(l);
+                let fast = &d_out[8 * t..8 * t + 4];
+                let slow = &d_out[8 * t + 4..8 * t + 8];
+                assert_eq!(
+                    fast.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    slow.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                    "lane {l} of warp {w} {order:?}"
+                );
+                let (g, c) = (l / 4, l % 4);
+                for (i, (row, col)) in [
+                    (g, 2 * c),
+                    (g, 2 * c + 1),
+                    (g + 8, 2 * c),
+                    (g + 8, 2 * c + 1),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let terms: Vec<f64> = std::iter::once(f64::from(d[4 * t + i]))
+                        .chain((0..16).map(|k| f64::from(a_at(row, k)) * f64::from(b_at(k, col))))
+                        .collect();
+                    let exact: f64 = terms.iter().sum();
+                    let magnitude: f64 = terms.iter().map(|x| x.abs()).sum();
+                    let got = f64::from(fast[i]);
+                    // 17 terms summed in F32: at most 17 roundings of 2^-24 of their magnitude.
+                    assert!(
+                        (got - exact).abs() <= 17.0 * f64::from(f32::EPSILON / 2.0) * magnitude,
+                        "D[{row}][{col}] of warp {w}: {got} vs {exact}"
+                    );
+                }
+                // Matrix i, row r, column c of the warp's tiles; a register's two values.
+                let m =
+                    |i: usize, r: usize, c: usize| u32::from(tiles[256 * w + 64 * i + 8 * r + c]);
+                let pair = |lo: u32, hi: u32| lo | hi << 16;
+                let rows = |i: usize| pair(m(i, l / 4, 2 * (l % 4)), m(i, l / 4, 2 * (l % 4) + 1));
+                let cols = |i: usize| pair(m(i, 2 * (l % 4), l / 4), m(i, 2 * (l % 4) + 1, l / 4));
+                let want: Vec<u32> = (0..4)
+                    .map(rows)
+                    .chain((0..4).map(cols))
+                    .chain((0..2).map(rows))
+                    .chain((0..2).map(cols))
+                    .collect();
+                assert_eq!(
+                    r_out[12 * t..12 * t + 12],
+                    want,
+                    "ldmatrix, lane {l} of warp {w} {order:?}"
                 );
             }
         }

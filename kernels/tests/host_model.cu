@@ -142,3 +142,49 @@ extern "C" __global__ void chained_blocks(int* count, int* order) {
         atomicAdd(count, 1);
     }
 }
+
+#include "castor_common.cuh"
+
+// castor_common.cuh's warp matrix operations in the host build, one warp per 32 threads. The
+// product: d_out[8 t ..] = the host form (castor_host_warp_mma, one warp operation), then the
+// shuffle form (warp_mma_by_shuffles), both from d[4 t ..], a[8 t ..] and b[4 t ..]. ldmatrix:
+// each warp copies its 256 values of `tiles` (four 8 x 8 matrices, row-major) into shared
+// memory, lane l names row l % 8 of matrix l / 8, and r_out[12 t ..] receives ldsm_x4,
+// ldsm_x4_t, ldsm_x2 and ldsm_x2_t's registers in that order.
+extern "C" __global__ void warp_matrix_ops(const float* a, const float* b, const float* d,
+                                           float* d_out, const unsigned short* tiles,
+                                           unsigned* r_out) {
+    const int t = blockIdx.x * blockDim.x + threadIdx.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float fa[8], fb[4], fast[4], slow[4];
+    for (int i = 0; i < 8; ++i) fa[i] = a[8 * t + i];
+    for (int i = 0; i < 4; ++i) {
+        fb[i] = b[4 * t + i];
+        fast[i] = slow[i] = d[4 * t + i];
+    }
+    warp_mma_shuffle<float>(fast, fa, fb);
+    warp_mma_by_shuffles(slow, fa, fb);
+    for (int i = 0; i < 4; ++i) {
+        d_out[8 * t + i] = fast[i];
+        d_out[8 * t + 4 + i] = slow[i];
+    }
+    __shared__ unsigned short tile[32][256];
+    const unsigned short* mine = tiles + 256 * (t >> 5);
+    for (int i = lane; i < 256; i += 32) tile[warp][i] = mine[i];
+    __syncwarp();
+    const void* row = &tile[warp][8 * lane];
+    unsigned x4[4], x4t[4], x2[2], x2t[2];
+    ldsm_x4(x4, row);
+    ldsm_x4_t(x4t, row);
+    ldsm_x2(x2, row);
+    ldsm_x2_t(x2t, row);
+    unsigned* o = r_out + 12 * t;
+    for (int i = 0; i < 4; ++i) {
+        o[i] = x4[i];
+        o[4 + i] = x4t[i];
+    }
+    for (int i = 0; i < 2; ++i) {
+        o[8 + i] = x2[i];
+        o[10 + i] = x2t[i];
+    }
+}
