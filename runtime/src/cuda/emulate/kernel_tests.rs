@@ -321,12 +321,41 @@ pub(crate) fn grid_1d(work: usize, block: u32) -> ((u32, u32, u32), (u32, u32, u
     )
 }
 
+/// The test-name filter of the kernel families' tests (each family's `tests` module), which
+/// [`kernel_tests_pass_under_the_sanitizers`] runs again: every test under `cuda::families::`
+/// but the NVRTC compile checks, which run no host build.
+const KERNEL_TESTS: [&str; 3] = ["cuda::families::", "--skip", "cuda::families::compile::"];
+
+/// How many tests a libtest run's `args` select (its `--list` output).
+fn selected(exe: &std::path::Path, args: &[&str]) -> usize {
+    let out = std::process::Command::new(exe)
+        .args(args)
+        .arg("--list")
+        .output()
+        .unwrap_or_else(|e| panic!("listing the kernel tests: {e}"));
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.ends_with(": test"))
+        .count()
+}
+
+/// How many tests a libtest run reports as passed ("test result: ok. N passed; ...").
+fn passed(stdout: &str) -> Option<usize> {
+    let line = stdout.lines().find(|l| l.starts_with("test result: ok."))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
 #[test]
 fn kernel_tests_pass_under_the_sanitizers() {
     if host::sanitize().is_ok_and(|s| s != Sanitize::None) {
         return; // this is the run under a sanitizer
     }
     let ci = std::env::var("CI").is_ok_and(|v| v == "true" || v == "1");
+    let exe = std::env::current_exe().unwrap_or_default();
+    // The run must select the families' tests: a filter that matched none (as one did after
+    // the tests moved into the families' folders) would pass while checking nothing.
+    let want = selected(&exe, &KERNEL_TESTS);
+    assert!(want >= 20, "the filter selects {want} kernel tests");
     for sanitize in [Sanitize::Address, Sanitize::Thread] {
         let Some(env) = host::sanitizer_env(sanitize) else {
             assert!(
@@ -336,9 +365,8 @@ fn kernel_tests_pass_under_the_sanitizers() {
             eprintln!("skipped: the host compiler has no {sanitize:?} runtime");
             continue;
         };
-        let exe = std::env::current_exe().unwrap_or_default();
-        let out = std::process::Command::new(exe)
-            .arg("cuda::emulate::kernel_tests::")
+        let out = std::process::Command::new(&exe)
+            .args(KERNEL_TESTS)
             .envs(env)
             .output()
             .unwrap_or_else(|e| panic!("running the kernel tests under {sanitize:?}: {e}"));
@@ -349,9 +377,18 @@ fn kernel_tests_pass_under_the_sanitizers() {
             text(&out.stdout),
             text(&out.stderr)
         );
+        let stdout = text(&out.stdout);
+        assert_eq!(
+            passed(&stdout),
+            Some(want),
+            "the kernel tests under {sanitize:?} ran other than the {want} selected:\n{stdout}"
+        );
         println!(
             "{sanitize:?}: {}",
-            text(&out.stdout).lines().last().unwrap_or("")
+            stdout
+                .lines()
+                .find(|l| l.starts_with("test result"))
+                .unwrap_or("")
         );
     }
 }
