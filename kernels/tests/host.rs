@@ -179,8 +179,8 @@ fn warp_matrix_operations_equal_their_shuffle_forms_and_definitions() {
         seed ^= seed << 17;
         seed
     };
-    // Values a 16-bit fragment holds: integers over 64 and their halves, so F32 sums are exact
-    // as well as inexact ones (the odd thirds).
+    // Fragment values from -32 to 32: halves of integers (their F32 sums are exact) and thirds
+    // (theirs round), so that the comparison of bits covers rounded sums too.
     let mut value = || {
         let r = next();
         ((r % 129) as f32 - 64.0) / if r & 256 == 0 { 2.0 } else { 3.0 }
