@@ -344,29 +344,10 @@ pub fn attention_grad(
         (pr, ds, keep)
     };
 
-    // dq, one query row per block.
-    let mut dq = vec![0f32; rows * l.d];
-    for_each_block(&mut dq, l.d, l.s * (l.d + l.dv), |r, out| {
-        let (b, i) = (r / l.t, r % l.t);
-        let (_, ds, keep) = ds_row(b, i);
-        let kb = l.k_index(b) * l.s * l.d;
-        let mut acc = vec![0f64; l.d];
-        for j in 0..l.s {
-            if !keep[j] {
-                continue;
-            }
-            let g = f64::from(l.operand.round(ds[j]));
-            for (a, &x) in acc.iter_mut().zip(&k[kb + j * l.d..][..l.d]) {
-                *a += g * f64::from(x);
-            }
-        }
-        for (dst, a) in out.iter_mut().zip(&acc) {
-            *dst = (a * l.scale) as f32;
-        }
-    });
-
-    // dk and dv, one key/value batch per block: every query row that reads it, in batch then
-    // row order, each row's probabilities and score gradients computed once.
+    // One block per key batch: every query row that reads it, in batch then row order, each
+    // row's probabilities and score gradients computed once for its dq row, the key batch's dk
+    // and, where the value batches are read by the same rows (always, unless k and v broadcast
+    // differently), its dv. A block's output is [dk | dv | the readers' dq rows].
     let readers = |batches: usize, index: &dyn Fn(usize) -> usize| -> Vec<Vec<usize>> {
         let mut by = vec![Vec::new(); batches];
         for b in 0..l.batches {
@@ -376,44 +357,89 @@ pub fn attention_grad(
     };
     let k_readers = readers(l.k_batches, &|b| l.k_index(b));
     let v_readers = readers(l.v_batches, &|b| l.v_index(b));
-    let work = l.t * l.s * (l.d + l.dv) * (l.batches / l.k_batches.max(1)).max(1);
-    let mut dk = vec![0f32; l.k_batches * l.s * l.d];
-    for_each_block(&mut dk, l.s * l.d, work, |kb, out| {
-        let mut acc = vec![0f64; l.s * l.d];
-        for &b in &k_readers[kb] {
+    let dv_with_dk = k_readers == v_readers;
+    let per_kb = (l.batches / l.k_batches.max(1)).max(1);
+    let work = l.t * l.s * (l.d + l.dv) * per_kb;
+    let (dk_len, dv_len) = (l.s * l.d, if dv_with_dk { l.s * l.dv } else { 0 });
+    let mut blocks = vec![0f32; l.k_batches * (dk_len + dv_len + per_kb * l.t * l.d)];
+    let block_len = blocks.len() / l.k_batches.max(1);
+    for_each_block(&mut blocks, block_len, work, |kb, out| {
+        let (dk_out, rest) = out.split_at_mut(dk_len);
+        let (dv_out, dq_out) = rest.split_at_mut(dv_len);
+        let mut dk_acc = vec![0f64; dk_len];
+        let mut dv_acc = vec![0f64; dv_len];
+        let mut dq_acc = vec![0f64; l.d];
+        for (n, &b) in k_readers[kb].iter().enumerate() {
+            let kbase = l.k_index(b) * l.s * l.d;
             for i in 0..l.t {
-                let (_, ds, keep) = ds_row(b, i);
-                let qi = &q[(b * l.t + i) * l.d..][..l.d];
+                let (pr, ds, keep) = ds_row(b, i);
+                let r = b * l.t + i;
+                let qi = &q[r * l.d..][..l.d];
+                let doi = &d_o[r * l.dv..][..l.dv];
+                dq_acc.fill(0.0);
                 for j in (0..l.s).filter(|&j| keep[j]) {
                     let g = f64::from(l.operand.round(ds[j]));
-                    for (a, &x) in acc[j * l.d..][..l.d].iter_mut().zip(qi) {
+                    let kj = &k[kbase + j * l.d..][..l.d];
+                    for (a, &x) in dq_acc.iter_mut().zip(kj) {
                         *a += g * f64::from(x);
                     }
-                }
-            }
-        }
-        for (dst, a) in out.iter_mut().zip(&acc) {
-            *dst = (a * l.scale) as f32;
-        }
-    });
-    let mut dv = vec![0f32; l.v_batches * l.s * l.dv];
-    for_each_block(&mut dv, l.s * l.dv, work, |vb, out| {
-        let mut acc = vec![0f64; l.s * l.dv];
-        for &b in &v_readers[vb] {
-            for i in 0..l.t {
-                let (pr, _, keep) = ds_row(b, i);
-                let doi = &d_o[(b * l.t + i) * l.dv..][..l.dv];
-                for j in (0..l.s).filter(|&j| keep[j]) {
-                    let pj = f64::from(l.operand.round(pr[j]));
-                    for (a, &x) in acc[j * l.dv..][..l.dv].iter_mut().zip(doi) {
-                        *a += pj * f64::from(x);
+                    for (a, &x) in dk_acc[j * l.d..][..l.d].iter_mut().zip(qi) {
+                        *a += g * f64::from(x);
+                    }
+                    if dv_with_dk {
+                        let pj = f64::from(l.operand.round(pr[j]));
+                        for (a, &x) in dv_acc[j * l.dv..][..l.dv].iter_mut().zip(doi) {
+                            *a += pj * f64::from(x);
+                        }
                     }
                 }
+                let dq_row = &mut dq_out[(n * l.t + i) * l.d..][..l.d];
+                for (dst, a) in dq_row.iter_mut().zip(&dq_acc) {
+                    *dst = (a * l.scale) as f32;
+                }
             }
         }
-        for (dst, a) in out.iter_mut().zip(&acc) {
+        for (dst, a) in dk_out.iter_mut().zip(&dk_acc) {
+            *dst = (a * l.scale) as f32;
+        }
+        for (dst, a) in dv_out.iter_mut().zip(&dv_acc) {
             *dst = *a as f32;
         }
     });
+    let mut dq = vec![0f32; rows * l.d];
+    let mut dk = vec![0f32; l.k_batches * dk_len];
+    let mut dv = vec![0f32; l.v_batches * l.s * l.dv];
+    for (kb, block) in blocks.chunks(block_len).enumerate() {
+        let (dk_block, rest) = block.split_at(dk_len);
+        let (dv_block, dq_rows) = rest.split_at(dv_len);
+        dk[kb * dk_len..][..dk_len].copy_from_slice(dk_block);
+        if dv_with_dk {
+            dv[kb * dv_len..][..dv_len].copy_from_slice(dv_block);
+        }
+        for (&b, rows) in k_readers[kb].iter().zip(dq_rows.chunks(l.t * l.d)) {
+            dq[b * l.t * l.d..][..l.t * l.d].copy_from_slice(rows);
+        }
+    }
+    if !dv_with_dk {
+        // k and v broadcast differently: dv per value batch, in a pass of its own.
+        for_each_block(&mut dv, l.s * l.dv, work, |vb, out| {
+            let mut acc = vec![0f64; l.s * l.dv];
+            for &b in &v_readers[vb] {
+                for i in 0..l.t {
+                    let (pr, _, keep) = ds_row(b, i);
+                    let doi = &d_o[(b * l.t + i) * l.dv..][..l.dv];
+                    for j in (0..l.s).filter(|&j| keep[j]) {
+                        let pj = f64::from(l.operand.round(pr[j]));
+                        for (a, &x) in acc[j * l.dv..][..l.dv].iter_mut().zip(doi) {
+                            *a += pj * f64::from(x);
+                        }
+                    }
+                }
+            }
+            for (dst, a) in out.iter_mut().zip(&acc) {
+                *dst = *a as f32;
+            }
+        });
+    }
     (dq, dk, dv)
 }

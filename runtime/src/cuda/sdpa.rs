@@ -311,7 +311,12 @@ pub const BACKWARD_WORKSPACE_CAP: u64 = 4 << 30;
 /// per query head, `heads x rows_q x rows_kv x 2` bytes, plus, with grouped heads, an F32
 /// `heads x rows_q x head_dim` accumulator, plus 128 bytes; rounded up to a MiB. `None` above
 /// [`BACKWARD_WORKSPACE_CAP`]. (cuDNN picks its plan when the program loads and refuses one
-/// that needs more: the attention line then names the pass and the bytes.)
+/// that needs more: the attention line then names the pass and the bytes.) The score matrix
+/// is the price of determinism on Hopper: castor asks for a deterministic engine, and before
+/// cuDNN 9.25 the fused backward's deterministic form stores dP in the workspace, quadratic in
+/// the sequence length. From 9.25 an engine option orders the F32 dQ reductions across key
+/// tiles instead, with a workspace linear in the rows (cudnn-frontend's pull request 398
+/// describes both forms); castor does not set that option yet.
 pub fn backward_workspace(p: &SdpaProblem) -> Option<u64> {
     let heads = (p.batch * p.heads_q) as u64;
     let scores = heads * p.rows_q as u64 * p.rows_kv as u64 * 2;
