@@ -6,8 +6,9 @@
 //! under fp32 (TF32 off), tf32, bf16 and fp16 (dynamic loss scaling), and each remat mode and
 //! training option once, on both executors; the losses, the updated masters and moments must
 //! agree (F32 < 1e-4, TF32 < 2e-2, BF16/F16 < 5e-2, or for BF16 1.1 times the largest
-//! distance between the CPU executor's own BF16 and F32 runs where that is larger) and the
-//! loss-scale sequences must be equal. Slices whose gradient is zero in exact arithmetic (the
+//! distance between the CPU executor's own BF16 and F32 runs where that is larger, and for F32
+//! 1.1 times the largest distance a one-ulp change of the parameters makes on the CPU where
+//! that is larger) and the loss-scale sequences must be equal. Slices whose gradient is zero in exact arithmetic (the
 //! fixtures list them) hold rounding noise that cuBLAS rounds differently: it must stay below
 //! the tolerance times the largest gradient, and is otherwise left out, as in the comparisons
 //! with PyTorch. Every failure is collected and reported at the end.
@@ -236,7 +237,7 @@ fn gpu_tolerance(flags: &str) -> f64 {
 /// layer, past that entry's own bound of 0.119 and inside the 8-bit entries' shared 0.39).
 /// F16 plans get none: their gradients are loss-scaled, which the F32 run has no counterpart
 /// of. FP8 plans get theirs the same way, from the CPU executor's FP8 and F32 runs (see
-/// [`gpu_tolerance`]).
+/// [`gpu_tolerance`]). F32 plans get [`rounding_floors`].
 fn noise_floors(
     family: &str,
     flags: &str,
@@ -244,6 +245,9 @@ fn noise_floors(
     low: &HashMap<String, Tensor>,
     noise: &HashMap<String, (usize, usize)>,
 ) -> HashMap<String, f64> {
+    if flags.contains("--precision fp32") {
+        return rounding_floors(family, flags, params, low, noise);
+    }
     // fp8:delayed before fp8, which it contains.
     let Some(low_precision) = [
         "--precision bf16",
@@ -260,24 +264,10 @@ fn noise_floors(
     if let Some(i) = split.iter().position(|w| *w == "--amax-history") {
         split.drain(i..(i + 2).min(split.len()));
     }
-    let p = plan(family, &split);
-    let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
-    for step in 0..3u64 {
-        let batches: Vec<_> = (0..p.settings.grad_accum as u64)
-            .map(|i| right_padded(batch(&p.micro_step, 77 + 10 * step + i)))
-            .collect();
-        cpu.step(&batches, 1e-3).unwrap();
-    }
-    let mut floors: HashMap<String, f64> = cpu
-        .state_entries()
+    let f32_state = cpu_state_after_steps(&plan(family, &split), params);
+    let mut floors: HashMap<String, f64> = distances(low, &f32_state, noise)
         .into_iter()
-        .filter_map(|(name, t)| {
-            let l = low.get(name).filter(|l| l.shape() == t.shape())?;
-            let (mut x, mut y) = (as_f32(l), as_f32(t));
-            mask_exact_zero(noise, name, t.shape().dims(), &mut x, &mut y);
-            let e = state_error(&x, &y);
-            e.is_finite().then(|| (name.to_string(), 1.1 * e))
-        })
+        .map(|(name, e)| (name, 1.1 * e))
         .collect();
     let quantized = |n: &str| n.starts_with("adamw8bit.");
     let shared = floors
@@ -292,8 +282,163 @@ fn noise_floors(
     floors
 }
 
-/// The bounds of one plan's state comparison: `tol`, or an entry's BF16 noise floor where
-/// larger; in the slices whose gradient is zero in exact arithmetic, noise up to `tol` times
+/// How many times [`rounding_floors`] nudges the parameters.
+const ROUNDING_DRAWS: u64 = 8;
+
+/// For an F32 plan, its rounding floor per state entry: the largest distance, over
+/// [`ROUNDING_DRAWS`] draws, between the CPU executor's three steps and the same steps from
+/// parameters each moved one unit in the last place, up or down at random (zeros left as
+/// they are), times 1.1. cuBLAS and the CPU executor round each sum differently by about
+/// that much, so an entry that a one-ulp change of the inputs moves past the tolerance is
+/// one whose two executors may lie as far apart without a fault. On the F32 plans of every
+/// family fixture the draws move every other entry by at most 8.5e-6 (Gemma), far under the
+/// 1e-4 tolerance, which then stands. The entry they raise is Qwen2's layer-1 key bias: the
+/// fixture's slowest RoPE pairs (rope_theta 1e6, head dim 8) barely rotate over its 7
+/// positions, so those elements' gradients nearly cancel (without rotation a key bias's
+/// gradient is zero, since each row's score gradients sum to zero), and AdamW moves every
+/// element by about the learning rate whatever its size, so the order of a sum alone moves
+/// their updates. The eight draws move it by 1.5e-4 to 1.1e-3 (floor 1.23e-3); the
+/// 2026-11-30 H200 run measured 1.98e-4 there, against the 1e-4 it was held to.
+/// `rounding_floors_raise_only_the_near_cancelled_key_bias` holds both halves of that.
+fn rounding_floors(
+    family: &str,
+    flags: &str,
+    params: &HashMap<String, Tensor>,
+    base: &HashMap<String, Tensor>,
+    noise: &HashMap<String, (usize, usize)>,
+) -> HashMap<String, f64> {
+    let p = plan(family, &flags.split_whitespace().collect::<Vec<_>>());
+    let mut floors: HashMap<String, f64> = HashMap::new();
+    for draw in 1..=ROUNDING_DRAWS {
+        let nudged = nudged_one_ulp(params, draw);
+        let state = cpu_state_after_steps(&p, &nudged);
+        for (name, e) in distances(&state, base, noise) {
+            let f = floors.entry(name).or_default();
+            *f = f.max(1.1 * e);
+        }
+    }
+    floors
+}
+
+/// `params` with every nonzero finite F32 element moved one unit in the last place, toward
+/// or away from zero by a coin of the `draw`th random sequence; other dtypes as they are.
+fn nudged_one_ulp(params: &HashMap<String, Tensor>, draw: u64) -> HashMap<String, Tensor> {
+    let mut rng = common::cuda_cases::Rng(draw.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut names: Vec<&String> = params.keys().collect();
+    names.sort();
+    names
+        .into_iter()
+        .map(|name| {
+            let t = &params[name];
+            let nudged = match t.as_f32() {
+                Some(values) if t.dtype() == castor_ir::DType::F32 => {
+                    let values = values
+                        .iter()
+                        .map(|&v| {
+                            let coin = rng.next() & 1 == 1;
+                            if v == 0.0 || !v.is_finite() {
+                                v
+                            } else if coin {
+                                f32::from_bits(v.to_bits() + 1)
+                            } else {
+                                f32::from_bits(v.to_bits() - 1)
+                            }
+                        })
+                        .collect();
+                    Tensor::from_f32(t.dtype(), t.shape().clone(), values)
+                }
+                _ => t.clone(),
+            };
+            (name.clone(), nudged)
+        })
+        .collect()
+}
+
+/// The CPU executor's state after the comparison's three steps of `p` (the same batches).
+fn cpu_state_after_steps(
+    p: &castor_ir::TrainingPlan,
+    params: &HashMap<String, Tensor>,
+) -> HashMap<String, Tensor> {
+    let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
+    for step in 0..3u64 {
+        let batches: Vec<_> = (0..p.settings.grad_accum as u64)
+            .map(|i| right_padded(batch(&p.micro_step, 77 + 10 * step + i)))
+            .collect();
+        cpu.step(&batches, 1e-3).unwrap();
+    }
+    cpu.state_entries()
+        .into_iter()
+        .map(|(n, t)| (n.to_string(), t.clone()))
+        .collect()
+}
+
+/// Per state entry of `a` with a same-shaped entry in `b`, their relative distance, the
+/// exact-zero noise slices left out as in the comparison; entries whose distance is not
+/// finite are left out.
+fn distances(
+    a: &HashMap<String, Tensor>,
+    b: &HashMap<String, Tensor>,
+    noise: &HashMap<String, (usize, usize)>,
+) -> Vec<(String, f64)> {
+    a.iter()
+        .filter_map(|(name, t)| {
+            let other = b.get(name).filter(|o| o.shape() == t.shape())?;
+            let (mut x, mut y) = (as_f32(t), as_f32(other));
+            mask_exact_zero(noise, name, t.shape().dims(), &mut x, &mut y);
+            let e = state_error(&x, &y);
+            e.is_finite().then(|| (name.clone(), e))
+        })
+        .collect()
+}
+
+/// What [`rounding_floors`] says of it: on every family's F32 plans, the one-ulp draws move
+/// Qwen2's layer-1 key bias past the 1.98e-4 that the 2026-11-30 H200 run measured there,
+/// and move no entry of any other family past the 1e-4 tolerance, so no other bound is raised.
+#[test]
+fn rounding_floors_raise_only_the_near_cancelled_key_bias() {
+    let near_cancelled = "model.layers.1.self_attn.k_proj.bias";
+    for &family in PLAN_FAMILIES.iter() {
+        let noise = exact_zero_slices(family);
+        let params = load_params(family);
+        for flags in gpu_plans(family)
+            .into_iter()
+            .filter(|f| f.contains("--precision fp32"))
+        {
+            let p = plan(family, &flags.split_whitespace().collect::<Vec<_>>());
+            let base = cpu_state_after_steps(&p, &params);
+            let floors = rounding_floors(family, &flags, &params, &base, &noise);
+            assert!(!floors.is_empty(), "{family} {flags}: no floors");
+            let tol = gpu_tolerance(&flags);
+            let mut raised: Vec<(&String, &f64)> =
+                floors.iter().filter(|(_, &f)| f > tol).collect();
+            raised.sort_by(|a, b| a.0.cmp(b.0));
+            let (others, _) = floors
+                .iter()
+                .filter(|(n, _)| !n.ends_with("k_proj.bias"))
+                .fold(
+                    (0f64, ""),
+                    |m, (n, &f)| if f > m.0 { (f, n.as_str()) } else { m },
+                );
+            println!("{family} {flags}: raised {raised:?}; others' floors at most {others:.2e}");
+            if family == "qwen2_bias" && flags == "--precision fp32" {
+                let f = floors[near_cancelled];
+                assert!(
+                    f >= 1.98e-4,
+                    "{family} {flags}: {near_cancelled} floor {f:.3e}"
+                );
+            }
+            assert!(
+                raised
+                    .iter()
+                    .all(|(n, _)| family == "qwen2_bias" && n.ends_with("k_proj.bias")),
+                "{family} {flags}: raised {raised:?}"
+            );
+        }
+    }
+}
+
+/// The bounds of one plan's state comparison: `tol`, or an entry's noise or rounding floor
+/// ([`noise_floors`]) where larger; in the slices whose gradient is zero in exact arithmetic, noise up to `tol` times
 /// the largest gradient anywhere in the state (the noise of a sum scales with what it sums,
 /// and F16 gradients are loss-scaled), and never under 1e-5.
 fn state_bounds(
@@ -448,7 +593,7 @@ fn training_steps_match_the_cpu_executor() {
                 } else {
                     format!(
                     "{case:<70} worst {worst:.2e} (bound {:.2e}; {} entries up to {raised:.2e} \
-                     by the BF16 or FP8 noise floor); {seconds}",
+                     by the BF16, FP8 or F32 rounding floor); {seconds}",
                     bounds.tol,
                     bounds.raised.len()
                 )
