@@ -291,8 +291,9 @@ const ROUNDING_DRAWS: u64 = 8;
 /// they are), times 1.1. cuBLAS and the CPU executor round each sum differently by about
 /// that much, so an entry that a one-ulp change of the inputs moves past the tolerance is
 /// one whose two executors may lie as far apart without a fault. On the F32 plans of every
-/// family fixture the draws move every other entry by at most 8.5e-6 (Gemma), far under the
-/// 1e-4 tolerance, which then stands. The entry they raise is Qwen2's layer-1 key bias: the
+/// family fixture the draws move no entry outside Qwen2's key biases by more than 7.7e-6
+/// (Gemma), and those biases' other entries by at most 7.3e-5, all under the 1e-4 tolerance,
+/// which then stands. The entry they raise is Qwen2's layer-1 key bias: the
 /// fixture's slowest RoPE pairs (rope_theta 1e6, head dim 8) barely rotate over its 7
 /// positions, so those elements' gradients nearly cancel (without rotation a key bias's
 /// gradient is zero, since each row's score gradients sum to zero), and AdamW moves every
@@ -412,14 +413,14 @@ fn rounding_floors_raise_only_the_near_cancelled_key_bias() {
             let mut raised: Vec<(&String, &f64)> =
                 floors.iter().filter(|(_, &f)| f > tol).collect();
             raised.sort_by(|a, b| a.0.cmp(b.0));
-            let (others, _) = floors
+            let mut largest: Vec<(&String, &f64)> = floors.iter().collect();
+            largest.sort_by(|a, b| b.1.total_cmp(a.1));
+            let largest: Vec<String> = largest
                 .iter()
-                .filter(|(n, _)| !n.ends_with("k_proj.bias"))
-                .fold(
-                    (0f64, ""),
-                    |m, (n, &f)| if f > m.0 { (f, n.as_str()) } else { m },
-                );
-            println!("{family} {flags}: raised {raised:?}; others' floors at most {others:.2e}");
+                .take(3)
+                .map(|(n, f)| format!("{n} {f:.2e}"))
+                .collect();
+            println!("{family} {flags}: raised {raised:?}; largest floors {largest:?}");
             if family == "qwen2_bias" && flags == "--precision fp32" {
                 let f = floors[near_cancelled];
                 assert!(
