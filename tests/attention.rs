@@ -840,6 +840,101 @@ fn a_sliding_window_runs_castors_kernels_and_cudnn_refuses_it() {
     );
 }
 
+/// `CASTOR_CUDNN_WINDOWS=1` lets cuDNN run Mistral's sliding window, for the GPU check's test
+/// of the windowed graphs (their backward now masks the band after the log-sum-exp): the
+/// `--attention cudnn` listing then runs every attention pass on cuDNN with the window, and
+/// the emulated program (the twin in place of cuDNN) trains as the CPU executor does, losses
+/// and saved weights equal; any other value than 0 or 1 is an error naming the variable.
+#[test]
+fn the_windows_switch_lets_cudnn_run_a_sliding_window() {
+    use std::process::Command;
+    let model = common::fixture("mistral_window");
+    let castor = |switch: &str, args: &[&str]| {
+        Command::new(common::castor_bin())
+            .args(args)
+            .env(castor_runtime::cuda::sdpa::WINDOWS_ENV, switch)
+            .output()
+            .expect("the castor binary runs")
+    };
+    let emit = [
+        "compile",
+        common::path_str(&model),
+        "--train",
+        "--emit",
+        "cuda",
+        "--precision",
+        "bf16",
+        "--attention",
+        "cudnn",
+    ];
+    let o = castor("1", &emit);
+    assert!(o.status.success(), "{}", common::stderr(&o));
+    let listing = String::from_utf8_lossy(&o.stdout);
+    let layers = 2;
+    for pass in ["forward", "backward"] {
+        let runs = listing
+            .lines()
+            .filter(|l| l.contains(&format!("cudnn attention {pass}")) && l.contains("window 3"))
+            .count();
+        assert_eq!(runs, layers, "{pass}: {listing}");
+    }
+    for kernel in ["launch attention_fwd", "launch attention_bwd"] {
+        assert!(!listing.contains(kernel), "{kernel}: {listing}");
+    }
+    let o = castor("yes", &emit);
+    assert!(!o.status.success());
+    let err = common::stderr(&o);
+    assert!(
+        err.contains("CASTOR_CUDNN_WINDOWS=yes: expected 0 or 1"),
+        "{err}"
+    );
+
+    let tmp = tempfile::tempdir().unwrap();
+    let mut runs = Vec::new();
+    for device in ["cpu", "emulate"] {
+        let (log, save) = (
+            tmp.path().join(format!("{device}.jsonl")),
+            tmp.path().join(device),
+        );
+        let o = castor(
+            "1",
+            &[
+                "train",
+                common::path_str(&model),
+                "--data",
+                common::path_str(&model.join("input.safetensors")),
+                "--steps",
+                "2",
+                "--precision",
+                "bf16",
+                "--attention",
+                "cudnn",
+                "--device",
+                device,
+                "--log",
+                common::path_str(&log),
+                "--save",
+                common::path_str(&save),
+            ],
+        );
+        assert!(o.status.success(), "{device}: {}", common::stderr(&o));
+        runs.push((
+            std::fs::read_to_string(&log).unwrap(),
+            std::fs::read(save.join("model.safetensors")).unwrap(),
+        ));
+    }
+    let losses = |log: &str| -> Vec<String> {
+        log.lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                format!("{} {}", v["step"], v["loss"])
+            })
+            .collect()
+    };
+    assert_eq!(losses(&runs[0].0), losses(&runs[1].0));
+    assert!(runs[0].1 == runs[1].1, "the saved weights differ");
+}
+
 /// Packed rows (`--pack`): `--attention auto`, the default, builds the fused attention op,
 /// which castor's kernels run with the rows' positions (no eager softmax), the listing saying
 /// why cuDNN does not; `--attention cudnn` refuses the plan, naming the reason.

@@ -344,24 +344,49 @@ pub enum SdpaMask {
     Positions,
 }
 
+/// Set to 1, cuDNN may run a sliding window ([`unsupported`] lets it through), so that the GPU
+/// check can test the windowed graphs against the CPU executor; unset or 0, a window runs
+/// castor's kernels. Not for training: see [`unsupported`].
+pub const WINDOWS_ENV: &str = "CASTOR_CUDNN_WINDOWS";
+
+/// The value of an on/off environment variable `name`: unset or `0` off, `1` on, anything else
+/// an error naming it.
+pub fn env_switch(name: &str) -> Result<bool, String> {
+    match std::env::var(name) {
+        Err(std::env::VarError::NotPresent) => Ok(false),
+        Ok(v) => switch_value(name, &v),
+        Err(e) => Err(format!("{name}: {e}")),
+    }
+}
+
+fn switch_value(name: &str, v: &str) -> Result<bool, String> {
+    match v {
+        "0" => Ok(false),
+        "1" => Ok(true),
+        _ => Err(format!("{name}={v}: expected 0 or 1")),
+    }
+}
+
 /// Why cuDNN's fused attention cannot run an attention op of these shapes and attributes, or
 /// `None` when it can: 16-bit operands, a head dim that is a multiple of 8 and at most 256,
 /// equal query and key counts when causal (castor's causal mask is aligned to the last key,
 /// cuDNN's graphs here to the first; they agree when the counts do), no packed sequences'
 /// positions (cuDNN's attention takes packed rows as ragged THD layouts, sequence offsets
 /// rather than positions, which castor does not build), a key-padding mask each of whose rows
-/// serves the `heads` query heads of one batch, no sliding window, and a backward of more
-/// than one row. (A key-padding mask must also be right-padded when the plan runs: see the
-/// module docs.)
+/// serves the `heads` query heads of one batch, no sliding window unless `windows`, and a
+/// backward of more than one row. (A key-padding mask must also be right-padded when the plan
+/// runs: see the module docs.)
 ///
-/// The sliding window is refused because the graphs built for it, which cuDNN 9.19 builds and
-/// runs, gave an H200 gradients 0.75 away from the CPU executor's (the GPU tests' windowed
-/// Mistral plans, 2026-11-30) while castor's kernels matched; the graphs stay
-/// ([`graph`]) for the device-layer GPU test that builds them.
+/// The sliding window is refused (unless `windows`, [`WINDOWS_ENV`]) because the graphs first
+/// built for it, which cuDNN 9.19 built and ran, gave an H200 gradients 0.75 away from the CPU
+/// executor's (the GPU tests' windowed Mistral plans, 2026-11-30) while castor's kernels
+/// matched. Their backward masked causally before the log-sum-exp was taken off and the window
+/// after, a graph no cudnn-frontend builds; it now applies both after, as the frontend does
+/// ([`graph`]). Until a GPU run shows those graphs matching, windows stay castor's.
 pub fn unsupported(
     dtype: DType,
     (rows_q, rows_kv, head_dim): (usize, usize, usize),
-    (causal, window): (bool, Option<usize>),
+    (causal, window, windows): (bool, Option<usize>, bool),
     (heads, mask): (usize, Option<SdpaMask>),
     pass: SdpaPass,
 ) -> Option<String> {
@@ -391,7 +416,7 @@ pub fn unsupported(
         }
         _ => {}
     }
-    if let Some(w) = window {
+    if let (Some(w), false) = (window, windows) {
         return Some(format!(
             "a sliding window of {w} keys (cuDNN's windowed gradients did not match the CPU \
              executor's in the GPU tests)"
@@ -1036,9 +1061,17 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
     });
     g.pointwise(Pointwise::Mul, &[sums, one], row_sums, ElemType::F32);
     // P = exp(masked scale Q Kᵀ - lse), the masks where cudnn-frontend's backward puts them:
-    // padding and causal before the log-sum-exp is taken off (so that a row that sees no
-    // kept key under them gets back its forward's uniform probabilities), the padding again
-    // after it (the frontend's workaround for cuDNN 9), then the window.
+    // the padding before the log-sum-exp is taken off, and again after it (the frontend's
+    // workaround for early cuDNN 9). Without a window, the causal mask comes before the
+    // log-sum-exp is taken off too, so that a row that sees no kept key under the masks gets
+    // back its forward's uniform probabilities; this is the graph the GPU tests passed. With a
+    // window, the causal mask and the window come together after it, the diagonal band as
+    // the frontend builds it (its right bound, then its left bound): the graph with the causal
+    // mask before and the window after, a combination no frontend builds, gave an H200
+    // gradients 0.75 away from the CPU executor's. A row that sees no key then gets P = 0
+    // rather than uniform probabilities; only padded rows can (each row keeps its own key),
+    // and their output gradients are zero (their outputs reach no loss), so their
+    // contributions are zero either way.
     let s1 = g.virt("q k^T", ElemType::F32, scores);
     g.matmul(
         q,
@@ -1056,7 +1089,8 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
     if let Some(l) = lengths {
         s3 = padding(&mut g, s3, l, ElemType::Bool, PADDING);
     }
-    if p.causal {
+    let band_after_lse = p.window.is_some();
+    if p.causal && !band_after_lse {
         s3 = causal(&mut g, s3);
     }
     let mut s4 = g.apply(
@@ -1076,6 +1110,9 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
             "padded scores again",
         ];
         s4 = padding(&mut g, s4, l, ElemType::Bool, names);
+    }
+    if p.causal && band_after_lse {
+        s4 = causal(&mut g, s4);
     }
     if let Some(w) = p.window {
         s4 = window(&mut g, s4, w);
@@ -1548,7 +1585,7 @@ pub(crate) mod tests {
     fn what_cudnn_cannot_express_is_named() {
         let f = SdpaPass::Forward;
         let plain = (1, None);
-        let causal = (true, None);
+        let causal = (true, None, false);
         let padding = |group| Some(SdpaMask::KeyPadding { group });
         assert!(unsupported(DType::BF16, (1024, 1024, 64), causal, plain, f).is_none());
         assert!(unsupported(DType::BF16, (1024, 1024, 64), causal, (32, padding(32)), f).is_none());
@@ -1573,16 +1610,78 @@ pub(crate) mod tests {
         assert!(packed.contains("packed sequences' positions"), "{packed}");
         assert!(why(unsupported(DType::F16, (8, 9, 64), causal, plain, f)).contains("causal"));
         let b = SdpaPass::Backward;
-        assert!(
-            why(unsupported(DType::F16, (1, 1, 64), (false, None), plain, b)).contains("one query")
-        );
+        assert!(why(unsupported(
+            DType::F16,
+            (1, 1, 64),
+            (false, None, false),
+            plain,
+            b
+        ))
+        .contains("one query"));
         let windowed = why(unsupported(
             DType::BF16,
             (8, 8, 64),
-            (true, Some(4)),
+            (true, Some(4), false),
             plain,
             f,
         ));
         assert!(windowed.contains("sliding window of 4 keys"), "{windowed}");
+        // Let through by CASTOR_CUDNN_WINDOWS=1, for the GPU check's test of the graphs.
+        assert!(unsupported(DType::BF16, (8, 8, 64), (true, Some(4), true), plain, f).is_none());
+    }
+
+    #[test]
+    fn an_on_off_variable_takes_0_or_1() {
+        assert_eq!(switch_value("CASTOR_X", "0"), Ok(false));
+        assert_eq!(switch_value("CASTOR_X", "1"), Ok(true));
+        assert_eq!(
+            switch_value("CASTOR_CUDNN_NONDETERMINISTIC", "yes"),
+            Err("CASTOR_CUDNN_NONDETERMINISTIC=yes: expected 0 or 1".into())
+        );
+    }
+
+    /// The backward's masks in order: without a window the padding and the causal mask before
+    /// the log-sum-exp is taken off (the graph the GPU tests passed); with one, the causal mask
+    /// and the window together after it, as cudnn-frontend builds a diagonal band.
+    #[test]
+    fn a_windowed_backward_masks_the_band_after_the_log_sum_exp() {
+        let order = |window| {
+            let g = graph(
+                &call(SdpaPass::Backward, (4, 4), true, window, true),
+                DqForm::Direct,
+            )
+            .unwrap();
+            g.ops
+                .iter()
+                .filter_map(|op| match op {
+                    OpSpec::Pointwise {
+                        mode: Pointwise::BinarySelect | Pointwise::Sub,
+                        y,
+                        ..
+                    } => Some(g.tensors[*y].name),
+                    _ => None,
+                })
+                .filter(|n| *n != "dp - rowsum")
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            order(None),
+            [
+                "padded scores",
+                "causal scores",
+                "s - lse",
+                "padded scores again"
+            ]
+        );
+        assert_eq!(
+            order(Some(64)),
+            [
+                "padded scores",
+                "s - lse",
+                "padded scores again",
+                "causal scores",
+                "window scores"
+            ]
+        );
     }
 }

@@ -182,30 +182,7 @@ pub const ANY_ENGINE_ENV: &str = "CASTOR_CUDNN_NONDETERMINISTIC";
 /// Whether [`ANY_ENGINE_ENV`] asks for the heuristics' first engine: unset or `0` no, `1`
 /// yes, anything else an error naming it.
 pub(super) fn any_engine_requested() -> Result<bool, String> {
-    match std::env::var(ANY_ENGINE_ENV) {
-        Err(std::env::VarError::NotPresent) => Ok(false),
-        Ok(v) => any_engine_value(&v),
-        Err(e) => Err(format!("{ANY_ENGINE_ENV}: {e}")),
-    }
-}
-
-fn any_engine_value(v: &str) -> Result<bool, String> {
-    match v {
-        "0" => Ok(false),
-        "1" => Ok(true),
-        _ => Err(format!("{ANY_ENGINE_ENV}={v}: expected 0 or 1")),
-    }
-}
-
-#[cfg(test)]
-#[test]
-fn the_engine_choice_variable_takes_0_or_1() {
-    assert_eq!(any_engine_value("0"), Ok(false));
-    assert_eq!(any_engine_value("1"), Ok(true));
-    assert_eq!(
-        any_engine_value("yes"),
-        Err("CASTOR_CUDNN_NONDETERMINISTIC=yes: expected 0 or 1".into())
-    );
+    sdpa::env_switch(ANY_ENGINE_ENV)
 }
 
 /// An engine's place in the heuristics' lists, for the device line.

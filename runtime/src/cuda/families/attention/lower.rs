@@ -487,6 +487,7 @@ impl RunLowering<'_, '_> {
         mask: Option<(Value, SdpaMask)>,
     ) -> Result<(), LowerError> {
         let p = call.problem;
+        let windows = sdpa::env_switch(sdpa::WINDOWS_ENV).map_err(|e| self.err(y, e))?;
         call.unsupported = if dropout {
             Some(
                 "dropout on the probabilities (cuDNN's dropout draws its own mask, not castor's \
@@ -497,7 +498,7 @@ impl RunLowering<'_, '_> {
             sdpa::unsupported(
                 p.dtype,
                 (p.rows_q, p.rows_kv, p.head_dim),
-                (p.causal, p.window),
+                (p.causal, p.window, windows),
                 (p.heads_q, mask.map(|(_, kind)| kind)),
                 call.pass,
             )
