@@ -380,9 +380,10 @@ fn switch_value(name: &str, v: &str) -> Result<bool, String> {
 /// The sliding window is refused (unless `windows`, [`WINDOWS_ENV`]) because the graphs first
 /// built for it, which cuDNN 9.19 built and ran, gave an H200 gradients 0.75 away from the CPU
 /// executor's (the GPU tests' windowed Mistral plans, 2026-11-30) while castor's kernels
-/// matched. Their backward masked causally before the log-sum-exp was taken off and the window
-/// after, a graph no cudnn-frontend builds; it now applies both after, as the frontend does
-/// ([`graph`]). Until a GPU run shows those graphs matching, windows stay castor's.
+/// matched. Their backward masked causally before the log-sum-exp was taken off and by the
+/// window after, as cudnn-frontend 1.9 did (December 2024); it now applies both after, as the
+/// frontend has since 1.10, the one NVIDIA recommends for cuDNN 9.7 and later ([`graph`]).
+/// Until a GPU run shows those graphs matching, windows stay castor's.
 pub fn unsupported(
     dtype: DType,
     (rows_q, rows_kv, head_dim): (usize, usize, usize),
@@ -856,11 +857,12 @@ const PADDING: [&str; 6] = [
     "padded scores",
 ];
 
-/// The operation graph of `call`; a backward's produces dQ in `form`.
-pub fn graph(call: &Sdpa, form: DqForm) -> Result<Graph, String> {
+/// The operation graph of `call` for cuDNN `version` (`91900` for 9.19.0); a backward's
+/// produces dQ in `form`.
+pub fn graph(call: &Sdpa, form: DqForm, version: usize) -> Result<Graph, String> {
     match (call.pass, &call.grads) {
         (SdpaPass::Forward, _) => Ok(forward(call)),
-        (SdpaPass::Backward, Some(grads)) => Ok(backward(call, grads, form)),
+        (SdpaPass::Backward, Some(grads)) => Ok(backward(call, grads, form, version)),
         (SdpaPass::Backward, None) => Err(format!(
             "the backward of %{} names no gradient tensors",
             call.node
@@ -964,7 +966,7 @@ fn forward(c: &Sdpa) -> Graph {
     g
 }
 
-fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
+fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm, version: usize) -> Graph {
     let p = &c.problem;
     let (b, hq, hk) = (p.batch as i64, p.heads_q as i64, p.heads_kv as i64);
     let (sq, sk, d) = (p.rows_q as i64, p.rows_kv as i64, p.head_dim as i64);
@@ -1062,13 +1064,15 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
     g.pointwise(Pointwise::Mul, &[sums, one], row_sums, ElemType::F32);
     // P = exp(masked scale Q Kᵀ - lse), the masks where cudnn-frontend's backward puts them:
     // the padding before the log-sum-exp is taken off, and again after it (the frontend's
-    // workaround for early cuDNN 9). Without a window, the causal mask comes before the
+    // workaround for cuDNN before 9.10). Without a window, the causal mask comes before the
     // log-sum-exp is taken off too, so that a row that sees no kept key under the masks gets
-    // back its forward's uniform probabilities; this is the graph the GPU tests passed. With a
-    // window, the causal mask and the window come together after it, the diagonal band as
-    // the frontend builds it (its right bound, then its left bound): the graph with the causal
-    // mask before and the window after, a combination no frontend builds, gave an H200
-    // gradients 0.75 away from the CPU executor's. A row that sees no key then gets P = 0
+    // back its forward's uniform probabilities, and the padding comes again whatever the
+    // version: this is the graph the GPU tests passed. With a window, the graph is the one
+    // the frontend has built since 1.10: the padding again only before cuDNN 9.10, then the
+    // causal mask and the window together after the subtraction, the diagonal band (its
+    // right bound, then its left bound). The graph with the causal mask before and the window
+    // after, which frontend 1.9 built, gave an H200 with cuDNN 9.19 gradients 0.75 away from
+    // the CPU executor's. A row that sees no key then gets P = 0
     // rather than uniform probabilities; only padded rows can (each row keeps its own key),
     // and their output gradients are zero (their outputs reach no loss), so their
     // contributions are zero either way.
@@ -1100,7 +1104,8 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm) -> Graph {
         ElemType::F32,
         scores,
     );
-    if let Some(l) = lengths {
+    let padding_again = !band_after_lse || version < 91000;
+    if let (Some(l), true) = (lengths, padding_again) {
         let names = [
             "padding row again",
             "padding col again",
@@ -1245,6 +1250,9 @@ fn grouped_product(
 pub(crate) mod tests {
     use super::*;
 
+    /// The cuDNN of the GPU machine's PyTorch on the 2026-11-30 H200 run.
+    const CUDNN_9_19: usize = 91900;
+
     /// A call on GPT-2-like heads (two batches of 256 rows, head dim 64) at arena places.
     pub(crate) fn call(
         pass: SdpaPass,
@@ -1312,7 +1320,7 @@ pub(crate) mod tests {
                     (false, None, true),
                 ] {
                     let c = call(pass, heads, causal, window, masked);
-                    let g = graph(&c, form).unwrap();
+                    let g = graph(&c, form, CUDNN_9_19).unwrap();
                     g.check()
                         .unwrap_or_else(|e| panic!("{pass:?} {heads:?} {causal}: {e}"));
                     let mut operands: Vec<&str> = g
@@ -1344,9 +1352,10 @@ pub(crate) mod tests {
                             )
                         })
                         .count();
-                    // The backward masks the padding twice, as cudnn-frontend's does.
-                    let padding =
-                        usize::from(masked) * if pass == SdpaPass::Forward { 1 } else { 2 };
+                    // The backward masks the padding twice, as cudnn-frontend's does, but
+                    // for cuDNN 9.10 on under a window (its graph since frontend 1.10).
+                    let twice = pass == SdpaPass::Backward && window.is_none();
+                    let padding = usize::from(masked) * if twice { 2 } else { 1 };
                     let want = usize::from(causal) + usize::from(window.is_some()) + padding;
                     assert_eq!(masks, want, "{pass:?} {causal} {window:?} {masked}");
                     // cuDNN's fused engines refuse a pointwise op on the scores' path whose
@@ -1397,8 +1406,8 @@ pub(crate) mod tests {
             (SdpaPass::Backward, DqForm::Accumulated),
         ] {
             for heads in [(4, 4), (8, 2)] {
-                let plain = graph(&call(pass, heads, true, None, false), form).unwrap();
-                let g = graph(&call(pass, heads, true, None, true), form).unwrap();
+                let plain = graph(&call(pass, heads, true, None, false), form, CUDNN_9_19).unwrap();
+                let g = graph(&call(pass, heads, true, None, true), form, CUDNN_9_19).unwrap();
                 let name = |t: Option<usize>| t.map(|i| g.tensors[i].name);
                 let products: Vec<(&str, [Option<&str>; 3])> = g
                     .ops
@@ -1458,10 +1467,10 @@ pub(crate) mod tests {
                 })
                 .cloned()
         };
-        let direct = graph(&c, DqForm::Direct).unwrap();
+        let direct = graph(&c, DqForm::Direct, CUDNN_9_19).unwrap();
         assert!(matches!(writer(&direct, "dq"), Some(OpSpec::Matmul { .. })));
         assert!(direct.tensors.iter().all(|t| t.name != "dq accum"));
-        let accumulated = graph(&c, DqForm::Accumulated).unwrap();
+        let accumulated = graph(&c, DqForm::Accumulated, CUDNN_9_19).unwrap();
         let accum = accumulated
             .tensors
             .iter()
@@ -1496,7 +1505,7 @@ pub(crate) mod tests {
     #[test]
     fn k_is_transposed_by_strides_and_groups_reduce() {
         let c = call(SdpaPass::Backward, (8, 2), true, None, false);
-        let g = graph(&c, DqForm::Direct).unwrap();
+        let g = graph(&c, DqForm::Direct, CUDNN_9_19).unwrap();
         let k = g.tensors.iter().find(|t| t.name == "k").unwrap();
         assert_eq!(k.dims, [2, 2, 64, 256]);
         assert_eq!(k.strides, [2 * 256 * 64, 256 * 64, 1, 64]);
@@ -1641,16 +1650,14 @@ pub(crate) mod tests {
     }
 
     /// The backward's masks in order: without a window the padding and the causal mask before
-    /// the log-sum-exp is taken off (the graph the GPU tests passed); with one, the causal mask
-    /// and the window together after it, as cudnn-frontend builds a diagonal band.
+    /// the log-sum-exp is taken off and the padding again after (the graph the GPU tests
+    /// passed); with one, as cudnn-frontend has built it since 1.10: the padding again only
+    /// before cuDNN 9.10, then the causal mask and the window together, a diagonal band.
     #[test]
     fn a_windowed_backward_masks_the_band_after_the_log_sum_exp() {
-        let order = |window| {
-            let g = graph(
-                &call(SdpaPass::Backward, (4, 4), true, window, true),
-                DqForm::Direct,
-            )
-            .unwrap();
+        let order = |window, version| {
+            let c = call(SdpaPass::Backward, (4, 4), true, window, true);
+            let g = graph(&c, DqForm::Direct, version).unwrap();
             g.ops
                 .iter()
                 .filter_map(|op| match op {
@@ -1664,17 +1671,19 @@ pub(crate) mod tests {
                 .filter(|n| *n != "dp - rowsum")
                 .collect::<Vec<_>>()
         };
+        for version in [90200, CUDNN_9_19] {
+            assert_eq!(
+                order(None, version),
+                [
+                    "padded scores",
+                    "causal scores",
+                    "s - lse",
+                    "padded scores again"
+                ]
+            );
+        }
         assert_eq!(
-            order(None),
-            [
-                "padded scores",
-                "causal scores",
-                "s - lse",
-                "padded scores again"
-            ]
-        );
-        assert_eq!(
-            order(Some(64)),
+            order(Some(64), 90200),
             [
                 "padded scores",
                 "s - lse",
@@ -1682,6 +1691,10 @@ pub(crate) mod tests {
                 "causal scores",
                 "window scores"
             ]
+        );
+        assert_eq!(
+            order(Some(64), CUDNN_9_19),
+            ["padded scores", "s - lse", "causal scores", "window scores"]
         );
     }
 }

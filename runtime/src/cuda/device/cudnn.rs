@@ -295,7 +295,7 @@ impl Cudnn {
         } else {
             DqForm::Direct
         };
-        let graph = sdpa::graph(call, dq_form)?;
+        let graph = sdpa::graph(call, dq_form, self.version)?;
         graph
             .check()
             .map_err(|e| format!("the attention graph: {e}"))?;
