@@ -1072,10 +1072,10 @@ fn backward(c: &Sdpa, grads: &SdpaGrads, form: DqForm, version: usize) -> Graph 
     // causal mask and the window together after the subtraction, the diagonal band (its
     // right bound, then its left bound). The graph with the causal mask before and the window
     // after, which frontend 1.9 built, gave an H200 with cuDNN 9.19 gradients 0.75 away from
-    // the CPU executor's. A row that sees no key then gets P = 0
-    // rather than uniform probabilities; only padded rows can (each row keeps its own key),
-    // and their output gradients are zero (their outputs reach no loss), so their
-    // contributions are zero either way.
+    // the CPU executor's. Under a window a row that sees no key gets P = 0 rather than
+    // uniform probabilities; only padded rows can (each row keeps its own key), and their
+    // output gradients are zero (their outputs reach no loss), so their contributions are
+    // zero either way.
     let s1 = g.virt("q k^T", ElemType::F32, scores);
     g.matmul(
         q,
