@@ -935,6 +935,79 @@ fn the_windows_switch_lets_cudnn_run_a_sliding_window() {
     assert!(runs[0].1 == runs[1].1, "the saved weights differ");
 }
 
+/// Where padded positions reach no loss (their labels the ignore index, as data collators and
+/// castor's own data label them), what padded rows hold cannot reach the loss or a gradient:
+/// on Mistral's windowed plan, input ids changed at every padded position leave the loss, the
+/// gradients and the updated state bit-identical. Some of those rows see no key under the
+/// window (rows more than the window past their sequence's end), the one place cuDNN's
+/// windowed graphs (which compute only the kept keys) and castor's twin (which attends
+/// uniformly to every key, as PyTorch's finite-minimum masks do) can differ, so the GPU check
+/// compares cuDNN's windows on such batches. Where padded positions are scored, as in the
+/// training comparison's batches, the same change moves the loss.
+#[test]
+fn padded_rows_reach_no_gradient_where_padding_is_unscored() {
+    use castor_runtime::PlanRunner;
+    use common::cuda_cases::{batch, load_params, padding_unscored, plan, right_padded};
+    let params = load_params("mistral_window");
+    let p = plan(
+        "mistral_window",
+        &["--precision", "fp32", "--attention", "fused"],
+    );
+    let window = 3;
+    let unscored = padding_unscored(right_padded(batch(&p.micro_step, 77)));
+    let mask = unscored["attention_mask"].as_i64().unwrap().to_vec();
+    let keys = *unscored["attention_mask"].shape().dims().last().unwrap();
+    let kept = mask
+        .chunks(keys)
+        .map(|r| r.iter().filter(|&&m| m != 0).count());
+    let unseeing: usize = kept.map(|k| keys.saturating_sub(k + window - 1)).sum();
+    assert!(unseeing > 0, "the batch has no row that sees no key");
+    // `b` with other input ids at every padded position.
+    let changed = |b: &HashMap<String, Tensor>| {
+        let mut b = b.clone();
+        let ids = &b["input_ids"];
+        let v: Vec<i64> = ids
+            .as_i64()
+            .unwrap()
+            .iter()
+            .zip(&mask)
+            .map(|(&id, &m)| if m == 0 { (id + 7) % 90 } else { id })
+            .collect();
+        let t = Tensor::from_i64(ids.dtype(), ids.shape().clone(), v);
+        b.insert("input_ids".into(), t);
+        b
+    };
+    let run = |b: &HashMap<String, Tensor>| {
+        let mut cpu = PlanRunner::new(p.clone(), &|n| params.get(n).cloned()).unwrap();
+        let loss = cpu.step(std::slice::from_ref(b), 1e-3).unwrap().loss;
+        let state: Vec<(String, Vec<u32>)> = cpu
+            .state_entries()
+            .into_iter()
+            .map(|(n, t)| {
+                let bits = common::cuda_cases::as_f32(t)
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect();
+                (n.to_string(), bits)
+            })
+            .collect();
+        (loss.to_bits(), state)
+    };
+    let (a, b) = (run(&unscored), run(&changed(&unscored)));
+    assert_eq!(a.0, b.0, "the loss differs");
+    for ((name, x), (_, y)) in a.1.iter().zip(&b.1) {
+        assert!(x == y, "{name} differs");
+    }
+    // Where padded positions are scored (the training comparison's batches), they do reach
+    // the loss.
+    let scored = right_padded(batch(&p.micro_step, 77));
+    assert_ne!(run(&scored).0, run(&changed(&scored)).0);
+    println!(
+        "{unseeing} rows see no key; loss and {} state entries bit-identical",
+        a.1.len()
+    );
+}
+
 /// Packed rows (`--pack`): `--attention auto`, the default, builds the fused attention op,
 /// which castor's kernels run with the rows' positions (no eager softmax), the listing saying
 /// why cuDNN does not; `--attention cudnn` refuses the plan, naming the reason.

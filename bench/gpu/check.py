@@ -355,10 +355,10 @@ def part_tests(steps, out_dir, before_memory_checks=None):
                    "--device", "cuda"], 60,
                   env={"CUBLASLT_LOG_LEVEL": "5",
                        "CUBLASLT_LOG_FILE": str(Path(steps.logs) / "fp8-cublaslt.log")})
-    # cuDNN's sliding-window graphs, whose backward now masks the causal band after the
-    # log-sum-exp as cudnn-frontend builds it (the earlier graphs gave gradients 0.75 off):
-    # Mistral's windowed cuDNN plans against the CPU executor. Windows stay castor's kernels
-    # under `auto` until this passes.
+    # cuDNN's sliding-window graphs (the earlier ones gave gradients 0.75 off, likely from
+    # padded rows that see no key, which those batches scored): Mistral's windowed cuDNN plans
+    # against the CPU executor on batches whose padding reaches no loss. Windows stay castor's
+    # kernels under `auto` until this passes.
     steps.run("cudnn_windows", [gpu_tests, "--exact", WINDOWS_TEST, "--nocapture"], 60,
               env={"CASTOR_CUDNN_WINDOWS": "1"})
     steps.run("demo", [castor, "demo", "--device", "cuda", "--out", out_dir / "demo"], 90)

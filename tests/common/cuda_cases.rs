@@ -100,6 +100,32 @@ pub fn right_padded(mut b: HashMap<String, Tensor>) -> HashMap<String, Tensor> {
     b
 }
 
+/// Batch `b` with the ignore index (-100) as the label of every position its attention mask
+/// drops, as data collators and castor's own data label padding: no padded row reaches the
+/// loss. A batch without labels or a mask is returned as it is.
+pub fn padding_unscored(mut b: HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+    let Some(mask) = b
+        .get("attention_mask")
+        .and_then(|m| m.as_i64())
+        .map(<[i64]>::to_vec)
+    else {
+        return b;
+    };
+    if let Some(t) = b.get_mut("labels") {
+        if let Some(v) = t.as_i64() {
+            if v.len() == mask.len() {
+                let v: Vec<i64> = v
+                    .iter()
+                    .zip(&mask)
+                    .map(|(&l, &m)| if m == 0 { -100 } else { l })
+                    .collect();
+                *t = Tensor::from_i64(t.dtype(), t.shape().clone(), v);
+            }
+        }
+    }
+    b
+}
+
 /// A training batch: [`inputs`], with about a quarter of the labels PyTorch's ignore index
 /// (-100) and about a fifth of the attention mask padding (0), so the ignored-row and masked
 /// paths of cross-entropy and softmax run too.

@@ -380,10 +380,17 @@ fn switch_value(name: &str, v: &str) -> Result<bool, String> {
 /// The sliding window is refused (unless `windows`, [`WINDOWS_ENV`]) because the graphs first
 /// built for it, which cuDNN 9.19 built and ran, gave an H200 gradients 0.75 away from the CPU
 /// executor's (the GPU tests' windowed Mistral plans, 2026-11-30) while castor's kernels
-/// matched. Their backward masked causally before the log-sum-exp was taken off and by the
-/// window after, as cudnn-frontend 1.9 did (December 2024); it now applies both after, as the
-/// frontend has since 1.10, the one NVIDIA recommends for cuDNN 9.7 and later ([`graph`]).
-/// Until a GPU run shows those graphs matching, windows stay castor's.
+/// matched. The likely cause is a padded query row more than the window past its sequence's
+/// end: it sees no key. cuDNN's graphs compute only the kept keys (the products' sizes come
+/// from the sequence lengths), so such a row attends to those, and its backward, which masks
+/// again after the log-sum-exp is taken off, gives it none; castor's kernels and the CPU
+/// executor attend to every key, as PyTorch's finite-minimum masks do. The GPU tests scored
+/// those rows; castor's data never does (padded positions carry the ignore index), and then
+/// they reach no gradient. Their backward also masked causally before the log-sum-exp was
+/// taken off and by the window after, as cudnn-frontend 1.9 did (December 2024); it now
+/// applies both after, as the frontend has since 1.10, the one NVIDIA recommends for cuDNN 9.7
+/// and later ([`graph`]). Until a GPU run shows those graphs matching on batches whose padding
+/// reaches no loss, windows stay castor's.
 pub fn unsupported(
     dtype: DType,
     (rows_q, rows_kv, head_dim): (usize, usize, usize),
