@@ -385,7 +385,7 @@ fn switch_value(name: &str, v: &str) -> Result<bool, String> {
 /// from the sequence lengths), so such a row attends to those, and its backward, which masks
 /// again after the log-sum-exp is taken off, gives it none; castor's kernels and the CPU
 /// executor attend to every key, as PyTorch's finite-minimum masks do. The GPU tests scored
-/// those rows; castor's data never does (padded positions carry the ignore index), and then
+/// those rows; castor's own batches never do (padded positions get the ignore index), and then
 /// they reach no gradient. Their backward also masked causally before the log-sum-exp was
 /// taken off and by the window after, as cudnn-frontend 1.9 did (December 2024); it now
 /// applies both after, as the frontend has since 1.10, the one NVIDIA recommends for cuDNN 9.7
