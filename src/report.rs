@@ -460,6 +460,14 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
         ),
         None => "n/a (needs the model's shape and a token count)".into(),
     };
+    // Fused attention skips the pairs a causal mask drops, as the rule's 6LCT does; eager
+    // attention's products compute every pair.
+    let attention = if micro.fused_attention {
+        "castor's fused attention computes only the (query, key) pairs its mask keeps: under a \
+         causal mask the half that 6LCT counts"
+    } else {
+        "castor's eager attention runs the full T x T products, 12·L·C·T with no causal halving"
+    };
     let mut lines = vec![
         format!(
             "  target GPU   {}: {:.0} TFLOP/s bf16/fp16, {:.0} tf32, {:.0} fp32; {:.2} TB/s",
@@ -470,10 +478,10 @@ pub fn cost_lines(c: &castor_passes::cost::StepCost) -> Vec<String> {
             g.memory_bandwidth / 1e12
         ),
         flops,
-        "               (castor runs the full T x T attention products, 12·L·C·T with no causal \
-         halving; counts norm, softmax and pointwise FLOPs; embedding lookups are gathers, \
-         which 6N counts as products)"
-            .to_string(),
+        format!(
+            "               ({attention}; counts norm, softmax and pointwise FLOPs; embedding \
+             lookups are gathers, which 6N counts as products)"
+        ),
         format!(
             "  step time    {:.3} ms estimated (micro step {:.3} ms x{}, of which recompute {:.3} ms; optimizer {:.3} ms); {tokens_per_s}",
             secs * 1e3,

@@ -497,20 +497,10 @@ fn fused_plan_within_bounds(
 /// line's program roofline gives a higher MFU (measured 26.3% eager, 45.9% fused).
 #[test]
 fn fused_attention_plans_hold_no_score_tensor() {
-    let config = common::root().join("assets/configs/gpt2-124m.json");
     let peak_and_tt = |attention: &str| -> (u64, usize, f64) {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("plan.json");
-        let o = common::castor(&[
-            "compile",
-            common::path_str(&config),
-            "--train",
-            "--precision",
-            "bf16",
-            "--batch",
-            "8",
-            "--seq",
-            "1024",
+        let report = common::compile_gpt2_124m(&[
             "--attention",
             attention,
             "--emit",
@@ -518,8 +508,6 @@ fn fused_attention_plans_hold_no_score_tensor() {
             "-o",
             common::path_str(&out),
         ]);
-        assert!(o.status.success(), "{}", common::stderr(&o));
-        let report = String::from_utf8_lossy(&o.stdout).into_owned();
         let total = report
             .lines()
             .find(|l| l.trim_start().starts_with("total "))
@@ -548,6 +536,46 @@ fn fused_attention_plans_hold_no_score_tensor() {
     assert!(
         fused_mfu > eager_mfu,
         "MFU fused {fused_mfu} vs eager {eager_mfu}"
+    );
+}
+
+/// The cost line says which attention pairs a plan's FLOPs count, and the count holds it:
+/// GPT-2 124M (B=8, T=1024, bf16) eager runs every `T x T` pair (12·L·C·T of products per
+/// token, forward and backward), fused only the causal half (about 7·L·C·T: the backward
+/// recomputes the scores), so the fused plan's contractions are at least 4·L·C·T per token
+/// fewer. Were the fused count not halved it would be 14·L·C·T, more than eager's.
+#[test]
+fn the_flops_line_says_which_attention_pairs_it_counts() {
+    let flops_line = |attention: &str| -> (String, String, f64) {
+        let report = common::compile_gpt2_124m(&["--attention", attention]);
+        let lines: Vec<&str> = report.lines().collect();
+        let at = lines
+            .iter()
+            .position(|l| l.trim_start().starts_with("FLOPs/token"))
+            .unwrap_or_else(|| panic!("no FLOPs/token line in:\n{report}"));
+        let contractions = lines[at]
+            .split("(contractions ")
+            .nth(1)
+            .and_then(|r| r.split(',').next())
+            .and_then(|n| n.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no contractions figure in {:?}", lines[at]));
+        (lines[at].to_string(), lines[at + 1].to_string(), contractions)
+    };
+    let (eager_line, eager_why, eager) = flops_line("eager");
+    let (fused_line, fused_why, fused) = flops_line("fused");
+    println!("{eager_line}\n{eager_why}\n{fused_line}\n{fused_why}");
+    assert!(
+        eager_why.contains("eager attention runs the full T x T products"),
+        "{eager_why}"
+    );
+    assert!(
+        fused_why.contains("fused attention computes only the (query, key) pairs its mask keeps"),
+        "{fused_why}"
+    );
+    let lct = (12 * 768 * 1024) as f64 / 1e6; // L·C·T, MFLOP per token
+    assert!(
+        eager - fused >= 4.0 * lct,
+        "contractions per token: eager {eager} MFLOP, fused {fused} MFLOP, L·C·T {lct}"
     );
 }
 

@@ -63,22 +63,7 @@ fn the_fused_classifier_trains_what_the_eager_head_trains() {
 /// The planned peak (the anatomy's total) and the classifier pass's line of a GPT-2 124M
 /// compile at batch 8 x 1024 in bf16 with `flags`.
 fn gpt2_124m(flags: &[&str]) -> (u64, String) {
-    let config = root().join("assets/configs/gpt2-124m.json");
-    let mut args = vec![
-        "compile",
-        path_str(&config),
-        "--train",
-        "--precision",
-        "bf16",
-        "--batch",
-        "8",
-        "--seq",
-        "1024",
-    ];
-    args.extend_from_slice(flags);
-    let o = castor(&args);
-    assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
-    let out = stdout(&o);
+    let out = compile_gpt2_124m(flags);
     let pass = out
         .lines()
         .find(|l| l.starts_with("pass        classifier"))

@@ -272,18 +272,8 @@ fn a_model_without_biases_gets_no_bias_epilogues() {
 /// projection's product, the residual add and its cast join the next norm's kernel too.
 #[test]
 fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
-    let config = root().join("assets/configs/gpt2-124m.json");
     let report = |mode: &str| {
-        let o = castor(&[
-            "compile",
-            path_str(&config),
-            "--train",
-            "--precision",
-            "bf16",
-            "--batch",
-            "8",
-            "--seq",
-            "1024",
+        let text = compile_gpt2_124m(&[
             "--attention",
             "fused",
             "--classifier",
@@ -291,8 +281,6 @@ fn gpt2_124m_epilogues_shorten_the_program_roofline_at_no_higher_peak() {
             "--epilogues",
             mode,
         ]);
-        assert!(o.status.success(), "{}", stderr(&o));
-        let text = stdout(&o);
         (program_mfu(&text), anatomy_total(&text))
     };
     let (eager, eager_peak) = report("eager");

@@ -142,21 +142,7 @@ fn a_step_that_does_not_fit_gets_the_changes_that_would_each_planned() {
 
 #[test]
 fn the_verdict_names_known_gpus_and_says_when_nothing_fits() {
-    let o = castor(&[
-        "compile",
-        path_str(&root().join("assets/configs/gpt2-124m.json")),
-        "--train",
-        "--precision",
-        "bf16",
-        "--batch",
-        "8",
-        "--seq",
-        "1024",
-        "--gpu",
-        "H100",
-    ]);
-    ok(&o);
-    let out = stdout(&o);
+    let out = compile_gpt2_124m(&["--gpu", "H100"]);
     assert!(
         out.contains("on H100 SXM (--gpu), 85,899,345,920 bytes (80.00 GiB): fits, "),
         "{out}"
@@ -554,16 +540,7 @@ fn compile_train_writes_a_report_with_the_verdict() {
 fn the_verdict_offers_the_fused_classifier() {
     let tmp = tempfile::tempdir().unwrap();
     let gpu = small_gpu(tmp.path(), 6_000_000_000);
-    let o = castor(&[
-        "compile",
-        path_str(&root().join("assets/configs/gpt2-124m.json")),
-        "--train",
-        "--precision",
-        "bf16",
-        "--batch",
-        "8",
-        "--seq",
-        "1024",
+    let out = compile_gpt2_124m(&[
         "--attention",
         "fused",
         "--classifier",
@@ -571,8 +548,6 @@ fn the_verdict_offers_the_fused_classifier() {
         "--gpu",
         path_str(&gpu),
     ]);
-    ok(&o);
-    let out = stdout(&o);
     assert!(out.contains(": does not fit by "), "{out}");
     let offer = out
         .lines()

@@ -497,6 +497,9 @@ pub struct GraphCost {
     /// operand is ready and the previous one is done, and a node waits only for the
     /// collectives it reads (what NCCL on its own stream allows).
     pub overlapped_seconds: f64,
+    /// Whether the graph's attention is fused ops, which compute only the (query, key) pairs
+    /// their masks keep (eager attention's products compute all `T x S`).
+    pub fused_attention: bool,
 }
 
 pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
@@ -525,6 +528,7 @@ pub fn graph_cost(g: &Graph, gpu: &GpuSpec) -> GraphCost {
         if node.op.class() == OpClass::Contraction {
             c.contractions += nc;
         }
+        c.fused_attention |= matches!(node.op, Op::Attention { .. } | Op::AttentionGrad { .. });
         if node.op.class() == OpClass::Communication {
             c.communication += nc;
         }

@@ -77,6 +77,27 @@ pub fn castor(args: &[&str]) -> Output {
         .expect("the castor binary runs")
 }
 
+/// `castor compile` of GPT-2 124M's training plan at batch 8 x 1024 in bf16 (the benchmark's
+/// shape, from its bare config) with `flags`; asserts that it succeeds and returns its report.
+pub fn compile_gpt2_124m(flags: &[&str]) -> String {
+    let config = root().join("assets/configs/gpt2-124m.json");
+    let mut args = vec![
+        "compile",
+        path_str(&config),
+        "--train",
+        "--precision",
+        "bf16",
+        "--batch",
+        "8",
+        "--seq",
+        "1024",
+    ];
+    args.extend_from_slice(flags);
+    let o = castor(&args);
+    assert!(o.status.success(), "{flags:?}: {}", stderr(&o));
+    stdout(&o)
+}
+
 /// Runs `castor eval MODEL --input IN --out OUT` with `extra` flags.
 pub fn eval(model: &Path, input: &Path, out: &Path, extra: &[&str]) -> Output {
     let mut args = vec![
