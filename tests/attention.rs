@@ -559,7 +559,11 @@ fn the_flops_line_says_which_attention_pairs_it_counts() {
             .and_then(|r| r.split(',').next())
             .and_then(|n| n.parse::<f64>().ok())
             .unwrap_or_else(|| panic!("no contractions figure in {:?}", lines[at]));
-        (lines[at].to_string(), lines[at + 1].to_string(), contractions)
+        (
+            lines[at].to_string(),
+            lines[at + 1].to_string(),
+            contractions,
+        )
     };
     let (eager_line, eager_why, eager) = flops_line("eager");
     let (fused_line, fused_why, fused) = flops_line("fused");
