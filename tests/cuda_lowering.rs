@@ -17,6 +17,7 @@ use castor_runtime::cuda::program::{Arg, Command, Place, Program};
 use common::cuda_cases::plan;
 use common::{castor, fixture, path_str, stderr};
 use std::collections::HashMap;
+use std::path::Path;
 
 /// Plans covering every op the families use, every dtype pair and every optimizer kernel.
 const VARIANTS: &[(&str, &[&str])] = &[
@@ -246,8 +247,10 @@ fn every_launch_matches_its_kernels_parameters_in_ptx() {
             return;
         }
     };
-    let cache_dir = tempfile::tempdir().unwrap();
-    let cache = KernelCache::new(cache_dir.path());
+    // Shared with the kernel families' compile tests (castor-runtime's `families::compile`,
+    // which find it from their binary's place in the target folder): a test run compiles each
+    // kernel file once.
+    let cache = KernelCache::new(Path::new(env!("CARGO_TARGET_TMPDIR")).join("kernel-cache"));
     let mut compiled: HashMap<String, HashMap<String, Vec<(String, usize)>>> = HashMap::new();
     let mut checked = 0;
     for (name, p) in programs() {

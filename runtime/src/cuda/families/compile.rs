@@ -53,15 +53,30 @@ fn once<T: Clone + Send + Sync + 'static>(
     cell.get_or_init(make).clone()
 }
 
-/// File `f`'s PTX for sm_90, or NVRTC's error, compiled once for this test process.
+/// File `f`'s PTX for sm_90, or NVRTC's error, made once for this test process, through the
+/// PTX cache the integration tests' launch check fills with the same files
+/// ([`shared_test_cache`]): a test run compiles each file once.
 fn ptx(nvrtc: &Nvrtc, f: &'static KernelFile) -> Result<Arc<str>, String> {
     static PTX: PerFile<Result<Arc<str>, String>> = OnceLock::new();
     once(&PTX, f.name, || {
-        nvrtc
-            .compile(f, DEFAULT_ARCH)
-            .map(Arc::from)
+        shared_test_cache()
+            .ptx(nvrtc, f.name, f.source, DEFAULT_ARCH)
+            .map(|(ptx, _)| Arc::from(ptx))
             .map_err(|e| e.to_string())
     })
+}
+
+/// The PTX cache of the test runs: `tmp/kernel-cache` in Cargo's target folder (this binary
+/// lives in its `<profile>/deps/`), where `tests/cuda_lowering.rs` keeps its PTX too (through
+/// Cargo's `CARGO_TARGET_TMPDIR`). An entry's name holds the hash of everything that decides
+/// its PTX (source, header, architecture, NVRTC version, options), so a hit is the compile
+/// that would have run.
+fn shared_test_cache() -> castor_kernels::KernelCache {
+    let target = std::env::current_exe()
+        .ok()
+        .and_then(|exe| Some(exe.parent()?.parent()?.parent()?.to_path_buf()));
+    let dir = target.unwrap_or_else(std::env::temp_dir);
+    castor_kernels::KernelCache::new(dir.join("tmp").join("kernel-cache"))
 }
 
 /// Each kernel's resources and the cubin, as `ptxas -v` assembles a file's PTX.
