@@ -624,37 +624,12 @@ fn the_gpu_attention_case_runs_on_the_emulator() {
 /// `[.., T, T]` shape of a score tensor.
 #[test]
 fn cudnn_attention_runs_every_layer_with_no_score_tensor() {
-    let config = common::root().join("assets/configs/gpt2-124m.json");
     let dir = tempfile::tempdir().unwrap();
     let plan_path = dir.path().join("plan.json");
-    let args = |emit: &str, out: &str| -> Vec<String> {
-        [
-            "compile",
-            common::path_str(&config),
-            "--train",
-            "--precision",
-            "bf16",
-            "--batch",
-            "8",
-            "--seq",
-            "1024",
-            "--attention",
-            "cudnn",
-            "--emit",
-            emit,
-            "-o",
-            out,
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-    };
     let listing_path = dir.path().join("listing.txt");
     for (emit, path) in [("cuda", &listing_path), ("plan", &plan_path)] {
-        let a = args(emit, common::path_str(path));
-        let a: Vec<&str> = a.iter().map(String::as_str).collect();
-        let o = common::castor(&a);
-        assert!(o.status.success(), "{}", common::stderr(&o));
+        let out = common::path_str(path);
+        common::compile_gpt2_124m(&["--attention", "cudnn", "--emit", emit, "-o", out]);
     }
     let listing = std::fs::read_to_string(&listing_path).unwrap();
     let count = |needle: &str| listing.lines().filter(|l| l.contains(needle)).count();
